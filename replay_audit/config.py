@@ -1,0 +1,64 @@
+"""Settings, read from the environment with the `REPLAY_AUDIT_` prefix (or a `.env` file).
+
+With nothing set, the service runs on the embedded default: a SQLite file under `./var/`, an
+in-process job runner and scheduler, and the committed small model as a checkpoint directory.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Final, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PACKAGE_DIR: Final = Path(__file__).resolve().parent
+#: The committed small Llama checkpoint used by the demo and the tests.
+BUNDLED_MODEL_DIR: Final = PACKAGE_DIR / "assets" / "tiny-llama"
+
+#: Largest number of traces in one `POST /v1/traces:batch` (413 above it).
+MAX_BATCH_TRACES: Final = 1000
+#: Largest prompt + output length of one trace, in tokens (413 above it).
+MAX_TRACE_TOKENS: Final = 65536
+#: Largest top-k logged per step.
+MAX_TOP_K: Final = 20
+
+
+def normalise_database_url(url: str) -> str:
+    """`postgres://` and `postgresql://` both mean psycopg 3 here."""
+    for prefix in ("postgres://", "postgresql://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix):]
+    return url
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="REPLAY_AUDIT_", env_file=".env", extra="ignore")
+
+    database_url: str = "sqlite:///var/replay-audit.db"
+    #: "inprocess" runs jobs in a thread of the API process; "rq" sends them to Redis.
+    runner: Literal["inprocess", "rq"] = "inprocess"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    #: Directories searched (one level deep) for checkpoints, matched by weights_sha256.
+    model_dirs: list[Path] = Field(default_factory=lambda: [BUNDLED_MODEL_DIR])
+    max_request_bytes: int = 256 * 1024 * 1024
+    #: Seconds before RQ kills a replay job (RQ's own default of 180 s is too short for a GPU).
+    job_timeout_s: int = 3600
+
+    @field_validator("database_url")
+    @classmethod
+    def _normalise(cls, v: str) -> str:
+        return normalise_database_url(v)
+
+    @field_validator("model_dirs", mode="before")
+    @classmethod
+    def _split_dirs(cls, v: object) -> object:
+        if isinstance(v, str) and not v.lstrip().startswith("["):
+            return [p for p in v.split(":") if p]
+        return v
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

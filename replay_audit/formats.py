@@ -1,0 +1,71 @@
+"""Numerical formats by name, and the unit in the last place (ulp) of each. Pure: stdlib only.
+
+The names are the ones used everywhere in the API (`config.dtype`, `config.lm_head_dtype`):
+
+    fp32      IEEE binary32          24-bit significand
+    bf16      bfloat16               8-bit significand, fp32's exponent range
+    fp16      IEEE binary16          11-bit significand
+    fp8_e4m3  OCP FP8 E4M3 (fn)      4-bit significand (lm_head only)
+    fp8_e5m2  OCP FP8 E5M2           3-bit significand (lm_head only)
+
+ulp(x) is the spacing of the format's representable numbers at |x|: 2**(e - (p - 1)) where
+e = floor(log2 |x|) clamped below at the format's smallest normal exponent, and p is the
+significand precision. BF16 at 16.0 has p = 8, e = 4: ulp = 0.125, so a BF16 margin near 16 is
+either 0 or at least 0.125. The values agree with torch.finfo(dtype).eps * 2**e (tested).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Final, Literal
+
+BodyDType = Literal["fp32", "bf16", "fp16"]
+HeadDType = Literal["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"]
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    precision: int  # significand bits including the implicit leading one
+    min_normal_exponent: int
+    max_finite: float
+    body_ok: bool
+
+    @property
+    def eps(self) -> float:
+        return 2.0 ** (1 - self.precision)
+
+
+FORMATS: Final[dict[str, Format]] = {
+    "fp32": Format("fp32", 24, -126, 3.4028234663852886e38, True),
+    "bf16": Format("bf16", 8, -126, 3.3895313892515355e38, True),
+    "fp16": Format("fp16", 11, -14, 65504.0, True),
+    "fp8_e4m3": Format("fp8_e4m3", 4, -6, 448.0, False),
+    "fp8_e5m2": Format("fp8_e5m2", 3, -14, 57344.0, False),
+}
+BODY_DTYPES: Final[tuple[str, ...]] = tuple(n for n, f in FORMATS.items() if f.body_ok)
+HEAD_DTYPES: Final[tuple[str, ...]] = tuple(FORMATS)
+
+
+def get_format(name: str) -> Format:
+    """The format called `name`; KeyError naming the known ones otherwise."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise KeyError(f"unknown numerical format {name!r}; known: {', '.join(FORMATS)}") from None
+
+
+def ulp(x: float, fmt: str | Format) -> float:
+    """Spacing of `fmt`'s representable numbers at magnitude |x| (subnormal spacing near 0)."""
+    f = get_format(fmt) if isinstance(fmt, str) else fmt
+    ax = abs(x)
+    if not math.isfinite(ax):
+        return math.inf
+    e = f.min_normal_exponent if ax == 0.0 else max(math.frexp(ax)[1] - 1, f.min_normal_exponent)
+    return math.ldexp(1.0, e - (f.precision - 1))
+
+
+def in_ulps(delta: float, at: float, fmt: str | Format) -> float:
+    """`delta` expressed in ulps of `fmt` at the magnitude of `at` (the top-1 logit)."""
+    return delta / ulp(at, fmt)

@@ -1,0 +1,196 @@
+"""The trace contract: what `POST /v1/traces` accepts and `GET /v1/traces/{id}` returns.
+
+`replay-audit generate` writes exactly `TraceCreate` JSON, one per line. Validation here is the
+whole of input checking: every error names its field (pydantic's `loc`), so the API answers 422
+with the field and never 500.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from replay_audit.config import MAX_TOP_K, MAX_TRACE_TOKENS
+from replay_audit.formats import BODY_DTYPES, HEAD_DTYPES
+
+BodyDTypeName = Literal["fp32", "bf16", "fp16"]
+HeadDTypeName = Literal["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"]
+WeightDTypeName = Literal["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+Tag = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[\w.:/=-]+$")]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+ExtraValue = str | int | float | bool | None
+
+assert set(BODY_DTYPES) == set(BodyDTypeName.__args__)  # type: ignore[attr-defined]
+assert set(HEAD_DTYPES) == set(HeadDTypeName.__args__)  # type: ignore[attr-defined]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelRef(_Strict):
+    name: Name
+    revision: str | None = Field(default=None, max_length=200)
+    weights_sha256: Sha256
+    vocab_size: int = Field(ge=2, le=2**31 - 1)
+
+
+class GpuInfo(_Strict):
+    name: Name
+    #: Compute capability, "major.minor" (e.g. "8.6", "9.0").
+    sm: Annotated[str, StringConstraints(pattern=r"^\d{1,2}\.\d{1,2}$")]
+
+
+class EngineInfo(_Strict):
+    name: Name
+    version: str | None = Field(default=None, max_length=100)
+
+
+class NumericalConfig(_Strict):
+    """Everything that changes the numbers. Stored once per distinct content (its hash)."""
+
+    dtype: BodyDTypeName
+    #: None means the same as `dtype`.
+    lm_head_dtype: HeadDTypeName | None = None
+    #: Storage dtype of the weights (e.g. bf16 weights computed in fp32); None = `dtype`.
+    weight_dtype: WeightDTypeName | None = None
+    device: Literal["cpu", "cuda", "rocm", "mps", "xpu", "other"] = "cpu"
+    gpu: GpuInfo | None = None
+    attn_kernel: Annotated[str, StringConstraints(pattern=r"^[a-z0-9_\-]{1,64}$")] = "eager"
+    batch_size: int = Field(default=1, ge=1, le=1_000_000)
+    tp_degree: int = Field(default=1, ge=1, le=1024)
+    engine: EngineInfo = EngineInfo(name="transformers")
+    torch_version: str | None = Field(default=None, max_length=100)
+    cuda_version: str | None = Field(default=None, max_length=100)
+    cublas_version: str | None = Field(default=None, max_length=100)
+    deterministic: bool | None = None
+    tf32: bool | None = None
+    extras: dict[Annotated[str, StringConstraints(max_length=100)], ExtraValue] = Field(
+        default_factory=dict, max_length=100
+    )
+
+    @property
+    def head_dtype(self) -> str:
+        return self.lm_head_dtype or self.dtype
+
+    @model_validator(mode="after")
+    def _gpu_needs_accelerator(self) -> NumericalConfig:
+        if self.gpu is not None and self.device == "cpu":
+            raise ValueError("config.gpu is set but config.device is 'cpu'")
+        return self
+
+
+class Decoding(_Strict):
+    #: Only greedy traces can be replayed; others are stored but refused by replays.
+    strategy: Literal["greedy", "sample", "beam", "other"] = "greedy"
+    max_new_tokens: int | None = Field(default=None, ge=1, le=MAX_TRACE_TOKENS)
+    eos_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
+    stop_reason: Literal["eos", "length", "stop_string", "other"] | None = None
+
+
+class TopK(_Strict):
+    """Per-step top-k of the logged arm: `ids[t]` and `logits[t]` for output step t, sorted by
+    logit descending. Logits are the arm's native values, exactly converted to float32."""
+
+    ids: list[list[TokenId]]
+    logits: list[list[float]]
+
+
+class TraceCreate(_Strict):
+    external_id: str | None = Field(default=None, min_length=1, max_length=200)
+    model: ModelRef
+    config: NumericalConfig
+    decoding: Decoding = Decoding()
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
+    output_token_ids: list[TokenId] = Field(min_length=1)
+    prompt_text: str | None = Field(default=None, max_length=1_000_000)
+    output_text: str | None = Field(default=None, max_length=1_000_000)
+    top_k: TopK | None = None
+    tags: list[Tag] = Field(default_factory=list, max_length=64)
+    reference_answer: str | None = Field(default=None, max_length=100_000)
+
+    @model_validator(mode="after")
+    def _check(self) -> TraceCreate:
+        vocab = self.model.vocab_size
+        n_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+        if n_tokens > MAX_TRACE_TOKENS:
+            raise ValueError(f"trace has {n_tokens} tokens; at most {MAX_TRACE_TOKENS}")
+        for field in ("prompt_token_ids", "output_token_ids"):
+            bad = next((t for t in getattr(self, field) if t >= vocab), None)
+            if bad is not None:
+                raise _field_error(field, f"token id {bad} is outside the vocabulary ({vocab})")
+        if self.decoding.eos_token_ids and max(self.decoding.eos_token_ids) >= vocab:
+            raise _field_error("decoding.eos_token_ids", "eos id outside the vocabulary")
+        if self.top_k is not None:
+            _check_top_k(self.top_k, len(self.output_token_ids), vocab)
+        return self
+
+
+class TraceFieldError(ValueError):
+    """A cross-field check that names the field it is about."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _field_error(field: str, message: str) -> TraceFieldError:
+    return TraceFieldError(field, message)
+
+
+def _check_top_k(top_k: TopK, n_steps: int, vocab: int) -> None:
+    if len(top_k.ids) != n_steps:
+        raise _field_error("top_k.ids", f"has {len(top_k.ids)} steps; output has {n_steps}")
+    if len(top_k.logits) != n_steps:
+        raise _field_error("top_k.logits", f"has {len(top_k.logits)} steps; output has {n_steps}")
+    k = len(top_k.ids[0])
+    if not 1 <= k <= MAX_TOP_K:
+        raise _field_error("top_k.ids", f"k must be between 1 and {MAX_TOP_K}, got {k}")
+    for t, (ids, logits) in enumerate(zip(top_k.ids, top_k.logits, strict=True)):
+        if len(ids) != k or len(logits) != k:
+            raise _field_error(f"top_k[{t}]", f"every step must carry exactly k={k} ids and logits")
+        if any(i >= vocab for i in ids):
+            raise _field_error(f"top_k.ids[{t}]", "token id outside the vocabulary")
+        if any(not math.isfinite(x) for x in logits):
+            raise _field_error(f"top_k.logits[{t}]", "logits must be finite (no NaN or inf)")
+        if any(a < b for a, b in zip(logits, logits[1:])):
+            raise _field_error(f"top_k.logits[{t}]", "top-k logits must be sorted descending")
+
+
+class TraceRead(TraceCreate):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str
+    project: str
+    config_id: str
+    content_sha256: Sha256
+    created_at: datetime
+
+
+class TraceSummary(_Strict):
+    """One row of `GET /v1/traces`: no token arrays."""
+
+    id: str
+    external_id: str | None
+    model: ModelRef
+    config_id: str
+    config: NumericalConfig
+    n_prompt_tokens: int
+    n_output_tokens: int
+    tags: list[str]
+    created_at: datetime
+
+
+class IngestResult(_Strict):
+    """One item of a batch answer (and the body of a single POST)."""
+
+    index: int | None = None
+    status: int
+    id: str | None = None
+    created: bool | None = None
+    error: dict[str, Any] | None = None
