@@ -1,0 +1,14 @@
+"""Job queue: two runners behind one interface, running the same job functions.
+
+The database is the source of truth; a runner only carries ids. Job functions are named by
+dotted path (`"replay_audit.worker.jobs.run_replay_chunk"`), so the API process never imports
+the code a worker runs (and with it torch). Enqueue only after the transaction that created the
+rows has committed (see `replay_audit.db.unit_of_work`).
+
+    InProcessRunner   embedded default: a background thread of this process, no Redis
+    RQRunner          production: Redis + RQ workers (`replay-audit worker --queue gpu`)
+"""
+
+from replay_audit.queue.runner import JobSpec, Runner, get_runner, resolve
+
+__all__ = ["JobSpec", "Runner", "get_runner", "resolve"]
