@@ -1,0 +1,70 @@
+"""Alembic environment for replay-audit.
+
+The target URL comes, in order, from a connection handed in by the caller
+(`config.attributes["connection"]`), the `sqlalchemy.url` main option (set by
+`replay_audit.db.migration.upgrade`), or the service settings (`REPLAY_AUDIT_DATABASE_URL`).
+SQLite runs in batch mode (its ALTER TABLE cannot drop or alter columns); PostgreSQL as usual.
+"""
+
+from __future__ import annotations
+
+from alembic import context
+from sqlalchemy import Connection
+
+# Every domain's tables must be imported here so that `alembic check` (autogenerate) sees them.
+import replay_audit.auth.models
+import replay_audit.traces.models  # noqa: F401
+from replay_audit.config import get_settings
+from replay_audit.db.base import Base
+from replay_audit.db.engine import create_db_engine, is_sqlite
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def _configure(connection: Connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        render_as_batch=connection.dialect.name == "sqlite",
+        compare_type=True,
+        compare_server_default=True,
+    )
+
+
+def run_migrations_offline() -> None:
+    url = config.get_main_option("sqlalchemy.url") or get_settings().database_url
+    context.configure(
+        url=url,
+        target_metadata=target_metadata,
+        literal_binds=True,
+        render_as_batch=is_sqlite(url),
+        dialect_opts={"paramstyle": "named"},
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        _configure(connection)
+        with context.begin_transaction():
+            context.run_migrations()
+        return
+
+    url = config.get_main_option("sqlalchemy.url") or get_settings().database_url
+    engine = create_db_engine(url)
+    try:
+        with engine.connect() as connection:
+            _configure(connection)
+            with context.begin_transaction():
+                context.run_migrations()
+    finally:
+        engine.dispose()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

@@ -1,0 +1,54 @@
+"""Tables: projects and their API keys."""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+
+from sqlalchemy import CheckConstraint, ForeignKey, String
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from replay_audit.db.base import Base, utcnow
+
+
+class Role(enum.StrEnum):
+    """What a key may do. Submitters write traces, auditors read, admins do both and manage
+    keys. Every key is confined to its own project."""
+
+    submitter = "submitter"
+    auditor = "auditor"
+    admin = "admin"
+
+
+class Project(Base):
+    """A tenant: every trace and key belongs to exactly one project."""
+
+    __tablename__ = "projects"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ApiKey(Base):
+    """An API key, stored hashed. The key itself (`ra_<lookup>_<secret>`) is shown once at
+    creation; `lookup` (unique, not secret) finds the row, and the sha256 of the whole key is
+    compared in constant time."""
+
+    __tablename__ = "api_keys"
+    __table_args__ = (
+        CheckConstraint("role IN ('submitter', 'auditor', 'admin')", name="role"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    project_id: Mapped[int] = mapped_column(
+        ForeignKey("projects.id", ondelete="CASCADE"), index=True
+    )
+    role: Mapped[str] = mapped_column(String(16))
+    name: Mapped[str | None] = mapped_column(String(200))
+    lookup: Mapped[str] = mapped_column(String(32), unique=True)
+    key_sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column()
+
+    project: Mapped[Project] = relationship(lazy="joined", innerjoin=True)

@@ -1,0 +1,59 @@
+"""The declarative base every table derives from.
+
+The naming convention makes every index and constraint name deterministic, so Alembic migrations
+can drop and alter them by name on both SQLite (batch mode) and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, ClassVar, Final
+
+from sqlalchemy import DateTime, MetaData, TypeDecorator
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase
+
+NAMING_CONVENTION: Final = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC timestamp on both databases.
+
+    PostgreSQL stores `timestamptz`; SQLite has no time zone, so values are stored naive in UTC
+    and given back their `tzinfo` on the way out. Naive values are refused on the way in: a
+    timestamp without a zone is a bug waiting to happen.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime; use datetime.now(UTC)")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware in UTC (the only kind stored)."""
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map: ClassVar[dict[Any, Any]] = {datetime: UTCDateTime()}

@@ -1,0 +1,77 @@
+"""Column types for numeric arrays stored compactly.
+
+Token ids are packed little-endian int32 (4 bytes a token, not a JSON list); logits packed
+little-endian float32. Both read back as read-only numpy arrays (`np.frombuffer`, no copy).
+Bind values may be numpy arrays, sequences of numbers, or `bytes` that are already packed (the
+ingest path packs once, with numpy, and hands the bytes straight through).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+from sqlalchemy import LargeBinary, TypeDecorator
+from sqlalchemy.engine import Dialect
+
+INT32_LE: Final = np.dtype("<i4")
+FLOAT32_LE: Final = np.dtype("<f4")
+
+Int32Array = npt.NDArray[np.int32]
+Float32Array = npt.NDArray[np.float32]
+
+
+def pack_int32(values: Sequence[int] | npt.NDArray[Any]) -> bytes:
+    """Little-endian int32 bytes; OverflowError/ValueError if a value does not fit."""
+    return np.asarray(values, dtype=INT32_LE).tobytes()
+
+
+def pack_float32(values: Sequence[float] | npt.NDArray[Any]) -> bytes:
+    """Little-endian float32 bytes (values are rounded to float32, the stored precision)."""
+    return np.asarray(values, dtype=FLOAT32_LE).tobytes()
+
+
+def unpack_int32(data: bytes) -> Int32Array:
+    """The int32 array packed by `pack_int32` (read-only view)."""
+    return np.frombuffer(data, dtype=INT32_LE).astype(np.int32, copy=False)
+
+
+def unpack_float32(data: bytes) -> Float32Array:
+    """The float32 array packed by `pack_float32` (read-only view)."""
+    return np.frombuffer(data, dtype=FLOAT32_LE).astype(np.float32, copy=False)
+
+
+class PackedInt32Array(TypeDecorator[Int32Array]):
+    """A 1-D int32 array stored as little-endian bytes (`LargeBinary`: BLOB / bytea)."""
+
+    impl = LargeBinary
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> bytes | None:
+        if value is None or isinstance(value, bytes):
+            return value
+        return pack_int32(value)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> Int32Array | None:
+        if value is None:
+            return None
+        return unpack_int32(bytes(value))
+
+
+class PackedFloat32Array(TypeDecorator[Float32Array]):
+    """A 1-D float32 array stored as little-endian bytes (`LargeBinary`: BLOB / bytea)."""
+
+    impl = LargeBinary
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> bytes | None:
+        if value is None or isinstance(value, bytes):
+            return value
+        return pack_float32(value)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> Float32Array | None:
+        if value is None:
+            return None
+        return unpack_float32(bytes(value))
