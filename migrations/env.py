@@ -1,8 +1,9 @@
 """Alembic environment for replay-audit.
 
-The target URL comes, in order, from a connection handed in by the caller
-(`config.attributes["connection"]`), the `sqlalchemy.url` main option (set by
-`replay_audit.db.migration.upgrade`), or the service settings (`REPLAY_AUDIT_DATABASE_URL`).
+The target comes, in order, from a connection handed in by the caller
+(`config.attributes["connection"]`), a URL handed in by the caller
+(`config.attributes["database_url"]`, as `replay_audit.db.migration` does), the
+`sqlalchemy.url` option, or the service settings (`REPLAY_AUDIT_DATABASE_URL`).
 SQLite runs in batch mode (its ALTER TABLE cannot drop or alter columns); PostgreSQL as usual.
 """
 
@@ -13,6 +14,7 @@ from sqlalchemy import Connection
 
 # Every domain's tables must be imported here so that `alembic check` (autogenerate) sees them.
 import replay_audit.auth.models
+import replay_audit.replays.models
 import replay_audit.traces.models  # noqa: F401
 from replay_audit.config import get_settings
 from replay_audit.db.base import Base
@@ -32,8 +34,13 @@ def _configure(connection: Connection) -> None:
     )
 
 
+def _database_url() -> str:
+    url = config.attributes.get("database_url") or config.get_main_option("sqlalchemy.url")
+    return str(url) if url else get_settings().database_url
+
+
 def run_migrations_offline() -> None:
-    url = config.get_main_option("sqlalchemy.url") or get_settings().database_url
+    url = _database_url()
     context.configure(
         url=url,
         target_metadata=target_metadata,
@@ -53,8 +60,7 @@ def run_migrations_online() -> None:
             context.run_migrations()
         return
 
-    url = config.get_main_option("sqlalchemy.url") or get_settings().database_url
-    engine = create_db_engine(url)
+    engine = create_db_engine(_database_url())
     try:
         with engine.connect() as connection:
             _configure(connection)

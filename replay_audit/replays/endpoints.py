@@ -1,0 +1,66 @@
+"""HTTP: `/v1/replays`. Thin: parse, call one service function, return a schema."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Response, status
+
+from replay_audit.api.deps import AppSettings, DBSession, require_role
+from replay_audit.auth.models import Role
+from replay_audit.auth.schemas import Principal
+from replay_audit.queue import get_runner
+from replay_audit.replays import service
+from replay_audit.replays.schemas import Page, ReplayCreate, ReplayCreated, ReplayRead
+
+router = APIRouter(prefix="/v1/replays", tags=["replays"])
+
+Writer = Annotated[Principal, Depends(require_role(Role.submitter, Role.admin))]
+Reader = Annotated[Principal, Depends(require_role(Role.submitter, Role.auditor, Role.admin))]
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=ReplayCreated,
+    responses={200: {"description": "An existing run with the same idempotency_key"}},
+)
+def create_replay(
+    body: ReplayCreate,
+    session: DBSession,
+    settings: AppSettings,
+    principal: Writer,
+    response: Response,
+) -> ReplayCreated:
+    """Replay stored traces in one or more target configurations (queued; poll the run)."""
+    run, created = service.create_replay(
+        session,
+        principal.project_id,
+        body,
+        get_runner(settings),
+        runner_kind=settings.runner,
+        job_timeout_s=settings.job_timeout_s,
+    )
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    return ReplayCreated(id=run.public_id, created=created)
+
+
+@router.get("/{run_id}", response_model=ReplayRead)
+def read_replay(run_id: str, session: DBSession, principal: Reader) -> ReplayRead:
+    """Status, progress and, when done, the aggregate."""
+    run = service.get_replay(session, principal.project_id, run_id)
+    return service.to_read(session, run, principal.project)
+
+
+@router.get("/{run_id}/results", response_model=Page)
+def read_results(
+    run_id: str,
+    session: DBSession,
+    principal: Reader,
+    cursor: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+) -> Page:
+    """Per-trace results, one item per trace x comparison, cursor-paginated."""
+    run = service.get_replay(session, principal.project_id, run_id)
+    return service.results_page(session, run, cursor=cursor, limit=limit)

@@ -1,0 +1,128 @@
+"""Replay-run tables.
+
+    replay_runs      one request: selection, targets, comparisons, status, aggregate
+    replay_jobs      the queue's unit of work: a chunk of the run's traces (unique per run+chunk)
+    replay_results   one row per trace x comparison (unique): the product's answer
+
+A job writes each trace's results in their own transaction with INSERT ... ON CONFLICT DO
+NOTHING on (run_id, trace_id, comparison), so a killed, retried or re-enqueued job never
+duplicates a result and never leaves one half-written.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import Mapped, mapped_column
+
+from replay_audit.db.base import Base, utcnow
+from replay_audit.db.types import Int32Array, PackedInt32Array
+
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class ReplayRun(Base):
+    __tablename__ = "replay_runs"
+    __table_args__ = (
+        UniqueConstraint("project_id", "idempotency_key"),
+        CheckConstraint("status IN ('queued', 'running', 'done', 'failed')", name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    public_id: Mapped[str] = mapped_column(String(40), unique=True)
+    project_id: Mapped[int] = mapped_column(
+        ForeignKey("projects.id", ondelete="CASCADE"), index=True
+    )
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    mode: Mapped[str] = mapped_column(String(32))
+    compare: Mapped[str] = mapped_column(String(16))
+    #: The request as accepted (canonical JSON of ReplayCreate).
+    request: Mapped[dict[str, Any]] = mapped_column(JSON)
+    #: Resolved targets (index = position); a `self` target has {"self": true}.
+    targets: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    #: [{"index", "a", "b"}]; a = "logged" or a target index, b = a target index.
+    comparisons: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    n_traces: Mapped[int] = mapped_column(Integer)
+    n_items: Mapped[int] = mapped_column(Integer)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    schedule_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    aggregate: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    started_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
+class ReplayJob(Base):
+    __tablename__ = "replay_jobs"
+    __table_args__ = (
+        UniqueConstraint("run_id", "chunk"),
+        CheckConstraint("status IN ('queued', 'running', 'done', 'failed')", name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("replay_runs.id", ondelete="CASCADE"), index=True
+    )
+    chunk: Mapped[int] = mapped_column(Integer)
+    queue: Mapped[str] = mapped_column(String(32))
+    #: Internal trace ids (traces.id) this job replays, in order.
+    trace_ids: Mapped[list[int]] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    enqueued_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ReplayResult(Base):
+    __tablename__ = "replay_results"
+    __table_args__ = (
+        UniqueConstraint("run_id", "trace_id", "comparison"),
+        CheckConstraint("status IN ('ok', 'failed')", name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("replay_runs.id", ondelete="CASCADE"), index=True
+    )
+    trace_id: Mapped[int] = mapped_column(ForeignKey("traces.id", ondelete="CASCADE"), index=True)
+    comparison: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    exact_match: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    first_divergence_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    category: Mapped[str | None] = mapped_column(String(32), nullable=True, index=True)
+    margin_logged: Mapped[float | None] = mapped_column(Float, nullable=True)
+    margin_logged_ulps: Mapped[float | None] = mapped_column(Float, nullable=True)
+    margin_logged_source: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    margin_replay: Mapped[float | None] = mapped_column(Float, nullable=True)
+    margin_replay_ulps: Mapped[float | None] = mapped_column(Float, nullable=True)
+    gate_triggers: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    n_steps: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    trigger_rate: Mapped[float | None] = mapped_column(Float, nullable=True)
+    mean_gap: Mapped[float | None] = mapped_column(Float, nullable=True)
+    tie: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    cascade_length: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    length_difference: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    semantic_agree: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    #: Replayed output of arm B (and of arm A when both arms were run by us).
+    output_b: Mapped[Int32Array | None] = mapped_column(PackedInt32Array, nullable=True)
+    output_a: Mapped[Int32Array | None] = mapped_column(PackedInt32Array, nullable=True)
+    #: Everything else of the engine's answer: environment (actual), single-step re-run,
+    #: per-step margin track, semantic answers.
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,0 +1,154 @@
+"""The replay-run contract: `POST /v1/replays` and what `GET /v1/replays/{id}[/results]` return.
+
+Request (add fields, keep these):
+
+    {"trace_ids": [...] | "filter": {...},
+     "targets": [{"dtype": "fp16", "lm_head_dtype": null, "attn_kernel": null,
+                  "intervention": {"kind": "C", "tau": 1e-3}}],
+     "mode": "decode"}
+
+Comparisons. By default (`compare: "logged"`) each target is compared with the logged tokens:
+comparison i is target i vs the trace. With `compare: "pairwise"` the targets are compared with
+each other (the paper's both-arms protocol: the worker runs e.g. BF16 + C and FP16 + C itself);
+`pairs` names which (default: every pair i < j). `compare_with: "self"` adds a target per trace
+equal to its own logged configuration, to verify that traces reproduce where they were made.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from replay_audit.traces.schemas import BodyDTypeName, HeadDTypeName
+
+#: Largest number of traces one replay run may select (422 above it).
+MAX_REPLAY_TRACES = 10_000
+#: Largest number of targets in one run.
+MAX_TARGETS = 8
+
+RunStatus = Literal["queued", "running", "done", "failed"]
+Category = Literal["agreed", "head_reachable", "kv_dependent", "body_dominated"]
+Mode = Literal["decode", "scan", "scan_then_decode"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InterventionSpec(_Strict):
+    kind: Literal["none", "A", "B", "C"] = "none"
+    #: Absolute gate threshold on the top-two margin (paper default 1e-3). 0 = ungated.
+    tau: float = Field(default=1e-3, allow_inf_nan=False)
+    #: Format-scaled gate: τ = tau_ulps ulps of the arm's lm_head format at the top-1 logit.
+    tau_ulps: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    #: Intervention B: how many top rows to recompute in FP32.
+    top_k: int = Field(default=8, ge=1, le=1_000_000)
+
+
+class TargetSpec(_Strict):
+    dtype: BodyDTypeName
+    lm_head_dtype: HeadDTypeName | None = None
+    attn_kernel: Annotated[str, Field(pattern=r"^[a-z0-9_\-]{1,64}$")] | None = None
+    batch_size: int = Field(default=1, ge=1, le=1)
+    intervention: InterventionSpec = InterventionSpec()
+    #: Where to run it: "cuda" sends it to the gpu queue, "cpu" to the cpu queue; None = gpu
+    #: queue under RQ, the in-process runner otherwise.
+    device: Literal["cpu", "cuda"] | None = None
+    label: str | None = Field(default=None, max_length=100)
+
+
+class TraceFilter(_Strict):
+    model_name: str | None = None
+    weights_sha256: str | None = None
+    config_id: str | None = None
+    dtype: BodyDTypeName | None = None
+    tag: str | None = None
+    created_after: datetime | None = None
+    created_before: datetime | None = None
+
+
+class ReplayCreate(_Strict):
+    trace_ids: list[str] | None = Field(default=None, min_length=1, max_length=MAX_REPLAY_TRACES)
+    filter: TraceFilter | None = None
+    targets: list[TargetSpec] = Field(default_factory=list, max_length=MAX_TARGETS)
+    mode: Mode = "decode"
+    compare: Literal["logged", "pairwise"] = "logged"
+    pairs: list[tuple[int, int]] | None = None
+    compare_with: Literal["self"] | None = None
+    #: A client-chosen key: the same key in a project returns the existing run (no duplicate).
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
+    #: Top-k recorded per replayed step (kept with the result for the trace page).
+    top_k: int = Field(default=5, ge=2, le=20)
+
+    @model_validator(mode="after")
+    def _check(self) -> ReplayCreate:
+        if (self.trace_ids is None) == (self.filter is None):
+            raise ValueError("give exactly one of trace_ids or filter")
+        n_targets = len(self.targets) + (1 if self.compare_with == "self" else 0)
+        if n_targets == 0:
+            raise ValueError("targets: give at least one target (or compare_with: 'self')")
+        if self.compare == "pairwise":
+            if n_targets < 2:
+                raise ValueError("targets: pairwise comparison needs at least two targets")
+            for a, b in self.pairs or []:
+                if not (0 <= a < n_targets and 0 <= b < n_targets and a != b):
+                    raise ValueError(f"pairs: ({a}, {b}) does not name two different targets")
+        elif self.pairs is not None:
+            raise ValueError("pairs: only meaningful with compare: 'pairwise'")
+        return self
+
+
+class ReplayCreated(_Strict):
+    id: str
+    created: bool
+
+
+class Progress(_Strict):
+    total: int
+    done: int
+    failed: int
+    pending: int
+
+
+class ReplayRead(_Strict):
+    id: str
+    project: str
+    status: RunStatus
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    request: dict[str, Any]
+    targets: list[dict[str, Any]]
+    comparisons: list[dict[str, Any]]
+    n_traces: int
+    progress: Progress
+    error: str | None
+    aggregate: dict[str, Any] | None
+    schedule_id: str | None = None
+
+
+class ReplayResultRead(_Strict):
+    run_id: str
+    trace_id: str
+    comparison: int
+    status: Literal["ok", "failed"]
+    error: str | None
+    exact_match: bool | None
+    first_divergence_step: int | None
+    margin_at_divergence: dict[str, Any] | None
+    category: Category | None
+    gate_triggers: int | None
+    trigger_rate: float | None
+    mean_gap: float | None
+    tie: bool | None
+    cascade_length: int | None
+    length_difference: int | None
+    detail: dict[str, Any]
+    created_at: datetime
+
+
+class Page(_Strict):
+    items: list[ReplayResultRead]
+    next_cursor: str | None

@@ -1,0 +1,266 @@
+"""Replay runs: create (validate the request, resolve the selection, plan the jobs), read.
+
+Services take a session and never commit. Jobs are enqueued with `after_commit`, so a worker
+never looks for rows that are not there yet, and a rolled-back request enqueues nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from typing import Any, Final
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from replay_audit.db.ids import new_public_id
+from replay_audit.db.unit_of_work import after_commit
+from replay_audit.exceptions import FieldError, NotFound
+from replay_audit.queue import JobSpec, Runner
+from replay_audit.replays import repository
+from replay_audit.replays.models import ReplayResult, ReplayRun
+from replay_audit.replays.schemas import (
+    MAX_REPLAY_TRACES,
+    Page,
+    Progress,
+    ReplayCreate,
+    ReplayRead,
+    ReplayResultRead,
+    TraceFilter,
+)
+from replay_audit.traces.models import NumericalConfigRow, Trace, TraceTag
+
+#: Traces per job: small enough that a killed job loses little, large enough that a GPU worker
+#: keeps its model busy between queue round trips.
+TRACES_PER_JOB: Final = 16
+#: The dotted path the runners import in the worker process (never in the API process).
+JOB_FUNCTION: Final = "replay_audit.worker.jobs.run_replay_job"
+#: Formats an in-process (CPU) runner cannot replay.
+CUDA_ONLY_HEAD_DTYPES: Final = frozenset({"fp8_e4m3", "fp8_e5m2"})
+
+
+def _select_traces(session: Session, project_id: int, request: ReplayCreate) -> list[Trace]:
+    if request.trace_ids is not None:
+        wanted = list(dict.fromkeys(request.trace_ids))
+        rows = {
+            t.public_id: t
+            for t in session.scalars(
+                select(Trace).where(Trace.project_id == project_id, Trace.public_id.in_(wanted))
+            )
+        }
+        unknown = [i for i in wanted if i not in rows]
+        if unknown:
+            shown = ", ".join(unknown[:10]) + (" ..." if len(unknown) > 10 else "")
+            raise FieldError(f"unknown trace ids: {shown}", field="trace_ids")
+        return [rows[i] for i in wanted]
+    assert request.filter is not None
+    return _filtered(session, project_id, request.filter)
+
+
+def _filtered(session: Session, project_id: int, f: TraceFilter) -> list[Trace]:
+    stmt = select(Trace).where(Trace.project_id == project_id)
+    if f.model_name is not None:
+        stmt = stmt.where(Trace.model_name == f.model_name)
+    if f.weights_sha256 is not None:
+        stmt = stmt.where(Trace.weights_sha256 == f.weights_sha256)
+    if f.config_id is not None or f.dtype is not None:
+        stmt = stmt.join(NumericalConfigRow, NumericalConfigRow.id == Trace.config_id)
+        if f.config_id is not None:
+            stmt = stmt.where(NumericalConfigRow.public_id == f.config_id)
+        if f.dtype is not None:
+            stmt = stmt.where(NumericalConfigRow.dtype == f.dtype)
+    if f.tag is not None:
+        stmt = stmt.where(Trace.id.in_(select(TraceTag.trace_id).where(TraceTag.tag == f.tag)))
+    if f.created_after is not None:
+        stmt = stmt.where(Trace.created_at >= f.created_after)
+    if f.created_before is not None:
+        stmt = stmt.where(Trace.created_at < f.created_before)
+    return list(session.scalars(stmt.order_by(Trace.id).limit(MAX_REPLAY_TRACES + 1)))
+
+
+def _targets(request: ReplayCreate) -> list[dict[str, Any]]:
+    targets = [t.model_dump(mode="json") for t in request.targets]
+    if request.compare_with == "self":
+        targets.append({"self": True, "label": "self (logged configuration)"})
+    return targets
+
+
+def _comparisons(request: ReplayCreate, n_targets: int) -> list[dict[str, Any]]:
+    if request.compare == "logged":
+        return [{"index": i, "a": "logged", "b": i} for i in range(n_targets)]
+    pairs = request.pairs or [(i, j) for i in range(n_targets) for j in range(i + 1, n_targets)]
+    return [{"index": k, "a": a, "b": b} for k, (a, b) in enumerate(pairs)]
+
+
+def _queue(targets: Sequence[dict[str, Any]]) -> str:
+    devices = {t.get("device") for t in targets if not t.get("self")}
+    return "cpu" if devices == {"cpu"} else "gpu"
+
+
+def create_replay(
+    session: Session,
+    project_id: int,
+    request: ReplayCreate,
+    runner: Runner,
+    *,
+    runner_kind: str,
+    job_timeout_s: int,
+    schedule_id: str | None = None,
+) -> tuple[ReplayRun, bool]:
+    """Validate and store a replay run and its jobs; enqueue the jobs after commit.
+
+    Returns (run, created). With an `idempotency_key` already used in this project, the existing
+    run comes back and nothing is stored or enqueued.
+    """
+    if request.idempotency_key is not None:
+        existing = repository.get_run_by_idempotency_key(
+            session, project_id, request.idempotency_key
+        )
+        if existing is not None:
+            return existing, False
+
+    targets = _targets(request)
+    if runner_kind == "inprocess":
+        for i, t in enumerate(targets):
+            if t.get("lm_head_dtype") in CUDA_ONLY_HEAD_DTYPES or t.get("device") == "cuda":
+                raise FieldError(
+                    f"targets[{i}]: the embedded runner replays on the CPU; "
+                    f"{t.get('lm_head_dtype') or 'cuda'} needs a CUDA worker with SM >= 8.9 "
+                    "(set REPLAY_AUDIT_RUNNER=rq and run `replay-audit worker --queue gpu`)",
+                    field=f"targets.{i}",
+                )
+
+    traces = _select_traces(session, project_id, request)
+    if not traces:
+        raise FieldError("the selection matches no trace", field="filter")
+    if len(traces) > MAX_REPLAY_TRACES:
+        raise FieldError(
+            f"the selection matches more than {MAX_REPLAY_TRACES} traces; narrow it",
+            field="filter" if request.filter is not None else "trace_ids",
+        )
+    not_greedy = [t.public_id for t in traces if t.decoding.get("strategy", "greedy") != "greedy"]
+    if not_greedy:
+        raise FieldError(
+            "only greedy traces can be replayed; not greedy: " + ", ".join(not_greedy[:10]),
+            field="trace_ids" if request.trace_ids is not None else "filter",
+        )
+
+    comparisons = _comparisons(request, len(targets))
+    queue = _queue(targets)
+    ids = [t.id for t in traces]
+    chunks = [(queue, ids[i : i + TRACES_PER_JOB]) for i in range(0, len(ids), TRACES_PER_JOB)]
+    run = ReplayRun(
+        public_id=new_public_id("rr"),
+        project_id=project_id,
+        status="queued",
+        mode=request.mode,
+        compare=request.compare,
+        request=request.model_dump(mode="json"),
+        targets=targets,
+        comparisons=comparisons,
+        n_traces=len(traces),
+        n_items=len(traces) * len(comparisons),
+        idempotency_key=request.idempotency_key,
+        schedule_id=schedule_id,
+    )
+    job_ids = repository.add_run(session, run, chunks)
+    specs = [
+        JobSpec(
+            func=JOB_FUNCTION,
+            args=(job_id,),
+            job_id=f"replay-job-{job_id}",
+            queue=queue,
+            timeout_s=job_timeout_s,
+        )
+        for job_id in job_ids
+    ]
+
+    def enqueue_all() -> None:
+        for spec in specs:
+            runner.enqueue(spec)
+
+    after_commit(session, enqueue_all)
+    return run, True
+
+
+def get_replay(session: Session, project_id: int, public_id: str) -> ReplayRun:
+    run = repository.get_run(session, project_id, public_id)
+    if run is None:
+        raise NotFound(f"no replay run {public_id!r}")
+    return run
+
+
+def to_read(session: Session, run: ReplayRun, project: str) -> ReplayRead:
+    ok, failed = repository.progress(session, run)
+    return ReplayRead(
+        id=run.public_id,
+        project=project,
+        status=run.status,
+        created_at=run.created_at,
+        started_at=run.started_at,
+        finished_at=run.finished_at,
+        request=run.request,
+        targets=run.targets,
+        comparisons=run.comparisons,
+        n_traces=run.n_traces,
+        progress=Progress(
+            total=run.n_items, done=ok, failed=failed, pending=run.n_items - ok - failed
+        ),
+        error=run.error,
+        aggregate=run.aggregate,
+        schedule_id=run.schedule_id,
+    )
+
+
+def result_to_read(row: ReplayResult, trace_public_id: str, run_public_id: str) -> ReplayResultRead:
+    detail = dict(row.detail or {})
+    if row.output_b is not None:
+        detail["replay_output_token_ids"] = row.output_b.tolist()
+    if row.output_a is not None:
+        detail["arm_a_output_token_ids"] = row.output_a.tolist()
+    margin = detail.pop("margin_at_divergence", None)
+    return ReplayResultRead(
+        run_id=run_public_id,
+        trace_id=trace_public_id,
+        comparison=row.comparison,
+        status=row.status,
+        error=row.error,
+        exact_match=row.exact_match,
+        first_divergence_step=row.first_divergence_step,
+        margin_at_divergence=margin,
+        category=row.category,
+        gate_triggers=row.gate_triggers,
+        trigger_rate=row.trigger_rate,
+        mean_gap=row.mean_gap,
+        tie=row.tie,
+        cascade_length=row.cascade_length,
+        length_difference=row.length_difference,
+        detail=detail,
+        created_at=row.created_at,
+    )
+
+
+def _encode_cursor(last_id: int) -> str:
+    return base64.urlsafe_b64encode(f"r:{last_id}".encode()).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> int:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        kind, _, value = raw.partition(":")
+        if kind != "r":
+            raise ValueError
+        return int(value)
+    except (ValueError, UnicodeDecodeError):
+        raise FieldError("malformed cursor", field="cursor") from None
+
+
+def results_page(session: Session, run: ReplayRun, *, cursor: str | None, limit: int) -> Page:
+    after = _decode_cursor(cursor) if cursor else None
+    rows = repository.results_page(session, run, after=after, limit=limit + 1)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return Page(
+        items=[result_to_read(r, pid, run.public_id) for r, pid in rows],
+        next_cursor=_encode_cursor(rows[-1][0].id) if more and rows else None,
+    )
