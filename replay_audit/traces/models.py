@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from replay_audit.db.base import Base, utcnow
 from replay_audit.db.types import Float32Array, Int32Array, PackedFloat32Array, PackedInt32Array
+
+if TYPE_CHECKING:
+    from replay_audit.auth.models import Project
 
 #: 64-bit keys on PostgreSQL; SQLite autoincrements only an INTEGER PRIMARY KEY (its rowid).
 BigIntPK = BigInteger().with_variant(Integer(), "sqlite")
@@ -78,6 +81,7 @@ class Trace(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     config: Mapped[NumericalConfigRow] = relationship(lazy="joined", innerjoin=True)
+    project: Mapped[Project] = relationship(lazy="joined", innerjoin=True)
 
 
 class TraceTag(Base):

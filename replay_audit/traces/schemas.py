@@ -7,13 +7,16 @@ with the field and never 500.
 
 from __future__ import annotations
 
-import math
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from functools import cached_property
+from itertools import chain
+from typing import Annotated, Any, Literal, NamedTuple
 
+import numpy as np
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from replay_audit.config import MAX_TOP_K, MAX_TRACE_TOKENS
+from replay_audit.config import MAX_BATCH_TRACES, MAX_TOP_K, MAX_TRACE_TOKENS
 from replay_audit.formats import BODY_DTYPES, HEAD_DTYPES
 
 BodyDTypeName = Literal["fp32", "bf16", "fp16"]
@@ -93,12 +96,54 @@ class Decoding(_Strict):
     stop_reason: Literal["eos", "length", "stop_string", "other"] | None = None
 
 
+class PackedTopK(NamedTuple):
+    """A `TopK` as stored: k, then (steps, k) row-major little-endian int32 ids and float32
+    logits."""
+
+    k: int
+    ids: bytes
+    logits: bytes
+
+    def arrays(self) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32]]:
+        """The (steps, k) id and logit arrays (read-only views of the bytes)."""
+        if self.k == 0:
+            return np.zeros((0, 0), dtype=np.int32), np.zeros((0, 0), dtype=np.float32)
+        ids = np.frombuffer(self.ids, dtype="<i4").reshape(-1, self.k)
+        logits = np.frombuffer(self.logits, dtype="<f4").reshape(-1, self.k)
+        return ids.astype(np.int32, copy=False), logits.astype(np.float32, copy=False)
+
+
 class TopK(_Strict):
     """Per-step top-k of the logged arm: `ids[t]` and `logits[t]` for output step t, sorted by
     logit descending. Logits are the arm's native values, exactly converted to float32."""
 
     ids: list[list[TokenId]]
     logits: list[list[float]]
+
+    @cached_property
+    def packed(self) -> PackedTopK:
+        """The arrays packed once (bytes, so model equality still works), as the store keeps
+        them. Raises TraceFieldError naming the step if a step's length differs from step 0's.
+        """
+        n_steps = len(self.ids)
+        k = len(self.ids[0]) if n_steps else 0
+        for rows in (self.ids, self.logits):
+            lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+            bad = np.flatnonzero(lengths != k)
+            if bad.size:
+                t = int(bad[0])
+                raise _field_error(
+                    f"top_k[{t}]", f"every step must carry exactly k={k} ids and logits"
+                )
+        count = n_steps * k
+        ids = np.fromiter(chain.from_iterable(self.ids), dtype="<i4", count=count)
+        logits = np.fromiter(
+            chain.from_iterable(self.logits), dtype=np.float64, count=len(self.logits) * k
+        )
+        with np.errstate(over="ignore", invalid="ignore"):
+            # Out-of-range float64 values become inf here and are refused as non-finite.
+            logits32 = logits.astype("<f4")
+        return PackedTopK(k, ids.tobytes(), logits32.tobytes())
 
 
 class TraceCreate(_Strict):
@@ -119,10 +164,19 @@ class TraceCreate(_Strict):
         vocab = self.model.vocab_size
         n_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
         if n_tokens > MAX_TRACE_TOKENS:
-            raise ValueError(f"trace has {n_tokens} tokens; at most {MAX_TRACE_TOKENS}")
+            field = (
+                "prompt_token_ids"
+                if len(self.prompt_token_ids) > MAX_TRACE_TOKENS
+                else "output_token_ids"
+            )
+            raise TraceTooLarge(
+                field, f"trace has {n_tokens} tokens; at most {MAX_TRACE_TOKENS}"
+            )
         for field in ("prompt_token_ids", "output_token_ids"):
-            bad = next((t for t in getattr(self, field) if t >= vocab), None)
-            if bad is not None:
+            ids = getattr(self, field)
+            # max() runs in C; find the offender only when there is one.
+            if ids and max(ids) >= vocab:
+                bad = next(t for t in ids if t >= vocab)
                 raise _field_error(field, f"token id {bad} is outside the vocabulary ({vocab})")
         if self.decoding.eos_token_ids and max(self.decoding.eos_token_ids) >= vocab:
             raise _field_error("decoding.eos_token_ids", "eos id outside the vocabulary")
@@ -139,11 +193,17 @@ class TraceFieldError(ValueError):
         self.field = field
 
 
+class TraceTooLarge(TraceFieldError):
+    """The trace has more than MAX_TRACE_TOKENS tokens (the API answers 413)."""
+
+
 def _field_error(field: str, message: str) -> TraceFieldError:
     return TraceFieldError(field, message)
 
 
 def _check_top_k(top_k: TopK, n_steps: int, vocab: int) -> None:
+    # Vectorised (numpy over the packed arrays): a Python loop per step cost more than the rest
+    # of ingest together. Errors still name the field and the first offending step.
     if len(top_k.ids) != n_steps:
         raise _field_error("top_k.ids", f"has {len(top_k.ids)} steps; output has {n_steps}")
     if len(top_k.logits) != n_steps:
@@ -151,15 +211,21 @@ def _check_top_k(top_k: TopK, n_steps: int, vocab: int) -> None:
     k = len(top_k.ids[0])
     if not 1 <= k <= MAX_TOP_K:
         raise _field_error("top_k.ids", f"k must be between 1 and {MAX_TOP_K}, got {k}")
-    for t, (ids, logits) in enumerate(zip(top_k.ids, top_k.logits, strict=True)):
-        if len(ids) != k or len(logits) != k:
-            raise _field_error(f"top_k[{t}]", f"every step must carry exactly k={k} ids and logits")
-        if any(i >= vocab for i in ids):
-            raise _field_error(f"top_k.ids[{t}]", "token id outside the vocabulary")
-        if any(not math.isfinite(x) for x in logits):
-            raise _field_error(f"top_k.logits[{t}]", "logits must be finite (no NaN or inf)")
-        if any(a < b for a, b in zip(logits, logits[1:])):
-            raise _field_error(f"top_k.logits[{t}]", "top-k logits must be sorted descending")
+    ids, logits = top_k.packed.arrays()
+    bad_id = np.flatnonzero((ids >= vocab).any(axis=1))
+    if bad_id.size:
+        raise _field_error(f"top_k.ids[{int(bad_id[0])}]", "token id outside the vocabulary")
+    bad_value = np.flatnonzero(~np.isfinite(logits).all(axis=1))
+    if bad_value.size:
+        raise _field_error(
+            f"top_k.logits[{int(bad_value[0])}]",
+            "logits must be finite (no NaN or inf), also once converted to float32",
+        )
+    unsorted = np.flatnonzero((logits[:, :-1] < logits[:, 1:]).any(axis=1))
+    if unsorted.size:
+        raise _field_error(
+            f"top_k.logits[{int(unsorted[0])}]", "top-k logits must be sorted descending"
+        )
 
 
 class TraceRead(TraceCreate):
@@ -194,3 +260,23 @@ class IngestResult(_Strict):
     id: str | None = None
     created: bool | None = None
     error: dict[str, Any] | None = None
+
+
+class TraceBatchCreate(_Strict):
+    """Body of `POST /v1/traces:batch`. Items are validated one by one: a bad item gets its own
+    4xx result and the good ones are stored."""
+
+    traces: list[TraceCreate] = Field(max_length=MAX_BATCH_TRACES)
+
+
+class TraceBatchResult(_Strict):
+    """Answer of `POST /v1/traces:batch` (HTTP 207): one result per item, in request order."""
+
+    results: list[IngestResult]
+
+
+class TracePage(_Strict):
+    """One page of `GET /v1/traces`, newest first; pass `next_cursor` back as `cursor`."""
+
+    items: list[TraceSummary]
+    next_cursor: str | None

@@ -1,0 +1,106 @@
+"""Request dependencies: the unit of work, the caller, the settings, the raw body.
+
+The unit of work is opened per request and committed once, after the endpoint returned and
+before the response is sent (`scope="function"`): a client that got a 2xx knows the data is
+durable, and a failed commit is an error answer, not a lie. Any exception rolls it back.
+
+    @router.get("/v1/things/{id}")
+    def read_thing(
+        id: str,
+        session: DBSession,
+        principal: Principal = Depends(require_role(Role.auditor, Role.admin)),
+    ) -> ThingRead:
+        return things_service.get(session, principal.project_id, id)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+from sqlalchemy.orm import Session
+
+from replay_audit.auth import service as auth_service
+from replay_audit.auth.models import Role
+from replay_audit.auth.schemas import Principal
+from replay_audit.config import Settings
+from replay_audit.db.unit_of_work import UnitOfWork, unit_of_work
+from replay_audit.exceptions import PayloadTooLarge, PermissionDenied
+
+_READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def get_settings(request: Request) -> Settings:
+    """The settings the app was created with."""
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_uow(request: Request) -> Iterator[UnitOfWork]:
+    """The request's unit of work (see the module docstring)."""
+    factory = request.app.state.sessionmaker
+    with unit_of_work(factory, read_only=request.method in _READ_METHODS) as uow:
+        yield uow
+
+
+UoW = Annotated[UnitOfWork, Depends(get_uow, scope="function")]
+
+
+def get_session(uow: UoW) -> Session:
+    """The request's session (services take this; they never commit it)."""
+    return uow.session
+
+
+DBSession = Annotated[Session, Depends(get_session)]
+AppSettings = Annotated[Settings, Depends(get_settings)]
+
+
+def get_principal(
+    session: DBSession,
+    x_api_key: Annotated[str | None, Header(alias="X-API-Key")] = None,
+) -> Principal:
+    """The caller, from the `X-API-Key` header (401 if missing, unknown or revoked)."""
+    return auth_service.authenticate(session, x_api_key)
+
+
+CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
+
+
+def require_role(*roles: Role) -> Callable[[Principal], Principal]:
+    """A dependency that returns the caller if their role is one of `roles`, else 403.
+
+    A key only ever sees its own project: endpoints filter by `principal.project_id` and answer
+    404 (not 403) for another project's objects, so ids of other projects leak nothing.
+    """
+    allowed = frozenset(roles)
+
+    def dependency(principal: CurrentPrincipal) -> Principal:
+        if principal.role not in allowed:
+            raise PermissionDenied(
+                f"role {principal.role.value!r} may not do this; needs one of "
+                + ", ".join(sorted(r.value for r in allowed))
+            )
+        return principal
+
+    return dependency
+
+
+async def read_body(request: Request) -> bytes:
+    """The raw request body, refused with 413 past `max_request_bytes`: first by the declared
+    Content-Length, then while streaming (a client may lie or send chunked)."""
+    limit = get_settings(request).max_request_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body over {limit} bytes", field="body")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body over {limit} bytes", field="body")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+RawBody = Annotated[bytes, Depends(read_body)]

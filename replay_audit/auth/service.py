@@ -1,0 +1,139 @@
+"""API keys: creation, authentication, revocation.
+
+A key reads `ra_<lookup>_<secret>`: `lookup` (12 hex characters, not secret) finds the row,
+and the sha256 of the whole key, compared with `hmac.compare_digest`, proves it. The secret has
+256 bits of entropy, so a plain sha256 is as good as a slow password hash here, and keeps the
+check cheap on every request. The key is shown once, at creation, and never stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from typing import Final
+
+from sqlalchemy.orm import Session
+
+from replay_audit.auth import repository
+from replay_audit.auth.models import ApiKey, Role
+from replay_audit.auth.schemas import ApiKeyRead, Principal
+from replay_audit.db.base import utcnow
+from replay_audit.exceptions import FieldError, NotAuthenticated, NotFound
+
+KEY_PREFIX: Final = "ra"
+#: The project the first admin key of a fresh installation belongs to.
+DEFAULT_PROJECT: Final = "default"
+_DUMMY_HASH: Final = hashlib.sha256(b"no such key").hexdigest()
+
+
+@dataclass(frozen=True)
+class CreatedKey:
+    """A new key: the secret (to show once) and its stored row."""
+
+    key: str
+    api_key: ApiKey
+
+
+def _hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def public_key_id(api_key: ApiKey) -> str:
+    """The id the API shows for a key (its lookup part, which is not secret)."""
+    return f"key_{api_key.lookup}"
+
+
+def to_read(api_key: ApiKey) -> ApiKeyRead:
+    return ApiKeyRead(
+        id=public_key_id(api_key),
+        project=api_key.project.name,
+        role=Role(api_key.role),
+        name=api_key.name,
+        created_at=api_key.created_at,
+        revoked_at=api_key.revoked_at,
+    )
+
+
+def validate_project_name(name: str) -> str:
+    name = name.strip()
+    if not 1 <= len(name) <= 100:
+        raise FieldError("project name must be 1 to 100 characters", field="project")
+    return name
+
+
+def create_api_key(
+    session: Session, project: str, role: Role | str, *, name: str | None = None
+) -> CreatedKey:
+    """Create a key for `project` (created if it does not exist yet) with `role`.
+
+    Returns the key in clear, the only time it exists outside the caller's hands.
+    """
+    try:
+        role = Role(role)
+    except ValueError:
+        raise FieldError(
+            f"unknown role {role!r}; one of {', '.join(r.value for r in Role)}", field="role"
+        ) from None
+    project_row = repository.get_or_create_project(session, validate_project_name(project))
+    lookup = secrets.token_hex(6)
+    key = f"{KEY_PREFIX}_{lookup}_{secrets.token_urlsafe(32)}"
+    api_key = ApiKey(
+        project_id=project_row.id,
+        project=project_row,
+        role=role.value,
+        name=name,
+        lookup=lookup,
+        key_sha256=_hash_key(key),
+        created_at=utcnow(),
+    )
+    repository.add_api_key(session, api_key)
+    return CreatedKey(key=key, api_key=api_key)
+
+
+def authenticate(session: Session, key: str | None) -> Principal:
+    """The principal behind `key`; NotAuthenticated if it is missing, unknown or revoked."""
+    if not key:
+        raise NotAuthenticated("missing API key (header X-API-Key)")
+    prefix, _, rest = key.partition("_")
+    lookup, _, secret = rest.partition("_")
+    api_key = None
+    if prefix == KEY_PREFIX and secret and len(lookup) == 12:
+        api_key = repository.find_api_key_by_lookup(session, lookup)
+    # Compare even when no row matched, so a miss costs the same as a wrong secret.
+    expected = api_key.key_sha256 if api_key is not None else _DUMMY_HASH
+    matches = hmac.compare_digest(expected, _hash_key(key))
+    if api_key is None or not matches or api_key.revoked_at is not None:
+        raise NotAuthenticated("invalid or revoked API key")
+    return Principal(
+        api_key_id=api_key.id,
+        project_id=api_key.project_id,
+        project=api_key.project.name,
+        role=Role(api_key.role),
+    )
+
+
+def list_api_keys(session: Session, project_id: int) -> list[ApiKeyRead]:
+    """Every key of the project, revoked ones included, without secrets."""
+    return [to_read(k) for k in repository.list_api_keys(session, project_id)]
+
+
+def revoke_api_key(session: Session, project_id: int, key_id: str) -> ApiKeyRead:
+    """Revoke the project's key `key_id` (idempotent); NotFound for another project's key."""
+    lookup = key_id.removeprefix("key_")
+    api_key = repository.find_api_key_by_lookup(session, lookup)
+    if api_key is None or api_key.project_id != project_id:
+        raise NotFound(f"no API key {key_id!r}", field="key_id")
+    if api_key.revoked_at is None:
+        api_key.revoked_at = utcnow()
+        session.flush()
+    return to_read(api_key)
+
+
+def bootstrap_admin_key(session: Session) -> str | None:
+    """On a database without any key, create an admin key for the `default` project and return
+    it (the caller prints it once); None when keys already exist."""
+    if repository.any_api_key_exists(session):
+        return None
+    return create_api_key(session, DEFAULT_PROJECT, Role.admin, name="bootstrap").key

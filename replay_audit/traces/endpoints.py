@@ -1,0 +1,164 @@
+"""HTTP endpoints for traces. Thin: parse, call one service function, answer.
+
+Who may do what (the key's role; a key only ever sees its own project):
+    POST /v1/traces, POST /v1/traces:batch     submitter, admin
+    GET  /v1/traces, GET /v1/traces/{id}        auditor, admin
+Submitters cannot read traces back: an ingest key leaked from a production host exposes no
+logged prompts or outputs. They do learn the id of a trace they re-post, which they sent.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import Response
+
+from replay_audit.api.deps import DBSession, RawBody, require_role
+from replay_audit.api.parsing import parse_items, parse_model
+from replay_audit.auth.models import Role
+from replay_audit.auth.schemas import Principal
+from replay_audit.config import MAX_BATCH_TRACES
+from replay_audit.traces import service
+from replay_audit.traces.repository import TraceFilter
+from replay_audit.traces.schemas import (
+    BodyDTypeName,
+    HeadDTypeName,
+    IngestResult,
+    TraceBatchResult,
+    TraceCreate,
+    TracePage,
+    TraceRead,
+)
+
+router = APIRouter(tags=["traces"])
+
+Submitter = Annotated[Principal, Depends(require_role(Role.submitter, Role.admin))]
+Reader = Annotated[Principal, Depends(require_role(Role.auditor, Role.admin))]
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "Malformed JSON (`field`: `body`)"},
+    401: {"description": "Missing or invalid API key"},
+    403: {"description": "The key's role may not do this"},
+    413: {"description": "Body, trace or batch over its size limit"},
+    422: {"description": "Invalid input; `field` names it, e.g. `top_k.logits[3]`"},
+}
+
+
+def _json_body(schema: str) -> dict[str, Any]:
+    # The body is read raw (size limit, fast parse); this documents it in the OpenAPI schema.
+    ref = {"$ref": f"#/components/schemas/{schema}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _json(model: IngestResult | TraceBatchResult | TraceRead, status_code: int) -> Response:
+    return Response(
+        model.model_dump_json(exclude_none=not isinstance(model, TraceRead)),
+        status_code=status_code,
+        media_type="application/json",
+    )
+
+
+@router.post(
+    "/v1/traces",
+    status_code=201,
+    response_model=IngestResult,
+    response_model_exclude_none=True,
+    summary="Store one trace (idempotent)",
+    responses={
+        200: {"model": IngestResult, "description": "Same content already stored: its id"},
+        409: {"description": "`external_id` already used by different content"},
+        **_ERRORS,
+    },
+    openapi_extra=_json_body("TraceCreate"),
+)
+def create_trace(principal: Submitter, session: DBSession, body: RawBody) -> Response:
+    """201 `{"id", "created": true}` for a new trace; 200 `created: false` with the existing id
+    when the project already holds the same content; 409 when `external_id` is taken by
+    different content."""
+    trace = parse_model(body, TraceCreate)
+    result = service.ingest_trace(session, principal.project_id, trace)
+    return _json(result.model_copy(update={"index": None}), result.status)
+
+
+@router.post(
+    "/v1/traces:batch",
+    status_code=207,
+    response_model=TraceBatchResult,
+    response_model_exclude_none=True,
+    summary=f"Store up to {MAX_BATCH_TRACES} traces, one result each",
+    responses=_ERRORS,
+    openapi_extra=_json_body("TraceBatchCreate"),
+)
+def create_traces(principal: Submitter, session: DBSession, body: RawBody) -> Response:
+    """Body `{"traces": [TraceCreate, ...]}`; answer 207 `{"results": [...]}` with one result
+    per item in order: `status` 201/200 with `id` and `created`, or the item's 4xx `status` and
+    `error` (`field` relative to the item). Good items are stored even when others fail."""
+    items = parse_items(body, TraceCreate, key="traces", max_items=MAX_BATCH_TRACES)
+    results = service.ingest_traces(session, principal.project_id, items)
+    return _json(TraceBatchResult(results=results), 207)
+
+
+@router.get(
+    "/v1/traces/{trace_id}",
+    response_model=TraceRead,
+    summary="Read one trace back, exactly as sent",
+    responses={404: {"description": "No such trace in this key's project"}, **_ERRORS},
+)
+def read_trace(trace_id: str, principal: Reader, session: DBSession) -> Response:
+    """Every field as sent: token ids bit-exact, logits as their float32 values."""
+    return _json(service.get_trace(session, principal.project_id, trace_id), 200)
+
+
+_AFTER = "created at or after this time (UTC when no zone is given)"
+_BEFORE = "created strictly before this time (UTC when no zone is given)"
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    # A timestamp without a zone in the query string means UTC.
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)
+
+
+@router.get(
+    "/v1/traces",
+    response_model=TracePage,
+    summary="List traces, newest first, filtered and cursor-paginated",
+    responses=_ERRORS,
+)
+def list_traces(
+    principal: Reader,
+    session: DBSession,
+    model: Annotated[str | None, Query(description="model.name")] = None,
+    weights_sha256: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
+    config_id: Annotated[str | None, Query()] = None,
+    dtype: Annotated[BodyDTypeName | None, Query(description="config.dtype")] = None,
+    lm_head_dtype: Annotated[
+        HeadDTypeName | None,
+        Query(description="effective config.lm_head_dtype (the body dtype when unset)"),
+    ] = None,
+    attn_kernel: Annotated[str | None, Query(description="config.attn_kernel")] = None,
+    tag: Annotated[str | None, Query()] = None,
+    external_id: Annotated[str | None, Query()] = None,
+    created_after: Annotated[datetime | None, Query(description=_AFTER)] = None,
+    created_before: Annotated[datetime | None, Query(description=_BEFORE)] = None,
+    cursor: Annotated[str | None, Query(description="`next_cursor` of the previous page")] = None,
+    limit: Annotated[int, Query(ge=1, le=service.MAX_PAGE_SIZE)] = 100,
+) -> TracePage:
+    filters = TraceFilter(
+        model=model,
+        weights_sha256=weights_sha256,
+        config_id=config_id,
+        dtype=dtype,
+        lm_head_dtype=lm_head_dtype,
+        attn_kernel=attn_kernel,
+        tag=tag,
+        external_id=external_id,
+        created_after=_utc(created_after),
+        created_before=_utc(created_before),
+    )
+    return service.list_traces(
+        session, principal.project_id, filters, limit=limit, cursor=cursor
+    )

@@ -1,0 +1,188 @@
+"""SQL for numerical configurations, traces and their tags.
+
+Inserts are multi-row `INSERT ... ON CONFLICT DO NOTHING RETURNING` (one statement per table
+and batch, on SQLite and PostgreSQL alike): the unique constraints decide what is a duplicate,
+so concurrent retries cannot store a trace twice, and nothing is checked-then-inserted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Select, Table, exists, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, contains_eager, defer
+
+from replay_audit.traces.models import NumericalConfigRow, Trace, TraceTag
+
+_ARRAY_COLUMNS = (
+    Trace.prompt_token_ids,
+    Trace.output_token_ids,
+    Trace.top_k_ids,
+    Trace.top_k_logits,
+    Trace.prompt_text,
+    Trace.output_text,
+    Trace.reference_answer,
+)
+#: Rows per IN (...) list: well under SQLite's 32,766 bound parameters.
+_IN_CHUNK = 5000
+
+
+def _insert(session: Session, table: Table) -> Any:
+    if session.get_bind().dialect.name == "postgresql":
+        return postgresql.insert(table)
+    return sqlite.insert(table)
+
+
+def _chunks(values: Sequence[Any], size: int = _IN_CHUNK) -> Iterable[Sequence[Any]]:
+    for start in range(0, len(values), size):
+        yield values[start : start + size]
+
+
+def ensure_configs(session: Session, rows: Mapping[str, dict[str, Any]]) -> dict[str, int]:
+    """Store the configurations not stored yet (`rows` keyed by content_sha256) and return the
+    database id of every one of them."""
+    if not rows:
+        return {}
+    table = NumericalConfigRow.__table__
+    assert isinstance(table, Table)
+    session.execute(_insert(session, table).on_conflict_do_nothing(), list(rows.values()))
+    ids: dict[str, int] = {}
+    for chunk in _chunks(list(rows)):
+        stmt = select(NumericalConfigRow.content_sha256, NumericalConfigRow.id).where(
+            NumericalConfigRow.content_sha256.in_(chunk)
+        )
+        ids.update({sha: id_ for sha, id_ in session.execute(stmt).tuples()})
+    return ids
+
+
+def insert_traces(session: Session, rows: Sequence[dict[str, Any]]) -> dict[str, tuple[int, str]]:
+    """Insert trace rows, skipping any that would break a unique constraint (same content or
+    same external_id in the project). Returns content_sha256 -> (id, public_id) of the rows
+    actually inserted."""
+    if not rows:
+        return {}
+    table = Trace.__table__
+    assert isinstance(table, Table)
+    stmt = (
+        _insert(session, table)
+        .on_conflict_do_nothing()
+        .returning(table.c.id, table.c.public_id, table.c.content_sha256)
+    )
+    result = session.execute(stmt, list(rows))
+    return {sha: (id_, public_id) for id_, public_id, sha in result.tuples()}
+
+
+def insert_trace_tags(session: Session, rows: Sequence[dict[str, Any]]) -> None:
+    """Insert (trace_id, tag) rows."""
+    if rows:
+        table = TraceTag.__table__
+        assert isinstance(table, Table)
+        session.execute(_insert(session, table), list(rows))
+
+
+def public_ids_by_content(
+    session: Session, project_id: int, content_sha256s: Collection[str]
+) -> dict[str, str]:
+    """content_sha256 -> public id of the project's traces with that content."""
+    found: dict[str, str] = {}
+    for chunk in _chunks(sorted(content_sha256s)):
+        stmt = select(Trace.content_sha256, Trace.public_id).where(
+            Trace.project_id == project_id, Trace.content_sha256.in_(chunk)
+        )
+        found.update({sha: public_id for sha, public_id in session.execute(stmt).tuples()})
+    return found
+
+
+def public_ids_by_external_id(
+    session: Session, project_id: int, external_ids: Collection[str]
+) -> dict[str, str]:
+    """external_id -> public id of the project's traces carrying it."""
+    found: dict[str, str] = {}
+    for chunk in _chunks(sorted(external_ids)):
+        stmt = select(Trace.external_id, Trace.public_id).where(
+            Trace.project_id == project_id, Trace.external_id.in_(chunk)
+        )
+        found.update({ext: public_id for ext, public_id in session.execute(stmt).tuples() if ext})
+    return found
+
+
+def get_traces(session: Session, project_id: int, public_ids: Collection[str]) -> list[Trace]:
+    """The project's traces among `public_ids`, with their configuration (any order; ids of
+    other projects or unknown ids are simply absent)."""
+    traces: list[Trace] = []
+    for chunk in _chunks(sorted(set(public_ids))):
+        stmt = select(Trace).where(Trace.project_id == project_id, Trace.public_id.in_(chunk))
+        traces.extend(session.execute(stmt).scalars())
+    return traces
+
+
+@dataclass(frozen=True)
+class TraceFilter:
+    """Filters of `GET /v1/traces` (all optional, combined with AND)."""
+
+    model: str | None = None
+    weights_sha256: str | None = None
+    config_id: str | None = None
+    dtype: str | None = None
+    lm_head_dtype: str | None = None
+    attn_kernel: str | None = None
+    tag: str | None = None
+    external_id: str | None = None
+    created_after: datetime | None = None
+    created_before: datetime | None = None
+
+
+def select_traces(project_id: int, filters: TraceFilter) -> Select[Trace]:
+    """The project's traces matching `filters`, newest first, without the token arrays and texts
+    (deferred: touching them raises). Add `.where(Trace.public_id < cursor)` / `.limit()`."""
+    stmt = (
+        select(Trace)
+        .join(Trace.config)
+        .options(contains_eager(Trace.config), *(defer(c, raiseload=True) for c in _ARRAY_COLUMNS))
+        .where(Trace.project_id == project_id)
+        .order_by(Trace.public_id.desc())
+    )
+    f = filters
+    if f.model is not None:
+        stmt = stmt.where(Trace.model_name == f.model)
+    if f.weights_sha256 is not None:
+        stmt = stmt.where(Trace.weights_sha256 == f.weights_sha256)
+    if f.config_id is not None:
+        stmt = stmt.where(NumericalConfigRow.public_id == f.config_id)
+    if f.dtype is not None:
+        stmt = stmt.where(NumericalConfigRow.dtype == f.dtype)
+    if f.lm_head_dtype is not None:
+        stmt = stmt.where(NumericalConfigRow.lm_head_dtype == f.lm_head_dtype)
+    if f.attn_kernel is not None:
+        stmt = stmt.where(NumericalConfigRow.attn_kernel == f.attn_kernel)
+    if f.external_id is not None:
+        stmt = stmt.where(Trace.external_id == f.external_id)
+    if f.tag is not None:
+        stmt = stmt.where(
+            exists().where(TraceTag.trace_id == Trace.id, TraceTag.tag == f.tag)
+        )
+    if f.created_after is not None:
+        stmt = stmt.where(Trace.created_at >= f.created_after)
+    if f.created_before is not None:
+        stmt = stmt.where(Trace.created_at < f.created_before)
+    return stmt
+
+
+def list_traces(
+    session: Session,
+    project_id: int,
+    filters: TraceFilter,
+    *,
+    limit: int,
+    before_public_id: str | None = None,
+) -> list[Trace]:
+    """Up to `limit` of the project's traces matching `filters`, newest first, strictly older
+    than `before_public_id` when given (keyset pagination on the time-ordered public id)."""
+    stmt = select_traces(project_id, filters)
+    if before_public_id is not None:
+        stmt = stmt.where(Trace.public_id < before_public_id)
+    return list(session.execute(stmt.limit(limit)).unique().scalars())
