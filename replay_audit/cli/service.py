@@ -1,5 +1,102 @@
-"""Service commands: serve, worker, db, keys."""
+"""Service commands: `serve`, `db upgrade`, `keys create`. (`worker` and friends live in
+`cli/worker.py`.)"""
 
 from __future__ import annotations
 
-from replay_audit.cli import app  # noqa: F401
+from typing import Annotated
+
+import typer
+
+from replay_audit.cli import app
+
+db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
+keys_app = typer.Typer(help="API keys.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(keys_app, name="keys")
+
+
+def _banner_for_key(key: str, project: str) -> str:
+    line = "=" * 72
+    return (
+        f"{line}\nFirst start: created an admin API key for project {project!r}.\n"
+        f"It is shown this once; only its hash is stored.\n\n    {key}\n\n"
+        f'Use it as:  curl -H "X-API-Key: {key}" ...\n{line}'
+    )
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    migrate: Annotated[
+        bool, typer.Option("--migrate/--no-migrate", help="Apply the migrations before serving.")
+    ] = True,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Run the HTTP API.
+
+    With no configuration it uses a SQLite file under ./var/, applies the migrations, and on a
+    database without any API key creates an admin key for the `default` project and prints it
+    once. Set REPLAY_AUDIT_DATABASE_URL=postgresql+psycopg://... to use PostgreSQL.
+    """
+    import uvicorn
+
+    from replay_audit.api.app import create_app
+    from replay_audit.auth.service import DEFAULT_PROJECT, bootstrap_admin_key
+    from replay_audit.config import get_settings
+    from replay_audit.db import migration
+    from replay_audit.db.unit_of_work import session_scope
+
+    settings = get_settings()
+    if migrate:
+        migration.upgrade(settings.database_url)
+    with session_scope(settings.database_url) as session:
+        key = bootstrap_admin_key(session)
+    if key is not None:
+        typer.echo(_banner_for_key(key, DEFAULT_PROJECT))
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
+) -> None:
+    """Apply the Alembic migrations to REPLAY_AUDIT_DATABASE_URL (default: up to the newest)."""
+    from replay_audit.config import get_settings
+    from replay_audit.db import migration
+
+    url = get_settings().database_url
+    migration.upgrade(url, revision)
+    typer.echo(f"database at revision {migration.current_revision(url)}")
+
+
+@db_app.command("current")
+def db_current() -> None:
+    """Print the revision the database is at (and the newest one available)."""
+    from replay_audit.config import get_settings
+    from replay_audit.db import migration
+
+    current = migration.current_revision(get_settings().database_url)
+    typer.echo(f"current: {current or '(none)'}  head: {migration.head_revision()}")
+
+
+@keys_app.command("create")
+def keys_create(
+    project: Annotated[str, typer.Option(help="Project name (created if new).")],
+    role: Annotated[str, typer.Option(help="submitter | auditor | admin")],
+    name: Annotated[str | None, typer.Option(help="A label to recognise the key by.")] = None,
+) -> None:
+    """Create an API key and print it (once: only its hash is stored)."""
+    from replay_audit.auth.service import create_api_key
+    from replay_audit.config import get_settings
+    from replay_audit.db.unit_of_work import session_scope
+    from replay_audit.exceptions import ReplayAuditError
+
+    try:
+        with session_scope(get_settings().database_url) as session:
+            created = create_api_key(session, project, role, name=name)
+            key = created.key
+    except ReplayAuditError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(key)
