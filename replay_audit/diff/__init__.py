@@ -1,0 +1,64 @@
+"""The diff engine: pure functions (stdlib + numpy) that compare two arms' token sequences and
+margins. No torch, no database, no HTTP: it works on plain lists and arrays."""
+
+from replay_audit.diff.answer import (
+    Extractor,
+    SemanticAgreement,
+    extract_gsm8k,
+    extractor_names,
+    get_extractor,
+    normalise_number,
+    register_extractor,
+    semantic_agreement,
+)
+from replay_audit.diff.category import (
+    CATEGORIES,
+    Category,
+    classify,
+    gate_fires_at_divergence,
+)
+from replay_audit.diff.divergence import (
+    cascade_length,
+    exact_match,
+    first_divergence,
+    length_difference,
+)
+from replay_audit.diff.margin import (
+    DEFAULT_TAU,
+    GateRule,
+    Margin,
+    is_tie,
+    margin,
+    margin_from_top_k,
+    margins_in_ulps,
+    ulp_array,
+)
+from replay_audit.diff.summary import summarize
+
+__all__ = [
+    "CATEGORIES",
+    "DEFAULT_TAU",
+    "Category",
+    "Extractor",
+    "GateRule",
+    "Margin",
+    "SemanticAgreement",
+    "cascade_length",
+    "classify",
+    "exact_match",
+    "extract_gsm8k",
+    "extractor_names",
+    "first_divergence",
+    "gate_fires_at_divergence",
+    "get_extractor",
+    "is_tie",
+    "length_difference",
+    "margin",
+    "margin_from_top_k",
+    "margins_in_ulps",
+    "normalise_number",
+    "register_extractor",
+    "semantic_agreement",
+    "summarize",
+    "ulp_array",
+]

@@ -1,0 +1,106 @@
+"""Final-answer extraction and semantic agreement. Pure: stdlib only.
+
+Extractors are registered by name, so a benchmark's own rule can be plugged in:
+
+    @register_extractor("mcq")
+    def extract_choice(text: str) -> str | None: ...
+
+`gsm8k` is built in: the number after the last `####` marker, else the last number in the text,
+normalised (commas and a leading `$` removed, trailing zeros after the decimal point dropped, so
+"1,200.0" → "1200" and "3.50" → "3.5").
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+Extractor = Callable[[str], "str | None"]
+
+_EXTRACTORS: dict[str, Extractor] = {}
+_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
+
+
+def register_extractor(name: str) -> Callable[[Extractor], Extractor]:
+    """Register an answer extractor under `name` (a decorator)."""
+
+    def add(fn: Extractor) -> Extractor:
+        _EXTRACTORS[name] = fn
+        return fn
+
+    return add
+
+
+def get_extractor(name: str) -> Extractor:
+    """The extractor registered as `name`; KeyError naming the known ones otherwise."""
+    try:
+        return _EXTRACTORS[name]
+    except KeyError:
+        known = ", ".join(sorted(_EXTRACTORS))
+        raise KeyError(f"unknown answer extractor {name!r}; known: {known}") from None
+
+
+def extractor_names() -> list[str]:
+    return sorted(_EXTRACTORS)
+
+
+def normalise_number(raw: str) -> str:
+    """'$1,200.50' → '1200.5'; '7.0' → '7'; '-0' → '0'."""
+    s = raw.replace(",", "").replace("$", "")
+    if "." in s:
+        s = s.rstrip("0").rstrip(".")
+    if s in ("-0", "-", ""):
+        s = "0"
+    return s
+
+
+@register_extractor("gsm8k")
+def extract_gsm8k(text: str) -> str | None:
+    """GSM8K's final answer: the number after the last '####', else the last number in text."""
+    marker = text.rfind("####")
+    if marker >= 0:
+        m = _NUMBER.search(text, marker + 4)
+        if m is not None:
+            return normalise_number(m.group(0))
+    numbers = _NUMBER.findall(text)
+    return normalise_number(numbers[-1]) if numbers else None
+
+
+@dataclass(frozen=True)
+class SemanticAgreement:
+    extractor: str
+    logged_answer: str | None
+    replay_answer: str | None
+    #: Both arms gave an answer and the answers are equal (no answer on either side: False).
+    agree: bool
+    #: Whether each arm's answer equals the trace's reference answer (None without one).
+    logged_correct: bool | None = None
+    replay_correct: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def semantic_agreement(
+    logged_text: str,
+    replay_text: str,
+    extractor: str | Extractor = "gsm8k",
+    *,
+    reference_answer: str | None = None,
+) -> SemanticAgreement:
+    """Extract each arm's final answer and say whether they agree (and match the reference
+    answer, normalised by the same extractor, when one is given)."""
+    name = extractor if isinstance(extractor, str) else getattr(extractor, "__name__", "custom")
+    fn = get_extractor(extractor) if isinstance(extractor, str) else extractor
+    a, b = fn(logged_text), fn(replay_text)
+    ref = fn(reference_answer) if reference_answer is not None else None
+    return SemanticAgreement(
+        extractor=name,
+        logged_answer=a,
+        replay_answer=b,
+        agree=a is not None and a == b,
+        logged_correct=None if ref is None else a == ref,
+        replay_correct=None if ref is None else b == ref,
+    )
