@@ -55,7 +55,7 @@ def ensure_configs(session: Session, rows: Mapping[str, dict[str, Any]]) -> dict
         stmt = select(NumericalConfigRow.content_sha256, NumericalConfigRow.id).where(
             NumericalConfigRow.content_sha256.in_(chunk)
         )
-        ids.update({sha: id_ for sha, id_ in session.execute(stmt).tuples()})
+        ids.update({sha: id_ for sha, id_ in session.execute(stmt)})
     return ids
 
 
@@ -73,7 +73,7 @@ def insert_traces(session: Session, rows: Sequence[dict[str, Any]]) -> dict[str,
         .returning(table.c.id, table.c.public_id, table.c.content_sha256)
     )
     result = session.execute(stmt, list(rows))
-    return {sha: (id_, public_id) for id_, public_id, sha in result.tuples()}
+    return {sha: (id_, public_id) for id_, public_id, sha in result}
 
 
 def insert_trace_tags(session: Session, rows: Sequence[dict[str, Any]]) -> None:
@@ -93,7 +93,7 @@ def public_ids_by_content(
         stmt = select(Trace.content_sha256, Trace.public_id).where(
             Trace.project_id == project_id, Trace.content_sha256.in_(chunk)
         )
-        found.update({sha: public_id for sha, public_id in session.execute(stmt).tuples()})
+        found.update({sha: public_id for sha, public_id in session.execute(stmt)})
     return found
 
 
@@ -106,7 +106,7 @@ def public_ids_by_external_id(
         stmt = select(Trace.external_id, Trace.public_id).where(
             Trace.project_id == project_id, Trace.external_id.in_(chunk)
         )
-        found.update({ext: public_id for ext, public_id in session.execute(stmt).tuples() if ext})
+        found.update({ext: public_id for ext, public_id in session.execute(stmt) if ext})
     return found
 
 

@@ -1,0 +1,200 @@
+"""Shared fixtures: databases built by the migrations, the app, clients and API keys.
+
+Databases. `db_url` runs a test once on SQLite (a temporary file) and once on PostgreSQL (a
+database created for this test session on the server at REPLAY_AUDIT_TEST_PG_URL, default
+postgresql+psycopg://postgres@127.0.0.1:5432/test, dropped at the end). Both are built by the
+Alembic migrations, never `create_all`. After each test every table is emptied (DELETE in
+foreign-key order, reflected from the database, so tables added by later migrations are
+included): tests may commit, use threads and several connections. The PostgreSQL half carries
+the `postgres` marker: `-m "not postgres"` runs SQLite only.
+
+    def test_something(client, api_key):
+        headers = {"X-API-Key": api_key("submitter")}
+        assert client.post("/v1/traces", json=make_trace(), headers=headers).status_code == 201
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy import MetaData, create_engine, text
+from sqlalchemy.engine import make_url
+
+from replay_audit.api.app import create_app
+from replay_audit.auth.service import create_api_key
+from replay_audit.config import Settings, normalise_database_url
+from replay_audit.db import migration
+from replay_audit.db.engine import dispose_engines, get_engine
+from replay_audit.db.unit_of_work import session_scope
+
+PG_URL_ENV = "REPLAY_AUDIT_TEST_PG_URL"
+DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+ApiKeyFactory = Callable[..., str]
+
+
+def postgres_server_url() -> str:
+    return normalise_database_url(os.environ.get(PG_URL_ENV, DEFAULT_PG_URL))
+
+
+@pytest.fixture(scope="session")
+def sqlite_database_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A migrated SQLite file for this test session."""
+    path = tmp_path_factory.mktemp("sqlite") / "replay-audit.db"
+    url = f"sqlite:///{path}"
+    migration.upgrade(url)
+    return url
+
+
+def _create_database(server_url: str, prefix: str) -> str:
+    base = make_url(server_url)
+    name = f"{prefix}_{os.getpid()}_{secrets.token_hex(4)}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as connection:
+            connection.execute(text(f'CREATE DATABASE "{name}"'))
+    finally:
+        admin.dispose()
+    return base.set(database=name).render_as_string(hide_password=False)
+
+
+def _drop_database(url: str) -> None:
+    target = make_url(url)
+    maintenance = target.set(database=make_url(postgres_server_url()).database)
+    admin = create_engine(maintenance, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{target.database}" WITH (FORCE)'))
+    finally:
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def empty_postgres_database() -> Iterator[Callable[[], str]]:
+    """A factory of fresh, empty PostgreSQL databases (dropped at the end of the session)."""
+    created: list[str] = []
+
+    def make() -> str:
+        url = _create_database(postgres_server_url(), "replay_audit_test")
+        created.append(url)
+        return url
+
+    yield make
+    dispose_engines()
+    for url in created:
+        _drop_database(url)
+
+
+@pytest.fixture(scope="session")
+def postgres_database_url(empty_postgres_database: Callable[[], str]) -> str:
+    """A migrated PostgreSQL database for this test session."""
+    url = empty_postgres_database()
+    migration.upgrade(url)
+    return url
+
+
+_table_order: dict[str, list[str]] = {}
+
+
+def empty_all_tables(url: str) -> None:
+    """Delete every row of every table but alembic_version, children before parents."""
+    engine = get_engine(url)
+    if url not in _table_order:
+        metadata = MetaData()
+        metadata.reflect(bind=engine)
+        _table_order[url] = [
+            t.name for t in reversed(metadata.sorted_tables) if t.name != "alembic_version"
+        ]
+    with engine.begin() as connection:
+        for name in _table_order[url]:
+            connection.execute(text(f'DELETE FROM "{name}"'))
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A migrated database URL (SQLite, then PostgreSQL), emptied after the test."""
+    url: str = request.getfixturevalue(f"{request.param}_database_url")
+    try:
+        yield url
+    finally:
+        empty_all_tables(url)
+
+
+@pytest.fixture
+def is_postgres(db_url: str) -> bool:
+    return make_url(db_url).get_backend_name() == "postgresql"
+
+
+@pytest.fixture
+def make_settings(db_url: str) -> Callable[..., Settings]:
+    """Settings on the test database; keyword arguments override fields."""
+
+    def make(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {"database_url": db_url} | overrides
+        return Settings(_env_file=None, **values)  # type: ignore[call-arg]
+
+    return make
+
+
+@pytest.fixture
+def settings(make_settings: Callable[..., Settings]) -> Settings:
+    return make_settings()
+
+
+@pytest.fixture
+def app(settings: Settings) -> FastAPI:
+    return create_app(settings)
+
+
+@pytest.fixture
+def client(app: FastAPI) -> Iterator[TestClient]:
+    """A TestClient on the app; an unhandled server error raises in the test."""
+    with TestClient(app) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+def make_client(
+    make_settings: Callable[..., Settings],
+) -> Iterator[Callable[..., TestClient]]:
+    """make_client(raise_server_exceptions=False, **settings_overrides) -> TestClient."""
+    clients: list[TestClient] = []
+
+    def make(*, raise_server_exceptions: bool = True, **overrides: Any) -> TestClient:
+        test_client = TestClient(
+            create_app(make_settings(**overrides)),
+            raise_server_exceptions=raise_server_exceptions,
+        )
+        clients.append(test_client)
+        return test_client
+
+    yield make
+    for test_client in clients:
+        test_client.close()
+
+
+@pytest.fixture
+def api_key(db_url: str) -> ApiKeyFactory:
+    """api_key(role="admin", project="acme", name=None) -> a fresh key in clear."""
+
+    def make(role: str = "admin", project: str = "acme", name: str | None = None) -> str:
+        with session_scope(db_url) as session:
+            return create_api_key(session, project, role, name=name).key
+
+    return make
+
+
+@pytest.fixture
+def headers(api_key: ApiKeyFactory) -> Callable[..., dict[str, str]]:
+    """headers(role="admin", project="acme") -> {"X-API-Key": <new key>}."""
+
+    def make(role: str = "admin", project: str = "acme") -> dict[str, str]:
+        return {"X-API-Key": api_key(role, project)}
+
+    return make

@@ -1,0 +1,194 @@
+"""Every bad input gets a 4xx naming the field, and nothing is stored. Single and batch."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from replay_audit.config import MAX_TOP_K, MAX_TRACE_TOKENS
+from replay_audit.traces.models import NumericalConfigRow, Trace
+from tests.factories import DEFAULT_VOCAB, make_top_k, make_trace
+from tests.traces.test_ingest import count_rows
+
+Headers = Callable[..., dict[str, str]]
+Mutation = Callable[[dict[str, Any]], Any]
+
+
+def _set(path: str, value: Any) -> Mutation:
+    def mutate(trace: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        node = trace
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        if isinstance(node, list):
+            node[int(last)] = value
+        else:
+            node[last] = value
+
+    return mutate
+
+
+def _swap_step(step: int) -> Mutation:
+    def mutate(trace: dict[str, Any]) -> None:
+        trace["top_k"]["logits"][step].reverse()
+        trace["top_k"]["logits"][step][0] -= 1.0  # strictly ascending now
+
+    return mutate
+
+
+def _drop_last_step(field: str) -> Mutation:
+    return lambda trace: trace["top_k"][field].pop()
+
+
+def _widen_step(step: int) -> Mutation:
+    def mutate(trace: dict[str, Any]) -> None:
+        trace["top_k"]["ids"][step].append(1)
+        trace["top_k"]["logits"][step].append(-100.0)
+
+    return mutate
+
+
+def _too_many_tokens(trace: dict[str, Any]) -> None:
+    n = MAX_TRACE_TOKENS - len(trace["prompt_token_ids"]) + 1
+    trace["output_token_ids"] = [1] * n
+    trace["top_k"] = None
+
+
+def _wide_k(trace: dict[str, Any]) -> None:
+    trace["top_k"] = make_top_k(trace["output_token_ids"], MAX_TOP_K + 1)
+
+
+# (case, mutation, status, field)
+ITEM_CASES: list[tuple[str, Mutation, int, str]] = [
+    ("unknown dtype", _set("config.dtype", "bf17"), 422, "config.dtype"),
+    ("unknown lm_head dtype", _set("config.lm_head_dtype", "fp4"), 422, "config.lm_head_dtype"),
+    ("prompt id >= vocab", _set("prompt_token_ids.3", DEFAULT_VOCAB), 422, "prompt_token_ids"),
+    ("output id >= vocab", _set("output_token_ids.0", DEFAULT_VOCAB + 5), 422, "output_token_ids"),
+    ("top-k id >= vocab", _set("top_k.ids.4.1", DEFAULT_VOCAB), 422, "top_k.ids[4]"),
+    ("eos id >= vocab", _set("decoding.eos_token_ids", [DEFAULT_VOCAB]), 422,
+     "decoding.eos_token_ids"),
+    ("negative token id", _set("prompt_token_ids.0", -1), 422, "prompt_token_ids[0]"),
+    ("top-k ids shorter than output", _drop_last_step("ids"), 422, "top_k.ids"),
+    ("top-k logits shorter than output", _drop_last_step("logits"), 422, "top_k.logits"),
+    ("one step wider than k", _widen_step(3), 422, "top_k[3]"),
+    ("k above the maximum", _wide_k, 422, "top_k.ids"),
+    ("top-k not sorted", _swap_step(2), 422, "top_k.logits[2]"),
+    ("infinite logit", _set("top_k.logits.1.0", float("inf")), 422, "top_k.logits[1]"),
+    ("logit beyond float32", _set("top_k.logits.5.1", 1e39), 422, "top_k.logits[5]"),
+    ("empty output", _set("output_token_ids", []), 422, "output_token_ids"),
+    ("empty prompt", _set("prompt_token_ids", []), 422, "prompt_token_ids"),
+    ("ids not a list", _set("prompt_token_ids", "1 2 3"), 422, "prompt_token_ids"),
+    ("fractional token id", _set("output_token_ids.1", 1.5), 422, "output_token_ids[1]"),
+    ("vocab size not a number", _set("model.vocab_size", "many"), 422, "model.vocab_size"),
+    ("bad weights hash", _set("model.weights_sha256", "xyz"), 422, "model.weights_sha256"),
+    ("unknown field", _set("temperature", 0.7), 422, "temperature"),
+    ("gpu on a cpu device", _set("config.device", "cpu"), 422, "config"),
+    ("bad tag", _set("tags", ["has space"]), 422, "tags[0]"),
+    ("oversized trace", _too_many_tokens, 413, "output_token_ids"),
+]
+
+
+def _mutated(mutation: Mutation) -> dict[str, Any]:
+    trace = make_trace(n_output=6)
+    mutation(trace)
+    return trace
+
+
+def _assert_nothing_stored(db_url: str) -> None:
+    assert count_rows(db_url, Trace) == 0
+    assert count_rows(db_url, NumericalConfigRow) == 0
+
+
+@pytest.mark.parametrize(("case", "mutation", "status", "field"), ITEM_CASES,
+                         ids=[c[0] for c in ITEM_CASES])
+def test_single_post_names_the_field(
+    client: TestClient, headers: Headers, db_url: str,
+    case: str, mutation: Mutation, status: int, field: str,
+) -> None:
+    # json.dumps, not httpx's json=: it writes the NaN/Infinity literals some clients send.
+    body = json.dumps(_mutated(mutation)).encode()
+    answer = client.post("/v1/traces", content=body, headers=headers("submitter"))
+    assert answer.status_code == status, answer.text
+    body = answer.json()
+    assert body["field"] == field, body
+    assert set(body) == {"error", "detail", "field"}
+    _assert_nothing_stored(db_url)
+
+
+@pytest.mark.parametrize(("case", "mutation", "status", "field"), ITEM_CASES,
+                         ids=[c[0] for c in ITEM_CASES])
+def test_batch_item_names_the_field(
+    client: TestClient, headers: Headers, db_url: str,
+    case: str, mutation: Mutation, status: int, field: str,
+) -> None:
+    body = json.dumps({"traces": [_mutated(mutation)]}).encode()
+    answer = client.post("/v1/traces:batch", content=body, headers=headers("submitter"))
+    assert answer.status_code == 207
+    (result,) = answer.json()["results"]
+    assert (result["status"], result["error"]["field"]) == (status, field), result
+    assert "id" not in result
+    _assert_nothing_stored(db_url)
+
+
+def test_nan_logit_literal_is_422_naming_the_step(
+    client: TestClient, headers: Headers, db_url: str
+) -> None:
+    trace = make_trace(n_output=5)
+    trace["top_k"]["logits"][3][0] = float("nan")
+    body = json.dumps(trace).encode()  # Python writes the NaN literal
+    assert b"NaN" in body
+    answer = client.post("/v1/traces", content=body, headers=headers("submitter"))
+    assert answer.status_code == 422
+    assert answer.json()["field"] == "top_k.logits[3]"
+    _assert_nothing_stored(db_url)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field"),
+    [
+        (b"", 400, "body"),
+        (b"{", 400, "body"),
+        (b'{"model": ', 400, "body"),
+        (b"\xff\xfe", 400, "body"),
+        (b"[]", 422, "body"),
+        (b"42", 422, "body"),
+        (b"{}", 422, "model"),
+    ],
+)
+def test_malformed_body_is_4xx_naming_the_body(
+    client: TestClient, headers: Headers, db_url: str, body: bytes, status: int, field: str
+) -> None:
+    answer = client.post("/v1/traces", content=body, headers=headers("submitter"))
+    assert answer.status_code == status, answer.text
+    assert answer.json()["field"] == field
+    _assert_nothing_stored(db_url)
+
+
+def test_body_over_the_byte_limit_is_413_by_content_length(
+    make_client: Callable[..., TestClient], headers: Headers, db_url: str
+) -> None:
+    client = make_client(max_request_bytes=2_000)
+    body = json.dumps(make_trace(n_prompt=400)).encode()
+    assert len(body) > 2_000
+    answer = client.post("/v1/traces", content=body, headers=headers("submitter"))
+    assert answer.status_code == 413 and answer.json()["field"] == "body"
+    _assert_nothing_stored(db_url)
+
+
+def test_body_over_the_byte_limit_is_413_when_streamed(
+    make_client: Callable[..., TestClient], headers: Headers, db_url: str
+) -> None:
+    client = make_client(max_request_bytes=2_000)
+    body = json.dumps({"traces": [make_trace(n_prompt=400)]}).encode()
+
+    def chunks() -> Any:  # no Content-Length: the limit must hold while reading
+        for start in range(0, len(body), 500):
+            yield body[start : start + 500]
+
+    answer = client.post("/v1/traces:batch", content=chunks(), headers=headers("submitter"))
+    assert answer.status_code == 413 and answer.json()["field"] == "body"
+    _assert_nothing_stored(db_url)
