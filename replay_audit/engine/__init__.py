@@ -1,0 +1,69 @@
+"""The replay engine: one checkpoint in one numerical configuration, behind a protocol.
+
+Importing this package does not import torch. `load_engine` builds the real (torch) engine;
+`FakeEngine` stands in for it in tests of code that only needs results.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from replay_audit.engine.fake import FakeEngine
+from replay_audit.engine.hashing import weights_sha256
+from replay_audit.engine.pool import EnginePool
+from replay_audit.engine.protocol import (
+    INTERVENTION_KINDS,
+    MODES,
+    DecodeRun,
+    Engine,
+    Intervention,
+    InterventionKind,
+    Mode,
+    ScanRun,
+    StepInfo,
+    Steps,
+    Target,
+)
+
+
+def load_engine(
+    model_dir: str | Path,
+    target: Target,
+    *,
+    device: str | None = None,
+    deterministic: bool = True,
+    tf32: bool = False,
+    cache: Literal["dynamic", "static"] = "dynamic",
+) -> Engine:
+    """Load a local Hugging Face checkpoint (no network) in `target`'s format as a torch engine.
+
+    `device` None picks CUDA when available, else the CPU. The deterministic-algorithms and TF32
+    flags are process-wide torch settings: the engine sets them explicitly here and reports them
+    in `environment()`. `cache` "static" preallocates the KV cache (and on CUDA captures the decode
+    step in a CUDA graph); "dynamic" grows it, as transformers' `generate()` does.
+    """
+    from replay_audit.engine.torch_engine import TorchEngine
+
+    return TorchEngine.load(
+        Path(model_dir), target, device=device, deterministic=deterministic, tf32=tf32, cache=cache
+    )
+
+
+__all__ = [
+    "INTERVENTION_KINDS",
+    "MODES",
+    "DecodeRun",
+    "Engine",
+    "EnginePool",
+    "FakeEngine",
+    "Intervention",
+    "InterventionKind",
+    "Mode",
+    "ScanRun",
+    "StepInfo",
+    "Steps",
+    "Target",
+    "load_engine",
+    "weights_sha256",
+]

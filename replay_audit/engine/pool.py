@@ -1,0 +1,87 @@
+"""Loaded engines, kept per process: a worker loads each (checkpoint, format) once.
+
+Torch-free: the loader (by default `replay_audit.engine.load_engine`) imports torch the first
+time an engine is actually built.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from replay_audit.engine.hashing import safetensors_files, weights_sha256
+from replay_audit.engine.protocol import Engine, Target
+
+Loader = Callable[[Path, Target], Engine]
+_PoolKey = tuple[str, tuple[str, str, str | None, int]]
+
+
+class EnginePool:
+    """Engines keyed by (checkpoint directory, `Target.format_key()`), built on first use.
+
+    Without a `loader`, engines come from `replay_audit.engine.load_engine(dir, target,
+    device=device, cache=cache)`. `max_engines` bounds how many stay loaded (least recently used
+    goes first); None keeps all.
+    Thread-safe: the in-process job runner calls it from threads.
+    """
+
+    def __init__(
+        self,
+        loader: Loader | None = None,
+        *,
+        max_engines: int | None = None,
+        device: str | None = None,
+        cache: Literal["dynamic", "static"] = "dynamic",
+    ) -> None:
+        self._loader = loader
+        self._device = device
+        self._cache: Literal["dynamic", "static"] = cache
+        self._max = max_engines
+        self._engines: OrderedDict[_PoolKey, Engine] = OrderedDict()
+        self._hashes: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}
+        self._lock = threading.RLock()
+
+    def get(self, model_dir: str | Path, target: Target) -> Engine:
+        """The engine for this checkpoint in this numerical configuration (loaded once)."""
+        d = Path(model_dir).resolve()
+        key: _PoolKey = (str(d), target.format_key())
+        with self._lock:
+            engine = self._engines.get(key)
+            if engine is None:
+                engine = self._load(d, target)
+                self._engines[key] = engine
+                if self._max is not None:
+                    while len(self._engines) > self._max:
+                        self._engines.popitem(last=False)
+            self._engines.move_to_end(key)
+            return engine
+
+    def _load(self, d: Path, target: Target) -> Engine:
+        if self._loader is not None:
+            return self._loader(d, target)
+        from replay_audit.engine import load_engine
+
+        return load_engine(d, target, device=self._device, cache=self._cache)
+
+    def weights_sha256(self, model_dir: str | Path) -> str:
+        """`weights_sha256` of the checkpoint, cached while its files keep name, size and
+        modification time."""
+        d = Path(model_dir).resolve()
+        stamp = tuple(
+            (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in safetensors_files(d)
+        )
+        with self._lock:
+            key = (str(d), stamp)
+            if key not in self._hashes:
+                self._hashes[key] = weights_sha256(d)
+            return self._hashes[key]
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._engines.clear()

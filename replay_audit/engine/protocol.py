@@ -1,0 +1,312 @@
+"""What an engine is, and what it returns: plain dataclasses of numpy arrays, no torch.
+
+An `Engine` is one checkpoint loaded in one numerical configuration (a `Target`). It decodes
+greedily with its own KV-cache loop, scans a logged output teacher-forced in one forward, and
+re-runs a single step from scratch. Every step it reports the token it chose, the top-k ids and
+logits of its native lm_head output (exactly converted to float32), the top-2 margin (absolute
+and in ulps of the lm_head format at the top-1 value), and whether the gate fired.
+
+This module imports no torch, so the API process and a worker's import path stay torch-free
+until `replay_audit.engine.load_engine` builds a real engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from replay_audit.diff.margin import DEFAULT_TAU, GateRule, Margin
+from replay_audit.formats import BODY_DTYPES, HEAD_DTYPES, ulp
+
+InterventionKind = Literal["none", "A", "B", "C"]
+INTERVENTION_KINDS: tuple[InterventionKind, ...] = ("none", "A", "B", "C")
+Mode = Literal["decode", "scan", "scan_then_decode"]
+MODES: tuple[Mode, ...] = ("decode", "scan", "scan_then_decode")
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
+
+
+@dataclass(frozen=True)
+class Intervention:
+    """One of the paper's interventions (§4), applied at the steps where the gate fires.
+
+    kind      none: the native argmax (the gate is still evaluated: `gate_fired` then means
+                    "would have fired");
+              A: integer logit bins round(z / τ), argmax, smallest token id wins ties;
+              B: FP32 recompute of the top-`top_k` lm_head rows, then integer bins of τ and
+                 the smallest-id tie-break;
+              C: full-vocabulary FP32 lm_head recompute fp32(W_lm) · fp32(h), argmax.
+    tau       absolute gate threshold (and A/B bin width); 0 = ungated (every step), < 0 = never.
+    tau_ulps  when set, τ at a step is this many ulps of the lm_head format at the top-1 value.
+    top_k     K of intervention B.
+    """
+
+    kind: InterventionKind = "none"
+    tau: float = DEFAULT_TAU
+    tau_ulps: float | None = None
+    top_k: int = 8
+
+    def __post_init__(self) -> None:
+        if self.kind not in INTERVENTION_KINDS:
+            raise ValueError(f"intervention must be one of {INTERVENTION_KINDS}, got {self.kind!r}")
+        if self.top_k < 1:
+            raise ValueError("intervention top_k (K of B) must be at least 1")
+
+    @property
+    def gate(self) -> GateRule:
+        return GateRule(tau=self.tau, tau_ulps=self.tau_ulps)
+
+    def bin_width(self, top1: float, fmt: str) -> float:
+        """τ at this step, the bin width of A and B (0: no binning, plain argmax)."""
+        return max(self.gate.threshold(top1, fmt), 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A numerical configuration to replay in: body dtype, lm_head dtype (None: the body's),
+    attention kernel (None: the engine's default, `sdpa`), batch size (the row of interest is
+    decoded among `batch_size - 1` identical copies, so the kernels see that batch shape), and
+    the intervention applied at gated steps."""
+
+    dtype: str
+    lm_head_dtype: str | None = None
+    attn_kernel: str | None = None
+    batch_size: int = 1
+    intervention: Intervention = Intervention()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in BODY_DTYPES:
+            raise ValueError(f"body dtype must be one of {BODY_DTYPES}, got {self.dtype!r}")
+        if self.lm_head_dtype is not None and self.lm_head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"lm_head dtype must be one of {HEAD_DTYPES}")
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+
+    @property
+    def head_dtype(self) -> str:
+        return self.lm_head_dtype or self.dtype
+
+    def format_key(self) -> tuple[str, str, str | None, int]:
+        """What a loaded engine depends on (the intervention is per call, not per engine)."""
+        return (self.dtype, self.head_dtype, self.attn_kernel, self.batch_size)
+
+    def with_intervention(self, intervention: Intervention) -> Target:
+        return Target(
+            self.dtype, self.lm_head_dtype, self.attn_kernel, self.batch_size, intervention
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_config(cls, config: Any, *, intervention: Intervention | None = None) -> Target:
+        """The target that reproduces a logged `NumericalConfig` (or its dict)."""
+        get = config.get if isinstance(config, dict) else lambda k: getattr(config, k)
+        return cls(
+            dtype=str(get("dtype")),
+            lm_head_dtype=get("lm_head_dtype"),
+            attn_kernel=get("attn_kernel"),
+            batch_size=get("batch_size") or 1,
+            intervention=intervention or Intervention(),
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class Steps:
+    """Per-step records of one arm, as arrays over steps t (row t of each array).
+
+    token_ids         the token chosen (after any intervention)
+    native_token_ids  the argmax of the native logits (smallest id among equal maxima)
+    top_k_ids         (T, k) ids by native logit descending, ties by smaller id
+    top_k_logits      (T, k) native logits exactly converted to float32
+    margins           Δ_t = top-1 - top-2 of the native logits
+    margins_ulps      Δ_t in ulps of the lm_head format at the top-1 value
+    gate_fired        whether the gate fired (with intervention none: would have fired)
+    """
+
+    token_ids: IntArray
+    native_token_ids: IntArray
+    top_k_ids: IntArray
+    top_k_logits: npt.NDArray[np.float32]
+    margins: FloatArray
+    margins_ulps: FloatArray
+    gate_fired: BoolArray
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def changed(self) -> BoolArray:
+        """Steps where the intervention chose a token other than the native argmax."""
+        return np.asarray(self.token_ids != self.native_token_ids)
+
+    def margin_at(self, t: int) -> Margin:
+        return Margin(
+            abs=float(self.margins[t]),
+            ulps=float(self.margins_ulps[t]),
+            top1=float(self.top_k_logits[t, 0]),
+        )
+
+    def slice(self, start: int, stop: int | None = None) -> Steps:
+        s = slice(start, stop)
+        return Steps(
+            self.token_ids[s],
+            self.native_token_ids[s],
+            self.top_k_ids[s],
+            self.top_k_logits[s],
+            self.margins[s],
+            self.margins_ulps[s],
+            self.gate_fired[s],
+        )
+
+    @staticmethod
+    def concat(parts: Sequence[Steps]) -> Steps:
+        return Steps(*(np.concatenate([getattr(p, f) for p in parts]) for f in _STEP_FIELDS))
+
+    @staticmethod
+    def empty(k: int) -> Steps:
+        return Steps(
+            np.zeros(0, np.int64),
+            np.zeros(0, np.int64),
+            np.zeros((0, k), np.int64),
+            np.zeros((0, k), np.float32),
+            np.zeros(0, np.float64),
+            np.zeros(0, np.float64),
+            np.zeros(0, bool),
+        )
+
+
+_STEP_FIELDS = (
+    "token_ids",
+    "native_token_ids",
+    "top_k_ids",
+    "top_k_logits",
+    "margins",
+    "margins_ulps",
+    "gate_fired",
+)
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeRun:
+    """A greedy decode. `output_token_ids` is the whole output, forced prefix included;
+    `steps` covers only the decoded steps, which start at output step `start_step`
+    (= the forced prefix's length)."""
+
+    output_token_ids: list[int]
+    steps: Steps
+    start_step: int
+    stop_reason: Literal["eos", "length"]
+
+    def step_at(self, t: int) -> int:
+        """Row of `steps` for output step t."""
+        if not self.start_step <= t < self.start_step + len(self.steps):
+            raise IndexError(f"step {t} was not decoded (decoded: {self.start_step}..)")
+        return t - self.start_step
+
+
+@dataclass(frozen=True, eq=False)
+class ScanRun:
+    """A teacher-forced scan of a logged output: row t of `steps` is what this engine would
+    choose at output step t given prompt ‖ logged[:t]; `agrees[t]` compares it with logged[t]."""
+
+    steps: Steps
+    agrees: BoolArray
+
+    @property
+    def first_disagreement(self) -> int | None:
+        bad = np.flatnonzero(~self.agrees)
+        return int(bad[0]) if bad.size else None
+
+
+@dataclass(frozen=True, eq=False)
+class StepInfo:
+    """A single step re-run from scratch (no KV cache): the native argmax and margin."""
+
+    token: int
+    top_k_ids: IntArray
+    top_k_logits: npt.NDArray[np.float32]
+    margin: Margin
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One checkpoint loaded in one numerical configuration."""
+
+    @property
+    def target(self) -> Target: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def environment(self) -> dict[str, Any]:
+        """The numerical environment actually in use, with `NumericalConfig`'s keys."""
+        ...
+
+    def decode(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        eos_ids: Sequence[int] = (),
+        intervention: Intervention | None = None,
+        top_k: int = 5,
+        *,
+        forced_prefix: Sequence[int] = (),
+    ) -> DecodeRun:
+        """Greedy decode with a KV cache from prompt ‖ forced_prefix, up to `max_new_tokens`
+        output tokens in all (forced prefix included), stopping after an eos id.
+        `intervention` None means the target's."""
+        ...
+
+    def scan(
+        self,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        intervention: Intervention | None = None,
+        top_k: int = 5,
+    ) -> ScanRun:
+        """One teacher-forced forward over prompt ‖ output: every output position's choice."""
+        ...
+
+    def step(
+        self, prompt_ids: Sequence[int], prefix_ids: Sequence[int], top_k: int = 5
+    ) -> StepInfo:
+        """From-scratch forward over prompt ‖ prefix: the native choice for the next step."""
+        ...
+
+    def detokenize(self, ids: Sequence[int]) -> str | None:
+        """The text of `ids`, or None when the checkpoint has no tokenizer."""
+        ...
+
+
+def steps_from_rows(
+    rows: Sequence[tuple[int, int, Sequence[int], Sequence[float], bool]],
+    head_format: str,
+    k: int,
+) -> Steps:
+    """Build `Steps` from per-step (token, native token, top ids, top logits, gate fired) rows;
+    margins come from the first two logits of each row (used by the fake engine)."""
+    if not rows:
+        return Steps.empty(k)
+    logits = np.asarray([r[3][:k] for r in rows], dtype=np.float32)
+    top1 = logits[:, 0].astype(np.float64)
+    margins = top1 - logits[:, 1].astype(np.float64)
+    ulps = np.asarray([ulp(float(x), head_format) for x in top1])
+    return Steps(
+        token_ids=np.asarray([r[0] for r in rows], np.int64),
+        native_token_ids=np.asarray([r[1] for r in rows], np.int64),
+        top_k_ids=np.asarray([r[2][:k] for r in rows], np.int64),
+        top_k_logits=logits,
+        margins=margins,
+        margins_ulps=margins / ulps,
+        gate_fired=np.asarray([r[4] for r in rows], bool),
+    )
