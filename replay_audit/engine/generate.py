@@ -1,0 +1,183 @@
+"""Log traces with transformers' own `generate()`: the reference producer of `TraceCreate` JSON.
+
+Greedy, in one body dtype (the lm_head in the same dtype, as transformers runs it), with the
+numerical configuration read from the running process and each step's top-k raw logits (the
+model's own, before any logits processor, exactly converted to float32 by transformers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from replay_audit.engine.hashing import weights_sha256
+from replay_audit.engine.loading import (
+    configure_numerics,
+    load_model,
+    numerical_environment,
+    resolve_device,
+)
+from replay_audit.exceptions import EngineError
+from replay_audit.traces.schemas import TraceCreate
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The checkpoint's eos ids: its generation config's, else its tokenizer's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]
+
+
+def sorted_top_k(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row top-k of (T, V) float32 logits: ids and values by value descending, then id
+    ascending (so equal logits are listed in a platform-independent order)."""
+    kk = min(k, logits.shape[-1])
+    vals, ids = torch.topk(logits.float(), kk, dim=-1)
+    v, i = vals.cpu().numpy().astype(np.float32), ids.cpu().numpy().astype(np.int64)
+    for t in range(v.shape[0]):
+        order = np.lexsort((i[t], -v[t].astype(np.float64)))
+        v[t], i[t] = v[t][order], i[t][order]
+    return i, v
+
+
+class TraceGenerator:
+    """A checkpoint loaded once in one dtype, producing traces prompt by prompt."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str = "bf16",
+        attn_kernel: str | None = None,
+        device: str | None = None,
+        model_name: str | None = None,
+        deterministic: bool = True,
+        tf32: bool = False,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        configure_numerics(deterministic=deterministic, tf32=tf32)
+        self.device = resolve_device(device)
+        self.dtype = dtype
+        self.model, self.tokenizer = load_model(self.model_dir, dtype, attn_kernel, self.device)
+        if self.tokenizer is None:
+            raise EngineError(f"{self.model_dir} has no tokenizer: cannot encode prompts")
+        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
+        self.weights_sha256 = weights_sha256(self.model_dir)
+        self.model_name = model_name or self.model_dir.name
+        self.config = self._config()
+
+    def _config(self) -> dict[str, Any]:
+        import transformers
+
+        return numerical_environment(
+            dtype=self.dtype,
+            lm_head_dtype=self.dtype,
+            weight_dtype=self.dtype,
+            device=self.device,
+            attn_kernel=str(self.model.config._attn_implementation),
+            batch_size=1,
+            engine_name="transformers",
+            engine_version=transformers.__version__,
+            extras={"kv_cache": "dynamic", "producer": "replay-audit generate"},
+        )
+
+    def encode(self, text: str) -> list[int]:
+        ids = [int(i) for i in self.tokenizer(text)["input_ids"]]
+        if not ids:
+            raise EngineError("the prompt encodes to no tokens")
+        return ids
+
+    @torch.inference_mode()
+    def generate_ids(
+        self, prompt_ids: Sequence[int], max_new_tokens: int
+    ) -> tuple[list[int], torch.Tensor]:
+        """transformers' greedy `generate()`: output ids and the per-step raw logits (T, V)."""
+        from transformers import GenerationConfig
+
+        config_cls: Any = GenerationConfig
+
+        x = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
+        gc = config_cls(
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.eos_ids or None,
+            pad_token_id=self.eos_ids[0] if self.eos_ids else 0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        out = self.model.generate(
+            input_ids=x, attention_mask=torch.ones_like(x), generation_config=gc
+        )
+        seq = [int(t) for t in out.sequences[0, x.shape[1] :].tolist()]
+        logits = torch.stack([step[0] for step in out.logits]).float()
+        return seq, logits
+
+    def trace(
+        self,
+        prompt: str,
+        *,
+        max_new_tokens: int,
+        top_k: int = 5,
+        external_id: str | None = None,
+        tags: Sequence[str] = (),
+    ) -> dict[str, Any]:
+        """One trace as `TraceCreate` JSON (validated)."""
+        prompt_ids = self.encode(prompt)
+        output_ids, logits = self.generate_ids(prompt_ids, max_new_tokens)
+        ids, vals = sorted_top_k(logits, top_k)
+        stop = "eos" if output_ids and output_ids[-1] in self.eos_ids else "length"
+        body = {
+            "external_id": external_id,
+            "model": {
+                "name": self.model_name,
+                "revision": None,
+                "weights_sha256": self.weights_sha256,
+                "vocab_size": int(self.model.config.vocab_size),
+            },
+            "config": self.config,
+            "decoding": {
+                "strategy": "greedy",
+                "max_new_tokens": max_new_tokens,
+                "eos_token_ids": self.eos_ids,
+                "stop_reason": stop,
+            },
+            "prompt_token_ids": prompt_ids,
+            "output_token_ids": output_ids,
+            "prompt_text": prompt,
+            "output_text": self.tokenizer.decode(output_ids, skip_special_tokens=True),
+            "top_k": {"ids": ids.tolist(), "logits": [[float(x) for x in r] for r in vals]},
+            "tags": list(tags),
+        }
+        return TraceCreate.model_validate(body).model_dump(mode="json")
+
+
+def generate_traces(
+    model_dir: str | Path,
+    prompts: Iterable[tuple[str | None, str]],
+    *,
+    dtype: str = "bf16",
+    max_new_tokens: int = 64,
+    top_k: int = 5,
+    attn_kernel: str | None = None,
+    device: str | None = None,
+    tags: Sequence[str] = (),
+    model_name: str | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Traces of greedy generations, one per (prompt id, prompt text), as `TraceCreate` JSON."""
+    gen = TraceGenerator(
+        model_dir, dtype=dtype, attn_kernel=attn_kernel, device=device, model_name=model_name
+    )
+    for pid, text in prompts:
+        yield gen.trace(
+            text, max_new_tokens=max_new_tokens, top_k=top_k, external_id=pid, tags=tags
+        )

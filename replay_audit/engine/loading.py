@@ -1,0 +1,176 @@
+"""Loading a local checkpoint, setting the numerical flags, and reading the numerical
+environment back from the running process. Imports torch: only the engine's torch modules use
+this."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replay_audit.exceptions import EngineError, UnsupportedFormat
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+#: The attention kernel when none is asked for (transformers' own default).
+DEFAULT_ATTN_KERNEL = "sdpa"
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """`device` None: CUDA when available, else the CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedFormat("device 'cuda' was asked for, but torch sees no CUDA device")
+    return d
+
+
+def configure_numerics(*, deterministic: bool, tf32: bool) -> None:
+    """Set torch's process-wide numerical flags explicitly (never at import time).
+
+    Deterministic algorithms are requested with `warn_only` so an op without a deterministic
+    implementation warns instead of failing a replay; cuBLAS needs its workspace setting before
+    its first use for deterministic results.
+    """
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = False
+    matmul: Any = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        matmul.fp32_precision = "tf32" if tf32 else "ieee"
+        torch.backends.cudnn.conv.fp32_precision = "tf32" if tf32 else "ieee"  # type: ignore[attr-defined]
+    else:  # older torch
+        matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
+def tf32_enabled() -> bool:
+    matmul: Any = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        return bool(matmul.fp32_precision == "tf32")
+    return bool(matmul.allow_tf32)
+
+
+def cublas_version() -> str | None:
+    """cuBLAS's version as loaded in this process (read from the library itself), or None."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcublas.so" in line}
+        lib = ctypes.CDLL(sorted(paths)[0])
+        parts = []
+        for prop in (0, 1, 2):  # MAJOR_VERSION, MINOR_VERSION, PATCH_LEVEL
+            v = ctypes.c_int()
+            if lib.cublasGetProperty(prop, ctypes.byref(v)) != 0:
+                return None
+            parts.append(str(v.value))
+        return ".".join(parts)
+    except (OSError, IndexError, AttributeError):
+        return None
+
+
+def numerical_environment(
+    *,
+    dtype: str,
+    lm_head_dtype: str,
+    weight_dtype: str,
+    device: torch.device,
+    attn_kernel: str,
+    batch_size: int,
+    engine_name: str,
+    engine_version: str | None,
+    extras: dict[str, str | int | float | bool | None] | None = None,
+) -> dict[str, Any]:
+    """The numerical configuration in use, with `NumericalConfig`'s keys, read from torch."""
+    import transformers
+
+    gpu = None
+    kind = "cpu"
+    if device.type == "cuda":
+        kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(idx)
+        gpu = {"name": torch.cuda.get_device_name(idx), "sm": f"{major}.{minor}"}
+    elif device.type in ("mps", "xpu"):
+        kind = device.type
+    cuda_matmul = torch.backends.cuda.matmul
+    return {
+        "dtype": dtype,
+        "lm_head_dtype": lm_head_dtype,
+        "weight_dtype": weight_dtype,
+        "device": kind,
+        "gpu": gpu,
+        "attn_kernel": attn_kernel,
+        "batch_size": batch_size,
+        "tp_degree": 1,
+        "engine": {"name": engine_name, "version": engine_version},
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda if device.type == "cuda" else None,
+        "cublas_version": cublas_version() if device.type == "cuda" else None,
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "tf32": tf32_enabled() if device.type == "cuda" else False,
+        "extras": {
+            "transformers_version": transformers.__version__,
+            "fp16_reduced_precision_reduction": bool(
+                cuda_matmul.allow_fp16_reduced_precision_reduction
+            ),
+            "bf16_reduced_precision_reduction": bool(
+                cuda_matmul.allow_bf16_reduced_precision_reduction
+            ),
+            **(extras or {}),
+        },
+    }
+
+
+def load_model(
+    model_dir: Path, dtype: str, attn_kernel: str | None, device: torch.device
+) -> tuple[Any, Any]:
+    """The checkpoint as a transformers causal LM in `dtype` on `device`, in eval mode, and its
+    tokenizer (None when the directory has none). Local files only."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in TORCH_DTYPES:
+        raise UnsupportedFormat(f"body dtype must be one of {tuple(TORCH_DTYPES)}, got {dtype!r}")
+    model: Any
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir),
+            dtype=TORCH_DTYPES[dtype],
+            attn_implementation=attn_kernel or DEFAULT_ATTN_KERNEL,
+            local_files_only=True,
+        )
+    except (ImportError, ValueError) as exc:
+        # transformers refuses an attention kernel it cannot run here (e.g. flash_attention_2).
+        raise UnsupportedFormat(
+            f"cannot load {model_dir} with attention {attn_kernel!r}: {exc}"
+        ) from exc
+    except OSError as exc:
+        raise EngineError(f"cannot load a checkpoint from {model_dir}: {exc}") from exc
+    model = model.to(device).eval()
+    model.requires_grad_(False)
+    return model, load_tokenizer(model_dir)
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """The checkpoint's tokenizer, or None when the directory has none."""
+    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast as Fast
+
+    fast: Any = Fast
+    with contextlib.suppress(Exception):
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    if (model_dir / "tokenizer.json").is_file():
+        return fast(tokenizer_file=str(model_dir / "tokenizer.json"))
+    return None

@@ -1,0 +1,183 @@
+"""The lm_head in an arm's native format, the per-step choice (margin, gate, interventions A, B
+and C), all in torch. The transformer body is transformers' own; only the head and the choice of
+token are ours, so the numerics that the paper's interventions touch are explicit here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from replay_audit.engine.loading import TORCH_DTYPES
+from replay_audit.engine.protocol import Intervention
+from replay_audit.exceptions import UnsupportedFormat
+from replay_audit.formats import ulp
+
+FP8_E4M3_MAX = 448.0
+#: `torch._scaled_mm` wants the rows of its first operand in multiples of 16.
+_FP8_ROW_MULTIPLE = 16
+
+
+def fp8_supported(device: torch.device) -> tuple[bool, str]:
+    """Whether an FP8-E4M3 lm_head can run on `device`, and why not."""
+    if device.type != "cuda":
+        return (
+            False,
+            "an fp8_e4m3 lm_head needs a CUDA GPU of compute capability >= 8.9; "
+            f"this is {device.type}",
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (
+            False,
+            f"an fp8_e4m3 lm_head needs compute capability >= 8.9; this GPU is {major}.{minor}",
+        )
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        return False, f"torch {torch.__version__} has no FP8 matrix product (_scaled_mm)"
+    return True, ""
+
+
+class LmHead:
+    """The lm_head of one arm: the native projection in the arm's head format, and the FP32
+    recomputes of interventions B and C from the same stored weight.
+
+    16/32-bit heads keep the weight in the head format and compute `F.linear` in it (exactly
+    what transformers' `lm_head` does when the head format is the body's). The FP8-E4M3 head
+    keeps the weight in the body format (BF16 in the paper), quantises it once with a per-tensor
+    scale amax/448, quantises each step's activation with its own per-tensor dynamic scale, and
+    multiplies with `torch._scaled_mm` into the body dtype. C and B upcast the stored weight on
+    the fly (`weight.float()`): there is no persistent FP32 copy unless the head format is fp32.
+    """
+
+    def __init__(self, weight: torch.Tensor, fmt: str, body_dtype: torch.dtype) -> None:
+        self.fmt = fmt
+        w = weight.detach()
+        self._w8: torch.Tensor | None = None
+        self._w_scale: torch.Tensor | None = None
+        self._out_dtype = body_dtype
+        if fmt in TORCH_DTYPES:
+            self.weight = w if w.dtype == TORCH_DTYPES[fmt] else w.to(TORCH_DTYPES[fmt])
+        elif fmt == "fp8_e4m3":
+            ok, why = fp8_supported(w.device)
+            if not ok:
+                raise UnsupportedFormat(why)
+            self.weight = w if w.dtype == body_dtype else w.to(body_dtype)
+            w32 = self.weight.float()
+            self._w_scale = (w32.abs().amax().clamp(min=1e-12) / FP8_E4M3_MAX).reshape(())
+            self._w8 = (w32 / self._w_scale).to(torch.float8_e4m3fn)
+            if self.weight.shape[0] % 16 or self.weight.shape[1] % 16:
+                raise UnsupportedFormat(
+                    "an fp8 lm_head needs vocab and hidden sizes divisible by 16"
+                )
+        else:
+            raise UnsupportedFormat(f"lm_head format {fmt!r} is not supported by this engine")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.weight.shape[0])
+
+    def native(self, h: torch.Tensor) -> torch.Tensor:
+        """Native logits (M, V) of hidden states (M, d): one per-tensor product."""
+        if self._w8 is None:
+            return F.linear(h.to(self.weight.dtype), self.weight)
+        assert self._w_scale is not None
+        m = h.shape[0]
+        h32 = h.float()
+        a_scale = (h32.abs().amax().clamp(min=1e-12) / FP8_E4M3_MAX).reshape(())
+        rows = -(-m // _FP8_ROW_MULTIPLE) * _FP8_ROW_MULTIPLE
+        a8 = torch.zeros(rows, h.shape[1], dtype=torch.float8_e4m3fn, device=h.device)
+        a8[:m] = (h32 / a_scale).to(torch.float8_e4m3fn)
+        out = torch._scaled_mm(
+            a8, self._w8.t(), scale_a=a_scale, scale_b=self._w_scale, out_dtype=self._out_dtype
+        )
+        return out[:m]
+
+    def fp32(self, h: torch.Tensor) -> torch.Tensor:
+        """Intervention C: fp32(W_lm) · fp32(h) over the whole vocabulary, (M, V) float32."""
+        return F.linear(h.float(), self.weight.float())
+
+    def fp32_rows(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Intervention B: fp32(W_lm[ids]) · fp32(h) for one hidden state h (d,), (K,) float32."""
+        return F.linear(h.float().unsqueeze(0), self.weight[ids].float())[0]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One step's decision, on the host."""
+
+    token: int
+    native_token: int
+    top_k_ids: np.ndarray
+    top_k_logits: np.ndarray
+    margin: float
+    margin_ulps: float
+    gate_fired: bool
+
+
+def top_k_on_host(z32: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Top-k ids and float32 logits of one step's logits (V,), sorted by logit descending then
+    id ascending, and the argmax (smallest id among equal maxima), with one device transfer."""
+    kk = min(max(k, 2), z32.shape[-1])
+    vals, ids = torch.topk(z32, kk)
+    native = torch.argmax(z32).reshape(1)
+    packed = torch.cat([vals.double(), ids.double(), native.double()]).cpu().numpy()
+    v = packed[:kk].astype(np.float32)
+    i = packed[kk : 2 * kk].astype(np.int64)
+    order = np.lexsort((i, -v.astype(np.float64)))
+    return i[order], v[order], int(packed[-1])
+
+
+def choose(
+    head: LmHead,
+    z: torch.Tensor,
+    h: torch.Tensor,
+    intervention: Intervention,
+    k: int,
+) -> Choice:
+    """The token at one step from native logits z (V,) and the hidden state h (d,) they came
+    from: margin and gate on the native logits, then the intervention where the gate fired."""
+    z32 = z.float()
+    ids, vals, native = top_k_on_host(z32, k)
+    top1 = float(vals[0])
+    margin = top1 - float(vals[1])
+    fired = intervention.gate.fires(margin, top1, head.fmt)
+    token = native
+    if fired and intervention.kind != "none":
+        token = apply_intervention(
+            head, z32, h, intervention, intervention.bin_width(top1, head.fmt)
+        )
+    return Choice(
+        token=token,
+        native_token=native,
+        top_k_ids=ids[:k],
+        top_k_logits=vals[:k],
+        margin=margin,
+        margin_ulps=margin / ulp(top1, head.fmt),
+        gate_fired=fired,
+    )
+
+
+def integer_argmax(values: torch.Tensor, width: float) -> int:
+    """argmax of round(values / width) (width 0: of the values), the smallest index winning
+    ties. torch.argmax returns the first maximal index, which gives that tie-break."""
+    if width > 0:
+        values = torch.round(values.double() / width)
+    return int(torch.argmax(values))
+
+
+def apply_intervention(
+    head: LmHead, z32: torch.Tensor, h: torch.Tensor, intervention: Intervention, width: float
+) -> int:
+    """The token chosen by intervention A, B or C at a gated step."""
+    if intervention.kind == "A":
+        return integer_argmax(z32, width)
+    if intervention.kind == "B":
+        k = min(intervention.top_k, z32.shape[-1])
+        cand = torch.sort(torch.topk(z32, k).indices).values  # ascending ids: smallest wins ties
+        return int(cand[integer_argmax(head.fp32_rows(h, cand), width)])
+    if intervention.kind == "C":
+        return int(torch.argmax(head.fp32(h.unsqueeze(0))[0]))
+    raise ValueError(f"no intervention {intervention.kind!r}")

@@ -1,0 +1,140 @@
+"""Generate traces with transformers' `generate()`, replay them with the torch engine: the
+issue's end-to-end properties, on the tiny random checkpoint and on the committed small model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from replay_audit.diff import summarize
+from replay_audit.engine import EnginePool, Intervention, Target
+from replay_audit.engine.replayer import compare_arms, replay_trace
+from replay_audit.traces.schemas import TraceCreate
+
+torch = pytest.importorskip("torch")
+
+TINY_PROMPTS = [
+    "The quick brown fox",
+    "def main():",
+    "import os\nimport sys\n",
+    "Once upon a time",
+    "for i in range(10):",
+    "class Foo(object):",
+    "1 + 1 = ",
+    "SELECT * FROM",
+    "Hello, world",
+    "# Copyright",
+    "return self.",
+    "if __name__ ==",
+]
+
+
+@dataclass(frozen=True)
+class Model:
+    dir: Path
+    prompts: tuple[tuple[str, str], ...]
+    max_new_tokens: int
+
+
+@cache
+def _traces(model: Model, dtype: str) -> tuple[dict[str, Any], ...]:
+    from replay_audit.engine.generate import TraceGenerator
+
+    gen = TraceGenerator(model.dir, dtype=dtype, attn_kernel="sdpa", device="cpu")
+    return tuple(
+        gen.trace(text, max_new_tokens=model.max_new_tokens, external_id=pid, tags=["test"])
+        for pid, text in model.prompts
+    )
+
+
+@pytest.fixture(params=["tiny", pytest.param("real", marks=pytest.mark.slow)])
+def model(request: pytest.FixtureRequest) -> Model:
+    if request.param == "tiny":
+        prompts = tuple((f"p{i}", t) for i, t in enumerate(TINY_PROMPTS))
+        return Model(request.getfixturevalue("tiny_dir"), prompts, 32)
+    real: list[tuple[str, str]] = request.getfixturevalue("real_prompts")
+    return Model(request.getfixturevalue("real_dir"), tuple(real[:24]), 48)
+
+
+def _trace_set(model: Model, dtype: str) -> list[TraceCreate]:
+    return [TraceCreate.model_validate(x) for x in _traces(model, dtype)]
+
+
+def test_generated_traces_validate_and_carry_the_environment(model: Model) -> None:
+    traces = _trace_set(model, "bf16")
+    for tr in traces:
+        assert tr.config.dtype == "bf16" and tr.config.attn_kernel == "sdpa"
+        assert tr.config.engine.name == "transformers" and tr.config.torch_version
+        assert tr.top_k is not None and len(tr.top_k.ids) == len(tr.output_token_ids)
+        assert len(tr.top_k.ids[0]) == 5 and tr.decoding.stop_reason in ("eos", "length")
+        assert tr.model.weights_sha256 and tr.prompt_text and tr.output_text is not None
+        assert tr.tags == ["test"]
+        # the logged top-1 is the logged token unless the step was an exact tie
+        for t, tok in enumerate(tr.output_token_ids):
+            assert tok == tr.top_k.ids[t][0] or tr.top_k.logits[t][0] == tr.top_k.logits[t][1]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_self_replay_is_exact(model: Model, pool: EnginePool, dtype: str) -> None:
+    for tr in _trace_set(model, dtype):
+        r = replay_trace(tr, Target(dtype), pool, model_dir=model.dir)
+        assert r.exact_match, (tr.external_id, r.first_divergence_step)
+        assert r.category == "agreed" and r.environment["dtype"] == dtype
+
+
+def test_bf16_traces_replayed_in_fp16(model: Model, pool: EnginePool) -> None:
+    d = model.dir
+    traces = _trace_set(model, "bf16")
+    results = [replay_trace(tr, Target("fp16"), pool, model_dir=d) for tr in traces]
+    exact = [r.exact_match for r in results]
+    assert any(exact) and not all(exact), "the prompt set shows both agreement and divergence"
+    fp16 = pool.get(d, Target("fp16", attn_kernel="sdpa"))
+    for tr, r in zip(traces, results, strict=True):
+        logged, replay = tr.output_token_ids, r.replay_output_token_ids
+        # t* is the first mismatch, found independently here
+        mismatch = next(
+            (i for i, (a, b) in enumerate(zip(logged, replay, strict=False)) if a != b), None
+        )
+        if mismatch is None and len(logged) != len(replay):
+            mismatch = min(len(logged), len(replay))
+        assert r.first_divergence_step == mismatch
+        if mismatch is None:
+            continue
+        assert r.category in ("head_reachable", "kv_dependent", "body_dominated")
+        m = r.margin_at_divergence
+        assert m is not None and m["logged"]["source"] == "logged_top_k"
+        # the scan in FP16 along the logged path agrees with the logged tokens before t*
+        # (teacher-forced = the decode's own inputs up to t*), up to near-ties
+        scan = fp16.scan(tr.prompt_token_ids, logged)
+        before = slice(0, mismatch)
+        assert np.all(scan.agrees[before] | (scan.steps.margins[before] < 1e-2))
+    s = summarize(r.to_dict() for r in results)
+    assert s["n"] == len(traces) and 0 < s["ear"] < 1
+
+
+def test_scan_then_decode_equals_decode(model: Model, pool: EnginePool) -> None:
+    d = model.dir
+    for tr in _trace_set(model, "bf16"):
+        full = replay_trace(tr, Target("fp16"), pool, model_dir=d, mode="decode")
+        fast = replay_trace(tr, Target("fp16"), pool, model_dir=d, mode="scan_then_decode")
+        assert fast.first_divergence_step == full.first_divergence_step, tr.external_id
+        assert fast.category == full.category
+
+
+def test_interventions_on_bf16_vs_fp16(model: Model, pool: EnginePool) -> None:
+    """The both-arms protocol runs for every intervention; the paper's predictions are measured
+    (benchmarks/ and the report), not asserted: only what must hold exactly is."""
+    d = model.dir
+    tr = _trace_set(model, "bf16")[0]
+    for kind in ("none", "A", "B", "C"):
+        iv = Intervention(kind)
+        r = compare_arms(
+            tr, Target("bf16", intervention=iv), Target("fp16", intervention=iv), pool, model_dir=d
+        )
+        assert r.logged_arm is not None and r.steps > 0
+        assert r.changed_steps <= r.gate_triggers  # a token only changes where the gate fired

@@ -1,0 +1,216 @@
+"""The torch engine on CPU, with the tiny random checkpoint (fast) — exact properties only;
+numerics differ across CPUs, so no machine-specific numbers are asserted."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from replay_audit.diff import first_divergence
+from replay_audit.engine import EnginePool, Intervention, Target
+from replay_audit.engine.protocol import Engine
+from replay_audit.engine.testing import TINY_EOS_ID
+from replay_audit.exceptions import UnsupportedFormat
+
+torch = pytest.importorskip("torch")
+
+EngineOf = Callable[..., Engine]
+N = 32  # tokens per decode
+
+
+def test_environment_is_the_actual_one(tiny_engine: EngineOf) -> None:
+    env = tiny_engine("bf16", attn_kernel="eager").environment()
+    assert env["dtype"] == "bf16" and env["lm_head_dtype"] == "bf16"
+    assert env["attn_kernel"] == "eager" and env["device"] == "cpu" and env["gpu"] is None
+    assert env["deterministic"] is True and env["tf32"] is False
+    assert env["torch_version"] == torch.__version__
+    from replay_audit.traces.schemas import NumericalConfig
+
+    NumericalConfig.model_validate(env)  # storable as a numerical configuration
+    assert tiny_engine("fp16").environment()["attn_kernel"] == "sdpa"  # the default, recorded
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_our_loop_equals_transformers_generate(
+    tiny_engine: EngineOf, tiny_prompts: list[list[int]], dtype: str
+) -> None:
+    engine = tiny_engine(dtype, attn_kernel="eager")
+    model = engine.model  # type: ignore[attr-defined]
+    for p in tiny_prompts[:6]:
+        x = torch.tensor([p])
+        with torch.inference_mode():
+            g = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=N,
+                eos_token_id=TINY_EOS_ID,
+                pad_token_id=TINY_EOS_ID,
+            )
+        ours = engine.decode(p, N, [TINY_EOS_ID])
+        assert ours.output_token_ids == g[0, len(p) :].tolist()
+
+
+def test_per_step_records_are_consistent(
+    tiny_engine: EngineOf, tiny_prompts: list[list[int]]
+) -> None:
+    run = tiny_engine("bf16").decode(tiny_prompts[0], N, [TINY_EOS_ID], top_k=4)
+    s = run.steps
+    assert len(s) == len(run.output_token_ids) and run.start_step == 0
+    assert s.top_k_ids.shape == (len(s), 4) and s.top_k_logits.dtype == np.float32
+    assert np.all(s.top_k_logits[:, :-1] >= s.top_k_logits[:, 1:])  # sorted descending
+    assert np.array_equal(s.margins, s.top_k_logits[:, 0].astype(float) - s.top_k_logits[:, 1])
+    # BF16 logits are BF16 values: the margin is a whole number of the smaller value's ulps
+    from replay_audit.diff import ulp_array
+
+    finer = np.minimum(
+        ulp_array(s.top_k_logits[:, 0], "bf16"), ulp_array(s.top_k_logits[:, 1], "bf16")
+    )
+    assert np.array_equal(s.margins / finer, np.round(s.margins / finer))
+    assert np.array_equal(s.token_ids, s.native_token_ids)  # no intervention
+    assert np.array_equal(s.native_token_ids, s.top_k_ids[:, 0]) or np.any(s.margins == 0)
+
+
+@pytest.mark.parametrize("tau", [0.0, -1.0])
+def test_gate_fires_on_every_step_at_tau_0_and_never_below(
+    tiny_engine: EngineOf, tiny_prompts: list[list[int]], tau: float
+) -> None:
+    engine = tiny_engine("fp16")
+    for kind in ("A", "B", "C"):
+        run = engine.decode(tiny_prompts[1], 16, [], Intervention(kind, tau=tau))
+        assert run.steps.gate_fired.all() if tau == 0 else not run.steps.gate_fired.any()
+        if tau < 0:
+            assert np.array_equal(run.steps.token_ids, run.steps.native_token_ids)
+    run = engine.decode(tiny_prompts[1], 16, [], Intervention("C", tau_ulps=0.0))
+    assert run.steps.gate_fired.all()
+
+
+def test_c_logits_are_bitwise_identical_from_identical_hidden_states(
+    tiny_engine: EngineOf,
+) -> None:
+    heads = [tiny_engine(d).head for d in ("fp32", "bf16", "fp16")]  # type: ignore[attr-defined]
+    # the fixture's weights are BF16- and FP16-exact: all arms hold the same lm_head values
+    assert all(torch.equal(heads[0].weight, h.weight.float()) for h in heads)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, heads[0].weight.shape[1], generator=g).to(torch.bfloat16)
+    ref = heads[0].fp32(h.float())
+    for head in heads[1:]:
+        same_h = h.to(head.weight.dtype)  # the same values, held in the arm's format
+        assert torch.equal(head.fp32(same_h), ref)
+    # and C is not the arm's native product
+    assert not torch.equal(heads[1].native(h).float(), ref)
+
+
+def test_b_with_k_equal_to_the_vocabulary_picks_what_c_picks(
+    tiny_engine: EngineOf, tiny_prompts: list[list[int]]
+) -> None:
+    engine = tiny_engine("bf16")
+    vocab = engine.vocab_size
+    for p in tiny_prompts[:8]:
+        # τ = 0: every step is gated and B does no binning, so B(K = |V|) must be C exactly
+        b = engine.decode(p, N, [TINY_EOS_ID], Intervention("B", tau=0.0, top_k=vocab))
+        c = engine.decode(p, N, [TINY_EOS_ID], Intervention("C", tau=0.0))
+        assert b.steps.gate_fired.all() and c.steps.gate_fired.all()
+        assert b.output_token_ids == c.output_token_ids
+
+
+def test_b_bins_the_fp32_values_of_c_at_tau(tiny_engine: EngineOf) -> None:
+    """With τ > 0, B(K = |V|) is the integer argmax of C's FP32 logits in bins of τ (the smallest
+    id winning a shared bin): it equals C wherever C's top two fall in different bins."""
+    from replay_audit.engine.numerics import apply_intervention, integer_argmax
+
+    engine = tiny_engine("fp16")
+    head = engine.head  # type: ignore[attr-defined]
+    hs = engine.hidden_states(list(range(40, 100)))  # type: ignore[attr-defined]
+    tau = 0.05
+    b_iv = Intervention("B", tau=tau, top_k=engine.vocab_size)
+    same = 0
+    for h in hs:
+        z32 = head.native(h[None])[0].float()
+        c32 = head.fp32(h[None])[0]
+        b = apply_intervention(head, z32, h, b_iv, tau)
+        assert b == integer_argmax(c32, tau)
+        c = apply_intervention(head, z32, h, Intervention("C"), tau)
+        top2 = torch.topk(c32, 2).values.double()
+        if torch.round(top2[0] / tau) != torch.round(top2[1] / tau):
+            assert b == c
+            same += 1
+    assert same > 0
+
+
+def test_intervention_a_bins_and_breaks_ties_by_smallest_id() -> None:
+    from replay_audit.engine.numerics import integer_argmax
+
+    z = torch.tensor([1.0, 3.0004, 2.0, 3.0001, 3.0009])
+    assert integer_argmax(z, 0.0) == 4
+    assert integer_argmax(z, 1e-3) == 4  # bins 3000, 3000, 3001: id 4 still wins
+    assert integer_argmax(z, 1e-2) == 1  # all of 1, 3 and 4 in bin 300: smallest id wins
+
+
+def test_scan_matches_the_decode_on_its_own_path(
+    tiny_engine: EngineOf, tiny_prompts: list[list[int]]
+) -> None:
+    engine = tiny_engine("fp32")
+    for p in tiny_prompts[:6]:
+        run = engine.decode(p, N, [TINY_EOS_ID])
+        scan = engine.scan(p, run.output_token_ids)
+        assert len(scan.steps) == len(run.output_token_ids)
+        # one batched forward vs a KV-cache loop: only a near-tie could differ
+        assert np.all(scan.agrees | (run.steps.margins < 1e-4))
+        np.testing.assert_allclose(scan.steps.margins, run.steps.margins, atol=1e-3)
+
+
+def test_single_step_rerun_is_the_scan_at_that_position(
+    tiny_engine: EngineOf, tiny_prompts: list[list[int]]
+) -> None:
+    engine = tiny_engine("bf16")
+    p = tiny_prompts[2]
+    out = engine.decode(p, 12, []).output_token_ids
+    scan = engine.scan(p, out)
+    for t in (0, 5, 11):
+        s = engine.step(p, out[:t])
+        assert s.token == int(scan.steps.native_token_ids[t])
+        assert s.margin.abs == pytest.approx(float(scan.steps.margins[t]), abs=0.2)
+
+
+def test_forced_prefix_decodes_from_the_given_step(
+    tiny_engine: EngineOf, tiny_prompts: list[list[int]]
+) -> None:
+    engine = tiny_engine("fp32")
+    p = tiny_prompts[3]
+    full = engine.decode(p, 20, [])
+    part = engine.decode(p, 20, [], forced_prefix=full.output_token_ids[:7])
+    assert part.start_step == 7 and len(part.steps) == 13
+    assert part.output_token_ids == full.output_token_ids
+    done = engine.decode(p, 20, [], forced_prefix=full.output_token_ids)
+    assert len(done.steps) == 0 and done.output_token_ids == full.output_token_ids
+
+
+def test_batch_size_runs_the_row_among_copies(
+    tiny_engine: EngineOf, tiny_prompts: list[list[int]]
+) -> None:
+    engine = tiny_engine("fp32", batch_size=3)
+    assert engine.environment()["batch_size"] == 3
+    run = engine.decode(tiny_prompts[0], 12, [])
+    ref = tiny_engine("fp32").decode(tiny_prompts[0], 12, [])
+    # fp32 on the same CPU: copies in a batch do not change a greedy choice of this model
+    assert first_divergence(run.output_token_ids, ref.output_token_ids) is None
+
+
+def test_fp8_head_is_refused_off_gpu(pool: EnginePool, tiny_dir: Path) -> None:
+    with pytest.raises(UnsupportedFormat, match="compute capability"):
+        pool.get(tiny_dir, Target("bf16", lm_head_dtype="fp8_e4m3"))
+    with pytest.raises(UnsupportedFormat, match="fp8_e5m2"):
+        pool.get(tiny_dir, Target("bf16", lm_head_dtype="fp8_e5m2"))
+
+
+def test_mixed_head_format(tiny_engine: EngineOf, tiny_prompts: list[list[int]]) -> None:
+    engine = tiny_engine("bf16", lm_head_dtype="fp32")
+    env = engine.environment()
+    assert env["dtype"] == "bf16" and env["lm_head_dtype"] == "fp32"
+    run = engine.decode(tiny_prompts[0], 8, [])
+    # an FP32 head's margins are measured in FP32 ulps: far more of them than in BF16's
+    assert np.all(run.steps.margins_ulps[run.steps.margins > 0] > 1000)
