@@ -20,7 +20,7 @@ def _banner_for_key(key: str, project: str) -> str:
     return (
         f"{line}\nFirst start: created an admin API key for project {project!r}.\n"
         f"It is shown this once; only its hash is stored.\n\n    {key}\n\n"
-        f'Use it as:  curl -H "X-API-Key: {key}" ...\n{line}'
+        f'Send it in the X-API-Key header (curl -H "X-API-Key: <key>" ...).\n{line}'
     )
 
 
