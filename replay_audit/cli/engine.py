@@ -1,5 +1,269 @@
-"""Engine commands, no server needed: hash-model, generate, replay."""
+"""Engine commands, no server needed: `hash-model`, `generate`, `replay`.
+
+Torch is imported inside the commands that need it, so `replay-audit --help` and `hash-model`
+stay fast and torch-free.
+"""
 
 from __future__ import annotations
 
-from replay_audit.cli import app  # noqa: F401
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from replay_audit.cli import app
+
+_DTYPES = ("fp32", "bf16", "fp16")
+_HEAD_DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+
+
+def _fail(message: str) -> NoReturn:
+    """A clear message on stderr and exit code 2 (no traceback)."""
+    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    raise typer.Exit(code=2)
+
+
+def _choice(value: str | None, allowed: tuple[str, ...], option: str) -> None:
+    if value is not None and value not in allowed:
+        _fail(f"{option} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        _fail(f"cannot read {path}: {e.strerror}")
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            _fail(f"{path}:{n}: not JSON ({e.msg})")
+        if not isinstance(row, dict):
+            _fail(f"{path}:{n}: each line must be a JSON object")
+        yield n, row
+
+
+def _progress() -> Any:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+
+
+@app.command("hash-model")
+def hash_model(
+    model_dir: Annotated[Path, typer.Argument(help="Checkpoint directory (*.safetensors).")],
+) -> None:
+    """Print the checkpoint's weights_sha256 (docs/weights-sha256.md gives the rule)."""
+    from replay_audit.engine.hashing import NoWeightsError, weights_sha256
+
+    try:
+        typer.echo(weights_sha256(model_dir))
+    except NoWeightsError as e:
+        _fail(e.message)
+
+
+@app.command()
+def generate(
+    model: Annotated[Path, typer.Option(help="Local Hugging Face checkpoint directory.")],
+    prompts: Annotated[Path, typer.Option(help='JSONL of {"id": ..., "prompt": ...}.')],
+    out: Annotated[Path, typer.Option(help="Where to write the traces (JSONL).")],
+    dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16.")] = "bf16",
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    top_k: Annotated[int, typer.Option(min=1, max=20, help="Top-k logged per step.")] = 5,
+    attn_kernel: Annotated[str | None, typer.Option(help="eager, sdpa, ...")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
+    tag: Annotated[list[str] | None, typer.Option(help="Tag for every trace (repeatable).")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Only the first N prompts.")] = None,
+    model_name: Annotated[str | None, typer.Option(help="model.name (default: dir name).")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
+) -> None:
+    """Log greedy generations with transformers' own generate(), as POST /v1/traces JSON."""
+    _choice(dtype, _DTYPES, "--dtype")
+    rows = [row for _, row in _read_jsonl(prompts)]
+    for i, row in enumerate(rows):
+        if not isinstance(row.get("prompt"), str):
+            _fail(f"{prompts}: prompt {i + 1} has no string 'prompt' field")
+    rows = rows[:limit] if limit else rows
+    _set_threads(threads)
+    from replay_audit.engine.generate import TraceGenerator
+    from replay_audit.exceptions import ReplayAuditError
+
+    try:
+        gen = TraceGenerator(
+            model, dtype=dtype, attn_kernel=attn_kernel, device=device, model_name=model_name
+        )
+    except ReplayAuditError as e:
+        _fail(e.message)
+    n = 0
+    with out.open("w", encoding="utf-8") as f, _progress() as bar:
+        task = bar.add_task("generate", total=len(rows))
+        for row in rows:
+            pid = row.get("id")
+            trace = gen.trace(
+                row["prompt"],
+                max_new_tokens=max_new_tokens,
+                top_k=top_k,
+                external_id=None if pid is None else str(pid),
+                tags=tag or [],
+            )
+            f.write(json.dumps(trace, allow_nan=False) + "\n")
+            n += 1
+            bar.advance(task)
+    typer.echo(
+        f"wrote {n} traces to {out} ({dtype}, {gen.config['attn_kernel']}, "
+        f"{gen.config['device']}, weights_sha256 {gen.weights_sha256[:12]}...)"
+    )
+
+
+@app.command()
+def replay(
+    traces: Annotated[Path, typer.Argument(help="JSONL of traces (POST /v1/traces JSON).")],
+    model: Annotated[Path, typer.Option(help="Local Hugging Face checkpoint directory.")],
+    dtype: Annotated[str, typer.Option(help="Body dtype to replay in: fp32, bf16, fp16.")],
+    out: Annotated[Path, typer.Option(help="Where to write one result per trace (JSONL).")],
+    lm_head_dtype: Annotated[
+        str | None, typer.Option(help="lm_head format (default: dtype).")
+    ] = None,
+    attn_kernel: Annotated[str | None, typer.Option(help="Default: each trace's own.")] = None,
+    intervention: Annotated[str, typer.Option(help="none, A, B or C.")] = "none",
+    tau: Annotated[float | None, typer.Option(help="Gate threshold (default 1e-3).")] = None,
+    tau_ulps: Annotated[float | None, typer.Option(help="Gate threshold in ulps.")] = None,
+    top_k_b: Annotated[int, typer.Option(min=1, help="K of intervention B.")] = 8,
+    mode: Annotated[str, typer.Option(help="decode, scan or scan_then_decode.")] = "decode",
+    batch_size: Annotated[int, typer.Option(min=1)] = 1,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
+    top_k: Annotated[int, typer.Option(min=2, max=20, help="Top-k kept per step.")] = 5,
+    extractor: Annotated[str | None, typer.Option(help="Answer extractor, e.g. gsm8k.")] = None,
+    summary_json: Annotated[Path | None, typer.Option(help="Also write the summary here.")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
+) -> None:
+    """Replay each trace in the target configuration and diff it with the logged output."""
+    from pydantic import ValidationError
+
+    from replay_audit.diff import summarize
+    from replay_audit.engine import EnginePool, Intervention, Target
+    from replay_audit.engine.hashing import NoWeightsError
+    from replay_audit.engine.replayer import replay_trace
+    from replay_audit.exceptions import ReplayAuditError
+    from replay_audit.traces.schemas import TraceCreate
+
+    _choice(dtype, _DTYPES, "--dtype")
+    _choice(lm_head_dtype, _HEAD_DTYPES, "--lm-head-dtype")
+    _choice(intervention, ("none", "A", "B", "C"), "--intervention")
+    _choice(mode, ("decode", "scan", "scan_then_decode"), "--mode")
+    if tau is not None and tau_ulps is not None:
+        _fail("give --tau or --tau-ulps, not both")
+    iv = Intervention(
+        kind=intervention,  # type: ignore[arg-type]
+        tau=1e-3 if tau is None else tau,
+        tau_ulps=tau_ulps,
+        top_k=top_k_b,
+    )
+    target = Target(dtype, lm_head_dtype, attn_kernel, batch_size, iv)
+
+    parsed: list[TraceCreate] = []
+    for n, row in _read_jsonl(traces):
+        try:
+            parsed.append(TraceCreate.model_validate(row))
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(x) for x in err["loc"])
+            _fail(f"{traces}:{n}: not a valid trace: {where}: {err['msg']}")
+    if not parsed:
+        _fail(f"{traces} holds no trace")
+    pool = EnginePool(device=device)
+    try:
+        sha = pool.weights_sha256(model)
+    except NoWeightsError as e:
+        _fail(e.message)
+    for tr in parsed:
+        if tr.model.weights_sha256 != sha:
+            _fail(
+                f"checkpoint {model} has weights_sha256 {sha}, but trace "
+                f"{tr.external_id or '(no external_id)'} was logged with "
+                f"{tr.model.weights_sha256}: refusing to replay it against other weights"
+            )
+
+    _set_threads(threads)
+    results: list[dict[str, Any]] = []
+    with out.open("w", encoding="utf-8") as f, _progress() as bar:
+        task = bar.add_task(f"replay in {dtype}", total=len(parsed))
+        for tr in parsed:
+            try:
+                r = replay_trace(
+                    tr,
+                    target,
+                    pool,
+                    model_dir=model,
+                    mode=mode,  # type: ignore[arg-type]
+                    top_k=top_k,
+                    extractor=extractor,
+                    check_weights=False,
+                )
+            except ReplayAuditError as e:
+                _fail(e.message)
+            d = r.to_dict()
+            f.write(json.dumps(d, allow_nan=False) + "\n")
+            results.append(d)
+            bar.advance(task)
+    summary = summarize(results)
+    summary["target"] = target.to_dict()
+    summary["mode"] = mode
+    _print_summary(summary)
+    if summary_json is not None:
+        summary_json.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    typer.echo(f"wrote {len(results)} results to {out}")
+
+
+def _fmt(x: Any, spec: str = "") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = s["target"]
+    iv = t["intervention"]
+    gate = f"tau_ulps={iv['tau_ulps']}" if iv["tau_ulps"] is not None else f"tau={iv['tau']}"
+    title = (
+        f"replay in {t['dtype']}"
+        + (f" (lm_head {t['lm_head_dtype']})" if t["lm_head_dtype"] else "")
+        + f", intervention {iv['kind']} ({gate}), mode {s['mode']}"
+    )
+    table = Table(title=title, show_header=True)
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    ts = s["t_star"]
+    rows = [
+        ("traces (n)", str(s["n"])),
+        ("exact agreement (EAR)", f"{_fmt(s['ear'], '.1%')} ({s['exact']}/{s['n']})"),
+        ("trigger rate", f"{_fmt(s['trigger_rate'], '.2%')} ({s['gate_triggers']}/{s['steps']})"),
+        ("mean gap", _fmt(s["mean_gap"], ".4g")),
+        ("t* min / median / max", f"{_fmt(ts['min'])} / {_fmt(ts['median'])} / {_fmt(ts['max'])}"),
+    ]
+    rows += [(f"category {k}", str(v)) for k, v in s["categories"].items()]
+    if s["sar"] is not None:
+        rows.append(("semantic agreement (SAR)", _fmt(s["sar"], ".1%")))
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)

@@ -1,0 +1,210 @@
+"""`replay-audit hash-model`, `generate` and `replay` on the tiny random checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from replay_audit.cli import app
+from replay_audit.traces.schemas import TraceCreate
+
+pytest.importorskip("torch")
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from replay_audit.engine.testing import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def traces(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("cli")
+    prompts = d / "prompts.jsonl"
+    texts = ["The quick brown fox", "def main():", "Once upon a time", "import os", "x = 1"]
+    prompts.write_text(
+        "".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(texts))
+    )
+    out = d / "traces.jsonl"
+    r = runner.invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(ckpt),
+            "--dtype",
+            "bf16",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "16",
+            "--out",
+            str(out),
+            "--tag",
+            "cli",
+            "--tag",
+            "run=1",
+            "--limit",
+            "4",
+            "--attn-kernel",
+            "eager",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_hash_model_follows_the_documented_rule(ckpt: Path) -> None:
+    files = sorted(p for p in ckpt.iterdir() if p.name.endswith(".safetensors"))
+    text = "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in files)
+    r = runner.invoke(app, ["hash-model", str(ckpt)])
+    assert r.exit_code == 0
+    assert r.output.strip() == hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_hash_model_without_weights_exits_2(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["hash-model", str(tmp_path)])
+    assert r.exit_code == 2 and "safetensors" in r.output
+
+
+def test_generate_writes_valid_traces(traces: Path) -> None:
+    rows = [json.loads(x) for x in traces.read_text().splitlines()]
+    assert len(rows) == 4  # --limit
+    for i, row in enumerate(rows):
+        tr = TraceCreate.model_validate(row)
+        assert tr.external_id == f"p{i}" and tr.tags == ["cli", "run=1"]
+        assert tr.config.attn_kernel == "eager" and tr.config.dtype == "bf16"
+        assert tr.decoding.max_new_tokens == 16 and tr.top_k is not None
+
+
+def test_replay_self_is_exact_and_summarised(ckpt: Path, traces: Path, tmp_path: Path) -> None:
+    out, summary = tmp_path / "results.jsonl", tmp_path / "summary.json"
+    r = runner.invoke(
+        app,
+        [
+            "replay",
+            str(traces),
+            "--model",
+            str(ckpt),
+            "--dtype",
+            "bf16",
+            "--out",
+            str(out),
+            "--summary-json",
+            str(summary),
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    results = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(results) == 4 and all(x["exact_match"] for x in results)
+    s = json.loads(summary.read_text())
+    assert s["ear"] == 1.0 and s["categories"]["agreed"] == 4
+    assert "EAR" in r.output and "100.0%" in r.output
+
+
+def test_replay_in_fp16_with_c_and_scan_mode(ckpt: Path, traces: Path, tmp_path: Path) -> None:
+    out = tmp_path / "results.jsonl"
+    r = runner.invoke(
+        app,
+        [
+            "replay",
+            str(traces),
+            "--model",
+            str(ckpt),
+            "--dtype",
+            "fp16",
+            "--out",
+            str(out),
+            "--intervention",
+            "C",
+            "--tau-ulps",
+            "2",
+            "--mode",
+            "scan_then_decode",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    for x in map(json.loads, out.read_text().splitlines()):
+        assert x["mode"] == "scan_then_decode" and x["target"]["intervention"]["kind"] == "C"
+        assert x["target"]["intervention"]["tau_ulps"] == 2.0
+        assert x["environment"]["dtype"] == "fp16"
+
+
+def test_replay_refuses_other_weights(ckpt: Path, traces: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(ckpt, other)
+    with (other / "model.safetensors").open("ab") as f:
+        f.write(b"\0")  # one more byte: other weights
+    r = runner.invoke(
+        app,
+        [
+            "replay",
+            str(traces),
+            "--model",
+            str(other),
+            "--dtype",
+            "fp16",
+            "--out",
+            str(tmp_path / "r.jsonl"),
+        ],
+    )
+    assert r.exit_code == 2
+    assert "weights_sha256" in r.output and "refusing" in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)  # no traceback
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--dtype", "fp64"], "--dtype must be one of"),
+        (["--dtype", "fp16", "--tau", "0.1", "--tau-ulps", "2"], "not both"),
+        (["--dtype", "fp16", "--intervention", "D"], "--intervention must be one of"),
+        (["--dtype", "fp16", "--mode", "fast"], "--mode must be one of"),
+    ],
+)
+def test_replay_rejects_bad_options(
+    ckpt: Path, traces: Path, tmp_path: Path, args: list[str], message: str
+) -> None:
+    r = runner.invoke(
+        app,
+        ["replay", str(traces), "--model", str(ckpt), "--out", str(tmp_path / "r.jsonl"), *args],
+    )
+    assert r.exit_code == 2 and message in r.output
+
+
+def test_replay_rejects_a_bad_trace_line(ckpt: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"model": {}}\n')
+    r = runner.invoke(
+        app,
+        [
+            "replay",
+            str(bad),
+            "--model",
+            str(ckpt),
+            "--dtype",
+            "fp16",
+            "--out",
+            str(tmp_path / "r"),
+        ],
+    )
+    assert r.exit_code == 2 and "bad.jsonl:1: not a valid trace" in r.output
