@@ -15,3 +15,4 @@ app = typer.Typer(
 # Registration order is the order in --help.
 from replay_audit.cli import service as _service  # noqa: E402,F401
 from replay_audit.cli import engine as _engine  # noqa: E402,F401
+from replay_audit.cli import worker as _worker  # noqa: E402,F401

@@ -16,9 +16,10 @@ from sqlalchemy.orm import Session
 from replay_audit.db.ids import new_public_id
 from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import FieldError, NotFound
-from replay_audit.queue import JobSpec, Runner
+from replay_audit.queue import Runner
 from replay_audit.replays import repository
 from replay_audit.replays.models import ReplayResult, ReplayRun
+from replay_audit.replays.reconcile import job_spec
 from replay_audit.replays.schemas import (
     MAX_REPLAY_TRACES,
     Page,
@@ -33,8 +34,6 @@ from replay_audit.traces.models import NumericalConfigRow, Trace, TraceTag
 #: Traces per job: small enough that a killed job loses little, large enough that a GPU worker
 #: keeps its model busy between queue round trips.
 TRACES_PER_JOB: Final = 16
-#: The dotted path the runners import in the worker process (never in the API process).
-JOB_FUNCTION: Final = "replay_audit.worker.jobs.run_replay_job"
 #: Formats an in-process (CPU) runner cannot replay.
 CUDA_ONLY_HEAD_DTYPES: Final = frozenset({"fp8_e4m3", "fp8_e5m2"})
 
@@ -164,16 +163,7 @@ def create_replay(
         schedule_id=schedule_id,
     )
     job_ids = repository.add_run(session, run, chunks)
-    specs = [
-        JobSpec(
-            func=JOB_FUNCTION,
-            args=(job_id,),
-            job_id=f"replay-job-{job_id}",
-            queue=queue,
-            timeout_s=job_timeout_s,
-        )
-        for job_id in job_ids
-    ]
+    specs = [job_spec(job_id, queue, job_timeout_s) for job_id in job_ids]
 
     def enqueue_all() -> None:
         for spec in specs:

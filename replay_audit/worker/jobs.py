@@ -33,6 +33,10 @@ from replay_audit.worker.models import ModelNotFound, find_checkpoint
 
 log = logging.getLogger(__name__)
 
+#: A job started this many times without finishing is failed for good: its remaining traces get
+#: failed results saying so, and the run completes instead of looping forever.
+MAX_JOB_ATTEMPTS = 5
+
 _pool: EnginePool | None = None
 _pool_lock = threading.Lock()
 
@@ -72,6 +76,11 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
         job = s.get(ReplayJob, job_id)
         if job is None or job.status == "done":
             return
+        if job.attempts >= MAX_JOB_ATTEMPTS:
+            repository.fail_job(
+                s, job_id, f"gave up after {job.attempts} attempts (worker killed or crashing)"
+            )
+            return
         run = s.get(ReplayRun, job.run_id)
         assert run is not None  # FK
         now = utcnow()
@@ -99,6 +108,7 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
         )
         with session_scope(url) as s:
             repository.insert_results(s, spec.run_id, trace_id, rows)
+            repository.touch_job(s, job_id)  # the heartbeat the reconciler reads
 
     with session_scope(url) as s:
         repository.finish_job(s, job_id)

@@ -1,0 +1,97 @@
+"""Worker-side commands: worker, scheduler, reconcile."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Annotated
+
+import typer
+
+from replay_audit.cli import app
+
+
+@app.command()
+def worker(
+    queue: Annotated[
+        list[str], typer.Option("--queue", "-q", help="Queue(s) to serve: gpu, cpu.")
+    ] = ["gpu"],  # noqa: B006 (typer reads the default, never mutates it)
+    burst: Annotated[bool, typer.Option(help="Exit when the queues are empty.")] = False,
+    device: Annotated[
+        str | None, typer.Option(help="cpu, cuda or cuda:N (default: CUDA when available).")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="Worker name shown by `rq info`.")] = None,
+) -> None:
+    """Run an RQ worker that replays traces (`REPLAY_AUDIT_RUNNER=rq`).
+
+    One process per GPU (`CUDA_VISIBLE_DEVICES`). It is a SimpleWorker: jobs run in this
+    process, so each checkpoint is loaded once and stays loaded (forking after CUDA
+    initialisation is unsafe, and reloading per job would dominate the time)."""
+    from redis import Redis
+    from rq import Queue, SimpleWorker
+
+    from replay_audit.config import get_settings
+    from replay_audit.engine.pool import EnginePool
+    from replay_audit.worker.jobs import set_engine_pool
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    settings = get_settings()
+    set_engine_pool(EnginePool(max_engines=8, device=device))
+    connection = Redis.from_url(settings.redis_url)
+    queues = [Queue(q, connection=connection) for q in queue]
+    w = SimpleWorker(queues, connection=connection, name=name)
+    # with_scheduler: RQ's Retry intervals need a scheduler to move retries back to the queue.
+    w.work(burst=burst, with_scheduler=True)
+
+
+@app.command()
+def reconcile(
+    stale_after_s: Annotated[
+        float, typer.Option(help="A running job silent this long is presumed dead.")
+    ] = 900.0,
+) -> None:
+    """Re-enqueue replay jobs the database says are unfinished but no runner holds
+    (after a Redis flush, or a worker killed mid-job)."""
+    from replay_audit.config import get_settings
+    from replay_audit.db.unit_of_work import session_scope
+    from replay_audit.queue import get_runner
+    from replay_audit.replays.reconcile import reconcile as run_reconcile
+
+    settings = get_settings()
+    with session_scope(settings.database_url) as session:
+        again = run_reconcile(
+            session,
+            get_runner(settings),
+            stale_after_s=stale_after_s,
+            job_timeout_s=settings.job_timeout_s,
+        )
+    typer.echo(f"re-enqueued {len(again)} job(s)" + (f": {again}" if again else ""))
+
+
+@app.command()
+def scheduler(
+    interval_s: Annotated[float, typer.Option(help="Seconds between passes.")] = 30.0,
+    stale_after_s: Annotated[float, typer.Option()] = 900.0,
+) -> None:
+    """Run exactly one of these in production: every `interval_s` it reconciles the queue with
+    the database (and runs due audit schedules, once they exist)."""
+    from replay_audit.config import get_settings
+    from replay_audit.db.unit_of_work import session_scope
+    from replay_audit.queue import get_runner
+    from replay_audit.replays.reconcile import reconcile as run_reconcile
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    settings = get_settings()
+    runner = get_runner(settings)
+    while True:
+        try:
+            with session_scope(settings.database_url) as session:
+                run_reconcile(
+                    session,
+                    runner,
+                    stale_after_s=stale_after_s,
+                    job_timeout_s=settings.job_timeout_s,
+                )
+        except Exception:  # keep the loop alive: the next pass retries
+            logging.getLogger(__name__).exception("reconcile pass failed")
+        time.sleep(interval_s)
