@@ -6,12 +6,13 @@ in-process job runner and scheduler, and the committed small model as a checkpoi
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Final, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 PACKAGE_DIR: Final = Path(__file__).resolve().parent
 #: The committed small Llama checkpoint used by the demo and the tests.
@@ -41,7 +42,9 @@ class Settings(BaseSettings):
     runner: Literal["inprocess", "rq"] = "inprocess"
     redis_url: str = "redis://127.0.0.1:6379/0"
     #: Directories searched (one level deep) for checkpoints, matched by weights_sha256.
-    model_dirs: list[Path] = Field(default_factory=lambda: [BUNDLED_MODEL_DIR])
+    model_dirs: Annotated[list[Path], NoDecode] = Field(
+        default_factory=lambda: [BUNDLED_MODEL_DIR]
+    )
     max_request_bytes: int = 256 * 1024 * 1024
     #: Seconds before RQ kills a replay job (RQ's own default of 180 s is too short for a GPU).
     job_timeout_s: int = 3600
@@ -54,7 +57,9 @@ class Settings(BaseSettings):
     @field_validator("model_dirs", mode="before")
     @classmethod
     def _split_dirs(cls, v: object) -> object:
-        if isinstance(v, str) and not v.lstrip().startswith("["):
+        if isinstance(v, str):
+            if v.lstrip().startswith("["):
+                return json.loads(v)
             return [p for p in v.split(":") if p]
         return v
 

@@ -19,14 +19,16 @@ from replay_audit.api.errors import install_error_handlers
 from replay_audit.api.health import router as health_router
 from replay_audit.config import Settings, get_settings
 from replay_audit.db.engine import get_engine, get_sessionmaker
+from replay_audit.queue import get_runner
 from replay_audit.traces.schemas import TraceBatchCreate, TraceCreate
 
 
 def _routers() -> list[APIRouter]:
     from replay_audit.auth.endpoints import router as keys_router
+    from replay_audit.replays.endpoints import router as replays_router
     from replay_audit.traces.endpoints import router as traces_router
 
-    return [health_router, traces_router, keys_router]
+    return [health_router, traces_router, replays_router, keys_router]
 
 
 #: Request bodies read raw by their endpoints (for speed and the size limit), so FastAPI does
@@ -68,6 +70,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = get_engine(settings.database_url)
     app.state.sessionmaker = get_sessionmaker(settings.database_url)
+    #: The job runner (in-process thread or RQ); tests may replace it.
+    app.state.runner = get_runner(settings)
     install_error_handlers(app)
     for router in _routers():
         app.include_router(router)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Response, status
+from fastapi import APIRouter, Depends, Query, Request, Response, status
 
 from replay_audit.api.deps import AppSettings, DBSession, require_role
 from replay_audit.auth.models import Role
 from replay_audit.auth.schemas import Principal
-from replay_audit.queue import get_runner
 from replay_audit.replays import service
 from replay_audit.replays.schemas import Page, ReplayCreate, ReplayCreated, ReplayRead
 
@@ -30,6 +29,7 @@ def create_replay(
     session: DBSession,
     settings: AppSettings,
     principal: Writer,
+    request: Request,
     response: Response,
 ) -> ReplayCreated:
     """Replay stored traces in one or more target configurations (queued; poll the run)."""
@@ -37,7 +37,7 @@ def create_replay(
         session,
         principal.project_id,
         body,
-        get_runner(settings),
+        request.app.state.runner,
         runner_kind=settings.runner,
         job_timeout_s=settings.job_timeout_s,
     )

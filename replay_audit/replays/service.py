@@ -126,7 +126,7 @@ def create_replay(
                     f"targets[{i}]: the embedded runner replays on the CPU; "
                     f"{t.get('lm_head_dtype') or 'cuda'} needs a CUDA worker with SM >= 8.9 "
                     "(set REPLAY_AUDIT_RUNNER=rq and run `replay-audit worker --queue gpu`)",
-                    field=f"targets.{i}",
+                    field=f"targets[{i}]",
                 )
 
     traces = _select_traces(session, project_id, request)

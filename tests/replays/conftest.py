@@ -1,0 +1,120 @@
+"""Fixtures for replay runs: a fake "model" in two formats, traces logged by its BF16 arm, a
+checkpoint directory the worker finds by weights_sha256, and a runner that holds jobs until the
+test runs them.
+
+The fake model: the next token is a hash of the context with a comfortable margin, except at
+"close calls" (contexts whose sum is divisible by 7) where the margin is 5e-4, below the paper's
+τ = 1e-3, and the FP16 arm picks the runner-up. Intervention C picks what BF16 picks there, so it
+repairs every such flip; the flip also reproduces from scratch (head_reachable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from replay_audit.config import get_settings
+from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
+from replay_audit.queue import JobSpec
+from replay_audit.worker import jobs
+
+VOCAB = 97
+CLOSE_MARGIN = 5e-4
+
+
+def _close(context: tuple[int, ...]) -> bool:
+    return sum(context) % 7 == 0
+
+
+def bf16_next(context: tuple[int, ...]) -> tuple[int, float]:
+    token = (sum(context) * 31 + len(context)) % VOCAB
+    return token, CLOSE_MARGIN if _close(context) else 1.0
+
+
+def fp16_next(context: tuple[int, ...]) -> tuple[int, float]:
+    token, margin = bf16_next(context)
+    return ((token + 1) % VOCAB, margin) if _close(context) else (token, margin)
+
+
+def fake_loader(directory: Path, target: Target) -> FakeEngine:
+    fn = fp16_next if target.dtype == "fp16" else bf16_next
+    return FakeEngine(
+        target,
+        next_token=fn,
+        vocab_size=VOCAB,
+        repair_fn=lambda context, _token: bf16_next(context)[0],
+    )
+
+
+class HoldingRunner:
+    """A runner that keeps jobs until `run_all()` (or drops them, like a flushed Redis)."""
+
+    def __init__(self) -> None:
+        self.specs: list[JobSpec] = []
+
+    def enqueue(self, spec: JobSpec) -> None:
+        if all(s.job_id != spec.job_id for s in self.specs):
+            self.specs.append(spec)
+
+    def is_queued(self, job_id: str) -> bool:
+        return any(s.job_id == job_id for s in self.specs)
+
+    def run_all(self) -> int:
+        n = 0
+        while self.specs:
+            spec = self.specs.pop(0)
+            jobs.run_replay_job(*spec.args)  # type: ignore[arg-type]
+            n += 1
+        return n
+
+
+@pytest.fixture
+def fake_model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "fake-model"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"fake weights for the fake engine")
+    return d
+
+
+@pytest.fixture
+def worker_env(
+    monkeypatch: pytest.MonkeyPatch, db_url: str, fake_model_dir: Path
+) -> Iterator[EnginePool]:
+    """Worker settings on the test database and a pool of fake engines."""
+    monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", db_url)
+    monkeypatch.setenv("REPLAY_AUDIT_MODEL_DIRS", str(fake_model_dir))
+    get_settings.cache_clear()
+    pool = EnginePool(loader=fake_loader)
+    jobs.set_engine_pool(pool)
+    yield pool
+    jobs.set_engine_pool(None)
+    get_settings.cache_clear()
+
+
+@pytest.fixture
+def logged_trace(fake_model_dir: Path) -> Callable[..., dict[str, Any]]:
+    """logged_trace(prompt, n=12, **overrides) -> a trace the BF16 fake arm really produced."""
+    sha = weights_sha256(fake_model_dir)
+
+    def make(prompt: list[int], n: int = 12, **overrides: Any) -> dict[str, Any]:
+        engine = fake_loader(fake_model_dir, Target("bf16"))
+        run = engine.decode(prompt, n, (), Intervention(), top_k=2)
+        body: dict[str, Any] = {
+            "model": {"name": "fake", "weights_sha256": sha, "vocab_size": VOCAB},
+            "config": {"dtype": "bf16", "attn_kernel": "sdpa", "device": "cpu"},
+            "decoding": {"strategy": "greedy", "max_new_tokens": n, "stop_reason": "length"},
+            "prompt_token_ids": prompt,
+            "output_token_ids": run.output_token_ids,
+            "top_k": {
+                "ids": run.steps.top_k_ids.tolist(),
+                "logits": run.steps.top_k_logits.astype(float).tolist(),
+            },
+            "tags": ["production"],
+        }
+        body.update(overrides)
+        return body
+
+    return make

@@ -1,0 +1,276 @@
+"""Replay runs over HTTP with fake engines: the request contract, the job, the aggregate, and
+every way a request can be wrong. Runs on SQLite and PostgreSQL (the `db_url` fixture)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+
+from replay_audit.db.unit_of_work import session_scope
+from replay_audit.replays.models import ReplayJob, ReplayResult
+from replay_audit.replays.reconcile import reconcile
+from tests.replays.conftest import HoldingRunner
+
+pytestmark = pytest.mark.usefixtures("worker_env")
+
+PROMPTS = [[i, (i * 5) % 11, 3] for i in range(1, 13)]
+FP16 = {"dtype": "fp16"}
+FP16_C = {"dtype": "fp16", "intervention": {"kind": "C", "tau": 1e-3}}
+
+
+@pytest.fixture
+def runner(client: TestClient) -> HoldingRunner:
+    r = HoldingRunner()
+    client.app.state.runner = r  # type: ignore[attr-defined]
+    return r
+
+
+def _ingest(client: TestClient, headers: dict[str, str], traces: list[dict[str, Any]]) -> list[str]:
+    r = client.post("/v1/traces:batch", json={"traces": traces}, headers=headers)
+    assert r.status_code == 207, r.text
+    items = r.json()["results"]
+    assert all(i["status"] in (200, 201) for i in items), items
+    return [i["id"] for i in items]
+
+
+def _all_results(client: TestClient, run_id: str, headers: dict[str, str]) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        params: dict[str, Any] = {"limit": 5}
+        if cursor:
+            params["cursor"] = cursor
+        r = client.get(f"/v1/replays/{run_id}/results", params=params, headers=headers)
+        assert r.status_code == 200, r.text
+        page = r.json()
+        items += page["items"]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            return items
+
+
+def test_paired_replay_end_to_end(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+) -> None:
+    h = headers("admin")
+    ids = _ingest(client, h, [logged_trace(p) for p in PROMPTS])
+    r = client.post(
+        "/v1/replays",
+        json={"trace_ids": ids, "targets": [FP16, FP16_C], "compare_with": "self"},
+        headers=h,
+    )
+    assert r.status_code == 201, r.text
+    run_id = r.json()["id"]
+
+    queued = client.get(f"/v1/replays/{run_id}", headers=h).json()
+    assert queued["status"] == "queued"
+    assert queued["progress"] == {"total": 36, "done": 0, "failed": 0, "pending": 36}
+    assert runner.run_all() == 1  # 12 traces: one job
+
+    run = client.get(f"/v1/replays/{run_id}", headers=h).json()
+    assert run["status"] == "done", run
+    assert run["progress"] == {"total": 36, "done": 36, "failed": 0, "pending": 0}
+    results = _all_results(client, run_id, h)
+    assert len(results) == 36
+    assert len({(x["trace_id"], x["comparison"]) for x in results}) == 36
+
+    by_comp: dict[int, list[dict[str, Any]]] = {0: [], 1: [], 2: []}
+    for x in results:
+        by_comp[x["comparison"]].append(x)
+    baseline, with_c, self_replay = by_comp[0], by_comp[1], by_comp[2]
+    # The fixture's FP16 arm flips at close calls: some traces diverge, some do not.
+    assert any(not x["exact_match"] for x in baseline)
+    assert any(x["exact_match"] for x in baseline)
+    # Self-replay in the logged configuration is exact; C repairs every flip of this model.
+    assert all(x["exact_match"] for x in self_replay)
+    assert all(x["exact_match"] for x in with_c)
+    assert all(x["gate_triggers"] > 0 for x in with_c if x["detail"]["changed_steps"])
+
+    traces = {i: client.get(f"/v1/traces/{i}", headers=h).json() for i in ids}
+    for x in baseline:
+        logged = traces[x["trace_id"]]["output_token_ids"]
+        replayed = x["detail"]["replay_output_token_ids"]
+        if x["exact_match"]:
+            assert replayed == logged and x["first_divergence_step"] is None
+            assert x["category"] == "agreed"
+            continue
+        t = x["first_divergence_step"]
+        # t* is the first mismatch, and the flip happened at a close call of both arms.
+        assert replayed[:t] == logged[:t] and replayed[t] != logged[t]
+        assert x["margin_at_divergence"]["logged"]["source"] == "logged_top_k"
+        assert x["margin_at_divergence"]["replay"]["abs"] < 1e-3
+        assert x["category"] == "head_reachable"
+        assert x["cascade_length"] == len(logged) - t
+
+    agg = run["aggregate"]
+    comps = {c["index"]: c for c in agg["comparisons"]}
+    n_exact = sum(1 for x in baseline if x["exact_match"])
+    assert comps[0]["ear"]["successes"] == n_exact and comps[0]["ear"]["n"] == 12
+    assert comps[0]["ear"]["low"] <= n_exact / 12 <= comps[0]["ear"]["high"]
+    assert comps[0]["categories"]["head_reachable"] == 12 - n_exact
+    assert comps[2]["ear"]["successes"] == 12
+    lifts = {lift["treated"]: lift for lift in agg["lifts"]}
+    assert lifts[1]["fixed"] == 12 - n_exact and lifts[1]["broke"] == 0
+    assert lifts[1]["lift"] == pytest.approx((12 - n_exact) / 12)
+    assert sorted(lifts[1]["fixed_trace_ids"]) == sorted(
+        x["trace_id"] for x in baseline if not x["exact_match"]
+    )
+
+
+def test_jobs_are_idempotent_and_reconciled(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+    db_url: str,
+) -> None:
+    h = headers("submitter")
+    ids = _ingest(client, h, [logged_trace(p) for p in PROMPTS[:3]])
+    body = {"trace_ids": ids, "targets": [FP16], "idempotency_key": "nightly-1"}
+    first = client.post("/v1/replays", json=body, headers=h)
+    again = client.post("/v1/replays", json=body, headers=h)
+    assert first.status_code == 201 and again.status_code == 200
+    assert first.json()["id"] == again.json()["id"]
+    assert len(runner.specs) == 1
+
+    # Redis lost the job: the reconciler re-enqueues what the database says is unfinished.
+    runner.specs.clear()
+    with session_scope(db_url) as s:
+        again_ids = reconcile(s, runner, stale_after_s=3600, job_timeout_s=60)
+    assert len(again_ids) == 1 and len(runner.specs) == 1
+    spec = runner.specs[0]
+    runner.run_all()
+    # A duplicate delivery of the same job changes nothing.
+    from replay_audit.worker.jobs import run_replay_job
+
+    run_replay_job(*spec.args)  # type: ignore[arg-type]
+    with session_scope(db_url) as s:
+        assert s.scalar(select(func.count()).select_from(ReplayResult)) == 3
+        assert s.scalars(select(ReplayJob.status)).all() == ["done"]
+        assert reconcile(s, runner, stale_after_s=0, job_timeout_s=60) == []
+    assert client.get(f"/v1/replays/{first.json()['id']}", headers=h).json()["status"] == "done"
+
+
+def test_pairwise_both_arms(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+) -> None:
+    h = headers("admin")
+    ids = _ingest(client, h, [logged_trace(p) for p in PROMPTS[:6]])
+    bf16_c = {"dtype": "bf16", "intervention": {"kind": "C"}}
+    r = client.post(
+        "/v1/replays",
+        json={
+            "trace_ids": ids,
+            "targets": [{"dtype": "bf16"}, FP16, bf16_c, FP16_C],
+            "compare": "pairwise",
+            "pairs": [[0, 1], [2, 3]],
+        },
+        headers=h,
+    )
+    assert r.status_code == 201, r.text
+    runner.run_all()
+    run = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
+    assert run["status"] == "done"
+    assert [(c["a"], c["b"]) for c in run["comparisons"]] == [(0, 1), (2, 3)]
+    comps = {c["index"]: c for c in run["aggregate"]["comparisons"]}
+    # Both arms repaired by C agree everywhere in this model; unrepaired they do not.
+    assert comps[1]["ear"]["successes"] == 6
+    assert comps[0]["ear"]["successes"] < 6
+
+
+def test_failed_items_say_why(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+) -> None:
+    h = headers("admin")
+    unknown_model = logged_trace(PROMPTS[0])
+    unknown_model["model"] = {**unknown_model["model"], "weights_sha256": "cd" * 32}
+    ids = _ingest(client, h, [unknown_model])
+    r = client.post("/v1/replays", json={"trace_ids": ids, "targets": [FP16]}, headers=h)
+    runner.run_all()
+    run = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
+    assert run["status"] == "failed"
+    assert run["progress"]["failed"] == 1
+    (item,) = _all_results(client, r.json()["id"], h)
+    assert item["status"] == "failed"
+    assert "no checkpoint with weights_sha256 " + "cd" * 32 in item["error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"trace_ids": ["tr_nope"], "targets": [FP16]}, "trace_ids"),
+        ({"filter": {"tag": "no-such-tag"}, "targets": [FP16]}, "filter"),
+        ({"trace_ids": ["x"], "targets": []}, "targets"),
+        ({"trace_ids": ["x"], "filter": {}, "targets": [FP16]}, "trace_ids"),
+        ({"trace_ids": ["x"], "targets": [{"dtype": "fp64"}]}, "targets[0].dtype"),
+        (
+            {"trace_ids": ["x"], "targets": [{"dtype": "bf16", "lm_head_dtype": "fp8_e4m3"}]},
+            "targets[0]",
+        ),
+        ({"trace_ids": ["x"], "targets": [FP16], "compare": "pairwise"}, "targets"),
+        ({"trace_ids": ["x"], "targets": [FP16, FP16], "mode": "beam"}, "mode"),
+    ],
+)
+def test_bad_requests_name_the_field(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+    body: dict[str, Any],
+    field: str,
+) -> None:
+    h = headers("admin")
+    (trace_id,) = _ingest(client, h, [logged_trace(PROMPTS[0])])
+    if body.get("trace_ids") == ["x"]:
+        body = {**body, "trace_ids": [trace_id]}
+    r = client.post("/v1/replays", json=body, headers=h)
+    assert 400 <= r.status_code < 500, r.text
+    assert field in r.text, r.text
+    assert runner.specs == []
+
+
+def test_non_greedy_trace_is_refused(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+) -> None:
+    h = headers("admin")
+    sampled = logged_trace(PROMPTS[1], decoding={"strategy": "sample", "max_new_tokens": 12})
+    (trace_id,) = _ingest(client, h, [sampled])
+    r = client.post("/v1/replays", json={"trace_ids": [trace_id], "targets": [FP16]}, headers=h)
+    assert r.status_code == 422 and "greedy" in r.text and trace_id in r.text
+
+
+def test_roles_and_projects(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+) -> None:
+    h = headers("admin")
+    (trace_id,) = _ingest(client, h, [logged_trace(PROMPTS[2])])
+    body = {"trace_ids": [trace_id], "targets": [FP16]}
+    assert client.post("/v1/replays", json=body, headers=headers("auditor")).status_code == 403
+    assert client.post("/v1/replays", json=body).status_code == 401
+    run_id = client.post("/v1/replays", json=body, headers=h).json()["id"]
+    assert client.get(f"/v1/replays/{run_id}", headers=headers("auditor")).status_code == 200
+    other = headers("admin", project="other")
+    assert client.get(f"/v1/replays/{run_id}", headers=other).status_code == 404
+    assert client.get(f"/v1/replays/{run_id}/results", headers=other).status_code == 404
+    # Another project's trace ids are unknown here.
+    r = client.post("/v1/replays", json=body, headers=other)
+    assert r.status_code == 422 and "trace_ids" in r.text
