@@ -56,11 +56,14 @@ class TorchEngine:
         device: torch.device,
         *,
         cache: CacheKind = "dynamic",
+        max_cache_len: int = 4096,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
         self.cache_kind: CacheKind = cache
+        self.max_cache_len = max_cache_len
+        self._static: StaticDecoder | None = None
         body_dtype = TORCH_DTYPES[target.dtype]
         self.head = LmHead(model.get_output_embeddings().weight, target.head_dtype, body_dtype)
         kernel = str(getattr(model.config, "_attn_implementation", None) or "eager")
@@ -107,7 +110,10 @@ class TorchEngine:
             batch_size=t.batch_size,
             engine_name="replay-audit",
             engine_version=replay_audit.__version__,
-            extras={"kv_cache": self.cache_kind},
+            extras={
+                "kv_cache": self.cache_kind,
+                "cuda_graph": self._static is not None and self._static.graph is not None,
+            },
         )
 
     @torch.inference_mode()
@@ -129,8 +135,15 @@ class TorchEngine:
             stop: Literal["eos", "length"] = "eos" if out and out[-1] in eos else "length"
             return DecodeRun(out, Steps.empty(top_k), start, stop)
         context = [*prompt_ids, *out]
-        cache = self._new_cache(len(context) + max_new_tokens - start)
-        h = self._forward(context, cache, 0)[:, -1]
+        total = len(context) + max_new_tokens - start
+        static = self.cache_kind == "static" and total <= self.max_cache_len
+        if static:
+            if self._static is None:
+                self._static = StaticDecoder(self, self.max_cache_len)
+            h = self._static.prefill(context)
+        else:
+            cache = self._new_cache()
+            h = self._forward(context, cache, 0)[:, -1]
         pos = len(context)
         rows: list[Choice] = []
         stop = "length"
@@ -143,7 +156,11 @@ class TorchEngine:
                 break
             if len(out) >= max_new_tokens:
                 break
-            h = self._forward([c.token], cache, pos)[:, -1]
+            if static:
+                assert self._static is not None
+                h = self._static.step(c.token, pos)
+            else:
+                h = self._forward([c.token], cache, pos)[:, -1]
             pos += 1
         return DecodeRun(out, steps_from_choices(rows, top_k), start, stop)
 
@@ -192,19 +209,21 @@ class TorchEngine:
         """Final normed hidden states (n, d) of a from-scratch forward over `ids` (row 0)."""
         return self._forward(ids, None, 0)[0]
 
-    def _new_cache(self, max_len: int) -> Any:
-        from transformers import DynamicCache, StaticCache
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
 
-        if self.cache_kind == "static":
-            return StaticCache(config=self.model.config, max_cache_len=max_len)
         return DynamicCache(config=self.model.config)
 
     def _forward(self, ids: Sequence[int], cache: Any, start: int) -> torch.Tensor:
         """Body forward of `ids` at positions start.. (batch rows: identical copies); the final
-        normed hidden states (batch, n, d)."""
+        normed hidden states (batch, n, d). Without a cache, positions are transformers' default
+        (0..n-1), exactly as a plain forward of the model would use."""
         b = self._target.batch_size
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device).expand(b, -1)
-        pos = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0).expand(b, -1)
+        pos = None
+        if cache is not None:
+            pos = torch.arange(start, start + len(ids), device=self.device)
+            pos = pos.unsqueeze(0).expand(b, -1)
         out = self.model.model(
             input_ids=x, position_ids=pos, past_key_values=cache, use_cache=cache is not None
         )
@@ -248,3 +267,82 @@ class TorchEngine:
                 )
             )
         return rows
+
+
+class StaticDecoder:
+    """A preallocated KV cache written by position (transformers' `StaticCache`), reused across
+    decodes, and on CUDA the one-token decode step captured once in a CUDA graph (as gpt-fast
+    does): a step is then one graph replay instead of hundreds of kernel launches from Python.
+
+    Its attention runs over the whole preallocated length with the unwritten positions masked,
+    so its bits may differ from a growing cache's: `environment()` records `kv_cache`.
+    """
+
+    def __init__(self, engine: TorchEngine, max_len: int) -> None:
+        from transformers import StaticCache
+
+        self.engine = engine
+        self.model = engine.model
+        b = engine.target.batch_size
+        self.cache: Any = StaticCache(config=engine.model.config, max_cache_len=max_len)
+        self.token = torch.zeros((b, 1), dtype=torch.long, device=engine.device)
+        self.position = torch.zeros((b, 1), dtype=torch.long, device=engine.device)
+        self.graph: Any = None
+        self.hidden: torch.Tensor | None = None
+        self._capture_failed = engine.device.type != "cuda"
+
+    def prefill(self, context: Sequence[int]) -> torch.Tensor:
+        self.cache.reset()
+        h = self.engine._forward(context, self.cache, 0)[:, -1]
+        if self.graph is None and not self._capture_failed:
+            self._capture()
+        return h
+
+    def step(self, token: int, position: int) -> torch.Tensor:
+        self.token.fill_(token)
+        self.position.fill_(position)
+        if self.graph is not None:
+            self.graph.replay()
+            assert self.hidden is not None
+            return self.hidden
+        return self._body()
+
+    def _body(self) -> torch.Tensor:
+        out = self.model.model(
+            input_ids=self.token,
+            position_ids=self.position,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        hidden: torch.Tensor = out.last_hidden_state[:, -1]
+        return hidden
+
+    def _capture(self) -> None:
+        """Warm up on a side stream, then capture one step. The warm-up writes K/V at the next
+        position (which the real step overwrites) and advances the cache's length counters,
+        which are put back."""
+        lengths = [layer.cumulative_length.clone() for layer in self.cache.layers]
+
+        def restore() -> None:
+            for layer, n in zip(self.cache.layers, lengths, strict=True):
+                layer.cumulative_length.copy_(n)
+
+        try:
+            stream_cls: Any = torch.cuda.Stream
+            side = stream_cls()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._body()
+                    restore()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.hidden = self._body()
+            restore()
+            self.graph = graph
+        except RuntimeError:
+            # An op that cannot be captured (a host sync): decode the static cache uncaptured.
+            restore()
+            self._capture_failed = True
+            self.graph = None

@@ -214,3 +214,21 @@ def test_mixed_head_format(tiny_engine: EngineOf, tiny_prompts: list[list[int]])
     run = engine.decode(tiny_prompts[0], 8, [])
     # an FP32 head's margins are measured in FP32 ulps: far more of them than in BF16's
     assert np.all(run.steps.margins_ulps[run.steps.margins > 0] > 1000)
+
+
+def test_static_cache_decodes_like_the_dynamic_one(
+    tiny_dir: Path, tiny_prompts: list[list[int]]
+) -> None:
+    """A preallocated cache attends over masked unwritten positions; with the eager kernel in
+    fp32 that changes no choice of this model away from near-ties."""
+    from replay_audit.engine import load_engine
+
+    static = load_engine(
+        tiny_dir, Target("fp32", attn_kernel="eager"), device="cpu", cache="static"
+    )
+    dynamic = load_engine(tiny_dir, Target("fp32", attn_kernel="eager"), device="cpu")
+    assert static.environment()["extras"]["kv_cache"] == "static"
+    for p in tiny_prompts[:6]:
+        d, s = dynamic.decode(p, N, []), static.decode(p, N, [])
+        t = first_divergence(d.output_token_ids, s.output_token_ids)
+        assert t is None or d.steps.margins[t] < 1e-3

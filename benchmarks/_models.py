@@ -1,0 +1,58 @@
+"""Models for the engine benchmarks: a checkpoint directory, or a TinyLlama-shaped Llama with
+random weights built on the device (no download)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replay_audit.engine.loading import TORCH_DTYPES, configure_numerics, resolve_device
+from replay_audit.engine.protocol import Target
+from replay_audit.engine.torch_engine import TorchEngine
+
+#: TinyLlama-1.1B's shape.
+TINYLLAMA_SHAPE: dict[str, Any] = {
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 2048,
+}
+
+
+def random_tinyllama(dtype: str, device: str | None, attn_kernel: str = "sdpa") -> Any:
+    """TinyLlama's architecture with transformers' default random init, in `dtype`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dev = resolve_device(device)
+    config = LlamaConfig(**TINYLLAMA_SHAPE, tie_word_embeddings=False)
+    config._attn_implementation = attn_kernel
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model: Any = LlamaForCausalLM(config)
+    return model.to(TORCH_DTYPES[dtype]).eval()
+
+
+def build_engine(
+    model_dir: Path | None,
+    target: Target,
+    device: str | None,
+    *,
+    cache: str = "dynamic",
+    model: Any = None,
+) -> TorchEngine:
+    """An engine over `model_dir`, or over an already-built `model` (shared between engines)."""
+    configure_numerics(deterministic=True, tf32=False)
+    if model is None:
+        assert model_dir is not None
+        return TorchEngine.load(model_dir, target, device=device, cache=cache)  # type: ignore[arg-type]
+    return TorchEngine(model, None, target, resolve_device(device), cache=cache)  # type: ignore[arg-type]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()

@@ -1,0 +1,167 @@
+"""The engine's properties on CUDA, plus the FP8-E4M3 lm_head (compute capability >= 8.9).
+Run with the device tool: `pytest -m gpu tests/engine --confcutdir=tests/engine`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from replay_audit.engine import EnginePool, Intervention, Target
+from replay_audit.engine.protocol import Engine
+from replay_audit.engine.replayer import compare_arms, replay_trace
+from replay_audit.engine.testing import TINY_EOS_ID
+from replay_audit.traces.schemas import TraceCreate
+
+torch = pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+N = 32
+TEXTS = [
+    "The quick brown fox",
+    "def main():",
+    "Once upon a time",
+    "import os\n",
+    "1 + 1 = ",
+    "class Foo:",
+    "SELECT * FROM",
+    "Hello, world",
+    "# Copyright",
+    "for i in range(3):",
+]
+
+
+def _sm() -> tuple[int, int]:
+    return torch.cuda.get_device_capability()  # type: ignore[no-any-return]
+
+
+fp8 = pytest.mark.skipif(
+    not torch.cuda.is_available() or _sm() < (8, 9), reason="FP8 needs compute capability >= 8.9"
+)
+
+
+@pytest.fixture(scope="module")
+def gpool() -> EnginePool:
+    return EnginePool(device="cuda")
+
+
+@pytest.fixture(scope="module")
+def cuda_engine(gpool: EnginePool, tiny_dir: Path) -> Callable[..., Engine]:
+    def get(dtype: str, **kw: object) -> Engine:
+        return gpool.get(tiny_dir, Target(dtype, **kw))  # type: ignore[arg-type]
+
+    return get
+
+
+def _traces(model_dir: Path, dtype: str) -> list[TraceCreate]:
+    from replay_audit.engine.generate import TraceGenerator
+
+    gen = TraceGenerator(model_dir, dtype=dtype, attn_kernel="sdpa", device="cuda")
+    return [
+        TraceCreate.model_validate(gen.trace(t, max_new_tokens=N, external_id=f"p{i}"))
+        for i, t in enumerate(TEXTS)
+    ]
+
+
+def test_environment_on_cuda(cuda_engine: Callable[..., Engine]) -> None:
+    env = cuda_engine("bf16").environment()
+    assert env["device"] == "cuda" and env["gpu"]["sm"] == "{}.{}".format(*_sm())
+    assert env["cuda_version"] and env["tf32"] is False and env["deterministic"] is True
+    from replay_audit.traces.schemas import NumericalConfig
+
+    NumericalConfig.model_validate(env)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_self_replay_exact_on_cuda(gpool: EnginePool, tiny_dir: Path, dtype: str) -> None:
+    for tr in _traces(tiny_dir, dtype):
+        r = replay_trace(tr, Target(dtype), gpool, model_dir=tiny_dir)
+        assert r.exact_match, (tr.external_id, r.first_divergence_step)
+
+
+def test_bf16_vs_fp16_on_cuda_and_scan_then_decode(gpool: EnginePool, tiny_dir: Path) -> None:
+    traces = _traces(tiny_dir, "bf16")
+    full = [replay_trace(t, Target("fp16"), gpool, model_dir=tiny_dir) for t in traces]
+    fast = [
+        replay_trace(t, Target("fp16"), gpool, model_dir=tiny_dir, mode="scan_then_decode")
+        for t in traces
+    ]
+    assert [r.first_divergence_step for r in full] == [r.first_divergence_step for r in fast]
+    assert any(not r.exact_match for r in full)  # BF16 and FP16 do part on this prompt set
+
+
+def test_gate_tau_zero_and_negative_on_cuda(cuda_engine: Callable[..., Engine]) -> None:
+    e = cuda_engine("fp16")
+    assert e.decode([5, 6, 7], 16, [], Intervention("C", tau=0.0)).steps.gate_fired.all()
+    run = e.decode([5, 6, 7], 16, [], Intervention("C", tau=-1.0))
+    assert not run.steps.gate_fired.any()
+
+
+def test_b_full_vocab_equals_c_on_cuda(cuda_engine: Callable[..., Engine]) -> None:
+    e = cuda_engine("bf16")
+    for p in ([1, 2, 3], [40, 50, 60, 70], [200, 3, 9]):
+        b = e.decode(p, N, [TINY_EOS_ID], Intervention("B", tau=0.0, top_k=e.vocab_size))
+        c = e.decode(p, N, [TINY_EOS_ID], Intervention("C", tau=0.0))
+        assert b.output_token_ids == c.output_token_ids
+
+
+@pytest.mark.parametrize("head", ["bf16", "fp16", pytest.param("fp8_e4m3", marks=fp8)])
+def test_c_bitwise_identical_from_identical_hidden_states(
+    cuda_engine: Callable[..., Engine], head: str
+) -> None:
+    ref = cuda_engine("bf16").head  # type: ignore[attr-defined]
+    other = cuda_engine("bf16", lm_head_dtype=head).head  # type: ignore[attr-defined]
+    h = torch.randn(4, ref.weight.shape[1], device="cuda").to(torch.bfloat16)
+    assert torch.equal(ref.fp32(h), other.fp32(h))
+
+
+def test_static_cache_cuda_graph_equals_uncaptured(tiny_dir: Path) -> None:
+    """Replaying the captured decode step gives the bits of running it uncaptured."""
+    from replay_audit.engine import load_engine
+    from replay_audit.engine.torch_engine import StaticDecoder
+
+    graph = load_engine(tiny_dir, Target("bf16"), device="cuda", cache="static")
+    plain = load_engine(tiny_dir, Target("bf16"), device="cuda", cache="static")
+    plain._static = StaticDecoder(plain, plain.max_cache_len)  # type: ignore[attr-defined]
+    plain._static._capture_failed = True  # type: ignore[attr-defined]
+    for p in ([1, 2, 3], [9, 8, 7, 6, 5]):
+        a, b = graph.decode(p, N, []), plain.decode(p, N, [])
+        assert graph.environment()["extras"]["cuda_graph"] is True
+        assert plain.environment()["extras"]["cuda_graph"] is False
+        assert a.output_token_ids == b.output_token_ids
+        np.testing.assert_array_equal(a.steps.top_k_logits, b.steps.top_k_logits)
+
+
+@fp8
+def test_fp8_head(gpool: EnginePool, tiny_dir: Path) -> None:
+    e = gpool.get(tiny_dir, Target("bf16", lm_head_dtype="fp8_e4m3"))
+    env = e.environment()
+    assert env["lm_head_dtype"] == "fp8_e4m3" and env["dtype"] == "bf16"
+    run = e.decode([1, 2, 3, 4], N, [])
+    s = run.steps
+    assert len(s) == N and np.all(s.top_k_logits[:, :-1] >= s.top_k_logits[:, 1:])
+    from replay_audit.diff import ulp_array
+
+    np.testing.assert_allclose(
+        s.margins_ulps, s.margins / ulp_array(s.top_k_logits[:, 0], "fp8_e4m3")
+    )
+    # τ in ulps of the FP8 format fires at least as often as the BF16-calibrated 1e-3
+    wide = e.decode([1, 2, 3, 4], N, [], Intervention("C", tau_ulps=1.0))
+    narrow = e.decode([1, 2, 3, 4], N, [], Intervention("C", tau=1e-3))
+    assert wide.steps.gate_fired.sum() >= narrow.steps.gate_fired.sum()
+    # both-arms protocol, BF16 head vs FP8 head, identical BF16 bodies
+    trace = _traces(tiny_dir, "bf16")[0]
+    iv = Intervention("C", tau=0.0)
+    r = compare_arms(
+        trace,
+        Target("bf16", intervention=iv),
+        Target("bf16", lm_head_dtype="fp8_e4m3", intervention=iv),
+        gpool,
+        model_dir=tiny_dir,
+    )
+    # ungated C makes both heads compute the same FP32 logits from the same BF16 body
+    assert r.exact_match
