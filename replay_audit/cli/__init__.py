@@ -13,6 +13,9 @@ app = typer.Typer(
 )
 
 # Registration order is the order in --help.
+# ruff: isort: off
 from replay_audit.cli import service as _service  # noqa: E402,F401
 from replay_audit.cli import engine as _engine  # noqa: E402,F401
 from replay_audit.cli import worker as _worker  # noqa: E402,F401
+from replay_audit.cli import demo as _demo  # noqa: E402,F401
+# ruff: isort: on

@@ -25,6 +25,12 @@ from replay_audit.exceptions import EngineError
 from replay_audit.traces.schemas import TraceCreate
 
 
+def printable_text(text: str) -> str:
+    """`text` with U+0000 replaced by U+FFFD: the texts are informational (the token ids are
+    the record), and no database the service runs on can store a NUL in text."""
+    return text.replace("\x00", "\ufffd")
+
+
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     """The checkpoint's eos ids: its generation config's, else its tokenizer's."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -154,7 +160,9 @@ class TraceGenerator:
             "prompt_token_ids": prompt_ids,
             "output_token_ids": output_ids,
             "prompt_text": prompt,
-            "output_text": self.tokenizer.decode(output_ids, skip_special_tokens=True),
+            "output_text": printable_text(
+                self.tokenizer.decode(output_ids, skip_special_tokens=True)
+            ),
             "top_k": {"ids": ids.tolist(), "logits": [[float(x) for x in r] for r in vals]},
             "tags": list(tags),
         }

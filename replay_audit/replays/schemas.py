@@ -51,7 +51,7 @@ class TargetSpec(_Strict):
     dtype: BodyDTypeName
     lm_head_dtype: HeadDTypeName | None = None
     attn_kernel: Annotated[str, Field(pattern=r"^[a-z0-9_\-]{1,64}$")] | None = None
-    batch_size: int = Field(default=1, ge=1, le=1)
+    batch_size: int = Field(default=1, ge=1, le=64)
     intervention: InterventionSpec = InterventionSpec()
     #: Where to run it: "cuda" sends it to the gpu queue, "cpu" to the cpu queue; None = gpu
     #: queue under RQ, the in-process runner otherwise.

@@ -7,6 +7,7 @@ with the field and never 500.
 
 from __future__ import annotations
 
+from collections.abc import Sequence, Sized
 from datetime import datetime
 from functools import cached_property
 from itertools import chain
@@ -14,7 +15,14 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 
 from replay_audit.config import MAX_BATCH_TRACES, MAX_TOP_K, MAX_TRACE_TOKENS
 from replay_audit.formats import BODY_DTYPES, HEAD_DTYPES
@@ -23,10 +31,22 @@ BodyDTypeName = Literal["fp32", "bf16", "fp16"]
 HeadDTypeName = Literal["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"]
 WeightDTypeName = Literal["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
-Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+
+
+def _no_nul(value: str) -> str:
+    # PostgreSQL text cannot hold U+0000; refuse it on every database alike, naming the field.
+    if "\x00" in value:
+        raise ValueError("must not contain NUL (U+0000) characters")
+    return value
+
+
+#: A string that any database stores as sent.
+Text = Annotated[str, AfterValidator(_no_nul)]
+Name = Annotated[Text, StringConstraints(min_length=1, max_length=200)]
+ExtraValue = Text | int | float | bool | None
 Tag = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[\w.:/=-]+$")]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
-ExtraValue = str | int | float | bool | None
+
 
 assert set(BODY_DTYPES) == set(BodyDTypeName.__args__)  # type: ignore[attr-defined]
 assert set(HEAD_DTYPES) == set(HeadDTypeName.__args__)  # type: ignore[attr-defined]
@@ -38,7 +58,7 @@ class _Strict(BaseModel):
 
 class ModelRef(_Strict):
     name: Name
-    revision: str | None = Field(default=None, max_length=200)
+    revision: Text | None = Field(default=None, max_length=200)
     weights_sha256: Sha256
     vocab_size: int = Field(ge=2, le=2**31 - 1)
 
@@ -51,7 +71,7 @@ class GpuInfo(_Strict):
 
 class EngineInfo(_Strict):
     name: Name
-    version: str | None = Field(default=None, max_length=100)
+    version: Text | None = Field(default=None, max_length=100)
 
 
 class NumericalConfig(_Strict):
@@ -68,12 +88,12 @@ class NumericalConfig(_Strict):
     batch_size: int = Field(default=1, ge=1, le=1_000_000)
     tp_degree: int = Field(default=1, ge=1, le=1024)
     engine: EngineInfo = EngineInfo(name="transformers")
-    torch_version: str | None = Field(default=None, max_length=100)
-    cuda_version: str | None = Field(default=None, max_length=100)
-    cublas_version: str | None = Field(default=None, max_length=100)
+    torch_version: Text | None = Field(default=None, max_length=100)
+    cuda_version: Text | None = Field(default=None, max_length=100)
+    cublas_version: Text | None = Field(default=None, max_length=100)
     deterministic: bool | None = None
     tf32: bool | None = None
-    extras: dict[Annotated[str, StringConstraints(max_length=100)], ExtraValue] = Field(
+    extras: dict[Annotated[Text, StringConstraints(max_length=100)], ExtraValue] = Field(
         default_factory=dict, max_length=100
     )
 
@@ -113,6 +133,13 @@ class PackedTopK(NamedTuple):
         return ids.astype(np.int32, copy=False), logits.astype(np.float32, copy=False)
 
 
+def _first_length_not(rows: Sequence[Sized], k: int) -> int | None:
+    """Index of the first row whose length is not k (None if all are k)."""
+    if not set(map(len, rows)) - {k}:  # the common case, in one C-level pass
+        return None
+    return next(t for t, row in enumerate(rows) if len(row) != k)
+
+
 class TopK(_Strict):
     """Per-step top-k of the logged arm: `ids[t]` and `logits[t]` for output step t, sorted by
     logit descending. Logits are the arm's native values, exactly converted to float32."""
@@ -128,10 +155,8 @@ class TopK(_Strict):
         n_steps = len(self.ids)
         k = len(self.ids[0]) if n_steps else 0
         for rows in (self.ids, self.logits):
-            lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-            bad = np.flatnonzero(lengths != k)
-            if bad.size:
-                t = int(bad[0])
+            t = _first_length_not(rows, k)
+            if t is not None:
                 raise _field_error(
                     f"top_k[{t}]", f"every step must carry exactly k={k} ids and logits"
                 )
@@ -147,17 +172,17 @@ class TopK(_Strict):
 
 
 class TraceCreate(_Strict):
-    external_id: str | None = Field(default=None, min_length=1, max_length=200)
+    external_id: Text | None = Field(default=None, min_length=1, max_length=200)
     model: ModelRef
     config: NumericalConfig
     decoding: Decoding = Decoding()
     prompt_token_ids: list[TokenId] = Field(min_length=1)
     output_token_ids: list[TokenId] = Field(min_length=1)
-    prompt_text: str | None = Field(default=None, max_length=1_000_000)
-    output_text: str | None = Field(default=None, max_length=1_000_000)
+    prompt_text: Text | None = Field(default=None, max_length=1_000_000)
+    output_text: Text | None = Field(default=None, max_length=1_000_000)
     top_k: TopK | None = None
     tags: list[Tag] = Field(default_factory=list, max_length=64)
-    reference_answer: str | None = Field(default=None, max_length=100_000)
+    reference_answer: Text | None = Field(default=None, max_length=100_000)
 
     @model_validator(mode="after")
     def _check(self) -> TraceCreate:

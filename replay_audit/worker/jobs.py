@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+import replay_audit.auth.models  # noqa: F401  (mappers resolve related classes by name)
 from replay_audit.config import Settings, get_settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope

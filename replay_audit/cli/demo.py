@@ -1,0 +1,173 @@
+"""`replay-audit demo`: the product's main job, end to end, on the embedded default.
+
+1. start the API (SQLite, in-process runner) on a free local port;
+2. generate greedy traces in BF16 with transformers' own `generate()` from the bundled small
+   model (the "production" side);
+3. ingest them through `POST /v1/traces:batch`;
+4. ask for a replay in FP16 without and with Intervention C, plus a self-replay in the logged
+   configuration (`POST /v1/replays`), and follow its progress;
+5. print the summary the API serves (EAR with its interval, C lift, trigger rate, mean gap,
+   t*, categories) and where to browse it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from replay_audit.cli import app
+
+PROMPTS_FILE = Path(__file__).resolve().parent.parent / "assets" / "prompts.jsonl"
+
+
+def _start_server(settings: Any, port: int) -> tuple[Any, threading.Thread, str]:
+    import uvicorn
+
+    from replay_audit.api.app import create_app
+
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, name="replay-audit-demo-api", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the API server did not start")
+        time.sleep(0.05)
+    sock = server.servers[0].sockets[0]
+    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _pct(p: dict[str, Any] | None) -> str:
+    if not p or p.get("estimate") is None:
+        return "-"
+    return f"{100 * p['estimate']:.0f}% [{100 * p['low']:.0f}, {100 * p['high']:.0f}]"
+
+
+@app.command()
+def demo(
+    prompts: Annotated[int, typer.Option(min=1, max=64, help="How many bundled prompts.")] = 24,
+    max_new_tokens: Annotated[int, typer.Option(min=1, max=512)] = 48,
+    port: Annotated[int, typer.Option(help="API port (0: any free port).")] = 0,
+    keep_serving: Annotated[
+        bool, typer.Option(help="Keep the API running afterwards (Ctrl-C to stop).")
+    ] = False,
+    json_out: Annotated[
+        Path | None, typer.Option(help="Also write the run id, key and summary as JSON.")
+    ] = None,
+) -> None:
+    """Generate BF16 traces with the bundled model, ingest them over HTTP, replay them in FP16
+    with and without Intervention C, and print what the API reports."""
+    import httpx
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.table import Table
+
+    from replay_audit.auth.service import create_api_key
+    from replay_audit.config import BUNDLED_MODEL_DIR, get_settings
+    from replay_audit.db import migration
+    from replay_audit.db.unit_of_work import session_scope
+
+    console = Console()
+    settings = get_settings()
+    migration.upgrade(settings.database_url)
+    with session_scope(settings.database_url) as session:
+        key = create_api_key(session, "demo", "admin", name="replay-audit demo").key
+    server, thread, base = _start_server(settings, port)
+    console.print(
+        f"[bold]API[/] {base}  (database {settings.database_url}, runner {settings.runner})"
+    )
+
+    from replay_audit.engine.generate import generate_traces
+
+    lines = PROMPTS_FILE.read_text().splitlines()[:prompts]
+    items = [(d.get("id"), d["prompt"]) for d in map(json.loads, lines)]
+    traces: list[dict[str, Any]] = []
+    bar = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
+    with Progress(*bar, console=console) as progress:
+        task = progress.add_task("generate (BF16, transformers generate())", total=len(items))
+        for trace in generate_traces(
+            BUNDLED_MODEL_DIR,
+            items,
+            dtype="bf16",
+            max_new_tokens=max_new_tokens,
+            device="cpu",
+            tags=["demo", "production"],
+            model_name="tiny-llama",
+        ):
+            traces.append(trace)
+            progress.advance(task)
+
+    h = {"X-API-Key": key}
+    with httpx.Client(base_url=base, headers=h, timeout=60) as client:
+        r = client.post("/v1/traces:batch", json={"traces": traces})
+        r.raise_for_status()
+        ids = [item["id"] for item in r.json()["results"]]
+        console.print(f"ingested {len(ids)} traces over HTTP ({r.status_code})")
+        request = {
+            "trace_ids": ids,
+            "targets": [
+                {"dtype": "fp16", "label": "FP16"},
+                {"dtype": "fp16", "intervention": {"kind": "C", "tau": 1e-3}, "label": "FP16 + C"},
+            ],
+            "compare_with": "self",
+            "mode": "decode",
+        }
+        r = client.post("/v1/replays", json=request)
+        r.raise_for_status()
+        run_id = r.json()["id"]
+        with Progress(*bar, console=console) as progress:
+            task = progress.add_task("replay (FP16, FP16 + C, self)", total=None)
+            while True:
+                run = client.get(f"/v1/replays/{run_id}").json()
+                p = run["progress"]
+                progress.update(task, total=p["total"], completed=p["done"] + p["failed"])
+                if run["status"] in ("done", "failed"):
+                    break
+                time.sleep(0.2)
+
+    agg = run["aggregate"] or {"comparisons": [], "lifts": []}
+    labels = {i: t.get("label") or t.get("dtype") for i, t in enumerate(run["targets"])}
+    table = Table(title=f"replay run {run_id}: BF16-logged traces replayed")
+    for col in ("arm B", "EAR [95% CI]", "trigger rate", "mean gap", "median t*", "categories"):
+        table.add_column(col)
+    for c in agg["comparisons"]:
+        t_star = c["first_divergence_step"]
+        cats = ", ".join(f"{k} {v}" for k, v in c["categories"].items() if v)
+        table.add_row(
+            str(labels[c["b"]]),
+            _pct(c["ear"]),
+            "-" if c["trigger_rate"] is None else f"{100 * c['trigger_rate']:.2f}%",
+            "-" if c["mean_gap"] is None else f"{c['mean_gap']:.3f}",
+            "-" if t_star is None else f"{t_star['median']:.0f}",
+            cats or "-",
+        )
+    console.print(table)
+    for lift in agg["lifts"]:
+        console.print(
+            f"lift of {labels[lift['treated']]} over {labels[lift['baseline']]}: "
+            f"{100 * lift['lift']:+.1f} pp [{100 * lift['low']:+.1f}, {100 * lift['high']:+.1f}], "
+            f"fixed {lift['fixed']}, broke {lift['broke']}, McNemar p = {lift['mcnemar_p']:.3g}"
+        )
+    console.print(
+        f"status {run['status']}; results: {base}/v1/replays/{run_id}/results "
+        f"(X-API-Key: {key})\nbrowse: `replay-audit serve`, then /ui/runs/{run_id} "
+        "with that key; the API is documented at /docs"
+    )
+    if json_out is not None:
+        json_out.write_text(json.dumps({"run_id": run_id, "api_key": key, "run": run}, indent=2))
+    if keep_serving:
+        console.print("serving; Ctrl-C to stop")
+        with contextlib.suppress(KeyboardInterrupt):
+            thread.join()
+    server.should_exit = True
+    thread.join(timeout=10)
+    if run["status"] != "done":
+        raise typer.Exit(1)

@@ -1,0 +1,210 @@
+"""Replay runs on the production path: PostgreSQL, Redis and real RQ worker processes
+(`replay-audit worker`), with a real (tiny, random) Llama checkpoint on the CPU.
+
+Fault injection: a worker SIGKILLed mid-job, and Redis flushed mid-run. In both, the reconciler
+re-enqueues what the database says is unfinished and the run completes with exactly one result
+per trace x comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from redis import Redis
+from sqlalchemy import func, select
+
+from replay_audit.api.app import create_app
+from replay_audit.auth.service import create_api_key
+from replay_audit.config import Settings
+from replay_audit.db.unit_of_work import session_scope
+from replay_audit.queue.runner import RQRunner
+from replay_audit.replays.models import ReplayResult
+from replay_audit.replays.reconcile import reconcile
+from tests.conftest import empty_all_tables
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow]
+
+REDIS_URL = os.environ.get("REPLAY_AUDIT_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+TARGETS = [{"dtype": "fp16"}, {"dtype": "fp16", "intervention": {"kind": "C"}}]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from replay_audit.engine.testing import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("rq-tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def traces(checkpoint: Path) -> list[dict[str, Any]]:
+    """48 traces generated in BF16 by transformers' generate() on the checkpoint."""
+    from replay_audit.engine.generate import generate_traces
+
+    prompts = [(f"p{i}", f"def f{i}(x, y):\n    return x * {i} + ") for i in range(48)]
+    out = list(generate_traces(checkpoint, prompts, dtype="bf16", max_new_tokens=24, device="cpu"))
+    return out
+
+
+@pytest.fixture
+def redis() -> Iterator[Redis]:
+    r = Redis.from_url(REDIS_URL)
+    r.flushdb()
+    yield r
+    r.flushdb()
+
+
+@pytest.fixture
+def pg(postgres_database_url: str) -> Iterator[str]:
+    yield postgres_database_url
+    empty_all_tables(postgres_database_url)
+
+
+@pytest.fixture
+def env(pg: str, checkpoint: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "REPLAY_AUDIT_DATABASE_URL": pg,
+        "REPLAY_AUDIT_REDIS_URL": REDIS_URL,
+        "REPLAY_AUDIT_RUNNER": "rq",
+        "REPLAY_AUDIT_MODEL_DIRS": str(checkpoint),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+@pytest.fixture
+def api(pg: str, redis: Redis) -> Iterator[tuple[TestClient, dict[str, str]]]:
+    settings = Settings(_env_file=None, database_url=pg, runner="rq", redis_url=REDIS_URL)  # type: ignore[call-arg]
+    with session_scope(pg) as s:
+        key = create_api_key(s, "acme", "admin").key
+    with TestClient(create_app(settings)) as client:
+        yield client, {"X-API-Key": key}
+
+
+def _worker(env: dict[str, str], *, burst: bool) -> subprocess.Popen[bytes]:
+    args = [sys.executable, "-m", "replay_audit", "worker", "--queue", "gpu", "--device", "cpu"]
+    return subprocess.Popen(args + (["--burst"] if burst else []), env=env)
+
+
+def _request(api: tuple[TestClient, dict[str, str]], traces: list[dict[str, Any]]) -> str:
+    client, h = api
+    r = client.post("/v1/traces:batch", json={"traces": traces}, headers=h)
+    assert r.status_code == 207
+    ids = [i["id"] for i in r.json()["results"]]
+    r = client.post("/v1/replays", json={"trace_ids": ids, "targets": TARGETS}, headers=h)
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
+def _results(pg: str) -> tuple[int, int]:
+    with session_scope(pg) as s:
+        n = s.scalar(select(func.count()).select_from(ReplayResult)) or 0
+        distinct = (
+            s.scalar(
+                select(func.count()).select_from(
+                    select(ReplayResult.trace_id, ReplayResult.comparison).distinct().subquery()
+                )
+            )
+            or 0
+        )
+    return n, distinct
+
+
+def _wait(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _run(api: tuple[TestClient, dict[str, str]], run_id: str) -> dict[str, Any]:
+    client, h = api
+    body: dict[str, Any] = client.get(f"/v1/replays/{run_id}", headers=h).json()
+    return body
+
+
+def _reconcile(pg: str) -> list[int]:
+    with session_scope(pg) as s:
+        return reconcile(s, RQRunner(REDIS_URL), stale_after_s=0, job_timeout_s=600)
+
+
+def test_burst_workers_complete_a_paired_run(
+    api: tuple[TestClient, dict[str, str]],
+    traces: list[dict[str, Any]],
+    env: dict[str, str],
+    pg: str,
+) -> None:
+    run_id = _request(api, traces[:20])
+    assert _worker(env, burst=True).wait(timeout=300) == 0
+    run = _run(api, run_id)
+    assert run["status"] == "done", run
+    assert run["progress"] == {"total": 40, "done": 40, "failed": 0, "pending": 0}
+    assert _results(pg) == (40, 40)
+    client, h = api
+    items = client.get(f"/v1/replays/{run_id}/results?limit=500", headers=h).json()["items"]
+    for c in run["aggregate"]["comparisons"]:
+        mine = [i for i in items if i["comparison"] == c["index"]]
+        assert c["ear"]["successes"] == sum(1 for i in mine if i["exact_match"])
+        assert c["gate_triggers"] == sum(i["gate_triggers"] for i in mine)
+        # The worker records the numerical environment it actually used.
+        assert all(i["detail"]["environment"]["device"] == "cpu" for i in mine)
+        assert all(i["detail"]["environment"]["dtype"] == "fp16" for i in mine)
+
+
+def test_sigkilled_worker_is_recovered_exactly_once(
+    api: tuple[TestClient, dict[str, str]],
+    traces: list[dict[str, Any]],
+    env: dict[str, str],
+    pg: str,
+) -> None:
+    run_id = _request(api, traces)
+    total = 2 * len(traces)
+    worker = _worker(env, burst=False)
+    try:
+        _wait(lambda: _results(pg)[0] > 0, 120, "the first result")
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=10)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    done_before, _ = _results(pg)
+    assert 0 < done_before < total, "the worker should die mid-run"
+    assert _run(api, run_id)["status"] == "running"
+
+    assert _reconcile(pg), "the killed job must be re-enqueued"
+    assert _worker(env, burst=True).wait(timeout=300) == 0
+    run = _run(api, run_id)
+    assert run["status"] == "done", run
+    assert _results(pg) == (total, total)
+
+
+def test_redis_flush_mid_run_is_recovered(
+    api: tuple[TestClient, dict[str, str]],
+    traces: list[dict[str, Any]],
+    env: dict[str, str],
+    pg: str,
+    redis: Redis,
+) -> None:
+    run_id = _request(api, traces)
+    total = 2 * len(traces)
+    worker = _worker(env, burst=True)
+    _wait(lambda: _results(pg)[0] > 0, 120, "the first result")
+    redis.flushdb()  # every queued job is gone; the one running finishes
+    assert worker.wait(timeout=300) == 0
+    assert _results(pg)[0] < total
+    assert _run(api, run_id)["status"] == "running"
+
+    assert _reconcile(pg)
+    assert _worker(env, burst=True).wait(timeout=300) == 0
+    assert _run(api, run_id)["status"] == "done"
+    assert _results(pg) == (total, total)
