@@ -1,8 +1,8 @@
 """SQL for numerical configurations, traces and their tags.
 
-Inserts are multi-row `INSERT ... ON CONFLICT DO NOTHING RETURNING` (one statement per table
-and batch, on SQLite and PostgreSQL alike): the unique constraints decide what is a duplicate,
-so concurrent retries cannot store a trace twice, and nothing is checked-then-inserted.
+Inserts are `INSERT ... ON CONFLICT DO NOTHING RETURNING`, one round trip per table and batch
+(see `_insert_do_nothing`): the unique constraints decide what is a duplicate, so concurrent
+retries cannot store a trace twice, and nothing is checked-then-inserted.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, Table, exists, select
+import orjson
+from sqlalchemy import JSON, Select, Table, exists, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, contains_eager, defer
 
@@ -59,29 +60,80 @@ def ensure_configs(session: Session, rows: Mapping[str, dict[str, Any]]) -> dict
     return ids
 
 
+def _insert_do_nothing(
+    session: Session,
+    table: Table,
+    rows: Sequence[dict[str, Any]],
+    returning: Sequence[str] = (),
+) -> list[tuple[Any, ...]]:
+    """INSERT `rows` (already in database form: packed bytes, aware datetimes) ... ON CONFLICT
+    DO NOTHING [RETURNING `returning`] in one round trip; the returned rows are the inserted
+    ones.
+
+    On PostgreSQL this is psycopg's pipelined `executemany` of one prepared single-row INSERT:
+    3x faster than SQLAlchemy's multi-row VALUES rendering for 500 wide rows, most of whose
+    time went into psycopg rewriting a 10,000-placeholder query string in Python. SQLite gets
+    SQLAlchemy's multi-row INSERT ... RETURNING ("insertmanyvalues").
+    """
+    if not rows:
+        return []
+    if session.get_bind().dialect.name != "postgresql":
+        stmt = sqlite.insert(table).on_conflict_do_nothing()
+        if returning:
+            with_returning = stmt.returning(*(table.c[name] for name in returning))
+            return [tuple(row) for row in session.execute(with_returning, list(rows))]
+        session.execute(stmt, list(rows))
+        return []
+
+    columns = list(rows[0])
+    json_columns = {c.name for c in table.c if isinstance(c.type, JSON)}
+    values = ", ".join(f"%({c})s::json" if c in json_columns else f"%({c})s" for c in columns)
+    sql = (
+        f"INSERT INTO {table.name} ({', '.join(columns)}) VALUES ({values}) "
+        "ON CONFLICT DO NOTHING"
+    )
+    if returning:
+        sql += f" RETURNING {', '.join(returning)}"
+    params = [
+        {
+            c: orjson.dumps(row[c]).decode() if c in json_columns else row[c]
+            for c in columns
+        }
+        for row in rows
+    ]
+    driver_connection = session.connection().connection.driver_connection
+    assert driver_connection is not None
+    cursor = driver_connection.cursor()  # psycopg, inside the session's transaction
+    try:
+        cursor.executemany(sql, params, returning=bool(returning))
+        inserted: list[tuple[Any, ...]] = []
+        if returning:
+            while True:
+                inserted.extend(cursor.fetchall())
+                if not cursor.nextset():
+                    break
+        return inserted
+    finally:
+        cursor.close()
+
+
 def insert_traces(session: Session, rows: Sequence[dict[str, Any]]) -> dict[str, tuple[int, str]]:
     """Insert trace rows, skipping any that would break a unique constraint (same content or
     same external_id in the project). Returns content_sha256 -> (id, public_id) of the rows
     actually inserted."""
-    if not rows:
-        return {}
     table = Trace.__table__
     assert isinstance(table, Table)
-    stmt = (
-        _insert(session, table)
-        .on_conflict_do_nothing()
-        .returning(table.c.id, table.c.public_id, table.c.content_sha256)
+    inserted = _insert_do_nothing(
+        session, table, rows, returning=("id", "public_id", "content_sha256")
     )
-    result = session.execute(stmt, list(rows))
-    return {sha: (id_, public_id) for id_, public_id, sha in result}
+    return {sha: (id_, public_id) for id_, public_id, sha in inserted}
 
 
 def insert_trace_tags(session: Session, rows: Sequence[dict[str, Any]]) -> None:
     """Insert (trace_id, tag) rows."""
-    if rows:
-        table = TraceTag.__table__
-        assert isinstance(table, Table)
-        session.execute(_insert(session, table), list(rows))
+    table = TraceTag.__table__
+    assert isinstance(table, Table)
+    _insert_do_nothing(session, table, rows)
 
 
 def public_ids_by_content(

@@ -1,0 +1,303 @@
+"""Batch ingest throughput into PostgreSQL and single-POST latency, over real HTTP.
+
+    .venv/bin/python benchmarks/ingest.py [--server-url postgresql+psycopg://postgres@127.0.0.1:5432/test]
+                                          [--batches 20] [--batch-size 500] [--concurrency 2]
+                                          [--singles 1000]
+
+What it does: creates a fresh database on the PostgreSQL server (dropped afterwards), applies
+the migrations, creates a submitter key, starts `uvicorn replay_audit.api.app:create_app` as a
+subprocess on 127.0.0.1 (one worker, as `replay-audit serve` runs), then with an httpx client:
+
+  1. batch ingest: `--batches` POST /v1/traces:batch of `--batch-size` distinct traces (256
+     prompt + 256 output tokens, top-2 ids and float32 logits per step, vocab 32,000), sent by
+     `--concurrency` client threads; reports traces/s over the wall time of the whole phase;
+  2. single POST latency: `--singles` sequential POST /v1/traces of one such trace each;
+     reports p50/p95/p99 of the client-side round trip.
+
+Bodies are serialised before the clock starts (a real client pays for that on its own host).
+The target (DESIGN.md) is >= 2,000 traces/s and p99 < 50 ms on the 2-core CI machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from replay_audit.auth.service import create_api_key  # noqa: E402
+from replay_audit.config import normalise_database_url  # noqa: E402
+from replay_audit.db import migration  # noqa: E402
+from replay_audit.db.engine import dispose_engines  # noqa: E402
+from replay_audit.db.unit_of_work import session_scope  # noqa: E402
+
+VOCAB = 32_000
+
+
+def make_trace(
+    rng: np.random.Generator, n_prompt: int = 256, n_output: int = 256
+) -> dict[str, Any]:
+    prompt = rng.integers(0, VOCAB, n_prompt)
+    output = rng.integers(0, VOCAB, n_output)
+    second = (output + rng.integers(1, VOCAB, n_output)) % VOCAB
+    top1 = rng.uniform(5.0, 25.0, n_output).astype(np.float32)
+    top2 = (top1 - rng.uniform(0.0, 3.0, n_output).astype(np.float32)).astype(np.float32)
+    return {
+        "model": {
+            "name": "tinyllama-1.1b",
+            "revision": "main",
+            "weights_sha256": "ab" * 32,
+            "vocab_size": VOCAB,
+        },
+        "config": {
+            "dtype": "bf16",
+            "lm_head_dtype": "bf16",
+            "device": "cuda",
+            "gpu": {"name": "NVIDIA H100", "sm": "9.0"},
+            "attn_kernel": "sdpa",
+            "batch_size": 8,
+            "engine": {"name": "vllm", "version": "0.6.0"},
+        },
+        "decoding": {
+            "strategy": "greedy",
+            "max_new_tokens": n_output,
+            "eos_token_ids": [2],
+            "stop_reason": "length",
+        },
+        "prompt_token_ids": prompt.tolist(),
+        "output_token_ids": output.tolist(),
+        "top_k": {
+            "ids": np.stack([output, second], axis=1).tolist(),
+            "logits": np.stack([top1, top2], axis=1).astype(np.float64).tolist(),
+        },
+        "tags": ["bench"],
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def create_database(server_url: str) -> str:
+    base = make_url(server_url)
+    name = f"replay_audit_bench_{os.getpid()}_{secrets.token_hex(3)}"
+    engine = create_engine(base, isolation_level="AUTOCOMMIT")
+    with engine.connect() as connection:
+        connection.execute(text(f'CREATE DATABASE "{name}"'))
+    engine.dispose()
+    return base.set(database=name).render_as_string(hide_password=False)
+
+
+def drop_database(server_url: str, url: str) -> None:
+    dispose_engines()
+    engine = create_engine(make_url(server_url), isolation_level="AUTOCOMMIT")
+    with engine.connect() as connection:
+        connection.execute(text(f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)'))
+    engine.dispose()
+
+
+def start_server(database_url: str, port: int) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, REPLAY_AUDIT_DATABASE_URL=database_url)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--factory",
+            "replay_audit.api.app:create_app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--no-access-log",
+        ],
+        cwd=ROOT,
+        env=env,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def postgres_cpu_seconds() -> float:
+    """CPU time of every postgres process we may read (the server's backends and workers)."""
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "comm").read_text().strip() == "postgres":
+                total += cpu_seconds(int(entry.name))
+        except OSError:
+            continue
+    return total
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.array(values), q))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--server-url",
+        default=os.environ.get(
+            "REPLAY_AUDIT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+        ),
+    )
+    parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--singles", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    server_url = normalise_database_url(args.server_url)
+    rng = np.random.default_rng(args.seed)
+    print(
+        f"building {args.batches} x {args.batch_size} batch traces "
+        f"and {args.singles} single traces ...",
+        flush=True,
+    )
+    batch_bodies = [
+        orjson.dumps({"traces": [make_trace(rng) for _ in range(args.batch_size)]})
+        for _ in range(args.batches + 1)  # +1 warm-up
+    ]
+    single_bodies = [orjson.dumps(make_trace(rng)) for _ in range(args.singles + 20)]
+    mb = sum(map(len, batch_bodies[1:])) / 1e6
+    print(
+        f"batch bodies: {mb:.1f} MB in total, "
+        f"{len(batch_bodies[1]) / args.batch_size / 1e3:.1f} kB per trace",
+        flush=True,
+    )
+
+    database_url = create_database(server_url)
+    proc = None
+    try:
+        migration.upgrade(database_url)
+        with session_scope(database_url) as session:
+            key = create_api_key(session, "bench", "submitter").key
+        port = free_port()
+        proc = start_server(database_url, port)
+        base = f"http://127.0.0.1:{port}"
+        headers = {"X-API-Key": key, "Content-Type": "application/json"}
+        timeout = httpx.Timeout(120.0)
+
+        with httpx.Client(base_url=base, headers=headers, timeout=timeout) as client:
+            warm = client.post("/v1/traces:batch", content=batch_bodies[0])
+            assert warm.status_code == 207, warm.text
+
+        def send(body: bytes, client: httpx.Client) -> None:
+            answer = client.post("/v1/traces:batch", content=body)
+            assert answer.status_code == 207, answer.text
+            statuses = {r["status"] for r in answer.json()["results"]}
+            assert statuses == {201}, statuses
+
+        clients = [
+            httpx.Client(base_url=base, headers=headers, timeout=timeout)
+            for _ in range(args.concurrency)
+        ]
+        server_cpu0, pg_cpu0 = cpu_seconds(proc.pid), postgres_cpu_seconds()
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            list(
+                pool.map(
+                    lambda ib: send(ib[1], clients[ib[0] % len(clients)]),
+                    enumerate(batch_bodies[1:]),
+                )
+            )
+        elapsed = time.perf_counter() - start
+        server_cpu = cpu_seconds(proc.pid) - server_cpu0
+        pg_cpu = postgres_cpu_seconds() - pg_cpu0
+        for c in clients:
+            c.close()
+        n_traces = args.batches * args.batch_size
+        throughput = n_traces / elapsed
+
+        latencies: list[float] = []
+        with httpx.Client(base_url=base, headers=headers, timeout=timeout) as client:
+            for i, body in enumerate(single_bodies):
+                t0 = time.perf_counter()
+                answer = client.post("/v1/traces", content=body)
+                dt = time.perf_counter() - t0
+                assert answer.status_code == 201, answer.text
+                if i >= 20:  # the first few warm the connection and the server's caches
+                    latencies.append(dt * 1000)
+
+        result = {
+            "batch_traces_per_s": round(throughput, 1),
+            "batch_traces": n_traces,
+            "batch_size": args.batch_size,
+            "concurrency": args.concurrency,
+            "batch_seconds": round(elapsed, 2),
+            # CPU per 1,000 traces, robust to other load on the machine: the API process is
+            # single-threaded Python (one core at most), PostgreSQL runs beside it.
+            "api_cpu_ms_per_1000_traces": round(1e6 * server_cpu / n_traces, 1),
+            "postgres_cpu_ms_per_1000_traces": round(1e6 * pg_cpu / n_traces, 1),
+            "load_average_1m": os.getloadavg()[0],
+            "single_post_ms": {
+                "p50": round(percentile(latencies, 50), 2),
+                "p95": round(percentile(latencies, 95), 2),
+                "p99": round(percentile(latencies, 99), 2),
+                "n": len(latencies),
+            },
+            "cpu_count": os.cpu_count(),
+        }
+        print(
+            f"batch ingest: {n_traces} traces in {elapsed:.2f} s = {throughput:,.0f} traces/s "
+            f"(batches of {args.batch_size}, {args.concurrency} client threads)"
+        )
+        print(
+            f"CPU per 1,000 traces: API process {result['api_cpu_ms_per_1000_traces']} ms, "
+            f"PostgreSQL {result['postgres_cpu_ms_per_1000_traces']} ms "
+            f"(load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)"
+        )
+        s = result["single_post_ms"]
+        print(
+            f"single POST latency over {s['n']} requests: "  # type: ignore[index]
+            f"p50 {s['p50']} ms, p95 {s['p95']} ms, p99 {s['p99']} ms"
+        )  # type: ignore[index]
+        print(json.dumps(result))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=10)
+        drop_database(server_url, database_url)
+
+
+if __name__ == "__main__":
+    random.seed(0)
+    main()
