@@ -76,6 +76,12 @@ class TraceReplay:
     logged_environment: dict[str, Any] | None = None
     #: Both-arms protocol only: arm A's output and statistics.
     logged_arm: dict[str, Any] | None = None
+    #: The replayed arm's per-step margins (6 significant digits; None where not finite) and
+    #: the steps where its gate fired: the trace page's margin track.
+    margins: list[float | None] | None = None
+    gate_fired_steps: list[int] | None = None
+    #: The replayed output as text, where the checkpoint has a tokenizer.
+    replay_text: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -100,6 +106,9 @@ class TraceReplay:
             "target": self.target,
             "logged_environment": self.logged_environment,
             "logged_arm": self.logged_arm,
+            "margins": self.margins,
+            "gate_fired_steps": self.gate_fired_steps,
+            "replay_text": self.replay_text,
         }
 
 
@@ -123,6 +132,13 @@ def _margin_dict(m: Margin | None, source: MarginSource | None = None) -> dict[s
     if source is not None:
         d["source"] = source
     return d
+
+
+def margin_track(steps: Steps) -> tuple[list[float | None], list[int]]:
+    """Per-step margins (6 significant digits: a display track, not a measurement; the margins
+    at t* are kept exactly) and the steps where the gate fired."""
+    margins = [float(f"{m:.6g}") if math.isfinite(m) else None for m in steps.margins.tolist()]
+    return margins, [int(t) for t in np.flatnonzero(steps.gate_fired)]
 
 
 def _stats(steps: Steps) -> tuple[int, int, float | None, float | None, int]:
@@ -291,6 +307,7 @@ def replay_trace(
         category = classify(t_star, gate_fired=fired, single_step_disagrees=bool(disagrees))
 
     triggers, n, rate, gap, changed = _stats(steps)
+    track, fired_steps = margin_track(steps)
     exact = t_star is None
     decoded_fully = mode != "scan" or exact
     return TraceReplay(
@@ -314,6 +331,9 @@ def replay_trace(
         external_id=trace.external_id,
         semantic=_semantic(trace, engine, logged, replay_ids, extractor) if decoded_fully else None,
         logged_environment=_plain(logged_engine.environment()) if logged_engine else None,
+        margins=track,
+        gate_fired_steps=fired_steps,
+        replay_text=engine.detokenize(replay_ids),
     )
 
 
@@ -448,6 +468,8 @@ def compare_arms(
         category = classify(t_star, gate_fired=fired, single_step_disagrees=bool(disagrees))
     triggers, n, rate, gap, changed = _stats(rb.steps)
     a_triggers, a_n, _, a_gap, a_changed = _stats(ra.steps)
+    track, fired_steps = margin_track(rb.steps)
+    a_track, a_fired_steps = margin_track(ra.steps)
     semantic = None
     if extractor is not None:
         ta, tb = ea.detokenize(a_ids), eb.detokenize(b_ids)
@@ -484,6 +506,12 @@ def compare_arms(
                 "steps": a_n,
                 "mean_gap": a_gap,
                 "changed_steps": a_changed,
+                "margins": a_track,
+                "gate_fired_steps": a_fired_steps,
+                "text": ea.detokenize(a_ids),
             }
         ),
+        margins=track,
+        gate_fired_steps=fired_steps,
+        replay_text=eb.detokenize(b_ids),
     )

@@ -205,6 +205,9 @@ def _result_row(comparison: int, r: TraceReplay) -> dict[str, Any]:
             "logged_environment",
             "changed_steps",
             "external_id",
+            "margins",
+            "gate_fired_steps",
+            "replay_text",
         )
     }
     detail["margin_at_divergence"] = d["margin_at_divergence"]
