@@ -115,7 +115,7 @@ def drop_database(server_url: str, url: str) -> None:
     engine.dispose()
 
 
-def start_server(database_url: str, port: int) -> subprocess.Popen[bytes]:
+def start_server(database_url: str, port: int, workers: int) -> subprocess.Popen[bytes]:
     env = dict(os.environ, REPLAY_AUDIT_DATABASE_URL=database_url)
     proc = subprocess.Popen(
         [
@@ -131,6 +131,8 @@ def start_server(database_url: str, port: int) -> subprocess.Popen[bytes]:
             "--log-level",
             "warning",
             "--no-access-log",
+            "--workers",
+            str(workers),
         ],
         cwd=ROOT,
         env=env,
@@ -150,6 +152,20 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of a process and its children (uvicorn --workers forks them)."""
+    total = cpu_seconds(pid)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(stat[1]) == pid:
+                    total += cpu_seconds(int(entry.name))
+            except OSError:
+                continue
+    return total
 
 
 def postgres_cpu_seconds() -> float:
@@ -182,6 +198,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=500)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--singles", type=int, default=1000)
+    parser.add_argument("--workers", type=int, default=1,
+                        help="API processes (replay-audit serve --workers)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -211,7 +229,7 @@ def main() -> None:
         with session_scope(database_url) as session:
             key = create_api_key(session, "bench", "submitter").key
         port = free_port()
-        proc = start_server(database_url, port)
+        proc = start_server(database_url, port, args.workers)
         base = f"http://127.0.0.1:{port}"
         headers = {"X-API-Key": key, "Content-Type": "application/json"}
         timeout = httpx.Timeout(120.0)
@@ -230,7 +248,7 @@ def main() -> None:
             httpx.Client(base_url=base, headers=headers, timeout=timeout)
             for _ in range(args.concurrency)
         ]
-        server_cpu0, pg_cpu0 = cpu_seconds(proc.pid), postgres_cpu_seconds()
+        server_cpu0, pg_cpu0 = tree_cpu_seconds(proc.pid), postgres_cpu_seconds()
         start = time.perf_counter()
         with ThreadPoolExecutor(args.concurrency) as pool:
             list(
@@ -240,7 +258,7 @@ def main() -> None:
                 )
             )
         elapsed = time.perf_counter() - start
-        server_cpu = cpu_seconds(proc.pid) - server_cpu0
+        server_cpu = tree_cpu_seconds(proc.pid) - server_cpu0
         pg_cpu = postgres_cpu_seconds() - pg_cpu0
         for c in clients:
             c.close()
@@ -262,6 +280,7 @@ def main() -> None:
             "batch_traces": n_traces,
             "batch_size": args.batch_size,
             "concurrency": args.concurrency,
+            "api_workers": args.workers,
             "batch_seconds": round(elapsed, 2),
             # CPU per 1,000 traces, robust to other load on the machine: the API process is
             # single-threaded Python (one core at most), PostgreSQL runs beside it.

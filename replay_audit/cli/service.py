@@ -31,6 +31,9 @@ def serve(
     migrate: Annotated[
         bool, typer.Option("--migrate/--no-migrate", help="Apply the migrations before serving.")
     ] = True,
+    workers: Annotated[
+        int, typer.Option(min=1, help="API processes (each single-threaded Python).")
+    ] = 1,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Run the HTTP API.
@@ -54,7 +57,18 @@ def serve(
         key = bootstrap_admin_key(session)
     if key is not None:
         typer.echo(_banner_for_key(key, DEFAULT_PROJECT))
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+    if workers == 1:
+        uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+    else:
+        # Separate processes build their own app from the same environment.
+        uvicorn.run(
+            "replay_audit.api.app:create_app",
+            factory=True,
+            host=host,
+            port=port,
+            workers=workers,
+            log_level=log_level,
+        )
 
 
 @db_app.command("upgrade")

@@ -57,26 +57,30 @@ def _top_k(value: Any) -> TopK:
     ids, logits = value["ids"], value["logits"]
     if type(ids) is not list or type(logits) is not list or not ids or len(ids) != len(logits):
         raise _Unknown
-    if set(map(type, ids)) != {list} or set(map(type, logits)) != {list}:
-        raise _Unknown
-    k = len(ids[0])
-    if k == 0 or set(map(len, ids)) != {k} or set(map(len, logits)) != {k}:
+    k = len(ids[0]) if type(ids[0]) is list else 0
+    try:
+        if k == 0 or set(map(len, ids)) != {k} or set(map(len, logits)) != {k}:
+            raise _Unknown
+    except TypeError:  # an element without a length (a number, null)
+        raise _Unknown from None
+    # Checking the flattened element types also checks the rows: a row that is a string or an
+    # object flattens to strings, which fail.
+    flat_ids = list(chain.from_iterable(ids))
+    flat_logits = list(chain.from_iterable(logits))
+    if set(map(type, flat_ids)) != {int}:
         raise _Unknown
     # JSON floats only: pydantic would turn an int logit into a float, which we do not copy.
-    if set(map(type, chain.from_iterable(ids))) != {int}:
+    if set(map(type, flat_logits)) != {float}:
         raise _Unknown
-    if set(map(type, chain.from_iterable(logits))) != {float}:
+    if min(flat_ids) < 0 or max(flat_ids) >= _TOKEN_ID_LIMIT:
         raise _Unknown
-    count = len(ids) * k
-    ids64 = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=count)
-    if ids64.min() < 0 or ids64.max() >= _TOKEN_ID_LIMIT:
-        raise _Unknown
-    logits64 = np.fromiter(chain.from_iterable(logits), dtype=np.float64, count=count)
+    ids32 = np.fromiter(flat_ids, dtype="<i4", count=len(flat_ids))
+    logits64 = np.fromiter(flat_logits, dtype=np.float64, count=len(flat_logits))
     with np.errstate(over="ignore", invalid="ignore"):
         logits32 = logits64.astype("<f4")
     top_k = TopK.model_construct(ids=ids, logits=logits)
     # What TopK.packed would compute, already at hand (cached_property reads __dict__).
-    top_k.__dict__["packed"] = PackedTopK(k, ids64.astype("<i4").tobytes(), logits32.tobytes())
+    top_k.__dict__["packed"] = PackedTopK(k, ids32.tobytes(), logits32.tobytes())
     return top_k
 
 
