@@ -9,6 +9,8 @@ SQLite runs in batch mode (its ALTER TABLE cannot drop or alter columns); Postgr
 
 from __future__ import annotations
 
+from logging.config import fileConfig
+
 from alembic import context
 from sqlalchemy import Connection
 
@@ -22,6 +24,11 @@ from replay_audit.db.engine import create_db_engine, is_sqlite
 
 config = context.config
 target_metadata = Base.metadata
+
+# `alembic ...` from the command line logs as alembic.ini says; called from code (no ini file),
+# the caller's logging stays as it is.
+if config.config_file_name is not None:
+    fileConfig(config.config_file_name, disable_existing_loggers=False)
 
 
 def _configure(connection: Connection) -> None:
