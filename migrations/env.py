@@ -15,6 +15,7 @@ from alembic import context
 from sqlalchemy import Connection
 
 # Every domain's tables must be imported here so that `alembic check` (autogenerate) sees them.
+import replay_audit.audits.models
 import replay_audit.auth.models
 import replay_audit.replays.models
 import replay_audit.traces.models  # noqa: F401
@@ -36,6 +37,9 @@ def _configure(connection: Connection) -> None:
         connection=connection,
         target_metadata=target_metadata,
         render_as_batch=connection.dialect.name == "sqlite",
+        # SQLite too: our engine emits BEGIN itself (see replay_audit.db.engine), so a failed
+        # migration rolls back whole instead of leaving half a schema.
+        transactional_ddl=True,
         compare_type=True,
         compare_server_default=True,
     )
