@@ -249,6 +249,7 @@ def main() -> None:
             for _ in range(args.concurrency)
         ]
         server_cpu0, pg_cpu0 = tree_cpu_seconds(proc.pid), postgres_cpu_seconds()
+        client_cpu0 = time.process_time()
         start = time.perf_counter()
         with ThreadPoolExecutor(args.concurrency) as pool:
             list(
@@ -260,6 +261,7 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         server_cpu = tree_cpu_seconds(proc.pid) - server_cpu0
         pg_cpu = postgres_cpu_seconds() - pg_cpu0
+        client_cpu = time.process_time() - client_cpu0
         for c in clients:
             c.close()
         n_traces = args.batches * args.batch_size
@@ -286,6 +288,7 @@ def main() -> None:
             # single-threaded Python (one core at most), PostgreSQL runs beside it.
             "api_cpu_ms_per_1000_traces": round(1e6 * server_cpu / n_traces, 1),
             "postgres_cpu_ms_per_1000_traces": round(1e6 * pg_cpu / n_traces, 1),
+            "client_cpu_ms_per_1000_traces": round(1e6 * client_cpu / n_traces, 1),
             "load_average_1m": os.getloadavg()[0],
             "single_post_ms": {
                 "p50": round(percentile(latencies, 50), 2),
@@ -301,7 +304,8 @@ def main() -> None:
         )
         print(
             f"CPU per 1,000 traces: API process {result['api_cpu_ms_per_1000_traces']} ms, "
-            f"PostgreSQL {result['postgres_cpu_ms_per_1000_traces']} ms "
+            f"PostgreSQL {result['postgres_cpu_ms_per_1000_traces']} ms, "
+            f"this client {result['client_cpu_ms_per_1000_traces']} ms "
             f"(load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)"
         )
         s = result["single_post_ms"]

@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any
 
 import orjson
-from sqlalchemy import JSON, Select, Table, exists, select
+from sqlalchemy import JSON, Select, Table, exists, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, contains_eager, defer
 
@@ -131,6 +131,19 @@ def insert_traces(session: Session, rows: Sequence[dict[str, Any]]) -> dict[str,
 
 def insert_trace_tags(session: Session, rows: Sequence[dict[str, Any]]) -> None:
     """Insert (trace_id, tag) rows."""
+    if not rows:
+        return
+    if session.get_bind().dialect.name == "postgresql":
+        # Two narrow columns: one statement over two arrays beats even a pipeline of rows.
+        session.execute(
+            text(
+                "INSERT INTO trace_tags (trace_id, tag) "
+                "SELECT * FROM unnest(CAST(:trace_ids AS bigint[]), CAST(:tags AS text[])) "
+                "ON CONFLICT DO NOTHING"
+            ),
+            {"trace_ids": [r["trace_id"] for r in rows], "tags": [r["tag"] for r in rows]},
+        )
+        return
     table = TraceTag.__table__
     assert isinstance(table, Table)
     _insert_do_nothing(session, table, rows)
