@@ -15,6 +15,7 @@ from fastapi import APIRouter, FastAPI
 from pydantic import BaseModel
 
 import replay_audit
+from replay_audit.api.body_limit import BodyLimitMiddleware
 from replay_audit.api.errors import install_error_handlers
 from replay_audit.api.health import router as health_router
 from replay_audit.config import Settings, get_settings
@@ -26,9 +27,10 @@ from replay_audit.traces.schemas import TraceBatchCreate, TraceCreate
 def _routers() -> list[APIRouter]:
     from replay_audit.auth.endpoints import router as keys_router
     from replay_audit.replays.endpoints import router as replays_router
+    from replay_audit.reports.endpoints import router as reports_router
     from replay_audit.traces.endpoints import router as traces_router
 
-    return [health_router, traces_router, replays_router, keys_router]
+    return [health_router, traces_router, replays_router, reports_router, keys_router]
 
 
 #: Request bodies read raw by their endpoints (for speed and the size limit), so FastAPI does
@@ -73,6 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     #: The job runner (in-process thread or RQ); tests may replace it.
     app.state.runner = get_runner(settings)
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     for router in _routers():
         app.include_router(router)
     _install_openapi(app)

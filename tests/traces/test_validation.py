@@ -192,3 +192,28 @@ def test_body_over_the_byte_limit_is_413_when_streamed(
     answer = client.post("/v1/traces:batch", content=chunks(), headers=headers("submitter"))
     assert answer.status_code == 413 and answer.json()["field"] == "body"
     _assert_nothing_stored(db_url)
+
+
+def test_any_endpoint_refuses_a_declared_body_over_the_limit(
+    make_client: Callable[..., TestClient], headers: Headers
+) -> None:
+    client = make_client(max_request_bytes=100)
+    answer = client.post(
+        "/v1/keys", content=b'{"role": "auditor", "name": "' + b"x" * 200 + b'"}',
+        headers=headers("admin") | {"Content-Type": "application/json"},
+    )
+    assert answer.status_code == 413 and answer.json()["field"] == "body"
+
+
+def test_a_chunked_body_to_a_fastapi_parsed_endpoint_is_refused(
+    make_client: Callable[..., TestClient], headers: Headers
+) -> None:
+    client = make_client(max_request_bytes=100)
+    body = b'{"role": "auditor", "name": "' + b"x" * 200 + b'"}'
+    answer = client.post(
+        "/v1/keys", content=iter([body[:50], body[50:]]),
+        headers=headers("admin") | {"Content-Type": "application/json"},
+    )
+    assert 400 <= answer.status_code < 500
+    keys = client.get("/v1/keys", headers=headers("admin")).json()["items"]
+    assert all(k["role"] == "admin" for k in keys)  # the auditor key was not created
