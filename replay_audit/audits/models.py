@@ -1,0 +1,127 @@
+"""Audit tables.
+
+    audit_schedules   what to audit and when: cron (UTC), selection, sampling, replay targets,
+                      drift threshold, webhook
+    audit_runs        one per (schedule, due time), unique: the claim that makes a due time run
+                      exactly once however many schedulers tick, and the run's trend point and
+                      drift flags once its replay run has finished
+    audit_alerts      one per flagged run with a webhook: the delivery and every attempt
+
+The replay run of an audit run is an ordinary `replay_runs` row (`schedule_id` = the schedule's
+public id, `idempotency_key` = `schedule:<id>:<due time>`), so everything that shows a replay
+run shows it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import Mapped, mapped_column
+
+from replay_audit.db.base import Base, utcnow
+
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class AuditSchedule(Base):
+    __tablename__ = "audit_schedules"
+    __table_args__ = (
+        UniqueConstraint("project_id", "name"),
+        CheckConstraint("status IN ('active', 'paused')", name="status"),
+        CheckConstraint("policy IN ('uniform', 'stratified', 'low_margin_first')", name="policy"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    public_id: Mapped[str] = mapped_column(String(40), unique=True)
+    project_id: Mapped[int] = mapped_column(
+        ForeignKey("projects.id", ondelete="CASCADE"), index=True
+    )
+    name: Mapped[str] = mapped_column(String(200))
+    #: Five-field cron expression, read in UTC.
+    cron: Mapped[str] = mapped_column(String(100))
+    status: Mapped[str] = mapped_column(String(16), default="active")
+    #: `schemas.Selection` as JSON: tags, model, configuration, window.
+    selection: Mapped[dict[str, Any]] = mapped_column(JSON)
+    sample_size: Mapped[int] = mapped_column(Integer)
+    policy: Mapped[str] = mapped_column(String(32))
+    seed: Mapped[int] = mapped_column(BigInteger)
+    #: `schemas.ScheduleReplay` as JSON: targets, compare, mode, ...
+    replay: Mapped[dict[str, Any]] = mapped_column(JSON)
+    ear_drop_points: Mapped[float] = mapped_column(Float)
+    webhook_url: Mapped[str | None] = mapped_column(String(2000), nullable=True)
+    #: Due times before this are never run by the scheduler nor counted as missed: set at
+    #: creation and again when a paused schedule is resumed.
+    active_since: Mapped[datetime] = mapped_column(default=utcnow)
+    #: When it was paused (None while active): due times after it are not missed.
+    paused_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class AuditRun(Base):
+    __tablename__ = "audit_runs"
+    __table_args__ = (
+        # Exactly one run per schedule per due time: two schedulers, a retried tick, a catch-up
+        # racing the nightly run all meet here.
+        UniqueConstraint("schedule_id", "due_at"),
+        CheckConstraint("trigger IN ('scheduled', 'manual', 'catch_up')", name="trigger"),
+        CheckConstraint("status IN ('running', 'done', 'no_traces', 'failed')", name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    public_id: Mapped[str] = mapped_column(String(40), unique=True)
+    schedule_id: Mapped[int] = mapped_column(
+        ForeignKey("audit_schedules.id", ondelete="CASCADE"), index=True
+    )
+    due_at: Mapped[datetime] = mapped_column()
+    trigger: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    replay_run_id: Mapped[int | None] = mapped_column(
+        ForeignKey("replay_runs.id", ondelete="SET NULL"), nullable=True, index=True
+    )
+    #: The trace window [window_start, window_end) the sample was drawn from.
+    window_start: Mapped[datetime] = mapped_column()
+    window_end: Mapped[datetime] = mapped_column()
+    n_candidates: Mapped[int] = mapped_column(Integer, default=0)
+    n_sampled: Mapped[int] = mapped_column(Integer, default=0)
+    #: `drift.run_metrics` once the replay run finished.
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    flags: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    evaluated_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
+class AuditAlert(Base):
+    __tablename__ = "audit_alerts"
+    __table_args__ = (
+        CheckConstraint("status IN ('pending', 'delivered', 'failed')", name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    public_id: Mapped[str] = mapped_column(String(40), unique=True)
+    #: One alert per flagged run (unique): a re-evaluation cannot POST twice.
+    audit_run_id: Mapped[int] = mapped_column(
+        ForeignKey("audit_runs.id", ondelete="CASCADE"), unique=True
+    )
+    url: Mapped[str] = mapped_column(String(2000))
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16), default="pending", index=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    #: [{"at", "status_code" | null, "error" | null}] one entry per attempt.
+    attempt_log: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(nullable=True)
