@@ -50,7 +50,10 @@ def ensure_configs(session: Session, rows: Mapping[str, dict[str, Any]]) -> dict
         return {}
     table = NumericalConfigRow.__table__
     assert isinstance(table, Table)
-    session.execute(_insert(session, table).on_conflict_do_nothing(), list(rows.values()))
+    # Sorted: concurrent transactions then take the unique-index locks in one order and cannot
+    # deadlock on each other.
+    ordered = [rows[sha] for sha in sorted(rows)]
+    session.execute(_insert(session, table).on_conflict_do_nothing(), ordered)
     ids: dict[str, int] = {}
     for chunk in _chunks(list(rows)):
         stmt = select(NumericalConfigRow.content_sha256, NumericalConfigRow.id).where(
@@ -123,8 +126,11 @@ def insert_traces(session: Session, rows: Sequence[dict[str, Any]]) -> dict[str,
     actually inserted."""
     table = Trace.__table__
     assert isinstance(table, Table)
+    # Sorted by content: two batches holding the same traces in different orders (a client
+    # retrying concurrently) take the unique-index locks in one order and cannot deadlock.
+    ordered = sorted(rows, key=lambda row: str(row["content_sha256"]))
     inserted = _insert_do_nothing(
-        session, table, rows, returning=("id", "public_id", "content_sha256")
+        session, table, ordered, returning=("id", "public_id", "content_sha256")
     )
     return {sha: (id_, public_id) for id_, public_id, sha in inserted}
 

@@ -121,3 +121,26 @@ def test_post_after_a_rolled_back_duplicate_creates_the_trace(
     answer, held_id = _race_with_open_transaction(app, db_url, api_key("admin"), commit=False)
     assert answer.status_code == 201 and answer.json()["id"] != held_id
     assert count_rows(db_url, Trace) == 1
+
+
+def test_concurrent_batches_of_the_same_traces_in_other_orders(
+    app: FastAPI, api_key: ApiKeyFactory, db_url: str
+) -> None:
+    """Retries of one batch, shuffled, racing: no deadlock, every trace stored once."""
+    key = api_key("submitter")
+    traces = [make_trace(n_prompt=16, n_output=16) for _ in range(40)]
+    orders = [traces, traces[::-1], traces[1::2] + traces[::2], traces[::2] + traces[1::2]]
+    barrier = threading.Barrier(len(orders))
+
+    def post(batch: list[dict[str, Any]]) -> httpx.Response:
+        client = TestClient(app)
+        barrier.wait()
+        return client.post("/v1/traces:batch", json={"traces": batch}, headers={"X-API-Key": key})
+
+    with ThreadPoolExecutor(len(orders)) as pool:
+        answers = list(pool.map(post, orders))
+    assert [a.status_code for a in answers] == [207] * len(orders), [a.text for a in answers]
+    created = sum(r["status"] == 201 for a in answers for r in a.json()["results"])
+    assert created == len(traces)
+    assert all(r["status"] in (200, 201) for a in answers for r in a.json()["results"])
+    assert count_rows(db_url, Trace) == len(traces)
