@@ -200,10 +200,17 @@ def _ingest(
         ms = int(now.timestamp() * 1000)
         public_ids = iter(sorted(new_public_id(TRACE_ID_PREFIX, ms) for _ in prepared))
         first: dict[str, _Prepared] = {}
+        external_ids: set[str] = set()
         rows = []
         for p in prepared:
             if p.content_sha256 in first:
                 continue  # a repeat within this call: answered with the first one's id below
+            if p.trace.external_id is not None:
+                if p.trace.external_id in external_ids:
+                    # Taken by an earlier item of this call with other content: that one wins
+                    # (rows are inserted in hash order, not request order), this one gets 409.
+                    continue
+                external_ids.add(p.trace.external_id)
             first[p.content_sha256] = p
             rows.append(
                 p.row
