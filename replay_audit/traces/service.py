@@ -170,7 +170,7 @@ def ingest_traces(
     trace is 201 `created: true`; one whose content the project already holds (or that repeats
     an earlier item of the same call) is 200 `created: false` with the existing id; one whose
     external_id is taken by different content is 409 naming `external_id`. Configurations are
-    deduplicated, and each table gets one multi-row INSERT. Never commits.
+    deduplicated, and each table gets one INSERT round trip. Never commits.
     """
     return [
         _error_result(index, r) if isinstance(r, ReplayAuditError) else r
