@@ -51,6 +51,76 @@ def _pct(p: dict[str, Any] | None) -> str:
     return f"{100 * p['estimate']:.0f}% [{100 * p['low']:.0f}, {100 * p['high']:.0f}]"
 
 
+def _arm(target: dict[str, Any]) -> str:
+    return str(target.get("label") or target.get("dtype"))
+
+
+_SHORT = {"agreed": "agr", "head_reachable": "head", "kv_dependent": "kv", "body_dominated": "body"}
+
+
+def _print_run(console: Any, run: dict[str, Any], title: str) -> None:
+    from rich.table import Table
+
+    agg = run["aggregate"] or {"comparisons": [], "lifts": []}
+    targets = run["targets"]
+    table = Table(title=f"{title}\nrun {run['id']} ({run['status']})", title_justify="left")
+    for col in ("arm A", "arm B", "EAR [95% CI]", "gate", "t* med", "categories"):
+        table.add_column(col, overflow="fold")
+    for c in agg["comparisons"]:
+        t_star = c["first_divergence_step"]
+        cats = " ".join(f"{_SHORT[k]} {v}" for k, v in c["categories"].items() if v)
+        table.add_row(
+            "logged" if c["a"] == "logged" else _arm(targets[c["a"]]),
+            _arm(targets[c["b"]]),
+            _pct(c["ear"]),
+            "-" if c["trigger_rate"] is None else f"{100 * c['trigger_rate']:.2f}%",
+            "-" if t_star is None else f"{t_star['median']:.0f}",
+            cats or "-",
+        )
+    console.print(table)
+    comps = {c["index"]: c for c in agg["comparisons"]}
+
+    def name(c: dict[str, Any]) -> str:
+        a = "logged" if c["a"] == "logged" else _arm(targets[c["a"]])
+        return f"{a} vs {_arm(targets[c['b']])}"
+
+    for lift in agg["lifts"]:
+        b, t = comps[lift["baseline"]], comps[lift["treated"]]
+        console.print(
+            f"  EAR lift of [{name(t)}] over [{name(b)}]: "
+            f"{100 * lift['lift']:+.1f} pp [{100 * lift['low']:+.1f}, {100 * lift['high']:+.1f}]"
+            f"; fixed {lift['fixed']}, broke {lift['broke']}, McNemar p = {lift['mcnemar_p']:.3g}"
+        )
+
+
+def _requests(ids: list[str]) -> dict[str, dict[str, Any]]:
+    c = {"kind": "C", "tau": 1e-3}
+    return {
+        # Each target against the logged BF16 tokens, plus a self-replay in the logged
+        # configuration, which must reproduce exactly.
+        "logged": {
+            "trace_ids": ids,
+            "targets": [
+                {"dtype": "fp16", "label": "FP16"},
+                {"dtype": "fp16", "intervention": c, "label": "FP16 + C"},
+            ],
+            "compare_with": "self",
+        },
+        # The paper's both-arms protocol: would C have prevented the divergence?
+        "both_arms": {
+            "trace_ids": ids,
+            "targets": [
+                {"dtype": "bf16", "label": "BF16"},
+                {"dtype": "fp16", "label": "FP16"},
+                {"dtype": "bf16", "intervention": c, "label": "BF16 + C"},
+                {"dtype": "fp16", "intervention": c, "label": "FP16 + C"},
+            ],
+            "compare": "pairwise",
+            "pairs": [[0, 1], [2, 3]],
+        },
+    }
+
+
 @app.command()
 def demo(
     prompts: Annotated[int, typer.Option(min=1, max=64, help="How many bundled prompts.")] = 24,
@@ -60,15 +130,15 @@ def demo(
         bool, typer.Option(help="Keep the API running afterwards (Ctrl-C to stop).")
     ] = False,
     json_out: Annotated[
-        Path | None, typer.Option(help="Also write the run id, key and summary as JSON.")
+        Path | None, typer.Option(help="Also write the key and both runs as JSON.")
     ] = None,
 ) -> None:
     """Generate BF16 traces with the bundled model, ingest them over HTTP, replay them in FP16
-    with and without Intervention C, and print what the API reports."""
+    with and without Intervention C (against the logged tokens, and both arms run here), and
+    print what the API reports."""
     import httpx
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-    from rich.table import Table
 
     from replay_audit.auth.service import create_api_key
     from replay_audit.config import BUNDLED_MODEL_DIR, get_settings
@@ -105,69 +175,48 @@ def demo(
             traces.append(trace)
             progress.advance(task)
 
-    h = {"X-API-Key": key}
-    with httpx.Client(base_url=base, headers=h, timeout=60) as client:
+    with httpx.Client(base_url=base, headers={"X-API-Key": key}, timeout=60) as client:
         r = client.post("/v1/traces:batch", json={"traces": traces})
         r.raise_for_status()
         ids = [item["id"] for item in r.json()["results"]]
-        console.print(f"ingested {len(ids)} traces over HTTP ({r.status_code})")
-        request = {
-            "trace_ids": ids,
-            "targets": [
-                {"dtype": "fp16", "label": "FP16"},
-                {"dtype": "fp16", "intervention": {"kind": "C", "tau": 1e-3}, "label": "FP16 + C"},
-            ],
-            "compare_with": "self",
-            "mode": "decode",
-        }
-        r = client.post("/v1/replays", json=request)
-        r.raise_for_status()
-        run_id = r.json()["id"]
+        console.print(
+            f"ingested {len(ids)} traces over HTTP (POST /v1/traces:batch: {r.status_code})"
+        )
+        run_ids = {}
+        for name, request in _requests(ids).items():
+            r = client.post("/v1/replays", json=request)
+            r.raise_for_status()
+            run_ids[name] = r.json()["id"]
+        finished: dict[str, dict[str, Any]] = {}
         with Progress(*bar, console=console) as progress:
-            task = progress.add_task("replay (FP16, FP16 + C, self)", total=None)
-            while True:
-                run = client.get(f"/v1/replays/{run_id}").json()
-                p = run["progress"]
-                progress.update(task, total=p["total"], completed=p["done"] + p["failed"])
-                if run["status"] in ("done", "failed"):
-                    break
+            tasks = {
+                "logged": progress.add_task("replay vs logged: FP16, FP16 + C, self", total=None),
+                "both_arms": progress.add_task("both arms: BF16|FP16, BF16+C|FP16+C", total=None),
+            }
+            while len(finished) < len(run_ids):
+                for name, run_id in run_ids.items():
+                    run = client.get(f"/v1/replays/{run_id}").json()
+                    p = run["progress"]
+                    done = p["done"] + p["failed"]
+                    progress.update(tasks[name], total=p["total"], completed=done)
+                    if run["status"] in ("done", "failed"):
+                        finished[name] = run
                 time.sleep(0.2)
 
-    agg = run["aggregate"] or {"comparisons": [], "lifts": []}
-    labels = {i: t.get("label") or t.get("dtype") for i, t in enumerate(run["targets"])}
-    table = Table(title=f"replay run {run_id}: BF16-logged traces replayed")
-    for col in ("arm B", "EAR [95% CI]", "trigger rate", "mean gap", "median t*", "categories"):
-        table.add_column(col)
-    for c in agg["comparisons"]:
-        t_star = c["first_divergence_step"]
-        cats = ", ".join(f"{k} {v}" for k, v in c["categories"].items() if v)
-        table.add_row(
-            str(labels[c["b"]]),
-            _pct(c["ear"]),
-            "-" if c["trigger_rate"] is None else f"{100 * c['trigger_rate']:.2f}%",
-            "-" if c["mean_gap"] is None else f"{c['mean_gap']:.3f}",
-            "-" if t_star is None else f"{t_star['median']:.0f}",
-            cats or "-",
-        )
-    console.print(table)
-    for lift in agg["lifts"]:
-        console.print(
-            f"lift of {labels[lift['treated']]} over {labels[lift['baseline']]}: "
-            f"{100 * lift['lift']:+.1f} pp [{100 * lift['low']:+.1f}, {100 * lift['high']:+.1f}], "
-            f"fixed {lift['fixed']}, broke {lift['broke']}, McNemar p = {lift['mcnemar_p']:.3g}"
-        )
+    _print_run(console, finished["logged"], "BF16-logged traces replayed (arm A: logged tokens)")
+    _print_run(console, finished["both_arms"], "Both arms run here (the paper's protocol)")
     console.print(
-        f"status {run['status']}; results: {base}/v1/replays/{run_id}/results "
-        f"(X-API-Key: {key})\nbrowse: `replay-audit serve`, then /ui/runs/{run_id} "
-        "with that key; the API is documented at /docs"
+        f"results: {base}/v1/replays/<id>/results  (X-API-Key: {key})\n"
+        f"browse: `replay-audit serve`, sign in at /ui with that key, then "
+        f"/ui/runs/{run_ids['logged']} and /ui/runs/{run_ids['both_arms']}; API docs at /docs"
     )
     if json_out is not None:
-        json_out.write_text(json.dumps({"run_id": run_id, "api_key": key, "run": run}, indent=2))
+        json_out.write_text(json.dumps({"api_key": key, "runs": finished}, indent=2))
     if keep_serving:
         console.print("serving; Ctrl-C to stop")
         with contextlib.suppress(KeyboardInterrupt):
             thread.join()
     server.should_exit = True
     thread.join(timeout=10)
-    if run["status"] != "done":
+    if any(run["status"] != "done" for run in finished.values()):
         raise typer.Exit(1)

@@ -116,9 +116,13 @@ def lift(
 
 
 def aggregate_run(
-    rows: Sequence[Mapping[str, Any]], comparisons: Sequence[Mapping[str, Any]]
+    rows: Sequence[Mapping[str, Any]],
+    comparisons: Sequence[Mapping[str, Any]],
+    targets: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """`rows` carry the result columns plus `trace_id` and `public_id` (the trace's)."""
+    """`rows` carry the result columns plus `trace_id` and `public_id` (the trace's). A
+    comparison with a self-replay target (`{"self": true}`) is a reproducibility check, not a
+    treatment: it gets no lift."""
     by_comp: dict[int, dict[int, Mapping[str, Any]]] = defaultdict(dict)
     public: dict[int, str] = {}
     for r in rows:
@@ -132,6 +136,8 @@ def aggregate_run(
         )
     for c in comparisons[1:]:
         idx = int(c["index"])
+        if isinstance(c["b"], int) and c["b"] < len(targets) and targets[c["b"]].get("self"):
+            continue
         result = lift(by_comp[0], by_comp[idx], public)
         if result is not None:
             out["lifts"].append({"baseline": 0, "treated": idx, **result})

@@ -160,7 +160,7 @@ def finalise_run(session: Session, run: ReplayRun) -> None:
             .order_by(ReplayResult.trace_id, ReplayResult.comparison)
         ).mappings()
     )
-    run.aggregate = aggregate_run([dict(r) for r in results], run.comparisons)
+    run.aggregate = aggregate_run([dict(r) for r in results], run.comparisons, run.targets)
     n_ok = sum(1 for r in results if r["status"] == "ok")
     run.finished_at = utcnow()
     if results and n_ok == 0:

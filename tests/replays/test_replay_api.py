@@ -117,6 +117,7 @@ def test_paired_replay_end_to_end(
     assert comps[0]["categories"]["head_reachable"] == 12 - n_exact
     assert comps[2]["ear"]["successes"] == 12
     lifts = {lift["treated"]: lift for lift in agg["lifts"]}
+    assert set(lifts) == {1}  # the self-replay is a reproducibility check, not a treatment
     assert lifts[1]["fixed"] == 12 - n_exact and lifts[1]["broke"] == 0
     assert lifts[1]["lift"] == pytest.approx((12 - n_exact) / 12)
     assert sorted(lifts[1]["fixed_trace_ids"]) == sorted(
