@@ -1,0 +1,79 @@
+"""HTTP: a run's report and its export, under `/v1/replays/{id}`. Thin handlers."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import StreamingResponse
+
+from replay_audit.api.deps import DBSession, require_role
+from replay_audit.auth.models import Role
+from replay_audit.auth.schemas import Principal
+from replay_audit.exceptions import FieldError
+from replay_audit.replays.models import ReplayRun
+from replay_audit.reports import export, service
+from replay_audit.reports.export import ExportFormat
+from replay_audit.reports.schemas import RunReport
+
+router = APIRouter(prefix="/v1/replays", tags=["reports"])
+
+Reader = Annotated[Principal, Depends(require_role(Role.submitter, Role.auditor, Role.admin))]
+
+
+@router.get("/{run_id}/report", response_model=RunReport)
+def read_report(
+    run_id: str,
+    session: DBSession,
+    principal: Reader,
+    a: Annotated[int | None, Query(ge=0, description="baseline comparison of the pair")] = None,
+    b: Annotated[int | None, Query(ge=0, description="treated comparison of the pair")] = None,
+    margin: Annotated[float, Query(ge=0, lt=1, description="TOST margin")] = (
+        service.DEFAULT_TOST_MARGIN
+    ),
+    alpha: Annotated[float, Query(gt=0, lt=0.5)] = service.DEFAULT_TOST_ALPHA,
+    list_limit: Annotated[int, Query(ge=0, le=1000)] = service.DEFAULT_LIST_LIMIT,
+) -> RunReport:
+    """Statistics of a run with their intervals: per comparison, lifts over comparison 0 and
+    of the pair (a, b), task accuracy where traces carry reference answers."""
+    if (a is None) != (b is None):
+        raise FieldError("give both a and b, or neither", field="a" if a is None else "b")
+    run = service.get_run(session, principal.project_id, run_id)
+    pair = (a, b) if a is not None and b is not None else None
+    return service.run_report(
+        session, run, pair=pair, margin=margin, alpha=alpha, list_limit=list_limit
+    )
+
+
+@router.get(
+    "/{run_id}/export",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "content": {"text/csv": {}, "application/x-ndjson": {}},
+            "description": "One row per trace x comparison (CSV header first)",
+        }
+    },
+)
+def export_results(
+    run_id: str,
+    request: Request,
+    session: DBSession,
+    principal: Reader,
+    format: Annotated[ExportFormat, Query()] = "csv",
+) -> StreamingResponse:
+    """Every result of the run, streamed as CSV or JSONL."""
+    run = service.get_run(session, principal.project_id, run_id)
+    return export_response(request, run, format)
+
+
+def export_response(request: Request, run: ReplayRun, fmt: ExportFormat) -> StreamingResponse:
+    """The streamed export of `run` (already authorised) in `fmt` (shared with the UI)."""
+    return StreamingResponse(
+        export.stream(request.app.state.sessionmaker, run, fmt),
+        media_type=export.MEDIA_TYPES[fmt],
+        headers={
+            "Content-Disposition": f'attachment; filename="{export.filename(run, fmt)}"',
+            "Cache-Control": "no-store",
+        },
+    )

@@ -1,0 +1,171 @@
+"""Exports of a run's results: CSV (flat summary columns) and JSONL (the same fields typed, plus
+the detail JSON and the replayed token ids), one row per trace x comparison, streamed.
+
+The stream reads the results in keyset batches, each in its own short read-only transaction,
+so a 10,000-trace run is never held in memory and a slow client holds no database lock. A run
+still replaying exports the results stored so far.
+
+CSV cells a user typed (external ids, tags, model names, error messages) that start with `=`,
+`+`, `-`, `@`, a tab or a carriage return are prefixed with `'`, so a spreadsheet does not run
+them as formulas (OWASP "CSV injection"); JSONL carries them unchanged.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
+from typing import Any, Final, Literal
+
+import orjson
+from sqlalchemy.orm import Session, sessionmaker
+
+from replay_audit.db.unit_of_work import unit_of_work
+from replay_audit.replays.models import ReplayRun
+from replay_audit.reports import repository
+
+ExportFormat = Literal["csv", "jsonl"]
+
+#: Columns of the CSV, in order (the JSONL objects have the same keys, and more).
+EXPORT_FIELDS: Final = (
+    "run_id",
+    "trace_id",
+    "external_id",
+    "model_name",
+    "tags",
+    "has_reference_answer",
+    "comparison",
+    "arm_a",
+    "arm_b",
+    "status",
+    "error",
+    "exact_match",
+    "first_divergence_step",
+    "category",
+    "margin_logged",
+    "margin_logged_ulps",
+    "margin_logged_source",
+    "margin_replay",
+    "margin_replay_ulps",
+    "tie",
+    "gate_triggers",
+    "n_steps",
+    "trigger_rate",
+    "mean_gap",
+    "cascade_length",
+    "length_difference",
+    "semantic_agree",
+    "created_at",
+)
+MEDIA_TYPES: Final[dict[str, str]] = {
+    "csv": "text/csv; charset=utf-8",
+    "jsonl": "application/x-ndjson",
+}
+#: Results per database round trip.
+BATCH: Final = 1000
+_FORMULA_START: Final = ("=", "+", "-", "@", "\t", "\r")
+_USER_TEXT: Final = ("external_id", "model_name", "tags", "error")
+
+
+def _arm(value: Any) -> str:
+    return "logged" if value == "logged" else f"T{value}"
+
+
+def record(run: ReplayRun, row: Mapping[str, Any], *, full: bool) -> dict[str, Any]:
+    """One exported result as typed JSON values (EXPORT_FIELDS, plus detail and token ids when
+    `full`)."""
+    comp = run.comparisons[int(row["comparison"])]
+    created = row["created_at"]
+    out: dict[str, Any] = {
+        "run_id": run.public_id,
+        "trace_id": row["public_id"],
+        "external_id": row["external_id"],
+        "model_name": row["model_name"],
+        "tags": list(row["tags"] or []),
+        "has_reference_answer": bool(row["has_reference_answer"]),
+        "comparison": int(row["comparison"]),
+        "arm_a": _arm(comp["a"]),
+        "arm_b": _arm(comp["b"]),
+        "status": row["status"],
+        "error": row["error"],
+        "exact_match": row["exact_match"],
+        "first_divergence_step": row["first_divergence_step"],
+        "category": row["category"],
+        "margin_logged": row["margin_logged"],
+        "margin_logged_ulps": row["margin_logged_ulps"],
+        "margin_logged_source": row["margin_logged_source"],
+        "margin_replay": row["margin_replay"],
+        "margin_replay_ulps": row["margin_replay_ulps"],
+        "tie": row["tie"],
+        "gate_triggers": row["gate_triggers"],
+        "n_steps": row["n_steps"],
+        "trigger_rate": row["trigger_rate"],
+        "mean_gap": row["mean_gap"],
+        "cascade_length": row["cascade_length"],
+        "length_difference": row["length_difference"],
+        "semantic_agree": row["semantic_agree"],
+        "created_at": created.isoformat() if isinstance(created, datetime) else created,
+    }
+    for key in ("exact_match", "tie", "semantic_agree"):
+        if out[key] is not None:
+            out[key] = bool(out[key])
+    if full:
+        out["detail"] = row["detail"] or {}
+        out["replay_output_token_ids"] = (
+            row["output_b"].tolist() if row["output_b"] is not None else None
+        )
+        out["arm_a_output_token_ids"] = (
+            row["output_a"].tolist() if row["output_a"] is not None else None
+        )
+    return out
+
+
+def _cell(key: str, value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)  # shortest round-trip form: the CSV loses no precision
+    if isinstance(value, list):
+        value = ";".join(str(v) for v in value)
+    text = str(value)
+    if key in _USER_TEXT and text.startswith(_FORMULA_START):
+        return "'" + text
+    return text
+
+
+def csv_line(values: Sequence[str]) -> str:
+    buffer = io.StringIO()
+    csv.writer(buffer, lineterminator="\r\n").writerow(values)
+    return buffer.getvalue()
+
+
+def stream(
+    factory: sessionmaker[Session], run: ReplayRun, fmt: ExportFormat
+) -> Iterator[bytes]:
+    """The export of `run` in `fmt`, as chunks of bytes (one chunk per batch of results)."""
+    full = fmt == "jsonl"
+    if fmt == "csv":
+        yield csv_line(EXPORT_FIELDS).encode()
+    after = 0
+    while True:
+        with unit_of_work(factory, read_only=True) as uow:
+            rows = repository.export_batch(
+                uow.session, run.id, after_id=after, full=full, limit=BATCH
+            )
+        if not rows:
+            return
+        after = int(rows[-1]["id"])
+        records = (record(run, r, full=full) for r in rows)
+        if fmt == "csv":
+            yield "".join(
+                csv_line([_cell(k, rec[k]) for k in EXPORT_FIELDS]) for rec in records
+            ).encode()
+        else:
+            yield b"".join(orjson.dumps(rec) + b"\n" for rec in records)
+
+
+def filename(run: ReplayRun, fmt: ExportFormat) -> str:
+    return f"{run.public_id}.{fmt}"

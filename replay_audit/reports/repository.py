@@ -1,0 +1,499 @@
+"""All SQL of the reports domain: aggregates computed by the database, so a run of 10,000
+traces is summarised without loading its rows, and pages of rows fetched by keyset.
+
+Never commits (reports only read). Booleans are compared through `_true`/`_false` so the same
+statement runs on SQLite (0/1 integers) and PostgreSQL (booleans).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    and_,
+    case,
+    exists,
+    false,
+    func,
+    or_,
+    select,
+    text,
+    true,
+)
+from sqlalchemy.orm import Session, aliased
+
+from replay_audit.replays.models import ReplayResult, ReplayRun
+from replay_audit.traces.models import NumericalConfigRow, Trace
+
+R = ReplayResult
+
+def _ok() -> ColumnElement[bool]:
+    return R.status == "ok"
+
+
+def _exact() -> ColumnElement[bool]:
+    return func.coalesce(R.exact_match, false()) == true()
+
+
+def _diverged() -> ColumnElement[bool]:
+    # As the stored aggregate counts them: an ok row that is not an exact match.
+    return and_(_ok(), func.coalesce(R.exact_match, false()) == false())
+
+
+def _count_if(condition: ColumnElement[bool]) -> ColumnElement[int]:
+    return func.coalesce(func.sum(case((condition, 1), else_=0)), 0)
+
+
+# -- runs ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunFilter:
+    """Filters of the runs list. `dtype`: some target of the run has this body dtype;
+    `model_name`: some trace of the run was logged by this model."""
+
+    model_name: str | None = None
+    dtype: str | None = None
+    created_after: datetime | None = None
+    created_before: datetime | None = None
+
+
+def _target_dtype_clause(session: Session, dtype: str) -> ColumnElement[bool]:
+    # Any element of the run's `targets` JSON array with this dtype; JSON array functions
+    # differ between the two databases.
+    if session.get_bind().dialect.name == "postgresql":
+        clause = text(
+            "EXISTS (SELECT 1 FROM json_array_elements(replay_runs.targets) AS t(value) "
+            "WHERE t.value ->> 'dtype' = :target_dtype)"
+        )
+    else:
+        clause = text(
+            "EXISTS (SELECT 1 FROM json_each(replay_runs.targets) AS t "
+            "WHERE json_extract(t.value, '$.dtype') = :target_dtype)"
+        )
+    return clause.bindparams(target_dtype=dtype)  # type: ignore[return-value]
+
+
+def list_runs(
+    session: Session, project_id: int, f: RunFilter, *, before_id: int | None, limit: int
+) -> list[ReplayRun]:
+    """The project's runs, newest first, `limit` of them with ids below `before_id`."""
+    stmt = select(ReplayRun).where(ReplayRun.project_id == project_id)
+    if f.created_after is not None:
+        stmt = stmt.where(ReplayRun.created_at >= f.created_after)
+    if f.created_before is not None:
+        stmt = stmt.where(ReplayRun.created_at < f.created_before)
+    if f.dtype is not None:
+        stmt = stmt.where(_target_dtype_clause(session, f.dtype))
+    if f.model_name is not None:
+        stmt = stmt.where(
+            exists(
+                select(1)
+                .select_from(R)
+                .join(Trace, Trace.id == R.trace_id)
+                .where(R.run_id == ReplayRun.id, Trace.model_name == f.model_name)
+            )
+        )
+    if before_id is not None:
+        stmt = stmt.where(ReplayRun.id < before_id)
+    return list(session.scalars(stmt.order_by(ReplayRun.id.desc()).limit(limit)))
+
+
+def run_models(session: Session, run_ids: Sequence[int]) -> dict[int, list[str]]:
+    """The distinct model names of each run's traces (from its results)."""
+    if not run_ids:
+        return {}
+    stmt = (
+        select(R.run_id, Trace.model_name)
+        .join(Trace, Trace.id == R.trace_id)
+        .where(R.run_id.in_(run_ids), R.comparison == 0)
+        .distinct()
+    )
+    out: dict[int, list[str]] = {}
+    for run_id, name in session.execute(stmt):
+        out.setdefault(int(run_id), []).append(str(name))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def project_model_names(session: Session, project_id: int) -> list[str]:
+    """Model names of the project's traces (the runs list's model filter choices)."""
+    stmt = select(Trace.model_name).where(Trace.project_id == project_id).distinct()
+    return sorted(str(n) for n in session.scalars(stmt))
+
+
+# -- one run's aggregates ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ComparisonCounts:
+    comparison: int
+    n: int
+    ok: int
+    exact: int
+    semantic_n: int
+    semantic_agree: int
+    steps: int
+    gate_triggers: int
+    gap_sum: float
+    has_gap: bool
+    ties: int
+
+
+def comparison_counts(session: Session, run_id: int) -> dict[int, ComparisonCounts]:
+    """Per comparison, the counts and sums behind EAR, SAR, trigger rate and mean gap."""
+    ok = _ok()
+    steps = func.coalesce(R.n_steps, 0)
+    stmt = (
+        select(
+            R.comparison,
+            func.count(),
+            _count_if(ok),
+            _count_if(and_(ok, _exact())),
+            _count_if(and_(ok, R.semantic_agree.is_not(None))),
+            _count_if(and_(ok, func.coalesce(R.semantic_agree, false()) == true())),
+            func.coalesce(func.sum(case((ok, steps), else_=0)), 0),
+            func.coalesce(func.sum(case((ok, func.coalesce(R.gate_triggers, 0)), else_=0)), 0),
+            func.sum(case((and_(ok, R.mean_gap.is_not(None)), R.mean_gap * steps), else_=None)),
+            _count_if(and_(_diverged(), or_(R.margin_replay == 0.0, R.margin_logged == 0.0))),
+        )
+        .where(R.run_id == run_id)
+        .group_by(R.comparison)
+    )
+    out = {}
+    for row in session.execute(stmt):
+        c = int(row[0])
+        out[c] = ComparisonCounts(
+            comparison=c,
+            n=int(row[1]),
+            ok=int(row[2]),
+            exact=int(row[3]),
+            semantic_n=int(row[4]),
+            semantic_agree=int(row[5]),
+            steps=int(row[6]),
+            gate_triggers=int(row[7]),
+            gap_sum=float(row[8] or 0.0),
+            has_gap=row[8] is not None,
+            ties=int(row[9]),
+        )
+    return out
+
+
+def category_counts(session: Session, run_id: int) -> dict[int, dict[str, int]]:
+    """Per comparison, how many ok results fell in each category."""
+    stmt = (
+        select(R.comparison, R.category, func.count())
+        .where(R.run_id == run_id, _ok())
+        .group_by(R.comparison, R.category)
+    )
+    out: dict[int, dict[str, int]] = {}
+    for comparison, category, n in session.execute(stmt):
+        out.setdefault(int(comparison), {})[str(category)] = int(n)
+    return out
+
+
+@dataclass(frozen=True)
+class DivergedValues:
+    """Columns of one comparison's divergent results (None where not measured)."""
+
+    first_divergence_step: list[int | None]
+    margin_replay: list[float | None]
+    margin_replay_ulps: list[float | None]
+    margin_logged: list[float | None]
+    margin_logged_ulps: list[float | None]
+    length_difference: list[int | None]
+
+
+def diverged_values(session: Session, run_id: int) -> dict[int, DivergedValues]:
+    """Per comparison, t*, the margins at t* and the length differences of divergent results."""
+    stmt = select(
+        R.comparison,
+        R.first_divergence_step,
+        R.margin_replay,
+        R.margin_replay_ulps,
+        R.margin_logged,
+        R.margin_logged_ulps,
+        R.length_difference,
+    ).where(R.run_id == run_id, _diverged())
+    cols: dict[int, tuple[list[Any], ...]] = {}
+    for row in session.execute(stmt):
+        lists = cols.setdefault(int(row[0]), ([], [], [], [], [], []))
+        for i, value in enumerate(row[1:]):
+            lists[i].append(value)
+    return {c: DivergedValues(*lists) for c, lists in cols.items()}
+
+
+@dataclass(frozen=True)
+class PairedCounts:
+    """Two result sets paired by trace, on the traces where both succeeded: n pairs, how many
+    were exact in each, and the discordant pairs (fixed: exact only in b; broke: only in a)."""
+
+    n: int
+    exact_a: int
+    exact_b: int
+    fixed: int
+    broke: int
+
+
+def _pair_join(
+    run_a: int, comparison_a: int, run_b: int, comparison_b: int
+) -> tuple[Any, Any, Select[Any]]:
+    a, b = aliased(ReplayResult), aliased(ReplayResult)
+    base = (
+        select()
+        .select_from(a)
+        .join(b, and_(b.trace_id == a.trace_id, b.run_id == run_b, b.comparison == comparison_b))
+        .where(
+            a.run_id == run_a,
+            a.comparison == comparison_a,
+            a.status == "ok",
+            b.status == "ok",
+        )
+    )
+    return a, b, base
+
+
+def _exact_of(alias: Any) -> ColumnElement[bool]:
+    return func.coalesce(alias.exact_match, false()) == true()
+
+
+def paired_counts(
+    session: Session, run_a: int, comparison_a: int, run_b: int, comparison_b: int
+) -> PairedCounts:
+    """Exact-match agreement of (run_a, comparison_a) vs (run_b, comparison_b) per trace."""
+    a, b, base = _pair_join(run_a, comparison_a, run_b, comparison_b)
+    ea, eb = _exact_of(a), _exact_of(b)
+    row = session.execute(
+        base.add_columns(
+            func.count(),
+            _count_if(ea),
+            _count_if(eb),
+            _count_if(and_(eb, ~ea)),
+            _count_if(and_(ea, ~eb)),
+        )
+    ).one()
+    return PairedCounts(*(int(v) for v in row))
+
+
+@dataclass(frozen=True)
+class FlipRow:
+    trace_id: int
+    trace_public_id: str
+    external_id: str | None
+
+
+def flipped_traces(
+    session: Session,
+    run_a: int,
+    comparison_a: int,
+    run_b: int,
+    comparison_b: int,
+    *,
+    fixed: bool,
+    after_trace_id: int | None,
+    limit: int,
+) -> list[FlipRow]:
+    """Traces exact in b but not in a (`fixed`), or exact in a but not in b, by trace id."""
+    a, b, base = _pair_join(run_a, comparison_a, run_b, comparison_b)
+    ea, eb = _exact_of(a), _exact_of(b)
+    stmt = (
+        base.add_columns(Trace.id, Trace.public_id, Trace.external_id)
+        .join(Trace, Trace.id == a.trace_id)
+        .where(and_(eb, ~ea) if fixed else and_(ea, ~eb))
+        .order_by(Trace.id)
+        .limit(limit)
+    )
+    if after_trace_id is not None:
+        stmt = stmt.where(Trace.id > after_trace_id)
+    return [FlipRow(int(i), str(p), e) for i, p, e in session.execute(stmt)]
+
+
+@dataclass(frozen=True)
+class AnswerRow:
+    """One result's extracted final answers (semantic detail) and its trace's reference."""
+
+    comparison: int
+    trace_id: int
+    extractor: str
+    logged_answer: str | None
+    replay_answer: str | None
+    reference_answer: str
+
+
+def has_reference_answers(session: Session, run_id: int) -> bool:
+    stmt = select(
+        exists(
+            select(1)
+            .select_from(R)
+            .join(Trace, Trace.id == R.trace_id)
+            .where(R.run_id == run_id, R.comparison == 0, Trace.reference_answer.is_not(None))
+        )
+    )
+    return bool(session.scalar(stmt))
+
+
+def answer_rows(session: Session, run_id: int) -> list[AnswerRow]:
+    """The extracted answers of every ok result whose trace has a reference answer."""
+    extractor = R.detail[("semantic", "extractor")].as_string()
+    stmt = (
+        select(
+            R.comparison,
+            R.trace_id,
+            extractor,
+            R.detail[("semantic", "logged_answer")].as_string(),
+            R.detail[("semantic", "replay_answer")].as_string(),
+            Trace.reference_answer,
+        )
+        .join(Trace, Trace.id == R.trace_id)
+        .where(R.run_id == run_id, _ok(), Trace.reference_answer.is_not(None))
+        .where(extractor.is_not(None))
+        .order_by(R.trace_id, R.comparison)
+    )
+    return [
+        AnswerRow(int(c), int(t), str(x), la, ra, str(ref))
+        for c, t, x, la, ra, ref in session.execute(stmt)
+    ]
+
+
+# -- result rows -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResultFilter:
+    comparison: int | None = None
+    category: str | None = None
+    #: "exact", "diverged" or "failed".
+    outcome: str | None = None
+
+
+#: The summary columns of a result (no token arrays, no detail JSON): what lists show.
+_SUMMARY_COLUMNS = (
+    R.id,
+    R.comparison,
+    R.status,
+    R.error,
+    R.exact_match,
+    R.first_divergence_step,
+    R.category,
+    R.margin_logged,
+    R.margin_logged_ulps,
+    R.margin_replay,
+    R.margin_replay_ulps,
+    R.length_difference,
+    R.gate_triggers,
+    R.n_steps,
+)
+
+
+def results_page(
+    session: Session, run_id: int, f: ResultFilter, *, after_id: int | None, limit: int
+) -> list[dict[str, Any]]:
+    """Summary rows of a run's results with their trace's ids and tags, in result id order."""
+    stmt = (
+        select(*_SUMMARY_COLUMNS, Trace.public_id, Trace.external_id, Trace.tags)
+        .join(Trace, Trace.id == R.trace_id)
+        .where(R.run_id == run_id)
+        .order_by(R.id)
+        .limit(limit)
+    )
+    if f.comparison is not None:
+        stmt = stmt.where(R.comparison == f.comparison)
+    if f.category is not None:
+        stmt = stmt.where(R.category == f.category, _ok())
+    if f.outcome == "exact":
+        stmt = stmt.where(_ok(), _exact())
+    elif f.outcome == "diverged":
+        stmt = stmt.where(_diverged())
+    elif f.outcome == "failed":
+        stmt = stmt.where(R.status == "failed")
+    if after_id is not None:
+        stmt = stmt.where(R.id > after_id)
+    return [dict(m) for m in session.execute(stmt).mappings()]
+
+
+def get_trace(session: Session, project_id: int, public_id: str) -> Trace | None:
+    return session.scalar(
+        select(Trace).where(Trace.project_id == project_id, Trace.public_id == public_id)
+    )
+
+
+def trace_results(session: Session, run_id: int, trace_id: int) -> list[ReplayResult]:
+    """Every result of one trace in one run, by comparison."""
+    stmt = (
+        select(ReplayResult)
+        .where(R.run_id == run_id, R.trace_id == trace_id)
+        .order_by(R.comparison)
+    )
+    return list(session.scalars(stmt))
+
+
+def neighbour_traces(
+    session: Session, run_id: int, trace_id: int, comparison: int
+) -> tuple[str | None, str | None]:
+    """Public ids of the previous and next diverged trace of the comparison (for paging
+    through divergences on the trace page)."""
+
+    def one(before: bool) -> str | None:
+        stmt = (
+            select(Trace.public_id)
+            .join(R, R.trace_id == Trace.id)
+            .where(R.run_id == run_id, R.comparison == comparison, _diverged())
+            .where(R.trace_id < trace_id if before else R.trace_id > trace_id)
+            .order_by(R.trace_id.desc() if before else R.trace_id)
+            .limit(1)
+        )
+        found = session.scalar(stmt)
+        return str(found) if found is not None else None
+
+    return one(True), one(False)
+
+
+def config_json(session: Session, config_id: int) -> str | None:
+    return session.scalar(
+        select(NumericalConfigRow.config_json).where(NumericalConfigRow.id == config_id)
+    )
+
+
+# -- export ------------------------------------------------------------------------------------
+
+
+def export_batch(
+    session: Session, run_id: int, *, after_id: int, full: bool, limit: int
+) -> list[dict[str, Any]]:
+    """Up to `limit` results of a run with result id above `after_id`, in id order (keyset: one
+    indexed range scan per batch), with their trace's ids, model and tags. `full` adds the
+    detail JSON and the replayed token arrays."""
+    columns: list[Any] = [
+        *_SUMMARY_COLUMNS,
+        R.margin_logged_source,
+        R.trigger_rate,
+        R.mean_gap,
+        R.tie,
+        R.cascade_length,
+        R.semantic_agree,
+        R.created_at,
+        Trace.public_id,
+        Trace.external_id,
+        Trace.model_name,
+        Trace.tags,
+        Trace.reference_answer.is_not(None).label("has_reference_answer"),
+    ]
+    if full:
+        columns += [R.detail, R.output_a, R.output_b]
+    stmt = (
+        select(*columns)
+        .join(Trace, Trace.id == R.trace_id)
+        .where(R.run_id == run_id, R.id > after_id)
+        .order_by(R.id)
+        .limit(limit)
+    )
+    return [dict(m) for m in session.execute(stmt).mappings()]
+
+
+def count_results(session: Session, run_id: int) -> int:
+    return int(session.scalar(select(func.count()).where(R.run_id == run_id)) or 0)
+
