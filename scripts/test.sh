@@ -31,6 +31,15 @@ if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
   for _ in $(seq 30); do redis-cli -h 127.0.0.1 ping >/dev/null 2>&1 && break; sleep 1; done
 fi
 
+step "system packages: Chromium + ChromeDriver (browser tests), docker-compose (compose check)"
+missing=""
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+command -v chromedriver >/dev/null 2>&1 || missing="$missing chromium-driver"
+command -v docker-compose >/dev/null 2>&1 || missing="$missing docker-compose"
+if [ -n "$missing" ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+fi
+
 step "ruff"
 ruff check .
 step "mypy --strict"
