@@ -48,6 +48,16 @@ class Settings(BaseSettings):
     max_request_bytes: int = 256 * 1024 * 1024
     #: Seconds before RQ kills a replay job (RQ's own default of 180 s is too short for a GPU).
     job_timeout_s: int = 3600
+    #: The audit scheduler. "auto": a thread of `serve` when the runner is in-process, none when
+    #: it is RQ (production runs `rq cron replay_audit.audits.cron_config`); or force it.
+    scheduler: Literal["auto", "inprocess", "off"] = "auto"
+    #: Seconds between scheduler ticks (start due audits, evaluate finished ones, deliver alerts,
+    #: reconcile the queue). Due times are whole minutes, so more than 60 makes runs late.
+    audit_tick_interval_s: float = 60.0
+    #: Seconds one drift-alert webhook POST may take.
+    webhook_timeout_s: float = 10.0
+    #: Seconds between webhook delivery attempts (backoff); one attempt more than entries.
+    webhook_retry_intervals_s: list[int] = Field(default_factory=lambda: [10, 60, 300])
 
     @field_validator("database_url")
     @classmethod

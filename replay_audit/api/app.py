@@ -25,12 +25,20 @@ from replay_audit.traces.schemas import TraceBatchCreate, TraceCreate
 
 
 def _routers() -> list[APIRouter]:
+    from replay_audit.audits.endpoints import router as audits_router
     from replay_audit.auth.endpoints import router as keys_router
     from replay_audit.replays.endpoints import router as replays_router
     from replay_audit.reports.endpoints import router as reports_router
     from replay_audit.traces.endpoints import router as traces_router
 
-    return [health_router, traces_router, replays_router, reports_router, keys_router]
+    return [
+        health_router,
+        traces_router,
+        replays_router,
+        reports_router,
+        keys_router,
+        audits_router,
+    ]
 
 
 #: Request bodies read raw by their endpoints (for speed and the size limit), so FastAPI does

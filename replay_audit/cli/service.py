@@ -57,6 +57,10 @@ def serve(
         key = bootstrap_admin_key(session)
     if key is not None:
         typer.echo(_banner_for_key(key, DEFAULT_PROJECT))
+    from replay_audit.audits.scheduler import start_inprocess_scheduler
+
+    # The embedded audit scheduler: a daemon thread, none when `rq cron` does the job.
+    start_inprocess_scheduler(settings)
     if workers == 1:
         uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
     else:

@@ -70,28 +70,28 @@ def reconcile(
 
 @app.command()
 def scheduler(
-    interval_s: Annotated[float, typer.Option(help="Seconds between passes.")] = 30.0,
+    interval_s: Annotated[
+        float | None,
+        typer.Option(help="Seconds between ticks (default REPLAY_AUDIT_AUDIT_TICK_INTERVAL_S)."),
+    ] = None,
     stale_after_s: Annotated[float, typer.Option()] = 900.0,
 ) -> None:
-    """Run exactly one of these in production: every `interval_s` it reconciles the queue with
-    the database (and runs due audit schedules, once they exist)."""
+    """The scheduler as a plain loop, for deployments without `rq cron`: every tick it starts
+    due audit runs, evaluates finished ones, delivers alerts and reconciles the queue with the
+    database (production runs `rq cron replay_audit.audits.cron_config` instead; running both
+    is harmless, the database's unique keys decide)."""
+    from replay_audit.audits.tasks import alert_runner, run_tick
     from replay_audit.config import get_settings
-    from replay_audit.db.unit_of_work import session_scope
     from replay_audit.queue import get_runner
-    from replay_audit.replays.reconcile import reconcile as run_reconcile
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = get_settings()
     runner = get_runner(settings)
+    alerts = alert_runner(settings)
+    interval = settings.audit_tick_interval_s if interval_s is None else interval_s
     while True:
         try:
-            with session_scope(settings.database_url) as session:
-                run_reconcile(
-                    session,
-                    runner,
-                    stale_after_s=stale_after_s,
-                    job_timeout_s=settings.job_timeout_s,
-                )
+            run_tick(settings, runner=runner, alert_runner=alerts, stale_after_s=stale_after_s)
         except Exception:  # keep the loop alive: the next pass retries
-            logging.getLogger(__name__).exception("reconcile pass failed")
-        time.sleep(interval_s)
+            logging.getLogger(__name__).exception("scheduler tick failed")
+        time.sleep(interval)

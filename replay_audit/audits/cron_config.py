@@ -1,0 +1,32 @@
+"""RQ cron configuration: production's one scheduler process.
+
+    rq cron replay_audit.audits.cron_config --url redis://redis:6379/0
+
+registers `replay_audit.audits.tasks.tick` on the `audit` queue every `audit_tick_interval_s`
+(default 60 s), and a worker serving that queue (`replay-audit worker --queue audit`) runs it.
+The tick is registered by interval, not with `cron=`: RQ reads cron expressions in the
+machine's local time, while schedules are in UTC and their due times are computed by the tick
+itself (schedule.py), whatever the time zone. A tick not started within `ttl` seconds is
+dropped rather than run late: the next one does the same work.
+"""
+
+from __future__ import annotations
+
+from rq import cron
+
+from replay_audit.audits.service import AUDIT_QUEUE
+from replay_audit.audits.tasks import tick
+from replay_audit.config import get_settings
+
+INTERVAL_S = max(1, round(get_settings().audit_tick_interval_s))
+
+cron.register(
+    tick,
+    AUDIT_QUEUE,
+    interval=INTERVAL_S,
+    job_timeout=600,
+    ttl=max(60, 2 * INTERVAL_S),
+    result_ttl=3600,
+    failure_ttl=7 * 24 * 3600,
+    name="replay-audit-tick",
+)

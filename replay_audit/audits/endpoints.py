@@ -1,0 +1,202 @@
+"""HTTP: `/v1/audits/schedules`. Thin: parse, call the service, return a schema.
+
+Admins create, change (pause, resume), delete schedules and start runs by hand; auditors and
+admins read. Another project's schedule is a 404, like any object of another project.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Depends, Query, Request, Response, status
+
+from replay_audit.api.deps import AppSettings, DBSession, require_role
+from replay_audit.audits import repository, service
+from replay_audit.audits.models import AuditSchedule
+from replay_audit.audits.schemas import (
+    AlertList,
+    AuditRunCreated,
+    AuditRunList,
+    CatchUpRequest,
+    CatchUpResult,
+    Missed,
+    ScheduleCreate,
+    ScheduleList,
+    ScheduleRead,
+    ScheduleUpdate,
+    Trend,
+)
+from replay_audit.auth.models import Role
+from replay_audit.auth.schemas import Principal
+
+router = APIRouter(prefix="/v1/audits/schedules", tags=["audits"])
+
+Admin = Annotated[Principal, Depends(require_role(Role.admin))]
+Reader = Annotated[Principal, Depends(require_role(Role.auditor, Role.admin))]
+
+
+def _read(session: DBSession, schedule: AuditSchedule, principal: Principal) -> ScheduleRead:
+    return service.to_reads(session, [schedule], reveal_webhook=principal.role == Role.admin)[0]
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=ScheduleRead)
+def create_schedule(
+    body: ScheduleCreate, session: DBSession, settings: AppSettings, principal: Admin
+) -> ScheduleRead:
+    """Create a schedule (cron in UTC; its first run is its first due time from now)."""
+    schedule = service.create_schedule(
+        session, principal.project_id, body, runner_kind=settings.runner
+    )
+    return _read(session, schedule, principal)
+
+
+@router.get("", response_model=ScheduleList)
+def list_schedules(session: DBSession, principal: Reader) -> ScheduleList:
+    """This project's schedules, with their next due time, last run and missed runs."""
+    schedules = repository.list_schedules(session, principal.project_id)
+    return ScheduleList(
+        items=service.to_reads(session, schedules, reveal_webhook=principal.role == Role.admin)
+    )
+
+
+@router.get("/{schedule_id}", response_model=ScheduleRead)
+def read_schedule(schedule_id: str, session: DBSession, principal: Reader) -> ScheduleRead:
+    schedule = service.get_schedule(session, principal.project_id, schedule_id)
+    return _read(session, schedule, principal)
+
+
+@router.patch("/{schedule_id}", response_model=ScheduleRead)
+def update_schedule(
+    schedule_id: str, body: ScheduleUpdate, session: DBSession, principal: Admin
+) -> ScheduleRead:
+    """Pause (`{"status": "paused"}`), resume, rename, change the sample size, the drift
+    threshold or the webhook."""
+    schedule = service.get_schedule(session, principal.project_id, schedule_id)
+    service.update_schedule(session, schedule, body)
+    return _read(session, schedule, principal)
+
+
+@router.delete("/{schedule_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_schedule(schedule_id: str, session: DBSession, principal: Admin) -> Response:
+    """Delete the schedule with its audit runs and alerts; its replay runs stay."""
+    schedule = service.get_schedule(session, principal.project_id, schedule_id)
+    service.delete_schedule(session, schedule)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post(
+    "/{schedule_id}/runs",
+    status_code=status.HTTP_201_CREATED,
+    response_model=AuditRunCreated,
+    responses={200: {"description": "A run due the same second exists"}},
+)
+def run_now(
+    schedule_id: str,
+    session: DBSession,
+    settings: AppSettings,
+    principal: Admin,
+    request: Request,
+    response: Response,
+) -> AuditRunCreated:
+    """Run the schedule now (due now; paused schedules too)."""
+    schedule = service.get_schedule(session, principal.project_id, schedule_id)
+    run, created = service.run_now(
+        session,
+        schedule,
+        runner=request.app.state.runner,
+        runner_kind=settings.runner,
+        job_timeout_s=settings.job_timeout_s,
+    )
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    refs = repository.replay_refs(session, [run.replay_run_id] if run.replay_run_id else [])
+    return AuditRunCreated(
+        run=service.run_to_read(run, schedule.public_id, refs.get(run.replay_run_id or -1)),
+        created=created,
+    )
+
+
+@router.get("/{schedule_id}/runs", response_model=AuditRunList)
+def list_runs(
+    schedule_id: str,
+    session: DBSession,
+    principal: Reader,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    before: datetime | None = None,
+) -> AuditRunList:
+    """The schedule's runs, newest due time first (`before`: older than this due time)."""
+    schedule = service.get_schedule(session, principal.project_id, schedule_id)
+    rows = repository.runs_with_replay(session, schedule.id, limit=limit, before=before)
+    return AuditRunList(
+        items=[
+            service.run_to_read(r, schedule.public_id, None if pid is None else (pid, st or ""))
+            for r, pid, st in rows
+        ]
+    )
+
+
+@router.get("/{schedule_id}/trend", response_model=Trend)
+def read_trend(
+    schedule_id: str,
+    session: DBSession,
+    principal: Reader,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 90,
+) -> Trend:
+    """One point per run, oldest first: EAR, C lift, trigger rate, category mix, flags."""
+    schedule = service.get_schedule(session, principal.project_id, schedule_id)
+    return service.trend(session, schedule, limit=limit)
+
+
+@router.get("/{schedule_id}/missed", response_model=Missed)
+def read_missed(schedule_id: str, session: DBSession, principal: Reader) -> Missed:
+    """Due times that passed with no run (the scheduler was down)."""
+    schedule = service.get_schedule(session, principal.project_id, schedule_id)
+    return service.missed(session, schedule)
+
+
+@router.post("/{schedule_id}/catch-up", response_model=CatchUpResult)
+def catch_up(
+    schedule_id: str,
+    session: DBSession,
+    settings: AppSettings,
+    principal: Admin,
+    request: Request,
+    body: Annotated[CatchUpRequest | None, Body()] = None,
+) -> CatchUpResult:
+    """Start runs for missed due times, newest first (each samples its own window)."""
+    schedule = service.get_schedule(session, principal.project_id, schedule_id)
+    runs, remaining = service.catch_up(
+        session,
+        schedule,
+        limit=(body or CatchUpRequest()).limit,
+        runner=request.app.state.runner,
+        runner_kind=settings.runner,
+        job_timeout_s=settings.job_timeout_s,
+    )
+    refs = repository.replay_refs(session, [r.replay_run_id for r in runs if r.replay_run_id])
+    return CatchUpResult(
+        started=[
+            service.run_to_read(r, schedule.public_id, refs.get(r.replay_run_id or -1))
+            for r in runs
+        ],
+        remaining=remaining,
+    )
+
+
+@router.get("/{schedule_id}/alerts", response_model=AlertList)
+def list_alerts(
+    schedule_id: str,
+    session: DBSession,
+    principal: Reader,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> AlertList:
+    """Webhook deliveries of the schedule's drift alerts, with every attempt."""
+    schedule = service.get_schedule(session, principal.project_id, schedule_id)
+    rows = repository.alerts_of_schedule(session, schedule.id, limit=limit)
+    return AlertList(
+        items=[
+            service.alert_to_read(a, pid, reveal_url=principal.role == Role.admin)
+            for a, pid in rows
+        ]
+    )

@@ -1,0 +1,352 @@
+"""All SQL of the audits domain. Never commits: the edge (request, tick, job, CLI) does."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import and_, func, or_, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from replay_audit.audits.models import AuditAlert, AuditRun, AuditSchedule
+from replay_audit.audits.sampling import Candidate, min_logged_margin
+from replay_audit.auth.models import Project
+from replay_audit.replays.models import ReplayRun
+from replay_audit.traces.models import NumericalConfigRow, Trace, TraceTag
+
+#: Trace rows whose logits are read per query (low_margin_first).
+MARGIN_CHUNK = 500
+
+
+def _insert(session: Session) -> Any:
+    return (postgresql if session.get_bind().dialect.name == "postgresql" else sqlite).insert
+
+
+def _is_postgres(session: Session) -> bool:
+    return session.get_bind().dialect.name == "postgresql"
+
+
+# --- schedules -------------------------------------------------------------------------------
+
+
+def get_schedule(session: Session, project_id: int, public_id: str) -> AuditSchedule | None:
+    return session.scalar(
+        select(AuditSchedule).where(
+            AuditSchedule.project_id == project_id, AuditSchedule.public_id == public_id
+        )
+    )
+
+
+def find_schedule(session: Session, public_id: str) -> AuditSchedule | None:
+    """A schedule of any project (the operator's CLI)."""
+    return session.scalar(select(AuditSchedule).where(AuditSchedule.public_id == public_id))
+
+
+def get_schedule_by_name(session: Session, project_id: int, name: str) -> AuditSchedule | None:
+    return session.scalar(
+        select(AuditSchedule).where(
+            AuditSchedule.project_id == project_id, AuditSchedule.name == name
+        )
+    )
+
+
+def list_schedules(session: Session, project_id: int | None) -> list[AuditSchedule]:
+    """A project's schedules (every project's with None), oldest first."""
+    stmt = select(AuditSchedule).order_by(AuditSchedule.id)
+    if project_id is not None:
+        stmt = stmt.where(AuditSchedule.project_id == project_id)
+    return list(session.scalars(stmt))
+
+
+def project_names(session: Session, project_ids: Iterable[int]) -> dict[int, str]:
+    ids = set(project_ids)
+    if not ids:
+        return {}
+    rows = session.execute(select(Project.id, Project.name).where(Project.id.in_(ids))).all()
+    return {pid: name for pid, name in rows}
+
+
+def active_schedules(session: Session) -> list[AuditSchedule]:
+    """Every project's active schedules (what a tick looks at)."""
+    return list(
+        session.scalars(
+            select(AuditSchedule).where(AuditSchedule.status == "active").order_by(AuditSchedule.id)
+        )
+    )
+
+
+def latest_scheduled_due(session: Session, schedule_ids: Sequence[int]) -> dict[int, datetime]:
+    """Per schedule, the newest due time that has a run other than a manual one."""
+    if not schedule_ids:
+        return {}
+    rows = session.execute(
+        select(AuditRun.schedule_id, func.max(AuditRun.due_at))
+        .where(AuditRun.schedule_id.in_(schedule_ids), AuditRun.trigger != "manual")
+        .group_by(AuditRun.schedule_id)
+    ).all()
+    return {sid: due for sid, due in rows if due is not None}
+
+
+# --- audit runs ------------------------------------------------------------------------------
+
+
+def claim_run(session: Session, values: dict[str, Any]) -> int | None:
+    """Insert an audit run unless its (schedule, due time) has one: the new row's id, or None.
+
+    The unique key decides, not a lock held by this process: on PostgreSQL a concurrent
+    claimer blocks on the index entry until the first commits, then inserts nothing."""
+    stmt = (
+        _insert(session)(AuditRun)
+        .values(**values)
+        .on_conflict_do_nothing(index_elements=["schedule_id", "due_at"])
+        .returning(AuditRun.id)
+    )
+    return session.execute(stmt).scalar_one_or_none()
+
+
+def get_run_by_due(session: Session, schedule_id: int, due_at: datetime) -> AuditRun | None:
+    return session.scalar(
+        select(AuditRun).where(AuditRun.schedule_id == schedule_id, AuditRun.due_at == due_at)
+    )
+
+
+def get_run(session: Session, schedule_id: int, public_id: str) -> AuditRun | None:
+    return session.scalar(
+        select(AuditRun).where(AuditRun.schedule_id == schedule_id, AuditRun.public_id == public_id)
+    )
+
+
+def lock_run(session: Session, run_id: int) -> AuditRun | None:
+    stmt = select(AuditRun).where(AuditRun.id == run_id)
+    if _is_postgres(session):
+        stmt = stmt.with_for_update()
+    return session.scalar(stmt.execution_options(populate_existing=True))
+
+
+def runs_with_replay(
+    session: Session,
+    schedule_id: int,
+    *,
+    limit: int,
+    newest_first: bool = True,
+    before: datetime | None = None,
+) -> list[tuple[AuditRun, str | None, str | None]]:
+    """A schedule's audit runs with their replay run's public id and status."""
+    stmt = (
+        select(AuditRun, ReplayRun.public_id, ReplayRun.status)
+        .outerjoin(ReplayRun, ReplayRun.id == AuditRun.replay_run_id)
+        .where(AuditRun.schedule_id == schedule_id)
+        .order_by(AuditRun.due_at.desc())
+        .limit(limit)
+    )
+    if before is not None:
+        stmt = stmt.where(AuditRun.due_at < before)
+    rows: list[tuple[AuditRun, str | None, str | None]] = [
+        (r, pid, st) for r, pid, st in session.execute(stmt).all()
+    ]
+    return rows if newest_first else rows[::-1]
+
+
+def last_runs(session: Session, schedule_ids: Sequence[int]) -> dict[int, AuditRun]:
+    """Per schedule, its run with the newest due time."""
+    if not schedule_ids:
+        return {}
+    newest = (
+        select(AuditRun.schedule_id, func.max(AuditRun.due_at).label("due_at"))
+        .where(AuditRun.schedule_id.in_(schedule_ids))
+        .group_by(AuditRun.schedule_id)
+        .subquery()
+    )
+    rows = session.scalars(
+        select(AuditRun).join(
+            newest,
+            and_(AuditRun.schedule_id == newest.c.schedule_id, AuditRun.due_at == newest.c.due_at),
+        )
+    )
+    return {r.schedule_id: r for r in rows}
+
+
+def replay_refs(session: Session, replay_run_ids: Iterable[int]) -> dict[int, tuple[str, str]]:
+    """Replay run id -> (public id, status)."""
+    ids = set(replay_run_ids)
+    if not ids:
+        return {}
+    rows = session.execute(
+        select(ReplayRun.id, ReplayRun.public_id, ReplayRun.status).where(ReplayRun.id.in_(ids))
+    ).all()
+    return {i: (pid, st) for i, pid, st in rows}
+
+
+def due_times_with_runs(
+    session: Session, schedule_id: int, start: datetime, end: datetime
+) -> set[datetime]:
+    return set(
+        session.scalars(
+            select(AuditRun.due_at).where(
+                AuditRun.schedule_id == schedule_id,
+                AuditRun.due_at >= start,
+                AuditRun.due_at <= end,
+            )
+        )
+    )
+
+
+def runs_to_evaluate(session: Session) -> list[int]:
+    """Audit runs whose replay run has finished but that carry no trend point yet."""
+    return list(
+        session.scalars(
+            select(AuditRun.id)
+            .join(ReplayRun, ReplayRun.id == AuditRun.replay_run_id)
+            .where(AuditRun.status == "running", ReplayRun.status.in_(("done", "failed")))
+            .order_by(AuditRun.due_at)
+        )
+    )
+
+
+def orphaned_runs(session: Session) -> list[int]:
+    """Audit runs still 'running' whose replay run is gone."""
+    return list(
+        session.scalars(
+            select(AuditRun.id).where(
+                AuditRun.status == "running", AuditRun.replay_run_id.is_(None)
+            )
+        )
+    )
+
+
+def history_metrics(session: Session, schedule_id: int, before: datetime) -> list[dict[str, Any]]:
+    """Trend points of the schedule's evaluated runs due before `before`, oldest first."""
+    return [
+        m
+        for m in session.scalars(
+            select(AuditRun.metrics)
+            .where(
+                AuditRun.schedule_id == schedule_id,
+                AuditRun.status == "done",
+                AuditRun.due_at < before,
+                AuditRun.metrics.is_not(None),
+            )
+            .order_by(AuditRun.due_at)
+        )
+        if m is not None
+    ]
+
+
+# --- candidates ------------------------------------------------------------------------------
+
+
+def _candidate_filter(
+    project_id: int, selection: dict[str, Any], start: datetime, end: datetime
+) -> list[Any]:
+    strategy = Trace.decoding["strategy"].as_string()
+    where: list[Any] = [
+        Trace.project_id == project_id,
+        Trace.created_at >= start,
+        Trace.created_at < end,
+        or_(strategy.is_(None), strategy == "greedy"),  # only greedy traces replay
+    ]
+    if selection.get("model_name"):
+        where.append(Trace.model_name == selection["model_name"])
+    if selection.get("weights_sha256"):
+        where.append(Trace.weights_sha256 == selection["weights_sha256"])
+    if selection.get("config_id"):
+        where.append(NumericalConfigRow.public_id == selection["config_id"])
+    if selection.get("dtype"):
+        where.append(NumericalConfigRow.dtype == selection["dtype"])
+    for tag in selection.get("tags") or []:
+        where.append(Trace.id.in_(select(TraceTag.trace_id).where(TraceTag.tag == tag)))
+    return where
+
+
+def count_candidates(
+    session: Session, project_id: int, selection: dict[str, Any], start: datetime, end: datetime
+) -> int:
+    stmt = (
+        select(func.count())
+        .select_from(Trace)
+        .join(NumericalConfigRow, NumericalConfigRow.id == Trace.config_id)
+        .where(*_candidate_filter(project_id, selection, start, end))
+    )
+    return int(session.scalar(stmt) or 0)
+
+
+def candidates(
+    session: Session,
+    project_id: int,
+    selection: dict[str, Any],
+    start: datetime,
+    end: datetime,
+    *,
+    stride: int = 1,
+    offset: int = 0,
+) -> list[Candidate]:
+    """The window's traces (id order). With stride > 1 only ids congruent to `offset` modulo
+    `stride`: a systematic subsample that bounds what a huge window loads."""
+    where = _candidate_filter(project_id, selection, start, end)
+    if stride > 1:
+        where.append(Trace.id % stride == offset)
+    rows = session.execute(
+        select(Trace.id, Trace.public_id, Trace.model_name, NumericalConfigRow.public_id)
+        .join(NumericalConfigRow, NumericalConfigRow.id == Trace.config_id)
+        .where(*where)
+        .order_by(Trace.id)
+    ).all()
+    return [Candidate(tid, pid, (model, cfg)) for tid, pid, model, cfg in rows]
+
+
+def min_margins(session: Session, trace_ids: Sequence[int]) -> dict[int, float | None]:
+    """Each trace's smallest logged top-2 margin (None without logged top-k)."""
+    out: dict[int, float | None] = {}
+    for i in range(0, len(trace_ids), MARGIN_CHUNK):
+        chunk = trace_ids[i : i + MARGIN_CHUNK]
+        rows = session.execute(
+            select(Trace.id, Trace.top_k, Trace.top_k_logits).where(Trace.id.in_(chunk))
+        ).all()
+        for tid, k, logits in rows:
+            out[tid] = min_logged_margin(logits, k)
+    return out
+
+
+# --- alerts ----------------------------------------------------------------------------------
+
+
+def add_alert(session: Session, values: dict[str, Any]) -> int | None:
+    """Insert the run's alert unless it has one: the new id, or None."""
+    stmt = (
+        _insert(session)(AuditAlert)
+        .values(**values)
+        .on_conflict_do_nothing(index_elements=["audit_run_id"])
+        .returning(AuditAlert.id)
+    )
+    return session.execute(stmt).scalar_one_or_none()
+
+
+def lock_alert(session: Session, alert_id: int) -> AuditAlert | None:
+    stmt = select(AuditAlert).where(AuditAlert.id == alert_id)
+    if _is_postgres(session):
+        stmt = stmt.with_for_update()
+    return session.scalar(stmt.execution_options(populate_existing=True))
+
+
+def pending_alerts(session: Session) -> list[int]:
+    return list(
+        session.scalars(
+            select(AuditAlert.id).where(AuditAlert.status == "pending").order_by(AuditAlert.id)
+        )
+    )
+
+
+def alerts_of_schedule(
+    session: Session, schedule_id: int, *, limit: int
+) -> list[tuple[AuditAlert, str]]:
+    """The schedule's alerts, newest first, with their audit run's public id."""
+    rows = session.execute(
+        select(AuditAlert, AuditRun.public_id)
+        .join(AuditRun, AuditRun.id == AuditAlert.audit_run_id)
+        .where(AuditRun.schedule_id == schedule_id)
+        .order_by(AuditAlert.id.desc())
+        .limit(limit)
+    ).all()
+    return [(a, pid) for a, pid in rows]

@@ -1,0 +1,234 @@
+"""The audit-schedule contract: `/v1/audits/schedules` and what it returns.
+
+A schedule (admin creates, pauses, deletes; auditors read):
+
+    {"name": "nightly production",
+     "cron": "0 2 * * *",                                  # UTC, 5 fields (default nightly)
+     "selection": {"tags": ["production"], "model_name": null, "config_id": null,
+                   "window_hours": 24},                    # traces created in [due - 24 h, due)
+     "sample_size": 200, "policy": "stratified", "seed": 7,
+     "replay": {"targets": [{"dtype": "fp16"},
+                            {"dtype": "fp16", "intervention": {"kind": "C"}}],
+                "compare_with": "self"},
+     "ear_drop_points": 5, "webhook_url": "https://hooks.example.com/replay-audit"}
+
+`replay` takes ReplayCreate's fields but the trace selection (`trace_ids`/`filter`, which the
+schedule draws itself) and `idempotency_key` (which is the schedule's: `schedule:<id>:<due>`).
+Put the baseline target first: the trend's EAR and C lift read comparison order.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from replay_audit.audits.sampling import Policy
+from replay_audit.audits.schedule import NIGHTLY, validate_cron
+from replay_audit.exceptions import FieldError
+from replay_audit.replays.schemas import MAX_REPLAY_TRACES, Mode, ReplayCreate, TargetSpec
+from replay_audit.traces.schemas import BodyDTypeName, Name, Tag
+
+ScheduleStatus = Literal["active", "paused"]
+AuditRunStatus = Literal["running", "done", "no_traces", "failed"]
+Trigger = Literal["scheduled", "manual", "catch_up"]
+AlertStatus = Literal["pending", "delivered", "failed"]
+
+#: Longest trace window a schedule may look back over.
+MAX_WINDOW_HOURS = 24 * 90
+#: Most runs one catch-up request starts.
+MAX_CATCH_UP = 100
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Selection(_Strict):
+    """Which traces are candidates: all of `tags`, the model and configuration if given,
+    created in the `window_hours` before the due time."""
+
+    tags: list[Tag] = Field(default_factory=list, max_length=16)
+    model_name: str | None = Field(default=None, max_length=200)
+    weights_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    #: A numerical configuration's public id.
+    config_id: str | None = Field(default=None, max_length=40)
+    dtype: BodyDTypeName | None = None
+    window_hours: float = Field(default=24.0, gt=0, le=MAX_WINDOW_HOURS, allow_inf_nan=False)
+
+
+class ScheduleReplay(_Strict):
+    """What each run replays: ReplayCreate's fields without the trace selection."""
+
+    targets: list[TargetSpec] = Field(default_factory=list)
+    mode: Mode = "decode"
+    compare: Literal["logged", "pairwise"] = "logged"
+    pairs: list[tuple[int, int]] | None = None
+    compare_with: Literal["self"] | None = None
+    top_k: int = Field(default=5, ge=2, le=20)
+
+    @model_validator(mode="after")
+    def _check(self) -> ScheduleReplay:
+        self.to_request(["check"], "check")  # ReplayCreate's own rules, at creation time
+        return self
+
+    def to_request(self, trace_ids: list[str], idempotency_key: str) -> ReplayCreate:
+        """The replay request of one run."""
+        return ReplayCreate(
+            trace_ids=trace_ids, idempotency_key=idempotency_key, **self.model_dump()
+        )
+
+
+def _cron(value: str) -> str:
+    try:
+        return validate_cron(value)
+    except FieldError as e:
+        raise ValueError(e.message) from None
+
+
+class ScheduleCreate(_Strict):
+    name: Name
+    cron: str = NIGHTLY
+    selection: Selection = Selection()
+    sample_size: int = Field(default=100, ge=1, le=MAX_REPLAY_TRACES)
+    policy: Policy = "uniform"
+    seed: int = Field(default=0, ge=0, lt=2**62)
+    replay: ScheduleReplay
+    #: Flag a run whose EAR falls more than this many percentage points below the trailing
+    #: 7-run mean of the same comparison.
+    ear_drop_points: float = Field(default=5.0, gt=0, le=100, allow_inf_nan=False)
+    webhook_url: Annotated[AnyHttpUrl, Field(max_length=2000)] | None = None
+    status: ScheduleStatus = "active"
+
+    _check_cron = field_validator("cron")(_cron)
+
+
+class ScheduleUpdate(_Strict):
+    """PATCH: only the fields sent change. Pausing stops the scheduler; resuming starts afresh
+    (due times while paused are neither run nor counted as missed)."""
+
+    name: Name | None = None
+    status: ScheduleStatus | None = None
+    sample_size: int | None = Field(default=None, ge=1, le=MAX_REPLAY_TRACES)
+    ear_drop_points: float | None = Field(default=None, gt=0, le=100, allow_inf_nan=False)
+    #: null removes the webhook.
+    webhook_url: Annotated[AnyHttpUrl, Field(max_length=2000)] | None = None
+
+
+class AuditRunRead(_Strict):
+    id: str
+    schedule_id: str
+    due_at: datetime
+    trigger: Trigger
+    status: AuditRunStatus
+    replay_run_id: str | None
+    replay_status: str | None
+    window_start: datetime
+    window_end: datetime
+    n_candidates: int
+    n_sampled: int
+    flags: list[dict[str, Any]]
+    error: str | None
+    created_at: datetime
+    evaluated_at: datetime | None
+
+
+class ScheduleRead(_Strict):
+    id: str
+    project: str
+    name: str
+    cron: str
+    status: ScheduleStatus
+    selection: Selection
+    sample_size: int
+    policy: Policy
+    seed: int
+    replay: ScheduleReplay
+    ear_drop_points: float
+    #: Shown whole to admins; others see only its scheme and host (a webhook URL is often a
+    #: secret).
+    webhook_url: str | None
+    active_since: datetime
+    created_at: datetime
+    updated_at: datetime
+    #: None while paused.
+    next_due_at: datetime | None
+    last_run: AuditRunRead | None
+    #: Due times since active_since (or the last MISSED_LOOKBACK) with no run.
+    missed: int
+
+
+class ScheduleList(_Strict):
+    items: list[ScheduleRead]
+
+
+class AuditRunCreated(_Strict):
+    run: AuditRunRead
+    created: bool
+
+
+class AuditRunList(_Strict):
+    items: list[AuditRunRead]
+
+
+class CatchUpRequest(_Strict):
+    #: Start at most this many of the missed runs, the newest first.
+    limit: int = Field(default=MAX_CATCH_UP, ge=1, le=MAX_CATCH_UP)
+
+
+class CatchUpResult(_Strict):
+    started: list[AuditRunRead]
+    #: Missed due times left (beyond `limit`).
+    remaining: int
+
+
+class Missed(_Strict):
+    schedule_id: str
+    #: Due times in [since, now - grace] with no run, oldest first.
+    due_at: list[datetime]
+    since: datetime
+    truncated: bool
+
+
+class TrendPoint(_Strict):
+    """One run of a schedule on the trend chart (null where the run has no such number)."""
+
+    audit_run_id: str
+    due_at: datetime
+    date: str
+    trigger: Trigger
+    status: AuditRunStatus
+    replay_run_id: str | None
+    n_sampled: int
+    ear: float | None
+    ear_low: float | None
+    ear_high: float | None
+    c_lift: dict[str, Any] | None
+    trigger_rate: float | None
+    categories: dict[str, int]
+    self_agreement: float | None
+    comparisons: list[dict[str, Any]]
+    flags: list[dict[str, Any]]
+    flagged: bool
+
+
+class Trend(_Strict):
+    schedule_id: str
+    points: list[TrendPoint]
+
+
+class AlertRead(_Strict):
+    id: str
+    audit_run_id: str
+    url: str
+    status: AlertStatus
+    attempts: int
+    attempt_log: list[dict[str, Any]]
+    last_error: str | None
+    created_at: datetime
+    delivered_at: datetime | None
+
+
+class AlertList(_Strict):
+    items: list[AlertRead]

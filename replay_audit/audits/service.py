@@ -1,0 +1,590 @@
+"""Audit schedules: create, read, pause, delete; start a run for a due time; evaluate a finished
+run (trend point, drift flags, alert); missed runs and catch-up; the trend.
+
+Services take a session and never commit. Replay jobs and alert deliveries are enqueued with
+`after_commit`, so nothing runs against rows that were rolled back.
+
+One run per (schedule, due time): `start_audit_run` first claims the pair with an INSERT that the
+unique key lets through once (see `repository.claim_run`); only the claimer samples traces and
+creates the replay run, whose `idempotency_key` (`schedule:<id>:<due>`) is a second, independent
+guard in the replay runs' own unique key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from typing import Any, Final, cast
+from urllib.parse import urlsplit
+
+from sqlalchemy.orm import Session
+
+from replay_audit.audits import repository, sampling
+from replay_audit.audits.drift import detect_drift, run_metrics
+from replay_audit.audits.models import AuditAlert, AuditRun, AuditSchedule
+from replay_audit.audits.schedule import due_times, latest_due, next_due
+from replay_audit.audits.schemas import (
+    AlertRead,
+    AuditRunRead,
+    Missed,
+    ScheduleCreate,
+    ScheduleRead,
+    ScheduleReplay,
+    ScheduleUpdate,
+    Selection,
+    Trend,
+    TrendPoint,
+)
+from replay_audit.db.base import utcnow
+from replay_audit.db.ids import new_public_id
+from replay_audit.db.unit_of_work import after_commit
+from replay_audit.exceptions import Conflict, FieldError, NotFound, ReplayAuditError
+from replay_audit.queue import JobSpec, Runner
+from replay_audit.replays import service as replay_service
+from replay_audit.replays.models import ReplayRun
+
+#: How far back missed runs are looked for.
+MISSED_LOOKBACK: Final = timedelta(days=31)
+#: A due time younger than this is not missed yet: the next tick will start it.
+MISSED_GRACE: Final = timedelta(minutes=10)
+#: Most missed due times listed.
+MAX_MISSED: Final = 1000
+#: Most candidates loaded per run; a larger window is subsampled systematically by trace id
+#: (ids congruent to a seeded offset modulo a stride) before the policy samples from it.
+MAX_CANDIDATES: Final = 100_000
+#: low_margin_first reads the logits of at most this many candidates (a uniform pool of
+#: LOW_MARGIN_POOL_FACTOR x the sample size, at least LOW_MARGIN_POOL_MIN).
+LOW_MARGIN_POOL_FACTOR: Final = 20
+LOW_MARGIN_POOL_MIN: Final = 2_000
+LOW_MARGIN_POOL_MAX: Final = 20_000
+#: The queue of the light audit jobs (ticks, webhook deliveries) under RQ.
+AUDIT_QUEUE: Final = "audit"
+
+
+def idempotency_key(schedule_public_id: str, due_at: datetime) -> str:
+    """The replay run's idempotency key for one due time of a schedule."""
+    return f"schedule:{schedule_public_id}:{due_at.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ}"
+
+
+def mask_url(url: str | None) -> str | None:
+    """Scheme and host only: what a non-admin may see of a webhook URL."""
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname or ''}/..."
+
+
+def _check_runner(replay: ScheduleReplay, runner_kind: str) -> None:
+    if runner_kind != "inprocess":
+        return
+    for i, t in enumerate(replay.targets):
+        if t.lm_head_dtype in replay_service.CUDA_ONLY_HEAD_DTYPES or t.device == "cuda":
+            raise FieldError(
+                f"replay.targets[{i}]: the embedded runner replays on the CPU; "
+                f"{t.lm_head_dtype or 'cuda'} needs a CUDA worker (REPLAY_AUDIT_RUNNER=rq)",
+                field=f"replay.targets[{i}]",
+            )
+
+
+# --- schedules -------------------------------------------------------------------------------
+
+
+def create_schedule(
+    session: Session,
+    project_id: int,
+    body: ScheduleCreate,
+    *,
+    runner_kind: str,
+    now: datetime | None = None,
+) -> AuditSchedule:
+    """Store a schedule. Its first due time is the first one after `now`: due times before
+    creation are neither run nor missed."""
+    _check_runner(body.replay, runner_kind)
+    if repository.get_schedule_by_name(session, project_id, body.name) is not None:
+        raise Conflict(f"a schedule named {body.name!r} exists in this project", field="name")
+    now = now or utcnow()
+    schedule = AuditSchedule(
+        public_id=new_public_id("as"),
+        project_id=project_id,
+        name=body.name,
+        cron=body.cron,
+        status=body.status,
+        selection=body.selection.model_dump(mode="json"),
+        sample_size=body.sample_size,
+        policy=body.policy,
+        seed=body.seed,
+        replay=body.replay.model_dump(mode="json"),
+        ear_drop_points=body.ear_drop_points,
+        webhook_url=None if body.webhook_url is None else str(body.webhook_url),
+        active_since=now,
+        paused_at=now if body.status == "paused" else None,
+        created_at=now,
+        updated_at=now,
+    )
+    session.add(schedule)
+    session.flush()
+    return schedule
+
+
+def get_schedule(session: Session, project_id: int, public_id: str) -> AuditSchedule:
+    schedule = repository.get_schedule(session, project_id, public_id)
+    if schedule is None:
+        raise NotFound(f"no audit schedule {public_id!r}")
+    return schedule
+
+
+def update_schedule(
+    session: Session,
+    schedule: AuditSchedule,
+    body: ScheduleUpdate,
+    *,
+    now: datetime | None = None,
+) -> AuditSchedule:
+    """Apply the fields sent. Resuming resets `active_since`: due times while paused are
+    skipped, not missed."""
+    now = now or utcnow()
+    sent = body.model_fields_set
+    if "name" in sent and body.name is not None and body.name != schedule.name:
+        if repository.get_schedule_by_name(session, schedule.project_id, body.name) is not None:
+            raise Conflict(f"a schedule named {body.name!r} exists in this project", field="name")
+        schedule.name = body.name
+    if "status" in sent and body.status is not None and body.status != schedule.status:
+        if body.status == "paused":
+            schedule.paused_at = now
+        else:
+            schedule.active_since, schedule.paused_at = now, None
+        schedule.status = body.status
+    if "sample_size" in sent and body.sample_size is not None:
+        schedule.sample_size = body.sample_size
+    if "ear_drop_points" in sent and body.ear_drop_points is not None:
+        schedule.ear_drop_points = body.ear_drop_points
+    if "webhook_url" in sent:
+        schedule.webhook_url = None if body.webhook_url is None else str(body.webhook_url)
+    schedule.updated_at = now
+    session.flush()
+    return schedule
+
+
+def delete_schedule(session: Session, schedule: AuditSchedule) -> None:
+    """Delete the schedule, its audit runs and alerts. Its replay runs stay (they are ordinary
+    runs, still tagged with the schedule id)."""
+    session.delete(schedule)
+    session.flush()
+
+
+def run_to_read(
+    run: AuditRun, schedule_public_id: str, replay: tuple[str, str] | None
+) -> AuditRunRead:
+    return AuditRunRead(
+        id=run.public_id,
+        schedule_id=schedule_public_id,
+        due_at=run.due_at,
+        trigger=run.trigger,
+        status=run.status,
+        replay_run_id=None if replay is None else replay[0],
+        replay_status=None if replay is None else replay[1],
+        window_start=run.window_start,
+        window_end=run.window_end,
+        n_candidates=run.n_candidates,
+        n_sampled=run.n_sampled,
+        flags=list(run.flags or []),
+        error=run.error,
+        created_at=run.created_at,
+        evaluated_at=run.evaluated_at,
+    )
+
+
+def to_reads(
+    session: Session,
+    schedules: list[AuditSchedule],
+    *,
+    reveal_webhook: bool,
+    now: datetime | None = None,
+) -> list[ScheduleRead]:
+    """The API view of schedules (with next due time, last run and missed count)."""
+    now = now or utcnow()
+    names = repository.project_names(session, {s.project_id for s in schedules})
+    last = repository.last_runs(session, [s.id for s in schedules])
+    refs = repository.replay_refs(
+        session, [r.replay_run_id for r in last.values() if r.replay_run_id is not None]
+    )
+    out = []
+    for s in schedules:
+        lr = last.get(s.id)
+        out.append(
+            ScheduleRead(
+                id=s.public_id,
+                project=names.get(s.project_id, ""),
+                name=s.name,
+                cron=s.cron,
+                status=s.status,
+                selection=Selection.model_validate(s.selection),
+                sample_size=s.sample_size,
+                policy=s.policy,
+                seed=s.seed,
+                replay=ScheduleReplay.model_validate(s.replay),
+                ear_drop_points=s.ear_drop_points,
+                webhook_url=s.webhook_url if reveal_webhook else mask_url(s.webhook_url),
+                active_since=s.active_since,
+                created_at=s.created_at,
+                updated_at=s.updated_at,
+                next_due_at=next_due(s.cron, now) if s.status == "active" else None,
+                last_run=None
+                if lr is None
+                else run_to_read(
+                    lr, s.public_id, refs.get(lr.replay_run_id) if lr.replay_run_id else None
+                ),
+                missed=len(missed_due_times(session, s, now=now)[0]),
+            )
+        )
+    return out
+
+
+# --- starting runs ---------------------------------------------------------------------------
+
+
+def _low_margin_pool(sample_size: int) -> int:
+    return min(max(LOW_MARGIN_POOL_FACTOR * sample_size, LOW_MARGIN_POOL_MIN), LOW_MARGIN_POOL_MAX)
+
+
+def _candidates(
+    session: Session,
+    schedule: AuditSchedule,
+    start: datetime,
+    end: datetime,
+    seed_material: str,
+) -> tuple[list[sampling.Candidate], int]:
+    n = repository.count_candidates(session, schedule.project_id, schedule.selection, start, end)
+    if n == 0:
+        return [], 0
+    stride = math.ceil(n / MAX_CANDIDATES)
+    offset = int(sampling.unit(seed_material, "stride") * stride) if stride > 1 else 0
+    pool = repository.candidates(
+        session, schedule.project_id, schedule.selection, start, end, stride=stride, offset=offset
+    )
+    if schedule.policy == "low_margin_first":
+        pool = sampling.presample(pool, _low_margin_pool(schedule.sample_size), seed_material)
+        margins = repository.min_margins(session, [c.trace_id for c in pool])
+        pool = [replace(c, min_margin=margins.get(c.trace_id)) for c in pool]
+    return pool, n
+
+
+def start_audit_run(
+    session: Session,
+    schedule: AuditSchedule,
+    due_at: datetime,
+    trigger: str,
+    *,
+    runner: Runner,
+    runner_kind: str,
+    job_timeout_s: int,
+) -> tuple[AuditRun, bool]:
+    """The audit run of (schedule, due_at): created now, or the one that exists (created False).
+
+    The window is [due_at - window_hours, due_at), relative to the due time and not to when the
+    run happens to start, so a late or caught-up run samples what the punctual one would have.
+    An empty window gives a run with status `no_traces`; a replay request the replay service
+    refuses gives a run with status `failed` and the reason (neither is retried by later ticks).
+    """
+    due_at = due_at.astimezone(UTC)
+    window = timedelta(hours=float(schedule.selection.get("window_hours", 24.0)))
+    now = utcnow()
+    run_id = repository.claim_run(
+        session,
+        {
+            "public_id": new_public_id("ar"),
+            "schedule_id": schedule.id,
+            "due_at": due_at,
+            "trigger": trigger,
+            "status": "running",
+            "window_start": due_at - window,
+            "window_end": due_at,
+            "n_candidates": 0,
+            "n_sampled": 0,
+            "flags": [],
+            "created_at": now,
+        },
+    )
+    if run_id is None:
+        existing = repository.get_run_by_due(session, schedule.id, due_at)
+        assert existing is not None  # the conflicting row, committed before we could insert
+        return existing, False
+    run = session.get(AuditRun, run_id)
+    assert run is not None
+
+    seed_material = sampling.sample_seed(schedule.seed, due_at)
+    pool, n = _candidates(session, schedule, run.window_start, run.window_end, seed_material)
+    policy = cast(sampling.Policy, schedule.policy)  # the CHECK constraint's values
+    chosen = sampling.sample(pool, schedule.sample_size, policy, seed_material)
+    run.n_candidates, run.n_sampled = n, len(chosen)
+    if not chosen:
+        run.status, run.evaluated_at = "no_traces", now
+        return run, True
+    request = ScheduleReplay.model_validate(schedule.replay).to_request(
+        [c.public_id for c in chosen], idempotency_key(schedule.public_id, due_at)
+    )
+    try:
+        replay, _ = replay_service.create_replay(
+            session,
+            schedule.project_id,
+            request,
+            runner,
+            runner_kind=runner_kind,
+            job_timeout_s=job_timeout_s,
+            schedule_id=schedule.public_id,
+        )
+    except ReplayAuditError as e:
+        # Refused before anything was written (see replays.service.create_replay): keep the
+        # claim, record why, and let the page show it.
+        run.status, run.error, run.evaluated_at = "failed", e.message, now
+        return run, True
+    run.replay_run_id = replay.id
+    session.flush()
+    return run, True
+
+
+def run_now(
+    session: Session,
+    schedule: AuditSchedule,
+    *,
+    runner: Runner,
+    runner_kind: str,
+    job_timeout_s: int,
+    now: datetime | None = None,
+) -> tuple[AuditRun, bool]:
+    """Start a run due now, paused or not. "Now" is rounded up to the whole second, so the
+    window takes in every trace logged before the call, and two calls within one second are
+    one run."""
+    now = (now or utcnow()).astimezone(UTC)
+    due = now.replace(microsecond=0) + (timedelta(seconds=1) if now.microsecond else timedelta())
+    return start_audit_run(
+        session,
+        schedule,
+        due,
+        "manual",
+        runner=runner,
+        runner_kind=runner_kind,
+        job_timeout_s=job_timeout_s,
+    )
+
+
+def missed_due_times(
+    session: Session, schedule: AuditSchedule, *, now: datetime | None = None
+) -> tuple[list[datetime], datetime, bool]:
+    """(due times with no run, oldest first; where the search started; truncated?).
+
+    Looked for between the later of `active_since` and MISSED_LOOKBACK ago, and MISSED_GRACE
+    ago (or when the schedule was paused)."""
+    now = now or utcnow()
+    since = max(schedule.active_since, now - MISSED_LOOKBACK)
+    end = now - MISSED_GRACE
+    if schedule.paused_at is not None:
+        end = min(end, schedule.paused_at)
+    if end < since:
+        return [], since, False
+    due = due_times(schedule.cron, since, end, limit=MAX_MISSED + 1)
+    truncated = len(due) > MAX_MISSED
+    due = due[-MAX_MISSED:]
+    if not due:
+        return [], since, False
+    have = repository.due_times_with_runs(session, schedule.id, due[0], due[-1])
+    return [d for d in due if d not in have], since, truncated
+
+
+def missed(session: Session, schedule: AuditSchedule, *, now: datetime | None = None) -> Missed:
+    due, since, truncated = missed_due_times(session, schedule, now=now)
+    return Missed(schedule_id=schedule.public_id, due_at=due, since=since, truncated=truncated)
+
+
+def catch_up(
+    session: Session,
+    schedule: AuditSchedule,
+    *,
+    limit: int,
+    runner: Runner,
+    runner_kind: str,
+    job_timeout_s: int,
+    now: datetime | None = None,
+) -> tuple[list[AuditRun], int]:
+    """Start runs for the newest `limit` missed due times; (the runs, how many are left)."""
+    due, _, _ = missed_due_times(session, schedule, now=now)
+    todo = due[::-1][:limit]
+    runs = []
+    for d in todo:
+        run, _ = start_audit_run(
+            session,
+            schedule,
+            d,
+            "catch_up",
+            runner=runner,
+            runner_kind=runner_kind,
+            job_timeout_s=job_timeout_s,
+        )
+        runs.append(run)
+    return runs, len(due) - len(todo)
+
+
+def due_now(
+    schedule: AuditSchedule, latest_claimed: datetime | None, now: datetime
+) -> datetime | None:
+    """The due time a tick at `now` should start for this schedule, if any: the newest one,
+    if it is not before `active_since` and has no run yet. Older due times without runs are
+    missed, left to a catch-up by hand."""
+    if schedule.status != "active":
+        return None
+    due = latest_due(schedule.cron, now)
+    if due < schedule.active_since:
+        return None
+    if latest_claimed is not None and latest_claimed >= due:
+        return None
+    return due
+
+
+# --- evaluation and alerts -------------------------------------------------------------------
+
+
+def alert_job_spec(alert_id: int, *, timeout_s: float, retry_intervals_s: list[int]) -> JobSpec:
+    """The one way an alert delivery is named and enqueued."""
+    return JobSpec(
+        func="replay_audit.audits.tasks.deliver_alert",
+        args=(alert_id,),
+        job_id=f"audit-alert-{alert_id}",
+        queue=AUDIT_QUEUE,
+        timeout_s=int(timeout_s) + 30,
+        retry_intervals_s=tuple(retry_intervals_s),
+    )
+
+
+def _payload(
+    alert_public_id: str,
+    project: str,
+    schedule: AuditSchedule,
+    run: AuditRun,
+    replay_public_id: str | None,
+) -> dict[str, Any]:
+    m = run.metrics or {}
+    return {
+        "event": "replay_audit.audit.drift",
+        "alert_id": alert_public_id,
+        "project": project,
+        "schedule": {"id": schedule.public_id, "name": schedule.name, "cron": schedule.cron},
+        "audit_run": {
+            "id": run.public_id,
+            "due_at": run.due_at.astimezone(UTC).isoformat(),
+            "trigger": run.trigger,
+            "replay_run_id": replay_public_id,
+            "n_sampled": run.n_sampled,
+        },
+        "flags": run.flags,
+        "metrics": {
+            k: m.get(k) for k in ("ear", "c_lift", "trigger_rate", "categories", "self_agreement")
+        },
+    }
+
+
+def evaluate_audit_run(
+    session: Session,
+    audit_run_id: int,
+    *,
+    alert_runner: Runner,
+    webhook_timeout_s: float,
+    webhook_retry_intervals_s: list[int],
+) -> AuditRun | None:
+    """Give a run whose replay run has finished its trend point and drift flags; create and
+    (after commit) enqueue its webhook alert if flagged. None when there is nothing to do
+    (already evaluated by another scheduler, or the replay run is still going)."""
+    run = repository.lock_run(session, audit_run_id)
+    if run is None or run.status != "running":
+        return None
+    now = utcnow()
+    replay = session.get(ReplayRun, run.replay_run_id) if run.replay_run_id is not None else None
+    if replay is None:
+        run.status, run.error, run.evaluated_at = "failed", "the replay run was deleted", now
+        return run
+    if replay.status not in ("done", "failed"):
+        return None
+    schedule = session.get(AuditSchedule, run.schedule_id)
+    assert schedule is not None  # FK
+    run.metrics = run_metrics(replay.aggregate or {}, replay.targets, replay.comparisons)
+    if replay.status == "failed":
+        run.status, run.error, run.flags = "failed", replay.error, []
+    else:
+        history = repository.history_metrics(session, schedule.id, run.due_at)
+        run.flags = detect_drift(run.metrics, history, ear_drop_points=schedule.ear_drop_points)
+        run.status = "done"
+    run.evaluated_at = now
+    session.flush()
+    if run.flags and schedule.webhook_url:
+        public_id = new_public_id("al")
+        project = repository.project_names(session, [schedule.project_id]).get(
+            schedule.project_id, ""
+        )
+        alert_id = repository.add_alert(
+            session,
+            {
+                "public_id": public_id,
+                "audit_run_id": run.id,
+                "url": schedule.webhook_url,
+                "payload": _payload(public_id, project, schedule, run, replay.public_id),
+                "status": "pending",
+                "attempts": 0,
+                "attempt_log": [],
+                "created_at": now,
+            },
+        )
+        if alert_id is not None:
+            spec = alert_job_spec(
+                alert_id, timeout_s=webhook_timeout_s, retry_intervals_s=webhook_retry_intervals_s
+            )
+            after_commit(session, lambda: alert_runner.enqueue(spec))
+    return run
+
+
+def alert_to_read(alert: AuditAlert, run_public_id: str, *, reveal_url: bool) -> AlertRead:
+    return AlertRead(
+        id=alert.public_id,
+        audit_run_id=run_public_id,
+        url=alert.url if reveal_url else (mask_url(alert.url) or ""),
+        status=alert.status,
+        attempts=alert.attempts,
+        attempt_log=list(alert.attempt_log or []),
+        last_error=alert.last_error,
+        created_at=alert.created_at,
+        delivered_at=alert.delivered_at,
+    )
+
+
+# --- trend -----------------------------------------------------------------------------------
+
+
+def trend(session: Session, schedule: AuditSchedule, *, limit: int = 90) -> Trend:
+    """The schedule's newest `limit` runs, oldest first, one point each (the chart's data)."""
+    points = []
+    for run, replay_id, _ in repository.runs_with_replay(
+        session, schedule.id, limit=limit, newest_first=False
+    ):
+        m = run.metrics or {}
+        flags = list(run.flags or [])
+        points.append(
+            TrendPoint(
+                audit_run_id=run.public_id,
+                due_at=run.due_at,
+                date=run.due_at.astimezone(UTC).date().isoformat(),
+                trigger=run.trigger,
+                status=run.status,
+                replay_run_id=replay_id,
+                n_sampled=run.n_sampled,
+                ear=m.get("ear"),
+                ear_low=m.get("ear_low"),
+                ear_high=m.get("ear_high"),
+                c_lift=m.get("c_lift"),
+                trigger_rate=m.get("trigger_rate"),
+                categories={str(k): int(v) for k, v in (m.get("categories") or {}).items()},
+                self_agreement=m.get("self_agreement"),
+                comparisons=list(m.get("comparisons") or []),
+                flags=flags,
+                flagged=bool(flags),
+            )
+        )
+    return Trend(schedule_id=schedule.public_id, points=points)

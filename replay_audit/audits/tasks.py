@@ -1,0 +1,237 @@
+"""What the scheduler runs: the tick, and the webhook delivery job.
+
+    tick()            the RQ job `rq cron` enqueues every minute (replay_audit.audits.cron_config)
+    run_tick(...)     the same pass, callable in-process (the embedded scheduler, the CLI)
+    deliver_alert(id) one POST of a drift alert; raises to be retried with backoff
+
+A tick, every step idempotent and safe to run from two schedulers at once:
+  1. start the newest due time of each active schedule that has no run yet (the unique
+     (schedule, due time) key decides who starts it);
+  2. evaluate audit runs whose replay run has finished: trend point, drift flags, alert;
+  3. re-enqueue alerts still pending that no runner holds (after a Redis flush or a restart);
+  4. reconcile replay jobs with the queue (`replay_audit.replays.reconcile`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Final
+
+import httpx
+
+import replay_audit
+from replay_audit.audits import repository, service
+from replay_audit.audits.models import AuditAlert, AuditSchedule
+from replay_audit.config import Settings, get_settings
+from replay_audit.db.base import utcnow
+from replay_audit.db.unit_of_work import session_scope
+from replay_audit.queue import JobSpec, Runner, get_runner
+from replay_audit.queue.runner import InProcessRunner
+from replay_audit.replays.reconcile import reconcile
+
+log = logging.getLogger(__name__)
+
+#: A replay job running this long without a heartbeat is presumed dead (as `replay-audit
+#: reconcile` assumes by default).
+RECONCILE_STALE_AFTER_S: Final = 900.0
+#: Longest error text kept per delivery attempt.
+MAX_ERROR_CHARS: Final = 500
+
+
+@dataclass
+class TickReport:
+    """What one tick did (an RQ job's result; logged by the in-process scheduler)."""
+
+    started: int = 0
+    evaluated: int = 0
+    flagged: int = 0
+    alerts_enqueued: int = 0
+    jobs_reconciled: int = 0
+    errors: int = 0
+
+
+_alert_runner: InProcessRunner | None = None
+_alert_runner_lock = threading.Lock()
+
+
+def alert_runner(settings: Settings) -> Runner:
+    """Where webhook deliveries go: RQ's `audit` queue, or in the embedded mode a runner thread
+    of their own, so that a webhook's backoff never holds up a replay job."""
+    global _alert_runner
+    if settings.runner == "rq":
+        return get_runner(settings)
+    with _alert_runner_lock:
+        if _alert_runner is None:
+            _alert_runner = InProcessRunner()
+        return _alert_runner
+
+
+class DeferredRunner:
+    """A runner that runs nothing: the work stays pending in the database for the scheduler's
+    next tick (a short-lived CLI process must not start what its exit would cut short)."""
+
+    def enqueue(self, spec: JobSpec) -> None:
+        log.info("%s left to the scheduler", spec.job_id)
+
+    def is_queued(self, job_id: str) -> bool:
+        return False
+
+
+def run_tick(
+    settings: Settings,
+    *,
+    runner: Runner,
+    alert_runner: Runner,
+    database_url: str | None = None,
+    now: datetime | None = None,
+    stale_after_s: float = RECONCILE_STALE_AFTER_S,
+) -> TickReport:
+    """One scheduler pass (see the module docstring). Each schedule, run and alert is handled
+    in its own transaction: one that fails is logged and counted, the others go on."""
+    url = database_url or settings.database_url
+    now = now or utcnow()
+    report = TickReport()
+
+    with session_scope(url) as s:
+        schedules = repository.active_schedules(s)
+        claimed = repository.latest_scheduled_due(s, [x.id for x in schedules])
+        due = [(x.id, service.due_now(x, claimed.get(x.id), now)) for x in schedules]
+    for schedule_id, due_at in due:
+        if due_at is None:
+            continue
+        try:
+            with session_scope(url) as s:
+                schedule = s.get(AuditSchedule, schedule_id)
+                if schedule is None or schedule.status != "active":
+                    continue  # paused or deleted since
+                _, created = service.start_audit_run(
+                    s,
+                    schedule,
+                    due_at,
+                    "scheduled",
+                    runner=runner,
+                    runner_kind=settings.runner,
+                    job_timeout_s=settings.job_timeout_s,
+                )
+            report.started += created
+        except Exception:
+            log.exception("could not start schedule %d at %s", schedule_id, due_at)
+            report.errors += 1
+
+    with session_scope(url) as s:
+        to_evaluate = repository.runs_to_evaluate(s) + repository.orphaned_runs(s)
+    for run_id in to_evaluate:
+        try:
+            with session_scope(url) as s:
+                run = service.evaluate_audit_run(
+                    s,
+                    run_id,
+                    alert_runner=alert_runner,
+                    webhook_timeout_s=settings.webhook_timeout_s,
+                    webhook_retry_intervals_s=settings.webhook_retry_intervals_s,
+                )
+            if run is not None:
+                report.evaluated += 1
+                report.flagged += bool(run.flags)
+        except Exception:
+            log.exception("could not evaluate audit run %d", run_id)
+            report.errors += 1
+
+    try:
+        with session_scope(url) as s:
+            pending = repository.pending_alerts(s)
+        for alert_id in pending:
+            spec = service.alert_job_spec(
+                alert_id,
+                timeout_s=settings.webhook_timeout_s,
+                retry_intervals_s=settings.webhook_retry_intervals_s,
+            )
+            if not alert_runner.is_queued(spec.job_id):
+                alert_runner.enqueue(spec)
+                report.alerts_enqueued += 1
+    except Exception:
+        log.exception("could not re-enqueue pending alerts")
+        report.errors += 1
+
+    try:
+        with session_scope(url) as s:
+            again = reconcile(
+                s, runner, stale_after_s=stale_after_s, job_timeout_s=settings.job_timeout_s
+            )
+        report.jobs_reconciled = len(again)
+    except Exception:
+        log.exception("reconcile pass failed")
+        report.errors += 1
+    return report
+
+
+def tick() -> dict[str, int]:
+    """The job `rq cron` enqueues on the `audit` queue every minute (see cron_config.py)."""
+    settings = get_settings()
+    report = run_tick(settings, runner=get_runner(settings), alert_runner=alert_runner(settings))
+    if report.started or report.evaluated or report.errors:
+        log.info("audit tick: %s", report)
+    return asdict(report)
+
+
+class DeliveryFailed(Exception):
+    """A webhook attempt failed and another will follow (the runner retries the job)."""
+
+
+def _post(url: str, payload: dict[str, object], alert_id: str, timeout_s: float) -> str | None:
+    """One POST; None on a 2xx answer, else what went wrong."""
+    headers = {
+        "User-Agent": f"replay-audit/{replay_audit.__version__}",
+        # Receivers may deduplicate on this: a retry after a lost answer sends it again.
+        "X-Replay-Audit-Alert": alert_id,
+    }
+    try:
+        r = httpx.post(url, json=payload, headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        return f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
+    if 200 <= r.status_code < 300:
+        return None
+    return f"HTTP {r.status_code}: {r.text[:200]}"[:MAX_ERROR_CHARS]
+
+
+def deliver_alert(alert_id: int, database_url: str | None = None) -> str:
+    """POST alert `alert_id` to its webhook once and record the attempt.
+
+    The POST happens outside any transaction. On failure the attempt is recorded and
+    DeliveryFailed raised, so the runner retries after the next backoff interval; after
+    len(webhook_retry_intervals_s) + 1 attempts the alert is failed for good (recorded, not
+    raised). Returns the alert's status."""
+    settings = get_settings()
+    url = database_url or settings.database_url
+    with session_scope(url) as s:
+        alert = s.get(AuditAlert, alert_id)
+        if alert is None or alert.status != "pending":
+            return "gone" if alert is None else alert.status
+        target, payload, public_id = alert.url, dict(alert.payload), alert.public_id
+    started = datetime.now(UTC)
+    error = _post(target, payload, public_id, settings.webhook_timeout_s)
+    max_attempts = len(settings.webhook_retry_intervals_s) + 1
+    with session_scope(url) as s:
+        alert = repository.lock_alert(s, alert_id)
+        if alert is None or alert.status != "pending":
+            return "gone" if alert is None else alert.status
+        alert.attempts += 1
+        alert.attempt_log = [
+            *(alert.attempt_log or []),
+            {"at": started.isoformat(), "ok": error is None, "error": error},
+        ]
+        if error is None:
+            alert.status, alert.delivered_at = "delivered", utcnow()
+        else:
+            alert.last_error = error
+            if alert.attempts >= max_attempts:
+                alert.status = "failed"
+        status, attempts = alert.status, alert.attempts
+    if status == "pending":
+        raise DeliveryFailed(f"alert {public_id} attempt {attempts}: {error}")
+    if status == "failed":
+        log.warning("alert %s failed for good after %d attempts: %s", public_id, attempts, error)
+    return status

@@ -1,0 +1,131 @@
+"""Fixtures for audit schedules: the replay tests' fake engines and holding runner, a runner
+that records alert deliveries, and helpers to place traces and schedules in time.
+
+    def test_x(client, runner, alerts, headers, logged_trace, settings): ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import update
+
+from replay_audit.audits.models import AuditSchedule
+from replay_audit.audits.tasks import TickReport, run_tick
+from replay_audit.config import Settings
+from replay_audit.db.unit_of_work import session_scope
+from replay_audit.queue import JobSpec
+from replay_audit.traces.models import Trace
+from tests.replays.conftest import (  # noqa: F401  (fixtures used by the audit tests)
+    HoldingRunner,
+    fake_model_dir,
+    logged_trace,
+    worker_env,
+)
+
+#: Prompts the fake model (tests/replays/conftest.py) logs traces for.
+PROMPTS = [[i, (i * 5) % 11, 3] for i in range(1, 25)]
+FP16 = {"dtype": "fp16", "label": "FP16"}
+FP16_C = {"dtype": "fp16", "intervention": {"kind": "C", "tau": 1e-3}, "label": "FP16 + C"}
+REPLAY = {"targets": [FP16, FP16_C], "compare_with": "self"}
+
+
+class RecordingRunner:
+    """Holds job specs (alert deliveries) without running them; `drop()` forgets them, like a
+    flushed Redis."""
+
+    def __init__(self) -> None:
+        self.specs: list[JobSpec] = []
+        self.held: set[str] = set()
+
+    def enqueue(self, spec: JobSpec) -> None:
+        self.specs.append(spec)
+        self.held.add(spec.job_id)
+
+    def is_queued(self, job_id: str) -> bool:
+        return job_id in self.held
+
+    def drop(self) -> None:
+        self.held.clear()
+
+
+@pytest.fixture
+def runner(client: TestClient, worker_env: Any) -> HoldingRunner:  # noqa: F811
+    """Replay jobs of the app (and of ticks given it) wait here until `run_all()`."""
+    r = HoldingRunner()
+    client.app.state.runner = r  # type: ignore[attr-defined]
+    return r
+
+
+@pytest.fixture
+def alerts() -> RecordingRunner:
+    return RecordingRunner()
+
+
+@pytest.fixture
+def tick(
+    settings: Settings, runner: HoldingRunner, alerts: RecordingRunner
+) -> Callable[..., TickReport]:
+    """tick(now=None) -> one scheduler pass with the holding runners."""
+
+    def make(now: datetime | None = None) -> TickReport:
+        return run_tick(settings, runner=runner, alert_runner=alerts, now=now)
+
+    return make
+
+
+def ingest(client: TestClient, headers: dict[str, str], traces: list[dict[str, Any]]) -> list[str]:
+    r = client.post("/v1/traces:batch", json={"traces": traces}, headers=headers)
+    assert r.status_code == 207, r.text
+    return [i["id"] for i in r.json()["results"]]
+
+
+def set_created_at(db_url: str, trace_ids: list[str], when: datetime) -> None:
+    """Pretend the traces were logged at `when` (the sampling window reads created_at)."""
+    with session_scope(db_url) as s:
+        s.execute(update(Trace).where(Trace.public_id.in_(trace_ids)).values(created_at=when))
+
+
+def set_active_since(db_url: str, schedule_id: str, when: datetime) -> None:
+    """Pretend the schedule was created (or resumed) at `when`."""
+    with session_scope(db_url) as s:
+        s.execute(
+            update(AuditSchedule)
+            .where(AuditSchedule.public_id == schedule_id)
+            .values(active_since=when, created_at=when)
+        )
+
+
+def schedule_body(**overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "name": "nightly production",
+        "selection": {"tags": ["production"], "window_hours": 24},
+        "sample_size": 8,
+        "policy": "uniform",
+        "seed": 7,
+        "replay": REPLAY,
+    }
+    return body | overrides
+
+
+def utc(*args: int) -> datetime:
+    return datetime(*args, tzinfo=UTC)
+
+
+@pytest.fixture
+def make_schedule(
+    client: TestClient, headers: Callable[..., dict[str, str]]
+) -> Callable[..., tuple[str, dict[str, str]]]:
+    """make_schedule(**body overrides) -> (schedule id, admin headers)."""
+
+    def make(**overrides: Any) -> tuple[str, dict[str, str]]:
+        h = headers("admin")
+        r = client.post("/v1/audits/schedules", json=schedule_body(**overrides), headers=h)
+        assert r.status_code == 201, r.text
+        return str(r.json()["id"]), h
+
+    return make
