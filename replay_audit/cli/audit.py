@@ -43,6 +43,14 @@ def _when(t: datetime | None) -> str:
     return "-" if t is None else t.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
+def _console() -> Any:
+    """Rich's console; piped into a file or another program, wide enough not to wrap rows."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
 def _settings() -> Settings:
     from replay_audit.config import get_settings
 
@@ -144,7 +152,6 @@ def list_schedules(
     project: Annotated[str | None, typer.Option(help="Only this project's schedules.")] = None,
 ) -> None:
     """Every schedule: cron (UTC), status, next due time, last run, missed runs."""
-    from rich.console import Console
     from rich.table import Table
 
     from replay_audit.audits import repository, service
@@ -160,7 +167,8 @@ def list_schedules(
             project_id = p.id
         reads = service.to_reads(s, repository.list_schedules(s, project_id), reveal_webhook=False)
     table = Table(title="audit schedules (times in UTC)")
-    for col in ("id", "project", "name", "cron", "status", "next due", "last run", "missed"):
+    table.add_column("id", no_wrap=True, min_width=29)  # to be copied whole into commands
+    for col in ("project", "name", "cron", "status", "next due", "last run", "missed"):
         table.add_column(col)
     for r in reads:
         last = "-" if r.last_run is None else f"{_when(r.last_run.due_at)} {r.last_run.status}"
@@ -174,7 +182,7 @@ def list_schedules(
             last,
             str(r.missed),
         )
-    Console().print(table)
+    _console().print(table)
     if not reads:
         typer.echo("no schedules (create one with POST /v1/audits/schedules)")
 
@@ -217,7 +225,6 @@ def trend(
     limit: Annotated[int, typer.Option(min=1, max=1000)] = 30,
 ) -> None:
     """The schedule's trend: one line per run, oldest first."""
-    from rich.console import Console
     from rich.table import Table
 
     from replay_audit.audits import repository, service
@@ -243,7 +250,7 @@ def trend(
             _pct(p.self_agreement),
             ", ".join(f["kind"] for f in p.flags) or "-",
         )
-    Console().print(table)
+    _console().print(table)
 
 
 @audit_app.command("tick")
