@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 PACKAGE_DIR: Final = Path(__file__).resolve().parent
@@ -48,6 +48,12 @@ class Settings(BaseSettings):
     max_request_bytes: int = 256 * 1024 * 1024
     #: Seconds before RQ kills a replay job (RQ's own default of 180 s is too short for a GPU).
     job_timeout_s: int = 3600
+    #: Key that signs the web UI's session cookies (any long random string; every API process
+    #: of one deployment must share it). Unset: generated once and kept in `session_secret_file`.
+    session_secret: SecretStr | None = None
+    session_secret_file: Path = Path("var/session-secret")
+    #: Seconds a web UI sign-in lasts.
+    session_max_age_s: int = 12 * 3600
     #: The audit scheduler. "auto": a thread of `serve` when the runner is in-process, none when
     #: it is RQ (production runs `rq cron replay_audit.audits.cron_config`); or force it.
     scheduler: Literal["auto", "inprocess", "off"] = "auto"

@@ -86,5 +86,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     for router in _routers():
         app.include_router(router)
+    from replay_audit.ui import mount_ui
+
+    mount_ui(app)  # the auditors' HTML pages under /ui (their own error pages)
     _install_openapi(app)
     return app

@@ -61,7 +61,7 @@ DEFAULT_LIST_LIMIT: Final = 50
 #: Bins of the t* histogram (integer-aligned, so a bin never splits a step).
 T_STAR_BINS: Final = 20
 #: Bins per decade of the margin histograms.
-MARGIN_BINS_PER_DECADE: Final = 1
+MARGIN_BINS_PER_DECADE: Final = 2
 
 
 # -- labels ------------------------------------------------------------------------------------

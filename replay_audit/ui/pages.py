@@ -1,0 +1,464 @@
+"""The web UI's pages. Thin handlers: check the session, call one report service function,
+render a template.
+
+    GET  /ui/                               -> /ui/runs
+    GET  /ui/sign-in, POST /ui/sign-in      sign in with an API key (auditor or admin)
+    POST /ui/sign-out
+    GET  /ui/runs                           runs list (filters: model, dtype, from, to; paged)
+    GET  /ui/runs/{run}                     run page (statistics, charts, lifts, results)
+    GET  /ui/runs/{run}/flips               every trace a comparison fixed / broke (paged)
+    GET  /ui/runs/{run}/export.csv|.jsonl   the export, as GET /v1/replays/{run}/export
+    GET  /ui/runs/{run}/traces/{trace}      trace page (tokens, t*, margin track, configs)
+    GET  /ui/compare?run=A&run=B            two runs compared
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from datetime import UTC, date, datetime, time, timedelta
+from typing import Annotated, Any, Final, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import RedirectResponse, Response, StreamingResponse
+
+from replay_audit.api.deps import DBSession
+from replay_audit.auth.schemas import Principal
+from replay_audit.config import Settings
+from replay_audit.exceptions import BadRequest, FieldError, NotAuthenticated, PermissionDenied
+from replay_audit.formats import BODY_DTYPES
+from replay_audit.replays.aggregate import CATEGORIES
+from replay_audit.reports import service
+from replay_audit.reports.endpoints import export_response
+from replay_audit.reports.repository import ResultFilter, RunFilter
+from replay_audit.reports.schemas import RunReport
+from replay_audit.ui import session as ui_session
+from replay_audit.ui import trace_view
+from replay_audit.ui.charts import (
+    Series,
+    category_chart,
+    histogram_chart,
+    lift_chart,
+    log_histogram_chart,
+)
+from replay_audit.ui.templating import render
+
+router = APIRouter(include_in_schema=False)
+
+RUNS_PER_PAGE: Final = 25
+RESULTS_PER_PAGE: Final = 50
+FLIPS_PER_PAGE: Final = 200
+#: Largest sign-in form body read (a key is ~60 characters).
+MAX_FORM_BYTES: Final = 8192
+
+
+class SignInRequired(NotAuthenticated):
+    """No valid session: the UI answers with a redirect to the sign-in page."""
+
+
+def _settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def _secret(request: Request) -> bytes:
+    return ui_session.session_secret(_settings(request))
+
+
+def current_session(request: Request) -> ui_session.UiSession | None:
+    return ui_session.verify(_secret(request), request.cookies.get(ui_session.COOKIE_NAME))
+
+
+def ui_principal(request: Request, session: DBSession) -> Principal:
+    """The signed-in caller (auditor or admin); SignInRequired without a valid session."""
+    s = current_session(request)
+    if s is None:
+        raise SignInRequired("sign in to browse reports")
+    try:
+        principal = ui_session.principal_for(session, s)
+    except NotAuthenticated as e:
+        raise SignInRequired(e.message) from None
+    request.state.ui_session = s
+    request.state.principal = principal
+    return principal
+
+
+Viewer = Annotated[Principal, Depends(ui_principal)]
+
+
+def _page(request: Request, template: str, status_code: int = 200, **context: Any) -> Response:
+    """Render a page of a signed-in user (the header's sign-out form needs the CSRF token)."""
+    s: ui_session.UiSession | None = getattr(request.state, "ui_session", None)
+    context.setdefault("principal", getattr(request.state, "principal", None))
+    context["csrf_token"] = s.csrf_token(_secret(request)) if s is not None else ""
+    return render(request, template, context, status_code)
+
+
+def _base(request: Request) -> str:
+    return str(request.scope.get("root_path", ""))
+
+
+def _safe_next(request: Request, target: str | None) -> str:
+    """Where to go after signing in: only a path of this UI (never another site)."""
+    base = _base(request)
+    if (
+        target
+        and target.startswith(base + "/")
+        and not target.startswith("//")
+        and "\\" not in target
+        and not urllib.parse.urlsplit(target).netloc
+    ):
+        return target
+    return f"{base}/runs"
+
+
+async def form_fields(request: Request) -> dict[str, str]:
+    """An urlencoded form body as a dict (first value of each field)."""
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM_BYTES:
+            raise BadRequest("form too large", field="body")
+    parsed = urllib.parse.parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
+    return {k: v[0] for k, v in parsed.items()}
+
+
+Form = Annotated[dict[str, str], Depends(form_fields)]
+
+
+# -- sign-in -----------------------------------------------------------------------------------
+
+
+@router.get("/")
+def home(request: Request) -> Response:
+    return RedirectResponse(f"{_base(request)}/runs", status_code=303)
+
+
+def _sign_in_page(
+    request: Request, next_url: str, error: str | None = None, status_code: int = 200
+) -> Response:
+    token = ui_session.new_form_token()
+    response = render(
+        request,
+        "ui/sign_in.html",
+        {"next": next_url, "error": error, "form_token": token, "principal": None,
+         "csrf_token": ""},
+        status_code,
+    )
+    response.set_cookie(
+        ui_session.SIGN_IN_COOKIE_NAME,
+        token,
+        max_age=3600,
+        path=_base(request) or "/",
+        httponly=True,
+        samesite="lax",
+        secure=request.url.scheme == "https",
+    )
+    return response
+
+
+@router.get("/sign-in")
+def sign_in_form(request: Request, next: str | None = None) -> Response:
+    return _sign_in_page(request, _safe_next(request, next))
+
+
+@router.post("/sign-in")
+def sign_in(request: Request, session: DBSession, form: Form) -> Response:
+    """Check the key; on success set the session cookie and go where the user was going."""
+    next_url = _safe_next(request, form.get("next"))
+    if not ui_session.check_form_token(
+        request.cookies.get(ui_session.SIGN_IN_COOKIE_NAME), form.get("form_token")
+    ):
+        return _sign_in_page(
+            request, next_url, "The sign-in form expired; please try again.", 400
+        )
+    try:
+        _, lookup = ui_session.sign_in(session, form.get("api_key"))
+    except NotAuthenticated as e:
+        return _sign_in_page(request, next_url, e.message, 401)
+    except PermissionDenied as e:
+        return _sign_in_page(request, next_url, e.message, 403)
+    settings = _settings(request)
+    response = RedirectResponse(next_url, status_code=303)
+    response.set_cookie(
+        ui_session.COOKIE_NAME,
+        ui_session.issue(_secret(request), lookup, settings.session_max_age_s),
+        max_age=settings.session_max_age_s,
+        path=_base(request) or "/",
+        httponly=True,
+        samesite="lax",
+        secure=request.url.scheme == "https",
+    )
+    response.delete_cookie(ui_session.SIGN_IN_COOKIE_NAME, path=_base(request) or "/")
+    return response
+
+
+@router.post("/sign-out")
+def sign_out(request: Request, form: Form) -> Response:
+    s = current_session(request)
+    if s is not None and not ui_session.check_csrf(_secret(request), s, form.get("csrf_token")):
+        raise BadRequest("invalid sign-out form; reload the page and try again")
+    response = RedirectResponse(f"{_base(request)}/sign-in", status_code=303)
+    response.delete_cookie(
+        ui_session.COOKIE_NAME,
+        path=_base(request) or "/",
+        httponly=True,
+        samesite="lax",
+        secure=request.url.scheme == "https",
+    )
+    return response
+
+
+# -- runs ------------------------------------------------------------------------------------
+
+
+def _day(value: str | None, field: str, *, end: bool = False) -> datetime | None:
+    if not value:
+        return None
+    try:
+        d = date.fromisoformat(value)
+    except ValueError:
+        raise FieldError(
+            f"{field}: expected a date YYYY-MM-DD, got {value!r}", field=field
+        ) from None
+    moment = datetime.combine(d, time.min, tzinfo=UTC)
+    return moment + timedelta(days=1) if end else moment  # "to" a day includes that day
+
+
+def _blank(value: str | None) -> str | None:
+    return value.strip() or None if value is not None else None
+
+
+@router.get("/runs")
+def runs_list(
+    request: Request,
+    session: DBSession,
+    principal: Viewer,
+    model: str | None = None,
+    dtype: str | None = None,
+    created_from: Annotated[str | None, Query(alias="from")] = None,
+    created_to: Annotated[str | None, Query(alias="to")] = None,
+    before: Annotated[int | None, Query(ge=1)] = None,
+) -> Response:
+    model, dtype = _blank(model), _blank(dtype)
+    if dtype is not None and dtype not in BODY_DTYPES:
+        raise FieldError(f"dtype must be one of {', '.join(BODY_DTYPES)}", field="dtype")
+    f = RunFilter(
+        model_name=model,
+        dtype=dtype,
+        created_after=_day(created_from, "from"),
+        created_before=_day(created_to, "to", end=True),
+    )
+    page = service.list_runs(session, principal.project_id, f, before=before, limit=RUNS_PER_PAGE)
+    filters = {"model": model or "", "dtype": dtype or "", "from": created_from or "",
+               "to": created_to or ""}
+    next_query = None
+    if page.next_before is not None:
+        next_query = urllib.parse.urlencode(
+            {k: v for k, v in filters.items() if v} | {"before": page.next_before}
+        )
+    return _page(
+        request,
+        "ui/runs.html",
+        page=page,
+        filters=filters,
+        models=service.project_model_names(session, principal.project_id),
+        dtypes=BODY_DTYPES,
+        next_query=next_query,
+        first_page=before is not None,
+    )
+
+
+def _run_charts(report: RunReport) -> list[dict[str, Any]]:
+    charts = []
+    for c in report.comparisons:
+        m = c.margin_at_divergence
+        charts.append(
+            {
+                "categories": category_chart(c.categories),
+                "t_star": histogram_chart(c.t_star_histogram, "first divergence step t*"),
+                "margin": log_histogram_chart(
+                    [
+                        Series("logged arm", m.histogram_logged, "series-logged"),
+                        Series("replayed arm", m.histogram_replay, "series-replay"),
+                    ],
+                    "margin at t* (top-1 \u2212 top-2 logit)",
+                ),
+                "margin_ulps": log_histogram_chart(
+                    [
+                        Series("logged arm", m.histogram_logged_ulps, "series-logged"),
+                        Series("replayed arm", m.histogram_replay_ulps, "series-replay"),
+                    ],
+                    "margin at t* in ulps of the arm's lm_head format",
+                ),
+            }
+        )
+    return charts
+
+
+@router.get("/runs/{run_id}")
+def run_page(
+    request: Request,
+    run_id: str,
+    session: DBSession,
+    principal: Viewer,
+    a: Annotated[int | None, Query(ge=0)] = None,
+    b: Annotated[int | None, Query(ge=0)] = None,
+    margin: Annotated[float, Query(ge=0, lt=1)] = service.DEFAULT_TOST_MARGIN,
+    comparison: Annotated[int | None, Query(ge=0)] = None,
+    category: str | None = None,
+    outcome: Literal["exact", "diverged", "failed", ""] = "",
+    after: Annotated[int | None, Query(ge=0)] = None,
+) -> Response:
+    run = service.get_run(session, principal.project_id, run_id)
+    n_comp = len(run.comparisons)
+    if a is None and b is None and n_comp >= 2:
+        a, b = 0, 1
+    pair = (a, b) if a is not None and b is not None else None
+    report = service.run_report(session, run, pair=pair, margin=margin)
+    category = _blank(category)
+    if category is not None and category not in CATEGORIES:
+        raise FieldError(f"category must be one of {', '.join(CATEGORIES)}", field="category")
+    rf = ResultFilter(comparison=comparison, category=category, outcome=outcome or None)
+    results = service.results_page(session, run, rf, after=after, limit=RESULTS_PER_PAGE)
+    keep = {"a": a, "b": b, "margin": margin if margin != service.DEFAULT_TOST_MARGIN else None,
+            "comparison": comparison, "category": category, "outcome": outcome or None}
+    keep = {k: v for k, v in keep.items() if v is not None}
+    next_query = (
+        urllib.parse.urlencode(keep | {"after": results.next_after}) + "#results"
+        if results.next_after is not None
+        else None
+    )
+    return _page(
+        request,
+        "ui/run.html",
+        run=run,
+        report=report,
+        charts=_run_charts(report),
+        lift_chart=lift_chart(report.lifts) if report.lifts else None,
+        pair_chart=lift_chart([report.pair]) if report.pair is not None else None,
+        targets=[(i, service.target_label(t), t) for i, t in enumerate(run.targets)],
+        results=results,
+        result_filter=rf,
+        categories=CATEGORIES,
+        next_query=next_query,
+        first_query=urllib.parse.urlencode(keep) + "#results",
+        pair=pair,
+        margin=margin,
+    )
+
+
+@router.get("/runs/{run_id}/flips")
+def flips(
+    request: Request,
+    run_id: str,
+    session: DBSession,
+    principal: Viewer,
+    a: Annotated[int, Query(ge=0)],
+    b: Annotated[int, Query(ge=0)],
+    kind: Literal["fixed", "broke"] = "fixed",
+    other: str | None = None,
+    after: Annotated[int | None, Query(ge=0)] = None,
+) -> Response:
+    """The traces comparison b fixed (or broke) relative to comparison a; with `other`, b is a
+    comparison of that run (the two-run comparison's lists)."""
+    run_a = service.get_run(session, principal.project_id, run_id)
+    run_b = service.get_run(session, principal.project_id, other) if other else run_a
+    page = service.flips_page(
+        session, run_a, a, run_b, b, fixed=kind == "fixed", after=after, limit=FLIPS_PER_PAGE
+    )
+    query = {"a": a, "b": b, "kind": kind} | ({"other": other} if other else {})
+    return _page(
+        request,
+        "ui/flips.html",
+        run_a=run_a,
+        run_b=run_b,
+        a=a,
+        b=b,
+        kind=kind,
+        label_a=service.comparison_label(run_a, a),
+        label_b=service.comparison_label(run_b, b),
+        page=page,
+        next_query=urllib.parse.urlencode(query | {"after": page.next_after})
+        if page.next_after is not None
+        else None,
+    )
+
+
+@router.get("/runs/{run_id}/export.{fmt}")
+def export(
+    request: Request,
+    run_id: str,
+    fmt: Literal["csv", "jsonl"],
+    session: DBSession,
+    principal: Viewer,
+) -> StreamingResponse:
+    run = service.get_run(session, principal.project_id, run_id)
+    return export_response(request, run, fmt)
+
+
+@router.get("/runs/{run_id}/traces/{trace_id}")
+def trace_page(
+    request: Request,
+    run_id: str,
+    trace_id: str,
+    session: DBSession,
+    principal: Viewer,
+    comparison: Annotated[int | None, Query(ge=0)] = None,
+) -> Response:
+    run = service.get_run(session, principal.project_id, run_id)
+    trace, results = service.get_trace_in_run(session, run, trace_id)
+    by_comparison = {r.comparison: r for r in results}
+    if comparison is None:
+        diverged = [r.comparison for r in results if r.status == "ok" and not r.exact_match]
+        comparison = diverged[0] if diverged else results[0].comparison
+    if comparison not in by_comparison:
+        raise FieldError(
+            f"comparison: trace {trace_id} has results for comparisons "
+            f"{', '.join(str(c) for c in sorted(by_comparison))}",
+            field="comparison",
+        )
+    view = trace_view.build(run, trace, by_comparison[comparison])
+    previous, following = service.neighbour_traces(session, run, trace, comparison)
+    return _page(
+        request,
+        "ui/trace.html",
+        run=run,
+        trace=trace,
+        results=results,
+        labels={r.comparison: service.comparison_label(run, r.comparison) for r in results},
+        view=view,
+        previous=previous,
+        following=following,
+    )
+
+
+@router.get("/compare")
+def compare(
+    request: Request,
+    session: DBSession,
+    principal: Viewer,
+    run: Annotated[list[str] | None, Query()] = None,
+    ca: Annotated[int, Query(ge=0)] = 0,
+    cb: Annotated[int, Query(ge=0)] = 0,
+) -> Response:
+    """Two runs: pick them on the runs list (two check boxes) or pass ?run=A&run=B."""
+    ids = [r for r in run or [] if r]
+    if len(ids) != 2:
+        raise FieldError("choose exactly two runs to compare", field="run")
+    run_a = service.get_run(session, principal.project_id, ids[0])
+    run_b = service.get_run(session, principal.project_id, ids[1])
+    report = service.compare_runs(session, run_a, ca, run_b, cb)
+    return _page(
+        request,
+        "ui/compare.html",
+        run_a=run_a,
+        run_b=run_b,
+        ca=ca,
+        cb=cb,
+        report=report,
+        comparisons_a=[(i, service.comparison_label(run_a, i)) for i in
+                       range(len(run_a.comparisons))],
+        comparisons_b=[(i, service.comparison_label(run_b, i)) for i in
+                       range(len(run_b.comparisons))],
+        pair_chart=lift_chart([report.pair]),
+    )
