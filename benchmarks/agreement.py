@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--tau", type=float, default=1e-3)
     ap.add_argument("--tau-ulps", type=float, nargs="*", default=[])
+    ap.add_argument("--configs", nargs="*", default=None, help="subset, e.g. none C")
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
@@ -69,7 +70,10 @@ def main() -> None:
         ("C", Intervention("C", tau=args.tau)),
         ("C_ungated", Intervention("C", tau=0.0)),
     ]
+    if args.configs:
+        configs = [c for c in configs if c[0] in args.configs]
     configs += [(f"C_{k:g}ulps", Intervention("C", tau_ulps=k)) for k in args.tau_ulps]
+    assert configs[0][0] == "none", "the baseline (none) is always measured first"
     outputs: dict[str, list[tuple[list[int], list[int]]]] = {}
     report: dict[str, Any] = {
         "model": str(args.model),
@@ -103,7 +107,7 @@ def main() -> None:
         )
     for name, _ in configs[1:]:
         report[name]["lift"] = report[name]["ear"] - report["none"]["ear"]
-    for k in ("B_K2", "B_K8"):
+    for k in (k for k in ("B_K2", "B_K8") if k in outputs and "C" in outputs):
         report[k]["same_outputs_as_C"] = sum(
             b == c for b, c in zip(outputs[k], outputs["C"], strict=True)
         )

@@ -52,6 +52,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip-generate", action="store_true")
+    ap.add_argument(
+        "--only-static", action="store_true", help="time the static-cache variants only"
+    )
+    ap.add_argument("--max-cache-len", type=int, default=4096, help="static cache length")
+    ap.add_argument("--no-deterministic", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="top CUDA kernels of the static path")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -61,6 +67,9 @@ def main() -> None:
     dyn = build_engine(args.model, target, args.device, model=model)
     model = dyn.model
     static = build_engine(None, target, args.device, cache="static", model=model)
+    static.max_cache_len = args.max_cache_len
+    if args.no_deterministic:
+        torch.use_deterministic_algorithms(False)
     device = dyn.device
     n = args.tokens
     prompt = [(i * 7919) % (dyn.vocab_size - 20) + 10 for i in range(args.prompt_len)]
@@ -116,6 +125,8 @@ def main() -> None:
     ]
     if not args.skip_generate:
         variants.append(("hf_generate", hf_generate))
+    if args.only_static:
+        variants = [v for v in variants if v[0].startswith("ours_static")]
     for name, fn in variants:
         seconds, out = timed(fn, device, args.repeats)
         entry: dict[str, Any] = {"seconds": seconds, "tokens_per_s": n / seconds}
@@ -127,7 +138,19 @@ def main() -> None:
         print(f"{name:28s} {n / seconds:9.1f} tok/s", file=sys.stderr)
     for base in ("ours_dynamic", next(k for k in results if k.startswith("ours_static"))):
         gated = "ours_dynamic_gated_C" if base == "ours_dynamic" else "ours_static_gated_C"
-        results[f"{gated}_overhead"] = results[gated]["seconds"] / results[base]["seconds"] - 1
+        if base in results and gated in results:
+            results[f"{gated}_overhead"] = results[gated]["seconds"] / results[base]["seconds"] - 1
+    results["deterministic"] = torch.are_deterministic_algorithms_enabled()
+    results["max_cache_len"] = args.max_cache_len
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            static.decode(prompt, 32, (), Intervention())
+            sync(device)
+        key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=25), file=sys.stderr)
     results["cuda_graph"] = static._static is not None and static._static.graph is not None
     print(json.dumps(results, indent=2))
 

@@ -35,18 +35,26 @@ def load_engine(
     deterministic: bool = True,
     tf32: bool = False,
     cache: Literal["dynamic", "static"] = "dynamic",
+    max_cache_len: int = 4096,
 ) -> Engine:
     """Load a local Hugging Face checkpoint (no network) in `target`'s format as a torch engine.
 
     `device` None picks CUDA when available, else the CPU. The deterministic-algorithms and TF32
     flags are process-wide torch settings: the engine sets them explicitly here and reports them
     in `environment()`. `cache` "static" preallocates the KV cache (and on CUDA captures the decode
-    step in a CUDA graph); "dynamic" grows it, as transformers' `generate()` does.
+    step in a CUDA graph) for `max_cache_len` tokens (longer decodes use the dynamic path);
+    "dynamic" grows it, as transformers' `generate()` does.
     """
     from replay_audit.engine.torch_engine import TorchEngine
 
     return TorchEngine.load(
-        Path(model_dir), target, device=device, deterministic=deterministic, tf32=tf32, cache=cache
+        Path(model_dir),
+        target,
+        device=device,
+        deterministic=deterministic,
+        tf32=tf32,
+        cache=cache,
+        max_cache_len=max_cache_len,
     )
 
 

@@ -117,30 +117,50 @@ class Choice:
     gate_fired: bool
 
 
-def top_k_on_host(z32: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Top-k ids and float32 logits of one step's logits (V,), sorted by logit descending then
-    id ascending, and the argmax (smallest id among equal maxima), with one device transfer."""
-    kk = min(max(k, 2), z32.shape[-1])
+#: Top-k computed on the device each step (then cut to the k asked for): a fixed size, so a
+#: captured decode step can include it, and the same in every path, so ties at the k-th place
+#: resolve the same way (smaller id first) whichever path ran.
+TOP_K_CAP = 20
+
+
+def pack_top_k(z32: torch.Tensor, kk: int) -> torch.Tensor:
+    """Top-kk values, their ids and the argmax of one step's float32 logits (V,), packed into
+    one float64 vector (ids < 2**53 are exact) so a single device-to-host copy carries them."""
     vals, ids = torch.topk(z32, kk)
     native = torch.argmax(z32).reshape(1)
-    packed = torch.cat([vals.double(), ids.double(), native.double()]).cpu().numpy()
+    return torch.cat([vals.double(), ids.double(), native.double()])
+
+
+def unpack_top_k(packed: np.ndarray, kk: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Ids and float32 values sorted by value descending then id ascending, and the argmax."""
     v = packed[:kk].astype(np.float32)
     i = packed[kk : 2 * kk].astype(np.int64)
     order = np.lexsort((i, -v.astype(np.float64)))
-    return i[order], v[order], int(packed[-1])
+    return i[order], v[order], int(packed[2 * kk])
 
 
-def choose(
+def top_k_size(k: int, vocab: int) -> int:
+    return min(max(k, 2, TOP_K_CAP), vocab)
+
+
+def top_k_on_host(z32: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Top-k ids and float32 logits of one step's logits (V,), sorted by logit descending then
+    id ascending, and the argmax (smallest id among equal maxima), with one device transfer."""
+    kk = top_k_size(k, z32.shape[-1])
+    return unpack_top_k(pack_top_k(z32, kk).cpu().numpy(), kk)
+
+
+def decide(
     head: LmHead,
-    z: torch.Tensor,
+    top: tuple[np.ndarray, np.ndarray, int],
+    z32: torch.Tensor,
     h: torch.Tensor,
     intervention: Intervention,
     k: int,
 ) -> Choice:
-    """The token at one step from native logits z (V,) and the hidden state h (d,) they came
-    from: margin and gate on the native logits, then the intervention where the gate fired."""
-    z32 = z.float()
-    ids, vals, native = top_k_on_host(z32, k)
+    """The choice at one step from its host-side top-k: margin and gate on the native logits,
+    then the intervention where the gate fired (on the device: z32 (V,), h (d,))."""
+    ids, vals, native = top
     top1 = float(vals[0])
     margin = top1 - float(vals[1])
     fired = intervention.gate.fires(margin, top1, head.fmt)
@@ -158,6 +178,19 @@ def choose(
         margin_ulps=margin / ulp(top1, head.fmt),
         gate_fired=fired,
     )
+
+
+def choose(
+    head: LmHead,
+    z: torch.Tensor,
+    h: torch.Tensor,
+    intervention: Intervention,
+    k: int,
+) -> Choice:
+    """The token at one step from native logits z (V,) and the hidden state h (d,) they came
+    from: margin and gate on the native logits, then the intervention where the gate fired."""
+    z32 = z.float()
+    return decide(head, top_k_on_host(z32, k), z32, h, intervention, k)
 
 
 def integer_argmax(values: torch.Tensor, width: float) -> int:

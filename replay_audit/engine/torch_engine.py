@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import replay_audit
-from replay_audit.diff.margin import Margin
+from replay_audit.diff.margin import Margin, margins_in_ulps
 from replay_audit.engine.loading import (
     TORCH_DTYPES,
     configure_numerics,
@@ -23,7 +23,16 @@ from replay_audit.engine.loading import (
     numerical_environment,
     resolve_device,
 )
-from replay_audit.engine.numerics import Choice, LmHead, apply_intervention, choose
+from replay_audit.engine.numerics import (
+    Choice,
+    LmHead,
+    apply_intervention,
+    choose,
+    decide,
+    pack_top_k,
+    top_k_size,
+    unpack_top_k,
+)
 from replay_audit.engine.protocol import DecodeRun, Intervention, ScanRun, StepInfo, Steps, Target
 from replay_audit.formats import ulp
 
@@ -82,12 +91,13 @@ class TorchEngine:
         deterministic: bool = True,
         tf32: bool = False,
         cache: CacheKind = "dynamic",
+        max_cache_len: int = 4096,
     ) -> TorchEngine:
         """Set the numerical flags, then load `model_dir` in `target`'s format."""
         configure_numerics(deterministic=deterministic, tf32=tf32)
         dev = resolve_device(device)
         model, tokenizer = load_model(model_dir, target.dtype, target.attn_kernel, dev)
-        return cls(model, tokenizer, target, dev, cache=cache)
+        return cls(model, tokenizer, target, dev, cache=cache, max_cache_len=max_cache_len)
 
     # -- the protocol -------------------------------------------------------------------------
 
@@ -113,6 +123,7 @@ class TorchEngine:
             extras={
                 "kv_cache": self.cache_kind,
                 "cuda_graph": self._static is not None and self._static.graph is not None,
+                "static_cache_len": self.max_cache_len if self.cache_kind == "static" else None,
             },
         )
 
@@ -147,8 +158,8 @@ class TorchEngine:
         pos = len(context)
         rows: list[Choice] = []
         stop = "length"
+        c = choose(self.head, self.head.native(h)[0], h[0], iv, top_k)
         while True:
-            c = choose(self.head, self.head.native(h)[0], h[0], iv, top_k)
             rows.append(c)
             out.append(c.token)
             if c.token in eos:
@@ -158,9 +169,11 @@ class TorchEngine:
                 break
             if static:
                 assert self._static is not None
-                h = self._static.step(c.token, pos)
+                h, z32, top = self._static.step(c.token, pos, top_k)
+                c = decide(self.head, top, z32, h[0], iv, top_k)
             else:
                 h = self._forward([c.token], cache, pos)[:, -1]
+                c = choose(self.head, self.head.native(h)[0], h[0], iv, top_k)
             pos += 1
         return DecodeRun(out, steps_from_choices(rows, top_k), start, stop)
 
@@ -179,8 +192,7 @@ class TorchEngine:
         context = [*prompt_ids, *output_ids[:-1]]
         # Position p's hidden state predicts token p + 1: output step t is at len(prompt) - 1 + t.
         hs = self._forward(context, None, 0)[0, len(prompt_ids) - 1 :]
-        rows = self._choose_rows(hs, iv, top_k)
-        steps = steps_from_choices(rows, top_k)
+        steps = self._choose_rows(hs, iv, top_k)
         return ScanRun(steps, np.asarray(steps.token_ids == np.asarray(output_ids), dtype=bool))
 
     @torch.inference_mode()
@@ -230,49 +242,48 @@ class TorchEngine:
         hidden: torch.Tensor = out.last_hidden_state
         return hidden
 
-    def _choose_rows(self, hs: torch.Tensor, iv: Intervention, k: int) -> list[Choice]:
-        """Choices for many positions: one batched head product (per row for FP8, whose
-        activation scale is per step), one transfer of the top-k, interventions per gated row."""
+    def _choose_rows(self, hs: torch.Tensor, iv: Intervention, k: int) -> Steps:
+        """Steps for many positions: one batched head product (per row for FP8, whose
+        activation scale is per step), one transfer of the top-k, margins and gate vectorised
+        on the host (the same arithmetic as `numerics.decide`), interventions per gated row."""
         if self.head.fmt.startswith("fp8"):
             z = torch.cat([self.head.native(hs[i : i + 1]) for i in range(hs.shape[0])])
         else:
             z = self.head.native(hs)
         z32 = z.float()
-        kk = min(max(k, 2), z32.shape[-1])
+        kk = top_k_size(k, z32.shape[-1])
         vals, ids = torch.topk(z32, kk, dim=-1)
         native = torch.argmax(z32, dim=-1)
         v = vals.cpu().numpy().astype(np.float32)
         i = ids.cpu().numpy().astype(np.int64)
-        nat = native.cpu().numpy()
-        rows = []
-        for t in range(hs.shape[0]):
-            order = np.lexsort((i[t], -v[t].astype(np.float64)))
-            vt, it = v[t][order], i[t][order]
-            top1 = float(vt[0])
-            margin = top1 - float(vt[1])
-            fired = iv.gate.fires(margin, top1, self.head.fmt)
-            token = int(nat[t])
-            if fired and iv.kind != "none":
-                width = iv.bin_width(top1, self.head.fmt)
-                token = apply_intervention(self.head, z32[t], hs[t], iv, width)
-            rows.append(
-                Choice(
-                    token=token,
-                    native_token=int(nat[t]),
-                    top_k_ids=it[:k],
-                    top_k_logits=vt[:k],
-                    margin=margin,
-                    margin_ulps=margin / ulp(top1, self.head.fmt),
-                    gate_fired=fired,
-                )
-            )
-        return rows
+        nat = native.cpu().numpy().astype(np.int64)
+        order = np.lexsort((i, -v.astype(np.float64)), axis=-1)
+        v = np.take_along_axis(v, order, axis=-1)
+        i = np.take_along_axis(i, order, axis=-1)
+        top1 = v[:, 0].astype(np.float64)
+        margins = top1 - v[:, 1].astype(np.float64)
+        fired = iv.gate.fires_array(margins, top1, self.head.fmt)
+        tokens = nat.copy()
+        if iv.kind != "none":
+            for t in np.flatnonzero(fired):
+                width = iv.bin_width(float(top1[t]), self.head.fmt)
+                tokens[t] = apply_intervention(self.head, z32[t], hs[t], iv, width)
+        return Steps(
+            token_ids=tokens,
+            native_token_ids=nat,
+            top_k_ids=i[:, :k],
+            top_k_logits=v[:, :k],
+            margins=margins,
+            margins_ulps=margins_in_ulps(margins, top1, self.head.fmt),
+            gate_fired=fired,
+        )
 
 
 class StaticDecoder:
     """A preallocated KV cache written by position (transformers' `StaticCache`), reused across
-    decodes, and on CUDA the one-token decode step captured once in a CUDA graph (as gpt-fast
-    does): a step is then one graph replay instead of hundreds of kernel launches from Python.
+    decodes, and on CUDA the one-token decode step (body, native head, top-k) captured once in a
+    CUDA graph, as gpt-fast does: a step is then one graph replay and one device-to-host copy
+    instead of hundreds of kernel launches from Python.
 
     Its attention runs over the whole preallocated length with the unwritten positions masked,
     so its bits may differ from a growing cache's: `environment()` records `kv_cache`.
@@ -287,8 +298,9 @@ class StaticDecoder:
         self.cache: Any = StaticCache(config=engine.model.config, max_cache_len=max_len)
         self.token = torch.zeros((b, 1), dtype=torch.long, device=engine.device)
         self.position = torch.zeros((b, 1), dtype=torch.long, device=engine.device)
+        self.kk = top_k_size(0, engine.vocab_size)
         self.graph: Any = None
-        self.hidden: torch.Tensor | None = None
+        self.outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._capture_failed = engine.device.type != "cuda"
 
     def prefill(self, context: Sequence[int]) -> torch.Tensor:
@@ -298,47 +310,67 @@ class StaticDecoder:
             self._capture()
         return h
 
-    def step(self, token: int, position: int) -> torch.Tensor:
+    def step(
+        self, token: int, position: int, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[np.ndarray, np.ndarray, int]]:
+        """One decode step: hidden states (b, d), float32 native logits of row 0 (V,), and the
+        host-side top-k of those logits."""
         self.token.fill_(token)
         self.position.fill_(position)
         if self.graph is not None:
             self.graph.replay()
-            assert self.hidden is not None
-            return self.hidden
-        return self._body()
+            assert self.outputs is not None
+            h, z32, packed = self.outputs
+        else:
+            h, z32, packed = self._step_body()
+        kk = top_k_size(k, z32.shape[-1])
+        if kk != self.kk:  # more than TOP_K_CAP asked for: outside the captured step
+            packed = pack_top_k(z32, kk)
+        return h, z32, unpack_top_k(packed.cpu().numpy(), kk)
 
-    def _body(self) -> torch.Tensor:
+    def _step_body(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out = self.model.model(
             input_ids=self.token,
             position_ids=self.position,
             past_key_values=self.cache,
             use_cache=True,
         )
-        hidden: torch.Tensor = out.last_hidden_state[:, -1]
-        return hidden
+        h: torch.Tensor = out.last_hidden_state[:, -1]
+        z32 = self.engine.head.native(h)[0].float()
+        return h, z32, pack_top_k(z32, self.kk)
 
     def _capture(self) -> None:
         """Warm up on a side stream, then capture one step. The warm-up writes K/V at the next
         position (which the real step overwrites) and advances the cache's length counters,
-        which are put back."""
+        which are put back.
+
+        Captured with torch's deterministic-algorithms check off: under it, the cache write
+        (`index_copy_` at one position) takes a sort-based path that costs a third of the step.
+        The write is a copy to distinct positions, exact either way, and nothing in the step
+        accumulates with atomics; the replay is bitwise equal to the uncaptured step
+        (tests/engine/test_engine_gpu.py).
+        """
         lengths = [layer.cumulative_length.clone() for layer in self.cache.layers]
 
         def restore() -> None:
             for layer, n in zip(self.cache.layers, lengths, strict=True):
                 layer.cumulative_length.copy_(n)
 
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(False)
         try:
             stream_cls: Any = torch.cuda.Stream
             side = stream_cls()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._body()
+                    self._step_body()
                     restore()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self.hidden = self._body()
+                self.outputs = self._step_body()
             restore()
             self.graph = graph
         except RuntimeError:
@@ -346,3 +378,5 @@ class StaticDecoder:
             restore()
             self._capture_failed = True
             self.graph = None
+        finally:
+            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)

@@ -121,13 +121,12 @@ def test_c_bitwise_identical_from_identical_hidden_states(
 
 def test_static_cache_cuda_graph_equals_uncaptured(tiny_dir: Path) -> None:
     """Replaying the captured decode step gives the bits of running it uncaptured."""
-    from replay_audit.engine import load_engine
-    from replay_audit.engine.torch_engine import StaticDecoder
+    from replay_audit.engine.torch_engine import StaticDecoder, TorchEngine
 
-    graph = load_engine(tiny_dir, Target("bf16"), device="cuda", cache="static")
-    plain = load_engine(tiny_dir, Target("bf16"), device="cuda", cache="static")
-    plain._static = StaticDecoder(plain, plain.max_cache_len)  # type: ignore[attr-defined]
-    plain._static._capture_failed = True  # type: ignore[attr-defined]
+    graph = TorchEngine.load(tiny_dir, Target("bf16"), device="cuda", cache="static")
+    plain = TorchEngine.load(tiny_dir, Target("bf16"), device="cuda", cache="static")
+    plain._static = StaticDecoder(plain, plain.max_cache_len)
+    plain._static._capture_failed = True
     for p in ([1, 2, 3], [9, 8, 7, 6, 5]):
         a, b = graph.decode(p, N, []), plain.decode(p, N, [])
         assert graph.environment()["extras"]["cuda_graph"] is True

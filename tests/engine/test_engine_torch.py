@@ -14,6 +14,7 @@ from replay_audit.engine import EnginePool, Intervention, Target
 from replay_audit.engine.protocol import Engine
 from replay_audit.engine.testing import TINY_EOS_ID
 from replay_audit.exceptions import UnsupportedFormat
+from replay_audit.formats import ulp
 
 torch = pytest.importorskip("torch")
 
@@ -232,3 +233,21 @@ def test_static_cache_decodes_like_the_dynamic_one(
         d, s = dynamic.decode(p, N, []), static.decode(p, N, [])
         t = first_divergence(d.output_token_ids, s.output_token_ids)
         assert t is None or d.steps.margins[t] < 1e-3
+
+
+@pytest.mark.parametrize(
+    "iv", [Intervention("C"), Intervention("A", tau_ulps=2.0), Intervention("B", tau=0.05)]
+)
+def test_scan_gate_is_the_per_step_gate(
+    tiny_engine: EngineOf, tiny_prompts: list[list[int]], iv: Intervention
+) -> None:
+    """The scan decides all positions at once on the host; it must be the decode's rule."""
+    engine = tiny_engine("bf16")
+    p = tiny_prompts[4]
+    out = engine.decode(p, N, []).output_token_ids
+    s = engine.scan(p, out, iv).steps
+    for t in range(len(s)):
+        top1 = float(s.top_k_logits[t, 0])
+        assert s.gate_fired[t] == iv.gate.fires(float(s.margins[t]), top1, "bf16")
+        assert s.margins_ulps[t] == s.margins[t] / ulp(top1, "bf16")
+    assert np.all(s.token_ids[~s.gate_fired] == s.native_token_ids[~s.gate_fired])
