@@ -153,6 +153,9 @@ def replay(
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
     top_k: Annotated[int, typer.Option(min=2, max=20, help="Top-k kept per step.")] = 5,
     extractor: Annotated[str | None, typer.Option(help="Answer extractor, e.g. gsm8k.")] = None,
+    kv_cache: Annotated[
+        str, typer.Option(help="dynamic (as generate()) or static (CUDA graph on a GPU).")
+    ] = "dynamic",
     summary_json: Annotated[Path | None, typer.Option(help="Also write the summary here.")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
 ) -> None:
@@ -170,6 +173,7 @@ def replay(
     _choice(lm_head_dtype, _HEAD_DTYPES, "--lm-head-dtype")
     _choice(intervention, ("none", "A", "B", "C"), "--intervention")
     _choice(mode, ("decode", "scan", "scan_then_decode"), "--mode")
+    _choice(kv_cache, ("dynamic", "static"), "--kv-cache")
     if tau is not None and tau_ulps is not None:
         _fail("give --tau or --tau-ulps, not both")
     iv = Intervention(
@@ -190,7 +194,7 @@ def replay(
             _fail(f"{traces}:{n}: not a valid trace: {where}: {err['msg']}")
     if not parsed:
         _fail(f"{traces} holds no trace")
-    pool = EnginePool(device=device)
+    pool = EnginePool(device=device, cache=kv_cache)  # type: ignore[arg-type]
     try:
         sha = pool.weights_sha256(model)
     except NoWeightsError as e:

@@ -23,8 +23,8 @@ class EnginePool:
     """Engines keyed by (checkpoint directory, `Target.format_key()`), built on first use.
 
     Without a `loader`, engines come from `replay_audit.engine.load_engine(dir, target,
-    device=device, cache=cache)`. `max_engines` bounds how many stay loaded (least recently used
-    goes first); None keeps all.
+    device=device, cache=cache, max_cache_len=max_cache_len)`. `max_engines` bounds how many
+    stay loaded (least recently used goes first); None keeps all.
     Thread-safe: the in-process job runner calls it from threads.
     """
 
@@ -35,10 +35,12 @@ class EnginePool:
         max_engines: int | None = None,
         device: str | None = None,
         cache: Literal["dynamic", "static"] = "dynamic",
+        max_cache_len: int = 4096,
     ) -> None:
         self._loader = loader
         self._device = device
         self._cache: Literal["dynamic", "static"] = cache
+        self._max_cache_len = max_cache_len
         self._max = max_engines
         self._engines: OrderedDict[_PoolKey, Engine] = OrderedDict()
         self._hashes: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}
@@ -64,7 +66,9 @@ class EnginePool:
             return self._loader(d, target)
         from replay_audit.engine import load_engine
 
-        return load_engine(d, target, device=self._device, cache=self._cache)
+        return load_engine(
+            d, target, device=self._device, cache=self._cache, max_cache_len=self._max_cache_len
+        )
 
     def weights_sha256(self, model_dir: str | Path) -> str:
         """`weights_sha256` of the checkpoint, cached while its files keep name, size and

@@ -136,6 +136,8 @@ def test_replay_in_fp16_with_c_and_scan_mode(ckpt: Path, traces: Path, tmp_path:
             "2",
             "--mode",
             "scan_then_decode",
+            "--kv-cache",
+            "static",
             "--device",
             "cpu",
             "--threads",
@@ -147,6 +149,7 @@ def test_replay_in_fp16_with_c_and_scan_mode(ckpt: Path, traces: Path, tmp_path:
         assert x["mode"] == "scan_then_decode" and x["target"]["intervention"]["kind"] == "C"
         assert x["target"]["intervention"]["tau_ulps"] == 2.0
         assert x["environment"]["dtype"] == "fp16"
+        assert x["environment"]["extras"]["kv_cache"] == "static"
 
 
 def test_replay_refuses_other_weights(ckpt: Path, traces: Path, tmp_path: Path) -> None:
