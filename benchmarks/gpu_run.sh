@@ -20,4 +20,4 @@ python3 benchmarks/decode.py --tinyllama --device cuda --tokens 256 --repeats 2 
     > "$OUT/decode_tinyllama.json" 2> "$OUT/decode_tinyllama.err"
 python3 benchmarks/scan.py --tinyllama --device cuda --tokens 256 \
     > "$OUT/scan_tinyllama.json" 2> "$OUT/scan_tinyllama.err"
-tail -3 "$OUT"/*.err
+tail -n 3 "$OUT"/*.err
