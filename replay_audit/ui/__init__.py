@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from replay_audit.api.errors import error_from_validation
 from replay_audit.exceptions import ReplayAuditError
+from replay_audit.ui.audit_pages import router as audit_router
 from replay_audit.ui.pages import SignInRequired, router
 from replay_audit.ui.templating import STATIC_DIR, render
 
@@ -87,6 +88,7 @@ def create_ui_app(parent: FastAPI) -> FastAPI:
     ui.add_exception_handler(StarletteHTTPException, _http_error)
     ui.add_exception_handler(Exception, _unexpected)
     ui.include_router(router)
+    ui.include_router(audit_router)
     ui.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return ui
 

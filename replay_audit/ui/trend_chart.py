@@ -1,0 +1,141 @@
+"""The audit schedule page's charts, inline SVG like the rest of `charts.py` (same helpers,
+same CSS classes, every data label escaped):
+
+    trend_chart          EAR with its 95% interval and the C lift, run by run; flagged runs
+                         marked on top
+    category_mix_chart   the baseline comparison's category shares, one stacked bar per run
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from markupsafe import Markup, escape
+
+from replay_audit.audits.schemas import TrendPoint
+from replay_audit.replays.aggregate import CATEGORIES
+from replay_audit.ui.charts import MB, ML, MR, MT, WIDTH, _line, _num, _rect, _svg, _text
+
+
+def _x(i: int, n: int) -> float:
+    return ML + (WIDTH - MR - ML) * (i + 0.5) / max(n, 1)
+
+
+def _date_ticks(points: Sequence[TrendPoint], y: float) -> list[str]:
+    n = len(points)
+    return [_text(_x(i, n), y, points[i].date) for i in sorted({0, n // 2, n - 1})]
+
+
+def trend_chart(points: Sequence[TrendPoint], height: int = 260) -> Markup:
+    """EAR (dots, whiskers for the Wilson interval) and C lift (in the same percent units) per
+    run, oldest left; runs without numbers (no traces, failed, running) leave a gap."""
+    label = "EAR and C lift of each run of the schedule"
+    measured = [p for p in points if p.ear is not None]
+    if not measured:
+        return _svg(60, [_text(WIDTH / 2, 34, "no evaluated run yet", "empty")], label)
+    lifts = [p.c_lift for p in points if p.c_lift and p.c_lift.get("lift") is not None]
+    lo = min([0.0, *(float(c.get("low", c["lift"])) for c in lifts)])
+    lo = -0.1 * round(-lo * 10 + 0.5) if lo < 0 else 0.0  # down to a whole 10 points
+    hi = 1.0
+    n = len(points)
+    x0, x1, top, base = ML, WIDTH - MR, MT + 14, height - MB
+
+    def sy(v: float) -> float:
+        return base - (base - top) * (v - lo) / (hi - lo)
+
+    body: list[str] = []
+    # Grid lines at whole quarters; a negative floor (a lift below zero) gets its own label.
+    grid = [k / 4 for k in range(math.ceil(lo * 4), 5)]
+    for v in grid if lo == grid[0] else [lo, *grid]:
+        body.append(_line(x0, sy(v), x1, sy(v), "grid"))
+        body.append(_text(x0 - 6, sy(v) + 4, f"{v * 100:.0f}%", anchor="end"))
+    if lo < 0:
+        body.append(_line(x0, sy(0), x1, sy(0), "zero"))
+
+    ear_pts, lift_pts = [], []
+    for i, p in enumerate(points):
+        x = _x(i, n)
+        if p.ear is not None:
+            if p.ear_low is not None and p.ear_high is not None:
+                body.append(_line(x, sy(p.ear_low), x, sy(p.ear_high), "whisker"))
+            ear_pts.append(f"{_num(x)},{_num(sy(p.ear))}")
+            ci = (
+                f" [{p.ear_low * 100:.1f}%, {p.ear_high * 100:.1f}%]"
+                if p.ear_low is not None and p.ear_high is not None
+                else ""
+            )
+            body.append(
+                f'<circle cx="{_num(x)}" cy="{_num(sy(p.ear))}" r="3.2" class="dot dot-replay">'
+                f"<title>{escape(p.date)}: EAR {p.ear * 100:.1f}%{escape(ci)} "
+                f"(n={p.n_sampled})</title></circle>"
+            )
+        lift = (p.c_lift or {}).get("lift")
+        if lift is not None:
+            lift_pts.append(f"{_num(x)},{_num(sy(float(lift)))}")
+            body.append(
+                f'<circle cx="{_num(x)}" cy="{_num(sy(float(lift)))}" r="2.6" '
+                f'class="dot dot-logged"><title>{escape(p.date)}: C lift '
+                f"{float(lift) * 100:+.1f} pp</title></circle>"
+            )
+        if p.flags:
+            tip = "; ".join(str(f.get("message", f.get("kind"))) for f in p.flags)
+            body.append(
+                f'<path d="M{_num(x - 5)},{_num(MT - 4)} h10 l-5,8 z" class="gate flag">'
+                f"<title>{escape(p.date)}: {escape(tip)}</title></path>"
+            )
+    if len(ear_pts) > 1:
+        body.append(f'<polyline points="{" ".join(ear_pts)}" class="track track-replay"/>')
+    if len(lift_pts) > 1:
+        body.append(f'<polyline points="{" ".join(lift_pts)}" class="track track-logged"/>')
+    body.append(_line(x0, base, x1, base, "axis"))
+    body += _date_ticks(points, base + 16)
+    legend = [("replay", "EAR (95% CI)"), ("logged", "C lift"), ("gate", "flagged")]
+    x = x1
+    for key, text in reversed(legend):
+        body.append(_text(x, height - 4, text, f"legend legend-{key}", "end"))
+        x -= 8 * len(text) + 18
+    return _svg(height, body, label)
+
+
+def category_mix_chart(points: Sequence[TrendPoint], height: int = 180) -> Markup:
+    """One bar per run: the share of each category among the baseline comparison's traces."""
+    label = "Category mix of each run (baseline comparison)"
+    if not any(sum(p.categories.values()) for p in points):
+        return _svg(60, [_text(WIDTH / 2, 34, "no evaluated run yet", "empty")], label)
+    n = len(points)
+    x0, x1, top, base = ML, WIDTH - MR, MT, height - MB
+    width = (x1 - x0) / max(n, 1)
+    body: list[str] = []
+    for k in range(5):
+        y = base - (base - top) * k / 4
+        body.append(_line(x0, y, x1, y, "grid"))
+        body.append(_text(x0 - 6, y + 4, f"{k * 25}%", anchor="end"))
+    for i, p in enumerate(points):
+        total = sum(p.categories.values())
+        if not total:
+            continue
+        y = float(base)
+        for cat in CATEGORIES:
+            count = p.categories.get(cat, 0)
+            if not count:
+                continue
+            h = (base - top) * count / total
+            y -= h
+            body.append(
+                _rect(
+                    x0 + i * width + 1,
+                    y,
+                    width - 2,
+                    h,
+                    f"cat-{cat}",
+                    f"{p.date}: {cat} {count}/{total} ({100 * count / total:.1f}%)",
+                )
+            )
+    body.append(_line(x0, base, x1, base, "axis"))
+    body += _date_ticks(points, base + 16)
+    x = x1
+    for cat in reversed(CATEGORIES):
+        body.append(_text(x, height - 4, cat, f"legend cat-{cat}", "end"))
+        x -= 7 * len(cat) + 18
+    return _svg(height, body, label)
