@@ -15,7 +15,13 @@ from replay_audit.replays.schemas import Page, ReplayCreate, ReplayCreated, Repl
 router = APIRouter(prefix="/v1/replays", tags=["replays"])
 
 Writer = Annotated[Principal, Depends(require_role(Role.submitter, Role.admin))]
-Reader = Annotated[Principal, Depends(require_role(Role.submitter, Role.auditor, Role.admin))]
+#: Polling a run's status and aggregate: whoever may create one, and auditors.
+StatusReader = Annotated[
+    Principal, Depends(require_role(Role.submitter, Role.auditor, Role.admin))
+]
+#: Per-trace results carry replayed tokens: like traces, readable by auditors and admins only
+#: (a leaked ingest key exposes no generations).
+Reader = Annotated[Principal, Depends(require_role(Role.auditor, Role.admin))]
 
 
 @router.post(
@@ -47,7 +53,7 @@ def create_replay(
 
 
 @router.get("/{run_id}", response_model=ReplayRead)
-def read_replay(run_id: str, session: DBSession, principal: Reader) -> ReplayRead:
+def read_replay(run_id: str, session: DBSession, principal: StatusReader) -> ReplayRead:
     """Status, progress and, when done, the aggregate."""
     run = service.get_replay(session, principal.project_id, run_id)
     return service.to_read(session, run, principal.project)

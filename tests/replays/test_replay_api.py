@@ -269,6 +269,11 @@ def test_roles_and_projects(
     assert client.post("/v1/replays", json=body).status_code == 401
     run_id = client.post("/v1/replays", json=body, headers=h).json()["id"]
     assert client.get(f"/v1/replays/{run_id}", headers=headers("auditor")).status_code == 200
+    # A submitter polls the status of runs but does not read replayed tokens.
+    submitter = headers("submitter")
+    assert client.get(f"/v1/replays/{run_id}", headers=submitter).status_code == 200
+    assert client.get(f"/v1/replays/{run_id}/results", headers=submitter).status_code == 403
+    assert client.get(f"/v1/replays/{run_id}/results", headers=h).status_code == 200
     other = headers("admin", project="other")
     assert client.get(f"/v1/replays/{run_id}", headers=other).status_code == 404
     assert client.get(f"/v1/replays/{run_id}/results", headers=other).status_code == 404
