@@ -8,10 +8,13 @@ statement runs on SQLite (0/1 integers) and PostgreSQL (booleans).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+import orjson
 from sqlalchemy import (
     ColumnElement,
     Select,
@@ -129,28 +132,32 @@ def project_model_names(session: Session, project_id: int) -> list[str]:
 # -- one run's aggregates ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass
 class ComparisonCounts:
     comparison: int
-    n: int
-    ok: int
-    exact: int
-    semantic_n: int
-    semantic_agree: int
-    steps: int
-    gate_triggers: int
-    gap_sum: float
-    has_gap: bool
-    ties: int
+    n: int = 0
+    ok: int = 0
+    exact: int = 0
+    semantic_n: int = 0
+    semantic_agree: int = 0
+    steps: int = 0
+    gate_triggers: int = 0
+    gap_sum: float = 0.0
+    has_gap: bool = False
+    ties: int = 0
+    #: ok results per category.
+    categories: dict[str, int] = field(default_factory=dict)
 
 
 def comparison_counts(session: Session, run_id: int) -> dict[int, ComparisonCounts]:
-    """Per comparison, the counts and sums behind EAR, SAR, trigger rate and mean gap."""
+    """Per comparison, the counts and sums behind EAR, SAR, trigger rate, mean gap and the
+    category breakdown: one scan of the run's results, grouped by (comparison, category)."""
     ok = _ok()
     steps = func.coalesce(R.n_steps, 0)
     stmt = (
         select(
             R.comparison,
+            R.category,
             func.count(),
             _count_if(ok),
             _count_if(and_(ok, _exact())),
@@ -162,37 +169,24 @@ def comparison_counts(session: Session, run_id: int) -> dict[int, ComparisonCoun
             _count_if(and_(_diverged(), or_(R.margin_replay == 0.0, R.margin_logged == 0.0))),
         )
         .where(R.run_id == run_id)
-        .group_by(R.comparison)
-    )
-    out = {}
-    for row in session.execute(stmt):
-        c = int(row[0])
-        out[c] = ComparisonCounts(
-            comparison=c,
-            n=int(row[1]),
-            ok=int(row[2]),
-            exact=int(row[3]),
-            semantic_n=int(row[4]),
-            semantic_agree=int(row[5]),
-            steps=int(row[6]),
-            gate_triggers=int(row[7]),
-            gap_sum=float(row[8] or 0.0),
-            has_gap=row[8] is not None,
-            ties=int(row[9]),
-        )
-    return out
-
-
-def category_counts(session: Session, run_id: int) -> dict[int, dict[str, int]]:
-    """Per comparison, how many ok results fell in each category."""
-    stmt = (
-        select(R.comparison, R.category, func.count())
-        .where(R.run_id == run_id, _ok())
         .group_by(R.comparison, R.category)
     )
-    out: dict[int, dict[str, int]] = {}
-    for comparison, category, n in session.execute(stmt):
-        out.setdefault(int(comparison), {})[str(category)] = int(n)
+    out: dict[int, ComparisonCounts] = {}
+    for row in session.execute(stmt):
+        c = out.setdefault(int(row[0]), ComparisonCounts(comparison=int(row[0])))
+        c.n += int(row[2])
+        c.ok += int(row[3])
+        c.exact += int(row[4])
+        c.semantic_n += int(row[5])
+        c.semantic_agree += int(row[6])
+        c.steps += int(row[7])
+        c.gate_triggers += int(row[8])
+        if row[9] is not None:
+            c.gap_sum += float(row[9])
+            c.has_gap = True
+        c.ties += int(row[10])
+        if row[1] is not None and int(row[3]):
+            c.categories[str(row[1])] = c.categories.get(str(row[1]), 0) + int(row[3])
     return out
 
 
@@ -228,15 +222,13 @@ def diverged_values(session: Session, run_id: int) -> dict[int, DivergedValues]:
 
 
 @dataclass(frozen=True)
-class PairedCounts:
-    """Two result sets paired by trace, on the traces where both succeeded: n pairs, how many
-    were exact in each, and the discordant pairs (fixed: exact only in b; broke: only in a)."""
+class PairedFlags:
+    """Two result sets paired by trace, on the traces where both are ok, by trace id: whether
+    each was an exact match."""
 
-    n: int
-    exact_a: int
-    exact_b: int
-    fixed: int
-    broke: int
+    trace_ids: npt.NDArray[np.int64]
+    exact_a: npt.NDArray[np.bool_]
+    exact_b: npt.NDArray[np.bool_]
 
 
 def _pair_join(
@@ -261,22 +253,32 @@ def _exact_of(alias: Any) -> ColumnElement[bool]:
     return func.coalesce(alias.exact_match, false()) == true()
 
 
-def paired_counts(
+def paired_flags(
     session: Session, run_a: int, comparison_a: int, run_b: int, comparison_b: int
-) -> PairedCounts:
-    """Exact-match agreement of (run_a, comparison_a) vs (run_b, comparison_b) per trace."""
+) -> PairedFlags:
+    """Exact-match flags of (run_a, comparison_a) and (run_b, comparison_b), paired by trace
+    (one indexed join; three small integers per pair come back)."""
     a, b, base = _pair_join(run_a, comparison_a, run_b, comparison_b)
-    ea, eb = _exact_of(a), _exact_of(b)
-    row = session.execute(
-        base.add_columns(
-            func.count(),
-            _count_if(ea),
-            _count_if(eb),
-            _count_if(and_(eb, ~ea)),
-            _count_if(and_(ea, ~eb)),
-        )
-    ).one()
-    return PairedCounts(*(int(v) for v in row))
+    stmt = base.add_columns(a.trace_id, _exact_of(a), _exact_of(b)).order_by(a.trace_id)
+    rows = session.execute(stmt).all()
+    if not rows:
+        empty = np.zeros(0, bool)
+        return PairedFlags(np.zeros(0, np.int64), empty, empty)
+    # Column by column: numpy converts plain tuples fast, SQLAlchemy rows slowly.
+    ids, ea, eb = zip(*rows, strict=True)
+    return PairedFlags(
+        np.array(ids, np.int64), np.array(ea, bool), np.array(eb, bool)
+    )
+
+
+def trace_refs(session: Session, trace_ids: Sequence[int]) -> dict[int, tuple[str, str | None]]:
+    """(public id, external id) of each trace id."""
+    if not trace_ids:
+        return {}
+    stmt = select(Trace.id, Trace.public_id, Trace.external_id).where(
+        Trace.id.in_([int(t) for t in trace_ids])
+    )
+    return {int(i): (str(p), e) for i, p, e in session.execute(stmt)}
 
 
 @dataclass(frozen=True)
@@ -337,26 +339,39 @@ def has_reference_answers(session: Session, run_id: int) -> bool:
 
 
 def answer_rows(session: Session, run_id: int) -> list[AnswerRow]:
-    """The extracted answers of every ok result whose trace has a reference answer."""
-    extractor = R.detail[("semantic", "extractor")].as_string()
+    """The extracted answers of every ok result whose trace has a reference answer.
+
+    The answers live in the detail JSON, which the database parses whole for each row: the
+    semantic object is extracted once per row (not once per field), as text on SQLite and as
+    json on PostgreSQL, and its few fields are read here."""
+    if session.get_bind().dialect.name == "postgresql":
+        semantic: ColumnElement[Any] = R.detail.op("->")("semantic")
+    else:
+        semantic = func.json_extract(R.detail, "$.semantic")
     stmt = (
-        select(
-            R.comparison,
-            R.trace_id,
-            extractor,
-            R.detail[("semantic", "logged_answer")].as_string(),
-            R.detail[("semantic", "replay_answer")].as_string(),
-            Trace.reference_answer,
-        )
+        select(R.comparison, R.trace_id, semantic, Trace.reference_answer)
         .join(Trace, Trace.id == R.trace_id)
         .where(R.run_id == run_id, _ok(), Trace.reference_answer.is_not(None))
-        .where(extractor.is_not(None))
         .order_by(R.trace_id, R.comparison)
     )
-    return [
-        AnswerRow(int(c), int(t), str(x), la, ra, str(ref))
-        for c, t, x, la, ra, ref in session.execute(stmt)
-    ]
+    out = []
+    for comparison, trace_id, raw, reference in session.execute(stmt):
+        if raw is None:
+            continue
+        sem = orjson.loads(raw) if isinstance(raw, str | bytes) else raw
+        if not isinstance(sem, dict) or not sem.get("extractor"):
+            continue
+        out.append(
+            AnswerRow(
+                int(comparison),
+                int(trace_id),
+                str(sem["extractor"]),
+                sem.get("logged_answer"),
+                sem.get("replay_answer"),
+                str(reference),
+            )
+        )
+    return out
 
 
 # -- result rows -------------------------------------------------------------------------------

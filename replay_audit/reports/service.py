@@ -9,11 +9,12 @@ statistics are the pure `replay_audit.stats` functions, the same the stored aggr
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
-import numpy as np
 from sqlalchemy.orm import Session
 
 from replay_audit.diff import get_extractor
@@ -168,7 +169,6 @@ def get_run(session: Session, project_id: int, public_id: str) -> ReplayRun:
 
 def _comparison_reports(session: Session, run: ReplayRun) -> list[ComparisonReport]:
     counts = repository.comparison_counts(session, run.id)
-    cats = repository.category_counts(session, run.id)
     values = repository.diverged_values(session, run.id)
     margins = {
         c: (
@@ -188,7 +188,7 @@ def _comparison_reports(session: Session, run: ReplayRun) -> list[ComparisonRepo
         v = values.get(idx)
         m = margins.get(idx, ([], [], [], []))
         ok = n.ok if n else 0
-        category_counts = cats.get(idx, {})
+        category_counts = n.categories if n else {}
         out.append(
             ComparisonReport(
                 index=idx,
@@ -246,37 +246,30 @@ def lift_between(
     paired bootstrap interval, exact McNemar test, and the traces fixed and broke."""
     _check_comparison(run_a, comparison_a, "a")
     _check_comparison(run_b, comparison_b, "b")
-    c = repository.paired_counts(session, run_a.id, comparison_a, run_b.id, comparison_b)
+    pairs = repository.paired_flags(session, run_a.id, comparison_a, run_b.id, comparison_b)
+    n = int(pairs.trace_ids.size)
+    fixed_mask = pairs.exact_b & ~pairs.exact_a
+    broke_mask = pairs.exact_a & ~pairs.exact_b
+    fixed, broke = int(fixed_mask.sum()), int(broke_mask.sum())
+    exact_a, exact_b = int(pairs.exact_a.sum()), int(pairs.exact_b.sum())
     lift = low = high = None
-    if c.n:
-        # The bootstrap resamples the n pairs; only the counts of the four kinds of pair matter,
-        # so flags rebuilt from the counts give exactly the interval of the per-trace flags.
-        both = c.exact_a - c.broke
-        neither = c.n - both - c.fixed - c.broke
-        base = np.repeat([True, False, False, True], [both, neither, c.fixed, c.broke])
-        treat = np.repeat([True, False, True, False], [both, neither, c.fixed, c.broke])
+    if n:
         res = paired_bootstrap_lift(
-            base.tolist(), treat.tolist(), resamples=BOOTSTRAP_RESAMPLES, seed=BOOTSTRAP_SEED
+            pairs.exact_a.tolist(),
+            pairs.exact_b.tolist(),
+            resamples=BOOTSTRAP_RESAMPLES,
+            seed=BOOTSTRAP_SEED,
         )
         lift, low, high = res.lift, res.low, res.high
-    test = mcnemar_exact(c.broke, c.fixed)
+    test = mcnemar_exact(broke, fixed)
+    # The first `list_limit` of each kind, by trace id (the order of the flips page).
+    fixed_ids = pairs.trace_ids[fixed_mask][:list_limit].tolist()
+    broke_ids = pairs.trace_ids[broke_mask][:list_limit].tolist()
+    refs = repository.trace_refs(session, fixed_ids + broke_ids)
 
-    def listed(fixed: bool) -> tuple[list[TraceRef], bool]:
-        rows = repository.flipped_traces(
-            session,
-            run_a.id,
-            comparison_a,
-            run_b.id,
-            comparison_b,
-            fixed=fixed,
-            after_trace_id=None,
-            limit=list_limit + 1,
-        )
-        refs = [TraceRef(id=r.trace_public_id, external_id=r.external_id) for r in rows]
-        return refs[:list_limit], len(refs) > list_limit
+    def listed(ids: list[int]) -> list[TraceRef]:
+        return [TraceRef(id=refs[t][0], external_id=refs[t][1]) for t in ids]
 
-    fixed_traces, fixed_more = listed(True) if c.fixed else ([], False)
-    broke_traces, broke_more = listed(False) if c.broke else ([], False)
     return LiftReport(
         run_a=run_a.public_id,
         comparison_a=comparison_a,
@@ -284,22 +277,22 @@ def lift_between(
         comparison_b=comparison_b,
         label_a=comparison_label(run_a, comparison_a),
         label_b=comparison_label(run_b, comparison_b),
-        n=c.n,
-        ear_a=c.exact_a / c.n if c.n else None,
-        ear_b=c.exact_b / c.n if c.n else None,
+        n=n,
+        ear_a=exact_a / n if n else None,
+        ear_b=exact_b / n if n else None,
         lift=lift,
         low=low,
         high=high,
         confidence=0.95,
         resamples=BOOTSTRAP_RESAMPLES,
         seed=BOOTSTRAP_SEED,
-        fixed=c.fixed,
-        broke=c.broke,
+        fixed=fixed,
+        broke=broke,
         mcnemar_p=test.p_value,
-        fixed_traces=fixed_traces,
-        broke_traces=broke_traces,
-        fixed_more=fixed_more,
-        broke_more=broke_more,
+        fixed_traces=listed(fixed_ids),
+        broke_traces=listed(broke_ids),
+        fixed_more=fixed > list_limit,
+        broke_more=broke > list_limit,
     )
 
 
@@ -423,6 +416,24 @@ def _accuracy(
     )
 
 
+#: Reports of finished runs kept per process (a finished run's results never change; finalising
+#: it again gives it a new finished_at, hence a new key). Least recently used first out.
+REPORT_CACHE_SIZE: Final = 32
+_report_cache: OrderedDict[tuple[Any, ...], RunReport] = OrderedDict()
+_report_cache_lock = threading.Lock()
+
+
+def _cache_key(run: ReplayRun, *params: Any) -> tuple[Any, ...] | None:
+    if run.status not in ("done", "failed") or run.finished_at is None:
+        return None
+    return (run.public_id, run.finished_at.isoformat(), *params)
+
+
+def clear_report_cache() -> None:
+    with _report_cache_lock:
+        _report_cache.clear()
+
+
 def run_report(
     session: Session,
     run: ReplayRun,
@@ -434,7 +445,8 @@ def run_report(
 ) -> RunReport:
     """Statistics of `run` (finished or not): each comparison, every comparison's lift over
     comparison 0, the lift of `pair` = (a, b) (b over a), and task accuracy where the traces
-    carry reference answers (non-inferiority at `margin`, level `alpha`)."""
+    carry reference answers (non-inferiority at `margin`, level `alpha`). A finished run's
+    report is computed once per process and parameters (see REPORT_CACHE_SIZE)."""
     if not 0.0 <= margin < 1.0:
         raise FieldError(f"margin must lie in [0, 1), got {margin}", field="margin")
     if not 0.0 < alpha < 0.5:
@@ -442,11 +454,25 @@ def run_report(
     if pair is not None:
         _check_comparison(run, pair[0], "a")
         _check_comparison(run, pair[1], "b")
+    key = _cache_key(run, pair, margin, alpha, list_limit)
+    if key is not None:
+        with _report_cache_lock:
+            if key in _report_cache:
+                _report_cache.move_to_end(key)
+                return _report_cache[key]
     lifts = [
         lift_between(session, run, 0, run, i, list_limit=list_limit)
         for i in range(1, len(run.comparisons))
     ]
-    return RunReport(
+    pair_lift = None
+    if pair is not None:
+        # The pair (0, i) is one of the lifts already computed.
+        pair_lift = (
+            lifts[pair[1] - 1]
+            if pair[0] == 0 and pair[1] >= 1
+            else lift_between(session, run, pair[0], run, pair[1], list_limit=list_limit)
+        )
+    report = RunReport(
         run_id=run.public_id,
         status=run.status,
         partial=run.status not in ("done", "failed"),
@@ -454,11 +480,15 @@ def run_report(
         n_results=run.n_items,
         comparisons=_comparison_reports(session, run),
         lifts=lifts,
-        pair=lift_between(session, run, pair[0], run, pair[1], list_limit=list_limit)
-        if pair is not None
-        else None,
+        pair=pair_lift,
         accuracy=_accuracy(session, run, margin, alpha),
     )
+    if key is not None:
+        with _report_cache_lock:
+            _report_cache[key] = report
+            while len(_report_cache) > REPORT_CACHE_SIZE:
+                _report_cache.popitem(last=False)
+    return report
 
 
 def compare_runs(

@@ -4,6 +4,7 @@ from the stats functions on the per-trace flags). SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -316,3 +317,40 @@ def test_report_of_another_projects_run_is_404(
     r = client.get(f"/v1/replays/{seeded_run.run_id}/report", headers=headers("admin", "other"))
     assert r.status_code == 404
     assert client.get(f"/v1/replays/{seeded_run.run_id}/report").status_code == 401
+
+
+def test_a_report_follows_its_run_from_queued_to_done_and_refinalised(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+) -> None:
+    """Unfinished runs are never memoised; a finished one is, until it is finalised again."""
+    from replay_audit.replays import repository as replays_repository
+
+    h = headers("admin")
+    ids = ingest(client, h, make_traces(logged_trace, PROMPTS[:6]))
+    run_id = client.post(
+        "/v1/replays", json={"trace_ids": ids, "targets": [{"dtype": "fp16"}]}, headers=h
+    ).json()["id"]
+    url = client.app.state.settings.database_url  # type: ignore[attr-defined]
+
+    def report() -> Any:
+        with session_scope(url) as s:
+            project_id = s.scalar(select(ReplayRun.project_id).where(ReplayRun.public_id == run_id))
+            assert project_id is not None
+            return service.run_report(s, service.get_run(s, project_id, run_id))
+
+    queued = report()
+    assert queued.partial and queued.comparisons[0].n == 0
+    runner.run_all()
+    done = report()
+    assert not done.partial and done.comparisons[0].n == len(ids)
+    assert report() is done  # memoised
+    with session_scope(url) as s:
+        run = s.scalar(select(ReplayRun).where(ReplayRun.public_id == run_id))
+        assert run is not None
+        time.sleep(0.01)  # finished_at moves on
+        replays_repository.finalise_run(s, run)
+    again = report()
+    assert again is not done and again == done
