@@ -59,11 +59,13 @@ class Settings(BaseSettings):
     scheduler: Literal["auto", "inprocess", "off"] = "auto"
     #: Seconds between scheduler ticks (start due audits, evaluate finished ones, deliver alerts,
     #: reconcile the queue). Due times are whole minutes, so more than 60 makes runs late.
-    audit_tick_interval_s: float = 60.0
+    audit_tick_interval_s: float = Field(default=60.0, gt=0)
     #: Seconds one drift-alert webhook POST may take.
-    webhook_timeout_s: float = 10.0
+    webhook_timeout_s: float = Field(default=10.0, gt=0)
     #: Seconds between webhook delivery attempts (backoff); one attempt more than entries.
-    webhook_retry_intervals_s: list[int] = Field(default_factory=lambda: [10, 60, 300])
+    webhook_retry_intervals_s: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=lambda: [10, 60, 300], min_length=1
+    )
 
     @field_validator("database_url")
     @classmethod
