@@ -8,6 +8,7 @@ per trace x comparison.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -92,7 +93,9 @@ def api(pg: str, redis: Redis) -> Iterator[tuple[TestClient, dict[str, str]]]:
 
 def _worker(env: dict[str, str], *, burst: bool) -> subprocess.Popen[bytes]:
     args = [sys.executable, "-m", "replay_audit", "worker", "--queue", "gpu", "--device", "cpu"]
-    return subprocess.Popen(args + (["--burst"] if burst else []), env=env)
+    # Its own process group: RQ forks a scheduler process beside the worker, and a SIGKILL of
+    # the group (as when a container dies) must not leave it behind.
+    return subprocess.Popen(args + (["--burst"] if burst else []), env=env, start_new_session=True)
 
 
 def _request(api: tuple[TestClient, dict[str, str]], traces: list[dict[str, Any]]) -> str:
@@ -172,11 +175,11 @@ def test_sigkilled_worker_is_recovered_exactly_once(
     worker = _worker(env, burst=False)
     try:
         _wait(lambda: _results(pg)[0] > 0, 120, "the first result")
-        os.kill(worker.pid, signal.SIGKILL)
+        os.killpg(worker.pid, signal.SIGKILL)
         worker.wait(timeout=10)
     finally:
-        if worker.poll() is None:
-            worker.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)
     done_before, _ = _results(pg)
     assert 0 < done_before < total, "the worker should die mid-run"
     assert _run(api, run_id)["status"] == "running"
