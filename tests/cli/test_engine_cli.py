@@ -8,12 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch  # noqa: F401  (the engine CLI needs it)
 from typer.testing import CliRunner
 
 from replay_audit.cli import app
 from replay_audit.traces.schemas import TraceCreate
 
-pytest.importorskip("torch")
 runner = CliRunner()
 
 

@@ -6,11 +6,10 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from replay_audit.diff import GateRule, is_tie, margin, margin_from_top_k, ulp_array
 from replay_audit.formats import ulp
-
-torch = pytest.importorskip("torch")
 
 TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -16,8 +16,6 @@ from replay_audit.engine import EnginePool, Intervention, Target
 from replay_audit.engine.replayer import compare_arms, replay_trace
 from replay_audit.traces.schemas import TraceCreate
 
-torch = pytest.importorskip("torch")
-
 TINY_PROMPTS = [
     "The quick brown fox",
     "def main():",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from replay_audit.diff import first_divergence
 from replay_audit.engine import EnginePool, Intervention, Target
@@ -15,8 +16,6 @@ from replay_audit.engine.protocol import Engine
 from replay_audit.engine.testing import TINY_EOS_ID
 from replay_audit.exceptions import UnsupportedFormat
 from replay_audit.formats import ulp
-
-torch = pytest.importorskip("torch")
 
 EngineOf = Callable[..., Engine]
 N = 32  # tokens per decode
