@@ -1,0 +1,12 @@
+"""CPU worker entry point: `python workers/cpu_worker.py`.
+
+The same as `replay-audit worker --queue cpu --device cpu`: replays targets marked
+`"device": "cpu"` and runs no CUDA.
+"""
+
+import sys
+
+from replay_audit.cli import app
+
+if __name__ == "__main__":
+    app(["worker", "--queue", "cpu", "--device", "cpu", *sys.argv[1:]])
