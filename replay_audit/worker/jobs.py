@@ -9,7 +9,6 @@ finishes last, under a row lock on the run.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from replay_audit.engine.replayer import TraceReplay, compare_arms, replay_trace
 from replay_audit.exceptions import ReplayAuditError
 from replay_audit.replays import repository
 from replay_audit.replays.models import ReplayJob, ReplayRun
+from replay_audit.traces import service as traces_service
 from replay_audit.traces.models import Trace
 from replay_audit.traces.schemas import TraceCreate
 from replay_audit.worker.models import ModelNotFound, find_checkpoint
@@ -99,7 +99,7 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
                 s, spec.run_id, trace_id, len(spec.comparisons)
             )
             trace_row = s.get(Trace, trace_id) if missing else None
-            trace = trace_to_create(trace_row) if trace_row is not None else None
+            trace = traces_service.to_read(trace_row) if trace_row is not None else None
         if not missing:
             continue
         rows = (
@@ -242,33 +242,3 @@ def _result_row(comparison: int, r: TraceReplay) -> dict[str, Any]:
         "detail": detail,
     }
 
-
-def trace_to_create(row: Trace) -> TraceCreate:
-    """A stored trace as the schema the engine replays (validation already passed at ingest)."""
-    top_k = None
-    if row.top_k and row.top_k_ids is not None and row.top_k_logits is not None:
-        n, k = row.n_output_tokens, row.top_k
-        top_k = {
-            "ids": row.top_k_ids.reshape(n, k).tolist(),
-            "logits": row.top_k_logits.reshape(n, k).astype(np.float64).tolist(),
-        }
-    return TraceCreate.model_validate(
-        {
-            "external_id": row.external_id,
-            "model": {
-                "name": row.model_name,
-                "revision": row.model_revision,
-                "weights_sha256": row.weights_sha256,
-                "vocab_size": row.vocab_size,
-            },
-            "config": json.loads(row.config.config_json),
-            "decoding": row.decoding,
-            "prompt_token_ids": row.prompt_token_ids.tolist(),
-            "output_token_ids": row.output_token_ids.tolist(),
-            "prompt_text": row.prompt_text,
-            "output_text": row.output_text,
-            "top_k": top_k,
-            "tags": row.tags,
-            "reference_answer": row.reference_answer,
-        }
-    )
