@@ -36,7 +36,14 @@ from replay_audit.engine.numerics import (
 from replay_audit.engine.protocol import DecodeRun, Intervention, ScanRun, StepInfo, Steps, Target
 from replay_audit.formats import ulp
 
-CacheKind = Literal["dynamic", "static"]
+#: "dynamic": transformers' growing cache, token-identical to `generate()`. "static": a
+#: preallocated cache with the decode step captured in a CUDA graph. "compiled": "static" with the
+#: decode step compiled by `torch.compile` (inductor fuses the elementwise kernels) before it is
+#: captured; its bits may differ from "static"'s (fused RMSNorm, RoPE, SiLU).
+CacheKind = Literal["dynamic", "static", "compiled"]
+#: Static cache lengths are powers of two from this up to `max_cache_len`: a decode gets the
+#: smallest that holds it, so attention reads (and masks) as few unwritten positions as it can.
+MIN_STATIC_BUCKET = 256
 
 
 def steps_from_choices(rows: Sequence[Choice], k: int) -> Steps:
@@ -72,7 +79,8 @@ class TorchEngine:
         self.device = device
         self.cache_kind: CacheKind = cache
         self.max_cache_len = max_cache_len
-        self._static: StaticDecoder | None = None
+        #: Static decoders by cache length (bucket), each with its own cache and graph.
+        self._static: dict[int, StaticDecoder] = {}
         body_dtype = TORCH_DTYPES[target.dtype]
         self.head = LmHead(model.get_output_embeddings().weight, target.head_dtype, body_dtype)
         kernel = str(getattr(model.config, "_attn_implementation", None) or "eager")
@@ -93,7 +101,8 @@ class TorchEngine:
         cache: CacheKind = "dynamic",
         max_cache_len: int = 4096,
     ) -> TorchEngine:
-        """Set the numerical flags, then load `model_dir` in `target`'s format."""
+        """Set the numerical flags, then load `model_dir` in `target`'s format. `cache`: see
+        `CacheKind` ("compiled" for the fastest decode on CUDA, not bitwise equal to "static")."""
         configure_numerics(deterministic=deterministic, tf32=tf32)
         dev = resolve_device(device)
         model, tokenizer = load_model(model_dir, target.dtype, target.attn_kernel, dev)
@@ -120,11 +129,7 @@ class TorchEngine:
             batch_size=t.batch_size,
             engine_name="replay-audit",
             engine_version=replay_audit.__version__,
-            extras={
-                "kv_cache": self.cache_kind,
-                "cuda_graph": self._static is not None and self._static.graph is not None,
-                "static_cache_len": self.max_cache_len if self.cache_kind == "static" else None,
-            },
+            extras=self._extras(),
         )
 
     @torch.inference_mode()
@@ -147,11 +152,11 @@ class TorchEngine:
             return DecodeRun(out, Steps.empty(top_k), start, stop)
         context = [*prompt_ids, *out]
         total = len(context) + max_new_tokens - start
-        static = self.cache_kind == "static" and total <= self.max_cache_len
+        static = self.cache_kind != "dynamic" and total <= self.max_cache_len
+        decoder: StaticDecoder | None = None
         if static:
-            if self._static is None:
-                self._static = StaticDecoder(self, self.max_cache_len)
-            h = self._static.prefill(context)
+            decoder = self._static_decoder(total)
+            h = decoder.prefill(context)
         else:
             cache = self._new_cache()
             h = self._forward(context, cache, 0)[:, -1]
@@ -167,9 +172,8 @@ class TorchEngine:
                 break
             if len(out) >= max_new_tokens:
                 break
-            if static:
-                assert self._static is not None
-                h, z32, top = self._static.step(c.token, pos, top_k)
+            if decoder is not None:
+                h, z32, top = decoder.step(c.token, pos, top_k)
                 c = decide(self.head, top, z32, h[0], iv, top_k)
             else:
                 h = self._forward([c.token], cache, pos)[:, -1]
@@ -215,6 +219,37 @@ class TorchEngine:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _static_decoder(self, total: int) -> StaticDecoder:
+        """The static decoder whose cache length is the smallest bucket holding `total` tokens."""
+        length = MIN_STATIC_BUCKET
+        while length < total:
+            length *= 2
+        length = min(length, self.max_cache_len)
+        if length not in self._static:
+            mode = "default" if self.cache_kind == "compiled" else None
+            self._static[length] = StaticDecoder(self, length, compile_mode=mode)
+        return self._static[length]
+
+    def _extras(self) -> dict[str, Any]:
+        """Which decode path ran: the cache, the static cache lengths used so far, whether the
+        step was captured in a CUDA graph and compiled (and why not, if compiling failed)."""
+        if self.cache_kind == "dynamic":
+            return {"kv_cache": "dynamic", "cuda_graph": False, "static_cache_len": None}
+        decoders = list(self._static.values())
+        errors = sorted({d.compile_error for d in decoders if d.compile_error})
+        extras: dict[str, Any] = {
+            "kv_cache": "static",
+            "cuda_graph": bool(decoders) and all(d.graph is not None for d in decoders),
+            "static_cache_len": self.max_cache_len,
+            "static_cache_lens_used": ",".join(str(n) for n in sorted(self._static)),
+            "compiled": bool(decoders) and all(d.compiled for d in decoders),
+        }
+        if self.cache_kind == "compiled":
+            extras["compile_mode"] = "default"
+            if errors:
+                extras["compile_error"] = errors[0][:200]
+        return extras
 
     @torch.inference_mode()
     def hidden_states(self, ids: Sequence[int]) -> torch.Tensor:
@@ -285,15 +320,33 @@ class StaticDecoder:
     CUDA graph, as gpt-fast does: a step is then one graph replay and one device-to-host copy
     instead of hundreds of kernel launches from Python.
 
+    The captured step also feeds itself: it writes its argmax into the token buffer and advances
+    the position buffer, so the host writes them only when the chosen token is not the argmax
+    (a gated step that an intervention changed) or a decode starts.
+
+    With `compile_mode` (a `torch.compile` mode without CUDA graphs of its own: "default" or
+    "max-autotune-no-cudagraphs"), the step is compiled before it is captured: inductor fuses
+    the elementwise kernels (RMSNorm, RoPE, SiLU·mul, residual adds), so its bits may differ
+    from the eager step's. If compiling fails, the eager step is captured and `compile_error`
+    says why.
+
     Its attention runs over the whole preallocated length with the unwritten positions masked,
     so its bits may differ from a growing cache's: `environment()` records `kv_cache`.
     """
 
-    def __init__(self, engine: TorchEngine, max_len: int) -> None:
+    def __init__(
+        self, engine: TorchEngine, max_len: int, *, compile_mode: str | None = None
+    ) -> None:
         from transformers import StaticCache
 
+        if compile_mode not in (None, "default", "max-autotune-no-cudagraphs"):
+            raise ValueError(
+                f"compile mode {compile_mode!r}: the step is captured in our own CUDA graph, so "
+                "use 'default' or 'max-autotune-no-cudagraphs'"
+            )
         self.engine = engine
         self.model = engine.model
+        self.max_len = max_len
         b = engine.target.batch_size
         self.cache: Any = StaticCache(config=engine.model.config, max_cache_len=max_len)
         self.token = torch.zeros((b, 1), dtype=torch.long, device=engine.device)
@@ -302,12 +355,19 @@ class StaticDecoder:
         self.graph: Any = None
         self.outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._capture_failed = engine.device.type != "cuda"
+        self.compile_mode = compile_mode
+        self.compiled = False
+        self.compile_error: str | None = None
+        # What the token and position buffers hold now (None: unknown, write them).
+        self._dev_token: int | None = None
+        self._dev_position: int | None = None
 
     def prefill(self, context: Sequence[int]) -> torch.Tensor:
         self.cache.reset()
         h = self.engine._forward(context, self.cache, 0)[:, -1]
         if self.graph is None and not self._capture_failed:
             self._capture()
+        self._dev_token = self._dev_position = None
         return h
 
     def step(
@@ -315,18 +375,23 @@ class StaticDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[np.ndarray, np.ndarray, int]]:
         """One decode step: hidden states (b, d), float32 native logits of row 0 (V,), and the
         host-side top-k of those logits."""
-        self.token.fill_(token)
-        self.position.fill_(position)
+        if token != self._dev_token:
+            self.token.fill_(token)
+        if position != self._dev_position:
+            self.position.fill_(position)
         if self.graph is not None:
             self.graph.replay()
             assert self.outputs is not None
             h, z32, packed = self.outputs
         else:
-            h, z32, packed = self._step_body()
+            h, z32, packed = self._step_and_advance(self._step_body)
+        host = packed.cpu().numpy()
         kk = top_k_size(k, z32.shape[-1])
+        top = unpack_top_k(host, self.kk)
         if kk != self.kk:  # more than TOP_K_CAP asked for: outside the captured step
-            packed = pack_top_k(z32, kk)
-        return h, z32, unpack_top_k(packed.cpu().numpy(), kk)
+            top = unpack_top_k(pack_top_k(z32, kk).cpu().numpy(), kk)
+        self._dev_token, self._dev_position = top[2], position + 1
+        return h, z32, top
 
     def _step_body(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out = self.model.model(
@@ -339,10 +404,17 @@ class StaticDecoder:
         z32 = self.engine.head.native(h)[0].float()
         return h, z32, pack_top_k(z32, self.kk)
 
+    def _step_and_advance(self, body: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step, then its argmax into the token buffer and the position one on."""
+        h, z32, packed = body()
+        self.token.copy_(packed[-1].to(torch.long).expand_as(self.token))
+        self.position.add_(1)
+        return h, z32, packed
+
     def _capture(self) -> None:
-        """Warm up on a side stream, then capture one step. The warm-up writes K/V at the next
-        position (which the real step overwrites) and advances the cache's length counters,
-        which are put back.
+        """Warm up on a side stream (compiling the step first, with `compile_mode`), then
+        capture one step. The warm-up writes K/V at the next position (which the real step
+        overwrites) and advances the cache's length counters, which are put back.
 
         Captured with torch's deterministic-algorithms check off: under it, the cache write
         (`index_copy_` at one position) takes a sort-based path that costs a third of the step.
@@ -363,14 +435,17 @@ class StaticDecoder:
             stream_cls: Any = torch.cuda.Stream
             side = stream_cls()
             side.wait_stream(torch.cuda.current_stream())
+            body: Any = self._step_body
             with torch.cuda.stream(side):
+                if self.compile_mode is not None:
+                    body = self._compile(restore)
                 for _ in range(2):
-                    self._step_body()
+                    self._step_and_advance(body)
                     restore()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self.outputs = self._step_body()
+                self.outputs = self._step_and_advance(body)
             restore()
             self.graph = graph
         except RuntimeError:
@@ -378,5 +453,24 @@ class StaticDecoder:
             restore()
             self._capture_failed = True
             self.graph = None
+            self.compiled = False
         finally:
             torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+    def _compile(self, restore: Any) -> Any:
+        """The compiled step, run once (which compiles it), or the eager step if that fails."""
+        import torch._dynamo
+
+        # One compiled entry per static decoder (cache length x engine) on the same code.
+        dynamo_config: Any = torch._dynamo.config
+        dynamo_config.cache_size_limit = max(int(dynamo_config.cache_size_limit), 64)
+        fn = torch.compile(self._step_body, mode=self.compile_mode, dynamic=False)
+        try:
+            fn()
+            restore()
+        except Exception as exc:  # inductor and dynamo raise many kinds; keep decoding eagerly
+            restore()
+            self.compile_error = f"{type(exc).__name__}: {exc}"
+            return self._step_body
+        self.compiled = True
+        return fn
