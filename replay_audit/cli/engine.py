@@ -154,7 +154,11 @@ def replay(
     top_k: Annotated[int, typer.Option(min=2, max=20, help="Top-k kept per step.")] = 5,
     extractor: Annotated[str | None, typer.Option(help="Answer extractor, e.g. gsm8k.")] = None,
     kv_cache: Annotated[
-        str, typer.Option(help="dynamic (as generate()) or static (CUDA graph on a GPU).")
+        str,
+        typer.Option(
+            help="dynamic (as generate()), static (CUDA graph on a GPU) or compiled "
+            "(torch.compile + CUDA graph: the fast GPU path)."
+        ),
     ] = "dynamic",
     summary_json: Annotated[Path | None, typer.Option(help="Also write the summary here.")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
@@ -173,7 +177,7 @@ def replay(
     _choice(lm_head_dtype, _HEAD_DTYPES, "--lm-head-dtype")
     _choice(intervention, ("none", "A", "B", "C"), "--intervention")
     _choice(mode, ("decode", "scan", "scan_then_decode"), "--mode")
-    _choice(kv_cache, ("dynamic", "static"), "--kv-cache")
+    _choice(kv_cache, ("dynamic", "static", "compiled"), "--kv-cache")
     if tau is not None and tau_ulps is not None:
         _fail("give --tau or --tau-ulps, not both")
     iv = Intervention(

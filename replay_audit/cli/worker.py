@@ -21,6 +21,13 @@ def worker(
         str | None, typer.Option(help="cpu, cuda or cuda:N (default: CUDA when available).")
     ] = None,
     name: Annotated[str | None, typer.Option(help="Worker name shown by `rq info`.")] = None,
+    kv_cache: Annotated[
+        str,
+        typer.Option(
+            help="dynamic (bit-identical to transformers generate()), static (CUDA graph) or "
+            "compiled (torch.compile + CUDA graph, the fast GPU path; recorded per result)."
+        ),
+    ] = "dynamic",
 ) -> None:
     """Run an RQ worker that replays traces (`REPLAY_AUDIT_RUNNER=rq`).
 
@@ -36,7 +43,9 @@ def worker(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = get_settings()
-    set_engine_pool(EnginePool(max_engines=8, device=device))
+    if kv_cache not in ("dynamic", "static", "compiled"):
+        raise typer.BadParameter("dynamic, static or compiled", param_hint="--kv-cache")
+    set_engine_pool(EnginePool(max_engines=8, device=device, cache=kv_cache))  # type: ignore[arg-type]
     connection = Redis.from_url(settings.redis_url)
     queues = [Queue(q, connection=connection) for q in queue]
     w = SimpleWorker(queues, connection=connection, name=name)

@@ -34,7 +34,7 @@ def load_engine(
     device: str | None = None,
     deterministic: bool = True,
     tf32: bool = False,
-    cache: Literal["dynamic", "static"] = "dynamic",
+    cache: Literal["dynamic", "static", "compiled"] = "dynamic",
     max_cache_len: int = 4096,
 ) -> Engine:
     """Load a local Hugging Face checkpoint (no network) in `target`'s format as a torch engine.

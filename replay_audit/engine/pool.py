@@ -34,12 +34,12 @@ class EnginePool:
         *,
         max_engines: int | None = None,
         device: str | None = None,
-        cache: Literal["dynamic", "static"] = "dynamic",
+        cache: Literal["dynamic", "static", "compiled"] = "dynamic",
         max_cache_len: int = 4096,
     ) -> None:
         self._loader = loader
         self._device = device
-        self._cache: Literal["dynamic", "static"] = cache
+        self._cache: Literal["dynamic", "static", "compiled"] = cache
         self._max_cache_len = max_cache_len
         self._max = max_engines
         self._engines: OrderedDict[_PoolKey, Engine] = OrderedDict()
