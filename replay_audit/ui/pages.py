@@ -6,6 +6,7 @@ render a template.
     POST /ui/sign-out
     GET  /ui/runs                           runs list (filters: model, dtype, from, to; paged)
     GET  /ui/runs/{run}                     run page (statistics, charts, lifts, results)
+    GET  /ui/runs/{run}/accuracy            task accuracy, correctness flips, TOST (?margin=)
     GET  /ui/runs/{run}/flips               every trace a comparison fixed / broke (paged)
     GET  /ui/runs/{run}/export.csv|.jsonl   the export, as GET /v1/replays/{run}/export
     GET  /ui/runs/{run}/traces/{trace}      trace page (tokens, t*, margin track, configs)
@@ -303,7 +304,6 @@ def run_page(
     principal: Viewer,
     a: Annotated[int | None, Query(ge=0)] = None,
     b: Annotated[int | None, Query(ge=0)] = None,
-    margin: Annotated[float, Query(ge=0, lt=1)] = service.DEFAULT_TOST_MARGIN,
     comparison: Annotated[int | None, Query(ge=0)] = None,
     category: str | None = None,
     outcome: Literal["exact", "diverged", "failed", ""] = "",
@@ -314,14 +314,14 @@ def run_page(
     if a is None and b is None and n_comp >= 2:
         a, b = 0, 1
     pair = (a, b) if a is not None and b is not None else None
-    report = service.run_report(session, run, pair=pair, margin=margin)
+    report = service.run_report(session, run, pair=pair, with_accuracy=False)
     category = _blank(category)
     if category is not None and category not in CATEGORIES:
         raise FieldError(f"category must be one of {', '.join(CATEGORIES)}", field="category")
     rf = ResultFilter(comparison=comparison, category=category, outcome=outcome or None)
     results = service.results_page(session, run, rf, after=after, limit=RESULTS_PER_PAGE)
-    keep = {"a": a, "b": b, "margin": margin if margin != service.DEFAULT_TOST_MARGIN else None,
-            "comparison": comparison, "category": category, "outcome": outcome or None}
+    keep = {"a": a, "b": b, "comparison": comparison, "category": category,
+            "outcome": outcome or None}
     keep = {k: v for k, v in keep.items() if v is not None}
     next_query = (
         urllib.parse.urlencode(keep | {"after": results.next_after}) + "#results"
@@ -343,7 +343,25 @@ def run_page(
         next_query=next_query,
         first_query=urllib.parse.urlencode(keep) + "#results",
         pair=pair,
-        margin=margin,
+        has_reference_answers=service.has_reference_answers(session, run),
+    )
+
+
+@router.get("/runs/{run_id}/accuracy")
+def accuracy_page(
+    request: Request,
+    run_id: str,
+    session: DBSession,
+    principal: Viewer,
+    margin: Annotated[float, Query(ge=0, lt=1)] = service.DEFAULT_TOST_MARGIN,
+) -> Response:
+    """Task accuracy per arm, correctness flips and non-inferiority at `margin`."""
+    run = service.get_run(session, principal.project_id, run_id)
+    return _page(
+        request,
+        "ui/accuracy.html",
+        run=run,
+        accuracy=service.accuracy_report(session, run, margin=margin),
     )
 
 

@@ -151,9 +151,15 @@ def test_auditor_browses_run_and_trace_in_chromium(
     assert XSS in browser.find_element(By.ID, "targets").text
     visited("run")
     _full_page_screenshot(browser, OUTPUT_DIR / "run-page.png")
-    for section in ("statistics", "lifts", "pair", "accuracy", "detail-0"):
+    for section in ("statistics", "lifts", "pair", "detail-0"):
         browser.find_element(By.ID, section).screenshot(str(OUTPUT_DIR / f"run-{section}.png"))
     browser.set_window_size(1400, 1000)
+
+    # Run -> task accuracy and back.
+    browser.find_element(By.ID, "accuracy-page").click()
+    assert browser.find_elements(By.CSS_SELECTOR, "#tost tbody tr")
+    visited("accuracy")
+    browser.back()
 
     # Run -> a trace C fixed -> its page, t* highlighted on both arms.
     fixed = browser.find_elements(By.CSS_SELECTOR, "#pair .flip-list.fixed li a")

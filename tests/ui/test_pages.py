@@ -28,6 +28,8 @@ def _pages(run: SeededRun) -> list[str]:
         f"/ui/runs/{r}",
         f"/ui/runs/{r}?a=1&b=0&comparison=0&outcome=diverged",
         f"/ui/runs/{r}/flips?a=0&b=1&kind=fixed",
+        f"/ui/runs/{r}/accuracy",
+        f"/ui/runs/{r}/accuracy?margin=0.1",
         f"/ui/runs/{r}/traces/{t}",
         f"/ui/runs/{r}/traces/{t}?comparison=1",
         f"/ui/runs/{r}/export.csv",
@@ -245,8 +247,37 @@ def test_run_page_shows_statistics_charts_lifts_and_exports(
     assert html.count('<svg class="chart"') >= 2 * 4 + 2  # 4 per comparison, lifts, pair
     assert f'href="/ui/runs/{seeded_run.run_id}/export.csv"' in html
     assert f'href="/ui/runs/{seeded_run.run_id}/export.jsonl"' in html
-    assert 'id="accuracy"' in html and 'id="tost"' in html
+    assert f'href="/ui/runs/{seeded_run.run_id}/accuracy" id="accuracy-page"' in html
     assert html.count('class="trace-link"') == min(50, 2 * len(seeded_run.trace_ids))
+
+
+def test_accuracy_page_shows_the_reports_accuracy_flips_and_tost(
+    ui_client: Callable[..., TestClient],
+    seeded_run: SeededRun,
+    client: TestClient,
+    headers: Callable[..., dict[str, str]],
+) -> None:
+    h = headers("auditor")
+    c = ui_client()
+    for margin in (0.05, 0.6):
+        acc = client.get(
+            f"/v1/replays/{seeded_run.run_id}/report", params={"margin": margin}, headers=h
+        ).json()["accuracy"]
+        html = c.get(f"/ui/runs/{seeded_run.run_id}/accuracy", params={"margin": margin}).text
+        for arm in acc["arms"]:
+            p = arm["accuracy"]
+            assert f"{p['successes']}/{p['n']}" in html
+        rows = re.findall(
+            r"<tr><td>(T\d[^<]*)</td>(.*?)</tr>", html.split('id="tost"')[1], flags=re.S
+        )
+        assert len(rows) == len(acc["pairs"]) == 2
+        for (label, cells), pair in zip(rows, acc["pairs"], strict=True):
+            assert unescape(label) == pair["label_treated"]
+            numbers = re.findall(r'<td class="num">(\d+)</td>', cells)
+            assert numbers == [str(pair["flips"][k]) for k in ("n", "gained", "lost")]
+            verdict = "yes" if pair["tost"]["non_inferior"] else "no"
+            assert cells.strip().endswith(f"<td>{verdict}</td>")
+        assert f'value="{margin}"' in html
 
 
 def test_run_page_results_filter_and_pages(
