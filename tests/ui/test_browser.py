@@ -89,6 +89,9 @@ def browser() -> Iterator[WebDriver]:
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(30)
+    # A click that navigates may return before the next page is there; on a loaded 2-core
+    # machine that raced find_element. Element lookups wait up to 10 s for it instead.
+    driver.implicitly_wait(10)
     try:
         yield driver
     finally:
