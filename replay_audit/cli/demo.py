@@ -59,6 +59,7 @@ _SHORT = {"agreed": "agr", "head_reachable": "head", "kv_dependent": "kv", "body
 
 
 def _print_run(console: Any, run: dict[str, Any], title: str) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     agg = run["aggregate"] or {"comparisons": [], "lifts": []}
@@ -86,11 +87,12 @@ def _print_run(console: Any, run: dict[str, Any], title: str) -> None:
 
     for lift in agg["lifts"]:
         b, t = comps[lift["baseline"]], comps[lift["treated"]]
-        console.print(
+        line = (
             f"  EAR lift of [{name(t)}] over [{name(b)}]: "
             f"{100 * lift['lift']:+.1f} pp [{100 * lift['low']:+.1f}, {100 * lift['high']:+.1f}]"
             f"; fixed {lift['fixed']}, broke {lift['broke']}, McNemar p = {lift['mcnemar_p']:.3g}"
         )
+        console.print(escape(line))  # the brackets are text, not rich markup
 
 
 def _requests(ids: list[str]) -> dict[str, dict[str, Any]]:
@@ -155,7 +157,11 @@ def demo(
         f"[bold]API[/] {base}  (database {settings.database_url}, runner {settings.runner})"
     )
 
+    from transformers.utils import logging as hf_logging
+
     from replay_audit.engine.generate import generate_traces
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # one bar per checkpoint load would drown the demo's own
 
     lines = PROMPTS_FILE.read_text().splitlines()[:prompts]
     items = [(d.get("id"), d["prompt"]) for d in map(json.loads, lines)]
