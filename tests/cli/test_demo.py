@@ -67,3 +67,6 @@ def test_demo_prints_what_the_api_serves(tmp_path: Path) -> None:
                 # The self-replay in the logged configuration reproduces every trace.
                 assert body["aggregate"]["comparisons"][-1]["ear"]["estimate"] == 1.0
     assert printed == served and len(served) == 5
+    # Both lifts of C are printed with what they compare (once lost to rich markup).
+    assert "EAR lift of [logged vs FP16 + C] over [logged vs FP16]" in proc.stdout
+    assert "EAR lift of [BF16 + C vs FP16 + C] over [BF16 vs FP16]" in proc.stdout
