@@ -129,6 +129,9 @@ def result_row(
         "cascade_length": steps - t_star if t_star is not None else None,
         "length_difference": int(rng.integers(-3, 4)) if diverged else None,
         "semantic_agree": answer == str(i % 50),
+        "answer_extractor": "gsm8k",
+        "answer_a": str(i % 50),
+        "answer_b": answer,
         "output_b": rng.integers(0, VOCAB, steps).astype(np.int32),
         "output_a": None,
         "detail": {

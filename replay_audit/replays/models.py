@@ -119,6 +119,11 @@ class ReplayResult(Base):
     cascade_length: Mapped[int | None] = mapped_column(Integer, nullable=True)
     length_difference: Mapped[int | None] = mapped_column(Integer, nullable=True)
     semantic_agree: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    #: Extracted final answers (arm A, arm B) and the extractor's name, when one ran: columns,
+    #: not detail JSON, so task accuracy over a large run reads a few bytes per row.
+    answer_extractor: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    answer_a: Mapped[str | None] = mapped_column(Text, nullable=True)
+    answer_b: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: Replayed output of arm B (and of arm A when both arms were run by us).
     output_b: Mapped[Int32Array | None] = mapped_column(PackedInt32Array, nullable=True)
     output_a: Mapped[Int32Array | None] = mapped_column(PackedInt32Array, nullable=True)

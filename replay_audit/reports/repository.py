@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import orjson
 from sqlalchemy import (
     ColumnElement,
     Select,
@@ -34,6 +33,7 @@ from replay_audit.replays.models import ReplayResult, ReplayRun
 from replay_audit.traces.models import NumericalConfigRow, Trace
 
 R = ReplayResult
+
 
 def _ok() -> ColumnElement[bool]:
     return R.status == "ok"
@@ -266,9 +266,7 @@ def paired_flags(
         return PairedFlags(np.zeros(0, np.int64), empty, empty)
     # Column by column: numpy converts plain tuples fast, SQLAlchemy rows slowly.
     ids, ea, eb = zip(*rows, strict=True)
-    return PairedFlags(
-        np.array(ids, np.int64), np.array(ea, bool), np.array(eb, bool)
-    )
+    return PairedFlags(np.array(ids, np.int64), np.array(ea, bool), np.array(eb, bool))
 
 
 def trace_refs(session: Session, trace_ids: Sequence[int]) -> dict[int, tuple[str, str | None]]:
@@ -339,39 +337,30 @@ def has_reference_answers(session: Session, run_id: int) -> bool:
 
 
 def answer_rows(session: Session, run_id: int) -> list[AnswerRow]:
-    """The extracted answers of every ok result whose trace has a reference answer.
-
-    The answers live in the detail JSON, which the database parses whole for each row: the
-    semantic object is extracted once per row (not once per field), as text on SQLite and as
-    json on PostgreSQL, and its few fields are read here."""
-    if session.get_bind().dialect.name == "postgresql":
-        semantic: ColumnElement[Any] = R.detail.op("->")("semantic")
-    else:
-        semantic = func.json_extract(R.detail, "$.semantic")
+    """The extracted answers of every ok result whose trace has a reference answer (from the
+    result's answer columns: no JSON is parsed)."""
     stmt = (
-        select(R.comparison, R.trace_id, semantic, Trace.reference_answer)
+        select(
+            R.comparison,
+            R.trace_id,
+            R.answer_extractor,
+            R.answer_a,
+            R.answer_b,
+            Trace.reference_answer,
+        )
         .join(Trace, Trace.id == R.trace_id)
-        .where(R.run_id == run_id, _ok(), Trace.reference_answer.is_not(None))
+        .where(
+            R.run_id == run_id,
+            _ok(),
+            Trace.reference_answer.is_not(None),
+            R.answer_extractor.is_not(None),
+        )
         .order_by(R.trace_id, R.comparison)
     )
-    out = []
-    for comparison, trace_id, raw, reference in session.execute(stmt):
-        if raw is None:
-            continue
-        sem = orjson.loads(raw) if isinstance(raw, str | bytes) else raw
-        if not isinstance(sem, dict) or not sem.get("extractor"):
-            continue
-        out.append(
-            AnswerRow(
-                int(comparison),
-                int(trace_id),
-                str(sem["extractor"]),
-                sem.get("logged_answer"),
-                sem.get("replay_answer"),
-                str(reference),
-            )
-        )
-    return out
+    return [
+        AnswerRow(int(c), int(t), str(extractor), a, b, str(reference))
+        for c, t, extractor, a, b, reference in session.execute(stmt)
+    ]
 
 
 # -- result rows -------------------------------------------------------------------------------
@@ -511,4 +500,3 @@ def export_batch(
 
 def count_results(session: Session, run_id: int) -> int:
     return int(session.scalar(select(func.count()).where(R.run_id == run_id)) or 0)
-

@@ -233,6 +233,9 @@ def _result_row(comparison: int, r: TraceReplay) -> dict[str, Any]:
         "cascade_length": d["cascade_length"],
         "length_difference": d["length_difference"],
         "semantic_agree": semantic.get("agree"),
+        "answer_extractor": semantic.get("extractor"),
+        "answer_a": semantic.get("logged_answer"),
+        "answer_b": semantic.get("replay_answer"),
         "output_b": np.asarray(d["replay_output_token_ids"], np.int32),
         "output_a": (
             np.asarray(logged_arm["output_token_ids"], np.int32)

@@ -1,5 +1,4 @@
-"""The migrations build the schema the models describe, and revert cleanly, on both databases.
-"""
+"""The migrations build the schema the models describe, and revert cleanly, on both databases."""
 
 from __future__ import annotations
 
@@ -14,9 +13,7 @@ from replay_audit.db import migration
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def empty_db_url(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> str:
+def empty_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A brand-new, never migrated database."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'fresh.db'}"
@@ -62,3 +59,65 @@ def test_migrated_schema_matches_the_models(empty_db_url: str) -> None:
     """What `alembic check` runs in CI: autogenerate finds nothing left to migrate."""
     migration.upgrade(empty_db_url)
     command.check(migration.alembic_config(empty_db_url))  # raises on any difference
+
+
+def test_0004_backfills_answers_from_the_detail_json(empty_db_url: str) -> None:
+    from sqlalchemy import text
+
+    migration.upgrade(empty_db_url, "0003")
+    engine = create_engine(empty_db_url)
+    semantic = '{"semantic": {"extractor": "gsm8k", "logged_answer": "42", "replay_answer": "41"}}'
+    try:
+        with engine.begin() as c:
+            c.execute(
+                text("INSERT INTO projects (id, name, created_at) VALUES (1, 'p', :t)"),
+                {"t": "2026-01-01 00:00:00"},
+            )
+            c.execute(
+                text(
+                    "INSERT INTO numerical_configs (id, public_id, content_sha256, config_json,"
+                    " dtype, lm_head_dtype, attn_kernel, device, batch_size, created_at) VALUES"
+                    " (1, 'nc_1', :h, '{}', 'bf16', 'bf16', 'eager', 'cpu', 1, :t)"
+                ),
+                {"h": "a" * 64, "t": "2026-01-01 00:00:00"},
+            )
+            c.execute(
+                text(
+                    "INSERT INTO traces (id, public_id, project_id, config_id, model_name,"
+                    " weights_sha256, vocab_size, decoding, prompt_token_ids, output_token_ids,"
+                    " n_prompt_tokens, n_output_tokens, tags, content_sha256, created_at) VALUES"
+                    " (1, 'tr_1', 1, 1, 'm', :h, 10, '{}', :b, :b, 1, 1, '[]', :h, :t)"
+                ),
+                {"h": "b" * 64, "b": b"\x01\x00\x00\x00", "t": "2026-01-01 00:00:00"},
+            )
+            c.execute(
+                text(
+                    "INSERT INTO replay_runs (id, public_id, project_id, status, mode, compare,"
+                    " request, targets, comparisons, n_traces, n_items, created_at) VALUES"
+                    " (1, 'rr_1', 1, 'done', 'decode', 'logged', '{}', '[]', '[]', 1, 2, :t)"
+                ),
+                {"t": "2026-01-01 00:00:00"},
+            )
+            for rid, comparison, detail, agree in ((1, 0, semantic, False), (2, 1, "{}", None)):
+                c.execute(
+                    text(
+                        "INSERT INTO replay_results (id, run_id, trace_id, comparison, status,"
+                        " semantic_agree, detail, created_at) VALUES"
+                        " (:id, 1, 1, :c, 'ok', :agree, :d, :t)"
+                    ),
+                    {
+                        "id": rid,
+                        "c": comparison,
+                        "agree": agree,
+                        "d": detail,
+                        "t": "2026-01-01 00:00:00",
+                    },
+                )
+        migration.upgrade(empty_db_url, "0004")
+        with engine.connect() as c:
+            rows = c.execute(
+                text("SELECT answer_extractor, answer_a, answer_b FROM replay_results ORDER BY id")
+            ).all()
+    finally:
+        engine.dispose()
+    assert [tuple(r) for r in rows] == [("gsm8k", "42", "41"), (None, None, None)]
