@@ -277,7 +277,7 @@ def main() -> None:
         "run page": f"/ui/runs/{run_id}",
         "run page, pair 1 vs 0 + filter": f"/ui/runs/{run_id}?a=1&b=0&comparison=0"
         "&outcome=diverged&category=head_reachable",
-        "accuracy page (answers from detail JSON)": f"/ui/runs/{run_id}/accuracy",
+        "accuracy page": f"/ui/runs/{run_id}/accuracy",
         "accuracy page, TOST margin 0.1": f"/ui/runs/{run_id}/accuracy?margin=0.1",
         "trace page": f"/ui/runs/{run_id}/traces/{trace_id}?comparison=0",
         "runs list": "/ui/runs",

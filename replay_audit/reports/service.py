@@ -533,8 +533,7 @@ def accuracy_report(
     TOST non-inferiority test (at `margin`, level `alpha`) of every arm against the first; None
     when no trace of the run carries a reference answer.
 
-    The costly part of a report: the extracted answers sit in each result's detail JSON, which
-    the database parses whole (about half a second for 20,000 results on SQLite)."""
+    The extracted answers come from the results' answer columns (see migration 0004)."""
     if not 0.0 <= margin < 1.0:
         raise FieldError(f"margin must lie in [0, 1), got {margin}", field="margin")
     if not 0.0 < alpha < 0.5:
