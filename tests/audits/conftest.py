@@ -23,6 +23,7 @@ from replay_audit.traces.models import Trace
 from tests.replays.conftest import (  # noqa: F401  (fixtures used by the audit tests)
     HoldingRunner,
     fake_model_dir,
+    ingest,
     logged_trace,
     worker_env,
 )
@@ -76,12 +77,6 @@ def tick(
         return run_tick(settings, runner=runner, alert_runner=alerts, now=now)
 
     return make
-
-
-def ingest(client: TestClient, headers: dict[str, str], traces: list[dict[str, Any]]) -> list[str]:
-    r = client.post("/v1/traces:batch", json={"traces": traces}, headers=headers)
-    assert r.status_code == 207, r.text
-    return [i["id"] for i in r.json()["results"]]
 
 
 def set_created_at(db_url: str, trace_ids: list[str], when: datetime) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 
 from replay_audit.config import get_settings
 from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
@@ -118,3 +119,31 @@ def logged_trace(fake_model_dir: Path) -> Callable[..., dict[str, Any]]:
         return body
 
     return make
+
+
+def ingest(client: TestClient, headers: dict[str, str], traces: list[dict[str, Any]]) -> list[str]:
+    """POST the traces as one batch; their ids (every item must be stored)."""
+    r = client.post("/v1/traces:batch", json={"traces": traces}, headers=headers)
+    assert r.status_code == 207, r.text
+    items = r.json()["results"]
+    assert all(i["status"] in (200, 201) for i in items), items
+    return [str(i["id"]) for i in items]
+
+
+def all_results(
+    client: TestClient, run_id: str, headers: dict[str, str], *, limit: int = 500
+) -> list[dict[str, Any]]:
+    """Every result of a run, following the cursor pages of `limit` items."""
+    items: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        params: dict[str, Any] = {"limit": limit}
+        if cursor:
+            params["cursor"] = cursor
+        r = client.get(f"/v1/replays/{run_id}/results", params=params, headers=headers)
+        assert r.status_code == 200, r.text
+        page = r.json()
+        items += page["items"]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            return items

@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.replays.models import ReplayJob, ReplayResult
 from replay_audit.replays.reconcile import reconcile
-from tests.replays.conftest import HoldingRunner
+from tests.replays.conftest import HoldingRunner, all_results, ingest
 
 pytestmark = pytest.mark.usefixtures("worker_env")
 
@@ -29,30 +29,6 @@ def runner(client: TestClient) -> HoldingRunner:
     return r
 
 
-def _ingest(client: TestClient, headers: dict[str, str], traces: list[dict[str, Any]]) -> list[str]:
-    r = client.post("/v1/traces:batch", json={"traces": traces}, headers=headers)
-    assert r.status_code == 207, r.text
-    items = r.json()["results"]
-    assert all(i["status"] in (200, 201) for i in items), items
-    return [i["id"] for i in items]
-
-
-def _all_results(client: TestClient, run_id: str, headers: dict[str, str]) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = []
-    cursor = None
-    while True:
-        params: dict[str, Any] = {"limit": 5}
-        if cursor:
-            params["cursor"] = cursor
-        r = client.get(f"/v1/replays/{run_id}/results", params=params, headers=headers)
-        assert r.status_code == 200, r.text
-        page = r.json()
-        items += page["items"]
-        cursor = page["next_cursor"]
-        if cursor is None:
-            return items
-
-
 def test_paired_replay_end_to_end(
     client: TestClient,
     runner: HoldingRunner,
@@ -60,7 +36,7 @@ def test_paired_replay_end_to_end(
     logged_trace: Callable[..., dict[str, Any]],
 ) -> None:
     h = headers("admin")
-    ids = _ingest(client, h, [logged_trace(p) for p in PROMPTS])
+    ids = ingest(client, h, [logged_trace(p) for p in PROMPTS])
     r = client.post(
         "/v1/replays",
         json={"trace_ids": ids, "targets": [FP16, FP16_C], "compare_with": "self"},
@@ -77,7 +53,7 @@ def test_paired_replay_end_to_end(
     run = client.get(f"/v1/replays/{run_id}", headers=h).json()
     assert run["status"] == "done", run
     assert run["progress"] == {"total": 36, "done": 36, "failed": 0, "pending": 0}
-    results = _all_results(client, run_id, h)
+    results = all_results(client, run_id, h, limit=5)
     assert len(results) == 36
     assert len({(x["trace_id"], x["comparison"]) for x in results}) == 36
 
@@ -133,7 +109,7 @@ def test_jobs_are_idempotent_and_reconciled(
     db_url: str,
 ) -> None:
     h = headers("submitter")
-    ids = _ingest(client, h, [logged_trace(p) for p in PROMPTS[:3]])
+    ids = ingest(client, h, [logged_trace(p) for p in PROMPTS[:3]])
     body = {"trace_ids": ids, "targets": [FP16], "idempotency_key": "nightly-1"}
     first = client.post("/v1/replays", json=body, headers=h)
     again = client.post("/v1/replays", json=body, headers=h)
@@ -166,7 +142,7 @@ def test_pairwise_both_arms(
     logged_trace: Callable[..., dict[str, Any]],
 ) -> None:
     h = headers("admin")
-    ids = _ingest(client, h, [logged_trace(p) for p in PROMPTS[:6]])
+    ids = ingest(client, h, [logged_trace(p) for p in PROMPTS[:6]])
     bf16_c = {"dtype": "bf16", "intervention": {"kind": "C"}}
     r = client.post(
         "/v1/replays",
@@ -198,13 +174,13 @@ def test_failed_items_say_why(
     h = headers("admin")
     unknown_model = logged_trace(PROMPTS[0])
     unknown_model["model"] = {**unknown_model["model"], "weights_sha256": "cd" * 32}
-    ids = _ingest(client, h, [unknown_model])
+    ids = ingest(client, h, [unknown_model])
     r = client.post("/v1/replays", json={"trace_ids": ids, "targets": [FP16]}, headers=h)
     runner.run_all()
     run = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
     assert run["status"] == "failed"
     assert run["progress"]["failed"] == 1
-    (item,) = _all_results(client, r.json()["id"], h)
+    (item,) = all_results(client, r.json()["id"], h)
     assert item["status"] == "failed"
     assert "no checkpoint with weights_sha256 " + "cd" * 32 in item["error"]
 
@@ -234,7 +210,7 @@ def test_bad_requests_name_the_field(
     field: str,
 ) -> None:
     h = headers("admin")
-    (trace_id,) = _ingest(client, h, [logged_trace(PROMPTS[0])])
+    (trace_id,) = ingest(client, h, [logged_trace(PROMPTS[0])])
     if body.get("trace_ids") == ["x"]:
         body = {**body, "trace_ids": [trace_id]}
     r = client.post("/v1/replays", json=body, headers=h)
@@ -251,7 +227,7 @@ def test_non_greedy_trace_is_refused(
 ) -> None:
     h = headers("admin")
     sampled = logged_trace(PROMPTS[1], decoding={"strategy": "sample", "max_new_tokens": 12})
-    (trace_id,) = _ingest(client, h, [sampled])
+    (trace_id,) = ingest(client, h, [sampled])
     r = client.post("/v1/replays", json={"trace_ids": [trace_id], "targets": [FP16]}, headers=h)
     assert r.status_code == 422 and "greedy" in r.text and trace_id in r.text
 
@@ -263,7 +239,7 @@ def test_roles_and_projects(
     logged_trace: Callable[..., dict[str, Any]],
 ) -> None:
     h = headers("admin")
-    (trace_id,) = _ingest(client, h, [logged_trace(PROMPTS[2])])
+    (trace_id,) = ingest(client, h, [logged_trace(PROMPTS[2])])
     body = {"trace_ids": [trace_id], "targets": [FP16]}
     assert client.post("/v1/replays", json=body, headers=headers("auditor")).status_code == 403
     assert client.post("/v1/replays", json=body).status_code == 401

@@ -24,9 +24,11 @@ from replay_audit.worker import jobs
 from tests.replays.conftest import (  # noqa: F401  (fixtures)
     VOCAB,
     HoldingRunner,
+    all_results,
     bf16_next,
     fake_model_dir,
     fp16_next,
+    ingest,
     logged_trace,
 )
 
@@ -56,7 +58,9 @@ def talking_loader(directory: Path, target: Target) -> FakeEngine:
 
 @pytest.fixture
 def worker_env(
-    monkeypatch: pytest.MonkeyPatch, db_url: str, fake_model_dir: Path  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    db_url: str,
+    fake_model_dir: Path,  # noqa: F811
 ) -> Iterator[EnginePool]:
     """Worker settings on the test database and a pool of fake engines that detokenize."""
     monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", db_url)
@@ -76,14 +80,6 @@ class SeededRun:
     #: The trace whose texts and external id carry a <script>.
     xss_trace_id: str
     project: str
-
-
-def ingest(client: TestClient, headers: dict[str, str], traces: list[dict[str, Any]]) -> list[str]:
-    r = client.post("/v1/traces:batch", json={"traces": traces}, headers=headers)
-    assert r.status_code == 207, r.text
-    items = r.json()["results"]
-    assert all(i["status"] in (200, 201) for i in items), items
-    return [str(i["id"]) for i in items]
 
 
 def make_traces(

@@ -14,8 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from replay_audit.reports import export
-from tests.reports.conftest import XSS, SeededRun
-from tests.reports.test_report import _results
+from tests.reports.conftest import XSS, SeededRun, all_results
 
 pytestmark = pytest.mark.usefixtures("worker_env")
 
@@ -50,7 +49,7 @@ def test_csv_round_trip_matches_the_aggregate_and_the_results(
             f"T{c['b']}"
         }
     # Numbers round-trip exactly.
-    api = {(x["trace_id"], x["comparison"]): x for x in _results(client, seeded_run.run_id, h)}
+    api = {(x["trace_id"], x["comparison"]): x for x in all_results(client, seeded_run.run_id, h)}
     for r in rows:
         x = api[(r["trace_id"], int(r["comparison"]))]
         t = x["first_divergence_step"]
@@ -70,13 +69,11 @@ def test_jsonl_has_typed_fields_detail_and_tokens(
     client: TestClient, seeded_run: SeededRun, headers: Callable[..., dict[str, str]]
 ) -> None:
     h = headers("auditor")
-    r = client.get(
-        f"/v1/replays/{seeded_run.run_id}/export", params={"format": "jsonl"}, headers=h
-    )
+    r = client.get(f"/v1/replays/{seeded_run.run_id}/export", params={"format": "jsonl"}, headers=h)
     assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
     lines = r.text.splitlines()
     records = [json.loads(line) for line in lines]
-    api = {(x["trace_id"], x["comparison"]): x for x in _results(client, seeded_run.run_id, h)}
+    api = {(x["trace_id"], x["comparison"]): x for x in all_results(client, seeded_run.run_id, h)}
     assert len(records) == len(api)
     for rec in records:
         assert set(export.EXPORT_FIELDS) <= rec.keys()

@@ -29,26 +29,13 @@ from tests.reports.conftest import (
     PROMPTS,
     HoldingRunner,
     SeededRun,
+    all_results,
     ingest,
     make_traces,
     seed_run,
 )
 
 pytestmark = pytest.mark.usefixtures("worker_env")
-
-
-def _results(client: TestClient, run_id: str, headers: dict[str, str]) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = []
-    cursor = None
-    while True:
-        params: dict[str, Any] = {"limit": 500}
-        if cursor:
-            params["cursor"] = cursor
-        page = client.get(f"/v1/replays/{run_id}/results", params=params, headers=headers).json()
-        items += page["items"]
-        cursor = page["next_cursor"]
-        if cursor is None:
-            return items
 
 
 def _traces(client: TestClient, ids: list[str], headers: dict[str, str]) -> dict[str, Any]:
@@ -63,7 +50,7 @@ def test_report_matches_the_rows_and_the_stored_aggregate(
     r = client.get(f"/v1/replays/{seeded_run.run_id}/report", headers=h)
     assert r.status_code == 200, r.text
     report = r.json()
-    rows = _results(client, seeded_run.run_id, h)
+    rows = all_results(client, seeded_run.run_id, h)
     assert report["partial"] is False and report["n_results"] == len(rows) == 2 * len(
         seeded_run.trace_ids
     )
@@ -117,9 +104,10 @@ def test_report_matches_the_rows_and_the_stored_aggregate(
             assert hist["zeros"] + sum(hist["counts"]) + hist["below"] + hist["above"] == len(
                 [m for m in replay_margins if m is not None]
             )
-            assert c["margin_at_divergence"]["replay"] == stored[c["index"]][
-                "margin_at_divergence"
-            ]["replay"]
+            assert (
+                c["margin_at_divergence"]["replay"]
+                == stored[c["index"]]["margin_at_divergence"]["replay"]
+            )
         else:
             assert c["first_divergence_step"] is None and c["t_star_histogram"] is None
 
@@ -130,7 +118,7 @@ def test_lifts_match_the_per_trace_flags_and_the_aggregate(
     h = headers("auditor")
     report = client.get(f"/v1/replays/{seeded_run.run_id}/report", headers=h).json()
     stored = client.get(f"/v1/replays/{seeded_run.run_id}", headers=h).json()["aggregate"]
-    rows = _results(client, seeded_run.run_id, h)
+    rows = all_results(client, seeded_run.run_id, h)
     by = {(x["trace_id"], x["comparison"]): x for x in rows}
     traces = sorted({x["trace_id"] for x in rows})
     base = [bool(by[(t, 0)]["exact_match"]) for t in traces]
@@ -185,7 +173,7 @@ def test_task_accuracy_flips_and_tost_from_the_answers(
     report = client.get(f"/v1/replays/{seeded_run.run_id}/report", headers=h).json()
     acc = report["accuracy"]
     assert acc is not None and acc["extractors"] == ["gsm8k"]
-    rows = _results(client, seeded_run.run_id, h)
+    rows = all_results(client, seeded_run.run_id, h)
     traces = _traces(client, seeded_run.trace_ids, h)
     gsm8k = get_extractor("gsm8k")
     ref = {t: gsm8k(traces[t]["reference_answer"]) for t in traces}
@@ -234,7 +222,7 @@ def test_task_accuracy_flips_and_tost_from_the_answers(
 def test_worker_stores_the_margin_track_and_gate_firings(
     client: TestClient, seeded_run: SeededRun, headers: Callable[..., dict[str, str]]
 ) -> None:
-    rows = _results(client, seeded_run.run_id, headers("auditor"))
+    rows = all_results(client, seeded_run.run_id, headers("auditor"))
     for x in rows:
         d = x["detail"]
         assert len(d["margins"]) == len(d["replay_output_token_ids"])
