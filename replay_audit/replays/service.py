@@ -29,7 +29,8 @@ from replay_audit.replays.schemas import (
     ReplayResultRead,
     TraceFilter,
 )
-from replay_audit.traces.models import NumericalConfigRow, Trace, TraceTag
+from replay_audit.traces import repository as traces_repository
+from replay_audit.traces.models import Trace
 
 #: Traces per job: small enough that a killed job loses little, large enough that a GPU worker
 #: keeps its model busy between queue round trips.
@@ -57,24 +58,22 @@ def _select_traces(session: Session, project_id: int, request: ReplayCreate) -> 
 
 
 def _filtered(session: Session, project_id: int, f: TraceFilter) -> list[Trace]:
-    stmt = select(Trace).where(Trace.project_id == project_id)
-    if f.model_name is not None:
-        stmt = stmt.where(Trace.model_name == f.model_name)
-    if f.weights_sha256 is not None:
-        stmt = stmt.where(Trace.weights_sha256 == f.weights_sha256)
-    if f.config_id is not None or f.dtype is not None:
-        stmt = stmt.join(NumericalConfigRow, NumericalConfigRow.id == Trace.config_id)
-        if f.config_id is not None:
-            stmt = stmt.where(NumericalConfigRow.public_id == f.config_id)
-        if f.dtype is not None:
-            stmt = stmt.where(NumericalConfigRow.dtype == f.dtype)
-    if f.tag is not None:
-        stmt = stmt.where(Trace.id.in_(select(TraceTag.trace_id).where(TraceTag.tag == f.tag)))
-    if f.created_after is not None:
-        stmt = stmt.where(Trace.created_at >= f.created_after)
-    if f.created_before is not None:
-        stmt = stmt.where(Trace.created_at < f.created_before)
-    return list(session.scalars(stmt.order_by(Trace.id).limit(MAX_REPLAY_TRACES + 1)))
+    """The traces a replay filter selects: the same filter as `GET /v1/traces`, oldest first."""
+    stmt = traces_repository.select_traces(
+        project_id,
+        traces_repository.TraceFilter(
+            model=f.model_name,
+            weights_sha256=f.weights_sha256,
+            config_id=f.config_id,
+            dtype=f.dtype,
+            tag=f.tag,
+            created_after=f.created_after,
+            created_before=f.created_before,
+        ),
+    )
+    return list(
+        session.scalars(stmt.order_by(None).order_by(Trace.id).limit(MAX_REPLAY_TRACES + 1))
+    )
 
 
 def _targets(request: ReplayCreate) -> list[dict[str, Any]]:

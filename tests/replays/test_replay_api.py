@@ -256,3 +256,21 @@ def test_roles_and_projects(
     # Another project's trace ids are unknown here.
     r = client.post("/v1/replays", json=body, headers=other)
     assert r.status_code == 422 and "trace_ids" in r.text
+
+
+def test_a_filter_selects_like_the_trace_listing(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+) -> None:
+    h = headers("admin")
+    tagged = ingest(client, h, [logged_trace(p) for p in PROMPTS[:3]])
+    ingest(client, h, [logged_trace(p, tags=["canary"]) for p in PROMPTS[3:5]])
+    r = client.post(
+        "/v1/replays", json={"filter": {"tag": "production"}, "targets": [FP16]}, headers=h
+    )
+    assert r.status_code == 201, r.text
+    runner.run_all()
+    items = all_results(client, r.json()["id"], h)
+    assert sorted(x["trace_id"] for x in items) == sorted(tagged)
