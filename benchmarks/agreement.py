@@ -19,9 +19,14 @@ from typing import Any
 
 import torch
 
-from replay_audit.diff import first_divergence, summarize
+from replay_audit.diff import first_divergence
 from replay_audit.engine import EnginePool, Intervention, Target
-from replay_audit.engine.replayer import compare_arms
+from replay_audit.replays.domain import LoggedTrace
+from replay_audit.replays.models import ReplayResult
+from replay_audit.replays.replayer import compare_arms
+from replay_audit.replays.results import figures as result_figures
+from replay_audit.replays.results import result_values
+from replay_audit.stats.report import ComparisonInput, run_statistics
 from replay_audit.traces.schemas import TraceCreate
 
 
@@ -113,8 +118,8 @@ def main() -> None:
         )
 
     # categories of the baseline divergences (the paper's per-prompt stratification)
-    results = []
-    for pid, p in prompts:
+    figures = []
+    for i, (pid, p) in enumerate(prompts):
         trace = TraceCreate.model_validate(
             {
                 "external_id": pid,
@@ -130,16 +135,21 @@ def main() -> None:
             }
         )
         cmp = compare_arms(
-            trace,
+            LoggedTrace.from_json(trace.model_dump()),
             arm(args.a, configs[0][1]),
             arm(args.b, configs[0][1]),
             pool,
             model_dir=args.model,
         )
-        results.append(cmp.to_dict())
-    s = summarize(results)
-    report["baseline_categories"] = s["categories"]
-    report["baseline_t_star"] = s["t_star"]
+        row = ReplayResult(trace_id=i, **result_values(0, cmp))
+        figures.append(result_figures(row, pid, pid))
+    # the run statistics builder, as every surface of the service uses it
+    s = run_statistics("benchmark", [ComparisonInput(0, 0, 1, "a vs b", False, figures)])
+    c = s.comparisons[0]
+    report["baseline_categories"] = {k: v.successes for k, v in c.categories.items()}
+    report["baseline_t_star"] = (
+        c.first_divergence_step.model_dump() if c.first_divergence_step else None
+    )
     print(json.dumps(report, indent=2))
 
 

@@ -1,4 +1,5 @@
-"""Numerical formats by name, and the unit in the last place (ulp) of each. Pure: stdlib only.
+"""The vocabulary of the product (numerical formats and the ulp of each; modes, intervention
+kinds, categories, cache kinds, margin sources, statuses), defined here once. Pure: stdlib only.
 
 The names are the ones used everywhere in the API (`config.dtype`, `config.lm_head_dtype`):
 
@@ -66,6 +67,48 @@ def ulp(x: float, fmt: str | Format) -> float:
     return math.ldexp(1.0, e - (f.precision - 1))
 
 
-def in_ulps(delta: float, at: float, fmt: str | Format) -> float:
-    """`delta` expressed in ulps of `fmt` at the magnitude of `at` (the top-1 logit)."""
-    return delta / ulp(at, fmt)
+# -- the rest of the vocabulary ---------------------------------------------------------------
+# Every other module spells these through the names below (Literal types for schemas and
+# dataclasses, tuples for validation and for iterating in a stable order).
+
+#: How a replay is run (see replays/replayer.py).
+Mode = Literal["decode", "scan", "scan_then_decode"]
+MODES: Final[tuple[Mode, ...]] = ("decode", "scan", "scan_then_decode")
+
+#: The paper's interventions (section 4), applied at gated steps.
+InterventionKind = Literal["none", "A", "B", "C"]
+INTERVENTION_KINDS: Final[tuple[InterventionKind, ...]] = ("none", "A", "B", "C")
+
+#: The category of a replayed comparison (the paper's per-prompt stratification).
+Category = Literal["agreed", "head_reachable", "kv_dependent", "body_dominated"]
+CATEGORIES: Final[tuple[Category, ...]] = (
+    "agreed",
+    "head_reachable",
+    "kv_dependent",
+    "body_dominated",
+)
+
+#: KV cache of the engine's decode: dynamic (token-identical to transformers' generate()),
+#: static (fixed-size, CUDA-graph capturable) or compiled (torch.compile + CUDA graph).
+CacheKind = Literal["dynamic", "static", "compiled"]
+CACHE_KINDS: Final[tuple[CacheKind, ...]] = ("dynamic", "static", "compiled")
+
+#: Where an arm's margin at t* came from: the logged top-k, a re-run of the logged format on
+#: the worker, the arm's own decode or scan here, or nowhere.
+MarginSource = Literal["logged_top_k", "reconstructed", "decode", "scan", "unavailable"]
+MARGIN_SOURCES: Final[tuple[MarginSource, ...]] = (
+    "logged_top_k",
+    "reconstructed",
+    "decode",
+    "scan",
+    "unavailable",
+)
+
+#: Where a replay target runs: a CUDA worker or a CPU one (None: wherever the deployment can).
+Device = Literal["cpu", "cuda"]
+
+#: An arm of a run: "logged" (the trace as logged) or the index of one of the run's targets.
+ArmKey = Literal["logged"] | int
+
+RunStatus = Literal["queued", "running", "done", "failed"]
+ResultStatus = Literal["ok", "failed"]

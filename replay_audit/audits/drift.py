@@ -1,11 +1,12 @@
-"""A scheduled run's trend point and its drift flags, from the replay run's aggregate.
+"""A scheduled run's trend point and its drift flags, from the replay run's statistics (the
+`RunStatistics` every other surface reads).
 
-Pure (stdlib only): the evaluation job, the trend endpoint and the tests share it.
+Pure (no database): the evaluation job, the trend endpoint and the tests share it.
 
 Trend point (one per audit run): per comparison its EAR (with the Wilson interval), trigger
 rate and category counts; and the schedule page's headline numbers:
     ear             EAR of the first comparison that is not the self-replay (the baseline)
-    c_lift          the aggregate's lift of the comparison whose target uses Intervention C over
+    c_lift          the statistics' lift of the comparison whose target uses Intervention C over
                     the baseline, when the baseline has no intervention
     trigger_rate    the gate's trigger rate in that C comparison (else the baseline's)
     categories      the baseline's category mix
@@ -23,8 +24,11 @@ Comparisons are matched across runs by index: a schedule's targets cannot be edi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Final
+
+from replay_audit.replays.domain import RunTarget
+from replay_audit.stats.report import RunStatistics
 
 #: How many previous runs the EAR-drop rule averages over.
 TRAILING_RUNS: Final = 7
@@ -36,70 +40,53 @@ Metrics = dict[str, Any]
 Flag = dict[str, Any]
 
 
-def target_label(target: Mapping[str, Any]) -> str:
-    """What a target is called on the page: its label, else e.g. `fp16 + C`."""
-    if target.get("label"):
-        return str(target["label"])
-    if target.get("self"):
-        return "self"
-    name = str(target.get("dtype"))
-    if target.get("lm_head_dtype"):
-        name += f" (lm_head {target['lm_head_dtype']})"
-    kind = (target.get("intervention") or {}).get("kind", "none")
-    return name if kind == "none" else f"{name} + {kind}"
-
-
-def _kind(target: Mapping[str, Any]) -> str:
-    return str((target.get("intervention") or {}).get("kind", "none"))
-
-
-def run_metrics(
-    aggregate: Mapping[str, Any],
-    targets: Sequence[Mapping[str, Any]],
-    comparisons: Sequence[Mapping[str, Any]],
-) -> Metrics:
+def run_metrics(stats: RunStatistics, targets: Sequence[RunTarget]) -> Metrics:
     """The trend point of one finished replay run (see the module docstring)."""
     comps: list[dict[str, Any]] = []
-    for c in aggregate.get("comparisons", []):
-        b = targets[int(c["b"])]
-        is_self = bool(b.get("self")) and c["a"] == "logged"
+    for c in stats.comparisons:
+        b = targets[int(c.b)]
+        is_self = b.is_self and c.a == "logged"
         label = (
-            target_label(b)
-            if c["a"] == "logged"
-            else (f"{target_label(targets[int(c['a'])])} vs {target_label(b)}")
+            b.display_label()
+            if c.a == "logged"
+            else f"{targets[int(c.a)].display_label()} vs {b.display_label()}"
         )
-        ear = c.get("ear") or {}
+        kind = b.target.intervention.kind if b.target is not None else "none"
         comps.append(
             {
-                "index": int(c["index"]),
+                "index": c.index,
                 "label": label,
                 "self": is_self,
-                "intervention": "none" if is_self else _kind(b),
-                "n": int(c.get("ok", 0)),
-                "failed": int(c.get("failed", 0)),
-                "ear": ear.get("estimate"),
-                "ear_low": ear.get("low"),
-                "ear_high": ear.get("high"),
-                "exact": ear.get("successes"),
-                "trigger_rate": c.get("trigger_rate"),
-                "categories": dict(c.get("categories") or {}),
+                "intervention": "none" if is_self else kind,
+                "n": c.ok,
+                "failed": c.failed,
+                "ear": c.ear.estimate,
+                "ear_low": c.ear.low,
+                "ear_high": c.ear.high,
+                "exact": c.ear.successes,
+                "trigger_rate": c.trigger_rate,
+                "categories": {k: v.successes for k, v in c.categories.items()},
             }
         )
     baseline = next((c for c in comps if not c["self"]), comps[0] if comps else None)
     treated = None
     c_lift = None
     if baseline is not None and baseline["intervention"] == "none":
-        for lift in aggregate.get("lifts", []):
-            cand = next((c for c in comps if c["index"] == int(lift["treated"])), None)
-            if (
-                int(lift["baseline"]) == baseline["index"]
-                and cand is not None
-                and cand["intervention"] == "C"
-            ):
+        for lift in stats.lifts:
+            cand = next((c for c in comps if c["index"] == lift.comparison_b), None)
+            if lift.comparison_a == baseline["index"] and cand is not None:
+                if cand["intervention"] != "C":
+                    continue
                 treated = cand
                 c_lift = {
-                    k: lift.get(k) for k in ("lift", "low", "high", "n", "fixed", "broke")
-                } | {"comparison": cand["index"]}
+                    "lift": lift.lift,
+                    "low": lift.low,
+                    "high": lift.high,
+                    "n": lift.n,
+                    "fixed": lift.fixed,
+                    "broke": lift.broke,
+                    "comparison": cand["index"],
+                }
                 break
     self_comp = next((c for c in comps if c["self"]), None)
     trigger_source = treated or baseline

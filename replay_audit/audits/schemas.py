@@ -27,7 +27,8 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator, 
 from replay_audit.audits.sampling import Policy
 from replay_audit.audits.schedule import NIGHTLY, validate_cron
 from replay_audit.exceptions import FieldError
-from replay_audit.replays.schemas import MAX_REPLAY_TRACES, Mode, ReplayCreate, TargetSpec
+from replay_audit.formats import Mode
+from replay_audit.replays.schemas import MAX_REPLAY_TRACES, ReplayCreate, TargetSpec
 from replay_audit.traces.schemas import BodyDTypeName, Name, Tag
 
 ScheduleStatus = Literal["active", "paused"]

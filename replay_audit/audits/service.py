@@ -42,6 +42,7 @@ from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import Conflict, FieldError, NotFound, ReplayAuditError
 from replay_audit.queue import JobSpec, Runner
 from replay_audit.replays import service as replay_service
+from replay_audit.replays import statistics as replay_statistics
 from replay_audit.replays.models import ReplayRun
 
 #: How far back missed runs are looked for.
@@ -506,7 +507,7 @@ def evaluate_audit_run(
         return None
     schedule = session.get(AuditSchedule, run.schedule_id)
     assert schedule is not None  # FK
-    run.metrics = run_metrics(replay.aggregate or {}, replay.targets, replay.comparisons)
+    run.metrics = run_metrics(replay_statistics.of_run(session, replay), replay.run_targets)
     if replay.status == "failed":
         run.status, run.error, run.flags = "failed", replay.error, []
     else:

@@ -51,44 +51,35 @@ def _pct(p: dict[str, Any] | None) -> str:
     return f"{100 * p['estimate']:.0f}% [{100 * p['low']:.0f}, {100 * p['high']:.0f}]"
 
 
-def _arm(target: dict[str, Any]) -> str:
-    return str(target.get("label") or target.get("dtype"))
-
-
 _SHORT = {"agreed": "agr", "head_reachable": "head", "kv_dependent": "kv", "body_dominated": "body"}
 
 
 def _print_run(console: Any, run: dict[str, Any], title: str) -> None:
+    """The run's statistics as the API serves them (`statistics`: the same object as /report
+    and the UI), with each comparison's and each lift's own label."""
     from rich.markup import escape
     from rich.table import Table
 
-    agg = run["aggregate"] or {"comparisons": [], "lifts": []}
-    targets = run["targets"]
+    stats = run["statistics"] or {"comparisons": [], "lifts": []}
     table = Table(title=f"{title}\nrun {run['id']} ({run['status']})", title_justify="left")
-    for col in ("arm A", "arm B", "EAR [95% CI]", "gate", "t* med", "categories"):
+    for col in ("comparison", "EAR [95% CI]", "gate", "t* med", "categories"):
         table.add_column(col, overflow="fold")
-    for c in agg["comparisons"]:
+    for c in stats["comparisons"]:
         t_star = c["first_divergence_step"]
-        cats = " ".join(f"{_SHORT[k]} {v}" for k, v in c["categories"].items() if v)
+        cats = " ".join(
+            f"{_SHORT[k]} {v['successes']}" for k, v in c["categories"].items() if v["successes"]
+        )
         table.add_row(
-            "logged" if c["a"] == "logged" else _arm(targets[c["a"]]),
-            _arm(targets[c["b"]]),
+            escape(c["label"]),
             _pct(c["ear"]),
             "-" if c["trigger_rate"] is None else f"{100 * c['trigger_rate']:.2f}%",
             "-" if t_star is None else f"{t_star['median']:.0f}",
             cats or "-",
         )
     console.print(table)
-    comps = {c["index"]: c for c in agg["comparisons"]}
-
-    def name(c: dict[str, Any]) -> str:
-        a = "logged" if c["a"] == "logged" else _arm(targets[c["a"]])
-        return f"{a} vs {_arm(targets[c['b']])}"
-
-    for lift in agg["lifts"]:
-        b, t = comps[lift["baseline"]], comps[lift["treated"]]
+    for lift in stats["lifts"]:
         line = (
-            f"  EAR lift of [{name(t)}] over [{name(b)}]: "
+            f"  EAR lift of [{lift['label_b']}] over [{lift['label_a']}]: "
             f"{100 * lift['lift']:+.1f} pp [{100 * lift['low']:+.1f}, {100 * lift['high']:+.1f}]"
             f"; fixed {lift['fixed']}, broke {lift['broke']}, McNemar p = {lift['mcnemar_p']:.3g}"
         )

@@ -106,6 +106,7 @@ def generate(
     _set_threads(threads)
     from replay_audit.engine.generate import TraceGenerator
     from replay_audit.exceptions import ReplayAuditError
+    from replay_audit.traces.schemas import TraceCreate
 
     try:
         gen = TraceGenerator(
@@ -125,6 +126,8 @@ def generate(
                 external_id=None if pid is None else str(pid),
                 tags=tag or [],
             )
+            # Exactly what POST /v1/traces accepts (validated here, at the CLI's edge).
+            trace = TraceCreate.model_validate(trace).model_dump(mode="json")
             f.write(json.dumps(trace, allow_nan=False) + "\n")
             n += 1
             bar.advance(task)
@@ -166,11 +169,14 @@ def replay(
     """Replay each trace in the target configuration and diff it with the logged output."""
     from pydantic import ValidationError
 
-    from replay_audit.diff import summarize
     from replay_audit.engine import EnginePool, Intervention, Target
     from replay_audit.engine.hashing import NoWeightsError
-    from replay_audit.engine.replayer import replay_trace
     from replay_audit.exceptions import ReplayAuditError
+    from replay_audit.replays.domain import Comparison, LoggedTrace, RunTarget, comparison_label
+    from replay_audit.replays.models import ReplayResult
+    from replay_audit.replays.replayer import replay_trace
+    from replay_audit.replays.results import figures, result_read, result_values
+    from replay_audit.stats.report import ComparisonInput, run_statistics
     from replay_audit.traces.schemas import TraceCreate
 
     _choice(dtype, _DTYPES, "--dtype")
@@ -212,13 +218,13 @@ def replay(
             )
 
     _set_threads(threads)
-    results: list[dict[str, Any]] = []
+    rows: list[Any] = []
     with out.open("w", encoding="utf-8") as f, _progress() as bar:
         task = bar.add_task(f"replay in {dtype}", total=len(parsed))
-        for tr in parsed:
+        for i, tr in enumerate(parsed):
             try:
                 r = replay_trace(
-                    tr,
+                    LoggedTrace.from_json(tr.model_dump()),
                     target,
                     pool,
                     model_dir=model,
@@ -229,17 +235,28 @@ def replay(
                 )
             except ReplayAuditError as e:
                 _fail(e.message)
-            d = r.to_dict()
-            f.write(json.dumps(d, allow_nan=False) + "\n")
-            results.append(d)
+            # The same mappings as a stored result: the row, then the API's view of it.
+            stored = ReplayResult(trace_id=i, **result_values(0, r))
+            name = tr.external_id or f"line {i + 1}"
+            read = result_read(stored, name, "offline")
+            line = read.model_dump(mode="json", exclude={"run_id", "created_at", "detail"})
+            # Deprecated: the top-level keys of earlier releases' output (see docs/engine.md).
+            line = {**read.detail, "external_id": tr.external_id, **line}
+            f.write(json.dumps(line, allow_nan=False) + "\n")
+            rows.append(figures(stored, name, tr.external_id))
             bar.advance(task)
-    summary = summarize(results)
-    summary["target"] = target.to_dict()
-    summary["mode"] = mode
+    # One comparison, T0 against the logged tokens, labelled as a run's would be.
+    label = comparison_label(Comparison(0, "logged", 0), [RunTarget(target)])
+    stats = run_statistics("offline", [ComparisonInput(0, "logged", 0, label, False, rows)])
+    summary = {
+        **stats.comparisons[0].model_dump(mode="json"),
+        "target": target.to_dict(),
+        "mode": mode,
+    }
     _print_summary(summary)
     if summary_json is not None:
         summary_json.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
-    typer.echo(f"wrote {len(results)} results to {out}")
+    typer.echo(f"wrote {len(rows)} results to {out}")
 
 
 def _fmt(x: Any, spec: str = "") -> str:
@@ -261,17 +278,31 @@ def _print_summary(s: dict[str, Any]) -> None:
     table = Table(title=title, show_header=True)
     table.add_column("measure")
     table.add_column("value", justify="right")
-    ts = s["t_star"]
+    ear, ts = s["ear"], s["first_divergence_step"] or {}
     rows = [
         ("traces (n)", str(s["n"])),
-        ("exact agreement (EAR)", f"{_fmt(s['ear'], '.1%')} ({s['exact']}/{s['n']})"),
+        (
+            "exact agreement (EAR)",
+            f"{_fmt(ear['estimate'], '.1%')} [{ear['low']:.1%}, {ear['high']:.1%}] "
+            f"({ear['successes']}/{ear['n']})",
+        ),
         ("trigger rate", f"{_fmt(s['trigger_rate'], '.2%')} ({s['gate_triggers']}/{s['steps']})"),
         ("mean gap", _fmt(s["mean_gap"], ".4g")),
-        ("t* min / median / max", f"{_fmt(ts['min'])} / {_fmt(ts['median'])} / {_fmt(ts['max'])}"),
+        (
+            "t* min / median / max",
+            f"{_fmt(ts.get('min'))} / {_fmt(ts.get('median'))} / {_fmt(ts.get('max'))}",
+        ),
     ]
-    rows += [(f"category {k}", str(v)) for k, v in s["categories"].items()]
+    rows += [(f"category {k}", str(v["successes"])) for k, v in s["categories"].items()]
     if s["sar"] is not None:
-        rows.append(("semantic agreement (SAR)", _fmt(s["sar"], ".1%")))
+        sar = s["sar"]
+        rows.append(
+            (
+                "answer agreement (SAR)",
+                f"{_fmt(sar['estimate'], '.1%')} ({sar['successes']}/{sar['n']}; "
+                f"{s['sar_neither_answered']} with no answer in either arm)",
+            )
+        )
     for k, v in rows:
         table.add_row(k, v)
     Console().print(table)

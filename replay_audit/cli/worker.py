@@ -39,13 +39,14 @@ def worker(
 
     from replay_audit.config import get_settings
     from replay_audit.engine.pool import EnginePool
-    from replay_audit.worker.jobs import set_engine_pool
+    from replay_audit.replays.tasks import MAX_ENGINES, WorkerContext, install_worker_context
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = get_settings()
     if kv_cache not in ("dynamic", "static", "compiled"):
         raise typer.BadParameter("dynamic, static or compiled", param_hint="--kv-cache")
-    set_engine_pool(EnginePool(max_engines=8, device=device, cache=kv_cache))  # type: ignore[arg-type]
+    pool = EnginePool(max_engines=MAX_ENGINES, device=device, cache=kv_cache)  # type: ignore[arg-type]
+    install_worker_context(WorkerContext(settings, pool))
     connection = Redis.from_url(settings.redis_url)
     queues = [Queue(q, connection=connection) for q in queue]
     w = SimpleWorker(queues, connection=connection, name=name)

@@ -11,12 +11,7 @@ from replay_audit.diff.answer import (
     register_extractor,
     semantic_agreement,
 )
-from replay_audit.diff.category import (
-    CATEGORIES,
-    Category,
-    classify,
-    gate_fires_at_divergence,
-)
+from replay_audit.diff.category import classify, gate_fires_at_divergence
 from replay_audit.diff.divergence import (
     cascade_length,
     exact_match,
@@ -33,12 +28,9 @@ from replay_audit.diff.margin import (
     margins_in_ulps,
     ulp_array,
 )
-from replay_audit.diff.summary import summarize
 
 __all__ = [
-    "CATEGORIES",
     "DEFAULT_TAU",
-    "Category",
     "Extractor",
     "GateRule",
     "Margin",
@@ -59,6 +51,5 @@ __all__ = [
     "normalise_number",
     "register_extractor",
     "semantic_agreement",
-    "summarize",
     "ulp_array",
 ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 Extractor = Callable[[str], "str | None"]
@@ -70,22 +70,44 @@ def extract_gsm8k(text: str) -> str | None:
 
 @dataclass(frozen=True)
 class SemanticAgreement:
+    """The final answers extracted from arm A's and arm B's texts, and whether they agree."""
+
     extractor: str
-    logged_answer: str | None
-    replay_answer: str | None
-    #: Both arms gave an answer and the answers are equal (no answer on either side: False).
-    agree: bool
+    answer_a: str | None
+    answer_b: str | None
     #: Whether each arm's answer equals the trace's reference answer (None without one).
-    logged_correct: bool | None = None
-    replay_correct: bool | None = None
+    correct_a: bool | None = None
+    correct_b: bool | None = None
+
+    @property
+    def agree(self) -> bool:
+        """The arms give the same answer; neither giving one is agreement too (the texts do not
+        differ in their answer), counted apart as `neither_answered`."""
+        return self.answer_a == self.answer_b
+
+    @property
+    def neither_answered(self) -> bool:
+        return self.answer_a is None and self.answer_b is None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The stored JSON. `logged_answer`/`replay_answer` repeat `answer_a`/`answer_b` for
+        readers of earlier releases (deprecated)."""
+        return {
+            "extractor": self.extractor,
+            "answer_a": self.answer_a,
+            "answer_b": self.answer_b,
+            "agree": self.agree,
+            "neither_answered": self.neither_answered,
+            "correct_a": self.correct_a,
+            "correct_b": self.correct_b,
+            "logged_answer": self.answer_a,
+            "replay_answer": self.answer_b,
+        }
 
 
 def semantic_agreement(
-    logged_text: str,
-    replay_text: str,
+    text_a: str,
+    text_b: str,
     extractor: str | Extractor = "gsm8k",
     *,
     reference_answer: str | None = None,
@@ -94,13 +116,12 @@ def semantic_agreement(
     answer, normalised by the same extractor, when one is given)."""
     name = extractor if isinstance(extractor, str) else getattr(extractor, "__name__", "custom")
     fn = get_extractor(extractor) if isinstance(extractor, str) else extractor
-    a, b = fn(logged_text), fn(replay_text)
+    a, b = fn(text_a), fn(text_b)
     ref = fn(reference_answer) if reference_answer is not None else None
     return SemanticAgreement(
         extractor=name,
-        logged_answer=a,
-        replay_answer=b,
-        agree=a is not None and a == b,
-        logged_correct=None if ref is None else a == ref,
-        replay_correct=None if ref is None else b == ref,
+        answer_a=a,
+        answer_b=b,
+        correct_a=None if ref is None else a == ref,
+        correct_b=None if ref is None else b == ref,
     )

@@ -13,17 +13,8 @@ stratification"), as DESIGN.md defines it. Pure.
 
 from __future__ import annotations
 
-from typing import Final, Literal
-
 from replay_audit.diff.margin import GateRule, Margin
-
-Category = Literal["agreed", "head_reachable", "kv_dependent", "body_dominated"]
-CATEGORIES: Final[tuple[Category, ...]] = (
-    "agreed",
-    "head_reachable",
-    "kv_dependent",
-    "body_dominated",
-)
+from replay_audit.formats import Category
 
 
 def gate_fires_at_divergence(

@@ -7,24 +7,20 @@ Importing this package does not import torch. `load_engine` builds the real (tor
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 from replay_audit.engine.fake import FakeEngine
 from replay_audit.engine.hashing import weights_sha256
 from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import (
-    INTERVENTION_KINDS,
-    MODES,
     DecodeRun,
     Engine,
     Intervention,
-    InterventionKind,
-    Mode,
     ScanRun,
     StepInfo,
     Steps,
     Target,
 )
+from replay_audit.formats import CacheKind
 
 
 def load_engine(
@@ -34,7 +30,7 @@ def load_engine(
     device: str | None = None,
     deterministic: bool = True,
     tf32: bool = False,
-    cache: Literal["dynamic", "static", "compiled"] = "dynamic",
+    cache: CacheKind = "dynamic",
     max_cache_len: int = 4096,
 ) -> Engine:
     """Load a local Hugging Face checkpoint (no network) in `target`'s format as a torch engine.
@@ -59,15 +55,11 @@ def load_engine(
 
 
 __all__ = [
-    "INTERVENTION_KINDS",
-    "MODES",
     "DecodeRun",
     "Engine",
     "EnginePool",
     "FakeEngine",
     "Intervention",
-    "InterventionKind",
-    "Mode",
     "ScanRun",
     "StepInfo",
     "Steps",

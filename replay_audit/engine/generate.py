@@ -1,4 +1,4 @@
-"""Log traces with transformers' own `generate()`: the reference producer of `TraceCreate` JSON.
+"""Log traces with transformers' own `generate()`: the reference producer of trace JSON.
 
 Greedy, in one body dtype (the lm_head in the same dtype, as transformers runs it), with the
 numerical configuration read from the running process and each step's top-k raw logits (the
@@ -22,7 +22,6 @@ from replay_audit.engine.loading import (
     resolve_device,
 )
 from replay_audit.exceptions import EngineError
-from replay_audit.traces.schemas import TraceCreate
 
 
 def printable_text(text: str) -> str:
@@ -137,7 +136,8 @@ class TraceGenerator:
         external_id: str | None = None,
         tags: Sequence[str] = (),
     ) -> dict[str, Any]:
-        """One trace as `TraceCreate` JSON (validated)."""
+        """One trace as `POST /v1/traces` JSON. The engine imports no HTTP schema: callers that
+        write or post it validate it with `traces.schemas.TraceCreate` at their edge."""
         prompt_ids = self.encode(prompt)
         output_ids, logits = self.generate_ids(prompt_ids, max_new_tokens)
         ids, vals = sorted_top_k(logits, top_k)
@@ -166,7 +166,7 @@ class TraceGenerator:
             "top_k": {"ids": ids.tolist(), "logits": [[float(x) for x in r] for r in vals]},
             "tags": list(tags),
         }
-        return TraceCreate.model_validate(body).model_dump(mode="json")
+        return body
 
 
 def generate_traces(

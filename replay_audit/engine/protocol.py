@@ -14,22 +14,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Final, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from replay_audit.diff.margin import DEFAULT_TAU, GateRule, Margin
-from replay_audit.formats import BODY_DTYPES, HEAD_DTYPES, ulp
-
-InterventionKind = Literal["none", "A", "B", "C"]
-INTERVENTION_KINDS: tuple[InterventionKind, ...] = ("none", "A", "B", "C")
-Mode = Literal["decode", "scan", "scan_then_decode"]
-MODES: tuple[Mode, ...] = ("decode", "scan", "scan_then_decode")
+from replay_audit.formats import (
+    BODY_DTYPES,
+    HEAD_DTYPES,
+    INTERVENTION_KINDS,
+    InterventionKind,
+    ulp,
+)
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
+
+
+#: K of intervention B (FP32 recompute of the top-K lm_head rows) when a request names none.
+DEFAULT_B_TOP_K: Final = 8
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ class Intervention:
     kind: InterventionKind = "none"
     tau: float = DEFAULT_TAU
     tau_ulps: float | None = None
-    top_k: int = 8
+    top_k: int = DEFAULT_B_TOP_K
 
     def __post_init__(self) -> None:
         if self.kind not in INTERVENTION_KINDS:

@@ -16,9 +16,7 @@ router = APIRouter(prefix="/v1/replays", tags=["replays"])
 
 Writer = Annotated[Principal, Depends(require_role(Role.submitter, Role.admin))]
 #: Polling a run's status and aggregate: whoever may create one, and auditors.
-StatusReader = Annotated[
-    Principal, Depends(require_role(Role.submitter, Role.auditor, Role.admin))
-]
+StatusReader = Annotated[Principal, Depends(require_role(Role.submitter, Role.auditor, Role.admin))]
 #: Per-trace results carry replayed tokens: like traces, readable by auditors and admins only
 #: (a leaked ingest key exposes no generations).
 Reader = Annotated[Principal, Depends(require_role(Role.auditor, Role.admin))]

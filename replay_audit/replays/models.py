@@ -30,6 +30,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from replay_audit.db.base import Base, utcnow
 from replay_audit.db.types import Int32Array, PackedInt32Array
+from replay_audit.replays.domain import Comparison, RunTarget
 
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -60,10 +61,20 @@ class ReplayRun(Base):
     idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
     schedule_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: The run's statistics (`stats.report.RunStatistics` JSON), stored when the run finishes.
     aggregate: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
     started_at: Mapped[datetime | None] = mapped_column(nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+    @property
+    def run_targets(self) -> tuple[RunTarget, ...]:
+        """The stored targets as domain values."""
+        return tuple(RunTarget.from_json(t) for t in self.targets)
+
+    @property
+    def run_comparisons(self) -> tuple[Comparison, ...]:
+        return tuple(Comparison.from_json(c) for c in self.comparisons)
 
 
 class ReplayJob(Base):
@@ -106,13 +117,19 @@ class ReplayResult(Base):
     exact_match: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
     first_divergence_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     category: Mapped[str | None] = mapped_column(String(32), nullable=True, index=True)
-    margin_logged: Mapped[float | None] = mapped_column(Float, nullable=True)
-    margin_logged_ulps: Mapped[float | None] = mapped_column(Float, nullable=True)
-    margin_logged_source: Mapped[str | None] = mapped_column(String(32), nullable=True)
-    margin_replay: Mapped[float | None] = mapped_column(Float, nullable=True)
-    margin_replay_ulps: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: Each arm's top-2 margin at t* (absolute, in ulps of its lm_head format), and where arm
+    #: A's came from (the logged top-k, a re-run here, its own decode here, or unavailable).
+    margin_a: Mapped[float | None] = mapped_column(Float, nullable=True)
+    margin_a_ulps: Mapped[float | None] = mapped_column(Float, nullable=True)
+    margin_a_source: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    margin_b: Mapped[float | None] = mapped_column(Float, nullable=True)
+    margin_b_ulps: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: Arm B's gate firings and replayed steps (the result's `gate_triggers`), and arm A's
+    #: where arm A was run here too (both-arms comparisons; None against the logged tokens).
     gate_triggers: Mapped[int | None] = mapped_column(Integer, nullable=True)
     n_steps: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    gate_triggers_a: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    n_steps_a: Mapped[int | None] = mapped_column(Integer, nullable=True)
     trigger_rate: Mapped[float | None] = mapped_column(Float, nullable=True)
     mean_gap: Mapped[float | None] = mapped_column(Float, nullable=True)
     tie: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
@@ -127,7 +144,7 @@ class ReplayResult(Base):
     #: Replayed output of arm B (and of arm A when both arms were run by us).
     output_b: Mapped[Int32Array | None] = mapped_column(PackedInt32Array, nullable=True)
     output_a: Mapped[Int32Array | None] = mapped_column(PackedInt32Array, nullable=True)
-    #: Everything else of the engine's answer: environment (actual), single-step re-run,
-    #: per-step margin track, semantic answers.
+    #: Everything else of the outcome (`replays.results`): per arm its environment, target,
+    #: margin track and text; the single-step re-run; the semantic answers.
     detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 def job_spec(job_id: int, queue: str, timeout_s: int) -> JobSpec:
     """The one way a replay job is named and enqueued (the service and the reconciler)."""
     return JobSpec(
-        func="replay_audit.worker.jobs.run_replay_job",
+        func="replay_audit.replays.tasks.run_replay_job",
         args=(job_id,),
         job_id=f"replay-job-{job_id}",
         queue=queue,

@@ -5,18 +5,43 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import orjson
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from replay_audit.db.base import utcnow
-from replay_audit.replays.aggregate import aggregate_run
+from replay_audit.replays.domain import LoggedTrace
 from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
+from replay_audit.replays.results import failed_values, figures
+from replay_audit.stats.report import AnswerFigures, ResultFigures
 from replay_audit.traces.models import Trace
+
+R = ReplayResult
 
 
 def _insert(session: Session) -> Any:
     return (postgresql if session.get_bind().dialect.name == "postgresql" else sqlite).insert
+
+
+def logged_trace(trace: Trace) -> LoggedTrace:
+    """What a replay needs of a stored trace (arrays straight from the packed columns)."""
+    logits = None
+    if trace.top_k and trace.top_k_logits is not None:
+        logits = np.asarray(trace.top_k_logits, np.float32).reshape(-1, trace.top_k)
+    return LoggedTrace.from_parts(
+        external_id=trace.external_id,
+        weights_sha256=trace.weights_sha256,
+        vocab_size=trace.vocab_size,
+        config=orjson.loads(trace.config.config_json),
+        decoding=trace.decoding,
+        prompt_token_ids=trace.prompt_token_ids,
+        output_token_ids=trace.output_token_ids,
+        top_k_logits=logits,
+        output_text=trace.output_text,
+        reference_answer=trace.reference_answer,
+    )
 
 
 def get_run(session: Session, project_id: int, public_id: str) -> ReplayRun | None:
@@ -126,7 +151,7 @@ def fail_job(session: Session, job_id: int, reason: str) -> None:
             session,
             run.id,
             trace_id,
-            [{"comparison": c, "status": "failed", "error": reason, "detail": {}} for c in missing],
+            [failed_values(c, reason) for c in missing],
         )
     job.error = reason
     session.flush()
@@ -134,41 +159,107 @@ def fail_job(session: Session, job_id: int, reason: str) -> None:
 
 
 def finalise_run(session: Session, run: ReplayRun) -> None:
-    results = list(
-        session.execute(
-            select(
-                ReplayResult.trace_id,
-                ReplayResult.comparison,
-                ReplayResult.status,
-                ReplayResult.error,
-                ReplayResult.exact_match,
-                ReplayResult.first_divergence_step,
-                ReplayResult.category,
-                ReplayResult.margin_logged,
-                ReplayResult.margin_logged_ulps,
-                ReplayResult.margin_replay,
-                ReplayResult.margin_replay_ulps,
-                ReplayResult.gate_triggers,
-                ReplayResult.n_steps,
-                ReplayResult.mean_gap,
-                ReplayResult.length_difference,
-                ReplayResult.semantic_agree,
-                Trace.public_id,
-            )
-            .join(Trace, Trace.id == ReplayResult.trace_id)
-            .where(ReplayResult.run_id == run.id)
-            .order_by(ReplayResult.trace_id, ReplayResult.comparison)
-        ).mappings()
-    )
-    run.aggregate = aggregate_run([dict(r) for r in results], run.comparisons, run.targets)
-    n_ok = sum(1 for r in results if r["status"] == "ok")
+    """Store the run's statistics and its final status (done, or failed when every item
+    failed)."""
+    from replay_audit.replays import statistics  # the builder reads through this module
+
+    stats = statistics.compute(session, run)
+    run.aggregate = stats.model_dump(mode="json")
+    counts = {c.index: (c.ok, c.n) for c in stats.comparisons}
+    n_ok = sum(ok for ok, _ in counts.values())
     run.finished_at = utcnow()
-    if results and n_ok == 0:
+    if sum(n for _, n in counts.values()) and n_ok == 0:
         run.status = "failed"
-        first = next(r["error"] for r in results if r["status"] == "failed")
+        first = session.scalar(
+            select(R.error).where(R.run_id == run.id, R.status == "failed").order_by(R.id).limit(1)
+        )
         run.error = f"every item failed; first reason: {first}"
     else:
         run.status = "done"
+
+
+#: The result columns the statistics read (`stats.report.ResultFigures`), plus the trace's ids.
+_FIGURE_COLUMNS = (
+    R.comparison,
+    R.trace_id,
+    R.status,
+    R.exact_match,
+    R.first_divergence_step,
+    R.category,
+    R.margin_a,
+    R.margin_a_ulps,
+    R.margin_b,
+    R.margin_b_ulps,
+    R.gate_triggers,
+    R.n_steps,
+    R.mean_gap,
+    R.gate_triggers_a,
+    R.n_steps_a,
+    R.length_difference,
+    R.answer_extractor,
+    R.answer_a,
+    R.answer_b,
+    Trace.public_id,
+    Trace.external_id,
+)
+
+
+def result_figures(
+    session: Session, run_id: int, comparison: int | None = None
+) -> dict[int, list[ResultFigures]]:
+    """Per comparison, the figures of every result of the run (or of one comparison), in trace
+    order: one indexed scan of small columns (no detail JSON, no token arrays)."""
+    stmt = (
+        select(*_FIGURE_COLUMNS)
+        .join(Trace, Trace.id == R.trace_id)
+        .where(R.run_id == run_id)
+        .order_by(R.comparison, R.trace_id)
+    )
+    if comparison is not None:
+        stmt = stmt.where(R.comparison == comparison)
+    out: dict[int, list[ResultFigures]] = {}
+    for row in session.execute(stmt):
+        out.setdefault(int(row.comparison), []).append(figures(row, row.public_id, row.external_id))
+    return out
+
+
+def has_reference_answers(session: Session, run_id: int) -> bool:
+    """Whether some trace of the run carries a reference answer (one indexed probe)."""
+    stmt = select(
+        select(1)
+        .select_from(R)
+        .join(Trace, Trace.id == R.trace_id)
+        .where(R.run_id == run_id, R.comparison == 0, Trace.reference_answer.is_not(None))
+        .exists()
+    )
+    return bool(session.scalar(stmt))
+
+
+def answer_figures(session: Session, run_id: int) -> list[AnswerFigures]:
+    """The extracted answers of every ok result whose trace has a reference answer (from the
+    result's answer columns: no JSON is parsed)."""
+    stmt = (
+        select(
+            R.comparison,
+            R.trace_id,
+            R.answer_extractor,
+            R.answer_a,
+            R.answer_b,
+            Trace.reference_answer,
+        )
+        .join(Trace, Trace.id == R.trace_id)
+        .where(
+            R.run_id == run_id,
+            R.status == "ok",
+            Trace.reference_answer.is_not(None),
+            R.answer_extractor.is_not(None),
+        )
+        .order_by(R.trace_id, R.comparison)
+    )
+    return [
+        AnswerFigures(int(c), int(t), str(extractor), a, b, str(reference))
+        for c, t, extractor, a, b, reference in session.execute(stmt)
+    ]
 
 
 def results_page(

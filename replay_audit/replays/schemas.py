@@ -19,8 +19,13 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
+from replay_audit.diff.margin import DEFAULT_TAU
+from replay_audit.engine.protocol import DEFAULT_B_TOP_K, Intervention, Target
+from replay_audit.formats import CATEGORIES, MODES, Category, MarginSource, Mode, RunStatus
+from replay_audit.replays.domain import RunTarget
+from replay_audit.stats.report import RunStatistics
 from replay_audit.traces.schemas import BodyDTypeName, HeadDTypeName
 
 #: Largest number of traces one replay run may select (422 above it).
@@ -28,9 +33,8 @@ MAX_REPLAY_TRACES = 10_000
 #: Largest number of targets in one run.
 MAX_TARGETS = 8
 
-RunStatus = Literal["queued", "running", "done", "failed"]
-Category = Literal["agreed", "head_reachable", "kv_dependent", "body_dominated"]
-Mode = Literal["decode", "scan", "scan_then_decode"]
+assert set(MODES) == set(Mode.__args__)  # type: ignore[attr-defined]
+assert set(CATEGORIES) == set(Category.__args__)  # type: ignore[attr-defined]
 
 
 class _Strict(BaseModel):
@@ -40,11 +44,14 @@ class _Strict(BaseModel):
 class InterventionSpec(_Strict):
     kind: Literal["none", "A", "B", "C"] = "none"
     #: Absolute gate threshold on the top-two margin (paper default 1e-3). 0 = ungated.
-    tau: float = Field(default=1e-3, allow_inf_nan=False)
+    tau: float = Field(default=DEFAULT_TAU, allow_inf_nan=False)
     #: Format-scaled gate: τ = tau_ulps ulps of the arm's lm_head format at the top-1 logit.
     tau_ulps: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     #: Intervention B: how many top rows to recompute in FP32.
-    top_k: int = Field(default=8, ge=1, le=1_000_000)
+    top_k: int = Field(default=DEFAULT_B_TOP_K, ge=1, le=1_000_000)
+
+    def to_domain(self) -> Intervention:
+        return Intervention(kind=self.kind, tau=self.tau, tau_ulps=self.tau_ulps, top_k=self.top_k)
 
 
 class TargetSpec(_Strict):
@@ -57,6 +64,19 @@ class TargetSpec(_Strict):
     #: queue under RQ, the in-process runner otherwise.
     device: Literal["cpu", "cuda"] | None = None
     label: str | None = Field(default=None, max_length=100)
+
+    def to_domain(self) -> RunTarget:
+        return RunTarget(
+            Target(
+                dtype=self.dtype,
+                lm_head_dtype=self.lm_head_dtype,
+                attn_kernel=self.attn_kernel,
+                batch_size=self.batch_size,
+                intervention=self.intervention.to_domain(),
+            ),
+            device=self.device,
+            label=self.label,
+        )
 
 
 class TraceFilter(_Strict):
@@ -125,8 +145,61 @@ class ReplayRead(_Strict):
     n_traces: int
     progress: Progress
     error: str | None
+    #: The run's statistics (the same object `/report` and the UI show): stored when the run
+    #: finished, computed over the results so far while it runs.
+    statistics: RunStatistics | None = None
+    #: Deprecated: the same figures under the key names of earlier releases.
     aggregate: dict[str, Any] | None
     schedule_id: str | None = None
+
+
+class ArmMarginRead(_Strict):
+    """An arm's top-2 margin at t*: absolute, in ulps of its lm_head format, and its source."""
+
+    abs: float | None
+    ulps: float | None
+    source: MarginSource | None
+
+
+class MarginsRead(_Strict):
+    """Both arms' margins at t*."""
+
+    a: ArmMarginRead
+    b: ArmMarginRead
+
+    # Deprecated names of earlier releases (`logged` was arm A even when it was a target).
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def logged(self) -> ArmMarginRead:
+        return self.a
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def replay(self) -> ArmMarginRead:
+        return self.b
+
+
+class ArmRead(_Strict):
+    """One arm of a result. For arm A of a comparison against the logged tokens, what was not
+    run here (output, steps, gate firings) is null."""
+
+    target: dict[str, Any] | None
+    output_token_ids: list[int] | None
+    gate_triggers: int | None
+    steps: int | None
+    trigger_rate: float | None
+    mean_gap: float | None
+    changed_steps: int | None
+    gate_fired_steps: list[int] | None
+    #: Per-step margins (6 significant digits; a display track).
+    margins: list[float | None] | None
+    environment: dict[str, Any] | None
+    text: str | None
+
+
+class ArmsRead(_Strict):
+    a: ArmRead
+    b: ArmRead
 
 
 class ReplayResultRead(_Strict):
@@ -137,14 +210,20 @@ class ReplayResultRead(_Strict):
     error: str | None
     exact_match: bool | None
     first_divergence_step: int | None
-    margin_at_divergence: dict[str, Any] | None
+    margin_at_divergence: MarginsRead | None
     category: Category | None
+    #: Arm B's gate firings (both arms': `arms.a.gate_triggers`, `arms.b.gate_triggers`).
     gate_triggers: int | None
     trigger_rate: float | None
     mean_gap: float | None
     tie: bool | None
     cascade_length: int | None
     length_difference: int | None
+    mode: Mode | None = None
+    arms: ArmsRead | None = None
+    single_step: dict[str, Any] | None = None
+    semantic: dict[str, Any] | None = None
+    #: Deprecated: the layout of earlier releases (read `arms`, `single_step`, `semantic`).
     detail: dict[str, Any]
     created_at: datetime
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -17,18 +17,20 @@ from replay_audit.db.ids import new_public_id
 from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import FieldError, NotFound
 from replay_audit.queue import Runner
-from replay_audit.replays import repository
-from replay_audit.replays.models import ReplayResult, ReplayRun
+from replay_audit.replays import repository, statistics
+from replay_audit.replays.domain import Comparison, RunTarget
+from replay_audit.replays.models import ReplayRun
 from replay_audit.replays.reconcile import job_spec
+from replay_audit.replays.results import result_read
 from replay_audit.replays.schemas import (
     MAX_REPLAY_TRACES,
     Page,
     Progress,
     ReplayCreate,
     ReplayRead,
-    ReplayResultRead,
     TraceFilter,
 )
+from replay_audit.stats.report import legacy_aggregate
 from replay_audit.traces import repository as traces_repository
 from replay_audit.traces.models import Trace
 
@@ -76,22 +78,22 @@ def _filtered(session: Session, project_id: int, f: TraceFilter) -> list[Trace]:
     )
 
 
-def _targets(request: ReplayCreate) -> list[dict[str, Any]]:
-    targets = [t.model_dump(mode="json") for t in request.targets]
+def _targets(request: ReplayCreate) -> list[RunTarget]:
+    targets = [t.to_domain() for t in request.targets]
     if request.compare_with == "self":
-        targets.append({"self": True, "label": "self (logged configuration)"})
+        targets.append(RunTarget(None))
     return targets
 
 
-def _comparisons(request: ReplayCreate, n_targets: int) -> list[dict[str, Any]]:
+def _comparisons(request: ReplayCreate, n_targets: int) -> list[Comparison]:
     if request.compare == "logged":
-        return [{"index": i, "a": "logged", "b": i} for i in range(n_targets)]
+        return [Comparison(i, "logged", i) for i in range(n_targets)]
     pairs = request.pairs or [(i, j) for i in range(n_targets) for j in range(i + 1, n_targets)]
-    return [{"index": k, "a": a, "b": b} for k, (a, b) in enumerate(pairs)]
+    return [Comparison(k, a, b) for k, (a, b) in enumerate(pairs)]
 
 
-def _queue(targets: Sequence[dict[str, Any]]) -> str:
-    devices = {t.get("device") for t in targets if not t.get("self")}
+def _queue(targets: Sequence[RunTarget]) -> str:
+    devices = {t.device for t in targets if not t.is_self}
     return "cpu" if devices == {"cpu"} else "gpu"
 
 
@@ -120,10 +122,11 @@ def create_replay(
     targets = _targets(request)
     if runner_kind == "inprocess":
         for i, t in enumerate(targets):
-            if t.get("lm_head_dtype") in CUDA_ONLY_HEAD_DTYPES or t.get("device") == "cuda":
+            head = t.target.lm_head_dtype if t.target is not None else None
+            if head in CUDA_ONLY_HEAD_DTYPES or t.device == "cuda":
                 raise FieldError(
                     f"targets[{i}]: the embedded runner replays on the CPU; "
-                    f"{t.get('lm_head_dtype') or 'cuda'} needs a CUDA worker with SM >= 8.9 "
+                    f"{head or 'cuda'} needs a CUDA worker with SM >= 8.9 "
                     "(set REPLAY_AUDIT_RUNNER=rq and run `replay-audit worker --queue gpu`)",
                     field=f"targets[{i}]",
                 )
@@ -154,8 +157,8 @@ def create_replay(
         mode=request.mode,
         compare=request.compare,
         request=request.model_dump(mode="json"),
-        targets=targets,
-        comparisons=comparisons,
+        targets=[t.to_json() for t in targets],
+        comparisons=[c.to_json() for c in comparisons],
         n_traces=len(traces),
         n_items=len(traces) * len(comparisons),
         idempotency_key=request.idempotency_key,
@@ -180,7 +183,10 @@ def get_replay(session: Session, project_id: int, public_id: str) -> ReplayRun:
 
 
 def to_read(session: Session, run: ReplayRun, project: str) -> ReplayRead:
+    """Status, progress and the run's statistics (stored, or computed over the results so far
+    while it runs), with the deprecated `aggregate` view of the same figures."""
     ok, failed = repository.progress(session, run)
+    stats = statistics.of_run(session, run) if ok + failed else None
     return ReplayRead(
         id=run.public_id,
         project=project,
@@ -196,36 +202,9 @@ def to_read(session: Session, run: ReplayRun, project: str) -> ReplayRead:
             total=run.n_items, done=ok, failed=failed, pending=run.n_items - ok - failed
         ),
         error=run.error,
-        aggregate=run.aggregate,
+        statistics=stats,
+        aggregate=legacy_aggregate(stats) if stats is not None and run.finished_at else None,
         schedule_id=run.schedule_id,
-    )
-
-
-def result_to_read(row: ReplayResult, trace_public_id: str, run_public_id: str) -> ReplayResultRead:
-    detail = dict(row.detail or {})
-    if row.output_b is not None:
-        detail["replay_output_token_ids"] = row.output_b.tolist()
-    if row.output_a is not None:
-        detail["arm_a_output_token_ids"] = row.output_a.tolist()
-    margin = detail.pop("margin_at_divergence", None)
-    return ReplayResultRead(
-        run_id=run_public_id,
-        trace_id=trace_public_id,
-        comparison=row.comparison,
-        status=row.status,
-        error=row.error,
-        exact_match=row.exact_match,
-        first_divergence_step=row.first_divergence_step,
-        margin_at_divergence=margin,
-        category=row.category,
-        gate_triggers=row.gate_triggers,
-        trigger_rate=row.trigger_rate,
-        mean_gap=row.mean_gap,
-        tie=row.tie,
-        cascade_length=row.cascade_length,
-        length_difference=row.length_difference,
-        detail=detail,
-        created_at=row.created_at,
     )
 
 
@@ -250,6 +229,6 @@ def results_page(session: Session, run: ReplayRun, *, cursor: str | None, limit:
     more = len(rows) > limit
     rows = rows[:limit]
     return Page(
-        items=[result_to_read(r, pid, run.public_id) for r, pid in rows],
+        items=[result_read(r, pid, run.public_id) for r, pid in rows],
         next_cursor=_encode_cursor(rows[-1][0].id) if more and rows else None,
     )

@@ -12,7 +12,7 @@ from replay_audit.auth.models import Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.exceptions import FieldError
 from replay_audit.replays.models import ReplayRun
-from replay_audit.reports import export, service
+from replay_audit.reports import browsing, export, statistics
 from replay_audit.reports.export import ExportFormat
 from replay_audit.reports.schemas import RunReport
 
@@ -29,18 +29,18 @@ def read_report(
     a: Annotated[int | None, Query(ge=0, description="baseline comparison of the pair")] = None,
     b: Annotated[int | None, Query(ge=0, description="treated comparison of the pair")] = None,
     margin: Annotated[float, Query(ge=0, lt=1, description="TOST margin")] = (
-        service.DEFAULT_TOST_MARGIN
+        statistics.DEFAULT_TOST_MARGIN
     ),
-    alpha: Annotated[float, Query(gt=0, lt=0.5)] = service.DEFAULT_TOST_ALPHA,
-    list_limit: Annotated[int, Query(ge=0, le=1000)] = service.DEFAULT_LIST_LIMIT,
+    alpha: Annotated[float, Query(gt=0, lt=0.5)] = statistics.DEFAULT_TOST_ALPHA,
+    list_limit: Annotated[int, Query(ge=0, le=1000)] = statistics.DEFAULT_LIST_LIMIT,
 ) -> RunReport:
     """Statistics of a run with their intervals: per comparison, lifts over comparison 0 and
     of the pair (a, b), task accuracy where traces carry reference answers."""
     if (a is None) != (b is None):
         raise FieldError("give both a and b, or neither", field="a" if a is None else "b")
-    run = service.get_run(session, principal.project_id, run_id)
+    run = browsing.get_run(session, principal.project_id, run_id)
     pair = (a, b) if a is not None and b is not None else None
-    return service.run_report(
+    return statistics.run_report(
         session, run, pair=pair, margin=margin, alpha=alpha, list_limit=list_limit
     )
 
@@ -63,7 +63,7 @@ def export_results(
     format: Annotated[ExportFormat, Query()] = "csv",
 ) -> StreamingResponse:
     """Every result of the run, streamed as CSV or JSONL."""
-    run = service.get_run(session, principal.project_id, run_id)
+    run = browsing.get_run(session, principal.project_id, run_id)
     return export_response(request, run, format)
 
 

@@ -1,5 +1,6 @@
 """Exports of a run's results: CSV (flat summary columns) and JSONL (the same fields typed, plus
-the detail JSON and the replayed token ids), one row per trace x comparison, streamed.
+the result as `GET /v1/replays/{id}/results` gives it: both arms, margins, single step, answers,
+token ids), one row per trace x comparison, streamed.
 
 The stream reads the results in keyset batches, each in its own short read-only transaction,
 so a 10,000-trace run is never held in memory and a slow client holds no database lock. A run
@@ -23,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from replay_audit.db.unit_of_work import unit_of_work
 from replay_audit.replays.models import ReplayRun
+from replay_audit.replays.results import result_read
 from replay_audit.reports import repository
 
 ExportFormat = Literal["csv", "jsonl"]
@@ -43,20 +45,28 @@ EXPORT_FIELDS: Final = (
     "exact_match",
     "first_divergence_step",
     "category",
-    "margin_logged",
-    "margin_logged_ulps",
-    "margin_logged_source",
-    "margin_replay",
-    "margin_replay_ulps",
+    "margin_a",
+    "margin_a_ulps",
+    "margin_a_source",
+    "margin_b",
+    "margin_b_ulps",
     "tie",
     "gate_triggers",
     "n_steps",
+    "gate_triggers_a",
+    "n_steps_a",
     "trigger_rate",
     "mean_gap",
     "cascade_length",
     "length_difference",
     "semantic_agree",
     "created_at",
+    # Deprecated names of margin_a*/margin_b* (earlier releases; arm A was called "logged").
+    "margin_logged",
+    "margin_logged_ulps",
+    "margin_logged_source",
+    "margin_replay",
+    "margin_replay_ulps",
 )
 MEDIA_TYPES: Final[dict[str, str]] = {
     "csv": "text/csv; charset=utf-8",
@@ -92,32 +102,40 @@ def record(run: ReplayRun, row: Mapping[str, Any], *, full: bool) -> dict[str, A
         "exact_match": row["exact_match"],
         "first_divergence_step": row["first_divergence_step"],
         "category": row["category"],
-        "margin_logged": row["margin_logged"],
-        "margin_logged_ulps": row["margin_logged_ulps"],
-        "margin_logged_source": row["margin_logged_source"],
-        "margin_replay": row["margin_replay"],
-        "margin_replay_ulps": row["margin_replay_ulps"],
+        "margin_a": row["margin_a"],
+        "margin_a_ulps": row["margin_a_ulps"],
+        "margin_a_source": row["margin_a_source"],
+        "margin_b": row["margin_b"],
+        "margin_b_ulps": row["margin_b_ulps"],
         "tie": row["tie"],
         "gate_triggers": row["gate_triggers"],
         "n_steps": row["n_steps"],
+        "gate_triggers_a": row["gate_triggers_a"],
+        "n_steps_a": row["n_steps_a"],
         "trigger_rate": row["trigger_rate"],
         "mean_gap": row["mean_gap"],
         "cascade_length": row["cascade_length"],
         "length_difference": row["length_difference"],
         "semantic_agree": row["semantic_agree"],
         "created_at": created.isoformat() if isinstance(created, datetime) else created,
+        "margin_logged": row["margin_a"],
+        "margin_logged_ulps": row["margin_a_ulps"],
+        "margin_logged_source": row["margin_a_source"],
+        "margin_replay": row["margin_b"],
+        "margin_replay_ulps": row["margin_b_ulps"],
     }
     for key in ("exact_match", "tie", "semantic_agree"):
         if out[key] is not None:
             out[key] = bool(out[key])
     if full:
-        out["detail"] = row["detail"] or {}
-        out["replay_output_token_ids"] = (
-            row["output_b"].tolist() if row["output_b"] is not None else None
+        # The typed view of the result, as `GET /v1/replays/{id}/results` gives it.
+        read = result_read(row["result"], row["public_id"], run.public_id)
+        out |= read.model_dump(
+            mode="json",
+            include={"margin_at_divergence", "arms", "single_step", "semantic", "detail"},
         )
-        out["arm_a_output_token_ids"] = (
-            row["output_a"].tolist() if row["output_a"] is not None else None
-        )
+        out["replay_output_token_ids"] = read.detail.get("replay_output_token_ids")
+        out["arm_a_output_token_ids"] = read.detail.get("arm_a_output_token_ids")
     return out
 
 
@@ -142,9 +160,7 @@ def csv_line(values: Sequence[str]) -> str:
     return buffer.getvalue()
 
 
-def stream(
-    factory: sessionmaker[Session], run: ReplayRun, fmt: ExportFormat
-) -> Iterator[bytes]:
+def stream(factory: sessionmaker[Session], run: ReplayRun, fmt: ExportFormat) -> Iterator[bytes]:
     """The export of `run` in `fmt`, as chunks of bytes (one chunk per batch of results)."""
     full = fmt == "jsonl"
     if fmt == "csv":

@@ -1,5 +1,6 @@
-"""All SQL of the reports domain: aggregates computed by the database, so a run of 10,000
-traces is summarised without loading its rows, and pages of rows fetched by keyset.
+"""All SQL of the reports domain: the runs list, pairs of comparisons joined by trace (the
+flips pages), and pages of result rows fetched by keyset (lists, export). A run's figures are
+read by `replays.repository.result_figures` for the one statistics builder.
 
 Never commits (reports only read). Booleans are compared through `_true`/`_false` so the same
 statement runs on SQLite (0/1 integers) and PostgreSQL (booleans).
@@ -8,21 +9,17 @@ statement runs on SQLite (0/1 integers) and PostgreSQL (booleans).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 from sqlalchemy import (
     ColumnElement,
     Select,
     and_,
-    case,
     exists,
     false,
     func,
-    or_,
     select,
     text,
     true,
@@ -30,7 +27,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Session, aliased
 
 from replay_audit.replays.models import ReplayResult, ReplayRun
-from replay_audit.traces.models import NumericalConfigRow, Trace
+from replay_audit.traces.models import Trace
 
 R = ReplayResult
 
@@ -46,10 +43,6 @@ def _exact() -> ColumnElement[bool]:
 def _diverged() -> ColumnElement[bool]:
     # As the stored aggregate counts them: an ok row that is not an exact match.
     return and_(_ok(), func.coalesce(R.exact_match, false()) == false())
-
-
-def _count_if(condition: ColumnElement[bool]) -> ColumnElement[int]:
-    return func.coalesce(func.sum(case((condition, 1), else_=0)), 0)
 
 
 # -- runs ------------------------------------------------------------------------------------
@@ -129,106 +122,7 @@ def project_model_names(session: Session, project_id: int) -> list[str]:
     return sorted(str(n) for n in session.scalars(stmt))
 
 
-# -- one run's aggregates ----------------------------------------------------------------------
-
-
-@dataclass
-class ComparisonCounts:
-    comparison: int
-    n: int = 0
-    ok: int = 0
-    exact: int = 0
-    semantic_n: int = 0
-    semantic_agree: int = 0
-    steps: int = 0
-    gate_triggers: int = 0
-    gap_sum: float = 0.0
-    has_gap: bool = False
-    ties: int = 0
-    #: ok results per category.
-    categories: dict[str, int] = field(default_factory=dict)
-
-
-def comparison_counts(session: Session, run_id: int) -> dict[int, ComparisonCounts]:
-    """Per comparison, the counts and sums behind EAR, SAR, trigger rate, mean gap and the
-    category breakdown: one scan of the run's results, grouped by (comparison, category)."""
-    ok = _ok()
-    steps = func.coalesce(R.n_steps, 0)
-    stmt = (
-        select(
-            R.comparison,
-            R.category,
-            func.count(),
-            _count_if(ok),
-            _count_if(and_(ok, _exact())),
-            _count_if(and_(ok, R.semantic_agree.is_not(None))),
-            _count_if(and_(ok, func.coalesce(R.semantic_agree, false()) == true())),
-            func.coalesce(func.sum(case((ok, steps), else_=0)), 0),
-            func.coalesce(func.sum(case((ok, func.coalesce(R.gate_triggers, 0)), else_=0)), 0),
-            func.sum(case((and_(ok, R.mean_gap.is_not(None)), R.mean_gap * steps), else_=None)),
-            _count_if(and_(_diverged(), or_(R.margin_replay == 0.0, R.margin_logged == 0.0))),
-        )
-        .where(R.run_id == run_id)
-        .group_by(R.comparison, R.category)
-    )
-    out: dict[int, ComparisonCounts] = {}
-    for row in session.execute(stmt):
-        c = out.setdefault(int(row[0]), ComparisonCounts(comparison=int(row[0])))
-        c.n += int(row[2])
-        c.ok += int(row[3])
-        c.exact += int(row[4])
-        c.semantic_n += int(row[5])
-        c.semantic_agree += int(row[6])
-        c.steps += int(row[7])
-        c.gate_triggers += int(row[8])
-        if row[9] is not None:
-            c.gap_sum += float(row[9])
-            c.has_gap = True
-        c.ties += int(row[10])
-        if row[1] is not None and int(row[3]):
-            c.categories[str(row[1])] = c.categories.get(str(row[1]), 0) + int(row[3])
-    return out
-
-
-@dataclass(frozen=True)
-class DivergedValues:
-    """Columns of one comparison's divergent results (None where not measured)."""
-
-    first_divergence_step: list[int | None]
-    margin_replay: list[float | None]
-    margin_replay_ulps: list[float | None]
-    margin_logged: list[float | None]
-    margin_logged_ulps: list[float | None]
-    length_difference: list[int | None]
-
-
-def diverged_values(session: Session, run_id: int) -> dict[int, DivergedValues]:
-    """Per comparison, t*, the margins at t* and the length differences of divergent results."""
-    stmt = select(
-        R.comparison,
-        R.first_divergence_step,
-        R.margin_replay,
-        R.margin_replay_ulps,
-        R.margin_logged,
-        R.margin_logged_ulps,
-        R.length_difference,
-    ).where(R.run_id == run_id, _diverged())
-    cols: dict[int, tuple[list[Any], ...]] = {}
-    for row in session.execute(stmt):
-        lists = cols.setdefault(int(row[0]), ([], [], [], [], [], []))
-        for i, value in enumerate(row[1:]):
-            lists[i].append(value)
-    return {c: DivergedValues(*lists) for c, lists in cols.items()}
-
-
-@dataclass(frozen=True)
-class PairedFlags:
-    """Two result sets paired by trace, on the traces where both are ok, by trace id: whether
-    each was an exact match."""
-
-    trace_ids: npt.NDArray[np.int64]
-    exact_a: npt.NDArray[np.bool_]
-    exact_b: npt.NDArray[np.bool_]
+# -- pairs of comparisons ---------------------------------------------------------------------
 
 
 def _pair_join(
@@ -251,32 +145,6 @@ def _pair_join(
 
 def _exact_of(alias: Any) -> ColumnElement[bool]:
     return func.coalesce(alias.exact_match, false()) == true()
-
-
-def paired_flags(
-    session: Session, run_a: int, comparison_a: int, run_b: int, comparison_b: int
-) -> PairedFlags:
-    """Exact-match flags of (run_a, comparison_a) and (run_b, comparison_b), paired by trace
-    (one indexed join; three small integers per pair come back)."""
-    a, b, base = _pair_join(run_a, comparison_a, run_b, comparison_b)
-    stmt = base.add_columns(a.trace_id, _exact_of(a), _exact_of(b)).order_by(a.trace_id)
-    rows = session.execute(stmt).all()
-    if not rows:
-        empty = np.zeros(0, bool)
-        return PairedFlags(np.zeros(0, np.int64), empty, empty)
-    # Column by column: numpy converts plain tuples fast, SQLAlchemy rows slowly.
-    ids, ea, eb = zip(*rows, strict=True)
-    return PairedFlags(np.array(ids, np.int64), np.array(ea, bool), np.array(eb, bool))
-
-
-def trace_refs(session: Session, trace_ids: Sequence[int]) -> dict[int, tuple[str, str | None]]:
-    """(public id, external id) of each trace id."""
-    if not trace_ids:
-        return {}
-    stmt = select(Trace.id, Trace.public_id, Trace.external_id).where(
-        Trace.id.in_([int(t) for t in trace_ids])
-    )
-    return {int(i): (str(p), e) for i, p, e in session.execute(stmt)}
 
 
 @dataclass(frozen=True)
@@ -312,57 +180,6 @@ def flipped_traces(
     return [FlipRow(int(i), str(p), e) for i, p, e in session.execute(stmt)]
 
 
-@dataclass(frozen=True)
-class AnswerRow:
-    """One result's extracted final answers (semantic detail) and its trace's reference."""
-
-    comparison: int
-    trace_id: int
-    extractor: str
-    logged_answer: str | None
-    replay_answer: str | None
-    reference_answer: str
-
-
-def has_reference_answers(session: Session, run_id: int) -> bool:
-    stmt = select(
-        exists(
-            select(1)
-            .select_from(R)
-            .join(Trace, Trace.id == R.trace_id)
-            .where(R.run_id == run_id, R.comparison == 0, Trace.reference_answer.is_not(None))
-        )
-    )
-    return bool(session.scalar(stmt))
-
-
-def answer_rows(session: Session, run_id: int) -> list[AnswerRow]:
-    """The extracted answers of every ok result whose trace has a reference answer (from the
-    result's answer columns: no JSON is parsed)."""
-    stmt = (
-        select(
-            R.comparison,
-            R.trace_id,
-            R.answer_extractor,
-            R.answer_a,
-            R.answer_b,
-            Trace.reference_answer,
-        )
-        .join(Trace, Trace.id == R.trace_id)
-        .where(
-            R.run_id == run_id,
-            _ok(),
-            Trace.reference_answer.is_not(None),
-            R.answer_extractor.is_not(None),
-        )
-        .order_by(R.trace_id, R.comparison)
-    )
-    return [
-        AnswerRow(int(c), int(t), str(extractor), a, b, str(reference))
-        for c, t, extractor, a, b, reference in session.execute(stmt)
-    ]
-
-
 # -- result rows -------------------------------------------------------------------------------
 
 
@@ -383,13 +200,15 @@ _SUMMARY_COLUMNS = (
     R.exact_match,
     R.first_divergence_step,
     R.category,
-    R.margin_logged,
-    R.margin_logged_ulps,
-    R.margin_replay,
-    R.margin_replay_ulps,
+    R.margin_a,
+    R.margin_a_ulps,
+    R.margin_b,
+    R.margin_b_ulps,
     R.length_difference,
     R.gate_triggers,
     R.n_steps,
+    R.gate_triggers_a,
+    R.n_steps_a,
 )
 
 
@@ -456,12 +275,6 @@ def neighbour_traces(
     return one(True), one(False)
 
 
-def config_json(session: Session, config_id: int) -> str | None:
-    return session.scalar(
-        select(NumericalConfigRow.config_json).where(NumericalConfigRow.id == config_id)
-    )
-
-
 # -- export ------------------------------------------------------------------------------------
 
 
@@ -473,7 +286,7 @@ def export_batch(
     detail JSON and the replayed token arrays."""
     columns: list[Any] = [
         *_SUMMARY_COLUMNS,
-        R.margin_logged_source,
+        R.margin_a_source,
         R.trigger_rate,
         R.mean_gap,
         R.tie,
@@ -487,7 +300,7 @@ def export_batch(
         Trace.reference_answer.is_not(None).label("has_reference_answer"),
     ]
     if full:
-        columns += [R.detail, R.output_a, R.output_b]
+        columns.append(ReplayResult)
     stmt = (
         select(*columns)
         .join(Trace, Trace.id == R.trace_id)
@@ -495,8 +308,8 @@ def export_batch(
         .order_by(R.id)
         .limit(limit)
     )
-    return [dict(m) for m in session.execute(stmt).mappings()]
-
-
-def count_results(session: Session, run_id: int) -> int:
-    return int(session.scalar(select(func.count()).where(R.run_id == run_id)) or 0)
+    rows = [dict(m) for m in session.execute(stmt).mappings()]
+    if full:
+        for r in rows:
+            r["result"] = r.pop("ReplayResult")
+    return rows

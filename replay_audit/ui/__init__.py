@@ -37,8 +37,7 @@ def _error_page(request: Request, status: int, title: str, message: str) -> Resp
     return render(
         request,
         "ui/error.html",
-        {"status": status, "title": title, "message": message, "principal": None,
-         "csrf_token": ""},
+        {"status": status, "title": title, "message": message, "principal": None, "csrf_token": ""},
         status,
     )
 
@@ -54,9 +53,7 @@ async def _domain_error(request: Request, exc: Exception) -> Response:
     titles = {400: "Bad request", 403: "Not allowed", 404: "Not found", 422: "Invalid input"}
     if exc.status_code >= 500:
         logger.error("%s: %s", type(exc).__name__, exc.message)
-    return _error_page(
-        request, exc.status_code, titles.get(exc.status_code, "Error"), exc.message
-    )
+    return _error_page(request, exc.status_code, titles.get(exc.status_code, "Error"), exc.message)
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:

@@ -18,7 +18,6 @@ from fastapi.responses import Response
 
 from replay_audit.api.deps import DBSession
 from replay_audit.audits import repository, service
-from replay_audit.audits.drift import target_label
 from replay_audit.ui.pages import Viewer, _page
 from replay_audit.ui.trend_chart import category_mix_chart, trend_chart
 
@@ -59,7 +58,7 @@ def schedule_page(
         request,
         "ui/schedule.html",
         schedule=read,
-        targets=[target_label(t.model_dump()) for t in read.replay.targets]
+        targets=[t.to_domain().display_label() for t in read.replay.targets]
         + (["self (logged configuration)"] if read.replay.compare_with == "self" else []),
         points=trend.points,
         newest_first=list(reversed(trend.points)),

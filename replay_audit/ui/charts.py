@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from markupsafe import Markup, escape
 
-from replay_audit.reports.schemas import (
+from replay_audit.stats.report import (
     HistogramRead,
     LiftReport,
     LogHistogramRead,
@@ -58,9 +58,7 @@ def _rect(x: float, y: float, w: float, h: float, cls: str, tip: str) -> str:
 
 
 def _line(x1: float, y1: float, x2: float, y2: float, cls: str) -> str:
-    return (
-        f'<line x1="{_num(x1)}" y1="{_num(y1)}" x2="{_num(x2)}" y2="{_num(y2)}" class="{cls}"/>'
-    )
+    return f'<line x1="{_num(x1)}" y1="{_num(y1)}" x2="{_num(x2)}" y2="{_num(y2)}" class="{cls}"/>'
 
 
 def _nice_max(value: int) -> int:
@@ -163,13 +161,12 @@ def log_histogram_chart(series: Sequence[Series], x_label: str, height: int = 22
         for g, count in enumerate(values):
             h = (base - MT) * count / y_max
             where = (
-                "exactly 0"
-                if g == 0
-                else f"[{_edge_label(edges[g - 1])}, {_edge_label(edges[g])})"
+                "exactly 0" if g == 0 else f"[{_edge_label(edges[g - 1])}, {_edge_label(edges[g])})"
             )
             body.append(
-                _rect(group_x(g) + 2 + j * bar, base - h, bar, h, s.css, f"{s.name} {where}: "
-                      f"{count}")
+                _rect(
+                    group_x(g) + 2 + j * bar, base - h, bar, h, s.css, f"{s.name} {where}: {count}"
+                )
             )
     body.append(_text(group_x(0) + width / 2, base + 16, "0"))
     brk = group_x(1) - gap / 2
@@ -205,9 +202,14 @@ def category_chart(categories: dict[str, ProportionRead], height: int | None = N
         share = p.estimate or 0.0
         body.append(_text(x0 - 8, y + 16, name.replace("_", " "), anchor="end"))
         body.append(
-            _rect(x0, y + 4, (x1 - x0) * share, row_h - 8, f"bar cat-{name}",
-                  f"{name}: {p.successes} of {p.n} ({share:.1%}); 95% CI "
-                  f"[{p.low:.1%}, {p.high:.1%}]")
+            _rect(
+                x0,
+                y + 4,
+                (x1 - x0) * share,
+                row_h - 8,
+                f"bar cat-{name}",
+                f"{name}: {p.successes} of {p.n} ({share:.1%}); 95% CI [{p.low:.1%}, {p.high:.1%}]",
+            )
         )
         if p.n:
             lo, hi = x0 + (x1 - x0) * p.low, x0 + (x1 - x0) * p.high
@@ -268,9 +270,11 @@ def margin_track_chart(
     *,
     tau: float | None = None,
     height: int = 270,
+    gate_fired_steps_a: Sequence[int] = (),
 ) -> Markup:
     """Per-step margins of both arms on a log axis (exact zeros on a band below it), the steps
-    where the replayed arm's gate fired as ticks on top, t* as a vertical line, τ dashed."""
+    where each arm's gate fired as ticks on top (arm B's pointing down, arm A's, where arm A
+    was run here, pointing up below them), t* as a vertical line, τ dashed."""
     label = "Per-step top-two margin of both arms"
     tracks = [(name, vals) for name, vals in (("logged", logged), ("replay", replay)) if vals]
     if not tracks:
@@ -301,12 +305,18 @@ def margin_track_chart(
         body.append(_text(x1 - 2, sy(tau) - 4, f"τ = {tau:g}", "axis-label tau-label", "end"))
     if t_star is not None and t_star < n:
         body.append(_line(sx(t_star), top - 10, sx(t_star), zero_band + 4, "t-star-line"))
-        body.append(_text(sx(t_star) + 4, top - 2, f"t* = {t_star}", "axis-label t-star-label",
-                          "start"))
+        body.append(
+            _text(sx(t_star) + 4, top - 2, f"t* = {t_star}", "axis-label t-star-label", "start")
+        )
     for t in gate_fired_steps:
         body.append(
-            f'<path d="M{_num(sx(t) - 4)},{_num(MT - 2)} h8 l-4,7 z" class="gate">'
-            f"<title>gate fired at step {int(t)}</title></path>"
+            f'<path d="M{_num(sx(t) - 4)},{_num(MT - 2)} h8 l-4,7 z" class="gate gate-b">'
+            f"<title>arm B's gate fired at step {int(t)}</title></path>"
+        )
+    for t in gate_fired_steps_a:
+        body.append(
+            f'<path d="M{_num(sx(t) - 4)},{_num(MT + 14)} h8 l-4,-7 z" class="gate gate-a">'
+            f"<title>arm A's gate fired at step {int(t)}</title></path>"
         )
     for name, values in tracks:
         points = []

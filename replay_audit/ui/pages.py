@@ -26,9 +26,9 @@ from replay_audit.api.deps import DBSession
 from replay_audit.auth.schemas import Principal
 from replay_audit.config import Settings
 from replay_audit.exceptions import BadRequest, FieldError, NotAuthenticated, PermissionDenied
-from replay_audit.formats import BODY_DTYPES
-from replay_audit.replays.aggregate import CATEGORIES
-from replay_audit.reports import service
+from replay_audit.formats import BODY_DTYPES, CATEGORIES
+from replay_audit.replays.domain import comparison_label
+from replay_audit.reports import browsing, statistics
 from replay_audit.reports.endpoints import export_response
 from replay_audit.reports.repository import ResultFilter, RunFilter
 from replay_audit.reports.schemas import RunReport
@@ -141,8 +141,13 @@ def _sign_in_page(
     response = render(
         request,
         "ui/sign_in.html",
-        {"next": next_url, "error": error, "form_token": token, "principal": None,
-         "csrf_token": ""},
+        {
+            "next": next_url,
+            "error": error,
+            "form_token": token,
+            "principal": None,
+            "csrf_token": "",
+        },
         status_code,
     )
     response.set_cookie(
@@ -169,9 +174,7 @@ def sign_in(request: Request, session: DBSession, form: Form) -> Response:
     if not ui_session.check_form_token(
         request.cookies.get(ui_session.SIGN_IN_COOKIE_NAME), form.get("form_token")
     ):
-        return _sign_in_page(
-            request, next_url, "The sign-in form expired; please try again.", 400
-        )
+        return _sign_in_page(request, next_url, "The sign-in form expired; please try again.", 400)
     try:
         _, lookup = ui_session.sign_in(session, form.get("api_key"))
     except NotAuthenticated as e:
@@ -249,9 +252,13 @@ def runs_list(
         created_after=_day(created_from, "from"),
         created_before=_day(created_to, "to", end=True),
     )
-    page = service.list_runs(session, principal.project_id, f, before=before, limit=RUNS_PER_PAGE)
-    filters = {"model": model or "", "dtype": dtype or "", "from": created_from or "",
-               "to": created_to or ""}
+    page = browsing.list_runs(session, principal.project_id, f, before=before, limit=RUNS_PER_PAGE)
+    filters = {
+        "model": model or "",
+        "dtype": dtype or "",
+        "from": created_from or "",
+        "to": created_to or "",
+    }
     next_query = None
     if page.next_before is not None:
         next_query = urllib.parse.urlencode(
@@ -262,7 +269,7 @@ def runs_list(
         "ui/runs.html",
         page=page,
         filters=filters,
-        models=service.project_model_names(session, principal.project_id),
+        models=browsing.project_model_names(session, principal.project_id),
         dtypes=BODY_DTYPES,
         next_query=next_query,
         first_page=before is not None,
@@ -279,15 +286,15 @@ def _run_charts(report: RunReport) -> list[dict[str, Any]]:
                 "t_star": histogram_chart(c.t_star_histogram, "first divergence step t*"),
                 "margin": log_histogram_chart(
                     [
-                        Series("logged arm", m.histogram_logged, "series-logged"),
-                        Series("replayed arm", m.histogram_replay, "series-replay"),
+                        Series("arm A", m.histogram_a, "series-logged"),
+                        Series("arm B", m.histogram_b, "series-replay"),
                     ],
                     "margin at t* (top-1 \u2212 top-2 logit)",
                 ),
                 "margin_ulps": log_histogram_chart(
                     [
-                        Series("logged arm", m.histogram_logged_ulps, "series-logged"),
-                        Series("replayed arm", m.histogram_replay_ulps, "series-replay"),
+                        Series("arm A", m.histogram_a_ulps, "series-logged"),
+                        Series("arm B", m.histogram_b_ulps, "series-replay"),
                     ],
                     "margin at t* in ulps of the arm's lm_head format",
                 ),
@@ -309,19 +316,24 @@ def run_page(
     outcome: Literal["exact", "diverged", "failed", ""] = "",
     after: Annotated[int | None, Query(ge=0)] = None,
 ) -> Response:
-    run = service.get_run(session, principal.project_id, run_id)
+    run = browsing.get_run(session, principal.project_id, run_id)
     n_comp = len(run.comparisons)
     if a is None and b is None and n_comp >= 2:
         a, b = 0, 1
     pair = (a, b) if a is not None and b is not None else None
-    report = service.run_report(session, run, pair=pair, with_accuracy=False)
+    report = statistics.run_report(session, run, pair=pair, with_accuracy=False)
     category = _blank(category)
     if category is not None and category not in CATEGORIES:
         raise FieldError(f"category must be one of {', '.join(CATEGORIES)}", field="category")
     rf = ResultFilter(comparison=comparison, category=category, outcome=outcome or None)
-    results = service.results_page(session, run, rf, after=after, limit=RESULTS_PER_PAGE)
-    keep = {"a": a, "b": b, "comparison": comparison, "category": category,
-            "outcome": outcome or None}
+    results = browsing.results_page(session, run, rf, after=after, limit=RESULTS_PER_PAGE)
+    keep = {
+        "a": a,
+        "b": b,
+        "comparison": comparison,
+        "category": category,
+        "outcome": outcome or None,
+    }
     keep = {k: v for k, v in keep.items() if v is not None}
     next_query = (
         urllib.parse.urlencode(keep | {"after": results.next_after}) + "#results"
@@ -336,14 +348,17 @@ def run_page(
         charts=_run_charts(report),
         lift_chart=lift_chart(report.lifts) if report.lifts else None,
         pair_chart=lift_chart([report.pair]) if report.pair is not None else None,
-        targets=[(i, service.target_label(t), t) for i, t in enumerate(run.targets)],
+        targets=[
+            (i, t.display_label(), raw)
+            for i, (t, raw) in enumerate(zip(run.run_targets, run.targets, strict=True))
+        ],
         results=results,
         result_filter=rf,
         categories=CATEGORIES,
         next_query=next_query,
         first_query=urllib.parse.urlencode(keep) + "#results",
         pair=pair,
-        has_reference_answers=service.has_reference_answers(session, run),
+        has_reference_answers=statistics.has_reference_answers(session, run),
     )
 
 
@@ -353,15 +368,15 @@ def accuracy_page(
     run_id: str,
     session: DBSession,
     principal: Viewer,
-    margin: Annotated[float, Query(ge=0, lt=1)] = service.DEFAULT_TOST_MARGIN,
+    margin: Annotated[float, Query(ge=0, lt=1)] = statistics.DEFAULT_TOST_MARGIN,
 ) -> Response:
     """Task accuracy per arm, correctness flips and non-inferiority at `margin`."""
-    run = service.get_run(session, principal.project_id, run_id)
+    run = browsing.get_run(session, principal.project_id, run_id)
     return _page(
         request,
         "ui/accuracy.html",
         run=run,
-        accuracy=service.accuracy_report(session, run, margin=margin),
+        accuracy=statistics.accuracy_report(session, run, margin=margin),
     )
 
 
@@ -379,9 +394,9 @@ def flips(
 ) -> Response:
     """The traces comparison b fixed (or broke) relative to comparison a; with `other`, b is a
     comparison of that run (the two-run comparison's lists)."""
-    run_a = service.get_run(session, principal.project_id, run_id)
-    run_b = service.get_run(session, principal.project_id, other) if other else run_a
-    page = service.flips_page(
+    run_a = browsing.get_run(session, principal.project_id, run_id)
+    run_b = browsing.get_run(session, principal.project_id, other) if other else run_a
+    page = statistics.flips_page(
         session, run_a, a, run_b, b, fixed=kind == "fixed", after=after, limit=FLIPS_PER_PAGE
     )
     query = {"a": a, "b": b, "kind": kind} | ({"other": other} if other else {})
@@ -393,8 +408,8 @@ def flips(
         a=a,
         b=b,
         kind=kind,
-        label_a=service.comparison_label(run_a, a),
-        label_b=service.comparison_label(run_b, b),
+        label_a=comparison_label(run_a.run_comparisons[a], run_a.run_targets),
+        label_b=comparison_label(run_b.run_comparisons[b], run_b.run_targets),
         page=page,
         next_query=urllib.parse.urlencode(query | {"after": page.next_after})
         if page.next_after is not None
@@ -410,7 +425,7 @@ def export(
     session: DBSession,
     principal: Viewer,
 ) -> StreamingResponse:
-    run = service.get_run(session, principal.project_id, run_id)
+    run = browsing.get_run(session, principal.project_id, run_id)
     return export_response(request, run, fmt)
 
 
@@ -423,8 +438,8 @@ def trace_page(
     principal: Viewer,
     comparison: Annotated[int | None, Query(ge=0)] = None,
 ) -> Response:
-    run = service.get_run(session, principal.project_id, run_id)
-    trace, results = service.get_trace_in_run(session, run, trace_id)
+    run = browsing.get_run(session, principal.project_id, run_id)
+    trace, results = browsing.get_trace_in_run(session, run, trace_id)
     by_comparison = {r.comparison: r for r in results}
     if comparison is None:
         diverged = [r.comparison for r in results if r.status == "ok" and not r.exact_match]
@@ -436,14 +451,17 @@ def trace_page(
             field="comparison",
         )
     view = trace_view.build(run, trace, by_comparison[comparison])
-    previous, following = service.neighbour_traces(session, run, trace, comparison)
+    previous, following = browsing.neighbour_traces(session, run, trace, comparison)
     return _page(
         request,
         "ui/trace.html",
         run=run,
         trace=trace,
         results=results,
-        labels={r.comparison: service.comparison_label(run, r.comparison) for r in results},
+        labels={
+            r.comparison: comparison_label(run.run_comparisons[r.comparison], run.run_targets)
+            for r in results
+        },
         view=view,
         previous=previous,
         following=following,
@@ -463,9 +481,9 @@ def compare(
     ids = [r for r in run or [] if r]
     if len(ids) != 2:
         raise FieldError("choose exactly two runs to compare", field="run")
-    run_a = service.get_run(session, principal.project_id, ids[0])
-    run_b = service.get_run(session, principal.project_id, ids[1])
-    report = service.compare_runs(session, run_a, ca, run_b, cb)
+    run_a = browsing.get_run(session, principal.project_id, ids[0])
+    run_b = browsing.get_run(session, principal.project_id, ids[1])
+    report = statistics.compare_runs(session, run_a, ca, run_b, cb)
     return _page(
         request,
         "ui/compare.html",
@@ -474,9 +492,13 @@ def compare(
         ca=ca,
         cb=cb,
         report=report,
-        comparisons_a=[(i, service.comparison_label(run_a, i)) for i in
-                       range(len(run_a.comparisons))],
-        comparisons_b=[(i, service.comparison_label(run_b, i)) for i in
-                       range(len(run_b.comparisons))],
+        comparisons_a=[
+            (i, comparison_label(run_a.run_comparisons[i], run_a.run_targets))
+            for i in range(len(run_a.comparisons))
+        ],
+        comparisons_b=[
+            (i, comparison_label(run_b.run_comparisons[i], run_b.run_targets))
+            for i in range(len(run_b.comparisons))
+        ],
         pair_chart=lift_chart([report.pair]),
     )

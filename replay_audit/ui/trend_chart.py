@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from markupsafe import Markup, escape
 
 from replay_audit.audits.schemas import TrendPoint
-from replay_audit.replays.aggregate import CATEGORIES
+from replay_audit.formats import CATEGORIES
 from replay_audit.ui.charts import MB, ML, MR, MT, WIDTH, _line, _num, _rect, _svg, _text
 
 

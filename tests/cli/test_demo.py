@@ -62,11 +62,19 @@ def test_demo_prints_what_the_api_serves(tmp_path: Path) -> None:
             assert run.status_code == 200
             body = run.json()
             assert body["status"] == "done"
-            served += [round(100 * c["ear"]["estimate"]) for c in body["aggregate"]["comparisons"]]
+            served += [
+                round(100 * c["ear"]["estimate"]) for c in body["statistics"]["comparisons"]
+            ]
+            # The deprecated aggregate says the same figures.
+            assert [c["ear"] for c in body["aggregate"]["comparisons"]] == [
+                c["ear"] for c in body["statistics"]["comparisons"]
+            ]
             if name == "logged":
-                # The self-replay in the logged configuration reproduces every trace.
-                assert body["aggregate"]["comparisons"][-1]["ear"]["estimate"] == 1.0
+                # The self-replay in the logged configuration reproduces every trace, and as a
+                # reproducibility check it gets no lift: only FP16 + C over FP16 does.
+                assert body["statistics"]["comparisons"][-1]["ear"]["estimate"] == 1.0
+                assert [lf["comparison_b"] for lf in body["statistics"]["lifts"]] == [1]
     assert printed == served and len(served) == 5
     # Both lifts of C are printed with what they compare (once lost to rich markup).
-    assert "EAR lift of [logged vs FP16 + C] over [logged vs FP16]" in proc.stdout
-    assert "EAR lift of [BF16 + C vs FP16 + C] over [BF16 vs FP16]" in proc.stdout
+    assert "EAR lift of [logged vs T1: FP16 + C] over [logged vs T0: FP16]" in proc.stdout
+    assert "EAR lift of [T2: BF16 + C vs T3: FP16 + C] over [T0: BF16 vs T1: FP16]" in proc.stdout

@@ -113,7 +113,8 @@ def test_replay_self_is_exact_and_summarised(ckpt: Path, traces: Path, tmp_path:
     results = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(results) == 4 and all(x["exact_match"] for x in results)
     s = json.loads(summary.read_text())
-    assert s["ear"] == 1.0 and s["categories"]["agreed"] == 4
+    assert s["ear"]["estimate"] == 1.0 and s["categories"]["agreed"]["successes"] == 4
+    assert s["n"] == 4 and s["label"] == "logged vs T0: bf16"
     assert "EAR" in r.output and "100.0%" in r.output
 
 

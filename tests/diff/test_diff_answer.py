@@ -41,11 +41,16 @@ def test_normalise_number() -> None:
 
 def test_semantic_agreement_and_reference() -> None:
     s = semantic_agreement("... #### 18", "different reasoning, 18.0", reference_answer="18")
-    assert s.agree and s.logged_answer == "18" and s.replay_correct and s.logged_correct
+    assert s.agree and s.answer_a == "18" and s.correct_b and s.correct_a
     s = semantic_agreement("#### 18", "#### 19", reference_answer="#### 19")
-    assert not s.agree and s.logged_correct is False and s.replay_correct is True
+    assert not s.agree and s.correct_a is False and s.correct_b is True
+    # Neither arm has an answer: the answers do not differ (issue 9: SAR counted these as
+    # disagreements, so SAR came out below EAR); counted apart as neither_answered.
     s = semantic_agreement("nothing", "nothing either")
-    assert not s.agree and s.logged_answer is None and s.logged_correct is None
+    assert s.agree and s.neither_answered and s.answer_a is None and s.correct_a is None
+    s = semantic_agreement("#### 3", "nothing")
+    assert not s.agree and not s.neither_answered
+    assert s.to_dict()["logged_answer"] == "3" and s.to_dict()["answer_b"] is None
     assert s.to_dict()["extractor"] == "gsm8k"
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from replay_audit.diff import (
-    CATEGORIES,
     GateRule,
     classify,
     first_divergence,
     gate_fires_at_divergence,
     margin,
 )
+from replay_audit.formats import CATEGORIES
 
 G = GateRule(tau=1e-3)
 

@@ -11,8 +11,9 @@ import pytest
 
 from replay_audit.engine import EnginePool, Intervention, Target
 from replay_audit.engine.protocol import Engine
-from replay_audit.engine.replayer import compare_arms, replay_trace
 from replay_audit.engine.testing import TINY_EOS_ID
+from replay_audit.replays.domain import LoggedTrace
+from replay_audit.replays.replayer import compare_arms, replay_trace
 from replay_audit.traces.schemas import TraceCreate
 
 torch = pytest.importorskip("torch")
@@ -57,12 +58,16 @@ def cuda_engine(gpool: EnginePool, tiny_dir: Path) -> Callable[..., Engine]:
     return get
 
 
-def _traces(model_dir: Path, dtype: str) -> list[TraceCreate]:
+def _traces(model_dir: Path, dtype: str) -> list[LoggedTrace]:
     from replay_audit.engine.generate import TraceGenerator
 
     gen = TraceGenerator(model_dir, dtype=dtype, attn_kernel="sdpa", device="cuda")
     return [
-        TraceCreate.model_validate(gen.trace(t, max_new_tokens=N, external_id=f"p{i}"))
+        LoggedTrace.from_json(
+            TraceCreate.model_validate(
+                gen.trace(t, max_new_tokens=N, external_id=f"p{i}")
+            ).model_dump()
+        )
         for i, t in enumerate(TEXTS)
     ]
 

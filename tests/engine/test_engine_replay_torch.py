@@ -11,9 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from replay_audit.diff import summarize
 from replay_audit.engine import EnginePool, Intervention, Target
-from replay_audit.engine.replayer import compare_arms, replay_trace
+from replay_audit.replays.domain import LoggedTrace
+from replay_audit.replays.models import ReplayResult
+from replay_audit.replays.replayer import compare_arms, replay_trace
+from replay_audit.replays.results import figures as results_figures
+from replay_audit.replays.results import result_values
+from replay_audit.stats.report import ComparisonInput, run_statistics
 from replay_audit.traces.schemas import TraceCreate
 
 TINY_PROMPTS = [
@@ -63,6 +67,10 @@ def _trace_set(model: Model, dtype: str) -> list[TraceCreate]:
     return [TraceCreate.model_validate(x) for x in _traces(model, dtype)]
 
 
+def _logged(tr: TraceCreate) -> LoggedTrace:
+    return LoggedTrace.from_json(tr.model_dump())
+
+
 def test_generated_traces_validate_and_carry_the_environment(model: Model) -> None:
     traces = _trace_set(model, "bf16")
     for tr in traces:
@@ -80,20 +88,21 @@ def test_generated_traces_validate_and_carry_the_environment(model: Model) -> No
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_self_replay_is_exact(model: Model, pool: EnginePool, dtype: str) -> None:
     for tr in _trace_set(model, dtype):
-        r = replay_trace(tr, Target(dtype), pool, model_dir=model.dir)
+        r = replay_trace(_logged(tr), Target(dtype), pool, model_dir=model.dir)
         assert r.exact_match, (tr.external_id, r.first_divergence_step)
-        assert r.category == "agreed" and r.environment["dtype"] == dtype
+        assert r.category == "agreed" and r.b.environment is not None
+        assert r.b.environment["dtype"] == dtype
 
 
 def test_bf16_traces_replayed_in_fp16(model: Model, pool: EnginePool) -> None:
     d = model.dir
     traces = _trace_set(model, "bf16")
-    results = [replay_trace(tr, Target("fp16"), pool, model_dir=d) for tr in traces]
+    results = [replay_trace(_logged(tr), Target("fp16"), pool, model_dir=d) for tr in traces]
     exact = [r.exact_match for r in results]
     assert any(exact) and not all(exact), "the prompt set shows both agreement and divergence"
     fp16 = pool.get(d, Target("fp16", attn_kernel="sdpa"))
     for tr, r in zip(traces, results, strict=True):
-        logged, replay = tr.output_token_ids, r.replay_output_token_ids
+        logged, replay = tr.output_token_ids, list(r.b.output_token_ids or ())
         # t* is the first mismatch, found independently here
         mismatch = next(
             (i for i, (a, b) in enumerate(zip(logged, replay, strict=False)) if a != b), None
@@ -104,22 +113,26 @@ def test_bf16_traces_replayed_in_fp16(model: Model, pool: EnginePool) -> None:
         if mismatch is None:
             continue
         assert r.category in ("head_reachable", "kv_dependent", "body_dominated")
-        m = r.margin_at_divergence
-        assert m is not None and m["logged"]["source"] == "logged_top_k"
+        assert r.a.margin is not None and r.a.margin.source == "logged_top_k"
         # the scan in FP16 along the logged path agrees with the logged tokens before t*
         # (teacher-forced = the decode's own inputs up to t*), up to near-ties
         scan = fp16.scan(tr.prompt_token_ids, logged)
         before = slice(0, mismatch)
         assert np.all(scan.agrees[before] | (scan.steps.margins[before] < 1e-2))
-    s = summarize(r.to_dict() for r in results)
-    assert s["n"] == len(traces) and 0 < s["ear"] < 1
+    figures = [
+        results_figures(ReplayResult(trace_id=i, **result_values(0, r)), f"t{i}", None)
+        for i, r in enumerate(results)
+    ]
+    s = run_statistics("x", [ComparisonInput(0, "logged", 0, "fp16", False, figures)])
+    ear = s.comparisons[0].ear
+    assert ear.n == len(traces) and ear.estimate is not None and 0 < ear.estimate < 1
 
 
 def test_scan_then_decode_equals_decode(model: Model, pool: EnginePool) -> None:
     d = model.dir
     for tr in _trace_set(model, "bf16"):
-        full = replay_trace(tr, Target("fp16"), pool, model_dir=d, mode="decode")
-        fast = replay_trace(tr, Target("fp16"), pool, model_dir=d, mode="scan_then_decode")
+        full = replay_trace(_logged(tr), Target("fp16"), pool, model_dir=d, mode="decode")
+        fast = replay_trace(_logged(tr), Target("fp16"), pool, model_dir=d, mode="scan_then_decode")
         assert fast.first_divergence_step == full.first_divergence_step, tr.external_id
         assert fast.category == full.category
 
@@ -128,11 +141,13 @@ def test_interventions_on_bf16_vs_fp16(model: Model, pool: EnginePool) -> None:
     """The both-arms protocol runs for every intervention; the paper's predictions are measured
     (benchmarks/ and the report), not asserted: only what must hold exactly is."""
     d = model.dir
-    tr = _trace_set(model, "bf16")[0]
+    tr = _logged(_trace_set(model, "bf16")[0])
     for kind in ("none", "A", "B", "C"):
         iv = Intervention(kind)
         r = compare_arms(
             tr, Target("bf16", intervention=iv), Target("fp16", intervention=iv), pool, model_dir=d
         )
-        assert r.logged_arm is not None and r.steps > 0
-        assert r.changed_steps <= r.gate_triggers  # a token only changes where the gate fired
+        assert r.a.steps is not None and r.b.steps is not None and r.b.steps > 0
+        for arm in (r.a, r.b):  # a token only changes where the arm's gate fired
+            assert arm.changed_steps is not None and arm.gate_triggers is not None
+            assert arm.changed_steps <= arm.gate_triggers

@@ -12,8 +12,11 @@ from typing import Any
 import pytest
 
 from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
-from replay_audit.engine.replayer import compare_arms, replay_trace
 from replay_audit.exceptions import BadRequest, ModelMismatch
+from replay_audit.replays.domain import ArmMargin, LoggedTrace
+from replay_audit.replays.models import ReplayResult
+from replay_audit.replays.replayer import compare_arms, replay_trace
+from replay_audit.replays.results import result_read, result_values
 from replay_audit.traces.schemas import TraceCreate
 
 PROMPT = [3, 1, 4, 1, 5]
@@ -41,7 +44,7 @@ def ckpt(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def make_trace(ckpt: Path, *, top_k: bool = True, n: int = 8, **over: Any) -> TraceCreate:
+def make_trace(ckpt: Path, *, top_k: bool = True, n: int = 8, **over: Any) -> LoggedTrace:
     logged = FakeEngine(Target("bf16"), next_token=base).decode(PROMPT, n, [EOS])
     body: dict[str, Any] = {
         "external_id": "t1",
@@ -56,7 +59,7 @@ def make_trace(ckpt: Path, *, top_k: bool = True, n: int = 8, **over: Any) -> Tr
         logits[FLIP_AT][1] = logits[FLIP_AT][0] - 2e-4  # a close call in the logged arm too
         body["top_k"] = {"ids": logged.steps.top_k_ids.tolist(), "logits": logits}
     body.update(over)
-    return TraceCreate.model_validate(body)
+    return LoggedTrace.from_json(TraceCreate.model_validate(body).model_dump())
 
 
 def fake_pool(models: dict[str, dict[str, Any]]) -> EnginePool:
@@ -71,9 +74,12 @@ def fake_pool(models: dict[str, dict[str, Any]]) -> EnginePool:
 def test_exact_replay_is_agreed(ckpt: Path) -> None:
     r = replay_trace(make_trace(ckpt), Target("bf16"), fake_pool({}), model_dir=ckpt)
     assert r.exact_match and r.first_divergence_step is None and r.category == "agreed"
-    assert r.margin_at_divergence is None and r.cascade_length == 0 and r.length_difference == 0
-    assert r.steps == 8 and r.gate_triggers == 0 and r.trigger_rate == 0.0 and r.mean_gap == 1.0
-    assert r.target["dtype"] == "bf16" and r.target["attn_kernel"] == "sdpa"  # logged kernel
+    assert r.a.margin is None and r.b.margin is None
+    assert r.cascade_length == 0 and r.length_difference == 0
+    assert r.b.steps == 8 and r.gate_triggers == 0 and r.b.trigger_rate == 0.0
+    assert r.b.mean_gap == 1.0
+    assert r.b.target is not None
+    assert r.b.target.dtype == "bf16" and r.b.target.attn_kernel == "sdpa"  # logged kernel
 
 
 def test_head_reachable_flip(ckpt: Path) -> None:
@@ -81,21 +87,23 @@ def test_head_reachable_flip(ckpt: Path) -> None:
     r = replay_trace(make_trace(ckpt), Target("fp16"), pool, model_dir=ckpt)
     assert r.first_divergence_step == FLIP_AT and not r.exact_match
     assert r.category == "head_reachable"
-    m = r.margin_at_divergence
-    assert m is not None and m["logged"]["source"] == "logged_top_k"
-    assert m["logged"]["abs"] == pytest.approx(2e-4, abs=1e-6)
-    assert m["replay"]["abs"] == pytest.approx(5e-4, abs=1e-6)
-    assert r.single_step is not None and r.single_step["disagree"] is True
-    assert r.single_step["logged"]["source"] == "rerun"
+    ma, mb = r.a.margin, r.b.margin
+    assert ma is not None and ma.source == "logged_top_k"
+    assert ma.abs == pytest.approx(2e-4, abs=1e-6)
+    assert mb is not None and mb.abs == pytest.approx(5e-4, abs=1e-6)
+    assert r.single_step is not None and r.single_step.disagree is True
+    assert r.single_step.a is not None and r.single_step.a.source == "rerun"
     assert r.gate_triggers == 1 and r.cascade_length == 8 - FLIP_AT
-    assert r.replay_output_token_ids[FLIP_AT] != make_trace(ckpt).output_token_ids[FLIP_AT]
+    assert r.b.output_token_ids is not None
+    assert r.b.output_token_ids[FLIP_AT] != make_trace(ckpt).output_token_ids[FLIP_AT]
 
 
 def test_kv_dependent_flip(ckpt: Path) -> None:
     # decoding flips, but a from-scratch re-run in the replay format agrees with the logged arm
     pool = fake_pool({"fp16": {"next_token": flipped(5e-4), "step_fn": base}})
     r = replay_trace(make_trace(ckpt), Target("fp16"), pool, model_dir=ckpt)
-    assert r.category == "kv_dependent" and r.single_step["disagree"] is False  # type: ignore[index]
+    assert r.category == "kv_dependent"
+    assert r.single_step is not None and r.single_step.disagree is False
 
 
 def test_body_dominated_flip(ckpt: Path) -> None:
@@ -103,9 +111,9 @@ def test_body_dominated_flip(ckpt: Path) -> None:
     trace = make_trace(ckpt, top_k=False)
     r = replay_trace(trace, Target("fp16"), pool, model_dir=ckpt)
     assert r.category == "body_dominated"
-    m = r.margin_at_divergence
+    m = r.a.margin
     # no logged top-k: the logged margin is reconstructed by re-running the logged format
-    assert m is not None and m["logged"]["source"] == "reconstructed" and m["logged"]["abs"] == 1.0
+    assert m is not None and m.source == "reconstructed" and m.abs == 1.0
 
 
 def test_logged_format_unavailable_falls_back_to_the_logged_token(ckpt: Path) -> None:
@@ -117,9 +125,9 @@ def test_logged_format_unavailable_falls_back_to_the_logged_token(ckpt: Path) ->
         model_dir=ckpt,
         logged_engine_factory=lambda t: None,
     )
-    m = r.margin_at_divergence
-    assert m is not None and m["logged"] == {"abs": None, "ulps": None, "source": "unavailable"}
-    assert r.single_step is not None and r.single_step["logged"]["source"] == "logged_token"
+    assert r.a.margin == ArmMargin(None, None, "unavailable")
+    assert r.single_step is not None and r.single_step.a is not None
+    assert r.single_step.a.source == "logged_token"
     assert r.category == "head_reachable"  # the replay margin alone opens the gate
 
 
@@ -127,7 +135,7 @@ def test_intervention_repairs_and_is_counted(ckpt: Path) -> None:
     pool = fake_pool({"fp16": {"next_token": flipped(5e-4), "repair_fn": lambda c, t: base(c)[0]}})
     target = Target("fp16", intervention=Intervention("C"))
     r = replay_trace(make_trace(ckpt), target, pool, model_dir=ckpt)
-    assert r.exact_match and r.changed_steps == 1 and r.gate_triggers == 1
+    assert r.exact_match and r.b.changed_steps == 1 and r.gate_triggers == 1
 
 
 @pytest.mark.parametrize("mode", ["scan", "scan_then_decode"])
@@ -139,11 +147,12 @@ def test_scan_modes_find_the_same_t_star_as_decode(ckpt: Path, mode: str) -> Non
     assert r.first_divergence_step == dec.first_divergence_step == FLIP_AT
     assert r.category == dec.category
     if mode == "scan":
-        assert r.replay_output_token_ids == dec.replay_output_token_ids[: FLIP_AT + 1]
+        assert dec.b.output_token_ids is not None
+        assert r.b.output_token_ids == dec.b.output_token_ids[: FLIP_AT + 1]
         assert r.cascade_length is None and r.length_difference is None
     else:
-        assert r.replay_output_token_ids == dec.replay_output_token_ids
-        assert r.cascade_length == dec.cascade_length and r.steps == dec.steps
+        assert r.b.output_token_ids == dec.b.output_token_ids
+        assert r.cascade_length == dec.cascade_length and r.b.steps == dec.b.steps
         assert r.gate_triggers == dec.gate_triggers
 
 
@@ -161,7 +170,7 @@ def test_scan_then_decode_skips_the_decode_when_the_scan_agrees(ckpt: Path) -> N
         model_dir=ckpt,
         mode="scan_then_decode",
     )
-    assert r.exact_match and r.steps == 8
+    assert r.exact_match and r.b.steps == 8
     assert engines[0].calls == ["scan"]
 
 
@@ -176,7 +185,8 @@ def test_the_replay_may_run_longer_than_the_logged_arm(ckpt: Path) -> None:
         decoding={"max_new_tokens": 6, "eos_token_ids": [EOS], "stop_reason": "eos"},
     )
     r = replay_trace(trace, Target("fp16"), fake_pool({}), model_dir=ckpt)
-    assert r.first_divergence_step == 2 and len(r.replay_output_token_ids) == 6
+    assert r.first_divergence_step == 2
+    assert r.b.output_token_ids is not None and len(r.b.output_token_ids) == 6
     assert r.length_difference == 3 and r.cascade_length == 4
 
 
@@ -198,16 +208,19 @@ def test_compare_arms_both_arms_protocol(ckpt: Path) -> None:
     pool = fake_pool({"fp16": {"next_token": flipped(5e-4)}})
     r = compare_arms(make_trace(ckpt), Target("bf16"), Target("fp16"), pool, model_dir=ckpt)
     assert r.first_divergence_step == FLIP_AT and r.category == "head_reachable"
-    m = r.margin_at_divergence
-    assert m is not None and m["logged"]["source"] == "decode"
-    assert r.logged_arm is not None and r.logged_arm["target"]["dtype"] == "bf16"
-    assert r.logged_arm["output_token_ids"] == make_trace(ckpt).output_token_ids
+    assert r.a.margin is not None and r.a.margin.source == "decode"
+    assert r.a.target is not None and r.a.target.dtype == "bf16"
+    assert r.a.output_token_ids is not None
+    assert list(r.a.output_token_ids) == make_trace(ckpt).output_token_ids.tolist()
+    # both arms were run here: both count their gate firings
+    assert r.a.steps == r.b.steps == 8 and r.a.gate_triggers is not None
 
 
 def test_result_json_has_the_design_fields_and_no_nan(ckpt: Path) -> None:
     pool = fake_pool({"fp16": {"next_token": flipped(0.0), "pieces": lambda i: f" {i}"}})
     r = replay_trace(make_trace(ckpt), Target("fp16"), pool, model_dir=ckpt, extractor="gsm8k")
-    d = r.to_dict()
+    read = result_read(ReplayResult(trace_id=1, **result_values(0, r)), "tr_1", "rr_1")
+    d = read.model_dump(mode="json")
     text = json.dumps(d, allow_nan=False)
     assert json.loads(text) == d
     for key in (
@@ -221,21 +234,23 @@ def test_result_json_has_the_design_fields_and_no_nan(ckpt: Path) -> None:
         "tie",
         "cascade_length",
         "length_difference",
-        "replay_output_token_ids",
+        "arms",
         "single_step",
-        "environment",
-        "target",
         "mode",
         "semantic",
     ):
         assert key in d
+    assert d["arms"]["b"]["output_token_ids"] and d["arms"]["b"]["environment"]
+    assert d["arms"]["b"]["target"]["dtype"] == "fp16"
+    assert d["margin_at_divergence"]["a"] == d["margin_at_divergence"]["logged"]
     assert d["tie"] is True  # the replay margin at t* is exactly 0
-    assert d["semantic"]["extractor"] == "gsm8k" and d["semantic"]["agree"] is False
+    assert d["semantic"]["extractor"] == "gsm8k"
+    assert d["semantic"]["agree"] is False and d["semantic"]["neither_answered"] is False
 
 
 def test_replayer_and_protocol_do_not_import_torch() -> None:
     code = (
-        "import sys; import replay_audit.engine, replay_audit.engine.replayer, "
+        "import sys; import replay_audit.engine, replay_audit.replays.replayer, "
         "replay_audit.engine.fake, replay_audit.engine.pool; "
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
         "assert not bad, bad"

@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from replay_audit.config import get_settings
 from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
 from replay_audit.queue import JobSpec
-from replay_audit.worker import jobs
+from replay_audit.replays import tasks as jobs
 
 VOCAB = 97
 CLOSE_MARGIN = 5e-4
@@ -89,9 +89,9 @@ def worker_env(
     monkeypatch.setenv("REPLAY_AUDIT_MODEL_DIRS", str(fake_model_dir))
     get_settings.cache_clear()
     pool = EnginePool(loader=fake_loader)
-    jobs.set_engine_pool(pool)
+    jobs.install_worker_context(jobs.WorkerContext(get_settings(), pool))
     yield pool
-    jobs.set_engine_pool(None)
+    jobs.install_worker_context(None)
     get_settings.cache_clear()
 
 

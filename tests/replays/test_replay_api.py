@@ -125,7 +125,7 @@ def test_jobs_are_idempotent_and_reconciled(
     spec = runner.specs[0]
     runner.run_all()
     # A duplicate delivery of the same job changes nothing.
-    from replay_audit.worker.jobs import run_replay_job
+    from replay_audit.replays.tasks import run_replay_job
 
     run_replay_job(*spec.args)  # type: ignore[arg-type]
     with session_scope(db_url) as s:

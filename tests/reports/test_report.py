@@ -4,7 +4,6 @@ from the stats functions on the per-trace flags). SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +15,7 @@ from sqlalchemy import select
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.diff import get_extractor
 from replay_audit.replays.models import ReplayRun
-from replay_audit.reports import service
+from replay_audit.reports import browsing, statistics
 from replay_audit.stats import (
     correctness_flips,
     distribution,
@@ -100,7 +99,7 @@ def test_report_matches_the_rows_and_the_stored_aggregate(
             assert c["first_divergence_step"] == stored[c["index"]]["first_divergence_step"]
             assert sum(c["t_star_histogram"]["counts"]) == len(diverged)
             replay_margins = [x["margin_at_divergence"]["replay"]["abs"] for x in diverged]
-            hist = c["margin_at_divergence"]["histogram_replay"]
+            hist = c["margin_at_divergence"]["histogram_b"]
             assert hist["zeros"] + sum(hist["counts"]) + hist["below"] + hist["above"] == len(
                 [m for m in replay_margins if m is not None]
             )
@@ -183,7 +182,7 @@ def test_task_accuracy_flips_and_tost_from_the_answers(
         correct["logged"][x["trace_id"]] = sem["logged_answer"] == ref[x["trace_id"]]
         correct[x["comparison"]][x["trace_id"]] = sem["replay_answer"] == ref[x["trace_id"]]
         # The worker's own flags agree with the answers recomputed here.
-        assert sem["replay_correct"] == correct[x["comparison"]][x["trace_id"]]
+        assert sem["correct_b"] == correct[x["comparison"]][x["trace_id"]]
     assert [a["arm"] for a in acc["arms"]] == ["logged", 0, 1]
     for arm in acc["arms"]:
         flags = correct[arm["arm"]]
@@ -268,10 +267,10 @@ def test_a_run_of_several_runs_is_paired_by_trace(
             select(ReplayRun.project_id).where(ReplayRun.public_id == seeded_run.run_id)
         )
         assert project_id is not None
-        run_a = service.get_run(s, project_id, seeded_run.run_id)
-        run_b = service.get_run(s, project_id, other.run_id)
-        cmp = service.compare_runs(s, run_a, 1, run_b, 0)
-        own = service.run_report(s, run_a)
+        run_a = browsing.get_run(s, project_id, seeded_run.run_id)
+        run_b = browsing.get_run(s, project_id, other.run_id)
+        cmp = statistics.compare_runs(s, run_a, 1, run_b, 0)
+        own = statistics.run_report(s, run_a)
     assert cmp.common_traces == len(seeded_run.trace_ids)
     # Run B's FP16 against run A's FP16 + C: what C fixed, B "broke".
     assert cmp.pair.broke == own.lifts[0].fixed and cmp.pair.fixed == 0
@@ -313,7 +312,8 @@ def test_a_report_follows_its_run_from_queued_to_done_and_refinalised(
     headers: Callable[..., dict[str, str]],
     logged_trace: Callable[..., dict[str, Any]],
 ) -> None:
-    """Unfinished runs are never memoised; a finished one is, until it is finalised again."""
+    """An unfinished run's report is computed from its rows; a finished run's is the statistics
+    stored when it finished (read back, not recomputed), and finalising again stores them anew."""
     from replay_audit.replays import repository as replays_repository
 
     h = headers("admin")
@@ -327,19 +327,27 @@ def test_a_report_follows_its_run_from_queued_to_done_and_refinalised(
         with session_scope(url) as s:
             project_id = s.scalar(select(ReplayRun.project_id).where(ReplayRun.public_id == run_id))
             assert project_id is not None
-            return service.run_report(s, service.get_run(s, project_id, run_id))
+            return statistics.run_report(s, browsing.get_run(s, project_id, run_id))
 
     queued = report()
     assert queued.partial and queued.comparisons[0].n == 0
     runner.run_all()
     done = report()
     assert not done.partial and done.comparisons[0].n == len(ids)
-    assert report().comparisons[0] is done.comparisons[0]  # memoised
     assert report().lifts == done.lifts == []
     with session_scope(url) as s:
         run = s.scalar(select(ReplayRun).where(ReplayRun.public_id == run_id))
+        assert run is not None and run.aggregate is not None
+        assert run.aggregate["comparisons"][0]["ear"] == done.comparisons[0].ear.model_dump()
+        # What is served is what is stored: a marker written into the stored object shows up.
+        run.aggregate = {
+            **run.aggregate,
+            "comparisons": [{**run.aggregate["comparisons"][0], "label": "stored marker"}],
+        }
+    assert report().comparisons[0].label == "stored marker"
+    with session_scope(url) as s:
+        run = s.scalar(select(ReplayRun).where(ReplayRun.public_id == run_id))
         assert run is not None
-        time.sleep(0.01)  # finished_at moves on
         replays_repository.finalise_run(s, run)
     again = report()
-    assert again.comparisons[0] is not done.comparisons[0] and again == done
+    assert again == done and again.comparisons[0].label != "stored marker"

@@ -1,0 +1,342 @@
+"""The replay domain's values, defined once and used from the request to the row and back.
+
+    RunTarget      one target of a run: an engine `Target` (dtype, head format, kernel, batch
+                   size, intervention), where it runs and its label; or `self`, the trace's own
+                   logged configuration. `to_json`/`from_json` are its stored form.
+    Comparison     arm A vs arm B of a run; A is "logged" (the trace as logged) or a target.
+    LoggedTrace    what a replay needs of a stored trace, as numpy arrays (no HTTP schema).
+    ArmMargin      an arm's top-2 margin at t*, absolute and in ulps, and where it came from.
+    ArmOutcome     one arm of a replayed comparison: tokens, margins, gate firings, environment.
+    SingleStep     the from-scratch re-run at t* in both formats.
+    ReplayOutcome  the answer for one (trace, comparison): t*, category, both arms.
+
+Arms are `a` and `b` everywhere; "logged" is only the name of a source (arm A of a comparison
+against the logged tokens). The engine's own values (`Target`, `Intervention`) live in
+`replay_audit.engine.protocol`, torch-free, because the engine takes them and may not import
+this package. Pure: stdlib and numpy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from replay_audit.diff.answer import SemanticAgreement
+from replay_audit.diff.margin import DEFAULT_TAU
+from replay_audit.engine.protocol import DEFAULT_B_TOP_K, Intervention, Target
+from replay_audit.formats import ArmKey, Category, Device, MarginSource, Mode
+
+
+def arm_key(value: object) -> ArmKey:
+    """An arm key from its stored JSON form ("logged" or an integer)."""
+    return "logged" if value == "logged" else int(value)  # type: ignore[call-overload]
+
+
+@dataclass(frozen=True)
+class RunTarget:
+    """A target of a run. `target` None means `self`: each trace replayed in its own logged
+    configuration (a reproducibility check, not a treatment: it never gets a lift)."""
+
+    target: Target | None
+    device: Device | None = None
+    label: str | None = None
+
+    @property
+    def is_self(self) -> bool:
+        return self.target is None
+
+    def resolve(self, logged: Target) -> Target:
+        """The engine target for a trace whose logged configuration is `logged`."""
+        return logged if self.target is None else self.target
+
+    def display_label(self) -> str:
+        """A short human name: the label, else e.g. `fp16 / head fp32 + C(τ=0.001)`."""
+        if self.label:
+            return self.label
+        if self.target is None:
+            return "self"
+        t = self.target
+        parts = [t.dtype]
+        if t.lm_head_dtype:
+            parts.append(f"head {t.lm_head_dtype}")
+        if t.attn_kernel:
+            parts.append(t.attn_kernel)
+        if t.batch_size != 1:
+            parts.append(f"bs {t.batch_size}")
+        text = " / ".join(parts)
+        iv = t.intervention
+        if iv.kind != "none":
+            gate = f"{iv.tau_ulps:g} ulps" if iv.tau_ulps is not None else f"τ={iv.tau:g}"
+            text += f" + {iv.kind}({gate})"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        """The stored form (the run's `targets` column, as the API returns it)."""
+        if self.target is None:
+            return {"self": True, "label": self.label or "self (logged configuration)"}
+        return {**self.target.to_dict(), "device": self.device, "label": self.label}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RunTarget:
+        """The inverse of `to_json` (defaults as `Intervention`'s for keys a row lacks)."""
+        if d.get("self"):
+            return cls(None, label=d.get("label"))
+        iv = d.get("intervention") or {}
+        return cls(
+            Target(
+                dtype=str(d["dtype"]),
+                lm_head_dtype=d.get("lm_head_dtype"),
+                attn_kernel=d.get("attn_kernel"),
+                batch_size=int(d.get("batch_size") or 1),
+                intervention=Intervention(
+                    kind=iv.get("kind", "none"),
+                    tau=float(iv.get("tau", DEFAULT_TAU)),
+                    tau_ulps=iv.get("tau_ulps"),
+                    top_k=int(iv.get("top_k", DEFAULT_B_TOP_K)),
+                ),
+            ),
+            device=d.get("device"),
+            label=d.get("label"),
+        )
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Comparison `index` of a run: arm B (a target) against arm A (the logged tokens or a
+    target). A comparison whose arm B is a `self` target is a reproducibility check."""
+
+    index: int
+    a: ArmKey
+    b: int
+
+    @property
+    def against_logged(self) -> bool:
+        return self.a == "logged"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "a": self.a, "b": self.b}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Comparison:
+        return cls(int(d["index"]), arm_key(d["a"]), int(d["b"]))
+
+
+def arm_label(arm: ArmKey, targets: Sequence[RunTarget]) -> str:
+    """`logged`, or `T<i>: <target label>`."""
+    return "logged" if arm == "logged" else f"T{arm}: {targets[arm].display_label()}"
+
+
+def comparison_label(c: Comparison, targets: Sequence[RunTarget]) -> str:
+    return f"{arm_label(c.a, targets)} vs {arm_label(c.b, targets)}"
+
+
+def is_treatment(c: Comparison, targets: Sequence[RunTarget]) -> bool:
+    """Whether the comparison measures a treatment, so that it gets a lift over the baseline:
+    every comparison but comparison 0 and self-replays (a reproducibility check)."""
+    return c.index != 0 and not targets[c.b].is_self
+
+
+StopReason = Literal["eos", "length", "stop_string", "other"]
+
+
+@dataclass(frozen=True, eq=False)
+class LoggedTrace:
+    """What a replay needs of a logged trace: ids as int64 arrays, the logged top-k logits as
+    a (T, k) float32 array (None when not logged), the decoding record and the logged
+    configuration as a `Target`. Built at the edge from a stored row or an input file."""
+
+    external_id: str | None
+    weights_sha256: str
+    vocab_size: int
+    config: Target
+    prompt_token_ids: npt.NDArray[np.int64]
+    output_token_ids: npt.NDArray[np.int64]
+    top_k_logits: npt.NDArray[np.float32] | None
+    strategy: str
+    max_new_tokens: int | None
+    eos_token_ids: tuple[int, ...]
+    stop_reason: StopReason | None
+    output_text: str | None = None
+    reference_answer: str | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.strategy == "greedy"
+
+    @classmethod
+    def from_parts(
+        cls,
+        *,
+        external_id: str | None,
+        weights_sha256: str,
+        vocab_size: int,
+        config: Mapping[str, Any],
+        decoding: Mapping[str, Any],
+        prompt_token_ids: npt.ArrayLike,
+        output_token_ids: npt.ArrayLike,
+        top_k_logits: npt.NDArray[np.float32] | None,
+        output_text: str | None = None,
+        reference_answer: str | None = None,
+    ) -> LoggedTrace:
+        """A logged trace from its stored or posted parts (`config` and `decoding` as the
+        trace JSON has them)."""
+        return cls(
+            external_id=external_id,
+            weights_sha256=weights_sha256,
+            vocab_size=int(vocab_size),
+            config=Target.from_config(dict(config)),
+            prompt_token_ids=np.asarray(prompt_token_ids, np.int64),
+            output_token_ids=np.asarray(output_token_ids, np.int64),
+            top_k_logits=top_k_logits,
+            strategy=str(decoding.get("strategy", "greedy")),
+            max_new_tokens=decoding.get("max_new_tokens"),
+            eos_token_ids=tuple(int(x) for x in decoding.get("eos_token_ids") or ()),
+            stop_reason=decoding.get("stop_reason"),
+            output_text=output_text,
+            reference_answer=reference_answer,
+        )
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> LoggedTrace:
+        """A logged trace from `POST /v1/traces` JSON that has already been validated (the
+        CLI's input files, the tests)."""
+        top_k = body.get("top_k")
+        logits = None
+        if top_k is not None and top_k.get("logits"):
+            logits = np.asarray(top_k["logits"], np.float32)
+        model = body["model"]
+        return cls.from_parts(
+            external_id=body.get("external_id"),
+            weights_sha256=model["weights_sha256"],
+            vocab_size=model["vocab_size"],
+            config=body["config"],
+            decoding=body.get("decoding") or {},
+            prompt_token_ids=body["prompt_token_ids"],
+            output_token_ids=body["output_token_ids"],
+            top_k_logits=logits,
+            output_text=body.get("output_text"),
+            reference_answer=body.get("reference_answer"),
+        )
+
+    def budget(self) -> tuple[int, list[int]]:
+        """How long a replay may run and which ids stop it.
+
+        The logged max_new_tokens when the logged arm stopped on eos or length (so a replay
+        may run longer or shorter); the logged length when it stopped for a reason we cannot
+        replay (a stop string). Without logged eos ids, an eos-stopped trace's last token is its
+        eos."""
+        out = self.output_token_ids
+        if self.stop_reason in ("stop_string", "other"):
+            budget = len(out)
+        else:
+            budget = max(self.max_new_tokens or 0, len(out))
+        eos = list(self.eos_token_ids)
+        if not eos and self.stop_reason == "eos" and len(out):
+            eos = [int(out[-1])]
+        return budget, eos
+
+
+@dataclass(frozen=True)
+class ArmMargin:
+    """An arm's top-2 margin at t*: absolute and in ulps of its lm_head format (None where
+    unknown), and its source."""
+
+    abs: float | None
+    ulps: float | None
+    source: MarginSource
+
+    @property
+    def is_tie(self) -> bool:
+        return self.abs == 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"abs": _finite(self.abs), "ulps": _finite(self.ulps), "source": self.source}
+
+    @classmethod
+    def unavailable(cls) -> ArmMargin:
+        return cls(None, None, "unavailable")
+
+
+@dataclass(frozen=True)
+class ArmOutcome:
+    """One arm of a replayed comparison. An arm that was not run here (the logged tokens of a
+    comparison against the trace) has no output, step counts or track: None, never zero."""
+
+    target: Target | None
+    #: The arm's output (None: the trace's logged output, not stored again).
+    output_token_ids: tuple[int, ...] | None
+    margin: ArmMargin | None
+    gate_triggers: int | None = None
+    steps: int | None = None
+    mean_gap: float | None = None
+    #: Steps where the intervention chose a token other than the native argmax.
+    changed_steps: int | None = None
+    #: Per-step margins (6 significant digits, a display track; None where not finite).
+    margins: tuple[float | None, ...] | None = None
+    gate_fired_steps: tuple[int, ...] | None = None
+    #: The numerical environment the arm ran in here (JSON: the engine's recorded settings).
+    environment: Mapping[str, Any] | None = None
+    text: str | None = None
+
+    @property
+    def run_here(self) -> bool:
+        return self.steps is not None
+
+    @property
+    def trigger_rate(self) -> float | None:
+        if self.steps is None or self.gate_triggers is None or self.steps == 0:
+            return None
+        return self.gate_triggers / self.steps
+
+
+@dataclass(frozen=True)
+class SingleStepChoice:
+    token: int
+    margin: ArmMargin | None
+    #: "rerun": a from-scratch forward here; "logged_token": the logged token stands in for a
+    #: re-run of a format that cannot run here.
+    source: Literal["rerun", "logged_token"]
+
+
+@dataclass(frozen=True)
+class SingleStep:
+    """From-scratch forwards over prompt ‖ y<t* in both formats: does the flip reproduce?"""
+
+    step: int
+    a: SingleStepChoice | None
+    b: SingleStepChoice
+    #: None when arm A could not be re-run and had no token at t*.
+    disagree: bool | None
+
+
+@dataclass(frozen=True)
+class ReplayOutcome:
+    """The answer for one trace and one comparison (DESIGN.md field names)."""
+
+    mode: Mode
+    exact_match: bool
+    first_divergence_step: int | None
+    category: Category
+    #: Either arm's margin at t* is exactly 0 (a tie in that arm's format).
+    tie: bool
+    cascade_length: int | None
+    length_difference: int | None
+    a: ArmOutcome
+    b: ArmOutcome
+    single_step: SingleStep | None = None
+    semantic: SemanticAgreement | None = None
+    external_id: str | None = None
+
+    @property
+    def gate_triggers(self) -> int:
+        """Gate firings of arm B (the replayed arm): the result's `gate_triggers`."""
+        return self.b.gate_triggers or 0
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None

@@ -1,0 +1,397 @@
+"""Replay a logged trace in a target configuration and diff the two arms. Torch-free: engines
+come from an `EnginePool` through the `Engine` protocol; the comparison is the pure diff engine.
+
+Modes:
+    decode            greedy decode of the prompt in the target, compared with the logged output
+    scan              one teacher-forced forward over prompt ‖ logged output; t* is the first
+                      position whose choice differs from the logged token. A screen: the
+                      replayed arm's own continuation after t* is not computed.
+    scan_then_decode  scan, then decode only from the scan's first disagreement s (prefill
+                      prompt ‖ logged[:s]); none found: the trace replays exactly.
+
+`replay_trace`: arm A is the trace as logged (its top-k, when logged, gives its margin at t*;
+otherwise that margin is reconstructed by re-running the logged format here, and the outcome
+says which), arm B is ours. `compare_arms` is the paper's both-arms protocol: both arms are
+decoded here from the prompt, each with its target's intervention.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from replay_audit.diff import (
+    Extractor,
+    Margin,
+    cascade_length,
+    classify,
+    first_divergence,
+    gate_fires_at_divergence,
+    is_tie,
+    length_difference,
+    margin_from_top_k,
+    semantic_agreement,
+)
+from replay_audit.diff.answer import SemanticAgreement
+from replay_audit.engine.pool import EnginePool
+from replay_audit.engine.protocol import Engine, Steps, Target
+from replay_audit.exceptions import BadRequest, EngineError, ModelMismatch
+from replay_audit.formats import MODES, Category, MarginSource, Mode
+from replay_audit.replays.domain import (
+    ArmMargin,
+    ArmOutcome,
+    LoggedTrace,
+    ReplayOutcome,
+    SingleStep,
+    SingleStepChoice,
+)
+
+LoggedEngineFactory = Callable[[Target], "Engine | None"]
+
+
+def _arm_margin(m: Margin | None, source: MarginSource) -> ArmMargin:
+    return ArmMargin.unavailable() if m is None else ArmMargin(m.abs, m.ulps, source)
+
+
+def _track(steps: Steps) -> tuple[tuple[float | None, ...], tuple[int, ...]]:
+    """Per-step margins (6 significant digits: a display track, not a measurement; the margins
+    at t* are kept exactly) and the steps where the gate fired."""
+    margins = tuple(float(f"{m:.6g}") if math.isfinite(m) else None for m in steps.margins.tolist())
+    return margins, tuple(int(t) for t in np.flatnonzero(steps.gate_fired))
+
+
+def _arm(
+    engine: Engine,
+    target: Target,
+    steps: Steps,
+    output: Sequence[int] | None,
+    margin: ArmMargin | None,
+    text_of: Sequence[int],
+) -> ArmOutcome:
+    """An arm run here: its counts over `steps`, its track and environment."""
+    n = len(steps)
+    track, fired = _track(steps)
+    return ArmOutcome(
+        target=target,
+        output_token_ids=tuple(int(x) for x in output) if output is not None else None,
+        margin=margin,
+        gate_triggers=int(steps.gate_fired.sum()),
+        steps=n,
+        mean_gap=float(steps.margins.mean()) if n else None,
+        changed_steps=int(steps.changed.sum()),
+        margins=track,
+        gate_fired_steps=fired,
+        environment=engine.environment(),
+        text=engine.detokenize(list(text_of)),
+    )
+
+
+def _load(
+    pool: EnginePool, model_dir: Path, target: Target, requested_kernel: str | None
+) -> Engine:
+    try:
+        return pool.get(model_dir, target)
+    except EngineError:
+        if requested_kernel is not None or target.attn_kernel is None:
+            raise
+        # The logged kernel (e.g. flash_attention_2) does not exist here: the engine's default.
+        return pool.get(
+            model_dir,
+            Target(
+                target.dtype, target.lm_head_dtype, None, target.batch_size, target.intervention
+            ),
+        )
+
+
+def _check_trace(
+    trace: LoggedTrace, pool: EnginePool, model_dir: Path, check_weights: bool
+) -> None:
+    if not trace.greedy:
+        raise BadRequest(
+            f"only greedy traces can be replayed; this one is {trace.strategy!r}",
+            field="decoding.strategy",
+        )
+    if check_weights:
+        sha = pool.weights_sha256(model_dir)
+        if sha != trace.weights_sha256:
+            raise ModelMismatch(
+                f"checkpoint {model_dir} has weights_sha256 {sha}, but the trace "
+                f"{trace.external_id or ''} was logged with {trace.weights_sha256}",
+                field="model.weights_sha256",
+            )
+
+
+def replay_trace(
+    trace: LoggedTrace,
+    target: Target,
+    pool: EnginePool,
+    *,
+    model_dir: str | Path,
+    mode: Mode = "decode",
+    logged_engine_factory: LoggedEngineFactory | None = None,
+    extractor: str | Extractor | None = None,
+    top_k: int = 5,
+    check_weights: bool = True,
+) -> ReplayOutcome:
+    """Replay `trace` in `target` (an attention kernel of None means the logged one) and diff it
+    against the logged output (arm A).
+
+    Raises `ModelMismatch` when the checkpoint is not the one the trace was logged with,
+    `BadRequest` for a non-greedy trace, `UnsupportedFormat` when the target cannot run here.
+    `logged_engine_factory(target)` returns an engine for the logged format (for the single-step
+    re-run and, without logged top-k, the logged margin), or None where it cannot run here; by
+    default it is taken from `pool`.
+    """
+    if mode not in MODES:
+        raise BadRequest(f"mode must be one of {MODES}, got {mode!r}", field="mode")
+    d = Path(model_dir)
+    _check_trace(trace, pool, d, check_weights)
+    requested_kernel = target.attn_kernel
+    if target.attn_kernel is None:
+        target = Target(
+            target.dtype,
+            target.lm_head_dtype,
+            trace.config.attn_kernel,
+            target.batch_size,
+            target.intervention,
+        )
+    engine = _load(pool, d, target, requested_kernel)
+    if engine.vocab_size != trace.vocab_size:
+        raise ModelMismatch(
+            f"checkpoint vocabulary is {engine.vocab_size}, the trace's {trace.vocab_size}",
+            field="model.vocab_size",
+        )
+    iv = target.intervention
+    prompt = trace.prompt_token_ids.tolist()
+    logged = trace.output_token_ids.tolist()
+    budget, eos = trace.budget()
+
+    if mode == "decode":
+        run = engine.decode(prompt, budget, eos, iv, top_k)
+        replay_ids, steps = run.output_token_ids, run.steps
+    else:
+        scan = engine.scan(prompt, logged, iv, top_k)
+        s = scan.first_disagreement
+        if s is None:
+            replay_ids, steps = logged, scan.steps
+        elif mode == "scan":
+            replay_ids = [*logged[:s], int(scan.steps.token_ids[s])]
+            steps = scan.steps.slice(0, s + 1)
+        else:
+            run = engine.decode(prompt, budget, eos, iv, top_k, forced_prefix=logged[:s])
+            replay_ids = run.output_token_ids
+            steps = Steps.concat([scan.steps.slice(0, s), run.steps])
+
+    factory = logged_engine_factory or _default_logged_factory(pool, d)
+    logged_target = trace.config
+    t_star = first_divergence(logged, replay_ids)
+    logged_engine: Engine | None = None
+    margin_a = margin_b = None
+    single: SingleStep | None = None
+    category: Category = "agreed"
+    tie = False
+    if t_star is not None:
+        ma, source_a, logged_engine = _logged_margin(
+            trace, t_star, prompt, logged, logged_target, factory, top_k
+        )
+        mb = steps.margin_at(t_star) if t_star < len(steps) else None
+        margin_a = _arm_margin(ma, source_a)
+        margin_b = _arm_margin(mb, "scan" if mode == "scan" else "decode")
+        tie = is_tie(ma, mb)
+        fired = gate_fires_at_divergence(
+            ma,
+            mb,
+            logged_format=logged_target.head_dtype,
+            replay_format=target.head_dtype,
+            gate=iv.gate,
+        )
+        if logged_engine is None:
+            logged_engine = factory(logged_target)
+        single = _single_step(
+            engine,
+            logged_engine,
+            prompt,
+            logged,
+            t_star,
+            top_k,
+            logged_token=logged[t_star] if t_star < len(logged) else None,
+        )
+        # Unknown (the logged arm cannot run here and had stopped): the flip is not shown to
+        # reproduce from scratch, so C is not claimed to reach it.
+        category = classify(t_star, gate_fired=fired, single_step_disagrees=bool(single.disagree))
+
+    decoded_fully = mode != "scan" or t_star is None
+    arm_b = _arm(engine, target, steps, replay_ids, margin_b, replay_ids)
+    arm_a = ArmOutcome(
+        target=logged_target,
+        output_token_ids=None,
+        margin=margin_a,
+        environment=logged_engine.environment() if logged_engine is not None else None,
+        text=trace.output_text,
+    )
+    return ReplayOutcome(
+        mode=mode,
+        exact_match=t_star is None,
+        first_divergence_step=t_star,
+        category=category,
+        tie=tie,
+        cascade_length=cascade_length(logged, replay_ids) if decoded_fully else None,
+        length_difference=length_difference(logged, replay_ids) if decoded_fully else None,
+        a=arm_a,
+        b=arm_b,
+        single_step=single,
+        semantic=_semantic(trace, engine, logged, replay_ids, extractor) if decoded_fully else None,
+        external_id=trace.external_id,
+    )
+
+
+def _default_logged_factory(pool: EnginePool, model_dir: Path) -> LoggedEngineFactory:
+    def factory(target: Target) -> Engine | None:
+        try:
+            return _load(pool, model_dir, target, None)
+        except EngineError:
+            return None
+
+    return factory
+
+
+def _logged_margin(
+    trace: LoggedTrace,
+    t_star: int,
+    prompt: list[int],
+    logged: list[int],
+    logged_target: Target,
+    factory: LoggedEngineFactory,
+    top_k: int,
+) -> tuple[Margin | None, MarginSource, Engine | None]:
+    """Arm A's margin at t*: from the logged top-k when it has two values, else re-run here."""
+    if t_star >= len(logged):
+        return None, "unavailable", None
+    logits = trace.top_k_logits
+    if logits is not None and logits.shape[1] >= 2:
+        row = [float(x) for x in logits[t_star, :2]]
+        return margin_from_top_k(row, logged_target.head_dtype), "logged_top_k", None
+    engine = factory(logged_target)
+    if engine is None:
+        return None, "unavailable", None
+    return engine.step(prompt, logged[:t_star], top_k).margin, "reconstructed", engine
+
+
+def _single_step(
+    engine_b: Engine,
+    engine_a: Engine | None,
+    prompt: list[int],
+    prefix_source: Sequence[int],
+    t_star: int,
+    top_k: int,
+    *,
+    logged_token: int | None,
+) -> SingleStep:
+    """From-scratch forwards over prompt ‖ y<t* in both formats: does the flip reproduce?"""
+    prefix = list(prefix_source[:t_star])
+    r = engine_b.step(prompt, prefix, top_k)
+    b = SingleStepChoice(r.token, _arm_margin(r.margin, "reconstructed"), "rerun")
+    a: SingleStepChoice | None
+    if engine_a is not None:
+        lg = engine_a.step(prompt, prefix, top_k)
+        a = SingleStepChoice(lg.token, _arm_margin(lg.margin, "reconstructed"), "rerun")
+    elif logged_token is not None:
+        # The logged format cannot run here: its logged token stands in for its re-run.
+        a = SingleStepChoice(logged_token, None, "logged_token")
+    else:
+        a = None
+    return SingleStep(step=t_star, a=a, b=b, disagree=None if a is None else a.token != b.token)
+
+
+def _semantic(
+    trace: LoggedTrace,
+    engine: Engine,
+    logged: list[int],
+    replay_ids: list[int],
+    extractor: str | Extractor | None,
+) -> SemanticAgreement | None:
+    if extractor is None:
+        return None
+    logged_text = trace.output_text if trace.output_text is not None else engine.detokenize(logged)
+    replay_text = logged_text if replay_ids == logged else engine.detokenize(replay_ids)
+    if logged_text is None or replay_text is None:
+        return None
+    return semantic_agreement(
+        logged_text, replay_text, extractor, reference_answer=trace.reference_answer
+    )
+
+
+def compare_arms(
+    trace: LoggedTrace,
+    target_a: Target,
+    target_b: Target,
+    pool: EnginePool,
+    *,
+    model_dir: str | Path,
+    extractor: str | Extractor | None = None,
+    top_k: int = 5,
+    check_weights: bool = True,
+) -> ReplayOutcome:
+    """The paper's both-arms protocol: decode the trace's prompt in `target_a` and in `target_b`
+    (each with its own intervention) and diff arm B against arm A. The logged output is not
+    used; the trace gives the prompt, the length budget and the eos ids."""
+    d = Path(model_dir)
+    _check_trace(trace, pool, d, check_weights)
+    ea, eb = pool.get(d, target_a), pool.get(d, target_b)
+    prompt = trace.prompt_token_ids.tolist()
+    budget, eos = trace.budget()
+    ra = ea.decode(prompt, budget, eos, target_a.intervention, top_k)
+    rb = eb.decode(prompt, budget, eos, target_b.intervention, top_k)
+    a_ids, b_ids = ra.output_token_ids, rb.output_token_ids
+    t_star = first_divergence(a_ids, b_ids)
+    margin_a = margin_b = None
+    single: SingleStep | None = None
+    category: Category = "agreed"
+    tie = False
+    if t_star is not None:
+        ma = ra.steps.margin_at(t_star) if t_star < len(ra.steps) else None
+        mb = rb.steps.margin_at(t_star) if t_star < len(rb.steps) else None
+        margin_a, margin_b = _arm_margin(ma, "decode"), _arm_margin(mb, "decode")
+        tie = is_tie(ma, mb)
+        # Both arms' gates count: each arm applies its own intervention at its own firings.
+        fired = gate_fires_at_divergence(
+            ma,
+            mb,
+            logged_format=target_a.head_dtype,
+            replay_format=target_b.head_dtype,
+            gate=target_b.intervention.gate,
+        )
+        single = _single_step(
+            eb,
+            ea,
+            prompt,
+            a_ids,
+            t_star,
+            top_k,
+            logged_token=a_ids[t_star] if t_star < len(a_ids) else None,
+        )
+        category = classify(t_star, gate_fired=fired, single_step_disagrees=bool(single.disagree))
+    semantic = None
+    arm_a = _arm(ea, target_a, ra.steps, a_ids, margin_a, a_ids)
+    arm_b = _arm(eb, target_b, rb.steps, b_ids, margin_b, b_ids)
+    if extractor is not None and arm_a.text is not None and arm_b.text is not None:
+        semantic = semantic_agreement(
+            arm_a.text, arm_b.text, extractor, reference_answer=trace.reference_answer
+        )
+    return ReplayOutcome(
+        mode="decode",
+        exact_match=t_star is None,
+        first_divergence_step=t_star,
+        category=category,
+        tie=tie,
+        cascade_length=cascade_length(a_ids, b_ids),
+        length_difference=length_difference(a_ids, b_ids),
+        a=arm_a,
+        b=arm_b,
+        single_step=single,
+        semantic=semantic,
+        external_id=trace.external_id,
+    )

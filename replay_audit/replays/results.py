@@ -1,0 +1,305 @@
+"""A replay result between its three forms, each mapping written once:
+
+    ReplayOutcome (domain)  --result_values-->  replay_results row (columns + detail JSON)
+    replay_results row      --result_read---->  ReplayResultRead (API, export, UI, CLI output)
+    replay_results row      --figures-------->  ResultFigures (the statistics builder's input)
+
+The CLI, which stores nothing, builds the same row object in memory (`ReplayResult(**values)`)
+and goes through the same two mappings, so its output file and summary say what the API would.
+Rows written by earlier releases (detail JSON with `logged_arm`, `replay_text`, ...) are read by
+the same functions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from replay_audit.db.base import utcnow
+from replay_audit.replays.domain import ArmMargin, ArmOutcome, ReplayOutcome, SingleStep
+from replay_audit.replays.models import ReplayResult
+from replay_audit.replays.schemas import (
+    ArmMarginRead,
+    ArmRead,
+    ArmsRead,
+    MarginsRead,
+    ReplayResultRead,
+)
+from replay_audit.stats.report import ResultFigures
+
+#: Longest error text stored with a failed result.
+MAX_ERROR_CHARS = 4000
+
+
+def _plain(x: Any) -> Any:
+    """JSON-safe plain types: numpy scalars to Python, non-finite floats to None."""
+    if isinstance(x, Mapping):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def _target_json(arm: ArmOutcome) -> dict[str, Any] | None:
+    return arm.target.to_dict() if arm.target is not None else None
+
+
+def _arm_detail(arm: ArmOutcome) -> dict[str, Any]:
+    """What the detail JSON keeps of an arm (its output lives in a token column)."""
+    detail: dict[str, Any] = _plain(
+        {
+            "target": _target_json(arm),
+            "gate_triggers": arm.gate_triggers,
+            "steps": arm.steps,
+            "mean_gap": arm.mean_gap,
+            "changed_steps": arm.changed_steps,
+            "margins": list(arm.margins) if arm.margins is not None else None,
+            "gate_fired_steps": (
+                list(arm.gate_fired_steps) if arm.gate_fired_steps is not None else None
+            ),
+            "environment": dict(arm.environment) if arm.environment is not None else None,
+            "text": arm.text,
+        }
+    )
+    return detail
+
+
+def _single_step_json(s: SingleStep | None) -> dict[str, Any] | None:
+    if s is None:
+        return None
+
+    def choice(c: Any) -> dict[str, Any] | None:
+        if c is None:
+            return None
+        m = c.margin.to_json() if c.margin is not None else None
+        return {"token": c.token, "margin": m, "source": c.source}
+
+    a, b = choice(s.a), choice(s.b)
+    # `logged`/`replay` repeat `a`/`b` for readers of earlier releases (deprecated).
+    return {"step": s.step, "a": a, "b": b, "disagree": s.disagree, "logged": a, "replay": b}
+
+
+def _margin_columns(prefix: str, m: ArmMargin | None) -> dict[str, Any]:
+    return {
+        f"margin_{prefix}": _plain(m.abs) if m else None,
+        f"margin_{prefix}_ulps": _plain(m.ulps) if m else None,
+    }
+
+
+def result_values(comparison: int, outcome: ReplayOutcome) -> dict[str, Any]:
+    """The `replay_results` values of one outcome (without run, trace and time)."""
+    a, b = outcome.a, outcome.b
+    semantic = outcome.semantic
+    detail = {
+        "mode": outcome.mode,
+        "external_id": outcome.external_id,
+        "single_step": _single_step_json(outcome.single_step),
+        "semantic": semantic.to_dict() if semantic is not None else None,
+        "arms": {"a": _arm_detail(a), "b": _arm_detail(b)},
+    }
+    return {
+        "comparison": comparison,
+        "status": "ok",
+        "error": None,
+        "exact_match": outcome.exact_match,
+        "first_divergence_step": outcome.first_divergence_step,
+        "category": outcome.category,
+        **_margin_columns("a", a.margin),
+        "margin_a_source": a.margin.source if a.margin else None,
+        **_margin_columns("b", b.margin),
+        "gate_triggers": b.gate_triggers,
+        "n_steps": b.steps,
+        "trigger_rate": _plain(b.trigger_rate),
+        "mean_gap": _plain(b.mean_gap),
+        "gate_triggers_a": a.gate_triggers,
+        "n_steps_a": a.steps,
+        "tie": outcome.tie,
+        "cascade_length": outcome.cascade_length,
+        "length_difference": outcome.length_difference,
+        "semantic_agree": semantic.agree if semantic is not None else None,
+        "answer_extractor": semantic.extractor if semantic is not None else None,
+        "answer_a": semantic.answer_a if semantic is not None else None,
+        "answer_b": semantic.answer_b if semantic is not None else None,
+        "output_b": _tokens(b),
+        "output_a": _tokens(a),
+        "detail": detail,
+    }
+
+
+def _tokens(arm: ArmOutcome) -> np.ndarray | None:
+    if arm.output_token_ids is None:
+        return None
+    return np.asarray(arm.output_token_ids, np.int32)
+
+
+def failed_values(comparison: int, reason: str) -> dict[str, Any]:
+    """The values of a result that could not be computed, saying why."""
+    return {
+        "comparison": comparison,
+        "status": "failed",
+        "error": reason[:MAX_ERROR_CHARS],
+        "detail": {},
+    }
+
+
+def _arms_detail(detail: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Both arms' detail, from this release's layout or an earlier one's."""
+    if "arms" in detail:
+        return {k: dict(v or {}) for k, v in detail["arms"].items()}
+    logged_arm = detail.get("logged_arm") or {}
+    b = {
+        "target": detail.get("target"),
+        "gate_triggers": None,
+        "steps": None,
+        "mean_gap": None,
+        "changed_steps": detail.get("changed_steps"),
+        "margins": detail.get("margins"),
+        "gate_fired_steps": detail.get("gate_fired_steps"),
+        "environment": detail.get("environment"),
+        "text": detail.get("replay_text"),
+    }
+    a = {
+        "target": logged_arm.get("target"),
+        "gate_triggers": logged_arm.get("gate_triggers"),
+        "steps": logged_arm.get("steps"),
+        "mean_gap": logged_arm.get("mean_gap"),
+        "changed_steps": logged_arm.get("changed_steps"),
+        "margins": logged_arm.get("margins"),
+        "gate_fired_steps": logged_arm.get("gate_fired_steps"),
+        "environment": detail.get("logged_environment"),
+        "text": logged_arm.get("text"),
+    }
+    return {"a": a, "b": b}
+
+
+def _arm_read(
+    d: Mapping[str, Any],
+    output: np.ndarray | None,
+    gate_triggers: int | None,
+    steps: int | None,
+    mean_gap: float | None,
+) -> ArmRead:
+    triggers = gate_triggers if gate_triggers is not None else d.get("gate_triggers")
+    n = steps if steps is not None else d.get("steps")
+    return ArmRead(
+        target=d.get("target"),
+        output_token_ids=output.tolist() if output is not None else None,
+        gate_triggers=triggers,
+        steps=n,
+        trigger_rate=triggers / n if triggers is not None and n else None,
+        mean_gap=mean_gap if mean_gap is not None else d.get("mean_gap"),
+        changed_steps=d.get("changed_steps"),
+        gate_fired_steps=d.get("gate_fired_steps"),
+        margins=d.get("margins"),
+        environment=d.get("environment"),
+        text=d.get("text"),
+    )
+
+
+def _margin_read(abs_: float | None, ulps: float | None, source: str | None) -> ArmMarginRead:
+    return ArmMarginRead(abs=abs_, ulps=ulps, source=source)
+
+
+def result_read(row: ReplayResult, trace_public_id: str, run_public_id: str) -> ReplayResultRead:
+    """The API view of a stored result (also what exports, the UI and the CLI show)."""
+    detail = dict(row.detail or {})
+    arms = _arms_detail(detail)
+    ok = row.status == "ok"
+    arm_a = _arm_read(arms["a"], row.output_a, row.gate_triggers_a, row.n_steps_a, None)
+    arm_b = _arm_read(arms["b"], row.output_b, row.gate_triggers, row.n_steps, row.mean_gap)
+    margins = None
+    if ok and row.first_divergence_step is not None:
+        ma = _margin_read(row.margin_a, row.margin_a_ulps, row.margin_a_source or "unavailable")
+        source_b = "scan" if detail.get("mode") == "scan" else "decode"
+        mb = _margin_read(row.margin_b, row.margin_b_ulps, source_b)
+        margins = MarginsRead(a=ma, b=mb)
+    single = detail.get("single_step")
+    if single is not None and "a" not in single:  # an earlier release's layout
+        single = {**single, "a": single.get("logged"), "b": single.get("replay")}
+    return ReplayResultRead(
+        run_id=run_public_id,
+        trace_id=trace_public_id,
+        comparison=row.comparison,
+        status=row.status,
+        error=row.error,
+        exact_match=row.exact_match,
+        first_divergence_step=row.first_divergence_step,
+        margin_at_divergence=margins,
+        category=row.category,
+        gate_triggers=row.gate_triggers,
+        trigger_rate=row.trigger_rate,
+        mean_gap=row.mean_gap,
+        tie=row.tie,
+        cascade_length=row.cascade_length,
+        length_difference=row.length_difference,
+        mode=detail.get("mode"),
+        arms=ArmsRead(a=arm_a, b=arm_b) if ok else None,
+        single_step=single,
+        semantic=detail.get("semantic"),
+        detail=_legacy_detail(detail, arms, arm_a, arm_b) if ok else {},
+        created_at=row.created_at or utcnow(),
+    )
+
+
+def _legacy_detail(
+    detail: Mapping[str, Any],
+    arms: Mapping[str, Mapping[str, Any]],
+    arm_a: ArmRead,
+    arm_b: ArmRead,
+) -> dict[str, Any]:
+    """The `detail` object of earlier releases (deprecated: read `arms`)."""
+    b = arms["b"]
+    out: dict[str, Any] = {
+        "mode": detail.get("mode"),
+        "external_id": detail.get("external_id"),
+        "single_step": detail.get("single_step"),
+        "semantic": detail.get("semantic"),
+        "environment": b.get("environment"),
+        "target": b.get("target"),
+        "logged_environment": arms["a"].get("environment"),
+        "changed_steps": b.get("changed_steps"),
+        "margins": b.get("margins"),
+        "gate_fired_steps": b.get("gate_fired_steps"),
+        "replay_text": b.get("text"),
+        "replay_output_token_ids": arm_b.output_token_ids,
+    }
+    if arm_a.output_token_ids is not None:
+        out["arm_a_output_token_ids"] = arm_a.output_token_ids
+        out["logged_arm"] = {
+            k: arms["a"].get(k)
+            for k in ("target", "gate_triggers", "steps", "mean_gap", "changed_steps", "margins")
+        } | {"gate_fired_steps": arm_a.gate_fired_steps, "text": arm_a.text}
+    return out
+
+
+def figures(row: Any, trace_public_id: str, external_id: str | None) -> ResultFigures:
+    """The statistics' view of a result row (an ORM row or a row of the same columns)."""
+    return ResultFigures(
+        trace_id=int(row.trace_id),
+        trace_public_id=trace_public_id,
+        external_id=external_id,
+        status=str(row.status),
+        exact_match=None if row.exact_match is None else bool(row.exact_match),
+        first_divergence_step=row.first_divergence_step,
+        category=row.category,
+        margin_a=row.margin_a,
+        margin_a_ulps=row.margin_a_ulps,
+        margin_b=row.margin_b,
+        margin_b_ulps=row.margin_b_ulps,
+        gate_triggers=row.gate_triggers,
+        n_steps=row.n_steps,
+        mean_gap=row.mean_gap,
+        gate_triggers_a=row.gate_triggers_a,
+        n_steps_a=row.n_steps_a,
+        length_difference=row.length_difference,
+        answer_extractor=row.answer_extractor,
+        answer_a=row.answer_a,
+        answer_b=row.answer_b,
+    )

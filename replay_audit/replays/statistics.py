@@ -1,0 +1,131 @@
+"""A run's statistics: the result figures from the database through the one pure builder
+(`replay_audit.stats.report`).
+
+A finished run's statistics are stored when it finishes (`repository.finalise_run`) and read
+back from then on; a running run (or one finished by an earlier release, whose stored aggregate
+had another shape) gets the same function over its rows. Nothing is memoised in the process:
+the stored object is the cache, and it lives in the database every process reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pydantic import ValidationError
+from sqlalchemy.orm import Session
+
+from replay_audit.diff import get_extractor
+from replay_audit.formats import ArmKey
+from replay_audit.replays import repository
+from replay_audit.replays.domain import arm_label, comparison_label, is_treatment
+from replay_audit.replays.models import ReplayRun
+from replay_audit.stats.report import (
+    DEFAULT_LIST_LIMIT,
+    DEFAULT_TOST_ALPHA,
+    DEFAULT_TOST_MARGIN,
+    AccuracyReport,
+    ComparisonInput,
+    LiftReport,
+    LiftSide,
+    RunStatistics,
+    accuracy_report,
+    lift_report,
+    run_statistics,
+)
+
+
+def _extractor(name: str) -> Callable[[str], str | None] | None:
+    try:
+        return get_extractor(name)
+    except KeyError:
+        return None  # an extractor this process does not know: its answers are not counted
+
+
+def comparison_inputs(session: Session, run: ReplayRun) -> list[ComparisonInput]:
+    """Every comparison of the run with its results' figures."""
+    targets = run.run_targets
+    figures = repository.result_figures(session, run.id)
+    return [
+        ComparisonInput(
+            index=c.index,
+            a=c.a,
+            b=c.b,
+            label=comparison_label(c, targets),
+            treatment=is_treatment(c, targets),
+            figures=figures.get(c.index, []),
+        )
+        for c in run.run_comparisons
+    ]
+
+
+def accuracy(
+    session: Session,
+    run: ReplayRun,
+    inputs: list[ComparisonInput] | None = None,
+    *,
+    margin: float = DEFAULT_TOST_MARGIN,
+    alpha: float = DEFAULT_TOST_ALPHA,
+) -> AccuracyReport | None:
+    """Task accuracy per arm (None when no trace of the run has a reference answer)."""
+    if not repository.has_reference_answers(session, run.id):
+        return None
+    targets = run.run_targets
+
+    def label(arm: ArmKey) -> str:
+        return arm_label(arm, targets)
+
+    comparisons = inputs if inputs is not None else comparison_inputs(session, run)
+    return accuracy_report(
+        repository.answer_figures(session, run.id),
+        comparisons,
+        extract=_extractor,
+        arm_label=label,
+        margin=margin,
+        alpha=alpha,
+    )
+
+
+def has_reference_answers(session: Session, run: ReplayRun) -> bool:
+    return repository.has_reference_answers(session, run.id)
+
+
+def compute(session: Session, run: ReplayRun) -> RunStatistics:
+    """The run's statistics from its result rows, now."""
+    inputs = comparison_inputs(session, run)
+    return run_statistics(run.public_id, inputs, accuracy=accuracy(session, run, inputs))
+
+
+def stored(run: ReplayRun) -> RunStatistics | None:
+    """The statistics stored when the run finished (None while it runs, or when a run
+    finished under an earlier release)."""
+    if run.status not in ("done", "failed") or not run.aggregate:
+        return None
+    try:
+        return RunStatistics.model_validate(run.aggregate)
+    except ValidationError:
+        return None
+
+
+def of_run(session: Session, run: ReplayRun) -> RunStatistics:
+    """The run's statistics: the stored ones of a finished run, else computed from its rows."""
+    return stored(run) or compute(session, run)
+
+
+def lift_between(
+    session: Session,
+    run_a: ReplayRun,
+    comparison_a: int,
+    run_b: ReplayRun,
+    comparison_b: int,
+    *,
+    list_limit: int = DEFAULT_LIST_LIMIT,
+) -> LiftReport:
+    """EAR lift of (run_b, comparison_b) over (run_a, comparison_a), paired by trace: the same
+    builder as the stored lifts, for any pair of comparisons of one run or of two runs."""
+
+    def side(run: ReplayRun, index: int) -> LiftSide:
+        c = run.run_comparisons[index]
+        figures = repository.result_figures(session, run.id, index).get(index, [])
+        return LiftSide(run.public_id, index, comparison_label(c, run.run_targets), figures)
+
+    return lift_report(side(run_a, comparison_a), side(run_b, comparison_b), list_limit=list_limit)

@@ -1,0 +1,690 @@
+"""The one statistics builder of a replay run: per-comparison result figures in, typed comparison,
+lift and accuracy reports out. Pure (stdlib, numpy, pydantic for the typed output).
+
+Every surface reads what this module builds: finalising a run stores `RunStatistics` (the
+run's `aggregate`), `GET /v1/replays/{id}` and `/report` serve it, the web UI renders it, the
+CLI `replay` summary and the demo print it, audit trends and drift alerts read it. A run still
+replaying gets the same function over the results stored so far.
+
+Definitions (DESIGN.md):
+    EAR            exact matches / ok results, Wilson 95% interval
+    SAR            equal extracted answers / ok results with an extraction; two arms that both
+                   give no answer agree (their answers do not differ), counted in
+                   `sar_neither_answered`
+    trigger rate   arm B's gate firings over arm B's replayed steps, pooled over traces (and
+                   arm A's the same way where arm A was run here: both-arms comparisons)
+    mean gap       mean margin over arm B's replayed steps, pooled (weighted by steps)
+    categories     share of each category among the ok results, Wilson intervals
+    lift           EAR(treated) - EAR(baseline) paired on the traces where both are ok: seeded
+                   paired bootstrap interval, exact McNemar p, the traces fixed and broke.
+                   Only treatments get one: a self-replay comparison is a reproducibility check.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Final, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, computed_field
+
+from replay_audit.formats import CATEGORIES, ArmKey
+from replay_audit.stats.equivalence import tost_noninferiority
+from replay_audit.stats.mcnemar import mcnemar_exact
+from replay_audit.stats.paired import correctness_flips, paired_bootstrap_lift
+from replay_audit.stats.proportion import proportion
+from replay_audit.stats.summary import distribution, histogram, log_histogram
+
+#: Resamples of the paired bootstrap behind each lift interval (seeded: reproducible).
+BOOTSTRAP_RESAMPLES: Final = 10_000
+BOOTSTRAP_SEED: Final = 0
+#: Fixed / broke traces listed inline in a lift (the rest are paged from the database).
+DEFAULT_LIST_LIMIT: Final = 50
+#: Bins of the t* histogram (integer-aligned, so a bin never splits a step).
+T_STAR_BINS: Final = 20
+#: Bins per decade of the margin histograms.
+MARGIN_BINS_PER_DECADE: Final = 2
+#: Default non-inferiority margin for task accuracy: the paper's δ = 0.05 (5 points).
+DEFAULT_TOST_MARGIN: Final = 0.05
+DEFAULT_TOST_ALPHA: Final = 0.05
+
+
+# -- input -------------------------------------------------------------------------------------
+
+
+class ResultFigures(NamedTuple):
+    """What the statistics read of one result (one trace x comparison): the result columns."""
+
+    trace_id: int
+    trace_public_id: str
+    external_id: str | None
+    status: str
+    exact_match: bool | None
+    first_divergence_step: int | None
+    category: str | None
+    margin_a: float | None
+    margin_a_ulps: float | None
+    margin_b: float | None
+    margin_b_ulps: float | None
+    gate_triggers: int | None
+    n_steps: int | None
+    mean_gap: float | None
+    gate_triggers_a: int | None
+    n_steps_a: int | None
+    length_difference: int | None
+    answer_extractor: str | None
+    answer_a: str | None
+    answer_b: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def exact(self) -> bool:
+        return self.ok and bool(self.exact_match)
+
+    @property
+    def diverged(self) -> bool:
+        return self.ok and not self.exact_match
+
+
+@dataclass(frozen=True)
+class ComparisonInput:
+    """One comparison of a run and its results' figures (any order; one per trace)."""
+
+    index: int
+    a: ArmKey
+    b: ArmKey
+    label: str
+    #: Gets a lift over the baseline (False for the baseline itself and self-replays).
+    treatment: bool
+    figures: Sequence[ResultFigures]
+
+
+class AnswerFigures(NamedTuple):
+    """One ok result's extracted answers and its trace's reference answer."""
+
+    comparison: int
+    trace_id: int
+    extractor: str
+    answer_a: str | None
+    answer_b: str | None
+    reference_answer: str
+
+
+# -- output ------------------------------------------------------------------------------------
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class ProportionRead(_Frozen):
+    """successes / n with its Wilson 95% interval; `estimate` is None when n == 0."""
+
+    successes: int
+    n: int
+    estimate: float | None
+    low: float
+    high: float
+
+
+class DistributionRead(_Frozen):
+    n: int
+    min: float
+    median: float
+    p90: float
+    max: float
+    mean: float
+
+
+class HistogramRead(_Frozen):
+    """counts[i] values in [edges[i], edges[i+1])."""
+
+    edges: list[float]
+    counts: list[int]
+
+
+class LogHistogramRead(_Frozen):
+    """A histogram on a log10 axis; exact zeros counted apart (a log axis cannot show them)."""
+
+    edges: list[float]
+    counts: list[int]
+    zeros: int
+    below: int
+    above: int
+
+
+class MarginReport(_Frozen):
+    """The margin at t* of the divergent results, per arm, absolute and in ulps."""
+
+    a: DistributionRead | None
+    a_ulps: DistributionRead | None
+    b: DistributionRead | None
+    b_ulps: DistributionRead | None
+    #: Divergences where either arm's margin at t* is exactly 0 (a tie in that format).
+    ties: int
+    histogram_a: LogHistogramRead | None
+    histogram_b: LogHistogramRead | None
+    histogram_a_ulps: LogHistogramRead | None
+    histogram_b_ulps: LogHistogramRead | None
+
+    # Deprecated names of earlier releases (arm A was called "logged" even when it was a
+    # target run here): kept in the JSON for this release, see docs/api.md.
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def logged(self) -> DistributionRead | None:
+        return self.a
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def logged_ulps(self) -> DistributionRead | None:
+        return self.a_ulps
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def replay(self) -> DistributionRead | None:
+        return self.b
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def replay_ulps(self) -> DistributionRead | None:
+        return self.b_ulps
+
+
+class ComparisonReport(_Frozen):
+    """One comparison of the run (arm a vs arm b over the run's traces)."""
+
+    index: int
+    a: ArmKey
+    b: ArmKey
+    label: str
+    #: Whether this comparison gets a lift over comparison 0 (not the baseline, not self).
+    treatment: bool
+    n: int
+    ok: int
+    failed: int
+    ear: ProportionRead
+    sar: ProportionRead | None
+    #: Results with an extraction where neither arm gave an answer (they count as agreeing).
+    sar_neither_answered: int
+    steps: int
+    gate_triggers: int
+    trigger_rate: float | None
+    mean_gap: float | None
+    #: Arm A's gate firings and steps where arm A was run here (both-arms comparisons).
+    steps_a: int | None
+    gate_triggers_a: int | None
+    trigger_rate_a: float | None
+    #: Share of each category among the ok results, with Wilson intervals.
+    categories: dict[str, ProportionRead]
+    first_divergence_step: DistributionRead | None
+    t_star_histogram: HistogramRead | None
+    margin_at_divergence: MarginReport
+    length_difference: DistributionRead | None
+
+
+class TraceRef(_Frozen):
+    id: str
+    external_id: str | None
+
+
+class LiftReport(_Frozen):
+    """EAR(b) - EAR(a) paired by trace, on the traces where both results are ok.
+
+    `fixed`: exact in b only; `broke`: exact in a only (agreeing at baseline, diverging with the
+    intervention). The listed traces are the first `len(...)` of each, by trace; `*_more` says
+    whether there are more than listed."""
+
+    run_a: str
+    comparison_a: int
+    run_b: str
+    comparison_b: int
+    label_a: str
+    label_b: str
+    n: int
+    ear_a: float | None
+    ear_b: float | None
+    lift: float | None
+    low: float | None
+    high: float | None
+    confidence: float
+    resamples: int
+    seed: int
+    fixed: int
+    broke: int
+    mcnemar_p: float
+    fixed_traces: list[TraceRef]
+    broke_traces: list[TraceRef]
+    fixed_more: bool
+    broke_more: bool
+
+
+class FlipsRead(_Frozen):
+    """Correctness flips between two arms on the traces both answered: gained (wrong at
+    baseline, right treated), lost (right at baseline, wrong treated)."""
+
+    gained: int
+    lost: int
+    n: int
+    flip_rate: float | None
+
+
+class TostRead(_Frozen):
+    """Paired non-inferiority (TOST) of accuracy(treated) - accuracy(baseline) at `margin`; its
+    interval is the (1 - 2 alpha) one, 90% at the default alpha."""
+
+    diff: float
+    low: float
+    high: float
+    p_value: float
+    non_inferior: bool
+    margin: float
+    alpha: float
+    confidence: float
+
+
+class ArmAccuracy(_Frozen):
+    arm: ArmKey
+    label: str
+    accuracy: ProportionRead
+
+
+class AccuracyPair(_Frozen):
+    baseline: ArmKey
+    treated: ArmKey
+    label_baseline: str
+    label_treated: str
+    flips: FlipsRead
+    tost: TostRead | None
+
+
+class AccuracyReport(_Frozen):
+    """Task accuracy per arm against the traces' reference answers (answers extracted by the
+    named extractor), flips and non-inferiority of every arm against the first."""
+
+    extractors: list[str]
+    n_traces: int
+    arms: list[ArmAccuracy]
+    pairs: list[AccuracyPair]
+    margin: float
+    alpha: float
+
+
+class RunStatistics(_Frozen):
+    """A run's statistics: each comparison, each treatment's lift over comparison 0, and task
+    accuracy at the default TOST margin where traces carry reference answers."""
+
+    run_id: str
+    comparisons: list[ComparisonReport]
+    lifts: list[LiftReport]
+    accuracy: AccuracyReport | None
+
+
+# -- builders ----------------------------------------------------------------------------------
+
+
+def _prop(successes: int, n: int) -> ProportionRead:
+    p = proportion(successes, n)
+    return ProportionRead(
+        successes=p.successes, n=p.n, estimate=p.estimate, low=p.interval.low, high=p.interval.high
+    )
+
+
+def _finite(values: Sequence[float | int | None]) -> list[float]:
+    return [float(v) for v in values if v is not None and math.isfinite(float(v))]
+
+
+def _dist(values: Sequence[float | int | None]) -> DistributionRead | None:
+    xs = _finite(values)
+    return DistributionRead(**asdict(distribution(xs))) if xs else None
+
+
+def _t_star_histogram(values: Sequence[int | None]) -> HistogramRead | None:
+    xs = _finite(values)
+    if not xs:
+        return None
+    width = max(1, math.ceil((max(xs) + 1) / T_STAR_BINS))
+    n_bins = math.ceil((max(xs) + 1) / width)
+    h = histogram(xs, [float(i * width) for i in range(n_bins + 1)])
+    return HistogramRead(edges=list(h.edges), counts=list(h.counts))
+
+
+def _decades(groups: Sequence[Sequence[float]]) -> tuple[int, int] | None:
+    """One log axis for every margin histogram of a run (so they can be compared by eye)."""
+    positive = [v for g in groups for v in g if v > 0]
+    if not positive:
+        return None
+    lo = math.floor(math.log10(min(positive)))
+    hi = max(math.ceil(math.log10(max(positive))), lo + 1)
+    return lo, hi
+
+
+def _log_hist(values: Sequence[float], decades: tuple[int, int] | None) -> LogHistogramRead | None:
+    xs = [v for v in values if v >= 0]
+    if not xs:
+        return None
+    if decades is None:  # only zeros: no bins, the zero count alone
+        return LogHistogramRead(edges=[], counts=[], zeros=len(xs), below=0, above=0)
+    h = log_histogram(xs, decades=decades, bins_per_decade=MARGIN_BINS_PER_DECADE)
+    return LogHistogramRead(
+        edges=list(h.edges), counts=list(h.counts), zeros=h.zeros, below=h.below, above=h.above
+    )
+
+
+@dataclass(frozen=True)
+class _Margins:
+    a: list[float]
+    b: list[float]
+    a_ulps: list[float]
+    b_ulps: list[float]
+
+
+def _margins(figures: Sequence[ResultFigures]) -> _Margins:
+    diverged = [f for f in figures if f.diverged]
+    return _Margins(
+        a=_finite([f.margin_a for f in diverged]),
+        b=_finite([f.margin_b for f in diverged]),
+        a_ulps=_finite([f.margin_a_ulps for f in diverged]),
+        b_ulps=_finite([f.margin_b_ulps for f in diverged]),
+    )
+
+
+def comparison_report(
+    c: ComparisonInput,
+    *,
+    abs_axis: tuple[int, int] | None,
+    ulps_axis: tuple[int, int] | None,
+) -> ComparisonReport:
+    """One comparison's statistics; the two log axes are shared by a run's comparisons."""
+    figures = c.figures
+    ok = [f for f in figures if f.ok]
+    diverged = [f for f in ok if not f.exact_match]
+    steps = sum(int(f.n_steps or 0) for f in ok)
+    triggers = sum(int(f.gate_triggers or 0) for f in ok)
+    gap_steps = sum(int(f.n_steps or 0) for f in ok if f.mean_gap is not None)
+    gap_sum = sum(float(f.mean_gap) * int(f.n_steps or 0) for f in ok if f.mean_gap is not None)
+    arm_a = [f for f in ok if f.n_steps_a is not None]
+    steps_a = sum(int(f.n_steps_a or 0) for f in arm_a) if arm_a else None
+    triggers_a = sum(int(f.gate_triggers_a or 0) for f in arm_a) if arm_a else None
+    answered = [f for f in ok if f.answer_extractor is not None]
+    agree = sum(1 for f in answered if f.answer_a == f.answer_b)
+    neither = sum(1 for f in answered if f.answer_a is None and f.answer_b is None)
+    categories = {k: sum(1 for f in ok if f.category == k) for k in CATEGORIES}
+    m = _margins(figures)
+    return ComparisonReport(
+        index=c.index,
+        a=c.a,
+        b=c.b,
+        label=c.label,
+        treatment=c.treatment,
+        n=len(figures),
+        ok=len(ok),
+        failed=len(figures) - len(ok),
+        ear=_prop(sum(1 for f in ok if f.exact_match), len(ok)),
+        sar=_prop(agree, len(answered)) if answered else None,
+        sar_neither_answered=neither,
+        steps=steps,
+        gate_triggers=triggers,
+        trigger_rate=triggers / steps if steps else None,
+        mean_gap=gap_sum / gap_steps if gap_steps else None,
+        steps_a=steps_a,
+        gate_triggers_a=triggers_a,
+        trigger_rate_a=triggers_a / steps_a if steps_a and triggers_a is not None else None,
+        categories={k: _prop(v, len(ok)) for k, v in categories.items()},
+        first_divergence_step=_dist([f.first_divergence_step for f in diverged]),
+        t_star_histogram=_t_star_histogram([f.first_divergence_step for f in diverged]),
+        margin_at_divergence=MarginReport(
+            a=_dist(m.a),
+            a_ulps=_dist(m.a_ulps),
+            b=_dist(m.b),
+            b_ulps=_dist(m.b_ulps),
+            ties=sum(1 for f in diverged if f.margin_a == 0.0 or f.margin_b == 0.0),
+            histogram_a=_log_hist(m.a, abs_axis),
+            histogram_b=_log_hist(m.b, abs_axis),
+            histogram_a_ulps=_log_hist(m.a_ulps, ulps_axis),
+            histogram_b_ulps=_log_hist(m.b_ulps, ulps_axis),
+        ),
+        length_difference=_dist([f.length_difference for f in diverged]),
+    )
+
+
+@dataclass(frozen=True)
+class LiftSide:
+    """One side of a lift: a comparison of a run, its label and its results' figures."""
+
+    run_id: str
+    comparison: int
+    label: str
+    figures: Sequence[ResultFigures]
+
+
+def lift_report(
+    base: LiftSide, treated: LiftSide, *, list_limit: int = DEFAULT_LIST_LIMIT
+) -> LiftReport:
+    """EAR lift of `treated` over `base`, paired by trace on the traces where both are ok."""
+    a_by = {f.trace_id: f for f in base.figures if f.ok}
+    b_by = {f.trace_id: f for f in treated.figures if f.ok}
+    common = sorted(a_by.keys() & b_by.keys())
+    ea = [bool(a_by[t].exact_match) for t in common]
+    eb = [bool(b_by[t].exact_match) for t in common]
+    fixed = [t for t, x, y in zip(common, ea, eb, strict=True) if y and not x]
+    broke = [t for t, x, y in zip(common, ea, eb, strict=True) if x and not y]
+    n = len(common)
+    lift = low = high = None
+    if n:
+        res = paired_bootstrap_lift(ea, eb, resamples=BOOTSTRAP_RESAMPLES, seed=BOOTSTRAP_SEED)
+        lift, low, high = res.lift, res.low, res.high
+
+    def refs(ids: list[int]) -> list[TraceRef]:
+        return [
+            TraceRef(id=b_by[t].trace_public_id, external_id=b_by[t].external_id)
+            for t in ids[:list_limit]
+        ]
+
+    return LiftReport(
+        run_a=base.run_id,
+        comparison_a=base.comparison,
+        run_b=treated.run_id,
+        comparison_b=treated.comparison,
+        label_a=base.label,
+        label_b=treated.label,
+        n=n,
+        ear_a=sum(ea) / n if n else None,
+        ear_b=sum(eb) / n if n else None,
+        lift=lift,
+        low=low,
+        high=high,
+        confidence=0.95,
+        resamples=BOOTSTRAP_RESAMPLES,
+        seed=BOOTSTRAP_SEED,
+        fixed=len(fixed),
+        broke=len(broke),
+        mcnemar_p=mcnemar_exact(len(broke), len(fixed)).p_value,
+        fixed_traces=refs(fixed),
+        broke_traces=refs(broke),
+        fixed_more=len(fixed) > list_limit,
+        broke_more=len(broke) > list_limit,
+    )
+
+
+def accuracy_report(
+    answers: Sequence[AnswerFigures],
+    comparisons: Sequence[ComparisonInput],
+    *,
+    extract: Callable[[str], Callable[[str], str | None] | None],
+    arm_label: Callable[[ArmKey], str],
+    margin: float = DEFAULT_TOST_MARGIN,
+    alpha: float = DEFAULT_TOST_ALPHA,
+) -> AccuracyReport | None:
+    """Task accuracy per arm against the reference answers, correctness flips and the TOST
+    non-inferiority test (at `margin`, level `alpha`) of every arm against the first; None when
+    no result has an answer to check. `extract(name)` is the extractor called `name` (None when
+    this process does not know it: those answers are not counted)."""
+    by_index = {c.index: c for c in comparisons}
+    correct: dict[ArmKey, dict[int, bool]] = {}
+    references: dict[tuple[str, int], str | None] = {}
+    extractors: set[str] = set()
+    for row in answers:
+        fn = extract(row.extractor)
+        if fn is None:
+            continue
+        key = (row.extractor, row.trace_id)
+        if key not in references:
+            references[key] = fn(row.reference_answer)
+        ref = references[key]
+        if ref is None:
+            continue  # the reference itself has no extractable answer
+        extractors.add(row.extractor)
+        c = by_index[row.comparison]
+        for arm, answer in ((c.a, row.answer_a), (c.b, row.answer_b)):
+            correct.setdefault(arm, {}).setdefault(row.trace_id, answer == ref)
+    if not correct:
+        return None
+    order: list[ArmKey] = ["logged"] if "logged" in correct else []
+    order += sorted(k for k in correct if isinstance(k, int))
+    arms = [
+        ArmAccuracy(
+            arm=k, label=arm_label(k), accuracy=_prop(sum(correct[k].values()), len(correct[k]))
+        )
+        for k in order
+    ]
+    pairs = []
+    base_key = order[0]
+    for k in order[1:]:
+        common = sorted(correct[base_key].keys() & correct[k].keys())
+        base = [correct[base_key][t] for t in common]
+        treat = [correct[k][t] for t in common]
+        tost = None
+        if common:
+            flips = correctness_flips(base, treat)
+            r = tost_noninferiority(base, treat, margin=margin, alpha=alpha)
+            tost = TostRead(
+                diff=r.diff,
+                low=r.low,
+                high=r.high,
+                p_value=r.p_value,
+                non_inferior=r.non_inferior,
+                margin=r.margin,
+                alpha=r.alpha,
+                confidence=r.confidence,
+            )
+            flips_read = FlipsRead(
+                gained=flips.gained, lost=flips.lost, n=flips.n, flip_rate=flips.flip_rate
+            )
+        else:
+            flips_read = FlipsRead(gained=0, lost=0, n=0, flip_rate=None)
+        pairs.append(
+            AccuracyPair(
+                baseline=base_key,
+                treated=k,
+                label_baseline=arm_label(base_key),
+                label_treated=arm_label(k),
+                flips=flips_read,
+                tost=tost,
+            )
+        )
+    n_traces = len(set().union(*(v.keys() for v in correct.values())))
+    return AccuracyReport(
+        extractors=sorted(extractors),
+        n_traces=n_traces,
+        arms=arms,
+        pairs=pairs,
+        margin=margin,
+        alpha=alpha,
+    )
+
+
+def run_statistics(
+    run_id: str,
+    comparisons: Sequence[ComparisonInput],
+    *,
+    accuracy: AccuracyReport | None = None,
+    list_limit: int = DEFAULT_LIST_LIMIT,
+) -> RunStatistics:
+    """The statistics of a run: every comparison (margin histograms on one shared axis), and
+    the lift of every treatment over comparison 0."""
+    margins = [_margins(c.figures) for c in comparisons]
+    abs_axis = _decades([g for m in margins for g in (m.a, m.b)])
+    ulps_axis = _decades([g for m in margins for g in (m.a_ulps, m.b_ulps)])
+    reports = [comparison_report(c, abs_axis=abs_axis, ulps_axis=ulps_axis) for c in comparisons]
+    lifts = []
+    if comparisons:
+        base = comparisons[0]
+        base_side = LiftSide(run_id, base.index, base.label, base.figures)
+        for c in comparisons[1:]:
+            if c.treatment:
+                side = LiftSide(run_id, c.index, c.label, c.figures)
+                lifts.append(lift_report(base_side, side, list_limit=list_limit))
+    return RunStatistics(run_id=run_id, comparisons=reports, lifts=lifts, accuracy=accuracy)
+
+
+def legacy_aggregate(stats: RunStatistics) -> dict[str, object]:
+    """The `aggregate` of earlier releases, derived from `stats` (deprecated: read
+    `statistics`). Same figures, older key names."""
+
+    def prop(p: ProportionRead) -> dict[str, object]:
+        return p.model_dump()
+
+    def dist(d: DistributionRead | None) -> dict[str, object] | None:
+        return d.model_dump() if d is not None else None
+
+    comparisons = []
+    for c in stats.comparisons:
+        m = c.margin_at_divergence
+        comparisons.append(
+            {
+                "index": c.index,
+                "a": c.a,
+                "b": c.b,
+                "n": c.n,
+                "ok": c.ok,
+                "failed": c.failed,
+                "ear": prop(c.ear),
+                "sar": prop(c.sar) if c.sar is not None else None,
+                "steps": c.steps,
+                "gate_triggers": c.gate_triggers,
+                "trigger_rate": c.trigger_rate,
+                "mean_gap": c.mean_gap,
+                "first_divergence_step": dist(c.first_divergence_step),
+                "margin_at_divergence": {
+                    "replay": dist(m.b),
+                    "replay_ulps": dist(m.b_ulps),
+                    "logged": dist(m.a),
+                    "logged_ulps": dist(m.a_ulps),
+                    "ties": m.ties,
+                },
+                "length_difference": dist(c.length_difference),
+                "categories": {k: v.successes for k, v in c.categories.items()},
+            }
+        )
+    lifts = [
+        {
+            "baseline": lf.comparison_a,
+            "treated": lf.comparison_b,
+            "n": lf.n,
+            "lift": lf.lift,
+            "low": lf.low,
+            "high": lf.high,
+            "confidence": lf.confidence,
+            "fixed": lf.fixed,
+            "broke": lf.broke,
+            "mcnemar_p": lf.mcnemar_p,
+            "fixed_trace_ids": [t.id for t in lf.fixed_traces],
+            "broke_trace_ids": [t.id for t in lf.broke_traces],
+        }
+        for lf in stats.lifts
+    ]
+    return {"comparisons": comparisons, "lifts": lifts}
+
+
+def figures_by_comparison(
+    figures: Sequence[tuple[int, ResultFigures]],
+) -> Mapping[int, list[ResultFigures]]:
+    """Group (comparison, figures) pairs by comparison."""
+    out: dict[int, list[ResultFigures]] = {}
+    for c, f in figures:
+        out.setdefault(c, []).append(f)
+    return out
