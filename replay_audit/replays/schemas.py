@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replay_audit.traces.schemas import BodyDTypeName, HeadDTypeName
+from replay_audit.traces.selection import TraceSelection
 
 #: Largest number of traces one replay run may select (422 above it).
 MAX_REPLAY_TRACES = 10_000
@@ -60,6 +61,8 @@ class TargetSpec(_Strict):
 
 
 class TraceFilter(_Strict):
+    """The `filter` of a replay request: the traces matching every field given."""
+
     model_name: str | None = None
     weights_sha256: str | None = None
     config_id: str | None = None
@@ -67,6 +70,18 @@ class TraceFilter(_Strict):
     tag: str | None = None
     created_after: datetime | None = None
     created_before: datetime | None = None
+
+    def to_selection(self) -> TraceSelection:
+        """The traces this filter selects."""
+        return TraceSelection(
+            model_name=self.model_name,
+            weights_sha256=self.weights_sha256,
+            config_id=self.config_id,
+            dtype=self.dtype,
+            tags=() if self.tag is None else (self.tag,),
+            created_after=self.created_after,
+            created_before=self.created_before,
+        )
 
 
 class ReplayCreate(_Strict):

@@ -9,7 +9,7 @@ logged prompts or outputs. They do learn the id of a trace they re-post, which t
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
@@ -22,7 +22,6 @@ from replay_audit.auth.schemas import Principal
 from replay_audit.config import MAX_BATCH_TRACES
 from replay_audit.traces import service
 from replay_audit.traces.fast_validation import validate_trace_fast
-from replay_audit.traces.repository import TraceFilter
 from replay_audit.traces.schemas import (
     BodyDTypeName,
     HeadDTypeName,
@@ -32,6 +31,7 @@ from replay_audit.traces.schemas import (
     TracePage,
     TraceRead,
 )
+from replay_audit.traces.selection import TraceSelection
 
 router = APIRouter(tags=["traces"])
 
@@ -122,13 +122,6 @@ _AFTER = "created at or after this time (UTC when no zone is given)"
 _BEFORE = "created strictly before this time (UTC when no zone is given)"
 
 
-def _utc(value: datetime | None) -> datetime | None:
-    # A timestamp without a zone in the query string means UTC.
-    if value is None or value.tzinfo is not None:
-        return value
-    return value.replace(tzinfo=UTC)
-
-
 @router.get(
     "/v1/traces",
     response_model=TracePage,
@@ -154,18 +147,18 @@ def list_traces(
     cursor: Annotated[str | None, Query(description="`next_cursor` of the previous page")] = None,
     limit: Annotated[int, Query(ge=1, le=service.MAX_PAGE_SIZE)] = 100,
 ) -> TracePage:
-    filters = TraceFilter(
-        model=model,
+    selection = TraceSelection(
+        model_name=model,
         weights_sha256=weights_sha256,
         config_id=config_id,
         dtype=dtype,
         lm_head_dtype=lm_head_dtype,
         attn_kernel=attn_kernel,
-        tag=tag,
+        tags=() if tag is None else (tag,),
         external_id=external_id,
-        created_after=_utc(created_after),
-        created_before=_utc(created_before),
+        created_after=created_after,
+        created_before=created_before,
     )
     return service.list_traces(
-        session, principal.project_id, filters, limit=limit, cursor=cursor
+        session, principal.project_id, selection, limit=limit, cursor=cursor
     )
