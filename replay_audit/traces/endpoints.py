@@ -20,6 +20,7 @@ from replay_audit.api.parsing import gc_paused, parse_items, parse_model
 from replay_audit.auth.models import Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.config import MAX_BATCH_TRACES
+from replay_audit.exceptions import FieldError
 from replay_audit.traces import service
 from replay_audit.traces.fast_validation import validate_trace_fast
 from replay_audit.traces.schemas import (
@@ -120,6 +121,8 @@ def read_trace(trace_id: str, principal: Reader, session: DBSession) -> Response
 
 _AFTER = "created at or after this time (UTC when no zone is given)"
 _BEFORE = "created strictly before this time (UTC when no zone is given)"
+_TAG = "traces carrying this tag; repeat it for traces carrying all of them"
+_GREEDY = "true: greedy traces only (what replays and audits select); false: the others only"
 
 
 @router.get(
@@ -132,6 +135,9 @@ def list_traces(
     principal: Reader,
     session: DBSession,
     model: Annotated[str | None, Query(description="model.name")] = None,
+    model_name: Annotated[
+        str | None, Query(description="model.name (the replay filter's name for `model`)")
+    ] = None,
     weights_sha256: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
     config_id: Annotated[str | None, Query()] = None,
     dtype: Annotated[BodyDTypeName | None, Query(description="config.dtype")] = None,
@@ -140,24 +146,28 @@ def list_traces(
         Query(description="effective config.lm_head_dtype (the body dtype when unset)"),
     ] = None,
     attn_kernel: Annotated[str | None, Query(description="config.attn_kernel")] = None,
-    tag: Annotated[str | None, Query()] = None,
+    tag: Annotated[list[str] | None, Query(description=_TAG)] = None,
     external_id: Annotated[str | None, Query()] = None,
     created_after: Annotated[datetime | None, Query(description=_AFTER)] = None,
     created_before: Annotated[datetime | None, Query(description=_BEFORE)] = None,
+    greedy: Annotated[bool | None, Query(description=_GREEDY)] = None,
     cursor: Annotated[str | None, Query(description="`next_cursor` of the previous page")] = None,
     limit: Annotated[int, Query(ge=1, le=service.MAX_PAGE_SIZE)] = 100,
 ) -> TracePage:
+    if model is not None and model_name is not None and model != model_name:
+        raise FieldError("give model or model_name (one filter), not both", field="model_name")
     selection = TraceSelection(
-        model_name=model,
+        model_name=model_name if model_name is not None else model,
         weights_sha256=weights_sha256,
         config_id=config_id,
         dtype=dtype,
         lm_head_dtype=lm_head_dtype,
         attn_kernel=attn_kernel,
-        tags=() if tag is None else (tag,),
+        tags=tuple(tag or ()),
         external_id=external_id,
         created_after=created_after,
         created_before=created_before,
+        greedy=greedy,
     )
     return service.list_traces(
         session, principal.project_id, selection, limit=limit, cursor=cursor
