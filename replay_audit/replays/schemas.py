@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from replay_audit.traces.schemas import BodyDTypeName, HeadDTypeName
+from replay_audit.traces.schemas import BodyDTypeName, HeadDTypeName, Tag
 from replay_audit.traces.selection import TraceSelection
 
 #: Largest number of traces one replay run may select (422 above it).
@@ -61,13 +61,16 @@ class TargetSpec(_Strict):
 
 
 class TraceFilter(_Strict):
-    """The `filter` of a replay request: the traces matching every field given."""
+    """The `filter` of a replay request: the greedy traces matching every field given (a
+    non-greedy trace is not selected, it does not fail the request). `tag` and `tags` both
+    work: the trace carries `tag` and all of `tags`."""
 
     model_name: str | None = None
     weights_sha256: str | None = None
     config_id: str | None = None
     dtype: BodyDTypeName | None = None
     tag: str | None = None
+    tags: list[Tag] | None = Field(default=None, max_length=16)
     created_after: datetime | None = None
     created_before: datetime | None = None
 
@@ -78,9 +81,10 @@ class TraceFilter(_Strict):
             weights_sha256=self.weights_sha256,
             config_id=self.config_id,
             dtype=self.dtype,
-            tags=() if self.tag is None else (self.tag,),
+            tags=(*([self.tag] if self.tag is not None else []), *(self.tags or [])),
             created_after=self.created_after,
             created_before=self.created_before,
+            greedy=True,
         )
 
 

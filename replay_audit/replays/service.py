@@ -40,6 +40,8 @@ CUDA_ONLY_HEAD_DTYPES: Final = frozenset({"fp8_e4m3", "fp8_e5m2"})
 
 
 def _select_traces(session: Session, project_id: int, request: ReplayCreate) -> list[Trace]:
+    """The traces a request names (`trace_ids`, in the order given; every one must exist and be
+    greedy) or its `filter` selects (greedy ones only, oldest first)."""
     if request.trace_ids is not None:
         wanted = list(dict.fromkeys(request.trace_ids))
         rows = {t.public_id: t for t in traces_repository.get_traces(session, project_id, wanted)}
@@ -47,6 +49,12 @@ def _select_traces(session: Session, project_id: int, request: ReplayCreate) -> 
         if unknown:
             shown = ", ".join(unknown[:10]) + (" ..." if len(unknown) > 10 else "")
             raise FieldError(f"unknown trace ids: {shown}", field="trace_ids")
+        not_greedy = [i for i in wanted if not is_greedy(rows[i].decoding)]
+        if not_greedy:
+            raise FieldError(
+                "only greedy traces can be replayed; not greedy: " + ", ".join(not_greedy[:10]),
+                field="trace_ids",
+            )
         return [rows[i] for i in wanted]
     assert request.filter is not None
     return _filtered(session, project_id, request.filter)
@@ -114,17 +122,11 @@ def create_replay(
 
     traces = _select_traces(session, project_id, request)
     if not traces:
-        raise FieldError("the selection matches no trace", field="filter")
+        raise FieldError("the selection matches no (greedy) trace", field="filter")
     if len(traces) > MAX_REPLAY_TRACES:
         raise FieldError(
             f"the selection matches more than {MAX_REPLAY_TRACES} traces; narrow it",
             field="filter" if request.filter is not None else "trace_ids",
-        )
-    not_greedy = [t.public_id for t in traces if not is_greedy(t.decoding)]
-    if not_greedy:
-        raise FieldError(
-            "only greedy traces can be replayed; not greedy: " + ", ".join(not_greedy[:10]),
-            field="trace_ids" if request.trace_ids is not None else "filter",
         )
 
     comparisons = _comparisons(request, len(targets))

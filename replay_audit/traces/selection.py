@@ -1,15 +1,17 @@
 """Which of a project's traces a request means: one value for every surface that selects traces.
 
-    GET /v1/traces              the listing's query parameters
-    POST /v1/replays "filter"   its fields
+    GET /v1/traces              the listing's query parameters (all traces unless `greedy` is given)
+    POST /v1/replays "filter"   greedy traces only
     audit schedule "selection"  greedy traces only, created in the window before the due time
 
-Each surface keeps its own public field names and maps them to a `TraceSelection` in its
-schema; `traces.repository.select_where` turns it into SQL, once. Pure: no SQLAlchemy here.
+Each surface keeps its own public field names and maps them to a `TraceSelection` at its edge
+(the listing's endpoint, `replays.schemas.TraceFilter`, `audits.schemas.Selection`);
+`traces.repository.select_where` turns it into SQL, once. Pure: no SQLAlchemy here.
 
 Greedy. Only greedy generations replay (DESIGN.md: a trace is "one logged greedy generation"),
-so an audit selects greedy traces only. A trace's strategy is `decoding.strategy`; a decoding
-without one is greedy (the schema's default), see `is_greedy`.
+so a replay filter or an audit selects greedy traces and skips the others instead of failing on
+them. A trace's strategy is `decoding.strategy`; a decoding without one is greedy (the schema's
+default), see `is_greedy`.
 """
 
 from __future__ import annotations
