@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import and_, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -14,7 +14,9 @@ from replay_audit.audits.models import AuditAlert, AuditRun, AuditSchedule
 from replay_audit.audits.sampling import Candidate, min_logged_margin
 from replay_audit.auth.models import Project
 from replay_audit.replays.models import ReplayRun
-from replay_audit.traces.models import NumericalConfigRow, Trace, TraceTag
+from replay_audit.traces import repository as traces_repository
+from replay_audit.traces.models import NumericalConfigRow, Trace
+from replay_audit.traces.selection import TraceSelection
 
 #: Trace rows whose logits are read per query (low_margin_first).
 MARGIN_CHUNK = 500
@@ -237,37 +239,10 @@ def history_metrics(session: Session, schedule_id: int, before: datetime) -> lis
 # --- candidates ------------------------------------------------------------------------------
 
 
-def _candidate_filter(
-    project_id: int, selection: dict[str, Any], start: datetime, end: datetime
-) -> list[Any]:
-    strategy = Trace.decoding["strategy"].as_string()
-    where: list[Any] = [
-        Trace.project_id == project_id,
-        Trace.created_at >= start,
-        Trace.created_at < end,
-        or_(strategy.is_(None), strategy == "greedy"),  # only greedy traces replay
-    ]
-    if selection.get("model_name"):
-        where.append(Trace.model_name == selection["model_name"])
-    if selection.get("weights_sha256"):
-        where.append(Trace.weights_sha256 == selection["weights_sha256"])
-    if selection.get("config_id"):
-        where.append(NumericalConfigRow.public_id == selection["config_id"])
-    if selection.get("dtype"):
-        where.append(NumericalConfigRow.dtype == selection["dtype"])
-    for tag in selection.get("tags") or []:
-        where.append(Trace.id.in_(select(TraceTag.trace_id).where(TraceTag.tag == tag)))
-    return where
-
-
-def count_candidates(
-    session: Session, project_id: int, selection: dict[str, Any], start: datetime, end: datetime
-) -> int:
-    stmt = (
-        select(func.count())
-        .select_from(Trace)
-        .join(NumericalConfigRow, NumericalConfigRow.id == Trace.config_id)
-        .where(*_candidate_filter(project_id, selection, start, end))
+def count_candidates(session: Session, project_id: int, selection: TraceSelection) -> int:
+    """How many of the project's traces `selection` (a run's window and filters) selects."""
+    stmt = traces_repository.select_where(
+        select(func.count()).select_from(Trace), project_id, selection
     )
     return int(session.scalar(stmt) or 0)
 
@@ -275,24 +250,21 @@ def count_candidates(
 def candidates(
     session: Session,
     project_id: int,
-    selection: dict[str, Any],
-    start: datetime,
-    end: datetime,
+    selection: TraceSelection,
     *,
     stride: int = 1,
     offset: int = 0,
 ) -> list[Candidate]:
-    """The window's traces (id order). With stride > 1 only ids congruent to `offset` modulo
-    `stride`: a systematic subsample that bounds what a huge window loads."""
-    where = _candidate_filter(project_id, selection, start, end)
+    """The traces `selection` selects (id order). With stride > 1 only ids congruent to
+    `offset` modulo `stride`: a systematic subsample that bounds what a huge window loads."""
+    stmt = traces_repository.select_where(
+        select(Trace.id, Trace.public_id, Trace.model_name, NumericalConfigRow.public_id),
+        project_id,
+        selection,
+    )
     if stride > 1:
-        where.append(Trace.id % stride == offset)
-    rows = session.execute(
-        select(Trace.id, Trace.public_id, Trace.model_name, NumericalConfigRow.public_id)
-        .join(NumericalConfigRow, NumericalConfigRow.id == Trace.config_id)
-        .where(*where)
-        .order_by(Trace.id)
-    ).all()
+        stmt = stmt.where(Trace.id % stride == offset)
+    rows = session.execute(stmt.order_by(Trace.id)).all()
     return [Candidate(tid, pid, (model, cfg)) for tid, pid, model, cfg in rows]
 
 

@@ -19,7 +19,7 @@ Put the baseline target first: the trend's EAR and C lift read comparison order.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -30,6 +30,7 @@ from replay_audit.exceptions import FieldError
 from replay_audit.formats import Mode
 from replay_audit.replays.schemas import MAX_REPLAY_TRACES, ReplayCreate, TargetSpec
 from replay_audit.traces.schemas import BodyDTypeName, Name, Tag
+from replay_audit.traces.selection import TraceSelection
 
 ScheduleStatus = Literal["active", "paused"]
 AuditRunStatus = Literal["running", "done", "no_traces", "failed"]
@@ -47,8 +48,8 @@ class _Strict(BaseModel):
 
 
 class Selection(_Strict):
-    """Which traces are candidates: all of `tags`, the model and configuration if given,
-    created in the `window_hours` before the due time."""
+    """Which traces are candidates: greedy ones carrying all of `tags`, of the model and
+    configuration if given, created in the `window_hours` before the due time."""
 
     tags: list[Tag] = Field(default_factory=list, max_length=16)
     model_name: str | None = Field(default=None, max_length=200)
@@ -57,6 +58,24 @@ class Selection(_Strict):
     config_id: str | None = Field(default=None, max_length=40)
     dtype: BodyDTypeName | None = None
     window_hours: float = Field(default=24.0, gt=0, le=MAX_WINDOW_HOURS, allow_inf_nan=False)
+
+    def window(self, due_at: datetime) -> tuple[datetime, datetime]:
+        """[start, end) of the traces a run due at `due_at` draws from."""
+        return due_at - timedelta(hours=self.window_hours), due_at
+
+    def to_selection(self, start: datetime, end: datetime) -> TraceSelection:
+        """The candidates of a run whose window is [start, end). An empty string selects
+        nothing less: it means "any", as it always has here."""
+        return TraceSelection(
+            model_name=self.model_name or None,
+            weights_sha256=self.weights_sha256 or None,
+            config_id=self.config_id or None,
+            dtype=self.dtype,
+            tags=tuple(self.tags),
+            created_after=start,
+            created_before=end,
+            greedy=True,
+        )
 
 
 class ScheduleReplay(_Strict):

@@ -256,13 +256,14 @@ def _candidates(
     end: datetime,
     seed_material: str,
 ) -> tuple[list[sampling.Candidate], int]:
-    n = repository.count_candidates(session, schedule.project_id, schedule.selection, start, end)
+    selection = Selection.model_validate(schedule.selection).to_selection(start, end)
+    n = repository.count_candidates(session, schedule.project_id, selection)
     if n == 0:
         return [], 0
     stride = math.ceil(n / MAX_CANDIDATES)
     offset = int(sampling.unit(seed_material, "stride") * stride) if stride > 1 else 0
     pool = repository.candidates(
-        session, schedule.project_id, schedule.selection, start, end, stride=stride, offset=offset
+        session, schedule.project_id, selection, stride=stride, offset=offset
     )
     if schedule.policy == "low_margin_first":
         pool = sampling.presample(pool, _low_margin_pool(schedule.sample_size), seed_material)
@@ -289,7 +290,7 @@ def start_audit_run(
     refuses gives a run with status `failed` and the reason (neither is retried by later ticks).
     """
     due_at = due_at.astimezone(UTC)
-    window = timedelta(hours=float(schedule.selection.get("window_hours", 24.0)))
+    window_start, window_end = Selection.model_validate(schedule.selection).window(due_at)
     now = utcnow()
     run_id = repository.claim_run(
         session,
@@ -299,8 +300,8 @@ def start_audit_run(
             "due_at": due_at,
             "trigger": trigger,
             "status": "running",
-            "window_start": due_at - window,
-            "window_end": due_at,
+            "window_start": window_start,
+            "window_end": window_end,
             "n_candidates": 0,
             "n_sampled": 0,
             "flags": [],

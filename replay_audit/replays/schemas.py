@@ -26,7 +26,8 @@ from replay_audit.engine.protocol import DEFAULT_B_TOP_K, Intervention, Target
 from replay_audit.formats import CATEGORIES, MODES, Category, MarginSource, Mode, RunStatus
 from replay_audit.replays.domain import RunTarget
 from replay_audit.stats.report import RunStatistics
-from replay_audit.traces.schemas import BodyDTypeName, HeadDTypeName
+from replay_audit.traces.schemas import BodyDTypeName, HeadDTypeName, Tag
+from replay_audit.traces.selection import TraceSelection
 
 #: Largest number of traces one replay run may select (422 above it).
 MAX_REPLAY_TRACES = 10_000
@@ -80,13 +81,31 @@ class TargetSpec(_Strict):
 
 
 class TraceFilter(_Strict):
+    """The `filter` of a replay request: the greedy traces matching every field given (a
+    non-greedy trace is not selected, it does not fail the request). `tag` and `tags` both
+    work: the trace carries `tag` and all of `tags`."""
+
     model_name: str | None = None
     weights_sha256: str | None = None
     config_id: str | None = None
     dtype: BodyDTypeName | None = None
     tag: str | None = None
+    tags: list[Tag] | None = Field(default=None, max_length=16)
     created_after: datetime | None = None
     created_before: datetime | None = None
+
+    def to_selection(self) -> TraceSelection:
+        """The traces this filter selects."""
+        return TraceSelection(
+            model_name=self.model_name,
+            weights_sha256=self.weights_sha256,
+            config_id=self.config_id,
+            dtype=self.dtype,
+            tags=(*([self.tag] if self.tag is not None else []), *(self.tags or [])),
+            created_after=self.created_after,
+            created_before=self.created_before,
+            greedy=True,
+        )
 
 
 class ReplayCreate(_Strict):

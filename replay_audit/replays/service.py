@@ -10,7 +10,6 @@ import base64
 from collections.abc import Sequence
 from typing import Final
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from replay_audit.db.ids import new_public_id
@@ -33,6 +32,7 @@ from replay_audit.replays.schemas import (
 from replay_audit.stats.report import legacy_aggregate
 from replay_audit.traces import repository as traces_repository
 from replay_audit.traces.models import Trace
+from replay_audit.traces.selection import is_greedy
 
 #: Traces per job: small enough that a killed job loses little, large enough that a GPU worker
 #: keeps its model busy between queue round trips.
@@ -42,37 +42,29 @@ CUDA_ONLY_HEAD_DTYPES: Final = frozenset({"fp8_e4m3", "fp8_e5m2"})
 
 
 def _select_traces(session: Session, project_id: int, request: ReplayCreate) -> list[Trace]:
+    """The traces a request names (`trace_ids`, in the order given; every one must exist and be
+    greedy) or its `filter` selects (greedy ones only, oldest first)."""
     if request.trace_ids is not None:
         wanted = list(dict.fromkeys(request.trace_ids))
-        rows = {
-            t.public_id: t
-            for t in session.scalars(
-                select(Trace).where(Trace.project_id == project_id, Trace.public_id.in_(wanted))
-            )
-        }
+        rows = {t.public_id: t for t in traces_repository.get_traces(session, project_id, wanted)}
         unknown = [i for i in wanted if i not in rows]
         if unknown:
             shown = ", ".join(unknown[:10]) + (" ..." if len(unknown) > 10 else "")
             raise FieldError(f"unknown trace ids: {shown}", field="trace_ids")
+        not_greedy = [i for i in wanted if not is_greedy(rows[i].decoding)]
+        if not_greedy:
+            raise FieldError(
+                "only greedy traces can be replayed; not greedy: " + ", ".join(not_greedy[:10]),
+                field="trace_ids",
+            )
         return [rows[i] for i in wanted]
     assert request.filter is not None
     return _filtered(session, project_id, request.filter)
 
 
 def _filtered(session: Session, project_id: int, f: TraceFilter) -> list[Trace]:
-    """The traces a replay filter selects: the same filter as `GET /v1/traces`, oldest first."""
-    stmt = traces_repository.select_traces(
-        project_id,
-        traces_repository.TraceFilter(
-            model=f.model_name,
-            weights_sha256=f.weights_sha256,
-            config_id=f.config_id,
-            dtype=f.dtype,
-            tag=f.tag,
-            created_after=f.created_after,
-            created_before=f.created_before,
-        ),
-    )
+    """The traces a replay filter selects (see `TraceFilter.to_selection`), oldest first."""
+    stmt = traces_repository.select_traces(project_id, f.to_selection())
     return list(
         session.scalars(stmt.order_by(None).order_by(Trace.id).limit(MAX_REPLAY_TRACES + 1))
     )
@@ -133,17 +125,11 @@ def create_replay(
 
     traces = _select_traces(session, project_id, request)
     if not traces:
-        raise FieldError("the selection matches no trace", field="filter")
+        raise FieldError("the selection matches no (greedy) trace", field="filter")
     if len(traces) > MAX_REPLAY_TRACES:
         raise FieldError(
             f"the selection matches more than {MAX_REPLAY_TRACES} traces; narrow it",
             field="filter" if request.filter is not None else "trace_ids",
-        )
-    not_greedy = [t.public_id for t in traces if t.decoding.get("strategy", "greedy") != "greedy"]
-    if not_greedy:
-        raise FieldError(
-            "only greedy traces can be replayed; not greedy: " + ", ".join(not_greedy[:10]),
-            field="trace_ids" if request.trace_ids is not None else "filter",
         )
 
     comparisons = _comparisons(request, len(targets))

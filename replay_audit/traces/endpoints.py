@@ -9,7 +9,7 @@ logged prompts or outputs. They do learn the id of a trace they re-post, which t
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
@@ -20,9 +20,9 @@ from replay_audit.api.parsing import gc_paused, parse_items, parse_model
 from replay_audit.auth.models import Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.config import MAX_BATCH_TRACES
+from replay_audit.exceptions import FieldError
 from replay_audit.traces import service
 from replay_audit.traces.fast_validation import validate_trace_fast
-from replay_audit.traces.repository import TraceFilter
 from replay_audit.traces.schemas import (
     BodyDTypeName,
     HeadDTypeName,
@@ -32,6 +32,7 @@ from replay_audit.traces.schemas import (
     TracePage,
     TraceRead,
 )
+from replay_audit.traces.selection import TraceSelection
 
 router = APIRouter(tags=["traces"])
 
@@ -120,13 +121,8 @@ def read_trace(trace_id: str, principal: Reader, session: DBSession) -> Response
 
 _AFTER = "created at or after this time (UTC when no zone is given)"
 _BEFORE = "created strictly before this time (UTC when no zone is given)"
-
-
-def _utc(value: datetime | None) -> datetime | None:
-    # A timestamp without a zone in the query string means UTC.
-    if value is None or value.tzinfo is not None:
-        return value
-    return value.replace(tzinfo=UTC)
+_TAG = "traces carrying this tag; repeat it for traces carrying all of them"
+_GREEDY = "true: greedy traces only (what replays and audits select); false: the others only"
 
 
 @router.get(
@@ -139,6 +135,9 @@ def list_traces(
     principal: Reader,
     session: DBSession,
     model: Annotated[str | None, Query(description="model.name")] = None,
+    model_name: Annotated[
+        str | None, Query(description="model.name (the replay filter's name for `model`)")
+    ] = None,
     weights_sha256: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
     config_id: Annotated[str | None, Query()] = None,
     dtype: Annotated[BodyDTypeName | None, Query(description="config.dtype")] = None,
@@ -147,25 +146,29 @@ def list_traces(
         Query(description="effective config.lm_head_dtype (the body dtype when unset)"),
     ] = None,
     attn_kernel: Annotated[str | None, Query(description="config.attn_kernel")] = None,
-    tag: Annotated[str | None, Query()] = None,
+    tag: Annotated[list[str] | None, Query(description=_TAG)] = None,
     external_id: Annotated[str | None, Query()] = None,
     created_after: Annotated[datetime | None, Query(description=_AFTER)] = None,
     created_before: Annotated[datetime | None, Query(description=_BEFORE)] = None,
+    greedy: Annotated[bool | None, Query(description=_GREEDY)] = None,
     cursor: Annotated[str | None, Query(description="`next_cursor` of the previous page")] = None,
     limit: Annotated[int, Query(ge=1, le=service.MAX_PAGE_SIZE)] = 100,
 ) -> TracePage:
-    filters = TraceFilter(
-        model=model,
+    if model is not None and model_name is not None and model != model_name:
+        raise FieldError("give model or model_name (one filter), not both", field="model_name")
+    selection = TraceSelection(
+        model_name=model_name if model_name is not None else model,
         weights_sha256=weights_sha256,
         config_id=config_id,
         dtype=dtype,
         lm_head_dtype=lm_head_dtype,
         attn_kernel=attn_kernel,
-        tag=tag,
+        tags=tuple(tag or ()),
         external_id=external_id,
-        created_after=_utc(created_after),
-        created_before=_utc(created_before),
+        created_after=created_after,
+        created_before=created_before,
+        greedy=greedy,
     )
     return service.list_traces(
-        session, principal.project_id, filters, limit=limit, cursor=cursor
+        session, principal.project_id, selection, limit=limit, cursor=cursor
     )

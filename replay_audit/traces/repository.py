@@ -8,16 +8,17 @@ retries cannot store a trace twice, and nothing is checked-then-inserted.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
+from typing import Any, TypeVarTuple
 
 import orjson
-from sqlalchemy import JSON, Select, Table, exists, select, text
+from sqlalchemy import JSON, ColumnElement, Select, Table, exists, not_, or_, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, contains_eager, defer
 
 from replay_audit.traces.models import NumericalConfigRow, Trace, TraceTag
+from replay_audit.traces.selection import GREEDY, TraceSelection
+
+_Ts = TypeVarTuple("_Ts")
 
 _ARRAY_COLUMNS = (
     Trace.prompt_token_ids,
@@ -191,69 +192,67 @@ def get_traces(session: Session, project_id: int, public_ids: Collection[str]) -
     return traces
 
 
-@dataclass(frozen=True)
-class TraceFilter:
-    """Filters of `GET /v1/traces` (all optional, combined with AND)."""
+def select_where(stmt: Select[*_Ts], project_id: int, selection: TraceSelection) -> Select[*_Ts]:
+    """`stmt` narrowed to the project's traces in `selection`: the one place a trace selection
+    becomes SQL (the listing, replay filters and audit candidates all come through here).
 
-    model: str | None = None
-    weights_sha256: str | None = None
-    config_id: str | None = None
-    dtype: str | None = None
-    lm_head_dtype: str | None = None
-    attn_kernel: str | None = None
-    tag: str | None = None
-    external_id: str | None = None
-    created_after: datetime | None = None
-    created_before: datetime | None = None
+    `stmt` must select from `traces` (an entity, its columns or `count()` with
+    `select_from(Trace)`); this joins the trace's configuration (`NumericalConfigRow`), so
+    `stmt` may select its columns too and must not join it itself.
+    """
+    s = selection
+    where: list[ColumnElement[bool]] = [Trace.project_id == project_id]
+    if s.model_name is not None:
+        where.append(Trace.model_name == s.model_name)
+    if s.weights_sha256 is not None:
+        where.append(Trace.weights_sha256 == s.weights_sha256)
+    if s.config_id is not None:
+        where.append(NumericalConfigRow.public_id == s.config_id)
+    if s.dtype is not None:
+        where.append(NumericalConfigRow.dtype == s.dtype)
+    if s.lm_head_dtype is not None:
+        where.append(NumericalConfigRow.lm_head_dtype == s.lm_head_dtype)
+    if s.attn_kernel is not None:
+        where.append(NumericalConfigRow.attn_kernel == s.attn_kernel)
+    if s.external_id is not None:
+        where.append(Trace.external_id == s.external_id)
+    for tag in s.tags:
+        where.append(exists().where(TraceTag.trace_id == Trace.id, TraceTag.tag == tag))
+    if s.created_after is not None:
+        where.append(Trace.created_at >= s.created_after)
+    if s.created_before is not None:
+        where.append(Trace.created_at < s.created_before)
+    if s.greedy is not None:
+        # `decoding` is JSON on both databases; SQLAlchemy renders the path for each
+        # (`->>` on PostgreSQL, JSON_EXTRACT on SQLite). No strategy (NULL) means greedy, as in
+        # `selection.is_greedy`.
+        strategy = Trace.decoding["strategy"].as_string()
+        greedy = or_(strategy.is_(None), strategy == GREEDY)
+        where.append(greedy if s.greedy else not_(greedy))
+    return stmt.join(NumericalConfigRow, NumericalConfigRow.id == Trace.config_id).where(*where)
 
 
-def select_traces(project_id: int, filters: TraceFilter) -> Select[Trace]:
-    """The project's traces matching `filters`, newest first, without the token arrays and texts
-    (deferred: touching them raises). Add `.where(Trace.public_id < cursor)` / `.limit()`."""
-    stmt = (
-        select(Trace)
-        .join(Trace.config)
-        .options(contains_eager(Trace.config), *(defer(c, raiseload=True) for c in _ARRAY_COLUMNS))
-        .where(Trace.project_id == project_id)
-        .order_by(Trace.public_id.desc())
+def select_traces(project_id: int, selection: TraceSelection) -> Select[Trace]:
+    """The project's traces in `selection`, newest first, with their configuration and without
+    the token arrays and texts (deferred: touching them raises). Add
+    `.where(Trace.public_id < cursor)` / `.limit()`, or `.order_by(None)` for another order."""
+    stmt = select(Trace).options(
+        contains_eager(Trace.config), *(defer(c, raiseload=True) for c in _ARRAY_COLUMNS)
     )
-    f = filters
-    if f.model is not None:
-        stmt = stmt.where(Trace.model_name == f.model)
-    if f.weights_sha256 is not None:
-        stmt = stmt.where(Trace.weights_sha256 == f.weights_sha256)
-    if f.config_id is not None:
-        stmt = stmt.where(NumericalConfigRow.public_id == f.config_id)
-    if f.dtype is not None:
-        stmt = stmt.where(NumericalConfigRow.dtype == f.dtype)
-    if f.lm_head_dtype is not None:
-        stmt = stmt.where(NumericalConfigRow.lm_head_dtype == f.lm_head_dtype)
-    if f.attn_kernel is not None:
-        stmt = stmt.where(NumericalConfigRow.attn_kernel == f.attn_kernel)
-    if f.external_id is not None:
-        stmt = stmt.where(Trace.external_id == f.external_id)
-    if f.tag is not None:
-        stmt = stmt.where(
-            exists().where(TraceTag.trace_id == Trace.id, TraceTag.tag == f.tag)
-        )
-    if f.created_after is not None:
-        stmt = stmt.where(Trace.created_at >= f.created_after)
-    if f.created_before is not None:
-        stmt = stmt.where(Trace.created_at < f.created_before)
-    return stmt
+    return select_where(stmt, project_id, selection).order_by(Trace.public_id.desc())
 
 
 def list_traces(
     session: Session,
     project_id: int,
-    filters: TraceFilter,
+    selection: TraceSelection,
     *,
     limit: int,
     before_public_id: str | None = None,
 ) -> list[Trace]:
-    """Up to `limit` of the project's traces matching `filters`, newest first, strictly older
-    than `before_public_id` when given (keyset pagination on the time-ordered public id)."""
-    stmt = select_traces(project_id, filters)
+    """Up to `limit` of the project's traces in `selection`, newest first, strictly older than
+    `before_public_id` when given (keyset pagination on the time-ordered public id)."""
+    stmt = select_traces(project_id, selection)
     if before_public_id is not None:
         stmt = stmt.where(Trace.public_id < before_public_id)
     return list(session.execute(stmt.limit(limit)).unique().scalars())

@@ -30,7 +30,6 @@ from replay_audit.db.types import INT32_LE
 from replay_audit.exceptions import Conflict, FieldError, NotFound, ReplayAuditError
 from replay_audit.traces import repository
 from replay_audit.traces.models import Trace
-from replay_audit.traces.repository import TraceFilter
 from replay_audit.traces.schemas import (
     IngestResult,
     ModelRef,
@@ -40,9 +39,10 @@ from replay_audit.traces.schemas import (
     TraceRead,
     TraceSummary,
 )
+from replay_audit.traces.selection import TraceSelection
 
 __all__ = [
-    "TraceFilter",
+    "TraceSelection",
     "canonical_config",
     "config_public_id",
     "get_trace",
@@ -365,18 +365,18 @@ def _check_cursor(cursor: str) -> str:
 def list_traces(
     session: Session,
     project_id: int,
-    filters: TraceFilter,
+    selection: TraceSelection,
     *,
     limit: int = 100,
     cursor: str | None = None,
 ) -> TracePage:
-    """One page of the project's traces matching `filters`, newest first. `next_cursor` is None
+    """One page of the project's traces in `selection`, newest first. `next_cursor` is None
     on the last page."""
     if not 1 <= limit <= MAX_PAGE_SIZE:
         raise FieldError(f"limit: must be between 1 and {MAX_PAGE_SIZE}", field="limit")
     before = _check_cursor(cursor) if cursor is not None else None
     rows = repository.list_traces(
-        session, project_id, filters, limit=limit + 1, before_public_id=before
+        session, project_id, selection, limit=limit + 1, before_public_id=before
     )
     more = len(rows) > limit
     rows = rows[:limit]

@@ -56,6 +56,22 @@ def test_filters(client: TestClient, headers: Headers) -> None:
     assert _ids(client, h, config_id=config_id) == [sdpa]
 
 
+def test_greedy_filter_and_the_other_surfaces_names(client: TestClient, headers: Headers) -> None:
+    h = headers("admin")
+    greedy = _post(client, h, tags=["nightly", "eu"])
+    sampled = _post(client, h, decoding={"strategy": "sample"}, tags=["nightly"])
+    # Every trace is listed unless `greedy` is given (replays and audits select greedy=true).
+    assert set(_ids(client, h)) == {greedy, sampled}
+    assert _ids(client, h, greedy="true") == [greedy]
+    assert _ids(client, h, greedy="false") == [sampled]
+    # `model_name` (the replay filter's and the audit selection's name) works beside `model`.
+    assert set(_ids(client, h, model_name="tiny-llama")) == {greedy, sampled}
+    assert _ids(client, h, model_name="other-model") == []
+    assert set(_ids(client, h, model="tiny-llama", model_name="tiny-llama")) == {greedy, sampled}
+    # `tag` repeated: traces carrying all of them (the audit selection's `tags`).
+    assert _ids(client, h, tag=["nightly", "eu"]) == [greedy]
+
+
 def test_time_window(client: TestClient, headers: Headers) -> None:
     h = headers("admin")
     early = _post(client, h)
@@ -123,6 +139,8 @@ def test_exact_page_boundary_has_no_empty_extra_page(client: TestClient, headers
         ({"dtype": "bf17"}, "dtype"),
         ({"weights_sha256": "nothex"}, "weights_sha256"),
         ({"created_after": "yesterday"}, "created_after"),
+        ({"greedy": "maybe"}, "greedy"),
+        ({"model": "a", "model_name": "b"}, "model_name"),
     ],
 )
 def test_bad_query_parameters_are_422_naming_them(
