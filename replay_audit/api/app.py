@@ -20,7 +20,7 @@ from replay_audit.api.errors import install_error_handlers
 from replay_audit.api.health import router as health_router
 from replay_audit.config import Settings, get_settings
 from replay_audit.db.engine import get_engine, get_sessionmaker
-from replay_audit.queue import get_runner
+from replay_audit.queue import build_job_queue
 from replay_audit.traces.schemas import TraceBatchCreate, TraceCreate
 
 
@@ -80,8 +80,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = get_engine(settings.database_url)
     app.state.sessionmaker = get_sessionmaker(settings.database_url)
-    #: The job runner (in-process thread or RQ); tests may replace it.
-    app.state.runner = get_runner(settings)
+    #: The job queue (in-process thread or RQ, and what it can run): built once, here.
+    app.state.queue = build_job_queue(settings)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     for router in _routers():

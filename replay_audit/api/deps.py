@@ -27,6 +27,7 @@ from replay_audit.auth.schemas import Principal
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import UnitOfWork, unit_of_work
 from replay_audit.exceptions import PayloadTooLarge, PermissionDenied
+from replay_audit.queue import JobQueue
 
 _READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -54,6 +55,15 @@ def get_session(uow: UoW) -> Session:
 
 DBSession = Annotated[Session, Depends(get_session)]
 AppSettings = Annotated[Settings, Depends(get_settings)]
+
+
+def get_queue(request: Request) -> JobQueue:
+    """The app's job queue, built once by `create_app` from its settings."""
+    queue: JobQueue = request.app.state.queue
+    return queue
+
+
+Queue = Annotated[JobQueue, Depends(get_queue)]
 
 
 def get_principal(

@@ -50,8 +50,7 @@ def format_loc(loc: Sequence[int | str]) -> str:
 
 
 def error_from_validation(errors: Sequence[Any]) -> ReplayAuditError:
-    """The domain error for the first of pydantic's `errors()` (the one the client fixes first).
-    """
+    """The domain error for the first of pydantic's `errors()` (the one the client fixes first)."""
     if not errors:
         return FieldError("invalid input", field="body")
     first = errors[0]
@@ -87,9 +86,7 @@ async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     error = NotFound(str(exc.detail)) if exc.status_code == 404 else None
     body = (
-        error.to_dict()
-        if error is not None
-        else {"error": "HTTPError", "detail": str(exc.detail)}
+        error.to_dict() if error is not None else {"error": "HTTPError", "detail": str(exc.detail)}
     )
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 

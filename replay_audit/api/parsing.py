@@ -25,6 +25,7 @@ from replay_audit.exceptions import BadRequest, FieldError, PayloadTooLarge, Rep
 
 M = TypeVar("M", bound=BaseModel)
 
+
 class _GcPause:
     """Counts the blocks that want the collector off; restores it when the last one ends."""
 

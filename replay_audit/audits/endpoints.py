@@ -9,10 +9,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends, Query, Request, Response, status
+from fastapi import APIRouter, Body, Depends, Query, Response, status
 
-from replay_audit.api.deps import AppSettings, DBSession, require_role
-from replay_audit.audits import repository, service
+from replay_audit.api.deps import DBSession, Queue, require_role
+from replay_audit.audits import service
 from replay_audit.audits.models import AuditSchedule
 from replay_audit.audits.schemas import (
     AlertList,
@@ -42,11 +42,11 @@ def _read(session: DBSession, schedule: AuditSchedule, principal: Principal) -> 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=ScheduleRead)
 def create_schedule(
-    body: ScheduleCreate, session: DBSession, settings: AppSettings, principal: Admin
+    body: ScheduleCreate, session: DBSession, queue: Queue, principal: Admin
 ) -> ScheduleRead:
     """Create a schedule (cron in UTC; its first run is its first due time from now)."""
     schedule = service.create_schedule(
-        session, principal.project_id, body, runner_kind=settings.runner
+        session, principal.project_id, body, capabilities=queue.capabilities
     )
     return _read(session, schedule, principal)
 
@@ -54,7 +54,7 @@ def create_schedule(
 @router.get("", response_model=ScheduleList)
 def list_schedules(session: DBSession, principal: Reader) -> ScheduleList:
     """This project's schedules, with their next due time, last run and missed runs."""
-    schedules = repository.list_schedules(session, principal.project_id)
+    schedules = service.list_schedules(session, principal.project_id)
     return ScheduleList(
         items=service.to_reads(session, schedules, reveal_webhook=principal.role == Role.admin)
     )
@@ -94,9 +94,8 @@ def delete_schedule(schedule_id: str, session: DBSession, principal: Admin) -> R
 def run_now(
     schedule_id: str,
     session: DBSession,
-    settings: AppSettings,
+    queue: Queue,
     principal: Admin,
-    request: Request,
     response: Response,
 ) -> AuditRunCreated:
     """Run the schedule now (due now; paused schedules too)."""
@@ -104,17 +103,12 @@ def run_now(
     run, created = service.run_now(
         session,
         schedule,
-        runner=request.app.state.runner,
-        runner_kind=settings.runner,
-        job_timeout_s=settings.job_timeout_s,
+        queue=queue,
     )
     if not created:
         response.status_code = status.HTTP_200_OK
-    refs = repository.replay_refs(session, [run.replay_run_id] if run.replay_run_id else [])
-    return AuditRunCreated(
-        run=service.run_to_read(run, schedule.public_id, refs.get(run.replay_run_id or -1)),
-        created=created,
-    )
+    [read] = service.runs_to_read(session, schedule, [run])
+    return AuditRunCreated(run=read, created=created)
 
 
 @router.get("/{schedule_id}/runs", response_model=AuditRunList)
@@ -127,13 +121,7 @@ def list_runs(
 ) -> AuditRunList:
     """The schedule's runs, newest due time first (`before`: older than this due time)."""
     schedule = service.get_schedule(session, principal.project_id, schedule_id)
-    rows = repository.runs_with_replay(session, schedule.id, limit=limit, before=before)
-    return AuditRunList(
-        items=[
-            service.run_to_read(r, schedule.public_id, None if pid is None else (pid, st or ""))
-            for r, pid, st in rows
-        ]
-    )
+    return AuditRunList(items=service.runs_page(session, schedule, limit=limit, before=before))
 
 
 @router.get("/{schedule_id}/trend", response_model=Trend)
@@ -159,9 +147,8 @@ def read_missed(schedule_id: str, session: DBSession, principal: Reader) -> Miss
 def catch_up(
     schedule_id: str,
     session: DBSession,
-    settings: AppSettings,
+    queue: Queue,
     principal: Admin,
-    request: Request,
     body: Annotated[CatchUpRequest | None, Body()] = None,
 ) -> CatchUpResult:
     """Start runs for missed due times, newest first (each samples its own window)."""
@@ -170,18 +157,9 @@ def catch_up(
         session,
         schedule,
         limit=(body or CatchUpRequest()).limit,
-        runner=request.app.state.runner,
-        runner_kind=settings.runner,
-        job_timeout_s=settings.job_timeout_s,
+        queue=queue,
     )
-    refs = repository.replay_refs(session, [r.replay_run_id for r in runs if r.replay_run_id])
-    return CatchUpResult(
-        started=[
-            service.run_to_read(r, schedule.public_id, refs.get(r.replay_run_id or -1))
-            for r in runs
-        ],
-        remaining=remaining,
-    )
+    return CatchUpResult(started=service.runs_to_read(session, schedule, runs), remaining=remaining)
 
 
 @router.get("/{schedule_id}/alerts", response_model=AlertList)
@@ -193,10 +171,8 @@ def list_alerts(
 ) -> AlertList:
     """Webhook deliveries of the schedule's drift alerts, with every attempt."""
     schedule = service.get_schedule(session, principal.project_id, schedule_id)
-    rows = repository.alerts_of_schedule(session, schedule.id, limit=limit)
     return AlertList(
-        items=[
-            service.alert_to_read(a, pid, reveal_url=principal.role == Role.admin)
-            for a, pid in rows
-        ]
+        items=service.alerts(
+            session, schedule, limit=limit, reveal_url=principal.role == Role.admin
+        )
     )

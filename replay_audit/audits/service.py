@@ -39,8 +39,8 @@ from replay_audit.audits.schemas import (
 from replay_audit.db.base import utcnow
 from replay_audit.db.ids import new_public_id
 from replay_audit.db.unit_of_work import after_commit
-from replay_audit.exceptions import Conflict, FieldError, NotFound, ReplayAuditError
-from replay_audit.queue import JobSpec, Runner
+from replay_audit.exceptions import Conflict, NotFound, ReplayAuditError
+from replay_audit.queue import Capabilities, JobQueue, JobSpec, Runner
 from replay_audit.replays import service as replay_service
 from replay_audit.replays import statistics as replay_statistics
 from replay_audit.replays.models import ReplayRun
@@ -76,18 +76,6 @@ def mask_url(url: str | None) -> str | None:
     return f"{parts.scheme}://{parts.hostname or ''}/..."
 
 
-def _check_runner(replay: ScheduleReplay, runner_kind: str) -> None:
-    if runner_kind != "inprocess":
-        return
-    for i, t in enumerate(replay.targets):
-        if t.lm_head_dtype in replay_service.CUDA_ONLY_HEAD_DTYPES or t.device == "cuda":
-            raise FieldError(
-                f"replay.targets[{i}]: the embedded runner replays on the CPU; "
-                f"{t.lm_head_dtype or 'cuda'} needs a CUDA worker (REPLAY_AUDIT_RUNNER=rq)",
-                field=f"replay.targets[{i}]",
-            )
-
-
 # --- schedules -------------------------------------------------------------------------------
 
 
@@ -96,12 +84,14 @@ def create_schedule(
     project_id: int,
     body: ScheduleCreate,
     *,
-    runner_kind: str,
+    capabilities: Capabilities,
     now: datetime | None = None,
 ) -> AuditSchedule:
     """Store a schedule. Its first due time is the first one after `now`: due times before
     creation are neither run nor missed."""
-    _check_runner(body.replay, runner_kind)
+    replay_service.check_targets(
+        capabilities, [t.to_domain() for t in body.replay.targets], field="replay.targets"
+    )
     if repository.get_schedule_by_name(session, project_id, body.name) is not None:
         raise Conflict(f"a schedule named {body.name!r} exists in this project", field="name")
     now = now or utcnow()
@@ -278,9 +268,7 @@ def start_audit_run(
     due_at: datetime,
     trigger: str,
     *,
-    runner: Runner,
-    runner_kind: str,
-    job_timeout_s: int,
+    queue: JobQueue,
 ) -> tuple[AuditRun, bool]:
     """The audit run of (schedule, due_at): created now, or the one that exists (created False).
 
@@ -331,9 +319,7 @@ def start_audit_run(
             session,
             schedule.project_id,
             request,
-            runner,
-            runner_kind=runner_kind,
-            job_timeout_s=job_timeout_s,
+            queue,
             schedule_id=schedule.public_id,
         )
     except ReplayAuditError as e:
@@ -350,9 +336,7 @@ def run_now(
     session: Session,
     schedule: AuditSchedule,
     *,
-    runner: Runner,
-    runner_kind: str,
-    job_timeout_s: int,
+    queue: JobQueue,
     now: datetime | None = None,
 ) -> tuple[AuditRun, bool]:
     """Start a run due now, paused or not. "Now" is rounded up to the whole second, so the
@@ -365,9 +349,7 @@ def run_now(
         schedule,
         due,
         "manual",
-        runner=runner,
-        runner_kind=runner_kind,
-        job_timeout_s=job_timeout_s,
+        queue=queue,
     )
 
 
@@ -404,9 +386,7 @@ def catch_up(
     schedule: AuditSchedule,
     *,
     limit: int,
-    runner: Runner,
-    runner_kind: str,
-    job_timeout_s: int,
+    queue: JobQueue,
     now: datetime | None = None,
 ) -> tuple[list[AuditRun], int]:
     """Start runs for the newest `limit` missed due times; (the runs, how many are left)."""
@@ -419,9 +399,7 @@ def catch_up(
             schedule,
             d,
             "catch_up",
-            runner=runner,
-            runner_kind=runner_kind,
-            job_timeout_s=job_timeout_s,
+            queue=queue,
         )
         runs.append(run)
     return runs, len(due) - len(todo)
@@ -590,3 +568,40 @@ def trend(session: Session, schedule: AuditSchedule, *, limit: int = 90) -> Tren
             )
         )
     return Trend(schedule_id=schedule.public_id, points=points)
+
+
+# --- reads for the handlers (they never touch the repository) ---------------------------------
+
+
+def list_schedules(session: Session, project_id: int) -> list[AuditSchedule]:
+    """The project's schedules."""
+    return repository.list_schedules(session, project_id)
+
+
+def runs_to_read(
+    session: Session, schedule: AuditSchedule, runs: list[AuditRun]
+) -> list[AuditRunRead]:
+    """`runs` of `schedule` as the API shows them, with their replay runs' ids and statuses."""
+    refs = repository.replay_refs(session, [r.replay_run_id for r in runs if r.replay_run_id])
+    return [run_to_read(r, schedule.public_id, refs.get(r.replay_run_id or -1)) for r in runs]
+
+
+def runs_page(
+    session: Session, schedule: AuditSchedule, *, limit: int, before: datetime | None
+) -> list[AuditRunRead]:
+    """The schedule's runs, newest due time first (`before`: older than this due time)."""
+    rows = repository.runs_with_replay(session, schedule.id, limit=limit, before=before)
+    return [
+        run_to_read(r, schedule.public_id, None if pid is None else (pid, st or ""))
+        for r, pid, st in rows
+    ]
+
+
+def alerts(
+    session: Session, schedule: AuditSchedule, *, limit: int, reveal_url: bool
+) -> list[AlertRead]:
+    """Webhook deliveries of the schedule's drift alerts, newest first."""
+    return [
+        alert_to_read(a, pid, reveal_url=reveal_url)
+        for a, pid in repository.alerts_of_schedule(session, schedule.id, limit=limit)
+    ]

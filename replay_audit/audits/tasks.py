@@ -28,7 +28,7 @@ from replay_audit.audits.models import AuditAlert, AuditSchedule
 from replay_audit.config import Settings, get_settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
-from replay_audit.queue import JobSpec, Runner, get_runner
+from replay_audit.queue import JobSpec, Runner, build_job_queue, get_runner
 from replay_audit.queue.runner import InProcessRunner
 from replay_audit.replays.reconcile import reconcile
 
@@ -94,6 +94,7 @@ def run_tick(
     url = database_url or settings.database_url
     now = now or utcnow()
     report = TickReport()
+    queue = build_job_queue(settings, runner=runner)
 
     with session_scope(url) as s:
         schedules = repository.active_schedules(s)
@@ -107,15 +108,7 @@ def run_tick(
                 schedule = s.get(AuditSchedule, schedule_id)
                 if schedule is None or schedule.status != "active":
                     continue  # paused or deleted since
-                _, created = service.start_audit_run(
-                    s,
-                    schedule,
-                    due_at,
-                    "scheduled",
-                    runner=runner,
-                    runner_kind=settings.runner,
-                    job_timeout_s=settings.job_timeout_s,
-                )
+                _, created = service.start_audit_run(s, schedule, due_at, "scheduled", queue=queue)
             report.started += created
         except Exception:
             log.exception("could not start schedule %d at %s", schedule_id, due_at)

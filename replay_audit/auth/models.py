@@ -36,9 +36,7 @@ class ApiKey(Base):
     compared in constant time."""
 
     __tablename__ = "api_keys"
-    __table_args__ = (
-        CheckConstraint("role IN ('submitter', 'auditor', 'admin')", name="role"),
-    )
+    __table_args__ = (CheckConstraint("role IN ('submitter', 'auditor', 'admin')", name="role"),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     project_id: Mapped[int] = mapped_column(

@@ -13,9 +13,7 @@ from replay_audit.db.base import utcnow
 def get_or_create_project(session: Session, name: str) -> Project:
     """The project called `name`, created if absent (safe against a concurrent creator)."""
     insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
-    session.execute(
-        insert(Project).values(name=name, created_at=utcnow()).on_conflict_do_nothing()
-    )
+    session.execute(insert(Project).values(name=name, created_at=utcnow()).on_conflict_do_nothing())
     return session.execute(select(Project).where(Project.name == name)).scalar_one()
 
 

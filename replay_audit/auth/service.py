@@ -137,3 +137,8 @@ def bootstrap_admin_key(session: Session) -> str | None:
     if repository.any_api_key_exists(session):
         return None
     return create_api_key(session, DEFAULT_PROJECT, Role.admin, name="bootstrap").key
+
+
+def find_api_key(session: Session, lookup: str) -> ApiKey | None:
+    """The key row whose lookup part is `lookup` (the UI session re-checks it each request)."""
+    return repository.find_api_key_by_lookup(session, lookup)

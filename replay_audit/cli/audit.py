@@ -62,27 +62,22 @@ def _start(schedule_id: str, action: str, limit: int) -> tuple[list[int], int]:
     from replay_audit.audits import repository, service
     from replay_audit.db.unit_of_work import session_scope
     from replay_audit.exceptions import ReplayAuditError
-    from replay_audit.queue import get_runner
+    from replay_audit.queue import build_job_queue
 
     settings = _settings()
-    runner = get_runner(settings)
-    launch: dict[str, Any] = {
-        "runner": runner,
-        "runner_kind": settings.runner,
-        "job_timeout_s": settings.job_timeout_s,
-    }
+    queue = build_job_queue(settings)
     try:
         with session_scope(settings.database_url) as s:
             schedule = repository.find_schedule(s, schedule_id)
             if schedule is None:
                 _fail(f"no audit schedule {schedule_id!r}")
             if action == "run-now":
-                run, created = service.run_now(s, schedule, **launch)
+                run, created = service.run_now(s, schedule, queue=queue)
                 runs, left = [run], 0
                 if not created:
                     typer.echo(f"a run due this second exists: {run.public_id}")
             else:
-                runs, left = service.catch_up(s, schedule, limit=limit, **launch)
+                runs, left = service.catch_up(s, schedule, limit=limit, queue=queue)
             ids = [r.id for r in runs]
     except ReplayAuditError as e:
         _fail(e.message)

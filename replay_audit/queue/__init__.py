@@ -1,7 +1,7 @@
 """Job queue: two runners behind one interface, running the same job functions.
 
 The database is the source of truth; a runner only carries ids. Job functions are named by
-dotted path (`"replay_audit.replays.tasks.run_replay_chunk"`), so the API process never imports
+dotted path (`"replay_audit.replays.tasks.run_replay_job"`), so the API process never imports
 the code a worker runs (and with it torch). Enqueue only after the transaction that created the
 rows has committed (see `replay_audit.db.unit_of_work`).
 
@@ -9,6 +9,22 @@ rows has committed (see `replay_audit.db.unit_of_work`).
     RQRunner          production: Redis + RQ workers (`replay-audit worker --queue gpu`)
 """
 
-from replay_audit.queue.runner import JobSpec, Runner, get_runner, resolve
+from replay_audit.queue.runner import (
+    Capabilities,
+    JobQueue,
+    JobSpec,
+    Runner,
+    build_job_queue,
+    get_runner,
+    resolve,
+)
 
-__all__ = ["JobSpec", "Runner", "get_runner", "resolve"]
+__all__ = [
+    "Capabilities",
+    "JobQueue",
+    "JobSpec",
+    "Runner",
+    "build_job_queue",
+    "get_runner",
+    "resolve",
+]

@@ -9,9 +9,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final, Protocol
 
+from sqlalchemy.orm import Session
+
 from replay_audit.config import Settings
+from replay_audit.db.unit_of_work import after_commit
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +153,78 @@ class RQRunner:
             JobStatus.DEFERRED,
             JobStatus.SCHEDULED,
         }
+
+
+def _has_cuda_device() -> bool:
+    """Whether this host has an NVIDIA GPU, asked without importing torch (the API process must
+    not): the driver's proc entry, as `nvidia-smi` reads it."""
+    return Path("/proc/driver/nvidia/version").exists()
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What this deployment can replay, answered in one place.
+
+    `rq`: GPU and CPU workers take the jobs, so every target is accepted here; a worker that
+    cannot run one (an fp8 lm_head on a GPU below SM 8.9) fails that item saying why.
+    `inprocess`: the jobs run in this process, on its CUDA device when the host has one
+    (`cuda`), else on the CPU."""
+
+    runner: str
+    cuda: bool
+
+    def refusal(self, *, lm_head_dtype: str | None, device: str | None) -> str | None:
+        """Why a target with this lm_head format and device cannot run here (None: it can)."""
+        if self.runner != "inprocess" or self.cuda:
+            return None
+        if device == "cuda":
+            return (
+                "this embedded deployment has no CUDA device; run a GPU worker "
+                "(REPLAY_AUDIT_RUNNER=rq and `replay-audit worker --queue gpu`)"
+            )
+        if lm_head_dtype in FP8_HEAD_DTYPES:
+            return (
+                f"an {lm_head_dtype} lm_head needs a CUDA GPU of compute capability >= 8.9, and "
+                "this embedded deployment has none (REPLAY_AUDIT_RUNNER=rq with a GPU worker)"
+            )
+        return None
+
+
+#: lm_head formats only a CUDA GPU can compute.
+FP8_HEAD_DTYPES: Final = frozenset({"fp8_e4m3", "fp8_e5m2"})
+
+
+@dataclass(frozen=True)
+class JobQueue:
+    """The one way work is queued: built once at the edge (the app, a CLI command, the
+    scheduler) from the settings, handed to services, which enqueue through the unit of work
+    (`enqueue` buffers the job until the transaction commits and drops it on rollback)."""
+
+    runner: Runner
+    job_timeout_s: int
+    capabilities: Capabilities
+
+    def enqueue(self, session: Session, specs: Sequence[JobSpec]) -> None:
+        """Enqueue `specs` once `session`'s unit of work has committed (never on rollback)."""
+        specs = list(specs)
+
+        def flush() -> None:
+            for spec in specs:
+                self.runner.enqueue(spec)
+
+        after_commit(session, flush)
+
+
+def build_job_queue(settings: Settings, runner: Runner | None = None) -> JobQueue:
+    """The deployment's job queue from its settings (`runner`: a runner to use instead)."""
+    return JobQueue(
+        runner=runner or get_runner(settings),
+        job_timeout_s=settings.job_timeout_s,
+        capabilities=Capabilities(
+            runner=settings.runner,
+            cuda=settings.runner == "inprocess" and _has_cuda_device(),
+        ),
+    )
 
 
 _inprocess: InProcessRunner | None = None

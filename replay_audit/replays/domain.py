@@ -30,6 +30,7 @@ from replay_audit.diff.answer import SemanticAgreement
 from replay_audit.diff.margin import DEFAULT_TAU
 from replay_audit.engine.protocol import DEFAULT_B_TOP_K, Intervention, Target
 from replay_audit.formats import ArmKey, Category, Device, MarginSource, Mode
+from replay_audit.traces.selection import is_greedy
 
 
 def arm_key(value: object) -> ArmKey:
@@ -166,7 +167,7 @@ class LoggedTrace:
 
     @property
     def greedy(self) -> bool:
-        return self.strategy == "greedy"
+        return is_greedy({"strategy": self.strategy})
 
     @classmethod
     def from_parts(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request, Response, status
+from fastapi import APIRouter, Depends, Query, Response, status
 
-from replay_audit.api.deps import AppSettings, DBSession, require_role
+from replay_audit.api.deps import DBSession, Queue, require_role
 from replay_audit.auth.models import Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.replays import service
@@ -31,20 +31,12 @@ Reader = Annotated[Principal, Depends(require_role(Role.auditor, Role.admin))]
 def create_replay(
     body: ReplayCreate,
     session: DBSession,
-    settings: AppSettings,
+    queue: Queue,
     principal: Writer,
-    request: Request,
     response: Response,
 ) -> ReplayCreated:
     """Replay stored traces in one or more target configurations (queued; poll the run)."""
-    run, created = service.create_replay(
-        session,
-        principal.project_id,
-        body,
-        request.app.state.runner,
-        runner_kind=settings.runner,
-        job_timeout_s=settings.job_timeout_s,
-    )
+    run, created = service.create_replay(session, principal.project_id, body, queue)
     if not created:
         response.status_code = status.HTTP_200_OK
     return ReplayCreated(id=run.public_id, created=created)

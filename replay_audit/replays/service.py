@@ -13,9 +13,8 @@ from typing import Final
 from sqlalchemy.orm import Session
 
 from replay_audit.db.ids import new_public_id
-from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import FieldError, NotFound
-from replay_audit.queue import Runner
+from replay_audit.queue import Capabilities, JobQueue
 from replay_audit.replays import repository, statistics
 from replay_audit.replays.domain import Comparison, RunTarget
 from replay_audit.replays.models import ReplayRun
@@ -37,8 +36,6 @@ from replay_audit.traces.selection import is_greedy
 #: Traces per job: small enough that a killed job loses little, large enough that a GPU worker
 #: keeps its model busy between queue round trips.
 TRACES_PER_JOB: Final = 16
-#: Formats an in-process (CPU) runner cannot replay.
-CUDA_ONLY_HEAD_DTYPES: Final = frozenset({"fp8_e4m3", "fp8_e5m2"})
 
 
 def _select_traces(session: Session, project_id: int, request: ReplayCreate) -> list[Trace]:
@@ -93,10 +90,8 @@ def create_replay(
     session: Session,
     project_id: int,
     request: ReplayCreate,
-    runner: Runner,
+    queue: JobQueue,
     *,
-    runner_kind: str,
-    job_timeout_s: int,
     schedule_id: str | None = None,
 ) -> tuple[ReplayRun, bool]:
     """Validate and store a replay run and its jobs; enqueue the jobs after commit.
@@ -112,16 +107,7 @@ def create_replay(
             return existing, False
 
     targets = _targets(request)
-    if runner_kind == "inprocess":
-        for i, t in enumerate(targets):
-            head = t.target.lm_head_dtype if t.target is not None else None
-            if head in CUDA_ONLY_HEAD_DTYPES or t.device == "cuda":
-                raise FieldError(
-                    f"targets[{i}]: the embedded runner replays on the CPU; "
-                    f"{head or 'cuda'} needs a CUDA worker with SM >= 8.9 "
-                    "(set REPLAY_AUDIT_RUNNER=rq and run `replay-audit worker --queue gpu`)",
-                    field=f"targets[{i}]",
-                )
+    check_targets(queue.capabilities, targets, field="targets")
 
     traces = _select_traces(session, project_id, request)
     if not traces:
@@ -133,9 +119,9 @@ def create_replay(
         )
 
     comparisons = _comparisons(request, len(targets))
-    queue = _queue(targets)
+    queue_name = _queue(targets)
     ids = [t.id for t in traces]
-    chunks = [(queue, ids[i : i + TRACES_PER_JOB]) for i in range(0, len(ids), TRACES_PER_JOB)]
+    chunks = [(queue_name, ids[i : i + TRACES_PER_JOB]) for i in range(0, len(ids), TRACES_PER_JOB)]
     run = ReplayRun(
         public_id=new_public_id("rr"),
         project_id=project_id,
@@ -151,14 +137,21 @@ def create_replay(
         schedule_id=schedule_id,
     )
     job_ids = repository.add_run(session, run, chunks)
-    specs = [job_spec(job_id, queue, job_timeout_s) for job_id in job_ids]
-
-    def enqueue_all() -> None:
-        for spec in specs:
-            runner.enqueue(spec)
-
-    after_commit(session, enqueue_all)
+    queue.enqueue(
+        session, [job_spec(job_id, queue_name, queue.job_timeout_s) for job_id in job_ids]
+    )
     return run, True
+
+
+def check_targets(capabilities: Capabilities, targets: Sequence[RunTarget], *, field: str) -> None:
+    """A 422 naming the first target this deployment cannot run, saying why."""
+    for i, t in enumerate(targets):
+        why = capabilities.refusal(
+            lm_head_dtype=t.target.lm_head_dtype if t.target is not None else None,
+            device=t.device,
+        )
+        if why is not None:
+            raise FieldError(f"{field}[{i}]: {why}", field=f"{field}[{i}]")
 
 
 def get_replay(session: Session, project_id: int, public_id: str) -> ReplayRun:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -27,6 +26,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Session, aliased
 
 from replay_audit.replays.models import ReplayResult, ReplayRun
+from replay_audit.reports.filters import ResultFilter, RunFilter
 from replay_audit.traces.models import Trace
 
 R = ReplayResult
@@ -46,17 +46,6 @@ def _diverged() -> ColumnElement[bool]:
 
 
 # -- runs ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RunFilter:
-    """Filters of the runs list. `dtype`: some target of the run has this body dtype;
-    `model_name`: some trace of the run was logged by this model."""
-
-    model_name: str | None = None
-    dtype: str | None = None
-    created_after: datetime | None = None
-    created_before: datetime | None = None
 
 
 def _target_dtype_clause(session: Session, dtype: str) -> ColumnElement[bool]:
@@ -181,14 +170,6 @@ def flipped_traces(
 
 
 # -- result rows -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ResultFilter:
-    comparison: int | None = None
-    category: str | None = None
-    #: "exact", "diverged" or "failed".
-    outcome: str | None = None
 
 
 #: The summary columns of a result (no token arrays, no detail JSON): what lists show.

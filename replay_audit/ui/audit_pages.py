@@ -17,7 +17,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from replay_audit.api.deps import DBSession
-from replay_audit.audits import repository, service
+from replay_audit.audits import service
 from replay_audit.ui.pages import Viewer, _page
 from replay_audit.ui.trend_chart import category_mix_chart, trend_chart
 
@@ -30,7 +30,7 @@ ALERTS_SHOWN: Final = 20
 
 @router.get("/schedules")
 def schedules_list(request: Request, session: DBSession, principal: Viewer) -> Response:
-    schedules = repository.list_schedules(session, principal.project_id)
+    schedules = service.list_schedules(session, principal.project_id)
     return _page(
         request,
         "ui/schedules.html",
@@ -50,10 +50,7 @@ def schedule_page(
     [read] = service.to_reads(session, [schedule], reveal_webhook=False)
     trend = service.trend(session, schedule, limit=runs)
     missed = service.missed(session, schedule)
-    alerts = [
-        service.alert_to_read(a, pid, reveal_url=False)
-        for a, pid in repository.alerts_of_schedule(session, schedule.id, limit=ALERTS_SHOWN)
-    ]
+    alerts = service.alerts(session, schedule, limit=ALERTS_SHOWN, reveal_url=False)
     return _page(
         request,
         "ui/schedule.html",

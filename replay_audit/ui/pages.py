@@ -30,7 +30,7 @@ from replay_audit.formats import BODY_DTYPES, CATEGORIES
 from replay_audit.replays.domain import comparison_label
 from replay_audit.reports import browsing, statistics
 from replay_audit.reports.endpoints import export_response
-from replay_audit.reports.repository import ResultFilter, RunFilter
+from replay_audit.reports.filters import ResultFilter, RunFilter
 from replay_audit.reports.schemas import RunReport
 from replay_audit.ui import session as ui_session
 from replay_audit.ui import trace_view

@@ -36,7 +36,6 @@ from typing import Any, Final
 
 from sqlalchemy.orm import Session
 
-from replay_audit.auth import repository as auth_repository
 from replay_audit.auth import service as auth_service
 from replay_audit.auth.models import Role
 from replay_audit.auth.schemas import Principal
@@ -186,7 +185,7 @@ def sign_in(session: Session, key: str | None) -> tuple[Principal, str]:
 def principal_for(session: Session, ui_session: UiSession) -> Principal:
     """The principal of a verified session, re-checked against the key row (revoked keys and
     roles changed since sign-in are refused)."""
-    api_key = auth_repository.find_api_key_by_lookup(session, ui_session.lookup)
+    api_key = auth_service.find_api_key(session, ui_session.lookup)
     if api_key is None or api_key.revoked_at is not None:
         raise NotAuthenticated("the key of this session was revoked; sign in again")
     role = Role(api_key.role)

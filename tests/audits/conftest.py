@@ -6,6 +6,7 @@ that records alert deliveries, and helpers to place traces and schedules in time
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -58,7 +59,8 @@ class RecordingRunner:
 def runner(client: TestClient, worker_env: Any) -> HoldingRunner:  # noqa: F811
     """Replay jobs of the app (and of ticks given it) wait here until `run_all()`."""
     r = HoldingRunner()
-    client.app.state.runner = r  # type: ignore[attr-defined]
+    app_state = client.app.state  # type: ignore[attr-defined]
+    app_state.queue = dataclasses.replace(app_state.queue, runner=r)
     return r
 
 

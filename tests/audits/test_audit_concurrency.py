@@ -23,6 +23,7 @@ from replay_audit.audits.tasks import run_tick
 from replay_audit.config import Settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
+from replay_audit.queue import Capabilities, JobQueue
 from replay_audit.replays.models import ReplayRun
 from tests.audits.conftest import (
     PROMPTS,
@@ -96,9 +97,7 @@ def test_racing_claims_make_one_run(
                 schedule,
                 due,
                 "scheduled",
-                runner=runner,
-                runner_kind="inprocess",
-                job_timeout_s=60,
+                queue=JobQueue(runner, 60, Capabilities("inprocess", cuda=False)),
             )
             return run.public_id, created
 
@@ -166,7 +165,11 @@ def test_two_scheduler_processes_on_postgres(postgres_database_url: str) -> None
                 )
                 hour = utcnow().replace(minute=0, second=0, microsecond=0)
                 service.create_schedule(
-                    s, project, body, runner_kind="inprocess", now=hour - timedelta(minutes=1)
+                    s,
+                    project,
+                    body,
+                    capabilities=Capabilities("inprocess", cuda=False),
+                    now=hour - timedelta(minutes=1),
                 )
         env = {**os.environ, "REPLAY_AUDIT_DATABASE_URL": url, "REPLAY_AUDIT_RUNNER": "inprocess"}
         cmd = [sys.executable, "-m", "replay_audit", "audit", "tick"]

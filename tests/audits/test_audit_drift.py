@@ -1,5 +1,5 @@
-"""Trend points and drift flags, computed from real-shape run aggregates
-(`replays.aggregate.aggregate_run` over synthetic result rows)."""
+"""Trend points and drift flags, computed from real run statistics (the one builder,
+`stats.report.run_statistics`, over synthetic result figures)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,14 @@ from typing import Any
 
 import pytest
 
-from replay_audit.audits.drift import MIN_TRAILING_RUNS, detect_drift, run_metrics, target_label
-from replay_audit.replays.aggregate import aggregate_run
+from replay_audit.audits.drift import MIN_TRAILING_RUNS, detect_drift, run_metrics
+from replay_audit.replays.domain import (
+    Comparison,
+    RunTarget,
+    comparison_label,
+    is_treatment,
+)
+from replay_audit.stats.report import ComparisonInput, ResultFigures, RunStatistics, run_statistics
 
 TARGETS = [
     {"dtype": "fp16", "intervention": {"kind": "none"}},
@@ -20,26 +26,33 @@ COMPARISONS = [{"index": i, "a": "logged", "b": i} for i in range(3)]
 
 def _row(
     trace: int, comparison: int, exact: bool, category: str, steps: int = 10, triggers: int = 0
-) -> dict[str, Any]:
-    return {
-        "trace_id": trace,
-        "public_id": f"tr_{trace}",
-        "comparison": comparison,
-        "status": "ok",
-        "error": None,
-        "exact_match": exact,
-        "first_divergence_step": None if exact else 3,
-        "category": category,
-        "margin_logged": None,
-        "margin_logged_ulps": None,
-        "margin_replay": None,
-        "margin_replay_ulps": None,
-        "gate_triggers": triggers,
-        "n_steps": steps,
-        "mean_gap": 1.0,
-        "length_difference": None if exact else 0,
-        "semantic_agree": None,
-    }
+) -> tuple[int, ResultFigures]:
+    return comparison, ResultFigures(
+        trace_id=trace,
+        trace_public_id=f"tr_{trace}",
+        external_id=None,
+        status="ok",
+        exact_match=exact,
+        first_divergence_step=None if exact else 3,
+        category=category,
+        margin_a=None,
+        margin_a_ulps=None,
+        margin_b=None,
+        margin_b_ulps=None,
+        gate_triggers=triggers,
+        n_steps=steps,
+        mean_gap=1.0,
+        gate_triggers_a=None,
+        n_steps_a=None,
+        length_difference=None if exact else 0,
+        answer_extractor=None,
+        answer_a=None,
+        answer_b=None,
+    )
+
+
+def _targets(targets: list[dict[str, Any]]) -> list[RunTarget]:
+    return [RunTarget.from_json(t) for t in targets]
 
 
 def aggregate(
@@ -49,7 +62,8 @@ def aggregate(
     c_fixes: int | None = None,
     self_flips: int = 0,
     category: str = "head_reachable",
-) -> dict[str, Any]:
+    targets: list[dict[str, Any]] = TARGETS,
+) -> RunStatistics:
     """n traces; the first `fp16_flips` diverge in FP16, C repairs `c_fixes` of them."""
     c_fixes = fp16_flips if c_fixes is None else c_fixes
     rows = []
@@ -62,11 +76,19 @@ def aggregate(
         )
         sflip = t < self_flips
         rows.append(_row(t, 2, not sflip, "body_dominated" if sflip else "agreed"))
-    return aggregate_run(rows, COMPARISONS)
+    run_targets = _targets(targets)
+    inputs = []
+    for c in map(Comparison.from_json, COMPARISONS):
+        figures = [f for i, f in rows if i == c.index]
+        label = comparison_label(c, run_targets)
+        inputs.append(
+            ComparisonInput(c.index, c.a, c.b, label, is_treatment(c, run_targets), figures)
+        )
+    return run_statistics("rr_test", inputs)
 
 
 def metrics(n: int, flips: int, **kw: Any) -> dict[str, Any]:
-    return run_metrics(aggregate(n, flips, **kw), TARGETS, COMPARISONS)
+    return run_metrics(aggregate(n, flips, **kw), _targets(TARGETS))
 
 
 def test_trend_point_headline_numbers() -> None:
@@ -95,16 +117,23 @@ def test_trend_point_headline_numbers() -> None:
 
 def test_no_c_lift_without_a_plain_baseline() -> None:
     targets = [TARGETS[1], TARGETS[0], TARGETS[2]]  # C first: no lift "of C over the baseline"
-    m = run_metrics(aggregate(20, 5), targets, COMPARISONS)
+    m = run_metrics(aggregate(20, 5, targets=targets), _targets(targets))
     assert m["c_lift"] is None
 
 
 def test_labels() -> None:
-    assert (
-        target_label({"dtype": "bf16", "lm_head_dtype": "fp8_e4m3", "intervention": {"kind": "B"}})
-        == "bf16 (lm_head fp8_e4m3) + B"
+    b = RunTarget.from_json(
+        {"dtype": "bf16", "lm_head_dtype": "fp8_e4m3", "intervention": {"kind": "B"}}
     )
-    assert target_label({"self": True}) == "self"
+    assert b.display_label() == "bf16 / head fp8_e4m3 + B(τ=0.001)"
+    assert RunTarget.from_json({"self": True}).display_label() == "self"
+    stored = RunTarget(None).to_json()
+    assert RunTarget.from_json(stored).display_label() == "self (logged configuration)"
+
+
+def test_a_self_replay_gets_no_lift() -> None:
+    stats = aggregate(20, 5, self_flips=3)
+    assert [(lf.comparison_a, lf.comparison_b) for lf in stats.lifts] == [(0, 1)]
 
 
 def test_ear_drop_against_the_trailing_mean() -> None:

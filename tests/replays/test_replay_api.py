@@ -3,6 +3,7 @@ every way a request can be wrong. Runs on SQLite and PostgreSQL (the `db_url` fi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,8 @@ FP16_C = {"dtype": "fp16", "intervention": {"kind": "C", "tau": 1e-3}}
 @pytest.fixture
 def runner(client: TestClient) -> HoldingRunner:
     r = HoldingRunner()
-    client.app.state.runner = r  # type: ignore[attr-defined]
+    app_state = client.app.state  # type: ignore[attr-defined]
+    app_state.queue = dataclasses.replace(app_state.queue, runner=r)
     return r
 
 

@@ -4,6 +4,7 @@ SQLite and PostgreSQL (the `db_url` fixture)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,8 @@ SAMPLED = {"strategy": "sample", "max_new_tokens": 12}
 @pytest.fixture
 def runner(client: TestClient) -> HoldingRunner:
     r = HoldingRunner()
-    client.app.state.runner = r  # type: ignore[attr-defined]
+    app_state = client.app.state  # type: ignore[attr-defined]
+    app_state.queue = dataclasses.replace(app_state.queue, runner=r)
     return r
 
 

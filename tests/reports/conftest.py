@@ -10,6 +10,7 @@ compared with the logged output (comparisons 0: logged vs T0, 1: logged vs T1).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,7 +129,8 @@ def seed_run(
 @pytest.fixture
 def runner(client: TestClient) -> HoldingRunner:
     r = HoldingRunner()
-    client.app.state.runner = r  # type: ignore[attr-defined]
+    app_state = client.app.state  # type: ignore[attr-defined]
+    app_state.queue = dataclasses.replace(app_state.queue, runner=r)
     return r
 
 
