@@ -31,9 +31,9 @@ from replay_audit.diff.margin import (
     margin,
     margin_from_top_k,
     margins_in_ulps,
-    ulp_array,
 )
 from replay_audit.diff.summary import summarize
+from replay_audit.formats import ulp_array
 
 __all__ = [
     "CATEGORIES",

@@ -12,14 +12,13 @@ for coarse formats such as an FP8 lm_head (paper, FP8 appendix).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from replay_audit.formats import get_format, ulp
+from replay_audit.formats import ulp, ulp_array
 
 #: The paper's gate threshold for BF16/FP16 (τ = 1e-3).
 DEFAULT_TAU = 1e-3
@@ -95,16 +94,6 @@ def is_tie(*margins: Margin | None) -> bool:
     """True when any of the given margins is exactly 0: the top-2 logits were equal, and which
     token won depended on the implementation's tie-break."""
     return any(m is not None and m.abs == 0.0 for m in margins)
-
-
-def ulp_array(x: npt.ArrayLike, fmt: str) -> npt.NDArray[np.float64]:
-    """`replay_audit.formats.ulp` over an array (same values, vectorised)."""
-    f = get_format(fmt)
-    ax = np.abs(np.asarray(x, dtype=np.float64))
-    _, e = np.frexp(ax)
-    exp = np.where(ax == 0.0, f.min_normal_exponent, np.maximum(e - 1, f.min_normal_exponent))
-    out = np.ldexp(1.0, (exp - (f.precision - 1)).astype(np.int64))
-    return np.where(np.isfinite(ax), out, math.inf)
 
 
 def margins_in_ulps(
