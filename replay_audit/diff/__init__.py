@@ -27,10 +27,13 @@ from replay_audit.diff.margin import (
     DEFAULT_TAU,
     GateRule,
     Margin,
+    StepNumerics,
     is_tie,
     margin,
     margin_from_top_k,
     margins_in_ulps,
+    sort_top_k,
+    step_numerics,
 )
 from replay_audit.diff.summary import summarize
 from replay_audit.formats import ulp_array
@@ -43,6 +46,7 @@ __all__ = [
     "GateRule",
     "Margin",
     "SemanticAgreement",
+    "StepNumerics",
     "cascade_length",
     "classify",
     "exact_match",
@@ -59,6 +63,8 @@ __all__ = [
     "normalise_number",
     "register_extractor",
     "semantic_agreement",
+    "sort_top_k",
+    "step_numerics",
     "summarize",
     "ulp_array",
 ]
