@@ -31,7 +31,6 @@ from replay_audit.diff.margin import (
     is_tie,
     margin,
     margin_from_top_k,
-    margins_in_ulps,
     sort_top_k,
     step_numerics,
 )
@@ -59,7 +58,6 @@ __all__ = [
     "length_difference",
     "margin",
     "margin_from_top_k",
-    "margins_in_ulps",
     "normalise_number",
     "register_extractor",
     "semantic_agreement",

@@ -132,9 +132,6 @@ class StepNumerics:
     margins_ulps: npt.NDArray[np.float64] | None
     gate_fired: npt.NDArray[np.bool_] | None
 
-    def __len__(self) -> int:
-        return int(self.margins.shape[0])
-
     def margin_at(self, t: int) -> Margin:
         """Step t's margin (needs the head format)."""
         if self.margins_ulps is None:
@@ -191,10 +188,3 @@ def is_tie(*margins: Margin | None) -> bool:
     """True when any of the given margins is exactly 0: the top-2 logits were equal, and which
     token won depended on the implementation's tie-break."""
     return any(m is not None and m.abs == 0.0 for m in margins)
-
-
-def margins_in_ulps(
-    margins: npt.ArrayLike, top1: npt.ArrayLike, fmt: str
-) -> npt.NDArray[np.float64]:
-    """Margins divided by the ulp of `fmt` at each step's top-1 value."""
-    return np.asarray(margins, dtype=np.float64) / ulp_array(top1, fmt)

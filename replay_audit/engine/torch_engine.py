@@ -209,11 +209,6 @@ class TorchEngine:
             self._static[length] = StaticDecoder(self.body, self.head, length, compile_mode=mode)
         return self._static[length]
 
-    @torch.inference_mode()
-    def hidden_states(self, ids: Sequence[int]) -> torch.Tensor:
-        """Final normed hidden states (n, d) of a from-scratch forward over `ids` (row 0)."""
-        return self.body.forward(ids, None, 0)[0]
-
     def _extras(self) -> dict[str, Any]:
         """Which decode path ran: the cache, the static cache lengths used so far, whether the
         step was captured in a CUDA graph and compiled (and why not, if compiling failed)."""
