@@ -1,5 +1,6 @@
 """The vocabulary of the product (numerical formats and the ulp of each; modes, intervention
-kinds, categories, cache kinds, margin sources, statuses), defined here once. Pure: stdlib only.
+kinds, categories, cache kinds, margin sources, statuses), defined here once. Pure: stdlib and
+numpy.
 
 The names are the ones used everywhere in the API (`config.dtype`, `config.lm_head_dtype`):
 
@@ -13,6 +14,7 @@ ulp(x) is the spacing of the format's representable numbers at |x|: 2**(e - (p -
 e = floor(log2 |x|) clamped below at the format's smallest normal exponent, and p is the
 significand precision. BF16 at 16.0 has p = 8, e = 4: ulp = 0.125, so a BF16 margin near 16 is
 either 0 or at least 0.125. The values agree with torch.finfo(dtype).eps * 2**e (tested).
+`ulp_array` is the one implementation; `ulp` is it at one value.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Final, Literal
+
+import numpy as np
+import numpy.typing as npt
 
 BodyDType = Literal["fp32", "bf16", "fp16"]
 HeadDType = Literal["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"]
@@ -57,14 +62,20 @@ def get_format(name: str) -> Format:
         raise KeyError(f"unknown numerical format {name!r}; known: {', '.join(FORMATS)}") from None
 
 
+def ulp_array(x: npt.ArrayLike, fmt: str | Format) -> npt.NDArray[np.float64]:
+    """Spacing of `fmt`'s representable numbers at each magnitude |x| (subnormal spacing near 0,
+    inf where x is not finite), as float64 of x's shape."""
+    f = get_format(fmt) if isinstance(fmt, str) else fmt
+    ax = np.abs(np.asarray(x, dtype=np.float64))
+    _, e = np.frexp(ax)
+    exp = np.where(ax == 0.0, f.min_normal_exponent, np.maximum(e - 1, f.min_normal_exponent))
+    out = np.ldexp(1.0, (exp - (f.precision - 1)).astype(np.int64))
+    return np.where(np.isfinite(ax), out, math.inf)
+
+
 def ulp(x: float, fmt: str | Format) -> float:
     """Spacing of `fmt`'s representable numbers at magnitude |x| (subnormal spacing near 0)."""
-    f = get_format(fmt) if isinstance(fmt, str) else fmt
-    ax = abs(x)
-    if not math.isfinite(ax):
-        return math.inf
-    e = f.min_normal_exponent if ax == 0.0 else max(math.frexp(ax)[1] - 1, f.min_normal_exponent)
-    return math.ldexp(1.0, e - (f.precision - 1))
+    return float(ulp_array(x, fmt))
 
 
 # -- the rest of the vocabulary ---------------------------------------------------------------

@@ -29,6 +29,8 @@ from typing import Final, Literal, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from replay_audit.diff.margin import step_numerics
+
 Policy = Literal["uniform", "stratified", "low_margin_first"]
 POLICIES: Final[tuple[Policy, ...]] = ("uniform", "stratified", "low_margin_first")
 
@@ -66,10 +68,8 @@ def min_logged_margin(top_k_logits: npt.NDArray[np.float32] | None, k: int | Non
     logits, as stored); None when fewer than two logits per step were logged."""
     if top_k_logits is None or k is None or k < 2 or top_k_logits.size < k:
         return None
-    rows = np.asarray(top_k_logits, dtype=np.float64).reshape(-1, k)
-    # Sorted descending on ingest, but do not rely on it: the two largest of each row.
-    top2 = -np.partition(-rows, 1, axis=1)[:, :2]
-    margins = top2[:, 0] - top2[:, 1]
+    # Sorted descending on ingest, but do not rely on it: step_numerics orders each row.
+    margins = step_numerics(np.asarray(top_k_logits).reshape(-1, k)).margins
     margins = margins[np.isfinite(margins)]
     return float(margins.min()) if margins.size else None
 

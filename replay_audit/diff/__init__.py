@@ -22,12 +22,14 @@ from replay_audit.diff.margin import (
     DEFAULT_TAU,
     GateRule,
     Margin,
+    StepNumerics,
     is_tie,
     margin,
     margin_from_top_k,
-    margins_in_ulps,
-    ulp_array,
+    sort_top_k,
+    step_numerics,
 )
+from replay_audit.formats import ulp_array
 
 __all__ = [
     "DEFAULT_TAU",
@@ -35,6 +37,7 @@ __all__ = [
     "GateRule",
     "Margin",
     "SemanticAgreement",
+    "StepNumerics",
     "cascade_length",
     "classify",
     "exact_match",
@@ -47,9 +50,10 @@ __all__ = [
     "length_difference",
     "margin",
     "margin_from_top_k",
-    "margins_in_ulps",
     "normalise_number",
     "register_extractor",
     "semantic_agreement",
+    "sort_top_k",
+    "step_numerics",
     "ulp_array",
 ]

@@ -1,28 +1,35 @@
 """Top-2 margins, their size in ulps of a format, and the gate. Pure: stdlib + numpy.
 
 The margin Δ_t is top-1 minus top-2 of an arm's native logits, exactly converted to float32 (so
-the subtraction below, done in float64, is exact). Its size in ulps is Δ_t divided by the spacing
-of the arm's lm_head format at the top-1 value (`replay_audit.formats.ulp`).
+the subtraction below, done in float64, is exact whenever the two are fewer than 29 binades
+apart, as neighbouring logits are). Its size in ulps is Δ_t divided by the spacing of the arm's
+lm_head format at the top-1 value (`replay_audit.formats.ulp`).
 
 The gate (paper Algorithm 1) fires at a step when Δ_t < τ, or always when τ = 0 (ungated); a
 negative τ never fires. τ is absolute (`tau`, paper default 1e-3) or format-scaled
 (`tau_ulps` = k: τ = k ulps of the format at the top-1 value), which is how the gate must widen
 for coarse formats such as an FP8 lm_head (paper, FP8 appendix).
+
+`step_numerics` decides all of this once, over (steps, k) arrays of top-k ids and logits (with
+`sort_top_k`, the one tie rule), so that every place that reports a margin reports the same bits.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from replay_audit.formats import get_format, ulp
+from replay_audit.formats import ulp_array
 
 #: The paper's gate threshold for BF16/FP16 (τ = 1e-3).
 DEFAULT_TAU = 1e-3
+
+IdArray = npt.NDArray[np.int64]
+LogitArray = npt.NDArray[np.floating[Any]]
 
 
 @dataclass(frozen=True)
@@ -49,11 +56,16 @@ class GateRule:
     tau: float = DEFAULT_TAU
     tau_ulps: float | None = None
 
+    def thresholds(self, top1: npt.ArrayLike, fmt: str) -> npt.NDArray[np.float64]:
+        """The absolute τ at steps whose top-1 logits are `top1`, for an arm in format `fmt`."""
+        t1 = np.asarray(top1, dtype=np.float64)
+        if self.tau_ulps is None:
+            return np.full(t1.shape, self.tau, dtype=np.float64)
+        return self.tau_ulps * ulp_array(t1, fmt)
+
     def threshold(self, top1: float, fmt: str) -> float:
         """The absolute τ at a step whose top-1 logit is `top1`, for an arm in format `fmt`."""
-        if self.tau_ulps is None:
-            return self.tau
-        return self.tau_ulps * ulp(top1, fmt)
+        return float(self.thresholds(top1, fmt))
 
     @property
     def ungated(self) -> bool:
@@ -62,9 +74,7 @@ class GateRule:
 
     def fires(self, margin: float, top1: float, fmt: str) -> bool:
         """Whether the gate fires at a step with this margin and top-1 value."""
-        if self.ungated:
-            return True
-        return margin < self.threshold(top1, fmt)
+        return bool(self.fires_array(margin, top1, fmt))
 
     def fires_array(
         self, margins: npt.ArrayLike, top1: npt.ArrayLike, fmt: str
@@ -73,15 +83,98 @@ class GateRule:
         m = np.asarray(margins, dtype=np.float64)
         if self.ungated:
             return np.ones(m.shape, dtype=bool)
-        if self.tau_ulps is None:
-            return m < self.tau
-        return m < self.tau_ulps * ulp_array(top1, fmt)
+        return np.asarray(m < self.thresholds(top1, fmt))
+
+
+def _rows(logits: npt.ArrayLike, ids: npt.ArrayLike | None) -> tuple[IdArray, LogitArray]:
+    """(steps, k) ids and logits as given (a 1-D input is one step); logits keep a float dtype,
+    and without ids a row's positions stand in for them."""
+    values = np.asarray(logits)
+    if values.dtype.kind != "f":
+        values = values.astype(np.float64)
+    values = np.atleast_2d(values)
+    if ids is None:
+        return np.broadcast_to(np.arange(values.shape[-1], dtype=np.int64), values.shape), values
+    keys = np.atleast_2d(np.asarray(ids, dtype=np.int64))
+    if keys.shape != values.shape:
+        raise ValueError(f"top-k ids {keys.shape} and logits {values.shape} differ in shape")
+    return keys, values
+
+
+def sort_top_k(
+    logits: npt.ArrayLike, ids: npt.ArrayLike | None = None
+) -> tuple[IdArray, LogitArray]:
+    """Each row of (steps, k) top-k `ids` and `logits` ordered by logit descending, then by id
+    ascending: the one tie rule, so equal logits are listed in a platform-independent order
+    (the smaller id first, as argmax breaks ties). Without ids, equal logits keep their order.
+    Logits keep their float dtype."""
+    keys, values = _rows(logits, ids)
+    order = np.lexsort((keys, -values.astype(np.float64)), axis=-1)
+    return np.take_along_axis(keys, order, axis=-1), np.take_along_axis(values, order, axis=-1)
+
+
+@dataclass(frozen=True, eq=False)
+class StepNumerics:
+    """What `step_numerics` decided for each step t (row t of each array).
+
+    top_k_ids     (T, k) ids by logit descending, ties by smaller id
+    top_k_logits  (T, k) the logits in that order, in the dtype given (float32 from an engine)
+    top1          (T,) the top-1 logit in float64
+    margins       (T,) Δ_t = top-1 - top-2 in float64 (of float32 logits: exact, see above)
+    margins_ulps  (T,) Δ_t in ulps of the head format at the top-1 value; None without a format
+    gate_fired    (T,) whether the gate rule fires; None without a gate rule
+    """
+
+    top_k_ids: IdArray
+    top_k_logits: LogitArray
+    top1: npt.NDArray[np.float64]
+    margins: npt.NDArray[np.float64]
+    margins_ulps: npt.NDArray[np.float64] | None
+    gate_fired: npt.NDArray[np.bool_] | None
+
+    def margin_at(self, t: int) -> Margin:
+        """Step t's margin (needs the head format)."""
+        if self.margins_ulps is None:
+            raise ValueError("margins in ulps need the head format: pass head_format")
+        return Margin(
+            abs=float(self.margins[t]), ulps=float(self.margins_ulps[t]), top1=float(self.top1[t])
+        )
+
+
+def step_numerics(
+    logits: npt.ArrayLike,
+    ids: npt.ArrayLike | None = None,
+    *,
+    head_format: str | None = None,
+    gate: GateRule | None = None,
+    sort: bool = True,
+) -> StepNumerics:
+    """The per-step numerics of (steps, k) top-k logits (k >= 2) and their ids: rows ordered by
+    `sort_top_k` (with `sort=False` they are taken as ordered, first column the top-1), the
+    margins Δ = top-1 - top-2 in float64, with `head_format` their size in ulps of that format at
+    the top-1 value, and with `gate` whether it fires at each step.
+
+    Logits are used in the float dtype given (an engine's float32 values, whose float64
+    difference is exact); a 1-D input is one step. This is the only place these are computed:
+    a decode step is a (1, k) call, a scan one call over all its steps.
+    """
+    top_ids, values = sort_top_k(logits, ids) if sort else _rows(logits, ids)
+    if values.shape[-1] < 2:
+        raise ValueError("a margin needs at least the top-2 logits of each step")
+    if gate is not None and head_format is None:
+        raise ValueError("the gate needs the head format (τ may be in its ulps)")
+    top1 = values[:, 0].astype(np.float64)
+    margins = top1 - values[:, 1].astype(np.float64)
+    ulps = None if head_format is None else margins / ulp_array(top1, head_format)
+    fired = None
+    if gate is not None and head_format is not None:
+        fired = gate.fires_array(margins, top1, head_format)
+    return StepNumerics(top_ids, values, top1, margins, ulps, fired)
 
 
 def margin(top1: float, top2: float, fmt: str) -> Margin:
     """The margin between a top-1 and a top-2 logit (float32 values) of an arm in `fmt`."""
-    delta = float(top1) - float(top2)
-    return Margin(abs=delta, ulps=delta / ulp(top1, fmt), top1=float(top1))
+    return step_numerics([[top1, top2]], head_format=fmt, sort=False).margin_at(0)
 
 
 def margin_from_top_k(logits_row: Sequence[float], fmt: str) -> Margin:
@@ -95,20 +188,3 @@ def is_tie(*margins: Margin | None) -> bool:
     """True when any of the given margins is exactly 0: the top-2 logits were equal, and which
     token won depended on the implementation's tie-break."""
     return any(m is not None and m.abs == 0.0 for m in margins)
-
-
-def ulp_array(x: npt.ArrayLike, fmt: str) -> npt.NDArray[np.float64]:
-    """`replay_audit.formats.ulp` over an array (same values, vectorised)."""
-    f = get_format(fmt)
-    ax = np.abs(np.asarray(x, dtype=np.float64))
-    _, e = np.frexp(ax)
-    exp = np.where(ax == 0.0, f.min_normal_exponent, np.maximum(e - 1, f.min_normal_exponent))
-    out = np.ldexp(1.0, (exp - (f.precision - 1)).astype(np.int64))
-    return np.where(np.isfinite(ax), out, math.inf)
-
-
-def margins_in_ulps(
-    margins: npt.ArrayLike, top1: npt.ArrayLike, fmt: str
-) -> npt.NDArray[np.float64]:
-    """Margins divided by the ulp of `fmt` at each step's top-1 value."""
-    return np.asarray(margins, dtype=np.float64) / ulp_array(top1, fmt)

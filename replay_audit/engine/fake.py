@@ -11,18 +11,20 @@ KV cache), and `repair_fn` says what an intervention picks at a gated step.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from replay_audit.diff.margin import step_numerics
 from replay_audit.engine.protocol import (
     DecodeRun,
     Intervention,
     ScanRun,
     StepInfo,
+    Steps,
     Target,
-    steps_from_rows,
+    steps_from_numerics,
 )
 
 NextToken = Callable[[tuple[int, ...]], tuple[int, float]]
@@ -36,7 +38,8 @@ def _default_next_token(context: tuple[int, ...]) -> tuple[int, float]:
 @dataclass
 class FakeEngine:
     """An `Engine` whose model is `next_token(context) -> (token, margin)`. Top-1 logit is 10.0,
-    top-2 is 10.0 - margin on token (token + 1) % vocab_size, then further ids 1 lower each."""
+    top-2 is 10.0 - margin on token (token + 1) % vocab_size, then further ids 1 lower each.
+    Margins and the gate are decided from those logits in float32, as the torch engine's are."""
 
     target: Target
     next_token: NextToken = _default_next_token
@@ -66,17 +69,29 @@ class FakeEngine:
             "extras": {},
         }
 
-    def _row(
+    def _step(
         self, context: tuple[int, ...], intervention: Intervention, k: int, fn: NextToken
-    ) -> tuple[int, int, list[int], list[float], bool]:
+    ) -> Steps:
+        """One step of the fake model as one row of `Steps`: its top-k through
+        `diff.step_numerics`, as the torch engine's, then `repair_fn` where the gate fired."""
         token, margin = fn(context)
-        ids = [(token + i) % self.vocab_size for i in range(max(k, 2))]
-        logits = [10.0, 10.0 - margin] + [10.0 - margin - i for i in range(1, max(k, 2) - 1)]
-        fired = intervention.gate.fires(margin, 10.0, self.target.head_dtype)
-        chosen = token
-        if fired and intervention.kind != "none" and self.repair_fn is not None:
+        width = max(k, 2)
+        ids = [(token + i) % self.vocab_size for i in range(width)]
+        logits = [10.0, 10.0 - margin] + [10.0 - margin - i for i in range(1, width - 1)]
+        # The model's ranking as given (top-1 is its token, even where a margin of 0 puts a
+        # smaller id second), so sort=False.
+        numerics = step_numerics(
+            np.asarray([logits], dtype=np.float32),
+            [ids],
+            head_format=self.target.head_dtype,
+            gate=intervention.gate,
+            sort=False,
+        )
+        steps = steps_from_numerics([token], [token], numerics, k)
+        if steps.gate_fired[0] and intervention.kind != "none" and self.repair_fn is not None:
             chosen = self.repair_fn(context, token)
-        return chosen, token, ids, logits, fired
+            return replace(steps, token_ids=np.asarray([chosen], dtype=np.int64))
+        return steps
 
     def decode(
         self,
@@ -91,16 +106,16 @@ class FakeEngine:
         self.calls.append("decode")
         iv = intervention or self.target.intervention
         out = list(forced_prefix)
-        rows = []
+        parts: list[Steps] = []
         stop: Any = "length"
         while len(out) < max_new_tokens:
-            row = self._row((*prompt_ids, *out), iv, top_k, self.next_token)
-            rows.append(row)
-            out.append(row[0])
-            if row[0] in eos_ids:
+            step = self._step((*prompt_ids, *out), iv, top_k, self.next_token)
+            parts.append(step)
+            out.append(int(step.token_ids[0]))
+            if out[-1] in eos_ids:
                 stop = "eos"
                 break
-        steps = steps_from_rows(rows, self.target.head_dtype, top_k)
+        steps = Steps.concat(parts) if parts else Steps.empty(top_k)
         return DecodeRun(out, steps, len(forced_prefix), stop)
 
     def scan(
@@ -112,11 +127,11 @@ class FakeEngine:
     ) -> ScanRun:
         self.calls.append("scan")
         iv = intervention or self.target.intervention
-        rows = [
-            self._row((*prompt_ids, *output_ids[:t]), iv, top_k, self.next_token)
+        parts = [
+            self._step((*prompt_ids, *output_ids[:t]), iv, top_k, self.next_token)
             for t in range(len(output_ids))
         ]
-        steps = steps_from_rows(rows, self.target.head_dtype, top_k)
+        steps = Steps.concat(parts) if parts else Steps.empty(top_k)
         return ScanRun(steps, np.asarray(steps.token_ids == np.asarray(output_ids), dtype=bool))
 
     def step(
@@ -124,9 +139,9 @@ class FakeEngine:
     ) -> StepInfo:
         self.calls.append("step")
         fn = self.step_fn or self.next_token
-        token, _, ids, logits, _ = self._row((*prompt_ids, *prefix_ids), Intervention(), top_k, fn)
-        steps = steps_from_rows([(token, token, ids, logits, False)], self.target.head_dtype, top_k)
-        return StepInfo(token, steps.top_k_ids[0], steps.top_k_logits[0], steps.margin_at(0))
+        s = self._step((*prompt_ids, *prefix_ids), Intervention(), top_k, fn)
+        token = int(s.native_token_ids[0])
+        return StepInfo(token, s.top_k_ids[0], s.top_k_logits[0], s.margin_at(0))
 
     def detokenize(self, ids: Sequence[int]) -> str | None:
         if self.pieces is None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from replay_audit.diff.margin import sort_top_k
 from replay_audit.engine.hashing import weights_sha256
 from replay_audit.engine.loading import (
     configure_numerics,
@@ -47,11 +48,8 @@ def sorted_top_k(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     ascending (so equal logits are listed in a platform-independent order)."""
     kk = min(k, logits.shape[-1])
     vals, ids = torch.topk(logits.float(), kk, dim=-1)
-    v, i = vals.cpu().numpy().astype(np.float32), ids.cpu().numpy().astype(np.int64)
-    for t in range(v.shape[0]):
-        order = np.lexsort((i[t], -v[t].astype(np.float64)))
-        v[t], i[t] = v[t][order], i[t][order]
-    return i, v
+    # diff.sort_top_k: the tie rule the engines' steps use, so logged and replayed top-k agree.
+    return sort_top_k(vals.cpu().numpy().astype(np.float32), ids.cpu().numpy().astype(np.int64))
 
 
 class TraceGenerator:

@@ -1,20 +1,22 @@
-"""The lm_head in an arm's native format, the per-step choice (margin, gate, interventions A, B
-and C), all in torch. The transformer body is transformers' own; only the head and the choice of
-token are ours, so the numerics that the paper's interventions touch are explicit here.
+"""The lm_head in an arm's native format, its top-k on the device, and the per-step choice: the
+margin and gate decided on the host by `diff.step_numerics`, then interventions A, B and C in
+torch. The transformer body is transformers' own; only the head and the choice of token are
+ours, so the numerics that the paper's interventions touch are explicit here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
+from replay_audit.diff.margin import step_numerics
 from replay_audit.engine.loading import TORCH_DTYPES
-from replay_audit.engine.protocol import Intervention
+from replay_audit.engine.protocol import Intervention, Steps, steps_from_numerics
 from replay_audit.exceptions import UnsupportedFormat
-from replay_audit.formats import ulp
 
 FP8_E4M3_MAX = 448.0
 #: `torch._scaled_mm` wants the rows of its first operand in multiples of 16.
@@ -104,17 +106,15 @@ class LmHead:
         return F.linear(h.float().unsqueeze(0), self.weight[ids].float())[0]
 
 
-@dataclass(frozen=True)
-class Choice:
-    """One step's decision, on the host."""
+@dataclass(frozen=True, eq=False)
+class HostTopK:
+    """The top-kk of (steps, V) native logits as copied to the host, in the device's order:
+    `ids` (T, kk), `logits` (T, kk) float32, `native` (T,) the argmax (smallest id among equal
+    maxima). `diff.step_numerics` orders them (the tie rule) and decides the margin and gate."""
 
-    token: int
-    native_token: int
-    top_k_ids: np.ndarray
-    top_k_logits: np.ndarray
-    margin: float
-    margin_ulps: float
-    gate_fired: bool
+    ids: npt.NDArray[np.int64]
+    logits: npt.NDArray[np.float32]
+    native: npt.NDArray[np.int64]
 
 
 #: Top-k computed on the device each step (then cut to the k asked for): a fixed size, so a
@@ -131,66 +131,58 @@ def pack_top_k(z32: torch.Tensor, kk: int) -> torch.Tensor:
     return torch.cat([vals.double(), ids.double(), native.double()])
 
 
-def unpack_top_k(packed: np.ndarray, kk: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Ids and float32 values sorted by value descending then id ascending, and the argmax."""
-    v = packed[:kk].astype(np.float32)
-    i = packed[kk : 2 * kk].astype(np.int64)
-    order = np.lexsort((i, -v.astype(np.float64)))
-    return i[order], v[order], int(packed[2 * kk])
+def unpack_top_k(packed: np.ndarray, kk: int) -> HostTopK:
+    """One step's `pack_top_k` vector, copied to the host, as a one-row `HostTopK`."""
+    return HostTopK(
+        ids=packed[kk : 2 * kk].astype(np.int64)[None],
+        logits=packed[:kk].astype(np.float32)[None],
+        native=np.asarray([int(packed[2 * kk])], dtype=np.int64),
+    )
 
 
 def top_k_size(k: int, vocab: int) -> int:
     return min(max(k, 2, TOP_K_CAP), vocab)
 
 
-def top_k_on_host(z32: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Top-k ids and float32 logits of one step's logits (V,), sorted by logit descending then
-    id ascending, and the argmax (smallest id among equal maxima), with one device transfer."""
+def top_k_on_host(z32: torch.Tensor, k: int) -> HostTopK:
+    """The host-side top-k of one step's float32 logits (V,), with one device transfer."""
     kk = top_k_size(k, z32.shape[-1])
     return unpack_top_k(pack_top_k(z32, kk).cpu().numpy(), kk)
 
 
-def decide(
-    head: LmHead,
-    top: tuple[np.ndarray, np.ndarray, int],
-    z32: torch.Tensor,
-    h: torch.Tensor,
-    intervention: Intervention,
-    k: int,
-) -> Choice:
-    """The choice at one step from its host-side top-k: margin and gate on the native logits,
-    then the intervention where the gate fired (on the device: z32 (V,), h (d,))."""
-    ids, vals, native = top
-    top1 = float(vals[0])
-    margin = top1 - float(vals[1])
-    fired = intervention.gate.fires(margin, top1, head.fmt)
-    token = native
-    if fired and intervention.kind != "none":
-        token = apply_intervention(
-            head, z32, h, intervention, intervention.bin_width(top1, head.fmt)
-        )
-    return Choice(
-        token=token,
-        native_token=native,
-        top_k_ids=ids[:k],
-        top_k_logits=vals[:k],
-        margin=margin,
-        margin_ulps=margin / ulp(top1, head.fmt),
-        gate_fired=fired,
+def top_k_rows(z32: torch.Tensor, k: int) -> HostTopK:
+    """The host-side top-k of many steps' float32 logits (T, V): one batched top-k."""
+    kk = top_k_size(k, z32.shape[-1])
+    vals, ids = torch.topk(z32, kk, dim=-1)
+    native = torch.argmax(z32, dim=-1)
+    return HostTopK(
+        ids=ids.cpu().numpy().astype(np.int64),
+        logits=vals.cpu().numpy().astype(np.float32),
+        native=native.cpu().numpy().astype(np.int64),
     )
 
 
-def choose(
+def decide(
     head: LmHead,
-    z: torch.Tensor,
-    h: torch.Tensor,
+    top: HostTopK,
+    z32: torch.Tensor,
+    hs: torch.Tensor,
     intervention: Intervention,
     k: int,
-) -> Choice:
-    """The token at one step from native logits z (V,) and the hidden state h (d,) they came
-    from: margin and gate on the native logits, then the intervention where the gate fired."""
-    z32 = z.float()
-    return decide(head, top_k_on_host(z32, k), z32, h, intervention, k)
+) -> Steps:
+    """The steps chosen from their host-side top-k: order, margin, ulps and gate by
+    `diff.step_numerics` on the native logits, then the intervention at each step where the
+    gate fired (on the device, from that step's float32 logits z32[t] (V,) and hidden state
+    hs[t] (d,)). One decode step is T = 1; a scan is all its steps."""
+    numerics = step_numerics(top.logits, top.ids, head_format=head.fmt, gate=intervention.gate)
+    steps = steps_from_numerics(top.native, top.native, numerics, k)
+    if intervention.kind == "none" or not steps.gate_fired.any():
+        return steps
+    tokens = top.native.copy()
+    for t in np.flatnonzero(steps.gate_fired):
+        width = intervention.bin_width(float(numerics.top1[t]), head.fmt)
+        tokens[t] = apply_intervention(head, z32[t], hs[t], intervention, width)
+    return replace(steps, token_ids=tokens)
 
 
 def integer_argmax(values: torch.Tensor, width: float) -> int:

@@ -19,13 +19,12 @@ from typing import Any, Final, Literal, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from replay_audit.diff.margin import DEFAULT_TAU, GateRule, Margin
+from replay_audit.diff.margin import DEFAULT_TAU, GateRule, Margin, StepNumerics
 from replay_audit.formats import (
     BODY_DTYPES,
     HEAD_DTYPES,
     INTERVENTION_KINDS,
     InterventionKind,
-    ulp,
 )
 
 IntArray = npt.NDArray[np.int64]
@@ -293,25 +292,20 @@ class Engine(Protocol):
         ...
 
 
-def steps_from_rows(
-    rows: Sequence[tuple[int, int, Sequence[int], Sequence[float], bool]],
-    head_format: str,
-    k: int,
+def steps_from_numerics(
+    token_ids: npt.ArrayLike, native_token_ids: npt.ArrayLike, numerics: StepNumerics, k: int
 ) -> Steps:
-    """Build `Steps` from per-step (token, native token, top ids, top logits, gate fired) rows;
-    margins come from the first two logits of each row (used by the fake engine)."""
-    if not rows:
-        return Steps.empty(k)
-    logits = np.asarray([r[3][:k] for r in rows], dtype=np.float32)
-    top1 = logits[:, 0].astype(np.float64)
-    margins = top1 - logits[:, 1].astype(np.float64)
-    ulps = np.asarray([ulp(float(x), head_format) for x in top1])
+    """`Steps` from the tokens chosen at each step, the native argmax, and what
+    `diff.step_numerics` decided from the step's top-k (with a head format and a gate); the
+    top-k is cut to the k asked for. Both engines build their steps here."""
+    if numerics.margins_ulps is None or numerics.gate_fired is None:
+        raise ValueError("steps need margins in ulps and the gate: pass head_format and gate")
     return Steps(
-        token_ids=np.asarray([r[0] for r in rows], np.int64),
-        native_token_ids=np.asarray([r[1] for r in rows], np.int64),
-        top_k_ids=np.asarray([r[2][:k] for r in rows], np.int64),
-        top_k_logits=logits,
-        margins=margins,
-        margins_ulps=margins / ulps,
-        gate_fired=np.asarray([r[4] for r in rows], bool),
+        token_ids=np.array(token_ids, dtype=np.int64),
+        native_token_ids=np.array(native_token_ids, dtype=np.int64),
+        top_k_ids=numerics.top_k_ids[:, :k],
+        top_k_logits=numerics.top_k_logits[:, :k].astype(np.float32, copy=False),
+        margins=numerics.margins,
+        margins_ulps=numerics.margins_ulps,
+        gate_fired=numerics.gate_fired,
     )

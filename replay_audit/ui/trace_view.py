@@ -10,6 +10,7 @@ from typing import Any, Final
 import numpy as np
 from markupsafe import Markup
 
+from replay_audit.diff.margin import step_numerics
 from replay_audit.replays.domain import arm_label, comparison_label
 from replay_audit.replays.models import ReplayResult, ReplayRun
 from replay_audit.replays.results import result_read
@@ -86,8 +87,8 @@ def logged_margins(trace: Trace) -> list[float | None] | None:
     """Top-1 minus top-2 of the logged per-step top-k logits, where the trace carries them."""
     if not trace.top_k or trace.top_k < 2 or trace.top_k_logits is None:
         return None
-    logits = np.asarray(trace.top_k_logits, np.float64).reshape(trace.n_output_tokens, trace.top_k)
-    return [float(m) for m in (logits[:, 0] - logits[:, 1])]
+    logits = np.asarray(trace.top_k_logits).reshape(trace.n_output_tokens, trace.top_k)
+    return [float(m) for m in step_numerics(logits).margins]
 
 
 def _tokens(ids: list[int], t_star: int | None, start: int) -> list[Token]:

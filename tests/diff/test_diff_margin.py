@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from replay_audit.diff import GateRule, is_tie, margin, margin_from_top_k, ulp_array
+from replay_audit.diff import (
+    GateRule,
+    is_tie,
+    margin,
+    margin_from_top_k,
+    sort_top_k,
+    step_numerics,
+    ulp_array,
+)
 from replay_audit.formats import ulp
 
 TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -78,3 +89,135 @@ def test_gate_in_ulps_scales_with_the_format() -> None:
     assert not g.fires(0.2, 16.0, "fp16")
     assert list(g.fires_array([0.2, 0.2], [16.0, 16.0], "fp16")) == [False, False]
     assert GateRule(tau_ulps=0.0).ungated
+
+
+# --- step_numerics: the per-step numerics decided once -----------------------------------------
+
+HEADS = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+
+
+@st.composite
+def top_k_rows(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    """(T, k) float32 logits drawn from a small pool (so rows have ties) and distinct ids per row,
+    in no particular order."""
+    t = draw(st.integers(1, 12))
+    k = draw(st.integers(2, 8))
+    pool = draw(
+        st.lists(st.floats(-300.0, 300.0, width=32, allow_subnormal=True), min_size=1, max_size=4)
+    )
+    logits = np.asarray(
+        draw(
+            st.lists(
+                st.lists(st.sampled_from(pool), min_size=k, max_size=k), min_size=t, max_size=t
+            )
+        ),
+        dtype=np.float32,
+    )
+    ids = np.stack(
+        [np.asarray(draw(st.permutations(range(1000, 1000 + 3 * k)))[:k]) for _ in range(t)]
+    ).astype(np.int64)
+    return ids, logits
+
+
+@settings(max_examples=200, deadline=None)
+@given(top_k_rows(), st.sampled_from(HEADS))
+def test_step_numerics_orders_ties_by_smaller_id_and_margins_are_exact(
+    rows: tuple[np.ndarray, np.ndarray], fmt: str
+) -> None:
+    ids, logits = rows
+    n = step_numerics(logits, ids, head_format=fmt)
+    assert n.top_k_logits.dtype == np.float32
+    for t in range(len(ids)):
+        # the same (id, logit) pairs, by logit descending then id ascending
+        want = sorted(
+            zip(ids[t].tolist(), logits[t].tolist(), strict=True), key=lambda p: (-p[1], p[0])
+        )
+        assert list(zip(n.top_k_ids[t].tolist(), n.top_k_logits[t].tolist(), strict=True)) == want
+        top1, top2 = want[0][1], want[1][1]
+        # the float64 difference of the float32 values, bit for bit
+        assert n.margins[t : t + 1].tobytes() == (np.float64(top1) - np.float64(top2)).tobytes()
+        if all(x == 0.0 or 2.0**-19 <= abs(x) <= 2.0**9 for x in (top1, top2)):
+            # 24-bit significands at most 28 binades apart: float64 holds the difference exactly
+            assert Fraction(float(n.margins[t])) == Fraction(top1) - Fraction(top2)
+        assert float(n.top1[t]) == top1
+        assert n.margins_ulps is not None
+        assert float(n.margins_ulps[t]) == float(n.margins[t]) / ulp(top1, fmt)
+        assert n.margin_at(t) == margin(top1, top2, fmt)
+    # one step at a time (the decode) is the same as all steps at once (the scan)
+    for t in range(len(ids)):
+        one = step_numerics(logits[t : t + 1], ids[t : t + 1], head_format=fmt)
+        assert np.array_equal(one.top_k_ids[0], n.top_k_ids[t])
+        assert one.margins.tobytes() == n.margins[t : t + 1].tobytes()
+
+
+@settings(max_examples=200, deadline=None)
+@given(top_k_rows(), st.sampled_from(HEADS), st.floats(1e-6, 10.0), st.floats(0.25, 8.0))
+def test_step_numerics_gate_absolute_and_format_scaled(
+    rows: tuple[np.ndarray, np.ndarray], fmt: str, tau: float, k_ulps: float
+) -> None:
+    ids, logits = rows
+    absolute = step_numerics(logits, ids, head_format=fmt, gate=GateRule(tau=tau))
+    assert absolute.gate_fired is not None
+    assert list(absolute.gate_fired) == [float(m) < tau for m in absolute.margins]
+    scaled = step_numerics(logits, ids, head_format=fmt, gate=GateRule(tau=tau, tau_ulps=k_ulps))
+    assert scaled.gate_fired is not None
+    want = [
+        float(m) < k_ulps * ulp(float(t1), fmt)
+        for m, t1 in zip(scaled.margins, scaled.top1, strict=True)
+    ]
+    assert list(scaled.gate_fired) == want
+    # the scalar rule is the same rule
+    assert want == [
+        GateRule(tau_ulps=k_ulps).fires(float(m), float(t1), fmt)
+        for m, t1 in zip(scaled.margins, scaled.top1, strict=True)
+    ]
+
+
+@settings(max_examples=100, deadline=None)
+@given(top_k_rows(), st.sampled_from(HEADS), st.floats(-10.0, -1e-9))
+def test_step_numerics_tau_zero_fires_always_and_negative_never(
+    rows: tuple[np.ndarray, np.ndarray], fmt: str, negative: float
+) -> None:
+    ids, logits = rows
+    for always in (GateRule(tau=0.0), GateRule(tau=5.0, tau_ulps=0.0)):
+        fired = step_numerics(logits, ids, head_format=fmt, gate=always).gate_fired
+        assert fired is not None and fired.all()
+    for never in (GateRule(tau=negative), GateRule(tau_ulps=negative)):
+        fired = step_numerics(logits, ids, head_format=fmt, gate=never).gate_fired
+        assert fired is not None and not fired.any()  # not even at a tie (margin 0)
+
+
+def test_step_numerics_ties_and_shapes_by_hand() -> None:
+    # a tie at the top: the smaller id first, margin 0, and the BF16 gate fires
+    n = step_numerics(
+        np.array([[2.0, 3.0, 3.0], [1.0, 0.5, 0.25]], np.float32),
+        np.array([[4, 9, 7], [1, 2, 3]]),
+        head_format="bf16",
+        gate=GateRule(),
+    )
+    assert n.top_k_ids.tolist() == [[7, 9, 4], [1, 2, 3]]
+    assert n.margins.tolist() == [0.0, 0.5] and n.margins_ulps is not None
+    assert n.margins_ulps.tolist() == [0.0, 0.5 / ulp(1.0, "bf16")]
+    assert n.gate_fired is not None and n.gate_fired.tolist() == [True, False]
+    # one step as a 1-D row, no ids (positions stand in), no format: margins only
+    bare = step_numerics([1.0, 3.0, 3.0])
+    assert bare.top_k_ids.tolist() == [[1, 2, 0]] and bare.margins.tolist() == [0.0]
+    assert bare.margins_ulps is None and bare.gate_fired is None
+    # taken as ordered: the caller says which is top-1
+    assert step_numerics([[2.5, 3.0]], sort=False).margins.tolist() == [-0.5]
+
+
+def test_step_numerics_refuses_what_it_cannot_decide() -> None:
+    with pytest.raises(ValueError, match="top-2"):
+        step_numerics([[1.0], [2.0]])
+    with pytest.raises(ValueError, match="shape"):
+        step_numerics([[1.0, 2.0]], [[1, 2, 3]])
+    with pytest.raises(ValueError, match="head format"):
+        step_numerics([[1.0, 2.0]], gate=GateRule())
+    with pytest.raises(ValueError, match="head format"):
+        step_numerics([[1.0, 2.0]]).margin_at(0)
+
+
+def test_sort_top_k_is_the_tie_rule() -> None:
+    ids, vals = sort_top_k(np.array([[1.0, 2.0, 2.0, 2.0]], np.float32), [[5, 8, 3, 6]])
+    assert ids.tolist() == [[3, 6, 8, 5]] and vals.dtype == np.float32

@@ -126,11 +126,12 @@ def test_c_bitwise_identical_from_identical_hidden_states(
 
 def test_static_cache_cuda_graph_equals_uncaptured(tiny_dir: Path) -> None:
     """Replaying the captured decode step gives the bits of running it uncaptured."""
-    from replay_audit.engine.torch_engine import StaticDecoder, TorchEngine
+    from replay_audit.engine.decoder import StaticDecoder
+    from replay_audit.engine.torch_engine import TorchEngine
 
     graph = TorchEngine.load(tiny_dir, Target("bf16"), device="cuda", cache="static")
     plain = TorchEngine.load(tiny_dir, Target("bf16"), device="cuda", cache="static")
-    uncaptured = StaticDecoder(plain, 256)  # the bucket these short decodes use
+    uncaptured = StaticDecoder(plain.body, plain.head, 256)  # the bucket these short decodes use
     uncaptured._capture_failed = True
     plain._static[256] = uncaptured
     for p in ([1, 2, 3], [9, 8, 7, 6, 5]):

@@ -124,7 +124,8 @@ def test_b_bins_the_fp32_values_of_c_at_tau(tiny_engine: EngineOf) -> None:
 
     engine = tiny_engine("fp16")
     head = engine.head  # type: ignore[attr-defined]
-    hs = engine.hidden_states(list(range(40, 100)))  # type: ignore[attr-defined]
+    with torch.inference_mode():  # final normed hidden states of a from-scratch forward
+        hs = engine.body.forward(list(range(40, 100)), None, 0)[0]  # type: ignore[attr-defined]
     tau = 0.05
     b_iv = Intervention("B", tau=tau, top_k=engine.vocab_size)
     same = 0

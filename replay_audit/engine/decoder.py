@@ -1,0 +1,281 @@
+"""Greedy decoding with a KV cache, as gpt-fast splits it: `prefill(context)` runs the body over
+the whole context once, `step(token)` runs it over one token. Both return the last position's
+hidden states, its native float32 logits and their host-side top-k (`StepOutput`); choosing the
+token from them is the engine's (`numerics.decide`), the same whichever decoder ran.
+
+Two implementations of the one `Decoder` interface:
+
+    DynamicDecoder  transformers' growing `DynamicCache`: token-identical to `generate()`.
+    StaticDecoder   a preallocated `StaticCache` written by position and, on CUDA, the step
+                    captured in a CUDA graph (optionally compiled first).
+
+Each gets what it runs explicitly: the `Body` (transformers' body, batch size, device) and the
+`LmHead`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from replay_audit.engine.numerics import (
+    HostTopK,
+    LmHead,
+    pack_top_k,
+    top_k_on_host,
+    top_k_size,
+    unpack_top_k,
+)
+
+
+@dataclass(frozen=True, eq=False)
+class Body:
+    """The transformer body as we run it: transformers' `model.model` (its final norm included),
+    the row of interest among `batch_size` identical copies, on `device`."""
+
+    model: Any
+    batch_size: int
+    device: torch.device
+
+    def forward(self, ids: Sequence[int], cache: Any, start: int) -> torch.Tensor:
+        """Body forward of `ids` at positions start.. (batch rows: identical copies); the final
+        normed hidden states (batch, n, d). Without a cache, positions are transformers' default
+        (0..n-1), exactly as a plain forward of the model would use."""
+        b = self.batch_size
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.device).expand(b, -1)
+        pos = None
+        if cache is not None:
+            pos = torch.arange(start, start + len(ids), device=self.device)
+            pos = pos.unsqueeze(0).expand(b, -1)
+        out = self.model.model(
+            input_ids=x, position_ids=pos, past_key_values=cache, use_cache=cache is not None
+        )
+        hidden: torch.Tensor = out.last_hidden_state
+        return hidden
+
+
+@dataclass(frozen=True, eq=False)
+class StepOutput:
+    """The last position after a prefill or a step: hidden states (batch, d), float32 native
+    logits of row 0 (V,), and the host-side top-k of those logits."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    top: HostTopK
+
+
+def head_step(head: LmHead, hidden: torch.Tensor, k: int) -> StepOutput:
+    """The native head over the last hidden states (batch, d), and its top-k on the host."""
+    z32 = head.native(hidden)[0].float()
+    return StepOutput(hidden, z32, top_k_on_host(z32, k))
+
+
+class Decoder(Protocol):
+    """A KV-cache decode: one `prefill`, then one `step` per token."""
+
+    def prefill(self, context: Sequence[int], top_k: int) -> StepOutput:
+        """Start a decode from `context` (an empty cache); the next token's logits."""
+        ...
+
+    def step(self, token: int) -> StepOutput:
+        """Append `token` at the next position; the logits of the token after it."""
+        ...
+
+
+class DynamicDecoder:
+    """transformers' `DynamicCache`, grown by each step and new for each decode: the loop is
+    token-identical to transformers' `generate()` in the same format."""
+
+    def __init__(self, body: Body, head: LmHead) -> None:
+        self.body = body
+        self.head = head
+        self.cache: Any = None
+        self._position = 0
+        self._top_k = 0
+
+    def prefill(self, context: Sequence[int], top_k: int) -> StepOutput:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.body.model.config)
+        self._top_k = top_k
+        h = self.body.forward(context, self.cache, 0)[:, -1]
+        self._position = len(context)
+        return head_step(self.head, h, top_k)
+
+    def step(self, token: int) -> StepOutput:
+        h = self.body.forward([token], self.cache, self._position)[:, -1]
+        self._position += 1
+        return head_step(self.head, h, self._top_k)
+
+
+class StaticDecoder:
+    """A preallocated KV cache written by position (transformers' `StaticCache`), reused across
+    decodes, and on CUDA the one-token decode step (body, native head, top-k) captured once in a
+    CUDA graph, as gpt-fast does: a step is then one graph replay and one device-to-host copy
+    instead of hundreds of kernel launches from Python.
+
+    The captured step also feeds itself: it writes its argmax into the token buffer and advances
+    the position buffer, so the host writes them only when the chosen token is not the argmax
+    (a gated step that an intervention changed) or a decode starts.
+
+    With `compile_mode` (a `torch.compile` mode without CUDA graphs of its own: "default" or
+    "max-autotune-no-cudagraphs"), the step is compiled before it is captured: inductor fuses
+    the elementwise kernels (RMSNorm, RoPE, SiLU·mul, residual adds), so its bits may differ
+    from the eager step's. If compiling fails, the eager step is captured and `compile_error`
+    says why.
+
+    Its attention runs over the whole preallocated length with the unwritten positions masked,
+    so its bits may differ from a growing cache's: `environment()` records `kv_cache`.
+    """
+
+    def __init__(
+        self, body: Body, head: LmHead, max_len: int, *, compile_mode: str | None = None
+    ) -> None:
+        from transformers import StaticCache
+
+        if compile_mode not in (None, "default", "max-autotune-no-cudagraphs"):
+            raise ValueError(
+                f"compile mode {compile_mode!r}: the step is captured in our own CUDA graph, so "
+                "use 'default' or 'max-autotune-no-cudagraphs'"
+            )
+        self.body = body
+        self.head = head
+        self.model = body.model
+        self.max_len = max_len
+        b = body.batch_size
+        self.cache: Any = StaticCache(config=body.model.config, max_cache_len=max_len)
+        self.token = torch.zeros((b, 1), dtype=torch.long, device=body.device)
+        self.position = torch.zeros((b, 1), dtype=torch.long, device=body.device)
+        self.kk = top_k_size(0, head.vocab_size)
+        self.graph: Any = None
+        self.outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._capture_failed = body.device.type != "cuda"
+        self.compile_mode = compile_mode
+        self.compiled = False
+        self.compile_error: str | None = None
+        # What the token and position buffers hold now (None: unknown, write them).
+        self._dev_token: int | None = None
+        self._dev_position: int | None = None
+        # The decode in progress: the next position to write and the k asked for.
+        self._next_position = 0
+        self._top_k = 0
+
+    def prefill(self, context: Sequence[int], top_k: int) -> StepOutput:
+        self.cache.reset()
+        h = self.body.forward(context, self.cache, 0)[:, -1]
+        if self.graph is None and not self._capture_failed:
+            self._capture()
+        self._dev_token = self._dev_position = None
+        self._next_position = len(context)
+        self._top_k = top_k
+        return head_step(self.head, h, top_k)
+
+    def step(self, token: int) -> StepOutput:
+        """One decode step at the next position: one graph replay (or the uncaptured step) and
+        one device-to-host copy of the top-k."""
+        position = self._next_position
+        if token != self._dev_token:
+            self.token.fill_(token)
+        if position != self._dev_position:
+            self.position.fill_(position)
+        if self.graph is not None:
+            self.graph.replay()
+            assert self.outputs is not None
+            h, z32, packed = self.outputs
+        else:
+            h, z32, packed = self._step_and_advance(self._step_body)
+        host = packed.cpu().numpy()
+        kk = top_k_size(self._top_k, z32.shape[-1])
+        top = unpack_top_k(host, self.kk)
+        if kk != self.kk:  # more than TOP_K_CAP asked for: outside the captured step
+            top = unpack_top_k(pack_top_k(z32, kk).cpu().numpy(), kk)
+        self._dev_token, self._dev_position = int(top.native[0]), position + 1
+        self._next_position = position + 1
+        return StepOutput(h, z32, top)
+
+    def _step_body(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = self.model.model(
+            input_ids=self.token,
+            position_ids=self.position,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        h: torch.Tensor = out.last_hidden_state[:, -1]
+        z32 = self.head.native(h)[0].float()
+        return h, z32, pack_top_k(z32, self.kk)
+
+    def _step_and_advance(
+        self, body: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step, then its argmax into the token buffer and the position one on."""
+        h, z32, packed = body()
+        self.token.copy_(packed[-1].to(torch.long).expand_as(self.token))
+        self.position.add_(1)
+        return h, z32, packed
+
+    def _capture(self) -> None:
+        """Warm up on a side stream (compiling the step first, with `compile_mode`), then
+        capture one step. The warm-up writes K/V at the next position (which the real step
+        overwrites) and advances the cache's length counters, which are put back.
+
+        Captured with torch's deterministic-algorithms check off: under it, the cache write
+        (`index_copy_` at one position) takes a sort-based path that costs a third of the step.
+        The write is a copy to distinct positions, exact either way, and nothing in the step
+        accumulates with atomics; the replay is bitwise equal to the uncaptured step
+        (tests/engine/test_engine_gpu.py).
+        """
+        lengths = [layer.cumulative_length.clone() for layer in self.cache.layers]
+
+        def restore() -> None:
+            for layer, n in zip(self.cache.layers, lengths, strict=True):
+                layer.cumulative_length.copy_(n)
+
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(False)
+        try:
+            stream_cls: Any = torch.cuda.Stream
+            side = stream_cls()
+            side.wait_stream(torch.cuda.current_stream())
+            body: Any = self._step_body
+            with torch.cuda.stream(side):
+                if self.compile_mode is not None:
+                    body = self._compile(restore)
+                for _ in range(2):
+                    self._step_and_advance(body)
+                    restore()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.outputs = self._step_and_advance(body)
+            restore()
+            self.graph = graph
+        except RuntimeError:
+            # An op that cannot be captured (a host sync): decode the static cache uncaptured.
+            restore()
+            self._capture_failed = True
+            self.graph = None
+            self.compiled = False
+        finally:
+            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+    def _compile(self, restore: Any) -> Any:
+        """The compiled step, run once (which compiles it), or the eager step if that fails."""
+        import torch._dynamo
+
+        # One compiled entry per static decoder (cache length x engine) on the same code.
+        dynamo_config: Any = torch._dynamo.config
+        dynamo_config.cache_size_limit = max(int(dynamo_config.cache_size_limit), 64)
+        fn = torch.compile(self._step_body, mode=self.compile_mode, dynamic=False)
+        try:
+            fn()
+            restore()
+        except Exception as exc:  # inductor and dynamo raise many kinds; keep decoding eagerly
+            restore()
+            self.compile_error = f"{type(exc).__name__}: {exc}"
+            return self._step_body
+        self.compiled = True
+        return fn
