@@ -329,7 +329,9 @@ def test_trace_page_highlights_t_star_and_shows_both_arms(
         html,
     )
     assert 'id="t-star-a"' in html
-    assert html.count('class="gate"') == row["gate_triggers"]  # gate firings on the track
+    # arm B's gate firings on the track; arm A is the logged trace here, not run: none drawn
+    assert html.count('class="gate gate-b"') == row["gate_triggers"]
+    assert row["arms"]["a"]["gate_fired_steps"] is None and 'class="gate gate-a"' not in html
     assert 'class="t-star-line"' in html
     text = unescape(html)
     assert '"dtype": "fp16"' in text and '"engine": {' in text  # requested and actual
