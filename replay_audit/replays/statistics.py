@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from replay_audit.diff import get_extractor
+from replay_audit.exceptions import FieldError
 from replay_audit.formats import ArmKey
 from replay_audit.replays import repository
 from replay_audit.replays.domain import arm_label, comparison_label, is_treatment
@@ -106,6 +107,16 @@ def stored(run: ReplayRun) -> RunStatistics | None:
         return None
 
 
+def check_comparison(run: ReplayRun, index: int, field: str) -> int:
+    """`index` when the run has that comparison; a 422 naming `field` otherwise."""
+    if not 0 <= index < len(run.comparisons):
+        raise FieldError(
+            f"{field}: run {run.public_id} has comparisons 0 to {len(run.comparisons) - 1}",
+            field=field,
+        )
+    return index
+
+
 def of_run(session: Session, run: ReplayRun) -> RunStatistics:
     """The run's statistics: the stored ones of a finished run, else computed from its rows."""
     return stored(run) or compute(session, run)
@@ -120,8 +131,12 @@ def lift_between(
     *,
     list_limit: int = DEFAULT_LIST_LIMIT,
 ) -> LiftReport:
-    """EAR lift of (run_b, comparison_b) over (run_a, comparison_a), paired by trace: the same
-    builder as the stored lifts, for any pair of comparisons of one run or of two runs."""
+    """EAR lift of (run_b, comparison_b) over (run_a, comparison_a), paired by trace (seeded
+    paired bootstrap interval, exact McNemar test, the traces fixed and broke): the same builder
+    as the stored lifts, for any pair of comparisons of one run or of two runs. A comparison a
+    run does not have is a 422 naming `a` or `b`."""
+    check_comparison(run_a, comparison_a, "a")
+    check_comparison(run_b, comparison_b, "b")
 
     def side(run: ReplayRun, index: int) -> LiftSide:
         c = run.run_comparisons[index]

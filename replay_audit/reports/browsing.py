@@ -13,9 +13,9 @@ from replay_audit.exceptions import NotFound
 from replay_audit.replays import service as replays_service
 from replay_audit.replays import statistics
 from replay_audit.replays.models import ReplayResult, ReplayRun
+from replay_audit.replays.statistics import check_comparison
 from replay_audit.reports import repository
 from replay_audit.reports.filters import ResultFilter, RunFilter
-from replay_audit.reports.statistics import check_comparison
 from replay_audit.stats.report import ProportionRead
 from replay_audit.traces.models import Trace
 

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from replay_audit.exceptions import FieldError
 from replay_audit.replays import statistics
 from replay_audit.replays.models import ReplayRun
+from replay_audit.replays.statistics import check_comparison, lift_between
 from replay_audit.reports import repository
 from replay_audit.reports.schemas import RunComparisonReport, RunReport
 from replay_audit.stats.report import (
@@ -29,37 +30,8 @@ from replay_audit.stats.report import (
 )
 from replay_audit.stats.report import (
     AccuracyReport,
-    LiftReport,
     TraceRef,
 )
-
-
-def check_comparison(run: ReplayRun, index: int, field: str) -> int:
-    """`index` when the run has that comparison; a 422 naming `field` otherwise."""
-    if not 0 <= index < len(run.comparisons):
-        raise FieldError(
-            f"{field}: run {run.public_id} has comparisons 0 to {len(run.comparisons) - 1}",
-            field=field,
-        )
-    return index
-
-
-def lift_between(
-    session: Session,
-    run_a: ReplayRun,
-    comparison_a: int,
-    run_b: ReplayRun,
-    comparison_b: int,
-    *,
-    list_limit: int = DEFAULT_LIST_LIMIT,
-) -> LiftReport:
-    """EAR lift of (run_b, comparison_b) over (run_a, comparison_a), paired by trace: seeded
-    paired bootstrap interval, exact McNemar test, and the traces fixed and broke."""
-    check_comparison(run_a, comparison_a, "a")
-    check_comparison(run_b, comparison_b, "b")
-    return statistics.lift_between(
-        session, run_a, comparison_a, run_b, comparison_b, list_limit=list_limit
-    )
 
 
 def _check_accuracy_parameters(margin: float, alpha: float) -> None:

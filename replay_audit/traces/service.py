@@ -49,7 +49,6 @@ __all__ = [
     "ingest_trace",
     "ingest_traces",
     "list_traces",
-    "load_traces",
     "to_read",
 ]
 
@@ -321,16 +320,6 @@ def get_trace(session: Session, project_id: int, trace_id: str) -> TraceRead:
     if not traces:
         raise NotFound(f"no trace {trace_id!r}", field="trace_id")
     return to_read(traces[0])
-
-
-def load_traces(session: Session, project_id: int, trace_ids: Sequence[str]) -> list[Trace]:
-    """The project's traces `trace_ids` as rows (numpy arrays for the token ids and top-k), in
-    the order asked; NotFound naming the first missing id. For jobs that replay them."""
-    by_id = {t.public_id: t for t in repository.get_traces(session, project_id, trace_ids)}
-    missing = [i for i in trace_ids if i not in by_id]
-    if missing:
-        raise NotFound(f"no trace {missing[0]!r} in this project", field="trace_ids")
-    return [by_id[i] for i in trace_ids]
 
 
 def _summary(trace: Trace, config: NumericalConfig) -> TraceSummary:

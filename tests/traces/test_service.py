@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import update
@@ -13,8 +12,7 @@ from sqlalchemy.exc import InvalidRequestError
 
 from replay_audit.auth.service import authenticate
 from replay_audit.db.unit_of_work import session_scope
-from replay_audit.exceptions import NotFound
-from replay_audit.traces import repository, service
+from replay_audit.traces import repository
 from replay_audit.traces.models import Trace
 from replay_audit.traces.selection import TraceSelection, is_greedy
 from tests.factories import make_trace
@@ -30,30 +28,6 @@ def _setup(client: TestClient, api_key: ApiKeyFactory, db_url: str) -> tuple[int
     with session_scope(db_url) as session:
         project_id = authenticate(session, key).project_id
     return project_id, ids
-
-
-def test_load_traces_keeps_the_order_asked_and_gives_arrays(
-    client: TestClient, api_key: ApiKeyFactory, db_url: str
-) -> None:
-    project_id, ids = _setup(client, api_key, db_url)
-    with session_scope(db_url) as session:
-        rows = service.load_traces(session, project_id, [ids[2], ids[0]])
-        assert [r.public_id for r in rows] == [ids[2], ids[0]]
-        assert rows[1].output_token_ids.dtype == np.int32 and rows[1].top_k == 2
-        assert rows[0].top_k is None and rows[0].top_k_ids is None
-        assert rows[1].config.dtype == "bf16" and rows[1].project.name == "svc"
-        read = service.to_read(rows[1])
-        assert read.id == ids[0] and read.top_k is not None
-
-
-def test_load_traces_refuses_unknown_or_foreign_ids(
-    client: TestClient, api_key: ApiKeyFactory, db_url: str
-) -> None:
-    project_id, ids = _setup(client, api_key, db_url)
-    with session_scope(db_url) as session:
-        with pytest.raises(NotFound) as missing:
-            service.load_traces(session, project_id + 1000, ids[:1])
-        assert missing.value.field == "trace_ids"
 
 
 def test_select_traces_filters_and_defers_the_arrays(
