@@ -9,15 +9,14 @@ the real ingest service (256 prompt + `--steps` output tokens, top-2 logits, a r
 answer each), stores one replay run over them with two comparisons (logged vs FP16 with about
 60% divergent, logged vs FP16 + C with about 10%) whose result rows are written directly, as a
 worker would have written them (per-step margin track of `--steps` floats, gate firings,
-semantic answers, replayed tokens, environment), finalises the run (the stored aggregate), signs
-an auditor in, then times each page through the ASGI app in process (FastAPI TestClient: the
-whole request, routing, SQL, statistics, templates; no network):
+semantic answers, replayed tokens, environment), finalises the run (which builds and stores its
+statistics), signs an auditor in, then times each page through the ASGI app in process (FastAPI
+TestClient: the whole request, routing, SQL, statistics, templates; no network):
 
-  cold   the first request of each page: nothing of the run's report is memoised yet (the
-         pages after the first reuse what earlier pages computed: another pair costs one lift,
-         another TOST margin one accuracy)
-  warm   median and max of `--repeat` further requests (a finished run's report parts are
-         memoised per process)
+  cold   the first request of each page in this process (the run's statistics are read from
+         the database: nothing is memoised in the process; another pair costs one lift from
+         the result figures, another TOST margin one accuracy)
+  warm   median and max of `--repeat` further requests
 
 Pages: the run page (statistics, charts, lifts with fixed/broke lists, the first results
 page), the run page with another pair and a results filter, the task accuracy page (and with
@@ -116,11 +115,11 @@ def result_row(
         "exact_match": not diverged,
         "first_divergence_step": t_star,
         "category": category,
-        "margin_logged": m_logged if diverged else None,
-        "margin_logged_ulps": m_logged * 8 if diverged else None,
-        "margin_logged_source": "logged_top_k" if diverged else None,
-        "margin_replay": m_replay if diverged else None,
-        "margin_replay_ulps": m_replay * 16 if diverged else None,
+        "margin_a": m_logged if diverged else None,
+        "margin_a_ulps": m_logged * 8 if diverged else None,
+        "margin_a_source": "logged_top_k" if diverged else None,
+        "margin_b": m_replay if diverged else None,
+        "margin_b_ulps": m_replay * 16 if diverged else None,
         "gate_triggers": len(fired),
         "n_steps": steps,
         "trigger_rate": len(fired) / steps,
@@ -136,24 +135,28 @@ def result_row(
         "output_a": None,
         "detail": {
             "mode": "decode",
-            "margins": [float(f"{m:.6g}") for m in margins],
-            "gate_fired_steps": fired.tolist(),
-            "replay_text": None,
+            "external_id": None,
+            "single_step": None,
             "semantic": {
                 "extractor": "gsm8k",
-                "logged_answer": str(i % 50),
-                "replay_answer": answer,
+                "answer_a": str(i % 50),
+                "answer_b": answer,
                 "agree": answer == str(i % 50),
             },
-            "environment": {"dtype": "fp16", "device": "cpu", "engine": {"name": "bench"}},
-            "target": {"dtype": "fp16", "intervention": {"kind": "C" if comparison else "none",
-                                                         "tau": 0.001}},
-            "margin_at_divergence": {
-                "logged": {"abs": m_logged, "ulps": m_logged * 8, "source": "logged_top_k"},
-                "replay": {"abs": m_replay, "ulps": m_replay * 16},
-            }
-            if diverged
-            else None,
+            "arms": {
+                "a": {"target": None, "environment": None, "text": None},
+                "b": {
+                    "target": {
+                        "dtype": "fp16",
+                        "intervention": {"kind": "C" if comparison else "none", "tau": 0.001},
+                    },
+                    "changed_steps": 0,
+                    "margins": [float(f"{m:.6g}") for m in margins],
+                    "gate_fired_steps": fired.tolist(),
+                    "environment": {"dtype": "fp16", "device": "cpu", "engine": {"name": "bench"}},
+                    "text": None,
+                },
+            },
         },
         "created_at": utcnow(),
     }
