@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from replay_audit.config import get_settings
+from replay_audit.config import Settings
 from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
 from replay_audit.queue import JobSpec
 from replay_audit.replays import tasks as jobs
@@ -87,12 +87,11 @@ def worker_env(
     """Worker settings on the test database and a pool of fake engines."""
     monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", db_url)
     monkeypatch.setenv("REPLAY_AUDIT_MODEL_DIRS", str(fake_model_dir))
-    get_settings.cache_clear()
     pool = EnginePool(loader=fake_loader)
-    jobs.install_worker_context(jobs.WorkerContext(get_settings(), pool))
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]  # from the env set above
+    jobs.install_worker_context(jobs.WorkerContext(settings, pool))
     yield pool
     jobs.install_worker_context(None)
-    get_settings.cache_clear()
 
 
 @pytest.fixture

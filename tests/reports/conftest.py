@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from replay_audit.config import get_settings
+from replay_audit.config import Settings
 from replay_audit.engine import EnginePool, FakeEngine, Target
 from replay_audit.replays import tasks as jobs
 from tests.replays.conftest import (  # noqa: F401  (fixtures)
@@ -66,12 +66,11 @@ def worker_env(
     """Worker settings on the test database and a pool of fake engines that detokenize."""
     monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", db_url)
     monkeypatch.setenv("REPLAY_AUDIT_MODEL_DIRS", str(fake_model_dir))
-    get_settings.cache_clear()
     pool = EnginePool(loader=talking_loader)
-    jobs.install_worker_context(jobs.WorkerContext(get_settings(), pool))
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]  # from the env set above
+    jobs.install_worker_context(jobs.WorkerContext(settings, pool))
     yield pool
     jobs.install_worker_context(None)
-    get_settings.cache_clear()
 
 
 @dataclass(frozen=True)
