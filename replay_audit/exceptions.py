@@ -9,6 +9,9 @@
     ├── NotFound                     404  absent, or in another project
     ├── Conflict                     409
     ├── PayloadTooLarge              413  oversized trace or batch
+    ├── ServiceUnavailable           503  a dependency (database, job queue) cannot be reached
+    │   ├── DatabaseUnavailable      503
+    │   └── QueueUnavailable         503  the job queue (Redis) cannot take work
     └── EngineError                  500  the numerical engine could not do what was asked
         ├── UnsupportedFormat        422  e.g. an FP8 lm_head on a device below SM 8.9
         └── ModelMismatch            422  checkpoint weights_sha256 differs from the trace's
@@ -58,6 +61,18 @@ class Conflict(ReplayAuditError):
 
 class PayloadTooLarge(ReplayAuditError):
     status_code = 413
+
+
+class ServiceUnavailable(ReplayAuditError):
+    status_code = 503
+
+
+class DatabaseUnavailable(ServiceUnavailable):
+    pass
+
+
+class QueueUnavailable(ServiceUnavailable):
+    pass
 
 
 class EngineError(ReplayAuditError):

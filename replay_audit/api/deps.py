@@ -26,7 +26,7 @@ from replay_audit.auth.models import Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import UnitOfWork, unit_of_work
-from replay_audit.exceptions import PayloadTooLarge, PermissionDenied
+from replay_audit.exceptions import PayloadTooLarge, PermissionDenied, QueueUnavailable
 from replay_audit.queue import JobQueue
 
 _READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -39,10 +39,19 @@ def get_settings(request: Request) -> Settings:
 
 
 def get_uow(request: Request) -> Iterator[UnitOfWork]:
-    """The request's unit of work (see the module docstring)."""
+    """The request's unit of work (see the module docstring). When the job queue failed to take
+    work after the commit, the answer is that 503: what was stored stays, and the reconciler
+    enqueues it once the queue is back."""
     factory = request.app.state.sessionmaker
     with unit_of_work(factory, read_only=request.method in _READ_METHODS) as uow:
         yield uow
+    for error in uow.callback_errors:
+        if isinstance(error, QueueUnavailable):
+            raise QueueUnavailable(
+                f"{error.message}; what this request stored is kept, and its jobs stay queued "
+                "in the database until the queue is back (`replay-audit reconcile`, or the "
+                "scheduler, enqueues them)"
+            )
 
 
 UoW = Annotated[UnitOfWork, Depends(get_uow, scope="function")]

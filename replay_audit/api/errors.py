@@ -18,10 +18,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from replay_audit.exceptions import (
     BadRequest,
+    DatabaseUnavailable,
     FieldError,
     NotFound,
     PayloadTooLarge,
@@ -91,6 +93,18 @@ async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
+async def _database_error(request: Request, exc: Exception) -> JSONResponse:
+    """A database that cannot be reached (or answers that it cannot serve) is a 503."""
+    logger.error("database unavailable on %s %s: %s", request.method, request.url.path, exc)
+    return error_response(database_unavailable(exc))
+
+
+def database_unavailable(exc: Exception) -> DatabaseUnavailable:
+    return DatabaseUnavailable(
+        f"the database is unavailable ({type(exc).__name__}); try again shortly"
+    )
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return JSONResponse(
@@ -104,4 +118,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _request_validation)
     app.add_exception_handler(ValidationError, _request_validation)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(OperationalError, _database_error)
+    app.add_exception_handler(InterfaceError, _database_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -44,6 +44,8 @@ class UnitOfWork:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.after_commit: list[AfterCommit] = []
+        #: Exceptions the after-commit callbacks raised (the edge decides what to answer).
+        self.callback_errors: list[Exception] = []
         session.info[_INFO_KEY] = self
 
     def commit(self) -> None:
@@ -53,8 +55,9 @@ class UnitOfWork:
         for callback in callbacks:
             try:
                 callback()
-            except Exception:
+            except Exception as e:
                 logger.exception("after-commit callback %r failed", callback)
+                self.callback_errors.append(e)
 
     def rollback(self) -> None:
         """Roll back and drop the after-commit callbacks unrun."""

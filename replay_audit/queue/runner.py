@@ -16,12 +16,17 @@ from sqlalchemy.orm import Session
 
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import after_commit
+from replay_audit.exceptions import QueueUnavailable
 
 log = logging.getLogger(__name__)
 
 #: Seconds between retries of a failed job: RQ's `Retry(interval=...)` and the in-process runner
 #: use the same schedule. Three tries after the first, then the job is failed for good.
 RETRY_INTERVALS_S: Final[tuple[int, ...]] = (5, 30, 120)
+
+
+#: Seconds to connect to (or wait on) Redis before the queue counts as unreachable.
+REDIS_TIMEOUT_S: Final = 3.0
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,13 @@ def resolve(func: str) -> Callable[..., Any]:
 
 
 class Runner(Protocol):
-    def enqueue(self, spec: JobSpec) -> None: ...
+    def enqueue(self, spec: JobSpec) -> None:
+        """Hand the job over; `QueueUnavailable` when the queue cannot take it."""
+        ...
+
+    def ping(self) -> None:
+        """Return when the queue can take work; `QueueUnavailable` saying why otherwise."""
+        ...
 
     def is_queued(self, job_id: str) -> bool:
         """True while the runner still holds the job (queued, running or waiting for a retry)."""
@@ -84,6 +95,9 @@ class InProcessRunner:
     def is_queued(self, job_id: str) -> bool:
         with self._lock:
             return job_id in self._pending
+
+    def ping(self) -> None:
+        """A thread of this process always takes work."""
 
     def join(self, timeout_s: float | None = None) -> bool:
         """Wait until every enqueued job has finished (tests, the demo). False on timeout."""
@@ -124,9 +138,28 @@ class RQRunner:
     def __init__(self, redis_url: str) -> None:
         from redis import Redis
 
-        self.connection = Redis.from_url(redis_url)
+        # Short timeouts: an unreachable Redis is a prompt 503, not a hung request.
+        self.connection = Redis.from_url(
+            redis_url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
+        )
+
+    def ping(self) -> None:
+        from redis.exceptions import RedisError
+
+        try:
+            self.connection.ping()
+        except RedisError as e:
+            raise QueueUnavailable(f"the job queue (Redis) is unreachable: {e}") from e
 
     def enqueue(self, spec: JobSpec) -> None:
+        from redis.exceptions import RedisError
+
+        try:
+            self._enqueue(spec)
+        except RedisError as e:
+            raise QueueUnavailable(f"the job queue (Redis) is unreachable: {e}") from e
+
+    def _enqueue(self, spec: JobSpec) -> None:
         from rq import Queue, Retry
 
         Queue(spec.queue, connection=self.connection).enqueue(
@@ -204,8 +237,14 @@ class JobQueue:
     job_timeout_s: int
     capabilities: Capabilities
 
+    def check(self) -> None:
+        """`QueueUnavailable` when the queue cannot take work now (before anything is stored)."""
+        self.runner.ping()
+
     def enqueue(self, session: Session, specs: Sequence[JobSpec]) -> None:
-        """Enqueue `specs` once `session`'s unit of work has committed (never on rollback)."""
+        """Enqueue `specs` once `session`'s unit of work has committed (never on rollback). If
+        the queue fails then, the rows stay unfinished for the reconciler and the unit of work
+        records the failure (the request answers 503 saying so)."""
         specs = list(specs)
 
         def flush() -> None:

@@ -108,6 +108,7 @@ def create_replay(
 
     targets = _targets(request)
     check_targets(queue.capabilities, targets, field="targets")
+    queue.check()  # a 503 before anything is stored when the queue is down
 
     traces = _select_traces(session, project_id, request)
     if not traces:

@@ -20,9 +20,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
+from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from replay_audit.api.errors import error_from_validation
+from replay_audit.api.errors import database_unavailable, error_from_validation
 from replay_audit.exceptions import ReplayAuditError
 from replay_audit.ui.audit_pages import router as audit_router
 from replay_audit.ui.pages import SignInRequired, router
@@ -68,6 +69,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return _error_page(request, exc.status_code, title, str(exc.detail))
 
 
+async def _database_error(request: Request, exc: Exception) -> Response:
+    error = database_unavailable(exc)
+    logger.error("%s on %s %s", error.message, request.method, request.url.path)
+    return _error_page(request, 503, "Database unavailable", error.message)
+
+
 async def _unexpected(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return _error_page(request, 500, "Internal error", "Something went wrong on our side.")
@@ -83,6 +90,8 @@ def create_ui_app(parent: FastAPI) -> FastAPI:
     ui.add_exception_handler(ReplayAuditError, _domain_error)
     ui.add_exception_handler(RequestValidationError, _validation_error)
     ui.add_exception_handler(StarletteHTTPException, _http_error)
+    ui.add_exception_handler(OperationalError, _database_error)
+    ui.add_exception_handler(InterfaceError, _database_error)
     ui.add_exception_handler(Exception, _unexpected)
     ui.include_router(router)
     ui.include_router(audit_router)

@@ -29,7 +29,7 @@ ALERTS_SHOWN: Final = 20
 
 
 @router.get("/schedules")
-def schedules_list(request: Request, session: DBSession, principal: Viewer) -> Response:
+def schedules_list(request: Request, principal: Viewer, session: DBSession) -> Response:
     schedules = service.list_schedules(session, principal.project_id)
     return _page(
         request,
@@ -42,8 +42,8 @@ def schedules_list(request: Request, session: DBSession, principal: Viewer) -> R
 def schedule_page(
     request: Request,
     schedule_id: str,
-    session: DBSession,
     principal: Viewer,
+    session: DBSession,
     runs: Annotated[int, Query(ge=1, le=1000)] = TREND_RUNS,
 ) -> Response:
     schedule = service.get_schedule(session, principal.project_id, schedule_id)

@@ -69,11 +69,21 @@ def current_session(request: Request) -> ui_session.UiSession | None:
     return ui_session.verify(_secret(request), request.cookies.get(ui_session.COOKIE_NAME))
 
 
-def ui_principal(request: Request, session: DBSession) -> Principal:
-    """The signed-in caller (auditor or admin); SignInRequired without a valid session."""
+def signed_in_session(request: Request) -> ui_session.UiSession:
+    """The verified session cookie; SignInRequired without one. Needs no database, so a browser
+    without a session is sent to sign in even while the database is down."""
     s = current_session(request)
     if s is None:
         raise SignInRequired("sign in to browse reports")
+    return s
+
+
+def ui_principal(
+    request: Request,
+    s: Annotated[ui_session.UiSession, Depends(signed_in_session)],
+    session: DBSession,
+) -> Principal:
+    """The signed-in caller (auditor or admin); SignInRequired without a valid session."""
     try:
         principal = ui_session.principal_for(session, s)
     except NotAuthenticated as e:
@@ -235,8 +245,8 @@ def _blank(value: str | None) -> str | None:
 @router.get("/runs")
 def runs_list(
     request: Request,
-    session: DBSession,
     principal: Viewer,
+    session: DBSession,
     model: str | None = None,
     dtype: str | None = None,
     created_from: Annotated[str | None, Query(alias="from")] = None,
@@ -307,8 +317,8 @@ def _run_charts(report: RunReport) -> list[dict[str, Any]]:
 def run_page(
     request: Request,
     run_id: str,
-    session: DBSession,
     principal: Viewer,
+    session: DBSession,
     a: Annotated[int | None, Query(ge=0)] = None,
     b: Annotated[int | None, Query(ge=0)] = None,
     comparison: Annotated[int | None, Query(ge=0)] = None,
@@ -366,8 +376,8 @@ def run_page(
 def accuracy_page(
     request: Request,
     run_id: str,
-    session: DBSession,
     principal: Viewer,
+    session: DBSession,
     margin: Annotated[float, Query(ge=0, lt=1)] = statistics.DEFAULT_TOST_MARGIN,
 ) -> Response:
     """Task accuracy per arm, correctness flips and non-inferiority at `margin`."""
@@ -384,8 +394,8 @@ def accuracy_page(
 def flips(
     request: Request,
     run_id: str,
-    session: DBSession,
     principal: Viewer,
+    session: DBSession,
     a: Annotated[int, Query(ge=0)],
     b: Annotated[int, Query(ge=0)],
     kind: Literal["fixed", "broke"] = "fixed",
@@ -422,8 +432,8 @@ def export(
     request: Request,
     run_id: str,
     fmt: Literal["csv", "jsonl"],
-    session: DBSession,
     principal: Viewer,
+    session: DBSession,
 ) -> StreamingResponse:
     run = browsing.get_run(session, principal.project_id, run_id)
     return export_response(request, run, fmt)
@@ -434,8 +444,8 @@ def trace_page(
     request: Request,
     run_id: str,
     trace_id: str,
-    session: DBSession,
     principal: Viewer,
+    session: DBSession,
     comparison: Annotated[int | None, Query(ge=0)] = None,
 ) -> Response:
     run = browsing.get_run(session, principal.project_id, run_id)
@@ -471,8 +481,8 @@ def trace_page(
 @router.get("/compare")
 def compare(
     request: Request,
-    session: DBSession,
     principal: Viewer,
+    session: DBSession,
     run: Annotated[list[str] | None, Query()] = None,
     ca: Annotated[int, Query(ge=0)] = 0,
     cb: Annotated[int, Query(ge=0)] = 0,

@@ -63,6 +63,9 @@ class HoldingRunner:
     def is_queued(self, job_id: str) -> bool:
         return any(s.job_id == job_id for s in self.specs)
 
+    def ping(self) -> None:
+        """Always takes work (the test runs it)."""
+
     def run_all(self) -> int:
         n = 0
         while self.specs:
