@@ -241,7 +241,11 @@ def replay(
             read = result_read(stored, name, "offline")
             line = read.model_dump(mode="json", exclude={"run_id", "created_at", "detail"})
             # Deprecated: the top-level keys of earlier releases' output (see docs/engine.md).
-            line = {**read.detail, "external_id": tr.external_id, **line}
+            legacy = {
+                "external_id": tr.external_id,
+                "steps": read.arms.b.steps if read.arms else None,
+            }
+            line = {**read.detail, **legacy, **line}
             f.write(json.dumps(line, allow_nan=False) + "\n")
             rows.append(figures(stored, name, tr.external_id))
             bar.advance(task)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -55,6 +55,7 @@ def serve(
         migration.upgrade(settings.database_url)
     with session_scope(settings.database_url) as session:
         key = bootstrap_admin_key(session)
+        _store_missing_statistics(session)
     if key is not None:
         typer.echo(_banner_for_key(key, DEFAULT_PROJECT))
     from replay_audit.audits.scheduler import start_inprocess_scheduler
@@ -82,10 +83,23 @@ def db_upgrade(
     """Apply the Alembic migrations to REPLAY_AUDIT_DATABASE_URL (default: up to the newest)."""
     from replay_audit.config import get_settings
     from replay_audit.db import migration
+    from replay_audit.db.unit_of_work import session_scope
 
     url = get_settings().database_url
     migration.upgrade(url, revision)
     typer.echo(f"database at revision {migration.current_revision(url)}")
+    if revision == "head":
+        with session_scope(url) as session:
+            _store_missing_statistics(session)
+
+
+def _store_missing_statistics(session: Any) -> None:
+    """Finished runs whose statistics an upgrade cleared get them stored again (once)."""
+    from replay_audit.replays.statistics import store_missing
+
+    n = store_missing(session)
+    if n:
+        typer.echo(f"stored the statistics of {n} finished replay run(s)")
 
 
 @db_app.command("current")

@@ -90,8 +90,8 @@ class SemanticAgreement:
         return self.answer_a is None and self.answer_b is None
 
     def to_dict(self) -> dict[str, Any]:
-        """The stored JSON. `logged_answer`/`replay_answer` repeat `answer_a`/`answer_b` for
-        readers of earlier releases (deprecated)."""
+        """The stored JSON. `logged_answer`/`replay_answer`/`logged_correct`/`replay_correct`
+        repeat the arm-named values for readers of earlier releases (deprecated)."""
         return {
             "extractor": self.extractor,
             "answer_a": self.answer_a,
@@ -102,6 +102,8 @@ class SemanticAgreement:
             "correct_b": self.correct_b,
             "logged_answer": self.answer_a,
             "replay_answer": self.answer_b,
+            "logged_correct": self.correct_a,
+            "replay_correct": self.correct_b,
         }
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import orjson
-from sqlalchemy import func, select, update
+from sqlalchemy import Text, cast, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -156,6 +156,14 @@ def fail_job(session: Session, job_id: int, reason: str) -> None:
     job.error = reason
     session.flush()
     finish_job(session, job_id)
+
+
+def finished_runs_without_statistics(session: Session) -> list[ReplayRun]:
+    """Finished runs whose statistics are not stored."""
+    # SQL NULL (what the migration leaves) or a JSON null (None assigned through the ORM).
+    missing = or_(ReplayRun.aggregate.is_(None), cast(ReplayRun.aggregate, Text) == "null")
+    stmt = select(ReplayRun).where(ReplayRun.status.in_(("done", "failed")), missing)
+    return list(session.scalars(stmt.order_by(ReplayRun.id)))
 
 
 def finalise_run(session: Session, run: ReplayRun) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from replay_audit.db.base import utcnow
+from replay_audit.diff.answer import SemanticAgreement
 from replay_audit.replays.domain import ArmMargin, ArmOutcome, ReplayOutcome, SingleStep
 from replay_audit.replays.models import ReplayResult
 from replay_audit.replays.schemas import (
@@ -242,10 +243,26 @@ def result_read(row: ReplayResult, trace_public_id: str, run_public_id: str) -> 
         mode=detail.get("mode"),
         arms=ArmsRead(a=arm_a, b=arm_b) if ok else None,
         single_step=single,
-        semantic=detail.get("semantic"),
+        semantic=_semantic_read(detail.get("semantic")),
         detail=_legacy_detail(detail, arms, arm_a, arm_b) if ok else {},
         created_at=row.created_at or utcnow(),
     )
+
+
+def _semantic_read(sem: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The semantic answers in this release's form, also for results stored by an earlier one
+    (which named the arms logged/replay and counted 'neither answered' as disagreement)."""
+    if sem is None:
+        return None
+    if "answer_a" in sem:
+        return dict(sem)
+    return SemanticAgreement(
+        extractor=str(sem.get("extractor")),
+        answer_a=sem.get("logged_answer"),
+        answer_b=sem.get("replay_answer"),
+        correct_a=sem.get("logged_correct"),
+        correct_b=sem.get("replay_correct"),
+    ).to_dict()
 
 
 def _legacy_detail(

@@ -144,3 +144,13 @@ def lift_between(
         return LiftSide(run.public_id, index, comparison_label(c, run.run_targets), figures)
 
     return lift_report(side(run_a, comparison_a), side(run_b, comparison_b), list_limit=list_limit)
+
+
+def store_missing(session: Session) -> int:
+    """Store the statistics of finished runs that have none (runs finished before migration
+    0005, which cleared the earlier aggregate shape); how many. `db upgrade` and `serve` call
+    it after migrating, so lists that read stored statistics show those runs' figures too."""
+    runs = repository.finished_runs_without_statistics(session)
+    for run in runs:
+        run.aggregate = compute(session, run).model_dump(mode="json")
+    return len(runs)

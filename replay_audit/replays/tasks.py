@@ -7,8 +7,8 @@ comparison) key makes a race between two copies harmless); the run is finalised 
 finishes last, under a row lock on the run.
 
 A worker process has one `WorkerContext` (its settings and its engines, each checkpoint loaded
-once per format and kept loaded): the worker command, the in-process runner's host (serve, the
-demo) or a test installs it; a job run with none installed builds one from the environment.
+once per format and kept loaded): `replay-audit worker` and the tests install it; elsewhere (the
+in-process runner of `serve` and the demo) the first job builds it from the environment.
 """
 
 from __future__ import annotations

@@ -45,28 +45,30 @@ EXPORT_FIELDS: Final = (
     "exact_match",
     "first_divergence_step",
     "category",
-    "margin_a",
-    "margin_a_ulps",
-    "margin_a_source",
-    "margin_b",
-    "margin_b_ulps",
+    "margin_logged",
+    "margin_logged_ulps",
+    "margin_logged_source",
+    "margin_replay",
+    "margin_replay_ulps",
     "tie",
     "gate_triggers",
     "n_steps",
-    "gate_triggers_a",
-    "n_steps_a",
     "trigger_rate",
     "mean_gap",
     "cascade_length",
     "length_difference",
     "semantic_agree",
     "created_at",
-    # Deprecated names of margin_a*/margin_b* (earlier releases; arm A was called "logged").
-    "margin_logged",
-    "margin_logged_ulps",
-    "margin_logged_source",
-    "margin_replay",
-    "margin_replay_ulps",
+    # Added in this release, after the columns of earlier ones (so readers by position keep
+    # working). margin_logged*/margin_replay* above are arm A's and arm B's margins under their
+    # earlier, deprecated names (arm A was called "logged" also when it was a target).
+    "margin_a",
+    "margin_a_ulps",
+    "margin_a_source",
+    "margin_b",
+    "margin_b_ulps",
+    "gate_triggers_a",
+    "n_steps_a",
 )
 MEDIA_TYPES: Final[dict[str, str]] = {
     "csv": "text/csv; charset=utf-8",
@@ -116,7 +118,11 @@ def record(run: ReplayRun, row: Mapping[str, Any], *, full: bool) -> dict[str, A
         "mean_gap": row["mean_gap"],
         "cascade_length": row["cascade_length"],
         "length_difference": row["length_difference"],
-        "semantic_agree": row["semantic_agree"],
+        # Equal extracted answers (neither answering counts as agreeing), as the statistics
+        # count it, for results stored by earlier releases too.
+        "semantic_agree": (
+            row["answer_a"] == row["answer_b"] if row["answer_extractor"] is not None else None
+        ),
         "created_at": created.isoformat() if isinstance(created, datetime) else created,
         "margin_logged": row["margin_a"],
         "margin_logged_ulps": row["margin_a_ulps"],

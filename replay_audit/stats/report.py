@@ -193,6 +193,26 @@ class MarginReport(_Frozen):
     def replay_ulps(self) -> DistributionRead | None:
         return self.b_ulps
 
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def histogram_logged(self) -> LogHistogramRead | None:
+        return self.histogram_a
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def histogram_replay(self) -> LogHistogramRead | None:
+        return self.histogram_b
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def histogram_logged_ulps(self) -> LogHistogramRead | None:
+        return self.histogram_a_ulps
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def histogram_replay_ulps(self) -> LogHistogramRead | None:
+        return self.histogram_b_ulps
+
 
 class ComparisonReport(_Frozen):
     """One comparison of the run (arm a vs arm b over the run's traces)."""

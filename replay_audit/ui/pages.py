@@ -27,7 +27,7 @@ from replay_audit.auth.schemas import Principal
 from replay_audit.config import Settings
 from replay_audit.exceptions import BadRequest, FieldError, NotAuthenticated, PermissionDenied
 from replay_audit.formats import BODY_DTYPES, CATEGORIES
-from replay_audit.replays.domain import comparison_label
+from replay_audit.replays.domain import comparison_label, is_treatment
 from replay_audit.reports import browsing, statistics
 from replay_audit.reports.endpoints import export_response
 from replay_audit.reports.filters import ResultFilter, RunFilter
@@ -327,9 +327,12 @@ def run_page(
     after: Annotated[int | None, Query(ge=0)] = None,
 ) -> Response:
     run = browsing.get_run(session, principal.project_id, run_id)
-    n_comp = len(run.comparisons)
-    if a is None and b is None and n_comp >= 2:
-        a, b = 0, 1
+    if a is None and b is None:
+        # By default the first treatment against the baseline (never a self-replay).
+        targets = run.run_targets
+        first = next((c for c in run.run_comparisons if is_treatment(c, targets)), None)
+        if first is not None:
+            a, b = 0, first.index
     pair = (a, b) if a is not None and b is not None else None
     report = statistics.run_report(session, run, pair=pair, with_accuracy=False)
     category = _blank(category)

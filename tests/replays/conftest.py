@@ -25,6 +25,15 @@ from replay_audit.replays import tasks as jobs
 VOCAB = 97
 CLOSE_MARGIN = 5e-4
 
+# The engine's checkpoints and pool, for the replayer's tests against real torch engines.
+from tests.engine.conftest import (  # noqa: E402, F401
+    _one_torch_thread,
+    pool,
+    real_dir,
+    real_prompts,
+    tiny_dir,
+)
+
 
 def _close(context: tuple[int, ...]) -> bool:
     return sum(context) % 7 == 0
@@ -90,10 +99,10 @@ def worker_env(
     """Worker settings on the test database and a pool of fake engines."""
     monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", db_url)
     monkeypatch.setenv("REPLAY_AUDIT_MODEL_DIRS", str(fake_model_dir))
-    pool = EnginePool(loader=fake_loader)
+    fake_pool = EnginePool(loader=fake_loader)
     settings = Settings(_env_file=None)  # type: ignore[call-arg]  # from the env set above
-    jobs.install_worker_context(jobs.WorkerContext(settings, pool))
-    yield pool
+    jobs.install_worker_context(jobs.WorkerContext(settings, fake_pool))
+    yield fake_pool
     jobs.install_worker_context(None)
 
 

@@ -351,3 +351,25 @@ def test_a_report_follows_its_run_from_queued_to_done_and_refinalised(
         replays_repository.finalise_run(s, run)
     again = report()
     assert again == done and again.comparisons[0].label != "stored marker"
+
+
+def test_statistics_cleared_by_the_upgrade_are_stored_again(
+    client: TestClient, seeded_run: SeededRun, headers: Callable[..., dict[str, str]]
+) -> None:
+    """Migration 0005 cleared the earlier aggregate shape; `store_missing` (run by `db upgrade`
+    and `serve`) stores the statistics again, equal to what finalising stored."""
+    from replay_audit.replays.statistics import store_missing
+
+    h = headers("auditor")
+    before = client.get(f"/v1/replays/{seeded_run.run_id}", headers=h).json()["statistics"]
+    url = client.app.state.settings.database_url  # type: ignore[attr-defined]
+    with session_scope(url) as s:
+        run = s.scalar(select(ReplayRun).where(ReplayRun.public_id == seeded_run.run_id))
+        assert run is not None
+        run.aggregate = None  # what the migration leaves
+    with session_scope(url) as s:
+        assert store_missing(s) == 1
+    with session_scope(url) as s:
+        assert store_missing(s) == 0  # once
+        run = s.scalar(select(ReplayRun).where(ReplayRun.public_id == seeded_run.run_id))
+        assert run is not None and run.aggregate == before
