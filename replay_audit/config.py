@@ -7,7 +7,6 @@ in-process job runner and scheduler, and the committed small model as a checkpoi
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
@@ -82,6 +81,8 @@ class Settings(BaseSettings):
         return v
 
 
-@lru_cache
 def get_settings() -> Settings:
+    """The settings from the environment (and `.env`), read now. Not cached: each edge (the
+    app factory, a CLI command, a job) reads them once and passes them on, so nothing in the
+    process holds settings that a test or a reconfiguration would have to reset."""
     return Settings()

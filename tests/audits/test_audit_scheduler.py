@@ -155,14 +155,11 @@ def test_rq_cron_config_registers_the_tick_by_interval(monkeypatch: pytest.Monke
     from redis import Redis
     from rq.cron import CronScheduler
 
-    from replay_audit.config import get_settings
 
     monkeypatch.delenv("REPLAY_AUDIT_AUDIT_TICK_INTERVAL_S", raising=False)
-    get_settings.cache_clear()
     cron = CronScheduler(connection=Redis.from_url("redis://127.0.0.1:6379/15"))
     cron.load_config_from_file("replay_audit.audits.cron_config")
     [job] = cron.get_jobs()
     assert job.func_name == "replay_audit.audits.tasks.tick"
     assert (job.queue_name, job.interval, job.cron) == ("audit", 60, None)
     assert job.name == "replay-audit-tick" and job.job_options["ttl"] >= 60
-    get_settings.cache_clear()

@@ -16,7 +16,7 @@ from sqlalchemy import select
 from replay_audit.audits import tasks
 from replay_audit.audits.models import AuditAlert, AuditRun, AuditSchedule
 from replay_audit.audits.tasks import DeliveryFailed, deliver_alert, run_tick
-from replay_audit.config import Settings, get_settings
+from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.queue.runner import InProcessRunner
 from tests.audits.conftest import PROMPTS, HoldingRunner, RecordingRunner, ingest, utc
@@ -90,7 +90,6 @@ def webhook_settings(
     """Short backoff and timeout, for the tick here and for the job (which reads the env)."""
     monkeypatch.setenv("REPLAY_AUDIT_WEBHOOK_RETRY_INTERVALS_S", "[1, 1, 1]")
     monkeypatch.setenv("REPLAY_AUDIT_WEBHOOK_TIMEOUT_S", "1.0")
-    get_settings.cache_clear()
     return make_settings(webhook_retry_intervals_s=[1, 1, 1], webhook_timeout_s=1.0)
 
 

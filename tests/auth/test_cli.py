@@ -11,7 +11,6 @@ from typer.testing import CliRunner
 
 from replay_audit.auth.models import ApiKey
 from replay_audit.cli import app as cli
-from replay_audit.config import get_settings
 from replay_audit.db.unit_of_work import session_scope
 from tests.factories import make_trace
 
@@ -19,9 +18,7 @@ from tests.factories import make_trace
 @pytest.fixture
 def cli_env(db_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", db_url)
-    get_settings.cache_clear()
     yield db_url
-    get_settings.cache_clear()
 
 
 def test_keys_create_prints_a_working_key_once(cli_env: str, client: TestClient) -> None:
