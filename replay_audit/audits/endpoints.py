@@ -27,13 +27,13 @@ from replay_audit.audits.schemas import (
     ScheduleUpdate,
     Trend,
 )
-from replay_audit.auth.models import Role
+from replay_audit.auth.models import READER_ROLES, Role
 from replay_audit.auth.schemas import Principal
 
 router = APIRouter(prefix="/v1/audits/schedules", tags=["audits"])
 
 Admin = Annotated[Principal, Depends(require_role(Role.admin))]
-Reader = Annotated[Principal, Depends(require_role(Role.auditor, Role.admin))]
+Reader = Annotated[Principal, Depends(require_role(*READER_ROLES))]
 
 
 def _read(session: DBSession, schedule: AuditSchedule, principal: Principal) -> ScheduleRead:
