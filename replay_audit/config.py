@@ -6,7 +6,9 @@ in-process job runner and scheduler, and the committed small model as a checkpoi
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
@@ -65,11 +67,38 @@ class Settings(BaseSettings):
     webhook_retry_intervals_s: list[Annotated[int, Field(ge=0)]] = Field(
         default_factory=lambda: [10, 60, 300], min_length=1
     )
+    #: Internal webhook destinations the operator allows: host names, addresses, networks,
+    #: comma-separated (`127.0.0.1,10.0.0.0/8,hooks.internal`) or a JSON list. Without them a
+    #: webhook reaches public addresses only (see replay_audit/audits/webhook.py).
+    webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     @field_validator("database_url")
     @classmethod
     def _normalise(cls, v: str) -> str:
         return normalise_database_url(v)
+
+    @field_validator("webhook_allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, v: object) -> object:
+        if isinstance(v, str):
+            if v.lstrip().startswith("["):
+                return json.loads(v)
+            return [h.strip() for h in v.split(",") if h.strip()]
+        return v
+
+    @field_validator("webhook_allowed_hosts")
+    @classmethod
+    def _check_hosts(cls, v: list[str]) -> list[str]:
+        # A typo fails at start-up, not at the first delivery.
+        for entry in v:
+            try:
+                ipaddress.ip_network(entry.strip().strip("[]"), strict=False)
+            except ValueError:
+                if not re.fullmatch(r"[A-Za-z0-9._-]+", entry.strip()):
+                    raise ValueError(
+                        f"{entry!r} is not a host name, an address or a network"
+                    ) from None
+        return v
 
     @field_validator("model_dirs", mode="before")
     @classmethod

@@ -11,7 +11,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, Query, Response, status
 
-from replay_audit.api.deps import DBSession, Queue, require_role
+from replay_audit.api.deps import AppSettings, DBSession, Queue, require_role
 from replay_audit.audits import service
 from replay_audit.audits.models import AuditSchedule
 from replay_audit.audits.schemas import (
@@ -25,30 +25,49 @@ from replay_audit.audits.schemas import (
     ScheduleList,
     ScheduleRead,
     ScheduleUpdate,
+    ScheduleWritten,
     Trend,
 )
-from replay_audit.auth.models import Role
+from replay_audit.audits.webhook import DestinationPolicy
+from replay_audit.auth.models import READER_ROLES, Role
 from replay_audit.auth.schemas import Principal
+from replay_audit.config import Settings
 
 router = APIRouter(prefix="/v1/audits/schedules", tags=["audits"])
 
 Admin = Annotated[Principal, Depends(require_role(Role.admin))]
-Reader = Annotated[Principal, Depends(require_role(Role.auditor, Role.admin))]
+Reader = Annotated[Principal, Depends(require_role(*READER_ROLES))]
 
 
 def _read(session: DBSession, schedule: AuditSchedule, principal: Principal) -> ScheduleRead:
     return service.to_reads(session, [schedule], reveal_webhook=principal.role == Role.admin)[0]
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=ScheduleRead)
+def _written(
+    session: DBSession, schedule: AuditSchedule, principal: Principal, secret: str | None
+) -> ScheduleWritten:
+    read = _read(session, schedule, principal)
+    return ScheduleWritten(**read.model_dump(), webhook_secret=secret)
+
+
+def _destinations(settings: Settings) -> DestinationPolicy:
+    return DestinationPolicy.parse(settings.webhook_allowed_hosts)
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=ScheduleWritten)
 def create_schedule(
-    body: ScheduleCreate, session: DBSession, queue: Queue, principal: Admin
-) -> ScheduleRead:
-    """Create a schedule (cron in UTC; its first run is its first due time from now)."""
+    body: ScheduleCreate, session: DBSession, queue: Queue, principal: Admin, settings: AppSettings
+) -> ScheduleWritten:
+    """Create a schedule (cron in UTC; its first run is its first due time from now). With a
+    webhook, `webhook_secret` (the key its deliveries are signed with) is in this answer only."""
     schedule = service.create_schedule(
-        session, principal.project_id, body, capabilities=queue.capabilities
+        session,
+        principal.project_id,
+        body,
+        capabilities=queue.capabilities,
+        destinations=_destinations(settings),
     )
-    return _read(session, schedule, principal)
+    return _written(session, schedule, principal, schedule.webhook_secret)
 
 
 @router.get("", response_model=ScheduleList)
@@ -66,15 +85,22 @@ def read_schedule(schedule_id: str, session: DBSession, principal: Reader) -> Sc
     return _read(session, schedule, principal)
 
 
-@router.patch("/{schedule_id}", response_model=ScheduleRead)
+@router.patch("/{schedule_id}", response_model=ScheduleWritten)
 def update_schedule(
-    schedule_id: str, body: ScheduleUpdate, session: DBSession, principal: Admin
-) -> ScheduleRead:
+    schedule_id: str,
+    body: ScheduleUpdate,
+    session: DBSession,
+    principal: Admin,
+    settings: AppSettings,
+) -> ScheduleWritten:
     """Pause (`{"status": "paused"}`), resume, rename, change the sample size, the drift
-    threshold or the webhook."""
+    threshold or the webhook; `{"rotate_webhook_secret": true}` makes a new signing secret,
+    shown in this answer only (as is the secret of a webhook added here)."""
     schedule = service.get_schedule(session, principal.project_id, schedule_id)
-    service.update_schedule(session, schedule, body)
-    return _read(session, schedule, principal)
+    secret = service.update_schedule(
+        session, schedule, body, destinations=_destinations(settings)
+    )
+    return _written(session, schedule, principal, secret)
 
 
 @router.delete("/{schedule_id}", status_code=status.HTTP_204_NO_CONTENT)

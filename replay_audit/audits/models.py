@@ -61,6 +61,10 @@ class AuditSchedule(Base):
     replay: Mapped[dict[str, Any]] = mapped_column(JSON)
     ear_drop_points: Mapped[float] = mapped_column(Float)
     webhook_url: Mapped[str | None] = mapped_column(String(2000), nullable=True)
+    #: The key that signs the webhook's deliveries (HMAC-SHA256), set with the webhook. Stored
+    #: in clear because signing needs it (a hash could not sign); shown once, at creation or
+    #: rotation, never read back through the API.
+    webhook_secret: Mapped[str | None] = mapped_column(String(100), nullable=True)
     #: Due times before this are never run by the scheduler nor counted as missed: set at
     #: creation and again when a paused schedule is resumed.
     active_since: Mapped[datetime] = mapped_column(default=utcnow)
@@ -120,8 +124,10 @@ class AuditAlert(Base):
     payload: Mapped[dict[str, Any]] = mapped_column(JSON)
     status: Mapped[str] = mapped_column(String(16), default="pending", index=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
-    #: [{"at", "status_code" | null, "error" | null}] one entry per attempt.
+    #: [{"at", "ok", "status_code" | null, "error" | null}] one entry per attempt: `error` is
+    #: one of `webhook.ERROR_CLASSES`, never the receiver's answer.
     attempt_log: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    #: The last attempt's error class (`webhook.ERROR_CLASSES`).
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     delivered_at: Mapped[datetime | None] = mapped_column(nullable=True)

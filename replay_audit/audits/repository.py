@@ -302,6 +302,17 @@ def lock_alert(session: Session, alert_id: int) -> AuditAlert | None:
     return session.scalar(stmt.execution_options(populate_existing=True))
 
 
+def alert_webhook_secret(session: Session, alert_id: int) -> str | None:
+    """The signing secret of the schedule the alert belongs to (read at each delivery, so a
+    rotation applies to the retries that follow it)."""
+    return session.scalar(
+        select(AuditSchedule.webhook_secret)
+        .join(AuditRun, AuditRun.schedule_id == AuditSchedule.id)
+        .join(AuditAlert, AuditAlert.audit_run_id == AuditRun.id)
+        .where(AuditAlert.id == alert_id)
+    )
+
+
 def pending_alerts(session: Session) -> list[int]:
     return list(
         session.scalars(

@@ -26,6 +26,7 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator, 
 
 from replay_audit.audits.sampling import Policy
 from replay_audit.audits.schedule import NIGHTLY, validate_cron
+from replay_audit.audits.webhook import ErrorClass
 from replay_audit.exceptions import FieldError
 from replay_audit.formats import Mode
 from replay_audit.replays.schemas import MAX_REPLAY_TRACES, ReplayCreate, TargetSpec
@@ -132,8 +133,10 @@ class ScheduleUpdate(_Strict):
     status: ScheduleStatus | None = None
     sample_size: int | None = Field(default=None, ge=1, le=MAX_REPLAY_TRACES)
     ear_drop_points: float | None = Field(default=None, gt=0, le=100, allow_inf_nan=False)
-    #: null removes the webhook.
+    #: null removes the webhook (and its secret).
     webhook_url: Annotated[AnyHttpUrl, Field(max_length=2000)] | None = None
+    #: true: a new signing secret replaces the webhook's secret (shown in this answer only).
+    rotate_webhook_secret: bool = False
 
 
 class AuditRunRead(_Strict):
@@ -177,6 +180,14 @@ class ScheduleRead(_Strict):
     last_run: AuditRunRead | None
     #: Due times since active_since (or the last MISSED_LOOKBACK) with no run.
     missed: int
+
+
+class ScheduleWritten(ScheduleRead):
+    """A schedule as created or changed: with `webhook_secret` when this request made one (at
+    creation with a webhook, on rotation, or when a webhook is added), shown this once; null
+    otherwise. Deliveries are signed with it (docs/audits.md, "Verifying a delivery")."""
+
+    webhook_secret: str | None = None
 
 
 class ScheduleList(_Strict):
@@ -238,14 +249,25 @@ class Trend(_Strict):
     points: list[TrendPoint]
 
 
+class AttemptRead(_Strict):
+    """One delivery attempt: its answer's status code (null without an answer) and an error
+    class (null when delivered); never what the receiver answered."""
+
+    at: datetime | None
+    ok: bool
+    status_code: int | None
+    error: ErrorClass | None
+
+
 class AlertRead(_Strict):
     id: str
     audit_run_id: str
     url: str
     status: AlertStatus
     attempts: int
-    attempt_log: list[dict[str, Any]]
-    last_error: str | None
+    attempt_log: list[AttemptRead]
+    #: The last attempt's error class.
+    last_error: ErrorClass | None
     created_at: datetime
     delivered_at: datetime | None
 

@@ -20,12 +20,13 @@ from urllib.parse import urlsplit
 
 from sqlalchemy.orm import Session
 
-from replay_audit.audits import repository, sampling
+from replay_audit.audits import repository, sampling, webhook
 from replay_audit.audits.drift import detect_drift, run_metrics
 from replay_audit.audits.models import AuditAlert, AuditRun, AuditSchedule
 from replay_audit.audits.schedule import due_times, latest_due, next_due
 from replay_audit.audits.schemas import (
     AlertRead,
+    AttemptRead,
     AuditRunRead,
     Missed,
     ScheduleCreate,
@@ -36,10 +37,11 @@ from replay_audit.audits.schemas import (
     Trend,
     TrendPoint,
 )
+from replay_audit.audits.webhook import DestinationPolicy
 from replay_audit.db.base import utcnow
 from replay_audit.db.ids import new_public_id
 from replay_audit.db.unit_of_work import after_commit
-from replay_audit.exceptions import Conflict, NotFound, ReplayAuditError
+from replay_audit.exceptions import Conflict, FieldError, NotFound, ReplayAuditError
 from replay_audit.queue import Capabilities, JobQueue, JobSpec, Runner
 from replay_audit.replays import service as replay_service
 from replay_audit.replays import statistics as replay_statistics
@@ -85,13 +87,19 @@ def create_schedule(
     body: ScheduleCreate,
     *,
     capabilities: Capabilities,
+    destinations: DestinationPolicy = webhook.STRICT,
     now: datetime | None = None,
 ) -> AuditSchedule:
     """Store a schedule. Its first due time is the first one after `now`: due times before
-    creation are neither run nor missed."""
+    creation are neither run nor missed. A webhook gets its signing secret
+    (`schedule.webhook_secret`, for the caller to show once); an obviously internal webhook
+    destination is refused (FieldError, see `webhook.check_url`)."""
     replay_service.check_targets(
         capabilities, [t.to_domain() for t in body.replay.targets], field="replay.targets"
     )
+    webhook_url = None if body.webhook_url is None else str(body.webhook_url)
+    if webhook_url is not None:
+        webhook.check_url(webhook_url, destinations)
     if repository.get_schedule_by_name(session, project_id, body.name) is not None:
         raise Conflict(f"a schedule named {body.name!r} exists in this project", field="name")
     now = now or utcnow()
@@ -107,7 +115,8 @@ def create_schedule(
         seed=body.seed,
         replay=body.replay.model_dump(mode="json"),
         ear_drop_points=body.ear_drop_points,
-        webhook_url=None if body.webhook_url is None else str(body.webhook_url),
+        webhook_url=webhook_url,
+        webhook_secret=None if webhook_url is None else webhook.new_secret(),
         active_since=now,
         paused_at=now if body.status == "paused" else None,
         created_at=now,
@@ -130,12 +139,29 @@ def update_schedule(
     schedule: AuditSchedule,
     body: ScheduleUpdate,
     *,
+    destinations: DestinationPolicy = webhook.STRICT,
     now: datetime | None = None,
-) -> AuditSchedule:
+) -> str | None:
     """Apply the fields sent. Resuming resets `active_since`: due times while paused are
-    skipped, not missed."""
+    skipped, not missed. Returns the webhook's new signing secret when this change made one
+    (rotation, or a webhook added to a schedule without one), for the caller to show once."""
     now = now or utcnow()
     sent = body.model_fields_set
+    new_secret = None
+    if "webhook_url" in sent:
+        if body.webhook_url is None:
+            schedule.webhook_url, schedule.webhook_secret = None, None
+        else:
+            webhook.check_url(str(body.webhook_url), destinations)
+            schedule.webhook_url = str(body.webhook_url)
+    if schedule.webhook_url is not None and (
+        schedule.webhook_secret is None or body.rotate_webhook_secret
+    ):
+        new_secret = schedule.webhook_secret = webhook.new_secret()
+    elif body.rotate_webhook_secret:
+        raise FieldError(
+            "the schedule has no webhook whose secret to rotate", field="rotate_webhook_secret"
+        )
     if "name" in sent and body.name is not None and body.name != schedule.name:
         if repository.get_schedule_by_name(session, schedule.project_id, body.name) is not None:
             raise Conflict(f"a schedule named {body.name!r} exists in this project", field="name")
@@ -150,11 +176,9 @@ def update_schedule(
         schedule.sample_size = body.sample_size
     if "ear_drop_points" in sent and body.ear_drop_points is not None:
         schedule.ear_drop_points = body.ear_drop_points
-    if "webhook_url" in sent:
-        schedule.webhook_url = None if body.webhook_url is None else str(body.webhook_url)
     schedule.updated_at = now
     session.flush()
-    return schedule
+    return new_secret
 
 
 def delete_schedule(session: Session, schedule: AuditSchedule) -> None:
@@ -528,7 +552,7 @@ def alert_to_read(alert: AuditAlert, run_public_id: str, *, reveal_url: bool) ->
         url=alert.url if reveal_url else (mask_url(alert.url) or ""),
         status=alert.status,
         attempts=alert.attempts,
-        attempt_log=list(alert.attempt_log or []),
+        attempt_log=[AttemptRead.model_validate(a) for a in alert.attempt_log or []],
         last_error=alert.last_error,
         created_at=alert.created_at,
         delivered_at=alert.delivered_at,

@@ -2,7 +2,7 @@
 
     tick()            the RQ job `rq cron` enqueues every minute (replay_audit.audits.cron_config)
     run_tick(...)     the same pass, callable in-process (the embedded scheduler, the CLI)
-    deliver_alert(id) one POST of a drift alert; raises to be retried with backoff
+    deliver_alert(id) one signed POST of a drift alert (see `webhook`); raises to be retried
 
 A tick, every step idempotent and safe to run from two schedulers at once:
   1. start the newest due time of each active schedule that has no run yet (the unique
@@ -14,16 +14,15 @@ A tick, every step idempotent and safe to run from two schedulers at once:
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Final
 
-import httpx
-
 import replay_audit
-from replay_audit.audits import repository, service
+from replay_audit.audits import repository, service, webhook
 from replay_audit.audits.models import AuditAlert, AuditSchedule
 from replay_audit.config import Settings, get_settings
 from replay_audit.db.base import utcnow
@@ -37,8 +36,6 @@ log = logging.getLogger(__name__)
 #: A replay job running this long without a heartbeat is presumed dead (as `replay-audit
 #: reconcile` assumes by default).
 RECONCILE_STALE_AFTER_S: Final = 900.0
-#: Longest error text kept per delivery attempt.
-MAX_ERROR_CHARS: Final = 500
 
 
 @dataclass
@@ -177,29 +174,41 @@ class DeliveryFailed(Exception):
     """A webhook attempt failed and another will follow (the runner retries the job)."""
 
 
-def _post(url: str, payload: dict[str, object], alert_id: str, timeout_s: float) -> str | None:
-    """One POST; None on a 2xx answer, else what went wrong."""
+def _post(
+    url: str,
+    payload: dict[str, object],
+    alert_id: str,
+    secret: str | None,
+    settings: Settings,
+) -> webhook.Attempt:
+    """One signed POST under the destination policy (see `webhook`)."""
+    body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
     headers = {
+        "Content-Type": "application/json",
         "User-Agent": f"replay-audit/{replay_audit.__version__}",
         # Receivers may deduplicate on this: a retry after a lost answer sends it again.
         "X-Replay-Audit-Alert": alert_id,
     }
-    try:
-        r = httpx.post(url, json=payload, headers=headers, timeout=timeout_s)
-    except httpx.HTTPError as e:
-        return f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
-    if 200 <= r.status_code < 300:
-        return None
-    return f"HTTP {r.status_code}: {r.text[:200]}"[:MAX_ERROR_CHARS]
+    if secret is not None:
+        headers[webhook.SIGNATURE_HEADER] = webhook.signature(secret, body)
+    return webhook.post(
+        url,
+        body,
+        headers,
+        timeout_s=settings.webhook_timeout_s,
+        policy=webhook.DestinationPolicy.parse(settings.webhook_allowed_hosts),
+    )
 
 
 def deliver_alert(alert_id: int, database_url: str | None = None) -> str:
-    """POST alert `alert_id` to its webhook once and record the attempt.
+    """POST alert `alert_id` to its webhook once and record the attempt: its status code and
+    error class only (`webhook.ERROR_CLASSES`), never what the receiver answered.
 
     The POST happens outside any transaction. On failure the attempt is recorded and
     DeliveryFailed raised, so the runner retries after the next backoff interval; after
     len(webhook_retry_intervals_s) + 1 attempts the alert is failed for good (recorded, not
-    raised). Returns the alert's status."""
+    raised). A destination the policy refuses is a failed attempt like any other (its DNS
+    answer may change back). Returns the alert's status."""
     settings = get_settings()
     url = database_url or settings.database_url
     with session_scope(url) as s:
@@ -207,8 +216,9 @@ def deliver_alert(alert_id: int, database_url: str | None = None) -> str:
         if alert is None or alert.status != "pending":
             return "gone" if alert is None else alert.status
         target, payload, public_id = alert.url, dict(alert.payload), alert.public_id
+        secret = repository.alert_webhook_secret(s, alert_id)
     started = datetime.now(UTC)
-    error = _post(target, payload, public_id, settings.webhook_timeout_s)
+    attempt = _post(target, payload, public_id, secret, settings)
     max_attempts = len(settings.webhook_retry_intervals_s) + 1
     with session_scope(url) as s:
         alert = repository.lock_alert(s, alert_id)
@@ -217,17 +227,24 @@ def deliver_alert(alert_id: int, database_url: str | None = None) -> str:
         alert.attempts += 1
         alert.attempt_log = [
             *(alert.attempt_log or []),
-            {"at": started.isoformat(), "ok": error is None, "error": error},
+            {
+                "at": started.isoformat(),
+                "ok": attempt.ok,
+                "status_code": attempt.status_code,
+                "error": attempt.error,
+            },
         ]
-        if error is None:
+        if attempt.ok:
             alert.status, alert.delivered_at = "delivered", utcnow()
         else:
-            alert.last_error = error
+            alert.last_error = attempt.error
             if alert.attempts >= max_attempts:
                 alert.status = "failed"
         status, attempts = alert.status, alert.attempts
     if status == "pending":
-        raise DeliveryFailed(f"alert {public_id} attempt {attempts}: {error}")
+        raise DeliveryFailed(f"alert {public_id} attempt {attempts}: {attempt.error}")
     if status == "failed":
-        log.warning("alert %s failed for good after %d attempts: %s", public_id, attempts, error)
+        log.warning(
+            "alert %s failed for good after %d attempts: %s", public_id, attempts, attempt.error
+        )
     return status

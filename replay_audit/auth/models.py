@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from datetime import datetime
+from typing import Final
 
 from sqlalchemy import CheckConstraint, ForeignKey, String
 from sqlalchemy.orm import Mapped, mapped_column, relationship
@@ -12,12 +13,19 @@ from replay_audit.db.base import Base, utcnow
 
 
 class Role(enum.StrEnum):
-    """What a key may do. Submitters write traces, auditors read, admins do both and manage
-    keys. Every key is confined to its own project."""
+    """What a key may do. Submitters write traces and start replays (write-only: they poll a
+    run's status but read nothing stored or produced), auditors read, admins do both and manage
+    keys and schedules. Every key is confined to its own project."""
 
     submitter = "submitter"
     auditor = "auditor"
     admin = "admin"
+
+
+#: The roles that read what the service stores or produces: traces, replay results, statistics
+#: (their lifts list trace ids), reports, exports, audit trends, the web UI. Not submitters: a
+#: leaked ingest key exposes no prompts, outputs, replayed tokens or trace lists.
+READER_ROLES: Final = (Role.auditor, Role.admin)
 
 
 class Project(Base):

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Response, status
 
 from replay_audit.api.deps import DBSession, Queue, require_role
-from replay_audit.auth.models import Role
+from replay_audit.auth.models import READER_ROLES, Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.replays import service
 from replay_audit.replays.schemas import Page, ReplayCreate, ReplayCreated, ReplayRead
@@ -15,11 +15,10 @@ from replay_audit.replays.schemas import Page, ReplayCreate, ReplayCreated, Repl
 router = APIRouter(prefix="/v1/replays", tags=["replays"])
 
 Writer = Annotated[Principal, Depends(require_role(Role.submitter, Role.admin))]
-#: Polling a run's status and aggregate: whoever may create one, and auditors.
-StatusReader = Annotated[Principal, Depends(require_role(Role.submitter, Role.auditor, Role.admin))]
-#: Per-trace results carry replayed tokens: like traces, readable by auditors and admins only
-#: (a leaked ingest key exposes no generations).
-Reader = Annotated[Principal, Depends(require_role(Role.auditor, Role.admin))]
+#: Polling a run's status: whoever may create one, and the result readers. A submitter gets the
+#: status view only (`service.to_read(..., status_only=True)`).
+StatusReader = Annotated[Principal, Depends(require_role(Role.submitter, *READER_ROLES))]
+Reader = Annotated[Principal, Depends(require_role(*READER_ROLES))]
 
 
 @router.post(
@@ -44,9 +43,12 @@ def create_replay(
 
 @router.get("/{run_id}", response_model=ReplayRead)
 def read_replay(run_id: str, session: DBSession, principal: StatusReader) -> ReplayRead:
-    """Status, progress and, when done, the aggregate."""
+    """Status, progress and, when done, the statistics. A submitter key gets status and
+    progress only: `statistics` and `aggregate` null, `request` without `trace_ids`."""
     run = service.get_replay(session, principal.project_id, run_id)
-    return service.to_read(session, run, principal.project)
+    return service.to_read(
+        session, run, principal.project, status_only=principal.role not in READER_ROLES
+    )
 
 
 @router.get("/{run_id}/results", response_model=Page)

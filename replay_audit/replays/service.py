@@ -162,11 +162,20 @@ def get_replay(session: Session, project_id: int, public_id: str) -> ReplayRun:
     return run
 
 
-def to_read(session: Session, run: ReplayRun, project: str) -> ReplayRead:
+def to_read(
+    session: Session, run: ReplayRun, project: str, *, status_only: bool = False
+) -> ReplayRead:
     """Status, progress and the run's statistics (stored, or computed over the results so far
-    while it runs), with the deprecated `aggregate` view of the same figures."""
+    while it runs), with the deprecated `aggregate` view of the same figures.
+
+    `status_only` (a submitter's view): no `statistics` or `aggregate` (their lifts list the
+    traces each treatment fixed and broke) and `request` without its `trace_ids`; what is left
+    says how far the run is, not what it found."""
     ok, failed = repository.progress(session, run)
-    stats = statistics.of_run(session, run) if ok + failed else None
+    stats = statistics.of_run(session, run) if ok + failed and not status_only else None
+    request = run.request
+    if status_only:
+        request = {k: v for k, v in request.items() if k != "trace_ids"}
     return ReplayRead(
         id=run.public_id,
         project=project,
@@ -174,7 +183,7 @@ def to_read(session: Session, run: ReplayRun, project: str) -> ReplayRead:
         created_at=run.created_at,
         started_at=run.started_at,
         finished_at=run.finished_at,
-        request=run.request,
+        request=request,
         targets=run.targets,
         comparisons=run.comparisons,
         n_traces=run.n_traces,

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 
 from replay_audit.api.deps import DBSession, require_role
-from replay_audit.auth.models import Role
+from replay_audit.auth.models import READER_ROLES
 from replay_audit.auth.schemas import Principal
 from replay_audit.exceptions import FieldError
 from replay_audit.replays.models import ReplayRun
@@ -18,7 +18,9 @@ from replay_audit.reports.schemas import RunReport
 
 router = APIRouter(prefix="/v1/replays", tags=["reports"])
 
-Reader = Annotated[Principal, Depends(require_role(Role.submitter, Role.auditor, Role.admin))]
+#: The report lists fixed/broke trace ids, the export replayed tokens and texts: result readers
+#: only (a submitter key polls a run's status, `GET /v1/replays/{id}`, and reads nothing else).
+Reader = Annotated[Principal, Depends(require_role(*READER_ROLES))]
 
 
 @router.get("/{run_id}/report", response_model=RunReport)

@@ -17,7 +17,7 @@ from fastapi.responses import Response
 
 from replay_audit.api.deps import DBSession, RawBody, require_role
 from replay_audit.api.parsing import gc_paused, parse_items, parse_model
-from replay_audit.auth.models import Role
+from replay_audit.auth.models import READER_ROLES, Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.config import MAX_BATCH_TRACES
 from replay_audit.exceptions import FieldError
@@ -37,7 +37,7 @@ from replay_audit.traces.selection import TraceSelection
 router = APIRouter(tags=["traces"])
 
 Submitter = Annotated[Principal, Depends(require_role(Role.submitter, Role.admin))]
-Reader = Annotated[Principal, Depends(require_role(Role.auditor, Role.admin))]
+Reader = Annotated[Principal, Depends(require_role(*READER_ROLES))]
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "Malformed JSON (`field`: `body`)"},

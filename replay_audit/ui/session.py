@@ -37,7 +37,7 @@ from typing import Any, Final
 from sqlalchemy.orm import Session
 
 from replay_audit.auth import service as auth_service
-from replay_audit.auth.models import Role
+from replay_audit.auth.models import READER_ROLES, Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.config import Settings
 from replay_audit.exceptions import NotAuthenticated, PermissionDenied
@@ -46,7 +46,7 @@ COOKIE_NAME: Final = "ra_session"
 #: The sign-in form's CSRF cookie (double submit: the form must echo it).
 SIGN_IN_COOKIE_NAME: Final = "ra_sign_in"
 #: Roles that may browse the UI.
-UI_ROLES: Final = frozenset({Role.auditor, Role.admin})
+UI_ROLES: Final = frozenset(READER_ROLES)
 _VERSION: Final = "v1"
 
 _secret_lock = threading.Lock()

@@ -310,12 +310,13 @@ def test_pause_resume_and_delete(
 
     r = client.patch(
         f"/v1/audits/schedules/{sid}",
-        json={"status": "active", "webhook_url": "http://127.0.0.1:9/hook", "ear_drop_points": 2},
+        json={"status": "active", "webhook_url": "https://hooks.test/h", "ear_drop_points": 2},
         headers=h,
     )
     s = r.json()
     assert s["status"] == "active" and s["ear_drop_points"] == 2
-    assert s["webhook_url"] == "http://127.0.0.1:9/hook" and s["missed"] == 0  # afresh
+    assert s["webhook_url"] == "https://hooks.test/h" and s["missed"] == 0  # afresh
+    assert s["webhook_secret"].startswith("whsec_")  # a webhook added: its secret, this once
     # Resuming starts afresh: the minute under way when it resumed is before active_since.
     ids = ingest(client, h, [logged_trace(p) for p in PROMPTS[:3]])
     set_created_at(db_url, ids, utcnow() - timedelta(minutes=2))

@@ -121,3 +121,75 @@ def test_0004_backfills_answers_from_the_detail_json(empty_db_url: str) -> None:
     finally:
         engine.dispose()
     assert [tuple(r) for r in rows] == [("gsm8k", "42", "41"), (None, None, None)]
+
+
+def test_0006_gives_webhooks_a_secret_and_scrubs_stored_answers(empty_db_url: str) -> None:
+    """Schedules with a webhook get a signing secret; alert attempts written before 0006 (with
+    up to 200 characters of the receiver's answer) keep only a status code and error class."""
+    import json
+
+    from sqlalchemy import text
+
+    migration.upgrade(empty_db_url, "0005")
+    engine = create_engine(empty_db_url)
+    t = "2026-01-01 00:00:00"
+    leaked = "HTTP 500: internal detail 5f3a"
+    log = [
+        {"at": t, "ok": False, "error": leaked},
+        {"at": t, "ok": False, "error": "ConnectTimeout: timed out"},
+        {"at": t, "ok": False, "error": "ConnectError: [Errno 111] Connection refused"},
+        {"at": t, "ok": True, "error": None},
+    ]
+    try:
+        with engine.begin() as c:
+            c.execute(
+                text("INSERT INTO projects (id, name, created_at) VALUES (1, 'p', :t)"), {"t": t}
+            )
+            for sid, url in ((1, "https://hooks.example.com/x"), (2, None)):
+                c.execute(
+                    text(
+                        "INSERT INTO audit_schedules (id, public_id, project_id, name, cron,"
+                        " status, selection, sample_size, policy, seed, replay, ear_drop_points,"
+                        " webhook_url, active_since, created_at, updated_at) VALUES (:id, :pid, 1,"
+                        " :name, '0 2 * * *', 'active', '{}', 1, 'uniform', 0, '{}', 5, :url, :t,"
+                        " :t, :t)"
+                    ),
+                    {"id": sid, "pid": f"as_{sid}", "name": f"s{sid}", "url": url, "t": t},
+                )
+            c.execute(
+                text(
+                    "INSERT INTO audit_runs (id, public_id, schedule_id, due_at, trigger, status,"
+                    " window_start, window_end, n_candidates, n_sampled, flags, created_at)"
+                    " VALUES (1, 'ar_1', 1, :t, 'scheduled', 'done', :t, :t, 0, 0, '[]', :t)"
+                ),
+                {"t": t},
+            )
+            c.execute(
+                text(
+                    "INSERT INTO audit_alerts (id, public_id, audit_run_id, url, payload, status,"
+                    " attempts, attempt_log, last_error, created_at) VALUES (1, 'al_1', 1,"
+                    " 'https://hooks.example.com/x', '{}', 'delivered', 4, :log, :last, :t)"
+                ),
+                {"log": json.dumps(log), "last": leaked, "t": t},
+            )
+        migration.upgrade(empty_db_url, "0006")
+        with engine.connect() as c:
+            secrets = c.execute(
+                text("SELECT webhook_secret FROM audit_schedules ORDER BY id")
+            ).scalars().all()
+            stored_log, last_error = c.execute(
+                text("SELECT attempt_log, last_error FROM audit_alerts")
+            ).one()
+        migration.downgrade(empty_db_url, "0005")
+        migration.upgrade(empty_db_url)
+    finally:
+        engine.dispose()
+    assert secrets[0] is not None and secrets[0].startswith("whsec_") and secrets[1] is None
+    stored = json.loads(stored_log) if isinstance(stored_log, str) else stored_log
+    assert [(a["status_code"], a["error"], a["ok"]) for a in stored] == [
+        (500, "http_5xx", False),
+        (None, "timeout", False),
+        (None, "connection_refused", False),
+        (None, None, True),
+    ]
+    assert last_error == "http_5xx" and "detail" not in json.dumps(stored)

@@ -111,7 +111,7 @@ def test_export_streams_in_batches(
     ("role", "project", "params", "status"),
     [
         ("admin", "other", {"format": "csv"}, 404),
-        ("submitter", "acme", {"format": "csv"}, 200),
+        ("submitter", "acme", {"format": "csv"}, 403),
         ("auditor", "acme", {"format": "xml"}, 422),
     ],
 )

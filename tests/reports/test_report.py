@@ -373,3 +373,35 @@ def test_statistics_cleared_by_the_upgrade_are_stored_again(
         assert store_missing(s) == 0  # once
         run = s.scalar(select(ReplayRun).where(ReplayRun.public_id == seeded_run.run_id))
         assert run is not None and run.aggregate == before
+
+
+def test_a_submitter_reads_a_runs_status_and_nothing_it_produced(
+    client: TestClient, seeded_run: SeededRun, headers: Callable[..., dict[str, str]]
+) -> None:
+    """A leaked ingest key may start a replay and poll it, but never download what it produced:
+    no report, no export, no results, and no statistics (their lifts list fixed and broke trace
+    ids) nor the run's trace list in the status it polls."""
+    run_id = seeded_run.run_id
+    submitter = headers("submitter")
+    auditor = client.get(f"/v1/replays/{run_id}", headers=headers("auditor")).json()
+    listed = [t["id"] for lift in auditor["statistics"]["lifts"] for t in lift["fixed_traces"]]
+    assert listed, "the seeded run should list fixed traces (else this test proves nothing)"
+
+    for path in (f"/v1/replays/{run_id}/report", f"/v1/replays/{run_id}/results"):
+        r = client.get(path, headers=submitter)
+        assert r.status_code == 403 and r.json()["error"] == "PermissionDenied", path
+    for fmt in ("csv", "jsonl"):
+        r = client.get(f"/v1/replays/{run_id}/export", params={"format": fmt}, headers=submitter)
+        assert r.status_code == 403 and r.json()["error"] == "PermissionDenied", fmt
+
+    r = client.get(f"/v1/replays/{run_id}", headers=submitter)
+    assert r.status_code == 200, r.text
+    status = r.json()
+    assert status["status"] == "done" and status["progress"] == auditor["progress"]
+    assert status["n_traces"] == len(seeded_run.trace_ids)
+    assert status["statistics"] is None and status["aggregate"] is None
+    assert "trace_ids" not in status["request"]
+    # No trace id, external id, token or text anywhere in what a submitter reads.
+    for trace_id in seeded_run.trace_ids:
+        assert trace_id not in r.text
+    assert "ext-" not in r.text
