@@ -27,10 +27,11 @@ from replay_audit.stats.report import (
     AccuracyReport,
     ComparisonInput,
     LiftReport,
-    LiftSide,
+    LiftSides,
     RunStatistics,
     accuracy_report,
-    lift_report,
+    flipped_ids,
+    lift_from_pairs,
     run_statistics,
 )
 
@@ -42,10 +43,12 @@ def _extractor(name: str) -> Callable[[str], str | None] | None:
         return None  # an extractor this process does not know: its answers are not counted
 
 
-def comparison_inputs(session: Session, run: ReplayRun) -> list[ComparisonInput]:
-    """Every comparison of the run with its results' figures."""
+def comparison_inputs(
+    session: Session, run: ReplayRun, *, figures: bool = True
+) -> list[ComparisonInput]:
+    """Every comparison of the run with its results' figures (none with `figures=False`)."""
     targets = run.run_targets
-    figures = repository.result_figures(session, run.id)
+    rows = repository.result_figures(session, run.id) if figures else {}
     return [
         ComparisonInput(
             index=c.index,
@@ -53,7 +56,7 @@ def comparison_inputs(session: Session, run: ReplayRun) -> list[ComparisonInput]
             b=c.b,
             label=comparison_label(c, targets),
             treatment=is_treatment(c, targets),
-            figures=figures.get(c.index, []),
+            figures=rows.get(c.index, []),
         )
         for c in run.run_comparisons
     ]
@@ -75,7 +78,8 @@ def accuracy(
     def label(arm: ArmKey) -> str:
         return arm_label(arm, targets)
 
-    comparisons = inputs if inputs is not None else comparison_inputs(session, run)
+    # Accuracy needs each comparison's arms, not its figures: no result rows are loaded here.
+    comparisons = inputs if inputs is not None else comparison_inputs(session, run, figures=False)
     return accuracy_report(
         repository.answer_figures(session, run.id),
         comparisons,
@@ -137,13 +141,18 @@ def lift_between(
     run does not have is a 422 naming `a` or `b`."""
     check_comparison(run_a, comparison_a, "a")
     check_comparison(run_b, comparison_b, "b")
-
-    def side(run: ReplayRun, index: int) -> LiftSide:
-        c = run.run_comparisons[index]
-        figures = repository.result_figures(session, run.id, index).get(index, [])
-        return LiftSide(run.public_id, index, comparison_label(c, run.run_targets), figures)
-
-    return lift_report(side(run_a, comparison_a), side(run_b, comparison_b), list_limit=list_limit)
+    pairs = repository.paired_outcomes(session, run_a.id, comparison_a, run_b.id, comparison_b)
+    fixed, broke = flipped_ids(pairs, list_limit)
+    refs = repository.trace_refs(session, fixed + broke)
+    sides = LiftSides(
+        run_a.public_id,
+        comparison_a,
+        comparison_label(run_a.run_comparisons[comparison_a], run_a.run_targets),
+        run_b.public_id,
+        comparison_b,
+        comparison_label(run_b.run_comparisons[comparison_b], run_b.run_targets),
+    )
+    return lift_from_pairs(pairs, sides, refs, list_limit=list_limit)
 
 
 def store_missing(session: Session) -> int:

@@ -134,12 +134,21 @@ def record(run: ReplayRun, row: Mapping[str, Any], *, full: bool) -> dict[str, A
         if out[key] is not None:
             out[key] = bool(out[key])
     if full:
-        # The typed view of the result, as `GET /v1/replays/{id}/results` gives it.
+        # The result as `GET /v1/replays/{id}/results` gives it. The per-step arrays (margin
+        # tracks, gate firings, token ids) are written once: in this release under their
+        # earlier names (`detail.margins`, `detail.gate_fired_steps`, the `*_output_token_ids`
+        # keys), so `arms` here leaves them out; the file stays the size it was.
         read = result_read(row["result"], row["public_id"], run.public_id)
         out |= read.model_dump(
             mode="json",
-            include={"margin_at_divergence", "arms", "single_step", "semantic", "detail"},
+            include={"mode", "margin_at_divergence", "single_step", "semantic", "detail"},
         )
+        if read.arms is not None:
+            heavy = {"margins", "gate_fired_steps", "output_token_ids"}
+            out["arms"] = {
+                "a": read.arms.a.model_dump(mode="json", exclude=heavy),
+                "b": read.arms.b.model_dump(mode="json", exclude=heavy),
+            }
         out["replay_output_token_ids"] = read.detail.get("replay_output_token_ids")
         out["arm_a_output_token_ids"] = read.detail.get("arm_a_output_token_ids")
     return out

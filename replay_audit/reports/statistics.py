@@ -30,6 +30,7 @@ from replay_audit.stats.report import (
 )
 from replay_audit.stats.report import (
     AccuracyReport,
+    LiftReport,
     TraceRef,
 )
 
@@ -90,13 +91,26 @@ def run_report(
         n_results=run.n_items,
         comparisons=stats.comparisons,
         lifts=lifts,
-        pair=lift_between(session, run, pair[0], run, pair[1], list_limit=list_limit)
-        if pair is not None
-        else None,
+        pair=_pair_lift(session, run, pair, lifts, list_limit) if pair is not None else None,
         accuracy=accuracy_report(session, run, margin=margin, alpha=alpha)
         if with_accuracy
         else None,
     )
+
+
+def _pair_lift(
+    session: Session,
+    run: ReplayRun,
+    pair: tuple[int, int],
+    lifts: list[LiftReport],
+    list_limit: int,
+) -> LiftReport:
+    """The lift of `pair`: one of the run's lifts when it is one (the run page's default), else
+    built from the two comparisons' results."""
+    for lf in lifts:
+        if (lf.comparison_a, lf.comparison_b) == pair:
+            return lf
+    return lift_between(session, run, pair[0], run, pair[1], list_limit=list_limit)
 
 
 def has_reference_answers(session: Session, run: ReplayRun) -> bool:

@@ -481,36 +481,65 @@ class LiftSide:
     figures: Sequence[ResultFigures]
 
 
-def lift_report(
-    base: LiftSide, treated: LiftSide, *, list_limit: int = DEFAULT_LIST_LIMIT
+class PairedOutcome(NamedTuple):
+    """One trace of a lift: whether each side's result was an exact match (both ok)."""
+
+    trace_id: int
+    exact_a: bool
+    exact_b: bool
+
+
+@dataclass(frozen=True)
+class LiftSides:
+    """What names the two sides of a lift."""
+
+    run_a: str
+    comparison_a: int
+    label_a: str
+    run_b: str
+    comparison_b: int
+    label_b: str
+
+
+def flipped_ids(
+    pairs: Sequence[PairedOutcome], list_limit: int = DEFAULT_LIST_LIMIT
+) -> tuple[list[int], list[int]]:
+    """The first `list_limit` traces fixed (exact in b only) and broke (exact in a only), by
+    trace id: the ones a lift lists."""
+    ordered = sorted(pairs)
+    fixed = [p.trace_id for p in ordered if p.exact_b and not p.exact_a][:list_limit]
+    broke = [p.trace_id for p in ordered if p.exact_a and not p.exact_b][:list_limit]
+    return fixed, broke
+
+
+def lift_from_pairs(
+    pairs: Sequence[PairedOutcome],
+    sides: LiftSides,
+    refs: Mapping[int, TraceRef],
+    *,
+    list_limit: int = DEFAULT_LIST_LIMIT,
 ) -> LiftReport:
-    """EAR lift of `treated` over `base`, paired by trace on the traces where both are ok."""
-    a_by = {f.trace_id: f for f in base.figures if f.ok}
-    b_by = {f.trace_id: f for f in treated.figures if f.ok}
-    common = sorted(a_by.keys() & b_by.keys())
-    ea = [bool(a_by[t].exact_match) for t in common]
-    eb = [bool(b_by[t].exact_match) for t in common]
-    fixed = [t for t, x, y in zip(common, ea, eb, strict=True) if y and not x]
-    broke = [t for t, x, y in zip(common, ea, eb, strict=True) if x and not y]
-    n = len(common)
+    """EAR(b) - EAR(a) over `pairs` (the traces where both results are ok): seeded paired
+    bootstrap interval, exact McNemar test, and the fixed/broke traces (`refs` names at least
+    those of `flipped_ids`)."""
+    ordered = sorted(pairs)
+    ea = [p.exact_a for p in ordered]
+    eb = [p.exact_b for p in ordered]
+    n = len(ordered)
+    n_fixed = sum(1 for x, y in zip(ea, eb, strict=True) if y and not x)
+    n_broke = sum(1 for x, y in zip(ea, eb, strict=True) if x and not y)
     lift = low = high = None
     if n:
         res = paired_bootstrap_lift(ea, eb, resamples=BOOTSTRAP_RESAMPLES, seed=BOOTSTRAP_SEED)
         lift, low, high = res.lift, res.low, res.high
-
-    def refs(ids: list[int]) -> list[TraceRef]:
-        return [
-            TraceRef(id=b_by[t].trace_public_id, external_id=b_by[t].external_id)
-            for t in ids[:list_limit]
-        ]
-
+    fixed, broke = flipped_ids(ordered, list_limit)
     return LiftReport(
-        run_a=base.run_id,
-        comparison_a=base.comparison,
-        run_b=treated.run_id,
-        comparison_b=treated.comparison,
-        label_a=base.label,
-        label_b=treated.label,
+        run_a=sides.run_a,
+        comparison_a=sides.comparison_a,
+        run_b=sides.run_b,
+        comparison_b=sides.comparison_b,
+        label_a=sides.label_a,
+        label_b=sides.label_b,
         n=n,
         ear_a=sum(ea) / n if n else None,
         ear_b=sum(eb) / n if n else None,
@@ -520,14 +549,31 @@ def lift_report(
         confidence=0.95,
         resamples=BOOTSTRAP_RESAMPLES,
         seed=BOOTSTRAP_SEED,
-        fixed=len(fixed),
-        broke=len(broke),
-        mcnemar_p=mcnemar_exact(len(broke), len(fixed)).p_value,
-        fixed_traces=refs(fixed),
-        broke_traces=refs(broke),
-        fixed_more=len(fixed) > list_limit,
-        broke_more=len(broke) > list_limit,
+        fixed=n_fixed,
+        broke=n_broke,
+        mcnemar_p=mcnemar_exact(n_broke, n_fixed).p_value,
+        fixed_traces=[refs[t] for t in fixed],
+        broke_traces=[refs[t] for t in broke],
+        fixed_more=n_fixed > list_limit,
+        broke_more=n_broke > list_limit,
     )
+
+
+def lift_report(
+    base: LiftSide, treated: LiftSide, *, list_limit: int = DEFAULT_LIST_LIMIT
+) -> LiftReport:
+    """EAR lift of `treated` over `base`, paired by trace on the traces where both are ok."""
+    a_by = {f.trace_id: f for f in base.figures if f.ok}
+    b_by = {f.trace_id: f for f in treated.figures if f.ok}
+    pairs = [
+        PairedOutcome(t, bool(a_by[t].exact_match), bool(b_by[t].exact_match))
+        for t in a_by.keys() & b_by.keys()
+    ]
+    refs = {t: TraceRef(id=f.trace_public_id, external_id=f.external_id) for t, f in b_by.items()}
+    sides = LiftSides(
+        base.run_id, base.comparison, base.label, treated.run_id, treated.comparison, treated.label
+    )
+    return lift_from_pairs(pairs, sides, refs, list_limit=list_limit)
 
 
 def accuracy_report(

@@ -81,6 +81,12 @@ def test_jsonl_has_typed_fields_detail_and_tokens(
         assert rec["exact_match"] is x["exact_match"]
         assert rec["replay_output_token_ids"] == x["detail"]["replay_output_token_ids"]
         assert rec["detail"]["margins"] == x["detail"]["margins"]
+        # The typed result, as the results page gives it (per-step arrays written once, above).
+        for arm in ("a", "b"):
+            heavy = ("margins", "gate_fired_steps", "output_token_ids")
+            assert rec["arms"][arm] == {k: v for k, v in x["arms"][arm].items() if k not in heavy}
+        assert rec["margin_at_divergence"] == x["margin_at_divergence"]
+        assert rec["single_step"] == x["single_step"] and rec["semantic"] == x["semantic"]
         assert isinstance(rec["tags"], list)
     xss = next(rec for rec in records if rec["trace_id"] == seeded_run.xss_trace_id)
     assert xss["tags"] == ["=cmd", "production"]  # JSON carries data unchanged
