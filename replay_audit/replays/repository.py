@@ -274,28 +274,25 @@ def has_reference_answers(session: Session, run_id: int) -> bool:
 
 def answer_figures(session: Session, run_id: int) -> list[AnswerFigures]:
     """The extracted answers of every ok result whose trace has a reference answer (from the
-    result's answer columns: no JSON is parsed)."""
-    stmt = (
-        select(
-            R.comparison,
-            R.trace_id,
-            R.answer_extractor,
-            R.answer_a,
-            R.answer_b,
-            Trace.reference_answer,
-        )
-        .join(Trace, Trace.id == R.trace_id)
-        .where(
-            R.run_id == run_id,
-            R.status == "ok",
-            Trace.reference_answer.is_not(None),
-            R.answer_extractor.is_not(None),
-        )
+    result's answer columns: no JSON is parsed). The references are read once per trace, not
+    once per result (a trace row is wide: its token arrays)."""
+    answers = session.execute(
+        select(R.comparison, R.trace_id, R.answer_extractor, R.answer_a, R.answer_b)
+        .where(R.run_id == run_id, R.status == "ok", R.answer_extractor.is_not(None))
         .order_by(R.trace_id, R.comparison)
+    ).all()
+    run_traces = select(R.trace_id).where(R.run_id == run_id, R.comparison == 0)
+    references = dict(
+        session.execute(
+            select(Trace.id, Trace.reference_answer).where(
+                Trace.id.in_(run_traces), Trace.reference_answer.is_not(None)
+            )
+        ).all()
     )
     return [
-        AnswerFigures(int(c), int(t), str(extractor), a, b, str(reference))
-        for c, t, extractor, a, b, reference in session.execute(stmt)
+        AnswerFigures(int(c), int(t), str(extractor), a, b, str(references[t]))
+        for c, t, extractor, a, b in answers
+        if t in references
     ]
 
 

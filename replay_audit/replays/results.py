@@ -21,14 +21,7 @@ import numpy as np
 from replay_audit.db.base import utcnow
 from replay_audit.diff.answer import SemanticAgreement
 from replay_audit.replays.domain import ArmMargin, ArmOutcome, ReplayOutcome, SingleStep
-from replay_audit.replays.models import ReplayResult
-from replay_audit.replays.schemas import (
-    ArmMarginRead,
-    ArmRead,
-    ArmsRead,
-    MarginsRead,
-    ReplayResultRead,
-)
+from replay_audit.replays.schemas import ReplayResultRead
 from replay_audit.stats.report import ResultFigures
 
 #: Longest error text stored with a failed result.
@@ -180,73 +173,86 @@ def _arms_detail(detail: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return {"a": a, "b": b}
 
 
-def _arm_read(
+def _arm_json(
     d: Mapping[str, Any],
     output: np.ndarray | None,
     gate_triggers: int | None,
     steps: int | None,
     mean_gap: float | None,
-) -> ArmRead:
+) -> dict[str, Any]:
+    """An arm as `ArmRead` JSON."""
     triggers = gate_triggers if gate_triggers is not None else d.get("gate_triggers")
     n = steps if steps is not None else d.get("steps")
-    return ArmRead(
-        target=d.get("target"),
-        output_token_ids=output.tolist() if output is not None else None,
-        gate_triggers=triggers,
-        steps=n,
-        trigger_rate=triggers / n if triggers is not None and n else None,
-        mean_gap=mean_gap if mean_gap is not None else d.get("mean_gap"),
-        changed_steps=d.get("changed_steps"),
-        gate_fired_steps=d.get("gate_fired_steps"),
-        margins=d.get("margins"),
-        environment=d.get("environment"),
-        text=d.get("text"),
-    )
+    return {
+        "target": d.get("target"),
+        "output_token_ids": output.tolist() if output is not None else None,
+        "gate_triggers": triggers,
+        "steps": n,
+        "trigger_rate": triggers / n if triggers is not None and n else None,
+        "mean_gap": mean_gap if mean_gap is not None else d.get("mean_gap"),
+        "changed_steps": d.get("changed_steps"),
+        "gate_fired_steps": d.get("gate_fired_steps"),
+        "margins": d.get("margins"),
+        "environment": d.get("environment"),
+        "text": d.get("text"),
+    }
 
 
-def _margin_read(abs_: float | None, ulps: float | None, source: str | None) -> ArmMarginRead:
-    return ArmMarginRead(abs=abs_, ulps=ulps, source=source)
-
-
-def result_read(row: ReplayResult, trace_public_id: str, run_public_id: str) -> ReplayResultRead:
-    """The API view of a stored result (also what exports, the UI and the CLI show)."""
+def result_json(row: Any, trace_public_id: str, run_public_id: str) -> dict[str, Any]:
+    """A stored result as the API's JSON (`ReplayResultRead`, deprecated aliases included; times
+    as datetimes), built without a model: the export streams it for every row. `row` is a
+    `ReplayResult` or a row of the same columns."""
     detail = dict(row.detail or {})
     arms = _arms_detail(detail)
     ok = row.status == "ok"
-    arm_a = _arm_read(arms["a"], row.output_a, row.gate_triggers_a, row.n_steps_a, None)
-    arm_b = _arm_read(arms["b"], row.output_b, row.gate_triggers, row.n_steps, row.mean_gap)
+    arm_a = _arm_json(arms["a"], row.output_a, row.gate_triggers_a, row.n_steps_a, None)
+    arm_b = _arm_json(arms["b"], row.output_b, row.gate_triggers, row.n_steps, row.mean_gap)
     margins = None
     if ok and row.first_divergence_step is not None:
-        ma = _margin_read(row.margin_a, row.margin_a_ulps, row.margin_a_source or "unavailable")
+        ma = {
+            "abs": row.margin_a,
+            "ulps": row.margin_a_ulps,
+            "source": row.margin_a_source or "unavailable",
+        }
         source_b = "scan" if detail.get("mode") == "scan" else "decode"
-        mb = _margin_read(row.margin_b, row.margin_b_ulps, source_b)
-        margins = MarginsRead(a=ma, b=mb)
+        mb = {"abs": row.margin_b, "ulps": row.margin_b_ulps, "source": source_b}
+        margins = {"a": ma, "b": mb, "logged": ma, "replay": mb}  # (deprecated names)
     single = detail.get("single_step")
     if single is not None and "a" not in single:  # an earlier release's layout
         single = {**single, "a": single.get("logged"), "b": single.get("replay")}
-    return ReplayResultRead(
-        run_id=run_public_id,
-        trace_id=trace_public_id,
-        comparison=row.comparison,
-        status=row.status,
-        error=row.error,
-        exact_match=row.exact_match,
-        first_divergence_step=row.first_divergence_step,
-        margin_at_divergence=margins,
-        category=row.category,
-        gate_triggers=row.gate_triggers,
-        trigger_rate=row.trigger_rate,
-        mean_gap=row.mean_gap,
-        tie=row.tie,
-        cascade_length=row.cascade_length,
-        length_difference=row.length_difference,
-        mode=detail.get("mode"),
-        arms=ArmsRead(a=arm_a, b=arm_b) if ok else None,
-        single_step=single,
-        semantic=_semantic_read(detail.get("semantic")),
-        detail=_legacy_detail(detail, arms, arm_a, arm_b) if ok else {},
-        created_at=row.created_at or utcnow(),
-    )
+    return {
+        "run_id": run_public_id,
+        "trace_id": trace_public_id,
+        "comparison": row.comparison,
+        "status": row.status,
+        "error": row.error,
+        "exact_match": None if row.exact_match is None else bool(row.exact_match),
+        "first_divergence_step": row.first_divergence_step,
+        "margin_at_divergence": margins,
+        "category": row.category,
+        "gate_triggers": row.gate_triggers,
+        "trigger_rate": row.trigger_rate,
+        "mean_gap": row.mean_gap,
+        "tie": None if row.tie is None else bool(row.tie),
+        "cascade_length": row.cascade_length,
+        "length_difference": row.length_difference,
+        "mode": detail.get("mode"),
+        "arms": {"a": arm_a, "b": arm_b} if ok else None,
+        "single_step": single,
+        "semantic": _semantic_read(detail.get("semantic")),
+        "detail": _legacy_detail(detail, arms, arm_a, arm_b) if ok else {},
+        "created_at": row.created_at or utcnow(),
+    }
+
+
+def result_read(row: Any, trace_public_id: str, run_public_id: str) -> ReplayResultRead:
+    """The API view of a stored result (also what the UI and the CLI show): `result_json`,
+    validated into its model (which adds the deprecated margin names itself)."""
+    data = result_json(row, trace_public_id, run_public_id)
+    margins = data["margin_at_divergence"]
+    if margins is not None:
+        data["margin_at_divergence"] = {"a": margins["a"], "b": margins["b"]}
+    return ReplayResultRead.model_validate(data)
 
 
 def _semantic_read(sem: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -268,8 +274,8 @@ def _semantic_read(sem: Mapping[str, Any] | None) -> dict[str, Any] | None:
 def _legacy_detail(
     detail: Mapping[str, Any],
     arms: Mapping[str, Mapping[str, Any]],
-    arm_a: ArmRead,
-    arm_b: ArmRead,
+    arm_a: Mapping[str, Any],
+    arm_b: Mapping[str, Any],
 ) -> dict[str, Any]:
     """The `detail` object of earlier releases (deprecated: read `arms`)."""
     b = arms["b"]
@@ -285,14 +291,14 @@ def _legacy_detail(
         "margins": b.get("margins"),
         "gate_fired_steps": b.get("gate_fired_steps"),
         "replay_text": b.get("text"),
-        "replay_output_token_ids": arm_b.output_token_ids,
+        "replay_output_token_ids": arm_b["output_token_ids"],
     }
-    if arm_a.output_token_ids is not None:
-        out["arm_a_output_token_ids"] = arm_a.output_token_ids
+    if arm_a["output_token_ids"] is not None:
+        out["arm_a_output_token_ids"] = arm_a["output_token_ids"]
         out["logged_arm"] = {
             k: arms["a"].get(k)
             for k in ("target", "gate_triggers", "steps", "mean_gap", "changed_steps", "margins")
-        } | {"gate_fired_steps": arm_a.gate_fired_steps, "text": arm_a.text}
+        } | {"gate_fired_steps": arm_a["gate_fired_steps"], "text": arm_a["text"]}
     return out
 
 

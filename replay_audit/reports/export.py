@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from replay_audit.db.unit_of_work import unit_of_work
 from replay_audit.replays.models import ReplayRun
-from replay_audit.replays.results import result_read
+from replay_audit.replays.results import result_json
 from replay_audit.reports import repository
 
 ExportFormat = Literal["csv", "jsonl"]
@@ -78,6 +78,8 @@ MEDIA_TYPES: Final[dict[str, str]] = {
 BATCH: Final = 1000
 _FORMULA_START: Final = ("=", "+", "-", "@", "\t", "\r")
 _USER_TEXT: Final = ("external_id", "model_name", "tags", "error")
+#: An arm's per-step arrays, written once in a JSONL record (under their earlier names).
+_PER_STEP: Final = frozenset({"margins", "gate_fired_steps", "output_token_ids"})
 
 
 def _arm(value: Any) -> str:
@@ -138,19 +140,17 @@ def record(run: ReplayRun, row: Mapping[str, Any], *, full: bool) -> dict[str, A
         # tracks, gate firings, token ids) are written once: in this release under their
         # earlier names (`detail.margins`, `detail.gate_fired_steps`, the `*_output_token_ids`
         # keys), so `arms` here leaves them out; the file stays the size it was.
-        read = result_read(row["result"], row["public_id"], run.public_id)
-        out |= read.model_dump(
-            mode="json",
-            include={"mode", "margin_at_divergence", "single_step", "semantic", "detail"},
-        )
-        if read.arms is not None:
-            heavy = {"margins", "gate_fired_steps", "output_token_ids"}
+        result = result_json(row["result"], row["public_id"], run.public_id)
+        detail = result["detail"]
+        out["replay_output_token_ids"] = detail.pop("replay_output_token_ids", None)
+        out["arm_a_output_token_ids"] = detail.pop("arm_a_output_token_ids", None)
+        for key in ("mode", "margin_at_divergence", "single_step", "semantic", "detail"):
+            out[key] = result[key]
+        if result["arms"] is not None:
             out["arms"] = {
-                "a": read.arms.a.model_dump(mode="json", exclude=heavy),
-                "b": read.arms.b.model_dump(mode="json", exclude=heavy),
+                arm: {k: v for k, v in values.items() if k not in _PER_STEP}
+                for arm, values in result["arms"].items()
             }
-        out["replay_output_token_ids"] = read.detail.get("replay_output_token_ids")
-        out["arm_a_output_token_ids"] = read.detail.get("arm_a_output_token_ids")
     return out
 
 

@@ -283,7 +283,13 @@ def export_batch(
         Trace.reference_answer.is_not(None).label("has_reference_answer"),
     ]
     if full:
-        columns.append(ReplayResult)
+        # The columns `replays.results.result_json` reads (a row, not an entity: no ORM
+        # bookkeeping per exported result).
+        columns += [
+            R.detail,
+            R.output_a,
+            R.output_b,
+        ]
     stmt = (
         select(*columns)
         .join(Trace, Trace.id == R.trace_id)
@@ -291,8 +297,9 @@ def export_batch(
         .order_by(R.id)
         .limit(limit)
     )
-    rows = [dict(m) for m in session.execute(stmt).mappings()]
+    rows = session.execute(stmt).all()
+    out = [dict(r._mapping) for r in rows]
     if full:
-        for r in rows:
-            r["result"] = r.pop("ReplayResult")
-    return rows
+        for d, r in zip(out, rows, strict=True):
+            d["result"] = r
+    return out

@@ -505,10 +505,9 @@ def flipped_ids(
     pairs: Sequence[PairedOutcome], list_limit: int = DEFAULT_LIST_LIMIT
 ) -> tuple[list[int], list[int]]:
     """The first `list_limit` traces fixed (exact in b only) and broke (exact in a only), by
-    trace id: the ones a lift lists."""
-    ordered = sorted(pairs)
-    fixed = [p.trace_id for p in ordered if p.exact_b and not p.exact_a][:list_limit]
-    broke = [p.trace_id for p in ordered if p.exact_a and not p.exact_b][:list_limit]
+    trace id: the ones a lift lists. `pairs` in trace id order."""
+    fixed = [p.trace_id for p in pairs if p.exact_b and not p.exact_a][:list_limit]
+    broke = [p.trace_id for p in pairs if p.exact_a and not p.exact_b][:list_limit]
     return fixed, broke
 
 
@@ -519,20 +518,19 @@ def lift_from_pairs(
     *,
     list_limit: int = DEFAULT_LIST_LIMIT,
 ) -> LiftReport:
-    """EAR(b) - EAR(a) over `pairs` (the traces where both results are ok): seeded paired
-    bootstrap interval, exact McNemar test, and the fixed/broke traces (`refs` names at least
-    those of `flipped_ids`)."""
-    ordered = sorted(pairs)
-    ea = [p.exact_a for p in ordered]
-    eb = [p.exact_b for p in ordered]
-    n = len(ordered)
+    """EAR(b) - EAR(a) over `pairs` (the traces where both results are ok, in trace id order):
+    seeded paired bootstrap interval, exact McNemar test, and the fixed/broke traces (`refs`
+    names at least those of `flipped_ids`)."""
+    ea = [p.exact_a for p in pairs]
+    eb = [p.exact_b for p in pairs]
+    n = len(pairs)
     n_fixed = sum(1 for x, y in zip(ea, eb, strict=True) if y and not x)
     n_broke = sum(1 for x, y in zip(ea, eb, strict=True) if x and not y)
     lift = low = high = None
     if n:
         res = paired_bootstrap_lift(ea, eb, resamples=BOOTSTRAP_RESAMPLES, seed=BOOTSTRAP_SEED)
         lift, low, high = res.lift, res.low, res.high
-    fixed, broke = flipped_ids(ordered, list_limit)
+    fixed, broke = flipped_ids(pairs, list_limit)
     return LiftReport(
         run_a=sides.run_a,
         comparison_a=sides.comparison_a,
@@ -567,7 +565,7 @@ def lift_report(
     b_by = {f.trace_id: f for f in treated.figures if f.ok}
     pairs = [
         PairedOutcome(t, bool(a_by[t].exact_match), bool(b_by[t].exact_match))
-        for t in a_by.keys() & b_by.keys()
+        for t in sorted(a_by.keys() & b_by.keys())
     ]
     refs = {t: TraceRef(id=f.trace_public_id, external_id=f.external_id) for t, f in b_by.items()}
     sides = LiftSides(

@@ -256,3 +256,23 @@ def test_replayer_and_protocol_do_not_import_torch() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_result_json_is_the_api_models_json(ckpt: Path) -> None:
+    """The export streams `result_json` without the model; the API validates it into
+    `ReplayResultRead`: both must give the same JSON (both arms run here, and the logged arm)."""
+    from pydantic_core import to_jsonable_python
+
+    from replay_audit.db.base import utcnow
+    from replay_audit.replays.results import result_json
+
+    pool = fake_pool({"fp16": {"next_token": flipped(5e-4), "pieces": lambda i: f" {i}"}})
+    trace = make_trace(ckpt)
+    for outcome in (
+        replay_trace(trace, Target("fp16"), pool, model_dir=ckpt, extractor="gsm8k"),
+        compare_arms(trace, Target("bf16"), Target("fp16"), pool, model_dir=ckpt),
+    ):
+        row = ReplayResult(trace_id=1, created_at=utcnow(), **result_values(0, outcome))
+        plain = to_jsonable_python(result_json(row, "tr_1", "rr_1"))
+        assert plain == result_read(row, "tr_1", "rr_1").model_dump(mode="json")
+        assert plain["margin_at_divergence"]["logged"] == plain["margin_at_divergence"]["a"]
