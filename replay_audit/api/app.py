@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, Depends, FastAPI
 from pydantic import BaseModel
 
 import replay_audit
 from replay_audit.api.body_limit import BodyLimitMiddleware
+from replay_audit.api.deps import refuse_unstorable_parameters
 from replay_audit.api.errors import install_error_handlers
 from replay_audit.api.health import router as health_router
 from replay_audit.config import Settings, get_settings
@@ -41,9 +42,10 @@ def _routers() -> list[APIRouter]:
     ]
 
 
-#: Request bodies read raw by their endpoints (for speed and the size limit), so FastAPI does
-#: not see them; their schemas are added to the OpenAPI components by hand.
-_RAW_BODY_MODELS: tuple[type[BaseModel], ...] = (TraceCreate, TraceBatchCreate)
+def raw_body_models() -> tuple[type[BaseModel], ...]:
+    """Request bodies read raw by their endpoints (for speed and the size limit), so FastAPI
+    does not see them; their schemas are added to the OpenAPI components by hand."""
+    return (TraceCreate, TraceBatchCreate)
 
 
 def _install_openapi(app: FastAPI) -> None:
@@ -54,7 +56,7 @@ def _install_openapi(app: FastAPI) -> None:
             return app.openapi_schema
         schema = base_openapi()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in _RAW_BODY_MODELS:
+        for model in raw_body_models():
             model_schema = model.model_json_schema(
                 ref_template="#/components/schemas/{model}", mode="validation"
             )
@@ -76,6 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=replay_audit.__version__,
         summary="Cross-precision replay and audit of LLM inference",
         docs_url="/docs",
+        dependencies=[Depends(refuse_unstorable_parameters)],
     )
     app.state.settings = settings
     app.state.engine = get_engine(settings.database_url)

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from replay_audit.exceptions import (
     PayloadTooLarge,
     ReplayAuditError,
 )
+from replay_audit.input import UnstorableText
 from replay_audit.traces.schemas import TraceFieldError, TraceTooLarge
 
 logger = logging.getLogger(__name__)
@@ -35,11 +37,21 @@ logger = logging.getLogger(__name__)
 _LOCATIONS = frozenset({"body", "query", "path", "header", "cookie"})
 
 
+#: `loc` parts pydantic adds inside unions and dict keys, which name a schema, not a field.
+_SCHEMA_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")
+
+
 def format_loc(loc: Sequence[int | str]) -> str:
-    """("top_k", "logits", 3) -> "top_k.logits[3]"; the request location prefix is dropped."""
+    """("top_k", "logits", 3) -> "top_k.logits[3]"; the request location prefix is dropped, and
+    so are the union member tags pydantic adds ("str", "function-after[...]"); an invalid dict
+    key names its dict."""
     parts = list(loc)
     if len(parts) > 1 and parts[0] in _LOCATIONS:
         parts = parts[1:]
+    if len(parts) >= 2 and parts[-1] == "[key]":
+        parts = parts[:-2]
+    while len(parts) > 1 and isinstance(parts[-1], str) and _SCHEMA_TAG.match(parts[-1]):
+        parts.pop()
     out = ""
     for part in parts:
         if isinstance(part, int):
@@ -53,7 +65,12 @@ def error_from_validation(errors: Sequence[Any]) -> ReplayAuditError:
     """The domain error for the first of pydantic's `errors()` (the one the client fixes first)."""
     if not errors:
         return FieldError("invalid input", field="body")
-    first = errors[0]
+    # Unstorable text first: inside a union it comes with one error per member, the others
+    # saying only that the value is not of that member's type.
+    first = next(
+        (e for e in errors if isinstance((e.get("ctx") or {}).get("error"), UnstorableText)),
+        errors[0],
+    )
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, TraceTooLarge):
         return PayloadTooLarge(str(cause), field=cause.field)

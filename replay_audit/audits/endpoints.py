@@ -6,7 +6,6 @@ admins read. Another project's schedule is a 404, like any object of another pro
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, Query, Response, status
@@ -29,6 +28,7 @@ from replay_audit.audits.schemas import (
 )
 from replay_audit.auth.models import Role
 from replay_audit.auth.schemas import Principal
+from replay_audit.input import UtcDatetime
 
 router = APIRouter(prefix="/v1/audits/schedules", tags=["audits"])
 
@@ -117,7 +117,7 @@ def list_runs(
     session: DBSession,
     principal: Reader,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    before: datetime | None = None,
+    before: UtcDatetime | None = None,
 ) -> AuditRunList:
     """The schedule's runs, newest due time first (`before`: older than this due time)."""
     schedule = service.get_schedule(session, principal.project_id, schedule_id)

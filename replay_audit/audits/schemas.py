@@ -28,6 +28,7 @@ from replay_audit.audits.sampling import Policy
 from replay_audit.audits.schedule import NIGHTLY, validate_cron
 from replay_audit.exceptions import FieldError
 from replay_audit.formats import Mode
+from replay_audit.input import InputModel, Lax
 from replay_audit.replays.schemas import MAX_REPLAY_TRACES, ReplayCreate, TargetSpec
 from replay_audit.traces.schemas import BodyDTypeName, Name, Tag
 from replay_audit.traces.selection import TraceSelection
@@ -43,11 +44,13 @@ MAX_WINDOW_HOURS = 24 * 90
 MAX_CATCH_UP = 100
 
 
-class _Strict(BaseModel):
+class _Frozen(BaseModel):
+    """A response model: what the service built, not validated input."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class Selection(_Strict):
+class Selection(InputModel):
     """Which traces are candidates: greedy ones carrying all of `tags`, of the model and
     configuration if given, created in the `window_hours` before the due time."""
 
@@ -78,13 +81,13 @@ class Selection(_Strict):
         )
 
 
-class ScheduleReplay(_Strict):
+class ScheduleReplay(InputModel):
     """What each run replays: ReplayCreate's fields without the trace selection."""
 
     targets: list[TargetSpec] = Field(default_factory=list)
     mode: Mode = "decode"
     compare: Literal["logged", "pairwise"] = "logged"
-    pairs: list[tuple[int, int]] | None = None
+    pairs: list[Annotated[tuple[int, int], Lax]] | None = None
     compare_with: Literal["self"] | None = None
     top_k: int = Field(default=5, ge=2, le=20)
 
@@ -107,7 +110,7 @@ def _cron(value: str) -> str:
         raise ValueError(e.message) from None
 
 
-class ScheduleCreate(_Strict):
+class ScheduleCreate(InputModel):
     name: Name
     cron: str = NIGHTLY
     selection: Selection = Selection()
@@ -124,7 +127,7 @@ class ScheduleCreate(_Strict):
     _check_cron = field_validator("cron")(_cron)
 
 
-class ScheduleUpdate(_Strict):
+class ScheduleUpdate(InputModel):
     """PATCH: only the fields sent change. Pausing stops the scheduler; resuming starts afresh
     (due times while paused are neither run nor counted as missed)."""
 
@@ -136,7 +139,7 @@ class ScheduleUpdate(_Strict):
     webhook_url: Annotated[AnyHttpUrl, Field(max_length=2000)] | None = None
 
 
-class AuditRunRead(_Strict):
+class AuditRunRead(_Frozen):
     id: str
     schedule_id: str
     due_at: datetime
@@ -154,7 +157,7 @@ class AuditRunRead(_Strict):
     evaluated_at: datetime | None
 
 
-class ScheduleRead(_Strict):
+class ScheduleRead(_Frozen):
     id: str
     project: str
     name: str
@@ -179,31 +182,31 @@ class ScheduleRead(_Strict):
     missed: int
 
 
-class ScheduleList(_Strict):
+class ScheduleList(_Frozen):
     items: list[ScheduleRead]
 
 
-class AuditRunCreated(_Strict):
+class AuditRunCreated(_Frozen):
     run: AuditRunRead
     created: bool
 
 
-class AuditRunList(_Strict):
+class AuditRunList(_Frozen):
     items: list[AuditRunRead]
 
 
-class CatchUpRequest(_Strict):
+class CatchUpRequest(InputModel):
     #: Start at most this many of the missed runs, the newest first.
     limit: int = Field(default=MAX_CATCH_UP, ge=1, le=MAX_CATCH_UP)
 
 
-class CatchUpResult(_Strict):
+class CatchUpResult(_Frozen):
     started: list[AuditRunRead]
     #: Missed due times left (beyond `limit`).
     remaining: int
 
 
-class Missed(_Strict):
+class Missed(_Frozen):
     schedule_id: str
     #: Due times in [since, now - grace] with no run, oldest first.
     due_at: list[datetime]
@@ -211,7 +214,7 @@ class Missed(_Strict):
     truncated: bool
 
 
-class TrendPoint(_Strict):
+class TrendPoint(_Frozen):
     """One run of a schedule on the trend chart (null where the run has no such number)."""
 
     audit_run_id: str
@@ -233,12 +236,12 @@ class TrendPoint(_Strict):
     flagged: bool
 
 
-class Trend(_Strict):
+class Trend(_Frozen):
     schedule_id: str
     points: list[TrendPoint]
 
 
-class AlertRead(_Strict):
+class AlertRead(_Frozen):
     id: str
     audit_run_id: str
     url: str
@@ -250,5 +253,5 @@ class AlertRead(_Strict):
     delivered_at: datetime | None
 
 
-class AlertList(_Strict):
+class AlertList(_Frozen):
     items: list[AlertRead]
