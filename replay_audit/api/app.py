@@ -17,7 +17,7 @@ from pydantic import BaseModel
 import replay_audit
 from replay_audit.api.body_limit import BodyLimitMiddleware
 from replay_audit.api.deps import refuse_unstorable_parameters
-from replay_audit.api.errors import install_error_handlers
+from replay_audit.api.errors import InternalErrorMiddleware, install_error_handlers
 from replay_audit.api.health import router as health_router
 from replay_audit.config import Settings, get_settings
 from replay_audit.db.engine import get_engine, get_sessionmaker
@@ -87,6 +87,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.queue = build_job_queue(settings)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(InternalErrorMiddleware)  # added last: the outermost of ours
     for router in _routers():
         app.include_router(router)
     from replay_audit.ui import mount_ui

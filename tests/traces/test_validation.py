@@ -230,20 +230,6 @@ def test_any_endpoint_refuses_a_declared_body_over_the_limit(
     assert answer.status_code == 413 and answer.json()["field"] == "body"
 
 
-def test_a_chunked_body_to_a_fastapi_parsed_endpoint_is_refused(
-    make_client: Callable[..., TestClient], headers: Headers
-) -> None:
-    client = make_client(max_request_bytes=100)
-    body = b'{"role": "auditor", "name": "' + b"x" * 200 + b'"}'
-    answer = client.post(
-        "/v1/keys", content=iter([body[:50], body[50:]]),
-        headers=headers("admin") | {"Content-Type": "application/json"},
-    )
-    assert 400 <= answer.status_code < 500
-    keys = client.get("/v1/keys", headers=headers("admin")).json()["items"]
-    assert all(k["role"] == "admin" for k in keys)  # the auditor key was not created
-
-
 def test_a_batch_stores_its_good_items_beside_an_out_of_range_number(
     client: TestClient, headers: Headers, db_url: str
 ) -> None:
