@@ -8,10 +8,12 @@ carrying one used to reach the database and fail there with a 500. `InputModel` 
 whatever the annotation) with `refuse_unstorable`, so a new field cannot forget the check; the
 API applies the same function to query and path parameters (`api.deps`).
 
-Strictness. Request models are strict (`strict=True`): a token id must be a JSON integer, not
-`true`, `"3"` or `3.0`; a logit a JSON number, not `"99.0"`. What was stored reads back exactly
-as sent. The few fields whose JSON form is a string of another type (times, enums given by
-value, pairs written as arrays) relax it for themselves with `Lax`.
+Strictness. Request models are strict (`strict=True`): a number is a JSON number, not `"3"`
+or `true`; a logit a JSON number, not `"99.0"`. An integer field takes what JSON Schema calls
+an integer (27, and 27.0, the same value), except in models with `exact_integers = True` (the
+trace contract: a token id is stored and read back as sent, so `3.0` there is a 422). The few
+fields whose JSON form is a string of another type (times, enums given by value, pairs written
+as arrays) relax strictness for themselves with `Lax`.
 
 Times. `UtcDatetime` is a time converted to UTC at the edge (a time without a zone is UTC):
 one whose UTC value is outside the years 1..9999 is a 422, not an overflow in the database.
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, ClassVar, Final
 
 from pydantic import (
     AfterValidator,
@@ -57,17 +59,28 @@ def refuse_unstorable(value: str) -> str:
     return value
 
 
-def _check_strings(schema: Any) -> Any:
-    # Every `str` validator in the schema, wherever it sits, gets the check after it. Schemas
-    # of nested models are their own classes' (already checked); serialization is output.
+def integral_float(value: Any) -> Any:
+    """27.0 -> 27 (JSON Schema's integer is a value, not a spelling); anything else as is."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+def _wrap(schema: Any, exact_integers: bool) -> Any:
+    # Every `str` validator in the schema, wherever it sits, gets the storable-text check after
+    # it; every `int` validator takes integral floats unless the model wants exact integers.
+    # Schemas of nested models are their own classes' (already wrapped); serialization is
+    # output, metadata is not a schema.
     if isinstance(schema, list):
-        return [_check_strings(item) for item in schema]
+        return [_wrap(item, exact_integers) for item in schema]
     if not isinstance(schema, dict):
         return schema
     if schema.get("type") == "str":
         return core_schema.no_info_after_validator_function(refuse_unstorable, schema)
+    if schema.get("type") == "int" and not exact_integers:
+        return core_schema.no_info_before_validator_function(integral_float, schema)
     return {
-        key: value if key in ("serialization", "metadata") else _check_strings(value)
+        key: value if key in ("serialization", "metadata") else _wrap(value, exact_integers)
         for key, value in schema.items()
     }
 
@@ -77,12 +90,14 @@ class InputModel(BaseModel):
     every string checked with `refuse_unstorable` (see the module docstring)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    #: True: an integer field takes a JSON integer only, not an integral float (see above).
+    exact_integers: ClassVar[bool] = False
 
     @classmethod
     def __get_pydantic_core_schema__(
         cls, source: Any, handler: GetCoreSchemaHandler
     ) -> core_schema.CoreSchema:
-        schema: core_schema.CoreSchema = _check_strings(handler(source))
+        schema: core_schema.CoreSchema = _wrap(handler(source), cls.exact_integers)
         return schema
 
 
@@ -91,11 +106,20 @@ class InputModel(BaseModel):
 Lax: Final = Strict(False)
 
 
+_DATE_TIME: Final = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}")
+
+
 def _string_or_time(value: Any) -> Any:
-    # A time is a JSON string (ISO 8601); a number would be read as seconds since 1970.
-    if isinstance(value, str | datetime):
+    # A time is an ISO 8601 date-time string; pydantic alone would also read a number (or a
+    # numeric string, as every query value is) as seconds since 1970.
+    if isinstance(value, datetime):
         return value
-    raise ValueError("must be an ISO 8601 date-time string")
+    if isinstance(value, str) and _DATE_TIME.match(value):
+        try:
+            return datetime.fromisoformat(value)
+        except ValueError:
+            pass
+    raise ValueError("must be an ISO 8601 date-time, e.g. 2024-05-01T00:00:00Z")
 
 
 def _as_utc(value: datetime) -> datetime:

@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -39,6 +39,17 @@ from replay_audit.input import UnstorableText
 from replay_audit.traces.schemas import TraceFieldError, TraceTooLarge
 
 logger = logging.getLogger(__name__)
+
+class ErrorBody(BaseModel):
+    """The body of every error answer (the OpenAPI document declares it for each one)."""
+
+    #: The error's class: `FieldError`, `NotFound`, ... (docs/api.md lists them).
+    error: str
+    #: What is wrong, for a person.
+    detail: str
+    #: The input at fault, when there is one: `config.dtype`, `top_k.logits[3]`, `body`.
+    field: str | None = None
+
 
 #: Leading `loc` parts that say where a value came from, not which field it is.
 _LOCATIONS = frozenset({"body", "query", "path", "header", "cookie"})

@@ -10,7 +10,7 @@ from sqlalchemy.exc import SQLAlchemyError
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
+@router.get("/healthz", responses={503: {"description": "The database does not answer"}})
 def healthz(request: Request) -> JSONResponse:
     """200 `{"status": "ok"}` when a `SELECT 1` succeeds, 503 otherwise. No key needed."""
     engine: Engine = request.app.state.engine

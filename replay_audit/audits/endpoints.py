@@ -6,7 +6,7 @@ admins read. Another project's schedule is a 404, like any object of another pro
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Query, Response, status
 
@@ -40,7 +40,14 @@ def _read(session: DBSession, schedule: AuditSchedule, principal: Principal) -> 
     return service.to_reads(session, [schedule], reveal_webhook=principal.role == Role.admin)[0]
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=ScheduleRead)
+_NAME_TAKEN: dict[int | str, dict[str, Any]] = {
+    409: {"description": "A schedule of this name exists in the project"}
+}
+
+
+@router.post(
+    "", status_code=status.HTTP_201_CREATED, response_model=ScheduleRead, responses=_NAME_TAKEN
+)
 def create_schedule(
     body: ScheduleCreate, session: DBSession, queue: Queue, principal: Admin
 ) -> ScheduleRead:
@@ -66,7 +73,7 @@ def read_schedule(schedule_id: str, session: DBSession, principal: Reader) -> Sc
     return _read(session, schedule, principal)
 
 
-@router.patch("/{schedule_id}", response_model=ScheduleRead)
+@router.patch("/{schedule_id}", response_model=ScheduleRead, responses=_NAME_TAKEN)
 def update_schedule(
     schedule_id: str, body: ScheduleUpdate, session: DBSession, principal: Admin
 ) -> ScheduleRead:

@@ -22,14 +22,32 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from replay_audit.audits.sampling import Policy
 from replay_audit.audits.schedule import NIGHTLY, validate_cron
 from replay_audit.exceptions import FieldError
 from replay_audit.formats import Mode
 from replay_audit.input import InputModel, Lax
-from replay_audit.replays.schemas import MAX_REPLAY_TRACES, ReplayCreate, TargetSpec
+from replay_audit.replays.schemas import (
+    MAX_REPLAY_TRACES,
+    TARGETS_RULE,
+    ReplayCreate,
+    TargetIndex,
+    TargetSpec,
+)
 from replay_audit.traces.schemas import BodyDTypeName, Name, Tag
 from replay_audit.traces.selection import TraceSelection
 
@@ -82,12 +100,15 @@ class Selection(InputModel):
 
 
 class ScheduleReplay(InputModel):
-    """What each run replays: ReplayCreate's fields without the trace selection."""
+    """What each run replays: ReplayCreate's fields without the trace selection (and its
+    rules: at least one target or `compare_with: "self"`, ...)."""
+
+    model_config = ConfigDict(json_schema_extra=TARGETS_RULE)
 
     targets: list[TargetSpec] = Field(default_factory=list)
     mode: Mode = "decode"
     compare: Literal["logged", "pairwise"] = "logged"
-    pairs: list[Annotated[tuple[int, int], Lax]] | None = None
+    pairs: list[Annotated[tuple[TargetIndex, TargetIndex], Lax]] | None = None
     compare_with: Literal["self"] | None = None
     top_k: int = Field(default=5, ge=2, le=20)
 
@@ -101,6 +122,31 @@ class ScheduleReplay(InputModel):
         return ReplayCreate(
             trace_ids=trace_ids, idempotency_key=idempotency_key, **self.model_dump()
         )
+
+
+_HTTP_URL: TypeAdapter[AnyHttpUrl] = TypeAdapter(AnyHttpUrl)
+
+
+def _http_url(value: str) -> str:
+    # Checked as an http(s) URL, stored as sent: its length is the length the client sent
+    # (a normalised URL can be longer than the 2,000 characters the column holds).
+    try:
+        _HTTP_URL.validate_python(value)
+    except ValidationError:
+        raise ValueError("must be an http(s) URL") from None
+    return value
+
+
+#: An http(s) URL of at most 2,000 characters, kept as sent.
+WebhookUrl = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=2000, pattern=r"^[hH][tT][tT][pP][sS]?://"),
+    AfterValidator(_http_url),
+    WithJsonSchema(
+        {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2000,
+         "pattern": "^[hH][tT][tT][pP][sS]?://"}
+    ),
+]
 
 
 def _cron(value: str) -> str:
@@ -121,7 +167,7 @@ class ScheduleCreate(InputModel):
     #: Flag a run whose EAR falls more than this many percentage points below the trailing
     #: 7-run mean of the same comparison.
     ear_drop_points: float = Field(default=5.0, gt=0, le=100, allow_inf_nan=False)
-    webhook_url: Annotated[AnyHttpUrl, Field(max_length=2000)] | None = None
+    webhook_url: WebhookUrl | None = None
     status: ScheduleStatus = "active"
 
     _check_cron = field_validator("cron")(_cron)
@@ -136,7 +182,7 @@ class ScheduleUpdate(InputModel):
     sample_size: int | None = Field(default=None, ge=1, le=MAX_REPLAY_TRACES)
     ear_drop_points: float | None = Field(default=None, gt=0, le=100, allow_inf_nan=False)
     #: null removes the webhook.
-    webhook_url: Annotated[AnyHttpUrl, Field(max_length=2000)] | None = None
+    webhook_url: WebhookUrl | None = None
 
 
 class AuditRunRead(_Frozen):

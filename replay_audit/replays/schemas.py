@@ -111,13 +111,38 @@ class TraceFilter(InputModel):
         )
 
 
+#: JSON Schema of the rule "at least one target, or the self-replay" (`compare_with: "self"`),
+#: which the model validator enforces: the OpenAPI document states it too.
+TARGETS_RULE: dict[str, Any] = {
+    "anyOf": [
+        {"required": ["targets"], "properties": {"targets": {"minItems": 1}}},
+        {"required": ["compare_with"], "properties": {"compare_with": {"const": "self"}}},
+    ]
+}
+#: JSON Schema of "exactly one of trace_ids (a list) and filter (an object)".
+SELECTION_RULE: dict[str, Any] = {
+    "oneOf": [
+        {"required": ["trace_ids"], "properties": {"trace_ids": {"type": "array"}}},
+        {"required": ["filter"], "properties": {"filter": {"type": "object"}}},
+    ]
+}
+#: A pair of comparisons: indices of targets (the self-replay, if any, is the last).
+TargetIndex = Annotated[int, Field(ge=0, le=MAX_TARGETS)]
+
+
 class ReplayCreate(InputModel):
+    """A replay run. Exactly one of `trace_ids` and `filter`; at least one target, or
+    `compare_with: "self"`. `compare: "pairwise"` needs two targets or more (the self-replay
+    counts), and each of `pairs` names two different ones; `pairs` is only given with it."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": [SELECTION_RULE, TARGETS_RULE]})
+
     trace_ids: list[str] | None = Field(default=None, min_length=1, max_length=MAX_REPLAY_TRACES)
     filter: TraceFilter | None = None
     targets: list[TargetSpec] = Field(default_factory=list, max_length=MAX_TARGETS)
     mode: Mode = "decode"
     compare: Literal["logged", "pairwise"] = "logged"
-    pairs: list[Annotated[tuple[int, int], Lax]] | None = None
+    pairs: list[Annotated[tuple[TargetIndex, TargetIndex], Lax]] | None = None
     compare_with: Literal["self"] | None = None
     #: A client-chosen key: the same key in a project returns the existing run (no duplicate).
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)

@@ -151,7 +151,9 @@ def list_traces(
     created_after: Annotated[UtcDatetime | None, Query(description=_AFTER)] = None,
     created_before: Annotated[UtcDatetime | None, Query(description=_BEFORE)] = None,
     greedy: Annotated[bool | None, Query(description=_GREEDY)] = None,
-    cursor: Annotated[str | None, Query(description="`next_cursor` of the previous page")] = None,
+    cursor: Annotated[
+        str | None, Query(min_length=1, description="`next_cursor` of the previous page")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=service.MAX_PAGE_SIZE)] = 100,
 ) -> TracePage:
     if model is not None and model_name is not None and model != model_name:

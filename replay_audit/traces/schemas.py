@@ -87,31 +87,38 @@ assert set(BODY_DTYPES) == set(BodyDTypeName.__args__)  # type: ignore[attr-defi
 assert set(HEAD_DTYPES) == set(HeadDTypeName.__args__)  # type: ignore[attr-defined]
 
 
+class TraceInput(InputModel):
+    """A request model of the trace contract: integers are exact JSON integers (a token id
+    `3.0` is refused, not stored as 3: what is stored reads back as sent)."""
+
+    exact_integers = True
+
+
 class _Frozen(BaseModel):
     """A response model: what the service built, not validated input."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ModelRef(InputModel):
+class ModelRef(TraceInput):
     name: Name
     revision: str | None = Field(default=None, max_length=200)
     weights_sha256: Sha256
     vocab_size: int = Field(ge=2, le=2**31 - 1)
 
 
-class GpuInfo(InputModel):
+class GpuInfo(TraceInput):
     name: Name
     #: Compute capability, "major.minor" (e.g. "8.6", "9.0").
     sm: Annotated[str, StringConstraints(pattern=r"^\d{1,2}\.\d{1,2}$")]
 
 
-class EngineInfo(InputModel):
+class EngineInfo(TraceInput):
     name: Name
     version: str | None = Field(default=None, max_length=100)
 
 
-class NumericalConfig(InputModel):
+class NumericalConfig(TraceInput):
     """Everything that changes the numbers. Stored once per distinct content (its hash)."""
 
     dtype: BodyDTypeName
@@ -145,7 +152,7 @@ class NumericalConfig(InputModel):
         return self
 
 
-class Decoding(InputModel):
+class Decoding(TraceInput):
     #: Only greedy traces can be replayed; others are stored but refused by replays.
     strategy: Literal["greedy", "sample", "beam", "other"] = "greedy"
     max_new_tokens: int | None = Field(default=None, ge=1, le=MAX_TRACE_TOKENS)
@@ -177,7 +184,7 @@ def _first_length_not(rows: Sequence[Sized], k: int) -> int | None:
     return next(t for t, row in enumerate(rows) if len(row) != k)
 
 
-class TopK(InputModel):
+class TopK(TraceInput):
     """Per-step top-k of the logged arm: `ids[t]` and `logits[t]` for output step t, sorted by
     logit descending. Logits are the arm's native values, exactly converted to float32."""
 
@@ -208,7 +215,7 @@ class TopK(InputModel):
         return PackedTopK(k, ids.tobytes(), logits32.tobytes())
 
 
-class TraceCreate(InputModel):
+class TraceCreate(TraceInput):
     external_id: str | None = Field(default=None, min_length=1, max_length=200)
     model: ModelRef
     config: NumericalConfig
@@ -332,11 +339,22 @@ class IngestResult(_Frozen):
     error: dict[str, Any] | None = None
 
 
-class TraceBatchCreate(InputModel):
+def _any_item(schema: dict[str, Any]) -> None:
+    schema["items"] = {
+        "anyOf": [schema["items"], {}],
+        "description": "a TraceCreate; an item that is not gets its own 4xx result",
+    }
+
+
+class TraceBatchCreate(TraceInput):
     """Body of `POST /v1/traces:batch`. Items are validated one by one: a bad item gets its own
     4xx result and the good ones are stored."""
 
-    traces: list[TraceCreate] = Field(max_length=MAX_BATCH_TRACES)
+    #: The document says what the server does: any item is taken, and one that is not a
+    #: valid TraceCreate gets its own 4xx result (the request does not fail).
+    traces: list[TraceCreate] = Field(
+        max_length=MAX_BATCH_TRACES, json_schema_extra=_any_item
+    )
 
 
 class TraceBatchResult(_Frozen):

@@ -5,33 +5,23 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from replay_audit.api.app import create_app
 from replay_audit.config import Settings
+from tests.api.conftest import ServeApp
 
 Headers = Callable[..., dict[str, str]]
 
 ERROR_KEYS = {"error", "detail", "field"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture
-def served(settings: Settings) -> Iterator[tuple[str, int]]:
+def served(settings: Settings, serve: ServeApp) -> Iterator[tuple[str, int]]:
     """The app behind a real uvicorn (keep-alive is the server's business), with a route that
     fails."""
     app: FastAPI = create_app(settings)
@@ -40,21 +30,8 @@ def served(settings: Settings) -> Iterator[tuple[str, int]]:
     def boom() -> None:
         raise RuntimeError("a bug")
 
-    port = _free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield "127.0.0.1", port
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with serve(app) as address:
+        yield address
 
 
 def test_the_connection_stays_open_after_a_500(served: tuple[str, int]) -> None:
