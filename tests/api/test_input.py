@@ -207,3 +207,12 @@ def test_a_schedule_runs_listing_time_out_of_range_is_422(
     )
     assert answer.status_code == 422, answer.text
     assert answer.json()["field"] == "before"
+
+
+def test_the_ui_refuses_an_unstorable_query_parameter_with_its_error_page(
+    client: TestClient,
+) -> None:
+    answer = client.get("/ui/runs", params={"dtype": "bf16", "from": NUL},
+                        follow_redirects=False)
+    assert answer.status_code == 422, answer.text
+    assert answer.headers["content-type"].startswith("text/html")
