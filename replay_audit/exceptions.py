@@ -7,6 +7,7 @@
     ├── NotAuthenticated             401  missing or unknown API key
     ├── PermissionDenied             403  the key's role may not do this
     ├── NotFound                     404  absent, or in another project
+    ├── MethodNotAllowed             405  the path has no such method (`Allow` lists its methods)
     ├── Conflict                     409
     ├── PayloadTooLarge              413  oversized trace or batch
     ├── ServiceUnavailable           503  a dependency (database, job queue) cannot be reached
@@ -53,6 +54,10 @@ class PermissionDenied(ReplayAuditError):
 
 class NotFound(ReplayAuditError):
     status_code = 404
+
+
+class MethodNotAllowed(ReplayAuditError):
+    status_code = 405
 
 
 class Conflict(ReplayAuditError):

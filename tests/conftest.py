@@ -154,7 +154,9 @@ def app(settings: Settings) -> FastAPI:
 
 @pytest.fixture
 def client(app: FastAPI) -> Iterator[TestClient]:
-    """A TestClient on the app; an unhandled server error raises in the test."""
+    """A TestClient on the app. An unhandled server error is a 500 answer, as over HTTP (the
+    app answers it itself, to keep the connection: `api.errors.InternalErrorMiddleware`); its
+    traceback is in the captured log."""
     with TestClient(app) as test_client:
         yield test_client
 

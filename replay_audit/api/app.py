@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, Depends, FastAPI
 from pydantic import BaseModel
 
 import replay_audit
 from replay_audit.api.body_limit import BodyLimitMiddleware
-from replay_audit.api.errors import install_error_handlers
+from replay_audit.api.deps import refuse_unstorable_parameters
+from replay_audit.api.errors import ErrorBody, InternalErrorMiddleware, install_error_handlers
 from replay_audit.api.health import router as health_router
 from replay_audit.config import Settings, get_settings
 from replay_audit.db.engine import get_engine, get_sessionmaker
@@ -41,9 +42,71 @@ def _routers() -> list[APIRouter]:
     ]
 
 
-#: Request bodies read raw by their endpoints (for speed and the size limit), so FastAPI does
-#: not see them; their schemas are added to the OpenAPI components by hand.
-_RAW_BODY_MODELS: tuple[type[BaseModel], ...] = (TraceCreate, TraceBatchCreate)
+def raw_body_models() -> tuple[type[BaseModel], ...]:
+    """Request bodies read raw by their endpoints (for speed and the size limit), so FastAPI
+    does not see them; their schemas are added to the OpenAPI components by hand."""
+    return (TraceCreate, TraceBatchCreate)
+
+
+#: Error answers every operation under /v1 may give (the key, the database, a bug), and those
+#: of operations with parameters or a body. Statuses an endpoint declares itself (409) keep
+#: their description and get the error body too.
+_API_ERRORS: dict[str, str] = {
+    "401": "Missing, unknown or revoked API key",
+    "403": "The key's role may not do this",
+    "404": "No such object in the key's project (or no such route)",
+    "500": "A bug; the body says nothing more (the traceback is logged server-side)",
+    "503": "The database (or the job queue) is unavailable; retry later",
+}
+_INPUT_ERRORS: dict[str, str] = {
+    "422": "Invalid input; `field` names it, e.g. `config.dtype` or `top_k.logits[3]`",
+}
+_BODY_ERRORS: dict[str, str] = {
+    "400": "Malformed JSON, an empty or unreadable body (`field`: `body`)",
+    "413": "Body over `max_request_bytes` (or a trace or batch over its size limit)",
+}
+
+
+def _document_errors(schema: dict[str, Any]) -> None:
+    """Every error answer of every operation, with the one error body (`ErrorBody`) in place
+    of FastAPI's `HTTPValidationError`, which this API never sends."""
+    components = schema["components"]["schemas"]
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    components["ErrorBody"] = ErrorBody.model_json_schema()
+    body = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+    for path, item in schema["paths"].items():
+        for operation in item.values():
+            responses = operation.setdefault("responses", {})
+            errors = {"500": _API_ERRORS["500"]}
+            if path.startswith("/v1/"):
+                errors |= _API_ERRORS
+                if operation.get("parameters") or "requestBody" in operation:
+                    errors |= _INPUT_ERRORS
+                if "requestBody" in operation:
+                    errors |= _BODY_ERRORS
+            for status in [*errors, *responses]:
+                if int(status) >= 400 and (path.startswith("/v1/") or status in errors):
+                    described = responses.get(status, {}).get("description")
+                    if described in (None, "Validation Error"):
+                        described = errors.get(status, "Error")
+                    responses[status] = {"description": described, "content": body}
+
+
+#: What `InputModel` and `refuse_unstorable_parameters` enforce on every string, for the
+#: strings of the document that do not already say more (a pattern, a format, an enum).
+_STORABLE_TEXT = "^[^\\x00]*$"
+
+
+def _document_storable_text(node: Any) -> None:
+    if isinstance(node, list):
+        for item in node:
+            _document_storable_text(item)
+    elif isinstance(node, dict):
+        if node.get("type") == "string" and not {"pattern", "format", "enum", "const"} & set(node):
+            node["pattern"] = _STORABLE_TEXT
+        for value in node.values():
+            _document_storable_text(value)
 
 
 def _install_openapi(app: FastAPI) -> None:
@@ -54,13 +117,18 @@ def _install_openapi(app: FastAPI) -> None:
             return app.openapi_schema
         schema = base_openapi()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in _RAW_BODY_MODELS:
+        for model in raw_body_models():
             model_schema = model.model_json_schema(
                 ref_template="#/components/schemas/{model}", mode="validation"
             )
             for name, definition in model_schema.pop("$defs", {}).items():
                 components.setdefault(name, definition)
             components[model.__name__] = model_schema
+        _document_errors(schema)
+        _document_storable_text(schema["paths"])
+        for name, component in schema["components"]["schemas"].items():
+            if name != "ErrorBody":  # it may quote what was refused
+                _document_storable_text(component)
         app.openapi_schema = schema
         return schema
 
@@ -76,6 +144,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=replay_audit.__version__,
         summary="Cross-precision replay and audit of LLM inference",
         docs_url="/docs",
+        dependencies=[Depends(refuse_unstorable_parameters)],
     )
     app.state.settings = settings
     app.state.engine = get_engine(settings.database_url)
@@ -84,6 +153,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.queue = build_job_queue(settings)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(InternalErrorMiddleware)  # added last: the outermost of ours
     for router in _routers():
         app.include_router(router)
     from replay_audit.ui import mount_ui

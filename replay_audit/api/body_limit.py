@@ -1,18 +1,22 @@
 """A request-body size limit for every endpoint (`Settings.max_request_bytes`).
 
 A declared Content-Length over the limit is answered 413 at once, without reading the body.
-A body without one (chunked) is counted as it arrives and the read fails with PayloadTooLarge
-past the limit: endpoints that read their body raw (`deps.read_body`) answer 413; bodies parsed
-by FastAPI itself answer 4xx too (FastAPI reports any failure to read a body as 400). Either
+A body without one (chunked) is counted as it arrives: past the limit the read fails with
+PayloadTooLarge and the answer is 413, whatever the endpoint made of the failed read (FastAPI
+answers any failure to read a body it parses itself with 400; that answer is replaced). Either
 way no more than the limit is ever held in memory.
 """
 
 from __future__ import annotations
 
+import logging
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from replay_audit.api.errors import error_response
 from replay_audit.exceptions import PayloadTooLarge
+
+logger = logging.getLogger(__name__)
 
 
 class BodyLimitMiddleware:
@@ -25,21 +29,37 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         limit = self.max_bytes
+        too_large = PayloadTooLarge(f"request body over {limit} bytes", field="body")
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                error = PayloadTooLarge(f"request body over {limit} bytes", field="body")
-                await error_response(error)(scope, receive, send)
+                await error_response(too_large)(scope, receive, send)
                 return
 
         received = 0
+        exceeded = started = False
 
         async def limited_receive() -> Message:
-            nonlocal received
+            nonlocal received, exceeded
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise PayloadTooLarge(f"request body over {limit} bytes", field="body")
+                    exceeded = True
+                    raise too_large
             return message
 
-        await self.app(scope, limited_receive, send)
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if exceeded and not started:
+                return  # the endpoint's answer to the failed read; ours follows
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not exceeded or started:
+                raise
+            logger.debug("request body over the limit", exc_info=True)
+        if exceeded and not started:
+            await error_response(too_large)(scope, receive, send)

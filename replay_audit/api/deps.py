@@ -26,10 +26,31 @@ from replay_audit.auth.models import Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import UnitOfWork, unit_of_work
-from replay_audit.exceptions import PayloadTooLarge, PermissionDenied, QueueUnavailable
+from replay_audit.exceptions import (
+    FieldError,
+    PayloadTooLarge,
+    PermissionDenied,
+    QueueUnavailable,
+)
+from replay_audit.input import find_unstorable
 from replay_audit.queue import JobQueue
 
 _READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def refuse_unstorable_parameters(request: Request) -> None:
+    """422 naming the parameter when a path or query parameter holds a character no database
+    can store in text (NUL, a lone surrogate: `replay_audit.input`). Installed once on the app
+    (and the UI app), so it runs before every route's own dependencies: no such value reaches
+    a query. Request bodies get the same check from `InputModel`."""
+    parameters = [*request.path_params.items(), *request.query_params.multi_items()]
+    for name, value in parameters:
+        bad = find_unstorable(value) if isinstance(value, str) else None
+        if bad is not None:
+            raise FieldError(
+                f"{name}: must not contain U+{ord(bad):04X} (a database cannot store it in text)",
+                field=name,
+            )
 
 
 def get_settings(request: Request) -> Settings:

@@ -4,44 +4,74 @@
 - Request validation (pydantic, FastAPI): 422 `FieldError` naming the field path as
   `top_k.logits[3]`; a `TraceFieldError` raised inside a model validator names its own field;
   a trace over the size limit is 413; unparseable JSON is 400 naming `body`.
-- Starlette HTTP errors (unknown route, wrong method): their status, same body shape.
-- Anything else: 500 `InternalError` with no detail; the traceback goes to the log only.
+- Starlette and FastAPI HTTP errors: the domain error of their status, same body shape (404
+  `NotFound`, 405 `MethodNotAllowed` with an `Allow` header listing every documented method
+  of the path, 400 `BadRequest` naming `body` for a body FastAPI could not read or decode).
+- Anything else: 500 `InternalError` with no detail; the traceback goes to the log only. It is
+  answered by `InternalErrorMiddleware`, not by Starlette's outermost handler, which re-raises
+  to the server after answering: uvicorn then closes the connection, and a keep-alive client
+  loses the next request too.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from replay_audit.exceptions import (
     BadRequest,
     DatabaseUnavailable,
     FieldError,
+    MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
     ReplayAuditError,
 )
+from replay_audit.input import UnstorableText
 from replay_audit.traces.schemas import TraceFieldError, TraceTooLarge
 
 logger = logging.getLogger(__name__)
+
+class ErrorBody(BaseModel):
+    """The body of every error answer (the OpenAPI document declares it for each one)."""
+
+    #: The error's class: `FieldError`, `NotFound`, ... (docs/api.md lists them).
+    error: str
+    #: What is wrong, for a person.
+    detail: str
+    #: The input at fault, when there is one: `config.dtype`, `top_k.logits[3]`, `body`.
+    field: str | None = None
+
 
 #: Leading `loc` parts that say where a value came from, not which field it is.
 _LOCATIONS = frozenset({"body", "query", "path", "header", "cookie"})
 
 
+#: `loc` parts pydantic adds inside unions and dict keys, which name a schema, not a field.
+_SCHEMA_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")
+
+
 def format_loc(loc: Sequence[int | str]) -> str:
-    """("top_k", "logits", 3) -> "top_k.logits[3]"; the request location prefix is dropped."""
+    """("top_k", "logits", 3) -> "top_k.logits[3]"; the request location prefix is dropped, and
+    so are the union member tags pydantic adds ("str", "function-after[...]"); an invalid dict
+    key names its dict."""
     parts = list(loc)
     if len(parts) > 1 and parts[0] in _LOCATIONS:
         parts = parts[1:]
+    if len(parts) >= 2 and parts[-1] == "[key]":
+        parts = parts[:-2]
+    while len(parts) > 1 and isinstance(parts[-1], str) and _SCHEMA_TAG.match(parts[-1]):
+        parts.pop()
     out = ""
     for part in parts:
         if isinstance(part, int):
@@ -55,7 +85,12 @@ def error_from_validation(errors: Sequence[Any]) -> ReplayAuditError:
     """The domain error for the first of pydantic's `errors()` (the one the client fixes first)."""
     if not errors:
         return FieldError("invalid input", field="body")
-    first = errors[0]
+    # Unstorable text first: inside a union it comes with one error per member, the others
+    # saying only that the value is not of that member's type.
+    first = next(
+        (e for e in errors if isinstance((e.get("ctx") or {}).get("error"), UnstorableText)),
+        errors[0],
+    )
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, TraceTooLarge):
         return PayloadTooLarge(str(cause), field=cause.field)
@@ -84,13 +119,48 @@ async def _request_validation(_request: Request, exc: Exception) -> JSONResponse
     return error_response(error_from_validation(list(exc.errors())))
 
 
-async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, StarletteHTTPException)
-    error = NotFound(str(exc.detail)) if exc.status_code == 404 else None
-    body = (
-        error.to_dict() if error is not None else {"error": "HTTPError", "detail": str(exc.detail)}
+def _path_methods(request: Request) -> list[str]:
+    """The methods the OpenAPI document lists for the request's path (HEAD with GET, as
+    Starlette answers it)."""
+    app = request.app
+    routes: list[tuple[re.Pattern[str], frozenset[str]]] | None = getattr(
+        app.state, "documented_methods", None
     )
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    if routes is None:
+        routes = [
+            (
+                re.compile("^" + re.sub(r"\\\{\w+\\\}", "[^/]+", re.escape(path)) + "$"),
+                frozenset(m.upper() for m in item if m.upper() in _HTTP_METHODS),
+            )
+            for path, item in app.openapi().get("paths", {}).items()
+        ]
+        app.state.documented_methods = routes
+    path = request.url.path
+    methods = {m for pattern, allowed in routes if pattern.match(path) for m in allowed}
+    if "GET" in methods:
+        methods.add("HEAD")
+    return sorted(methods)
+
+
+_HTTP_METHODS = frozenset({"GET", "PUT", "POST", "DELETE", "OPTIONS", "HEAD", "PATCH", "TRACE"})
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    headers = dict(exc.headers or {})
+    error: ReplayAuditError
+    if exc.status_code == 404:
+        error = NotFound(str(exc.detail))
+    elif exc.status_code == 405:
+        error = MethodNotAllowed(f"{request.method} is not allowed on this path")
+        headers["Allow"] = ", ".join(_path_methods(request))
+    elif exc.status_code == 400:
+        # FastAPI's answer to a body it could not read (invalid UTF-8, a failed read).
+        error = BadRequest(f"unreadable request body: {exc.detail}", field="body")
+    else:  # no route raises other statuses this way; keep their status, same body shape
+        body = {"error": "HTTPError", "detail": str(exc.detail)}
+        return JSONResponse(body, status_code=exc.status_code, headers=headers)
+    return JSONResponse(error.to_dict(), status_code=error.status_code, headers=headers)
 
 
 async def _database_error(request: Request, exc: Exception) -> JSONResponse:
@@ -105,19 +175,53 @@ def database_unavailable(exc: Exception) -> DatabaseUnavailable:
     )
 
 
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return JSONResponse(
-        {"error": "InternalError", "detail": "internal server error"}, status_code=500
-    )
+#: The body of every 500 (nothing about the cause leaves the server).
+INTERNAL_ERROR: dict[str, object] = {"error": "InternalError", "detail": "internal server error"}
+
+
+class InternalErrorMiddleware:
+    """Answers an unexpected exception with the 500 body, and keeps the connection.
+
+    Outermost of the app's own middleware. An exception after the response was sent in full
+    (a mounted app that answered its own error page) is logged and goes no further; one in
+    the middle of a response is re-raised, as only closing the connection can tell the client
+    that the body is cut short.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = complete = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started, complete
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                complete = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            logger.error(
+                "unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc
+            )
+            if started and not complete:
+                raise
+            if not started:
+                await JSONResponse(INTERNAL_ERROR, status_code=500)(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Register the handlers above on `app`."""
+    """Register the handlers above on `app`, and the middleware that answers the rest."""
     app.add_exception_handler(ReplayAuditError, _domain_error)
     app.add_exception_handler(RequestValidationError, _request_validation)
     app.add_exception_handler(ValidationError, _request_validation)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(OperationalError, _database_error)
     app.add_exception_handler(InterfaceError, _database_error)
-    app.add_exception_handler(Exception, _unexpected)

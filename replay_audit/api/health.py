@@ -14,7 +14,7 @@ from replay_audit.queue import JobQueue
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
+@router.get("/healthz", responses={503: {"description": "The database does not answer"}})
 def healthz(request: Request) -> JSONResponse:
     """200 `{"status": "ok", "database": "ok", "queue": "ok"}` when a `SELECT 1` succeeds and
     the job queue takes work (Redis answers a ping under the RQ runner); 503 naming what failed

@@ -6,8 +6,7 @@ admins read. Another project's schedule is a 404, like any object of another pro
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Query, Response, status
 
@@ -32,6 +31,7 @@ from replay_audit.audits.webhook import DestinationPolicy
 from replay_audit.auth.models import READER_ROLES, Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.config import Settings
+from replay_audit.input import UtcDatetime
 
 router = APIRouter(prefix="/v1/audits/schedules", tags=["audits"])
 
@@ -54,7 +54,14 @@ def _destinations(settings: Settings) -> DestinationPolicy:
     return DestinationPolicy.parse(settings.webhook_allowed_hosts)
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=ScheduleWritten)
+_NAME_TAKEN: dict[int | str, dict[str, Any]] = {
+    409: {"description": "A schedule of this name exists in the project"}
+}
+
+
+@router.post(
+    "", status_code=status.HTTP_201_CREATED, response_model=ScheduleWritten, responses=_NAME_TAKEN
+)
 def create_schedule(
     body: ScheduleCreate, session: DBSession, queue: Queue, principal: Admin, settings: AppSettings
 ) -> ScheduleWritten:
@@ -85,7 +92,7 @@ def read_schedule(schedule_id: str, session: DBSession, principal: Reader) -> Sc
     return _read(session, schedule, principal)
 
 
-@router.patch("/{schedule_id}", response_model=ScheduleWritten)
+@router.patch("/{schedule_id}", response_model=ScheduleWritten, responses=_NAME_TAKEN)
 def update_schedule(
     schedule_id: str,
     body: ScheduleUpdate,
@@ -143,7 +150,7 @@ def list_runs(
     session: DBSession,
     principal: Reader,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    before: datetime | None = None,
+    before: UtcDatetime | None = None,
 ) -> AuditRunList:
     """The schedule's runs, newest due time first (`before`: older than this due time)."""
     schedule = service.get_schedule(session, principal.project_id, schedule_id)

@@ -22,14 +22,33 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from replay_audit.audits.sampling import Policy
 from replay_audit.audits.schedule import NIGHTLY, validate_cron
 from replay_audit.audits.webhook import ErrorClass
 from replay_audit.exceptions import FieldError
 from replay_audit.formats import Mode
-from replay_audit.replays.schemas import MAX_REPLAY_TRACES, ReplayCreate, TargetSpec
+from replay_audit.input import InputModel, Lax
+from replay_audit.replays.schemas import (
+    MAX_REPLAY_TRACES,
+    TARGETS_RULE,
+    ReplayCreate,
+    TargetIndex,
+    TargetSpec,
+)
 from replay_audit.traces.schemas import BodyDTypeName, Name, Tag
 from replay_audit.traces.selection import TraceSelection
 
@@ -44,11 +63,13 @@ MAX_WINDOW_HOURS = 24 * 90
 MAX_CATCH_UP = 100
 
 
-class _Strict(BaseModel):
+class _Frozen(BaseModel):
+    """A response model: what the service built, not validated input."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class Selection(_Strict):
+class Selection(InputModel):
     """Which traces are candidates: greedy ones carrying all of `tags`, of the model and
     configuration if given, created in the `window_hours` before the due time."""
 
@@ -79,13 +100,16 @@ class Selection(_Strict):
         )
 
 
-class ScheduleReplay(_Strict):
-    """What each run replays: ReplayCreate's fields without the trace selection."""
+class ScheduleReplay(InputModel):
+    """What each run replays: ReplayCreate's fields without the trace selection (and its
+    rules: at least one target or `compare_with: "self"`, ...)."""
+
+    model_config = ConfigDict(json_schema_extra=TARGETS_RULE)
 
     targets: list[TargetSpec] = Field(default_factory=list)
     mode: Mode = "decode"
     compare: Literal["logged", "pairwise"] = "logged"
-    pairs: list[tuple[int, int]] | None = None
+    pairs: list[Annotated[tuple[TargetIndex, TargetIndex], Lax]] | None = None
     compare_with: Literal["self"] | None = None
     top_k: int = Field(default=5, ge=2, le=20)
 
@@ -101,6 +125,31 @@ class ScheduleReplay(_Strict):
         )
 
 
+_HTTP_URL: TypeAdapter[AnyHttpUrl] = TypeAdapter(AnyHttpUrl)
+
+
+def _http_url(value: str) -> str:
+    # Checked as an http(s) URL, stored as sent: its length is the length the client sent
+    # (a normalised URL can be longer than the 2,000 characters the column holds).
+    try:
+        _HTTP_URL.validate_python(value)
+    except ValidationError:
+        raise ValueError("must be an http(s) URL") from None
+    return value
+
+
+#: An http(s) URL of at most 2,000 characters, kept as sent.
+WebhookUrl = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=2000, pattern=r"^[hH][tT][tT][pP][sS]?://"),
+    AfterValidator(_http_url),
+    WithJsonSchema(
+        {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2000,
+         "pattern": "^[hH][tT][tT][pP][sS]?://"}
+    ),
+]
+
+
 def _cron(value: str) -> str:
     try:
         return validate_cron(value)
@@ -108,7 +157,7 @@ def _cron(value: str) -> str:
         raise ValueError(e.message) from None
 
 
-class ScheduleCreate(_Strict):
+class ScheduleCreate(InputModel):
     name: Name
     cron: str = NIGHTLY
     selection: Selection = Selection()
@@ -119,13 +168,13 @@ class ScheduleCreate(_Strict):
     #: Flag a run whose EAR falls more than this many percentage points below the trailing
     #: 7-run mean of the same comparison.
     ear_drop_points: float = Field(default=5.0, gt=0, le=100, allow_inf_nan=False)
-    webhook_url: Annotated[AnyHttpUrl, Field(max_length=2000)] | None = None
+    webhook_url: WebhookUrl | None = None
     status: ScheduleStatus = "active"
 
     _check_cron = field_validator("cron")(_cron)
 
 
-class ScheduleUpdate(_Strict):
+class ScheduleUpdate(InputModel):
     """PATCH: only the fields sent change. Pausing stops the scheduler; resuming starts afresh
     (due times while paused are neither run nor counted as missed)."""
 
@@ -134,12 +183,12 @@ class ScheduleUpdate(_Strict):
     sample_size: int | None = Field(default=None, ge=1, le=MAX_REPLAY_TRACES)
     ear_drop_points: float | None = Field(default=None, gt=0, le=100, allow_inf_nan=False)
     #: null removes the webhook (and its secret).
-    webhook_url: Annotated[AnyHttpUrl, Field(max_length=2000)] | None = None
+    webhook_url: WebhookUrl | None = None
     #: true: a new signing secret replaces the webhook's secret (shown in this answer only).
     rotate_webhook_secret: bool = False
 
 
-class AuditRunRead(_Strict):
+class AuditRunRead(_Frozen):
     id: str
     schedule_id: str
     due_at: datetime
@@ -157,7 +206,7 @@ class AuditRunRead(_Strict):
     evaluated_at: datetime | None
 
 
-class ScheduleRead(_Strict):
+class ScheduleRead(_Frozen):
     id: str
     project: str
     name: str
@@ -190,31 +239,31 @@ class ScheduleWritten(ScheduleRead):
     webhook_secret: str | None = None
 
 
-class ScheduleList(_Strict):
+class ScheduleList(_Frozen):
     items: list[ScheduleRead]
 
 
-class AuditRunCreated(_Strict):
+class AuditRunCreated(_Frozen):
     run: AuditRunRead
     created: bool
 
 
-class AuditRunList(_Strict):
+class AuditRunList(_Frozen):
     items: list[AuditRunRead]
 
 
-class CatchUpRequest(_Strict):
+class CatchUpRequest(InputModel):
     #: Start at most this many of the missed runs, the newest first.
     limit: int = Field(default=MAX_CATCH_UP, ge=1, le=MAX_CATCH_UP)
 
 
-class CatchUpResult(_Strict):
+class CatchUpResult(_Frozen):
     started: list[AuditRunRead]
     #: Missed due times left (beyond `limit`).
     remaining: int
 
 
-class Missed(_Strict):
+class Missed(_Frozen):
     schedule_id: str
     #: Due times in [since, now - grace] with no run, oldest first.
     due_at: list[datetime]
@@ -222,7 +271,7 @@ class Missed(_Strict):
     truncated: bool
 
 
-class TrendPoint(_Strict):
+class TrendPoint(_Frozen):
     """One run of a schedule on the trend chart (null where the run has no such number)."""
 
     audit_run_id: str
@@ -244,12 +293,12 @@ class TrendPoint(_Strict):
     flagged: bool
 
 
-class Trend(_Strict):
+class Trend(_Frozen):
     schedule_id: str
     points: list[TrendPoint]
 
 
-class AttemptRead(_Strict):
+class AttemptRead(_Frozen):
     """One delivery attempt: its answer's status code (null without an answer) and an error
     class (null when delivered); never what the receiver answered."""
 
@@ -259,7 +308,7 @@ class AttemptRead(_Strict):
     error: ErrorClass | None
 
 
-class AlertRead(_Strict):
+class AlertRead(_Frozen):
     id: str
     audit_run_id: str
     url: str
@@ -272,5 +321,5 @@ class AlertRead(_Strict):
     delivered_at: datetime | None
 
 
-class AlertList(_Strict):
+class AlertList(_Frozen):
     items: list[AlertRead]

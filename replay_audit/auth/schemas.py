@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from replay_audit.auth.models import Role
+from replay_audit.input import InputModel, Lax
 
 
 @dataclass(frozen=True)
@@ -20,10 +22,9 @@ class Principal:
     role: Role
 
 
-class ApiKeyCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    role: Role
+class ApiKeyCreate(InputModel):
+    #: Given by value ("auditor"): an enum is a string in JSON.
+    role: Annotated[Role, Lax]
     name: str | None = Field(default=None, max_length=200)
 
 

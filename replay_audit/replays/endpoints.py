@@ -56,7 +56,9 @@ def read_results(
     run_id: str,
     session: DBSession,
     principal: Reader,
-    cursor: str | None = None,
+    cursor: Annotated[
+        str | None, Query(min_length=1, description="`next_cursor` of the previous page")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> Page:
     """Per-trace results, one item per trace x comparison, cursor-paginated."""

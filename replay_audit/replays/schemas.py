@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validat
 from replay_audit.diff.margin import DEFAULT_TAU
 from replay_audit.engine.protocol import DEFAULT_B_TOP_K, Intervention, Target
 from replay_audit.formats import CATEGORIES, MODES, Category, MarginSource, Mode, RunStatus
+from replay_audit.input import InputModel, Lax, UtcDatetime
 from replay_audit.replays.domain import RunTarget
 from replay_audit.stats.report import RunStatistics
 from replay_audit.traces.schemas import BodyDTypeName, HeadDTypeName, Tag
@@ -38,11 +39,13 @@ assert set(MODES) == set(Mode.__args__)  # type: ignore[attr-defined]
 assert set(CATEGORIES) == set(Category.__args__)  # type: ignore[attr-defined]
 
 
-class _Strict(BaseModel):
+class _Frozen(BaseModel):
+    """A response model: what the service built, not validated input."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class InterventionSpec(_Strict):
+class InterventionSpec(InputModel):
     kind: Literal["none", "A", "B", "C"] = "none"
     #: Absolute gate threshold on the top-two margin (paper default 1e-3). 0 = ungated.
     tau: float = Field(default=DEFAULT_TAU, allow_inf_nan=False)
@@ -55,7 +58,7 @@ class InterventionSpec(_Strict):
         return Intervention(kind=self.kind, tau=self.tau, tau_ulps=self.tau_ulps, top_k=self.top_k)
 
 
-class TargetSpec(_Strict):
+class TargetSpec(InputModel):
     dtype: BodyDTypeName
     lm_head_dtype: HeadDTypeName | None = None
     attn_kernel: Annotated[str, Field(pattern=r"^[a-z0-9_\-]{1,64}$")] | None = None
@@ -80,7 +83,7 @@ class TargetSpec(_Strict):
         )
 
 
-class TraceFilter(_Strict):
+class TraceFilter(InputModel):
     """The `filter` of a replay request: the greedy traces matching every field given (a
     non-greedy trace is not selected, it does not fail the request). `tag` and `tags` both
     work: the trace carries `tag` and all of `tags`."""
@@ -91,8 +94,8 @@ class TraceFilter(_Strict):
     dtype: BodyDTypeName | None = None
     tag: str | None = None
     tags: list[Tag] | None = Field(default=None, max_length=16)
-    created_after: datetime | None = None
-    created_before: datetime | None = None
+    created_after: UtcDatetime | None = None
+    created_before: UtcDatetime | None = None
 
     def to_selection(self) -> TraceSelection:
         """The traces this filter selects."""
@@ -108,13 +111,38 @@ class TraceFilter(_Strict):
         )
 
 
-class ReplayCreate(_Strict):
+#: JSON Schema of the rule "at least one target, or the self-replay" (`compare_with: "self"`),
+#: which the model validator enforces: the OpenAPI document states it too.
+TARGETS_RULE: dict[str, Any] = {
+    "anyOf": [
+        {"required": ["targets"], "properties": {"targets": {"minItems": 1}}},
+        {"required": ["compare_with"], "properties": {"compare_with": {"const": "self"}}},
+    ]
+}
+#: JSON Schema of "exactly one of trace_ids (a list) and filter (an object)".
+SELECTION_RULE: dict[str, Any] = {
+    "oneOf": [
+        {"required": ["trace_ids"], "properties": {"trace_ids": {"type": "array"}}},
+        {"required": ["filter"], "properties": {"filter": {"type": "object"}}},
+    ]
+}
+#: A pair of comparisons: indices of targets (the self-replay, if any, is the last).
+TargetIndex = Annotated[int, Field(ge=0, le=MAX_TARGETS)]
+
+
+class ReplayCreate(InputModel):
+    """A replay run. Exactly one of `trace_ids` and `filter`; at least one target, or
+    `compare_with: "self"`. `compare: "pairwise"` needs two targets or more (the self-replay
+    counts), and each of `pairs` names two different ones; `pairs` is only given with it."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": [SELECTION_RULE, TARGETS_RULE]})
+
     trace_ids: list[str] | None = Field(default=None, min_length=1, max_length=MAX_REPLAY_TRACES)
     filter: TraceFilter | None = None
     targets: list[TargetSpec] = Field(default_factory=list, max_length=MAX_TARGETS)
     mode: Mode = "decode"
     compare: Literal["logged", "pairwise"] = "logged"
-    pairs: list[tuple[int, int]] | None = None
+    pairs: list[Annotated[tuple[TargetIndex, TargetIndex], Lax]] | None = None
     compare_with: Literal["self"] | None = None
     #: A client-chosen key: the same key in a project returns the existing run (no duplicate).
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
@@ -139,19 +167,19 @@ class ReplayCreate(_Strict):
         return self
 
 
-class ReplayCreated(_Strict):
+class ReplayCreated(_Frozen):
     id: str
     created: bool
 
 
-class Progress(_Strict):
+class Progress(_Frozen):
     total: int
     done: int
     failed: int
     pending: int
 
 
-class ReplayRead(_Strict):
+class ReplayRead(_Frozen):
     id: str
     project: str
     status: RunStatus
@@ -172,7 +200,7 @@ class ReplayRead(_Strict):
     schedule_id: str | None = None
 
 
-class ArmMarginRead(_Strict):
+class ArmMarginRead(_Frozen):
     """An arm's top-2 margin at t*: absolute, in ulps of its lm_head format, and its source."""
 
     abs: float | None
@@ -180,7 +208,7 @@ class ArmMarginRead(_Strict):
     source: MarginSource | None
 
 
-class MarginsRead(_Strict):
+class MarginsRead(_Frozen):
     """Both arms' margins at t*."""
 
     a: ArmMarginRead
@@ -198,7 +226,7 @@ class MarginsRead(_Strict):
         return self.b
 
 
-class ArmRead(_Strict):
+class ArmRead(_Frozen):
     """One arm of a result. For arm A of a comparison against the logged tokens, what was not
     run here (output, steps, gate firings) is null."""
 
@@ -216,12 +244,12 @@ class ArmRead(_Strict):
     text: str | None
 
 
-class ArmsRead(_Strict):
+class ArmsRead(_Frozen):
     a: ArmRead
     b: ArmRead
 
 
-class ReplayResultRead(_Strict):
+class ReplayResultRead(_Frozen):
     run_id: str
     trace_id: str
     comparison: int
@@ -247,6 +275,6 @@ class ReplayResultRead(_Strict):
     created_at: datetime
 
 
-class Page(_Strict):
+class Page(_Frozen):
     items: list[ReplayResultRead]
     next_cursor: str | None

@@ -9,7 +9,6 @@ logged prompts or outputs. They do learn the id of a trace they re-post, which t
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
@@ -21,6 +20,7 @@ from replay_audit.auth.models import READER_ROLES, Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.config import MAX_BATCH_TRACES
 from replay_audit.exceptions import FieldError
+from replay_audit.input import UtcDatetime
 from replay_audit.traces import service
 from replay_audit.traces.fast_validation import validate_trace_fast
 from replay_audit.traces.schemas import (
@@ -148,10 +148,12 @@ def list_traces(
     attn_kernel: Annotated[str | None, Query(description="config.attn_kernel")] = None,
     tag: Annotated[list[str] | None, Query(description=_TAG)] = None,
     external_id: Annotated[str | None, Query()] = None,
-    created_after: Annotated[datetime | None, Query(description=_AFTER)] = None,
-    created_before: Annotated[datetime | None, Query(description=_BEFORE)] = None,
+    created_after: Annotated[UtcDatetime | None, Query(description=_AFTER)] = None,
+    created_before: Annotated[UtcDatetime | None, Query(description=_BEFORE)] = None,
     greedy: Annotated[bool | None, Query(description=_GREEDY)] = None,
-    cursor: Annotated[str | None, Query(description="`next_cursor` of the previous page")] = None,
+    cursor: Annotated[
+        str | None, Query(min_length=1, description="`next_cursor` of the previous page")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=service.MAX_PAGE_SIZE)] = 100,
 ) -> TracePage:
     if model is not None and model_name is not None and model != model_name:

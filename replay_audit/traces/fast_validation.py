@@ -19,9 +19,9 @@ from itertools import chain
 from typing import Any, Final, cast
 
 import numpy as np
-from pydantic import ConfigDict, ValidationError, create_model
+from pydantic import ValidationError, create_model
 
-from replay_audit.traces.schemas import PackedTopK, TopK, TraceCreate
+from replay_audit.traces.schemas import PackedTopK, TopK, TraceCreate, TraceInput
 
 _ARRAY_FIELDS: Final = frozenset({"prompt_token_ids", "output_token_ids", "top_k"})
 _TOKEN_ID_LIMIT: Final = 2**31
@@ -29,7 +29,7 @@ _TOKEN_ID_LIMIT: Final = 2**31
 #: TraceCreate without the arrays, derived from it so the two cannot drift apart.
 _TraceHeader = create_model(  # type: ignore[call-overload]
     "_TraceHeader",
-    __config__=ConfigDict(extra="forbid", frozen=True),
+    __base__=TraceInput,
     **{
         name: (info.annotation, info)
         for name, info in TraceCreate.model_fields.items()

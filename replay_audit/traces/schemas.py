@@ -7,25 +7,28 @@ with the field and never 500.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence, Sized
 from datetime import datetime
 from functools import cached_property
 from itertools import chain
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Final, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
+    PlainValidator,
     StringConstraints,
+    WithJsonSchema,
     model_validator,
 )
 
 from replay_audit.config import MAX_BATCH_TRACES, MAX_TOP_K, MAX_TRACE_TOKENS
 from replay_audit.formats import BODY_DTYPES, HEAD_DTYPES
+from replay_audit.input import InputModel, refuse_unstorable
 
 BodyDTypeName = Literal["fp32", "bf16", "fp16"]
 HeadDTypeName = Literal["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"]
@@ -33,17 +36,49 @@ WeightDTypeName = Literal["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8"
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
 
-def _no_nul(value: str) -> str:
-    # PostgreSQL text cannot hold U+0000; refuse it on every database alike, naming the field.
-    if "\x00" in value:
-        raise ValueError("must not contain NUL (U+0000) characters")
-    return value
+Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+
+#: Numbers in `config.extras` are below 2^63 in magnitude: an integer there fits a signed
+#: 64-bit integer, which JSON libraries and databases hold exactly (orjson serialises nothing
+#: larger, and parses a larger integer as a float of magnitude 2^63 or more, which this bound
+#: refuses too: the batch path sees no silently rounded value).
+EXTRA_NUMBER_MAX: Final = 2**63 - 1
+EXTRA_NUMBER_MIN: Final = -EXTRA_NUMBER_MAX
 
 
-#: A string that any database stores as sent.
-Text = Annotated[str, AfterValidator(_no_nul)]
-Name = Annotated[Text, StringConstraints(min_length=1, max_length=200)]
-ExtraValue = Text | int | float | bool | None
+def _extra_value(value: Any) -> str | int | float | bool | None:
+    # One validator instead of a union: exact JSON types (no "3" -> 3, no true -> 1), finite
+    # numbers in range, and one error message naming the key instead of one per union member.
+    kind = type(value)
+    if value is None or kind is bool:
+        return value  # type: ignore[no-any-return]
+    if kind is str:
+        return refuse_unstorable(value)
+    if kind is int or kind is float:
+        if kind is float and not math.isfinite(value):
+            raise ValueError("numbers must be finite (no NaN or Infinity)")
+        if not EXTRA_NUMBER_MIN <= value <= EXTRA_NUMBER_MAX:
+            raise ValueError("numbers must lie in -(2^63 - 1) .. 2^63 - 1")
+        return value  # type: ignore[no-any-return]
+    raise ValueError("must be a string, a number, a boolean or null")
+
+
+#: A value of `config.extras`: a string, a finite number in the 64-bit range, a boolean or null,
+#: stored and read back exactly as sent.
+ExtraValue = Annotated[
+    str | int | float | bool | None,
+    PlainValidator(_extra_value),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "number", "minimum": EXTRA_NUMBER_MIN, "maximum": EXTRA_NUMBER_MAX},
+                {"type": "boolean"},
+                {"type": "null"},
+            ]
+        }
+    ),
+]
 Tag = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[\w.:/=-]+$")]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
@@ -52,29 +87,38 @@ assert set(BODY_DTYPES) == set(BodyDTypeName.__args__)  # type: ignore[attr-defi
 assert set(HEAD_DTYPES) == set(HeadDTypeName.__args__)  # type: ignore[attr-defined]
 
 
-class _Strict(BaseModel):
+class TraceInput(InputModel):
+    """A request model of the trace contract: integers are exact JSON integers (a token id
+    `3.0` is refused, not stored as 3: what is stored reads back as sent)."""
+
+    exact_integers = True
+
+
+class _Frozen(BaseModel):
+    """A response model: what the service built, not validated input."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ModelRef(_Strict):
+class ModelRef(TraceInput):
     name: Name
-    revision: Text | None = Field(default=None, max_length=200)
+    revision: str | None = Field(default=None, max_length=200)
     weights_sha256: Sha256
     vocab_size: int = Field(ge=2, le=2**31 - 1)
 
 
-class GpuInfo(_Strict):
+class GpuInfo(TraceInput):
     name: Name
     #: Compute capability, "major.minor" (e.g. "8.6", "9.0").
     sm: Annotated[str, StringConstraints(pattern=r"^\d{1,2}\.\d{1,2}$")]
 
 
-class EngineInfo(_Strict):
+class EngineInfo(TraceInput):
     name: Name
-    version: Text | None = Field(default=None, max_length=100)
+    version: str | None = Field(default=None, max_length=100)
 
 
-class NumericalConfig(_Strict):
+class NumericalConfig(TraceInput):
     """Everything that changes the numbers. Stored once per distinct content (its hash)."""
 
     dtype: BodyDTypeName
@@ -88,12 +132,12 @@ class NumericalConfig(_Strict):
     batch_size: int = Field(default=1, ge=1, le=1_000_000)
     tp_degree: int = Field(default=1, ge=1, le=1024)
     engine: EngineInfo = EngineInfo(name="transformers")
-    torch_version: Text | None = Field(default=None, max_length=100)
-    cuda_version: Text | None = Field(default=None, max_length=100)
-    cublas_version: Text | None = Field(default=None, max_length=100)
+    torch_version: str | None = Field(default=None, max_length=100)
+    cuda_version: str | None = Field(default=None, max_length=100)
+    cublas_version: str | None = Field(default=None, max_length=100)
     deterministic: bool | None = None
     tf32: bool | None = None
-    extras: dict[Annotated[Text, StringConstraints(max_length=100)], ExtraValue] = Field(
+    extras: dict[Annotated[str, StringConstraints(max_length=100)], ExtraValue] = Field(
         default_factory=dict, max_length=100
     )
 
@@ -108,7 +152,7 @@ class NumericalConfig(_Strict):
         return self
 
 
-class Decoding(_Strict):
+class Decoding(TraceInput):
     #: Only greedy traces can be replayed; others are stored but refused by replays.
     strategy: Literal["greedy", "sample", "beam", "other"] = "greedy"
     max_new_tokens: int | None = Field(default=None, ge=1, le=MAX_TRACE_TOKENS)
@@ -140,7 +184,7 @@ def _first_length_not(rows: Sequence[Sized], k: int) -> int | None:
     return next(t for t, row in enumerate(rows) if len(row) != k)
 
 
-class TopK(_Strict):
+class TopK(TraceInput):
     """Per-step top-k of the logged arm: `ids[t]` and `logits[t]` for output step t, sorted by
     logit descending. Logits are the arm's native values, exactly converted to float32."""
 
@@ -171,18 +215,18 @@ class TopK(_Strict):
         return PackedTopK(k, ids.tobytes(), logits32.tobytes())
 
 
-class TraceCreate(_Strict):
-    external_id: Text | None = Field(default=None, min_length=1, max_length=200)
+class TraceCreate(TraceInput):
+    external_id: str | None = Field(default=None, min_length=1, max_length=200)
     model: ModelRef
     config: NumericalConfig
     decoding: Decoding = Decoding()
     prompt_token_ids: list[TokenId] = Field(min_length=1)
     output_token_ids: list[TokenId] = Field(min_length=1)
-    prompt_text: Text | None = Field(default=None, max_length=1_000_000)
-    output_text: Text | None = Field(default=None, max_length=1_000_000)
+    prompt_text: str | None = Field(default=None, max_length=1_000_000)
+    output_text: str | None = Field(default=None, max_length=1_000_000)
     top_k: TopK | None = None
     tags: list[Tag] = Field(default_factory=list, max_length=64)
-    reference_answer: Text | None = Field(default=None, max_length=100_000)
+    reference_answer: str | None = Field(default=None, max_length=100_000)
 
     @model_validator(mode="after")
     def _check(self) -> TraceCreate:
@@ -271,7 +315,7 @@ class TraceRead(TraceCreate):
     created_at: datetime
 
 
-class TraceSummary(_Strict):
+class TraceSummary(_Frozen):
     """One row of `GET /v1/traces`: no token arrays."""
 
     id: str
@@ -285,7 +329,7 @@ class TraceSummary(_Strict):
     created_at: datetime
 
 
-class IngestResult(_Strict):
+class IngestResult(_Frozen):
     """One item of a batch answer (and the body of a single POST)."""
 
     index: int | None = None
@@ -295,20 +339,31 @@ class IngestResult(_Strict):
     error: dict[str, Any] | None = None
 
 
-class TraceBatchCreate(_Strict):
+def _any_item(schema: dict[str, Any]) -> None:
+    schema["items"] = {
+        "anyOf": [schema["items"], {}],
+        "description": "a TraceCreate; an item that is not gets its own 4xx result",
+    }
+
+
+class TraceBatchCreate(TraceInput):
     """Body of `POST /v1/traces:batch`. Items are validated one by one: a bad item gets its own
     4xx result and the good ones are stored."""
 
-    traces: list[TraceCreate] = Field(max_length=MAX_BATCH_TRACES)
+    #: The document says what the server does: any item is taken, and one that is not a
+    #: valid TraceCreate gets its own 4xx result (the request does not fail).
+    traces: list[TraceCreate] = Field(
+        max_length=MAX_BATCH_TRACES, json_schema_extra=_any_item
+    )
 
 
-class TraceBatchResult(_Strict):
+class TraceBatchResult(_Frozen):
     """Answer of `POST /v1/traces:batch` (HTTP 207): one result per item, in request order."""
 
     results: list[IngestResult]
 
 
-class TracePage(_Strict):
+class TracePage(_Frozen):
     """One page of `GET /v1/traces`, newest first; pass `next_cursor` back as `cursor`."""
 
     items: list[TraceSummary]

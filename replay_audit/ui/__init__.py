@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 from urllib.parse import urlencode
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from replay_audit.api.deps import refuse_unstorable_parameters
 from replay_audit.api.errors import database_unavailable, error_from_validation
 from replay_audit.exceptions import ReplayAuditError
 from replay_audit.ui.audit_pages import router as audit_router
@@ -82,7 +83,12 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 def create_ui_app(parent: FastAPI) -> FastAPI:
     """The UI app, sharing `parent`'s settings and database."""
-    ui = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    ui = FastAPI(
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        dependencies=[Depends(refuse_unstorable_parameters)],
+    )
     ui.state.settings = parent.state.settings
     ui.state.engine = parent.state.engine
     ui.state.sessionmaker = parent.state.sessionmaker

@@ -89,6 +89,31 @@ ITEM_CASES: list[tuple[str, Mutation, int, str]] = [
     ("gpu on a cpu device", _set("config.device", "cpu"), 422, "config"),
     ("bad tag", _set("tags", ["has space"]), 422, "tags[0]"),
     ("oversized trace", _too_many_tokens, 413, "output_token_ids"),
+    # Strict types: what was sent is what is stored, or a 422 (never a silent conversion).
+    ("token id true", _set("prompt_token_ids.0", True), 422, "prompt_token_ids[0]"),
+    ("token id numeric string", _set("prompt_token_ids.1", "3"), 422, "prompt_token_ids[1]"),
+    ("token id integral float", _set("output_token_ids.2", 3.0), 422, "output_token_ids[2]"),
+    ("top-k id integral float", _set("top_k.ids.1.0", 3.0), 422, "top_k.ids[1][0]"),
+    ("logit numeric string", _set("top_k.logits.0.0", "99.0"), 422, "top_k.logits[0][0]"),
+    ("vocab size a string", _set("model.vocab_size", "1000"), 422, "model.vocab_size"),
+    ("batch size true", _set("config.batch_size", True), 422, "config.batch_size"),
+    ("deterministic a string", _set("config.deterministic", "true"), 422,
+     "config.deterministic"),
+    ("extras NaN", _set("config.extras", {"x": float("nan")}), 422, "config.extras.x"),
+    ("extras Infinity", _set("config.extras", {"x": float("-inf")}), 422, "config.extras.x"),
+    ("extras list", _set("config.extras", {"x": [1]}), 422, "config.extras.x"),
+    # Numbers a database or JSON library cannot hold exactly.
+    ("extras 2^64", _set("config.extras", {"big": 2**64}), 422, "config.extras.big"),
+    ("extras 10^30", _set("config.extras", {"big": 10**30}), 422, "config.extras.big"),
+    ("extras -2^63", _set("config.extras", {"big": -(2**63)}), 422, "config.extras.big"),
+    ("extras -2^63 - 1", _set("config.extras", {"big": -(2**63) - 1}), 422,
+     "config.extras.big"),
+    # Text a database cannot store.
+    ("NUL in external_id", _set("external_id", "a\x00"), 422, "external_id"),
+    ("NUL in model name", _set("model.name", "a\x00"), 422, "model.name"),
+    ("NUL in prompt text", _set("prompt_text", "\x00"), 422, "prompt_text"),
+    ("NUL in an extras key", _set("config.extras", {"k\x00": 1}), 422, "config.extras"),
+    ("NUL in an extras value", _set("config.extras", {"k": "\x00"}), 422, "config.extras.k"),
 ]
 
 
@@ -205,15 +230,35 @@ def test_any_endpoint_refuses_a_declared_body_over_the_limit(
     assert answer.status_code == 413 and answer.json()["field"] == "body"
 
 
-def test_a_chunked_body_to_a_fastapi_parsed_endpoint_is_refused(
-    make_client: Callable[..., TestClient], headers: Headers
+def test_a_batch_stores_its_good_items_beside_an_out_of_range_number(
+    client: TestClient, headers: Headers, db_url: str
 ) -> None:
-    client = make_client(max_request_bytes=100)
-    body = b'{"role": "auditor", "name": "' + b"x" * 200 + b'"}'
-    answer = client.post(
-        "/v1/keys", content=iter([body[:50], body[50:]]),
-        headers=headers("admin") | {"Content-Type": "application/json"},
-    )
-    assert 400 <= answer.status_code < 500
-    keys = client.get("/v1/keys", headers=headers("admin")).json()["items"]
-    assert all(k["role"] == "admin" for k in keys)  # the auditor key was not created
+    bad = make_trace(config={"extras": {"big": 10**30}})
+    good = make_trace()
+    body = json.dumps({"traces": [good, bad, make_trace()]}).encode()
+    answer = client.post("/v1/traces:batch", content=body, headers=headers("submitter"))
+    assert answer.status_code == 207, answer.text
+    statuses = [r["status"] for r in answer.json()["results"]]
+    assert statuses == [201, 422, 201]
+    assert answer.json()["results"][1]["error"]["field"] == "config.extras.big"
+    assert count_rows(db_url, Trace) == 2
+
+
+@pytest.mark.parametrize("path", ["/v1/traces", "/v1/traces:batch"])
+def test_extras_read_back_exactly_as_sent(
+    client: TestClient, headers: Headers, path: str
+) -> None:
+    extras = {
+        "none": None, "true": True, "zero": 0, "int_max": 2**63 - 1, "int_min": -(2**63) + 1,
+        "float": 0.1, "integral_float": 3.0, "tiny": 5e-324, "huge": 1.5e18, "text": "3",
+    }
+    trace = make_trace(config={"extras": extras})
+    body = {"traces": [trace]} if path.endswith("batch") else trace
+    answer = client.post(path, content=json.dumps(body), headers=headers("submitter"))
+    assert answer.status_code in (201, 207), answer.text
+    result = answer.json()["results"][0] if path.endswith("batch") else answer.json()
+    assert result["status"] == 201, result
+    read = client.get(f"/v1/traces/{result['id']}", headers=headers("auditor")).json()
+    stored = read["config"]["extras"]
+    assert stored == extras
+    assert {k: type(v) for k, v in stored.items()} == {k: type(v) for k, v in extras.items()}

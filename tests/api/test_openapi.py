@@ -1,0 +1,99 @@
+"""The OpenAPI document describes the API the server runs: the error body of every error
+answer, and the constraints the server enforces (a client generated from it works)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+Headers = Callable[..., dict[str, str]]
+
+ERROR_REF = {"$ref": "#/components/schemas/ErrorBody"}
+
+
+@pytest.fixture
+def document(client: TestClient) -> dict[str, Any]:
+    schema: dict[str, Any] = client.get("/openapi.json").json()
+    return schema
+
+
+def _operations(document: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    return [
+        (path, method, operation)
+        for path, item in document["paths"].items()
+        for method, operation in item.items()
+    ]
+
+
+def test_every_error_answer_of_every_operation_has_the_error_body(
+    document: dict[str, Any],
+) -> None:
+    components = document["components"]["schemas"]
+    assert "HTTPValidationError" not in components and "ValidationError" not in components
+    assert set(components["ErrorBody"]["required"]) == {"error", "detail"}
+    for path, method, operation in _operations(document):
+        if not path.startswith("/v1/"):
+            continue
+        responses = operation["responses"]
+        expected = {"401", "403", "404", "422", "500", "503"}
+        if "requestBody" in operation:
+            expected |= {"400", "413"}
+        assert expected <= set(responses), (method, path)
+        for status, response in responses.items():
+            if int(status) >= 400:
+                schema = response["content"]["application/json"]["schema"]
+                assert schema == ERROR_REF, (method, path, status)
+
+
+@pytest.mark.parametrize(
+    ("path", "method", "status"),
+    [
+        ("/v1/traces", "post", "409"),
+        ("/v1/audits/schedules", "post", "409"),
+        ("/v1/audits/schedules/{schedule_id}", "patch", "409"),
+    ],
+)
+def test_conflicts_are_documented_where_they_happen(
+    document: dict[str, Any], path: str, method: str, status: str
+) -> None:
+    assert status in document["paths"][path][method]["responses"]
+
+
+def _parameter(document: dict[str, Any], path: str, name: str) -> dict[str, Any]:
+    parameters = document["paths"][path]["get"]["parameters"]
+    (parameter,) = [p for p in parameters if p["name"] == name]
+    return parameter
+
+
+@pytest.mark.parametrize("path", ["/v1/traces", "/v1/replays/{run_id}/results"])
+def test_an_empty_cursor_is_refused_by_the_document_and_the_server(
+    document: dict[str, Any], client: TestClient, headers: Headers, path: str
+) -> None:
+    schema = _parameter(document, path, "cursor")["schema"]
+    branches = schema.get("anyOf", [schema])
+    assert all(b.get("minLength") == 1 for b in branches if b.get("type") == "string")
+    answer = client.get(path.replace("{run_id}", "run_x"), params={"cursor": ""},
+                        headers=headers("admin"))
+    assert answer.status_code == 422 and answer.json()["field"] == "cursor"
+
+
+def test_the_replay_request_states_its_rules(
+    document: dict[str, Any], client: TestClient, headers: Headers
+) -> None:
+    schema = document["components"]["schemas"]["ReplayCreate"]
+    # Exactly one of trace_ids and filter...
+    (selection,) = [part["oneOf"] for part in schema["allOf"] if "oneOf" in part]
+    assert sorted(branch["required"][0] for branch in selection) == ["filter", "trace_ids"]
+    # ...and at least one target, or the self-replay.
+    (targets,) = [part["anyOf"] for part in schema["allOf"] if "anyOf" in part]
+    assert {"required": ["targets"], "properties": {"targets": {"minItems": 1}}} in targets
+    admin = headers("admin")
+    for body in (
+        {"targets": [{"dtype": "fp16"}]},
+        {"trace_ids": ["tr_x"], "filter": {}, "targets": [{"dtype": "fp16"}]},
+        {"trace_ids": ["tr_x"], "targets": []},
+    ):
+        assert client.post("/v1/replays", json=body, headers=admin).status_code == 422, body
