@@ -18,7 +18,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import replay_audit.auth.models  # noqa: F401  (mappers resolve related classes by name)
 from replay_audit.config import Settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
