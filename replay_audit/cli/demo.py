@@ -134,13 +134,13 @@ def demo(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from replay_audit.auth.service import create_api_key
+    from replay_audit.cli.database import ready_database
     from replay_audit.config import BUNDLED_MODEL_DIR, get_settings
-    from replay_audit.db import migration
     from replay_audit.db.unit_of_work import session_scope
 
     console = Console()
     settings = get_settings()
-    migration.upgrade(settings.database_url)
+    ready_database(settings, migrate=True)
     with session_scope(settings.database_url) as session:
         key = create_api_key(session, "demo", "admin", name="replay-audit demo").key
     server, thread, base = _start_server(settings, port)
