@@ -3,7 +3,8 @@
 
 Commands check what they need up front and fail in one line (`cli/database.py`); `app` itself is
 the last line of defence: a database that goes away mid-command, or a setting that does not
-parse, is one line on stderr and exit code 2, not a traceback.
+parse, is one line on stderr and exit code 2, not a traceback. It also stops the threads a
+command started before the process exits, on Ctrl-C and SIGTERM too (`cli/shutdown.py`).
 """
 
 from __future__ import annotations
@@ -32,14 +33,17 @@ def _failure(exc: Exception) -> str | None:
 
 class _App(typer.Typer):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().__call__(*args, **kwargs)
-        except Exception as exc:
-            message = _failure(exc)
-            if message is None:
-                raise
-            typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-            sys.exit(2)
+        from replay_audit.cli.shutdown import stopping_threads_on_exit
+
+        with stopping_threads_on_exit():  # Ctrl-C and SIGTERM: cli/shutdown.py
+            try:
+                return super().__call__(*args, **kwargs)
+            except Exception as exc:
+                message = _failure(exc)
+                if message is None:
+                    raise
+                typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+                sys.exit(2)
 
 
 app = _App(

@@ -63,23 +63,26 @@ def reconcile(
     ] = 900.0,
 ) -> None:
     """Re-enqueue replay jobs the database says are unfinished but no runner holds
-    (after a Redis flush, or a worker killed mid-job)."""
+    (after a Redis flush, or a worker killed mid-job). With the embedded in-process runner the
+    jobs run in this process, and the command waits for them (Ctrl-C stops them cleanly)."""
     from replay_audit.cli.database import ready_database
     from replay_audit.config import get_settings
     from replay_audit.db.unit_of_work import session_scope
     from replay_audit.queue import get_runner
+    from replay_audit.queue.runner import InProcessRunner
     from replay_audit.replays.reconcile import reconcile as run_reconcile
 
     settings = get_settings()
     ready_database(settings)
+    runner = get_runner(settings)
     with session_scope(settings.database_url) as session:
         again = run_reconcile(
-            session,
-            get_runner(settings),
-            stale_after_s=stale_after_s,
-            job_timeout_s=settings.job_timeout_s,
+            session, runner, stale_after_s=stale_after_s, job_timeout_s=settings.job_timeout_s
         )
     typer.echo(f"re-enqueued {len(again)} job(s)" + (f": {again}" if again else ""))
+    if again and isinstance(runner, InProcessRunner):
+        runner.join()
+        typer.echo("done")
 
 
 @app.command()

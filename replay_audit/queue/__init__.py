@@ -17,6 +17,8 @@ from replay_audit.queue.runner import (
     build_job_queue,
     get_runner,
     resolve,
+    stop_inprocess_runners,
+    stop_requested,
 )
 
 __all__ = [
@@ -27,4 +29,6 @@ __all__ = [
     "build_job_queue",
     "get_runner",
     "resolve",
+    "stop_inprocess_runners",
+    "stop_requested",
 ]

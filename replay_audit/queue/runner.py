@@ -7,6 +7,7 @@ import logging
 import queue as stdlib_queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,23 +55,46 @@ class Runner(Protocol):
         ...
 
 
+#: The stop event of the in-process runner whose thread this is (unset in other threads).
+_running_in = threading.local()
+
+
+def stop_requested() -> bool:
+    """True when the runner executing the calling job is stopping (the process got Ctrl-C or
+    SIGTERM). A long job checks it between units of work and returns early, leaving the rest to
+    its next run: jobs are idempotent and the reconciler re-enqueues unfinished ones. Always
+    False outside an in-process runner's thread (an RQ worker finishes its job first)."""
+    stop: threading.Event | None = getattr(_running_in, "stop", None)
+    return stop is not None and stop.is_set()
+
+
 class InProcessRunner:
     """Runs jobs one at a time in a daemon thread of this process (the embedded default).
 
     One thread because the engine is CPU-bound and keeps its models loaded: two would only fight
     over the cores and the memory. Jobs lost when the process stops are re-enqueued by the
     reconciler at the next start, since the database still says they are unfinished.
+
+    `stop()` ends the thread before the process exits: a daemon thread still inside torch when
+    the interpreter tears down aborts the process ("terminate called without an active
+    exception"). A stopped runner takes no more jobs.
     """
 
     def __init__(self, *, retry_scale: float = 1.0) -> None:
-        self._queue: stdlib_queue.Queue[JobSpec] = stdlib_queue.Queue()
+        # None wakes the thread to see the stop event.
+        self._queue: stdlib_queue.Queue[JobSpec | None] = stdlib_queue.Queue()
         self._pending: set[str] = set()
         self._lock = threading.Lock()
         self._retry_scale = retry_scale
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        _runners.add(self)
 
     def enqueue(self, spec: JobSpec) -> None:
         with self._lock:
+            if self._stop.is_set():
+                log.info("runner stopped: %s left to the reconciler", spec.job_id)
+                return
             if spec.job_id in self._pending:
                 return
             self._pending.add(spec.job_id)
@@ -96,11 +120,30 @@ class InProcessRunner:
                 return False
             time.sleep(0.02)
 
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Take no more jobs, let the running one return (it sees `stop_requested()`), and wait
+        for the thread to end. False if it is still running after `timeout_s`."""
+        with self._lock:
+            self._stop.set()
+            thread = self._thread
+        self._queue.put(None)
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                return False
+        with self._lock:
+            self._pending.clear()  # never to run here: `join()` must not wait for them
+        return True
+
     def _loop(self) -> None:
-        while True:
+        _running_in.stop = self._stop
+        while not self._stop.is_set():
             spec = self._queue.get()
+            if spec is None:
+                continue
             try:
-                self._run_with_retries(spec)
+                if not self._stop.is_set():
+                    self._run_with_retries(spec)
             finally:
                 with self._lock:
                     self._pending.discard(spec.job_id)
@@ -115,7 +158,18 @@ class InProcessRunner:
                 log.exception("job %s failed (attempt %d)", spec.job_id, attempt + 1)
                 if attempt == len(spec.retry_intervals_s):
                     return
-                time.sleep(spec.retry_intervals_s[attempt] * self._retry_scale)
+                if self._stop.wait(spec.retry_intervals_s[attempt] * self._retry_scale):
+                    return  # stopping: the reconciler retries it at the next start
+
+
+#: Every in-process runner of this process, for `stop_inprocess_runners()`.
+_runners: weakref.WeakSet[InProcessRunner] = weakref.WeakSet()
+
+
+def stop_inprocess_runners(timeout_s: float | None = None) -> bool:
+    """Stop every in-process runner of this process (`InProcessRunner.stop`), each given
+    `timeout_s`; False if a thread is still running after that."""
+    return all([runner.stop(timeout_s) for runner in list(_runners)])
 
 
 class RQRunner:

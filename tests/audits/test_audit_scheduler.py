@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -20,7 +20,7 @@ from replay_audit.audits.scheduler import (
     wants_inprocess_scheduler,
 )
 from replay_audit.cli import app as cli
-from replay_audit.config import Settings
+from replay_audit.config import Settings, get_settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.queue.runner import InProcessRunner
@@ -111,8 +111,12 @@ def test_embedded_scheduler_runs_a_due_audit_end_to_end(
 
 
 @pytest.fixture
-def cli_env(worker_env: Any) -> None:
-    """The CLI reads REPLAY_AUDIT_DATABASE_URL (set by worker_env) and uses the fake engines."""
+def cli_env(worker_env: Any) -> Iterator[None]:
+    """The CLI reads REPLAY_AUDIT_DATABASE_URL (set by worker_env) and uses the fake engines.
+    The settings cache is cleared so the CLI reads this test's database, not the last one's."""
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
 
 
 def test_cli_list_run_now_trend_and_catch_up(
