@@ -40,6 +40,7 @@ def worker(
     from replay_audit.cli.database import ready_database
     from replay_audit.config import get_settings
     from replay_audit.engine.pool import EnginePool
+    from replay_audit.queue import rq_name
     from replay_audit.replays.tasks import MAX_ENGINES, WorkerContext, install_worker_context
 
     settings = get_settings()
@@ -50,7 +51,7 @@ def worker(
     pool = EnginePool(max_engines=MAX_ENGINES, device=device, cache=kv_cache)  # type: ignore[arg-type]
     install_worker_context(WorkerContext(settings, pool))
     connection = Redis.from_url(settings.redis_url)
-    queues = [Queue(q, connection=connection) for q in queue]
+    queues = [Queue(rq_name(settings, q), connection=connection) for q in queue]
     w = SimpleWorker(queues, connection=connection, name=name)
     # with_scheduler: RQ's Retry intervals need a scheduler to move retries back to the queue.
     w.work(burst=burst, with_scheduler=True)

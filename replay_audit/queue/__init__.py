@@ -17,6 +17,7 @@ from replay_audit.queue.runner import (
     build_job_queue,
     get_runner,
     resolve,
+    rq_name,
     stop_inprocess_runners,
     stop_requested,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "build_job_queue",
     "get_runner",
     "resolve",
+    "rq_name",
     "stop_inprocess_runners",
     "stop_requested",
 ]

@@ -172,21 +172,30 @@ def stop_inprocess_runners(timeout_s: float | None = None) -> bool:
     return all([runner.stop(timeout_s) for runner in list(_runners)])
 
 
-class RQRunner:
-    """Sends jobs to Redis for `rq` workers (`replay-audit worker --queue gpu`)."""
+def rq_name(settings: Settings, name: str) -> str:
+    """The name RQ knows a queue, a job or the cron job by: REPLAY_AUDIT_QUEUE_PREFIX + `name`
+    (the service, the workers and `rq cron` all go through here)."""
+    return settings.queue_prefix + name
 
-    def __init__(self, redis_url: str) -> None:
+
+class RQRunner:
+    """Sends jobs to Redis for `rq` workers (`replay-audit worker --queue gpu`). `prefix`
+    (REPLAY_AUDIT_QUEUE_PREFIX) is prepended to queue names and job ids, in Redis only: specs
+    and the database keep the plain names."""
+
+    def __init__(self, redis_url: str, *, prefix: str = "") -> None:
         from redis import Redis
 
         self.connection = Redis.from_url(redis_url)
+        self.prefix = prefix
 
     def enqueue(self, spec: JobSpec) -> None:
         from rq import Queue, Retry
 
-        Queue(spec.queue, connection=self.connection).enqueue(
+        Queue(self.prefix + spec.queue, connection=self.connection).enqueue(
             spec.func,
             *spec.args,
-            job_id=spec.job_id,
+            job_id=self.prefix + spec.job_id,
             job_timeout=spec.timeout_s,
             retry=Retry(max=len(spec.retry_intervals_s), interval=list(spec.retry_intervals_s)),
             result_ttl=24 * 3600,
@@ -198,7 +207,7 @@ class RQRunner:
         from rq.job import Job, JobStatus
 
         try:
-            status = Job.fetch(job_id, connection=self.connection).get_status()
+            status = Job.fetch(self.prefix + job_id, connection=self.connection).get_status()
         except NoSuchJobError:
             return False
         return status in {
@@ -289,7 +298,7 @@ def get_runner(settings: Settings) -> Runner:
     """The runner the settings ask for. The in-process one is a per-process singleton."""
     global _inprocess
     if settings.runner == "rq":
-        return RQRunner(settings.redis_url)
+        return RQRunner(settings.redis_url, prefix=settings.queue_prefix)
     with _inprocess_lock:
         if _inprocess is None:
             _inprocess = InProcessRunner()

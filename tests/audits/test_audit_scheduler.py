@@ -31,6 +31,7 @@ from tests.audits.conftest import (
     set_active_since,
     set_created_at,
 )
+from tests.conftest import REDIS_URL
 
 MakeSchedule = Callable[..., tuple[str, dict[str, str]]]
 
@@ -163,10 +164,18 @@ def test_rq_cron_config_registers_the_tick_by_interval(monkeypatch: pytest.Monke
 
     monkeypatch.delenv("REPLAY_AUDIT_AUDIT_TICK_INTERVAL_S", raising=False)
     get_settings.cache_clear()
-    cron = CronScheduler(connection=Redis.from_url("redis://127.0.0.1:6379/15"))
+    cron = CronScheduler(connection=Redis.from_url(REDIS_URL))
     cron.load_config_from_file("replay_audit.audits.cron_config")
     [job] = cron.get_jobs()
     assert job.func_name == "replay_audit.audits.tasks.tick"
     assert (job.queue_name, job.interval, job.cron) == ("audit", 60, None)
     assert job.name == "replay-audit-tick" and job.job_options["ttl"] >= 60
+
+    # A deployment with REPLAY_AUDIT_QUEUE_PREFIX: the queue and the cron job carry it.
+    monkeypatch.setenv("REPLAY_AUDIT_QUEUE_PREFIX", "staging-")
+    get_settings.cache_clear()
+    cron = CronScheduler(connection=Redis.from_url(REDIS_URL))
+    cron.load_config_from_file("replay_audit.audits.cron_config")
+    [job] = cron.get_jobs()
+    assert (job.queue_name, job.name) == ("staging-audit", "staging-replay-audit-tick")
     get_settings.cache_clear()

@@ -107,3 +107,12 @@ def test_a_file_that_is_not_a_database_is_one_line(tmp_path: Path) -> None:
     line = _one_line_error(["audit", "list"], f"sqlite:///{path}", tmp_path)
     assert str(path) in line, line
     assert path.read_text().startswith("these are my notes")
+
+
+def test_settings_that_do_not_parse_are_one_line(tmp_path: Path) -> None:
+    env = cli_env(queue_prefix="not a prefix!", runner="rq")
+    proc = run_cli(["audit", "tick"], env=env, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert_no_traceback(proc)
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: invalid settings: REPLAY_AUDIT_QUEUE_PREFIX"), line
