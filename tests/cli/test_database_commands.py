@@ -1,5 +1,6 @@
 """Every command that opens a database session works in a fresh process, on a fresh SQLite file
-and on a fresh PostgreSQL database.
+and on a fresh PostgreSQL database: db upgrade/current, keys create, reconcile, the audit
+commands, the scheduler loop, an RQ worker and serve.
 
 A fresh process matters: the test process has imported every ORM model long before, so a
 command that opens a session without them (`reconcile` once crashed with "expression 'Project'
@@ -10,11 +11,13 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -23,6 +26,7 @@ from replay_audit.config import Settings
 from replay_audit.db import migration
 from replay_audit.db.engine import dispose_engines
 from tests.cli.conftest import assert_no_traceback, cli_args, cli_env, run_cli
+from tests.conftest import RedisNamespace
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +68,10 @@ def _schedule(url: str, key: str) -> str:
     return str(r.json()["id"])
 
 
-def test_every_database_command_in_a_fresh_process(fresh_url: str, tmp_path: Path) -> None:
+@pytest.mark.redis
+def test_every_database_command_in_a_fresh_process(
+    fresh_url: str, tmp_path: Path, rq_redis: RedisNamespace
+) -> None:
     assert "database at revision" in _ok(["db", "upgrade"], fresh_url, tmp_path)
     assert f"current: {migration.head_revision()}" in _ok(["db", "current"], fresh_url, tmp_path)
     created = _ok(["keys", "create", "--project", "acme", "--role", "admin"], fresh_url, tmp_path)
@@ -99,3 +106,45 @@ def test_every_database_command_in_a_fresh_process(fresh_url: str, tmp_path: Pat
     assert proc.returncode in (0, 130), out
     assert_no_traceback(proc, out)
     assert "failed" not in out, out
+
+    # An RQ worker (its jobs open sessions): a burst over an empty queue of this test's namespace.
+    env = cli_env(database_url=fresh_url, runner="rq") | rq_redis.env()
+    worker = run_cli(["worker", "--queue", "cpu", "--device", "cpu", "--burst"], env=env,
+                     cwd=tmp_path)  # fmt: skip
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    assert_no_traceback(worker)
+
+    # serve on the same database: up, answering, no second admin key, stopped by SIGTERM.
+    port = _free_port()
+    proc = subprocess.Popen(
+        cli_args("serve", "--port", str(port), "--log-level", "warning"),
+        env=cli_env(database_url=fresh_url), cwd=tmp_path, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not _answers(f"http://127.0.0.1:{port}/v1/traces", key):
+            assert proc.poll() is None and time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out
+    assert_no_traceback(proc, out)
+    assert not KEY.findall(out), out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _answers(url: str, key: str) -> bool:
+    try:
+        return httpx.get(url, headers={"X-API-Key": key}, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
