@@ -14,11 +14,8 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import Connection
 
-# Every domain's tables must be imported here so that `alembic check` (autogenerate) sees them.
-import replay_audit.audits.models
-import replay_audit.auth.models
-import replay_audit.replays.models
-import replay_audit.traces.models  # noqa: F401
+# Every domain's tables, so that `alembic check` (autogenerate) sees them.
+import replay_audit.models  # noqa: F401
 from replay_audit.config import get_settings
 from replay_audit.db.base import Base
 from replay_audit.db.engine import create_db_engine, is_sqlite

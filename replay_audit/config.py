@@ -42,6 +42,10 @@ class Settings(BaseSettings):
     #: "inprocess" runs jobs in a thread of the API process; "rq" sends them to Redis.
     runner: Literal["inprocess", "rq"] = "inprocess"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    #: Prepended to every RQ queue name (`gpu`, `cpu`, `audit`), job id and the cron job's name,
+    #: so that deployments (or test runs) sharing one Redis never see each other's jobs. The API,
+    #: the workers and `rq cron` of one deployment must share it.
+    queue_prefix: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9_-]*$")
     #: Directories searched (one level deep) for checkpoints, matched by weights_sha256.
     model_dirs: Annotated[list[Path], NoDecode] = Field(
         default_factory=lambda: [BUNDLED_MODEL_DIR]

@@ -11,6 +11,11 @@ the `postgres` marker: `-m "not postgres"` runs SQLite only.
     def test_something(client, api_key):
         headers = {"X-API-Key": api_key("submitter")}
         assert client.post("/v1/traces", json=make_trace(), headers=headers).status_code == 201
+
+Redis. Tests share one Redis database (REPLAY_AUDIT_TEST_REDIS_URL, default db 15) with any
+other test run on the machine, so each session gets a namespace of its own: a random
+REPLAY_AUDIT_QUEUE_PREFIX for its queues and job ids (`redis_namespace`; `rq_redis` empties it
+before and after a test). No test flushes the whole database.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from redis import Redis
 from sqlalchemy import MetaData, create_engine, text
 from sqlalchemy.engine import make_url
 
@@ -35,6 +42,7 @@ from replay_audit.db.unit_of_work import session_scope
 
 PG_URL_ENV = "REPLAY_AUDIT_TEST_PG_URL"
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+REDIS_URL = os.environ.get("REPLAY_AUDIT_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
 ApiKeyFactory = Callable[..., str]
 
@@ -200,3 +208,56 @@ def headers(api_key: ApiKeyFactory) -> Callable[..., dict[str, str]]:
         return {"X-API-Key": api_key(role, project)}
 
     return make
+
+
+@dataclass(frozen=True)
+class RedisNamespace:
+    """A corner of the shared test Redis: queue names and job ids start with `prefix`."""
+
+    url: str
+    prefix: str
+    connection: Redis
+
+    def env(self) -> dict[str, str]:
+        """The settings a process of this namespace runs with (API, worker, rq cron)."""
+        return {"REPLAY_AUDIT_REDIS_URL": self.url, "REPLAY_AUDIT_QUEUE_PREFIX": self.prefix}
+
+    def settings(self) -> dict[str, Any]:
+        """The same as `Settings` keyword arguments."""
+        return {"runner": "rq", "redis_url": self.url, "queue_prefix": self.prefix}
+
+    def flush(self) -> None:
+        """Delete this namespace's keys and nothing else: its queues, registries, jobs and their
+        results (what losing Redis does to one deployment)."""
+        r = self.connection
+        keys = set(r.scan_iter(match=f"*{self.prefix}*", count=1000))
+        # Jobs whose ids RQ chose (rq cron's ticks) lack the prefix; their queue has it.
+        for key in r.scan_iter(match="rq:job:*", count=1000):
+            if r.type(key) != b"hash":
+                continue
+            origin = r.hget(key, "origin")
+            if origin is not None and origin.decode().startswith(self.prefix):
+                job_id = key.decode().removeprefix("rq:job:")
+                keys.add(key)
+                keys.update(r.scan_iter(match=f"rq:*{job_id}*", count=1000))
+        if keys:
+            r.delete(*keys)
+
+
+@pytest.fixture(scope="session")
+def redis_namespace() -> Iterator[RedisNamespace]:
+    """This test session's namespace in the test Redis (emptied at the start and the end)."""
+    prefix = f"test{os.getpid()}{secrets.token_hex(3)}-"
+    namespace = RedisNamespace(REDIS_URL, prefix, Redis.from_url(REDIS_URL))
+    namespace.flush()
+    yield namespace
+    namespace.flush()
+    namespace.connection.close()
+
+
+@pytest.fixture
+def rq_redis(redis_namespace: RedisNamespace) -> Iterator[RedisNamespace]:
+    """The session's Redis namespace, empty before and after the test."""
+    redis_namespace.flush()
+    yield redis_namespace
+    redis_namespace.flush()

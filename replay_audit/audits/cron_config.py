@@ -4,6 +4,7 @@
 
 registers `replay_audit.audits.tasks.tick` on the `audit` queue every `audit_tick_interval_s`
 (default 60 s), and a worker serving that queue (`replay-audit worker --queue audit`) runs it.
+The queue's and the cron job's names carry REPLAY_AUDIT_QUEUE_PREFIX, as the workers' do.
 The tick is registered by interval, not with `cron=`: RQ reads cron expressions in the
 machine's local time, while schedules are in UTC and their due times are computed by the tick
 itself (schedule.py), whatever the time zone. A tick not started within `ttl` seconds is
@@ -17,16 +18,18 @@ from rq import cron
 from replay_audit.audits.service import AUDIT_QUEUE
 from replay_audit.audits.tasks import tick
 from replay_audit.config import get_settings
+from replay_audit.queue import rq_name
 
-INTERVAL_S = max(1, round(get_settings().audit_tick_interval_s))
+SETTINGS = get_settings()
+INTERVAL_S = max(1, round(SETTINGS.audit_tick_interval_s))
 
 cron.register(
     tick,
-    AUDIT_QUEUE,
+    rq_name(SETTINGS, AUDIT_QUEUE),
     interval=INTERVAL_S,
     job_timeout=600,
     ttl=max(60, 2 * INTERVAL_S),
     result_ttl=3600,
     failure_ttl=7 * 24 * 3600,
-    name="replay-audit-tick",
+    name=rq_name(SETTINGS, "replay-audit-tick"),
 )

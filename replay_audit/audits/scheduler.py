@@ -64,10 +64,13 @@ class InProcessScheduler:
             self._thread.start()
         return self
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float | None = 10.0) -> bool:
+        """Stop ticking and wait for a tick under way; False if it is still running."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True
 
     @property
     def running(self) -> bool:
@@ -96,3 +99,11 @@ def start_inprocess_scheduler(settings: Settings) -> InProcessScheduler | None:
             _scheduler = InProcessScheduler(settings).start()
             log.info("embedded audit scheduler: a tick every %.0f s", _scheduler.interval_s)
         return _scheduler
+
+
+def stop_inprocess_scheduler(timeout_s: float | None = 10.0) -> bool:
+    """Stop this process's embedded scheduler, if one runs (before the process exits, and
+    before its runners are stopped, since a tick enqueues jobs)."""
+    with _lock:
+        scheduler = _scheduler
+    return scheduler.stop(timeout_s) if scheduler is not None else True

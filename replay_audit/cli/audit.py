@@ -57,6 +57,13 @@ def _settings() -> Settings:
     return get_settings()
 
 
+def _ready() -> None:
+    """Each command's first step: the database answers and has the schema (cli/database.py)."""
+    from replay_audit.cli.database import ready_database
+
+    ready_database(_settings())
+
+
 def _start(schedule_id: str, action: str, limit: int) -> tuple[list[int], int]:
     """Start run(s) in one transaction; (audit run ids, missed runs left)."""
     from replay_audit.audits import repository, service
@@ -147,6 +154,7 @@ def list_schedules(
     project: Annotated[str | None, typer.Option(help="Only this project's schedules.")] = None,
 ) -> None:
     """Every schedule: cron (UTC), status, next due time, last run, missed runs."""
+    _ready()
     from rich.table import Table
 
     from replay_audit.audits import repository, service
@@ -191,6 +199,7 @@ def run_now(
     timeout_s: Annotated[float, typer.Option(help="Longest wait.")] = 3600.0,
 ) -> None:
     """Run a schedule now: sample its window ending now and replay the sample."""
+    _ready()
     ids, _ = _start(schedule, "run-now", 1)
     _finish(ids, wait, timeout_s)
 
@@ -205,6 +214,7 @@ def catch_up(
     timeout_s: Annotated[float, typer.Option(help="Longest wait.")] = 3600.0,
 ) -> None:
     """Start the runs a stopped scheduler missed (newest first), each over its own window."""
+    _ready()
     ids, left = _start(schedule, "catch-up", limit)
     if not ids:
         typer.echo("no missed runs")
@@ -220,6 +230,7 @@ def trend(
     limit: Annotated[int, typer.Option(min=1, max=1000)] = 30,
 ) -> None:
     """The schedule's trend: one line per run, oldest first."""
+    _ready()
     from rich.table import Table
 
     from replay_audit.audits import repository, service
@@ -251,6 +262,7 @@ def trend(
 @audit_app.command("tick")
 def tick() -> None:
     """One scheduler pass now (what `rq cron` and the embedded scheduler run every minute)."""
+    _ready()
     from replay_audit.audits.tasks import alert_runner, run_tick
     from replay_audit.queue import get_runner
     from replay_audit.queue.runner import InProcessRunner

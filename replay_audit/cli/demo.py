@@ -16,6 +16,7 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -26,7 +27,10 @@ from replay_audit.cli import app
 PROMPTS_FILE = Path(__file__).resolve().parent.parent / "assets" / "prompts.jsonl"
 
 
-def _start_server(settings: Any, port: int) -> tuple[Any, threading.Thread, str]:
+@contextlib.contextmanager
+def _serving(settings: Any, port: int) -> Iterator[tuple[threading.Thread, str]]:
+    """The API in a thread of this process: (its thread, its base URL); stopped on the way out,
+    however the block ends (Ctrl-C included)."""
     import uvicorn
 
     from replay_audit.api.app import create_app
@@ -36,13 +40,17 @@ def _start_server(settings: Any, port: int) -> tuple[Any, threading.Thread, str]
     )
     thread = threading.Thread(target=server.run, name="replay-audit-demo-api", daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the API server did not start")
-        time.sleep(0.05)
-    sock = server.servers[0].sockets[0]
-    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the API server did not start")
+            time.sleep(0.05)
+        sock = server.servers[0].sockets[0]
+        yield thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 def _pct(p: dict[str, Any] | None) -> str:
@@ -134,86 +142,89 @@ def demo(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from replay_audit.auth.service import create_api_key
+    from replay_audit.cli.database import ready_database
     from replay_audit.config import BUNDLED_MODEL_DIR, get_settings
-    from replay_audit.db import migration
     from replay_audit.db.unit_of_work import session_scope
 
     console = Console()
     settings = get_settings()
-    migration.upgrade(settings.database_url)
+    ready_database(settings, migrate=True)
     with session_scope(settings.database_url) as session:
         key = create_api_key(session, "demo", "admin", name="replay-audit demo").key
-    server, thread, base = _start_server(settings, port)
-    console.print(
-        f"[bold]API[/] {base}  (database {settings.database_url}, runner {settings.runner})"
-    )
-
-    from transformers.utils import logging as hf_logging
-
-    from replay_audit.engine.generate import generate_traces
-
-    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # one bar per checkpoint load would drown the demo's own
-
-    lines = PROMPTS_FILE.read_text().splitlines()[:prompts]
-    items = [(d.get("id"), d["prompt"]) for d in map(json.loads, lines)]
-    traces: list[dict[str, Any]] = []
-    bar = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
-    with Progress(*bar, console=console) as progress:
-        task = progress.add_task("generate (BF16, transformers generate())", total=len(items))
-        for trace in generate_traces(
-            BUNDLED_MODEL_DIR,
-            items,
-            dtype="bf16",
-            max_new_tokens=max_new_tokens,
-            device="cpu",
-            tags=["demo", "production"],
-            model_name="tiny-llama",
-        ):
-            traces.append(trace)
-            progress.advance(task)
-
-    with httpx.Client(base_url=base, headers={"X-API-Key": key}, timeout=60) as client:
-        r = client.post("/v1/traces:batch", json={"traces": traces})
-        r.raise_for_status()
-        ids = [item["id"] for item in r.json()["results"]]
+    # At once: an interrupted demo must not leave the user with a key nobody ever saw.
+    console.print(f"admin API key of project 'demo' (shown once): {key}", soft_wrap=True)
+    with _serving(settings, port) as (thread, base):
         console.print(
-            f"ingested {len(ids)} traces over HTTP (POST /v1/traces:batch: {r.status_code})"
+            f"[bold]API[/] {base}  (database {settings.database_url}, runner {settings.runner})"
         )
-        run_ids = {}
-        for name, request in _requests(ids).items():
-            r = client.post("/v1/replays", json=request)
-            r.raise_for_status()
-            run_ids[name] = r.json()["id"]
-        finished: dict[str, dict[str, Any]] = {}
-        with Progress(*bar, console=console) as progress:
-            tasks = {
-                "logged": progress.add_task("replay vs logged: FP16, FP16 + C, self", total=None),
-                "both_arms": progress.add_task("both arms: BF16|FP16, BF16+C|FP16+C", total=None),
-            }
-            while len(finished) < len(run_ids):
-                for name, run_id in run_ids.items():
-                    run = client.get(f"/v1/replays/{run_id}").json()
-                    p = run["progress"]
-                    done = p["done"] + p["failed"]
-                    progress.update(tasks[name], total=p["total"], completed=done)
-                    if run["status"] in ("done", "failed"):
-                        finished[name] = run
-                time.sleep(0.2)
 
-    _print_run(console, finished["logged"], "BF16-logged traces replayed (arm A: logged tokens)")
-    _print_run(console, finished["both_arms"], "Both arms run here (the paper's protocol)")
-    console.print(
-        f"results: {base}/v1/replays/<id>/results  (X-API-Key: {key})\n"
-        f"browse: `replay-audit serve`, sign in at /ui with that key, then "
-        f"/ui/runs/{run_ids['logged']} and /ui/runs/{run_ids['both_arms']}; API docs at /docs"
-    )
-    if json_out is not None:
-        json_out.write_text(json.dumps({"api_key": key, "runs": finished}, indent=2))
-    if keep_serving:
-        console.print("serving; Ctrl-C to stop")
-        with contextlib.suppress(KeyboardInterrupt):
-            thread.join()
-    server.should_exit = True
-    thread.join(timeout=10)
+        from transformers.utils import logging as hf_logging
+
+        from replay_audit.engine.generate import generate_traces
+
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # one bar per checkpoint load would drown the demo's own
+
+        lines = PROMPTS_FILE.read_text().splitlines()[:prompts]
+        items = [(d.get("id"), d["prompt"]) for d in map(json.loads, lines)]
+        traces: list[dict[str, Any]] = []
+        bar = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
+        with Progress(*bar, console=console) as progress:
+            task = progress.add_task("generate (BF16, transformers generate())", total=len(items))
+            for trace in generate_traces(
+                BUNDLED_MODEL_DIR,
+                items,
+                dtype="bf16",
+                max_new_tokens=max_new_tokens,
+                device="cpu",
+                tags=["demo", "production"],
+                model_name="tiny-llama",
+            ):
+                traces.append(trace)
+                progress.advance(task)
+
+        with httpx.Client(base_url=base, headers={"X-API-Key": key}, timeout=60) as client:
+            r = client.post("/v1/traces:batch", json={"traces": traces})
+            r.raise_for_status()
+            ids = [item["id"] for item in r.json()["results"]]
+            console.print(
+                f"ingested {len(ids)} traces over HTTP (POST /v1/traces:batch: {r.status_code})"
+            )
+            run_ids = {}
+            for name, request in _requests(ids).items():
+                r = client.post("/v1/replays", json=request)
+                r.raise_for_status()
+                run_ids[name] = r.json()["id"]
+            finished: dict[str, dict[str, Any]] = {}
+            with Progress(*bar, console=console) as progress:
+                titles = {
+                    "logged": "replay vs logged: FP16, FP16 + C, self",
+                    "both_arms": "both arms: BF16|FP16, BF16+C|FP16+C",
+                }
+                tasks = {k: progress.add_task(t, total=None) for k, t in titles.items()}
+                while len(finished) < len(run_ids):
+                    for name, run_id in run_ids.items():
+                        run = client.get(f"/v1/replays/{run_id}").json()
+                        p = run["progress"]
+                        done = p["done"] + p["failed"]
+                        progress.update(tasks[name], total=p["total"], completed=done)
+                        if run["status"] in ("done", "failed"):
+                            finished[name] = run
+                    time.sleep(0.2)
+
+        _print_run(
+            console, finished["logged"], "BF16-logged traces replayed (arm A: logged tokens)"
+        )
+        _print_run(console, finished["both_arms"], "Both arms run here (the paper's protocol)")
+        console.print(
+            f"results: {base}/v1/replays/<id>/results  (X-API-Key: {key})\n"
+            f"browse: `replay-audit serve`, sign in at /ui with that key, then "
+            f"/ui/runs/{run_ids['logged']} and /ui/runs/{run_ids['both_arms']}; API docs at /docs"
+        )
+        if json_out is not None:
+            json_out.write_text(json.dumps({"api_key": key, "runs": finished}, indent=2))
+        if keep_serving:
+            console.print("serving; Ctrl-C to stop")
+            with contextlib.suppress(KeyboardInterrupt):
+                thread.join()
     if any(run["status"] != "done" for run in finished.values()):
         raise typer.Exit(1)

@@ -46,13 +46,12 @@ def serve(
 
     from replay_audit.api.app import create_app
     from replay_audit.auth.service import DEFAULT_PROJECT, bootstrap_admin_key
+    from replay_audit.cli.database import ready_database
     from replay_audit.config import get_settings
-    from replay_audit.db import migration
     from replay_audit.db.unit_of_work import session_scope
 
     settings = get_settings()
-    if migrate:
-        migration.upgrade(settings.database_url)
+    ready_database(settings, migrate=migrate)
     with session_scope(settings.database_url) as session:
         key = bootstrap_admin_key(session)
         _store_missing_statistics(session)
@@ -81,16 +80,18 @@ def db_upgrade(
     revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
 ) -> None:
     """Apply the Alembic migrations to REPLAY_AUDIT_DATABASE_URL (default: up to the newest)."""
+    from replay_audit.cli.database import database_errors
     from replay_audit.config import get_settings
     from replay_audit.db import migration
     from replay_audit.db.unit_of_work import session_scope
 
     url = get_settings().database_url
-    migration.upgrade(url, revision)
-    typer.echo(f"database at revision {migration.current_revision(url)}")
-    if revision == "head":
-        with session_scope(url) as session:
-            _store_missing_statistics(session)
+    with database_errors(url):
+        migration.upgrade(url, revision)
+        typer.echo(f"database at revision {migration.current_revision(url)}")
+        if revision == "head":
+            with session_scope(url) as session:
+                _store_missing_statistics(session)
 
 
 def _store_missing_statistics(session: Any) -> None:
@@ -105,10 +106,13 @@ def _store_missing_statistics(session: Any) -> None:
 @db_app.command("current")
 def db_current() -> None:
     """Print the revision the database is at (and the newest one available)."""
+    from replay_audit.cli.database import database_errors
     from replay_audit.config import get_settings
     from replay_audit.db import migration
 
-    current = migration.current_revision(get_settings().database_url)
+    url = get_settings().database_url
+    with database_errors(url):
+        current = migration.current_revision(url)
     typer.echo(f"current: {current or '(none)'}  head: {migration.head_revision()}")
 
 
@@ -118,14 +122,18 @@ def keys_create(
     role: Annotated[str, typer.Option(help="submitter | auditor | admin")],
     name: Annotated[str | None, typer.Option(help="A label to recognise the key by.")] = None,
 ) -> None:
-    """Create an API key and print it (once: only its hash is stored)."""
+    """Create an API key and print it (once: only its hash is stored). On the embedded default
+    the database is created and migrated first."""
     from replay_audit.auth.service import create_api_key
+    from replay_audit.cli.database import ready_database
     from replay_audit.config import get_settings
     from replay_audit.db.unit_of_work import session_scope
     from replay_audit.exceptions import ReplayAuditError
 
+    settings = get_settings()
+    ready_database(settings)
     try:
-        with session_scope(get_settings().database_url) as session:
+        with session_scope(settings.database_url) as session:
             created = create_api_key(session, project, role, name=name)
             key = created.key
     except ReplayAuditError as exc:

@@ -37,18 +37,21 @@ def worker(
     from redis import Redis
     from rq import Queue, SimpleWorker
 
+    from replay_audit.cli.database import ready_database
     from replay_audit.config import get_settings
     from replay_audit.engine.pool import EnginePool
+    from replay_audit.queue import rq_name
     from replay_audit.replays.tasks import MAX_ENGINES, WorkerContext, install_worker_context
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = get_settings()
     if kv_cache not in ("dynamic", "static", "compiled"):
         raise typer.BadParameter("dynamic, static or compiled", param_hint="--kv-cache")
+    ready_database(settings)  # every job opens it: an unusable one fails here, once
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     pool = EnginePool(max_engines=MAX_ENGINES, device=device, cache=kv_cache)  # type: ignore[arg-type]
     install_worker_context(WorkerContext(settings, pool))
     connection = Redis.from_url(settings.redis_url)
-    queues = [Queue(q, connection=connection) for q in queue]
+    queues = [Queue(rq_name(settings, q), connection=connection) for q in queue]
     w = SimpleWorker(queues, connection=connection, name=name)
     # with_scheduler: RQ's Retry intervals need a scheduler to move retries back to the queue.
     w.work(burst=burst, with_scheduler=True)
@@ -61,21 +64,26 @@ def reconcile(
     ] = 900.0,
 ) -> None:
     """Re-enqueue replay jobs the database says are unfinished but no runner holds
-    (after a Redis flush, or a worker killed mid-job)."""
+    (after a Redis flush, or a worker killed mid-job). With the embedded in-process runner the
+    jobs run in this process, and the command waits for them (Ctrl-C stops them cleanly)."""
+    from replay_audit.cli.database import ready_database
     from replay_audit.config import get_settings
     from replay_audit.db.unit_of_work import session_scope
     from replay_audit.queue import get_runner
+    from replay_audit.queue.runner import InProcessRunner
     from replay_audit.replays.reconcile import reconcile as run_reconcile
 
     settings = get_settings()
+    ready_database(settings)
+    runner = get_runner(settings)
     with session_scope(settings.database_url) as session:
         again = run_reconcile(
-            session,
-            get_runner(settings),
-            stale_after_s=stale_after_s,
-            job_timeout_s=settings.job_timeout_s,
+            session, runner, stale_after_s=stale_after_s, job_timeout_s=settings.job_timeout_s
         )
     typer.echo(f"re-enqueued {len(again)} job(s)" + (f": {again}" if again else ""))
+    if again and isinstance(runner, InProcessRunner):
+        runner.join()
+        typer.echo("done")
 
 
 @app.command()
@@ -91,11 +99,13 @@ def scheduler(
     database (production runs `rq cron replay_audit.audits.cron_config` instead; running both
     is harmless, the database's unique keys decide)."""
     from replay_audit.audits.tasks import alert_runner, run_tick
+    from replay_audit.cli.database import ready_database
     from replay_audit.config import get_settings
     from replay_audit.queue import get_runner
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = get_settings()
+    ready_database(settings)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     runner = get_runner(settings)
     alerts = alert_runner(settings)
     interval = settings.audit_tick_interval_s if interval_s is None else interval_s

@@ -17,6 +17,9 @@ from replay_audit.queue.runner import (
     build_job_queue,
     get_runner,
     resolve,
+    rq_name,
+    stop_inprocess_runners,
+    stop_requested,
 )
 
 __all__ = [
@@ -27,4 +30,7 @@ __all__ = [
     "build_job_queue",
     "get_runner",
     "resolve",
+    "rq_name",
+    "stop_inprocess_runners",
+    "stop_requested",
 ]

@@ -7,6 +7,7 @@ import logging
 import queue as stdlib_queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,23 +66,46 @@ class Runner(Protocol):
         ...
 
 
+#: The stop event of the in-process runner whose thread this is (unset in other threads).
+_running_in = threading.local()
+
+
+def stop_requested() -> bool:
+    """True when the runner executing the calling job is stopping (the process got Ctrl-C or
+    SIGTERM). A long job checks it between units of work and returns early, leaving the rest to
+    its next run: jobs are idempotent and the reconciler re-enqueues unfinished ones. Always
+    False outside an in-process runner's thread (an RQ worker finishes its job first)."""
+    stop: threading.Event | None = getattr(_running_in, "stop", None)
+    return stop is not None and stop.is_set()
+
+
 class InProcessRunner:
     """Runs jobs one at a time in a daemon thread of this process (the embedded default).
 
     One thread because the engine is CPU-bound and keeps its models loaded: two would only fight
     over the cores and the memory. Jobs lost when the process stops are re-enqueued by the
     reconciler at the next start, since the database still says they are unfinished.
+
+    `stop()` ends the thread before the process exits: a daemon thread still inside torch when
+    the interpreter tears down aborts the process ("terminate called without an active
+    exception"). A stopped runner takes no more jobs.
     """
 
     def __init__(self, *, retry_scale: float = 1.0) -> None:
-        self._queue: stdlib_queue.Queue[JobSpec] = stdlib_queue.Queue()
+        # None wakes the thread to see the stop event.
+        self._queue: stdlib_queue.Queue[JobSpec | None] = stdlib_queue.Queue()
         self._pending: set[str] = set()
         self._lock = threading.Lock()
         self._retry_scale = retry_scale
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        _runners.add(self)
 
     def enqueue(self, spec: JobSpec) -> None:
         with self._lock:
+            if self._stop.is_set():
+                log.info("runner stopped: %s left to the reconciler", spec.job_id)
+                return
             if spec.job_id in self._pending:
                 return
             self._pending.add(spec.job_id)
@@ -110,11 +134,30 @@ class InProcessRunner:
                 return False
             time.sleep(0.02)
 
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Take no more jobs, let the running one return (it sees `stop_requested()`), and wait
+        for the thread to end. False if it is still running after `timeout_s`."""
+        with self._lock:
+            self._stop.set()
+            thread = self._thread
+        self._queue.put(None)
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                return False
+        with self._lock:
+            self._pending.clear()  # never to run here: `join()` must not wait for them
+        return True
+
     def _loop(self) -> None:
-        while True:
+        _running_in.stop = self._stop
+        while not self._stop.is_set():
             spec = self._queue.get()
+            if spec is None:
+                continue
             try:
-                self._run_with_retries(spec)
+                if not self._stop.is_set():
+                    self._run_with_retries(spec)
             finally:
                 with self._lock:
                     self._pending.discard(spec.job_id)
@@ -129,19 +172,39 @@ class InProcessRunner:
                 log.exception("job %s failed (attempt %d)", spec.job_id, attempt + 1)
                 if attempt == len(spec.retry_intervals_s):
                     return
-                time.sleep(spec.retry_intervals_s[attempt] * self._retry_scale)
+                if self._stop.wait(spec.retry_intervals_s[attempt] * self._retry_scale):
+                    return  # stopping: the reconciler retries it at the next start
+
+
+#: Every in-process runner of this process, for `stop_inprocess_runners()`.
+_runners: weakref.WeakSet[InProcessRunner] = weakref.WeakSet()
+
+
+def stop_inprocess_runners(timeout_s: float | None = None) -> bool:
+    """Stop every in-process runner of this process (`InProcessRunner.stop`), each given
+    `timeout_s`; False if a thread is still running after that."""
+    return all([runner.stop(timeout_s) for runner in list(_runners)])
+
+
+def rq_name(settings: Settings, name: str) -> str:
+    """The name RQ knows a queue, a job or the cron job by: REPLAY_AUDIT_QUEUE_PREFIX + `name`
+    (the service, the workers and `rq cron` all go through here)."""
+    return settings.queue_prefix + name
 
 
 class RQRunner:
-    """Sends jobs to Redis for `rq` workers (`replay-audit worker --queue gpu`)."""
+    """Sends jobs to Redis for `rq` workers (`replay-audit worker --queue gpu`). `prefix`
+    (REPLAY_AUDIT_QUEUE_PREFIX) is prepended to queue names and job ids, in Redis only: specs
+    and the database keep the plain names."""
 
-    def __init__(self, redis_url: str) -> None:
+    def __init__(self, redis_url: str, *, prefix: str = "") -> None:
         from redis import Redis
 
         # Short timeouts: an unreachable Redis is a prompt 503, not a hung request.
         self.connection = Redis.from_url(
             redis_url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
         )
+        self.prefix = prefix
 
     def ping(self) -> None:
         from redis.exceptions import RedisError
@@ -162,10 +225,10 @@ class RQRunner:
     def _enqueue(self, spec: JobSpec) -> None:
         from rq import Queue, Retry
 
-        Queue(spec.queue, connection=self.connection).enqueue(
+        Queue(self.prefix + spec.queue, connection=self.connection).enqueue(
             spec.func,
             *spec.args,
-            job_id=spec.job_id,
+            job_id=self.prefix + spec.job_id,
             job_timeout=spec.timeout_s,
             retry=Retry(max=len(spec.retry_intervals_s), interval=list(spec.retry_intervals_s)),
             result_ttl=24 * 3600,
@@ -177,7 +240,7 @@ class RQRunner:
         from rq.job import Job, JobStatus
 
         try:
-            status = Job.fetch(job_id, connection=self.connection).get_status()
+            status = Job.fetch(self.prefix + job_id, connection=self.connection).get_status()
         except NoSuchJobError:
             return False
         return status in {
@@ -274,7 +337,7 @@ def get_runner(settings: Settings) -> Runner:
     """The runner the settings ask for. The in-process one is a per-process singleton."""
     global _inprocess
     if settings.runner == "rq":
-        return RQRunner(settings.redis_url)
+        return RQRunner(settings.redis_url, prefix=settings.queue_prefix)
     with _inprocess_lock:
         if _inprocess is None:
             _inprocess = InProcessRunner()

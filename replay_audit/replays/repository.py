@@ -139,6 +139,15 @@ def finish_job(session: Session, job_id: int) -> None:
         finalise_run(session, run)
 
 
+def release_job(session: Session, job_id: int) -> None:
+    """A job stopped between two traces because its runner is stopping: queued again, and the
+    attempt not counted (a Ctrl-C is not a crash; MAX_JOB_ATTEMPTS counts crashes)."""
+    job = session.get(ReplayJob, job_id)
+    if job is None or job.status != "running":
+        return
+    job.status, job.attempts, job.updated_at = "queued", max(0, job.attempts - 1), utcnow()
+
+
 def fail_job(session: Session, job_id: int, reason: str) -> None:
     """A job that will not be retried: its traces get failed results saying why."""
     job = session.get(ReplayJob, job_id)

@@ -1,10 +1,11 @@
 """The replay job: what a runner executes for one `replay_jobs` row.
 
 Contract (DESIGN.md): the job takes an id, reloads its rows, is idempotent, and writes each
-trace's results in one transaction. It may be killed at any point and run again: results already
-written are skipped (and `INSERT ... ON CONFLICT DO NOTHING` on the unique (run, trace,
-comparison) key makes a race between two copies harmless); the run is finalised by whichever job
-finishes last, under a row lock on the run.
+trace's results in one transaction. It may be killed at any point and run again (and returns
+between two traces when its runner is stopping): results already written are skipped (and
+`INSERT ... ON CONFLICT DO NOTHING` on the unique (run, trace, comparison) key makes a race
+between two copies harmless); the run is finalised by whichever job finishes last, under a row
+lock on the run.
 
 A worker process has one `WorkerContext` (its settings and its engines, each checkpoint loaded
 once per format and kept loaded): `replay-audit worker` and the tests install it; elsewhere (the
@@ -18,12 +19,12 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import replay_audit.auth.models  # noqa: F401  (mappers resolve related classes by name)
 from replay_audit.config import Settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.engine.pool import EnginePool
 from replay_audit.exceptions import ReplayAuditError
+from replay_audit.queue import stop_requested
 from replay_audit.replays import repository
 from replay_audit.replays.checkpoint import ModelNotFound, find_checkpoint
 from replay_audit.replays.domain import Comparison, LoggedTrace, ReplayOutcome, RunTarget
@@ -110,6 +111,11 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
         trace_ids = list(job.trace_ids)
 
     for trace_id in trace_ids:
+        if stop_requested():  # the process is stopping: the rest waits for the next run
+            with session_scope(url) as s:
+                repository.release_job(s, job_id)
+            log.info("replay job %d stopped between traces; it resumes when re-enqueued", job_id)
+            return
         with session_scope(url) as s:
             missing = repository.missing_comparisons(
                 s, spec.run_id, trace_id, len(spec.comparisons)

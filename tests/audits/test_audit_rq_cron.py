@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from redis import Redis
 from sqlalchemy import select
 
 from replay_audit.api.app import create_app
@@ -31,11 +30,9 @@ from replay_audit.config import Settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
 from tests.audits.conftest import set_active_since, set_created_at
-from tests.conftest import empty_all_tables
+from tests.conftest import RedisNamespace, empty_all_tables
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow]
-
-REDIS_URL = os.environ.get("REPLAY_AUDIT_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +52,6 @@ def traces(checkpoint: Path) -> list[dict[str, Any]]:
             checkpoint, prompts, dtype="bf16", max_new_tokens=12, device="cpu", tags=["production"]
         )
     )
-
-
-@pytest.fixture
-def redis() -> Iterator[Redis]:
-    r = Redis.from_url(REDIS_URL)
-    r.flushdb()
-    yield r
-    r.flushdb()
 
 
 @pytest.fixture
@@ -96,9 +85,13 @@ def _wait(predicate: Callable[[], bool], timeout_s: float, what: str, logs: list
 
 
 def test_rq_cron_and_a_worker_run_the_nightly_audit(
-    pg: str, redis: Redis, checkpoint: Path, traces: list[dict[str, Any]], tmp_path: Path
+    pg: str,
+    rq_redis: RedisNamespace,
+    checkpoint: Path,
+    traces: list[dict[str, Any]],
+    tmp_path: Path,
 ) -> None:
-    settings = Settings(_env_file=None, database_url=pg, runner="rq", redis_url=REDIS_URL)  # type: ignore[call-arg]
+    settings = Settings(_env_file=None, database_url=pg, **rq_redis.settings())  # type: ignore[call-arg]
     with session_scope(pg) as s:
         key = create_api_key(s, "acme", "admin").key
     h = {"X-API-Key": key}
@@ -124,8 +117,8 @@ def test_rq_cron_and_a_worker_run_the_nightly_audit(
 
     env = {
         **os.environ,
+        **rq_redis.env(),
         "REPLAY_AUDIT_DATABASE_URL": pg,
-        "REPLAY_AUDIT_REDIS_URL": REDIS_URL,
         "REPLAY_AUDIT_RUNNER": "rq",
         "REPLAY_AUDIT_MODEL_DIRS": str(checkpoint),
         "REPLAY_AUDIT_AUDIT_TICK_INTERVAL_S": "1",
@@ -134,7 +127,8 @@ def test_rq_cron_and_a_worker_run_the_nightly_audit(
     }
     rq = str(Path(sys.executable).parent / "rq")
     logs = [tmp_path / "cron.log", tmp_path / "worker.log"]
-    cron = _start([rq, "cron", "replay_audit.audits.cron_config", "--url", REDIS_URL], env, logs[0])
+    cron_args = [rq, "cron", "replay_audit.audits.cron_config", "--url", rq_redis.url]
+    cron = _start(cron_args, env, logs[0])
     worker = _start(
         [
             sys.executable,
@@ -165,7 +159,7 @@ def test_rq_cron_and_a_worker_run_the_nightly_audit(
 
     from rq.cron import get_cron_job_ids
 
-    ticks = get_cron_job_ids("replay-audit-tick", redis)
+    ticks = get_cron_job_ids(f"{rq_redis.prefix}replay-audit-tick", rq_redis.connection)
     assert len(ticks) >= 5, "rq cron must have enqueued a tick every second"
     done = [r for r in runs() if r.due_at == hour]
     assert len(done) == 1 and done[0].trigger == "scheduled" and done[0].status == "done"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +31,7 @@ from tests.audits.conftest import (
     set_active_since,
     set_created_at,
 )
+from tests.conftest import REDIS_URL
 
 MakeSchedule = Callable[..., tuple[str, dict[str, str]]]
 
@@ -111,8 +112,10 @@ def test_embedded_scheduler_runs_a_due_audit_end_to_end(
 
 
 @pytest.fixture
-def cli_env(worker_env: Any) -> None:
-    """The CLI reads REPLAY_AUDIT_DATABASE_URL (set by worker_env) and uses the fake engines."""
+def cli_env(worker_env: Any) -> Iterator[None]:
+    """The CLI reads REPLAY_AUDIT_DATABASE_URL (set by worker_env) and uses the fake engines.
+    The settings cache is cleared so the CLI reads this test's database, not the last one's."""
+    yield
 
 
 def test_cli_list_run_now_trend_and_catch_up(
@@ -157,9 +160,16 @@ def test_rq_cron_config_registers_the_tick_by_interval(monkeypatch: pytest.Monke
 
 
     monkeypatch.delenv("REPLAY_AUDIT_AUDIT_TICK_INTERVAL_S", raising=False)
-    cron = CronScheduler(connection=Redis.from_url("redis://127.0.0.1:6379/15"))
+    cron = CronScheduler(connection=Redis.from_url(REDIS_URL))
     cron.load_config_from_file("replay_audit.audits.cron_config")
     [job] = cron.get_jobs()
     assert job.func_name == "replay_audit.audits.tasks.tick"
     assert (job.queue_name, job.interval, job.cron) == ("audit", 60, None)
     assert job.name == "replay-audit-tick" and job.job_options["ttl"] >= 60
+
+    # A deployment with REPLAY_AUDIT_QUEUE_PREFIX: the queue and the cron job carry it.
+    monkeypatch.setenv("REPLAY_AUDIT_QUEUE_PREFIX", "staging-")
+    cron = CronScheduler(connection=Redis.from_url(REDIS_URL))
+    cron.load_config_from_file("replay_audit.audits.cron_config")
+    [job] = cron.get_jobs()
+    assert (job.queue_name, job.name) == ("staging-audit", "staging-replay-audit-tick")

@@ -1,7 +1,8 @@
 """Replay runs on the production path: PostgreSQL, Redis and real RQ worker processes
 (`replay-audit worker`), with a real (tiny, random) Llama checkpoint on the CPU.
 
-Fault injection: a worker SIGKILLed mid-job, and Redis flushed mid-run. In both, the reconciler
+Fault injection: a worker SIGKILLed mid-job, and Redis flushed mid-run (this test run's keys:
+its namespace, see tests/conftest.py). In both, the reconciler
 re-enqueues what the database says is unfinished and the run completes with exactly one result
 per trace x comparison.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +22,6 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from redis import Redis
 from sqlalchemy import func, select
 
 from replay_audit.api.app import create_app
@@ -30,11 +31,10 @@ from replay_audit.db.unit_of_work import session_scope
 from replay_audit.queue.runner import RQRunner
 from replay_audit.replays.models import ReplayResult
 from replay_audit.replays.reconcile import reconcile
-from tests.conftest import empty_all_tables
+from tests.conftest import RedisNamespace, empty_all_tables
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow]
 
-REDIS_URL = os.environ.get("REPLAY_AUDIT_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 TARGETS = [{"dtype": "fp16"}, {"dtype": "fp16", "intervention": {"kind": "C"}}]
 
 
@@ -56,25 +56,17 @@ def traces(checkpoint: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture
-def redis() -> Iterator[Redis]:
-    r = Redis.from_url(REDIS_URL)
-    r.flushdb()
-    yield r
-    r.flushdb()
-
-
-@pytest.fixture
 def pg(postgres_database_url: str) -> Iterator[str]:
     yield postgres_database_url
     empty_all_tables(postgres_database_url)
 
 
 @pytest.fixture
-def env(pg: str, checkpoint: Path) -> dict[str, str]:
+def env(pg: str, checkpoint: Path, rq_redis: RedisNamespace) -> dict[str, str]:
     return {
         **os.environ,
+        **rq_redis.env(),
         "REPLAY_AUDIT_DATABASE_URL": pg,
-        "REPLAY_AUDIT_REDIS_URL": REDIS_URL,
         "REPLAY_AUDIT_RUNNER": "rq",
         "REPLAY_AUDIT_MODEL_DIRS": str(checkpoint),
         "HF_HUB_OFFLINE": "1",
@@ -83,8 +75,8 @@ def env(pg: str, checkpoint: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def api(pg: str, redis: Redis) -> Iterator[tuple[TestClient, dict[str, str]]]:
-    settings = Settings(_env_file=None, database_url=pg, runner="rq", redis_url=REDIS_URL)  # type: ignore[call-arg]
+def api(pg: str, rq_redis: RedisNamespace) -> Iterator[tuple[TestClient, dict[str, str]]]:
+    settings = Settings(_env_file=None, database_url=pg, **rq_redis.settings())  # type: ignore[call-arg]
     with session_scope(pg) as s:
         key = create_api_key(s, "acme", "admin").key
     with TestClient(create_app(settings)) as client:
@@ -136,9 +128,10 @@ def _run(api: tuple[TestClient, dict[str, str]], run_id: str) -> dict[str, Any]:
     return body
 
 
-def _reconcile(pg: str) -> list[int]:
+def _reconcile(pg: str, redis: RedisNamespace) -> list[int]:
+    runner = RQRunner(redis.url, prefix=redis.prefix)
     with session_scope(pg) as s:
-        return reconcile(s, RQRunner(REDIS_URL), stale_after_s=0, job_timeout_s=600)
+        return reconcile(s, runner, stale_after_s=0, job_timeout_s=600)
 
 
 def test_burst_workers_complete_a_paired_run(
@@ -169,6 +162,7 @@ def test_sigkilled_worker_is_recovered_exactly_once(
     traces: list[dict[str, Any]],
     env: dict[str, str],
     pg: str,
+    rq_redis: RedisNamespace,
 ) -> None:
     run_id = _request(api, traces)
     total = 2 * len(traces)
@@ -184,7 +178,13 @@ def test_sigkilled_worker_is_recovered_exactly_once(
     assert 0 < done_before < total, "the worker should die mid-run"
     assert _run(api, run_id)["status"] == "running"
 
-    assert _reconcile(pg), "the killed job must be re-enqueued"
+    # Through the real command, in a fresh process (it once crashed there: models not imported).
+    reconciled = subprocess.run(
+        [sys.executable, "-m", "replay_audit", "reconcile", "--stale-after-s", "0"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert reconciled.returncode == 0, reconciled.stdout + reconciled.stderr
+    assert re.search(r"re-enqueued [1-9]\d* job\(s\)", reconciled.stdout), reconciled.stdout
     assert _worker(env, burst=True).wait(timeout=300) == 0
     run = _run(api, run_id)
     assert run["status"] == "done", run
@@ -196,18 +196,18 @@ def test_redis_flush_mid_run_is_recovered(
     traces: list[dict[str, Any]],
     env: dict[str, str],
     pg: str,
-    redis: Redis,
+    rq_redis: RedisNamespace,
 ) -> None:
     run_id = _request(api, traces)
     total = 2 * len(traces)
     worker = _worker(env, burst=True)
     _wait(lambda: _results(pg)[0] > 0, 120, "the first result")
-    redis.flushdb()  # every queued job is gone; the one running finishes
+    rq_redis.flush()  # every queued job is gone; the one running finishes
     assert worker.wait(timeout=300) == 0
     assert _results(pg)[0] < total
     assert _run(api, run_id)["status"] == "running"
 
-    assert _reconcile(pg)
+    assert _reconcile(pg, rq_redis)
     assert _worker(env, burst=True).wait(timeout=300) == 0
     assert _run(api, run_id)["status"] == "done"
     assert _results(pg) == (total, total)

@@ -1,0 +1,112 @@
+"""How every command ends, on Ctrl-C (SIGINT), SIGTERM or a normal return: the threads this
+process started are stopped and joined before the interpreter exits.
+
+Why: the in-process runner (replaying traces), the embedded scheduler and the webhook runner are
+daemon threads. One still inside torch while the interpreter tears down aborts the whole process
+("terminate called without an active exception"), after the rest of the output is lost. So:
+
+- SIGINT and SIGTERM raise `Interrupted` (a `KeyboardInterrupt`) in the main thread; uvicorn,
+  while it serves, takes both over, shuts the server down gracefully and raises the signal again
+  once it has returned, which lands here too;
+- the scheduler is stopped first (a tick enqueues jobs), then the runners; a replay job returns
+  between two traces and is queued again in the database (`replays.tasks`), so it resumes when
+  the reconciler re-enqueues it (at the next `serve`);
+- a second Ctrl-C while they stop leaves at once, as does a thread that has not stopped after
+  `STOP_TIMEOUT_S` (with no C++ teardown: `os._exit`).
+
+Exit codes: 130 after SIGINT (the shell's convention), 0 after SIGTERM (a service asked to stop
+has stopped), the command's own otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from types import FrameType
+from typing import Final
+
+#: Seconds the threads get to stop (a replay job finishes the trace it is on).
+STOP_TIMEOUT_S: Final = 30.0
+SIGNALS: Final = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived; raised in the main thread, where Ctrl-C raises
+    KeyboardInterrupt (so whatever handles that handles both)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop_background_threads(timeout_s: float | None = STOP_TIMEOUT_S) -> bool:
+    """Stop the embedded scheduler, then every in-process runner; False if a thread is still
+    running after `timeout_s` each. Only modules already imported are asked: one that was never
+    imported has started nothing."""
+    clean = True
+    scheduler = sys.modules.get("replay_audit.audits.scheduler")
+    if scheduler is not None:
+        clean = scheduler.stop_inprocess_scheduler(timeout_s) and clean
+    runner = sys.modules.get("replay_audit.queue.runner")
+    if runner is not None:
+        clean = runner.stop_inprocess_runners(timeout_s) and clean
+    return bool(clean)
+
+
+def _leave_now(signum: int, _frame: FrameType | None) -> None:
+    _flush()
+    os._exit(128 + signum)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(OSError, ValueError):  # a closed pipe: nothing more to say
+            stream.flush()
+
+
+def _exit_code(signum: int) -> int:
+    return 0 if signum == signal.SIGTERM else 128 + signum
+
+
+@contextmanager
+def stopping_threads_on_exit() -> Iterator[None]:
+    """Run a command with SIGINT/SIGTERM raising `Interrupted`, and its threads stopped on the
+    way out (see the module docstring). Outside the main thread (where signals cannot be
+    handled) only the threads are stopped."""
+    received: list[int] = []
+
+    def interrupt(signum: int, _frame: FrameType | None) -> None:
+        received.append(signum)
+        raise Interrupted(signum)
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, interrupt) for sig in SIGNALS} if main else {}
+    code: int | str | None = None
+    try:
+        yield
+    except Interrupted:
+        pass  # the exit code is the signal's, below
+    except SystemExit as exc:  # Typer turns KeyboardInterrupt into exit code 130
+        code = exc.code
+        if not received:
+            raise
+    finally:
+        for sig in previous:
+            signal.signal(sig, _leave_now)
+        try:
+            clean = stop_background_threads()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if received:
+            code = _exit_code(received[0])
+        if not clean:
+            print("error: a worker thread did not stop in time; leaving it", file=sys.stderr)
+            _flush()
+            os._exit(code if isinstance(code, int) else 1)
+    if received:
+        raise SystemExit(code)
