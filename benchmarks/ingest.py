@@ -5,8 +5,8 @@
                                           [--singles 1000]
 
 What it does: creates a fresh database on the PostgreSQL server (dropped afterwards), applies
-the migrations, creates a submitter key, starts `uvicorn replay_audit.api.app:create_app` as a
-subprocess on 127.0.0.1 (one worker, as `replay-audit serve` runs), then with an httpx client:
+the migrations, creates a submitter key, starts `replay-audit serve --workers N` as a subprocess
+on 127.0.0.1 (the command docker-compose runs), then with an httpx client:
 
   1. batch ingest: `--batches` POST /v1/traces:batch of `--batch-size` distinct traces (256
      prompt + 256 output tokens, top-2 ids and float32 logits per step, vocab 32,000), sent by
@@ -118,19 +118,19 @@ def drop_database(server_url: str, url: str) -> None:
 def start_server(database_url: str, port: int, workers: int) -> subprocess.Popen[bytes]:
     env = dict(os.environ, REPLAY_AUDIT_DATABASE_URL=database_url)
     proc = subprocess.Popen(
+        # The product's own server command, as docker-compose runs it.
         [
             sys.executable,
             "-m",
-            "uvicorn",
-            "--factory",
-            "replay_audit.api.app:create_app",
+            "replay_audit",
+            "serve",
             "--host",
             "127.0.0.1",
             "--port",
             str(port),
+            "--no-migrate",
             "--log-level",
             "warning",
-            "--no-access-log",
             "--workers",
             str(workers),
         ],

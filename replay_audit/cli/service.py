@@ -64,10 +64,12 @@ def serve(
     if workers == 1:
         uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
     else:
-        # Separate processes build their own app from the same environment.
-        uvicorn.run(
+        # Separate processes build their own app from the same environment, on a listening
+        # socket bound as TCP so their connections get TCP_NODELAY (api/server.py says why).
+        from replay_audit.api.server import run_processes
+
+        run_processes(
             "replay_audit.api.app:create_app",
-            factory=True,
             host=host,
             port=port,
             workers=workers,
