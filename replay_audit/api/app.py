@@ -20,6 +20,7 @@ from replay_audit.api.errors import install_error_handlers
 from replay_audit.api.health import router as health_router
 from replay_audit.config import Settings, get_settings
 from replay_audit.db.engine import get_engine, get_sessionmaker
+from replay_audit.imports.schemas import ImportRequest
 from replay_audit.queue import build_job_queue
 from replay_audit.traces.schemas import TraceBatchCreate, TraceCreate
 
@@ -27,6 +28,7 @@ from replay_audit.traces.schemas import TraceBatchCreate, TraceCreate
 def _routers() -> list[APIRouter]:
     from replay_audit.audits.endpoints import router as audits_router
     from replay_audit.auth.endpoints import router as keys_router
+    from replay_audit.imports.endpoints import router as imports_router
     from replay_audit.replays.endpoints import router as replays_router
     from replay_audit.reports.endpoints import router as reports_router
     from replay_audit.traces.endpoints import router as traces_router
@@ -34,6 +36,7 @@ def _routers() -> list[APIRouter]:
     return [
         health_router,
         traces_router,
+        imports_router,
         replays_router,
         reports_router,
         keys_router,
@@ -43,7 +46,7 @@ def _routers() -> list[APIRouter]:
 
 #: Request bodies read raw by their endpoints (for speed and the size limit), so FastAPI does
 #: not see them; their schemas are added to the OpenAPI components by hand.
-_RAW_BODY_MODELS: tuple[type[BaseModel], ...] = (TraceCreate, TraceBatchCreate)
+_RAW_BODY_MODELS: tuple[type[BaseModel], ...] = (TraceCreate, TraceBatchCreate, ImportRequest)
 
 
 def _install_openapi(app: FastAPI) -> None:
