@@ -26,6 +26,8 @@ from replay_audit.imports.hf_context import context_from_model
 from replay_audit.imports.schemas import ImportContext
 from replay_audit.imports.service import traces_from_item
 
+pytestmark = pytest.mark.slow  # real transformers generate() on 2 shared cores
+
 PROMPTS = ["The cat sat on the", "Once upon a time"]
 
 
