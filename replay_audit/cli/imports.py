@@ -209,7 +209,7 @@ class _Importer:
                  results_file: Path | None) -> None:
         self.fmt, self.context, self.tokenizer = fmt, context, tokenizer
         self.task, self.results_file = task, results_file
-        self.failed = self.skipped = 0
+        self.failed = self.skipped = self.empty = 0
 
     def report(self, where: str, message: str) -> None:
         self.failed += 1
@@ -218,7 +218,7 @@ class _Importer:
 
     def traces(self, files: list[Path]) -> Iterator[Any]:
         from replay_audit.exceptions import ReplayAuditError
-        from replay_audit.imports.generation import build_trace
+        from replay_audit.imports.generation import build_trace, check_context
         from replay_audit.imports.lm_eval import (
             NotAGeneration,
             context_from_results,
@@ -239,6 +239,10 @@ class _Importer:
                 merged = _merge(context_from_results(results),
                                 context.model_dump(exclude_unset=True))
                 context = ImportContext.model_validate(merged)
+                try:
+                    check_context(context)
+                except ReplayAuditError as e:
+                    _fail(f"{path}: {e.message} (its results JSON does not say it either)")
             for where, item in _read_items(self.fmt, path):
                 if isinstance(item, _NotJson):
                     self.report(where, f"not JSON ({item.message})")
@@ -246,8 +250,11 @@ class _Importer:
                 try:
                     if self.fmt == "lm-eval":
                         assert task is not None
+                        empty: list[str] = []
                         gens = parse_lm_eval_sample(item, task=task, tokenizer=self.tokenizer,
-                                                    results=results, path="sample")
+                                                    results=results, path="sample",
+                                                    skipped=empty)
+                        self.empty += len(empty)
                         yield from (build_trace(g, context, "lm-eval") for g in gens)
                     else:
                         yield from traces_from_item(self.fmt, item, context)  # type: ignore[arg-type]
@@ -316,10 +323,11 @@ def import_(
     from replay_audit.exceptions import ReplayAuditError
     from replay_audit.imports.generation import check_context
 
-    try:
-        check_context(context)
-    except ReplayAuditError as e:
-        _fail(e.message)
+    if format != "lm-eval":  # lm-eval's results JSON may still give the dtype (per file)
+        try:
+            check_context(context)
+        except ReplayAuditError as e:
+            _fail(e.message)
     tokenizer = None
     if format == "lm-eval":
         assert model is not None
@@ -360,6 +368,9 @@ def import_(
                        f"{stats.duplicates} already stored, {stats.rejected} refused")
     if importer.skipped:
         summary += f"; {importer.skipped} loglikelihood samples skipped (not generations)"
+    if importer.empty:
+        summary += (f"; {importer.empty} empty responses skipped (cut at an `until` string "
+                    "or eos before any text: no tokens to replay)")
     if importer.failed:
         summary += f"; {importer.failed} items failed (see above)"
     typer.echo(summary)
