@@ -332,7 +332,7 @@ def from_openai_response(
     `return_token_ids`)."""
     body = response.model_dump() if hasattr(response, "model_dump") else response
     item = {"request": dict(request), "response": body} if request is not None else body
-    return [build_trace(g, context, "openai") for g in parse_openai(item, "response")]
+    return [build_trace(g, context, "openai") for g in parse_openai(item, "item")]
 
 
 def from_sglang_response(
@@ -341,4 +341,4 @@ def from_sglang_response(
     """The traces of one SGLang `/generate` answer (its JSON; a batch answer gives one per
     prompt). Pass the request (its `sampling_params` say whether decoding was greedy)."""
     item = {"request": dict(request), "response": response} if request is not None else response
-    return [build_trace(g, context, "sglang") for g in parse_sglang(item, "response")]
+    return [build_trace(g, context, "sglang") for g in parse_sglang(item, "item")]
