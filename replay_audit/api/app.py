@@ -21,6 +21,7 @@ from replay_audit.api.errors import ErrorBody, InternalErrorMiddleware, install_
 from replay_audit.api.health import router as health_router
 from replay_audit.config import Settings, get_settings
 from replay_audit.db.engine import get_engine, get_sessionmaker
+from replay_audit.imports.schemas import ImportRequest
 from replay_audit.queue import build_job_queue
 from replay_audit.traces.schemas import TraceBatchCreate, TraceCreate
 
@@ -28,6 +29,7 @@ from replay_audit.traces.schemas import TraceBatchCreate, TraceCreate
 def _routers() -> list[APIRouter]:
     from replay_audit.audits.endpoints import router as audits_router
     from replay_audit.auth.endpoints import router as keys_router
+    from replay_audit.imports.endpoints import router as imports_router
     from replay_audit.replays.endpoints import router as replays_router
     from replay_audit.reports.endpoints import router as reports_router
     from replay_audit.traces.endpoints import router as traces_router
@@ -35,6 +37,7 @@ def _routers() -> list[APIRouter]:
     return [
         health_router,
         traces_router,
+        imports_router,
         replays_router,
         reports_router,
         keys_router,
@@ -45,7 +48,7 @@ def _routers() -> list[APIRouter]:
 def raw_body_models() -> tuple[type[BaseModel], ...]:
     """Request bodies read raw by their endpoints (for speed and the size limit), so FastAPI
     does not see them; their schemas are added to the OpenAPI components by hand."""
-    return (TraceCreate, TraceBatchCreate)
+    return (TraceCreate, TraceBatchCreate, ImportRequest)
 
 
 #: Error answers every operation under /v1 may give (the key, the database, a bug), and those

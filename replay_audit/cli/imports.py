@@ -1,0 +1,378 @@
+"""`replay-audit import`: logged responses (vLLM/OpenAI-compatible, SGLang, transformers,
+lm-eval) -> traces, written as JSONL or posted to a server.
+
+What a response does not carry comes from `--model DIR` (weights_sha256, vocabulary, eos ids,
+the tokenizer for lm-eval), `--config-file` (YAML or JSON) and `--config key=value` flags (the
+last win): `ImportContext`'s keys, dotted for nested ones (`gpu.sm=9.0`, `model.name=...`,
+`decoding.strategy=greedy`, `extras.quant=awq`; lists comma-separated). Anything not given is
+recorded as unknown in each trace. A bad item is reported as `FILE:LINE: field: message` and
+skipped (exit status 1 at the end); a context the traces cannot do without stops at once
+(exit status 2). Torch is imported only for `.pt` files and lm-eval's tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from replay_audit.cli import app
+
+_FORMATS = ("openai", "sglang", "hf", "lm-eval")
+_LIST_KEYS = frozenset({"tags", "decoding.eos_token_ids"})
+_MAX_SHOWN_ERRORS = 20
+
+
+def _fail(message: str) -> NoReturn:
+    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    raise typer.Exit(code=2)
+
+
+def _set_dotted(target: dict[str, Any], key: str, value: Any, where: str) -> None:
+    parts = key.split(".")
+    if not all(parts):
+        _fail(f"{where}: {key!r} is not a key")
+    node = target
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            _fail(f"{where}: {key!r}: {part!r} is not a group of keys")
+        node = child
+    node[parts[-1]] = value
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and name != "extras":
+            yield from _flatten(value, f"{name}.")
+        else:
+            yield name, value
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        _fail(f"cannot read {path}: {e.strerror}")
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            try:
+                import yaml  # type: ignore[import-untyped]
+            except ImportError:
+                _fail(f"{path}: reading YAML needs PyYAML (pip install pyyaml), or use JSON")
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # yaml and json raise their own error types
+        _fail(f"{path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {e}")
+    if not isinstance(data, Mapping):
+        _fail(f"{path}: expected a mapping of configuration keys")
+    out: dict[str, Any] = {}
+    for key, value in _flatten(data):
+        _set_dotted(out, key, value, str(path))
+    return out
+
+
+def _model_facts(model_dir: Path) -> dict[str, Any]:
+    """What the checkpoint says: weights_sha256, vocab_size, name, eos ids."""
+    from replay_audit.engine.hashing import NoWeightsError, weights_sha256
+
+    try:
+        sha = weights_sha256(model_dir)
+    except NoWeightsError as e:
+        _fail(e.message)
+    facts: dict[str, Any] = {"model": {"name": model_dir.name, "weights_sha256": sha}}
+    config: dict[str, Any] = {}
+    for name in ("config.json", "generation_config.json"):
+        f = model_dir / name
+        if f.is_file():
+            try:
+                config[name] = json.loads(f.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as e:
+                _fail(f"{f}: not readable JSON ({e})")
+    vocab = config.get("config.json", {}).get("vocab_size")
+    if isinstance(vocab, int):
+        facts["model"]["vocab_size"] = vocab
+    eos = config.get("generation_config.json", {}).get("eos_token_id")
+    if eos is None:
+        eos = config.get("config.json", {}).get("eos_token_id")
+    if eos is not None:
+        facts["decoding"] = {"eos_token_ids": eos if isinstance(eos, list) else [eos]}
+    return facts
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict) and key != "extras":
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def build_context(
+    model: Path | None, config_file: Path | None, flags: list[str]
+) -> Any:
+    """The ImportContext from the checkpoint, then the file, then the flags (exit 2 naming
+    the key on a bad value)."""
+    from pydantic import ValidationError
+
+    from replay_audit.imports.schemas import ImportContext
+
+    values: dict[str, Any] = _model_facts(model) if model is not None else {}
+    if config_file is not None:
+        values = _merge(values, _read_config_file(config_file))
+    given: dict[str, Any] = {}
+    for flag in flags:
+        key, sep, raw = flag.partition("=")
+        if not sep:
+            _fail(f"--config {flag!r}: expected key=value")
+        key = key.strip()
+        value: Any = raw
+        if key in _LIST_KEYS:
+            value = [v.strip() for v in raw.split(",") if v.strip()]
+        elif raw.lower() in ("null", "none", ""):
+            value = None
+        _set_dotted(given, key, value, "--config")
+    values = _merge(values, given)
+    try:
+        return ImportContext.model_validate(values)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        _fail(f"configuration key {where}: {err['msg']}")
+
+
+def _read_items(fmt: str, path: Path) -> Iterator[tuple[str, Any]]:
+    """(location, item) of each logged item of `path`."""
+    if fmt == "hf" and path.suffix in (".pt", ".pth"):
+        import torch
+
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            _fail(f"{path}: cannot load it as tensors ({type(e).__name__}: {e})")
+        yield str(path), dict(data) if isinstance(data, Mapping) else data
+        return
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        _fail(f"cannot read {path}: {e}")
+    if path.suffix == ".jsonl":
+        for n, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    yield f"{path}:{n}", json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield f"{path}:{n}", _NotJson(e.msg)
+        return
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        yield f"{path}:{e.lineno}", _NotJson(e.msg)
+        return
+    if isinstance(data, list) and fmt in ("openai", "hf"):
+        for i, item in enumerate(data):
+            yield f"{path}[{i}]", item
+    else:
+        yield str(path), data
+
+
+class _NotJson:
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _lm_eval_results(path: Path, results: Path | None) -> dict[str, Any]:
+    if results is None:
+        date = path.stem.rpartition("_")[2]
+        candidate = path.with_name(f"results_{date}.json")
+        if not candidate.is_file():
+            return {}
+        results = candidate
+    try:
+        data = json.loads(results.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        _fail(f"{results}: not a readable lm-eval results JSON ({e})")
+    return data if isinstance(data, dict) else {}
+
+
+class _Importer:
+    """Turns items into traces, reporting and counting the bad ones."""
+
+    def __init__(self, fmt: str, context: Any, tokenizer: Any, task: str | None,
+                 results_file: Path | None) -> None:
+        self.fmt, self.context, self.tokenizer = fmt, context, tokenizer
+        self.task, self.results_file = task, results_file
+        self.failed = self.skipped = self.empty = 0
+
+    def report(self, where: str, message: str) -> None:
+        self.failed += 1
+        if self.failed <= _MAX_SHOWN_ERRORS:
+            typer.secho(f"{where}: {message}", err=True, fg=typer.colors.RED)
+
+    def traces(self, files: list[Path]) -> Iterator[Any]:
+        from replay_audit.exceptions import ReplayAuditError
+        from replay_audit.imports.generation import build_trace, check_context
+        from replay_audit.imports.lm_eval import (
+            NotAGeneration,
+            context_from_results,
+            parse_lm_eval_sample,
+            task_from_filename,
+        )
+        from replay_audit.imports.schemas import ImportContext
+        from replay_audit.imports.service import traces_from_item
+
+        for path in files:
+            context, results, task = self.context, {}, None
+            if self.fmt == "lm-eval":
+                results = _lm_eval_results(path, self.results_file)
+                task = self.task or task_from_filename(path.name)
+                if task is None:
+                    _fail(f"{path}: not named samples_<task>_<date>.jsonl; give --task")
+                # The run's own record (dtype as loaded, batch size, device) under the flags.
+                merged = _merge(context_from_results(results),
+                                context.model_dump(exclude_unset=True))
+                context = ImportContext.model_validate(merged)
+                try:
+                    check_context(context)
+                except ReplayAuditError as e:
+                    _fail(f"{path}: {e.message} (its results JSON does not say it either)")
+            for where, item in _read_items(self.fmt, path):
+                if isinstance(item, _NotJson):
+                    self.report(where, f"not JSON ({item.message})")
+                    continue
+                try:
+                    if self.fmt == "lm-eval":
+                        assert task is not None
+                        empty: list[str] = []
+                        gens = parse_lm_eval_sample(item, task=task, tokenizer=self.tokenizer,
+                                                    results=results, path="sample",
+                                                    skipped=empty)
+                        self.empty += len(empty)
+                        yield from (build_trace(g, context, "lm-eval") for g in gens)
+                    else:
+                        yield from traces_from_item(self.fmt, item, context)  # type: ignore[arg-type]
+                except NotAGeneration:
+                    self.skipped += 1
+                except ReplayAuditError as e:
+                    self.report(where, e.message)
+
+
+def _progress() -> Any:
+    from rich.console import Console
+    from rich.progress import MofNCompleteColumn, Progress, SpinnerColumn, TimeElapsedColumn
+
+    return Progress(
+        SpinnerColumn(),
+        "[progress.description]{task.description}",
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+
+
+@app.command("import")
+def import_(
+    files: Annotated[list[Path], typer.Argument(help="Logged responses (.jsonl, .json, .pt).")],
+    format: Annotated[str, typer.Option("--format", help="openai, sglang, hf or lm-eval.")],
+    out: Annotated[Path | None, typer.Option(help="Write the traces here (JSONL).")] = None,
+    post: Annotated[
+        str | None, typer.Option(help="Send the traces to this server (e.g. http://host:8000).")
+    ] = None,
+    key: Annotated[
+        str | None, typer.Option(envvar="REPLAY_AUDIT_API_KEY", help="API key for --post.")
+    ] = None,
+    model: Annotated[
+        Path | None,
+        typer.Option(help="The checkpoint directory: weights_sha256, vocab, eos ids, tokenizer."),
+    ] = None,
+    config: Annotated[
+        list[str] | None, typer.Option("--config", help="key=value (repeatable).")
+    ] = None,
+    config_file: Annotated[
+        Path | None, typer.Option(help="YAML or JSON file of configuration keys.")
+    ] = None,
+    batch_size: Annotated[int, typer.Option(min=1, max=1000, help="Traces per POST.")] = 500,
+    task: Annotated[str | None, typer.Option(help="lm-eval task name (default: file name).")]
+    = None,
+    results: Annotated[
+        Path | None, typer.Option(help="lm-eval results JSON (default: next to the samples).")
+    ] = None,
+) -> None:
+    """Import logged responses as traces (docs/import.md says what each source needs)."""
+    if format not in _FORMATS:
+        _fail(f"--format must be one of {', '.join(_FORMATS)}; got {format!r}")
+    if (out is None) == (post is None):
+        _fail("give one of --out FILE or --post URL")
+    if post is not None and not key:
+        _fail("--post needs --key (or REPLAY_AUDIT_API_KEY)")
+    for f in files:
+        if not f.is_file():
+            _fail(f"{f}: no such file")
+    if format == "lm-eval" and model is None:
+        _fail("--format lm-eval needs --model DIR: the samples carry text, re-tokenised with "
+              "the checkpoint's tokenizer")
+    context = build_context(model, config_file, config or [])
+    from replay_audit.exceptions import ReplayAuditError
+    from replay_audit.imports.generation import check_context
+
+    if format != "lm-eval":  # lm-eval's results JSON may still give the dtype (per file)
+        try:
+            check_context(context)
+        except ReplayAuditError as e:
+            _fail(e.message)
+    tokenizer = None
+    if format == "lm-eval":
+        assert model is not None
+        from replay_audit.engine.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(model)
+        if tokenizer is None:
+            _fail(f"{model} has no tokenizer")
+    importer = _Importer(format, context, tokenizer, task, results)
+    written = 0
+    with _progress() as bar:
+        progress = bar.add_task("import", total=None)
+        traces = importer.traces(files)
+        if out is not None:
+            with out.open("w", encoding="utf-8") as sink:
+                for trace in traces:
+                    sink.write(trace.model_dump_json() + "\n")
+                    written += 1
+                    bar.advance(progress)
+            summary = f"wrote {written} traces to {out}"
+        else:
+            assert post is not None and key is not None
+            from replay_audit.client import SendError, post_traces
+
+            try:
+                stats = post_traces(
+                    post, key, traces, batch_size=batch_size,
+                    on_batch=lambda r: bar.advance(progress, len(r)),
+                )
+            except SendError as e:
+                _fail(str(e))
+            for error in stats.errors[:_MAX_SHOWN_ERRORS]:
+                typer.secho(f"server: {error.get('field', '')}: {error.get('detail', error)}",
+                            err=True, fg=typer.colors.RED)
+            importer.failed += stats.rejected
+            written = stats.created + stats.duplicates
+            summary = (f"posted {written} traces to {post}: {stats.created} new, "
+                       f"{stats.duplicates} already stored, {stats.rejected} refused")
+    if importer.skipped:
+        summary += f"; {importer.skipped} loglikelihood samples skipped (not generations)"
+    if importer.empty:
+        summary += (f"; {importer.empty} empty responses skipped (cut at an `until` string "
+                    "or eos before any text: no tokens to replay)")
+    if importer.failed:
+        summary += f"; {importer.failed} items failed (see above)"
+    typer.echo(summary)
+    if importer.failed:
+        raise typer.Exit(code=1)

@@ -1,0 +1,359 @@
+"""One logged generation as read from a source, and the trace it becomes. Pure.
+
+Each source module (`openai`, `sglang`, `hf`, `lm_eval`) turns its input into `Generation`s and
+knows nothing of traces; `build_trace` applies the `ImportContext` and is the one place where
+the numerical configuration, the logged margins and the unknowns of an imported trace are
+decided:
+
+- The configuration is what the context (and the source, where it says it) gives; a field
+  nobody gave keeps a neutral value (`attn_kernel`/`engine.name` "unknown", device "other",
+  the schema's default for numbers) and is named in `config.extras["unknown"]`. `dtype` and the
+  model reference cannot be unknown: a trace without them could not be replayed, so the import
+  refuses with the field named.
+- Logged margins. The per-step values are stored as the trace's top-k only when they are raw
+  (logits, or raw logprobs whose top-1 minus top-2 is the logit margin) and when every step has
+  at least two of them; `config.extras["top_k_values"]` says which. Processed logprobs and an
+  unknown logprobs mode give no top-k, so a replay reconstructs the logged arm's margins rather
+  than mixing sources. Values at or below -9999 are a server's stand-in for -inf (vLLM clamps
+  to it for JSON): absent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from pydantic import ValidationError
+
+from replay_audit.exceptions import FieldError
+from replay_audit.imports.schemas import (
+    EXTRA_FORMAT,
+    EXTRA_LOGPROBS_MODE,
+    EXTRA_TOP_K_VALUES,
+    EXTRA_UNKNOWN,
+    UNKNOWN,
+    ImportContext,
+    ImportFormat,
+    LogprobsMode,
+    TopKValues,
+)
+from replay_audit.traces.schemas import ExtraValue, TraceCreate, TraceFieldError
+
+StopReason = Literal["eos", "length", "stop_string", "other"]
+Strategy = Literal["greedy", "sample", "beam", "other"]
+
+#: A logprob at or below this is a clamped -inf (vLLM writes max(logprob, -9999.0)): absent.
+ABSENT_LOGPROB: Final = -9999.0
+#: The most top-k entries kept per step (the trace schema's limit).
+MAX_KEPT_TOP_K: Final = 20
+
+#: The configuration fields that are named in `extras["unknown"]` when nobody gave them.
+_OPTIONAL_FIELDS: Final = (
+    "lm_head_dtype",
+    "weight_dtype",
+    "device",
+    "gpu",
+    "attn_kernel",
+    "batch_size",
+    "tp_degree",
+    "engine.name",
+    "engine.version",
+    "torch_version",
+    "cuda_version",
+    "cublas_version",
+    "deterministic",
+    "tf32",
+)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generation read from a source, before the context is applied.
+
+    `steps[t]` is what the source reported for output step t: (token id, value) pairs in any
+    order (None when the source logged no values). `field` is where the generation came from
+    in its item (e.g. `choices[1]`), `steps_field` where its per-step values are: errors name
+    them.
+    """
+
+    field: str
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    steps: Sequence[Sequence[tuple[int, float]]] | None = None
+    steps_field: str = "logprobs"
+    stop_reason: StopReason | None = None
+    #: The stop token id the server matched (added to the trace's eos ids).
+    stop_token_id: int | None = None
+    prompt_text: str | None = None
+    output_text: str | None = None
+    external_id: str | None = None
+    #: The served model's name (default model.name).
+    served_model: str | None = None
+    #: What the source itself says about its values (e.g. transformers' logits are raw_logits).
+    logprobs_mode: LogprobsMode | None = None
+    #: The engine the source implies (SGLang's native API: "sglang").
+    engine_name: str | None = None
+    #: From the item's request, when it came with one.
+    strategy: Strategy | None = None
+    max_new_tokens: int | None = None
+    reference_answer: str | None = None
+    tags: Sequence[str] = ()
+    #: Facts of the source recorded in `config.extras` (e.g. the tokenization of lm-eval).
+    extras: Mapping[str, ExtraValue] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoggedTopK:
+    """The per-step top-k kept for a trace: ids and values sorted by value descending (ties by
+    smaller id), the same k at every step."""
+
+    ids: list[list[int]]
+    values: list[list[float]]
+
+    @property
+    def k(self) -> int:
+        return len(self.ids[0]) if self.ids else 0
+
+    def margins(self) -> list[float]:
+        """Top-1 minus top-2 at each step (in float32, as stored)."""
+        import numpy as np
+
+        v = np.asarray(self.values, dtype=np.float32)
+        return [float(x) for x in (v[:, 0] - v[:, 1])]
+
+
+def logged_top_k(
+    steps: Sequence[Sequence[tuple[int, float]]] | None,
+    output_token_ids: Sequence[int],
+    *,
+    field: str,
+    greedy: bool,
+    max_k: int = MAX_KEPT_TOP_K,
+) -> LoggedTopK | None:
+    """The top-k to store from per-step (id, value) pairs, or None when they give no margin
+    (no values, a step without two present values).
+
+    Values at or below -9999 are absent; each step is sorted by value descending, ties by the
+    smaller id, and cut to the smallest count of present values over the steps (at most
+    `max_k`). With `greedy`, the logged token must be a top-1 of its step (equal values are a
+    tie, allowed): otherwise the values are not those the decode took its argmax of, and the
+    import refuses with the step named.
+    """
+    if steps is None:
+        return None
+    if len(steps) != len(output_token_ids):
+        raise FieldError(
+            f"{field}: {len(steps)} steps of logprobs for {len(output_token_ids)} output tokens",
+            field=field,
+        )
+    rows: list[list[tuple[int, float]]] = []
+    for t, step in enumerate(steps):
+        present: dict[int, float] = {}
+        for token_id, value in step:
+            if not math.isfinite(value) and not (value == -math.inf):
+                raise FieldError(f"{field}[{t}]: logprob {value!r} is not a number", field=field)
+            if value <= ABSENT_LOGPROB:
+                continue
+            present[token_id] = max(value, present.get(token_id, -math.inf))
+        rows.append(sorted(present.items(), key=lambda p: (-p[1], p[0])))
+    k = min((len(r) for r in rows), default=0)
+    k = min(k, max_k)
+    if greedy:
+        for t, (row, token) in enumerate(zip(rows, output_token_ids, strict=True)):
+            if not row:
+                continue
+            logged = dict(row).get(token)
+            if logged is None or logged < row[0][1]:
+                where = "is not among" if logged is None else f"has value {logged!r} below"
+                raise FieldError(
+                    f"{field}[{t}]: the logged token {token} {where} the step's top-1 "
+                    f"({row[0][0]}: {row[0][1]!r}): not a greedy decode of these values "
+                    "(sampling, penalties or a logit bias?)",
+                    field=f"{field}[{t}]",
+                )
+    if k < 2:
+        return None
+    return LoggedTopK(
+        ids=[[i for i, _ in r[:k]] for r in rows],
+        values=[[v for _, v in r[:k]] for r in rows],
+    )
+
+
+def _top_k_values(mode: LogprobsMode | None) -> TopKValues | None:
+    if mode == "raw_logits":
+        return "logits"
+    if mode == "raw_logprobs":
+        return "raw_logprobs"
+    return None  # processed or unknown: no logged margin
+
+
+def _resolve_mode(gen: Generation, context: ImportContext) -> LogprobsMode | None:
+    if gen.logprobs_mode is not None and context.logprobs_mode not in (None, gen.logprobs_mode):
+        raise FieldError(
+            f"logprobs_mode: the source's values are {gen.logprobs_mode}, but the context says "
+            f"{context.logprobs_mode}",
+            field="logprobs_mode",
+        )
+    return gen.logprobs_mode or context.logprobs_mode
+
+
+def check_context(context: ImportContext) -> None:
+    """Refuse, naming the field, a context without what every trace needs and no response
+    carries: the dtype, the weights hash and the vocabulary size."""
+    if context.dtype is None:
+        raise FieldError(
+            "config.dtype is unknown: a response does not say which dtype the model ran in; "
+            "give it (CLI: --config dtype=bf16; HTTP: context.dtype)",
+            field="dtype",
+        )
+    for name in ("weights_sha256", "vocab_size"):
+        if getattr(context.model, name) is None:
+            raise FieldError(
+                f"model.{name} is unknown: no response carries it; give the checkpoint "
+                "(CLI: --model DIR) or model.weights_sha256 and model.vocab_size in the context",
+                field=f"model.{name}",
+            )
+
+
+def _config(
+    gen: Generation,
+    context: ImportContext,
+    fmt: ImportFormat,
+    mode: LogprobsMode | None,
+    *,
+    strategy_known: bool,
+    values_kind: TopKValues | None,
+) -> dict[str, object]:
+    check_context(context)
+    given = context.model_dump(exclude_unset=True, exclude_none=True)
+    unknown = []
+    for name in _OPTIONAL_FIELDS:
+        head, _, tail = name.partition(".")
+        value = given.get(head)
+        present = value is not None and (not tail or value.get(tail) is not None)
+        if name == "engine.name" and gen.engine_name is not None:
+            present = True
+        if name in ("gpu", "cuda_version", "cublas_version") and context.device in ("cpu", "mps"):
+            present = True  # not applicable
+        if not present:
+            unknown.append(name)
+    if not strategy_known:
+        unknown.append("decoding.strategy")
+    engine_name = context.engine.name or gen.engine_name or UNKNOWN
+    extras: dict[str, ExtraValue] = {
+        **dict(gen.extras),
+        **context.extras,
+        EXTRA_FORMAT: fmt,
+        EXTRA_LOGPROBS_MODE: mode or UNKNOWN,
+    }
+    if unknown:
+        extras[EXTRA_UNKNOWN] = ",".join(unknown)
+    # A property of the source's mode, not of one trace (so one server's traces share a
+    # configuration): what a top-k of these traces holds, "none" when it gives no margin.
+    extras[EXTRA_TOP_K_VALUES] = values_kind or "none"
+    config: dict[str, object] = {
+        "dtype": context.dtype,
+        "lm_head_dtype": context.lm_head_dtype,
+        "weight_dtype": context.weight_dtype,
+        "device": context.device or "other",
+        "gpu": context.gpu.model_dump() if context.gpu is not None else None,
+        "attn_kernel": context.attn_kernel or UNKNOWN,
+        "batch_size": context.batch_size or 1,
+        "tp_degree": context.tp_degree or 1,
+        "engine": {"name": engine_name, "version": context.engine.version},
+        "torch_version": context.torch_version,
+        "cuda_version": context.cuda_version,
+        "cublas_version": context.cublas_version,
+        "deterministic": context.deterministic,
+        "tf32": context.tf32,
+        "extras": extras,
+    }
+    return config
+
+
+def _model(gen: Generation, context: ImportContext) -> dict[str, object]:
+    m = context.model
+    name = m.name or gen.served_model
+    if not name:
+        raise FieldError(
+            "model.name is unknown: give it (CLI: --config model.name=...)", field="model.name"
+        )
+    return {
+        "name": name,
+        "revision": m.revision,
+        "weights_sha256": m.weights_sha256,
+        "vocab_size": m.vocab_size,
+    }
+
+
+def build_trace(gen: Generation, context: ImportContext, fmt: ImportFormat) -> TraceCreate:
+    """The trace for `gen` in `context` (see the module docstring for what is decided here).
+    Raises FieldError naming the field: a context field the trace needs, or a part of the
+    generation that the trace schema refuses."""
+    mode = _resolve_mode(gen, context)
+    strategy = gen.strategy or context.decoding.strategy
+    values_kind = _top_k_values(mode)
+    top_k = (
+        logged_top_k(
+            gen.steps,
+            gen.output_token_ids,
+            field=f"{gen.field}.{gen.steps_field}",
+            greedy=strategy == "greedy" and mode in ("raw_logits", "raw_logprobs"),
+        )
+        if values_kind is not None
+        else None
+    )
+    config = _config(
+        gen,
+        context,
+        fmt,
+        mode,
+        strategy_known=strategy is not None,
+        values_kind=values_kind,
+    )
+    eos = list(context.decoding.eos_token_ids or [])
+    if gen.stop_token_id is not None and gen.stop_token_id not in eos:
+        eos.append(gen.stop_token_id)
+    body: dict[str, object] = {
+        "external_id": gen.external_id,
+        "model": _model(gen, context),
+        "config": config,
+        "decoding": {
+            # Unknown is "other": a trace is replayed only when it is known to be greedy.
+            "strategy": strategy or "other",
+            "max_new_tokens": gen.max_new_tokens or context.decoding.max_new_tokens,
+            "eos_token_ids": eos,
+            "stop_reason": gen.stop_reason,
+        },
+        "prompt_token_ids": list(gen.prompt_token_ids),
+        "output_token_ids": list(gen.output_token_ids),
+        "prompt_text": _printable(gen.prompt_text),
+        "output_text": _printable(gen.output_text),
+        "top_k": None if top_k is None else {"ids": top_k.ids, "logits": top_k.values},
+        "tags": list(dict.fromkeys([*context.tags, *gen.tags])),
+        "reference_answer": gen.reference_answer,
+    }
+    try:
+        return TraceCreate.model_validate(body)
+    except ValidationError as exc:
+        raise _trace_error(exc, gen.field) from None
+
+
+def _printable(text: str | None) -> str | None:
+    # Texts are informational (the ids are the record) and no database stores a NUL in text.
+    return None if text is None else text.replace("\x00", "\ufffd")
+
+
+def _trace_error(exc: ValidationError, where: str) -> FieldError:
+    first = exc.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, TraceFieldError):
+        return FieldError(f"{where}: the trace would be invalid: {cause}", field=cause.field)
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    return FieldError(
+        f"{where}: the trace would be invalid: {loc}: {first.get('msg', 'invalid')}",
+        field=loc or where,
+    )

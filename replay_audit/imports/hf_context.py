@@ -1,0 +1,65 @@
+"""The import context of a transformers model running in this process (imports torch: the
+HF helper's companion for users' own code and the CLI, never the API process)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from replay_audit.exceptions import FieldError
+from replay_audit.imports.schemas import ImportContext
+
+
+def context_from_model(
+    model: Any, model_dir: str | Path | None = None, **overrides: Any
+) -> ImportContext:
+    """The import context of a transformers model running in this process: dtype, device and
+    GPU, attention kernel, torch/CUDA/transformers versions, deterministic and TF32 flags as
+    they are now, the model's eos ids, and (with `model_dir`) its weights_sha256 and vocab.
+    The batch size is left to `traces_from_generate` (the rows of the call). Keyword arguments
+    override any field (`tags=[...]`)."""
+    import torch
+    import transformers
+
+    from replay_audit.engine.hashing import weights_sha256
+
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    dtype = names.get(model.dtype)
+    if dtype is None:
+        raise FieldError(f"dtype: model dtype {model.dtype} is not fp32, bf16 or fp16",
+                         field="dtype")
+    device = next(model.parameters()).device
+    gpu = None
+    kind = "cpu"
+    if device.type == "cuda":
+        kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+        major, minor = torch.cuda.get_device_capability(device)
+        gpu = {"name": torch.cuda.get_device_name(device), "sm": f"{major}.{minor}"}
+    elif device.type in ("mps", "xpu"):
+        kind = device.type
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    values: dict[str, Any] = {
+        "model": {
+            "name": Path(model_dir).name if model_dir is not None else None,
+            "weights_sha256": weights_sha256(model_dir) if model_dir is not None else None,
+            "vocab_size": int(model.config.vocab_size),
+        },
+        "dtype": dtype,
+        "lm_head_dtype": dtype,
+        "weight_dtype": dtype,
+        "device": kind,
+        "gpu": gpu,
+        "attn_kernel": str(model.config._attn_implementation),
+        "tp_degree": 1,
+        "engine": {"name": "transformers", "version": transformers.__version__},
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda if device.type == "cuda" else None,
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "tf32": bool(torch.backends.cuda.matmul.allow_tf32) if device.type == "cuda" else False,
+        "decoding": {"eos_token_ids": eos_ids},
+    }
+    values.update(overrides)
+    return ImportContext.model_validate(values)

@@ -1,0 +1,219 @@
+"""lm-evaluation-harness `--log_samples` files: `samples_<task>_<date>.jsonl` (+ the run's
+`results_<date>.json`). Pure, given a tokenizer.
+
+Field names, checked against the source (EleutherAI/lm-evaluation-harness):
+- `lm_eval/evaluator.py` (the `example` dict of `evaluate`): `doc_id`, `doc`, `target`,
+  `arguments`, `resps`, `filtered_resps`, `filter`, `metrics`, `doc_hash`, `prompt_hash`,
+  `target_hash`; `results["config"]` = `model`, `model_args`, `model_dtype` (HFLM's
+  `get_model_info`), `batch_size`, `device`, `gen_kwargs`, seeds; `results["date"]`.
+- `lm_eval/loggers/evaluation_tracker.py` (`save_results_samples`): the file name, and
+  `arguments` rewritten as `{"gen_args_<i>": {"arg_<j>": ...}}`, `target` as a string.
+- `lm_eval/loggers/utils.py`: `transformers_version`, `pretty_env_info`, `max_length`,
+  `tokenizer_bos_token`, ... in the results JSON; `chat_template` there when the run applied
+  one (the context strings of the samples are then already templated).
+- `lm_eval/models/huggingface.py`: `generate_until` encodes each context with
+  `tok_batch_encode` (no special tokens added when the context starts with the BOS string,
+  else the tokenizer's default or `add_bos_token`), left-truncated to `max_length -
+  max_gen_toks`, and decodes the continuation, cut at the `until` strings.
+
+The samples carry text, not token ids: the import re-tokenises both the context and the
+response with the checkpoint's own tokenizer, and every trace says so
+(`config.extras["tokenization"]`). A re-tokenised response need not be the token sequence
+the model generated (a stop string cut mid-token, a non-canonical tokenization): a replay may
+then diverge for reasons that are not numerical, and the import cannot tell. Loglikelihood
+samples (multiple choice) are scores, not generations, and give no trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Final, Protocol
+
+from replay_audit.imports import _json as j
+from replay_audit.imports.generation import Generation
+
+#: `config.extras["tokenization"]` of every lm-eval trace.
+TOKENIZATION: Final = "re-tokenised from lm-eval text with the checkpoint tokenizer"
+
+_DTYPES: Final = {
+    "torch.float32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.bfloat16": "bf16",
+    "bfloat16": "bf16",
+    "torch.float16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+}
+
+
+class Tokenizer(Protocol):
+    """What the import needs of a transformers tokenizer."""
+
+    bos_token: str | None
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+class NotAGeneration(Exception):
+    """A sample that is not a generation (a loglikelihood request): skipped, not an error."""
+
+
+def _model_args(value: Any) -> dict[str, str]:
+    if isinstance(value, Mapping):
+        return {str(k): str(v) for k, v in value.items()}
+    if isinstance(value, str):
+        out = {}
+        for part in value.split(","):
+            key, sep, val = part.partition("=")
+            if sep:
+                out[key.strip()] = val.strip()
+        return out
+    return {}
+
+
+def context_from_results(results: Mapping[str, Any]) -> dict[str, Any]:
+    """What an lm-eval results JSON says of the run, as `ImportContext` keys: the model's
+    dtype as loaded (`config.model_dtype`), the batch size and device asked for, the
+    transformers version. Nothing that the file does not state."""
+    config = results.get("config")
+    config = config if isinstance(config, Mapping) else {}
+    out: dict[str, Any] = {}
+    dtype = _DTYPES.get(str(config.get("model_dtype", "")))
+    if dtype is None:
+        dtype = _DTYPES.get(_model_args(config.get("model_args")).get("dtype", ""))
+    if dtype is not None:
+        out["dtype"] = dtype
+    batch = config.get("batch_size")
+    if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1:
+        out["batch_size"] = batch
+    elif isinstance(batch, str) and batch.isdigit() and int(batch) >= 1:
+        out["batch_size"] = int(batch)
+    device = config.get("device")
+    if isinstance(device, str) and device:
+        kind = device.split(":")[0]
+        if kind in ("cpu", "cuda", "mps", "xpu"):
+            out["device"] = kind
+    version = results.get("transformers_version")
+    if config.get("model") == "hf":  # lm-eval's HFLM: transformers' generate()
+        out["engine"] = {"name": "transformers"}
+        if isinstance(version, str) and version and version != "N/A":
+            out["engine"]["version"] = version
+    return out
+
+
+def _arguments(sample: Mapping[str, Any], path: str) -> list[tuple[Any, Any]]:
+    args = sample.get("arguments")
+    if isinstance(args, Mapping):  # as saved: {"gen_args_0": {"arg_0": ctx, "arg_1": kwargs}}
+        out = []
+        for i in range(len(args)):
+            entry = j.obj(args.get(f"gen_args_{i}"), f"{path}.arguments.gen_args_{i}")
+            out.append((entry.get("arg_0"), entry.get("arg_1")))
+        return out
+    if isinstance(args, list):  # in memory: [[ctx, kwargs], ...]
+        pairs = [j.seq(a, f"{path}.arguments[{i}]") for i, a in enumerate(args)]
+        return [(p[0] if p else None, p[1] if len(p) > 1 else None) for p in pairs]
+    raise j.fail(f"{path}.arguments", "missing (is this a --log_samples file?)")
+
+
+def _encode(tokenizer: Tokenizer, text: str, add_bos: bool | None) -> list[int]:
+    # As lm-eval's tok_batch_encode: no special tokens when the text starts with the BOS
+    # string; else add_bos_token when the run set it; else the tokenizer's default.
+    bos = tokenizer.bos_token
+    if bos and text.startswith(bos):
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    if add_bos is not None:
+        return list(tokenizer.encode(text, add_special_tokens=add_bos))
+    return list(tokenizer.encode(text))
+
+
+def _continuation_ids(tokenizer: Tokenizer, context_ids: Sequence[int], context: str,
+                      response: str, add_bos: bool | None) -> list[int]:
+    # Tokenised with its context where the context's ids are a prefix of the whole (how a
+    # SentencePiece tokenizer spaces the first token), else on its own.
+    whole = _encode(tokenizer, context + response, add_bos)
+    if whole[: len(context_ids)] == list(context_ids):
+        return whole[len(context_ids) :]
+    return list(tokenizer.encode(response, add_special_tokens=False))
+
+
+def parse_lm_eval_sample(
+    sample: Any,
+    *,
+    task: str,
+    tokenizer: Tokenizer,
+    results: Mapping[str, Any] | None = None,
+    path: str = "sample",
+    skipped: list[str] | None = None,
+) -> list[Generation]:
+    """The generations of one `--log_samples` line (one per request and repeat). An empty
+    response (the model's first token was an `until` string or eos, cut away by lm-eval)
+    gives no trace: its field is appended to `skipped`. Raises NotAGeneration for a
+    loglikelihood sample, FieldError naming the field otherwise."""
+    body = j.obj(sample, path)
+    doc_id = body.get("doc_id")
+    requests = _arguments(body, path)
+    resps = j.seq(body.get("resps"), f"{path}.resps")
+    if len(resps) != len(requests):
+        raise j.fail(f"{path}.resps", f"{len(resps)} responses for {len(requests)} requests")
+    results = results or {}
+    config = results.get("config") if isinstance(results.get("config"), Mapping) else {}
+    assert isinstance(config, Mapping)
+    add_bos_raw = _model_args(config.get("model_args")).get("add_bos_token")
+    add_bos = None if add_bos_raw is None else add_bos_raw.lower() == "true"
+    max_length = results.get("max_length")
+    target = body.get("target")
+    date = results.get("date")
+    out = []
+    for i, (context, kwargs) in enumerate(requests):
+        if not isinstance(kwargs, Mapping):
+            raise NotAGeneration(
+                f"{path}: a loglikelihood sample (scores, not a generation): no trace"
+            )
+        if not isinstance(context, str):
+            raise j.fail(f"{path}.arguments.gen_args_{i}.arg_0", "expected the context text")
+        max_gen = kwargs.get("max_gen_toks")
+        max_gen = max_gen if isinstance(max_gen, int) and max_gen >= 1 else None
+        greedy = not kwargs.get("do_sample") and kwargs.get("temperature", 0.0) in (0, 0.0, None)
+        prompt = _encode(tokenizer, context, add_bos)
+        if isinstance(max_length, int) and max_gen is not None and max_length > max_gen:
+            prompt = prompt[-(max_length - max_gen) :]
+        repeats = j.seq(resps[i], f"{path}.resps[{i}]")
+        for r, response in enumerate(repeats):
+            if not isinstance(response, str):
+                raise j.fail(f"{path}.resps[{i}][{r}]", "expected the generated text")
+            output = _continuation_ids(tokenizer, prompt, context, response, add_bos)
+            if not output:
+                if skipped is not None:
+                    skipped.append(f"{path}.resps[{i}][{r}]")
+                continue
+            suffix = "" if len(requests) == 1 and len(repeats) == 1 else f":{i}:{r}"
+            run = f":{date}" if isinstance(date, int | float | str) and date != "" else ""
+            out.append(
+                Generation(
+                    field=f"{path}.resps[{i}][{r}]",
+                    prompt_token_ids=prompt,
+                    output_token_ids=output,
+                    # Why it stopped (eos, an `until` string, max_gen_toks) is not logged.
+                    stop_reason="other",
+                    prompt_text=context,
+                    output_text=response,
+                    external_id=f"lm-eval:{task}:{doc_id}{suffix}{run}",
+                    strategy="greedy" if greedy else "sample",
+                    max_new_tokens=max_gen,
+                    reference_answer=None if target is None else str(target),
+                    tags=("lm-eval", f"task={task}"),
+                    extras={"tokenization": TOKENIZATION, "chat_template": (
+                        "applied by lm-eval" if results.get("chat_template") else "none")},
+                )
+            )
+    return out
+
+
+def task_from_filename(name: str) -> str | None:
+    """`samples_<task>_<date>.jsonl` -> task (the date is the last `_` part)."""
+    if not name.startswith("samples_") or not name.endswith(".jsonl"):
+        return None
+    stem = name[len("samples_") : -len(".jsonl")]
+    task, sep, _ = stem.rpartition("_")
+    return task if sep and task else None

@@ -1,0 +1,146 @@
+"""What an import takes besides the logged responses, and what it answers.
+
+A response from vLLM, SGLang or transformers carries the token ids and (when asked for) the
+per-step top-k logprobs, but not the numerical configuration it ran in, and not the model's
+weights hash. `ImportContext` is that missing part, given once for a whole import: by the CLI's
+`--config key=value` flags and `--config-file`, by the `context` of `POST /v1/traces:import`, or
+by the Python client. Its keys are `NumericalConfig`'s (dtype, gpu, attn_kernel, ...) plus
+`model`, `decoding`, `logprobs_mode` and `tags`. Every field is optional: what is not given is
+recorded as unknown in the trace (`config.extras["unknown"]`), never filled with a guess.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import ConfigDict, Field, StringConstraints
+
+from replay_audit.config import MAX_BATCH_TRACES
+from replay_audit.input import InputModel
+from replay_audit.traces.schemas import (
+    BodyDTypeName,
+    ExtraValue,
+    HeadDTypeName,
+    IngestResult,
+    Name,
+    Sha256,
+    Tag,
+    TokenId,
+    WeightDTypeName,
+)
+
+#: The sources `replay-audit import` and `POST /v1/traces:import` read.
+ImportFormat = Literal["openai", "sglang", "hf", "lm-eval"]
+IMPORT_FORMATS: Final[tuple[ImportFormat, ...]] = ("openai", "sglang", "hf", "lm-eval")
+
+#: What the numbers a server returns as "logprobs" are (vLLM's `--logprobs-mode` names):
+#: `raw_logprobs` log_softmax of the model's logits (vLLM's default), `raw_logits` the logits
+#: themselves, `processed_*` the same after the sampler's processing (temperature, penalties,
+#: bias, top-k/top-p masks). Only the raw ones give the logged arm's margins.
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+LOGPROBS_MODES: Final[tuple[LogprobsMode, ...]] = (
+    "raw_logprobs",
+    "raw_logits",
+    "processed_logprobs",
+    "processed_logits",
+)
+
+#: Where the values in an imported trace's `top_k.logits` come from (recorded in the trace's
+#: `config.extras["top_k_values"]`): the logits themselves, or raw logprobs (the logits less
+#: the log-softmax normaliser: their top-1 minus top-2 is the logit margin, to float32
+#: rounding, but they are not logits and have no ulp of their own).
+TopKValues = Literal["logits", "raw_logprobs"]
+
+#: The `config.extras` keys an import writes (a user's own extras keep any other key).
+EXTRA_FORMAT: Final = "import_format"
+EXTRA_LOGPROBS_MODE: Final = "logprobs_mode"
+EXTRA_TOP_K_VALUES: Final = "top_k_values"
+EXTRA_UNKNOWN: Final = "unknown"
+EXTRA_TOKENIZATION: Final = "tokenization"
+#: The value of a configuration field nobody gave (strings), and of `logprobs_mode`.
+UNKNOWN: Final = "unknown"
+
+
+class _Input(InputModel):
+    """Request schemas of the import: every string checked as every request's (`InputModel`)."""
+
+    # Import contexts are written by hand (YAML/JSON files, CLI flags): lax types, as
+    # `InputModel` subclasses that are not traces allow.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+class ModelInput(_Input):
+    """The model reference, as far as it is known (the CLI's `--model DIR` fills it)."""
+
+    name: Name | None = None
+    revision: str | None = Field(default=None, max_length=200)
+    weights_sha256: Sha256 | None = None
+    vocab_size: int | None = Field(default=None, ge=2, le=2**31 - 1)
+
+
+class GpuInput(_Input):
+    name: Name
+    sm: Annotated[str, StringConstraints(pattern=r"^\d{1,2}\.\d{1,2}$")]
+
+
+class EngineInput(_Input):
+    name: Name | None = None
+    version: str | None = Field(default=None, max_length=100)
+
+
+class DecodingInput(_Input):
+    """How the generations were decoded, where the responses do not say it (a response never
+    carries its request's sampling parameters; an item's `request`, when given, does)."""
+
+    strategy: Literal["greedy", "sample", "beam", "other"] | None = None
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    eos_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
+
+
+class ImportContext(_Input):
+    """Everything an import needs that the logged responses do not carry. None = not known."""
+
+    model: ModelInput = ModelInput()
+    dtype: BodyDTypeName | None = None
+    lm_head_dtype: HeadDTypeName | None = None
+    weight_dtype: WeightDTypeName | None = None
+    device: Literal["cpu", "cuda", "rocm", "mps", "xpu", "other"] | None = None
+    gpu: GpuInput | None = None
+    attn_kernel: Annotated[str, StringConstraints(pattern=r"^[a-z0-9_\-]{1,64}$")] | None = None
+    batch_size: int | None = Field(default=None, ge=1, le=1_000_000)
+    tp_degree: int | None = Field(default=None, ge=1, le=1024)
+    engine: EngineInput = EngineInput()
+    torch_version: str | None = Field(default=None, max_length=100)
+    cuda_version: str | None = Field(default=None, max_length=100)
+    cublas_version: str | None = Field(default=None, max_length=100)
+    deterministic: bool | None = None
+    tf32: bool | None = None
+    extras: dict[Annotated[str, StringConstraints(max_length=100)], ExtraValue] = Field(
+        default_factory=dict, max_length=90
+    )
+    #: The server's `--logprobs-mode` (vLLM) or its equivalent; None = unknown, and then the
+    #: logged logprobs give no margin.
+    logprobs_mode: LogprobsMode | None = None
+    decoding: DecodingInput = DecodingInput()
+    tags: list[Tag] = Field(default_factory=list, max_length=32)
+
+
+class ImportRequest(_Input):
+    """Body of `POST /v1/traces:import?format=...`: the context, then the raw logged items
+    (each a response as the server returned it, or `{"request": ..., "response": ...}`)."""
+
+    context: ImportContext = ImportContext()
+    items: list[Any] = Field(max_length=MAX_BATCH_TRACES)
+
+
+class ImportResult(IngestResult):
+    """One trace of an import (or one item that gave none): `index` is the item's position,
+    `choice` the trace's within the item (a response with n > 1 choices gives several)."""
+
+    choice: int | None = None
+
+
+class ImportBatchResult(_Input):
+    """Answer of `POST /v1/traces:import` (HTTP 207): the items' results in request order."""
+
+    results: list[ImportResult]

@@ -1,0 +1,174 @@
+"""SGLang's native `/generate` responses with `return_logprob`. Pure.
+
+Field names, checked against the sources (sgl-project/sglang):
+- `python/sglang/srt/managers/tokenizer_manager.py` (`_handle_batch_output`): the answer is
+  `{"text", "output_ids", "meta_info"}`, plus `"prompt_token_ids"` when the request set
+  `return_prompt_token_ids`; `meta_info` has `id`, `finish_reason`, `prompt_tokens`,
+  `completion_tokens`, `cached_tokens` and, with `return_logprob`, `input_token_logprobs`,
+  `output_token_logprobs` (one `(logprob, token_id, text)` per token; text None unless
+  `return_text_in_logprobs`) and, with `top_logprobs_num` > 0, `input_top_logprobs` and
+  `output_top_logprobs` (per position a list of such tuples, or None).
+- `python/sglang/srt/managers/schedule_batch.py`: `finish_reason` is `{"type": "stop",
+  "matched": <token id or string>}`, `{"type": "length", "length": n}` or `{"type": "abort",
+  ...}`.
+- `python/sglang/srt/managers/io_struct.py` (`GenerateReqInput`): the request's `text` or
+  `input_ids`, `sampling_params` (`temperature`, `top_k`, `max_new_tokens`), `return_logprob`,
+  `logprob_start_len` (-1 by default: input logprobs of the last prompt token only),
+  `top_logprobs_num`.
+
+What the logprobs are depends on the server (the sampler's all-greedy path returns
+log_softmax of the logits; otherwise they are taken after temperature scaling unless the server
+runs with `SGLANG_RETURN_ORIGINAL_LOGPROB`): the import context's `logprobs_mode` says it.
+A request with a batch of prompts answers a list: every element is a generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from replay_audit.imports import _json as j
+from replay_audit.imports.generation import Generation, StopReason
+from replay_audit.imports.openai_compat import request_strategy
+
+
+def _tuple(value: Any, path: str) -> tuple[float | None, int]:
+    parts = j.seq(value, path)
+    if len(parts) < 2:
+        raise j.fail(path, "expected a (logprob, token_id, text) tuple")
+    logprob = None if parts[0] is None else j.number(parts[0], f"{path}[0]")
+    return logprob, j.token_id(parts[1], f"{path}[1]")
+
+
+def _finish(meta: Mapping[str, Any], path: str) -> tuple[StopReason | None, int | None]:
+    reason = meta.get("finish_reason")
+    if reason is None:
+        return None, None
+    reason = j.obj(reason, f"{path}.finish_reason")
+    kind = reason.get("type")
+    if kind == "length":
+        return "length", None
+    if kind != "stop":
+        return "other", None
+    matched = reason.get("matched")
+    if isinstance(matched, str):
+        return "stop_string", None
+    if isinstance(matched, int) and not isinstance(matched, bool):
+        return "eos", j.token_id(matched, f"{path}.finish_reason.matched")
+    return "eos", None
+
+
+def _prompt_ids(
+    body: Mapping[str, Any], meta: Mapping[str, Any], request: Mapping[str, Any] | None,
+    path: str,
+) -> list[int]:
+    if body.get("prompt_token_ids") is not None:
+        return j.token_ids(body["prompt_token_ids"], f"{path}.prompt_token_ids")
+    input_ids = request.get("input_ids") if request is not None else None
+    if isinstance(input_ids, list) and input_ids and all(isinstance(x, int) for x in input_ids):
+        return j.token_ids(input_ids, "request.input_ids")
+    n_prompt = meta.get("prompt_tokens")
+    logged = meta.get("input_token_logprobs")
+    if isinstance(logged, list) and logged and len(logged) == n_prompt:
+        lpath = f"{path}.meta_info.input_token_logprobs"
+        return [_tuple(x, f"{lpath}[{i}]")[1] for i, x in enumerate(logged)]
+    raise j.fail(
+        f"{path}.prompt_token_ids",
+        "no prompt token ids: ask SGLang for them (\"return_prompt_token_ids\": true, or "
+        "\"return_logprob\": true with \"logprob_start_len\": 0) or send the request with "
+        "input_ids",
+    )
+
+
+def _one(
+    body: Mapping[str, Any], request: Mapping[str, Any] | None, path: str
+) -> Generation:
+    meta = j.obj(body.get("meta_info"), f"{path}.meta_info")
+    mpath = f"{path}.meta_info"
+    logged = meta.get("output_token_logprobs")
+    logged_ids = None
+    if logged is not None:
+        lpath = f"{mpath}.output_token_logprobs"
+        logged_ids = [_tuple(x, f"{lpath}[{t}]")[1] for t, x in enumerate(j.seq(logged, lpath))]
+    if body.get("output_ids") is not None:
+        output = j.token_ids(body["output_ids"], f"{path}.output_ids")
+        if logged_ids is not None and logged_ids != output:
+            raise j.fail(
+                f"{path}.output_ids", "disagrees with the ids of meta_info.output_token_logprobs"
+            )
+    elif logged_ids is not None:
+        output = logged_ids
+    else:
+        raise j.fail(
+            f"{path}.output_ids",
+            "no output token ids (neither output_ids nor meta_info.output_token_logprobs)",
+        )
+    if not output:
+        raise j.fail(f"{path}.output_ids", "the generation has no tokens")
+    steps = None
+    tops = meta.get("output_top_logprobs")
+    if tops is not None:
+        tpath = f"{mpath}.output_top_logprobs"
+        rows: list[list[tuple[int, float]]] | None = []
+        for t, row in enumerate(j.seq(tops, tpath)):
+            if row is None or rows is None:
+                rows = None
+                break
+            pairs = []
+            for i, entry in enumerate(j.seq(row, f"{tpath}[{t}]")):
+                logprob, tid = _tuple(entry, f"{tpath}[{t}][{i}]")
+                if logprob is not None:
+                    pairs.append((tid, logprob))
+            rows.append(pairs)
+        steps = rows
+    stop_reason, stop_id = _finish(meta, mpath)
+    params = request.get("sampling_params") if request is not None else None
+    max_new = params.get("max_new_tokens") if isinstance(params, Mapping) else None
+    text = body.get("text")
+    prompt_text = request.get("text") if request is not None else None
+    return Generation(
+        field=path,
+        prompt_token_ids=_prompt_ids(body, meta, request, path),
+        output_token_ids=output,
+        steps=steps,
+        steps_field="meta_info.output_top_logprobs",
+        stop_reason=stop_reason,
+        stop_token_id=stop_id,
+        prompt_text=prompt_text if isinstance(prompt_text, str) else None,
+        output_text=text if isinstance(text, str) else None,
+        external_id=j.opt_str(meta.get("id"), f"{mpath}.id"),
+        engine_name="sglang",
+        strategy=request_strategy(request),
+        max_new_tokens=max_new if isinstance(max_new, int) and max_new >= 1 else None,
+    )
+
+
+def parse_sglang(item: Any, path: str = "item") -> list[Generation]:
+    """The generations of one `/generate` answer (a list answer: one per element), bare or as
+    `{"request": ..., "response": ...}`. Raises FieldError naming the field when the answer
+    lacks what a trace needs or is malformed."""
+    request: Mapping[str, Any] | None = None
+    answer, rpath = item, path
+    if isinstance(item, Mapping) and "response" in item and set(item) <= {"request", "response"}:
+        if item.get("request") is not None:
+            request = j.obj(item["request"], f"{path}.request")
+        answer, rpath = item["response"], f"{path}.response"
+    if not isinstance(answer, list):
+        return [_one(j.obj(answer, rpath), request, rpath)]
+    bodies: Sequence[Any] = answer
+    return [
+        _one(j.obj(b, f"{rpath}[{i}]"), _nth_request(request, i), f"{rpath}[{i}]")
+        for i, b in enumerate(bodies)
+    ]
+
+
+def _nth_request(request: Mapping[str, Any] | None, i: int) -> Mapping[str, Any] | None:
+    """The request of the i-th prompt of a batch request (its list fields taken at i)."""
+    if request is None:
+        return None
+    out = dict(request)
+    for key in ("text", "input_ids", "sampling_params"):
+        value = request.get(key)
+        if isinstance(value, list) and value and (key != "input_ids" or isinstance(value[0], list)):
+            out[key] = value[i] if i < len(value) else None
+    return out
