@@ -13,10 +13,12 @@ a chunked forward attends over a cache of the earlier chunks, which changes the 
 reduction order, so it would not give the one-forward scan's numbers.
 
 Rows are right-padded. Position p of a row is position p of its trace, so the position ids
-0..L-1 are right for every row; under the causal mask a real position attends only to earlier
-ones, so padding (always later) is never read by a real position, and the attention mask marks it
-too. Only the hidden states of real output positions (`PackedBatch.output_positions`) go on to
-the lm_head: a padded position's logits are never computed.
+0..L-1 are right for every row, and every padded position comes after all of its row's real
+ones: under the causal mask a real position attends only to itself and earlier positions, so it
+never reads padding. No padding mask is passed: it would change nothing a real position computes
+(bit for bit, measured on CPU), and on CUDA an explicit mask takes sdpa off its flash kernel.
+Only the hidden states of real output positions (`PackedBatch.output_positions`) go on to the
+lm_head: a padded position's logits are never computed.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class PackedBatch:
     """A batch's rows as arrays for one forward.
 
     input_ids         (rows, L) the contexts, right-padded with the pad id
-    attention_mask    (rows, L) 1 on a row's context, 0 on its padding
+    lengths           (rows,) each row's context length: positions >= it are padding
     output_positions  (steps,) flat positions row * L + p of the hidden states that predict the
                       rows' output tokens, row by row: output step t of a row with a prompt of
                       P tokens is at p = P - 1 + t (never a padded position)
@@ -120,22 +122,22 @@ class PackedBatch:
     """
 
     input_ids: npt.NDArray[np.int64]
-    attention_mask: npt.NDArray[np.int64]
+    lengths: npt.NDArray[np.int64]
     output_positions: npt.NDArray[np.int64]
     row_steps: npt.NDArray[np.int64]
 
     @property
     def padded(self) -> bool:
-        """Whether any row has padding (without it, no attention mask is needed)."""
-        return not bool(self.attention_mask.all())
+        """Whether any row has padding."""
+        return bool((self.lengths < self.input_ids.shape[1]).any())
 
 
 def pack_batch(items: Sequence[ScanItem], padded_length: int, pad_id: int) -> PackedBatch:
     """The rows of one batch: each item's context right-padded to `padded_length` with
-    `pad_id`, its attention mask, and where its output steps' hidden states are."""
+    `pad_id`, and where its output steps' hidden states are."""
     rows = len(items)
     input_ids = np.full((rows, padded_length), pad_id, dtype=np.int64)
-    mask = np.zeros((rows, padded_length), dtype=np.int64)
+    lengths = np.zeros(rows, dtype=np.int64)
     positions: list[npt.NDArray[np.int64]] = []
     row_steps = np.zeros(rows + 1, dtype=np.int64)
     for r, item in enumerate(items):
@@ -147,11 +149,11 @@ def pack_batch(items: Sequence[ScanItem], padded_length: int, pad_id: int) -> Pa
             raise ValueError(f"a context of {n} tokens does not fit a row of {padded_length}")
         input_ids[r, :n_prompt] = item.prompt_ids
         input_ids[r, n_prompt:n] = item.output_ids[:-1]
-        mask[r, :n] = 1
+        lengths[r] = n
         positions.append(r * padded_length + n_prompt - 1 + np.arange(n_out, dtype=np.int64))
         row_steps[r + 1] = row_steps[r] + n_out
     output_positions = np.concatenate(positions) if positions else np.zeros(0, np.int64)
-    return PackedBatch(input_ids, mask, output_positions, row_steps)
+    return PackedBatch(input_ids, lengths, output_positions, row_steps)
 
 
 def scan_extras(batches: Sequence[ScanBatch], token_budget: int) -> dict[str, str | int]:

@@ -196,7 +196,8 @@ class TorchEngine:
     ) -> list[ScanRun]:
         """`scan` of each item, several traces per forward (`replay_audit.engine.batch`: length
         buckets, right padding, at most `token_budget` tokens a forward; a longer trace alone).
-        Per forward: the body over the padded rows, the lm_head over the real output positions
+        Per forward: the body over the right-padded rows (causal mask only: padding comes after
+        every real position, so none reads it), the lm_head over the real output positions
         only, top-k and its tie order on the device, one copy of (steps, k) values to the host,
         the margins and gate of all steps in one call of `diff.step_numerics`, and the
         intervention at all gated steps together. The rows are other traces, not copies of one:
@@ -242,9 +243,8 @@ class TorchEngine:
     def _scan_packed(self, packed: PackedBatch, iv: Intervention, top_k: int) -> Steps:
         """One forward of a batched scan: the steps of all its rows, row after row."""
         ids = torch.from_numpy(packed.input_ids).to(self.device)
-        # Without padding no mask is needed, and none is passed, as `scan` passes none.
-        mask = torch.from_numpy(packed.attention_mask).to(self.device) if packed.padded else None
-        hidden = self.body.forward_rows(ids, mask)
+        # The causal mask alone keeps right padding unread (`batch`): no padding mask.
+        hidden = self.body.forward_rows(ids)
         positions = torch.from_numpy(packed.output_positions).to(self.device)
         # Only the real output positions' hidden states go on: padding's are never read.
         hs = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)

@@ -77,19 +77,18 @@ def test_packed_rows_hold_the_contexts_and_padding_is_never_read(
         return
     length = max(context_length(it) for it in items) + extra
     packed = pack_batch(items, length, pad_id)
-    assert packed.input_ids.shape == packed.attention_mask.shape == (len(items), length)
+    assert packed.input_ids.shape == (len(items), length)
     assert packed.row_steps[-1] == packed.output_positions.size
     for r, it in enumerate(items):
         full = [*it.prompt_ids, *it.output_ids]
         n, p = context_length(it), len(it.prompt_ids)
         assert packed.input_ids[r, :n].tolist() == full[:n]
-        assert (packed.input_ids[r, n:] == pad_id).all()
-        assert packed.attention_mask[r].tolist() == [1] * n + [0] * (length - n)
+        assert (packed.input_ids[r, n:] == pad_id).all() and packed.lengths[r] == n
         pos = packed.output_positions[packed.row_steps[r] : packed.row_steps[r + 1]]
         assert pos.size == len(it.output_ids)
-        # every position read is a real one of this row: never padding, never another row
+        # every position read is a real one of this row: never padding, never another row; and
+        # all its padding comes after it, so under the causal mask it reads none of it
         assert ((pos >= r * length) & (pos < r * length + n)).all()
-        assert packed.attention_mask.reshape(-1)[pos].all()
         # position p - 1 + t holds context token p - 1 + t and predicts output token t
         assert (pos - r * length).tolist() == list(range(p - 1, p - 1 + len(it.output_ids)))
         assert packed.input_ids.reshape(-1)[pos].tolist() == full[p - 1 : p - 1 + pos.size]

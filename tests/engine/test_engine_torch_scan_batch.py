@@ -1,13 +1,14 @@
 """The torch engine's batched scan on CPU against `scan` of each trace alone, on the committed
 small model (fp32, bf16, fp16).
 
-What is exactly equal, and what is not (measured on this project's x86 CPUs, torch 2.13, for
-the bundled model's shapes):
+What is exactly equal, and what is not (measured on this machine's CPU, an AMD EPYC with AVX2,
+torch 2.13, for the bundled model's shapes):
 - A trace's batched scan does not depend on the traces that share its batch: it is padded to
   its own bucket's length, and the CPU kernels give each row the same bits at any row count.
 - Attention `eager`: batched = bs=1 bit for bit (every field of every step) for the prompt
-  set's contexts (38-87 tokens), in all three formats and with interventions A, B and C: the
-  masked keys of the padding add exact zeros to the softmax and to probabilities x V.
+  set's contexts (38-80 tokens), in all three formats and with interventions A, B and C: the
+  keys the causal mask hides (the padding among them) add exact zeros to the softmax and to
+  probabilities x V.
 - Attention `sdpa` (transformers' default): not equal. torch's CPU flash attention takes its
   key block as long as the sequence (below 512 tokens), so a padded row sums its attention in
   another order. What holds: a trace with no padding (context = its bucket's length) is equal
