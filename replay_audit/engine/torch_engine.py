@@ -76,8 +76,9 @@ class TorchEngine:
             target.dtype, target.lm_head_dtype, kernel, target.batch_size, target.intervention
         )
         #: The token written at padded positions of a batched scan. No real position reads it
-        #: (tests/engine/test_engine_torch_batch.py changes it and gets the same bits).
-        self.scan_pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
+        #: (tests/engine/test_engine_torch_scan_batch.py changes it and gets the same bits).
+        pad = getattr(model.config, "pad_token_id", None)
+        self.scan_pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
         #: What the last batched scan recorded in `environment()["extras"]` (its batch shapes).
         self._scan_extras: dict[str, str | int] = {}
 
@@ -249,10 +250,9 @@ class TorchEngine:
         # Only the real output positions' hidden states go on: padding's are never read.
         hs = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
         if self.head.fmt.startswith("fp8"):  # per step, as `scan`: the activation scale is per step
-            z = torch.cat([self.head.native(hs[i : i + 1]) for i in range(hs.shape[0])])
+            z32 = torch.cat([self.head.native(hs[i : i + 1]) for i in range(hs.shape[0])]).float()
         else:
-            z = self.head.native(hs)
-        z32 = z.float()
+            z32 = self.head.native(hs).float()  # the native (steps, V) freed at once
         return decide_rows(self.head, top_k_ordered(z32, top_k), z32, hs, iv, top_k)
 
     def _decoder(self, total: int) -> Decoder:
