@@ -6,6 +6,20 @@ T decode steps. Default: a 256-token trace (DESIGN target: scan >= 20x faster).
 
 The trace is produced by our own decode in the logged format (`--logged-dtype`, default bf16);
 the replay runs in `--dtype` (default fp16). Prints one JSON object.
+
+With `--batch N`: the batched scan (`Engine.scan_batch`, `--token-budget` tokens a forward) of N
+traces of `--tokens` tokens each (prompt + output; `--prompt-len` of them prompt) against N
+bs=1 scans of the same traces in the same run (DESIGN target: 1,000,000 traces of 512 tokens
+an hour on one H100, about 40% of its dense bf16 peak):
+
+    python benchmarks/scan.py --tinyllama --device cuda --batch 64 --token-budget 32768 --tokens 512
+
+It reports tokens/s (prompt + output tokens of the traces, padding not counted), traces/hour,
+and on CUDA the fraction of `--peak-flops` (default: an H100 SXM's dense bf16, 989e12) at
+2 x parameters FLOPs per token; and how far the batched results are from the bs=1 ones. The
+logged outputs are the model's own greedy continuations in the logged format (transformers'
+batched `generate()`, which is fast enough for N traces; `--logged random`: uniform random
+tokens, for quick runs: the scan's cost does not depend on them).
 """
 
 from __future__ import annotations
@@ -18,12 +32,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _models import build_engine, random_tinyllama, sync
 
-from replay_audit.engine.protocol import Target
+from replay_audit.engine.protocol import Intervention, ScanItem, Target
+from replay_audit.formats import INTERVENTION_KINDS
+
+#: Dense bf16 tensor-core peak of an H100 SXM, FLOP/s (no sparsity).
+H100_BF16_PEAK = 989e12
 
 
 def main() -> None:
@@ -38,9 +57,17 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None, help="N traces: batched vs bs=1 scans")
+    ap.add_argument("--token-budget", type=int, default=None, help="tokens a batched forward")
+    ap.add_argument("--peak-flops", type=float, default=H100_BF16_PEAK)
+    ap.add_argument("--logged", choices=["greedy", "random"], default="greedy")
+    ap.add_argument("--intervention", choices=list(INTERVENTION_KINDS), default="none")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.batch is not None:
+        batched(args)
+        return
 
     model = random_tinyllama(args.dtype, args.device) if args.tinyllama else None
     replay = build_engine(
@@ -80,6 +107,131 @@ def main() -> None:
         "speedup": t_decode / t_scan,
         "decode_t_star": first_divergence(logged, run.output_token_ids),
         "scan_t_star": scan.first_disagreement,
+        "threads": torch.get_num_threads(),
+    }
+    print(json.dumps(result, indent=2))
+
+
+def time_once(device: torch.device, fn: Any) -> tuple[float, Any]:
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t0, out
+
+
+def logged_outputs(model: Any, prompts: torch.Tensor, n_new: int, how: str) -> list[list[int]]:
+    """N logged outputs of `n_new` tokens: the model's greedy continuations of `prompts` (N, P),
+    all N at once with transformers' `generate()` (every row runs to `n_new`), or random ids."""
+    if how == "random":
+        g = torch.Generator().manual_seed(1)
+        vocab = int(model.config.vocab_size)
+        return torch.randint(10, vocab - 10, (prompts.shape[0], n_new), generator=g).tolist()
+    with torch.inference_mode():
+        out = model.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            do_sample=False,
+            max_new_tokens=n_new,
+            min_new_tokens=n_new,
+            pad_token_id=0,
+        )
+    rows: list[list[int]] = out[:, prompts.shape[1] :].tolist()
+    return rows
+
+
+def batched(args: argparse.Namespace) -> None:
+    """N traces: `scan_batch` against N bs=1 `scan`s, same engine, same run."""
+    from replay_audit.diff import ulp_array
+    from replay_audit.engine.protocol import DEFAULT_SCAN_TOKEN_BUDGET
+
+    n, tokens, p_len = args.batch, args.tokens, args.prompt_len
+    if n < 1 or args.repeats < 1:
+        raise SystemExit("--batch and --repeats must be at least 1")
+    if not 0 < p_len < tokens:
+        raise SystemExit("--tokens is the whole trace (prompt + output): more than --prompt-len")
+    budget = args.token_budget or DEFAULT_SCAN_TOKEN_BUDGET
+    model = random_tinyllama(args.dtype, args.device) if args.tinyllama else None
+    replay = build_engine(args.model, Target(args.dtype), args.device, model=model)
+    logged_model = replay.model
+    if not args.tinyllama and args.logged_dtype != args.dtype:
+        logged_model = build_engine(args.model, Target(args.logged_dtype), args.device).model
+    device = replay.device
+    vocab = replay.vocab_size
+    prompts = torch.tensor(
+        [
+            [(i * 7919 + j * 104729 + 13) % (vocab - 20) + 10 for j in range(p_len)]
+            for i in range(n)
+        ],
+        device=device,
+    )
+    t_logged, outputs = time_once(
+        device, lambda: logged_outputs(logged_model, prompts, tokens - p_len, args.logged)
+    )
+    items = [ScanItem(p, o) for p, o in zip(prompts.tolist(), outputs, strict=True)]
+    iv = Intervention(args.intervention)
+
+    def run_batch() -> Any:
+        return replay.scan_batch(items, iv, token_budget=budget)
+
+    def run_single() -> Any:
+        return [replay.scan(it.prompt_ids, it.output_ids, iv) for it in items]
+
+    def ulps(run: Any) -> Any:
+        return ulp_array(run.steps.top_k_logits[:, 0], args.dtype)
+
+    run_batch()  # warm-up: allocator, kernels' first use
+    run_single()
+    t_batch, t_single = [], []
+    for _ in range(args.repeats):  # interleaved, so drifting load hits both alike
+        t, batch = time_once(device, run_batch)
+        t_batch.append(t)
+        t, single = time_once(device, run_single)
+        t_single.append(t)
+    tb, ts = statistics.median(t_batch), statistics.median(t_single)
+
+    params = sum(p.numel() for p in replay.model.parameters())
+    flops_per_token = 2 * params
+    pairs = list(zip(single, batch, strict=True))
+    same_t_star = sum(a.first_disagreement == b.first_disagreement for a, b in pairs)
+    gap_ulps = max(
+        float(np.max(np.abs(a.steps.margins - b.steps.margins) / ulps(a), initial=0.0))
+        for a, b in pairs
+    )
+
+    def rate(seconds: float) -> dict[str, Any]:
+        tok_s = n * tokens / seconds
+        frac = tok_s * flops_per_token / args.peak_flops if device.type == "cuda" else None
+        return {
+            "seconds": seconds,
+            "tokens_per_s": tok_s,
+            "traces_per_hour": n / seconds * 3600,
+            "fraction_of_peak": frac,
+        }
+
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "model": "random TinyLlama-1.1B shape" if args.tinyllama else str(args.model),
+        "replay_dtype": args.dtype,
+        "attn_kernel": replay.target.attn_kernel,
+        "intervention": args.intervention,
+        "traces": n,
+        "trace_tokens": tokens,
+        "prompt_tokens": p_len,
+        "logged": args.logged,
+        "logged_seconds": t_logged,
+        "token_budget": budget,
+        "batch_shapes": replay.environment()["extras"]["scan_batch_shapes"],
+        "parameters": params,
+        "flops_per_token": flops_per_token,
+        "peak_flops": args.peak_flops if device.type == "cuda" else None,
+        "repeats": args.repeats,
+        "batched": rate(tb),
+        "bs1": rate(ts),
+        "speedup": ts / tb,
+        "same_first_disagreement": f"{same_t_star}/{n}",
+        "agreeing_traces_bs1": sum(a.first_disagreement is None for a in single),
+        "max_margin_gap_ulps": gap_ulps,
         "threads": torch.get_num_threads(),
     }
     print(json.dumps(result, indent=2))

@@ -56,6 +56,17 @@ class Body:
         hidden: torch.Tensor = out.last_hidden_state
         return hidden
 
+    def forward_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Body forward of right-padded rows `ids` (rows, L), one trace each (not copies), at
+        positions 0..L-1 in every row, under the causal mask alone (a row's padding comes after
+        all its real positions, so none of them reads it); the final normed hidden states
+        (rows, L, d). No cache: a batched scan's forward."""
+        rows, length = ids.shape
+        pos = torch.arange(length, device=ids.device).unsqueeze(0).expand(rows, -1)
+        out = self.model.model(input_ids=ids, position_ids=pos, use_cache=False)
+        hidden: torch.Tensor = out.last_hidden_state
+        return hidden
+
 
 @dataclass(frozen=True, eq=False)
 class StepOutput:

@@ -17,9 +17,12 @@ from typing import Any
 import numpy as np
 
 from replay_audit.diff.margin import step_numerics
+from replay_audit.engine.batch import plan_scan, scan_extras
 from replay_audit.engine.protocol import (
+    DEFAULT_SCAN_TOKEN_BUDGET,
     DecodeRun,
     Intervention,
+    ScanItem,
     ScanRun,
     StepInfo,
     Steps,
@@ -49,6 +52,8 @@ class FakeEngine:
     #: Optional text for detokenize: token id → string piece.
     pieces: Callable[[int], str] | None = None
     calls: list[str] = field(default_factory=list)
+    #: What the last `scan_batch` recorded (its batch shapes), as the torch engine records it.
+    _scan_extras: dict[str, str | int] = field(default_factory=dict, init=False, repr=False)
 
     def environment(self) -> dict[str, Any]:
         return {
@@ -66,7 +71,7 @@ class FakeEngine:
             "cublas_version": None,
             "deterministic": True,
             "tf32": False,
-            "extras": {},
+            "extras": dict(self._scan_extras),
         }
 
     def _step(
@@ -126,6 +131,29 @@ class FakeEngine:
         top_k: int = 5,
     ) -> ScanRun:
         self.calls.append("scan")
+        return self._scan(prompt_ids, output_ids, intervention, top_k)
+
+    def scan_batch(
+        self,
+        items: Sequence[ScanItem],
+        intervention: Intervention | None = None,
+        top_k: int = 5,
+        *,
+        token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
+    ) -> list[ScanRun]:
+        """Each item's `scan`, in order (the fake model has no batch to vary), with the batch
+        shapes the torch engine's plan would use recorded in `environment()["extras"]`."""
+        self.calls.append("scan_batch")
+        self._scan_extras = scan_extras(plan_scan(items, token_budget), token_budget)
+        return [self._scan(it.prompt_ids, it.output_ids, intervention, top_k) for it in items]
+
+    def _scan(
+        self,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        intervention: Intervention | None,
+        top_k: int,
+    ) -> ScanRun:
         iv = intervention or self.target.intervention
         parts = [
             self._step((*prompt_ids, *output_ids[:t]), iv, top_k, self.next_token)

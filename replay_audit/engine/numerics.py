@@ -206,3 +206,97 @@ def apply_intervention(
     if intervention.kind == "C":
         return int(torch.argmax(head.fp32(h.unsqueeze(0))[0]))
     raise ValueError(f"no intervention {intervention.kind!r}")
+
+
+def top_k_ordered(z32: torch.Tensor, k: int) -> HostTopK:
+    """The host-side top-k of many steps' float32 logits (M, V), reduced and ordered on the
+    device: by logit descending, then by id ascending (`diff.sort_top_k`'s tie rule, so
+    `step_numerics` takes them as ordered), then one copy of (M, 2k + 1) values to the host. The
+    (M, V) logits never leave the device, and the host does no sort (which costs as much as a
+    GPU forward at tens of thousands of steps)."""
+    kk = top_k_size(k, z32.shape[-1])
+    vals, ids = torch.topk(z32, kk, dim=-1)  # values descending; equal values in any id order
+    ids, by_id = torch.sort(ids, dim=-1)
+    vals, by_value = torch.sort(vals.gather(-1, by_id), dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, by_value)
+    native = torch.argmax(z32, dim=-1, keepdim=True)
+    host = torch.cat([vals.double(), ids.double(), native.double()], dim=-1).cpu().numpy()
+    return HostTopK(
+        ids=host[:, kk : 2 * kk].astype(np.int64),
+        logits=host[:, :kk].astype(np.float32),
+        native=host[:, 2 * kk].astype(np.int64),
+    )
+
+
+#: Elements of the largest temporary one batched intervention makes (float64 bins of A, FP32
+#: logits of C, gathered FP32 rows of B): the gated steps are taken this many elements at a
+#: time, 512 MiB in float64 (2048 steps of a 32k vocabulary).
+INTERVENTION_ELEMENTS = 2**26
+
+
+def decide_rows(
+    head: LmHead,
+    top: HostTopK,
+    z32: torch.Tensor,
+    hs: torch.Tensor,
+    intervention: Intervention,
+    k: int,
+) -> Steps:
+    """`decide` for many steps at once (a batched scan's): the top-k as `top_k_ordered` gives
+    it, its margins and gate by one call of `diff.step_numerics`, then the intervention at all
+    gated steps together on the device (`intervene_rows`), a bounded chunk at a time."""
+    numerics = step_numerics(
+        top.logits, top.ids, head_format=head.fmt, gate=intervention.gate, sort=False
+    )
+    steps = steps_from_numerics(top.native, top.native, numerics, k)
+    if intervention.kind == "none" or not steps.gate_fired.any():
+        return steps
+    gated = np.flatnonzero(steps.gate_fired)
+    widths = np.maximum(intervention.gate.thresholds(numerics.top1[gated], head.fmt), 0.0)
+    per_row = head.vocab_size
+    if intervention.kind == "B":
+        per_row = min(intervention.top_k, head.vocab_size) * int(hs.shape[-1])
+    chunk = max(1, INTERVENTION_ELEMENTS // per_row)
+    tokens = top.native.copy()
+    for start in range(0, gated.size, chunk):
+        rows = gated[start : start + chunk]
+        index = torch.from_numpy(rows).to(z32.device)
+        tokens[rows] = intervene_rows(
+            head, z32[index], hs[index], intervention, widths[start : start + chunk]
+        )
+    return replace(steps, token_ids=tokens)
+
+
+def integer_argmax_rows(values: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """`integer_argmax` of each row of `values` (G, n) with its own bin width (G,) float64."""
+    w = widths.unsqueeze(-1)
+    v = values.double()
+    binned = torch.where(w > 0, torch.round(v / torch.where(w > 0, w, 1.0)), v)
+    return torch.argmax(binned, dim=-1)
+
+
+def intervene_rows(
+    head: LmHead,
+    z32: torch.Tensor,
+    hs: torch.Tensor,
+    intervention: Intervention,
+    widths: npt.NDArray[np.float64],
+) -> npt.NDArray[np.int64]:
+    """`apply_intervention` at G gated steps at once, from their float32 logits z32 (G, V),
+    hidden states hs (G, d) and bin widths (G,): one FP32 product for all of them (B, C), one
+    copy of the chosen tokens to the host. A is elementwise, so it chooses exactly what the
+    per-step A chooses; B's and C's FP32 products run at G rows instead of 1, and a kernel may
+    sum in another order at another row count (MKL's one-row product on the CPU does)."""
+    w = torch.from_numpy(np.ascontiguousarray(widths, dtype=np.float64)).to(z32.device)
+    if intervention.kind == "A":
+        chosen = integer_argmax_rows(z32, w)
+    elif intervention.kind == "B":
+        k = min(intervention.top_k, z32.shape[-1])
+        cand = torch.sort(torch.topk(z32, k, dim=-1).indices, dim=-1).values  # smallest id first
+        vals = torch.bmm(head.weight[cand].float(), hs.float().unsqueeze(-1)).squeeze(-1)
+        chosen = cand.gather(-1, integer_argmax_rows(vals, w).unsqueeze(-1)).squeeze(-1)
+    elif intervention.kind == "C":
+        chosen = torch.argmax(head.fp32(hs), dim=-1)
+    else:
+        raise ValueError(f"no intervention {intervention.kind!r}")
+    return np.asarray(chosen.cpu().numpy(), dtype=np.int64)

@@ -34,6 +34,11 @@ BoolArray = npt.NDArray[np.bool_]
 
 #: K of intervention B (FP32 recompute of the top-K lm_head rows) when a request names none.
 DEFAULT_B_TOP_K: Final = 8
+#: Tokens (padding included) one forward of a batched scan runs over when a caller names no
+#: budget. What it holds on the device: the body's activations for that many tokens, and the
+#: lm_head's logits (float32) of the output positions among them, vocab x 4 bytes each (4 GiB
+#: at 32k tokens and a 32k vocabulary): 16k suits a GPU of 24 GB with a 1B model.
+DEFAULT_SCAN_TOKEN_BUDGET: Final = 16384
 
 
 @dataclass(frozen=True)
@@ -232,6 +237,14 @@ class ScanRun:
         return int(bad[0]) if bad.size else None
 
 
+@dataclass(frozen=True)
+class ScanItem:
+    """One trace to scan: its prompt and its logged output, as token ids."""
+
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+
+
 @dataclass(frozen=True, eq=False)
 class StepInfo:
     """A single step re-run from scratch (no KV cache): the native argmax and margin."""
@@ -279,6 +292,21 @@ class Engine(Protocol):
         top_k: int = 5,
     ) -> ScanRun:
         """One teacher-forced forward over prompt ‖ output: every output position's choice."""
+        ...
+
+    def scan_batch(
+        self,
+        items: Sequence[ScanItem],
+        intervention: Intervention | None = None,
+        top_k: int = 5,
+        *,
+        token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
+    ) -> list[ScanRun]:
+        """`scan` of many traces, in the order of `items`, with several traces per forward:
+        traces in length buckets, each bucket packed into forwards of at most `token_budget`
+        tokens, padding included (`replay_audit.engine.batch`). Each result is what `scan`
+        gives for the trace alone wherever the kernels do not depend on the batch's shape; the
+        shapes used are recorded in `environment()["extras"]`."""
         ...
 
     def step(

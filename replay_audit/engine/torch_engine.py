@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 import replay_audit
+from replay_audit.engine.batch import PackedBatch, pack_batch, plan_scan, scan_extras
 from replay_audit.engine.decoder import Body, Decoder, DynamicDecoder, StaticDecoder, head_step
 from replay_audit.engine.loading import (
     TORCH_DTYPES,
@@ -24,8 +25,17 @@ from replay_audit.engine.loading import (
     numerical_environment,
     resolve_device,
 )
-from replay_audit.engine.numerics import LmHead, decide, top_k_rows
-from replay_audit.engine.protocol import DecodeRun, Intervention, ScanRun, StepInfo, Steps, Target
+from replay_audit.engine.numerics import LmHead, decide, decide_rows, top_k_ordered, top_k_rows
+from replay_audit.engine.protocol import (
+    DEFAULT_SCAN_TOKEN_BUDGET,
+    DecodeRun,
+    Intervention,
+    ScanItem,
+    ScanRun,
+    StepInfo,
+    Steps,
+    Target,
+)
 
 #: "dynamic": transformers' growing cache, token-identical to `generate()`. "static": a
 #: preallocated cache with the decode step captured in a CUDA graph. "compiled": "static" with the
@@ -65,6 +75,12 @@ class TorchEngine:
         self._target = Target(
             target.dtype, target.lm_head_dtype, kernel, target.batch_size, target.intervention
         )
+        #: The token written at padded positions of a batched scan. No real position reads it
+        #: (tests/engine/test_engine_torch_scan_batch.py changes it and gets the same bits).
+        pad = getattr(model.config, "pad_token_id", None)
+        self.scan_pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
+        #: What the last batched scan recorded in `environment()["extras"]` (its batch shapes).
+        self._scan_extras: dict[str, str | int] = {}
 
     @classmethod
     def load(
@@ -171,6 +187,40 @@ class TorchEngine:
         return ScanRun(steps, np.asarray(steps.token_ids == np.asarray(output_ids), dtype=bool))
 
     @torch.inference_mode()
+    def scan_batch(
+        self,
+        items: Sequence[ScanItem],
+        intervention: Intervention | None = None,
+        top_k: int = 5,
+        *,
+        token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
+    ) -> list[ScanRun]:
+        """`scan` of each item, several traces per forward (`replay_audit.engine.batch`: length
+        buckets, right padding, at most `token_budget` tokens a forward; a longer trace alone).
+        Per forward: the body over the right-padded rows (causal mask only: padding comes after
+        every real position, so none reads it), the lm_head over the real output positions
+        only, top-k and its tie order on the device, one copy of (steps, k) values to the host,
+        the margins and gate of all steps in one call of `diff.step_numerics`, and the
+        intervention at all gated steps together. The rows are other traces, not copies of one:
+        `Target.batch_size` is the decode's and `scan`'s. The batch shapes go into
+        `environment()["extras"]` (`scan_batch_shapes`, `scan_token_budget`)."""
+        iv = intervention or self._target.intervention
+        items = list(items)
+        plan = plan_scan(items, token_budget)
+        runs: list[ScanRun | None] = [None] * len(items)
+        for batch in plan:
+            members = [items[i] for i in batch.indices]
+            packed = pack_batch(members, batch.padded_length, self.scan_pad_id)
+            steps = self._scan_packed(packed, iv, top_k)
+            for r, (i, item) in enumerate(zip(batch.indices, members, strict=True)):
+                s = steps.slice(int(packed.row_steps[r]), int(packed.row_steps[r + 1]))
+                agrees = np.asarray(s.token_ids == np.asarray(item.output_ids), dtype=bool)
+                runs[i] = ScanRun(s, agrees)
+        self._scan_extras = scan_extras(plan, token_budget)
+        empty = ScanRun(Steps.empty(top_k), np.zeros(0, bool))
+        return [run if run is not None else empty for run in runs]
+
+    @torch.inference_mode()
     def step(
         self, prompt_ids: Sequence[int], prefix_ids: Sequence[int], top_k: int = 5
     ) -> StepInfo:
@@ -190,6 +240,20 @@ class TorchEngine:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _scan_packed(self, packed: PackedBatch, iv: Intervention, top_k: int) -> Steps:
+        """One forward of a batched scan: the steps of all its rows, row after row."""
+        ids = torch.from_numpy(packed.input_ids).to(self.device)
+        # The causal mask alone keeps right padding unread (`batch`): no padding mask.
+        hidden = self.body.forward_rows(ids)
+        positions = torch.from_numpy(packed.output_positions).to(self.device)
+        # Only the real output positions' hidden states go on: padding's are never read.
+        hs = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
+        if self.head.fmt.startswith("fp8"):  # per step, as `scan`: the activation scale is per step
+            z32 = torch.cat([self.head.native(hs[i : i + 1]) for i in range(hs.shape[0])]).float()
+        else:
+            z32 = self.head.native(hs).float()  # the native (steps, V) freed at once
+        return decide_rows(self.head, top_k_ordered(z32, top_k), z32, hs, iv, top_k)
 
     def _decoder(self, total: int) -> Decoder:
         """The decoder for a decode of `total` tokens (context and new): a static one where the
@@ -211,9 +275,15 @@ class TorchEngine:
 
     def _extras(self) -> dict[str, Any]:
         """Which decode path ran: the cache, the static cache lengths used so far, whether the
-        step was captured in a CUDA graph and compiled (and why not, if compiling failed)."""
+        step was captured in a CUDA graph and compiled (and why not, if compiling failed); after
+        a batched scan, its batch shapes (`batch.scan_extras`)."""
         if self.cache_kind == "dynamic":
-            return {"kv_cache": "dynamic", "cuda_graph": False, "static_cache_len": None}
+            return {
+                "kv_cache": "dynamic",
+                "cuda_graph": False,
+                "static_cache_len": None,
+                **self._scan_extras,
+            }
         decoders = list(self._static.values())
         errors = sorted({d.compile_error for d in decoders if d.compile_error})
         extras: dict[str, Any] = {
@@ -222,6 +292,7 @@ class TorchEngine:
             "static_cache_len": self.max_cache_len,
             "static_cache_lens_used": ",".join(str(n) for n in sorted(self._static)),
             "compiled": bool(decoders) and all(d.compiled for d in decoders),
+            **self._scan_extras,
         }
         if self.cache_kind == "compiled":
             extras["compile_mode"] = "default"
