@@ -63,7 +63,9 @@ step "tests (SQLite and PostgreSQL, real Redis, real models on CPU)"
 set +e
 # GPU tests (marker `gpu`) need CUDA: they run on a lent GPU machine (benchmarks/gpu_run*.sh),
 # not here, so they are deselected rather than skipped.
-pytest -q -p no:cacheprovider -m "not gpu" "$@"
+# The lm-eval run (marker `lm_eval`) needs the `lm-eval` extra: `pip install -e '.[lm-eval]'`
+# then `pytest -m lm_eval`; deselected here like the GPU tests, never skipped.
+pytest -q -p no:cacheprovider -m "not gpu and not lm_eval" "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected no test: that is a failure of this script, not a pass.

@@ -2,7 +2,9 @@
 file, no hub), `--log_samples`, imported with `replay-audit import --format lm-eval` and
 replayed in the logged format: the re-tokenised generations replay exactly.
 
-Needs lm-eval installed with its `hf` model (accelerate); skipped where it is not.
+Needs lm-eval with its `hf` model (accelerate): `pip install -e '.[lm-eval]'` (torch first, as
+the README says), then `pytest -m lm_eval`. Marked `lm_eval` and deselected by the default test
+command, which does not install lm-eval's large dependency tree; never skipped.
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ from replay_audit.replays.domain import LoggedTrace
 from replay_audit.replays.replayer import replay_trace
 from replay_audit.traces.schemas import TraceCreate
 
-pytest.importorskip("lm_eval")
-pytest.importorskip("accelerate")
-pytestmark = pytest.mark.slow  # lm_eval's start-up alone takes ~30 s on 2 shared cores
+# lm_eval's start-up alone takes ~30 s on 2 shared cores.
+pytestmark = [pytest.mark.slow, pytest.mark.lm_eval]
 
 TASK = """\
 task: ra_code
