@@ -48,6 +48,7 @@ from replay_audit.db.unit_of_work import session_scope
 from replay_audit.ui import session as ui_session
 from tests.audits.conftest import schedule_body
 from tests.factories import make_trace
+from tests.imports.conftest import load_fixture
 from tests.reports.conftest import (  # noqa: F401  (fixtures)
     HoldingRunner,
     fake_model_dir,
@@ -93,6 +94,7 @@ ROUTES: Final[dict[str, Row]] = {
     # Traces: submitters write, auditors read.
     "POST /v1/traces": (OK, DENIED, OK, ANON, OK),
     "POST /v1/traces:batch": (OK, DENIED, OK, ANON, OK),
+    "POST /v1/traces:import": (OK, DENIED, OK, ANON, OK),
     "GET /v1/traces": _READ_LIST,
     "GET /v1/traces/{trace_id}": _READ,
     # Replays: submitters start runs and poll their status (the status view), nothing more.
@@ -140,11 +142,12 @@ QUERIES: Final[dict[str, Callable[[dict[str, str]], dict[str, Any]]]] = {
     "GET /ui/compare": lambda ids: {"run": [ids["run_id"], ids["run_id"]], "cb": 1},
     "GET /ui/runs/{run_id}/flips": lambda ids: {"a": 0, "b": 1},
     "GET /v1/replays/{run_id}/export": lambda ids: {"format": "jsonl"},
+    "POST /v1/traces:import": lambda ids: {"format": "sglang"},
 }
 
 
 def _iter_routes(routes: list[BaseRoute], prefix: str = "") -> Iterator[str]:
-    """"METHOD /path" of every route, recursing into mounts (a static files mount is one
+    """ "METHOD /path" of every route, recursing into mounts (a static files mount is one
     `{path}` route). FastAPI >= 0.160 wraps included routers; `iter_route_contexts` unwraps
     them (older releases list the routes themselves)."""
     unwrap = getattr(fastapi_routing, "iter_route_contexts", None)
@@ -296,6 +299,14 @@ def _body(route: str, ids: dict[str, str], caller: Caller) -> dict[str, Any]:
             return {"json": make_trace()}
         case "POST /v1/traces:batch":
             return {"json": {"traces": [make_trace()]}}
+        case "POST /v1/traces:import":
+            # One SGLang /generate answer, imported into the caller's project.
+            context = {
+                "model": {"name": "m", "weights_sha256": "b" * 64, "vocab_size": 32000},
+                "dtype": "bf16",
+                "engine": {"name": "sglang"},
+            }
+            return {"json": {"context": context, "items": [load_fixture("sglang_generate.json")]}}
         case "POST /v1/replays":
             return {"json": {"trace_ids": [ids["trace_id"]], "targets": [{"dtype": "fp16"}]}}
         case "POST /v1/keys":
