@@ -52,8 +52,16 @@ class RunTarget:
         return self.target is None
 
     def resolve(self, logged: Target) -> Target:
-        """The engine target for a trace whose logged configuration is `logged`."""
-        return logged if self.target is None else self.target
+        """The engine target for a trace whose logged configuration is `logged`. A self target
+        leaves the attention kernel unrequested: the replay prefers the logged one and falls
+        back to the engine's default where it cannot run here (`unknown` from an import,
+        flash_attention_2 on a CPU), as for any target that names no kernel; the result's
+        environment records the kernel that ran."""
+        if self.target is not None:
+            return self.target
+        return Target(
+            logged.dtype, logged.lm_head_dtype, None, logged.batch_size, logged.intervention
+        )
 
     def display_label(self) -> str:
         """A short human name: the label, else e.g. `fp16 / head fp32 + C(τ=0.001)`."""

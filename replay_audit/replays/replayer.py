@@ -159,6 +159,14 @@ def replay_trace(
             target.intervention,
         )
     engine = _load(pool, d, target, requested_kernel)
+    # The kernel that was loaded (the engine's default when the logged one cannot run here).
+    target = Target(
+        target.dtype,
+        target.lm_head_dtype,
+        engine.target.attn_kernel,
+        target.batch_size,
+        target.intervention,
+    )
     if engine.vocab_size != trace.vocab_size:
         raise ModelMismatch(
             f"checkpoint vocabulary is {engine.vocab_size}, the trace's {trace.vocab_size}",

@@ -276,3 +276,22 @@ def test_result_json_is_the_api_models_json(ckpt: Path) -> None:
         plain = to_jsonable_python(result_json(row, "tr_1", "rr_1"))
         assert plain == result_read(row, "tr_1", "rr_1").model_dump(mode="json")
         assert plain["margin_at_divergence"]["logged"] == plain["margin_at_divergence"]["a"]
+
+
+def test_self_replay_of_a_kernel_this_host_lacks_falls_back_to_the_engine_default(
+    ckpt: Path,
+) -> None:
+    """An imported trace may log `attn_kernel: unknown` (or a kernel this host lacks): its
+    self-replay runs with the engine's default kernel instead of failing the item."""
+    from replay_audit.exceptions import UnsupportedFormat
+    from replay_audit.replays.domain import RunTarget
+
+    def loader(_: Path, target: Target) -> FakeEngine:
+        if target.attn_kernel == "unknown":
+            raise UnsupportedFormat("cannot load with attention 'unknown'")
+        return FakeEngine(target, next_token=base)
+
+    trace = make_trace(ckpt, config={"dtype": "bf16", "attn_kernel": "unknown"})
+    target = RunTarget(None).resolve(trace.config)
+    r = replay_trace(trace, target, EnginePool(loader), model_dir=ckpt)
+    assert r.exact_match and r.b.target is not None and r.b.target.attn_kernel is None
