@@ -5,8 +5,6 @@ draws, no console error, no script from data runs)."""
 from __future__ import annotations
 
 import re
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -14,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
@@ -26,14 +22,15 @@ from replay_audit.config import Settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
 from tests.audits.conftest import PROMPTS, HoldingRunner, ingest, set_active_since, utc
-from tests.ui.conftest import SESSION_SECRET, sign_in
-from tests.ui.test_browser import (  # noqa: F401  (the browser fixture)
+from tests.ui.chromium import (  # noqa: F401  (the browser fixture)
     OUTPUT_DIR,
-    _console_errors,
-    _free_port,
-    _no_alert,
     browser,
+    console_errors,
+    follow,
+    no_alert,
+    serving,
 )
+from tests.ui.conftest import SESSION_SECRET, sign_in
 
 XSS = "<script>alert('xss')</script>"
 
@@ -178,21 +175,8 @@ def test_schedule_pages_need_a_session_and_stay_in_the_project(
 
 @pytest.fixture
 def live_server(client: TestClient, seeded: Seeded) -> Iterator[str]:
-    app = client.app
-    assert isinstance(app, FastAPI)
-    port = _free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(client) as url:
+        yield url
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -205,18 +189,33 @@ def test_auditor_follows_the_trend_in_chromium(
     errors: dict[str, list[dict[str, Any]]] = {}
 
     def visited(name: str) -> None:
-        _no_alert(browser)
-        errors[name] = _console_errors(browser)
+        no_alert(browser)
+        errors[name] = console_errors(browser)
 
     browser.get(f"{live_server}/ui/sign-in")
     browser.find_element(By.ID, "api_key").send_keys(api_key("auditor"))
-    browser.find_element(By.ID, "sign-in").click()
-    browser.find_element(By.LINK_TEXT, "Audits").click()
-    assert browser.current_url == f"{live_server}/ui/schedules"
+    follow(
+        browser,
+        browser.find_element(By.ID, "sign-in"),
+        lambda u: u.endswith("/ui/runs"),
+        "the runs list after signing in",
+    )
+    schedules = f"{live_server}/ui/schedules"
+    follow(
+        browser,
+        browser.find_element(By.LINK_TEXT, "Audits"),
+        lambda u: u == schedules,
+        "the schedules list",
+    )
     visited("schedules")
 
-    browser.find_element(By.CSS_SELECTOR, "a.schedule-link").click()
-    assert browser.current_url.endswith(f"/ui/schedules/{seeded.schedule_id}")
+    schedule_page = f"/ui/schedules/{seeded.schedule_id}"
+    follow(
+        browser,
+        browser.find_element(By.CSS_SELECTOR, "a.schedule-link"),
+        lambda u: u.endswith(schedule_page),
+        "the schedule page",
+    )
     assert browser.find_element(By.ID, "schedule-title").text.startswith(f"nightly {XSS}")
     chart = browser.find_element(By.CSS_SELECTOR, "#trend-chart svg.chart")
     assert chart.size["height"] > 100 and chart.size["width"] > 300
@@ -234,12 +233,19 @@ def test_auditor_follows_the_trend_in_chromium(
     browser.find_element(By.ID, "trend").screenshot(str(OUTPUT_DIR / "schedule-trend.png"))
 
     # The newest run -> its report -> back to the schedule.
-    browser.find_element(
-        By.CSS_SELECTOR, f'#trend-table a[href$="/runs/{seeded.replay_run_id}"]'
-    ).click()
-    assert browser.current_url.endswith(f"/ui/runs/{seeded.replay_run_id}")
+    run_page = f"/ui/runs/{seeded.replay_run_id}"
+    follow(
+        browser,
+        browser.find_element(By.CSS_SELECTOR, f'#trend-table a[href$="{run_page}"]'),
+        lambda u: u.endswith(run_page),
+        "the newest run's page",
+    )
     visited("run")
-    browser.find_element(By.ID, "schedule-link").click()
-    assert browser.current_url.endswith(f"/ui/schedules/{seeded.schedule_id}")
+    follow(
+        browser,
+        browser.find_element(By.ID, "schedule-link"),
+        lambda u: u.endswith(schedule_page),
+        "the schedule page again",
+    )
     visited("back")
     assert {k: v for k, v in errors.items() if v} == {}

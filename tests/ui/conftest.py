@@ -54,9 +54,7 @@ def sign_in(client: TestClient, key: str, next_url: str | None = None) -> Any:
 
 
 @pytest.fixture
-def ui_client(
-    client: TestClient, api_key: Callable[..., str]
-) -> Callable[..., TestClient]:
+def ui_client(client: TestClient, api_key: Callable[..., str]) -> Callable[..., TestClient]:
     """ui_client(role="auditor", project="acme") -> the test client, signed in."""
 
     def make(role: str = "auditor", project: str = "acme") -> TestClient:

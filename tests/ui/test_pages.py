@@ -77,7 +77,8 @@ def test_a_bad_key_is_refused(client: TestClient, key: str) -> None:
 def test_sign_in_needs_the_form_token(client: TestClient, api_key: Callable[..., str]) -> None:
     """A page of another site cannot sign a browser into an account of its choosing."""
     r = client.post(
-        "/ui/sign-in", data={"api_key": api_key("auditor"), "form_token": "forged"},
+        "/ui/sign-in",
+        data={"api_key": api_key("auditor"), "form_token": "forged"},
         follow_redirects=False,
     )
     assert r.status_code == 400
@@ -315,7 +316,8 @@ def test_trace_page_highlights_t_star_and_shows_both_arms(
     ).json()
     trace_id = report["lifts"][0]["fixed_traces"][0]["id"]
     result = client.get(
-        f"/v1/replays/{seeded_run.run_id}/results", params={"limit": 500},
+        f"/v1/replays/{seeded_run.run_id}/results",
+        params={"limit": 500},
         headers=headers("auditor"),
     ).json()["items"]
     row = next(x for x in result if x["trace_id"] == trace_id and x["comparison"] == 0)
@@ -337,9 +339,11 @@ def test_trace_page_highlights_t_star_and_shows_both_arms(
     assert '"dtype": "fp16"' in text and '"engine": {' in text  # requested and actual
     assert "Actual environment" in html
     assert row["detail"]["replay_text"].strip() in html
-    exact = ui_client().get(
-        f"/ui/runs/{seeded_run.run_id}/traces/{trace_id}", params={"comparison": 1}
-    ).text
+    exact = (
+        ui_client()
+        .get(f"/ui/runs/{seeded_run.run_id}/traces/{trace_id}", params={"comparison": 1})
+        .text
+    )
     assert "replays exactly" in exact and 'class="tok t-star"' not in exact
 
 
@@ -349,9 +353,9 @@ def test_flips_and_compare_pages_list_the_traces(
     client: TestClient,
     headers: Callable[..., dict[str, str]],
 ) -> None:
-    lift = client.get(
-        f"/v1/replays/{seeded_run.run_id}/report", headers=headers("auditor")
-    ).json()["lifts"][0]
+    lift = client.get(f"/v1/replays/{seeded_run.run_id}/report", headers=headers("auditor")).json()[
+        "lifts"
+    ][0]
     c = ui_client()
     fixed = c.get(f"/ui/runs/{seeded_run.run_id}/flips", params={"a": 0, "b": 1}).text
     listed = re.findall(r"/traces/([^\"?]+)\?comparison=1", fixed)
@@ -361,8 +365,8 @@ def test_flips_and_compare_pages_list_the_traces(
     ).text
     assert sorted(re.findall(r"/traces/([^\"?]+)\?comparison=0", broke)) == sorted(listed)
     cmp = c.get(
-        "/ui/compare", params=[("run", seeded_run.run_id), ("run", seeded_run.run_id),
-                               ("ca", "0"), ("cb", "1")]
+        "/ui/compare",
+        params=[("run", seeded_run.run_id), ("run", seeded_run.run_id), ("ca", "0"), ("cb", "1")],
     ).text
     assert f"{lift['lift'] * 100:+.1f} pp" in cmp
     one = c.get("/ui/compare", params={"run": seeded_run.run_id})
@@ -375,9 +379,7 @@ def test_ui_export_is_the_api_export(
     headers: Callable[..., dict[str, str]],
     client: TestClient,
 ) -> None:
-    api = client.get(
-        f"/v1/replays/{seeded_run.run_id}/export", headers=headers("auditor")
-    ).text
+    api = client.get(f"/v1/replays/{seeded_run.run_id}/export", headers=headers("auditor")).text
     ui = ui_client().get(f"/ui/runs/{seeded_run.run_id}/export.csv").text
     assert ui == api and ui.count("\r\n") == 1 + 2 * len(seeded_run.trace_ids)
 
@@ -432,10 +434,13 @@ def test_a_trace_of_another_project_or_not_in_the_run_is_404(
     c = ui_client()
     for trace in (theirs, unreplayed, "tr_nope"):
         assert c.get(f"/ui/runs/{seeded_run.run_id}/traces/{trace}").status_code == 404
-    assert c.get(
-        f"/ui/runs/{seeded_run.run_id}/traces/{seeded_run.trace_ids[0]}",
-        params={"comparison": 7},
-    ).status_code == 422
+    assert (
+        c.get(
+            f"/ui/runs/{seeded_run.run_id}/traces/{seeded_run.trace_ids[0]}",
+            params={"comparison": 7},
+        ).status_code
+        == 422
+    )
 
 
 def test_unknown_ui_paths_are_html_404(ui_client: Callable[..., TestClient]) -> None:
