@@ -31,7 +31,7 @@ def normalise_database_url(url: str) -> str:
     """`postgres://` and `postgresql://` both mean psycopg 3 here."""
     for prefix in ("postgres://", "postgresql://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix):]
+            return "postgresql+psycopg://" + url[len(prefix) :]
     return url
 
 
@@ -47,9 +47,7 @@ class Settings(BaseSettings):
     #: the workers and `rq cron` of one deployment must share it.
     queue_prefix: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9_-]*$")
     #: Directories searched (one level deep) for checkpoints, matched by weights_sha256.
-    model_dirs: Annotated[list[Path], NoDecode] = Field(
-        default_factory=lambda: [BUNDLED_MODEL_DIR]
-    )
+    model_dirs: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [BUNDLED_MODEL_DIR])
     max_request_bytes: int = 256 * 1024 * 1024
     #: Seconds before RQ kills a replay job (RQ's own default of 180 s is too short for a GPU).
     job_timeout_s: int = 3600

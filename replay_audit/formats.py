@@ -123,3 +123,23 @@ ArmKey = Literal["logged"] | int
 
 RunStatus = Literal["queued", "running", "done", "failed"]
 ResultStatus = Literal["ok", "failed"]
+
+#: Where the values of a trace's logged `top_k.logits` come from (its
+#: `config.extras["top_k_values"]`, written by the importers; absent: logits): the logits
+#: themselves, or raw logprobs (the logits less the log-softmax normaliser: their top-1 minus
+#: top-2 is the logit margin to float32 rounding, but they are not logits and have no ulp of
+#: their own).
+TopKValues = Literal["logits", "raw_logprobs"]
+EXTRA_TOP_K_VALUES: Final = "top_k_values"
+
+#: The engines (a trace's `config.engine.name`) whose traces this project's engine replays in
+#: the same software: transformers' modules (`replay-audit generate`, `generate()` logs, and the
+#: engine's own name). A trace logged by any other engine (vLLM, SGLang, "unknown") can diverge
+#: here because of the engine (kernels, CUDA graphs, attention) and not the format: a replay run
+#: reproduces it in its own logged configuration first (the engine-reproduction check).
+REPLAY_ENGINE_NAMES: Final = frozenset({"transformers", "replay-audit"})
+
+
+def logged_by_another_engine(engine_name: object) -> bool:
+    """Whether a trace logged by `engine_name` needs the engine-reproduction check."""
+    return engine_name not in REPLAY_ENGINE_NAMES

@@ -144,8 +144,13 @@ WebhookUrl = Annotated[
     StringConstraints(min_length=1, max_length=2000, pattern=r"^[hH][tT][tT][pP][sS]?://"),
     AfterValidator(_http_url),
     WithJsonSchema(
-        {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2000,
-         "pattern": "^[hH][tT][tT][pP][sS]?://"}
+        {
+            "type": "string",
+            "format": "uri",
+            "minLength": 1,
+            "maxLength": 2000,
+            "pattern": "^[hH][tT][tT][pP][sS]?://",
+        }
     ),
 ]
 

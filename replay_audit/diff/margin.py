@@ -184,6 +184,21 @@ def margin_from_top_k(logits_row: Sequence[float], fmt: str) -> Margin:
     return margin(logits_row[0], logits_row[1], fmt)
 
 
+def margin_from_logprobs(
+    logprobs_row: Sequence[float], fmt: str, top1_logit: float | None
+) -> Margin:
+    """The margin of one step from its top-k raw logprobs (sorted descending, k ≥ 2).
+
+    The log-softmax normaliser cancels in top-1 minus top-2, so the absolute margin is the logit
+    margin to float32 rounding. A logprob is not a logit, though: its size in ulps is measured
+    at `top1_logit`, the top-1 logit of the same step over the same prefix (the replayed arm's
+    at t*, whose tokens before t* are the logged ones), and is NaN (unknown) without one."""
+    m = margin_from_top_k(logprobs_row, fmt)
+    if top1_logit is None or not np.isfinite(top1_logit):
+        return Margin(m.abs, float("nan"), float("nan"))
+    return Margin(m.abs, m.abs / float(ulp_array(top1_logit, fmt)), float(top1_logit))
+
+
 def is_tie(*margins: Margin | None) -> bool:
     """True when any of the given margins is exactly 0: the top-2 logits were equal, and which
     token won depended on the implementation's tie-break."""

@@ -29,16 +29,15 @@ from typing import Final, Literal
 from pydantic import ValidationError
 
 from replay_audit.exceptions import FieldError
+from replay_audit.formats import EXTRA_TOP_K_VALUES, TopKValues
 from replay_audit.imports.schemas import (
     EXTRA_FORMAT,
     EXTRA_LOGPROBS_MODE,
-    EXTRA_TOP_K_VALUES,
     EXTRA_UNKNOWN,
     UNKNOWN,
     ImportContext,
     ImportFormat,
     LogprobsMode,
-    TopKValues,
 )
 from replay_audit.traces.schemas import ExtraValue, TraceCreate, TraceFieldError
 

@@ -45,16 +45,9 @@ LOGPROBS_MODES: Final[tuple[LogprobsMode, ...]] = (
     "processed_logits",
 )
 
-#: Where the values in an imported trace's `top_k.logits` come from (recorded in the trace's
-#: `config.extras["top_k_values"]`): the logits themselves, or raw logprobs (the logits less
-#: the log-softmax normaliser: their top-1 minus top-2 is the logit margin, to float32
-#: rounding, but they are not logits and have no ulp of their own).
-TopKValues = Literal["logits", "raw_logprobs"]
-
 #: The `config.extras` keys an import writes (a user's own extras keep any other key).
 EXTRA_FORMAT: Final = "import_format"
 EXTRA_LOGPROBS_MODE: Final = "logprobs_mode"
-EXTRA_TOP_K_VALUES: Final = "top_k_values"
 EXTRA_UNKNOWN: Final = "unknown"
 EXTRA_TOKENIZATION: Final = "tokenization"
 #: The value of a configuration field nobody gave (strings), and of `logprobs_mode`.

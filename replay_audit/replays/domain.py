@@ -18,6 +18,7 @@ this package. Pure: stdlib and numpy.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,8 +30,23 @@ import numpy.typing as npt
 from replay_audit.diff.answer import SemanticAgreement
 from replay_audit.diff.margin import DEFAULT_TAU
 from replay_audit.engine.protocol import DEFAULT_B_TOP_K, Intervention, Target
-from replay_audit.formats import ArmKey, Category, Device, MarginSource, Mode
+from replay_audit.formats import (
+    EXTRA_TOP_K_VALUES,
+    ArmKey,
+    Category,
+    Device,
+    MarginSource,
+    Mode,
+    TopKValues,
+    logged_by_another_engine,
+)
 from replay_audit.traces.selection import is_greedy
+
+
+def logging_engine(config_json: str) -> str:
+    """The engine a stored configuration names (`config.engine.name`; "unknown" if none)."""
+    engine = json.loads(config_json).get("engine") or {}
+    return str(engine.get("name") or "unknown")
 
 
 def arm_key(value: object) -> ArmKey:
@@ -172,6 +188,10 @@ class LoggedTrace:
     stop_reason: StopReason | None
     output_text: str | None = None
     reference_answer: str | None = None
+    #: What `top_k_logits` holds: logits, or raw logprobs (an import from a server's logprobs).
+    top_k_values: TopKValues = "logits"
+    #: The engine that logged the trace (`config.engine.name`).
+    engine_name: str = "transformers"
 
     @property
     def greedy(self) -> bool:
@@ -194,6 +214,8 @@ class LoggedTrace:
     ) -> LoggedTrace:
         """A logged trace from its stored or posted parts (`config` and `decoding` as the
         trace JSON has them)."""
+        extras = config.get("extras") or {}
+        engine = config.get("engine") or {}
         return cls(
             external_id=external_id,
             weights_sha256=weights_sha256,
@@ -208,7 +230,16 @@ class LoggedTrace:
             stop_reason=decoding.get("stop_reason"),
             output_text=output_text,
             reference_answer=reference_answer,
+            top_k_values=(
+                "raw_logprobs" if extras.get(EXTRA_TOP_K_VALUES) == "raw_logprobs" else "logits"
+            ),
+            engine_name=str(engine.get("name") or "unknown"),
         )
+
+    @property
+    def logged_by_another_engine(self) -> bool:
+        """Logged by an engine other than this project's (see `formats.REPLAY_ENGINE_NAMES`)."""
+        return logged_by_another_engine(self.engine_name)
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> LoggedTrace:

@@ -32,6 +32,7 @@ from replay_audit.diff import (
     gate_fires_at_divergence,
     is_tie,
     length_difference,
+    margin_from_logprobs,
     margin_from_top_k,
     semantic_agreement,
 )
@@ -202,10 +203,10 @@ def replay_trace(
     category: Category = "agreed"
     tie = False
     if t_star is not None:
-        ma, source_a, logged_engine = _logged_margin(
-            trace, t_star, prompt, logged, logged_target, factory, top_k
-        )
         mb = steps.margin_at(t_star) if t_star < len(steps) else None
+        ma, source_a, logged_engine = _logged_margin(
+            trace, t_star, prompt, logged, logged_target, factory, top_k, mb
+        )
         margin_a = _arm_margin(ma, source_a)
         margin_b = _arm_margin(mb, "scan" if mode == "scan" else "decode")
         tie = is_tie(ma, mb)
@@ -274,14 +275,21 @@ def _logged_margin(
     logged_target: Target,
     factory: LoggedEngineFactory,
     top_k: int,
+    replayed: Margin | None,
 ) -> tuple[Margin | None, MarginSource, Engine | None]:
-    """Arm A's margin at t*: from the logged top-k when it has two values, else re-run here."""
+    """Arm A's margin at t*: from the logged top-k when it has two values, else re-run here.
+    Logged raw logprobs give the absolute margin; its ulps are measured at the replayed arm's
+    top-1 logit at t* (`replayed`), the same step over the same prefix."""
     if t_star >= len(logged):
         return None, "unavailable", None
     logits = trace.top_k_logits
     if logits is not None and logits.shape[1] >= 2:
         row = [float(x) for x in logits[t_star, :2]]
-        return margin_from_top_k(row, logged_target.head_dtype), "logged_top_k", None
+        fmt = logged_target.head_dtype
+        if trace.top_k_values == "raw_logprobs":
+            top1 = replayed.top1 if replayed is not None else None
+            return margin_from_logprobs(row, fmt, top1), "logged_top_k", None
+        return margin_from_top_k(row, fmt), "logged_top_k", None
     engine = factory(logged_target)
     if engine is None:
         return None, "unavailable", None

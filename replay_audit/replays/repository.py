@@ -12,11 +12,12 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
 from replay_audit.db.base import utcnow
-from replay_audit.replays.domain import LoggedTrace
+from replay_audit.formats import logged_by_another_engine
+from replay_audit.replays.domain import LoggedTrace, logging_engine
 from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
 from replay_audit.replays.results import failed_values, figures
 from replay_audit.stats.report import AnswerFigures, PairedOutcome, ResultFigures, TraceRef
-from replay_audit.traces.models import Trace
+from replay_audit.traces.models import NumericalConfigRow, Trace
 
 R = ReplayResult
 
@@ -238,6 +239,49 @@ def result_figures(
     for row in session.execute(stmt):
         out.setdefault(int(row.comparison), []).append(figures(row, row.public_id, row.external_id))
     return out
+
+
+def traces_of_other_engines(session: Session, trace_ids: Sequence[int]) -> dict[int, str]:
+    """Of `trace_ids`, those logged by another engine than this project's, with its name: one
+    query over the traces' configuration ids, the (few) configurations parsed once each."""
+    out: dict[int, str] = {}
+    ids = list(trace_ids)
+    for start in range(0, len(ids), 10_000):
+        rows = session.execute(
+            select(Trace.id, NumericalConfigRow.id, NumericalConfigRow.config_json)
+            .join(NumericalConfigRow, NumericalConfigRow.id == Trace.config_id)
+            .where(Trace.id.in_(ids[start : start + 10_000]))
+        )
+        engines: dict[int, str] = {}
+        for trace_id, config_id, config_json in rows:
+            if config_id not in engines:
+                engines[config_id] = logging_engine(config_json)
+            if logged_by_another_engine(engines[config_id]):
+                out[int(trace_id)] = engines[config_id]
+    return out
+
+
+def exact_matches(
+    session: Session, run_id: int, comparison: int, trace_ids: Sequence[int]
+) -> dict[int, bool]:
+    """Exact-match flags of the ok results of one comparison for `trace_ids`."""
+    if not trace_ids:
+        return {}
+    stmt = select(R.trace_id, _exact(R)).where(
+        R.run_id == run_id,
+        R.comparison == comparison,
+        R.status == "ok",
+        R.trace_id.in_(list(trace_ids)),
+    )
+    return {int(t): bool(x) for t, x in session.execute(stmt)}
+
+
+def run_trace_ids(session: Session, run_id: int) -> list[int]:
+    """The traces of a run (its jobs' chunks), in job order."""
+    chunks = session.scalars(
+        select(ReplayJob.trace_ids).where(ReplayJob.run_id == run_id).order_by(ReplayJob.chunk)
+    )
+    return [int(t) for chunk in chunks for t in chunk]
 
 
 def paired_outcomes(

@@ -198,10 +198,17 @@ def _arm_json(
     }
 
 
-def result_json(row: Any, trace_public_id: str, run_public_id: str) -> dict[str, Any]:
+def result_json(
+    row: Any,
+    trace_public_id: str,
+    run_public_id: str,
+    *,
+    engine_reproduced: bool | None = None,
+) -> dict[str, Any]:
     """A stored result as the API's JSON (`ReplayResultRead`, deprecated aliases included; times
     as datetimes), built without a model: the export streams it for every row. `row` is a
-    `ReplayResult` or a row of the same columns."""
+    `ReplayResult` or a row of the same columns; `engine_reproduced` is the outcome of the run's
+    engine-reproduction check on the trace (see `statistics.engine_reproduced`)."""
     detail = dict(row.detail or {})
     arms = _arms_detail(detail)
     ok = row.status == "ok"
@@ -241,14 +248,21 @@ def result_json(row: Any, trace_public_id: str, run_public_id: str) -> dict[str,
         "single_step": single,
         "semantic": _semantic_read(detail.get("semantic")),
         "detail": _legacy_detail(detail, arms, arm_a, arm_b) if ok else {},
+        "engine_reproduced": engine_reproduced,
         "created_at": row.created_at or utcnow(),
     }
 
 
-def result_read(row: Any, trace_public_id: str, run_public_id: str) -> ReplayResultRead:
+def result_read(
+    row: Any,
+    trace_public_id: str,
+    run_public_id: str,
+    *,
+    engine_reproduced: bool | None = None,
+) -> ReplayResultRead:
     """The API view of a stored result (also what the UI and the CLI show): `result_json`,
     validated into its model (which adds the deprecated margin names itself)."""
-    data = result_json(row, trace_public_id, run_public_id)
+    data = result_json(row, trace_public_id, run_public_id, engine_reproduced=engine_reproduced)
     margins = data["margin_at_divergence"]
     if margins is not None:
         data["margin_at_divergence"] = {"a": margins["a"], "b": margins["b"]}

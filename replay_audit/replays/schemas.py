@@ -148,6 +148,11 @@ class ReplayCreate(InputModel):
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
     #: Top-k recorded per replayed step (kept with the result for the trace page).
     top_k: int = Field(default=5, ge=2, le=20)
+    #: "auto": when the selection holds traces logged by another engine (vLLM, SGLang,
+    #: unknown), the run also replays each trace in its own logged configuration (a self
+    #: target, compared with the logged tokens) and reports the engine reproduction rate;
+    #: "off": no such check.
+    engine_check: Literal["auto", "off"] = "auto"
 
     @model_validator(mode="after")
     def _check(self) -> ReplayCreate:
@@ -272,6 +277,11 @@ class ReplayResultRead(_Frozen):
     semantic: dict[str, Any] | None = None
     #: Deprecated: the layout of earlier releases (read `arms`, `single_step`, `semantic`).
     detail: dict[str, Any]
+    #: For a trace logged by another engine (vLLM, SGLang...), in a run with the engine check:
+    #: whether this engine reproduced the logged tokens in the trace's own logged configuration
+    #: (False: this result's divergence is not attributable to the format). None otherwise, or
+    #: while the check has no result yet.
+    engine_reproduced: bool | None = None
     created_at: datetime
 
 

@@ -74,11 +74,36 @@ def _targets(request: ReplayCreate) -> list[RunTarget]:
     return targets
 
 
+#: The label of the self target a run adds to reproduce traces logged by another engine.
+ENGINE_CHECK_LABEL: Final = "self: engine reproduction"
+
+
 def _comparisons(request: ReplayCreate, n_targets: int) -> list[Comparison]:
     if request.compare == "logged":
         return [Comparison(i, "logged", i) for i in range(n_targets)]
     pairs = request.pairs or [(i, j) for i in range(n_targets) for j in range(i + 1, n_targets)]
     return [Comparison(k, a, b) for k, (a, b) in enumerate(pairs)]
+
+
+def _with_engine_check(
+    request: ReplayCreate,
+    targets: list[RunTarget],
+    comparisons: list[Comparison],
+    another_engine: bool,
+) -> tuple[list[RunTarget], list[Comparison]]:
+    """Traces logged by another engine (vLLM, SGLang...) are first replayed in their own logged
+    configuration, so each result can say whether this engine reproduces the logged tokens at
+    all: the run gets a self target (unless it has one, or `engine_check: off`) and a comparison
+    of the logged tokens with it (unless it has one)."""
+    if not another_engine or request.engine_check == "off":
+        return targets, comparisons
+    self_index = next((i for i, t in enumerate(targets) if t.is_self), None)
+    if self_index is None:
+        targets = [*targets, RunTarget(None, label=ENGINE_CHECK_LABEL)]
+        self_index = len(targets) - 1
+    if not any(c.against_logged and c.b == self_index for c in comparisons):
+        comparisons = [*comparisons, Comparison(len(comparisons), "logged", self_index)]
+    return targets, comparisons
 
 
 def _queue(targets: Sequence[RunTarget]) -> str:
@@ -119,9 +144,14 @@ def create_replay(
             field="filter" if request.filter is not None else "trace_ids",
         )
 
-    comparisons = _comparisons(request, len(targets))
-    queue_name = _queue(targets)
     ids = [t.id for t in traces]
+    targets, comparisons = _with_engine_check(
+        request,
+        targets,
+        _comparisons(request, len(targets)),
+        bool(repository.traces_of_other_engines(session, ids)),
+    )
+    queue_name = _queue(targets)
     chunks = [(queue_name, ids[i : i + TRACES_PER_JOB]) for i in range(0, len(ids), TRACES_PER_JOB)]
     run = ReplayRun(
         public_id=new_public_id("rr"),
@@ -217,7 +247,11 @@ def results_page(session: Session, run: ReplayRun, *, cursor: str | None, limit:
     rows = repository.results_page(session, run, after=after, limit=limit + 1)
     more = len(rows) > limit
     rows = rows[:limit]
+    reproduced = statistics.engine_reproduced(session, run, [r.trace_id for r, _ in rows])
     return Page(
-        items=[result_read(r, pid, run.public_id) for r, pid in rows],
+        items=[
+            result_read(r, pid, run.public_id, engine_reproduced=reproduced.get(r.trace_id))
+            for r, pid in rows
+        ],
         next_cursor=_encode_cursor(rows[-1][0].id) if more and rows else None,
     )

@@ -9,7 +9,7 @@ the stored object is the cache, and it lives in the database every process reads
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
@@ -26,6 +26,7 @@ from replay_audit.stats.report import (
     DEFAULT_TOST_MARGIN,
     AccuracyReport,
     ComparisonInput,
+    EngineCheckInput,
     LiftReport,
     LiftSides,
     RunStatistics,
@@ -94,10 +95,46 @@ def has_reference_answers(session: Session, run: ReplayRun) -> bool:
     return repository.has_reference_answers(session, run.id)
 
 
+def engine_check_comparison(run: ReplayRun) -> int | None:
+    """The comparison of the logged tokens with a self replay, if the run has one."""
+    targets = run.run_targets
+    return next(
+        (c.index for c in run.run_comparisons if c.against_logged and targets[c.b].is_self),
+        None,
+    )
+
+
+def engine_check(session: Session, run: ReplayRun) -> EngineCheckInput | None:
+    """The run's engine-reproduction check: its comparison of the logged tokens with a self
+    replay, over the run's traces logged by another engine (None when it has neither)."""
+    index = engine_check_comparison(run)
+    if index is None:
+        return None
+    engines = repository.traces_of_other_engines(session, repository.run_trace_ids(session, run.id))
+    return EngineCheckInput(index, engines) if engines else None
+
+
+def engine_reproduced(
+    session: Session, run: ReplayRun, trace_ids: Sequence[int]
+) -> dict[int, bool]:
+    """For those of `trace_ids` logged by another engine whose engine check has finished ok:
+    whether this engine reproduced the logged tokens (the self replay was exact)."""
+    index = engine_check_comparison(run)
+    if index is None:
+        return {}
+    foreign = repository.traces_of_other_engines(session, trace_ids)
+    return repository.exact_matches(session, run.id, index, list(foreign))
+
+
 def compute(session: Session, run: ReplayRun) -> RunStatistics:
     """The run's statistics from its result rows, now."""
     inputs = comparison_inputs(session, run)
-    return run_statistics(run.public_id, inputs, accuracy=accuracy(session, run, inputs))
+    return run_statistics(
+        run.public_id,
+        inputs,
+        accuracy=accuracy(session, run, inputs),
+        engine_check=engine_check(session, run),
+    )
 
 
 def stored(run: ReplayRun) -> RunStatistics | None:

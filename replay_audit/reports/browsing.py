@@ -98,6 +98,12 @@ def get_trace_in_run(
     return trace, results
 
 
+def engine_reproduced(session: Session, run: ReplayRun, trace: Trace) -> bool | None:
+    """Whether this engine reproduced `trace` in its own logged configuration (None: the trace
+    was logged by this project's engine, or the run has no engine check, or no result yet)."""
+    return statistics.engine_reproduced(session, run, [trace.id]).get(trace.id)
+
+
 def project_model_names(session: Session, project_id: int) -> list[str]:
     """The model names of the project's traces (the runs list's filter choices)."""
     return repository.project_model_names(session, project_id)

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from replay_audit.stats.report import AccuracyReport, ComparisonReport, LiftReport
+from replay_audit.stats.report import (
+    AccuracyReport,
+    ComparisonReport,
+    EngineReproduction,
+    LiftReport,
+)
 
 
 class _Frozen(BaseModel):
@@ -33,6 +38,8 @@ class RunReport(_Frozen):
     #: The pair asked for (`?a=&b=`), if any.
     pair: LiftReport | None
     accuracy: AccuracyReport | None
+    #: The engine-reproduction check of a run over traces logged by another engine.
+    engine_reproduction: EngineReproduction | None = None
 
 
 class RunComparisonReport(_Frozen):

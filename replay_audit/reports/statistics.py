@@ -95,6 +95,7 @@ def run_report(
         accuracy=accuracy_report(session, run, margin=margin, alpha=alpha)
         if with_accuracy
         else None,
+        engine_reproduction=stats.engine_reproduction,
     )
 
 

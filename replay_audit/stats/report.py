@@ -103,6 +103,16 @@ class ComparisonInput:
     figures: Sequence[ResultFigures]
 
 
+@dataclass(frozen=True)
+class EngineCheckInput:
+    """A run's engine-reproduction check: comparison `comparison` replays each trace in its own
+    logged configuration (logged vs self), and `engines` names the engine that logged each trace
+    logged by another engine than this project's (trace id -> engine name)."""
+
+    comparison: int
+    engines: Mapping[int, str]
+
+
 class AnswerFigures(NamedTuple):
     """One ok result's extracted answers and its trace's reference answer."""
 
@@ -244,6 +254,10 @@ class ComparisonReport(_Frozen):
     t_star_histogram: HistogramRead | None
     margin_at_divergence: MarginReport
     length_difference: DistributionRead | None
+    #: Divergences (ok, not exact) on traces that this engine did not reproduce in their own
+    #: logged configuration: not attributable to the format. None: the run has no engine check
+    #: (or this is the check itself).
+    not_attributable: int | None = None
 
 
 class TraceRef(_Frozen):
@@ -333,6 +347,25 @@ class AccuracyReport(_Frozen):
     alpha: float
 
 
+class EngineReproduction(_Frozen):
+    """Traces logged by another engine (vLLM, SGLang, unknown), replayed here in their own logged
+    configuration: the share this engine reproduced token for token. A trace it does not
+    reproduce can diverge in a format comparison because of the engine (kernels, attention,
+    CUDA graphs), not the format: its divergences are not attributable to the format."""
+
+    #: The comparison that is the check (logged vs self).
+    comparison: int
+    #: Traces of the run per logging engine.
+    engines: dict[str, int]
+    #: Traces of the run logged by another engine.
+    n: int
+    #: Exact self-replays among those whose self-replay finished ok, with a Wilson interval.
+    reproduced: ProportionRead
+    #: The first traces the engine did not reproduce (by trace), and whether there are more.
+    not_reproduced: list[TraceRef]
+    not_reproduced_more: bool
+
+
 class RunStatistics(_Frozen):
     """A run's statistics: each comparison, each treatment's lift over comparison 0, and task
     accuracy at the default TOST margin where traces carry reference answers."""
@@ -341,6 +374,8 @@ class RunStatistics(_Frozen):
     comparisons: list[ComparisonReport]
     lifts: list[LiftReport]
     accuracy: AccuracyReport | None
+    #: The engine-reproduction check, in runs over traces logged by another engine.
+    engine_reproduction: EngineReproduction | None = None
 
 
 # -- builders ----------------------------------------------------------------------------------
@@ -661,19 +696,63 @@ def accuracy_report(
     )
 
 
+def engine_reproduction(
+    check: EngineCheckInput,
+    comparisons: Sequence[ComparisonInput],
+    *,
+    list_limit: int = DEFAULT_LIST_LIMIT,
+) -> tuple[EngineReproduction, frozenset[int]]:
+    """The check's figures, and the ids of the traces the engine did not reproduce."""
+    by_index = {c.index: c for c in comparisons}
+    figures = by_index[check.comparison].figures if check.comparison in by_index else []
+    checked = [f for f in figures if f.trace_id in check.engines and f.ok]
+    missed = sorted((f for f in checked if not f.exact_match), key=lambda f: f.trace_id)
+    engines: dict[str, int] = {}
+    for name in check.engines.values():
+        engines[name] = engines.get(name, 0) + 1
+    report = EngineReproduction(
+        comparison=check.comparison,
+        engines=dict(sorted(engines.items())),
+        n=len(check.engines),
+        reproduced=_prop(len(checked) - len(missed), len(checked)),
+        not_reproduced=[
+            TraceRef(id=f.trace_public_id, external_id=f.external_id) for f in missed[:list_limit]
+        ],
+        not_reproduced_more=len(missed) > list_limit,
+    )
+    return report, frozenset(f.trace_id for f in missed)
+
+
+def _not_attributable(c: ComparisonInput, unreproduced: frozenset[int]) -> int:
+    return sum(1 for f in c.figures if f.diverged and f.trace_id in unreproduced)
+
+
 def run_statistics(
     run_id: str,
     comparisons: Sequence[ComparisonInput],
     *,
     accuracy: AccuracyReport | None = None,
+    engine_check: EngineCheckInput | None = None,
     list_limit: int = DEFAULT_LIST_LIMIT,
 ) -> RunStatistics:
-    """The statistics of a run: every comparison (margin histograms on one shared axis), and
-    the lift of every treatment over comparison 0."""
+    """The statistics of a run: every comparison (margin histograms on one shared axis), the
+    lift of every treatment over comparison 0 and, with `engine_check`, the engine reproduction
+    rate and each comparison's divergences not attributable to the format."""
     margins = [_margins(c.figures) for c in comparisons]
     abs_axis = _decades([g for m in margins for g in (m.a, m.b)])
     ulps_axis = _decades([g for m in margins for g in (m.a_ulps, m.b_ulps)])
     reports = [comparison_report(c, abs_axis=abs_axis, ulps_axis=ulps_axis) for c in comparisons]
+    reproduction = None
+    if engine_check is not None:
+        reproduction, unreproduced = engine_reproduction(
+            engine_check, comparisons, list_limit=list_limit
+        )
+        reports = [
+            r
+            if c.index == engine_check.comparison
+            else r.model_copy(update={"not_attributable": _not_attributable(c, unreproduced)})
+            for r, c in zip(reports, comparisons, strict=True)
+        ]
     lifts = []
     if comparisons:
         base = comparisons[0]
@@ -682,7 +761,13 @@ def run_statistics(
             if c.treatment:
                 side = LiftSide(run_id, c.index, c.label, c.figures)
                 lifts.append(lift_report(base_side, side, list_limit=list_limit))
-    return RunStatistics(run_id=run_id, comparisons=reports, lifts=lifts, accuracy=accuracy)
+    return RunStatistics(
+        run_id=run_id,
+        comparisons=reports,
+        lifts=lifts,
+        accuracy=accuracy,
+        engine_reproduction=reproduction,
+    )
 
 
 def legacy_aggregate(stats: RunStatistics) -> dict[str, object]:

@@ -27,7 +27,7 @@ from replay_audit.auth.schemas import Principal
 from replay_audit.config import Settings
 from replay_audit.exceptions import BadRequest, FieldError, NotAuthenticated, PermissionDenied
 from replay_audit.formats import BODY_DTYPES, CATEGORIES
-from replay_audit.replays.domain import comparison_label, is_treatment
+from replay_audit.replays.domain import comparison_label, is_treatment, logging_engine
 from replay_audit.reports import browsing, statistics
 from replay_audit.reports.endpoints import export_response
 from replay_audit.reports.filters import ResultFilter, RunFilter
@@ -463,7 +463,12 @@ def trace_page(
             f"{', '.join(str(c) for c in sorted(by_comparison))}",
             field="comparison",
         )
-    view = trace_view.build(run, trace, by_comparison[comparison])
+    view = trace_view.build(
+        run,
+        trace,
+        by_comparison[comparison],
+        engine_reproduced=browsing.engine_reproduced(session, run, trace),
+    )
     previous, following = browsing.neighbour_traces(session, run, trace, comparison)
     return _page(
         request,
@@ -476,6 +481,7 @@ def trace_page(
             for r in results
         },
         view=view,
+        trace_engine=logging_engine(trace.config.config_json),
         previous=previous,
         following=following,
     )

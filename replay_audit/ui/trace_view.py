@@ -118,11 +118,17 @@ def _run_here(arm: Arm, read: ArmRead) -> Arm:
     return arm
 
 
-def build(run: ReplayRun, trace: Trace, result: ReplayResult) -> TraceView:
+def build(
+    run: ReplayRun,
+    trace: Trace,
+    result: ReplayResult,
+    *,
+    engine_reproduced: bool | None = None,
+) -> TraceView:
     """The trace page's model for `result` (one comparison of `trace` in `run`)."""
     targets = run.run_targets
     comp = run.run_comparisons[result.comparison]
-    read = result_read(result, trace.public_id, run.public_id)
+    read = result_read(result, trace.public_id, run.public_id, engine_reproduced=engine_reproduced)
     empty = ArmRead(
         target=None,
         output_token_ids=None,

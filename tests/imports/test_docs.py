@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from replay_audit import formats
 from replay_audit.imports import schemas
 from replay_audit.imports.schemas import ImportContext
 
@@ -30,6 +31,11 @@ def test_the_yaml_context_validates() -> None:
 
 
 def test_the_extras_keys_named_are_the_ones_written() -> None:
-    for key in (schemas.EXTRA_FORMAT, schemas.EXTRA_LOGPROBS_MODE, schemas.EXTRA_TOP_K_VALUES,
-                schemas.EXTRA_UNKNOWN, schemas.EXTRA_TOKENIZATION):
+    for key in (
+        schemas.EXTRA_FORMAT,
+        schemas.EXTRA_LOGPROBS_MODE,
+        formats.EXTRA_TOP_K_VALUES,
+        schemas.EXTRA_UNKNOWN,
+        schemas.EXTRA_TOKENIZATION,
+    ):
         assert f"`{key}`" in DOC or f"extras.{key}" in DOC, key

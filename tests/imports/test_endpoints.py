@@ -40,7 +40,9 @@ def test_import_answers_207_per_trace_and_is_idempotent(
     assert first.status_code == 207, first.text
     results = first.json()["results"]
     assert [(r["index"], r.get("choice"), r["status"]) for r in results] == [
-        (0, 0, 201), (1, 0, 201), (1, 1, 201)
+        (0, 0, 201),
+        (1, 0, 201),
+        (1, 1, 201),
     ]
     again = client.post("/v1/traces:import?format=openai", json=body, headers=writer)
     assert [(r["status"], r["created"], r["id"]) for r in again.json()["results"]] == [
@@ -75,13 +77,24 @@ def test_a_bad_item_gets_its_own_error_and_the_good_ones_are_stored(
 @pytest.mark.parametrize(
     ("url", "body", "status", "field"),
     [
-        ("/v1/traces:import?format=openai", {"context": {**CONTEXT, "dtype": None}, "items": []},
-         422, "dtype"),
-        ("/v1/traces:import?format=openai",
-         {"context": {**CONTEXT, "model": {"vocab_size": 10}}, "items": []},
-         422, "model.weights_sha256"),
-        ("/v1/traces:import?format=openai", {"context": {**CONTEXT, "dtype": "fp64"},
-                                             "items": []}, 422, "context.dtype"),
+        (
+            "/v1/traces:import?format=openai",
+            {"context": {**CONTEXT, "dtype": None}, "items": []},
+            422,
+            "dtype",
+        ),
+        (
+            "/v1/traces:import?format=openai",
+            {"context": {**CONTEXT, "model": {"vocab_size": 10}}, "items": []},
+            422,
+            "model.weights_sha256",
+        ),
+        (
+            "/v1/traces:import?format=openai",
+            {"context": {**CONTEXT, "dtype": "fp64"}, "items": []},
+            422,
+            "context.dtype",
+        ),
         ("/v1/traces:import?format=openai", {"context": CONTEXT}, 422, "items"),
         ("/v1/traces:import?format=lm-eval", {"context": CONTEXT, "items": [{}]}, 422, "format"),
         ("/v1/traces:import?format=xml", {"context": CONTEXT, "items": []}, 422, "format"),
@@ -96,19 +109,23 @@ def test_request_level_errors_name_the_field(
 
 
 def test_malformed_json_is_a_400(client: TestClient, headers: Headers) -> None:
-    answer = client.post("/v1/traces:import?format=openai", content=b"{",
-                         headers={**headers("submitter"), "Content-Type": "application/json"})
+    answer = client.post(
+        "/v1/traces:import?format=openai",
+        content=b"{",
+        headers={**headers("submitter"), "Content-Type": "application/json"},
+    )
     assert answer.status_code == 400 and answer.json()["field"] == "body"
 
 
-@pytest.mark.parametrize(("role", "status"), [("auditor", 403), ("admin", 207),
-                                              ("submitter", 207)])
+@pytest.mark.parametrize(("role", "status"), [("auditor", 403), ("admin", 207), ("submitter", 207)])
 def test_roles_as_the_batch_endpoint(
     client: TestClient, headers: Headers, role: str, status: int
 ) -> None:
-    answer = client.post("/v1/traces:import?format=sglang",
-                         json={"context": CONTEXT, "items": [load_fixture("sglang_generate.json")]},
-                         headers=headers(role))
+    answer = client.post(
+        "/v1/traces:import?format=sglang",
+        json={"context": CONTEXT, "items": [load_fixture("sglang_generate.json")]},
+        headers=headers(role),
+    )
     assert answer.status_code == status
     assert client.post("/v1/traces:import?format=sglang", json={"items": []}).status_code == 401
 

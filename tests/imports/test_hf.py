@@ -42,8 +42,9 @@ def generator() -> Iterator[TraceGenerator]:
 @pytest.fixture(scope="module")
 def context(generator: TraceGenerator) -> ImportContext:
     return context_from_model(
-        generator.model, BUNDLED_MODEL_DIR, decoding={"strategy": "greedy",
-                                                      "eos_token_ids": generator.eos_ids}
+        generator.model,
+        BUNDLED_MODEL_DIR,
+        decoding={"strategy": "greedy", "eos_token_ids": generator.eos_ids},
     )
 
 
@@ -53,8 +54,13 @@ def _generate(gen: TraceGenerator, prompts: list[str], max_new: int = 12) -> tup
     enc = tok(prompts, return_tensors="pt", padding=True)
     with torch.inference_mode():
         out = gen.model.generate(
-            **enc, max_new_tokens=max_new, do_sample=False, return_dict_in_generate=True,
-            output_logits=True, pad_token_id=tok.pad_token_id, eos_token_id=gen.eos_ids,
+            **enc,
+            max_new_tokens=max_new,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=gen.eos_ids,
         )
     return out, enc
 
@@ -63,8 +69,13 @@ def test_one_prompt_gives_exactly_the_trace_of_replay_audit_generate(
     generator: TraceGenerator, context: ImportContext
 ) -> None:
     out, enc = _generate(generator, PROMPTS[:1])
-    [trace] = traces_from_generate(out, context=context, input_ids=enc["input_ids"],
-                                   attention_mask=enc["attention_mask"], max_new_tokens=12)
+    [trace] = traces_from_generate(
+        out,
+        context=context,
+        input_ids=enc["input_ids"],
+        attention_mask=enc["attention_mask"],
+        max_new_tokens=12,
+    )
     reference = generator.trace(PROMPTS[0], max_new_tokens=12, top_k=5)
     assert trace.prompt_token_ids == reference["prompt_token_ids"]
     assert trace.output_token_ids == reference["output_token_ids"]
@@ -74,8 +85,12 @@ def test_one_prompt_gives_exactly_the_trace_of_replay_audit_generate(
     assert [r[:5] for r in trace.top_k.logits] == reference["top_k"]["logits"]
     assert trace.decoding.stop_reason == reference["decoding"]["stop_reason"]
     c = trace.config
-    assert (c.dtype, c.device, c.attn_kernel, c.engine.name) == ("fp32", "cpu", "eager",
-                                                                  "transformers")
+    assert (c.dtype, c.device, c.attn_kernel, c.engine.name) == (
+        "fp32",
+        "cpu",
+        "eager",
+        "transformers",
+    )
     assert c.extras["top_k_values"] == "logits" and c.extras["logprobs_mode"] == "raw_logits"
     assert trace.model.weights_sha256 == generator.weights_sha256
 
@@ -84,9 +99,14 @@ def test_a_left_padded_batch_gives_one_trace_per_row(
     generator: TraceGenerator, context: ImportContext
 ) -> None:
     out, enc = _generate(generator, PROMPTS)
-    traces = traces_from_generate(out, context=context, input_ids=enc["input_ids"],
-                                  attention_mask=enc["attention_mask"],
-                                  tokenizer=generator.tokenizer, prompt_texts=PROMPTS)
+    traces = traces_from_generate(
+        out,
+        context=context,
+        input_ids=enc["input_ids"],
+        attention_mask=enc["attention_mask"],
+        tokenizer=generator.tokenizer,
+        prompt_texts=PROMPTS,
+    )
     assert len(traces) == 2
     for trace, text in zip(traces, PROMPTS, strict=True):
         assert trace.prompt_token_ids == generator.encode(text)  # the padding is dropped

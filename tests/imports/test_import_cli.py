@@ -23,8 +23,12 @@ from tests.imports.conftest import WEIGHTS, load_fixture
 
 runner = CliRunner()
 MODEL_FLAGS = [
-    "--config", "model.name=tiny-llama", "--config", f"model.weights_sha256={WEIGHTS}",
-    "--config", "model.vocab_size=32000",
+    "--config",
+    "model.name=tiny-llama",
+    "--config",
+    f"model.weights_sha256={WEIGHTS}",
+    "--config",
+    "model.vocab_size=32000",
 ]
 
 
@@ -35,11 +39,16 @@ def _write_jsonl(path: Path, items: list[Any]) -> Path:
 
 @pytest.fixture
 def responses(tmp_path: Path) -> Path:
-    return _write_jsonl(tmp_path / "responses.jsonl", [
-        {"request": {"temperature": 0}, "response": load_fixture("vllm_chat_token_ids.json")},
-        {"request": {"prompt": [1, 2, 3], "temperature": 0.8},
-         "response": load_fixture("vllm_completion_token_ids.json")},
-    ])
+    return _write_jsonl(
+        tmp_path / "responses.jsonl",
+        [
+            {"request": {"temperature": 0}, "response": load_fixture("vllm_chat_token_ids.json")},
+            {
+                "request": {"prompt": [1, 2, 3], "temperature": 0.8},
+                "response": load_fixture("vllm_completion_token_ids.json"),
+            },
+        ],
+    )
 
 
 def _read(path: Path) -> list[TraceCreate]:
@@ -57,10 +66,26 @@ def test_openai_responses_to_jsonl_with_flags_and_a_config_file(
         "extras: {quantization: none}\n"
     )
     out = tmp_path / "traces.jsonl"
-    r = runner.invoke(app, ["import", "--format", "openai", str(responses), "--out", str(out),
-                            "--config-file", str(config), "--config", "batch_size=16",
-                            "--config", "engine.version=0.11.1", "--config", "tags=prod,eu",
-                            *MODEL_FLAGS])
+    r = runner.invoke(
+        app,
+        [
+            "import",
+            "--format",
+            "openai",
+            str(responses),
+            "--out",
+            str(out),
+            "--config-file",
+            str(config),
+            "--config",
+            "batch_size=16",
+            "--config",
+            "engine.version=0.11.1",
+            "--config",
+            "tags=prod,eu",
+            *MODEL_FLAGS,
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "wrote 3 traces" in r.output
     chat, *completions = _read(out)
@@ -75,17 +100,32 @@ def test_the_model_directory_gives_the_model_reference(tmp_path: Path) -> None:
     response = load_fixture("vllm_chat_token_ids.json")
     response["prompt_token_ids"] = [1, 45, 300]
     response["choices"][0]["token_ids"] = [278, 635, 3290, 1]
-    for step, tid in zip(response["choices"][0]["logprobs"]["content"], [278, 635, 3290, 1],
-                         strict=True):
+    for step, tid in zip(
+        response["choices"][0]["logprobs"]["content"], [278, 635, 3290, 1], strict=True
+    ):
         step["token"] = step["top_logprobs"][0]["token"] = f"token_id:{tid}"
         step["top_logprobs"] = step["top_logprobs"][:2]
         step["top_logprobs"][1]["token"] = "token_id:7"
         step["top_logprobs"][1]["logprob"] = -20.0
     path = _write_jsonl(tmp_path / "r.jsonl", [response])
     out = tmp_path / "t.jsonl"
-    r = runner.invoke(app, ["import", "--format", "openai", str(path), "--out", str(out),
-                            "--model", str(BUNDLED_MODEL_DIR), "--config", "dtype=fp32",
-                            "--config", "logprobs_mode=raw_logprobs"])
+    r = runner.invoke(
+        app,
+        [
+            "import",
+            "--format",
+            "openai",
+            str(path),
+            "--out",
+            str(out),
+            "--model",
+            str(BUNDLED_MODEL_DIR),
+            "--config",
+            "dtype=fp32",
+            "--config",
+            "logprobs_mode=raw_logprobs",
+        ],
+    )
     assert r.exit_code == 0, r.output
     [trace] = _read(out)
     assert trace.model.name == "tiny-llama"
@@ -100,15 +140,28 @@ def test_the_model_directory_gives_the_model_reference(tmp_path: Path) -> None:
         (["--config", "dtype=fp64"], "configuration key dtype"),
         (["--config", "dtype"], "expected key=value"),
         (["--config", "dtype=bf16", "--config", "batch_size=many"], "batch_size"),
-        (["--config", "dtype=bf16", "--config", "gpu.sm=9.0", "--config", "gpu.name="],
-         "configuration key gpu"),
+        (
+            ["--config", "dtype=bf16", "--config", "gpu.sm=9.0", "--config", "gpu.name="],
+            "configuration key gpu",
+        ),
     ],
 )
 def test_a_bad_context_stops_with_exit_2_naming_the_key(
     responses: Path, tmp_path: Path, args: list[str], message: str
 ) -> None:
-    r = runner.invoke(app, ["import", "--format", "openai", str(responses),
-                            "--out", str(tmp_path / "o.jsonl"), *MODEL_FLAGS, *args])
+    r = runner.invoke(
+        app,
+        [
+            "import",
+            "--format",
+            "openai",
+            str(responses),
+            "--out",
+            str(tmp_path / "o.jsonl"),
+            *MODEL_FLAGS,
+            *args,
+        ],
+    )
     assert r.exit_code == 2, r.output
     assert message in r.output and "Traceback" not in r.output
 
@@ -121,8 +174,20 @@ def test_bad_lines_are_reported_with_file_and_line_and_skipped(
     path = tmp_path / "mixed.jsonl"
     path.write_text(responses.read_text() + json.dumps(bad) + "\n{not json\n")
     out = tmp_path / "o.jsonl"
-    r = runner.invoke(app, ["import", "--format", "openai", str(path), "--out", str(out),
-                            "--config", "dtype=bf16", *MODEL_FLAGS])
+    r = runner.invoke(
+        app,
+        [
+            "import",
+            "--format",
+            "openai",
+            str(path),
+            "--out",
+            str(out),
+            "--config",
+            "dtype=bf16",
+            *MODEL_FLAGS,
+        ],
+    )
     assert r.exit_code == 1
     assert f"{path}:3: item.prompt_token_ids: no prompt token ids" in r.output
     assert f"{path}:4: not JSON" in r.output
@@ -139,16 +204,18 @@ def test_usage_errors(responses: Path, tmp_path: Path) -> None:
     ]:
         r = runner.invoke(app, [*base, *args], env={"REPLAY_AUDIT_API_KEY": ""})
         assert r.exit_code == 2 and message in r.output, (args, r.output)
-    r = runner.invoke(app, ["import", "--format", "openai", str(tmp_path / "none.jsonl"),
-                            "--out", "o"])
+    r = runner.invoke(
+        app, ["import", "--format", "openai", str(tmp_path / "none.jsonl"), "--out", "o"]
+    )
     assert r.exit_code == 2 and "no such file" in r.output
 
 
 @pytest.fixture
 def server(app: FastAPI) -> Iterator[str]:
     """The app (on the test database) served by uvicorn on a free port of 127.0.0.1."""
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                        lifespan="off"))
+    srv = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    )
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -165,8 +232,21 @@ def test_post_sends_batches_idempotently(
     responses: Path, server: str, api_key: Callable[..., str]
 ) -> None:
     key = api_key("submitter")
-    args = ["import", "--format", "openai", str(responses), "--post", server, "--key", key,
-            "--batch-size", "2", "--config", "dtype=bf16", *MODEL_FLAGS]
+    args = [
+        "import",
+        "--format",
+        "openai",
+        str(responses),
+        "--post",
+        server,
+        "--key",
+        key,
+        "--batch-size",
+        "2",
+        "--config",
+        "dtype=bf16",
+        *MODEL_FLAGS,
+    ]
     first = runner.invoke(app, args)
     assert first.exit_code == 0, first.output
     assert "posted 3 traces" in first.output and "3 new, 0 already stored" in first.output

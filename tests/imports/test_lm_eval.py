@@ -69,8 +69,17 @@ def sample(doc_id: int = 3, response: str = " 4\n", **edits: Any) -> dict[str, A
         "doc_id": doc_id,
         "doc": {"question": "2 + 2 =", "answer": "4"},
         "target": "4",
-        "arguments": {"gen_args_0": {"arg_0": context, "arg_1": {
-            "until": ["\n"], "do_sample": False, "temperature": 0.0, "max_gen_toks": 16}}},
+        "arguments": {
+            "gen_args_0": {
+                "arg_0": context,
+                "arg_1": {
+                    "until": ["\n"],
+                    "do_sample": False,
+                    "temperature": 0.0,
+                    "max_gen_toks": 16,
+                },
+            }
+        },
         "resps": [[response]],
         "filtered_resps": [response.strip()],
         "filter": "none",
@@ -85,9 +94,14 @@ def sample(doc_id: int = 3, response: str = " 4\n", **edits: Any) -> dict[str, A
 
 
 def context() -> ImportContext:
-    values = {**context_from_results(RESULTS), "model": {
-        "name": "tiny-llama", "weights_sha256": weights_sha256(BUNDLED_MODEL_DIR),
-        "vocab_size": 4096}}
+    values = {
+        **context_from_results(RESULTS),
+        "model": {
+            "name": "tiny-llama",
+            "weights_sha256": weights_sha256(BUNDLED_MODEL_DIR),
+            "vocab_size": 4096,
+        },
+    }
     return ImportContext.model_validate(values)
 
 
@@ -106,8 +120,7 @@ def test_a_generate_until_sample_becomes_a_re_tokenised_trace() -> None:
     extras = trace.config.extras
     assert extras["tokenization"] == TOKENIZATION and extras["import_format"] == "lm-eval"
     assert extras["chat_template"] == "none"
-    assert (trace.config.dtype, trace.config.device, trace.config.batch_size) == ("fp32", "cpu",
-                                                                                1)
+    assert (trace.config.dtype, trace.config.device, trace.config.batch_size) == ("fp32", "cpu", 1)
     assert trace.config.engine.name == "transformers"
     assert trace.config.engine.version == "5.23.0"
 
@@ -131,14 +144,20 @@ def test_the_bos_string_in_the_context_is_not_doubled() -> None:
 def test_an_empty_response_gives_no_trace_and_is_counted() -> None:
     # The tiny model often answers "\n" at once: lm-eval cuts it at `until`, leaving "".
     skipped: list[str] = []
-    gens = parse_lm_eval_sample(sample(resps=[["", " 4"]]), task="arith", tokenizer=TOKENIZER,
-                                results=RESULTS, skipped=skipped)
+    gens = parse_lm_eval_sample(
+        sample(resps=[["", " 4"]]),
+        task="arith",
+        tokenizer=TOKENIZER,
+        results=RESULTS,
+        skipped=skipped,
+    )
     assert len(gens) == 1 and skipped == ["sample.resps[0][0]"]
 
 
 def test_a_loglikelihood_sample_is_not_a_generation() -> None:
-    s = sample(arguments={"gen_args_0": {"arg_0": "Q: 2+2?", "arg_1": " 4"}},
-               resps=[[[-0.5, True]]])
+    s = sample(
+        arguments={"gen_args_0": {"arg_0": "Q: 2+2?", "arg_1": " 4"}}, resps=[[[-0.5, True]]]
+    )
     with pytest.raises(NotAGeneration):
         parse_lm_eval_sample(s, task="arith", tokenizer=TOKENIZER, results=RESULTS)
 
@@ -153,15 +172,21 @@ def test_a_loglikelihood_sample_is_not_a_generation() -> None:
 )
 def test_bad_samples_are_refused_naming_the_field(edits: dict[str, Any], field: str) -> None:
     with pytest.raises(FieldError) as err:
-        parse_lm_eval_sample(sample(**edits), task="arith", tokenizer=TOKENIZER,
-                             results=RESULTS)
+        parse_lm_eval_sample(sample(**edits), task="arith", tokenizer=TOKENIZER, results=RESULTS)
     assert err.value.field == field
 
 
 def test_the_results_file_says_only_what_it_states() -> None:
     assert context_from_results({}) == {}
-    ctx = context_from_results({"config": {"model_args": "pretrained=x,dtype=bfloat16",
-                                           "batch_size": "auto", "device": "cuda:0"}})
+    ctx = context_from_results(
+        {
+            "config": {
+                "model_args": "pretrained=x,dtype=bfloat16",
+                "batch_size": "auto",
+                "device": "cuda:0",
+            }
+        }
+    )
     assert ctx["dtype"] == "bf16" and ctx["device"] == "cuda" and "batch_size" not in ctx
     assert task_from_filename("samples_gsm8k_cot_2024-05-01T12-00-00.123.jsonl") == "gsm8k_cot"
     assert task_from_filename("results_2024.json") is None

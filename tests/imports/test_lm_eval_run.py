@@ -59,15 +59,39 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     data.write_text("".join(line + "\n" for line in prompts))
     (d / "tasks").mkdir()
     (d / "tasks" / "arith.yaml").write_text(TASK.format(data=data))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "HF_DATASETS_CACHE": str(d / "cache")}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "HF_DATASETS_CACHE": str(d / "cache"),
+    }
     done = subprocess.run(
-        [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-         f"pretrained={BUNDLED_MODEL_DIR},dtype=float32", "--tasks", "ra_code",
-         "--include_path", str(d / "tasks"), "--device", "cpu", "--batch_size", "1",
-         "--log_samples", "--output_path", str(d / "out")],
-        env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "--model",
+            "hf",
+            "--model_args",
+            f"pretrained={BUNDLED_MODEL_DIR},dtype=float32",
+            "--tasks",
+            "ra_code",
+            "--include_path",
+            str(d / "tasks"),
+            "--device",
+            "cpu",
+            "--batch_size",
+            "1",
+            "--log_samples",
+            "--output_path",
+            str(d / "out"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     [samples] = list((d / "out").glob("*/samples_ra_code_*.jsonl"))
@@ -76,8 +100,19 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_real_lm_eval_run_imports_and_replays_exactly(run: Path, tmp_path: Path) -> None:
     out = tmp_path / "traces.jsonl"
-    r = CliRunner().invoke(app, ["import", "--format", "lm-eval", str(run),
-                                 "--model", str(BUNDLED_MODEL_DIR), "--out", str(out)])
+    r = CliRunner().invoke(
+        app,
+        [
+            "import",
+            "--format",
+            "lm-eval",
+            str(run),
+            "--model",
+            str(BUNDLED_MODEL_DIR),
+            "--out",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     samples = [json.loads(line) for line in run.read_text().splitlines()]
     traces = [TraceCreate.model_validate_json(x) for x in out.read_text().splitlines()]
@@ -96,6 +131,10 @@ def test_a_real_lm_eval_run_imports_and_replays_exactly(run: Path, tmp_path: Pat
         assert trace.config.extras["tokenization"].startswith("re-tokenised")
         assert trace.decoding.strategy == "greedy" and trace.decoding.max_new_tokens == 12
         # The re-tokenised response is what the model generated: it replays exactly.
-        outcome = replay_trace(LoggedTrace.from_json(trace.model_dump()), Target("fp32"), pool,
-                               model_dir=BUNDLED_MODEL_DIR)
+        outcome = replay_trace(
+            LoggedTrace.from_json(trace.model_dump()),
+            Target("fp32"),
+            pool,
+            model_dir=BUNDLED_MODEL_DIR,
+        )
         assert outcome.exact_match, (sample["resps"], outcome.first_divergence_step)

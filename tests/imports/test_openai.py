@@ -46,10 +46,17 @@ def test_the_fixtures_parse_with_the_openai_typed_models() -> None:
     assert chat.choices[0].logprobs.content[0].top_logprobs[0].token == "token_id:278"
     # vLLM's extra fields are kept by the typed models (extra="allow").
     assert chat.model_extra is not None and chat.model_extra["prompt_token_ids"] == [
-        1, 450, 3290, 373, 278
+        1,
+        450,
+        3290,
+        373,
+        278,
     ]
-    assert chat.choices[0].model_extra == {"stop_reason": None, "token_ids": [278, 6635, 3290, 2],
-                                           "routed_experts": None}
+    assert chat.choices[0].model_extra == {
+        "stop_reason": None,
+        "token_ids": [278, 6635, 3290, 2],
+        "routed_experts": None,
+    }
     completion = Completion.model_validate(load_fixture("vllm_completion_token_ids.json"))
     assert completion.choices[1].logprobs is not None
     assert completion.choices[1].logprobs.top_logprobs == [
@@ -72,8 +79,7 @@ def test_chat_response_becomes_one_trace_field_by_field(context: ImportContext) 
     # -9999.0 (a clamped -inf) at step 0 is absent, so every step keeps k = 2; equal values
     # (step 2) are ordered by the smaller id, as argmax breaks ties.
     assert trace.top_k.ids == [[278, 263], [6635, 11203], [338, 3290], [2, 29889]]
-    assert trace.top_k.logits == [[-0.3125, -1.8125], [-0.0625, -3.25], [-0.5, -0.5],
-                                  [-0.01, -5.5]]
+    assert trace.top_k.logits == [[-0.3125, -1.8125], [-0.0625, -3.25], [-0.5, -0.5], [-0.01, -5.5]]
     extras = trace.config.extras
     assert extras["logprobs_mode"] == "raw_logprobs" and extras["top_k_values"] == "raw_logprobs"
     assert extras["import_format"] == "openai"
@@ -87,34 +93,46 @@ def test_raw_logprob_margins_are_logit_margins() -> None:
     content = []
     for t in range(4):
         order = np.argsort(-logits[t], kind="stable")[:3]
-        content.append({
-            "token": f"token_id:{order[0]}", "logprob": float(logprobs[t, order[0]]),
-            "top_logprobs": [{"token": f"token_id:{i}", "logprob": float(logprobs[t, i])}
-                             for i in order],
-        })
+        content.append(
+            {
+                "token": f"token_id:{order[0]}",
+                "logprob": float(logprobs[t, order[0]]),
+                "top_logprobs": [
+                    {"token": f"token_id:{i}", "logprob": float(logprobs[t, i])} for i in order
+                ],
+            }
+        )
     response = load_fixture("vllm_chat_token_ids.json")
     response["choices"][0]["logprobs"] = {"content": content}
     response["choices"][0]["token_ids"] = [int(np.argmax(logits[t])) for t in range(4)]
-    [trace] = traces_from_item("openai", {"request": GREEDY, "response": response},
-                               make_context())
+    [trace] = traces_from_item("openai", {"request": GREEDY, "response": response}, make_context())
     assert trace.top_k is not None
     stored = np.asarray(trace.top_k.logits, dtype=np.float32)
     top2 = -np.sort(-logits, axis=1)[:, :2]
-    np.testing.assert_allclose(stored[:, 0] - stored[:, 1], top2[:, 0] - top2[:, 1],
-                               rtol=0, atol=4 * np.finfo(np.float32).eps * 16)
+    np.testing.assert_allclose(
+        stored[:, 0] - stored[:, 1],
+        top2[:, 0] - top2[:, 1],
+        rtol=0,
+        atol=4 * np.finfo(np.float32).eps * 16,
+    )
 
 
 def test_completions_response_gives_one_trace_per_choice(context: ImportContext) -> None:
     item = {
-        "request": {"prompt": [1, 1724, 338, 29871, 29953, 29930], "temperature": 0.8, "n": 2,
-                    "logprobs": 2, "return_tokens_as_token_ids": True, "max_tokens": 3},
+        "request": {
+            "prompt": [1, 1724, 338, 29871, 29953, 29930],
+            "temperature": 0.8,
+            "n": 2,
+            "logprobs": 2,
+            "return_tokens_as_token_ids": True,
+            "max_tokens": 3,
+        },
         "response": load_fixture("vllm_completion_token_ids.json"),
     }
     first, second = traces_from_item("openai", item, context)
     assert first.external_id == "cmpl-0d1e2f3a4b5c4d6e8f9a0b1c2d3e4f5a#0"
     assert second.external_id == "cmpl-0d1e2f3a4b5c4d6e8f9a0b1c2d3e4f5a#1"
-    assert first.prompt_token_ids == second.prompt_token_ids == [1, 1724, 338, 29871, 29953,
-                                                                 29930]
+    assert first.prompt_token_ids == second.prompt_token_ids == [1, 1724, 338, 29871, 29953, 29930]
     assert first.output_token_ids == [29871, 29946, 29889]
     assert first.decoding.stop_reason == "length" and first.decoding.strategy == "sample"
     # The stop token id vLLM matched (stop_reason 13) ends the replay like an eos.
@@ -130,8 +148,11 @@ def test_completions_string_keys_collide_so_only_ids_give_a_top_k(
     choice["token_ids"] = [29871, 29946, 29889]
     choice["prompt_token_ids"] = [1, 2, 3]
     choice["logprobs"]["tokens"] = [" ", "4", "."]
-    choice["logprobs"]["top_logprobs"] = [{" ": -0.125, "  ": -2.375}, {"4": -0.75, "3": -1.0},
-                                          {".": -0.03125, "\n": -3.5}]
+    choice["logprobs"]["top_logprobs"] = [
+        {" ": -0.125, "  ": -2.375},
+        {"4": -0.75, "3": -1.0},
+        {".": -0.03125, "\n": -3.5},
+    ]
     response["choices"] = [choice]
     [trace] = traces_from_item("openai", response, context)
     assert trace.top_k is None
@@ -193,23 +214,42 @@ def test_top_k_below_two_gives_no_logged_margin(context: ImportContext) -> None:
 
 
 def test_unknown_configuration_is_recorded_as_unknown_never_guessed() -> None:
-    [trace] = traces_from_item("openai", load_fixture("vllm_chat_token_ids.json"),
-                               make_context())
+    [trace] = traces_from_item("openai", load_fixture("vllm_chat_token_ids.json"), make_context())
     c = trace.config
     assert c.attn_kernel == "unknown" and c.engine.name == "unknown" and c.device == "other"
     unknown = set(str(c.extras["unknown"]).split(","))
-    assert {"attn_kernel", "batch_size", "device", "gpu", "engine.name", "engine.version",
-            "decoding.strategy", "deterministic", "tf32"} <= unknown
+    assert {
+        "attn_kernel",
+        "batch_size",
+        "device",
+        "gpu",
+        "engine.name",
+        "engine.version",
+        "decoding.strategy",
+        "deterministic",
+        "tf32",
+    } <= unknown
     # Without the request, the strategy is unknown: stored, but not replayable as greedy.
     assert trace.decoding.strategy == "other"
-    given = make_context(device="cuda", gpu={"name": "NVIDIA H100", "sm": "9.0"},
-                         attn_kernel="flash_attention_2", batch_size=8,
-                         engine={"name": "vllm", "version": "0.11.0"},
-                         decoding={"strategy": "greedy"})
+    given = make_context(
+        device="cuda",
+        gpu={"name": "NVIDIA H100", "sm": "9.0"},
+        attn_kernel="flash_attention_2",
+        batch_size=8,
+        engine={"name": "vllm", "version": "0.11.0"},
+        decoding={"strategy": "greedy"},
+    )
     [trace] = traces_from_item("openai", load_fixture("vllm_chat_token_ids.json"), given)
     unknown = set(str(trace.config.extras["unknown"]).split(","))
-    assert not unknown & {"attn_kernel", "batch_size", "device", "gpu", "engine.name",
-                          "engine.version", "decoding.strategy"}
+    assert not unknown & {
+        "attn_kernel",
+        "batch_size",
+        "device",
+        "gpu",
+        "engine.name",
+        "engine.version",
+        "decoding.strategy",
+    }
     assert trace.config.gpu is not None and trace.config.gpu.sm == "9.0"
     assert trace.decoding.strategy == "greedy"
 
@@ -230,15 +270,27 @@ def test_a_greedy_trace_whose_token_is_not_the_top_1_is_refused(
     ("edit", "field"),
     [
         (lambda r: r.pop("prompt_token_ids"), "item.prompt_token_ids"),
-        (lambda r: [r["choices"][0].pop("token_ids"),
-                    r["choices"][0]["logprobs"]["content"][0].update(token="the")],
-         "item.choices[0].token_ids"),
-        (lambda r: r["choices"][0].update(token_ids=[278, 6635, 3290, 9]),
-         "item.choices[0].token_ids"),
-        (lambda r: r["choices"][0].update(token_ids=[278, -1, 3290, 2]),
-         "item.choices[0].token_ids[1]"),
-        (lambda r: r["choices"][0]["logprobs"]["content"][2]["top_logprobs"][0].update(
-            logprob="x"), "item.choices[0].logprobs.content[2].top_logprobs[0]"),
+        (
+            lambda r: [
+                r["choices"][0].pop("token_ids"),
+                r["choices"][0]["logprobs"]["content"][0].update(token="the"),
+            ],
+            "item.choices[0].token_ids",
+        ),
+        (
+            lambda r: r["choices"][0].update(token_ids=[278, 6635, 3290, 9]),
+            "item.choices[0].token_ids",
+        ),
+        (
+            lambda r: r["choices"][0].update(token_ids=[278, -1, 3290, 2]),
+            "item.choices[0].token_ids[1]",
+        ),
+        (
+            lambda r: r["choices"][0]["logprobs"]["content"][2]["top_logprobs"][0].update(
+                logprob="x"
+            ),
+            "item.choices[0].logprobs.content[2].top_logprobs[0]",
+        ),
         (lambda r: r.update(choices=[]), "item.choices"),
         (lambda r: r.update(choices={"0": 1}), "item.choices"),
     ],

@@ -51,31 +51,42 @@ def vllm_response(gen: TraceGenerator, prompt: str, n: int) -> tuple[dict[str, A
     values, ids = torch.topk(logprobs, TOP_K, dim=-1)
     content = []
     for t, token in enumerate(output_ids):
-        content.append({
-            "token": f"token_id:{token}",
-            "logprob": max(float(logprobs[t, token]), -9999.0),
-            "bytes": None,
-            "top_logprobs": [
-                {"token": f"token_id:{int(i)}", "logprob": max(float(v), -9999.0), "bytes": None}
-                for v, i in zip(values[t], ids[t], strict=True)
-            ],
-        })
+        content.append(
+            {
+                "token": f"token_id:{token}",
+                "logprob": max(float(logprobs[t, token]), -9999.0),
+                "bytes": None,
+                "top_logprobs": [
+                    {
+                        "token": f"token_id:{int(i)}",
+                        "logprob": max(float(v), -9999.0),
+                        "bytes": None,
+                    }
+                    for v, i in zip(values[t], ids[t], strict=True)
+                ],
+            }
+        )
     stopped = output_ids[-1] in gen.eos_ids
     response = {
         "id": f"chatcmpl-roundtrip-{n}",
         "object": "chat.completion",
         "created": 1733000000,
         "model": "tiny-llama",
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": gen.tokenizer.decode(output_ids)},
-            "logprobs": {"content": content},
-            "finish_reason": "stop" if stopped else "length",
-            "stop_reason": None,
-            "token_ids": output_ids,
-        }],
-        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(output_ids),
-                  "total_tokens": len(prompt_ids) + len(output_ids)},
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": gen.tokenizer.decode(output_ids)},
+                "logprobs": {"content": content},
+                "finish_reason": "stop" if stopped else "length",
+                "stop_reason": None,
+                "token_ids": output_ids,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(output_ids),
+            "total_tokens": len(prompt_ids) + len(output_ids),
+        },
         "prompt_token_ids": prompt_ids,
     }
     return response, logits.float().numpy()
@@ -84,22 +95,35 @@ def vllm_response(gen: TraceGenerator, prompt: str, n: int) -> tuple[dict[str, A
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_imported_vllm_responses_replay_exactly_with_the_engines_margins(dtype: str) -> None:
     gen = TraceGenerator(BUNDLED_MODEL_DIR, dtype=dtype, attn_kernel="eager", device="cpu")
-    context = ImportContext.model_validate({
-        "model": {"name": "tiny-llama", "weights_sha256": gen.weights_sha256,
-                  "vocab_size": 4096},
-        "dtype": dtype, "device": "cpu", "attn_kernel": "eager", "batch_size": 1,
-        "engine": {"name": "transformers"}, "logprobs_mode": "raw_logprobs",
-        "decoding": {"eos_token_ids": gen.eos_ids},
-    })
+    context = ImportContext.model_validate(
+        {
+            "model": {
+                "name": "tiny-llama",
+                "weights_sha256": gen.weights_sha256,
+                "vocab_size": 4096,
+            },
+            "dtype": dtype,
+            "device": "cpu",
+            "attn_kernel": "eager",
+            "batch_size": 1,
+            "engine": {"name": "transformers"},
+            "logprobs_mode": "raw_logprobs",
+            "decoding": {"eos_token_ids": gen.eos_ids},
+        }
+    )
     pool = EnginePool(device="cpu")
-    request = {"temperature": 0, "max_tokens": MAX_NEW, "logprobs": True,
-               "top_logprobs": TOP_K, "return_token_ids": True,
-               "return_tokens_as_token_ids": True}
+    request = {
+        "temperature": 0,
+        "max_tokens": MAX_NEW,
+        "logprobs": True,
+        "top_logprobs": TOP_K,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
     n_steps = 0
     for n, prompt in enumerate(_prompts()):
         response, logits = vllm_response(gen, prompt, n)
-        [trace] = traces_from_item("openai", {"request": request, "response": response},
-                                   context)
+        [trace] = traces_from_item("openai", {"request": request, "response": response}, context)
         assert trace.decoding.strategy == "greedy"
         assert trace.top_k is not None and trace.config.extras["top_k_values"] == "raw_logprobs"
 
@@ -116,8 +140,9 @@ def test_imported_vllm_responses_replay_exactly_with_the_engines_margins(dtype: 
         assert trace.top_k.ids == reference["top_k"]["ids"]
 
         logged = LoggedTrace.from_json(trace.model_dump())
-        outcome = replay_trace(logged, Target.from_config(trace.config.model_dump()), pool,
-                               model_dir=BUNDLED_MODEL_DIR)
+        outcome = replay_trace(
+            logged, Target.from_config(trace.config.model_dump()), pool, model_dir=BUNDLED_MODEL_DIR
+        )
         assert outcome.exact_match and outcome.first_divergence_step is None, prompt
         n_steps += len(trace.output_token_ids)
     assert n_steps >= 8 * 4

@@ -73,8 +73,9 @@ def test_a_batch_answer_gives_one_trace_per_prompt(context: ImportContext) -> No
         "text": ["a", "b"],
         "sampling_params": [{"temperature": 0, "max_new_tokens": 4}, {"temperature": 0.7}],
     }
-    first, second = traces_from_item("sglang", {"request": request, "response": [one, two]},
-                                     context)
+    first, second = traces_from_item(
+        "sglang", {"request": request, "response": [one, two]}, context
+    )
     assert first.prompt_text == "a" and first.decoding.strategy == "greedy"
     assert second.prompt_text == "b" and second.decoding.strategy == "sample"
     assert second.decoding.stop_reason == "length"
@@ -101,12 +102,18 @@ def test_processed_or_unknown_logprobs_give_no_margin() -> None:
     [
         (lambda a: a.update(output_ids=[278, 6635]), "item.output_ids"),
         (lambda a: a.pop("meta_info"), "item.meta_info"),
-        (lambda a: a["meta_info"]["output_top_logprobs"][2].__setitem__(0, [-0.5]),
-         "item.meta_info.output_top_logprobs[2][0]"),
-        (lambda a: a["meta_info"]["output_token_logprobs"][0].__setitem__(1, "x"),
-         "item.meta_info.output_token_logprobs[0][1]"),
-        (lambda a: [a.pop("output_ids"), a["meta_info"].pop("output_token_logprobs")],
-         "item.output_ids"),
+        (
+            lambda a: a["meta_info"]["output_top_logprobs"][2].__setitem__(0, [-0.5]),
+            "item.meta_info.output_top_logprobs[2][0]",
+        ),
+        (
+            lambda a: a["meta_info"]["output_token_logprobs"][0].__setitem__(1, "x"),
+            "item.meta_info.output_token_logprobs[0][1]",
+        ),
+        (
+            lambda a: [a.pop("output_ids"), a["meta_info"].pop("output_token_logprobs")],
+            "item.output_ids",
+        ),
     ],
 )
 def test_bad_answers_are_refused_naming_the_field(

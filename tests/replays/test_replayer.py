@@ -295,3 +295,42 @@ def test_self_replay_of_a_kernel_this_host_lacks_falls_back_to_the_engine_defaul
     target = RunTarget(None).resolve(trace.config)
     r = replay_trace(trace, target, EnginePool(loader), model_dir=ckpt)
     assert r.exact_match and r.b.target is not None and r.b.target.attn_kernel is None
+
+
+def test_a_margin_from_raw_logprobs_is_measured_in_ulps_of_the_logit(ckpt: Path) -> None:
+    """Imported raw logprobs (logits less the log-softmax normaliser) give the logit margin,
+    but not its size in ulps: a logprob near 0 has a far finer ulp than the logit. The ulps of
+    a logprob margin are measured at the replayed arm's top-1 logit at t* (same step, same
+    prefix): here both arms are BF16, so logged and replayed margins share one ulp."""
+    pool = fake_pool({"bf16": {"next_token": flipped(5e-4)}})
+    with_logits = make_trace(ckpt)
+    assert with_logits.top_k_logits is not None
+    logits = with_logits.top_k_logits.astype(float)
+    logprobs = logits - (logits[:, :1] + 1e-3)  # top-1 logprob -1e-3, as a confident server's
+    trace = make_trace(
+        ckpt,
+        config={"dtype": "bf16", "attn_kernel": "sdpa", "extras": {"top_k_values": "raw_logprobs"}},
+        top_k={"ids": with_logits_ids(ckpt), "logits": logprobs.tolist()},
+    )
+    assert trace.top_k_values == "raw_logprobs"
+    r = replay_trace(trace, Target("bf16"), pool, model_dir=ckpt)
+    ref = replay_trace(with_logits, Target("bf16"), pool, model_dir=ckpt)
+    assert r.first_divergence_step == ref.first_divergence_step == FLIP_AT
+    ma, mb = r.a.margin, r.b.margin
+    assert ma is not None and mb is not None and ma.abs is not None and mb.abs is not None
+    assert ma.source == "logged_top_k"
+    assert ref.a.margin is not None and ref.a.margin.abs is not None
+    # The logit margin, to float32 rounding of values near the top-1 logit.
+    assert ma.abs == pytest.approx(ref.a.margin.abs, abs=1e-6)
+    assert ma.ulps is not None and mb.ulps is not None
+    ulp_of_b = mb.abs / mb.ulps
+    assert ma.ulps == pytest.approx(ma.abs / ulp_of_b, rel=1e-9)
+    # The same margin from logged logits has the same size in ulps (same binade here); at the
+    # logprob's magnitude it would be about 100 times larger.
+    assert ref.a.margin.ulps is not None
+    assert ma.ulps == pytest.approx(ref.a.margin.ulps, rel=1e-2)
+
+
+def with_logits_ids(ckpt: Path) -> list[list[int]]:
+    logged = FakeEngine(Target("bf16"), next_token=base).decode(PROMPT, 8, [EOS])
+    return [[int(i) for i in row] for row in logged.steps.top_k_ids.tolist()]
