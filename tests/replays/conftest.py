@@ -10,6 +10,7 @@ repairs every such flip; the flip also reproduces from scratch (head_reachable).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,15 @@ def fake_model_dir(tmp_path: Path) -> Path:
     d.mkdir()
     (d / "model.safetensors").write_bytes(b"fake weights for the fake engine")
     return d
+
+
+@pytest.fixture
+def runner(client: TestClient) -> HoldingRunner:
+    """The app's queue with a `HoldingRunner`: jobs wait until the test runs them."""
+    r = HoldingRunner()
+    app_state = client.app.state  # type: ignore[attr-defined]
+    app_state.queue = dataclasses.replace(app_state.queue, runner=r)
+    return r
 
 
 @pytest.fixture

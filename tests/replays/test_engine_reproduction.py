@@ -7,7 +7,6 @@ BF16 arm's own is reproduced; one whose output was changed at step 2 is not."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -22,14 +21,6 @@ pytestmark = pytest.mark.usefixtures("worker_env")
 PROMPTS = [[i, (i * 7) % 13, 5] for i in range(1, 10)]
 FP16 = {"dtype": "fp16"}
 VLLM = {"name": "vllm", "version": "0.11.0"}
-
-
-@pytest.fixture
-def runner(client: TestClient) -> HoldingRunner:
-    r = HoldingRunner()
-    app_state = client.app.state  # type: ignore[attr-defined]
-    app_state.queue = dataclasses.replace(app_state.queue, runner=r)
-    return r
 
 
 def _foreign(trace: dict[str, Any], *, change_at: int | None = None) -> dict[str, Any]:

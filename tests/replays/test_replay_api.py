@@ -3,7 +3,6 @@ every way a request can be wrong. Runs on SQLite and PostgreSQL (the `db_url` fi
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -21,14 +20,6 @@ pytestmark = pytest.mark.usefixtures("worker_env")
 PROMPTS = [[i, (i * 5) % 11, 3] for i in range(1, 13)]
 FP16 = {"dtype": "fp16"}
 FP16_C = {"dtype": "fp16", "intervention": {"kind": "C", "tau": 1e-3}}
-
-
-@pytest.fixture
-def runner(client: TestClient) -> HoldingRunner:
-    r = HoldingRunner()
-    app_state = client.app.state  # type: ignore[attr-defined]
-    app_state.queue = dataclasses.replace(app_state.queue, runner=r)
-    return r
 
 
 def test_paired_replay_end_to_end(

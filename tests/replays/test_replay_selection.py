@@ -4,7 +4,6 @@ SQLite and PostgreSQL (the `db_url` fixture)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -18,14 +17,6 @@ pytestmark = pytest.mark.usefixtures("worker_env")
 PROMPTS = [[i, (i * 5) % 11, 3] for i in range(1, 7)]
 FP16 = {"dtype": "fp16"}
 SAMPLED = {"strategy": "sample", "max_new_tokens": 12}
-
-
-@pytest.fixture
-def runner(client: TestClient) -> HoldingRunner:
-    r = HoldingRunner()
-    app_state = client.app.state  # type: ignore[attr-defined]
-    app_state.queue = dataclasses.replace(app_state.queue, runner=r)
-    return r
 
 
 def _replayed(client: TestClient, h: dict[str, str], runner: HoldingRunner, body: Any) -> set[str]:

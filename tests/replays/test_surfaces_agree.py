@@ -20,7 +20,6 @@ PostgreSQL (the `db_url` fixture).
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
 import itertools
 import json
@@ -309,14 +308,6 @@ def planned_engines(
     yield pool
     jobs.install_worker_context(None)
     PLANS.clear()
-
-
-@pytest.fixture
-def runner(client: TestClient) -> HoldingRunner:
-    r = HoldingRunner()
-    app_state = client.app.state  # type: ignore[attr-defined]
-    app_state.queue = dataclasses.replace(app_state.queue, runner=r)
-    return r
 
 
 @pytest.fixture

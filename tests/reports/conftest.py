@@ -10,7 +10,6 @@ compared with the logged output (comparisons 0: logged vs T0, 1: logged vs T1).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from tests.replays.conftest import (  # noqa: F401  (fixtures)
     fp16_next,
     ingest,
     logged_trace,
+    runner,
 )
 
 #: Prompts of the seeded run: about half of them meet a close call within 12 tokens.
@@ -105,7 +105,7 @@ def make_traces(
 
 def seed_run(
     client: TestClient,
-    runner: HoldingRunner,
+    runner: HoldingRunner,  # noqa: F811
     headers: dict[str, str],
     logged_trace: Callable[..., dict[str, Any]],  # noqa: F811
     *,
@@ -126,17 +126,9 @@ def seed_run(
 
 
 @pytest.fixture
-def runner(client: TestClient) -> HoldingRunner:
-    r = HoldingRunner()
-    app_state = client.app.state  # type: ignore[attr-defined]
-    app_state.queue = dataclasses.replace(app_state.queue, runner=r)
-    return r
-
-
-@pytest.fixture
 def seeded_run(
     client: TestClient,
-    runner: HoldingRunner,
+    runner: HoldingRunner,  # noqa: F811
     headers: Callable[..., dict[str, str]],
     logged_trace: Callable[..., dict[str, Any]],  # noqa: F811
     worker_env: EnginePool,
