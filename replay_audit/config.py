@@ -15,6 +15,8 @@ from typing import Annotated, Final, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from replay_audit.audits.metrics import DEFAULT_ALPHA, DEFAULT_MIN_N
+
 PACKAGE_DIR: Final = Path(__file__).resolve().parent
 #: The committed small Llama checkpoint used by the demo and the tests.
 BUNDLED_MODEL_DIR: Final = PACKAGE_DIR / "assets" / "tiny-llama"
@@ -73,6 +75,12 @@ class Settings(BaseSettings):
     #: comma-separated (`127.0.0.1,10.0.0.0/8,hooks.internal`) or a JSON list. Without them a
     #: webhook reaches public addresses only (see replay_audit/audits/webhook.py).
     webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    #: Significance level of the drift rules' tests on counts: a schedule that has not drifted
+    #: raises a false alarm on at most this share of its runs, per rule and comparison
+    #: (docs/audits.md, "Trend and drift").
+    drift_alpha: float = Field(default=DEFAULT_ALPHA, gt=0, lt=1)
+    #: Traces a drift test needs on each side (the latest run, the pooled baseline runs).
+    drift_min_n: int = Field(default=DEFAULT_MIN_N, ge=1)
 
     @field_validator("database_url")
     @classmethod

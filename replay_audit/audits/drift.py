@@ -1,10 +1,10 @@
 """A scheduled run's trend point and its drift flags, from the replay run's statistics (the
-`RunStatistics` every other surface reads).
+`RunStatistics` every other surface reads). Typed by `audits/metrics.py`.
 
 Pure (no database): the evaluation job, the trend endpoint and the tests share it.
 
-Trend point (one per audit run): per comparison its EAR (with the Wilson interval), trigger
-rate and category counts; and the schedule page's headline numbers:
+Trend point (one per audit run): per comparison its counts, EAR (with the Wilson interval),
+trigger rate and category counts; and the schedule page's headline numbers:
     ear             EAR of the first comparison that is not the self-replay (the baseline)
     c_lift          the statistics' lift of the comparison whose target uses Intervention C over
                     the baseline, when the baseline has no intervention
@@ -12,37 +12,75 @@ rate and category counts; and the schedule page's headline numbers:
     categories      the baseline's category mix
     self_agreement  EAR of the self-replay (`compare_with: "self"`), which must be 100%
 
-Drift flags (stored with the run, POSTed to the webhook):
-    ear_drop           a comparison's EAR more than `ear_drop_points` percentage points below
-                       the mean of the same comparison over the previous TRAILING_RUNS runs
-                       (needs at least MIN_TRAILING_RUNS of them)
-    self_disagreement  the self-replay agreement below 100%
+Drift flags (stored with the run, POSTed to the webhook). Every rule is a test on counts with
+a stated false-alarm rate, never a comparison of point estimates alone. The **baseline** of a
+comparison is the pooled counts of the same comparison over the previous TRAILING_RUNS
+evaluated runs (runs that recorded counts).
+    ear_drop           one-sided Fisher exact test: the latest run's exact/n below the
+                       baseline's pooled exact/n at p <= alpha, AND the drop in EAR larger than
+                       the schedule's `ear_drop_points` (a drop too small to matter is not
+                       alerted however certain). Needs MIN_TRAILING_RUNS baseline runs and
+                       min_n traces on each side.
+    self_disagreement  the self-replay agreement below 100%. Under H0 (a deterministic engine
+                       replaying its own configuration) one disagreement cannot happen: p = 0,
+                       false-alarm rate 0.
     new_category       a divergence category (not `agreed`) seen in a comparison for the first
-                       time in this schedule's history (never on the first evaluated run)
+                       time in this schedule's history, in significantly more traces than the
+                       baseline's 0: one-sided Fisher exact test (latest k/n above the
+                       baseline's 0/N) at p <= alpha, min_n traces on each side. One rare
+                       divergence in a large run is not news; four of twelve after 0 of 24 is.
+Under H0 (the latest run and the baseline runs share one rate) Fisher's test rejects with
+probability at most alpha, so each rule raises a false alarm on at most alpha of the runs of a
+comparison that has not drifted (pooling assumes the runs' rates do not vary from night to
+night beyond binomial noise; real night-to-night variation makes alarms more frequent).
 Comparisons are matched across runs by index: a schedule's targets cannot be edited.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
 
+from replay_audit.audits.metrics import (
+    DEFAULT_ALPHA,
+    DEFAULT_MIN_N,
+    CLift,
+    ComparisonMetrics,
+    DriftTest,
+    Flag,
+    RunMetrics,
+)
 from replay_audit.replays.domain import RunTarget
+from replay_audit.stats.fisher import fisher_exact
 from replay_audit.stats.report import RunStatistics
 
-#: How many previous runs the EAR-drop rule averages over.
+#: How many previous runs the baseline pools.
 TRAILING_RUNS: Final = 7
-#: Fewer previous runs than this and the EAR-drop rule stays silent (a mean of one or two
-#: nights is noise, not a baseline).
+#: Fewer previous runs than this and the EAR-drop rule stays silent (one or two nights are
+#: not a baseline).
 MIN_TRAILING_RUNS: Final = 3
 
-Metrics = dict[str, Any]
-Flag = dict[str, Any]
+
+@dataclass(frozen=True, slots=True)
+class DriftRules:
+    """The thresholds the rules use: the schedule's `ear_drop_points` (practical size of an
+    EAR drop, percentage points), the settings' `alpha` (statistical) and `min_n`."""
+
+    ear_drop_points: float
+    alpha: float = DEFAULT_ALPHA
+    min_n: int = DEFAULT_MIN_N
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.alpha < 1.0:
+            raise ValueError(f"alpha must lie strictly between 0 and 1, got {self.alpha!r}")
+        if self.min_n < 1:
+            raise ValueError(f"min_n must be >= 1, got {self.min_n!r}")
 
 
-def run_metrics(stats: RunStatistics, targets: Sequence[RunTarget]) -> Metrics:
+def run_metrics(stats: RunStatistics, targets: Sequence[RunTarget]) -> RunMetrics:
     """The trend point of one finished replay run (see the module docstring)."""
-    comps: list[dict[str, Any]] = []
+    comps: list[ComparisonMetrics] = []
     for c in stats.comparisons:
         b = targets[int(c.b)]
         is_self = b.is_self and c.a == "logged"
@@ -53,124 +91,188 @@ def run_metrics(stats: RunStatistics, targets: Sequence[RunTarget]) -> Metrics:
         )
         kind = b.target.intervention.kind if b.target is not None else "none"
         comps.append(
-            {
-                "index": c.index,
-                "label": label,
-                "self": is_self,
-                "intervention": "none" if is_self else kind,
-                "n": c.ok,
-                "failed": c.failed,
-                "ear": c.ear.estimate,
-                "ear_low": c.ear.low,
-                "ear_high": c.ear.high,
-                "exact": c.ear.successes,
-                "trigger_rate": c.trigger_rate,
-                "categories": {k: v.successes for k, v in c.categories.items()},
-            }
+            ComparisonMetrics(
+                index=c.index,
+                label=label,
+                is_self=is_self,
+                intervention="none" if is_self else kind,
+                n=c.ok,
+                failed=c.failed,
+                ear=c.ear.estimate,
+                ear_low=c.ear.low,
+                ear_high=c.ear.high,
+                exact=c.ear.successes,
+                trigger_rate=c.trigger_rate,
+                categories={k: v.successes for k, v in c.categories.items()},
+            )
         )
-    baseline = next((c for c in comps if not c["self"]), comps[0] if comps else None)
+    baseline = next((c for c in comps if not c.is_self), comps[0] if comps else None)
     treated = None
     c_lift = None
-    if baseline is not None and baseline["intervention"] == "none":
+    if baseline is not None and baseline.intervention == "none":
         for lift in stats.lifts:
-            cand = next((c for c in comps if c["index"] == lift.comparison_b), None)
-            if lift.comparison_a == baseline["index"] and cand is not None:
-                if cand["intervention"] != "C":
+            cand = next((c for c in comps if c.index == lift.comparison_b), None)
+            if lift.comparison_a == baseline.index and cand is not None:
+                if cand.intervention != "C":
                     continue
                 treated = cand
-                c_lift = {
-                    "lift": lift.lift,
-                    "low": lift.low,
-                    "high": lift.high,
-                    "n": lift.n,
-                    "fixed": lift.fixed,
-                    "broke": lift.broke,
-                    "comparison": cand["index"],
-                }
+                c_lift = CLift(
+                    lift=lift.lift,
+                    low=lift.low,
+                    high=lift.high,
+                    n=lift.n,
+                    fixed=lift.fixed,
+                    broke=lift.broke,
+                    comparison=cand.index,
+                )
                 break
-    self_comp = next((c for c in comps if c["self"]), None)
+    self_comp = next((c for c in comps if c.is_self), None)
     trigger_source = treated or baseline
-    return {
-        "comparisons": comps,
-        "ear": None if baseline is None else baseline["ear"],
-        "ear_low": None if baseline is None else baseline["ear_low"],
-        "ear_high": None if baseline is None else baseline["ear_high"],
-        "baseline": None if baseline is None else baseline["index"],
-        "c_lift": c_lift,
-        "trigger_rate": None if trigger_source is None else trigger_source["trigger_rate"],
-        "categories": {} if baseline is None else baseline["categories"],
-        "self_agreement": None if self_comp is None else self_comp["ear"],
-    }
+    return RunMetrics(
+        comparisons=comps,
+        ear=None if baseline is None else baseline.ear,
+        ear_low=None if baseline is None else baseline.ear_low,
+        ear_high=None if baseline is None else baseline.ear_high,
+        baseline=None if baseline is None else baseline.index,
+        c_lift=c_lift,
+        trigger_rate=None if trigger_source is None else trigger_source.trigger_rate,
+        categories={} if baseline is None else baseline.categories,
+        self_agreement=None if self_comp is None else self_comp.ear,
+    )
 
 
-def _ears(history: Iterable[Metrics], index: int) -> list[float]:
+def _counted(history: Sequence[RunMetrics], index: int) -> list[ComparisonMetrics]:
+    """The comparison `index` in each of `history`'s runs that recorded its counts."""
     out = []
     for h in history:
-        for c in h.get("comparisons", []):
-            if c["index"] == index and c.get("ear") is not None:
-                out.append(float(c["ear"]))
+        c = h.comparison(index)
+        if c is not None and c.n is not None and c.exact is not None:
+            out.append(c)
     return out
 
 
+def _pct(x: int, n: int) -> str:
+    return f"{x}/{n} ({100 * x / n:.1f}%)" if n else f"{x}/{n}"
+
+
+def _p(p: float) -> str:
+    return f"{p:.2g}" if p >= 1e-4 else f"{p:.1e}"
+
+
+def _ear_drop(
+    c: ComparisonMetrics, past: list[ComparisonMetrics], rules: DriftRules
+) -> Flag | None:
+    if c.n is None or c.exact is None or len(past) < MIN_TRAILING_RUNS:
+        return None
+    base_x, base_n = sum(p.exact or 0 for p in past), sum(p.n or 0 for p in past)
+    if c.n < rules.min_n or base_n < rules.min_n:
+        return None
+    drop = 100 * (base_x / base_n - c.exact / c.n)
+    if drop <= rules.ear_drop_points:
+        return None
+    result = fisher_exact(c.exact, c.n, base_x, base_n, alternative="less")
+    if result.p_value > rules.alpha:
+        return None
+    return Flag(
+        kind="ear_drop",
+        comparison=c.index,
+        label=c.label,
+        test=DriftTest(
+            test="fisher_exact_less",
+            latest_successes=c.exact,
+            latest_n=c.n,
+            baseline_successes=base_x,
+            baseline_n=base_n,
+            baseline_runs=len(past),
+            p_value=result.p_value,
+            alpha=rules.alpha,
+        ),
+        drop_points=drop,
+        threshold_points=rules.ear_drop_points,
+        message=(
+            f"{c.label}: EAR {_pct(c.exact, c.n)} vs {_pct(base_x, base_n)} pooled over the "
+            f"previous {len(past)} runs: {drop:.1f} points lower (threshold "
+            f"{rules.ear_drop_points:g}), one-sided Fisher exact p = {_p(result.p_value)} "
+            f"<= alpha {rules.alpha:g}"
+        ),
+    )
+
+
+def _self_disagreement(c: ComparisonMetrics, rules: DriftRules) -> Flag | None:
+    if c.ear is None or c.ear >= 1.0:
+        return None
+    n = c.n if c.n is not None else 0
+    exact = c.exact if c.exact is not None else round(c.ear * n)
+    return Flag(
+        kind="self_disagreement",
+        comparison=c.index,
+        label=c.label,
+        test=DriftTest(
+            test="deterministic", latest_successes=exact, latest_n=n, p_value=0.0, alpha=rules.alpha
+        ),
+        message=(
+            f"{c.label}: {n - exact} of {n} traces disagree with their own logged configuration "
+            f"(agreement {100 * c.ear:.1f}%); a deterministic self-replay agrees on all, so "
+            f"any disagreement is a finding (p = 0)"
+        ),
+    )
+
+
+def _new_category(
+    c: ComparisonMetrics, category: str, k: int, past: list[ComparisonMetrics], rules: DriftRules
+) -> Flag | None:
+    base_n = sum(p.n or 0 for p in past)
+    base_x = sum(p.categories.get(category, 0) for p in past)
+    if c.n is None or c.n < rules.min_n or base_n < rules.min_n:
+        return None
+    result = fisher_exact(k, c.n, base_x, base_n, alternative="greater")
+    if result.p_value > rules.alpha:
+        return None
+    return Flag(
+        kind="new_category",
+        comparison=c.index,
+        label=c.label,
+        category=category,
+        test=DriftTest(
+            test="fisher_exact_greater",
+            latest_successes=k,
+            latest_n=c.n,
+            baseline_successes=base_x,
+            baseline_n=base_n,
+            baseline_runs=len(past),
+            p_value=result.p_value,
+            alpha=rules.alpha,
+        ),
+        message=(
+            f"{c.label}: first {category} divergences for this schedule, {_pct(k, c.n)} vs "
+            f"{_pct(base_x, base_n)} over the previous {len(past)} runs, one-sided Fisher "
+            f"exact p = {_p(result.p_value)} <= alpha {rules.alpha:g}"
+        ),
+    )
+
+
 def detect_drift(
-    current: Metrics, history: Sequence[Metrics], *, ear_drop_points: float
+    current: RunMetrics, history: Sequence[RunMetrics], rules: DriftRules
 ) -> list[Flag]:
     """The drift flags of `current` given the schedule's earlier evaluated runs (oldest first)."""
     flags: list[Flag] = []
     trailing = history[-TRAILING_RUNS:]
     seen: set[tuple[int, str]] = {
-        (int(c["index"]), cat)
+        (c.index, cat)
         for h in history
-        for c in h.get("comparisons", [])
-        for cat, n in c.get("categories", {}).items()
+        for c in h.comparisons
+        for cat, n in c.categories.items()
         if n
     }
-    for c in current.get("comparisons", []):
-        idx, ear = int(c["index"]), c.get("ear")
-        if c["self"]:
-            if ear is not None and ear < 1.0:
-                flags.append(
-                    {
-                        "kind": "self_disagreement",
-                        "comparison": idx,
-                        "label": c["label"],
-                        "agreement": ear,
-                        "disagreeing": int(c["n"]) - int(c.get("exact") or 0),
-                        "message": f"self-replay agreement {100 * ear:.1f}% (< 100%)",
-                    }
-                )
-        elif ear is not None:
-            past = _ears(trailing, idx)
-            if len(past) >= MIN_TRAILING_RUNS:
-                mean = sum(past) / len(past)
-                drop = 100 * (mean - ear)
-                if drop > ear_drop_points:
-                    flags.append(
-                        {
-                            "kind": "ear_drop",
-                            "comparison": idx,
-                            "label": c["label"],
-                            "ear": ear,
-                            "trailing_mean": mean,
-                            "trailing_runs": len(past),
-                            "drop_points": drop,
-                            "message": (
-                                f"{c['label']}: EAR {100 * ear:.1f}% is {drop:.1f} points below "
-                                f"the {len(past)}-run mean {100 * mean:.1f}%"
-                            ),
-                        }
-                    )
+    for c in current.comparisons:
+        past = _counted(trailing, c.index)
+        flag = _self_disagreement(c, rules) if c.is_self else _ear_drop(c, past, rules)
+        if flag is not None:
+            flags.append(flag)
         if history:
-            for cat, n in sorted(c.get("categories", {}).items()):
-                if n and cat != "agreed" and (idx, cat) not in seen:
-                    flags.append(
-                        {
-                            "kind": "new_category",
-                            "comparison": idx,
-                            "label": c["label"],
-                            "category": cat,
-                            "count": int(n),
-                            "message": f"{c['label']}: first {cat} divergence for this schedule",
-                        }
-                    )
+            for cat, k in sorted(c.categories.items()):
+                if k and cat != "agreed" and (c.index, cat) not in seen:
+                    flag = _new_category(c, cat, k, past, rules)
+                    if flag is not None:
+                        flags.append(flag)
     return flags

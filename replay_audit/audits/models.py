@@ -30,7 +30,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
+from replay_audit.audits.metrics import Flag, RunMetrics
 from replay_audit.db.base import Base, utcnow
+from replay_audit.db.types import ModelJSON
 
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -100,9 +102,10 @@ class AuditRun(Base):
     window_end: Mapped[datetime] = mapped_column()
     n_candidates: Mapped[int] = mapped_column(Integer, default=0)
     n_sampled: Mapped[int] = mapped_column(Integer, default=0)
-    #: `drift.run_metrics` once the replay run finished.
-    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    flags: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    #: `drift.run_metrics` once the replay run finished (JSON).
+    metrics: Mapped[RunMetrics | None] = mapped_column(ModelJSON(RunMetrics), nullable=True)
+    #: `drift.detect_drift`'s flags (JSON).
+    flags: Mapped[list[Flag]] = mapped_column(ModelJSON(list[Flag]), default=list)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     evaluated_at: Mapped[datetime | None] = mapped_column(nullable=True)

@@ -10,6 +10,7 @@ from sqlalchemy import and_, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from replay_audit.audits.metrics import RunMetrics
 from replay_audit.audits.models import AuditAlert, AuditRun, AuditSchedule
 from replay_audit.audits.sampling import Candidate, min_logged_margin
 from replay_audit.auth.models import Project
@@ -218,7 +219,7 @@ def orphaned_runs(session: Session) -> list[int]:
     )
 
 
-def history_metrics(session: Session, schedule_id: int, before: datetime) -> list[dict[str, Any]]:
+def history_metrics(session: Session, schedule_id: int, before: datetime) -> list[RunMetrics]:
     """Trend points of the schedule's evaluated runs due before `before`, oldest first."""
     return [
         m

@@ -20,7 +20,7 @@ Put the baseline target first: the trend's EAR and C lift read comparison order.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     AfterValidator,
@@ -36,6 +36,7 @@ from pydantic import (
     model_validator,
 )
 
+from replay_audit.audits.metrics import CLift, ComparisonMetrics, Flag
 from replay_audit.audits.sampling import Policy
 from replay_audit.audits.schedule import NIGHTLY, validate_cron
 from replay_audit.audits.webhook import ErrorClass
@@ -205,7 +206,7 @@ class AuditRunRead(_Frozen):
     window_end: datetime
     n_candidates: int
     n_sampled: int
-    flags: list[dict[str, Any]]
+    flags: list[Flag]
     error: str | None
     created_at: datetime
     evaluated_at: datetime | None
@@ -289,12 +290,12 @@ class TrendPoint(_Frozen):
     ear: float | None
     ear_low: float | None
     ear_high: float | None
-    c_lift: dict[str, Any] | None
+    c_lift: CLift | None
     trigger_rate: float | None
     categories: dict[str, int]
     self_agreement: float | None
-    comparisons: list[dict[str, Any]]
-    flags: list[dict[str, Any]]
+    comparisons: list[ComparisonMetrics]
+    flags: list[Flag]
     flagged: bool
 
 

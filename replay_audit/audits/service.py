@@ -21,7 +21,8 @@ from urllib.parse import urlsplit
 from sqlalchemy.orm import Session
 
 from replay_audit.audits import repository, sampling, webhook
-from replay_audit.audits.drift import detect_drift, run_metrics
+from replay_audit.audits.drift import DriftRules, detect_drift, run_metrics
+from replay_audit.audits.metrics import DEFAULT_ALPHA, DEFAULT_MIN_N, RunMetrics
 from replay_audit.audits.models import AuditAlert, AuditRun, AuditSchedule
 from replay_audit.audits.schedule import due_times, latest_due, next_due
 from replay_audit.audits.schemas import (
@@ -467,7 +468,9 @@ def _payload(
     run: AuditRun,
     replay_public_id: str | None,
 ) -> dict[str, Any]:
-    m = run.metrics or {}
+    """The webhook's JSON body: each flag whole (kind, comparison index and label, the test
+    with its counts, p-value and alpha, the message) and the run's headline numbers."""
+    m = run.metrics or RunMetrics()
     return {
         "event": "replay_audit.audit.drift",
         "alert_id": alert_public_id,
@@ -480,10 +483,19 @@ def _payload(
             "replay_run_id": replay_public_id,
             "n_sampled": run.n_sampled,
         },
-        "flags": run.flags,
-        "metrics": {
-            k: m.get(k) for k in ("ear", "c_lift", "trigger_rate", "categories", "self_agreement")
-        },
+        "flags": [f.model_dump(mode="json", by_alias=True) for f in run.flags],
+        "metrics": m.model_dump(
+            mode="json",
+            include={
+                "ear",
+                "ear_low",
+                "ear_high",
+                "c_lift",
+                "trigger_rate",
+                "categories",
+                "self_agreement",
+            },
+        ),
     }
 
 
@@ -494,10 +506,13 @@ def evaluate_audit_run(
     alert_runner: Runner,
     webhook_timeout_s: float,
     webhook_retry_intervals_s: list[int],
+    drift_alpha: float = DEFAULT_ALPHA,
+    drift_min_n: int = DEFAULT_MIN_N,
 ) -> AuditRun | None:
-    """Give a run whose replay run has finished its trend point and drift flags; create and
-    (after commit) enqueue its webhook alert if flagged. None when there is nothing to do
-    (already evaluated by another scheduler, or the replay run is still going)."""
+    """Give a run whose replay run has finished its trend point and drift flags (the rules of
+    `drift.py`, at significance level `drift_alpha`, with at least `drift_min_n` traces on each
+    side); create and (after commit) enqueue its webhook alert if flagged. None when there is
+    nothing to do (already evaluated by another scheduler, or the replay run is still going)."""
     run = repository.lock_run(session, audit_run_id)
     if run is None or run.status != "running":
         return None
@@ -515,7 +530,8 @@ def evaluate_audit_run(
         run.status, run.error, run.flags = "failed", replay.error, []
     else:
         history = repository.history_metrics(session, schedule.id, run.due_at)
-        run.flags = detect_drift(run.metrics, history, ear_drop_points=schedule.ear_drop_points)
+        rules = DriftRules(schedule.ear_drop_points, alpha=drift_alpha, min_n=drift_min_n)
+        run.flags = detect_drift(run.metrics, history, rules)
         run.status = "done"
     run.evaluated_at = now
     session.flush()
@@ -568,7 +584,7 @@ def trend(session: Session, schedule: AuditSchedule, *, limit: int = 90) -> Tren
     for run, replay_id, _ in repository.runs_with_replay(
         session, schedule.id, limit=limit, newest_first=False
     ):
-        m = run.metrics or {}
+        m = run.metrics or RunMetrics()
         flags = list(run.flags or [])
         points.append(
             TrendPoint(
@@ -579,14 +595,14 @@ def trend(session: Session, schedule: AuditSchedule, *, limit: int = 90) -> Tren
                 status=run.status,
                 replay_run_id=replay_id,
                 n_sampled=run.n_sampled,
-                ear=m.get("ear"),
-                ear_low=m.get("ear_low"),
-                ear_high=m.get("ear_high"),
-                c_lift=m.get("c_lift"),
-                trigger_rate=m.get("trigger_rate"),
-                categories={str(k): int(v) for k, v in (m.get("categories") or {}).items()},
-                self_agreement=m.get("self_agreement"),
-                comparisons=list(m.get("comparisons") or []),
+                ear=m.ear,
+                ear_low=m.ear_low,
+                ear_high=m.ear_high,
+                c_lift=m.c_lift,
+                trigger_rate=m.trigger_rate,
+                categories=m.categories,
+                self_agreement=m.self_agreement,
+                comparisons=m.comparisons,
                 flags=flags,
                 flagged=bool(flags),
             )

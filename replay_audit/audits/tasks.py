@@ -125,6 +125,8 @@ def run_tick(
                     alert_runner=alert_runner,
                     webhook_timeout_s=settings.webhook_timeout_s,
                     webhook_retry_intervals_s=settings.webhook_retry_intervals_s,
+                    drift_alpha=settings.drift_alpha,
+                    drift_min_n=settings.drift_min_n,
                 )
             if run is not None:
                 report.evaluated += 1

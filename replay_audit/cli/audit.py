@@ -131,22 +131,23 @@ def _finish(ids: list[int], wait: bool, timeout_s: float) -> None:
 
 
 def _print_runs(ids: list[int]) -> None:
+    from replay_audit.audits.metrics import RunMetrics
     from replay_audit.audits.models import AuditRun
     from replay_audit.db.unit_of_work import session_scope
 
     with session_scope(_settings().database_url) as s:
         runs: list[AuditRun] = [r for r in (s.get(AuditRun, i) for i in ids) if r is not None]
         for r in runs:
-            m = r.metrics or {}
-            lift = (m.get("c_lift") or {}).get("lift")
+            m = r.metrics or RunMetrics()
+            lift = None if m.c_lift is None else m.c_lift.lift
             typer.echo(
                 f"{r.public_id}  due {_when(r.due_at)}  {r.trigger}  {r.status}  "
-                f"sampled {r.n_sampled}/{r.n_candidates}  EAR {_pct(m.get('ear'))}  "
+                f"sampled {r.n_sampled}/{r.n_candidates}  EAR {_pct(m.ear)}  "
                 f"C lift {'-' if lift is None else f'{100 * lift:+.1f} pp'}  "
-                f"self {_pct(m.get('self_agreement'))}" + (f"  error: {r.error}" if r.error else "")
+                f"self {_pct(m.self_agreement)}" + (f"  error: {r.error}" if r.error else "")
             )
             for f in r.flags or []:
-                typer.secho(f"    FLAG {f['kind']}: {f['message']}", fg=typer.colors.YELLOW)
+                typer.secho(f"    FLAG {f.kind}: {f.reason}", fg=typer.colors.YELLOW)
 
 
 @audit_app.command("list")
@@ -245,7 +246,7 @@ def trend(
     for col in ("due (UTC)", "status", "n", "EAR", "C lift", "trigger rate", "self", "flags"):
         table.add_column(col)
     for p in points:
-        lift = None if p.c_lift is None else p.c_lift.get("lift")
+        lift = None if p.c_lift is None else p.c_lift.lift
         table.add_row(
             _when(p.due_at),
             p.status,
@@ -254,7 +255,7 @@ def trend(
             "-" if lift is None else f"{100 * lift:+.1f} pp",
             _pct(p.trigger_rate),
             _pct(p.self_agreement),
-            ", ".join(f["kind"] for f in p.flags) or "-",
+            ", ".join(f"{f.kind} ({f.label or f.comparison})" for f in p.flags) or "-",
         )
     _console().print(table)
 

@@ -1,4 +1,4 @@
-"""Column types for numeric arrays stored compactly.
+"""Column types: numeric arrays stored compactly, and typed JSON.
 
 Token ids are packed little-endian int32 (4 bytes a token, not a JSON list); logits packed
 little-endian float32. Both read back as read-only numpy arrays (`np.frombuffer`, no copy).
@@ -9,11 +9,12 @@ ingest path packs once, with numpy, and hands the bytes straight through).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
-from sqlalchemy import LargeBinary, TypeDecorator
+from pydantic import TypeAdapter
+from sqlalchemy import JSON, LargeBinary, TypeDecorator
 from sqlalchemy.engine import Dialect
 
 INT32_LE: Final = np.dtype("<i4")
@@ -75,3 +76,36 @@ class PackedFloat32Array(TypeDecorator[Float32Array]):
         if value is None:
             return None
         return unpack_float32(bytes(value))
+
+
+T = TypeVar("T")
+
+
+class ModelJSON(TypeDecorator[T]):
+    """A pydantic type (a model, or e.g. `list[Model]`) stored as JSON: `dump_python(mode=
+    "json", by_alias=True)` when written, validated when read, so the attribute holds typed
+    objects and the column plain JSON. Bind values may be the typed objects or their JSON form
+    (dicts), which are validated first: a malformed value fails at the write, not the read.
+    Rows written in an older shape read as long as the model accepts them (defaults for fields
+    added since; unknown keys ignored)."""
+
+    impl = JSON
+    cache_ok = True
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        #: The pydantic type (hashable: SQLAlchemy's statement cache keys on it).
+        self.model = model
+        self._adapter: TypeAdapter[T] = TypeAdapter(model)
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
+        if value is None:
+            return None
+        return self._adapter.dump_python(
+            self._adapter.validate_python(value), mode="json", by_alias=True
+        )
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> T | None:
+        if value is None:
+            return None
+        return self._adapter.validate_python(value)

@@ -3,6 +3,7 @@ reports, the CLI and tests can use it without torch, a database or a server.
 
     proportion   Wilson score intervals: EAR, SAR, task accuracy; rates
     mcnemar      exact McNemar test on discordant pairs
+    fisher       one-sided Fisher exact test of two independent proportions (drift alerts)
     paired       lift with a paired bootstrap interval; items fixed / broke; correctness flips
     equivalence  paired non-inferiority (TOST) of task accuracy
     summary      distributions, quantiles, linear and log histograms, category breakdowns
@@ -14,6 +15,7 @@ with a message naming the argument. Results are frozen dataclasses.
 
 from replay_audit.stats.binomial import binom_cdf, binom_pmf
 from replay_audit.stats.equivalence import TostResult, tost_noninferiority
+from replay_audit.stats.fisher import FisherResult, fisher_exact, hypergeom_cdf
 from replay_audit.stats.mcnemar import McNemarResult, mcnemar_exact
 from replay_audit.stats.paired import (
     CorrectnessFlips,
@@ -38,6 +40,7 @@ from replay_audit.stats.summary import (
 __all__ = [
     "CorrectnessFlips",
     "Distribution",
+    "FisherResult",
     "FlipIndices",
     "Histogram",
     "Interval",
@@ -51,8 +54,10 @@ __all__ = [
     "breakdown",
     "correctness_flips",
     "distribution",
+    "fisher_exact",
     "flip_indices",
     "histogram",
+    "hypergeom_cdf",
     "log_histogram",
     "mcnemar_exact",
     "paired_bootstrap_lift",

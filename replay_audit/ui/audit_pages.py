@@ -18,7 +18,7 @@ from fastapi.responses import Response
 
 from replay_audit.api.deps import DBSession
 from replay_audit.audits import service
-from replay_audit.ui.pages import Viewer, _page
+from replay_audit.ui.pages import Viewer, _page, _settings
 from replay_audit.ui.trend_chart import category_mix_chart, trend_chart
 
 router = APIRouter(include_in_schema=False)
@@ -63,4 +63,6 @@ def schedule_page(
         mix_chart=category_mix_chart(trend.points),
         missed=missed,
         alerts=alerts,
+        drift_alpha=_settings(request).drift_alpha,
+        drift_min_n=_settings(request).drift_min_n,
     )

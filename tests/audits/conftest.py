@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import update
+from sqlalchemy import JSON, bindparam, select, text, update
 
-from replay_audit.audits.models import AuditSchedule
+from replay_audit.audits.models import AuditRun, AuditSchedule
 from replay_audit.audits.tasks import TickReport, run_tick
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import session_scope
@@ -129,3 +129,88 @@ def make_schedule(
         return str(r.json()["id"]), h
 
     return make
+
+
+def old_shape_metrics(n: int) -> dict[str, Any]:
+    """A perfect night's trend point exactly as `drift.run_metrics` stored it before the
+    metrics were typed (plain dicts; FP16, FP16 + C, self; `n` traces, all agreeing)."""
+    cats = {"agreed": n, "head_reachable": 0, "kv_dependent": 0, "body_dominated": 0}
+    labels = ["fp16", "fp16 + C(τ=0.001)", "self (logged configuration)"]
+    comps = [
+        {
+            "index": i,
+            "label": label,
+            "self": i == 2,
+            "intervention": "C" if i == 1 else "none",
+            "n": n,
+            "failed": 0,
+            "ear": 1.0,
+            "ear_low": 0.9,
+            "ear_high": 1.0,
+            "exact": n,
+            "trigger_rate": 0.0,
+            "categories": cats,
+        }
+        for i, label in enumerate(labels)
+    ]
+    return {
+        "comparisons": comps,
+        "ear": 1.0,
+        "ear_low": 0.9,
+        "ear_high": 1.0,
+        "baseline": 0,
+        "c_lift": {
+            "lift": 0.0,
+            "low": 0.0,
+            "high": 0.0,
+            "n": n,
+            "fixed": 0,
+            "broke": 0,
+            "comparison": 1,
+        },
+        "trigger_rate": 0.0,
+        "categories": cats,
+        "self_agreement": 1.0,
+    }
+
+
+#: A flag as `drift.detect_drift` stored it before flags were typed (no test, no counts).
+OLD_SHAPE_FLAG: dict[str, Any] = {
+    "kind": "ear_drop",
+    "comparison": 0,
+    "label": "fp16",
+    "ear": 0.9,
+    "trailing_mean": 0.97,
+    "trailing_runs": 3,
+    "drop_points": 7.0,
+    "message": "fp16: EAR 90.0% is 7.0 points below the 3-run mean 97.0%",
+}
+
+
+def add_old_shape_history(
+    db_url: str, schedule_id: str, *, nights: int = 3, n: int = 40, flag_first: bool = False
+) -> None:
+    """`nights` evaluated perfect runs before the schedule's real ones, their metrics and flags
+    written as raw JSON in the shape stored before they were typed (not through the typed
+    column), as rows of an older release are."""
+    raw = text("UPDATE audit_runs SET metrics = :metrics, flags = :flags WHERE id = :id")
+    raw = raw.bindparams(bindparam("metrics", type_=JSON), bindparam("flags", type_=JSON))
+    with session_scope(db_url) as s:
+        schedule = s.scalar(select(AuditSchedule).where(AuditSchedule.public_id == schedule_id))
+        assert schedule is not None
+        for night in range(1, nights + 1):
+            run = AuditRun(
+                public_id=f"ar_old{schedule.id}_{night}",
+                schedule_id=schedule.id,
+                due_at=utc(2026, 1, night, 2),
+                trigger="scheduled",
+                status="done",
+                window_start=utc(2026, 1, night),
+                window_end=utc(2026, 1, night, 2),
+                n_sampled=n,
+                flags=[],
+            )
+            s.add(run)
+            s.flush()
+            flags = [OLD_SHAPE_FLAG] if flag_first and night == 1 else []
+            s.execute(raw, {"metrics": old_shape_metrics(n), "flags": flags, "id": run.id})

@@ -18,9 +18,11 @@ from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.replays.models import ReplayRun
 from tests.audits.conftest import (
+    OLD_SHAPE_FLAG,
     PROMPTS,
     HoldingRunner,
     RecordingRunner,
+    add_old_shape_history,
     ingest,
     schedule_body,
     set_active_since,
@@ -340,32 +342,14 @@ def test_drift_flags_are_stored_and_alerted(
     headers: Headers,
     db_url: str,
 ) -> None:
-    """Three perfect nights before, then a night whose FP16 replay diverges: the EAR falls far
-    below the trailing mean and head_reachable is new for the schedule."""
-    sid, h = make_schedule(webhook_url="https://hooks.example.com/T0K3N", ear_drop_points=5)
-    perfect = {
-        "comparisons": [
-            {"index": i, "self": i == 2, "ear": 1.0, "categories": {"agreed": 8}} for i in range(3)
-        ],
-        "ear": 1.0,
-    }
-    with session_scope(db_url) as s:
-        schedule = s.scalar(select(AuditSchedule).where(AuditSchedule.public_id == sid))
-        assert schedule is not None
-        for night in (1, 2, 3):
-            s.add(
-                AuditRun(
-                    public_id=f"ar_history{night}",
-                    schedule_id=schedule.id,
-                    due_at=utc(2026, 1, night, 2),
-                    trigger="scheduled",
-                    status="done",
-                    window_start=utc(2026, 1, night - 1 or 1),
-                    window_end=utc(2026, 1, night, 2),
-                    metrics=perfect,
-                    flags=[],
-                )
-            )
+    """Three perfect nights before (120/120 pooled, rows in the old stored shape), then a
+    night whose FP16 replay diverges on 12 traces: the EAR falls significantly below the
+    baseline and head_reachable is new for the schedule, significantly."""
+    sid, h = make_schedule(
+        webhook_url="https://hooks.example.com/T0K3N", ear_drop_points=5, sample_size=12
+    )
+    # Three perfect nights of 40 traces, stored as rows of the release before typed metrics.
+    add_old_shape_history(db_url, sid, nights=3, n=40, flag_first=True)
     ingest(client, h, [logged_trace(p) for p in PROMPTS[:12]])
     run = client.post(f"/v1/audits/schedules/{sid}/runs", headers=h).json()["run"]
     runner.run_all()
@@ -379,6 +363,26 @@ def test_drift_flags_are_stored_and_alerted(
     assert ("ear_drop", 0) in kinds and ("new_category", 0) in kinds
     assert not any(k == "self_disagreement" for k, _ in kinds)
     assert point["flagged"] is True
+    [drop] = [f for f in point["flags"] if f["kind"] == "ear_drop"]
+    fp16 = point["comparisons"][0]
+    assert drop["label"] == fp16["label"] == "FP16"
+    assert drop["test"]["test"] == "fisher_exact_less"
+    assert (drop["test"]["latest_successes"], drop["test"]["latest_n"]) == (
+        fp16["exact"],
+        fp16["n"],
+    )
+    assert (drop["test"]["baseline_successes"], drop["test"]["baseline_n"]) == (120, 120)
+    assert drop["test"]["p_value"] <= drop["test"]["alpha"] == 0.01
+    assert "Fisher" in drop["message"] and "120/120" in drop["message"]
+
+    # The old rows read back through the typed models: their points and their old flag.
+    trend = client.get(f"/v1/audits/schedules/{sid}/trend", headers=h).json()["points"]
+    assert [p["ear"] for p in trend[:3]] == [1.0, 1.0, 1.0]
+    assert [c["self"] for c in trend[0]["comparisons"]] == [False, False, True]
+    assert trend[0]["c_lift"]["comparison"] == 1
+    [old] = trend[0]["flags"]
+    assert old["kind"] == "ear_drop" and old["label"] == "fp16" and old["test"] is None
+    assert old["message"] == OLD_SHAPE_FLAG["message"]
 
     # The alert is stored and handed to the alert runner (not delivered inline).
     [spec] = alerts.specs

@@ -167,8 +167,8 @@ def test_rq_cron_and_a_worker_run_the_nightly_audit(
     run = done[0]
     assert run.n_candidates == 6 and run.n_sampled == 4
     metrics = run.metrics
-    assert metrics is not None and 0.0 <= metrics["ear"] <= 1.0
-    assert [c["label"] for c in metrics["comparisons"]] == ["fp16", "self (logged configuration)"]
+    assert metrics is not None and metrics.ear is not None and 0.0 <= metrics.ear <= 1.0
+    assert [c.label for c in metrics.comparisons] == ["fp16", "self (logged configuration)"]
     with TestClient(create_app(settings)) as client:
         replay = client.get(f"/v1/audits/schedules/{sid}/runs", headers=h).json()["items"][-1]
         assert replay["replay_status"] == "done"

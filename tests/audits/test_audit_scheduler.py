@@ -105,7 +105,7 @@ def test_embedded_scheduler_runs_a_due_audit_end_to_end(
         sched.stop()
     r = run()
     assert r is not None and r.due_at == hour and r.trigger == "scheduled"
-    assert r.n_sampled == 6 and r.metrics is not None and r.metrics["self_agreement"] == 1.0
+    assert r.n_sampled == 6 and r.metrics is not None and r.metrics.self_agreement == 1.0
     assert sched.ticks >= 2
     with session_scope(db_url) as s:
         assert len(list(s.scalars(select(AuditRun)))) == 1  # many ticks, one run

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +17,13 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from sqlalchemy import select
 
+from replay_audit.audits.metrics import Flag
 from replay_audit.audits.models import AuditRun, AuditSchedule
+from replay_audit.audits.schemas import TrendPoint
 from replay_audit.config import Settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
+from replay_audit.ui.trend_chart import category_mix_chart, trend_chart
 from tests.audits.conftest import PROMPTS, HoldingRunner, ingest, set_active_since, utc
 from tests.ui.chromium import (  # noqa: F401  (the browser fixture)
     OUTPUT_DIR,
@@ -90,10 +93,31 @@ def seeded(
     sid, h = make_schedule(
         name=f"nightly {XSS}", webhook_url="https://hooks.example.com/SECRET-T0K3N"
     )
-    drop = [{"kind": "ear_drop", "comparison": 0, "message": f"EAR fell {XSS}"}]
+    drop = [
+        {
+            "kind": "ear_drop",
+            "comparison": 0,
+            "label": "FP16",
+            "test": {
+                "test": "fisher_exact_less",
+                "latest_successes": 32,
+                "latest_n": 40,
+                "baseline_successes": 114,
+                "baseline_n": 120,
+                "baseline_runs": 3,
+                "p_value": 0.0021,
+                "alpha": 0.01,
+            },
+            "drop_points": 15.0,
+            "threshold_points": 5.0,
+            "message": f"FP16: EAR 32/40 (80.0%) vs 114/120 (95.0%) {XSS}",
+        }
+    ]
+    # A flag stored before flags were typed: no label, no test.
+    old = [{"kind": "self_disagreement", "comparison": 2, "message": "self-replay 97.5%"}]
     nights = [
         (0.95, 0.05, []),
-        (0.93, 0.07, []),
+        (0.93, 0.07, old),
         (None, None, []),
         (0.96, 0.04, []),
         (0.80, 0.18, drop),
@@ -150,6 +174,20 @@ def test_schedule_list_and_page(
     assert html.count('class="dot dot-replay"') == seeded.n_with_ear
     assert html.count('class="gate flag"') == seeded.n_flagged
     assert "no traces" in html and "ear drop" in html
+    # Each flag names its comparison and says why it fired, on the page and in the chart.
+    assert '<span class="flag-comparison">FP16</span>' in html
+    assert "p = 0.0021 ≤ α = 0.01" in html  # noqa: RUF001
+    assert re.search(r'class="flag-reason">FP16: EAR 32/40 \(80.0%\) vs 114/120', html)
+    assert '<span class="flag-comparison">comparison 2</span>' in html  # the old flag
+    assert re.search(r"<title>2026-03-05 02:00 UTC: ear drop: FP16: EAR 32/40", html)
+    assert "one-sided Fisher exact test" in html and "α = 0.01" in html  # noqa: RUF001
+    # The x axis: due times, and the date under each where it changes.
+    chart = re.search(r'<figure id="trend-chart">.*?</figure>', html, re.S)
+    assert chart is not None
+    times = re.findall(r'class="axis-label tick-time"[^>]*>([^<]+)<', chart.group(0))
+    dates = re.findall(r'class="axis-label tick-date"[^>]*>([^<]+)<', chart.group(0))
+    assert times and all(re.fullmatch(r"\d\d:\d\d(:\d\d)?", t) for t in times)
+    assert dates[0] == "2026-03-01" and len(set(dates)) == len(dates)
     assert f'href="/ui/runs/{seeded.replay_run_id}"' in html  # the real run's report
     missed = re.search(r'<ul id="missed-list">(.*?)</ul>', html, re.S)
     assert missed is not None and 2 <= missed.group(1).count("<li>") <= 3
@@ -227,6 +265,11 @@ def test_auditor_follows_the_trend_in_chromium(
     rows = browser.find_elements(By.CSS_SELECTOR, "#trend-table tr.trend-row")
     assert len(rows) == seeded.n_points
     assert any("ear drop" in r.text for r in rows)
+    # The reason is on the page, not only in a tooltip.
+    reasons = browser.find_elements(By.CSS_SELECTOR, "#trend-table .flag-reason")
+    assert any("32/40" in r.text and r.is_displayed() for r in reasons)
+    ticks = browser.find_elements(By.CSS_SELECTOR, "#trend-chart text.tick-date")
+    assert len({t.text for t in ticks}) == len(ticks) > 1
     assert browser.find_elements(By.CSS_SELECTOR, "#missed-list li")
     visited("schedule")
     OUTPUT_DIR.mkdir(parents=True, exist_ok=True)
@@ -249,3 +292,61 @@ def test_auditor_follows_the_trend_in_chromium(
     )
     visited("back")
     assert {k: v for k, v in errors.items() if v} == {}
+
+
+def _point(i: int, due: datetime, flags: list[Flag]) -> TrendPoint:
+    return TrendPoint(
+        audit_run_id=f"ar_{i}",
+        due_at=due,
+        date=due.date().isoformat(),
+        trigger="manual",
+        status="done",
+        replay_run_id=None,
+        n_sampled=20,
+        ear=0.9,
+        ear_low=0.7,
+        ear_high=0.97,
+        c_lift=None,
+        trigger_rate=None,
+        categories={"agreed": 18, "head_reachable": 2},
+        self_agreement=None,
+        comparisons=[],
+        flags=flags,
+        flagged=bool(flags),
+    )
+
+
+def test_runs_of_one_day_read_apart_and_flags_name_their_comparison() -> None:
+    """Five runs on one day (run now, catch-up): the axis shows their times, the date once;
+    two in the same minute get seconds; each flag's tooltip names its comparison."""
+    flag = Flag(
+        kind="new_category",
+        comparison=1,
+        label="FP16 + C",
+        category="kv_dependent",
+        message="FP16 + C: first kv_dependent divergences",
+    )
+    old = Flag(kind="ear_drop", comparison=0, message="EAR 80% is 9 points below")
+    day = [utc(2026, 3, 1, h, m) for h, m in ((0, 5), (3, 10), (9, 0), (14, 30), (21, 45))]
+    points = [_point(i, t, [flag, old] if i == 2 else []) for i, t in enumerate(day)]
+    svg = str(trend_chart(points))
+    assert re.findall(r'tick-time"[^>]*>([^<]+)<', svg) == [
+        "00:05",
+        "03:10",
+        "09:00",
+        "14:30",
+        "21:45",
+    ]
+    assert re.findall(r'tick-date"[^>]*>([^<]+)<', svg) == ["2026-03-01"]
+    [tip] = re.findall(r'class="gate flag"><title>([^<]+)<', svg)
+    assert tip == (
+        "2026-03-01 09:00 UTC: new category: FP16 + C: first kv_dependent divergences; "
+        "ear drop: comparison 0: EAR 80% is 9 points below"
+    )
+    assert "2026-03-01 14:30 UTC: EAR 90.0%" in svg  # the dots' tooltips carry the time too
+    same_minute = [
+        _point(0, utc(2026, 3, 1, 2, 0, 1), []),
+        _point(1, utc(2026, 3, 1, 2, 0, 40), []),
+    ]
+    svg = str(category_mix_chart(same_minute))
+    assert re.findall(r'tick-time"[^>]*>([^<]+)<', svg) == ["02:00:01", "02:00:40"]

@@ -22,7 +22,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from replay_audit.audits import tasks
-from replay_audit.audits.models import AuditAlert, AuditRun, AuditSchedule
+from replay_audit.audits.metrics import Flag
+from replay_audit.audits.models import AuditAlert, AuditRun
 from replay_audit.audits.tasks import DeliveryFailed, deliver_alert, run_tick
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import session_scope
@@ -32,9 +33,9 @@ from tests.audits.conftest import (
     PROMPTS,
     HoldingRunner,
     RecordingRunner,
+    add_old_shape_history,
     ingest,
     schedule_body,
-    utc,
 )
 
 MakeSchedule = Callable[..., tuple[str, dict[str, str]]]
@@ -152,29 +153,8 @@ def _flagged_run(
 ) -> str:
     """A finished replay run of a schedule whose history makes it drift (see test_audit_api);
     the schedule's id."""
-    sid, h = make_schedule(webhook_url=url)
-    perfect = {
-        "comparisons": [
-            {"index": i, "self": i == 2, "ear": 1.0, "categories": {"agreed": 8}} for i in range(3)
-        ]
-    }
-    with session_scope(db_url) as s:
-        schedule = s.scalar(select(AuditSchedule).where(AuditSchedule.public_id == sid))
-        assert schedule is not None
-        for night in (1, 2, 3):
-            s.add(
-                AuditRun(
-                    public_id=f"ar_h{night}",
-                    schedule_id=schedule.id,
-                    due_at=utc(2026, 1, night, 2),
-                    trigger="scheduled",
-                    status="done",
-                    window_start=utc(2026, 1, night),
-                    window_end=utc(2026, 1, night, 2),
-                    metrics=perfect,
-                    flags=[],
-                )
-            )
+    sid, h = make_schedule(webhook_url=url, sample_size=12)
+    add_old_shape_history(db_url, sid, nights=3, n=40)
     ingest(client, h, [logged_trace(p) for p in PROMPTS[:12]])
     assert client.post(f"/v1/audits/schedules/{sid}/runs", headers=h).status_code == 201
     runner.run_all()
@@ -229,6 +209,16 @@ def test_fails_twice_then_delivered_without_blocking_the_audit(
     assert body["event"] == "replay_audit.audit.drift" and body["project"] == "acme"
     assert {f["kind"] for f in body["flags"]} >= {"ear_drop", "new_category"}
     assert body["audit_run"]["id"] == run.public_id and body["metrics"]["ear"] < 1
+    # Each flag is the typed Flag whole: it says which comparison and why, in numbers.
+    assert [Flag.model_validate(f) for f in body["flags"]] == run.flags
+    [drop] = [f for f in body["flags"] if f["kind"] == "ear_drop"]
+    assert drop["comparison"] == 0 and drop["label"] == "FP16"
+    assert drop["test"]["test"] == "fisher_exact_less"
+    assert (drop["test"]["baseline_successes"], drop["test"]["baseline_n"]) == (120, 120)
+    assert drop["test"]["latest_n"] == 12 and drop["test"]["latest_successes"] < 12
+    assert drop["test"]["p_value"] <= drop["test"]["alpha"] == 0.01
+    assert drop["threshold_points"] == 5 and drop["drop_points"] > 5
+    assert "120/120" in drop["message"] and "Fisher" in drop["message"]
     # Delivered: later ticks leave it alone.
     assert run_tick(webhook_settings, runner=runner, alert_runner=alerts).alerts_enqueued == 0
 
@@ -494,9 +484,7 @@ def test_only_the_status_code_and_an_error_class_are_stored(
 ) -> None:
     answer = json.dumps({"error": f"db password is {RECEIVER_SECRET}"}).encode()
     hook = Hook([500, 404], answer=answer)
-    sid = _flagged_run(
-        client, runner, make_schedule, logged_trace, db_url, serve_hook(hook)
-    )
+    sid = _flagged_run(client, runner, make_schedule, logged_trace, db_url, serve_hook(hook))
     alerts = InProcessRunner(retry_scale=0.05)
     run_tick(webhook_settings, runner=runner, alert_runner=alerts)
     assert alerts.join(timeout_s=30)

@@ -7,11 +7,13 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import numpy as np
 import pytest
+from pydantic import BaseModel, ValidationError
 from sqlalchemy.dialects import postgresql, sqlite
 
 from replay_audit.db.base import UTCDateTime
 from replay_audit.db.ids import new_public_id, new_ulid, ulid_timestamp_ms
 from replay_audit.db.types import (
+    ModelJSON,
     PackedFloat32Array,
     PackedInt32Array,
     pack_float32,
@@ -54,6 +56,22 @@ def test_column_types_accept_arrays_sequences_and_packed_bytes() -> None:
     assert out is not None and out.tolist() == [5, 6]
     logits = PackedFloat32Array().process_result_value(pack_float32([1.5]), SQLITE)
     assert logits is not None and logits.tolist() == [1.5]
+
+
+class _Point(BaseModel):
+    ear: float
+    n: int = 0  # added after the first rows were written
+
+
+def test_model_json_dumps_validated_json_and_reads_old_rows() -> None:
+    column = ModelJSON(list[_Point])
+    assert column.process_bind_param([_Point(ear=0.5, n=3)], SQLITE) == [{"ear": 0.5, "n": 3}]
+    assert column.process_bind_param([{"ear": 1}], SQLITE) == [{"ear": 1.0, "n": 0}]
+    with pytest.raises(ValidationError):
+        column.process_bind_param([{"ear": "high"}], SQLITE)  # refused at the write
+    assert column.process_result_value([{"ear": 0.9, "gone": 1}], SQLITE) == [_Point(ear=0.9)]
+    assert column.process_result_value(None, SQLITE) is None
+    assert ModelJSON(_Point).process_bind_param(None, SQLITE) is None
 
 
 def test_utc_datetime_normalises_and_refuses_naive_values() -> None:
