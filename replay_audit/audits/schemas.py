@@ -118,10 +118,12 @@ class ScheduleReplay(InputModel):
         self.to_request(["check"], "check")  # ReplayCreate's own rules, at creation time
         return self
 
-    def to_request(self, trace_ids: list[str], idempotency_key: str) -> ReplayCreate:
-        """The replay request of one run."""
+    def to_request(
+        self, trace_ids: list[str], idempotency_key: str, name: str | None = None
+    ) -> ReplayCreate:
+        """The replay request of one run (named `name`)."""
         return ReplayCreate(
-            trace_ids=trace_ids, idempotency_key=idempotency_key, **self.model_dump()
+            trace_ids=trace_ids, idempotency_key=idempotency_key, name=name, **self.model_dump()
         )
 
 
@@ -144,8 +146,13 @@ WebhookUrl = Annotated[
     StringConstraints(min_length=1, max_length=2000, pattern=r"^[hH][tT][tT][pP][sS]?://"),
     AfterValidator(_http_url),
     WithJsonSchema(
-        {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2000,
-         "pattern": "^[hH][tT][tT][pP][sS]?://"}
+        {
+            "type": "string",
+            "format": "uri",
+            "minLength": 1,
+            "maxLength": 2000,
+            "pattern": "^[hH][tT][tT][pP][sS]?://",
+        }
     ),
 ]
 

@@ -93,16 +93,12 @@ def _insert_do_nothing(
     json_columns = {c.name for c in table.c if isinstance(c.type, JSON)}
     values = ", ".join(f"%({c})s::json" if c in json_columns else f"%({c})s" for c in columns)
     sql = (
-        f"INSERT INTO {table.name} ({', '.join(columns)}) VALUES ({values}) "
-        "ON CONFLICT DO NOTHING"
+        f"INSERT INTO {table.name} ({', '.join(columns)}) VALUES ({values}) ON CONFLICT DO NOTHING"
     )
     if returning:
         sql += f" RETURNING {', '.join(returning)}"
     params = [
-        {
-            c: orjson.dumps(row[c]).decode() if c in json_columns else row[c]
-            for c in columns
-        }
+        {c: orjson.dumps(row[c]).decode() if c in json_columns else row[c] for c in columns}
         for row in rows
     ]
     driver_connection = session.connection().connection.driver_connection
@@ -216,6 +212,8 @@ def select_where(stmt: Select[*_Ts], project_id: int, selection: TraceSelection)
         where.append(NumericalConfigRow.attn_kernel == s.attn_kernel)
     if s.external_id is not None:
         where.append(Trace.external_id == s.external_id)
+    if s.public_id is not None:
+        where.append(Trace.public_id == s.public_id)
     for tag in s.tags:
         where.append(exists().where(TraceTag.trace_id == Trace.id, TraceTag.tag == tag))
     if s.created_after is not None:

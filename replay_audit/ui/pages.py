@@ -490,7 +490,9 @@ def compare(
     ca: Annotated[int, Query(ge=0)] = 0,
     cb: Annotated[int, Query(ge=0)] = 0,
 ) -> Response:
-    """Two runs: pick them on the runs list (two check boxes) or pass ?run=A&run=B."""
+    """Two runs: pick them on the runs list (two check boxes) or pass ?run=A&run=B. The first
+    is the baseline (comparison `ca`), the second the treated run (`cb`); the page links to
+    the same comparison with the two exchanged."""
     ids = [r for r in run or [] if r]
     if len(ids) != 2:
         raise FieldError("choose exactly two runs to compare", field="run")
@@ -514,4 +516,8 @@ def compare(
             for i in range(len(run_b.comparisons))
         ],
         pair_chart=lift_chart([report.pair]),
+        # The same two runs and comparisons with the baseline and the treated run exchanged.
+        swap_query=urllib.parse.urlencode(
+            {"run": [run_b.public_id, run_a.public_id], "ca": cb, "cb": ca}, doseq=True
+        ),
     )
