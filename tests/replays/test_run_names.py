@@ -5,6 +5,7 @@ after their schedule and due time. SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -14,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from replay_audit.audits.service import run_name
 from replay_audit.replays.models import MAX_RUN_NAME
+from tests.audits.conftest import schedule_body
 from tests.replays.conftest import HoldingRunner, ingest
 from tests.reports.conftest import runner  # noqa: F401  (fixture)
 
@@ -145,3 +147,22 @@ def test_audit_runs_are_named_after_schedule_and_due_time() -> None:
     long = run_name("n" * 300, due)
     assert len(long) == MAX_RUN_NAME and long.endswith(" 2026-11-22 02:30 UTC")
     assert run_name("two\nlines", due) == "two lines 2026-11-22 02:30 UTC"
+
+
+def test_an_audit_names_its_run(
+    client: TestClient,
+    runner: HoldingRunner,  # noqa: F811
+    headers: Callable[..., dict[str, str]],
+    trace_ids: list[str],
+) -> None:
+    admin = headers("admin")
+    r = client.post("/v1/audits/schedules", json=schedule_body(), headers=admin)
+    assert r.status_code == 201, r.text
+    r = client.post(f"/v1/audits/schedules/{r.json()['id']}/runs", headers=admin)
+    assert r.status_code in (200, 201, 202), r.text
+    [run] = client.get("/v1/replays", headers=admin).json()["items"]
+    assert run["schedule_id"] is not None
+    name = run["name"]
+    assert re.fullmatch(r"nightly production \d{4}-\d\d-\d\d \d\d:\d\d UTC", name), name
+    due = datetime.strptime(name.removeprefix("nightly production "), "%Y-%m-%d %H:%M UTC")
+    assert abs(due.replace(tzinfo=UTC) - datetime.now(UTC)) < timedelta(hours=1)
