@@ -13,7 +13,6 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict
 
-from replay_audit.formats import RunStatus
 from replay_audit.stats.report import AccuracyReport, ComparisonReport, LiftReport
 
 
@@ -52,7 +51,8 @@ class RunSummaryRead(_Frozen):
 
     id: str
     name: str | None
-    status: RunStatus
+    #: queued, running, done or failed.
+    status: str
     created_at: datetime
     finished_at: datetime | None
     n_traces: int
