@@ -34,6 +34,9 @@ MAX_RUNS_PAGE = 200
 def list_runs(
     session: DBSession,
     principal: Reader,
+    name: Annotated[
+        str | None, Query(max_length=200, description="the run's name contains this text")
+    ] = None,
     model: Annotated[
         str | None, Query(description="some trace of the run has this model.name")
     ] = None,
@@ -49,7 +52,11 @@ def list_runs(
 ) -> RunList:
     """The project's runs with their names, status, models and target labels."""
     f = RunFilter(
-        model_name=model, dtype=dtype, created_after=created_after, created_before=created_before
+        name=name,
+        model_name=model,
+        dtype=dtype,
+        created_after=created_after,
+        created_before=created_before,
     )
     return browsing.run_list(session, principal.project_id, f, cursor=cursor, limit=limit)
 

@@ -70,6 +70,10 @@ def list_runs(
 ) -> list[ReplayRun]:
     """The project's runs, newest first, `limit` of them with ids below `before_id`."""
     stmt = select(ReplayRun).where(ReplayRun.project_id == project_id)
+    if f.name is not None:
+        # A substring, not a pattern: the user's % and _ are literal.
+        literal = f.name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        stmt = stmt.where(ReplayRun.name.ilike(f"%{literal}%", escape="\\"))
     if f.created_after is not None:
         stmt = stmt.where(ReplayRun.created_at >= f.created_after)
     if f.created_before is not None:

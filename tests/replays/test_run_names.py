@@ -128,6 +128,13 @@ def test_the_runs_list_pages_filters_and_isolates(
             break
     assert seen == [bf16, *reversed(made)]  # newest first, each once
 
+    def named(text: str) -> list[str]:
+        page = client.get("/v1/replays", params={"name": text}, headers=admin).json()
+        return [i["id"] for i in page["items"]]
+
+    assert named("RUN 3") == [made[3]]  # a substring, any case
+    assert named("run") == list(reversed(made))  # the unnamed run has no name to match
+    assert named("%") == [] and named("run_") == []  # literal, not LIKE patterns
     by_dtype = client.get("/v1/replays", params={"dtype": "bf16"}, headers=admin).json()
     assert [i["id"] for i in by_dtype["items"]] == [bf16]
     later = (datetime.now(UTC) + timedelta(hours=1)).isoformat()

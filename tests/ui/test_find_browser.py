@@ -125,7 +125,7 @@ def test_find_a_trace_and_its_replays_in_chromium(
     )
     links = browser.find_elements(By.CSS_SELECTOR, "#traces a.trace-link")
     assert [a.text for a in links] == [seeded_run.trace_ids[3]]
-    assert "3 in 2 runs" in browser.find_element(By.CSS_SELECTOR, "#traces td.replays").text
+    assert "3 results in 2 runs" in browser.find_element(By.CSS_SELECTOR, "#traces td.replays").text
     visited("search")
 
     # The trace across runs: both runs' replays, the named one first.

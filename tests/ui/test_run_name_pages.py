@@ -33,6 +33,8 @@ def test_ui_lists_and_titles_show_the_name_with_the_id(
     runs = ui.get("/ui/runs").text
     assert "nightly &lt;b&gt;check&lt;/b&gt;" in runs and name not in runs  # escaped
     assert f'<code class="small run-id">{run_id}</code>' in runs  # the id stays visible
+    assert run_id in ui.get("/ui/runs", params={"name": "CHECK"}).text
+    assert run_id not in ui.get("/ui/runs", params={"name": "weekly"}).text
     page = ui.get(f"/ui/runs/{run_id}").text
     assert "<title>nightly &lt;b&gt;check&lt;/b&gt; · replay-audit</title>" in page
     assert f'<code class="run-id">{run_id}</code>' in page

@@ -72,7 +72,8 @@ def test_search_shows_replay_counts_and_never_replayed(
     ui = ui_client()
     page = ui.get("/ui/traces", params={"id": seeded_run.trace_ids[2]}).text
     cell = re.search(r'<td class="replays">(.*?)</td>', page, re.S)
-    assert cell is not None and cell.group(1).startswith("2 in 1 run"), page  # 2 comparisons
+    # The seeded run has two comparisons: two results.
+    assert cell is not None and cell.group(1).startswith("2 results in 1 run"), page
     page = ui.get("/ui/traces", params={"external_id": "never-replayed"}).text
     assert "never replayed" in page
 
