@@ -4,7 +4,8 @@
     app = create_app(settings)          # routers, error handlers, database from the settings
 
 Each domain contributes an `APIRouter` from its `endpoints.py`; add it to `_routers()`.
-OpenAPI is at `/openapi.json`, the interactive docs at `/docs`.
+OpenAPI is at `/openapi.json`, the interactive docs at `/docs` and `/redoc` (`api.docs`: served
+from local assets, no CDN).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic import BaseModel
 import replay_audit
 from replay_audit.api.body_limit import BodyLimitMiddleware
 from replay_audit.api.deps import refuse_unstorable_parameters
+from replay_audit.api.docs import install_docs
 from replay_audit.api.errors import ErrorBody, InternalErrorMiddleware, install_error_handlers
 from replay_audit.api.health import router as health_router
 from replay_audit.config import Settings, get_settings
@@ -146,7 +148,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="replay-audit",
         version=replay_audit.__version__,
         summary="Cross-precision replay and audit of LLM inference",
-        docs_url="/docs",
+        # Our own /docs and /redoc (`api.docs`): assets served locally, no CDN.
+        docs_url=None,
+        redoc_url=None,
+        swagger_ui_oauth2_redirect_url=None,
         dependencies=[Depends(refuse_unstorable_parameters)],
     )
     app.state.settings = settings
@@ -162,5 +167,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     from replay_audit.ui import mount_ui
 
     mount_ui(app)  # the auditors' HTML pages under /ui (their own error pages)
+    install_docs(app)
     _install_openapi(app)
     return app

@@ -119,10 +119,12 @@ class ScheduleReplay(InputModel):
         self.to_request(["check"], "check")  # ReplayCreate's own rules, at creation time
         return self
 
-    def to_request(self, trace_ids: list[str], idempotency_key: str) -> ReplayCreate:
-        """The replay request of one run."""
+    def to_request(
+        self, trace_ids: list[str], idempotency_key: str, name: str | None = None
+    ) -> ReplayCreate:
+        """The replay request of one run (named `name`)."""
         return ReplayCreate(
-            trace_ids=trace_ids, idempotency_key=idempotency_key, **self.model_dump()
+            trace_ids=trace_ids, idempotency_key=idempotency_key, name=name, **self.model_dump()
         )
 
 

@@ -46,7 +46,7 @@ from replay_audit.exceptions import Conflict, FieldError, NotFound, ReplayAuditE
 from replay_audit.queue import Capabilities, JobQueue, JobSpec, Runner
 from replay_audit.replays import service as replay_service
 from replay_audit.replays import statistics as replay_statistics
-from replay_audit.replays.models import ReplayRun
+from replay_audit.replays.models import MAX_RUN_NAME, ReplayRun
 
 #: How far back missed runs are looked for.
 MISSED_LOOKBACK: Final = timedelta(days=31)
@@ -69,6 +69,15 @@ AUDIT_QUEUE: Final = "audit"
 def idempotency_key(schedule_public_id: str, due_at: datetime) -> str:
     """The replay run's idempotency key for one due time of a schedule."""
     return f"schedule:{schedule_public_id}:{due_at.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ}"
+
+
+def run_name(schedule_name: str, due_at: datetime) -> str:
+    """The name of the replay run of one due time: the schedule's name and the due time (UTC),
+    cut to the longest run name."""
+    when = f" {due_at.astimezone(UTC):%Y-%m-%d %H:%M} UTC"
+    # One line whatever the schedule's name holds (a run name has no control characters).
+    one_line = "".join(" " if ord(c) < 32 or ord(c) == 127 else c for c in schedule_name)
+    return one_line[: MAX_RUN_NAME - len(when)].strip() + when
 
 
 def mask_url(url: str | None) -> str | None:
@@ -337,7 +346,9 @@ def start_audit_run(
         run.status, run.evaluated_at = "no_traces", now
         return run, True
     request = ScheduleReplay.model_validate(schedule.replay).to_request(
-        [c.public_id for c in chosen], idempotency_key(schedule.public_id, due_at)
+        [c.public_id for c in chosen],
+        idempotency_key(schedule.public_id, due_at),
+        run_name(schedule.name, due_at),
     )
     try:
         replay, _ = replay_service.create_replay(

@@ -100,6 +100,7 @@ def _requests(ids: list[str]) -> dict[str, dict[str, Any]]:
         # Each target against the logged BF16 tokens, plus a self-replay in the logged
         # configuration, which must reproduce exactly.
         "logged": {
+            "name": "demo: replay vs logged BF16 (FP16, FP16 + C, self)",
             "trace_ids": ids,
             "targets": [
                 {"dtype": "fp16", "label": "FP16"},
@@ -109,6 +110,7 @@ def _requests(ids: list[str]) -> dict[str, dict[str, Any]]:
         },
         # The paper's both-arms protocol: would C have prevented the divergence?
         "both_arms": {
+            "name": "demo: both arms, BF16 vs FP16 with and without C",
             "trace_ids": ids,
             "targets": [
                 {"dtype": "bf16", "label": "BF16"},

@@ -33,6 +33,8 @@ from replay_audit.db.types import Int32Array, PackedInt32Array
 from replay_audit.replays.domain import Comparison, RunTarget
 
 BigId = BigInteger().with_variant(Integer(), "sqlite")
+#: Longest run name, in characters (migration 0007's column).
+MAX_RUN_NAME = 200
 
 
 class ReplayRun(Base):
@@ -47,6 +49,8 @@ class ReplayRun(Base):
     project_id: Mapped[int] = mapped_column(
         ForeignKey("projects.id", ondelete="CASCADE"), index=True
     )
+    #: A name people give the run (free text, not unique); lists and titles show it, with the id.
+    name: Mapped[str | None] = mapped_column(String(MAX_RUN_NAME), nullable=True)
     status: Mapped[str] = mapped_column(String(16), default="queued")
     mode: Mapped[str] = mapped_column(String(32))
     compare: Mapped[str] = mapped_column(String(16))
@@ -66,6 +70,11 @@ class ReplayRun(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
     started_at: Mapped[datetime | None] = mapped_column(nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+    @property
+    def display_name(self) -> str:
+        """What a list or title shows: the name when there is one, else the public id."""
+        return self.name or self.public_id
 
     @property
     def run_targets(self) -> tuple[RunTarget, ...]:

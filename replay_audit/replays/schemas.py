@@ -16,16 +16,25 @@ equal to its own logged configuration, to verify that traces reproduce where the
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    computed_field,
+    model_validator,
+)
 
 from replay_audit.diff.margin import DEFAULT_TAU
 from replay_audit.engine.protocol import DEFAULT_B_TOP_K, Intervention, Target
 from replay_audit.formats import CATEGORIES, MODES, Category, MarginSource, Mode, RunStatus
 from replay_audit.input import InputModel, Lax, UtcDatetime
 from replay_audit.replays.domain import RunTarget
+from replay_audit.replays.models import MAX_RUN_NAME
 from replay_audit.stats.report import RunStatistics
 from replay_audit.traces.schemas import BodyDTypeName, HeadDTypeName, Tag
 from replay_audit.traces.selection import TraceSelection
@@ -126,6 +135,31 @@ SELECTION_RULE: dict[str, Any] = {
         {"required": ["filter"], "properties": {"filter": {"type": "object"}}},
     ]
 }
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
+
+
+def _run_name(value: str) -> str:
+    value = value.strip()
+    if not value:
+        raise ValueError("must not be blank")
+    if _CONTROL.search(value):
+        raise ValueError("must be one line without control characters")
+    return value
+
+
+#: A run's name: one line of 1..MAX_RUN_NAME characters, surrounding blanks stripped, no control
+#: characters (NUL and the UTF-16 surrogates are refused by `InputModel` as for every string).
+RunName = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=MAX_RUN_NAME,
+        description="a name for people, shown with the run's id",
+    ),
+    AfterValidator(_run_name),
+]
+
+
 #: A pair of comparisons: indices of targets (the self-replay, if any, is the last).
 TargetIndex = Annotated[int, Field(ge=0, le=MAX_TARGETS)]
 
@@ -144,6 +178,8 @@ class ReplayCreate(InputModel):
     compare: Literal["logged", "pairwise"] = "logged"
     pairs: list[Annotated[tuple[TargetIndex, TargetIndex], Lax]] | None = None
     compare_with: Literal["self"] | None = None
+    #: A name for people (lists and page titles show it, with the id); not unique.
+    name: RunName | None = None
     #: A client-chosen key: the same key in a project returns the existing run (no duplicate).
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
     #: Top-k recorded per replayed step (kept with the result for the trace page).
@@ -187,6 +223,7 @@ class Progress(_Frozen):
 class ReplayRead(_Frozen):
     id: str
     project: str
+    name: str | None = None
     status: RunStatus
     created_at: datetime
     started_at: datetime | None

@@ -156,6 +156,7 @@ def create_replay(
     run = ReplayRun(
         public_id=new_public_id("rr"),
         project_id=project_id,
+        name=request.name,
         status="queued",
         mode=request.mode,
         compare=request.compare,
@@ -209,6 +210,7 @@ def to_read(
     return ReplayRead(
         id=run.public_id,
         project=project,
+        name=run.name,
         status=run.status,
         created_at=run.created_at,
         started_at=run.started_at,

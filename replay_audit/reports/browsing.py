@@ -1,23 +1,31 @@
 """Browsing a project's runs and results: the runs list, pages of a run's results, one trace in
-a run and its neighbours. Reads only; the figures shown come from the runs' statistics.
+a run and its neighbours; finding traces (the trace search) and one trace's results across every
+run (its history). Reads only; the figures shown come from the runs' statistics.
 """
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.orm import Session
 
-from replay_audit.exceptions import NotFound
+from replay_audit.exceptions import FieldError, NotFound
 from replay_audit.replays import service as replays_service
 from replay_audit.replays import statistics
+from replay_audit.replays.domain import comparison_label
 from replay_audit.replays.models import ReplayResult, ReplayRun
 from replay_audit.replays.statistics import check_comparison
 from replay_audit.reports import repository
 from replay_audit.reports.filters import ResultFilter, RunFilter
+from replay_audit.reports.repository import ReplayCounts
+from replay_audit.reports.schemas import RunList, RunSummaryRead
 from replay_audit.stats.report import ProportionRead
+from replay_audit.traces import service as traces_service
 from replay_audit.traces.models import Trace
+from replay_audit.traces.schemas import TraceSummary
+from replay_audit.traces.selection import TraceSelection
 
 
 def get_run(session: Session, project_id: int, public_id: str) -> ReplayRun:
@@ -64,6 +72,46 @@ def list_runs(
             )
         )
     return RunsPage(items=items, next_before=runs[-1].id if more and runs else None)
+
+
+def _encode_run_cursor(run_id: int) -> str:
+    return base64.urlsafe_b64encode(f"run:{run_id}".encode()).decode().rstrip("=")
+
+
+def _decode_run_cursor(cursor: str) -> int:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        kind, _, value = raw.partition(":")
+        if kind != "run" or not value.isdigit():
+            raise ValueError
+        return int(value)
+    except (ValueError, UnicodeDecodeError):
+        raise FieldError("malformed cursor", field="cursor") from None
+
+
+def run_list(
+    session: Session, project_id: int, f: RunFilter, *, cursor: str | None, limit: int
+) -> RunList:
+    """`GET /v1/replays`: one page of the project's runs, newest first, with `next_cursor`."""
+    before = _decode_run_cursor(cursor) if cursor is not None else None
+    page = list_runs(session, project_id, f, before=before, limit=limit)
+    return RunList(
+        items=[
+            RunSummaryRead(
+                id=s.run.public_id,
+                name=s.run.name,
+                status=s.run.status,
+                created_at=s.run.created_at,
+                finished_at=s.run.finished_at,
+                n_traces=s.run.n_traces,
+                models=s.models,
+                targets=s.targets,
+                schedule_id=s.run.schedule_id,
+            )
+            for s in page.items
+        ],
+        next_cursor=_encode_run_cursor(page.next_before) if page.next_before else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -114,3 +162,85 @@ def neighbour_traces(
 ) -> tuple[str | None, str | None]:
     """The previous and next divergent trace of `comparison` (to page through divergences)."""
     return repository.neighbour_traces(session, run.id, trace.id, comparison)
+
+
+# -- finding traces ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TraceHit:
+    """One trace of a search, with how often it was replayed (None: never)."""
+
+    trace: TraceSummary
+    replays: ReplayCounts | None
+
+
+@dataclass(frozen=True)
+class TraceSearchPage:
+    items: list[TraceHit]
+    #: The `cursor` of the next (older) page, as `GET /v1/traces` gives it.
+    next_cursor: str | None
+
+
+def search_traces(
+    session: Session,
+    project_id: int,
+    selection: TraceSelection,
+    *,
+    cursor: str | None,
+    limit: int,
+) -> TraceSearchPage:
+    """One page of the project's traces in `selection`, newest first (the listing of
+    `GET /v1/traces`, same cursor), each with its replay counts across runs."""
+    page = traces_service.list_traces(session, project_id, selection, limit=limit, cursor=cursor)
+    ids = repository.internal_trace_ids(session, project_id, [t.id for t in page.items])
+    counts = repository.replay_counts(session, list(ids.values()))
+    return TraceSearchPage(
+        items=[TraceHit(t, counts.get(ids[t.id])) for t in page.items],
+        next_cursor=page.next_cursor,
+    )
+
+
+@dataclass(frozen=True)
+class TraceReplay:
+    """One result of a trace in some run: the run, the comparison and its label, the summary
+    columns of the result (`status`, `exact_match`, `first_divergence_step`, `category`,
+    `margin_a`, `margin_b`, ...)."""
+
+    run: ReplayRun
+    comparison: int
+    label: str
+    result: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TraceHistory:
+    trace: Trace
+    replays: list[TraceReplay]
+    #: The `before` cursor of the next (older) page of replays.
+    next_before: int | None
+
+
+def trace_history(
+    session: Session, project_id: int, trace_public_id: str, *, before: int | None, limit: int
+) -> TraceHistory:
+    """The project's trace `trace_public_id` and one page of its results in every run, newest
+    first; NotFound for an unknown id or another project's trace."""
+    trace = repository.get_trace(session, project_id, trace_public_id)
+    if trace is None:
+        raise NotFound(f"no trace {trace_public_id!r}")
+    rows = repository.trace_replays(
+        session, project_id, trace.id, before_id=before, limit=limit + 1
+    )
+    more = len(rows) > limit
+    rows = rows[:limit]
+    replays = []
+    for result, run in rows:
+        index = int(result["comparison"])
+        label = comparison_label(run.run_comparisons[index], run.run_targets)
+        replays.append(TraceReplay(run=run, comparison=index, label=label, result=result))
+    return TraceHistory(
+        trace=trace,
+        replays=replays,
+        next_before=int(rows[-1][0]["id"]) if more and rows else None,
+    )

@@ -11,16 +11,54 @@ from replay_audit.api.deps import DBSession, require_role
 from replay_audit.auth.models import READER_ROLES
 from replay_audit.auth.schemas import Principal
 from replay_audit.exceptions import FieldError
+from replay_audit.input import UtcDatetime
 from replay_audit.replays.models import ReplayRun
 from replay_audit.reports import browsing, export, statistics
 from replay_audit.reports.export import ExportFormat
-from replay_audit.reports.schemas import RunReport
+from replay_audit.reports.filters import RunFilter
+from replay_audit.reports.schemas import RunList, RunReport
+from replay_audit.traces.schemas import BodyDTypeName
 
 router = APIRouter(prefix="/v1/replays", tags=["reports"])
 
 #: The report lists fixed/broke trace ids, the export replayed tokens and texts: result readers
 #: only (a submitter key polls a run's status, `GET /v1/replays/{id}`, and reads nothing else).
 Reader = Annotated[Principal, Depends(require_role(*READER_ROLES))]
+
+
+#: Largest page of `GET /v1/replays`.
+MAX_RUNS_PAGE = 200
+
+
+@router.get("", response_model=RunList, summary="List replay runs, newest first, paginated")
+def list_runs(
+    session: DBSession,
+    principal: Reader,
+    name: Annotated[
+        str | None, Query(max_length=200, description="the run's name contains this text")
+    ] = None,
+    model: Annotated[
+        str | None, Query(description="some trace of the run has this model.name")
+    ] = None,
+    dtype: Annotated[
+        BodyDTypeName | None, Query(description="some target of the run has this body dtype")
+    ] = None,
+    created_after: Annotated[UtcDatetime | None, Query(description="created at or after")] = None,
+    created_before: Annotated[UtcDatetime | None, Query(description="created before")] = None,
+    cursor: Annotated[
+        str | None, Query(min_length=1, description="`next_cursor` of the previous page")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_RUNS_PAGE)] = 50,
+) -> RunList:
+    """The project's runs with their names, status, models and target labels."""
+    f = RunFilter(
+        name=name,
+        model_name=model,
+        dtype=dtype,
+        created_after=created_after,
+        created_before=created_before,
+    )
+    return browsing.run_list(session, principal.project_id, f, cursor=cursor, limit=limit)
 
 
 @router.get("/{run_id}/report", response_model=RunReport)

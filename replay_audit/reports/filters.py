@@ -10,9 +10,11 @@ from datetime import datetime
 @dataclass(frozen=True)
 class RunFilter:
     """Filters of the runs list. `dtype`: some target of the run has this body dtype;
-    `model_name`: some trace of the run was logged by this model."""
+    `model_name`: some trace of the run was logged by this model; `name`: the run's name
+    contains this text (case-insensitive)."""
 
     model_name: str | None = None
+    name: str | None = None
     dtype: str | None = None
     created_after: datetime | None = None
     created_before: datetime | None = None

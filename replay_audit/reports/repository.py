@@ -16,6 +16,7 @@ from sqlalchemy import (
     ColumnElement,
     Select,
     and_,
+    case,
     exists,
     false,
     func,
@@ -69,6 +70,10 @@ def list_runs(
 ) -> list[ReplayRun]:
     """The project's runs, newest first, `limit` of them with ids below `before_id`."""
     stmt = select(ReplayRun).where(ReplayRun.project_id == project_id)
+    if f.name is not None:
+        # A substring, not a pattern: the user's % and _ are literal.
+        literal = f.name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        stmt = stmt.where(ReplayRun.name.ilike(f"%{literal}%", escape="\\"))
     if f.created_after is not None:
         stmt = stmt.where(ReplayRun.created_at >= f.created_after)
     if f.created_before is not None:
@@ -303,3 +308,66 @@ def export_batch(
         for d, r in zip(out, rows, strict=True):
             d["result"] = r
     return out
+
+
+# -- one trace across runs ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplayCounts:
+    """How often a trace was replayed: results (trace x comparison), runs, diverged results."""
+
+    results: int
+    runs: int
+    diverged: int
+
+
+def replay_counts(session: Session, trace_ids: Sequence[int]) -> dict[int, ReplayCounts]:
+    """Per trace (internal id), its results across every run; traces never replayed are absent.
+    The traces are one project's, and so are the runs that replayed them."""
+    if not trace_ids:
+        return {}
+    diverged = func.sum(case((_diverged(), 1), else_=0))
+    stmt = (
+        select(R.trace_id, func.count(), func.count(R.run_id.distinct()), diverged)
+        .where(R.trace_id.in_(trace_ids))
+        .group_by(R.trace_id)
+    )
+    return {
+        int(t): ReplayCounts(int(n), int(runs), int(d or 0))
+        for t, n, runs, d in session.execute(stmt)
+    }
+
+
+def trace_replays(
+    session: Session, project_id: int, trace_id: int, *, before_id: int | None, limit: int
+) -> list[tuple[dict[str, Any], ReplayRun]]:
+    """The results of one trace in every run of the project, newest first (by result id), with
+    their run: summary columns only (no token arrays, no detail JSON)."""
+    stmt = (
+        select(*_SUMMARY_COLUMNS, ReplayRun)
+        .join(ReplayRun, ReplayRun.id == R.run_id)
+        .where(R.trace_id == trace_id, ReplayRun.project_id == project_id)
+        .order_by(R.id.desc())
+        .limit(limit)
+    )
+    if before_id is not None:
+        stmt = stmt.where(R.id < before_id)
+    out = []
+    for row in session.execute(stmt):
+        mapping = dict(row._mapping)
+        run = mapping.pop("ReplayRun")
+        out.append((mapping, run))
+    return out
+
+
+def internal_trace_ids(
+    session: Session, project_id: int, public_ids: Sequence[str]
+) -> dict[str, int]:
+    """public id -> internal id of the project's traces among `public_ids`."""
+    if not public_ids:
+        return {}
+    stmt = select(Trace.public_id, Trace.id).where(
+        Trace.project_id == project_id, Trace.public_id.in_(public_ids)
+    )
+    return {str(p): int(i) for p, i in session.execute(stmt)}

@@ -9,6 +9,8 @@ p-value, non-inferiority with its TOST interval and p-value.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from pydantic import BaseModel, ConfigDict
 
 from replay_audit.stats.report import (
@@ -49,3 +51,27 @@ class RunComparisonReport(_Frozen):
     run_b: RunReport
     pair: LiftReport
     common_traces: int
+
+
+class RunSummaryRead(_Frozen):
+    """One run of `GET /v1/replays`: what the runs list shows."""
+
+    id: str
+    name: str | None
+    #: queued, running, done or failed.
+    status: str
+    created_at: datetime
+    finished_at: datetime | None
+    n_traces: int
+    #: Model names of the run's traces.
+    models: list[str]
+    #: Each target's label, in target order.
+    targets: list[str]
+    schedule_id: str | None
+
+
+class RunList(_Frozen):
+    """One page of `GET /v1/replays`, newest first; pass `next_cursor` back as `cursor`."""
+
+    items: list[RunSummaryRead]
+    next_cursor: str | None

@@ -212,6 +212,8 @@ def select_where(stmt: Select[*_Ts], project_id: int, selection: TraceSelection)
         where.append(NumericalConfigRow.attn_kernel == s.attn_kernel)
     if s.external_id is not None:
         where.append(Trace.external_id == s.external_id)
+    if s.public_id is not None:
+        where.append(Trace.public_id == s.public_id)
     for tag in s.tags:
         where.append(exists().where(TraceTag.trace_id == Trace.id, TraceTag.tag == tag))
     if s.created_after is not None:

@@ -58,6 +58,8 @@ class TraceSelection:
     attn_kernel: str | None = None
     tags: tuple[str, ...] = field(default=())
     external_id: str | None = None
+    #: One trace's public id (`tr_...`): the web UI's trace search.
+    public_id: str | None = None
     created_after: datetime | None = None
     created_before: datetime | None = None
     greedy: bool | None = None

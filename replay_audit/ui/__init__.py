@@ -2,6 +2,8 @@
 
     session      signed cookie sessions from an API key (auditor or admin)
     pages        the routes (runs list, run page, trace page, run comparison, exports)
+    trace_pages  the trace search and one trace across every run
+    audit_pages  the audit schedules
     trace_view   what the trace page shows
     charts       inline SVG charts drawn on the server
     templating   Jinja2 (autoescaped) and the security headers of every page
@@ -29,6 +31,7 @@ from replay_audit.exceptions import ReplayAuditError
 from replay_audit.ui.audit_pages import router as audit_router
 from replay_audit.ui.pages import SignInRequired, router
 from replay_audit.ui.templating import STATIC_DIR, render
+from replay_audit.ui.trace_pages import router as trace_router
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,7 @@ def create_ui_app(parent: FastAPI) -> FastAPI:
     ui.add_exception_handler(Exception, _unexpected)
     ui.include_router(router)
     ui.include_router(audit_router)
+    ui.include_router(trace_router)
     ui.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return ui
 

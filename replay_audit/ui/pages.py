@@ -4,7 +4,7 @@ render a template.
     GET  /ui/                               -> /ui/runs
     GET  /ui/sign-in, POST /ui/sign-in      sign in with an API key (auditor or admin)
     POST /ui/sign-out
-    GET  /ui/runs                           runs list (filters: model, dtype, from, to; paged)
+    GET  /ui/runs                           runs list (filters: name, model, dtype, from, to; paged)
     GET  /ui/runs/{run}                     run page (statistics, charts, lifts, results)
     GET  /ui/runs/{run}/accuracy            task accuracy, correctness flips, TOST (?margin=)
     GET  /ui/runs/{run}/flips               every trace a comparison fixed / broke (paged)
@@ -252,18 +252,21 @@ def runs_list(
     created_from: Annotated[str | None, Query(alias="from")] = None,
     created_to: Annotated[str | None, Query(alias="to")] = None,
     before: Annotated[int | None, Query(ge=1)] = None,
+    name: Annotated[str | None, Query(max_length=200)] = None,
 ) -> Response:
-    model, dtype = _blank(model), _blank(dtype)
+    model, dtype, name = _blank(model), _blank(dtype), _blank(name)
     if dtype is not None and dtype not in BODY_DTYPES:
         raise FieldError(f"dtype must be one of {', '.join(BODY_DTYPES)}", field="dtype")
     f = RunFilter(
         model_name=model,
+        name=name,
         dtype=dtype,
         created_after=_day(created_from, "from"),
         created_before=_day(created_to, "to", end=True),
     )
     page = browsing.list_runs(session, principal.project_id, f, before=before, limit=RUNS_PER_PAGE)
     filters = {
+        "name": name or "",
         "model": model or "",
         "dtype": dtype or "",
         "from": created_from or "",
@@ -496,7 +499,9 @@ def compare(
     ca: Annotated[int, Query(ge=0)] = 0,
     cb: Annotated[int, Query(ge=0)] = 0,
 ) -> Response:
-    """Two runs: pick them on the runs list (two check boxes) or pass ?run=A&run=B."""
+    """Two runs: pick them on the runs list (two check boxes) or pass ?run=A&run=B. The first
+    is the baseline (comparison `ca`), the second the treated run (`cb`); the page links to
+    the same comparison with the two exchanged."""
     ids = [r for r in run or [] if r]
     if len(ids) != 2:
         raise FieldError("choose exactly two runs to compare", field="run")
@@ -520,4 +525,8 @@ def compare(
             for i in range(len(run_b.comparisons))
         ],
         pair_chart=lift_chart([report.pair]),
+        # The same two runs and comparisons with the baseline and the treated run exchanged.
+        swap_query=urllib.parse.urlencode(
+            {"run": [run_b.public_id, run_a.public_id], "ca": cb, "cb": ca}, doseq=True
+        ),
     )

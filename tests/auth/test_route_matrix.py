@@ -87,8 +87,8 @@ ROUTES: Final[dict[str, Row]] = {
     "HEAD /openapi.json": _ALL_PUBLIC,
     "GET /docs": _ALL_PUBLIC,
     "HEAD /docs": _ALL_PUBLIC,
-    "GET /docs/oauth2-redirect": _ALL_PUBLIC,
-    "HEAD /docs/oauth2-redirect": _ALL_PUBLIC,
+    "GET /docs/assets/{path}": _ALL_PUBLIC,  # Swagger UI and ReDoc, served locally
+    "HEAD /docs/assets/{path}": _ALL_PUBLIC,
     "GET /redoc": _ALL_PUBLIC,
     "HEAD /redoc": _ALL_PUBLIC,
     # Traces: submitters write, auditors read.
@@ -99,6 +99,7 @@ ROUTES: Final[dict[str, Row]] = {
     "GET /v1/traces/{trace_id}": _READ,
     # Replays: submitters start runs and poll their status (the status view), nothing more.
     "POST /v1/replays": (OK, DENIED, OK, ANON, UNKNOWN),
+    "GET /v1/replays": _READ_LIST,
     "GET /v1/replays/{run_id}": (OK, OK, OK, ANON, NOT_FOUND),
     "GET /v1/replays/{run_id}/results": _READ,
     "GET /v1/replays/{run_id}/report": _READ,
@@ -131,10 +132,18 @@ ROUTES: Final[dict[str, Row]] = {
     "GET /ui/runs/{run_id}/export.{fmt}": _UI_PAGE,
     "GET /ui/runs/{run_id}/traces/{trace_id}": _UI_PAGE,
     "GET /ui/compare": _UI_PAGE,
+    "GET /ui/traces": _UI_LIST,
+    "GET /ui/traces/{trace_id}": _UI_PAGE,
     "GET /ui/schedules": _UI_LIST,
     "GET /ui/schedules/{schedule_id}": _UI_PAGE,
     "GET /ui/static/{path}": _ALL_PUBLIC,
     "HEAD /ui/static/{path}": _ALL_PUBLIC,
+}
+
+#: Path parameters of routes that need other values than `World.ids` (a file that exists).
+PATHS: Final[dict[str, dict[str, str]]] = {
+    "GET /docs/assets/{path}": {"path": "swagger-init.js"},
+    "HEAD /docs/assets/{path}": {"path": "swagger-ui.css"},
 }
 
 #: Query strings some routes need to do their work.
@@ -328,7 +337,7 @@ def _body(route: str, ids: dict[str, str], caller: Caller) -> dict[str, Any]:
 
 def request(client: TestClient, route: str, world: World, caller: Caller) -> Response:
     method, path = route.split(" ", 1)
-    url = path.format(**world.ids)
+    url = path.format(**(world.ids | PATHS.get(route, {})))
     params = QUERIES[route](world.ids) if route in QUERIES else None
     kwargs = _body(route, world.ids, caller)
     client.cookies.clear()

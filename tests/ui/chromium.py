@@ -10,6 +10,7 @@ it never comes, says where the browser is and what the page shows.
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import tempfile
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +68,15 @@ def serving(client: TestClient) -> Iterator[str]:
         thread.join(timeout=10)
 
 
-@pytest.fixture
-def browser() -> Iterator[WebDriver]:
+#: Chromium flags of a test browser that can reach nothing but 127.0.0.1: every other host name
+#: fails to resolve, so a page that loads anything from a CDN shows it as a console error.
+OFFLINE_FLAGS = ("--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",)
+
+
+@contextmanager
+def chromium(*extra_flags: str, performance_log: bool = False) -> Iterator[WebDriver]:
+    """A headless Chromium driver (1400 x 1000) with `extra_flags`; `performance_log` records
+    the network events (`driver.get_log("performance")`, see `requested`)."""
     if not (Path(CHROMEDRIVER).exists() and Path(CHROMIUM).exists()):
         pytest.fail("Chromium is missing: apt-get install -y chromium chromium-driver")
     profile = tempfile.mkdtemp(prefix="ra-chromium-")
@@ -84,9 +93,11 @@ def browser() -> Iterator[WebDriver]:
         "--disable-sync",
         f"--user-data-dir={profile}",
         "--window-size=1400,1000",
+        *extra_flags,
     ):
         options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    prefs = {"browser": "ALL"} | ({"performance": "ALL"} if performance_log else {})
+    options.set_capability("goog:loggingPrefs", prefs)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(30)
     # Element lookups wait up to 10 s for the element (a page still loading); navigations are
@@ -97,6 +108,39 @@ def browser() -> Iterator[WebDriver]:
     finally:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+def browser() -> Iterator[WebDriver]:
+    with chromium() as driver:
+        yield driver
+
+
+@dataclass(frozen=True)
+class Requested:
+    url: str
+    #: Why the browser blocked it before sending ("csp", ...), None when it went out.
+    blocked: str | None
+
+
+def requested(driver: WebDriver) -> list[Requested]:
+    """Every request a page of the browser made since the last call (needs `performance_log`),
+    with the reason the browser blocked it, if it did. The browser's own pages (`chrome://`,
+    its new tab page at start) are left out."""
+    urls: dict[str, str] = {}
+    blocked: dict[str, str] = {}
+    for entry in driver.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        params = message.get("params", {})
+        if message.get("method") == "Network.requestWillBeSent":
+            urls[params["requestId"]] = str(params["request"]["url"])
+        elif message.get("method") == "Network.loadingFailed" and params.get("blockedReason"):
+            blocked[params["requestId"]] = str(params["blockedReason"])
+    return [
+        Requested(url, blocked.get(request_id))
+        for request_id, url in urls.items()
+        if not url.startswith("chrome://")
+    ]
 
 
 def follow(
