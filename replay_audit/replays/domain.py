@@ -28,6 +28,7 @@ import numpy.typing as npt
 
 from replay_audit.diff.answer import SemanticAgreement
 from replay_audit.diff.margin import DEFAULT_TAU
+from replay_audit.diff.pieces import Piece, PieceJson, from_json
 from replay_audit.engine.protocol import DEFAULT_B_TOP_K, Intervention, Target
 from replay_audit.formats import ArmKey, Category, Device, MarginSource, Mode
 from replay_audit.traces.selection import is_greedy
@@ -172,6 +173,8 @@ class LoggedTrace:
     stop_reason: StopReason | None
     output_text: str | None = None
     reference_answer: str | None = None
+    #: Each logged output token's piece, when the producer stored them (`diff.pieces`).
+    output_token_pieces: tuple[Piece, ...] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -191,9 +194,10 @@ class LoggedTrace:
         top_k_logits: npt.NDArray[np.float32] | None,
         output_text: str | None = None,
         reference_answer: str | None = None,
+        output_token_pieces: Sequence[PieceJson] | None = None,
     ) -> LoggedTrace:
         """A logged trace from its stored or posted parts (`config` and `decoding` as the
-        trace JSON has them)."""
+        trace JSON has them; pieces in their stored form)."""
         return cls(
             external_id=external_id,
             weights_sha256=weights_sha256,
@@ -208,6 +212,9 @@ class LoggedTrace:
             stop_reason=decoding.get("stop_reason"),
             output_text=output_text,
             reference_answer=reference_answer,
+            output_token_pieces=(
+                from_json(output_token_pieces) if output_token_pieces is not None else None
+            ),
         )
 
     @classmethod
@@ -230,6 +237,7 @@ class LoggedTrace:
             top_k_logits=logits,
             output_text=body.get("output_text"),
             reference_answer=body.get("reference_answer"),
+            output_token_pieces=body.get("output_token_pieces"),
         )
 
     def budget(self) -> tuple[int, list[int]]:
@@ -291,6 +299,9 @@ class ArmOutcome:
     #: The numerical environment the arm ran in here (JSON: the engine's recorded settings).
     environment: Mapping[str, Any] | None = None
     text: str | None = None
+    #: Each output token's piece (`diff.pieces`), from the tokenizer that ran here; for the
+    #: logged arm, the pieces of the logged tokens where the trace has none stored.
+    pieces: tuple[Piece, ...] | None = None
 
     @property
     def run_here(self) -> bool:
