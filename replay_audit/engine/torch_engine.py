@@ -26,8 +26,8 @@ from replay_audit.engine.loading import (
     numerical_environment,
     resolve_device,
 )
-from replay_audit.engine.pieces import PieceReader
 from replay_audit.engine.numerics import LmHead, decide, decide_rows, top_k_ordered, top_k_rows
+from replay_audit.engine.pieces import PieceReader
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
     DecodeRun,

@@ -85,9 +85,10 @@ Tag = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 #: One output token's piece: its text, or its bytes (integers 0..255, as OpenAI's `bytes`)
 #: where they are not valid UTF-8 text alone (half of a character) or hold a NUL.
+PieceByte = Annotated[int, Field(ge=0, le=255)]
 TokenPiece = (
     Annotated[str, StringConstraints(max_length=MAX_PIECE_LENGTH)]
-    | Annotated[list[Annotated[int, Field(ge=0, le=255)]], Field(min_length=1, max_length=MAX_PIECE_LENGTH)]
+    | Annotated[list[PieceByte], Field(min_length=1, max_length=MAX_PIECE_LENGTH)]
 )
 
 

@@ -117,7 +117,7 @@ def logged_margins(trace: Trace) -> list[float | None] | None:
 
 
 def _margin_text(value: float | None) -> str:
-    return "–" if value is None else f"{value:.6g}"
+    return "none" if value is None else f"{value:.6g}"
 
 
 def _tokens(
