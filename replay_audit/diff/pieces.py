@@ -40,6 +40,12 @@ def piece_of(raw: bytes) -> Piece:
     return bytes(raw) if "\x00" in text else text
 
 
+def piece_of_text(text: str) -> Piece:
+    """The piece of a token a source gives as a string: that string, or its bytes where it
+    holds what no database stores as text (a NUL, a lone surrogate)."""
+    return piece_of(text.encode("utf-8", errors="surrogatepass"))
+
+
 def piece_bytes(piece: Piece) -> bytes:
     return piece if isinstance(piece, bytes) else piece.encode("utf-8")
 

@@ -66,7 +66,8 @@ def test_a_replay_stores_each_arms_pieces(
         body = tr.model_dump()
         eos = tr.decoding.eos_token_ids
         # Against the logged tokens: the trace has its pieces, so the result stores arm B's.
-        outcome = replay_trace(LoggedTrace.from_json(body), Target("fp16"), pool, model_dir=real_dir)
+        logged = LoggedTrace.from_json(body)
+        outcome = replay_trace(logged, Target("fp16"), pool, model_dir=real_dir)
         detail = result_values(0, outcome)["detail"]["arms"]
         b_ids = list(outcome.b.output_token_ids or ())
         b_pieces = from_json(detail["b"]["pieces"])
