@@ -151,6 +151,14 @@ def is_treatment(c: Comparison, targets: Sequence[RunTarget]) -> bool:
     return c.index != 0 and not targets[c.b].is_self
 
 
+def c_against_logged(c: Comparison, targets: Sequence[RunTarget]) -> bool:
+    """Whether the comparison applies Intervention C to the replay arm only, against the logged
+    tokens: C moves that arm toward FP32, not toward the logged arm, so its lift there is
+    about zero by construction (the both-arms protocol, `compare: "pairwise"`, measures it)."""
+    target = targets[c.b].target
+    return c.against_logged and target is not None and target.intervention.kind == "C"
+
+
 StopReason = Literal["eos", "length", "stop_string", "other"]
 
 

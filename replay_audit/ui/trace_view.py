@@ -12,7 +12,7 @@ from markupsafe import Markup
 
 from replay_audit.diff.margin import step_numerics
 from replay_audit.diff.pieces import Piece, from_json, joined, shown
-from replay_audit.replays.domain import arm_label, comparison_label
+from replay_audit.replays.domain import arm_label, c_against_logged, comparison_label
 from replay_audit.replays.models import ReplayResult, ReplayRun
 from replay_audit.replays.results import result_read
 from replay_audit.replays.schemas import ArmRead, MarginsRead, ReplayResultRead
@@ -106,6 +106,9 @@ class TraceView:
     chart: Markup
     logged_top_k: list[tuple[int, float]] | None
     margin_at_divergence: MarginsRead | None
+    #: Intervention C on the replay arm only, against the logged tokens (a note says what
+    #: that measures).
+    c_against_logged: bool = False
 
 
 def logged_margins(trace: Trace) -> list[float | None] | None:
@@ -329,4 +332,5 @@ def build(run: ReplayRun, trace: Trace, result: ReplayResult) -> TraceView:
         ),
         logged_top_k=top_k,
         margin_at_divergence=read.margin_at_divergence,
+        c_against_logged=c_against_logged(comp, targets),
     )
