@@ -88,7 +88,7 @@ def _prepare(index: int, trace: TraceCreate, config_sha256: str) -> _Prepared:
     output = _pack_ids(trace.output_token_ids)
     decoding = trace.decoding.model_dump(mode="json")
     top_k = trace.top_k.packed if trace.top_k is not None else None
-    header: dict[str, Any] = {
+    header: dict[str, object] = {
         "external_id": trace.external_id,
         "model": trace.model.model_dump(mode="json"),
         "config_sha256": config_sha256,

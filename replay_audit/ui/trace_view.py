@@ -89,6 +89,9 @@ class StepRow:
     gate_fired_a: bool
     gate_fired_b: bool
     is_t_star: bool
+    #: Each arm's token as its piece shows it (None: no pieces stored, the id alone).
+    text_a: str | None = None
+    text_b: str | None = None
 
 
 @dataclass
@@ -158,6 +161,10 @@ def _tokens(
             )
         )
     return out
+
+
+def _shown_at(pieces: tuple[Piece, ...] | None, t: int) -> str | None:
+    return shown(pieces[t]) if pieces is not None and 0 <= t < len(pieces) else None
 
 
 def _split_text(pieces: tuple[Piece, ...] | None, t_star: int | None) -> ArmText | None:
@@ -301,6 +308,8 @@ def build(run: ReplayRun, trace: Trace, result: ReplayResult) -> TraceView:
                     gate_fired_a=t in fired_a,
                     gate_fired_b=t in fired_b,
                     is_t_star=t == t_star,
+                    text_a=_shown_at(arm_a.pieces, t),
+                    text_b=_shown_at(arm_b.pieces, t),
                 )
             )
     iv = ((rb.target or {}).get("intervention")) or {}

@@ -335,6 +335,9 @@ def test_trace_page_highlights_t_star_and_shows_both_arms(
         html,
     )
     assert 'id="t-star-a"' in html
+    # The steps around t* show each arm's token with its piece too.
+    row_html = re.search(r'<tr class="t-star-row">(.*?)</tr>', html, re.S)
+    assert row_html is not None and f'<code class="piece">{piece}</code>' in row_html.group(1)
     # arm B's gate firings on the track; arm A is the logged trace here, not run: none drawn
     assert html.count('class="gate gate-b"') == row["gate_triggers"]
     assert row["arms"]["a"]["gate_fired_steps"] is None and 'class="gate gate-a"' not in html
