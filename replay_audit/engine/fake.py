@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from replay_audit.diff.margin import step_numerics
+from replay_audit.diff.pieces import Piece
 from replay_audit.engine.batch import plan_scan, scan_extras
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
@@ -175,3 +176,8 @@ class FakeEngine:
         if self.pieces is None:
             return None
         return "".join(self.pieces(i) for i in ids)
+
+    def token_pieces(self, ids: Sequence[int]) -> tuple[Piece, ...] | None:
+        if self.pieces is None:
+            return None
+        return tuple(self.pieces(i) for i in ids)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from replay_audit.diff.margin import sort_top_k
+from replay_audit.diff.pieces import to_json
 from replay_audit.engine.hashing import weights_sha256
 from replay_audit.engine.loading import (
     configure_numerics,
@@ -22,6 +23,7 @@ from replay_audit.engine.loading import (
     numerical_environment,
     resolve_device,
 )
+from replay_audit.engine.pieces import PieceReader
 from replay_audit.exceptions import EngineError
 
 
@@ -74,6 +76,7 @@ class TraceGenerator:
         if self.tokenizer is None:
             raise EngineError(f"{self.model_dir} has no tokenizer: cannot encode prompts")
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
+        self.pieces = PieceReader(self.tokenizer)
         self.weights_sha256 = weights_sha256(self.model_dir)
         self.model_name = model_name or self.model_dir.name
         self.config = self._config()
@@ -161,6 +164,7 @@ class TraceGenerator:
             "output_text": printable_text(
                 self.tokenizer.decode(output_ids, skip_special_tokens=True)
             ),
+            "output_token_pieces": to_json(self.pieces(output_ids)),
             "top_k": {"ids": ids.tolist(), "logits": [[float(x) for x in r] for r in vals]},
             "tags": list(tags),
         }

@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from replay_audit.diff.margin import DEFAULT_TAU, GateRule, Margin, StepNumerics
+from replay_audit.diff.pieces import Piece
 from replay_audit.formats import (
     BODY_DTYPES,
     HEAD_DTYPES,
@@ -317,6 +318,11 @@ class Engine(Protocol):
 
     def detokenize(self, ids: Sequence[int]) -> str | None:
         """The text of `ids`, or None when the checkpoint has no tokenizer."""
+        ...
+
+    def token_pieces(self, ids: Sequence[int]) -> tuple[Piece, ...] | None:
+        """Each token's piece (`diff.pieces`: its text, or its bytes when they are not text
+        alone), or None when the checkpoint has no tokenizer."""
         ...
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 import replay_audit
+from replay_audit.diff.pieces import Piece
 from replay_audit.engine.batch import PackedBatch, pack_batch, plan_scan, scan_extras
 from replay_audit.engine.decoder import Body, Decoder, DynamicDecoder, StaticDecoder, head_step
 from replay_audit.engine.loading import (
@@ -26,6 +27,7 @@ from replay_audit.engine.loading import (
     resolve_device,
 )
 from replay_audit.engine.numerics import LmHead, decide, decide_rows, top_k_ordered, top_k_rows
+from replay_audit.engine.pieces import PieceReader
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
     DecodeRun,
@@ -62,6 +64,7 @@ class TorchEngine:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self._pieces = PieceReader(tokenizer) if tokenizer is not None else None
         self.device = device
         self.body = Body(model, target.batch_size, device)
         self.cache_kind: CacheKind = cache
@@ -238,6 +241,9 @@ class TorchEngine:
         if self.tokenizer is None:
             return None
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def token_pieces(self, ids: Sequence[int]) -> tuple[Piece, ...] | None:
+        return self._pieces(ids) if self._pieces is not None else None
 
     # -- internals ----------------------------------------------------------------------------
 

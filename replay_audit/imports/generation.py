@@ -28,6 +28,7 @@ from typing import Final, Literal
 
 from pydantic import ValidationError
 
+from replay_audit.diff.pieces import Piece, to_json
 from replay_audit.exceptions import FieldError
 from replay_audit.formats import EXTRA_TOP_K_VALUES, TopKValues
 from replay_audit.imports.schemas import (
@@ -102,6 +103,8 @@ class Generation:
     tags: Sequence[str] = ()
     #: Facts of the source recorded in `config.extras` (e.g. the tokenization of lm-eval).
     extras: Mapping[str, ExtraValue] = dataclasses.field(default_factory=dict)
+    #: Each output token's piece (`diff.pieces`), where the source gives token strings.
+    output_token_pieces: Sequence[Piece] | None = None
 
 
 @dataclass(frozen=True)
@@ -331,6 +334,9 @@ def build_trace(gen: Generation, context: ImportContext, fmt: ImportFormat) -> T
         "output_token_ids": list(gen.output_token_ids),
         "prompt_text": _printable(gen.prompt_text),
         "output_text": _printable(gen.output_text),
+        "output_token_pieces": (
+            to_json(gen.output_token_pieces) if gen.output_token_pieces is not None else None
+        ),
         "top_k": None if top_k is None else {"ids": top_k.ids, "logits": top_k.values},
         "tags": list(dict.fromkeys([*context.tags, *gen.tags])),
         "reference_answer": gen.reference_answer,

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, Protocol
 
+from replay_audit.engine.pieces import PieceReader
 from replay_audit.imports import _json as j
 from replay_audit.imports.generation import Generation
 
@@ -169,6 +170,8 @@ def parse_lm_eval_sample(
     max_length = results.get("max_length")
     target = body.get("target")
     date = results.get("date")
+    # The tokenizer is at hand: each output token's piece, where it is a transformers one.
+    pieces = PieceReader(tokenizer) if hasattr(tokenizer, "convert_ids_to_tokens") else None
     out = []
     for i, (context, kwargs) in enumerate(requests):
         if not isinstance(kwargs, Mapping):
@@ -214,6 +217,7 @@ def parse_lm_eval_sample(
                             "applied by lm-eval" if results.get("chat_template") else "none"
                         ),
                     },
+                    output_token_pieces=pieces(output) if pieces is not None else None,
                 )
             )
     return out

@@ -23,9 +23,11 @@ produced it (its sampling parameters say whether decoding was greedy; a response
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from replay_audit.diff.pieces import Piece, piece_of, piece_of_text
 from replay_audit.imports import _json as j
 from replay_audit.imports.generation import Generation, StopReason, Strategy
 
@@ -132,16 +134,52 @@ def _prompt_ids(value: Any, request: Mapping[str, Any] | None, field: str, path:
     )
 
 
+_BYTES_ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")
+
+
+def _piece(token: Any, raw_bytes: Any) -> Piece | None:
+    """A token's piece from its entry: its `bytes` when they are byte values, else its token
+    string (OpenAI's legacy "bytes:\\xe2\\x80" spelling read as those bytes); None for a
+    "token_id:" string without bytes (no text) or anything else."""
+    # An empty list is a piece too: a special token that decodes to nothing (eos).
+    if (
+        isinstance(raw_bytes, list)
+        and all(type(b) is int and 0 <= b <= 255 for b in raw_bytes)
+    ):
+        raw = bytes(raw_bytes)
+        # With "token_id:" tokens vLLM's `bytes` are the token's own; bytes spelling the
+        # placeholder itself say nothing.
+        if isinstance(token, str) and raw == token.encode() and j.parse_token_id_string(token):
+            return None
+        return piece_of(raw)
+    if not isinstance(token, str) or j.parse_token_id_string(token) is not None:
+        return None
+    escaped = token.removeprefix("bytes:")
+    if escaped != token and escaped and not _BYTES_ESCAPE.sub("", escaped):
+        return piece_of(bytes(int(h, 16) for h in _BYTES_ESCAPE.findall(escaped)))
+    return piece_of_text(token)
+
+
+def _pieces(pieces: Sequence[Piece | None]) -> list[Piece] | None:
+    """The pieces, when every token has one (else none: a partial record is not stored)."""
+    if not pieces or any(p is None for p in pieces):
+        return None
+    return [p for p in pieces if p is not None]
+
+
 def _chat_steps(
     content: Sequence[Any], path: str
-) -> tuple[list[int] | None, list[list[tuple[int, float]]] | None]:
-    """(ids of the logged tokens, per-step (id, logprob) pairs) of `logprobs.content`; either
-    is None where the tokens are not "token_id:" strings."""
+) -> tuple[list[int] | None, list[list[tuple[int, float]]] | None, list[Piece] | None]:
+    """(ids of the logged tokens, per-step (id, logprob) pairs, the tokens' pieces) of
+    `logprobs.content`; ids and pairs are None where the tokens are not "token_id:" strings,
+    pieces where they are (or a token has neither a string nor bytes)."""
     tokens: list[Any] = []
+    pieces: list[Piece | None] = []
     steps: list[list[tuple[int, float]]] | None = []
     for t, raw in enumerate(content):
         entry = j.obj(raw, f"{path}[{t}]")
         tokens.append(entry.get("token"))
+        pieces.append(_piece(entry.get("token"), entry.get("bytes")))
         tops = entry.get("top_logprobs") or []
         row: list[tuple[int, float]] = []
         for i, top in enumerate(j.seq(tops, f"{path}[{t}].top_logprobs")):
@@ -153,7 +191,7 @@ def _chat_steps(
             row.append((tid, j.number(top.get("logprob"), f"{path}[{t}].top_logprobs[{i}]")))
         if steps is not None:
             steps.append(row)
-    return _ids_from_tokens(tokens), steps
+    return _ids_from_tokens(tokens), steps, _pieces(pieces)
 
 
 def _completion_steps(
@@ -233,8 +271,10 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
             if logprobs is not None:
                 content = j.obj(logprobs, f"{cpath}.logprobs").get("content")
             lpath = f"{cpath}.logprobs.content"
-            ids_from_tokens, steps = (
-                _chat_steps(j.seq(content, lpath), lpath) if content is not None else (None, None)
+            ids_from_tokens, steps, pieces = (
+                _chat_steps(j.seq(content, lpath), lpath)
+                if content is not None
+                else (None, None, None)
             )
             message = choice.get("message")
             text = message.get("content") if isinstance(message, Mapping) else None
@@ -248,6 +288,7 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
             explicit = choice.get("token_ids")
             n_output = len(explicit) if isinstance(explicit, list) else 0
             ids_from_tokens, steps, echoed = (None, None, False)
+            pieces = None
             if logprobs is not None:
                 echo = request.get("echo") if request is not None else None
                 ids_from_tokens, steps, echoed = _completion_steps(
@@ -257,6 +298,9 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
                     n_output,
                     echo if isinstance(echo, bool) else None,
                 )
+                tokens = list(j.seq(logprobs.get("tokens") or [], f"{cpath}.logprobs.tokens"))
+                pieces = _pieces([_piece(t, None) for t in tokens[len(tokens) - n_output:]]
+                                 if explicit is not None and len(tokens) >= n_output else [])
             output = _output_ids(explicit, ids_from_tokens, cpath, f"{cpath}.logprobs.tokens")
             text = None if echoed else choice.get("text")
             steps_field = "logprobs.top_logprobs"
@@ -279,6 +323,9 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
                 served_model=model,
                 strategy=strategy,
                 max_new_tokens=max_tokens,
+                output_token_pieces=(
+                    pieces if pieces is not None and len(pieces) == len(output) else None
+                ),
             )
         )
     return out

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from replay_audit.diff.pieces import Piece, piece_of_text
 from replay_audit.imports import _json as j
 from replay_audit.imports.generation import Generation, StopReason
 from replay_audit.imports.openai_compat import request_strategy
@@ -87,9 +88,15 @@ def _one(body: Mapping[str, Any], request: Mapping[str, Any] | None, path: str) 
     mpath = f"{path}.meta_info"
     logged = meta.get("output_token_logprobs")
     logged_ids = None
+    pieces: list[Piece] | None = None
     if logged is not None:
         lpath = f"{mpath}.output_token_logprobs"
-        logged_ids = [_tuple(x, f"{lpath}[{t}]")[1] for t, x in enumerate(j.seq(logged, lpath))]
+        entries = j.seq(logged, lpath)
+        logged_ids = [_tuple(x, f"{lpath}[{t}]")[1] for t, x in enumerate(entries)]
+        # The third member is the token's text with `return_text_in_logprobs` (else None).
+        texts = [x[2] if len(x) > 2 else None for x in entries]
+        if texts and all(isinstance(t, str) for t in texts):
+            pieces = [piece_of_text(str(t)) for t in texts]
     if body.get("output_ids") is not None:
         output = j.token_ids(body["output_ids"], f"{path}.output_ids")
         if logged_ids is not None and logged_ids != output:
@@ -138,6 +145,7 @@ def _one(body: Mapping[str, Any], request: Mapping[str, Any] | None, path: str) 
         output_text=text if isinstance(text, str) else None,
         external_id=j.opt_str(meta.get("id"), f"{mpath}.id"),
         engine_name="sglang",
+        output_token_pieces=pieces if pieces is not None and len(pieces) == len(output) else None,
         strategy=request_strategy(request),
         max_new_tokens=max_new if isinstance(max_new, int) and max_new >= 1 else None,
     )

@@ -29,6 +29,7 @@ import numpy.typing as npt
 
 from replay_audit.diff.answer import SemanticAgreement
 from replay_audit.diff.margin import DEFAULT_TAU
+from replay_audit.diff.pieces import Piece, PieceJson, from_json
 from replay_audit.engine.protocol import DEFAULT_B_TOP_K, Intervention, Target
 from replay_audit.formats import (
     EXTRA_TOP_K_VALUES,
@@ -166,6 +167,14 @@ def is_treatment(c: Comparison, targets: Sequence[RunTarget]) -> bool:
     return c.index != 0 and not targets[c.b].is_self
 
 
+def c_against_logged(c: Comparison, targets: Sequence[RunTarget]) -> bool:
+    """Whether the comparison applies Intervention C to the replay arm only, against the logged
+    tokens: C moves that arm toward FP32, not toward the logged arm, so its lift there is
+    about zero by construction (the both-arms protocol, `compare: "pairwise"`, measures it)."""
+    target = targets[c.b].target
+    return c.against_logged and target is not None and target.intervention.kind == "C"
+
+
 StopReason = Literal["eos", "length", "stop_string", "other"]
 
 
@@ -192,6 +201,8 @@ class LoggedTrace:
     top_k_values: TopKValues = "logits"
     #: The engine that logged the trace (`config.engine.name`).
     engine_name: str = "transformers"
+    #: Each logged output token's piece, when the producer stored them (`diff.pieces`).
+    output_token_pieces: tuple[Piece, ...] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -211,9 +222,10 @@ class LoggedTrace:
         top_k_logits: npt.NDArray[np.float32] | None,
         output_text: str | None = None,
         reference_answer: str | None = None,
+        output_token_pieces: Sequence[PieceJson] | None = None,
     ) -> LoggedTrace:
         """A logged trace from its stored or posted parts (`config` and `decoding` as the
-        trace JSON has them)."""
+        trace JSON has them; pieces in their stored form)."""
         extras = config.get("extras") or {}
         engine = config.get("engine") or {}
         return cls(
@@ -234,6 +246,9 @@ class LoggedTrace:
                 "raw_logprobs" if extras.get(EXTRA_TOP_K_VALUES) == "raw_logprobs" else "logits"
             ),
             engine_name=str(engine.get("name") or "unknown"),
+            output_token_pieces=(
+                from_json(output_token_pieces) if output_token_pieces is not None else None
+            ),
         )
 
     @property
@@ -261,6 +276,7 @@ class LoggedTrace:
             top_k_logits=logits,
             output_text=body.get("output_text"),
             reference_answer=body.get("reference_answer"),
+            output_token_pieces=body.get("output_token_pieces"),
         )
 
     def budget(self) -> tuple[int, list[int]]:
@@ -322,6 +338,9 @@ class ArmOutcome:
     #: The numerical environment the arm ran in here (JSON: the engine's recorded settings).
     environment: Mapping[str, Any] | None = None
     text: str | None = None
+    #: Each output token's piece (`diff.pieces`), from the tokenizer that ran here; for the
+    #: logged arm, the pieces of the logged tokens where the trace has none stored.
+    pieces: tuple[Piece, ...] | None = None
 
     @property
     def run_here(self) -> bool:

@@ -87,6 +87,7 @@ def _arm(
         gate_fired_steps=fired,
         environment=engine.environment(),
         text=engine.detokenize(list(text_of)),
+        pieces=engine.token_pieces(list(text_of)),
     )
 
 
@@ -240,6 +241,9 @@ def replay_trace(
         margin=margin_a,
         environment=logged_engine.environment() if logged_engine is not None else None,
         text=trace.output_text,
+        # The trace's own pieces are stored with it; else the tokenizer here reads the logged
+        # tokens (the same checkpoint, so the same vocabulary).
+        pieces=engine.token_pieces(logged) if trace.output_token_pieces is None else None,
     )
     return ReplayOutcome(
         mode=mode,

@@ -42,6 +42,7 @@ def logged_trace(trace: Trace) -> LoggedTrace:
         top_k_logits=logits,
         output_text=trace.output_text,
         reference_answer=trace.reference_answer,
+        output_token_pieces=trace.output_token_pieces,
     )
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from replay_audit.db.base import utcnow
 from replay_audit.diff.answer import SemanticAgreement
+from replay_audit.diff.pieces import to_json
 from replay_audit.replays.domain import ArmMargin, ArmOutcome, ReplayOutcome, SingleStep
 from replay_audit.replays.schemas import ReplayResultRead
 from replay_audit.stats.report import ResultFigures
@@ -62,6 +63,8 @@ def _arm_detail(arm: ArmOutcome) -> dict[str, Any]:
             "text": arm.text,
         }
     )
+    if arm.pieces is not None:
+        detail["pieces"] = to_json(arm.pieces)
     return detail
 
 
@@ -195,6 +198,7 @@ def _arm_json(
         "margins": d.get("margins"),
         "environment": d.get("environment"),
         "text": d.get("text"),
+        "token_pieces": d.get("pieces"),
     }
 
 

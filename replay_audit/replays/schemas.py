@@ -284,6 +284,10 @@ class ArmRead(_Frozen):
     margins: list[float | None] | None
     environment: dict[str, Any] | None
     text: str | None
+    #: Each output token's piece: its text, or its bytes (integers 0..255) where they are not
+    #: text alone. For arm A against the logged tokens, the logged tokens' pieces read by the
+    #: worker when the trace has none stored; null where no tokenizer was at hand.
+    token_pieces: list[str | list[int]] | None = None
 
 
 class ArmsRead(_Frozen):

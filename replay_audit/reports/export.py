@@ -79,7 +79,7 @@ BATCH: Final = 1000
 _FORMULA_START: Final = ("=", "+", "-", "@", "\t", "\r")
 _USER_TEXT: Final = ("external_id", "model_name", "tags", "error")
 #: An arm's per-step arrays, written once in a JSONL record (under their earlier names).
-_PER_STEP: Final = frozenset({"margins", "gate_fired_steps", "output_token_ids"})
+_PER_STEP: Final = frozenset({"margins", "gate_fired_steps", "output_token_ids", "token_pieces"})
 
 
 def _arm(value: Any) -> str:

@@ -74,6 +74,9 @@ class Trace(Base):
     top_k_logits: Mapped[Float32Array | None] = mapped_column(PackedFloat32Array())
     prompt_text: Mapped[str | None] = mapped_column(Text)
     output_text: Mapped[str | None] = mapped_column(Text)
+    #: Each output token's piece (`diff.pieces` stored form: a string, or a list of byte values
+    #: where the token's bytes are not text alone); None when the producer had no tokenizer.
+    output_token_pieces: Mapped[list[str | list[int]] | None] = mapped_column(JSON, nullable=True)
     tags: Mapped[list[str]] = mapped_column(JSON)
     external_id: Mapped[str | None] = mapped_column(String(200))
     reference_answer: Mapped[str | None] = mapped_column(Text)

@@ -27,6 +27,7 @@ _ARRAY_COLUMNS = (
     Trace.top_k_logits,
     Trace.prompt_text,
     Trace.output_text,
+    Trace.output_token_pieces,
     Trace.reference_answer,
 )
 #: Rows per IN (...) list: well under SQLite's 32,766 bound parameters.

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Final, Literal, NamedTuple
 import numpy as np
 import numpy.typing as npt
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -27,6 +28,7 @@ from pydantic import (
 )
 
 from replay_audit.config import MAX_BATCH_TRACES, MAX_TOP_K, MAX_TRACE_TOKENS
+from replay_audit.diff.pieces import MAX_PIECE_LENGTH, from_json, to_json
 from replay_audit.formats import BODY_DTYPES, HEAD_DTYPES
 from replay_audit.input import InputModel, refuse_unstorable
 
@@ -81,10 +83,21 @@ ExtraValue = Annotated[
 ]
 Tag = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[\w.:/=-]+$")]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+#: One output token's piece: its text, or its bytes (integers 0..255, as OpenAI's `bytes`)
+#: where they are not valid UTF-8 text alone (half of a character) or hold a NUL.
+PieceByte = Annotated[int, Field(ge=0, le=255)]
+TokenPiece = (
+    Annotated[str, StringConstraints(max_length=MAX_PIECE_LENGTH)]
+    | Annotated[list[PieceByte], Field(min_length=1, max_length=MAX_PIECE_LENGTH)]
+)
 
 
 assert set(BODY_DTYPES) == set(BodyDTypeName.__args__)  # type: ignore[attr-defined]
 assert set(HEAD_DTYPES) == set(HeadDTypeName.__args__)  # type: ignore[attr-defined]
+
+
+def _canonical_pieces(pieces: list[str | list[int]]) -> list[str | list[int]]:
+    return to_json(from_json(pieces))
 
 
 class TraceInput(InputModel):
@@ -224,6 +237,11 @@ class TraceCreate(TraceInput):
     output_token_ids: list[TokenId] = Field(min_length=1)
     prompt_text: str | None = Field(default=None, max_length=1_000_000)
     output_text: str | None = Field(default=None, max_length=1_000_000)
+    #: One piece per output token (its text, or its bytes), from a producer that had the
+    #: tokenizer; byte lists that are valid text are stored as that text.
+    output_token_pieces: (
+        Annotated[list[TokenPiece], AfterValidator(_canonical_pieces)] | None
+    ) = Field(default=None, max_length=MAX_TRACE_TOKENS)
     top_k: TopK | None = None
     tags: list[Tag] = Field(default_factory=list, max_length=64)
     reference_answer: str | None = Field(default=None, max_length=100_000)
@@ -249,6 +267,13 @@ class TraceCreate(TraceInput):
             raise _field_error("decoding.eos_token_ids", "eos id outside the vocabulary")
         if self.top_k is not None:
             _check_top_k(self.top_k, len(self.output_token_ids), vocab)
+        pieces = self.output_token_pieces
+        if pieces is not None and len(pieces) != len(self.output_token_ids):
+            raise _field_error(
+                "output_token_pieces",
+                f"has {len(pieces)} pieces; output has {len(self.output_token_ids)} tokens "
+                "(one piece per output token)",
+            )
         return self
 
 

@@ -88,7 +88,7 @@ def _prepare(index: int, trace: TraceCreate, config_sha256: str) -> _Prepared:
     output = _pack_ids(trace.output_token_ids)
     decoding = trace.decoding.model_dump(mode="json")
     top_k = trace.top_k.packed if trace.top_k is not None else None
-    header = {
+    header: dict[str, object] = {
         "external_id": trace.external_id,
         "model": trace.model.model_dump(mode="json"),
         "config_sha256": config_sha256,
@@ -98,6 +98,9 @@ def _prepare(index: int, trace: TraceCreate, config_sha256: str) -> _Prepared:
         "tags": trace.tags,
         "reference_answer": trace.reference_answer,
     }
+    if trace.output_token_pieces is not None:
+        # Only when given, so the content hash of a trace without pieces is what it was.
+        header["output_token_pieces"] = trace.output_token_pieces
     digest = hashlib.sha256(_CONTENT_VERSION)
     digest.update(orjson.dumps(header, option=orjson.OPT_SORT_KEYS))
     arrays = [prompt, output]
@@ -121,6 +124,7 @@ def _prepare(index: int, trace: TraceCreate, config_sha256: str) -> _Prepared:
         "top_k_logits": top_k.logits if top_k is not None else None,
         "prompt_text": trace.prompt_text,
         "output_text": trace.output_text,
+        "output_token_pieces": trace.output_token_pieces,
         "tags": trace.tags,
         "external_id": trace.external_id,
         "reference_answer": trace.reference_answer,
@@ -307,6 +311,7 @@ def to_read(trace: Trace) -> TraceRead:
             "output_token_ids": trace.output_token_ids.tolist(),
             "prompt_text": trace.prompt_text,
             "output_text": trace.output_text,
+            "output_token_pieces": trace.output_token_pieces,
             "top_k": top_k,
             "tags": trace.tags,
             "reference_answer": trace.reference_answer,

@@ -27,7 +27,12 @@ from replay_audit.auth.schemas import Principal
 from replay_audit.config import Settings
 from replay_audit.exceptions import BadRequest, FieldError, NotAuthenticated, PermissionDenied
 from replay_audit.formats import BODY_DTYPES, CATEGORIES
-from replay_audit.replays.domain import comparison_label, is_treatment, logging_engine
+from replay_audit.replays.domain import (
+    c_against_logged,
+    comparison_label,
+    is_treatment,
+    logging_engine,
+)
 from replay_audit.reports import browsing, statistics
 from replay_audit.reports.endpoints import export_response
 from replay_audit.reports.filters import ResultFilter, RunFilter
@@ -367,6 +372,11 @@ def run_page(
         targets=[
             (i, t.display_label(), raw)
             for i, (t, raw) in enumerate(zip(run.run_targets, run.targets, strict=True))
+        ],
+        c_against_logged=[
+            comparison_label(c, run.run_targets)
+            for c in run.run_comparisons
+            if c_against_logged(c, run.run_targets)
         ],
         results=results,
         result_filter=rf,

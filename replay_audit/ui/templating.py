@@ -90,6 +90,14 @@ def pretty(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=True, default=str, ensure_ascii=False)
 
 
+def piece(text: str) -> str:
+    """A token piece made visible in a run of tokens: line breaks and tabs as symbols, an
+    empty piece as ∅ (the text itself keeps them)."""
+    if not text:
+        return "∅"
+    return text.replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍")
+
+
 def _environment() -> Environment:
     env = Environment(
         loader=FileSystemLoader(TEMPLATE_DIR),
@@ -99,6 +107,7 @@ def _environment() -> Environment:
         lstrip_blocks=True,
     )
     env.filters.update(pct=pct, pp=pp, num=num, pvalue=pvalue, p_is=p_is, when=when, pretty=pretty)
+    env.filters["piece"] = piece
     return env
 
 

@@ -11,7 +11,8 @@ import numpy as np
 from markupsafe import Markup
 
 from replay_audit.diff.margin import step_numerics
-from replay_audit.replays.domain import arm_label, comparison_label
+from replay_audit.diff.pieces import Piece, from_json, joined, shown
+from replay_audit.replays.domain import arm_label, c_against_logged, comparison_label
 from replay_audit.replays.models import ReplayResult, ReplayRun
 from replay_audit.replays.results import result_read
 from replay_audit.replays.schemas import ArmRead, MarginsRead, ReplayResultRead
@@ -22,6 +23,11 @@ from replay_audit.ui.charts import margin_track_chart
 MAX_TOKENS_SHOWN: Final = 2048
 #: Steps either side of t* in the step table.
 STEP_WINDOW: Final = 3
+#: How the note on a re-run of the logged format names where arm A's margin at t* came from.
+_SOURCE_WORDS: Final[dict[str, str]] = {
+    "logged_top_k": "the logged top-k's",
+    "unavailable": "unavailable",
+}
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,21 @@ class Token:
     id: int
     #: "same" before t*, "t-star" at it, "after" past it.
     kind: str
+    #: The token's piece as shown (None: no pieces stored, the id is shown).
+    text: str | None = None
+    #: The piece is bytes that are not text alone (shown escaped).
+    is_bytes: bool = False
+    #: The tooltip: step, id and both arms' margins at the step.
+    title: str = ""
+
+
+@dataclass(frozen=True)
+class ArmText:
+    """An arm's output text split at t*: before it, the t* token, everything after."""
+
+    before: str
+    at: str
+    after: str
 
 
 @dataclass
@@ -52,6 +73,10 @@ class Arm:
     changed_steps: int | None = None
     mean_gap: float | None = None
     notes: list[str] = field(default_factory=list)
+    #: Each output token's piece, where stored (the trace's, or the worker's).
+    pieces: tuple[Piece, ...] | None = None
+    #: The text rebuilt from the pieces, split at t* (None without pieces).
+    split_text: ArmText | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +89,9 @@ class StepRow:
     gate_fired_a: bool
     gate_fired_b: bool
     is_t_star: bool
+    #: Each arm's token as its piece shows it (None: no pieces stored, the id alone).
+    text_a: str | None = None
+    text_b: str | None = None
 
 
 @dataclass
@@ -81,6 +109,9 @@ class TraceView:
     chart: Markup
     logged_top_k: list[tuple[int, float]] | None
     margin_at_divergence: MarginsRead | None
+    #: Intervention C on the replay arm only, against the logged tokens (a note says what
+    #: that measures).
+    c_against_logged: bool = False
 
 
 def logged_margins(trace: Trace) -> list[float | None] | None:
@@ -91,7 +122,21 @@ def logged_margins(trace: Trace) -> list[float | None] | None:
     return [float(m) for m in step_numerics(logits).margins]
 
 
-def _tokens(ids: list[int], t_star: int | None, start: int) -> list[Token]:
+def _margin_text(value: float | None) -> str:
+    return "none" if value is None else f"{value:.6g}"
+
+
+def _tokens(
+    ids: list[int],
+    pieces: tuple[Piece, ...] | None,
+    t_star: int | None,
+    start: int,
+    margins: tuple[tuple[str, list[float | None] | None], ...],
+) -> list[Token]:
+    """The tokens shown of an arm, each with its piece and a tooltip naming its step, its id
+    and both arms' margins there."""
+    if pieces is not None and len(pieces) != len(ids):
+        pieces = None  # not this output's pieces: ids only
     out = []
     for step in range(start, min(len(ids), start + MAX_TOKENS_SHOWN)):
         if t_star is None or step < t_star:
@@ -100,8 +145,43 @@ def _tokens(ids: list[int], t_star: int | None, start: int) -> list[Token]:
             kind = "t-star"
         else:
             kind = "after"
-        out.append(Token(step, int(ids[step]), kind))
+        head = f"t* = step {step}" if kind == "t-star" else f"step {step}"
+        title = f"{head}: token {int(ids[step])}" + "".join(
+            f" · margin {label} {_margin_text(_at(values, step))}" for label, values in margins
+        )
+        piece = pieces[step] if pieces is not None else None
+        out.append(
+            Token(
+                step,
+                int(ids[step]),
+                kind,
+                text=shown(piece) if piece is not None else None,
+                is_bytes=isinstance(piece, bytes),
+                title=title,
+            )
+        )
     return out
+
+
+def _shown_at(pieces: tuple[Piece, ...] | None, t: int) -> str | None:
+    return shown(pieces[t]) if pieces is not None and 0 <= t < len(pieces) else None
+
+
+def _split_text(pieces: tuple[Piece, ...] | None, t_star: int | None) -> ArmText | None:
+    if pieces is None:
+        return None
+    if t_star is None or t_star >= len(pieces):
+        return ArmText(joined(pieces), "", "")
+    return ArmText(
+        joined(pieces[:t_star]), joined(pieces[t_star : t_star + 1]), joined(pieces[t_star + 1 :])
+    )
+
+
+def _pieces(values: list[str | list[int]] | None, n: int) -> tuple[Piece, ...] | None:
+    """Stored pieces as domain values, when there is one per token."""
+    if values is None or len(values) != n:
+        return None
+    return from_json(values)
 
 
 def _at(values: list[Any] | None, t: int) -> Any:
@@ -153,21 +233,33 @@ def build(
         notes = []
         if a_margins is None:
             notes.append("the trace carries no logged top-k: no logged margin track")
-        if ra.environment:
+        source_a = (
+            read.margin_at_divergence.a.source if read.margin_at_divergence is not None else None
+        )
+        if source_a == "reconstructed":
             notes.append(
                 "the logged format was re-run here for its margin at t* and the single-step "
                 "re-run: its environment is shown"
             )
+        elif ra.environment:
+            # The margin at t* came from the logged top-k (or was unavailable): the re-run here
+            # was the single-step one only.
+            notes.append(
+                "the logged format was re-run here for the single-step re-run only (its margin "
+                f"at t* is {_SOURCE_WORDS.get(source_a or '', 'not known')}): its environment "
+                "is shown"
+            )
         arm_a = Arm(
             name="a",
             label="logged",
-            tokens=_tokens(a_ids, t_star, start),
+            tokens=[],
             n_tokens=len(a_ids),
             text=trace.output_text,
             margins=a_margins,
             requested=logged_config,
             environment=ra.environment,
             notes=notes,
+            pieces=_pieces(trace.output_token_pieces or ra.token_pieces, len(a_ids)),
         )
     else:
         a_ids = ra.output_token_ids or []
@@ -175,12 +267,13 @@ def build(
             Arm(
                 name="a",
                 label=arm_label(comp.a, targets),
-                tokens=_tokens(a_ids, t_star, start),
+                tokens=[],
                 n_tokens=len(a_ids),
                 text=ra.text,
                 margins=ra.margins,
                 requested={"target": run.targets[comp.a], "engine": ra.target},
                 environment=ra.environment,
+                pieces=_pieces(ra.token_pieces, len(a_ids)),
             ),
             ra,
         )
@@ -188,15 +281,20 @@ def build(
         Arm(
             name="b",
             label=arm_label(comp.b, targets),
-            tokens=_tokens(b_ids, t_star, start),
+            tokens=[],
             n_tokens=len(b_ids),
             text=rb.text,
             margins=rb.margins,
             requested={"target": run.targets[comp.b], "engine": rb.target},
             environment=rb.environment,
+            pieces=_pieces(rb.token_pieces, len(b_ids)),
         ),
         rb,
     )
+    margins = ((arm_a.label, arm_a.margins), (arm_b.label, arm_b.margins))
+    for arm, ids in ((arm_a, a_ids), (arm_b, b_ids)):
+        arm.tokens = _tokens(ids, arm.pieces, t_star, start, margins)
+        arm.split_text = _split_text(arm.pieces, t_star)
     if arm_b.margins is None and result.status == "ok":
         arm_b.notes.append("this result predates stored margin tracks")
     fired_a = set(arm_a.gate_fired_steps or [])
@@ -216,6 +314,8 @@ def build(
                     gate_fired_a=t in fired_a,
                     gate_fired_b=t in fired_b,
                     is_t_star=t == t_star,
+                    text_a=_shown_at(arm_a.pieces, t),
+                    text_b=_shown_at(arm_b.pieces, t),
                 )
             )
     iv = ((rb.target or {}).get("intervention")) or {}
@@ -247,4 +347,5 @@ def build(
         ),
         logged_top_k=top_k,
         margin_at_divergence=read.margin_at_divergence,
+        c_against_logged=c_against_logged(comp, targets),
     )

@@ -111,6 +111,9 @@ def test_a_generate_until_sample_becomes_a_re_tokenised_trace() -> None:
     prompt_ids = TOKENIZER("Question: 2 + 2 =\nAnswer:")["input_ids"]
     assert trace.prompt_token_ids == prompt_ids
     assert TOKENIZER.decode(trace.output_token_ids) == " 4\n"
+    # The checkpoint's tokenizer gives each output token's piece: they spell the response.
+    assert trace.output_token_pieces is not None
+    assert "".join(str(p) for p in trace.output_token_pieces) == " 4\n"
     assert trace.reference_answer == "4"  # the task's target
     assert trace.external_id == "lm-eval:arith:3:1733000000.5"
     assert trace.tags == ["lm-eval", "task=arith"]

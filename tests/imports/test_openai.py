@@ -325,3 +325,52 @@ def test_what_no_response_carries_must_be_given(values: dict[str, object], field
     with pytest.raises(FieldError) as err:
         build_trace(gen, ImportContext.model_validate(values), "openai")
     assert err.value.field == field
+
+
+def test_chat_token_bytes_become_the_traces_pieces(context: ImportContext) -> None:
+    """`logprobs.content[].bytes` are each token's bytes (vLLM writes them with "token_id:"
+    tokens too): they become the pieces, bytes that are not text alone kept as bytes."""
+    response = load_fixture("vllm_chat_token_ids.json")
+    content = response["choices"][0]["logprobs"]["content"]
+    content[1]["bytes"] = [226, 130]  # the first two bytes of "€": not text alone
+    [trace] = traces_from_item("openai", response, context)
+    assert trace.output_token_pieces is not None
+    assert len(trace.output_token_pieces) == len(trace.output_token_ids)
+    assert trace.output_token_pieces[0] == " the"
+    assert trace.output_token_pieces[1] == [226, 130]
+    assert trace.output_token_pieces[3] == ""  # eos: no bytes
+
+
+def test_chat_token_strings_are_pieces_and_placeholders_are_not(
+    context: ImportContext,
+) -> None:
+    response = load_fixture("vllm_chat_token_ids.json")
+    content = response["choices"][0]["logprobs"]["content"]
+    for entry, text in zip(content, [" the", " cat", " sat", "bytes:\\xe2\\x82"], strict=True):
+        entry["token"] = text
+        del entry["bytes"]
+    [trace] = traces_from_item("openai", response, context)
+    # OpenAI's legacy spelling of a partial character is read as its bytes.
+    assert trace.output_token_pieces == [" the", " cat", " sat", [226, 130]]
+
+    response = load_fixture("vllm_chat_token_ids.json")
+    for entry in response["choices"][0]["logprobs"]["content"]:
+        entry["bytes"] = list(entry["token"].encode())  # bytes of the placeholder itself
+    [trace] = traces_from_item("openai", response, context)
+    assert trace.output_token_pieces is None  # a placeholder is no text: ids are shown
+
+    response = load_fixture("vllm_chat_token_ids.json")
+    del response["choices"][0]["logprobs"]["content"][2]["bytes"]  # one token without text
+    [trace] = traces_from_item("openai", response, context)
+    assert trace.output_token_pieces is None  # a partial record is not stored
+
+
+def test_completion_token_strings_become_pieces(context: ImportContext) -> None:
+    response = load_fixture("vllm_completion_token_ids.json")
+    choice = response["choices"][1]
+    choice["token_ids"] = [29871, 29955, 13]
+    choice["prompt_token_ids"] = [1, 7]
+    choice["logprobs"]["tokens"] = [" ", "7", "\n"]
+    response["choices"] = [choice]
+    [trace] = traces_from_item("openai", response, context)
+    assert trace.output_token_pieces == [" ", "7", "\n"]

@@ -124,3 +124,17 @@ def test_bad_answers_are_refused_naming_the_field(
     with pytest.raises(FieldError) as err:
         traces_from_item("sglang", answer, context)
     assert err.value.field == field, err.value.message
+
+
+def test_token_texts_in_the_logprobs_become_the_traces_pieces(context: ImportContext) -> None:
+    """With `return_text_in_logprobs` each (logprob, id, text) tuple carries the token's text:
+    the pieces. Without it (text null) the trace has none."""
+    answer = load_fixture("sglang_generate.json")
+    [trace] = traces_from_item("sglang", {"request": REQUEST, "response": answer}, context)
+    assert trace.output_token_pieces is None
+    texts = [" the", " cat", " sat", "\x00"]
+    for entry, text in zip(answer["meta_info"]["output_token_logprobs"], texts, strict=True):
+        entry[2] = text
+    [trace] = traces_from_item("sglang", {"request": REQUEST, "response": answer}, context)
+    # A NUL (no database stores it in text) is kept as its byte.
+    assert trace.output_token_pieces == [" the", " cat", " sat", [0]]

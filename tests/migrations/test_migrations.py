@@ -193,3 +193,50 @@ def test_0006_gives_webhooks_a_secret_and_scrubs_stored_answers(empty_db_url: st
         (None, None, True),
     ]
     assert last_error == "http_5xx" and "detail" not in json.dumps(stored)
+
+
+def test_0008_adds_token_pieces_keeping_traces_stored_before(empty_db_url: str) -> None:
+    """A trace stored before 0008 has no pieces (null) and keeps everything else; pieces are
+    stored after it; down to 0006 drops the column and keeps the trace, and up again works."""
+    from sqlalchemy import text
+
+    migration.upgrade(empty_db_url, "0006")
+    engine = create_engine(empty_db_url)
+    try:
+        with engine.begin() as c:
+            c.execute(
+                text("INSERT INTO projects (id, name, created_at) VALUES (1, 'p', :t)"),
+                {"t": "2026-01-01 00:00:00"},
+            )
+            c.execute(
+                text(
+                    "INSERT INTO numerical_configs (id, public_id, content_sha256, config_json,"
+                    " dtype, lm_head_dtype, attn_kernel, device, batch_size, created_at) VALUES"
+                    " (1, 'nc_1', :h, '{}', 'bf16', 'bf16', 'eager', 'cpu', 1, :t)"
+                ),
+                {"h": "a" * 64, "t": "2026-01-01 00:00:00"},
+            )
+            c.execute(
+                text(
+                    "INSERT INTO traces (id, public_id, project_id, config_id, model_name,"
+                    " weights_sha256, vocab_size, decoding, prompt_token_ids, output_token_ids,"
+                    " n_prompt_tokens, n_output_tokens, tags, content_sha256, created_at) VALUES"
+                    " (1, 'tr_1', 1, 1, 'm', :h, 10, '{}', :b, :b, 1, 1, '[]', :h, :t)"
+                ),
+                {"h": "b" * 64, "b": b"\x01\x00\x00\x00", "t": "2026-01-01 00:00:00"},
+            )
+        migration.upgrade(empty_db_url, "0008")
+        with engine.begin() as c:
+            assert c.execute(text("SELECT output_token_pieces FROM traces")).scalar() is None
+            c.execute(text("UPDATE traces SET output_token_pieces = :p"), {"p": '[" a", [226]]'})
+        migration.downgrade(empty_db_url, "0006")
+        with engine.connect() as c:
+            assert c.execute(text("SELECT public_id FROM traces")).scalar() == "tr_1"
+        engine.dispose()
+        columns = {col["name"] for col in inspect(engine).get_columns("traces")}
+        assert "output_token_pieces" not in columns
+        migration.upgrade(empty_db_url, "0008")
+        with engine.connect() as c:
+            assert c.execute(text("SELECT output_token_pieces FROM traces")).scalar() is None
+    finally:
+        engine.dispose()

@@ -237,3 +237,28 @@ def test_many_traces_in_one_batch(client: TestClient, headers: Headers, db_url: 
     ids = [r["id"] for r in results]
     assert len(set(ids)) == 120 and ids == sorted(ids)  # time-ordered ids in request order
     assert count_rows(db_url, Trace) == 120
+
+
+def test_token_pieces_are_stored_canonical_and_are_content(
+    client: TestClient, headers: Headers
+) -> None:
+    """Pieces read back as sent, except byte lists that are valid text alone, which are stored
+    as that text; they are part of the trace's content (a repeat is the same trace, the same
+    tokens without pieces another one), and a trace without pieces reads back null."""
+    writer, reader = headers("submitter"), headers("auditor")
+    trace = make_trace(n_output=4, seed=77)
+    # "é" split over two tokens (two bytes that are not text alone), then "hi" sent as bytes.
+    trace["output_token_pieces"] = [" caf", [195], [169], [104, 105]]
+    first = client.post("/v1/traces", json=trace, headers=writer).json()
+    assert first["created"] is True
+    got = client.get(f"/v1/traces/{first['id']}", headers=reader).json()
+    assert got["output_token_pieces"] == [" caf", [195], [169], "hi"]
+
+    again = client.post("/v1/traces", json=trace, headers=writer).json()
+    assert (again["id"], again["created"]) == (first["id"], False)
+    bare = dict(trace)
+    del bare["output_token_pieces"]
+    other = client.post("/v1/traces", json=bare, headers=writer).json()
+    assert other["created"] is True and other["id"] != first["id"]
+    got = client.get(f"/v1/traces/{other['id']}", headers=reader).json()
+    assert got["output_token_pieces"] is None

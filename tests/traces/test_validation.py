@@ -114,6 +114,19 @@ ITEM_CASES: list[tuple[str, Mutation, int, str]] = [
     ("NUL in prompt text", _set("prompt_text", "\x00"), 422, "prompt_text"),
     ("NUL in an extras key", _set("config.extras", {"k\x00": 1}), 422, "config.extras"),
     ("NUL in an extras value", _set("config.extras", {"k": "\x00"}), 422, "config.extras.k"),
+    # Token pieces: one per output token, each a string or a list of byte values.
+    ("fewer pieces than tokens", _set("output_token_pieces", ["a"] * 5), 422,
+     "output_token_pieces"),
+    ("more pieces than tokens", _set("output_token_pieces", ["a"] * 7), 422,
+     "output_token_pieces"),
+    ("piece byte above 255", _set("output_token_pieces", ["a", [256], "b", "c", "d", "e"]), 422,
+     "output_token_pieces[1]"),
+    ("piece a number", _set("output_token_pieces", ["a", "b", 7, "c", "d", "e"]), 422,
+     "output_token_pieces[2]"),
+    ("NUL in a piece", _set("output_token_pieces", ["a", "b", "c", "\x00", "d", "e"]), 422,
+     "output_token_pieces[3]"),
+    ("empty byte piece", _set("output_token_pieces", ["a", [], "b", "c", "d", "e"]), 422,
+     "output_token_pieces[1]"),
 ]
 
 

@@ -325,12 +325,19 @@ def test_trace_page_highlights_t_star_and_shows_both_arms(
     html = ui_client().get(f"/ui/runs/{seeded_run.run_id}/traces/{trace_id}").text
     assert f"t* = {t_star}" in html
     replayed = row["detail"]["replay_output_token_ids"][t_star]
+    # Each token shows its piece (the worker stored them); its tooltip names its step, its id
+    # and both arms' margins there.
+    piece = row["arms"]["b"]["token_pieces"][t_star]
     assert re.search(
-        rf'<mark class="tok t-star" id="t-star-b" title="t\* = step {t_star}: token '
-        rf'{replayed}">{replayed}</mark>',
+        rf'<mark class="tok t-star piece" id="t-star-b" title="t\* = step {t_star}: token '
+        rf'{replayed} · margin logged [-0-9.e]+ · margin T0: [^"]* [-0-9.e]+">'
+        rf"{re.escape(piece)}</mark>",
         html,
     )
     assert 'id="t-star-a"' in html
+    # The steps around t* show each arm's token with its piece too.
+    row_html = re.search(r'<tr class="t-star-row">(.*?)</tr>', html, re.S)
+    assert row_html is not None and f'<code class="piece">{piece}</code>' in row_html.group(1)
     # arm B's gate firings on the track; arm A is the logged trace here, not run: none drawn
     assert html.count('class="gate gate-b"') == row["gate_triggers"]
     assert row["arms"]["a"]["gate_fired_steps"] is None and 'class="gate gate-a"' not in html
@@ -338,7 +345,14 @@ def test_trace_page_highlights_t_star_and_shows_both_arms(
     text = unescape(html)
     assert '"dtype": "fp16"' in text and '"engine": {' in text  # requested and actual
     assert "Actual environment" in html
-    assert row["detail"]["replay_text"].strip() in html
+    # The side-by-side texts are rebuilt from the pieces, t* and everything after it marked.
+    shown = re.search(r'<pre class="text pieces-text" id="text-b">(.*?)</pre>', html, re.S)
+    assert shown is not None
+    assert unescape(re.sub(r"<[^>]+>", "", shown.group(1))) == row["detail"]["replay_text"]
+    at = re.search(
+        r'<span class="text-t-star"[^>]*>([^<]*)</span><span class="text-after">', shown.group(1)
+    )
+    assert at is not None and unescape(at.group(1)) == piece
     exact = (
         ui_client()
         .get(f"/ui/runs/{seeded_run.run_id}/traces/{trace_id}", params={"comparison": 1})
