@@ -301,9 +301,13 @@ class PiecewiseDecoder:
         stream, lazy initialisations). Its inputs are the previous piece's static outputs
         and the attention buffers; the values they hold during capture do not matter: no
         piece touches the cache."""
+        with torch.cuda.device(self.body.device):
+            self._capture_on_device()
+
+    def _capture_on_device(self) -> None:
         stream_cls: Any = torch.cuda.Stream
-        side = stream_cls(device=self.body.device)
-        side.wait_stream(torch.cuda.current_stream(self.body.device))
+        side = stream_cls()
+        side.wait_stream(torch.cuda.current_stream())
         pool = torch.cuda.graph_pool_handle()
         graphs: list[Any] = []
         outputs: list[tuple[torch.Tensor, ...]] = []
@@ -318,10 +322,10 @@ class PiecewiseDecoder:
                 self._take(i, out)
                 graphs.append(graph)
                 outputs.append(out)
-            torch.cuda.current_stream(self.body.device).wait_stream(side)
+            torch.cuda.current_stream().wait_stream(side)
         except RuntimeError as exc:
             # An op that cannot be captured (a host sync): run the pieces uncaptured.
-            torch.cuda.synchronize(self.body.device)
+            torch.cuda.synchronize()
             self.capture_error = f"{type(exc).__name__}: {exc}"[:300]
             return
         self.graphs, self._graph_outputs = graphs, outputs
