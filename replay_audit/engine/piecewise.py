@@ -300,9 +300,21 @@ class PiecewiseDecoder:
         run once uncaptured on the same stream first (cuBLAS's handle and workspace for that
         stream, lazy initialisations). Its inputs are the previous piece's static outputs
         and the attention buffers; the values they hold during capture do not matter: no
-        piece touches the cache."""
-        with torch.cuda.device(self.body.device):
-            self._capture_on_device()
+        piece touches the cache.
+
+        Captured without torch's deterministic filling of uninitialised memory (which, with
+        deterministic algorithms on, writes NaN into every buffer an op allocates through
+        `empty` before the op overwrites all of it: a few hundred tiny kernels per step that
+        change no value). Everything else, deterministic algorithms included, is as eager;
+        `check` compares the result with the dynamic path, which fills."""
+        deterministic: Any = torch.utils.deterministic
+        fill = deterministic.fill_uninitialized_memory
+        deterministic.fill_uninitialized_memory = False
+        try:
+            with torch.cuda.device(self.body.device):
+                self._capture_on_device()
+        finally:
+            deterministic.fill_uninitialized_memory = fill
 
     def _capture_on_device(self) -> None:
         stream_cls: Any = torch.cuda.Stream
