@@ -31,11 +31,13 @@ On the CPU, or where capture fails, the same pieces run without graphs.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils.deterministic
 
 from replay_audit.engine.decoder import Body, DynamicDecoder, StepOutput
 from replay_audit.engine.numerics import (
@@ -312,32 +314,33 @@ class PiecewiseDecoder:
         deterministic.fill_uninitialized_memory = False
         try:
             with torch.cuda.device(self.body.device):
-                self._capture_on_device()
+                self.graphs, self._graph_outputs = self._capture_on_device()
+        except Exception as exc:
+            # An op that cannot be captured (a host sync), or anything else: run uncaptured.
+            self.graphs, self._graph_outputs = [], []
+            self.capture_error = f"{type(exc).__name__}: {exc}"[:300]
+            if torch.cuda.is_available():
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize()
         finally:
             deterministic.fill_uninitialized_memory = fill
 
-    def _capture_on_device(self) -> None:
+    def _capture_on_device(self) -> tuple[list[Any], list[tuple[torch.Tensor, ...]]]:
         stream_cls: Any = torch.cuda.Stream
         side = stream_cls()
         side.wait_stream(torch.cuda.current_stream())
         pool = torch.cuda.graph_pool_handle()
         graphs: list[Any] = []
         outputs: list[tuple[torch.Tensor, ...]] = []
-        try:
-            for i in range(len(self.layers) + 1):
-                with torch.cuda.stream(side):
-                    self._piece(i)  # warm-up, uncaptured
-                side.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=side):
-                    out = self._piece(i)
-                self._take(i, out)
-                graphs.append(graph)
-                outputs.append(out)
-            torch.cuda.current_stream().wait_stream(side)
-        except RuntimeError as exc:
-            # An op that cannot be captured (a host sync): run the pieces uncaptured.
-            torch.cuda.synchronize()
-            self.capture_error = f"{type(exc).__name__}: {exc}"[:300]
-            return
-        self.graphs, self._graph_outputs = graphs, outputs
+        for i in range(len(self.layers) + 1):
+            with torch.cuda.stream(side):
+                self._piece(i)  # warm-up, uncaptured
+            side.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=side):
+                out = self._piece(i)
+            self._take(i, out)
+            graphs.append(graph)
+            outputs.append(out)
+        torch.cuda.current_stream().wait_stream(side)
+        return graphs, outputs

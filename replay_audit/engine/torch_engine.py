@@ -288,7 +288,12 @@ class TorchEngine:
             except ValueError as exc:
                 self._piecewise_error = str(exc)
                 return None
-            if piecewise.check(context):
+            try:
+                passed = piecewise.check(context)
+            except Exception as exc:  # a transformers version whose pieces do not fit
+                self._piecewise_error = f"check raised {type(exc).__name__}: {exc}"
+                return None
+            if passed:
                 self._piecewise = piecewise
             else:
                 self._piecewise_error = f"check failed: {piecewise.check_result}"

@@ -159,6 +159,39 @@ def test_a_failed_check_decodes_dynamically_and_says_why(
     assert extras["piecewise_error"].startswith("check failed: step 1 differs")
 
 
+def test_a_check_that_raises_decodes_dynamically_and_says_why(
+    real_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transformers version whose functions do not fit the pieces raises in the check: the
+    engine decodes dynamically and records what was raised."""
+
+    def broken(self: PiecewiseDecoder, token: int) -> StepOutput:
+        raise TypeError("create_causal_mask() got an unexpected keyword argument")
+
+    monkeypatch.setattr(PiecewiseDecoder, "step", broken)
+    engine = TorchEngine.load(real_dir, Target("bf16"), device="cpu", cache="piecewise")
+    dynamic = TorchEngine.load(real_dir, Target("bf16"), device="cpu", cache="dynamic")
+    prompt = _prompts(engine)[1]
+    a, b = engine.decode(prompt, N, [EOS]), dynamic.decode(prompt, N, [EOS])
+    assert a.output_token_ids == b.output_token_ids
+    extras = engine.environment()["extras"]
+    assert extras["decoder"] == "dynamic"
+    assert extras["piecewise_error"].startswith("check raised TypeError: create_causal_mask")
+
+
+@torch.inference_mode()
+def test_a_failed_capture_runs_the_pieces_uncaptured(real_engine: EngineOf) -> None:
+    """Asked for graphs where none can be captured (no CUDA here), the decoder records why and
+    runs the same pieces uncaptured: still the dynamic path's bits."""
+    engine = real_engine("bf16")
+    piecewise = PiecewiseDecoder(engine.body, engine.head, graphs=True)
+    prompt = _prompts(engine)[2]
+    _, outs = _greedy(piecewise, prompt, 8)
+    _, ref = _greedy(DynamicDecoder(engine.body, engine.head), prompt, 8)
+    assert piecewise.capture_error is not None and not piecewise.graphs
+    assert all(torch.equal(a.logits, b.logits) for a, b in zip(outs, ref, strict=True))
+
+
 def test_models_it_does_not_follow_decode_dynamically(tmp_path: Path) -> None:
     """A body of other classes (here Mistral's) is refused by name, and the engine decodes it
     with the dynamic path, saying why."""
