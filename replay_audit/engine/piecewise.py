@@ -168,9 +168,20 @@ class PiecewiseDecoder:
 
     def step(self, token: int) -> StepOutput:
         """One token at the next position: the pieces (graph replays or eager) with the eager
-        attention between them, then one device-to-host copy of the top-k."""
+        attention between them, then one device-to-host copy of the top-k. Without torch's
+        deterministic NaN-filling of fresh buffers, as the graphs were captured (`_capture`:
+        it changes no value, and the eager attention launches fewer kernels)."""
         if self._want_graphs and not self.graphs and self.capture_error is None:
             self._capture()
+        deterministic: Any = torch.utils.deterministic
+        fill = deterministic.fill_uninitialized_memory
+        deterministic.fill_uninitialized_memory = False
+        try:
+            return self._step(token)
+        finally:
+            deterministic.fill_uninitialized_memory = fill
+
+    def _step(self, token: int) -> StepOutput:
         self.token.fill_(token)
         self.position.fill_(self._position)
         self._run(0)
