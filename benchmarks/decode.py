@@ -21,9 +21,10 @@ at the mean length) over the better of the two bandwidths. Each speed is also gi
 percentage of it, and of `--reference-bound` (686 tok/s, the bound BENCHMARKS.md has used for
 the TinyLlama shape).
 
-`--identity DTYPE...`: in each body dtype, `--identity-prompts` random prompts of 8 to 96
-tokens: transformers' `generate()` (greedy, eos as the model's generation config says, raw
-logits) against the piecewise decoder, token for token and each step's float32 logits with
+`--identity DTYPE...`: in each body dtype (after the speeds, or before with `--identity-first`),
+`--identity-prompts` random prompts of 8 to 96 tokens, `--identity-tokens` new tokens each:
+transformers' `generate()` (greedy, eos as the model's generation config says, raw logits)
+against the piecewise decoder, token for token and each step's float32 logits with
 `torch.equal`, and against the dynamic decoder (hidden states and logits, the first
 `--identity-dynamic-tokens` steps); plus the engine's own piecewise decode (its first-decode
 check included) against `generate()`'s tokens. A random-weight model has near-ties everywhere,
@@ -31,8 +32,9 @@ so any difference in bits shows up as a flipped token quickly.
 
 Every measurement is guarded: an exception is recorded (`{"error": ...}`) and the run goes on;
 `--out` is rewritten after each one, so a run cut short keeps what it measured. `--budget-s`
-skips what would start after that many seconds. `--quick`: 128 tokens, 2 repeats, 4 identity
-prompts of 32 tokens (8 against the dynamic path).
+skips what would start after that many seconds. Defaults: 256 tokens, 3 repeats, 16 identity
+prompts of 48 tokens (24 against the dynamic path); `--quick`: 128 tokens, 2 repeats, 4
+identity prompts of 32 tokens (8 against the dynamic path).
 """
 
 from __future__ import annotations
@@ -187,9 +189,12 @@ def main() -> None:
     ap.add_argument("--reference-bound", type=float, default=REFERENCE_BOUND)
     ap.add_argument("--identity", nargs="*", default=[], help="dtypes: identity vs generate()")
     ap.add_argument("--identity-prompts", type=int, default=None, help="default 16 (quick 4)")
-    ap.add_argument("--identity-tokens", type=int, default=None, help="default 64 (quick 32)")
+    ap.add_argument("--identity-tokens", type=int, default=None, help="default 48 (quick 32)")
     ap.add_argument(
-        "--identity-dynamic-tokens", type=int, default=None, help="default 32 (quick 8)"
+        "--identity-dynamic-tokens", type=int, default=None, help="default 24 (quick 8)"
+    )
+    ap.add_argument(
+        "--identity-first", action="store_true", help="identity before speed (budget order)"
     )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget-s", type=float, default=None, help="skip what starts after this")
@@ -200,8 +205,8 @@ def main() -> None:
     repeats = args.repeats or (2 if quick else 3)
     slow_repeats = args.dynamic_repeats or repeats
     id_prompts = args.identity_prompts or (4 if quick else 16)
-    id_tokens = args.identity_tokens or (32 if quick else 64)
-    id_dynamic = args.identity_dynamic_tokens or (8 if quick else 32)
+    id_tokens = args.identity_tokens or (32 if quick else 48)
+    id_dynamic = args.identity_dynamic_tokens or (8 if quick else 24)
     gated_variants = ENGINE_VARIANTS if args.gated is None else tuple(args.gated)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -345,6 +350,17 @@ def main() -> None:
             "output_token_ids": runs[-1][1],
         }
 
+    def identities() -> None:
+        for dtype in args.identity:
+            report.guarded(
+                f"identity_{dtype}",
+                functools.partial(identity, args, dtype, model, id_prompts, id_tokens, id_dynamic),
+            )
+            if device.type == "cuda":  # what another dtype's model held
+                torch.cuda.empty_cache()
+
+    if args.identity_first:
+        identities()
     for name in args.variants:
         fn = hf_speed if name in HF_VARIANTS else engine_speed
         report.guarded(name, functools.partial(fn, name))
@@ -381,13 +397,8 @@ def main() -> None:
 
         report.guarded("profile_" + args.profile, profile)
 
-    if args.identity:
-        for dtype in args.identity:
-            report.guarded(
-                f"identity_{dtype}",
-                functools.partial(identity, args, dtype, model, id_prompts, id_tokens, id_dynamic),
-            )
-            model = None  # each dtype builds its own (one at a time on the device)
+    if not args.identity_first:
+        identities()
 
     print(json.dumps(results, indent=2, default=str))
     print(
@@ -424,11 +435,8 @@ def identity(
     target = Target(dtype, attn_kernel=args.attn_kernel)
     if model is not None and next(model.parameters()).dtype != TORCH_DTYPES[dtype]:
         model = None
-    if model is None:
-        if args.device in (None, "cuda") and torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        if args.tinyllama:
-            model = random_tinyllama(dtype, args.device, args.attn_kernel)
+    if model is None and args.tinyllama:
+        model = random_tinyllama(dtype, args.device, args.attn_kernel)
     engine = build_engine(args.model, target, args.device, model=model, cache="piecewise")
     model = engine.model
     device = engine.device

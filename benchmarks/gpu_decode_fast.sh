@@ -4,9 +4,9 @@
 #   1. tok/s and % of the HBM bound (measured in the same run) of transformers' generate(), a
 #      plain transformers KV-cache loop, our dynamic path, the piecewise path (CUDA graphs
 #      around an eager attention) and the static/compiled paths, gated C on piecewise/compiled;
-#   2. identity of the piecewise path with generate() on 16 random prompts (64 tokens) in bf16
+#   2. first, identity of the piecewise path with generate() on 16 random prompts (48 tokens) in bf16
 #      and fp16: tokens, each step's float32 logits bitwise, and the dynamic path's hidden
-#      states and logits bitwise (first 32 steps);
+#      states and logits bitwise (first 24 steps);
 #   3. the engine's piecewise GPU tests (SKIP_TESTS=1 leaves them out).
 # JSON in $OUT/decode_fast.json (rewritten after each measurement: a run cut short keeps what it
 # measured; errors are recorded there, never fatal), logs beside it, a summary on stdout.
@@ -21,16 +21,16 @@ QUICK=""; [ "${1:-}" = "--quick" ] && QUICK="--quick"
   python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_capability())"
 } 2>&1 | tee "$OUT/env.txt"
 
-timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/decode.py --tinyllama --device cuda --dtype bf16 \
+timeout ${BENCH_TIMEOUT:-290} python3 benchmarks/decode.py --tinyllama --device cuda --dtype bf16 \
     --tokens ${TOKENS:-256} --repeats ${REPEATS:-5} --dynamic-repeats 1 $QUICK \
     --variants piecewise dynamic hf_generate hf_kv_loop static compiled \
     --gated piecewise compiled --max-cache-len 4096 --hbm \
-    --identity bf16 fp16 --budget-s ${BUDGET_S:-280} \
+    --identity bf16 fp16 --identity-first --budget-s ${BUDGET_S:-240} \
     --out "$OUT/decode_fast.json" > /dev/null 2> "$OUT/decode_fast.log"
 echo "decode.py exit $?"
 
 if [ -z "$SKIP_TESTS" ]; then
-  timeout ${TEST_TIMEOUT:-120} python3 -m pytest -m gpu tests/engine/test_engine_gpu.py \
+  timeout ${TEST_TIMEOUT:-60} python3 -m pytest -m gpu tests/engine/test_engine_gpu.py \
       --confcutdir=tests/engine -q -p no:cacheprovider -rfE -k "piecewise or self_replay" \
       > "$OUT/gpu_tests.log" 2>&1
   echo "pytest exit $?"; tail -n 5 "$OUT/gpu_tests.log"
