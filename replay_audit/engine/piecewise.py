@@ -137,6 +137,11 @@ class PiecewiseDecoder:
         #: The attention output of each layer, where the next piece reads it (o_proj's input).
         self.attn_out = [torch.zeros((b, 1, width), dtype=dtype, device=dev) for _ in self.layers]
         self.kk = top_k_size(0, head.vocab_size)
+        #: Per layer, what its eager attention needs (looked up once: the step is host-bound).
+        self._attention_args = [
+            (layer.self_attn, layer.self_attn.layer_idx, layer.self_attn.scaling, buffer)
+            for layer, buffer in zip(self.layers, self.attn_out, strict=True)
+        ]
         # The pieces' live outputs: the residual stream, RoPE's cos/sin, this layer's q/k/v.
         self._h: torch.Tensor = self.attn_out[0]
         self._cos: torch.Tensor = self.attn_out[0]
@@ -196,11 +201,10 @@ class PiecewiseDecoder:
             past_key_values=cache,
             position_ids=positions,
         )
-        for i, layer in enumerate(self.layers):
+        for i, (attn, layer_idx, scaling, buffer) in enumerate(self._attention_args):
             assert self._qkv is not None
             q, k, v = self._qkv
-            attn = layer.self_attn
-            keys, values = cache.update(k, v, attn.layer_idx)
+            keys, values = cache.update(k, v, layer_idx)
             out, _ = self._attention(
                 attn,
                 q,
@@ -208,11 +212,11 @@ class PiecewiseDecoder:
                 values,
                 mask,
                 dropout=0.0,
-                scaling=attn.scaling,
+                scaling=scaling,
                 position_ids=positions,
                 use_cache=True,
             )
-            self.attn_out[i].copy_(out.reshape(self.attn_out[i].shape))
+            buffer.copy_(out.reshape(buffer.shape))
             self._run(i + 1)
         self._position += 1
         assert self._last is not None
