@@ -20,7 +20,8 @@ token), so the step is cut at each attention:
 Each piece calls the modules and functions transformers' forward calls (the layer's own norms,
 projections and MLP, its modeling module's `apply_rotary_pos_emb`, the configured attention
 function), in the same order, on tensors of the same shapes, dtypes and strides, with the same
-process-wide flags (deterministic algorithms stay on). A CUDA graph replays the kernels its
+process-wide flags (deterministic algorithms stay on; only the NaN-filling of fresh buffers is
+off during a step, which changes no value). A CUDA graph replays the kernels its
 capture launched, with the same arguments; cuBLAS chooses its kernel from the shapes, the
 alignment and the workspace size, which `CUBLAS_WORKSPACE_CONFIG` sets alike for the capture
 stream and the eager one. So the logits equal the dynamic path's bit for bit; `check` verifies
