@@ -8,6 +8,7 @@
 #      and fp16: tokens, each step's float32 logits bitwise, and the dynamic path's hidden
 #      states and logits bitwise (first 24 steps);
 #   3. the engine's piecewise GPU tests (SKIP_TESTS=1 leaves them out).
+# PROFILE=1 adds the piecewise decode's top kernels (in the JSON and the log: host- or GPU-bound?).
 # JSON in $OUT/decode_fast.json (rewritten after each measurement: a run cut short keeps what it
 # measured; errors are recorded there, never fatal), logs beside it, a summary on stdout.
 #   bash benchmarks/gpu_decode_fast.sh [--quick]
@@ -25,7 +26,7 @@ timeout ${BENCH_TIMEOUT:-290} python3 benchmarks/decode.py --tinyllama --device 
     --tokens ${TOKENS:-256} --repeats ${REPEATS:-5} --dynamic-repeats 1 $QUICK \
     --variants piecewise dynamic hf_generate hf_kv_loop static compiled \
     --gated piecewise compiled --max-cache-len 4096 --hbm \
-    --identity bf16 fp16 --identity-first --budget-s ${BUDGET_S:-240} \
+    --identity bf16 fp16 --identity-first --budget-s ${BUDGET_S:-240} ${PROFILE:+--profile piecewise} \
     --out "$OUT/decode_fast.json" > /dev/null 2> "$OUT/decode_fast.log"
 echo "decode.py exit $?"
 
