@@ -100,9 +100,11 @@ CATEGORIES: Final[tuple[Category, ...]] = (
 )
 
 #: KV cache of the engine's decode: dynamic (token-identical to transformers' generate()),
-#: static (fixed-size, CUDA-graph capturable) or compiled (torch.compile + CUDA graph).
-CacheKind = Literal["dynamic", "static", "compiled"]
-CACHE_KINDS: Final[tuple[CacheKind, ...]] = ("dynamic", "static", "compiled")
+#: piecewise (the dynamic cache with the rest of each step in CUDA graphs: the dynamic path's
+#: logits bit for bit, fast on a GPU), static (fixed-size, CUDA-graph capturable) or compiled
+#: (torch.compile + CUDA graph). The last two can flip near-ties against generate().
+CacheKind = Literal["dynamic", "piecewise", "static", "compiled"]
+CACHE_KINDS: Final[tuple[CacheKind, ...]] = ("dynamic", "piecewise", "static", "compiled")
 
 #: Where an arm's margin at t* came from: the logged top-k, a re-run of the logged format on
 #: the worker, the arm's own decode or scan here, or nowhere.

@@ -14,6 +14,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from replay_audit.cli import app
+from replay_audit.formats import CACHE_KINDS
 
 _DTYPES = ("fp32", "bf16", "fp16")
 _HEAD_DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
@@ -157,12 +158,13 @@ def replay(
     top_k: Annotated[int, typer.Option(min=2, max=20, help="Top-k kept per step.")] = 5,
     extractor: Annotated[str | None, typer.Option(help="Answer extractor, e.g. gsm8k.")] = None,
     kv_cache: Annotated[
-        str,
+        str | None,
         typer.Option(
-            help="dynamic (as generate()), static (CUDA graph on a GPU) or compiled "
-            "(torch.compile + CUDA graph: the fast GPU path)."
+            help="dynamic (as generate()), piecewise (as generate(), CUDA graphs around the "
+            "attention: the fast faithful GPU path), static (CUDA graph on a GPU) or compiled "
+            "(torch.compile + CUDA graph). Default: piecewise on CUDA, dynamic on the CPU."
         ),
-    ] = "dynamic",
+    ] = None,
     summary_json: Annotated[Path | None, typer.Option(help="Also write the summary here.")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
 ) -> None:
@@ -183,7 +185,7 @@ def replay(
     _choice(lm_head_dtype, _HEAD_DTYPES, "--lm-head-dtype")
     _choice(intervention, ("none", "A", "B", "C"), "--intervention")
     _choice(mode, ("decode", "scan", "scan_then_decode"), "--mode")
-    _choice(kv_cache, ("dynamic", "static", "compiled"), "--kv-cache")
+    _choice(kv_cache, CACHE_KINDS, "--kv-cache")
     if tau is not None and tau_ulps is not None:
         _fail("give --tau or --tau-ulps, not both")
     iv = Intervention(

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from replay_audit.cli import app
+from replay_audit.formats import CACHE_KINDS
 
 
 @app.command()
@@ -22,12 +23,14 @@ def worker(
     ] = None,
     name: Annotated[str | None, typer.Option(help="Worker name shown by `rq info`.")] = None,
     kv_cache: Annotated[
-        str,
+        str | None,
         typer.Option(
-            help="dynamic (bit-identical to transformers generate()), static (CUDA graph) or "
-            "compiled (torch.compile + CUDA graph, the fast GPU path; recorded per result)."
+            help="dynamic (bit-identical to transformers generate()), piecewise (the same bits, "
+            "CUDA graphs around the attention: the fast faithful GPU path), static (CUDA graph) "
+            "or compiled (torch.compile + CUDA graph); recorded per result. Default: piecewise "
+            "on CUDA, dynamic on the CPU."
         ),
-    ] = "dynamic",
+    ] = None,
 ) -> None:
     """Run an RQ worker that replays traces (`REPLAY_AUDIT_RUNNER=rq`).
 
@@ -44,11 +47,11 @@ def worker(
     from replay_audit.replays.tasks import MAX_ENGINES, WorkerContext, install_worker_context
 
     settings = get_settings()
-    if kv_cache not in ("dynamic", "static", "compiled"):
-        raise typer.BadParameter("dynamic, static or compiled", param_hint="--kv-cache")
+    if kv_cache is not None and kv_cache not in CACHE_KINDS:
+        raise typer.BadParameter(", ".join(CACHE_KINDS), param_hint="--kv-cache")
     ready_database(settings)  # every job opens it: an unusable one fails here, once
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    pool = EnginePool(max_engines=MAX_ENGINES, device=device, cache=kv_cache)  # type: ignore[arg-type]
+    pool = EnginePool(max_engines=MAX_ENGINES, device=device, cache=kv_cache)
     install_worker_context(WorkerContext(settings, pool))
     connection = Redis.from_url(settings.redis_url)
     queues = [Queue(rq_name(settings, q), connection=connection) for q in queue]

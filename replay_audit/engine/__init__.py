@@ -31,16 +31,19 @@ def load_engine(
     device: str | None = None,
     deterministic: bool = True,
     tf32: bool = False,
-    cache: CacheKind = "dynamic",
+    cache: CacheKind | None = None,
     max_cache_len: int = 4096,
 ) -> Engine:
     """Load a local Hugging Face checkpoint (no network) in `target`'s format as a torch engine.
 
     `device` None picks CUDA when available, else the CPU. The deterministic-algorithms and TF32
     flags are process-wide torch settings: the engine sets them explicitly here and reports them
-    in `environment()`. `cache` "static" preallocates the KV cache (and on CUDA captures the decode
-    step in a CUDA graph) for `max_cache_len` tokens (longer decodes use the dynamic path);
-    "dynamic" grows it, as transformers' `generate()` does.
+    in `environment()`. `cache` (`formats.CacheKind`): "dynamic" grows the KV cache, as
+    transformers' `generate()` does; "piecewise" too, with the rest of each decode step in CUDA
+    graphs (the same logits bit for bit); "static" preallocates it (and on CUDA captures the
+    decode step in a CUDA graph) for `max_cache_len` tokens (longer decodes use the dynamic
+    path); "compiled" is "static" with the step compiled. None: "piecewise" on CUDA, else
+    "dynamic".
     """
     from replay_audit.engine.torch_engine import TorchEngine
 

@@ -10,10 +10,10 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
 
 from replay_audit.engine.hashing import safetensors_files, weights_sha256
 from replay_audit.engine.protocol import Engine, Target
+from replay_audit.formats import CacheKind
 
 Loader = Callable[[Path, Target], Engine]
 _PoolKey = tuple[str, tuple[str, str, str | None, int]]
@@ -34,12 +34,12 @@ class EnginePool:
         *,
         max_engines: int | None = None,
         device: str | None = None,
-        cache: Literal["dynamic", "static", "compiled"] = "dynamic",
+        cache: CacheKind | None = None,
         max_cache_len: int = 4096,
     ) -> None:
         self._loader = loader
         self._device = device
-        self._cache: Literal["dynamic", "static", "compiled"] = cache
+        self._cache = cache
         self._max_cache_len = max_cache_len
         self._max = max_engines
         self._engines: OrderedDict[_PoolKey, Engine] = OrderedDict()

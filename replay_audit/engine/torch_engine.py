@@ -28,6 +28,7 @@ from replay_audit.engine.loading import (
 )
 from replay_audit.engine.numerics import LmHead, decide, decide_rows, top_k_ordered, top_k_rows
 from replay_audit.engine.pieces import PieceReader
+from replay_audit.engine.piecewise import PiecewiseDecoder
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
     DecodeRun,
@@ -38,15 +39,20 @@ from replay_audit.engine.protocol import (
     Steps,
     Target,
 )
+from replay_audit.formats import CacheKind
 
-#: "dynamic": transformers' growing cache, token-identical to `generate()`. "static": a
-#: preallocated cache with the decode step captured in a CUDA graph. "compiled": "static" with the
-#: decode step compiled by `torch.compile` (inductor fuses the elementwise kernels) before it is
-#: captured; its bits may differ from "static"'s (fused RMSNorm, RoPE, SiLU).
-CacheKind = Literal["dynamic", "static", "compiled"]
+#: The cache kind when none is asked for (`default_cache_kind`): on CUDA the piecewise decode,
+#: whose logits are the dynamic path's bit for bit (checked on each engine's first decode; where
+#: the check fails the engine decodes dynamically and says so), elsewhere the dynamic one.
+DEFAULT_CUDA_CACHE_KIND: CacheKind = "piecewise"
 #: Static cache lengths are powers of two from this up to `max_cache_len`: a decode gets the
 #: smallest that holds it, so attention reads (and masks) as few unwritten positions as it can.
 MIN_STATIC_BUCKET = 256
+
+
+def default_cache_kind(device: torch.device) -> CacheKind:
+    """The decode path when none is asked for: the fastest faithful one for the device."""
+    return DEFAULT_CUDA_CACHE_KIND if device.type == "cuda" else "dynamic"
 
 
 class TorchEngine:
@@ -59,7 +65,7 @@ class TorchEngine:
         target: Target,
         device: torch.device,
         *,
-        cache: CacheKind = "dynamic",
+        cache: CacheKind | None = None,
         max_cache_len: int = 4096,
     ) -> None:
         self.model = model
@@ -67,10 +73,13 @@ class TorchEngine:
         self._pieces = PieceReader(tokenizer) if tokenizer is not None else None
         self.device = device
         self.body = Body(model, target.batch_size, device)
-        self.cache_kind: CacheKind = cache
+        self.cache_kind: CacheKind = cache or default_cache_kind(device)
         self.max_cache_len = max_cache_len
         #: Static decoders by cache length (bucket), each with its own cache and graph.
         self._static: dict[int, StaticDecoder] = {}
+        #: The piecewise decoder once built and checked; why it is not used, if it is not.
+        self._piecewise: PiecewiseDecoder | None = None
+        self._piecewise_error: str | None = None
         body_dtype = TORCH_DTYPES[target.dtype]
         self.head = LmHead(model.get_output_embeddings().weight, target.head_dtype, body_dtype)
         kernel = str(getattr(model.config, "_attn_implementation", None) or "eager")
@@ -94,11 +103,12 @@ class TorchEngine:
         device: str | None = None,
         deterministic: bool = True,
         tf32: bool = False,
-        cache: CacheKind = "dynamic",
+        cache: CacheKind | None = None,
         max_cache_len: int = 4096,
     ) -> TorchEngine:
         """Set the numerical flags, then load `model_dir` in `target`'s format. `cache`: see
-        `CacheKind` ("compiled" for the fastest decode on CUDA, not bitwise equal to "static")."""
+        `formats.CacheKind` (None: `default_cache_kind`; "compiled" for the fastest decode on
+        CUDA, not token-identical to `generate()`)."""
         configure_numerics(deterministic=deterministic, tf32=tf32)
         dev = resolve_device(device)
         model, tokenizer = load_model(model_dir, target.dtype, target.attn_kernel, dev)
@@ -147,7 +157,7 @@ class TorchEngine:
             stop: Literal["eos", "length"] = "eos" if out and out[-1] in eos else "length"
             return DecodeRun(out, Steps.empty(top_k), start, stop)
         context = [*prompt_ids, *out]
-        decoder = self._decoder(len(context) + max_new_tokens - start)
+        decoder = self._decoder(context, len(context) + max_new_tokens - start)
         step = decoder.prefill(context, top_k)
         parts: list[Steps] = []
         stop = "length"
@@ -261,12 +271,39 @@ class TorchEngine:
             z32 = self.head.native(hs).float()  # the native (steps, V) freed at once
         return decide_rows(self.head, top_k_ordered(z32, top_k), z32, hs, iv, top_k)
 
-    def _decoder(self, total: int) -> Decoder:
-        """The decoder for a decode of `total` tokens (context and new): a static one where the
-        cache kind asks for it and the longest static cache holds them, else a dynamic one."""
+    def _decoder(self, context: Sequence[int], total: int) -> Decoder:
+        """The decoder for a decode of `context` and `total` tokens (context and new): the
+        piecewise one where the cache kind asks for it and it passed its check, a static one
+        where the cache kind asks for it and the longest static cache holds them, else a
+        dynamic one."""
+        if self.cache_kind == "piecewise":
+            piecewise = self._piecewise_decoder(context)
+            return piecewise if piecewise is not None else DynamicDecoder(self.body, self.head)
         if self.cache_kind == "dynamic" or total > self.max_cache_len:
             return DynamicDecoder(self.body, self.head)
         return self._static_decoder(total)
+
+    def _piecewise_decoder(self, context: Sequence[int]) -> PiecewiseDecoder | None:
+        """The engine's piecewise decoder, built and checked against the dynamic path on its
+        first decode (`PiecewiseDecoder.check`: hidden states and logits bitwise equal), or None
+        (and `_piecewise_error` says why) where the model is not one it follows or the check
+        failed."""
+        if self._piecewise is None and self._piecewise_error is None:
+            try:
+                piecewise = PiecewiseDecoder(self.body, self.head)
+            except ValueError as exc:
+                self._piecewise_error = str(exc)
+                return None
+            try:
+                passed = piecewise.check(context)
+            except Exception as exc:  # a transformers version whose pieces do not fit
+                self._piecewise_error = f"check raised {type(exc).__name__}: {exc}"
+                return None
+            if passed:
+                self._piecewise = piecewise
+            else:
+                self._piecewise_error = f"check failed: {piecewise.check_result}"
+        return self._piecewise
 
     def _static_decoder(self, total: int) -> StaticDecoder:
         """The static decoder whose cache length is the smallest bucket holding `total` tokens."""
@@ -283,16 +320,19 @@ class TorchEngine:
         """Which decode path ran: the cache, the static cache lengths used so far, whether the
         step was captured in a CUDA graph and compiled (and why not, if compiling failed); after
         a batched scan, its batch shapes (`batch.scan_extras`)."""
-        if self.cache_kind == "dynamic":
-            return {
+        if self.cache_kind in ("dynamic", "piecewise"):
+            extras: dict[str, Any] = {
                 "kv_cache": "dynamic",
                 "cuda_graph": False,
                 "static_cache_len": None,
                 **self._scan_extras,
             }
+            if self.cache_kind == "piecewise":
+                extras.update(self._piecewise_extras())
+            return extras
         decoders = list(self._static.values())
         errors = sorted({d.compile_error for d in decoders if d.compile_error})
-        extras: dict[str, Any] = {
+        extras = {
             "kv_cache": "static",
             "cuda_graph": bool(decoders) and all(d.graph is not None for d in decoders),
             "static_cache_len": self.max_cache_len,
@@ -304,4 +344,20 @@ class TorchEngine:
             extras["compile_mode"] = "default"
             if errors:
                 extras["compile_error"] = errors[0][:200]
+        return extras
+
+    def _piecewise_extras(self) -> dict[str, Any]:
+        """The piecewise path's record: `decoder` is the path that decoded (or decodes next,
+        before the first decode), `piecewise_check` the check's outcome, `piecewise_error` why
+        the engine decodes dynamically instead."""
+        pw = self._piecewise
+        if self._piecewise_error is not None:
+            return {"decoder": "dynamic", "piecewise_error": self._piecewise_error[:200]}
+        extras: dict[str, Any] = {
+            "decoder": "piecewise",
+            "cuda_graph": pw is not None and bool(pw.graphs),
+            "piecewise_check": pw.check_result if pw is not None else None,
+        }
+        if pw is not None and pw.capture_error is not None:
+            extras["capture_error"] = pw.capture_error[:200]
         return extras

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -258,3 +259,68 @@ def test_batched_scan_is_bs1_within_the_tolerance_on_cuda(
         assert np.all(a.steps.margins[flips] <= tol[flips])
         same_t_star += a.first_disagreement == b.first_disagreement
     assert same_t_star >= len(items) - 1
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_piecewise_graphs_are_the_dynamic_path_bit_for_bit(real_dir: Path, dtype: str) -> None:
+    """The piecewise decode on CUDA: every piece captured in a CUDA graph, the attention eager
+    between them; each step's hidden state and float32 logits equal the dynamic path's with
+    `torch.equal`, its tokens and logits generate()'s, with one batch row and with copies."""
+    from transformers import GenerationConfig
+
+    from replay_audit.engine.decoder import DynamicDecoder
+    from replay_audit.engine.piecewise import PiecewiseDecoder
+    from replay_audit.engine.torch_engine import TorchEngine
+
+    def greedy(decoder: Any, prompt: list[int], n: int) -> tuple[list[int], list[Any]]:
+        step = decoder.prefill(prompt, 5)
+        tokens, outs = [], []
+        while True:
+            outs.append((step.hidden.clone(), step.logits.clone()))
+            tokens.append(int(step.top.native[0]))
+            if tokens[-1] == eos or len(tokens) == n:
+                return tokens, outs
+            step = decoder.step(tokens[-1])
+
+    eos = 1  # the committed model's
+    for b in (1, 2):
+        engine = TorchEngine.load(
+            real_dir, Target(dtype, batch_size=b), device="cuda", cache="piecewise"
+        )
+        piecewise = PiecewiseDecoder(engine.body, engine.head)
+        for text in TEXTS[:4]:
+            p = list(engine.tokenizer.encode(text))
+            with torch.inference_mode():
+                tokens, outs = greedy(piecewise, p, N)
+                ref_tokens, ref = greedy(DynamicDecoder(engine.body, engine.head), p, N)
+            assert len(piecewise.graphs) == len(piecewise.layers) + 1, piecewise.capture_error
+            assert tokens == ref_tokens, text
+            for t, ((h, z), (rh, rz)) in enumerate(zip(outs, ref, strict=True)):
+                assert torch.equal(z, rz) and torch.equal(h, rh), (text, t)
+            if b == 1:
+                config: Any = GenerationConfig
+                x = torch.tensor([p], device="cuda")
+                g = engine.model.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    generation_config=config(
+                        do_sample=False,
+                        max_new_tokens=N,
+                        eos_token_id=eos,
+                        pad_token_id=eos,
+                        output_logits=True,
+                        return_dict_in_generate=True,
+                    ),
+                )
+                assert g.sequences[0, len(p) :].tolist() == tokens
+                assert all(
+                    torch.equal(z, gz[0].float()) for (_, z), gz in zip(outs, g.logits, strict=True)
+                )
+        dynamic = TorchEngine(engine.model, None, engine.target, engine.device, cache="dynamic")
+        p = list(engine.tokenizer.encode(TEXTS[0]))
+        a, d = engine.decode(p, N, [eos]), dynamic.decode(p, N, [eos])
+        assert a.output_token_ids == d.output_token_ids
+        np.testing.assert_array_equal(a.steps.top_k_logits, d.steps.top_k_logits)
+        extras = engine.environment()["extras"]
+        assert extras["decoder"] == "piecewise" and extras["piecewise_check"] == "bitwise"
+        assert extras["cuda_graph"] is True, extras.get("capture_error")
