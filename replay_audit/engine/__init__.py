@@ -33,6 +33,7 @@ def load_engine(
     tf32: bool = False,
     cache: CacheKind = "dynamic",
     max_cache_len: int = 4096,
+    weight_dtype: str | None = None,
 ) -> Engine:
     """Load a local Hugging Face checkpoint (no network) in `target`'s format as a torch engine.
 
@@ -40,7 +41,9 @@ def load_engine(
     flags are process-wide torch settings: the engine sets them explicitly here and reports them
     in `environment()`. `cache` "static" preallocates the KV cache (and on CUDA captures the decode
     step in a CUDA graph) for `max_cache_len` tokens (longer decodes use the dynamic path);
-    "dynamic" grows it, as transformers' `generate()` does.
+    "dynamic" grows it, as transformers' `generate()` does. `weight_dtype`: the dtype the
+    weights are stored in when it differs from `target.dtype`, the compute dtype (loaded in the
+    one, cast to the other: the storage-vs-compute ablation).
     """
     from replay_audit.engine.torch_engine import TorchEngine
 
@@ -52,6 +55,7 @@ def load_engine(
         tf32=tf32,
         cache=cache,
         max_cache_len=max_cache_len,
+        weight_dtype=weight_dtype,
     )
 
 

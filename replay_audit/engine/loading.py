@@ -134,20 +134,36 @@ def numerical_environment(
 
 
 def load_model(
-    model_dir: Path, dtype: str, attn_kernel: str | None, device: torch.device
+    model_dir: Path,
+    dtype: str,
+    attn_kernel: str | None,
+    device: torch.device,
+    *,
+    weight_dtype: str | None = None,
 ) -> tuple[Any, Any]:
     """The checkpoint as a transformers causal LM in `dtype` on `device`, in eval mode, and its
-    tokenizer (None when the directory has none). Local files only."""
+    tokenizer (None when the directory has none). Local files only.
+
+    `weight_dtype` (storage) other than `dtype` (compute): the checkpoint is loaded in
+    `weight_dtype`, then cast to `dtype`, so the weights carry `weight_dtype`'s rounding while
+    every product runs in `dtype` (the paper's storage-vs-compute ablation: BF16-stored weights
+    computed in FP32). The cast after loading also casts the buffers (RoPE's inverse
+    frequencies)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
     if dtype not in TORCH_DTYPES:
         raise UnsupportedFormat(f"body dtype must be one of {tuple(TORCH_DTYPES)}, got {dtype!r}")
+    stored = weight_dtype or dtype
+    if stored not in TORCH_DTYPES:
+        raise UnsupportedFormat(
+            f"weight dtype must be one of {tuple(TORCH_DTYPES)}, got {weight_dtype!r}"
+        )
     model: Any
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(model_dir),
-            dtype=TORCH_DTYPES[dtype],
+            dtype=TORCH_DTYPES[stored],
             attn_implementation=attn_kernel or DEFAULT_ATTN_KERNEL,
             local_files_only=True,
         )
@@ -158,6 +174,8 @@ def load_model(
         ) from exc
     except OSError as exc:
         raise EngineError(f"cannot load a checkpoint from {model_dir}: {exc}") from exc
+    if stored != dtype:
+        model = model.to(TORCH_DTYPES[dtype])
     model = model.to(device).eval()
     model.requires_grad_(False)
     return model, load_tokenizer(model_dir)

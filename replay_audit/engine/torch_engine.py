@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 import replay_audit
@@ -59,8 +60,11 @@ class TorchEngine:
         *,
         cache: CacheKind = "dynamic",
         max_cache_len: int = 4096,
+        weight_dtype: str | None = None,
     ) -> None:
         self.model = model
+        #: The dtype the weights were stored in before the cast to the compute dtype.
+        self.weight_dtype = weight_dtype or target.dtype
         self.tokenizer = tokenizer
         self.device = device
         self.body = Body(model, target.batch_size, device)
@@ -93,13 +97,26 @@ class TorchEngine:
         tf32: bool = False,
         cache: CacheKind = "dynamic",
         max_cache_len: int = 4096,
+        weight_dtype: str | None = None,
     ) -> TorchEngine:
         """Set the numerical flags, then load `model_dir` in `target`'s format. `cache`: see
-        `CacheKind` ("compiled" for the fastest decode on CUDA, not bitwise equal to "static")."""
+        `CacheKind` ("compiled" for the fastest decode on CUDA, not bitwise equal to "static").
+        `weight_dtype`: the storage dtype when it differs from the compute dtype
+        (`loading.load_model`)."""
         configure_numerics(deterministic=deterministic, tf32=tf32)
         dev = resolve_device(device)
-        model, tokenizer = load_model(model_dir, target.dtype, target.attn_kernel, dev)
-        return cls(model, tokenizer, target, dev, cache=cache, max_cache_len=max_cache_len)
+        model, tokenizer = load_model(
+            model_dir, target.dtype, target.attn_kernel, dev, weight_dtype=weight_dtype
+        )
+        return cls(
+            model,
+            tokenizer,
+            target,
+            dev,
+            cache=cache,
+            max_cache_len=max_cache_len,
+            weight_dtype=weight_dtype,
+        )
 
     # -- the protocol -------------------------------------------------------------------------
 
@@ -116,7 +133,7 @@ class TorchEngine:
         return numerical_environment(
             dtype=t.dtype,
             lm_head_dtype=t.head_dtype,
-            weight_dtype=t.dtype,
+            weight_dtype=self.weight_dtype,
             device=self.device,
             attn_kernel=t.attn_kernel or "eager",
             batch_size=t.batch_size,
@@ -233,6 +250,17 @@ class TorchEngine:
             top_k_logits=s.top_k_logits[0],
             margin=s.margin_at(0),
         )
+
+    @torch.inference_mode()
+    def hidden_states(
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int]
+    ) -> npt.NDArray[np.float32]:
+        """The final normed hidden states that feed the lm_head at output steps 0..len(output_ids)
+        of a from-scratch forward over prompt ‖ output_ids (row t predicts output step t), as a
+        float32 (len(output_ids) + 1, d) array: what the screening's hidden-state gap compares
+        across arms along a shared prefix."""
+        h = self.body.forward([*prompt_ids, *output_ids], None, 0)[0, len(prompt_ids) - 1 :]
+        return np.asarray(h.float().cpu().numpy(), dtype=np.float32)
 
     def detokenize(self, ids: Sequence[int]) -> str | None:
         if self.tokenizer is None:
