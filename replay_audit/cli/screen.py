@@ -54,8 +54,8 @@ def screen(
     categories and the both-arms C lift, and recommend an action (report.json, report.html)."""
     from replay_audit.engine.hashing import NoWeightsError, weights_sha256
     from replay_audit.exceptions import ReplayAuditError
-    from replay_audit.screening.analysis import build_report
     from replay_audit.formats import BODY_DTYPES
+    from replay_audit.screening.analysis import build_report
     from replay_audit.screening.plan import ScreenConfig, build_plan
     from replay_audit.screening.runner import DirectoryStore, run_screening
     from replay_audit.screening.worker import TorchBackend, checkpoint_dtype, probe

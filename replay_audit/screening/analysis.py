@@ -126,9 +126,7 @@ def comparison_figures(
     if a is None or b is None:
         return None
     probes = out.probes.get(spec.name, {})
-    return [
-        _prompt_figures(i, p, spec, a, b, probes.get(i), plan) for i, p in enumerate(prompts)
-    ]
+    return [_prompt_figures(i, p, spec, a, b, probes.get(i), plan) for i, p in enumerate(prompts)]
 
 
 def _none_runs(plan: SweepPlan, out: ScreenOutputs) -> list[tuple[Run, RunOutput]]:
@@ -324,7 +322,7 @@ def build_report(
         f = comparison_figures(s, plan, prompts, out)
         if f is not None:
             figures[s.name] = f
-    inputs = []
+    inputs: list[ComparisonInput] = []
     names = []
     pair, pair_c = specs[0], specs[1]
     # Comparison 0 the pair's baseline, 1 its both-arms C treatment (the only lift), then the
@@ -410,6 +408,7 @@ def build_report(
         categories,
         calibration,
         pair_format=plan.pair[1].head_dtype,
+        tau=plan.tau,
         body_remedy_ear=body_remedy_ear,
         batch_divergence=batch_divergence,
     )

@@ -1,9 +1,9 @@
 """Trigger density, CV(TD) and the τ calibration: plain functions of stored margins. Pure.
 
-    trigger_density(margins, thresholds)   share of a prompt's decoded steps with margin < τ
-    coefficient_of_variation(xs)           population std / mean (None: mean 0 or n < 2)
-    covering_tau(flip_margins, cover)      the smallest τ with at least `cover` of the flip
-                                           margins strictly below it
+trigger_density(margins, thresholds)   share of a prompt's decoded steps with margin < τ
+coefficient_of_variation(xs)           population std / mean (None: mean 0 or n < 2)
+covering_tau(flip_margins, cover)      the smallest τ with at least `cover` of the flip
+                                       margins strictly below it
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ def trigger_density(margins: npt.ArrayLike, thresholds: npt.ArrayLike) -> float 
     return float(below.sum() / m.size)
 
 
-def coefficient_of_variation(values: Sequence[float]) -> tuple[float | None, float | None, float | None]:
+def coefficient_of_variation(
+    values: Sequence[float],
+) -> tuple[float | None, float | None, float | None]:
     """(mean, population standard deviation, CV = std / mean) of `values`; CV is None when the
     mean is 0 or there are fewer than two values (no spread to speak of)."""
     if not values:

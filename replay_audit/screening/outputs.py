@@ -101,7 +101,7 @@ class Probe:
     """A divergent prompt of a comparison, probed along the shared prefix y<t*:
 
     token_a, token_b  the from-scratch single-step re-run at t* in each configuration
-    dh_t_star         Δh = ||h_A − h_B|| / ||h_A|| of the hidden states feeding the lm_head
+    dh_t_star         Δh = ||h_A - h_B|| / ||h_A|| of the hidden states feeding the lm_head
                       at t* (None: an engine shows no hidden states)
     gated_steps       steps s <= t* where either arm's gate fired in its decode
     dh_gated          Δh at each of those steps
@@ -154,7 +154,7 @@ def first_divergence_of(a: Sequence[int], b: Sequence[int]) -> int | None:
 def hidden_gap(
     h_a: npt.NDArray[np.float32], h_b: npt.NDArray[np.float32]
 ) -> npt.NDArray[np.float64]:
-    """Δh per row: ||h_A − h_B|| / ||h_A|| (float64; inf where ||h_A|| = 0 and they differ,
+    """Δh per row: ||h_A - h_B|| / ||h_A|| (float64; inf where ||h_A|| = 0 and they differ,
     0 where both are zero)."""
     a = np.asarray(h_a, dtype=np.float64)
     b = np.asarray(h_b, dtype=np.float64)

@@ -203,7 +203,10 @@ def _value_configs(name: KnobName, ref: ScreenConfig) -> list[tuple[str, ScreenC
     elif name == "attn_kernel":
         out = [(k, replace(ref, attn_kernel=k)) for k in ATTN_KERNELS]
     elif name == "deterministic":
-        out = [(f"deterministic {'on' if v else 'off'}", replace(ref, deterministic=v)) for v in (True, False)]
+        out = [
+            (f"deterministic {'on' if v else 'off'}", replace(ref, deterministic=v))
+            for v in (True, False)
+        ]
     elif name == "tf32":
         out = [(f"TF32 {'on' if v else 'off'}", replace(ref, tf32=v)) for v in (True, False)]
     elif name == "batch_size":
@@ -358,7 +361,7 @@ def build_plan(
     for name in KNOB_NAMES:
         if name not in knobs:
             continue
-        n: KnobName = name  # type: ignore[assignment]
+        n: KnobName = name
         values = tuple(
             KnobValue(label, c, unavailable_reason(c, platform))
             for label, c in _value_configs(n, reference)

@@ -57,7 +57,7 @@ class CategoryLift(_Frozen):
 
 
 class HiddenGapRead(_Frozen):
-    """Δh = ||h_A − h_B|| / ||h_A|| of the pair's divergent prompts: at t*, and at the gated
+    """Δh = ||h_A - h_B|| / ||h_A|| of the pair's divergent prompts: at t*, and at the gated
     steps along the shared prefix (steps s <= t* where either arm's gate fired)."""
 
     prompts: int

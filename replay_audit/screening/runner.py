@@ -129,7 +129,11 @@ def load_outputs(plan: SweepPlan, store: Store) -> ScreenOutputs:
 
 
 def decode_run(
-    engine: Engine, plan: SweepPlan, run: Run, prompts: Sequence[ScreenPrompt], eos: Sequence[int],
+    engine: Engine,
+    plan: SweepPlan,
+    run: Run,
+    prompts: Sequence[ScreenPrompt],
+    eos: Sequence[int],
     tick: Callable[[str], None],
 ) -> RunOutput:
     """Every prompt decoded once in `run`."""

@@ -22,6 +22,10 @@ from replay_audit.screening.report import CategoryLift, TauCalibrationRead, Tier
 from replay_audit.stats.report import ComparisonReport, LiftReport
 
 LARGE_LIFT: Final = 0.15
+#: A calibrated τ that gates more steps than this is not recommended (the paper's gated C
+#: triggers on a few percent of steps; ungated recompute hurts, §"Why ungated recomputation
+#: hurts").
+MAX_TRIGGER_RATE: Final = 0.1
 #: Batch sizes above this are outside C's scope in the paper (Appendix on batch size).
 C_MAX_BATCH: Final = 4
 
@@ -37,6 +41,7 @@ def choose_tier(
     calibration: list[TauCalibrationRead],
     *,
     pair_format: str,
+    tau: float,
     body_remedy_ear: float | None,
     batch_divergence: bool,
 ) -> TierRead:
@@ -56,7 +61,13 @@ def choose_tier(
         )
     cal = next((c for c in calibration if c.format == pair_format), None)
     tau_text = ""
-    if cal is not None and cal.tau is not None:
+    if cal is not None and cal.tau is not None and (cal.trigger_rate or 0.0) > MAX_TRIGGER_RATE:
+        tau_text = (
+            f" The τ covering {cal.cover:.0%} of the {pair_format} flips here ({cal.tau:.3g}) "
+            f"would gate {cal.trigger_rate:.0%} of steps: those flips include body-dominated "
+            f"ones no gate should chase; keep τ = {tau:g} or calibrate on more prompts."
+        )
+    elif cal is not None and cal.tau is not None:
         rate = "-" if cal.trigger_rate is None else f"{cal.trigger_rate:.2%}"
         tau_text = (
             f" τ = {cal.tau:.3g} (absolute) covers {cal.cover:.0%} of the {cal.flips} "
@@ -98,7 +109,9 @@ def choose_tier(
     low = lift.low if lift.low is not None else 0.0
     if low > 0 and lift.lift >= LARGE_LIFT:
         tier, name = 1, "Tier 1: large lift"
-        action = "Pin the serving precision; where cross-precision replay must agree, enable gated C."
+        action = (
+            "Pin the serving precision; where cross-precision replay must agree, enable gated C."
+        )
     elif low > 0:
         tier, name = 2, "Tier 2: small but positive lift"
         action = (

@@ -114,9 +114,7 @@ def test_hidden_gap_and_tau_calibration() -> None:
     assert gap.prompts == len(HEAD | BODY | KV)
     assert gap.t_star is not None and gap.t_star.median == pytest.approx(0.01, rel=1e-6)
     # Gated steps <= t*: step 0 of even prompts and the flip step of head/kv prompts.
-    expected_gated = sum(
-        (p % 2 == 0) + (p in HEAD or p in KV) for p in sorted(HEAD | BODY | KV)
-    )
+    expected_gated = sum((p % 2 == 0) + (p in HEAD or p in KV) for p in sorted(HEAD | BODY | KV))
     assert gap.gated_steps == expected_gated
     cal = next(c for c in report.tau_calibration if c.format == "fp16")
     # fp16 flips: the pair's and the body_dtype knob's (fp32 vs fp16), each 11 prompts.
