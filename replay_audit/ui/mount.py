@@ -17,6 +17,7 @@ from replay_audit.api.errors import database_unavailable, error_from_validation
 from replay_audit.exceptions import ReplayAuditError
 from replay_audit.ui.audit_pages import router as audit_router
 from replay_audit.ui.pages import SignInRequired, router
+from replay_audit.ui.screening_pages import router as screening_router
 from replay_audit.ui.templating import STATIC_DIR, render
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ def create_ui_app(parent: FastAPI) -> FastAPI:
     ui.add_exception_handler(Exception, _unexpected)
     ui.include_router(router)
     ui.include_router(audit_router)
+    ui.include_router(screening_router)
     ui.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return ui
 
