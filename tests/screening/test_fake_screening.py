@@ -128,6 +128,10 @@ def test_hidden_gap_and_tau_calibration() -> None:
 def test_each_configuration_is_loaded_once_and_resume_loads_nothing() -> None:
     backend = FakeBackend()
     plan, report, store = _screen(backend)
+    # Every comparison was probed in the first pass (arm A decoded before arm B was probed).
+    assert {k for k in store.values if k.startswith("probe/")} == {
+        f"probe/{s.name}" for s in plan.comparisons()
+    }
     # Values the platform cannot run are not in the plan's configurations at all.
     assert len(backend.loads) == len(set(backend.loads)) == len(plan.configs())
     again = FakeBackend()
