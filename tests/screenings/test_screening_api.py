@@ -153,3 +153,28 @@ def test_the_ui_page_shows_the_report_and_the_runs_list_links_it(
     assert f"/screenings/{sid}" in ui.get("/ui/runs").text
     other = ui_client("auditor", "beta")
     assert other.get(f"/ui/screenings/{sid}").status_code == 404
+
+
+def test_a_lost_screening_job_is_enqueued_again(
+    client: TestClient,
+    job_runner: JobRunner,
+    fake_backend: list[FakeWorkerBackend],
+    fake_model_dir: Path,
+    headers: Callable[..., dict[str, str]],
+) -> None:
+    from replay_audit.db.unit_of_work import session_scope
+    from replay_audit.screenings.reconcile import reconcile_screenings
+
+    r = client.post(
+        "/v1/screenings", json=_body(weights_sha256(fake_model_dir)), headers=headers("admin")
+    )
+    sid = r.json()["id"]
+    job_runner.specs.clear()  # the queue lost it (a Redis flush)
+    url = client.app.state.settings.database_url  # type: ignore[attr-defined]
+    with session_scope(url) as s:
+        again = reconcile_screenings(s, job_runner, stale_after_s=900, job_timeout_s=60)
+    assert again == [job_runner_id(client, sid)]
+    with session_scope(url) as s:  # held now: nothing to do
+        assert reconcile_screenings(s, job_runner, stale_after_s=900, job_timeout_s=60) == []
+    job_runner.run_all()
+    assert client.get(f"/v1/screenings/{sid}", headers=headers("admin")).json()["status"] == "done"
