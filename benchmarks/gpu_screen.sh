@@ -8,7 +8,7 @@
 #                                          # stopped at its time limit); report.json/.html in $OUT
 #   bash benchmarks/gpu_screen.sh all      # both, for a machine with time to spare
 #
-# Knobs: MINUTES (training budget, 4), PROMPTS (24), TOKENS (64 new tokens per prompt),
+# Knobs: MINUTES (training budget, 4), PROMPTS (16), TOKENS (64 new tokens per prompt),
 # SCREEN_TIMEOUT (seconds one screen command may run before it stops and leaves the rest for the
 # next call, 540). Every screening step's wall time goes to $OUT/screen_wall.txt.
 set -u
@@ -39,7 +39,7 @@ screen() {
     [ -f "$M/model.safetensors" ] || { echo "no model at $M: run the train step first"; return 1; }
     local t0=$SECONDS
     timeout "${SCREEN_TIMEOUT:-540}" python3 -m replay_audit screen --model "$M" \
-        --prompts "$M/prompts.jsonl" --device cuda --limit "${PROMPTS:-24}" \
+        --prompts "$M/prompts.jsonl" --device cuda --limit "${PROMPTS:-16}" \
         --max-new-tokens "${TOKENS:-64}" --out "$S" 2> "$OUT/screen.err"
     local rc=$?
     echo "screen: $((SECONDS - t0)) s (exit $rc)" | tee -a "$OUT/screen_wall.txt"
