@@ -27,7 +27,9 @@ from tests.screening.fake_screen import (
 KNOBS = ("body_dtype", "lm_head", "tf32", "batch_size")
 
 
-def _screen(backend: FakeBackend, store: MemoryStore | None = None, cover: float = 0.9):
+def _screen(
+    backend: FakeBackend, store: MemoryStore | None = None, cover: float = 0.9, n: int = N_PROMPTS
+):
     plan = build_plan(
         Platform(device="cpu", fp8_unavailable="no fp8 on a cpu"),
         reference=ScreenConfig("fp32"),
@@ -36,8 +38,8 @@ def _screen(backend: FakeBackend, store: MemoryStore | None = None, cover: float
         cover=cover,
     )
     store = store or MemoryStore()
-    out = run_screening(plan, prompts(), backend, store)
-    return plan, build_report(plan, prompts(), out, model="fake", weights_sha256=None), store
+    out = run_screening(plan, prompts(n), backend, store)
+    return plan, build_report(plan, prompts(n), out, model="fake", weights_sha256=None), store
 
 
 def _value(report: ScreeningReport, knob: str, label: str):
@@ -76,6 +78,19 @@ def test_tier_1_when_c_lifts_a_lot_and_tier_3_when_it_cannot() -> None:
     assert "body-scope" in body_only.tier.action
     _, nothing, _ = _screen(FakeBackend(head=frozenset(), body=frozenset(), kv=frozenset()))
     assert nothing.tier.tier is None
+
+
+def test_tier_2_when_c_lifts_a_little_but_surely() -> None:
+    # 200 prompts, C repairs 20 of them (+10 pp, the paper's Tier 2 range), 20 body-dominated.
+    backend = FakeBackend(
+        head=frozenset(range(1, 21)), body=frozenset(range(21, 41)), kv=frozenset({150})
+    )
+    _, report, _ = _screen(backend, n=200)
+    lift = report.head_vs_body.lift
+    assert lift is not None and lift.lift == pytest.approx(0.10)
+    assert lift.low is not None and lift.low > 0
+    assert report.tier.tier == 2
+    assert "body-scope" in report.tier.action
 
 
 def test_sweep_values_against_the_reference() -> None:
