@@ -54,6 +54,23 @@ def configure_numerics(*, deterministic: bool, tf32: bool) -> None:
         torch.backends.cudnn.allow_tf32 = tf32
 
 
+def enable_sdpa_backends(only: str | None) -> None:
+    """Let torch's SDPA use all its CUDA backends (`only` None, torch's default), or only one of
+    "math", "flash", "efficient", "cudnn". Process-wide, like the TF32 flag."""
+    cuda: Any = torch.backends.cuda
+    setters = {
+        "math": cuda.enable_math_sdp,
+        "flash": cuda.enable_flash_sdp,
+        "efficient": cuda.enable_mem_efficient_sdp,
+        "cudnn": getattr(cuda, "enable_cudnn_sdp", None),
+    }
+    if only is not None and only not in setters:
+        raise UnsupportedFormat(f"unknown SDPA backend {only!r}")
+    for name, setter in setters.items():
+        if setter is not None:
+            setter(only is None or name == only)
+
+
 def tf32_enabled() -> bool:
     matmul: Any = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):

@@ -47,6 +47,9 @@ KnobName = Literal[
 ]
 #: Attention kernels the sweep tries (transformers' names).
 ATTN_KERNELS: Final = ("eager", "sdpa", "flash_attention_2")
+#: The backends of torch's SDPA a CUDA run can be limited to (`torch.backends.cuda.enable_*_sdp`);
+#: None lets torch choose, as by default.
+SDPA_BACKENDS: Final = ("math", "flash", "efficient", "cudnn")
 BATCH_SIZES: Final = (1, 2, 4, 8)
 #: The paper's main pair for the head-vs-body analysis and the C lift (BF16 vs FP16).
 DEFAULT_PAIR: Final = ("bf16", "fp16")
@@ -70,8 +73,12 @@ class ScreenConfig:
     tf32: bool = False
     kv_cache: CacheKind = "dynamic"
     fp8_linear: bool = False
+    #: Limit `sdpa` to one of its CUDA backends (None: torch chooses).
+    sdpa_backend: str | None = None
 
     def __post_init__(self) -> None:
+        if self.sdpa_backend is not None and self.sdpa_backend not in SDPA_BACKENDS:
+            raise ValueError(f"sdpa_backend must be one of {SDPA_BACKENDS}")
         if self.dtype not in BODY_DTYPES:
             raise ValueError(f"body dtype must be one of {BODY_DTYPES}, got {self.dtype!r}")
         if self.lm_head_dtype is not None and self.lm_head_dtype not in HEAD_DTYPES:
@@ -106,6 +113,8 @@ class ScreenConfig:
         ]
         if self.fp8_linear:
             parts.append("fp8lin")
+        if self.sdpa_backend is not None:
+            parts.append(f"sdpa-{self.sdpa_backend}")
         return "_".join(parts)
 
     def target(self, intervention: Intervention | None = None) -> Target:
@@ -159,6 +168,8 @@ def unavailable_reason(config: ScreenConfig, platform: Platform) -> str | None:
             return "flash_attention_2 runs on CUDA only"
         if not platform.flash_attn_installed:
             return "flash_attention_2 needs the flash-attn package, which is not installed"
+    if config.sdpa_backend is not None and platform.device != "cuda":
+        return "choosing an SDPA backend is a CUDA setting (torch.backends.cuda)"
     if config.tf32 and platform.device != "cuda":
         return "TF32 is a CUDA matmul mode: it changes nothing on a CPU"
     if config.kv_cache == "compiled" and platform.device != "cuda":
@@ -201,7 +212,10 @@ def _value_configs(name: KnobName, ref: ScreenConfig) -> list[tuple[str, ScreenC
             for w in ("bf16", "fp16")
         ]
     elif name == "attn_kernel":
-        out = [(k, replace(ref, attn_kernel=k)) for k in ATTN_KERNELS]
+        out = [(k, replace(ref, attn_kernel=k, sdpa_backend=None)) for k in ATTN_KERNELS]
+        out += [
+            (f"sdpa ({b})", replace(ref, attn_kernel="sdpa", sdpa_backend=b)) for b in SDPA_BACKENDS
+        ]
     elif name == "deterministic":
         out = [
             (f"deterministic {'on' if v else 'off'}", replace(ref, deterministic=v))

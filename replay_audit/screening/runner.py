@@ -152,7 +152,10 @@ def decode_run(
             )
         )
         tick(f"decode {run.key}")
-    return RunOutput(run.key, dict(engine.environment()), tuple(decodes))
+    # The engine's numerical environment, and every knob of the screening's configuration
+    # (some, such as the SDPA backend, are process settings the engine does not report).
+    environment = {**engine.environment(), "screening_config": run.config.to_json()}
+    return RunOutput(run.key, environment, tuple(decodes))
 
 
 def probe_comparison(

@@ -70,9 +70,10 @@ class TorchBackend:
         )
 
     def activate(self, config: ScreenConfig) -> None:
-        from replay_audit.engine.loading import configure_numerics
+        from replay_audit.engine.loading import configure_numerics, enable_sdpa_backends
 
         configure_numerics(deterministic=config.deterministic, tf32=config.tf32)
+        enable_sdpa_backends(config.sdpa_backend)
 
     def _tok(self) -> Any:
         if self._tokenizer is None:

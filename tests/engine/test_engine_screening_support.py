@@ -45,3 +45,16 @@ def test_platform_facts_on_this_cpu() -> None:
     f = probe_platform("cpu")
     assert f.device == "cpu" and f.sm is None and f.gpu_name is None
     assert f.fp8_unavailable is not None and "cpu" in f.fp8_unavailable
+
+
+def test_sdpa_backends_can_be_limited_and_restored() -> None:
+    from replay_audit.engine.loading import enable_sdpa_backends
+
+    cuda = torch.backends.cuda
+    try:
+        enable_sdpa_backends("math")
+        assert cuda.math_sdp_enabled() and not cuda.flash_sdp_enabled()
+        assert not cuda.mem_efficient_sdp_enabled()
+    finally:
+        enable_sdpa_backends(None)
+    assert cuda.math_sdp_enabled() and cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled()

@@ -24,7 +24,7 @@ from tests.screening.fake_screen import (
     prompts,
 )
 
-KNOBS = ("body_dtype", "lm_head", "tf32", "batch_size")
+KNOBS = ("body_dtype", "lm_head", "attn_kernel", "tf32", "batch_size")
 
 
 def _screen(
@@ -106,6 +106,12 @@ def test_sweep_values_against_the_reference() -> None:
     # Not available on this platform: listed with the reason, not failed.
     tf32 = _value(report, "tf32", "TF32 on")
     assert tf32.status == "not_available" and "CUDA" in (tf32.reason or "")
+    assert _value(report, "attn_kernel", "eager").comparison.ear.successes == N_PROMPTS
+    math_sdpa = _value(report, "attn_kernel", "sdpa (math)")
+    assert math_sdpa.status == "not_available" and "CUDA" in (math_sdpa.reason or "")
+    # Every run records its whole screening configuration with the engine's environment.
+    env = _value(report, "batch_size", "batch 8").environment
+    assert env is not None and env["screening_config"]["batch_size"] == 8
     fp8 = _value(report, "lm_head", "head fp8_e4m3")
     assert fp8.status == "not_available" and fp8.reason == "no fp8 on a cpu"
     assert "Batch shape changes outputs" in " ".join(report.tier.caveats)
