@@ -361,6 +361,8 @@ def build_report(
             cmp = by_name.get(name)
             if reason is not None:
                 status = "not_available"
+            elif v.config.key in out.failed:
+                status, reason, cmp = "failed", out.failed[v.config.key], None
             elif cmp is None:
                 status, reason = "failed", "not run (the screening stopped before it)"
             else:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import numpy as np
 
 from replay_audit.engine.protocol import Engine, HiddenStates
-from replay_audit.exceptions import ReplayAuditError, UnsupportedFormat
+from replay_audit.exceptions import EngineError, ReplayAuditError, UnsupportedFormat
 from replay_audit.screening.outputs import (
     Probe,
     PromptDecode,
@@ -25,6 +25,11 @@ from replay_audit.screening.outputs import (
     hidden_gap,
 )
 from replay_audit.screening.plan import ComparisonSpec, Run, ScreenConfig, SweepPlan
+
+#: What an engine raises when a configuration loads but cannot run (a kernel with no
+#: implementation for these shapes or dtypes, out of memory): that knob value fails, the
+#: screening goes on.
+ENGINE_FAILURES: Final = (RuntimeError, ValueError, MemoryError, EngineError)
 
 #: progress(done, total, what): called after each unit of work (a decode or a probe).
 Progress = Callable[[int, int, str], None]
@@ -94,13 +99,15 @@ class MemoryStore:
 
 
 class ScreenOutputs:
-    """What a screening produced: run outputs by run key, probes by comparison name, and the
-    configurations that could not be loaded here (key → reason)."""
+    """What a screening produced: run outputs by run key, probes by comparison name, the
+    configurations that could not be loaded here (key → reason: not available) and those that
+    loaded but failed to run (key → error: failed)."""
 
     def __init__(self) -> None:
         self.runs: dict[str, RunOutput] = {}
         self.probes: dict[str, dict[int, Probe]] = {}
         self.unavailable: dict[str, str] = {}
+        self.failed: dict[str, str] = {}
 
 
 def _run_key(run: Run) -> str:
@@ -125,6 +132,9 @@ def load_outputs(plan: SweepPlan, store: Store) -> ScreenOutputs:
     u = store.get("unavailable")
     if u is not None:
         out.unavailable = {str(k): str(v) for k, v in u.items()}
+    f = store.get("failed")
+    if f is not None:
+        out.failed = {str(k): str(v) for k, v in f.items()}
     return out
 
 
@@ -227,7 +237,13 @@ def run_screening(
     runs = plan.runs()
     specs = plan.comparisons()
     anchors = {s.a.config.key for s in specs}
-    todo_runs = [r for r in runs if r.key not in out.runs and r.config.key not in out.unavailable]
+    todo_runs = [
+        r
+        for r in runs
+        if r.key not in out.runs
+        and r.config.key not in out.unavailable
+        and r.config.key not in out.failed
+    ]
     todo_specs = [s for s in specs if s.name not in out.probes]
     total = len(todo_runs) * len(prompts) + len(todo_specs)
     done = 0
@@ -241,7 +257,7 @@ def run_screening(
     engines: dict[str, Engine] = {}
 
     def engine_of(config: ScreenConfig) -> Engine | None:
-        if config.key in out.unavailable:
+        if config.key in out.unavailable or config.key in out.failed:
             return None
         if config.key not in engines:
             try:
@@ -255,6 +271,11 @@ def run_screening(
 
     eos = backend.eos_ids()
 
+    def fail(config: ScreenConfig, exc: BaseException) -> None:
+        out.failed[config.key] = f"{type(exc).__name__}: {exc}"[:500]
+        store.put("failed", dict(out.failed))
+        engines.pop(config.key, None)
+
     def decode_config(config: ScreenConfig) -> None:
         for run in (r for r in runs if r.config.key == config.key):
             if run.key in out.runs:
@@ -262,7 +283,11 @@ def run_screening(
             engine = engine_of(config)
             if engine is None:
                 return
-            out.runs[run.key] = decode_run(engine, plan, run, prompts, eos, tick)
+            try:
+                out.runs[run.key] = decode_run(engine, plan, run, prompts, eos, tick)
+            except ENGINE_FAILURES as e:  # this configuration fails here: say why, go on
+                fail(config, e)
+                return
             store.put(_run_key(run), out.runs[run.key].to_json())
 
     def probe_specs(pending: list[ComparisonSpec]) -> None:
@@ -276,9 +301,13 @@ def run_screening(
                 tick(f"skip {spec.name}")
                 continue
             # Each engine steps under its own flags.
-            probes = probe_comparison(
-                spec, ea, eb, oa, ob, prompts, plan.top_k, activate=backend.activate
-            )
+            try:
+                probes = probe_comparison(
+                    spec, ea, eb, oa, ob, prompts, plan.top_k, activate=backend.activate
+                )
+            except ENGINE_FAILURES as e:
+                fail(spec.b.config, e)
+                continue
             out.probes[spec.name] = probes
             store.put(
                 _probe_key(spec), {"probes": {str(k): v.to_json() for k, v in probes.items()}}

@@ -76,7 +76,21 @@ def choose_tier(
         if cal.tau_ulps is not None:
             tau_text += f"; format-scaled: τ = {cal.tau_ulps:.3g} ulps (use this for FP8 heads)"
         tau_text += "."
-    if n == 0 or diverged == 0 or lift is None or lift.lift is None:
+    if n == 0:
+        return TierRead(
+            tier=None,
+            name="pair not measured",
+            lift=None,
+            low=None,
+            high=None,
+            n=0,
+            diverged=0,
+            evidence="The pair's runs did not complete on this platform (see the knobs' "
+            "reasons): C's lift is unknown here.",
+            action="Pin the serving precision; screen the pair where both of its formats run.",
+            caveats=caveats,
+        )
+    if diverged == 0 or lift is None or lift.lift is None:
         return TierRead(
             tier=None,
             name="no divergence measured",

@@ -59,6 +59,8 @@ class FakeBackend:
     kv: frozenset[int] = KV
     batch: frozenset[int] = BATCH
     unsupported: dict[str, str] = field(default_factory=dict)
+    #: Configurations that load but whose every decode raises RuntimeError(message).
+    broken: dict[str, str] = field(default_factory=dict)
     loads: list[str] = field(default_factory=list)
     activated: list[str] = field(default_factory=list)
 
@@ -67,6 +69,13 @@ class FakeBackend:
             raise UnsupportedFormat(self.unsupported[config.key])
         self.loads.append(config.key)
         target = config.target()
+        if config.key in self.broken:
+            message = self.broken[config.key]
+
+            def no_kernel(context: tuple[int, ...]) -> tuple[int, float]:
+                raise RuntimeError(message)
+
+            return FakeEngine(target, next_token=no_kernel)
         if config.dtype == "fp16":
             return self._fp16(config)
         if config.batch_size == 8:

@@ -167,3 +167,23 @@ def test_an_unsupported_load_is_not_available_not_failed() -> None:
     _, report, _ = _screen(backend)
     v = _value(report, "batch_size", "batch 4")
     assert v.status == "not_available" and v.reason == "no batch 4 here"
+
+
+def test_a_configuration_that_fails_to_run_is_reported_failed_and_the_rest_goes_on() -> None:
+    bad = ScreenConfig("fp32", batch_size=2)
+    store = MemoryStore()
+    _, report, _ = _screen(FakeBackend(broken={bad.key: "No available kernel"}), store)
+    v = _value(report, "batch_size", "batch 2")
+    assert v.status == "failed" and "No available kernel" in (v.reason or "")
+    assert _value(report, "batch_size", "batch 8").status == "measured"
+    assert report.tier.tier == 1
+    # Resuming does not retry it (the failure is stored with the outputs).
+    again = FakeBackend()
+    _, report2, _ = _screen(again, store)
+    assert again.loads == [] and report2 == report
+
+
+def test_when_the_pair_cannot_run_there_is_no_tier() -> None:
+    fp16 = ScreenConfig("fp16")
+    _, report, _ = _screen(FakeBackend(broken={fp16.key: "fp16 overflow"}))
+    assert report.tier.tier is None and report.tier.name == "pair not measured"
