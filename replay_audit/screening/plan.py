@@ -348,6 +348,8 @@ class SweepPlan:
             "max_new_tokens": self.max_new_tokens,
             "top_k": self.top_k,
             "prompts": [list(p) for p in prompts],
+            # Outputs of another device are not this platform's.
+            "platform": [self.platform.device, self.platform.gpu_name, self.platform.sm],
             "extra": self.extra,
         }
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
