@@ -34,6 +34,7 @@ def load_engine(
     cache: CacheKind = "dynamic",
     max_cache_len: int = 4096,
     weight_dtype: str | None = None,
+    fp8_linear: bool = False,
 ) -> Engine:
     """Load a local Hugging Face checkpoint (no network) in `target`'s format as a torch engine.
 
@@ -43,7 +44,8 @@ def load_engine(
     step in a CUDA graph) for `max_cache_len` tokens (longer decodes use the dynamic path);
     "dynamic" grows it, as transformers' `generate()` does. `weight_dtype`: the dtype the
     weights are stored in when it differs from `target.dtype`, the compute dtype (loaded in the
-    one, cast to the other: the storage-vs-compute ablation).
+    one, cast to the other: the storage-vs-compute ablation). `fp8_linear`: every linear layer of
+    the body in FP8-E4M3 (the paper's end-to-end FP8 boundary case; CUDA, SM >= 8.9).
     """
     from replay_audit.engine.torch_engine import TorchEngine
 
@@ -56,6 +58,7 @@ def load_engine(
         cache=cache,
         max_cache_len=max_cache_len,
         weight_dtype=weight_dtype,
+        fp8_linear=fp8_linear,
     )
 
 

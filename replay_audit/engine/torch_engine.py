@@ -26,7 +26,14 @@ from replay_audit.engine.loading import (
     numerical_environment,
     resolve_device,
 )
-from replay_audit.engine.numerics import LmHead, decide, decide_rows, top_k_ordered, top_k_rows
+from replay_audit.engine.numerics import (
+    LmHead,
+    decide,
+    decide_rows,
+    fp8_supported,
+    top_k_ordered,
+    top_k_rows,
+)
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
     DecodeRun,
@@ -37,6 +44,7 @@ from replay_audit.engine.protocol import (
     Steps,
     Target,
 )
+from replay_audit.exceptions import UnsupportedFormat
 
 #: "dynamic": transformers' growing cache, token-identical to `generate()`. "static": a
 #: preallocated cache with the decode step captured in a CUDA graph. "compiled": "static" with the
@@ -65,6 +73,8 @@ class TorchEngine:
         self.model = model
         #: The dtype the weights were stored in before the cast to the compute dtype.
         self.weight_dtype = weight_dtype or target.dtype
+        #: Whether the body's linear layers compute in FP8 (`fp8_linear.py`).
+        self.fp8_linear = False
         self.tokenizer = tokenizer
         self.device = device
         self.body = Body(model, target.batch_size, device)
@@ -98,17 +108,27 @@ class TorchEngine:
         cache: CacheKind = "dynamic",
         max_cache_len: int = 4096,
         weight_dtype: str | None = None,
+        fp8_linear: bool = False,
     ) -> TorchEngine:
         """Set the numerical flags, then load `model_dir` in `target`'s format. `cache`: see
         `CacheKind` ("compiled" for the fastest decode on CUDA, not bitwise equal to "static").
         `weight_dtype`: the storage dtype when it differs from the compute dtype
-        (`loading.load_model`)."""
+        (`loading.load_model`). `fp8_linear`: every linear layer of the body in FP8-E4M3
+        (`fp8_linear.py`; a CUDA GPU of compute capability >= 8.9)."""
         configure_numerics(deterministic=deterministic, tf32=tf32)
         dev = resolve_device(device)
+        if fp8_linear:
+            ok, why = fp8_supported(dev)
+            if not ok:
+                raise UnsupportedFormat(why.replace("an fp8_e4m3 lm_head", "fp8 linear layers"))
         model, tokenizer = load_model(
             model_dir, target.dtype, target.attn_kernel, dev, weight_dtype=weight_dtype
         )
-        return cls(
+        if fp8_linear:
+            from replay_audit.engine.fp8_linear import quantize_body_linears
+
+            quantize_body_linears(model.model, TORCH_DTYPES[target.dtype])
+        engine = cls(
             model,
             tokenizer,
             target,
@@ -117,6 +137,8 @@ class TorchEngine:
             max_cache_len=max_cache_len,
             weight_dtype=weight_dtype,
         )
+        engine.fp8_linear = fp8_linear
+        return engine
 
     # -- the protocol -------------------------------------------------------------------------
 
@@ -305,12 +327,15 @@ class TorchEngine:
         """Which decode path ran: the cache, the static cache lengths used so far, whether the
         step was captured in a CUDA graph and compiled (and why not, if compiling failed); after
         a batched scan, its batch shapes (`batch.scan_extras`)."""
+        scan: dict[str, Any] = dict(self._scan_extras)
+        if self.fp8_linear:
+            scan["fp8_linear"] = True
         if self.cache_kind == "dynamic":
             return {
                 "kv_cache": "dynamic",
                 "cuda_graph": False,
                 "static_cache_len": None,
-                **self._scan_extras,
+                **scan,
             }
         decoders = list(self._static.values())
         errors = sorted({d.compile_error for d in decoders if d.compile_error})
@@ -320,7 +345,7 @@ class TorchEngine:
             "static_cache_len": self.max_cache_len,
             "static_cache_lens_used": ",".join(str(n) for n in sorted(self._static)),
             "compiled": bool(decoders) and all(d.compiled for d in decoders),
-            **self._scan_extras,
+            **scan,
         }
         if self.cache_kind == "compiled":
             extras["compile_mode"] = "default"

@@ -162,7 +162,6 @@ def unavailable_reason(config: ScreenConfig, platform: Platform) -> str | None:
             return "end-to-end FP8 linear layers need a CUDA GPU of compute capability >= 8.9"
         if platform.fp8_unavailable:
             return platform.fp8_unavailable
-        return "end-to-end FP8 linear layers are not implemented by this engine yet"
     if config.attn_kernel == "flash_attention_2":
         if platform.device != "cuda":
             return "flash_attention_2 runs on CUDA only"

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from replay_audit.engine.protocol import Engine
-from replay_audit.exceptions import EngineError, UnsupportedFormat
+from replay_audit.exceptions import EngineError
 from replay_audit.screening.outputs import ScreenPrompt
 from replay_audit.screening.plan import Platform, ScreenConfig
 
@@ -56,8 +56,6 @@ class TorchBackend:
     def load(self, config: ScreenConfig) -> Engine:
         from replay_audit.engine import load_engine
 
-        if config.fp8_linear:
-            raise UnsupportedFormat("end-to-end FP8 linear layers are not implemented yet")
         return load_engine(
             self.model_dir,
             config.target(),
@@ -67,6 +65,7 @@ class TorchBackend:
             cache=config.kv_cache,
             max_cache_len=self.max_cache_len,
             weight_dtype=config.weight_dtype,
+            fp8_linear=config.fp8_linear,
         )
 
     def activate(self, config: ScreenConfig) -> None:

@@ -58,3 +58,29 @@ def test_sdpa_backends_can_be_limited_and_restored() -> None:
     finally:
         enable_sdpa_backends(None)
     assert cuda.math_sdp_enabled() and cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled()
+
+
+def test_fp8_linear_layers_approximate_the_float_product() -> None:
+    from replay_audit.engine.fp8_linear import Fp8Linear, quantize_body_linears
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32, bias=True)
+    fp8 = Fp8Linear(linear, torch.float32)
+    x = torch.randn(3, 5, 64)
+    want = linear(x)
+    got = fp8(x)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    err = (got - want).norm() / want.norm()
+    assert 0 < err < 0.1  # FP8-E4M3 keeps 3 mantissa bits: close, never exact
+    body = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    assert quantize_body_linears(body, torch.float32) == 2
+    assert all(not isinstance(m, torch.nn.Linear) for m in body.modules())
+
+
+def test_fp8_linear_layers_need_a_recent_gpu(tiny_dir: Path) -> None:
+    import pytest
+
+    from replay_audit.exceptions import UnsupportedFormat
+
+    with pytest.raises(UnsupportedFormat, match="fp8 linear layers"):
+        load_engine(tiny_dir, Target("bf16"), device="cpu", fp8_linear=True)
