@@ -3,14 +3,16 @@
 # 10-minute device command; what a step leaves in .models/ stays on the warm machine for the next.
 #
 #   bash benchmarks/gpu_screen.sh train    # trains .models/py-12x768 (12 layers, width 768, on
-#                                          # the image's Python stdlib, ~4 min) unless it exists
+#                                          # the image's Python stdlib, ~5 min) unless it exists
 #   bash benchmarks/gpu_screen.sh screen   # screens it on cuda (resumable: run it again if it
 #                                          # stopped at its time limit); report.json/.html in $OUT
 #   bash benchmarks/gpu_screen.sh all      # both, for a machine with time to spare
 #
-# Knobs: MINUTES (training budget, 4), PROMPTS (16), TOKENS (64 new tokens per prompt),
-# SCREEN_TIMEOUT (seconds one screen command may run before it stops and leaves the rest for the
-# next call, 540). Every screening step's wall time goes to $OUT/screen_wall.txt.
+# Settings: MINUTES (training budget, 3), PROMPTS (16), TOKENS (48 new tokens per prompt),
+# KNOBS (comma-separated `--knobs`, default all), SCREEN_TIMEOUT (seconds one screen command may
+# run before it stops and leaves the rest for the next call, 540). About 25 runs x PROMPTS x
+# TOKENS decode steps at ~15 ms each on the dynamic-cache path, plus loads and one compile.
+# Every step's wall time goes to $OUT/screen_wall.txt.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -30,7 +32,7 @@ train() {
     local t0=$SECONDS
     python3 scripts/train_tiny_model.py --device cuda --amp bf16 --threads 8 \
         --layers 12 --hidden 768 --intermediate 2048 --heads 12 --kv-heads 4 \
-        --batch-size 32 --lr 1e-3 --warmup 200 --log-every 200 --minutes "${MINUTES:-4}" \
+        --batch-size 32 --lr 1e-3 --warmup 200 --log-every 200 --minutes "${MINUTES:-3}" \
         --out "$M" --prompts-out "$M/prompts.jsonl" 2>&1 | tee "$OUT/train.log" | tail -25
     echo "train: $((SECONDS - t0)) s" | tee -a "$OUT/screen_wall.txt"
 }
@@ -40,7 +42,8 @@ screen() {
     local t0=$SECONDS
     timeout "${SCREEN_TIMEOUT:-540}" python3 -m replay_audit screen --model "$M" \
         --prompts "$M/prompts.jsonl" --device cuda --limit "${PROMPTS:-16}" \
-        --max-new-tokens "${TOKENS:-64}" --out "$S" 2> "$OUT/screen.err"
+        --max-new-tokens "${TOKENS:-48}" ${KNOBS:+--knobs "$KNOBS"} --out "$S" \
+        2> "$OUT/screen.err"
     local rc=$?
     echo "screen: $((SECONDS - t0)) s (exit $rc)" | tee -a "$OUT/screen_wall.txt"
     ls "$S/state" | wc -l | xargs echo "stored state files:"
