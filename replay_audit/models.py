@@ -10,6 +10,7 @@ module before it hands out a session factory, and the migrations' `env.py` impor
 from replay_audit.audits.models import AuditAlert, AuditRun, AuditSchedule
 from replay_audit.auth.models import ApiKey, Project
 from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
+from replay_audit.screenings.models import Screening, ScreeningOutput
 from replay_audit.traces.models import NumericalConfigRow, Trace, TraceTag
 
 __all__ = [
@@ -22,6 +23,8 @@ __all__ = [
     "ReplayJob",
     "ReplayResult",
     "ReplayRun",
+    "Screening",
+    "ScreeningOutput",
     "Trace",
     "TraceTag",
 ]

@@ -20,6 +20,16 @@ Usage (from the repository root)::
 
     .venv/bin/python scripts/train_tiny_model.py --steps 900
 
+Larger, on a GPU (the screening's 12 x 768 model, `benchmarks/gpu_screen.sh`)::
+
+    python scripts/train_tiny_model.py --device cuda --amp bf16 --layers 12 --hidden 768 \
+        --intermediate 2048 --heads 12 --kv-heads 4 --batch-size 32 --lr 1e-3 --minutes 4 \
+        --out .models/py-12x768 --prompts-out .models/py-12x768/prompts.jsonl
+
+``--corpus DIR`` trains on another directory of Python files than the standard library. On CUDA,
+``--amp bf16`` trains under BF16 autocast (weights and optimizer state stay FP32, as in
+mixed-precision pretraining; the checkpoint is saved in FP32).
+
 See docs/model.md.
 """
 
@@ -352,6 +362,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--amp", choices=("none", "bf16"), default="none", help="autocast dtype (CUDA only)"
+    )
+    parser.add_argument(
+        "--corpus", type=Path, default=None, help="directory of *.py files (default: the stdlib)"
+    )
     parser.add_argument("--log-every", type=int, default=100)
     args = parser.parse_args(argv)
     if args.steps is None and args.minutes is None:
@@ -367,12 +384,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # The BPE trainer is reproducible single-threaded; fix it before any tokenizers call.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
+    device = torch.device(args.device)
+    # Deterministic on the CPU (the bundled model is reproducible); on CUDA a kernel without a
+    # deterministic implementation warns instead of stopping the run.
+    torch.use_deterministic_algorithms(True, warn_only=device.type != "cpu")
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
 
-    corpus = load_corpus()
+    corpus = load_corpus(args.corpus)
     n_bytes = sum(len(f.text.encode()) for f in corpus.train)
     print(
         f"corpus {corpus.stdlib_root}: {len(corpus.train)} train files ({n_bytes / 1e6:.2f} MB), "
@@ -388,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     model = build_model(args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads)
+    torch.nn.Module.to(model, device)
+    autocast = torch.autocast(
+        device_type=device.type, dtype=torch.bfloat16, enabled=args.amp == "bf16"
+    )
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters")
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
@@ -403,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = None if args.minutes is None else time.perf_counter() + 60 * args.minutes
     # With a time budget the schedule needs a length: estimate it from the first steps.
     schedule_steps = args.steps if args.steps is not None else DEFAULT_STEPS
+    probe_steps = 20
     model.train()
     t_train = time.perf_counter()
     running = 0.0
@@ -410,15 +436,21 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(total_steps):
         if deadline is not None and time.perf_counter() > deadline:
             break
+        if deadline is not None and step == probe_steps:
+            per_step = (time.perf_counter() - t_train) / probe_steps
+            schedule_steps = max(probe_steps + 1, int(60 * args.minutes / per_step))
         lr = lr_at(step, schedule_steps, args.lr, args.warmup)
         for group in optimizer.param_groups:
             group["lr"] = lr
         starts = torch.randint(
             0, train_stream.numel() - SEQ_LEN - 1, (args.batch_size,), generator=generator
         )
-        batch = torch.stack([train_stream[s : s + SEQ_LEN + 1] for s in starts])
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        batch = torch.stack([train_stream[s : s + SEQ_LEN + 1] for s in starts]).to(device)
+        with autocast:
+            logits = model(input_ids=batch[:, :-1]).logits
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -437,8 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     steps_done = step
     train_seconds = time.perf_counter() - t_train
 
-    train_loss = mean_loss(model, train_windows)
-    held_loss = mean_loss(model, held_windows)
+    train_loss = mean_loss(model, train_windows.to(device))
+    held_loss = mean_loss(model, held_windows.to(device))
     print(
         f"done: {steps_done} steps in {train_seconds:.0f}s; train loss {train_loss:.4f}, "
         f"held-out loss {held_loss:.4f} (uniform {math.log(VOCAB_SIZE):.4f})"
@@ -453,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         do_sample=False,
     )
     model.config._attn_implementation = "eager"
+    torch.nn.Module.to(model, "cpu")
     model.save_pretrained(out)
     wrap_tokenizer(tokenizer).save_pretrained(out)
     # transformers 5 writes its own class name; the generic name loads in 4.x and 5.x alike.

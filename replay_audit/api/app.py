@@ -34,6 +34,7 @@ def _routers() -> list[APIRouter]:
     from replay_audit.imports.endpoints import router as imports_router
     from replay_audit.replays.endpoints import router as replays_router
     from replay_audit.reports.endpoints import router as reports_router
+    from replay_audit.screenings.endpoints import router as screenings_router
     from replay_audit.traces.endpoints import router as traces_router
 
     return [
@@ -42,6 +43,7 @@ def _routers() -> list[APIRouter]:
         imports_router,
         replays_router,
         reports_router,
+        screenings_router,
         keys_router,
         audits_router,
     ]

@@ -30,6 +30,7 @@ from replay_audit.db.unit_of_work import session_scope
 from replay_audit.queue import JobSpec, Runner, build_job_queue, get_runner
 from replay_audit.queue.runner import InProcessRunner
 from replay_audit.replays.reconcile import reconcile
+from replay_audit.screenings.reconcile import reconcile_screenings
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,9 @@ def run_tick(
     try:
         with session_scope(url) as s:
             again = reconcile(
+                s, runner, stale_after_s=stale_after_s, job_timeout_s=settings.job_timeout_s
+            )
+            again += reconcile_screenings(
                 s, runner, stale_after_s=stale_after_s, job_timeout_s=settings.job_timeout_s
             )
         report.jobs_reconciled = len(again)

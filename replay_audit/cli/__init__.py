@@ -56,6 +56,7 @@ app = _App(
 # ruff: isort: off
 from replay_audit.cli import service as _service  # noqa: E402,F401
 from replay_audit.cli import engine as _engine  # noqa: E402,F401
+from replay_audit.cli import screen as _screen  # noqa: E402,F401
 from replay_audit.cli import imports as _imports  # noqa: E402,F401
 from replay_audit.cli import worker as _worker  # noqa: E402,F401
 from replay_audit.cli import demo as _demo  # noqa: E402,F401

@@ -75,12 +75,16 @@ def reconcile(
     from replay_audit.queue import get_runner
     from replay_audit.queue.runner import InProcessRunner
     from replay_audit.replays.reconcile import reconcile as run_reconcile
+    from replay_audit.screenings.reconcile import reconcile_screenings
 
     settings = get_settings()
     ready_database(settings)
     runner = get_runner(settings)
     with session_scope(settings.database_url) as session:
         again = run_reconcile(
+            session, runner, stale_after_s=stale_after_s, job_timeout_s=settings.job_timeout_s
+        )
+        again += reconcile_screenings(
             session, runner, stale_after_s=stale_after_s, job_timeout_s=settings.job_timeout_s
         )
     typer.echo(f"re-enqueued {len(again)} job(s)" + (f": {again}" if again else ""))

@@ -33,6 +33,8 @@ def load_engine(
     tf32: bool = False,
     cache: CacheKind | None = None,
     max_cache_len: int = 4096,
+    weight_dtype: str | None = None,
+    fp8_linear: bool = False,
 ) -> Engine:
     """Load a local Hugging Face checkpoint (no network) in `target`'s format as a torch engine.
 
@@ -43,7 +45,11 @@ def load_engine(
     graphs (the same logits bit for bit); "static" preallocates it (and on CUDA captures the
     decode step in a CUDA graph) for `max_cache_len` tokens (longer decodes use the dynamic
     path); "compiled" is "static" with the step compiled. None: "piecewise" on CUDA, else
-    "dynamic".
+    "dynamic". `weight_dtype`: the
+    dtype the weights are stored in when it differs from `target.dtype`, the compute dtype
+    (loaded in the one, cast to the other: the storage-vs-compute ablation). `fp8_linear`: every
+    linear layer of the body in FP8-E4M3 (the paper's end-to-end FP8 boundary case; CUDA, SM >=
+    8.9).
     """
     from replay_audit.engine.torch_engine import TorchEngine
 
@@ -55,6 +61,8 @@ def load_engine(
         tf32=tf32,
         cache=cache,
         max_cache_len=max_cache_len,
+        weight_dtype=weight_dtype,
+        fp8_linear=fp8_linear,
     )
 
 

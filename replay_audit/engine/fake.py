@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from replay_audit.diff.margin import step_numerics
 from replay_audit.diff.pieces import Piece
@@ -33,6 +34,8 @@ from replay_audit.engine.protocol import (
 
 NextToken = Callable[[tuple[int, ...]], tuple[int, float]]
 Repair = Callable[[tuple[int, ...], int], int]
+#: The fake's "hidden state" for a context (the vector its head would read): any 1-d floats.
+Hidden = Callable[[tuple[int, ...]], Sequence[float]]
 
 
 def _default_next_token(context: tuple[int, ...]) -> tuple[int, float]:
@@ -52,6 +55,8 @@ class FakeEngine:
     repair_fn: Repair | None = None
     #: Optional text for detokenize: token id → string piece.
     pieces: Callable[[int], str] | None = None
+    #: The hidden state of a context (`hidden_states`); by default (token, margin) of the model.
+    hidden_fn: Hidden | None = None
     calls: list[str] = field(default_factory=list)
     #: What the last `scan_batch` recorded (its batch shapes), as the torch engine records it.
     _scan_extras: dict[str, str | int] = field(default_factory=dict, init=False, repr=False)
@@ -171,6 +176,16 @@ class FakeEngine:
         s = self._step((*prompt_ids, *prefix_ids), Intervention(), top_k, fn)
         token = int(s.native_token_ids[0])
         return StepInfo(token, s.top_k_ids[0], s.top_k_logits[0], s.margin_at(0))
+
+    def hidden_states(
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int]
+    ) -> npt.NDArray[np.float32]:
+        """Row t: `hidden_fn` of prompt ‖ output_ids[:t], t = 0..len(output_ids), as the torch
+        engine's rows (the hidden state that predicts output step t)."""
+        self.calls.append("hidden_states")
+        fn = self.hidden_fn or (lambda c: [float(v) for v in self.next_token(c)])
+        rows = [fn((*prompt_ids, *output_ids[:t])) for t in range(len(output_ids) + 1)]
+        return np.asarray(rows, dtype=np.float32)
 
     def detokenize(self, ids: Sequence[int]) -> str | None:
         if self.pieces is None:

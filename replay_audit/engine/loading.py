@@ -54,6 +54,23 @@ def configure_numerics(*, deterministic: bool, tf32: bool) -> None:
         torch.backends.cudnn.allow_tf32 = tf32
 
 
+def enable_sdpa_backends(only: str | None) -> None:
+    """Let torch's SDPA use all its CUDA backends (`only` None, torch's default), or only one of
+    "math", "flash", "efficient", "cudnn". Process-wide, like the TF32 flag."""
+    cuda: Any = torch.backends.cuda
+    setters = {
+        "math": cuda.enable_math_sdp,
+        "flash": cuda.enable_flash_sdp,
+        "efficient": cuda.enable_mem_efficient_sdp,
+        "cudnn": getattr(cuda, "enable_cudnn_sdp", None),
+    }
+    if only is not None and only not in setters:
+        raise UnsupportedFormat(f"unknown SDPA backend {only!r}")
+    for name, setter in setters.items():
+        if setter is not None:
+            setter(only is None or name == only)
+
+
 def tf32_enabled() -> bool:
     matmul: Any = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):
@@ -134,20 +151,36 @@ def numerical_environment(
 
 
 def load_model(
-    model_dir: Path, dtype: str, attn_kernel: str | None, device: torch.device
+    model_dir: Path,
+    dtype: str,
+    attn_kernel: str | None,
+    device: torch.device,
+    *,
+    weight_dtype: str | None = None,
 ) -> tuple[Any, Any]:
     """The checkpoint as a transformers causal LM in `dtype` on `device`, in eval mode, and its
-    tokenizer (None when the directory has none). Local files only."""
+    tokenizer (None when the directory has none). Local files only.
+
+    `weight_dtype` (storage) other than `dtype` (compute): the checkpoint is loaded in
+    `weight_dtype`, then cast to `dtype`, so the weights carry `weight_dtype`'s rounding while
+    every product runs in `dtype` (the paper's storage-vs-compute ablation: BF16-stored weights
+    computed in FP32). The cast after loading also casts the buffers (RoPE's inverse
+    frequencies)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
     if dtype not in TORCH_DTYPES:
         raise UnsupportedFormat(f"body dtype must be one of {tuple(TORCH_DTYPES)}, got {dtype!r}")
+    stored = weight_dtype or dtype
+    if stored not in TORCH_DTYPES:
+        raise UnsupportedFormat(
+            f"weight dtype must be one of {tuple(TORCH_DTYPES)}, got {weight_dtype!r}"
+        )
     model: Any
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(model_dir),
-            dtype=TORCH_DTYPES[dtype],
+            dtype=TORCH_DTYPES[stored],
             attn_implementation=attn_kernel or DEFAULT_ATTN_KERNEL,
             local_files_only=True,
         )
@@ -158,6 +191,8 @@ def load_model(
         ) from exc
     except OSError as exc:
         raise EngineError(f"cannot load a checkpoint from {model_dir}: {exc}") from exc
+    if stored != dtype:
+        model = model.to(TORCH_DTYPES[dtype])
     model = model.to(device).eval()
     model.requires_grad_(False)
     return model, load_tokenizer(model_dir)

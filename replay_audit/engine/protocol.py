@@ -326,6 +326,19 @@ class Engine(Protocol):
         ...
 
 
+@runtime_checkable
+class HiddenStates(Protocol):
+    """An engine that can show the hidden states its lm_head reads (the torch engine, the fake):
+    what the screening's cross-arm hidden-state gap compares."""
+
+    def hidden_states(
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int]
+    ) -> npt.NDArray[np.float32]:
+        """(len(output_ids) + 1, d) float32: row t is the final normed hidden state that predicts
+        output step t in a from-scratch forward over prompt ‖ output_ids."""
+        ...
+
+
 def steps_from_numerics(
     token_ids: npt.ArrayLike, native_token_ids: npt.ArrayLike, numerics: StepNumerics, k: int
 ) -> Steps:

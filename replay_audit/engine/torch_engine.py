@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 import replay_audit
@@ -26,7 +27,14 @@ from replay_audit.engine.loading import (
     numerical_environment,
     resolve_device,
 )
-from replay_audit.engine.numerics import LmHead, decide, decide_rows, top_k_ordered, top_k_rows
+from replay_audit.engine.numerics import (
+    LmHead,
+    decide,
+    decide_rows,
+    fp8_supported,
+    top_k_ordered,
+    top_k_rows,
+)
 from replay_audit.engine.pieces import PieceReader
 from replay_audit.engine.piecewise import PiecewiseDecoder
 from replay_audit.engine.protocol import (
@@ -39,6 +47,7 @@ from replay_audit.engine.protocol import (
     Steps,
     Target,
 )
+from replay_audit.exceptions import UnsupportedFormat
 from replay_audit.formats import CacheKind
 
 #: The cache kind when none is asked for (`default_cache_kind`): on CUDA the piecewise decode,
@@ -67,8 +76,13 @@ class TorchEngine:
         *,
         cache: CacheKind | None = None,
         max_cache_len: int = 4096,
+        weight_dtype: str | None = None,
     ) -> None:
         self.model = model
+        #: The dtype the weights were stored in before the cast to the compute dtype.
+        self.weight_dtype = weight_dtype or target.dtype
+        #: Whether the body's linear layers compute in FP8 (`fp8_linear.py`).
+        self.fp8_linear = False
         self.tokenizer = tokenizer
         self._pieces = PieceReader(tokenizer) if tokenizer is not None else None
         self.device = device
@@ -105,14 +119,39 @@ class TorchEngine:
         tf32: bool = False,
         cache: CacheKind | None = None,
         max_cache_len: int = 4096,
+        weight_dtype: str | None = None,
+        fp8_linear: bool = False,
     ) -> TorchEngine:
         """Set the numerical flags, then load `model_dir` in `target`'s format. `cache`: see
         `formats.CacheKind` (None: `default_cache_kind`; "compiled" for the fastest decode on
-        CUDA, not token-identical to `generate()`)."""
+        CUDA, not token-identical to `generate()`).
+        `weight_dtype`: the storage dtype when it differs from the compute dtype
+        (`loading.load_model`). `fp8_linear`: every linear layer of the body in FP8-E4M3
+        (`fp8_linear.py`; a CUDA GPU of compute capability >= 8.9)."""
         configure_numerics(deterministic=deterministic, tf32=tf32)
         dev = resolve_device(device)
-        model, tokenizer = load_model(model_dir, target.dtype, target.attn_kernel, dev)
-        return cls(model, tokenizer, target, dev, cache=cache, max_cache_len=max_cache_len)
+        if fp8_linear:
+            ok, why = fp8_supported(dev)
+            if not ok:
+                raise UnsupportedFormat(why.replace("an fp8_e4m3 lm_head", "fp8 linear layers"))
+        model, tokenizer = load_model(
+            model_dir, target.dtype, target.attn_kernel, dev, weight_dtype=weight_dtype
+        )
+        if fp8_linear:
+            from replay_audit.engine.fp8_linear import quantize_body_linears
+
+            quantize_body_linears(model.model, TORCH_DTYPES[target.dtype])
+        engine = cls(
+            model,
+            tokenizer,
+            target,
+            dev,
+            cache=cache,
+            max_cache_len=max_cache_len,
+            weight_dtype=weight_dtype,
+        )
+        engine.fp8_linear = fp8_linear
+        return engine
 
     # -- the protocol -------------------------------------------------------------------------
 
@@ -129,7 +168,7 @@ class TorchEngine:
         return numerical_environment(
             dtype=t.dtype,
             lm_head_dtype=t.head_dtype,
-            weight_dtype=t.dtype,
+            weight_dtype=self.weight_dtype,
             device=self.device,
             attn_kernel=t.attn_kernel or "eager",
             batch_size=t.batch_size,
@@ -247,6 +286,17 @@ class TorchEngine:
             margin=s.margin_at(0),
         )
 
+    @torch.inference_mode()
+    def hidden_states(
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int]
+    ) -> npt.NDArray[np.float32]:
+        """The final normed hidden states that feed the lm_head at output steps 0..len(output_ids)
+        of a from-scratch forward over prompt ‖ output_ids (row t predicts output step t), as a
+        float32 (len(output_ids) + 1, d) array: what the screening's hidden-state gap compares
+        across arms along a shared prefix."""
+        h = self.body.forward([*prompt_ids, *output_ids], None, 0)[0, len(prompt_ids) - 1 :]
+        return np.asarray(h.float().cpu().numpy(), dtype=np.float32)
+
     def detokenize(self, ids: Sequence[int]) -> str | None:
         if self.tokenizer is None:
             return None
@@ -320,12 +370,15 @@ class TorchEngine:
         """Which decode path ran: the cache, the static cache lengths used so far, whether the
         step was captured in a CUDA graph and compiled (and why not, if compiling failed); after
         a batched scan, its batch shapes (`batch.scan_extras`)."""
+        scan: dict[str, Any] = dict(self._scan_extras)
+        if self.fp8_linear:
+            scan["fp8_linear"] = True
         if self.cache_kind in ("dynamic", "piecewise"):
             extras: dict[str, Any] = {
                 "kv_cache": "dynamic",
                 "cuda_graph": False,
                 "static_cache_len": None,
-                **self._scan_extras,
+                **scan,
             }
             if self.cache_kind == "piecewise":
                 extras.update(self._piecewise_extras())
@@ -338,7 +391,7 @@ class TorchEngine:
             "static_cache_len": self.max_cache_len,
             "static_cache_lens_used": ",".join(str(n) for n in sorted(self._static)),
             "compiled": bool(decoders) and all(d.compiled for d in decoders),
-            **self._scan_extras,
+            **scan,
         }
         if self.cache_kind == "compiled":
             extras["compile_mode"] = "default"

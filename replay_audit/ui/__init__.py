@@ -1,114 +1,31 @@
 """The auditors' web UI: server-rendered HTML under `/ui`, read-only, no external resources.
 
+    mount        the UI's own ASGI app and its error pages (`mount_ui`)
     session      signed cookie sessions from an API key (auditor or admin)
     pages        the routes (runs list, run page, trace page, run comparison, exports)
     trace_pages  the trace search and one trace across every run
     audit_pages  the audit schedules
     trace_view   what the trace page shows
+    screening_view  the screening report page (also written as one self-contained file)
     charts       inline SVG charts drawn on the server
     templating   Jinja2 (autoescaped) and the security headers of every page
 
 It is its own ASGI app mounted at `/ui` (`mount_ui`), so its errors are HTML pages (a missing
 session is a redirect to the sign-in page) while the JSON API keeps its JSON errors, and its
-pages stay out of the OpenAPI schema.
+pages stay out of the OpenAPI schema. Importing the package imports no web framework: the
+charts and the screening report render where only jinja2 is installed (a GPU machine).
 """
 
 from __future__ import annotations
 
-import logging
-from urllib.parse import urlencode
+from typing import TYPE_CHECKING
 
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import RedirectResponse, Response
-from fastapi.staticfiles import StaticFiles
-from sqlalchemy.exc import InterfaceError, OperationalError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from replay_audit.api.deps import refuse_unstorable_parameters
-from replay_audit.api.errors import database_unavailable, error_from_validation
-from replay_audit.exceptions import ReplayAuditError
-from replay_audit.ui.audit_pages import router as audit_router
-from replay_audit.ui.pages import SignInRequired, router
-from replay_audit.ui.templating import STATIC_DIR, render
-from replay_audit.ui.trace_pages import router as trace_router
-
-logger = logging.getLogger(__name__)
-
-UI_PREFIX = "/ui"
-
-
-def _error_page(request: Request, status: int, title: str, message: str) -> Response:
-    return render(
-        request,
-        "ui/error.html",
-        {"status": status, "title": title, "message": message, "principal": None, "csrf_token": ""},
-        status,
-    )
-
-
-async def _sign_in_required(request: Request, exc: Exception) -> Response:
-    base = request.scope.get("root_path", "")
-    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-    return RedirectResponse(f"{base}/sign-in?{urlencode({'next': target})}", status_code=303)
-
-
-async def _domain_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ReplayAuditError)
-    titles = {400: "Bad request", 403: "Not allowed", 404: "Not found", 422: "Invalid input"}
-    if exc.status_code >= 500:
-        logger.error("%s: %s", type(exc).__name__, exc.message)
-    return _error_page(request, exc.status_code, titles.get(exc.status_code, "Error"), exc.message)
-
-
-async def _validation_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestValidationError)
-    error = error_from_validation(list(exc.errors()))
-    return _error_page(request, 422, "Invalid input", error.message)
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, StarletteHTTPException)
-    title = "Not found" if exc.status_code == 404 else "Error"
-    return _error_page(request, exc.status_code, title, str(exc.detail))
-
-
-async def _database_error(request: Request, exc: Exception) -> Response:
-    error = database_unavailable(exc)
-    logger.error("%s on %s %s", error.message, request.method, request.url.path)
-    return _error_page(request, 503, "Database unavailable", error.message)
-
-
-async def _unexpected(request: Request, exc: Exception) -> Response:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return _error_page(request, 500, "Internal error", "Something went wrong on our side.")
-
-
-def create_ui_app(parent: FastAPI) -> FastAPI:
-    """The UI app, sharing `parent`'s settings and database."""
-    ui = FastAPI(
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-        dependencies=[Depends(refuse_unstorable_parameters)],
-    )
-    ui.state.settings = parent.state.settings
-    ui.state.engine = parent.state.engine
-    ui.state.sessionmaker = parent.state.sessionmaker
-    ui.add_exception_handler(SignInRequired, _sign_in_required)
-    ui.add_exception_handler(ReplayAuditError, _domain_error)
-    ui.add_exception_handler(RequestValidationError, _validation_error)
-    ui.add_exception_handler(StarletteHTTPException, _http_error)
-    ui.add_exception_handler(OperationalError, _database_error)
-    ui.add_exception_handler(InterfaceError, _database_error)
-    ui.add_exception_handler(Exception, _unexpected)
-    ui.include_router(router)
-    ui.include_router(audit_router)
-    ui.include_router(trace_router)
-    ui.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-    return ui
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 
 def mount_ui(app: FastAPI) -> None:
-    """Mount the UI at `/ui` on the API app."""
-    app.mount(UI_PREFIX, create_ui_app(app), name="ui")
+    """Mount the UI app at `/ui` on `app` (`mount.mount_ui`)."""
+    from replay_audit.ui.mount import mount_ui as mount
+
+    mount(app)

@@ -37,6 +37,7 @@ from replay_audit.reports import browsing, statistics
 from replay_audit.reports.endpoints import export_response
 from replay_audit.reports.filters import ResultFilter, RunFilter
 from replay_audit.reports.schemas import RunReport
+from replay_audit.screenings import service as screenings_service
 from replay_audit.ui import session as ui_session
 from replay_audit.ui import trace_view
 from replay_audit.ui.charts import (
@@ -291,6 +292,7 @@ def runs_list(
         dtypes=BODY_DTYPES,
         next_query=next_query,
         first_page=before is not None,
+        screenings=screenings_service.recent_screenings(session, principal.project_id),
     )
 
 

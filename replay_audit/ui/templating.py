@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import math
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
-from starlette.requests import Request
-from starlette.responses import HTMLResponse
 
 from replay_audit.config import PACKAGE_DIR
+
+if TYPE_CHECKING:  # the web framework only where a page is served, not to render a file
+    from starlette.requests import Request
+    from starlette.responses import HTMLResponse
 
 TEMPLATE_DIR: Final = PACKAGE_DIR / "api" / "templates"
 STATIC_DIR: Final = PACKAGE_DIR / "api" / "static"
@@ -118,6 +120,8 @@ def render(
     request: Request, template: str, context: dict[str, Any], status_code: int = 200
 ) -> HTMLResponse:
     """Render `template` with `context` plus `base` (the UI's URL prefix) and `request`."""
+    from starlette.responses import HTMLResponse
+
     body = ENV.get_template(template).render(
         base=request.scope.get("root_path", ""), request=request, **context
     )

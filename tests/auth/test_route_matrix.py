@@ -104,6 +104,9 @@ ROUTES: Final[dict[str, Row]] = {
     "GET /v1/replays/{run_id}/results": _READ,
     "GET /v1/replays/{run_id}/report": _READ,
     "GET /v1/replays/{run_id}/export": _READ,
+    # Screenings: submitters start them, auditors read them.
+    "POST /v1/screenings": (OK, DENIED, OK, ANON, OK),
+    "GET /v1/screenings/{screening_id}": _READ,
     # Keys: admins of the project.
     "POST /v1/keys": (OK, DENIED, DENIED, ANON, OK),
     "GET /v1/keys": (OK, DENIED, DENIED, ANON, OK),
@@ -134,6 +137,7 @@ ROUTES: Final[dict[str, Row]] = {
     "GET /ui/compare": _UI_PAGE,
     "GET /ui/traces": _UI_LIST,
     "GET /ui/traces/{trace_id}": _UI_PAGE,
+    "GET /ui/screenings/{screening_id}": _UI_PAGE,
     "GET /ui/schedules": _UI_LIST,
     "GET /ui/schedules/{schedule_id}": _UI_PAGE,
     "GET /ui/static/{path}": _ALL_PUBLIC,
@@ -248,6 +252,10 @@ def world(
     assert r.status_code == 201, r.text
     schedule_id = r.json()["id"]
     key_id = client.post("/v1/keys", json={"role": "submitter"}, headers=admin).json()["id"]
+    # A screening, left queued (its page shows its status).
+    r = client.post("/v1/screenings", json=_screening_body(), headers=admin)
+    assert r.status_code == 201, r.text
+    screening_id = r.json()["id"]
     now = datetime(2026, 1, 2, 2, tzinfo=UTC)
     with session_scope(db_url) as s:
         schedule = s.scalar(select(AuditSchedule).where(AuditSchedule.public_id == schedule_id))
@@ -291,11 +299,25 @@ def world(
         "run_id": run_id,
         "schedule_id": schedule_id,
         "key_id": key_id,
+        "screening_id": screening_id,
         "fmt": "csv",
         "path": "ui.css",
     }
-    secrets = [trace_id, run_id, schedule_id, key_id, "ar_matrix", "al_matrix", "matrix-ext-1"]
+    secrets = [
+        trace_id,
+        run_id,
+        schedule_id,
+        key_id,
+        screening_id,
+        "ar_matrix",
+        "al_matrix",
+        "matrix-ext-1",
+    ]
     return World(ids=ids, callers=callers, secrets=secrets)
+
+
+def _screening_body() -> dict[str, Any]:
+    return {"model_sha256": "d" * 64, "prompts": [{"prompt_token_ids": [1, 2, 3]}]}
 
 
 # -- one request ---------------------------------------------------------------------------------
@@ -318,6 +340,8 @@ def _body(route: str, ids: dict[str, str], caller: Caller) -> dict[str, Any]:
             return {"json": {"context": context, "items": [load_fixture("sglang_generate.json")]}}
         case "POST /v1/replays":
             return {"json": {"trace_ids": [ids["trace_id"]], "targets": [{"dtype": "fp16"}]}}
+        case "POST /v1/screenings":
+            return {"json": _screening_body()}
         case "POST /v1/keys":
             return {"json": {"role": "auditor", "name": "matrix"}}
         case "POST /v1/audits/schedules":

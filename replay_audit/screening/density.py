@@ -1,0 +1,50 @@
+"""Trigger density, CV(TD) and the τ calibration: plain functions of stored margins. Pure.
+
+trigger_density(margins, thresholds)   share of a prompt's decoded steps with margin < τ
+coefficient_of_variation(xs)           population std / mean (None: mean 0 or n < 2)
+covering_tau(flip_margins, cover)      the smallest τ with at least `cover` of the flip
+                                       margins strictly below it
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+
+def trigger_density(margins: npt.ArrayLike, thresholds: npt.ArrayLike) -> float | None:
+    """Share of steps whose margin is below its threshold (None for no step). NaN margins
+    (not finite) never count as below."""
+    m = np.asarray(margins, dtype=np.float64)
+    if m.size == 0:
+        return None
+    below = np.asarray(m < np.asarray(thresholds, dtype=np.float64))
+    return float(below.sum() / m.size)
+
+
+def coefficient_of_variation(
+    values: Sequence[float],
+) -> tuple[float | None, float | None, float | None]:
+    """(mean, population standard deviation, CV = std / mean) of `values`; CV is None when the
+    mean is 0 or there are fewer than two values (no spread to speak of)."""
+    if not values:
+        return None, None, None
+    xs = np.asarray(values, dtype=np.float64)
+    mean = float(xs.mean())
+    std = float(xs.std(ddof=0))
+    cv = std / mean if len(values) >= 2 and mean > 0 else None
+    return mean, std, cv
+
+
+def covering_tau(flip_margins: Sequence[float], cover: float) -> float | None:
+    """The smallest τ such that at least `cover` of `flip_margins` are < τ (the gate fires on
+    Δ < τ): the next float above the k-th smallest margin, k = ceil(cover · n). None for no
+    finite margin."""
+    xs = sorted(x for x in flip_margins if math.isfinite(x))
+    if not xs:
+        return None
+    k = max(1, math.ceil(cover * len(xs) - 1e-12))
+    return math.nextafter(xs[k - 1], math.inf)

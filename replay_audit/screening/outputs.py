@@ -1,0 +1,177 @@
+"""What a screening stores: each run's decode of each prompt, and the probes (single-step
+re-runs and hidden-state gaps) of each comparison's divergent prompts. Every statistic of the
+report is computed from these, so no prompt is decoded twice. Pure: stdlib and numpy.
+
+The JSON forms are what `--out` (CLI) and the `screenings` table (service) persist: a stopped
+screening resumes from the runs already stored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from replay_audit.diff.margin import Margin
+
+FloatArray = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
+
+
+@dataclass(frozen=True)
+class ScreenPrompt:
+    """A prompt of the screening: an id and its token ids."""
+
+    id: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class PromptDecode:
+    """One prompt decoded greedily in one run: the output and, per decoded step, the native
+    top-2 margin (absolute and in ulps of the run's lm_head format), the top-1 logit and
+    whether the gate fired (would have fired, for intervention none)."""
+
+    output_ids: tuple[int, ...]
+    margins: FloatArray
+    margins_ulps: FloatArray
+    top1: FloatArray
+    gate_fired: BoolArray
+
+    def __len__(self) -> int:
+        return int(self.margins.shape[0])
+
+    def margin_at(self, t: int) -> Margin | None:
+        if t >= len(self):
+            return None
+        return Margin(
+            abs=float(self.margins[t]), ulps=float(self.margins_ulps[t]), top1=float(self.top1[t])
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "output_ids": list(self.output_ids),
+            "margins": _floats(self.margins),
+            "margins_ulps": _floats(self.margins_ulps),
+            "top1": _floats(self.top1),
+            "gate_fired": [bool(x) for x in self.gate_fired],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PromptDecode:
+        return cls(
+            output_ids=tuple(int(x) for x in d["output_ids"]),
+            margins=_array(d["margins"]),
+            margins_ulps=_array(d["margins_ulps"]),
+            top1=_array(d["top1"]),
+            gate_fired=np.asarray(d["gate_fired"], dtype=bool),
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class RunOutput:
+    """A run's decodes, one per prompt in prompt order, and the environment it ran in."""
+
+    run_key: str
+    environment: dict[str, Any]
+    decodes: tuple[PromptDecode, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_key": self.run_key,
+            "environment": self.environment,
+            "decodes": [d.to_json() for d in self.decodes],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RunOutput:
+        return cls(
+            run_key=str(d["run_key"]),
+            environment=dict(d["environment"]),
+            decodes=tuple(PromptDecode.from_json(x) for x in d["decodes"]),
+        )
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A divergent prompt of a comparison, probed along the shared prefix y<t*:
+
+    token_a, token_b  the from-scratch single-step re-run at t* in each configuration
+    dh_t_star         Δh = ||h_A - h_B|| / ||h_A|| of the hidden states feeding the lm_head
+                      at t* (None: an engine shows no hidden states)
+    gated_steps       steps s <= t* where either arm's gate fired in its decode
+    dh_gated          Δh at each of those steps
+    """
+
+    prompt: int
+    t_star: int
+    token_a: int
+    token_b: int
+    dh_t_star: float | None
+    gated_steps: tuple[int, ...]
+    dh_gated: tuple[float, ...]
+
+    @property
+    def single_step_disagrees(self) -> bool:
+        return self.token_a != self.token_b
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt,
+            "t_star": self.t_star,
+            "token_a": self.token_a,
+            "token_b": self.token_b,
+            "dh_t_star": _finite(self.dh_t_star),
+            "gated_steps": list(self.gated_steps),
+            "dh_gated": [_finite(x) for x in self.dh_gated],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Probe:
+        dh = d.get("dh_t_star")
+        return cls(
+            prompt=int(d["prompt"]),
+            t_star=int(d["t_star"]),
+            token_a=int(d["token_a"]),
+            token_b=int(d["token_b"]),
+            dh_t_star=None if dh is None else float(dh),
+            gated_steps=tuple(int(x) for x in d["gated_steps"]),
+            dh_gated=tuple(math.nan if x is None else float(x) for x in d["dh_gated"]),
+        )
+
+
+def first_divergence_of(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """`diff.first_divergence` re-exported for the screening (one definition)."""
+    from replay_audit.diff import first_divergence
+
+    return first_divergence(list(a), list(b))
+
+
+def hidden_gap(
+    h_a: npt.NDArray[np.float32], h_b: npt.NDArray[np.float32]
+) -> npt.NDArray[np.float64]:
+    """Δh per row: ||h_A - h_B|| / ||h_A|| (float64; inf where ||h_A|| = 0 and they differ,
+    0 where both are zero)."""
+    a = np.asarray(h_a, dtype=np.float64)
+    b = np.asarray(h_b, dtype=np.float64)
+    num = np.linalg.norm(a - b, axis=-1)
+    den = np.linalg.norm(a, axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.where(num > 0, math.inf, 0.0))
+    return np.asarray(out, dtype=np.float64)
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _floats(a: npt.ArrayLike) -> list[float | None]:
+    return [float(x) if math.isfinite(x) else None for x in np.asarray(a, np.float64).tolist()]
+
+
+def _array(xs: Sequence[float | None]) -> FloatArray:
+    return np.asarray([math.nan if x is None else float(x) for x in xs], dtype=np.float64)

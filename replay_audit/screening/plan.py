@@ -1,0 +1,397 @@
+"""What a screening runs: the reference configuration, the knobs changed one at a time, the
+head-vs-body pair, and which configurations this platform cannot run (with the reason). Pure.
+
+    ScreenConfig   one numerical configuration: the engine `Target`'s fields plus the load-time
+                   settings a knob may change (weight storage, deterministic, TF32, KV cache).
+    KnobValue      one value of a knob: its configuration, or why it is not available here.
+    Knob           a knob and its values (the reference's own value is not repeated).
+    Platform       the device the screening runs on and what it supports.
+    SweepPlan      everything above, the gate (τ), the decode budget: the screening's input.
+    Run            a configuration decoded with an intervention (none or C): the unit of work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Final, Literal
+
+from replay_audit.diff.margin import DEFAULT_TAU, GateRule
+from replay_audit.engine.protocol import Intervention, Target
+from replay_audit.formats import BODY_DTYPES, CACHE_KINDS, HEAD_DTYPES, CacheKind
+
+#: The knobs of the sweep, in report order (`--knobs` names).
+KNOB_NAMES: Final = (
+    "body_dtype",
+    "lm_head",
+    "weight_storage",
+    "attn_kernel",
+    "deterministic",
+    "tf32",
+    "batch_size",
+    "kv_cache",
+    "fp8_linear",
+)
+KnobName = Literal[
+    "body_dtype",
+    "lm_head",
+    "weight_storage",
+    "attn_kernel",
+    "deterministic",
+    "tf32",
+    "batch_size",
+    "kv_cache",
+    "fp8_linear",
+]
+#: Attention kernels the sweep tries (transformers' names).
+ATTN_KERNELS: Final = ("eager", "sdpa", "flash_attention_2")
+#: The backends of torch's SDPA a CUDA run can be limited to (`torch.backends.cuda.enable_*_sdp`);
+#: None lets torch choose, as by default.
+SDPA_BACKENDS: Final = ("math", "flash", "efficient", "cudnn")
+BATCH_SIZES: Final = (1, 2, 4, 8)
+#: The paper's main pair for the head-vs-body analysis and the C lift (BF16 vs FP16).
+DEFAULT_PAIR: Final = ("bf16", "fp16")
+#: The share of flips the τ calibration covers by default.
+DEFAULT_COVER: Final = 0.9
+DEFAULT_MAX_NEW_TOKENS: Final = 64
+
+
+@dataclass(frozen=True)
+class ScreenConfig:
+    """A numerical configuration of the screening. `lm_head_dtype` None: the body's;
+    `weight_dtype` None: stored as computed (`dtype`); `fp8_linear`: every linear layer of the
+    body in FP8 (the paper's end-to-end FP8 boundary case)."""
+
+    dtype: str
+    lm_head_dtype: str | None = None
+    weight_dtype: str | None = None
+    attn_kernel: str = "sdpa"
+    batch_size: int = 1
+    deterministic: bool = True
+    tf32: bool = False
+    kv_cache: CacheKind = "dynamic"
+    fp8_linear: bool = False
+    #: Limit `sdpa` to one of its CUDA backends (None: torch chooses).
+    sdpa_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.sdpa_backend is not None and self.sdpa_backend not in SDPA_BACKENDS:
+            raise ValueError(f"sdpa_backend must be one of {SDPA_BACKENDS}")
+        if self.dtype not in BODY_DTYPES:
+            raise ValueError(f"body dtype must be one of {BODY_DTYPES}, got {self.dtype!r}")
+        if self.lm_head_dtype is not None and self.lm_head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"lm_head dtype must be one of {HEAD_DTYPES}")
+        if self.weight_dtype is not None and self.weight_dtype not in BODY_DTYPES:
+            raise ValueError(f"weight dtype must be one of {BODY_DTYPES}")
+        if self.kv_cache not in CACHE_KINDS:
+            raise ValueError(f"kv_cache must be one of {CACHE_KINDS}")
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+
+    @property
+    def head_dtype(self) -> str:
+        return self.lm_head_dtype or self.dtype
+
+    @property
+    def stored_dtype(self) -> str:
+        return self.weight_dtype or self.dtype
+
+    @property
+    def key(self) -> str:
+        """A stable name, used as the file name of its outputs."""
+        parts = [
+            self.dtype,
+            f"head-{self.head_dtype}",
+            f"w-{self.stored_dtype}",
+            self.attn_kernel,
+            f"bs{self.batch_size}",
+            "det" if self.deterministic else "nondet",
+            "tf32" if self.tf32 else "ieee",
+            self.kv_cache,
+        ]
+        if self.fp8_linear:
+            parts.append("fp8lin")
+        if self.sdpa_backend is not None:
+            parts.append(f"sdpa-{self.sdpa_backend}")
+        return "_".join(parts)
+
+    def target(self, intervention: Intervention | None = None) -> Target:
+        """The engine `Target` of this configuration."""
+        return Target(
+            self.dtype,
+            self.lm_head_dtype,
+            self.attn_kernel,
+            self.batch_size,
+            intervention or Intervention(),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ScreenConfig:
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Where the screening runs and what it supports. `fp8_unavailable`: why an FP8 lm_head
+    cannot run here (None: it can)."""
+
+    device: Literal["cpu", "cuda"]
+    gpu_name: str | None = None
+    sm: str | None = None
+    fp8_unavailable: str | None = None
+    flash_attn_installed: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def unavailable_reason(config: ScreenConfig, platform: Platform) -> str | None:
+    """Why `config` cannot run on `platform` (None: it can). A knob that cannot run is reported
+    as "not available here", never as a failure."""
+    if config.lm_head_dtype == "fp8_e5m2":
+        return "the engine has no fp8_e5m2 lm_head (only fp8_e4m3)"
+    if config.lm_head_dtype == "fp8_e4m3" and platform.fp8_unavailable:
+        return platform.fp8_unavailable
+    if config.fp8_linear:
+        if platform.device != "cuda":
+            return "end-to-end FP8 linear layers need a CUDA GPU of compute capability >= 8.9"
+        if platform.fp8_unavailable:
+            return platform.fp8_unavailable
+    if config.attn_kernel == "flash_attention_2":
+        if platform.device != "cuda":
+            return "flash_attention_2 runs on CUDA only"
+        if not platform.flash_attn_installed:
+            return "flash_attention_2 needs the flash-attn package, which is not installed"
+    if config.sdpa_backend is not None and platform.device != "cuda":
+        return "choosing an SDPA backend is a CUDA setting (torch.backends.cuda)"
+    if config.tf32 and platform.device != "cuda":
+        return "TF32 is a CUDA matmul mode: it changes nothing on a CPU"
+    if config.kv_cache == "compiled" and platform.device != "cuda":
+        return (
+            "the compiled KV-cache step is captured in a CUDA graph: on a CPU it runs as 'static'"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class KnobValue:
+    label: str
+    config: ScreenConfig
+    #: Why this value cannot run here (None: it runs).
+    unavailable: str | None = None
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: KnobName
+    title: str
+    values: tuple[KnobValue, ...]
+
+
+def _value_configs(name: KnobName, ref: ScreenConfig) -> list[tuple[str, ScreenConfig]]:
+    """(label, configuration) of each value of knob `name`, the reference's own value left out."""
+    out: list[tuple[str, ScreenConfig]] = []
+    if name == "body_dtype":
+        out = [(d, replace(ref, dtype=d, weight_dtype=None)) for d in BODY_DTYPES]
+    elif name == "lm_head":
+        out = [
+            (f"head {h}", replace(ref, lm_head_dtype=h))
+            for h in ("fp32", "bf16", "fp16", "fp8_e4m3")
+        ]
+    elif name == "weight_storage":
+        # The paper's storage-vs-compute ablation: weights rounded to 16 bits, every product in
+        # FP32 (also the LayerCast-style body-scope baseline).
+        out = [
+            (f"{w}-stored, fp32 compute", replace(ref, dtype="fp32", weight_dtype=w))
+            for w in ("bf16", "fp16")
+        ]
+    elif name == "attn_kernel":
+        out = [(k, replace(ref, attn_kernel=k, sdpa_backend=None)) for k in ATTN_KERNELS]
+        out += [
+            (f"sdpa ({b})", replace(ref, attn_kernel="sdpa", sdpa_backend=b)) for b in SDPA_BACKENDS
+        ]
+    elif name == "deterministic":
+        out = [
+            (f"deterministic {'on' if v else 'off'}", replace(ref, deterministic=v))
+            for v in (True, False)
+        ]
+    elif name == "tf32":
+        out = [(f"TF32 {'on' if v else 'off'}", replace(ref, tf32=v)) for v in (True, False)]
+    elif name == "batch_size":
+        out = [(f"batch {b}", replace(ref, batch_size=b)) for b in BATCH_SIZES]
+    elif name == "kv_cache":
+        out = [(f"{k} cache", replace(ref, kv_cache=k)) for k in CACHE_KINDS]
+    elif name == "fp8_linear":
+        out = [("end-to-end fp8 linear", replace(ref, fp8_linear=True))]
+    return [(label, c) for label, c in out if _normal(c) != _normal(ref)]
+
+
+def _normal(c: ScreenConfig) -> ScreenConfig:
+    """The configuration with defaults spelled out (head = body, storage = compute)."""
+    return replace(c, lm_head_dtype=c.head_dtype, weight_dtype=c.stored_dtype)
+
+
+_TITLES: Final[dict[str, str]] = {
+    "body_dtype": "Body dtype",
+    "lm_head": "lm_head format",
+    "weight_storage": "Weight storage vs compute",
+    "attn_kernel": "Attention kernel",
+    "deterministic": "Deterministic algorithms",
+    "tf32": "TF32 matmuls",
+    "batch_size": "Batch size (batch-shape emulation)",
+    "kv_cache": "KV cache",
+    "fp8_linear": "End-to-end FP8 linear layers",
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """A configuration decoded with an intervention: "none" (the gate is still evaluated, so
+    its firings are the would-fire steps) or "C" (gated FP32 lm_head recompute)."""
+
+    config: ScreenConfig
+    intervention: Literal["none", "C"] = "none"
+
+    @property
+    def key(self) -> str:
+        return self.config.key + ("+C" if self.intervention == "C" else "")
+
+
+@dataclass(frozen=True)
+class ComparisonSpec:
+    """Arm B against arm A, both runs of the screening."""
+
+    name: str
+    label: str
+    a: Run
+    b: Run
+    knob: KnobName | None = None
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """The screening's input (besides the prompts): reference, knobs, pair, gate, budget."""
+
+    reference: ScreenConfig
+    knobs: tuple[Knob, ...]
+    pair: tuple[ScreenConfig, ScreenConfig]
+    platform: Platform
+    tau: float = DEFAULT_TAU
+    tau_ulps: float | None = None
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    top_k: int = 5
+    cover: float = DEFAULT_COVER
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gate(self) -> GateRule:
+        return GateRule(tau=self.tau, tau_ulps=self.tau_ulps)
+
+    def intervention(self, kind: Literal["none", "C"]) -> Intervention:
+        return Intervention(kind=kind, tau=self.tau, tau_ulps=self.tau_ulps)
+
+    def comparisons(self) -> list[ComparisonSpec]:
+        """Comparison 0: the pair (baseline); 1: the pair, both arms with gated C; then every
+        available knob value against the reference (one at a time)."""
+        a, b = self.pair
+        out = [
+            ComparisonSpec("pair", f"{a.dtype} vs {b.dtype}", Run(a), Run(b)),
+            ComparisonSpec(
+                "pair_c", f"{a.dtype}+C vs {b.dtype}+C (both arms)", Run(a, "C"), Run(b, "C")
+            ),
+        ]
+        for knob in self.knobs:
+            for v in knob.values:
+                if v.unavailable is None:
+                    out.append(
+                        ComparisonSpec(
+                            f"{knob.name}:{v.config.key}",
+                            f"{_TITLES[knob.name]}: {v.label}",
+                            Run(self.reference),
+                            Run(v.config),
+                            knob.name,
+                        )
+                    )
+        return out
+
+    def runs(self) -> list[Run]:
+        """Every run, each once, anchors first (arm A of some comparison: the reference and the
+        pair's arm A), so that a comparison's arm A is decoded before its arm B."""
+        seen: dict[str, Run] = {}
+        specs = self.comparisons()
+        for s in specs:
+            seen.setdefault(s.a.key, s.a)
+        for s in specs:
+            seen.setdefault(s.b.key, s.b)
+        return list(seen.values())
+
+    def configs(self) -> list[ScreenConfig]:
+        """The configurations to load, each once, in the order of `runs`."""
+        out: dict[str, ScreenConfig] = {}
+        for r in self.runs():
+            out.setdefault(r.config.key, r.config)
+        return list(out.values())
+
+    def fingerprint(self, prompts: Sequence[Sequence[int]]) -> str:
+        """What the stored outputs depend on: resuming with another plan or prompt set starts
+        over."""
+        body = {
+            "runs": [r.key for r in self.runs()],
+            "tau": self.tau,
+            "tau_ulps": self.tau_ulps,
+            "max_new_tokens": self.max_new_tokens,
+            "top_k": self.top_k,
+            "prompts": [list(p) for p in prompts],
+            # Outputs of another device are not this platform's.
+            "platform": [self.platform.device, self.platform.gpu_name, self.platform.sm],
+            "extra": self.extra,
+        }
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def build_plan(
+    platform: Platform,
+    *,
+    reference: ScreenConfig,
+    knobs: Sequence[str] = KNOB_NAMES,
+    pair: tuple[str, str] = DEFAULT_PAIR,
+    tau: float = DEFAULT_TAU,
+    tau_ulps: float | None = None,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    top_k: int = 5,
+    cover: float = DEFAULT_COVER,
+) -> SweepPlan:
+    """The one-knob-at-a-time plan from `reference`. ValueError on an unknown knob."""
+    unknown = [k for k in knobs if k not in KNOB_NAMES]
+    if unknown:
+        raise ValueError(f"unknown knob {unknown[0]!r}; known: {', '.join(KNOB_NAMES)}")
+    if not 0 < cover <= 1:
+        raise ValueError("cover must be in (0, 1]")
+    built = []
+    for name in KNOB_NAMES:
+        if name not in knobs:
+            continue
+        n: KnobName = name
+        values = tuple(
+            KnobValue(label, c, unavailable_reason(c, platform))
+            for label, c in _value_configs(n, reference)
+        )
+        built.append(Knob(n, _TITLES[name], values))
+    pa = replace(reference, dtype=pair[0], lm_head_dtype=None, weight_dtype=None)
+    pb = replace(reference, dtype=pair[1], lm_head_dtype=None, weight_dtype=None)
+    return SweepPlan(
+        reference=reference,
+        knobs=tuple(built),
+        pair=(pa, pb),
+        platform=platform,
+        tau=tau,
+        tau_ulps=tau_ulps,
+        max_new_tokens=max_new_tokens,
+        top_k=top_k,
+        cover=cover,
+    )

@@ -1,0 +1,160 @@
+"""The screening report's typed form (JSON, HTML, API and the stored row all read this).
+Pure: pydantic for the typed output, as `stats/report.py`, whose types it reuses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from replay_audit.stats.report import (
+    ComparisonReport,
+    DistributionRead,
+    LiftReport,
+    LogHistogramRead,
+)
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class PlatformRead(_Frozen):
+    device: str
+    gpu_name: str | None
+    sm: str | None
+    fp8_unavailable: str | None
+    flash_attn_installed: bool
+
+
+class KnobValueResult(_Frozen):
+    """One value of a knob against the reference. status: measured; not_available (the
+    platform cannot run it: `reason`); failed (it should have run and did not: `reason`)."""
+
+    label: str
+    config: dict[str, Any]
+    status: str
+    reason: str | None
+    comparison: ComparisonReport | None
+    #: Median Δh at t* over the divergent prompts (None: none diverged or not measured).
+    median_dh_t_star: float | None
+    environment: dict[str, Any] | None
+
+
+class KnobResult(_Frozen):
+    name: str
+    title: str
+    values: list[KnobValueResult]
+
+
+class CategoryLift(_Frozen):
+    """A category of the pair's divergent prompts (baseline), and what both-arms C did to it:
+    `fixed` prompts agree exactly with C in both arms."""
+
+    category: str
+    n: int
+    fixed: int
+
+
+class HiddenGapRead(_Frozen):
+    """Δh = ||h_A - h_B|| / ||h_A|| of the pair's divergent prompts: at t*, and at the gated
+    steps along the shared prefix (steps s <= t* where either arm's gate fired)."""
+
+    prompts: int
+    t_star: DistributionRead | None
+    gated: DistributionRead | None
+    gated_steps: int
+    by_category: dict[str, DistributionRead | None]
+
+
+class PairResult(_Frozen):
+    """The head-vs-body analysis of the pair (BF16 vs FP16 by default)."""
+
+    label: str
+    baseline: ComparisonReport
+    treated: ComparisonReport
+    lift: LiftReport | None
+    categories: list[CategoryLift]
+    hidden_gap: HiddenGapRead
+
+
+class TriggerDensityRead(_Frozen):
+    """Per-prompt trigger density TD_i (share of prompt i's decoded steps whose margin is below
+    τ) of one run, and CV(TD) = population standard deviation / mean over the prompts."""
+
+    run: str
+    label: str
+    head_format: str
+    per_prompt: list[float]
+    mean: float | None
+    std: float | None
+    cv: float | None
+
+
+class MarginDistributionRead(_Frozen):
+    """Every decoded step's top-2 margin in one run (log histograms; exact ties apart)."""
+
+    run: str
+    label: str
+    head_format: str
+    steps: int
+    ties: int
+    tie_share: float | None
+    histogram: LogHistogramRead | None
+    histogram_ulps: LogHistogramRead | None
+    distribution: DistributionRead | None
+
+
+class TauCalibrationRead(_Frozen):
+    """The flip margins (min of the two arms' margins at t*) of divergent comparisons whose arm
+    B has lm_head format `format`, and the τ that covers `cover` of them: absolute and in ulps,
+    each with the trigger rate it would cost on the runs of that format (pooled steps)."""
+
+    format: str
+    flips: int
+    flip_margin: DistributionRead | None
+    flip_margin_ulps: DistributionRead | None
+    cover: float
+    tau: float | None
+    tau_ulps: float | None
+    steps: int
+    trigger_rate: float | None
+    trigger_rate_ulps: float | None
+
+
+class TierRead(_Frozen):
+    """The paper's tier from the pair's both-arms C lift and its paired interval, and the
+    recommended action, with the evidence and its uncertainty."""
+
+    tier: int | None
+    name: str
+    lift: float | None
+    low: float | None
+    high: float | None
+    n: int
+    diverged: int
+    evidence: str
+    action: str
+    caveats: list[str]
+
+
+class ScreeningReport(_Frozen):
+    model: str
+    weights_sha256: str | None
+    platform: PlatformRead
+    reference: dict[str, Any]
+    pair: list[dict[str, Any]]
+    tau: float
+    tau_ulps: float | None
+    max_new_tokens: int
+    prompts: int
+    prompt_ids: list[str]
+    knobs: list[KnobResult]
+    head_vs_body: PairResult
+    trigger_density: list[TriggerDensityRead]
+    #: The run CV(TD) is read from: the pair's arm A (the paper's single BF16 run).
+    cv_td: float | None
+    margins: list[MarginDistributionRead]
+    tau_calibration: list[TauCalibrationRead]
+    tier: TierRead
+    environments: dict[str, dict[str, Any]]

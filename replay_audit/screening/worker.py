@@ -1,0 +1,109 @@
+"""The torch backend of a screening: loads the checkpoint in a `ScreenConfig` with the engine's
+own loader, sets each configuration's process-wide flags before its engine is used, tokenizes
+prompts, and reads the platform. Imports torch (through the engine) on first use: workers and
+the CLI only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from replay_audit.engine.protocol import Engine
+from replay_audit.exceptions import EngineError
+from replay_audit.screening.outputs import ScreenPrompt
+from replay_audit.screening.plan import Platform, ScreenConfig
+
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def checkpoint_dtype(model_dir: Path) -> str:
+    """The checkpoint's own dtype (config.json `dtype` or `torch_dtype`), fp32 when unsaid."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise EngineError(f"cannot read {model_dir / 'config.json'}: {e}") from e
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return _DTYPE_NAMES.get(str(name), "fp32")
+
+
+def probe(device: str | None) -> Platform:
+    """The platform of `device` (None: CUDA when available)."""
+    from replay_audit.engine.platform import probe_platform
+
+    f = probe_platform(device)
+    return Platform(
+        device="cuda" if f.device == "cuda" else "cpu",
+        gpu_name=f.gpu_name,
+        sm=f.sm,
+        fp8_unavailable=f.fp8_unavailable,
+        flash_attn_installed=f.flash_attn_installed,
+    )
+
+
+class TorchBackend:
+    """A screening `Backend` over a local checkpoint."""
+
+    def __init__(self, model_dir: Path, device: str | None, *, max_cache_len: int = 4096) -> None:
+        self.model_dir = model_dir
+        self.device = device
+        self.max_cache_len = max_cache_len
+        self._tokenizer: Any = None
+        self._eos: list[int] | None = None
+
+    def load(self, config: ScreenConfig) -> Engine:
+        from replay_audit.engine import load_engine
+
+        return load_engine(
+            self.model_dir,
+            config.target(),
+            device=self.device,
+            deterministic=config.deterministic,
+            tf32=config.tf32,
+            cache=config.kv_cache,
+            max_cache_len=self.max_cache_len,
+            weight_dtype=config.weight_dtype,
+            fp8_linear=config.fp8_linear,
+        )
+
+    def activate(self, config: ScreenConfig) -> None:
+        from replay_audit.engine.loading import configure_numerics, enable_sdpa_backends
+
+        configure_numerics(deterministic=config.deterministic, tf32=config.tf32)
+        enable_sdpa_backends(config.sdpa_backend)
+
+    def _tok(self) -> Any:
+        if self._tokenizer is None:
+            from replay_audit.engine.loading import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model_dir)
+            if self._tokenizer is None:
+                raise EngineError(f"{self.model_dir} has no tokenizer: give prompt_token_ids")
+        return self._tokenizer
+
+    def eos_ids(self) -> list[int]:
+        if self._eos is None:
+            config = json.loads((self.model_dir / "config.json").read_text(encoding="utf-8"))
+            eos: Any = None
+            gen = self.model_dir / "generation_config.json"
+            if gen.is_file():
+                eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+            if eos is None:
+                eos = config.get("eos_token_id")
+            self._eos = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        return self._eos
+
+    def prompts(self, rows: Sequence[dict[str, Any]]) -> list[ScreenPrompt]:
+        """Screening prompts from rows with `id` and `prompt` (text) or `prompt_token_ids`."""
+        out = []
+        for i, row in enumerate(rows):
+            pid = str(row.get("id", i))
+            ids = row.get("prompt_token_ids")
+            if ids is None:
+                ids = [int(x) for x in self._tok()(str(row["prompt"]))["input_ids"]]
+            if not ids:
+                raise EngineError(f"prompt {pid} encodes to no tokens")
+            out.append(ScreenPrompt(pid, tuple(int(x) for x in ids)))
+        return out

@@ -1,0 +1,45 @@
+"""HTTP: `/v1/screenings`. Thin: parse, call one service function, return a schema."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Response, status
+
+from replay_audit.api.deps import DBSession, Queue, require_role
+from replay_audit.auth.models import READER_ROLES, Role
+from replay_audit.auth.schemas import Principal
+from replay_audit.screenings import service
+from replay_audit.screenings.schemas import ScreeningCreate, ScreeningCreated, ScreeningRead
+
+router = APIRouter(prefix="/v1/screenings", tags=["screenings"])
+
+Writer = Annotated[Principal, Depends(require_role(Role.submitter, Role.admin))]
+Reader = Annotated[Principal, Depends(require_role(*READER_ROLES))]
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=ScreeningCreated,
+    responses={200: {"description": "An existing screening with the same idempotency_key"}},
+)
+def create_screening(
+    body: ScreeningCreate,
+    session: DBSession,
+    queue: Queue,
+    principal: Writer,
+    response: Response,
+) -> ScreeningCreated:
+    """Screen a checkpoint on a worker's platform before deploying it (queued; poll it)."""
+    screening, created = service.create_screening(session, principal.project_id, body, queue)
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    return ScreeningCreated(id=screening.public_id, created=created)
+
+
+@router.get("/{screening_id}", response_model=ScreeningRead)
+def read_screening(screening_id: str, session: DBSession, principal: Reader) -> ScreeningRead:
+    """Status and, when done, the report (docs/screening.md)."""
+    screening = service.get_screening(session, principal.project_id, screening_id)
+    return service.to_read(screening, principal.project)

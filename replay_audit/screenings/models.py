@@ -1,0 +1,66 @@
+"""Screening tables.
+
+screenings          one request: its plan, status, the report when done
+screening_outputs   what the job has produced so far (runs and probes, JSON by key, unique
+                    per screening and key): a killed or re-run job resumes from them
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import Mapped, mapped_column
+
+from replay_audit.db.base import Base, utcnow
+
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Screening(Base):
+    __tablename__ = "screenings"
+    __table_args__ = (
+        UniqueConstraint("project_id", "idempotency_key"),
+        CheckConstraint("status IN ('queued', 'running', 'done', 'failed')", name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    public_id: Mapped[str] = mapped_column(String(40), unique=True)
+    project_id: Mapped[int] = mapped_column(
+        ForeignKey("projects.id", ondelete="CASCADE"), index=True
+    )
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    model_sha256: Mapped[str] = mapped_column(String(64))
+    #: The request as accepted (canonical JSON of ScreeningCreate).
+    request: Mapped[dict[str, Any]] = mapped_column(JSON)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: The `screening.report.ScreeningReport` JSON, stored when the screening finishes.
+    report: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    started_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ScreeningOutput(Base):
+    __tablename__ = "screening_outputs"
+    __table_args__ = (UniqueConstraint("screening_id", "key"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    screening_id: Mapped[int] = mapped_column(
+        ForeignKey("screenings.id", ondelete="CASCADE"), index=True
+    )
+    key: Mapped[str] = mapped_column(String(300))
+    value: Mapped[dict[str, Any]] = mapped_column(JSON)

@@ -1,0 +1,64 @@
+"""All SQL of screenings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from replay_audit.screenings.models import Screening, ScreeningOutput
+
+
+def get_by_public_id(session: Session, project_id: int, public_id: str) -> Screening | None:
+    return session.scalar(
+        select(Screening).where(
+            Screening.project_id == project_id, Screening.public_id == public_id
+        )
+    )
+
+
+def get_by_idempotency_key(session: Session, project_id: int, key: str) -> Screening | None:
+    return session.scalar(
+        select(Screening).where(
+            Screening.project_id == project_id, Screening.idempotency_key == key
+        )
+    )
+
+
+def add(session: Session, screening: Screening) -> Screening:
+    session.add(screening)
+    session.flush()
+    return screening
+
+
+def recent(session: Session, project_id: int, limit: int) -> list[Screening]:
+    return list(
+        session.scalars(
+            select(Screening)
+            .where(Screening.project_id == project_id)
+            .order_by(Screening.created_at.desc(), Screening.id.desc())
+            .limit(limit)
+        )
+    )
+
+
+def get_output(session: Session, screening_id: int, key: str) -> dict[str, Any] | None:
+    return session.scalar(
+        select(ScreeningOutput.value).where(
+            ScreeningOutput.screening_id == screening_id, ScreeningOutput.key == key
+        )
+    )
+
+
+def put_output(session: Session, screening_id: int, key: str, value: dict[str, Any]) -> None:
+    """Insert or replace one stored output (a run, a probe, the plan's fingerprint)."""
+    row = session.scalar(
+        select(ScreeningOutput).where(
+            ScreeningOutput.screening_id == screening_id, ScreeningOutput.key == key
+        )
+    )
+    if row is None:
+        session.add(ScreeningOutput(screening_id=screening_id, key=key, value=value))
+    else:
+        row.value = value

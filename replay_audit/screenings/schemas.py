@@ -1,0 +1,91 @@
+"""Request and response bodies of `/v1/screenings`."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from replay_audit.formats import BodyDType, RunStatus
+from replay_audit.input import InputModel, Lax
+from replay_audit.screening.plan import DEFAULT_COVER, DEFAULT_MAX_NEW_TOKENS, KnobName
+from replay_audit.screening.report import ScreeningReport
+
+#: At most this many prompts per screening (every one is decoded in every run).
+MAX_SCREENING_PROMPTS: Final = 256
+MAX_SCREENING_TOKENS: Final = 512
+_SHA256: Final = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ScreeningPrompt(InputModel):
+    """A prompt: its text (encoded by the checkpoint's tokenizer on the worker) or its token
+    ids; exactly one of the two."""
+
+    id: str | None = Field(default=None, min_length=1, max_length=200)
+    prompt: str | None = Field(default=None, min_length=1, max_length=100_000)
+    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, min_length=1, max_length=8192
+    )
+
+    @model_validator(mode="after")
+    def _one(self) -> ScreeningPrompt:
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt or prompt_token_ids")
+        return self
+
+
+class ScreeningCreate(InputModel):
+    """A screening of the checkpoint whose weights hash is `model_sha256` (found by a worker in
+    its `REPLAY_AUDIT_MODEL_DIRS`), on `device`, over `prompts` (docs/screening.md)."""
+
+    model_sha256: str
+    prompts: list[ScreeningPrompt] = Field(min_length=1, max_length=MAX_SCREENING_PROMPTS)
+    #: Knobs to sweep (default: all).
+    knobs: list[KnobName] | None = Field(default=None, min_length=1)
+    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=MAX_SCREENING_TOKENS)
+    device: Literal["cpu", "cuda"] | None = None
+    reference_dtype: BodyDType | None = None
+    pair: Annotated[tuple[BodyDType, BodyDType], Lax] = ("bf16", "fp16")
+    tau: float = Field(default=1e-3, ge=0, allow_inf_nan=False)
+    tau_ulps: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    cover: float = Field(default=DEFAULT_COVER, gt=0, le=1)
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
+
+    @field_validator("model_sha256")
+    @classmethod
+    def _sha(cls, v: str) -> str:
+        if not _SHA256.match(v):
+            raise ValueError("must be 64 lower-case hex digits (`replay-audit hash-model DIR`)")
+        return v
+
+    @field_validator("pair")
+    @classmethod
+    def _pair(cls, v: tuple[BodyDType, BodyDType]) -> tuple[BodyDType, BodyDType]:
+        if v[0] == v[1]:
+            raise ValueError("name two different body dtypes")
+        return v
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class ScreeningCreated(_Frozen):
+    id: str
+    created: bool
+
+
+class ScreeningRead(_Frozen):
+    id: str
+    project: str
+    status: RunStatus
+    model_sha256: str
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    error: str | None
+    request: dict[str, Any]
+    #: The report, once the screening is done.
+    report: ScreeningReport | None

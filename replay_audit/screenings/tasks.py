@@ -1,0 +1,167 @@
+"""The screening job: what a worker executes for one `screenings` row.
+
+Idempotent and resumable: every run and probe the screening produces is stored in
+`screening_outputs` as it is done (each in its own transaction), so a killed or re-run job
+continues from them; a done screening is left alone. The job runs on a worker that has the
+checkpoint (`REPLAY_AUDIT_MODEL_DIRS`) and reaches the torch engine there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from replay_audit.db.base import utcnow
+from replay_audit.db.unit_of_work import session_scope
+from replay_audit.exceptions import ReplayAuditError
+from replay_audit.replays.checkpoint import ModelNotFound, find_checkpoint
+from replay_audit.replays.tasks import worker_context
+from replay_audit.screening.analysis import build_report
+from replay_audit.screening.outputs import ScreenPrompt
+from replay_audit.screening.plan import KNOB_NAMES, Platform, ScreenConfig, build_plan
+from replay_audit.screening.runner import Backend, run_screening
+from replay_audit.screenings import repository
+from replay_audit.screenings.models import Screening
+
+log = logging.getLogger(__name__)
+
+#: A screening started this many times without finishing is failed for good.
+MAX_ATTEMPTS = 5
+
+
+class WorkerBackend(Backend, Protocol):
+    """A screening backend as a worker needs it: engines, its platform, prompt encoding."""
+
+    def platform(self) -> Platform: ...
+
+    def reference_dtype(self) -> str: ...
+
+    def prompts(self, rows: Sequence[dict[str, Any]]) -> list[ScreenPrompt]: ...
+
+
+BackendFactory = Callable[[Path, str | None], WorkerBackend]
+
+
+class _TorchWorkerBackend:
+    """`screening.worker.TorchBackend` with the platform and the checkpoint's dtype."""
+
+    def __init__(self, model_dir: Path, device: str | None) -> None:
+        from replay_audit.screening.worker import TorchBackend
+
+        self._backend = TorchBackend(model_dir, device)
+        self._device = device
+        self._dir = model_dir
+
+    def load(self, config: ScreenConfig) -> Any:
+        return self._backend.load(config)
+
+    def activate(self, config: ScreenConfig) -> None:
+        self._backend.activate(config)
+
+    def eos_ids(self) -> list[int]:
+        return self._backend.eos_ids()
+
+    def platform(self) -> Platform:
+        from replay_audit.screening.worker import probe
+
+        return probe(self._device)
+
+    def reference_dtype(self) -> str:
+        from replay_audit.screening.worker import checkpoint_dtype
+
+        return checkpoint_dtype(self._dir)
+
+    def prompts(self, rows: Sequence[dict[str, Any]]) -> list[ScreenPrompt]:
+        return self._backend.prompts(rows)
+
+
+_factory: BackendFactory | None = None
+
+
+def install_backend_factory(factory: BackendFactory | None) -> None:
+    """Use `factory(model_dir, device)` for the screening's engines (tests pass fakes); None:
+    the torch engine."""
+    global _factory
+    _factory = factory
+
+
+class DbStore:
+    """The runner's `Store` in `screening_outputs`, one transaction per write."""
+
+    def __init__(self, url: str, screening_id: int) -> None:
+        self.url = url
+        self.screening_id = screening_id
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        with session_scope(self.url) as s:
+            return repository.get_output(s, self.screening_id, key)
+
+    def put(self, key: str, value: dict[str, Any]) -> None:
+        with session_scope(self.url) as s:
+            repository.put_output(s, self.screening_id, key, value)
+            row = s.get(Screening, self.screening_id)
+            if row is not None:
+                row.updated_at = utcnow()  # the heartbeat
+
+
+def _fail(url: str, screening_id: int, message: str) -> None:
+    with session_scope(url) as s:
+        row = s.get(Screening, screening_id)
+        if row is not None and row.status != "done":
+            row.status, row.error, row.finished_at = "failed", message, utcnow()
+
+
+def run_screening_job(screening_id: int, database_url: str | None = None) -> None:
+    """Run (or resume) screening `screening_id` and store its report."""
+    ctx = worker_context()
+    url = database_url or ctx.settings.database_url
+    with session_scope(url) as s:
+        row = s.get(Screening, screening_id)
+        if row is None or row.status in ("done", "failed"):
+            return
+        if row.attempts >= MAX_ATTEMPTS:
+            row.status, row.finished_at = "failed", utcnow()
+            row.error = f"gave up after {row.attempts} attempts (worker killed or crashing)"
+            return
+        row.attempts += 1
+        row.status = "running"
+        row.started_at = row.started_at or utcnow()
+        request = dict(row.request)
+        sha = row.model_sha256
+    try:
+        model_dir = find_checkpoint(sha, ctx.settings.model_dirs, ctx.pool)
+    except ModelNotFound as e:
+        _fail(url, screening_id, str(e))
+        return
+    device = request.get("device")
+    factory = _factory or _TorchWorkerBackend
+    try:
+        backend = factory(model_dir, device)
+        platform = backend.platform()
+        plan = build_plan(
+            platform,
+            reference=ScreenConfig(request.get("reference_dtype") or backend.reference_dtype()),
+            knobs=request.get("knobs") or KNOB_NAMES,
+            pair=(request["pair"][0], request["pair"][1]),
+            tau=float(request["tau"]),
+            tau_ulps=request.get("tau_ulps"),
+            max_new_tokens=int(request["max_new_tokens"]),
+            cover=float(request["cover"]),
+        )
+        prompts = backend.prompts(request["prompts"])
+        outputs = run_screening(plan, prompts, backend, DbStore(url, screening_id))
+        report = build_report(plan, prompts, outputs, model=model_dir.name, weights_sha256=sha)
+    except ReplayAuditError as e:
+        _fail(url, screening_id, e.message)
+        return
+    except (RuntimeError, ValueError, MemoryError) as e:  # engine-side failure
+        log.exception("screening %d failed", screening_id)
+        _fail(url, screening_id, f"{type(e).__name__}: {e}")
+        return
+    with session_scope(url) as s:
+        row = s.get(Screening, screening_id)
+        if row is not None:
+            row.report = report.model_dump(mode="json")
+            row.status, row.finished_at, row.error = "done", utcnow(), None

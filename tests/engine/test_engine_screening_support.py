@@ -1,0 +1,86 @@
+"""What the screening needs of the torch engine: the hidden states the lm_head reads, weights
+stored in one dtype and computed in another, and the platform facts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from replay_audit.engine import Target, load_engine
+from replay_audit.engine.platform import probe_platform
+from replay_audit.engine.protocol import HiddenStates
+from replay_audit.engine.torch_engine import TorchEngine
+
+
+def test_hidden_states_feed_the_head_as_the_single_step_does(tiny_dir: Path) -> None:
+    engine = load_engine(tiny_dir, Target("fp32"), device="cpu")
+    assert isinstance(engine, HiddenStates) and isinstance(engine, TorchEngine)
+    prompt, out = [1, 5, 9, 3], [7, 2, 11]
+    h = engine.hidden_states(prompt, out)
+    assert h.shape == (len(out) + 1, engine.model.config.hidden_size) and h.dtype == np.float32
+    for t in range(len(out) + 1):
+        z = engine.head.native(torch.from_numpy(h[t : t + 1]))[0]
+        assert int(torch.argmax(z)) == engine.step(prompt, out[:t]).token
+
+
+def test_weights_stored_in_bf16_and_computed_in_fp32(real_dir: Path) -> None:
+    # The bundled checkpoint (trained in fp32): its weights are not all bf16 values.
+    engine = load_engine(real_dir, Target("fp32"), device="cpu", weight_dtype="bf16")
+    assert isinstance(engine, TorchEngine)
+    env = engine.environment()
+    assert (env["dtype"], env["weight_dtype"]) == ("fp32", "bf16")
+    w = engine.model.model.layers[0].mlp.up_proj.weight
+    assert w.dtype == torch.float32
+    assert torch.equal(w, w.bfloat16().float())  # carries bf16's rounding
+    plain = load_engine(real_dir, Target("fp32"), device="cpu")
+    assert isinstance(plain, TorchEngine)
+    w32 = plain.model.model.layers[0].mlp.up_proj.weight
+    assert not torch.equal(w32, w32.bfloat16().float())  # the fp32 checkpoint is not
+    assert plain.environment()["weight_dtype"] == "fp32"
+
+
+def test_platform_facts_on_this_cpu() -> None:
+    f = probe_platform("cpu")
+    assert f.device == "cpu" and f.sm is None and f.gpu_name is None
+    assert f.fp8_unavailable is not None and "cpu" in f.fp8_unavailable
+
+
+def test_sdpa_backends_can_be_limited_and_restored() -> None:
+    from replay_audit.engine.loading import enable_sdpa_backends
+
+    cuda = torch.backends.cuda
+    try:
+        enable_sdpa_backends("math")
+        assert cuda.math_sdp_enabled() and not cuda.flash_sdp_enabled()
+        assert not cuda.mem_efficient_sdp_enabled()
+    finally:
+        enable_sdpa_backends(None)
+    assert cuda.math_sdp_enabled() and cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled()
+
+
+def test_fp8_linear_layers_approximate_the_float_product() -> None:
+    from replay_audit.engine.fp8_linear import Fp8Linear, quantize_body_linears
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32, bias=True)
+    fp8 = Fp8Linear(linear, torch.float32)
+    x = torch.randn(3, 5, 64)
+    want = linear(x)
+    got = fp8(x)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    err = (got - want).norm() / want.norm()
+    assert 0 < err < 0.1  # FP8-E4M3 keeps 3 mantissa bits: close, never exact
+    body = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    assert quantize_body_linears(body, torch.float32) == 2
+    assert all(not isinstance(m, torch.nn.Linear) for m in body.modules())
+
+
+def test_fp8_linear_layers_need_a_recent_gpu(tiny_dir: Path) -> None:
+    import pytest
+
+    from replay_audit.exceptions import UnsupportedFormat
+
+    with pytest.raises(UnsupportedFormat, match="fp8 linear layers"):
+        load_engine(tiny_dir, Target("bf16"), device="cpu", fp8_linear=True)

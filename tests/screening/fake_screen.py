@@ -1,0 +1,135 @@
+"""A fake-engine screening whose knob effects are known by construction (shared by the tests).
+
+Prompts are (id, 50, 60); output step t of prompt p is decided by `base` unless the
+configuration says otherwise:
+
+    fp16 body     prompts in HEAD flip at step 3 with a tiny margin (the gate fires; the
+                  single-step re-run flips too: head_reachable; C picks the base token back),
+                  prompts in KV flip at step 4 with a tiny margin but the from-scratch re-run
+                  does not (kv_dependent; C keeps the flip), prompts in BODY flip at step 2
+                  with a margin of 1 (the gate does not fire: body_dominated)
+    batch 8       prompts in BATCH flip at step 1 with a margin of 1
+    everything else is the base model (identical to the reference)
+
+The base model's margin is tiny at step 0 of even prompts, 1 elsewhere, so each run's trigger
+density is 1/T on even prompts and 0 on odd ones (CV(TD) = 1 exactly). Hidden states: (1, 0)
+in every configuration but fp16, whose are (1, 0.01): Δh = 0.01 everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from replay_audit.engine.fake import FakeEngine
+from replay_audit.exceptions import UnsupportedFormat
+from replay_audit.screening.outputs import ScreenPrompt
+from replay_audit.screening.plan import ScreenConfig
+
+PROMPT_LEN = 3
+TINY = 1e-4
+N_PROMPTS = 20
+HEAD = frozenset(range(1, 9))
+BODY = frozenset({9, 10})
+KV = frozenset({11})
+BATCH = frozenset({2, 3, 4})
+STEPS = 6
+
+
+def prompts(n: int = N_PROMPTS) -> list[ScreenPrompt]:
+    return [ScreenPrompt(f"p{i}", (i, 50, 60)) for i in range(n)]
+
+
+def base(context: tuple[int, ...]) -> tuple[int, float]:
+    t = len(context) - PROMPT_LEN
+    token = (sum(context) * 31 + len(context)) % 97
+    margin = TINY if t == 0 and context[0] % 2 == 0 else 1.0
+    return token, margin
+
+
+def _flip(token: int) -> int:
+    return (token + 1) % 97
+
+
+@dataclass
+class FakeBackend:
+    """Engines by configuration, as described above; records loads and activations."""
+
+    head: frozenset[int] = HEAD
+    body: frozenset[int] = BODY
+    kv: frozenset[int] = KV
+    batch: frozenset[int] = BATCH
+    unsupported: dict[str, str] = field(default_factory=dict)
+    #: Configurations that load but whose every decode raises RuntimeError(message).
+    broken: dict[str, str] = field(default_factory=dict)
+    loads: list[str] = field(default_factory=list)
+    activated: list[str] = field(default_factory=list)
+
+    def load(self, config: ScreenConfig) -> FakeEngine:
+        if config.key in self.unsupported:
+            raise UnsupportedFormat(self.unsupported[config.key])
+        self.loads.append(config.key)
+        target = config.target()
+        if config.key in self.broken:
+            message = self.broken[config.key]
+
+            def no_kernel(context: tuple[int, ...]) -> tuple[int, float]:
+                raise RuntimeError(message)
+
+            return FakeEngine(target, next_token=no_kernel)
+        if config.dtype == "fp16":
+            return self._fp16(config)
+        if config.batch_size == 8:
+
+            def batched(context: tuple[int, ...]) -> tuple[int, float]:
+                token, margin = base(context)
+                if context[0] in self.batch and len(context) - PROMPT_LEN == 1:
+                    return _flip(token), 1.0
+                return token, margin
+
+            return FakeEngine(target, next_token=batched, hidden_fn=lambda c: [1.0, 0.0])
+        return FakeEngine(
+            target,
+            next_token=base,
+            repair_fn=lambda c, tok: base(c)[0],
+            hidden_fn=lambda c: [1.0, 0.0],
+        )
+
+    def _fp16(self, config: ScreenConfig) -> FakeEngine:
+        def flips(context: tuple[int, ...]) -> tuple[int, float] | None:
+            p, t = context[0], len(context) - PROMPT_LEN
+            token = base(context)[0]
+            if p in self.head and t == 3:
+                return _flip(token), TINY
+            if p in self.kv and t == 4:
+                return _flip(token), TINY
+            if p in self.body and t == 2:
+                return _flip(token), 1.0
+            return None
+
+        def decode(context: tuple[int, ...]) -> tuple[int, float]:
+            return flips(context) or base(context)
+
+        def scratch(context: tuple[int, ...]) -> tuple[int, float]:
+            f = flips(context)
+            if f is not None and context[0] in self.kv:
+                return base(context)[0], TINY  # the from-scratch re-run does not flip
+            return f or base(context)
+
+        def repair(context: tuple[int, ...], token: int) -> int:
+            if context[0] in self.kv:
+                return token  # C keeps a KV-dependent flip
+            return base(context)[0]
+
+        return FakeEngine(
+            config.target(),
+            next_token=decode,
+            step_fn=scratch,
+            repair_fn=repair,
+            hidden_fn=lambda c: [1.0, 0.01],
+        )
+
+    def activate(self, config: ScreenConfig) -> None:
+        self.activated.append(config.key)
+
+    def eos_ids(self) -> list[int]:
+        return []

@@ -1,0 +1,90 @@
+"""Fixtures for the screening service: a runner that holds jobs until the test runs them (by
+their dotted path, as a worker does), worker settings on the test database, and the fake
+screening backend of tests/screening/fake_screen.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from replay_audit.engine import FakeEngine
+from replay_audit.queue import JobSpec
+from replay_audit.queue.runner import resolve
+from replay_audit.screening.outputs import ScreenPrompt
+from replay_audit.screening.plan import Platform, ScreenConfig
+from replay_audit.screenings import tasks
+from tests.replays.conftest import fake_model_dir, worker_env  # noqa: F401  (fixtures)
+from tests.screening.fake_screen import FakeBackend
+
+
+class JobRunner:
+    """Keeps jobs until `run_all()`, then runs each by its dotted path."""
+
+    def __init__(self) -> None:
+        self.specs: list[JobSpec] = []
+
+    def enqueue(self, spec: JobSpec) -> None:
+        if all(s.job_id != spec.job_id for s in self.specs):
+            self.specs.append(spec)
+
+    def is_queued(self, job_id: str) -> bool:
+        return any(s.job_id == job_id for s in self.specs)
+
+    def ping(self) -> None:
+        """Always takes work."""
+
+    def run_all(self) -> int:
+        n = 0
+        while self.specs:
+            spec = self.specs.pop(0)
+            resolve(spec.func)(*spec.args)
+            n += 1
+        return n
+
+
+@dataclasses.dataclass
+class FakeWorkerBackend(FakeBackend):
+    """The fake screening backend as a worker sees it: a CPU platform, fp32 checkpoint."""
+
+    def platform(self) -> Platform:
+        return Platform(device="cpu", fp8_unavailable="no fp8 on a cpu")
+
+    def reference_dtype(self) -> str:
+        return "fp32"
+
+    def prompts(self, rows: Sequence[dict[str, Any]]) -> list[ScreenPrompt]:
+        return [
+            ScreenPrompt(str(r.get("id") or i), tuple(r["prompt_token_ids"]))
+            for i, r in enumerate(rows)
+        ]
+
+    def load(self, config: ScreenConfig) -> FakeEngine:
+        return super().load(config)
+
+
+@pytest.fixture
+def job_runner(client: TestClient) -> JobRunner:
+    r = JobRunner()
+    state = client.app.state  # type: ignore[attr-defined]
+    state.queue = dataclasses.replace(state.queue, runner=r)
+    return r
+
+
+@pytest.fixture
+def fake_backend(worker_env: Any) -> Iterator[list[FakeWorkerBackend]]:  # noqa: F811
+    """Screening jobs get fake engines; the list holds every backend built."""
+    built: list[FakeWorkerBackend] = []
+
+    def factory(model_dir: Path, device: str | None) -> FakeWorkerBackend:
+        b = FakeWorkerBackend()
+        built.append(b)
+        return b
+
+    tasks.install_backend_factory(factory)
+    yield built
+    tasks.install_backend_factory(None)

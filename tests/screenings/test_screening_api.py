@@ -1,0 +1,180 @@
+"""`/v1/screenings`: a screening queued over HTTP, run by its job (fake engines whose effects
+are known, tests/screening/fake_screen.py), its report read back; bad input answered 4xx naming
+the field; project and role isolation; idempotency; a job that cannot find the checkpoint says
+why."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from replay_audit.engine.hashing import weights_sha256
+from tests.screening.fake_screen import HEAD, N_PROMPTS, STEPS
+from tests.screenings.conftest import FakeWorkerBackend, JobRunner
+from tests.ui.conftest import settings as settings  # fixture: the session secret
+from tests.ui.conftest import ui_client  # noqa: F401  (fixture)
+
+
+def _body(sha: str, **extra: Any) -> dict[str, Any]:
+    prompts = [{"id": f"p{i}", "prompt_token_ids": [i, 50, 60]} for i in range(N_PROMPTS)]
+    return {
+        "model_sha256": sha,
+        "prompts": prompts,
+        "knobs": ["body_dtype", "tf32"],
+        "max_new_tokens": STEPS,
+        **extra,
+    }
+
+
+def test_a_screening_runs_and_its_report_is_read_back(
+    client: TestClient,
+    job_runner: JobRunner,
+    fake_backend: list[FakeWorkerBackend],
+    fake_model_dir: Path,
+    headers: Callable[..., dict[str, str]],
+) -> None:
+    admin = headers("admin")
+    r = client.post("/v1/screenings", json=_body(weights_sha256(fake_model_dir)), headers=admin)
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    got = client.get(f"/v1/screenings/{sid}", headers=admin).json()
+    assert got["status"] == "queued" and got["report"] is None
+    assert job_runner.run_all() == 1
+    got = client.get(f"/v1/screenings/{sid}", headers=headers("auditor")).json()
+    assert got["status"] == "done", got["error"]
+    report = got["report"]
+    assert report["tier"]["tier"] == 1
+    lift = report["head_vs_body"]["lift"]
+    assert lift["lift"] == pytest.approx(len(HEAD) / N_PROMPTS)
+    tf32 = report["knobs"][1]["values"][0]
+    assert tf32["status"] == "not_available"
+    # Running the job again (a retry, a re-enqueue) changes nothing and loads no engine.
+    from replay_audit.screenings.tasks import run_screening_job
+
+    loads = sum(len(b.loads) for b in fake_backend)
+    run_screening_job(int(job_runner_id(client, sid)))
+    assert sum(len(b.loads) for b in fake_backend) == loads
+
+
+def job_runner_id(client: TestClient, public_id: str) -> int:
+    from sqlalchemy import select
+
+    from replay_audit.db.unit_of_work import session_scope
+    from replay_audit.screenings.models import Screening
+
+    url = client.app.state.settings.database_url  # type: ignore[attr-defined]
+    with session_scope(url) as s:
+        return int(s.scalar(select(Screening.id).where(Screening.public_id == public_id)))
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"model_sha256": "xyz"}, "model_sha256"),
+        ({"prompts": []}, "prompts"),
+        ({"prompts": [{"prompt": "a", "prompt_token_ids": [1]}]}, "prompts"),
+        ({"prompts": [{"id": "x"}]}, "prompts"),
+        ({"knobs": ["warp_drive"]}, "knobs"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"pair": ["bf16", "bf16"]}, "pair"),
+        ({"pair": ["bf16", "fp64"]}, "pair"),
+        ({"tau": -1}, "tau"),
+        ({"cover": 0}, "cover"),
+        ({"device": "tpu"}, "device"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
+def test_bad_input_is_a_4xx_naming_the_field(
+    client: TestClient,
+    job_runner: JobRunner,
+    headers: Callable[..., dict[str, str]],
+    change: dict[str, Any],
+    field: str,
+) -> None:
+    r = client.post("/v1/screenings", json=_body("a" * 64) | change, headers=headers("admin"))
+    assert r.status_code == 422, r.text
+    assert field in (r.json().get("field") or ""), r.text
+    assert job_runner.specs == []
+
+
+def test_cuda_on_an_embedded_deployment_without_a_gpu_is_refused(
+    client: TestClient, job_runner: JobRunner, headers: Callable[..., dict[str, str]]
+) -> None:
+    if Path("/proc/driver/nvidia/version").exists():
+        pytest.skip("this host has a GPU: cuda is accepted")
+    r = client.post("/v1/screenings", json=_body("a" * 64, device="cuda"), headers=headers("admin"))
+    assert r.status_code == 422 and r.json()["field"] == "device", r.text
+
+
+def test_isolation_idempotency_and_a_missing_checkpoint(
+    client: TestClient,
+    job_runner: JobRunner,
+    fake_backend: list[FakeWorkerBackend],
+    headers: Callable[..., dict[str, str]],
+) -> None:
+    admin = headers("admin")
+    body = _body("c" * 64, idempotency_key="k1")
+    first = client.post("/v1/screenings", json=body, headers=admin)
+    again = client.post("/v1/screenings", json=body, headers=admin)
+    assert (first.status_code, again.status_code) == (201, 200)
+    sid = first.json()["id"]
+    assert again.json()["id"] == sid and len(job_runner.specs) == 1
+    assert client.get(f"/v1/screenings/{sid}", headers=headers("admin", "beta")).status_code == 404
+    assert client.get(f"/v1/screenings/{sid}", headers=headers("submitter")).status_code == 403
+    assert client.get("/v1/screenings/sc_nope", headers=admin).status_code == 404
+    job_runner.run_all()
+    got = client.get(f"/v1/screenings/{sid}", headers=admin).json()
+    assert got["status"] == "failed" and "c" * 16 in got["error"]
+    assert fake_backend == []  # no engine was built for a checkpoint that is not there
+
+
+def test_the_ui_page_shows_the_report_and_the_runs_list_links_it(
+    client: TestClient,
+    job_runner: JobRunner,
+    fake_backend: list[FakeWorkerBackend],
+    fake_model_dir: Path,
+    headers: Callable[..., dict[str, str]],
+    ui_client: Callable[..., TestClient],  # noqa: F811
+) -> None:
+    r = client.post(
+        "/v1/screenings", json=_body(weights_sha256(fake_model_dir)), headers=headers("admin")
+    )
+    sid = r.json()["id"]
+    job_runner.run_all()
+    ui = ui_client("auditor")
+    page = ui.get(f"/ui/screenings/{sid}")
+    assert page.status_code == 200, page.text
+    assert "Tier 1: large lift" in page.text and 'id="knobs"' in page.text
+    assert "<style" not in page.text  # the served page uses the stylesheet (CSP: no inline)
+    assert f"/screenings/{sid}" in ui.get("/ui/runs").text
+    other = ui_client("auditor", "beta")
+    assert other.get(f"/ui/screenings/{sid}").status_code == 404
+
+
+def test_a_lost_screening_job_is_enqueued_again(
+    client: TestClient,
+    job_runner: JobRunner,
+    fake_backend: list[FakeWorkerBackend],
+    fake_model_dir: Path,
+    headers: Callable[..., dict[str, str]],
+) -> None:
+    from replay_audit.db.unit_of_work import session_scope
+    from replay_audit.screenings.reconcile import reconcile_screenings
+
+    r = client.post(
+        "/v1/screenings", json=_body(weights_sha256(fake_model_dir)), headers=headers("admin")
+    )
+    sid = r.json()["id"]
+    job_runner.specs.clear()  # the queue lost it (a Redis flush)
+    url = client.app.state.settings.database_url  # type: ignore[attr-defined]
+    with session_scope(url) as s:
+        again = reconcile_screenings(s, job_runner, stale_after_s=900, job_timeout_s=60)
+    assert again == [job_runner_id(client, sid)]
+    with session_scope(url) as s:  # held now: nothing to do
+        assert reconcile_screenings(s, job_runner, stale_after_s=900, job_timeout_s=60) == []
+    job_runner.run_all()
+    assert client.get(f"/v1/screenings/{sid}", headers=headers("admin")).json()["status"] == "done"
