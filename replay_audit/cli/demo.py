@@ -134,7 +134,9 @@ def demo(
         Path | None, typer.Option(help="Also write the key and both runs as JSON.")
     ] = None,
 ) -> None:
-    """Generate BF16 traces with the bundled model, ingest them over HTTP, replay them in FP16
+    """The product end to end: BF16 traces of the bundled model replayed in FP16, C or not.
+
+    Generate BF16 traces with the bundled model, ingest them over HTTP, replay them in FP16
     with and without Intervention C (against the logged tokens, and both arms run here), and
     print what the API reports."""
     import httpx

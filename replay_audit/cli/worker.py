@@ -63,9 +63,11 @@ def reconcile(
         float, typer.Option(help="A running job silent this long is presumed dead.")
     ] = 900.0,
 ) -> None:
-    """Re-enqueue replay jobs the database says are unfinished but no runner holds
-    (after a Redis flush, or a worker killed mid-job). With the embedded in-process runner the
-    jobs run in this process, and the command waits for them (Ctrl-C stops them cleanly)."""
+    """Re-enqueue unfinished replay jobs that no runner holds.
+
+    The database says they are unfinished, but no runner holds them (after a Redis flush, or a
+    worker killed mid-job). With the embedded in-process runner the jobs run in this process,
+    and the command waits for them (Ctrl-C stops them cleanly)."""
     from replay_audit.cli.database import ready_database
     from replay_audit.config import get_settings
     from replay_audit.db.unit_of_work import session_scope
@@ -94,10 +96,12 @@ def scheduler(
     ] = None,
     stale_after_s: Annotated[float, typer.Option()] = 900.0,
 ) -> None:
-    """The scheduler as a plain loop, for deployments without `rq cron`: every tick it starts
-    due audit runs, evaluates finished ones, delivers alerts and reconciles the queue with the
-    database (production runs `rq cron replay_audit.audits.cron_config` instead; running both
-    is harmless, the database's unique keys decide)."""
+    """The audit scheduler as a plain loop, for deployments without `rq cron`.
+
+    Every tick it starts due audit runs, evaluates finished ones, delivers alerts and
+    reconciles the queue with the database (production runs `rq cron
+    replay_audit.audits.cron_config` instead; running both is harmless, the database's unique
+    keys decide)."""
     from replay_audit.audits.tasks import alert_runner, run_tick
     from replay_audit.cli.database import ready_database
     from replay_audit.config import get_settings
