@@ -97,11 +97,18 @@ def generate(
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
 ) -> None:
     """Log greedy generations with transformers' own generate(), as POST /v1/traces JSON."""
+    from replay_audit.engine.hashing import NoWeightsError, safetensors_files
+
     _choice(dtype, _DTYPES, "--dtype")
-    rows = [row for _, row in _read_jsonl(prompts)]
-    for i, row in enumerate(rows):
+    try:
+        safetensors_files(model)  # a typo fails here, not as a hub error after torch loads
+    except NoWeightsError as e:
+        _fail(e.message)
+    rows = []
+    for n, row in _read_jsonl(prompts):
         if not isinstance(row.get("prompt"), str):
-            _fail(f"{prompts}: prompt {i + 1} has no string 'prompt' field")
+            _fail(f"{prompts}:{n}: prompt: a string is required")
+        rows.append(row)
     rows = rows[:limit] if limit else rows
     _set_threads(threads)
     from replay_audit.engine.generate import TraceGenerator
@@ -174,7 +181,7 @@ def replay(
     from replay_audit.exceptions import ReplayAuditError
     from replay_audit.replays.domain import Comparison, LoggedTrace, RunTarget, comparison_label
     from replay_audit.replays.models import ReplayResult
-    from replay_audit.replays.replayer import replay_trace
+    from replay_audit.replays.replayer import check_replayable, replay_trace
     from replay_audit.replays.results import figures, result_read, result_values
     from replay_audit.stats.report import ComparisonInput, run_statistics
     from replay_audit.traces.schemas import TraceCreate
@@ -194,14 +201,21 @@ def replay(
     )
     target = Target(dtype, lm_head_dtype, attn_kernel, batch_size, iv)
 
-    parsed: list[TraceCreate] = []
+    # Every line is checked before the checkpoint is hashed or loaded; an error names it.
+    parsed: list[tuple[int, TraceCreate, LoggedTrace]] = []
     for n, row in _read_jsonl(traces):
         try:
-            parsed.append(TraceCreate.model_validate(row))
+            tr = TraceCreate.model_validate(row)
         except ValidationError as e:
             err = e.errors()[0]
             where = ".".join(str(x) for x in err["loc"])
             _fail(f"{traces}:{n}: not a valid trace: {where}: {err['msg']}")
+        logged = LoggedTrace.from_json(tr.model_dump())
+        try:
+            check_replayable(logged)
+        except ReplayAuditError as e:
+            _fail(f"{traces}:{n}: {e.field}: {e.message}")
+        parsed.append((n, tr, logged))
     if not parsed:
         _fail(f"{traces} holds no trace")
     pool = EnginePool(device=device, cache=kv_cache)  # type: ignore[arg-type]
@@ -209,11 +223,11 @@ def replay(
         sha = pool.weights_sha256(model)
     except NoWeightsError as e:
         _fail(e.message)
-    for tr in parsed:
+    for n, tr, _ in parsed:
         if tr.model.weights_sha256 != sha:
             _fail(
-                f"checkpoint {model} has weights_sha256 {sha}, but trace "
-                f"{tr.external_id or '(no external_id)'} was logged with "
+                f"{traces}:{n}: model.weights_sha256: checkpoint {model} has weights_sha256 "
+                f"{sha}, but trace {tr.external_id or '(no external_id)'} was logged with "
                 f"{tr.model.weights_sha256}: refusing to replay it against other weights"
             )
 
@@ -221,10 +235,10 @@ def replay(
     rows: list[Any] = []
     with out.open("w", encoding="utf-8") as f, _progress() as bar:
         task = bar.add_task(f"replay in {dtype}", total=len(parsed))
-        for i, tr in enumerate(parsed):
+        for i, (n, tr, logged) in enumerate(parsed):
             try:
                 r = replay_trace(
-                    LoggedTrace.from_json(tr.model_dump()),
+                    logged,
                     target,
                     pool,
                     model_dir=model,
@@ -234,10 +248,10 @@ def replay(
                     check_weights=False,
                 )
             except ReplayAuditError as e:
-                _fail(e.message)
+                _fail(f"{traces}:{n}: " + (f"{e.field}: " if e.field else "") + e.message)
             # The same mappings as a stored result: the row, then the API's view of it.
             stored = ReplayResult(trace_id=i, **result_values(0, r))
-            name = tr.external_id or f"line {i + 1}"
+            name = tr.external_id or f"line {n}"
             read = result_read(stored, name, "offline")
             line = read.model_dump(mode="json", exclude={"run_id", "created_at", "detail"})
             # Deprecated: the top-level keys of earlier releases' output (see docs/engine.md).

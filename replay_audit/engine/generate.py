@@ -70,11 +70,12 @@ class TraceGenerator:
         configure_numerics(deterministic=deterministic, tf32=tf32)
         self.device = resolve_device(device)
         self.dtype = dtype
+        # Hashed first: a path that is no checkpoint fails before a model loads.
+        self.weights_sha256 = weights_sha256(self.model_dir)
         self.model, self.tokenizer = load_model(self.model_dir, dtype, attn_kernel, self.device)
         if self.tokenizer is None:
             raise EngineError(f"{self.model_dir} has no tokenizer: cannot encode prompts")
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
-        self.weights_sha256 = weights_sha256(self.model_dir)
         self.model_name = model_name or self.model_dir.name
         self.config = self._config()
 

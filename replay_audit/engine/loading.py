@@ -143,6 +143,10 @@ def load_model(
 
     if dtype not in TORCH_DTYPES:
         raise UnsupportedFormat(f"body dtype must be one of {tuple(TORCH_DTYPES)}, got {dtype!r}")
+    if not Path(model_dir).is_dir():
+        # Not a local checkpoint: transformers would take the path for a hub repo id and answer
+        # with an error about repo ids.
+        raise EngineError(f"{model_dir} is not a directory")
     model: Any
     try:
         model = AutoModelForCausalLM.from_pretrained(
