@@ -10,10 +10,12 @@ command started before the process exits, on Ctrl-C and SIGTERM too (`cli/shutdo
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
+from typer.models import CommandFunctionType
 
 
 def _failure(exc: Exception) -> str | None:
@@ -100,7 +102,9 @@ class CommandGroup(typer.Typer):
         kwargs.setdefault("cls", _Group)
         super().__init__(**kwargs)
 
-    def command(self, *args: Any, **kwargs: Any) -> Any:
+    def command(
+        self, *args: Any, **kwargs: Any
+    ) -> Callable[[CommandFunctionType], CommandFunctionType]:
         kwargs.setdefault("cls", _Command)
         return super().command(*args, **kwargs)
 
