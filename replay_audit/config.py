@@ -50,6 +50,11 @@ class Settings(BaseSettings):
     model_dirs: Annotated[list[Path], NoDecode] = Field(
         default_factory=lambda: [BUNDLED_MODEL_DIR]
     )
+    #: torch's CPU threads in every process that runs the engine (`serve` and the demo with the
+    #: in-process runner, `worker`, `replay` and `generate` without --threads). Unset: torch's
+    #: default (one per core), except beside the API (the in-process runner), which leaves it
+    #: a core: max(1, cores - 1).
+    torch_threads: int | None = Field(default=None, ge=1)
     max_request_bytes: int = 256 * 1024 * 1024
     #: Seconds before RQ kills a replay job (RQ's own default of 180 s is too short for a GPU).
     job_timeout_s: int = 3600

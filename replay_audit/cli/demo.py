@@ -180,6 +180,8 @@ def demo(
                 device="cpu",
                 tags=["demo", "production"],
                 model_name="tiny-llama",
+                threads=settings.torch_threads,
+                leave_free=1,  # the API serves beside it
             ):
                 traces.append(trace)
                 progress.advance(task)

@@ -30,11 +30,13 @@ def _choice(value: str | None, allowed: tuple[str, ...], option: str) -> None:
         _fail(f"{option} must be one of {', '.join(allowed)}; got {value!r}")
 
 
-def _set_threads(threads: int | None) -> None:
+def _threads(threads: int | None) -> int | None:
+    """--threads, else the setting REPLAY_AUDIT_TORCH_THREADS (None: torch's default)."""
     if threads is not None:
-        import torch
+        return threads
+    from replay_audit.config import get_settings
 
-        torch.set_num_threads(threads)
+    return get_settings().torch_threads
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -94,7 +96,10 @@ def generate(
     tag: Annotated[list[str] | None, typer.Option(help="Tag for every trace (repeatable).")] = None,
     limit: Annotated[int | None, typer.Option(min=1, help="Only the first N prompts.")] = None,
     model_name: Annotated[str | None, typer.Option(help="model.name (default: dir name).")] = None,
-    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(min=1, help="torch CPU threads (default: REPLAY_AUDIT_TORCH_THREADS)."),
+    ] = None,
 ) -> None:
     """Log greedy generations with transformers' own generate(), as POST /v1/traces JSON."""
     from replay_audit.engine.hashing import NoWeightsError, safetensors_files
@@ -110,14 +115,18 @@ def generate(
             _fail(f"{prompts}:{n}: prompt: a string is required")
         rows.append(row)
     rows = rows[:limit] if limit else rows
-    _set_threads(threads)
     from replay_audit.engine.generate import TraceGenerator
     from replay_audit.exceptions import ReplayAuditError
     from replay_audit.traces.schemas import TraceCreate
 
     try:
         gen = TraceGenerator(
-            model, dtype=dtype, attn_kernel=attn_kernel, device=device, model_name=model_name
+            model,
+            dtype=dtype,
+            attn_kernel=attn_kernel,
+            device=device,
+            model_name=model_name,
+            threads=_threads(threads),
         )
     except ReplayAuditError as e:
         _fail(e.message)
@@ -171,7 +180,10 @@ def replay(
         ),
     ] = "dynamic",
     summary_json: Annotated[Path | None, typer.Option(help="Also write the summary here.")] = None,
-    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(min=1, help="torch CPU threads (default: REPLAY_AUDIT_TORCH_THREADS)."),
+    ] = None,
     resume: Annotated[
         bool,
         typer.Option(
@@ -234,7 +246,7 @@ def replay(
         parsed.append((n, tr, logged))
     if not parsed:
         _fail(f"{traces} holds no trace")
-    pool = EnginePool(device=device, cache=kv_cache)  # type: ignore[arg-type]
+    pool = EnginePool(device=device, cache=kv_cache, threads=_threads(threads))  # type: ignore[arg-type]
     try:
         sha = pool.weights_sha256(model)
     except NoWeightsError as e:
@@ -251,7 +263,6 @@ def replay(
     done: dict[str, dict[str, Any]] = {}
     if resume:
         done = _results_written(out, names, target, mode)
-    _set_threads(threads)
     rows = [
         figures_from_json(done[name], i, tr.external_id)
         for i, (name, (_, tr, _)) in enumerate(zip(names, parsed, strict=True))

@@ -48,7 +48,12 @@ def worker(
         raise typer.BadParameter("dynamic, static or compiled", param_hint="--kv-cache")
     ready_database(settings)  # every job opens it: an unusable one fails here, once
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    pool = EnginePool(max_engines=MAX_ENGINES, device=device, cache=kv_cache)  # type: ignore[arg-type]
+    pool = EnginePool(
+        max_engines=MAX_ENGINES,
+        device=device,
+        cache=kv_cache,  # type: ignore[arg-type]
+        threads=settings.torch_threads,
+    )
     install_worker_context(WorkerContext(settings, pool))
     connection = Redis.from_url(settings.redis_url)
     queues = [Queue(rq_name(settings, q), connection=connection) for q in queue]

@@ -21,6 +21,7 @@ from replay_audit.engine.loading import (
     load_model,
     numerical_environment,
     resolve_device,
+    set_torch_threads,
 )
 from replay_audit.exceptions import EngineError
 
@@ -65,9 +66,14 @@ class TraceGenerator:
         model_name: str | None = None,
         deterministic: bool = True,
         tf32: bool = False,
+        threads: int | None = None,
+        leave_free: int = 0,
     ) -> None:
+        """`threads`, `leave_free`: torch's CPU threads (`loading.set_torch_threads`), set here
+        for the thread that builds the generator and generates."""
         self.model_dir = Path(model_dir)
         configure_numerics(deterministic=deterministic, tf32=tf32)
+        set_torch_threads(threads, leave_free=leave_free)
         self.device = resolve_device(device)
         self.dtype = dtype
         # Hashed first: a path that is no checkpoint fails before a model loads.
@@ -179,10 +185,18 @@ def generate_traces(
     device: str | None = None,
     tags: Sequence[str] = (),
     model_name: str | None = None,
+    threads: int | None = None,
+    leave_free: int = 0,
 ) -> Iterator[dict[str, Any]]:
     """Traces of greedy generations, one per (prompt id, prompt text), as `TraceCreate` JSON."""
     gen = TraceGenerator(
-        model_dir, dtype=dtype, attn_kernel=attn_kernel, device=device, model_name=model_name
+        model_dir,
+        dtype=dtype,
+        attn_kernel=attn_kernel,
+        device=device,
+        model_name=model_name,
+        threads=threads,
+        leave_free=leave_free,
     )
     for pid, text in prompts:
         yield gen.trace(

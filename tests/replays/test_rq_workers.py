@@ -141,6 +141,8 @@ def test_burst_workers_complete_a_paired_run(
     pg: str,
 ) -> None:
     run_id = _request(api, traces[:20])
+    # The worker takes torch's CPU threads from the setting (the env says 1 for OpenMP).
+    env = {**env, "REPLAY_AUDIT_TORCH_THREADS": "2"}
     assert _worker(env, burst=True).wait(timeout=300) == 0
     run = _run(api, run_id)
     assert run["status"] == "done", run
@@ -155,6 +157,7 @@ def test_burst_workers_complete_a_paired_run(
         # The worker records the numerical environment it actually used.
         assert all(i["detail"]["environment"]["device"] == "cpu" for i in mine)
         assert all(i["detail"]["environment"]["dtype"] == "fp16" for i in mine)
+        assert all(i["arms"]["b"]["environment"]["extras"]["torch_threads"] == 2 for i in mine)
 
 
 def test_sigkilled_worker_is_recovered_exactly_once(
