@@ -46,6 +46,10 @@ class Settings(BaseSettings):
     #: so that deployments (or test runs) sharing one Redis never see each other's jobs. The API,
     #: the workers and `rq cron` of one deployment must share it.
     queue_prefix: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9_-]*$")
+    #: The RQ queue of replay targets that name no `device` (`cuda` goes to `gpu`, `cpu` to
+    #: `cpu`). A deployment whose workers are all `replay-audit worker --queue cpu` sets `cpu`,
+    #: or its runs wait on a queue nobody serves.
+    default_queue: Literal["gpu", "cpu"] = "gpu"
     #: Directories searched (one level deep) for checkpoints, matched by weights_sha256.
     model_dirs: Annotated[list[Path], NoDecode] = Field(
         default_factory=lambda: [BUNDLED_MODEL_DIR]

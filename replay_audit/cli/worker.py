@@ -14,7 +14,14 @@ from replay_audit.cli import app
 @app.command()
 def worker(
     queue: Annotated[
-        list[str], typer.Option("--queue", "-q", help="Queue(s) to serve: gpu, cpu.")
+        list[str],
+        typer.Option(
+            "--queue",
+            "-q",
+            help="Queue(s) to serve: gpu, cpu. Targets with device cuda go to gpu, cpu to cpu, "
+            "and those naming no device to REPLAY_AUDIT_DEFAULT_QUEUE (gpu unless set): on a "
+            "deployment with CPU workers only, set it to cpu.",
+        ),
     ] = ["gpu"],  # noqa: B006 (typer reads the default, never mutates it)
     burst: Annotated[bool, typer.Option(help="Exit when the queues are empty.")] = False,
     device: Annotated[
@@ -55,6 +62,16 @@ def worker(
         threads=settings.torch_threads,
     )
     install_worker_context(WorkerContext(settings, pool))
+    if settings.default_queue not in queue:
+        # Said once, where a CPU-only deployment looks: its runs would wait on `gpu` forever.
+        logging.getLogger(__name__).warning(
+            "replay targets that name no device go to the %r queue "
+            "(REPLAY_AUDIT_DEFAULT_QUEUE), which this worker does not serve (--queue %s); "
+            "on a deployment without GPU workers set REPLAY_AUDIT_DEFAULT_QUEUE=%s for the API",
+            settings.default_queue,
+            " --queue ".join(queue),
+            queue[0],
+        )
     connection = Redis.from_url(settings.redis_url)
     queues = [Queue(rq_name(settings, q), connection=connection) for q in queue]
     w = SimpleWorker(queues, connection=connection, name=name)

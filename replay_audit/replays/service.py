@@ -81,9 +81,15 @@ def _comparisons(request: ReplayCreate, n_targets: int) -> list[Comparison]:
     return [Comparison(k, a, b) for k, (a, b) in enumerate(pairs)]
 
 
-def _queue(targets: Sequence[RunTarget]) -> str:
-    devices = {t.device for t in targets if not t.is_self}
-    return "cpu" if devices == {"cpu"} else "gpu"
+def _queue(targets: Sequence[RunTarget], default: str) -> str:
+    """`cpu` when every target runs on the CPU (`device: cpu`, or no device where the
+    deployment's default queue is `cpu`), else `gpu`."""
+    queues = {
+        {"cpu": "cpu", "cuda": "gpu"}.get(t.device or "", default)
+        for t in targets
+        if not t.is_self
+    }
+    return "cpu" if queues == {"cpu"} or (not queues and default == "cpu") else "gpu"
 
 
 def create_replay(
@@ -120,7 +126,7 @@ def create_replay(
         )
 
     comparisons = _comparisons(request, len(targets))
-    queue_name = _queue(targets)
+    queue_name = _queue(targets, queue.default_queue)
     ids = [t.id for t in traces]
     chunks = [(queue_name, ids[i : i + TRACES_PER_JOB]) for i in range(0, len(ids), TRACES_PER_JOB)]
     run = ReplayRun(
