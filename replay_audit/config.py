@@ -25,6 +25,9 @@ MAX_BATCH_TRACES: Final = 1000
 MAX_TRACE_TOKENS: Final = 65536
 #: Largest top-k logged per step.
 MAX_TOP_K: Final = 20
+#: The session secret `.env.example` ships: refused, so a copied example cannot sign sessions
+#: with a key everyone has.
+SESSION_SECRET_PLACEHOLDER: Final = "change-me-to-a-long-random-string"
 
 
 def normalise_database_url(url: str) -> str:
@@ -89,6 +92,17 @@ class Settings(BaseSettings):
     @classmethod
     def _normalise(cls, v: str) -> str:
         return normalise_database_url(v)
+
+    @field_validator("session_secret")
+    @classmethod
+    def _not_the_placeholder(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and v.get_secret_value().strip() == SESSION_SECRET_PLACEHOLDER:
+            raise ValueError(
+                "still the placeholder of .env.example; set a long random string (python -c "
+                '"import secrets; print(secrets.token_urlsafe(32))") or remove the line to have '
+                "one generated into REPLAY_AUDIT_SESSION_SECRET_FILE (var/session-secret)"
+            )
+        return v
 
     @field_validator("webhook_allowed_hosts", mode="before")
     @classmethod

@@ -18,13 +18,20 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 from typer.models import CommandFunctionType
 
 
+def _reason(error: Any) -> str:
+    """A validation error's message without pydantic's "Value error, " before a validator's
+    own words."""
+    cause = (error.get("ctx") or {}).get("error")
+    return str(cause) if error.get("type") == "value_error" and cause is not None else error["msg"]
+
+
 def _failure(exc: Exception) -> str | None:
     """The one line for an error a user can fix (None: a bug, which keeps its traceback)."""
     from pydantic import ValidationError
 
     if isinstance(exc, ValidationError) and exc.title == "Settings":
         problems = "; ".join(
-            f"REPLAY_AUDIT_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}"
+            f"REPLAY_AUDIT_{'_'.join(map(str, e['loc'])).upper()}: {_reason(e)}"
             for e in exc.errors()
         )
         return f"invalid settings: {problems}"

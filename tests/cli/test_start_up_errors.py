@@ -116,3 +116,17 @@ def test_settings_that_do_not_parse_are_one_line(tmp_path: Path) -> None:
     assert_no_traceback(proc)
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: invalid settings: REPLAY_AUDIT_QUEUE_PREFIX"), line
+
+
+def test_the_example_session_secret_is_refused_at_start(tmp_path: Path) -> None:
+    """`.env.example` copied as is: `serve` stops at once, naming the setting and how to make
+    one, instead of signing sessions with a key everyone has."""
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / ".env").write_text((root / ".env.example").read_text())
+    proc = run_cli(["serve", "--port", "0"], env=cli_env(), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert_no_traceback(proc)
+    err = proc.stderr
+    assert "REPLAY_AUDIT_SESSION_SECRET: still the placeholder of .env.example" in err
+    assert "secrets.token_urlsafe(32)" in err and "Value error" not in err
+    assert not (tmp_path / "var").exists()  # nothing was started or created
