@@ -125,7 +125,7 @@ def scheduler(
     replay_audit.audits.cron_config` instead; running both is harmless, the database's unique
     keys decide)."""
     from replay_audit.audits.tasks import alert_runner, run_tick
-    from replay_audit.cli.database import ready_database
+    from replay_audit.cli.database import ready_database, shown_url
     from replay_audit.config import get_settings
     from replay_audit.queue import get_runner
 
@@ -135,9 +135,15 @@ def scheduler(
     runner = get_runner(settings)
     alerts = alert_runner(settings)
     interval = settings.audit_tick_interval_s if interval_s is None else interval_s
+    log = logging.getLogger("replay_audit.scheduler")
+    url = settings.database_url
+    log.info("audit scheduler: a tick every %g s (database %s)", interval, shown_url(url))
     while True:
         try:
-            run_tick(settings, runner=runner, alert_runner=alerts, stale_after_s=stale_after_s)
+            report = run_tick(
+                settings, runner=runner, alert_runner=alerts, stale_after_s=stale_after_s
+            )
+            log.info(report.summary())  # every tick, so an operator sees it is alive
         except Exception:  # keep the loop alive: the next pass retries
-            logging.getLogger(__name__).exception("scheduler tick failed")
+            log.exception("scheduler tick failed")
         time.sleep(interval)
