@@ -27,6 +27,9 @@ MAX_BATCH_TRACES: Final = 1000
 MAX_TRACE_TOKENS: Final = 65536
 #: Largest top-k logged per step.
 MAX_TOP_K: Final = 20
+#: The session secret `.env.example` ships: refused, so a copied example cannot sign sessions
+#: with a key everyone has.
+SESSION_SECRET_PLACEHOLDER: Final = "change-me-to-a-long-random-string"
 
 
 def normalise_database_url(url: str) -> str:
@@ -48,8 +51,19 @@ class Settings(BaseSettings):
     #: so that deployments (or test runs) sharing one Redis never see each other's jobs. The API,
     #: the workers and `rq cron` of one deployment must share it.
     queue_prefix: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9_-]*$")
+    #: The RQ queue of replay targets that name no `device` (`cuda` goes to `gpu`, `cpu` to
+    #: `cpu`). A deployment whose workers are all `replay-audit worker --queue cpu` sets `cpu`,
+    #: or its runs wait on a queue nobody serves.
+    default_queue: Literal["gpu", "cpu"] = "gpu"
     #: Directories searched (one level deep) for checkpoints, matched by weights_sha256.
-    model_dirs: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [BUNDLED_MODEL_DIR])
+    model_dirs: Annotated[list[Path], NoDecode] = Field(
+        default_factory=lambda: [BUNDLED_MODEL_DIR]
+    )
+    #: torch's CPU threads in every process that runs the engine (`serve` and the demo with the
+    #: in-process runner, `worker`, `replay` and `generate` without --threads). Unset: torch's
+    #: default (one per core), except beside the API (the in-process runner), which leaves it
+    #: a core: max(1, cores - 1).
+    torch_threads: int | None = Field(default=None, ge=1)
     max_request_bytes: int = 256 * 1024 * 1024
     #: Seconds before RQ kills a replay job (RQ's own default of 180 s is too short for a GPU).
     job_timeout_s: int = 3600
@@ -86,6 +100,17 @@ class Settings(BaseSettings):
     @classmethod
     def _normalise(cls, v: str) -> str:
         return normalise_database_url(v)
+
+    @field_validator("session_secret")
+    @classmethod
+    def _not_the_placeholder(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and v.get_secret_value().strip() == SESSION_SECRET_PLACEHOLDER:
+            raise ValueError(
+                "still the placeholder of .env.example; set a long random string (python -c "
+                '"import secrets; print(secrets.token_urlsafe(32))") or remove the line to have '
+                "one generated into REPLAY_AUDIT_SESSION_SECRET_FILE (var/session-secret)"
+            )
+        return v
 
     @field_validator("webhook_allowed_hosts", mode="before")
     @classmethod

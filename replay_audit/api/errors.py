@@ -101,7 +101,17 @@ def error_from_validation(errors: Sequence[Any]) -> ReplayAuditError:
         reason = (first.get("ctx") or {}).get("error", "")
         return BadRequest(f"malformed JSON: {reason}".rstrip(": "), field="body")
     field = format_loc(first.get("loc", ()))
-    return FieldError(f"{field}: {first.get('msg', 'invalid value')}", field=field)
+    return FieldError(_message(first, field), field=field)
+
+
+def _message(error: Any, field: str) -> str:
+    """`field: message`, without pydantic's "Value error, " (a validator's own words follow it)
+    and without a bare "body: " before an error of the whole body."""
+    msg = str(error.get("msg", "invalid value"))
+    cause = (error.get("ctx") or {}).get("error")
+    if error.get("type") in ("value_error", "assertion_error") and cause is not None:
+        msg = str(cause)
+    return msg if field == "body" else f"{field}: {msg}"
 
 
 def error_response(error: ReplayAuditError) -> JSONResponse:

@@ -44,7 +44,7 @@ class InProcessScheduler:
         report = run_tick(self.settings, runner=self.runner, alert_runner=self.alerts)
         self.ticks += 1
         if report.started or report.evaluated or report.errors:
-            log.info("audit tick: %s", report)
+            log.info(report.summary())
         return report
 
     def _loop(self) -> None:

@@ -64,6 +64,8 @@ LOW_MARGIN_POOL_MIN: Final = 2_000
 LOW_MARGIN_POOL_MAX: Final = 20_000
 #: The queue of the light audit jobs (ticks, webhook deliveries) under RQ.
 AUDIT_QUEUE: Final = "audit"
+#: Validation context of a stored schedule's JSON (an older release's form is still read).
+STORED: Final = {"stored": True}
 
 
 def idempotency_key(schedule_public_id: str, due_at: datetime) -> str:
@@ -248,7 +250,7 @@ def to_reads(
                 sample_size=s.sample_size,
                 policy=s.policy,
                 seed=s.seed,
-                replay=ScheduleReplay.model_validate(s.replay),
+                replay=ScheduleReplay.model_validate(s.replay, context=STORED),
                 ear_drop_points=s.ear_drop_points,
                 webhook_url=s.webhook_url if reveal_webhook else mask_url(s.webhook_url),
                 active_since=s.active_since,
@@ -345,7 +347,7 @@ def start_audit_run(
     if not chosen:
         run.status, run.evaluated_at = "no_traces", now
         return run, True
-    request = ScheduleReplay.model_validate(schedule.replay).to_request(
+    request = ScheduleReplay.model_validate(schedule.replay, context=STORED).to_request(
         [c.public_id for c in chosen],
         idempotency_key(schedule.public_id, due_at),
         run_name(schedule.name, due_at),

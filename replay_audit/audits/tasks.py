@@ -41,14 +41,25 @@ RECONCILE_STALE_AFTER_S: Final = 900.0
 
 @dataclass
 class TickReport:
-    """What one tick did (an RQ job's result; logged by the in-process scheduler)."""
+    """What one tick did (an RQ job's result; logged by the schedulers, `summary()`)."""
 
+    #: Schedules with a due time to start now (those started before are not counted again).
+    due: int = 0
     started: int = 0
     evaluated: int = 0
     flagged: int = 0
     alerts_enqueued: int = 0
     jobs_reconciled: int = 0
     errors: int = 0
+
+    def summary(self) -> str:
+        """One line for the log: what was due, started, evaluated, flagged, alerted, mended."""
+        return (
+            f"audit tick: {self.due} schedule(s) due, {self.started} run(s) started, "
+            f"{self.evaluated} evaluated ({self.flagged} flagged for drift), "
+            f"{self.alerts_enqueued} alert delivery(ies) enqueued, "
+            f"{self.jobs_reconciled} job(s) reconciled, {self.errors} error(s)"
+        )
 
 
 _alert_runner: InProcessRunner | None = None
@@ -101,6 +112,7 @@ def run_tick(
         schedules = repository.active_schedules(s)
         claimed = repository.latest_scheduled_due(s, [x.id for x in schedules])
         due = [(x.id, service.due_now(x, claimed.get(x.id), now)) for x in schedules]
+    report.due = sum(due_at is not None for _, due_at in due)
     for schedule_id, due_at in due:
         if due_at is None:
             continue
@@ -172,7 +184,7 @@ def tick() -> dict[str, int]:
     settings = get_settings()
     report = run_tick(settings, runner=get_runner(settings), alert_runner=alert_runner(settings))
     if report.started or report.evaluated or report.errors:
-        log.info("audit tick: %s", report)
+        log.info(report.summary())
     return asdict(report)
 
 

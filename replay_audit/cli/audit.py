@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from replay_audit.cli import app
+from replay_audit.cli import CommandGroup, app
 
 if TYPE_CHECKING:
     from replay_audit.audits.models import AuditRun
     from replay_audit.config import Settings
 
-audit_app = typer.Typer(help="Scheduled re-audits: schedules, runs, trends.", no_args_is_help=True)
+audit_app = CommandGroup(help="Scheduled re-audits: schedules, runs, trends.", no_args_is_help=True)
 app.add_typer(audit_app, name="audit")
 
 

@@ -25,6 +25,57 @@ import typer
 from replay_audit.cli import app
 
 PROMPTS_FILE = Path(__file__).resolve().parent.parent / "assets" / "prompts.jsonl"
+#: The demo's admin key, kept (mode 0600) so the next demo reuses it instead of minting another.
+KEY_FILE = Path("var/demo-api-key")
+DEMO_PROJECT = "demo"
+
+
+def external_id(prompt_id: object, max_new_tokens: int) -> str:
+    """The demo's external id of a bundled prompt's trace: prefixed, so the user's own traces of
+    the same prompts (`replay-audit generate` keeps their ids) never collide with the demo's,
+    and naming the length, which changes the trace (a 409 otherwise, in a later demo)."""
+    return f"demo-{max_new_tokens}tok-{prompt_id}"
+
+
+def _demo_key(settings: Any, console: Any) -> str:
+    """The key kept in KEY_FILE while it still opens project 'demo' as admin in this database;
+    else a new one, kept there. Says which, and how many keys the project holds."""
+    from replay_audit.auth.repository import get_project
+    from replay_audit.auth.service import authenticate, create_api_key, list_api_keys
+    from replay_audit.db.unit_of_work import session_scope
+    from replay_audit.exceptions import NotAuthenticated
+
+    with session_scope(settings.database_url) as session:
+        key = KEY_FILE.read_text().strip() if KEY_FILE.is_file() else None
+        if key is not None:
+            try:
+                who = authenticate(session, key)
+                if (who.project, who.role.value) != (DEMO_PROJECT, "admin"):
+                    key = None
+            except NotAuthenticated:  # another database's key, or revoked
+                key = None
+        reused = key is not None
+        if key is None:
+            key = create_api_key(session, DEMO_PROJECT, "admin", name="replay-audit demo").key
+        project = get_project(session, DEMO_PROJECT)
+        assert project is not None  # it holds the key
+        active = sum(k.revoked_at is None for k in list_api_keys(session, project.id))
+    if not reused:
+        KEY_FILE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = KEY_FILE.with_suffix(".tmp")
+        tmp.write_text(key + "\n")
+        tmp.chmod(0o600)
+        tmp.replace(KEY_FILE)
+    # At once: an interrupted demo must not leave the user with a key nobody ever saw.
+    how = f"reused from {KEY_FILE}" if reused else f"new; kept in {KEY_FILE} for the next demo"
+    console.print(f"admin API key of project 'demo' ({how}): {key}", soft_wrap=True)
+    if active > 1:
+        console.print(
+            f"project 'demo' holds {active} active keys; revoke those you no longer use "
+            "(GET /v1/keys, DELETE /v1/keys/{id})",
+            soft_wrap=True,
+        )
+    return key
 
 
 @contextlib.contextmanager
@@ -136,25 +187,22 @@ def demo(
         Path | None, typer.Option(help="Also write the key and both runs as JSON.")
     ] = None,
 ) -> None:
-    """Generate BF16 traces with the bundled model, ingest them over HTTP, replay them in FP16
+    """The product end to end: BF16 traces of the bundled model replayed in FP16, C or not.
+
+    Generate BF16 traces with the bundled model, ingest them over HTTP, replay them in FP16
     with and without Intervention C (against the logged tokens, and both arms run here), and
     print what the API reports."""
     import httpx
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from replay_audit.auth.service import create_api_key
     from replay_audit.cli.database import ready_database
     from replay_audit.config import BUNDLED_MODEL_DIR, get_settings
-    from replay_audit.db.unit_of_work import session_scope
 
     console = Console()
     settings = get_settings()
     ready_database(settings, migrate=True)
-    with session_scope(settings.database_url) as session:
-        key = create_api_key(session, "demo", "admin", name="replay-audit demo").key
-    # At once: an interrupted demo must not leave the user with a key nobody ever saw.
-    console.print(f"admin API key of project 'demo' (shown once): {key}", soft_wrap=True)
+    key = _demo_key(settings, console)
     with _serving(settings, port) as (thread, base):
         console.print(
             f"[bold]API[/] {base}  (database {settings.database_url}, runner {settings.runner})"
@@ -167,7 +215,9 @@ def demo(
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # one bar per checkpoint load would drown the demo's own
 
         lines = PROMPTS_FILE.read_text().splitlines()[:prompts]
-        items = [(d.get("id"), d["prompt"]) for d in map(json.loads, lines)]
+        items = [
+            (external_id(d.get("id"), max_new_tokens), d["prompt"]) for d in map(json.loads, lines)
+        ]
         traces: list[dict[str, Any]] = []
         bar = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
         with Progress(*bar, console=console) as progress:
@@ -180,6 +230,8 @@ def demo(
                 device="cpu",
                 tags=["demo", "production"],
                 model_name="tiny-llama",
+                threads=settings.torch_threads,
+                leave_free=1,  # the API serves beside it
             ):
                 traces.append(trace)
                 progress.advance(task)
@@ -187,6 +239,10 @@ def demo(
         with httpx.Client(base_url=base, headers={"X-API-Key": key}, timeout=60) as client:
             r = client.post("/v1/traces:batch", json={"traces": traces})
             r.raise_for_status()
+            refused = [item for item in r.json()["results"] if item.get("error")]
+            if refused:
+                console.print(f"error: the API refused {len(refused)} traces: {refused[0]}")
+                raise typer.Exit(2)
             ids = [item["id"] for item in r.json()["results"]]
             console.print(
                 f"ingested {len(ids)} traces over HTTP (POST /v1/traces:batch: {r.status_code})"
@@ -217,10 +273,16 @@ def demo(
             console, finished["logged"], "BF16-logged traces replayed (arm A: logged tokens)"
         )
         _print_run(console, finished["both_arms"], "Both arms run here (the paper's protocol)")
+        runs = f"/ui/runs/{run_ids['logged']} and /ui/runs/{run_ids['both_arms']}"
+        if keep_serving:
+            where = f"{base} (serving until Ctrl-C)"
+        else:
+            # This API stops with the demo: the URLs are those of `replay-audit serve`.
+            where = "http://127.0.0.1:8000 once `replay-audit serve` runs (this API has stopped)"
         console.print(
-            f"results: {base}/v1/replays/<id>/results  (X-API-Key: {key})\n"
-            f"browse: `replay-audit serve`, sign in at /ui with that key, then "
-            f"/ui/runs/{run_ids['logged']} and /ui/runs/{run_ids['both_arms']}; API docs at /docs"
+            f"browse at {where}: sign in at /ui with the key above, then {runs}; "
+            f"results at /v1/replays/<id>/results (X-API-Key), API docs at /docs",
+            soft_wrap=True,
         )
         if json_out is not None:
             json_out.write_text(json.dumps({"api_key": key, "runs": finished}, indent=2))

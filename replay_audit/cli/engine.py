@@ -31,11 +31,13 @@ def _choice(value: str | None, allowed: tuple[str, ...], option: str) -> None:
         _fail(f"{option} must be one of {', '.join(allowed)}; got {value!r}")
 
 
-def _set_threads(threads: int | None) -> None:
+def _threads(threads: int | None) -> int | None:
+    """--threads, else the setting REPLAY_AUDIT_TORCH_THREADS (None: torch's default)."""
     if threads is not None:
-        import torch
+        return threads
+    from replay_audit.config import get_settings
 
-        torch.set_num_threads(threads)
+    return get_settings().torch_threads
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -95,23 +97,37 @@ def generate(
     tag: Annotated[list[str] | None, typer.Option(help="Tag for every trace (repeatable).")] = None,
     limit: Annotated[int | None, typer.Option(min=1, help="Only the first N prompts.")] = None,
     model_name: Annotated[str | None, typer.Option(help="model.name (default: dir name).")] = None,
-    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(min=1, help="torch CPU threads (default: REPLAY_AUDIT_TORCH_THREADS)."),
+    ] = None,
 ) -> None:
     """Log greedy generations with transformers' own generate(), as POST /v1/traces JSON."""
+    from replay_audit.engine.hashing import NoWeightsError, safetensors_files
+
     _choice(dtype, _DTYPES, "--dtype")
-    rows = [row for _, row in _read_jsonl(prompts)]
-    for i, row in enumerate(rows):
+    try:
+        safetensors_files(model)  # a typo fails here, not as a hub error after torch loads
+    except NoWeightsError as e:
+        _fail(e.message)
+    rows = []
+    for n, row in _read_jsonl(prompts):
         if not isinstance(row.get("prompt"), str):
-            _fail(f"{prompts}: prompt {i + 1} has no string 'prompt' field")
+            _fail(f"{prompts}:{n}: prompt: a string is required")
+        rows.append(row)
     rows = rows[:limit] if limit else rows
-    _set_threads(threads)
     from replay_audit.engine.generate import TraceGenerator
     from replay_audit.exceptions import ReplayAuditError
     from replay_audit.traces.schemas import TraceCreate
 
     try:
         gen = TraceGenerator(
-            model, dtype=dtype, attn_kernel=attn_kernel, device=device, model_name=model_name
+            model,
+            dtype=dtype,
+            attn_kernel=attn_kernel,
+            device=device,
+            model_name=model_name,
+            threads=_threads(threads),
         )
     except ReplayAuditError as e:
         _fail(e.message)
@@ -166,18 +182,37 @@ def replay(
         ),
     ] = None,
     summary_json: Annotated[Path | None, typer.Option(help="Also write the summary here.")] = None,
-    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(min=1, help="torch CPU threads (default: REPLAY_AUDIT_TORCH_THREADS)."),
+    ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            help="Keep the results already in --out and replay only the traces missing there "
+            "(after a Ctrl-C). Without it, --out is overwritten."
+        ),
+    ] = False,
 ) -> None:
-    """Replay each trace in the target configuration and diff it with the logged output."""
+    """Replay each trace in the target configuration and diff it with the logged output.
+
+    Ctrl-C stops after the trace being replayed: the results so far stay in --out, their
+    summary is printed (and written to --summary-json), and --resume goes on from there."""
     from pydantic import ValidationError
 
+    from replay_audit.cli.shutdown import signals_deferred
     from replay_audit.engine import EnginePool, Intervention, Target
     from replay_audit.engine.hashing import NoWeightsError
     from replay_audit.exceptions import ReplayAuditError
     from replay_audit.replays.domain import Comparison, LoggedTrace, RunTarget, comparison_label
     from replay_audit.replays.models import ReplayResult
-    from replay_audit.replays.replayer import replay_trace
-    from replay_audit.replays.results import figures, result_read, result_values
+    from replay_audit.replays.replayer import check_replayable, replay_trace
+    from replay_audit.replays.results import (
+        figures,
+        figures_from_json,
+        result_read,
+        result_values,
+    )
     from replay_audit.stats.report import ComparisonInput, run_statistics
     from replay_audit.traces.schemas import TraceCreate
 
@@ -196,73 +231,139 @@ def replay(
     )
     target = Target(dtype, lm_head_dtype, attn_kernel, batch_size, iv)
 
-    parsed: list[TraceCreate] = []
+    # Every line is checked before the checkpoint is hashed or loaded; an error names it.
+    parsed: list[tuple[int, TraceCreate, LoggedTrace]] = []
     for n, row in _read_jsonl(traces):
         try:
-            parsed.append(TraceCreate.model_validate(row))
+            tr = TraceCreate.model_validate(row)
         except ValidationError as e:
             err = e.errors()[0]
             where = ".".join(str(x) for x in err["loc"])
             _fail(f"{traces}:{n}: not a valid trace: {where}: {err['msg']}")
+        logged = LoggedTrace.from_json(tr.model_dump())
+        try:
+            check_replayable(logged)
+        except ReplayAuditError as e:
+            _fail(f"{traces}:{n}: {e.field}: {e.message}")
+        parsed.append((n, tr, logged))
     if not parsed:
         _fail(f"{traces} holds no trace")
-    pool = EnginePool(device=device, cache=kv_cache)  # type: ignore[arg-type]
+    pool = EnginePool(device=device, cache=kv_cache, threads=_threads(threads))  # type: ignore[arg-type]
     try:
         sha = pool.weights_sha256(model)
     except NoWeightsError as e:
         _fail(e.message)
-    for tr in parsed:
+    for n, tr, _ in parsed:
         if tr.model.weights_sha256 != sha:
             _fail(
-                f"checkpoint {model} has weights_sha256 {sha}, but trace "
-                f"{tr.external_id or '(no external_id)'} was logged with "
+                f"{traces}:{n}: model.weights_sha256: checkpoint {model} has weights_sha256 "
+                f"{sha}, but trace {tr.external_id or '(no external_id)'} was logged with "
                 f"{tr.model.weights_sha256}: refusing to replay it against other weights"
             )
 
-    _set_threads(threads)
-    rows: list[Any] = []
-    with out.open("w", encoding="utf-8") as f, _progress() as bar:
-        task = bar.add_task(f"replay in {dtype}", total=len(parsed))
-        for i, tr in enumerate(parsed):
-            try:
-                r = replay_trace(
-                    LoggedTrace.from_json(tr.model_dump()),
-                    target,
-                    pool,
-                    model_dir=model,
-                    mode=mode,  # type: ignore[arg-type]
-                    top_k=top_k,
-                    extractor=extractor,
-                    check_weights=False,
-                )
-            except ReplayAuditError as e:
-                _fail(e.message)
-            # The same mappings as a stored result: the row, then the API's view of it.
-            stored = ReplayResult(trace_id=i, **result_values(0, r))
-            name = tr.external_id or f"line {i + 1}"
-            read = result_read(stored, name, "offline")
-            line = read.model_dump(mode="json", exclude={"run_id", "created_at", "detail"})
-            # Deprecated: the top-level keys of earlier releases' output (see docs/engine.md).
-            legacy = {
-                "external_id": tr.external_id,
-                "steps": read.arms.b.steps if read.arms else None,
-            }
-            line = {**read.detail, **legacy, **line}
-            f.write(json.dumps(line, allow_nan=False) + "\n")
-            rows.append(figures(stored, name, tr.external_id))
-            bar.advance(task)
-    # One comparison, T0 against the logged tokens, labelled as a run's would be.
-    label = comparison_label(Comparison(0, "logged", 0), [RunTarget(target)])
-    stats = run_statistics("offline", [ComparisonInput(0, "logged", 0, label, False, rows)])
-    summary = {
-        **stats.comparisons[0].model_dump(mode="json"),
-        "target": target.to_dict(),
-        "mode": mode,
-    }
-    _print_summary(summary)
-    if summary_json is not None:
-        summary_json.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    names = [tr.external_id or f"line {n}" for n, tr, _ in parsed]
+    done: dict[str, dict[str, Any]] = {}
+    if resume:
+        done = _results_written(out, names, target, mode)
+    rows = [
+        figures_from_json(done[name], i, tr.external_id)
+        for i, (name, (_, tr, _)) in enumerate(zip(names, parsed, strict=True))
+        if name in done
+    ]
+    interrupted = False
+    with out.open("a" if resume else "w", encoding="utf-8") as f, _progress() as bar:
+        task = bar.add_task(f"replay in {dtype}", total=len(parsed), completed=len(rows))
+        try:
+            for i, (n, tr, logged) in enumerate(parsed):
+                name = names[i]
+                if name in done:
+                    continue
+                try:
+                    r = replay_trace(
+                        logged,
+                        target,
+                        pool,
+                        model_dir=model,
+                        mode=mode,  # type: ignore[arg-type]
+                        top_k=top_k,
+                        extractor=extractor,
+                        check_weights=False,
+                    )
+                except ReplayAuditError as e:
+                    _fail(f"{traces}:{n}: " + (f"{e.field}: " if e.field else "") + e.message)
+                # The same mappings as a stored result: the row, then the API's view of it.
+                stored = ReplayResult(trace_id=i, **result_values(0, r))
+                read = result_read(stored, name, "offline")
+                line = read.model_dump(mode="json", exclude={"run_id", "created_at", "detail"})
+                # Deprecated: the top-level keys of earlier releases' output (docs/engine.md).
+                legacy = {
+                    "external_id": tr.external_id,
+                    "steps": read.arms.b.steps if read.arms else None,
+                }
+                line = {**read.detail, **legacy, **line}
+                text = json.dumps(line, allow_nan=False) + "\n"
+                with signals_deferred():  # a Ctrl-C lands after the line and its count
+                    f.write(text)
+                    f.flush()
+                    rows.append(figures(stored, name, tr.external_id))
+                bar.advance(task)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (cli/shutdown.py): say what was done
+            interrupted = True
+    if rows:
+        rows.sort(key=lambda x: x.trace_id)
+        # One comparison, T0 against the logged tokens, labelled as a run's would be.
+        label = comparison_label(Comparison(0, "logged", 0), [RunTarget(target)])
+        stats = run_statistics("offline", [ComparisonInput(0, "logged", 0, label, False, rows)])
+        summary = {
+            **stats.comparisons[0].model_dump(mode="json"),
+            "target": target.to_dict(),
+            "mode": mode,
+            "traces": len(parsed),
+            "interrupted": interrupted,
+        }
+        _print_summary(summary)
+        if summary_json is not None:
+            summary_json.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    if interrupted:
+        typer.secho(
+            f"interrupted: {len(rows)} results written to {out} ({len(parsed) - len(rows)} "
+            f"of {len(parsed)} traces left; run again with --resume to replay them)",
+            err=True,
+            fg=typer.colors.YELLOW,
+        )
+        raise typer.Exit(130)
     typer.echo(f"wrote {len(rows)} results to {out}")
+
+
+def _results_written(
+    out: Path, names: list[str], target: Any, mode: str
+) -> dict[str, dict[str, Any]]:
+    """`--resume`: the results an earlier run wrote to `out`, by trace name (external_id, or
+    `line N`). Refuses a file of another target or mode, or of traces not in the input (its
+    statistics would mix them); a last line cut short (the process killed mid-write) is
+    dropped, and its trace replayed again."""
+    if not out.exists():
+        return {}
+    if len(set(names)) != len(names):
+        dup = sorted({x for x in names if names.count(x) > 1})
+        _fail(f"--resume needs one trace per external_id; repeated: {', '.join(dup[:5])}")
+    text = out.read_text(encoding="utf-8")
+    if text and not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]
+        out.write_text(text, encoding="utf-8")
+    want = {k: target.to_dict()[k] for k in ("dtype", "lm_head_dtype", "intervention")}
+    done: dict[str, dict[str, Any]] = {}
+    for n, row in _read_jsonl(out):
+        got = {k: (row.get("target") or {}).get(k) for k in want}
+        if got != want or row.get("mode") != mode:
+            _fail(
+                f"{out}:{n}: a result of another target or mode ({got}, {row.get('mode')}); "
+                "--resume takes the options of the run it resumes (or give another --out)"
+            )
+        if row.get("trace_id") not in names:
+            _fail(f"{out}:{n}: trace {row.get('trace_id')!r} is not in the traces given")
+        done[str(row["trace_id"])] = row
+    return done
 
 
 def _fmt(x: Any, spec: str = "") -> str:

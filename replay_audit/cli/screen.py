@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from replay_audit.cli import app
-from replay_audit.cli.engine import _fail, _progress, _read_jsonl, _set_threads
+from replay_audit.cli.engine import _fail, _progress, _read_jsonl, _threads
 
 
 def _knobs(values: list[str] | None) -> list[str]:
@@ -81,7 +81,9 @@ def screen(
         sha = weights_sha256(model)
     except NoWeightsError as e:
         _fail(e.message)
-    _set_threads(threads)
+    from replay_audit.engine.loading import set_torch_threads
+
+    set_torch_threads(_threads(threads))
     try:
         platform = probe(device)
         ref = ScreenConfig(reference_dtype or checkpoint_dtype(model))

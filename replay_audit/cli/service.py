@@ -7,10 +7,10 @@ from typing import Annotated, Any
 
 import typer
 
-from replay_audit.cli import app
+from replay_audit.cli import CommandGroup, app
 
-db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
-keys_app = typer.Typer(help="API keys.", no_args_is_help=True)
+db_app = CommandGroup(help="Database migrations.", no_args_is_help=True)
+keys_app = CommandGroup(help="API keys.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
 

@@ -110,3 +110,14 @@ def stopping_threads_on_exit() -> Iterator[None]:
             os._exit(code if isinstance(code, int) else 1)
     if received:
         raise SystemExit(code)
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM held back while the block runs (delivered, and so `Interrupted`
+    raised, right after it): a result line and its count are written together or not at all."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)

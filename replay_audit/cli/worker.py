@@ -15,7 +15,14 @@ from replay_audit.formats import CACHE_KINDS
 @app.command()
 def worker(
     queue: Annotated[
-        list[str], typer.Option("--queue", "-q", help="Queue(s) to serve: gpu, cpu.")
+        list[str],
+        typer.Option(
+            "--queue",
+            "-q",
+            help="Queue(s) to serve: gpu, cpu. Targets with device cuda go to gpu, cpu to cpu, "
+            "and those naming no device to REPLAY_AUDIT_DEFAULT_QUEUE (gpu unless set): on a "
+            "deployment with CPU workers only, set it to cpu.",
+        ),
     ] = ["gpu"],  # noqa: B006 (typer reads the default, never mutates it)
     burst: Annotated[bool, typer.Option(help="Exit when the queues are empty.")] = False,
     device: Annotated[
@@ -51,8 +58,23 @@ def worker(
         raise typer.BadParameter(", ".join(CACHE_KINDS), param_hint="--kv-cache")
     ready_database(settings)  # every job opens it: an unusable one fails here, once
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    pool = EnginePool(max_engines=MAX_ENGINES, device=device, cache=kv_cache)
+    pool = EnginePool(
+        max_engines=MAX_ENGINES,
+        device=device,
+        cache=kv_cache,
+        threads=settings.torch_threads,
+    )
     install_worker_context(WorkerContext(settings, pool))
+    if settings.default_queue not in queue:
+        # Said once, where a CPU-only deployment looks: its runs would wait on `gpu` forever.
+        logging.getLogger(__name__).warning(
+            "replay targets that name no device go to the %r queue "
+            "(REPLAY_AUDIT_DEFAULT_QUEUE), which this worker does not serve (--queue %s); "
+            "on a deployment without GPU workers set REPLAY_AUDIT_DEFAULT_QUEUE=%s for the API",
+            settings.default_queue,
+            " --queue ".join(queue),
+            queue[0],
+        )
     connection = Redis.from_url(settings.redis_url)
     queues = [Queue(rq_name(settings, q), connection=connection) for q in queue]
     w = SimpleWorker(queues, connection=connection, name=name)
@@ -66,9 +88,11 @@ def reconcile(
         float, typer.Option(help="A running job silent this long is presumed dead.")
     ] = 900.0,
 ) -> None:
-    """Re-enqueue replay jobs the database says are unfinished but no runner holds
-    (after a Redis flush, or a worker killed mid-job). With the embedded in-process runner the
-    jobs run in this process, and the command waits for them (Ctrl-C stops them cleanly)."""
+    """Re-enqueue unfinished replay jobs that no runner holds.
+
+    The database says they are unfinished, but no runner holds them (after a Redis flush, or a
+    worker killed mid-job). With the embedded in-process runner the jobs run in this process,
+    and the command waits for them (Ctrl-C stops them cleanly)."""
     from replay_audit.cli.database import ready_database
     from replay_audit.config import get_settings
     from replay_audit.db.unit_of_work import session_scope
@@ -101,12 +125,14 @@ def scheduler(
     ] = None,
     stale_after_s: Annotated[float, typer.Option()] = 900.0,
 ) -> None:
-    """The scheduler as a plain loop, for deployments without `rq cron`: every tick it starts
-    due audit runs, evaluates finished ones, delivers alerts and reconciles the queue with the
-    database (production runs `rq cron replay_audit.audits.cron_config` instead; running both
-    is harmless, the database's unique keys decide)."""
+    """The audit scheduler as a plain loop, for deployments without `rq cron`.
+
+    Every tick it starts due audit runs, evaluates finished ones, delivers alerts and
+    reconciles the queue with the database (production runs `rq cron
+    replay_audit.audits.cron_config` instead; running both is harmless, the database's unique
+    keys decide)."""
     from replay_audit.audits.tasks import alert_runner, run_tick
-    from replay_audit.cli.database import ready_database
+    from replay_audit.cli.database import ready_database, shown_url
     from replay_audit.config import get_settings
     from replay_audit.queue import get_runner
 
@@ -116,9 +142,15 @@ def scheduler(
     runner = get_runner(settings)
     alerts = alert_runner(settings)
     interval = settings.audit_tick_interval_s if interval_s is None else interval_s
+    log = logging.getLogger("replay_audit.scheduler")
+    url = settings.database_url
+    log.info("audit scheduler: a tick every %g s (database %s)", interval, shown_url(url))
     while True:
         try:
-            run_tick(settings, runner=runner, alert_runner=alerts, stale_after_s=stale_after_s)
+            report = run_tick(
+                settings, runner=runner, alert_runner=alerts, stale_after_s=stale_after_s
+            )
+            log.info(report.summary())  # every tick, so an operator sees it is alive
         except Exception:  # keep the loop alive: the next pass retries
-            logging.getLogger(__name__).exception("scheduler tick failed")
+            log.exception("scheduler tick failed")
         time.sleep(interval)

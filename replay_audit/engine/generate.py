@@ -22,6 +22,7 @@ from replay_audit.engine.loading import (
     load_model,
     numerical_environment,
     resolve_device,
+    set_torch_threads,
 )
 from replay_audit.engine.pieces import PieceReader
 from replay_audit.exceptions import EngineError
@@ -67,17 +68,23 @@ class TraceGenerator:
         model_name: str | None = None,
         deterministic: bool = True,
         tf32: bool = False,
+        threads: int | None = None,
+        leave_free: int = 0,
     ) -> None:
+        """`threads`, `leave_free`: torch's CPU threads (`loading.set_torch_threads`), set here
+        for the thread that builds the generator and generates."""
         self.model_dir = Path(model_dir)
         configure_numerics(deterministic=deterministic, tf32=tf32)
+        set_torch_threads(threads, leave_free=leave_free)
         self.device = resolve_device(device)
         self.dtype = dtype
+        # Hashed first: a path that is no checkpoint fails before a model loads.
+        self.weights_sha256 = weights_sha256(self.model_dir)
         self.model, self.tokenizer = load_model(self.model_dir, dtype, attn_kernel, self.device)
         if self.tokenizer is None:
             raise EngineError(f"{self.model_dir} has no tokenizer: cannot encode prompts")
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.pieces = PieceReader(self.tokenizer)
-        self.weights_sha256 = weights_sha256(self.model_dir)
         self.model_name = model_name or self.model_dir.name
         self.config = self._config()
 
@@ -182,10 +189,18 @@ def generate_traces(
     device: str | None = None,
     tags: Sequence[str] = (),
     model_name: str | None = None,
+    threads: int | None = None,
+    leave_free: int = 0,
 ) -> Iterator[dict[str, Any]]:
     """Traces of greedy generations, one per (prompt id, prompt text), as `TraceCreate` JSON."""
     gen = TraceGenerator(
-        model_dir, dtype=dtype, attn_kernel=attn_kernel, device=device, model_name=model_name
+        model_dir,
+        dtype=dtype,
+        attn_kernel=attn_kernel,
+        device=device,
+        model_name=model_name,
+        threads=threads,
+        leave_free=leave_free,
     )
     for pid, text in prompts:
         yield gen.trace(

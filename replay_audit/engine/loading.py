@@ -33,6 +33,30 @@ def resolve_device(device: str | None) -> torch.device:
     return d
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks (macOS)
+        return os.cpu_count() or 1
+
+
+def set_torch_threads(threads: int | None = None, *, leave_free: int = 0) -> int:
+    """Set torch's CPU (intra-op) threads: the one place the product sets them (the setting
+    REPLAY_AUDIT_TORCH_THREADS and the CLI's --threads arrive here).
+
+    `threads` given: that many. None: the usable cores less `leave_free`, at least one (the
+    in-process runner leaves a core to the API it runs beside), or, with nothing to leave free,
+    torch's own default. OpenMP keeps the count per thread (threads started later inherit it),
+    so every thread that runs the engine calls this itself. Returns the count in use.
+    """
+    if threads is None and leave_free > 0:
+        threads = max(1, usable_cores() - leave_free)
+    if threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
 def configure_numerics(*, deterministic: bool, tf32: bool) -> None:
     """Set torch's process-wide numerical flags explicitly (never at import time).
 
@@ -171,6 +195,10 @@ def load_model(
 
     if dtype not in TORCH_DTYPES:
         raise UnsupportedFormat(f"body dtype must be one of {tuple(TORCH_DTYPES)}, got {dtype!r}")
+    if not Path(model_dir).is_dir():
+        # Not a local checkpoint: transformers would take the path for a hub repo id and answer
+        # with an error about repo ids.
+        raise EngineError(f"{model_dir} is not a directory")
     stored = weight_dtype or dtype
     if stored not in TORCH_DTYPES:
         raise UnsupportedFormat(

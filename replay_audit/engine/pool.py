@@ -24,7 +24,9 @@ class EnginePool:
 
     Without a `loader`, engines come from `replay_audit.engine.load_engine(dir, target,
     device=device, cache=cache, max_cache_len=max_cache_len)`. `max_engines` bounds how many
-    stay loaded (least recently used goes first); None keeps all.
+    stay loaded (least recently used goes first); None keeps all. `threads` and `leave_free`
+    set torch's CPU threads in each thread that takes an engine (`engine.loading.
+    set_torch_threads`: None and 0 leave torch's default).
     Thread-safe: the in-process job runner calls it from threads.
     """
 
@@ -36,8 +38,12 @@ class EnginePool:
         device: str | None = None,
         cache: CacheKind | None = None,
         max_cache_len: int = 4096,
+        threads: int | None = None,
+        leave_free: int = 0,
     ) -> None:
         self._loader = loader
+        self._threads = threads
+        self._leave_free = leave_free
         self._device = device
         self._cache = cache
         self._max_cache_len = max_cache_len
@@ -50,6 +56,10 @@ class EnginePool:
         """The engine for this checkpoint in this numerical configuration (loaded once)."""
         d = Path(model_dir).resolve()
         key: _PoolKey = (str(d), target.format_key())
+        if self._loader is None and (self._threads is not None or self._leave_free):
+            from replay_audit.engine.loading import set_torch_threads
+
+            set_torch_threads(self._threads, leave_free=self._leave_free)  # for this thread
         with self._lock:
             engine = self._engines.get(key)
             if engine is None:

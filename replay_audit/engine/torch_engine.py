@@ -174,7 +174,7 @@ class TorchEngine:
             batch_size=t.batch_size,
             engine_name="replay-audit",
             engine_version=replay_audit.__version__,
-            extras=self._extras(),
+            extras={**self._extras(), "torch_threads": torch.get_num_threads()},
         )
 
     @torch.inference_mode()

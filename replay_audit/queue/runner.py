@@ -299,6 +299,8 @@ class JobQueue:
     runner: Runner
     job_timeout_s: int
     capabilities: Capabilities
+    #: The queue of targets that name no device (`Settings.default_queue`).
+    default_queue: str = "gpu"
 
     def check(self) -> None:
         """`QueueUnavailable` when the queue cannot take work now (before anything is stored)."""
@@ -326,6 +328,7 @@ def build_job_queue(settings: Settings, runner: Runner | None = None) -> JobQueu
             runner=settings.runner,
             cuda=settings.runner == "inprocess" and _has_cuda_device(),
         ),
+        default_queue=settings.default_queue,
     )
 
 

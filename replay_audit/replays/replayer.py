@@ -108,14 +108,20 @@ def _load(
         )
 
 
-def _check_trace(
-    trace: LoggedTrace, pool: EnginePool, model_dir: Path, check_weights: bool
-) -> None:
+def check_replayable(trace: LoggedTrace) -> None:
+    """Refuse, before any model loads, a trace no target can replay (`BadRequest` naming the
+    field): only greedy generations replay."""
     if not trace.greedy:
         raise BadRequest(
             f"only greedy traces can be replayed; this one is {trace.strategy!r}",
             field="decoding.strategy",
         )
+
+
+def _check_trace(
+    trace: LoggedTrace, pool: EnginePool, model_dir: Path, check_weights: bool
+) -> None:
+    check_replayable(trace)
     if check_weights:
         sha = pool.weights_sha256(model_dir)
         if sha != trace.weights_sha256:

@@ -3,6 +3,7 @@
     ReplayOutcome (domain)  --result_values-->  replay_results row (columns + detail JSON)
     replay_results row      --result_read---->  ReplayResultRead (API, export, UI, CLI output)
     replay_results row      --figures-------->  ResultFigures (the statistics builder's input)
+    result JSON             --figures_from_json-> ResultFigures (`replay --resume` reading its file)
 
 The CLI, which stores nothing, builds the same row object in memory (`ReplayResult(**values)`)
 and goes through the same two mappings, so its output file and summary say what the API would.
@@ -343,4 +344,37 @@ def figures(row: Any, trace_public_id: str, external_id: str | None) -> ResultFi
         answer_extractor=row.answer_extractor,
         answer_a=row.answer_a,
         answer_b=row.answer_b,
+    )
+
+
+def figures_from_json(
+    data: Mapping[str, Any], trace_id: int, external_id: str | None
+) -> ResultFigures:
+    """The statistics' view of a result in its API JSON form (`result_json`, as `replay --out`
+    writes it): how `replay --resume` counts the results an earlier run wrote."""
+    margins = data.get("margin_at_divergence") or {}
+    arms = data.get("arms") or {}
+    a, b = arms.get("a") or {}, arms.get("b") or {}
+    semantic = data.get("semantic") or {}
+    return ResultFigures(
+        trace_id=trace_id,
+        trace_public_id=str(data["trace_id"]),
+        external_id=external_id,
+        status=str(data["status"]),
+        exact_match=data.get("exact_match"),
+        first_divergence_step=data.get("first_divergence_step"),
+        category=data.get("category"),
+        margin_a=(margins.get("a") or {}).get("abs"),
+        margin_a_ulps=(margins.get("a") or {}).get("ulps"),
+        margin_b=(margins.get("b") or {}).get("abs"),
+        margin_b_ulps=(margins.get("b") or {}).get("ulps"),
+        gate_triggers=data.get("gate_triggers"),
+        n_steps=b.get("steps"),
+        mean_gap=data.get("mean_gap"),
+        gate_triggers_a=a.get("gate_triggers"),
+        n_steps_a=a.get("steps"),
+        length_difference=data.get("length_difference"),
+        answer_extractor=semantic.get("extractor"),
+        answer_a=semantic.get("answer_a"),
+        answer_b=semantic.get("answer_b"),
     )

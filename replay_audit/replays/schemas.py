@@ -25,6 +25,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     computed_field,
     model_validator,
 )
@@ -55,16 +56,35 @@ class _Frozen(BaseModel):
 
 
 class InterventionSpec(InputModel):
+    """The gate is `tau` or `tau_ulps`, never both (a 422 naming them, as the CLI refuses
+    `--tau` with `--tau-ulps`); neither: the paper's absolute 1e-3."""
+
     kind: Literal["none", "A", "B", "C"] = "none"
-    #: Absolute gate threshold on the top-two margin (paper default 1e-3). 0 = ungated.
-    tau: float = Field(default=DEFAULT_TAU, allow_inf_nan=False)
+    #: Absolute gate threshold on the top-two margin (null: the paper's 1e-3, unless tau_ulps).
+    #: 0 = ungated.
+    tau: float | None = Field(default=None, allow_inf_nan=False)
     #: Format-scaled gate: τ = tau_ulps ulps of the arm's lm_head format at the top-1 logit.
     tau_ulps: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     #: Intervention B: how many top rows to recompute in FP32.
     top_k: int = Field(default=DEFAULT_B_TOP_K, ge=1, le=1_000_000)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_gate(cls, data: Any, info: ValidationInfo) -> Any:
+        both = isinstance(data, dict) and None not in (data.get("tau"), data.get("tau_ulps"))
+        if both and (info.context or {}).get("stored"):
+            # Written before both were refused, with the default tau beside tau_ulps, which is
+            # the one that was used.
+            return {k: v for k, v in data.items() if k != "tau"}
+        if both:
+            raise ValueError(
+                "give tau (an absolute margin) or tau_ulps (ulps of the lm_head format), not both"
+            )
+        return data
+
     def to_domain(self) -> Intervention:
-        return Intervention(kind=self.kind, tau=self.tau, tau_ulps=self.tau_ulps, top_k=self.top_k)
+        tau = DEFAULT_TAU if self.tau is None else self.tau
+        return Intervention(kind=self.kind, tau=tau, tau_ulps=self.tau_ulps, top_k=self.top_k)
 
 
 class TargetSpec(InputModel):

@@ -106,9 +106,15 @@ def _with_engine_check(
     return targets, comparisons
 
 
-def _queue(targets: Sequence[RunTarget]) -> str:
-    devices = {t.device for t in targets if not t.is_self}
-    return "cpu" if devices == {"cpu"} else "gpu"
+def _queue(targets: Sequence[RunTarget], default: str) -> str:
+    """`cpu` when every target runs on the CPU (`device: cpu`, or no device where the
+    deployment's default queue is `cpu`), else `gpu`."""
+    queues = {
+        {"cpu": "cpu", "cuda": "gpu"}.get(t.device or "", default)
+        for t in targets
+        if not t.is_self
+    }
+    return "cpu" if queues == {"cpu"} or (not queues and default == "cpu") else "gpu"
 
 
 def create_replay(
@@ -151,7 +157,7 @@ def create_replay(
         _comparisons(request, len(targets)),
         bool(repository.traces_of_other_engines(session, ids)),
     )
-    queue_name = _queue(targets)
+    queue_name = _queue(targets, queue.default_queue)
     chunks = [(queue_name, ids[i : i + TRACES_PER_JOB]) for i in range(0, len(ids), TRACES_PER_JOB)]
     run = ReplayRun(
         public_id=new_public_id("rr"),

@@ -68,7 +68,15 @@ def worker_context() -> WorkerContext:
     global _context
     with _context_lock:
         if _context is None:
-            _context = WorkerContext(Settings(), EnginePool(max_engines=MAX_ENGINES))
+            settings = Settings()
+            # The in-process runner replays beside the API it runs in: it leaves it a core.
+            beside_api = settings.runner == "inprocess"
+            pool = EnginePool(
+                max_engines=MAX_ENGINES,
+                threads=settings.torch_threads,
+                leave_free=1 if beside_api else 0,
+            )
+            _context = WorkerContext(settings, pool)
         return _context
 
 

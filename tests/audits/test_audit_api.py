@@ -186,10 +186,13 @@ def test_tick_starts_each_due_time_exactly_once(
     ids = ingest(client, h, [logged_trace(p) for p in PROMPTS[:10]])
     set_created_at(db_url, ids, utc(2030, 1, 14, 12))
 
-    assert tick(utc(2030, 1, 15, 1, 59)).started == 1  # 14 Jan 02:00 is due (empty window)
+    first = tick(utc(2030, 1, 15, 1, 59))  # 14 Jan 02:00 is due (empty window)
+    assert (first.due, first.started) == (1, 1)
+    assert "1 schedule(s) due, 1 run(s) started" in first.summary()
     assert tick(utc(2030, 1, 15, 2, 0, 1)).started == 1  # 15 Jan 02:00: the traces' night
     for later in (utc(2030, 1, 15, 2, 0, 30), utc(2030, 1, 15, 2, 5), utc(2030, 1, 15, 23)):
-        assert tick(later).started == 0
+        quiet = tick(later)
+        assert (quiet.due, quiet.started) == (0, 0)
     with session_scope(db_url) as s:
         runs = list(s.scalars(select(AuditRun).order_by(AuditRun.due_at)))
         keys = list(s.scalars(select(ReplayRun.idempotency_key)))

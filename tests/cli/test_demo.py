@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from replay_audit.api.app import create_app
 from replay_audit.config import Settings
+from replay_audit.engine.loading import usable_cores
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +30,7 @@ def test_demo_prints_what_the_api_serves(tmp_path: Path) -> None:
         "COLUMNS": "200",
     }
     env.pop("REPLAY_AUDIT_MODEL_DIRS", None)
+    env.pop("OMP_NUM_THREADS", None)  # torch's own default, one thread per core
     out = tmp_path / "demo.json"
     proc = subprocess.run(
         [
@@ -69,6 +71,13 @@ def test_demo_prints_what_the_api_serves(tmp_path: Path) -> None:
             assert [c["ear"] for c in body["aggregate"]["comparisons"]] == [
                 c["ear"] for c in body["statistics"]["comparisons"]
             ]
+            # The replays ran beside the API, which they left a core.
+            items = client.get(
+                f"/v1/replays/{run_id}/results", headers={"X-API-Key": summary["api_key"]}
+            ).json()["items"]
+            assert {i["arms"]["b"]["environment"]["extras"]["torch_threads"] for i in items} == {
+                max(1, usable_cores() - 1)
+            }
             if name == "logged":
                 # The self-replay in the logged configuration reproduces every trace, and as a
                 # reproducibility check it gets no lift: only FP16 + C over FP16 does.
@@ -78,3 +87,52 @@ def test_demo_prints_what_the_api_serves(tmp_path: Path) -> None:
     # Both lifts of C are printed with what they compare (once lost to rich markup).
     assert "EAR lift of [logged vs T1: FP16 + C] over [logged vs T0: FP16]" in proc.stdout
     assert "EAR lift of [T2: BF16 + C vs T3: FP16 + C] over [T0: BF16 vs T1: FP16]" in proc.stdout
+
+
+KEY = re.compile(r"\bra_[0-9a-f]{12}_[A-Za-z0-9_-]{43}\b")
+
+
+def test_demo_again_reuses_its_key_and_leaves_the_prompt_ids_to_the_user(tmp_path: Path) -> None:
+    from tests.cli.conftest import assert_no_traceback, cli_env, run_cli
+
+    args = ["demo", "--prompts", "2", "--max-new-tokens", "8"]
+    first = run_cli(args, env=cli_env(), cwd=tmp_path, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "new; kept in var/demo-api-key" in first.stdout
+    again = run_cli(args, env=cli_env(), cwd=tmp_path, timeout=600)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert_no_traceback(again)
+    (key,) = set(KEY.findall(first.stdout))
+    assert set(KEY.findall(again.stdout)) == {key}
+    assert "reused from var/demo-api-key" in again.stdout
+    assert (tmp_path / "var" / "demo-api-key").stat().st_mode & 0o777 == 0o600
+    # The demo's URLs point at `serve`, not at the API that stopped with it.
+    assert "this API has stopped" in again.stdout and "replay-audit serve" in again.stdout
+
+    # The user's own traces of the bundled prompts, posted with that key, are theirs: no 409.
+    from typer.testing import CliRunner
+
+    from replay_audit.cli import app
+    from replay_audit.config import BUNDLED_MODEL_DIR, PACKAGE_DIR
+
+    traces = tmp_path / "traces.jsonl"
+    r = CliRunner().invoke(
+        app,
+        ["generate", "--model", str(BUNDLED_MODEL_DIR), "--prompts",
+         str(PACKAGE_DIR / "assets" / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "8",
+         "--out", str(traces), "--device", "cpu", "--threads", "1"],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    settings = Settings(  # type: ignore[call-arg]
+        _env_file=None, database_url=f"sqlite:///{tmp_path / 'var' / 'replay-audit.db'}"
+    )
+    body = {"traces": [json.loads(x) for x in traces.read_text().splitlines()]}
+    with TestClient(create_app(settings)) as client:
+        res = client.post("/v1/traces:batch", json=body, headers={"X-API-Key": key}).json()
+        assert [item["status"] for item in res["results"]] == [201, 201], res
+        listed = client.get("/v1/traces?limit=100", headers={"X-API-Key": key}).json()["items"]
+    prompt_ids = [json.loads(x)["external_id"] for x in traces.read_text().splitlines()]
+    # The second demo stored nothing new: the demo's two traces and the user's two.
+    assert sorted(t["external_id"] for t in listed) == sorted(
+        [*prompt_ids, *(f"demo-8tok-{i}" for i in prompt_ids)]
+    )

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch  # noqa: F401  (the engine CLI needs it)
+import torch
 from typer.testing import CliRunner
 
 from replay_audit.cli import app
@@ -212,3 +212,68 @@ def test_replay_rejects_a_bad_trace_line(ckpt: Path, tmp_path: Path) -> None:
         ],
     )
     assert r.exit_code == 2 and "bad.jsonl:1: not a valid trace" in r.output
+
+
+def test_generate_with_a_mistyped_model_says_not_a_directory(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hi"}\n')
+    typo = tmp_path / "tiny-lama"
+    r = runner.invoke(
+        app,
+        ["generate", "--model", str(typo), "--prompts", str(prompts), "--out", str(tmp_path / "o")],
+    )
+    assert r.exit_code == 2, r.output
+    assert f"{typo} is not a directory" in r.output
+    assert "repo" not in r.output.lower()  # not the hub's words about repo ids
+
+
+def test_generate_names_the_prompt_line_without_a_prompt(ckpt: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hi"}\n\n{"id": "b", "text": "hi"}\n')
+    r = runner.invoke(
+        app,
+        ["generate", "--model", str(ckpt), "--prompts", str(prompts), "--out", str(tmp_path / "o")],
+    )
+    assert r.exit_code == 2 and f"{prompts}:3: prompt:" in r.output, r.output
+
+
+def test_load_model_refuses_a_path_that_is_no_directory(tmp_path: Path) -> None:
+    from replay_audit.engine.loading import load_model
+    from replay_audit.exceptions import EngineError
+
+    with pytest.raises(EngineError, match="is not a directory"):
+        load_model(tmp_path / "typo", "bf16", None, torch.device("cpu"))
+
+
+def test_replay_names_a_non_greedy_line_before_loading_the_model(
+    traces: Path, tmp_path: Path
+) -> None:
+    rows = [json.loads(x) for x in traces.read_text().splitlines()]
+    rows[2]["decoding"]["strategy"] = "sample"
+    bad = tmp_path / "mixed.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # The checkpoint is not even a directory: had any model load or hash been tried first, the
+    # error would be about it, not about line 3.
+    r = runner.invoke(
+        app,
+        ["replay", str(bad), "--model", str(tmp_path / "none"), "--dtype", "fp16",
+         "--out", str(tmp_path / "r.jsonl")],
+    )  # fmt: skip
+    assert r.exit_code == 2, r.output
+    assert f"{bad}:3: decoding.strategy: only greedy traces can be replayed" in r.output
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_replay_names_the_line_logged_with_other_weights(
+    ckpt: Path, traces: Path, tmp_path: Path
+) -> None:
+    rows = [json.loads(x) for x in traces.read_text().splitlines()]
+    rows[1]["model"]["weights_sha256"] = "0" * 64
+    bad = tmp_path / "other.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = runner.invoke(
+        app,
+        ["replay", str(bad), "--model", str(ckpt), "--dtype", "fp16",
+         "--out", str(tmp_path / "r.jsonl")],
+    )  # fmt: skip
+    assert r.exit_code == 2 and f"{bad}:2: model.weights_sha256:" in r.output, r.output

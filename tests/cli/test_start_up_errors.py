@@ -116,3 +116,54 @@ def test_settings_that_do_not_parse_are_one_line(tmp_path: Path) -> None:
     assert_no_traceback(proc)
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: invalid settings: REPLAY_AUDIT_QUEUE_PREFIX"), line
+
+
+def test_the_example_session_secret_is_refused_at_start(tmp_path: Path) -> None:
+    """`.env.example` copied as is: `serve` stops at once, naming the setting and how to make
+    one, instead of signing sessions with a key everyone has."""
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / ".env").write_text((root / ".env.example").read_text())
+    proc = run_cli(["serve", "--port", "0"], env=cli_env(), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert_no_traceback(proc)
+    err = proc.stderr
+    assert "REPLAY_AUDIT_SESSION_SECRET: still the placeholder of .env.example" in err
+    assert "secrets.token_urlsafe(32)" in err and "Value error" not in err
+    assert not (tmp_path / "var").exists()  # nothing was started or created
+
+
+def test_scheduler_logs_every_tick(tmp_path: Path) -> None:
+    """`replay-audit scheduler` says what each tick did, even when nothing was due (an operator
+    sees it alive), and stops cleanly on SIGTERM."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.cli.conftest import cli_args
+    from tests.cli.test_interrupt import Output
+
+    proc = subprocess.Popen(
+        cli_args("scheduler", "--interval-s", "0.2"), cwd=tmp_path, env=cli_env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    out = Output(proc.stdout)
+    try:
+        deadline = time.monotonic() + 120
+        while out.text.count("audit tick:") < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, out.text[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, out.text[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+    assert_no_traceback(None, out.text)
+    assert "audit scheduler: a tick every 0.2 s" in out.text
+    assert re.search(
+        r"audit tick: 0 schedule\(s\) due, 0 run\(s\) started, 0 evaluated \(0 flagged for "
+        r"drift\), 0 alert delivery\(ies\) enqueued, 0 job\(s\) reconciled, 0 error\(s\)",
+        out.text,
+    ), out.text

@@ -267,3 +267,79 @@ def test_a_filter_selects_like_the_trace_listing(
     runner.run_all()
     items = all_results(client, r.json()["id"], h)
     assert sorted(x["trace_id"] for x in items) == sorted(tagged)
+
+
+def test_tau_and_tau_ulps_together_are_refused_naming_both(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+) -> None:
+    h = headers("admin")
+    (trace_id,) = ingest(client, h, [logged_trace(PROMPTS[5])])
+    both = {"dtype": "fp16", "intervention": {"kind": "C", "tau": 1e-3, "tau_ulps": 2}}
+    r = client.post("/v1/replays", json={"trace_ids": [trace_id], "targets": [both]}, headers=h)
+    assert r.status_code == 422, r.text
+    body = r.json()
+    assert body["field"] == "targets[0].intervention"
+    assert body["detail"] == (
+        "targets[0].intervention: give tau (an absolute margin) or tau_ulps (ulps of the "
+        "lm_head format), not both"
+    )
+    assert runner.specs == []
+    # Either one alone is taken; the one given is the one used.
+    for gate, expected in (({"tau_ulps": 2}, (1e-3, 2.0)), ({"tau": 0.01}, (0.01, None))):
+        target = {"dtype": "fp16", "intervention": {"kind": "C", **gate}}
+        r = client.post("/v1/replays", json={"trace_ids": [trace_id], "targets": [target]},
+                        headers=h)  # fmt: skip
+        assert r.status_code == 201, r.text
+        (t,) = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()["targets"]
+        assert (t["intervention"]["tau"], t["intervention"]["tau_ulps"]) == expected
+
+
+def test_error_messages_carry_no_pydantic_prefixes(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+) -> None:
+    h = headers("admin")
+    (trace_id,) = ingest(client, h, [logged_trace(PROMPTS[6])])
+    r = client.post(
+        "/v1/replays", json={"trace_ids": [trace_id], "filter": {}, "targets": [FP16]}, headers=h
+    )
+    assert r.status_code == 422
+    assert r.json() == {
+        "error": "FieldError",
+        "detail": "give exactly one of trace_ids or filter",
+        "field": "body",
+    }
+
+
+def test_a_cuda_target_here_says_what_it_needs(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+) -> None:
+    """A plain FP16 target on CUDA, on the embedded deployment without a GPU: the answer names
+    the missing CUDA device, not the FP8 head's compute capability."""
+    h = headers("admin")
+    (trace_id,) = ingest(client, h, [logged_trace(PROMPTS[7])])
+    cuda = {"dtype": "fp16", "device": "cuda"}
+    r = client.post("/v1/replays", json={"trace_ids": [trace_id], "targets": [cuda]}, headers=h)
+    assert r.status_code == 422, r.text
+    assert "no CUDA device" in r.json()["detail"] and "8.9" not in r.json()["detail"]
+    assert r.json()["field"].startswith("targets")
+
+
+def test_a_stored_schedule_with_both_gates_still_reads() -> None:
+    """Schedules stored before the refusal hold the default tau beside tau_ulps (the one used)."""
+    from replay_audit.audits.schemas import ScheduleReplay
+    from replay_audit.audits.service import STORED
+
+    stored = {"targets": [{"dtype": "fp16", "intervention": {"kind": "C", "tau": 1e-3,
+                                                             "tau_ulps": 2.0}}]}  # fmt: skip
+    replay = ScheduleReplay.model_validate(stored, context=STORED)
+    iv = replay.targets[0].intervention.to_domain()
+    assert (iv.tau_ulps, iv.tau) == (2.0, 1e-3)

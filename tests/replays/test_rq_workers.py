@@ -141,6 +141,8 @@ def test_burst_workers_complete_a_paired_run(
     pg: str,
 ) -> None:
     run_id = _request(api, traces[:20])
+    # The worker takes torch's CPU threads from the setting (the env says 1 for OpenMP).
+    env = {**env, "REPLAY_AUDIT_TORCH_THREADS": "2"}
     assert _worker(env, burst=True).wait(timeout=300) == 0
     run = _run(api, run_id)
     assert run["status"] == "done", run
@@ -155,6 +157,7 @@ def test_burst_workers_complete_a_paired_run(
         # The worker records the numerical environment it actually used.
         assert all(i["detail"]["environment"]["device"] == "cpu" for i in mine)
         assert all(i["detail"]["environment"]["dtype"] == "fp16" for i in mine)
+        assert all(i["arms"]["b"]["environment"]["extras"]["torch_threads"] == 2 for i in mine)
 
 
 def test_sigkilled_worker_is_recovered_exactly_once(
@@ -211,3 +214,31 @@ def test_redis_flush_mid_run_is_recovered(
     assert _worker(env, burst=True).wait(timeout=300) == 0
     assert _run(api, run_id)["status"] == "done"
     assert _results(pg) == (total, total)
+
+
+def test_a_cpu_only_deployment_serves_targets_without_a_device(
+    traces: list[dict[str, Any]], env: dict[str, str], pg: str, rq_redis: RedisNamespace
+) -> None:
+    """`replay-audit worker --queue cpu` alone completes a run whose targets name no device
+    when the deployment says its default queue is `cpu`; without that setting it says, when it
+    starts, that such targets go to a queue it does not serve."""
+    settings = Settings(  # type: ignore[call-arg]
+        _env_file=None, database_url=pg, default_queue="cpu", **rq_redis.settings()
+    )
+    with session_scope(pg) as s:
+        key = create_api_key(s, "acme", "admin").key
+    with TestClient(create_app(settings)) as client:
+        api = (client, {"X-API-Key": key})
+        run_id = _request(api, traces[:2])
+        cpu_only = [sys.executable, "-m", "replay_audit", "worker", "--queue", "cpu", "--burst"]
+        worker = subprocess.run(
+            cpu_only, env={**env, "REPLAY_AUDIT_DEFAULT_QUEUE": "cpu"},
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert worker.returncode == 0, worker.stderr[-3000:]
+        assert "REPLAY_AUDIT_DEFAULT_QUEUE" not in worker.stderr
+        assert _run(api, run_id)["status"] == "done"
+    unset = subprocess.run(cpu_only, env=env, capture_output=True, text=True, timeout=300)
+    assert unset.returncode == 0, unset.stderr[-3000:]
+    assert "go to the 'gpu' queue (REPLAY_AUDIT_DEFAULT_QUEUE)" in unset.stderr
+    assert "REPLAY_AUDIT_DEFAULT_QUEUE=cpu" in unset.stderr

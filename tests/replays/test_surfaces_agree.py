@@ -887,6 +887,7 @@ def test_cli_summary_is_the_api_comparison(
     assert r.exit_code == 0, r.output
     printed = json.loads(summary.read_text())
     assert printed.pop("mode") == "decode" and printed.pop("target")["dtype"] == target["dtype"]
+    assert printed.pop("traces") == len(trace_ids) and printed.pop("interrupted") is False
     assert printed == run["statistics"]["comparisons"][0]
     assert f"({printed['ear']['successes']}/{printed['ear']['n']})" in r.output
     # Per trace, the CLI's output file says what the API's results say.

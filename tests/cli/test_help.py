@@ -1,0 +1,57 @@
+"""`replay-audit --version`, and every command's `--help` in plain words: no `<bool>`, `<str>`
+or `{model_dir}` placeholders (what Typer 0.29 prints by default)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from importlib import metadata
+
+import click
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from replay_audit import __version__
+from replay_audit.cli import app
+
+runner = CliRunner()
+#: `<bool>`, `<int range>`, `<path>`, `{model_dir}`, `{traces}`: types and names left as code.
+PLACEHOLDER = re.compile(r"<[a-z][a-z \[\]|,]*>|\{[a-z_]+\}")
+
+
+def _commands(group: click.Command, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    yield path
+    for name, sub in getattr(group, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+COMMANDS = list(_commands(typer.main.get_command(app)))
+
+
+def test_version_is_the_installed_distribution() -> None:
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0, r.output
+    assert r.output.strip() == f"replay-audit {__version__}"
+    assert __version__ == metadata.version("replay-audit")
+
+
+def test_every_command_is_walked() -> None:
+    names = {" ".join(p) for p in COMMANDS}
+    assert {"", "serve", "replay", "hash-model", "worker", "db upgrade", "audit tick"} <= names
+
+
+@pytest.mark.parametrize("path", COMMANDS, ids=lambda p: " ".join(p) or "replay-audit")
+def test_help_has_no_placeholders(path: tuple[str, ...]) -> None:
+    r = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"}, terminal_width=200)
+    assert r.exit_code == 0, r.output
+    assert "Usage:" in r.output and "--help" in r.output
+    assert PLACEHOLDER.findall(r.output) == [], r.output
+
+
+def test_help_names_arguments_and_types_as_words() -> None:
+    r = runner.invoke(app, ["hash-model", "--help"], env={"COLUMNS": "200"})
+    assert re.search(r"Usage: .*hash-model \[OPTIONS\] MODEL_DIR\s*$", r.output, re.M), r.output
+    r = runner.invoke(app, ["replay", "--help"], env={"COLUMNS": "200"})
+    assert re.search(r"--model\s+PATH", r.output) and re.search(r"--tau\s+FLOAT", r.output)
+    assert re.search(r"--top-k\s+INTEGER \[2<=x<=20\]", r.output), r.output
