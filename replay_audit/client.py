@@ -83,9 +83,9 @@ class ClientStats:
 
 
 def _body(traces: Sequence[TraceCreate]) -> bytes:
-    return b'{"traces":[' + b",".join(
-        orjson.dumps(t.model_dump(mode="json")) for t in traces
-    ) + b"]}"
+    return (
+        b'{"traces":[' + b",".join(orjson.dumps(t.model_dump(mode="json")) for t in traces) + b"]}"
+    )
 
 
 def _retryable(status: int) -> bool:
@@ -107,8 +107,11 @@ def send_batch(
     wait = BACKOFF_INITIAL_S
     while True:
         try:
-            answer = http.post("/v1/traces:batch", content=_body(traces),
-                               headers={"Content-Type": "application/json"})
+            answer = http.post(
+                "/v1/traces:batch",
+                content=_body(traces),
+                headers={"Content-Type": "application/json"},
+            )
         except httpx.TransportError as exc:
             status, detail = None, f"{type(exc).__name__}: {exc}"
         else:
@@ -118,12 +121,10 @@ def send_batch(
                 return results
             if status == 413 and len(traces) > 1:
                 half = len(traces) // 2
-                first = send_batch(http, traces[:half], deadline=deadline, stats=stats,
-                                   sleep=sleep)
+                first = send_batch(http, traces[:half], deadline=deadline, stats=stats, sleep=sleep)
                 if first is None:
                     return None
-                rest = send_batch(http, traces[half:], deadline=deadline, stats=stats,
-                                  sleep=sleep)
+                rest = send_batch(http, traces[half:], deadline=deadline, stats=stats, sleep=sleep)
                 return None if rest is None else first + rest
             if not _retryable(status):
                 raise SendError(f"POST /v1/traces:batch answered {status}: {detail}")
@@ -165,14 +166,17 @@ def post_traces(
     stays unreachable."""
     stats = ClientStats()
     size = max(1, min(batch_size, MAX_BATCH_TRACES))
-    with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=timeout_s,
-                      transport=transport) as http:
+    with httpx.Client(
+        base_url=url, headers={"X-API-Key": key}, timeout=timeout_s, transport=transport
+    ) as http:
         batch: list[TraceCreate] = []
 
         def send() -> None:
             start = time.monotonic()
             results = send_batch(
-                http, batch, stats=stats,
+                http,
+                batch,
+                stats=stats,
                 deadline=lambda: time.monotonic() - start > give_up_after_s,
             )
             if results is None:
@@ -218,10 +222,10 @@ class Client:
         self._done = threading.Condition()
         self._closing = threading.Event()
         self._close_deadline = float("inf")
-        self._http = httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=timeout_s,
-                                  transport=transport)
-        self._thread = threading.Thread(target=self._run, name="replay-audit-client",
-                                        daemon=True)
+        self._http = httpx.Client(
+            base_url=url, headers={"X-API-Key": key}, timeout=timeout_s, transport=transport
+        )
+        self._thread = threading.Thread(target=self._run, name="replay-audit-client", daemon=True)
         self._thread.start()
         # Flush at interpreter exit without keeping the client alive until then.
         ref = weakref.ref(self)
@@ -302,7 +306,9 @@ class Client:
             results = None
             try:
                 results = send_batch(
-                    self._http, batch, stats=self.stats,
+                    self._http,
+                    batch,
+                    stats=self.stats,
                     deadline=lambda: time.monotonic() > self._close_deadline,
                 )
             except SendError as exc:

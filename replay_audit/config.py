@@ -15,6 +15,9 @@ from typing import Annotated, Final, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from replay_audit.engine.protocol import DEFAULT_SCAN_TOKEN_BUDGET
+from replay_audit.replays.domain import LARGE_RUN_TRACES
+
 PACKAGE_DIR: Final = Path(__file__).resolve().parent
 #: The committed small Llama checkpoint used by the demo and the tests.
 BUNDLED_MODEL_DIR: Final = PACKAGE_DIR / "assets" / "tiny-llama"
@@ -31,7 +34,7 @@ def normalise_database_url(url: str) -> str:
     """`postgres://` and `postgresql://` both mean psycopg 3 here."""
     for prefix in ("postgres://", "postgresql://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix):]
+            return "postgresql+psycopg://" + url[len(prefix) :]
     return url
 
 
@@ -47,10 +50,13 @@ class Settings(BaseSettings):
     #: the workers and `rq cron` of one deployment must share it.
     queue_prefix: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9_-]*$")
     #: Directories searched (one level deep) for checkpoints, matched by weights_sha256.
-    model_dirs: Annotated[list[Path], NoDecode] = Field(
-        default_factory=lambda: [BUNDLED_MODEL_DIR]
-    )
+    model_dirs: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [BUNDLED_MODEL_DIR])
     max_request_bytes: int = 256 * 1024 * 1024
+    #: A replay run (or an audit run) selecting at least this many traces and naming no `mode`
+    #: is replayed scan-then-decode (see `replays.domain.LARGE_RUN_TRACES`).
+    large_run_traces: int = Field(default=LARGE_RUN_TRACES, ge=1)
+    #: Tokens (padding included) per forward of a worker's batched scans.
+    scan_token_budget: int = Field(default=DEFAULT_SCAN_TOKEN_BUDGET, ge=1)
     #: Seconds before RQ kills a replay job (RQ's own default of 180 s is too short for a GPU).
     job_timeout_s: int = 3600
     #: Key that signs the web UI's session cookies (any long random string; every API process

@@ -132,6 +132,4 @@ def _as_utc(value: datetime) -> datetime:
 
 
 #: A time, converted to UTC (no zone means UTC); refused when UTC cannot represent it.
-UtcDatetime = Annotated[
-    datetime, Lax, BeforeValidator(_string_or_time), AfterValidator(_as_utc)
-]
+UtcDatetime = Annotated[datetime, Lax, BeforeValidator(_string_or_time), AfterValidator(_as_utc)]

@@ -42,6 +42,7 @@ from replay_audit.traces.schemas import TraceFieldError, TraceTooLarge
 
 logger = logging.getLogger(__name__)
 
+
 class ErrorBody(BaseModel):
     """The body of every error answer (the OpenAPI document declares it for each one)."""
 

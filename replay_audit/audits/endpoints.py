@@ -104,9 +104,7 @@ def update_schedule(
     threshold or the webhook; `{"rotate_webhook_secret": true}` makes a new signing secret,
     shown in this answer only (as is the secret of a webhook added here)."""
     schedule = service.get_schedule(session, principal.project_id, schedule_id)
-    secret = service.update_schedule(
-        session, schedule, body, destinations=_destinations(settings)
-    )
+    secret = service.update_schedule(session, schedule, body, destinations=_destinations(settings))
     return _written(session, schedule, principal, secret)
 
 

@@ -21,8 +21,7 @@ def _failure(exc: Exception) -> str | None:
 
     if isinstance(exc, ValidationError) and exc.title == "Settings":
         problems = "; ".join(
-            f"REPLAY_AUDIT_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}"
-            for e in exc.errors()
+            f"REPLAY_AUDIT_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()
         )
         return f"invalid settings: {problems}"
     from replay_audit.cli.database import describe_database_error

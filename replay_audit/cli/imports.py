@@ -115,9 +115,7 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_context(
-    model: Path | None, config_file: Path | None, flags: list[str]
-) -> Any:
+def build_context(model: Path | None, config_file: Path | None, flags: list[str]) -> Any:
     """The ImportContext from the checkpoint, then the file, then the flags (exit 2 naming
     the key on a bad value)."""
     from pydantic import ValidationError
@@ -205,8 +203,9 @@ def _lm_eval_results(path: Path, results: Path | None) -> dict[str, Any]:
 class _Importer:
     """Turns items into traces, reporting and counting the bad ones."""
 
-    def __init__(self, fmt: str, context: Any, tokenizer: Any, task: str | None,
-                 results_file: Path | None) -> None:
+    def __init__(
+        self, fmt: str, context: Any, tokenizer: Any, task: str | None, results_file: Path | None
+    ) -> None:
         self.fmt, self.context, self.tokenizer = fmt, context, tokenizer
         self.task, self.results_file = task, results_file
         self.failed = self.skipped = self.empty = 0
@@ -236,8 +235,9 @@ class _Importer:
                 if task is None:
                     _fail(f"{path}: not named samples_<task>_<date>.jsonl; give --task")
                 # The run's own record (dtype as loaded, batch size, device) under the flags.
-                merged = _merge(context_from_results(results),
-                                context.model_dump(exclude_unset=True))
+                merged = _merge(
+                    context_from_results(results), context.model_dump(exclude_unset=True)
+                )
                 context = ImportContext.model_validate(merged)
                 try:
                     check_context(context)
@@ -251,9 +251,14 @@ class _Importer:
                     if self.fmt == "lm-eval":
                         assert task is not None
                         empty: list[str] = []
-                        gens = parse_lm_eval_sample(item, task=task, tokenizer=self.tokenizer,
-                                                    results=results, path="sample",
-                                                    skipped=empty)
+                        gens = parse_lm_eval_sample(
+                            item,
+                            task=task,
+                            tokenizer=self.tokenizer,
+                            results=results,
+                            path="sample",
+                            skipped=empty,
+                        )
                         self.empty += len(empty)
                         yield from (build_trace(g, context, "lm-eval") for g in gens)
                     else:
@@ -300,8 +305,9 @@ def import_(
         Path | None, typer.Option(help="YAML or JSON file of configuration keys.")
     ] = None,
     batch_size: Annotated[int, typer.Option(min=1, max=1000, help="Traces per POST.")] = 500,
-    task: Annotated[str | None, typer.Option(help="lm-eval task name (default: file name).")]
-    = None,
+    task: Annotated[
+        str | None, typer.Option(help="lm-eval task name (default: file name).")
+    ] = None,
     results: Annotated[
         Path | None, typer.Option(help="lm-eval results JSON (default: next to the samples).")
     ] = None,
@@ -317,8 +323,10 @@ def import_(
         if not f.is_file():
             _fail(f"{f}: no such file")
     if format == "lm-eval" and model is None:
-        _fail("--format lm-eval needs --model DIR: the samples carry text, re-tokenised with "
-              "the checkpoint's tokenizer")
+        _fail(
+            "--format lm-eval needs --model DIR: the samples carry text, re-tokenised with "
+            "the checkpoint's tokenizer"
+        )
     context = build_context(model, config_file, config or [])
     from replay_audit.exceptions import ReplayAuditError
     from replay_audit.imports.generation import check_context
@@ -354,23 +362,33 @@ def import_(
 
             try:
                 stats = post_traces(
-                    post, key, traces, batch_size=batch_size,
+                    post,
+                    key,
+                    traces,
+                    batch_size=batch_size,
                     on_batch=lambda r: bar.advance(progress, len(r)),
                 )
             except SendError as e:
                 _fail(str(e))
             for error in stats.errors[:_MAX_SHOWN_ERRORS]:
-                typer.secho(f"server: {error.get('field', '')}: {error.get('detail', error)}",
-                            err=True, fg=typer.colors.RED)
+                typer.secho(
+                    f"server: {error.get('field', '')}: {error.get('detail', error)}",
+                    err=True,
+                    fg=typer.colors.RED,
+                )
             importer.failed += stats.rejected
             written = stats.created + stats.duplicates
-            summary = (f"posted {written} traces to {post}: {stats.created} new, "
-                       f"{stats.duplicates} already stored, {stats.rejected} refused")
+            summary = (
+                f"posted {written} traces to {post}: {stats.created} new, "
+                f"{stats.duplicates} already stored, {stats.rejected} refused"
+            )
     if importer.skipped:
         summary += f"; {importer.skipped} loglikelihood samples skipped (not generations)"
     if importer.empty:
-        summary += (f"; {importer.empty} empty responses skipped (cut at an `until` string "
-                    "or eos before any text: no tokens to replay)")
+        summary += (
+            f"; {importer.empty} empty responses skipped (cut at an `until` string "
+            "or eos before any text: no tokens to replay)"
+        )
     if importer.failed:
         summary += f"; {importer.failed} items failed (see above)"
     typer.echo(summary)

@@ -26,8 +26,9 @@ def context_from_model(
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     dtype = names.get(model.dtype)
     if dtype is None:
-        raise FieldError(f"dtype: model dtype {model.dtype} is not fp32, bf16 or fp16",
-                         field="dtype")
+        raise FieldError(
+            f"dtype: model dtype {model.dtype} is not fp32, bf16 or fp16", field="dtype"
+        )
     device = next(model.parameters()).device
     gpu = None
     kind = "cpu"

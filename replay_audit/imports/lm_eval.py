@@ -127,8 +127,13 @@ def _encode(tokenizer: Tokenizer, text: str, add_bos: bool | None) -> list[int]:
     return list(tokenizer.encode(text))
 
 
-def _continuation_ids(tokenizer: Tokenizer, context_ids: Sequence[int], context: str,
-                      response: str, add_bos: bool | None) -> list[int]:
+def _continuation_ids(
+    tokenizer: Tokenizer,
+    context_ids: Sequence[int],
+    context: str,
+    response: str,
+    add_bos: bool | None,
+) -> list[int]:
     # Tokenised with its context where the context's ids are a prefix of the whole (how a
     # SentencePiece tokenizer spaces the first token), else on its own.
     whole = _encode(tokenizer, context + response, add_bos)
@@ -203,8 +208,12 @@ def parse_lm_eval_sample(
                     max_new_tokens=max_gen,
                     reference_answer=None if target is None else str(target),
                     tags=("lm-eval", f"task={task}"),
-                    extras={"tokenization": TOKENIZATION, "chat_template": (
-                        "applied by lm-eval" if results.get("chat_template") else "none")},
+                    extras={
+                        "tokenization": TOKENIZATION,
+                        "chat_template": (
+                            "applied by lm-eval" if results.get("chat_template") else "none"
+                        ),
+                    },
                 )
             )
     return out

@@ -30,9 +30,7 @@ from replay_audit.imports import _json as j
 from replay_audit.imports.generation import Generation, StopReason, Strategy
 
 
-def split_item(
-    item: Any, path: str
-) -> tuple[Mapping[str, Any] | None, Mapping[str, Any], str]:
+def split_item(item: Any, path: str) -> tuple[Mapping[str, Any] | None, Mapping[str, Any], str]:
     """(request or None, response, the response's path) of an item: a bare response or
     `{"request": ..., "response": ...}`."""
     body = j.obj(item, path)
@@ -109,21 +107,19 @@ def _output_ids(
         if from_tokens is not None and from_tokens != ids:
             raise j.fail(
                 f"{path}.token_ids",
-                f"disagrees with the ids of {tokens_path} (the \"token_id:\" tokens)",
+                f'disagrees with the ids of {tokens_path} (the "token_id:" tokens)',
             )
         return ids
     if from_tokens is None:
         raise j.fail(
             f"{path}.token_ids",
-            "no output token ids: ask the server for them (vLLM: \"return_token_ids\": true, "
-            "or \"return_tokens_as_token_ids\": true with logprobs)",
+            'no output token ids: ask the server for them (vLLM: "return_token_ids": true, '
+            'or "return_tokens_as_token_ids": true with logprobs)',
         )
     return from_tokens
 
 
-def _prompt_ids(
-    value: Any, request: Mapping[str, Any] | None, field: str, path: str
-) -> list[int]:
+def _prompt_ids(value: Any, request: Mapping[str, Any] | None, field: str, path: str) -> list[int]:
     if value is not None:
         return j.token_ids(value, field)
     prompt = request.get("prompt") if request is not None else None
@@ -131,7 +127,7 @@ def _prompt_ids(
         return j.token_ids(prompt, f"{path}.request.prompt")
     raise j.fail(
         field,
-        "no prompt token ids: ask the server for them (vLLM: \"return_token_ids\": true) or "
+        'no prompt token ids: ask the server for them (vLLM: "return_token_ids": true) or '
         "send the request with the prompt as token ids",
     )
 
@@ -161,7 +157,10 @@ def _chat_steps(
 
 
 def _completion_steps(
-    logprobs: Mapping[str, Any], path: str, prompt: Sequence[int], n_output: int,
+    logprobs: Mapping[str, Any],
+    path: str,
+    prompt: Sequence[int],
+    n_output: int,
     echo: bool | None,
 ) -> tuple[list[int] | None, list[list[tuple[int, float]]] | None, bool]:
     """(ids of the tokens, per-step pairs, echoed) of a completions `logprobs`; the prompt's
@@ -209,8 +208,8 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
         raise j.fail(f"{rpath}.choices", "no choices")
     kind = response.get("object")
     chat = kind == "chat.completion" or (
-        kind != "text_completion" and isinstance(j.obj(choices[0], f"{rpath}.choices[0]").get(
-            "message"), Mapping)
+        kind != "text_completion"
+        and isinstance(j.obj(choices[0], f"{rpath}.choices[0]").get("message"), Mapping)
     )
     rid = j.opt_str(response.get("id"), f"{rpath}.id")
     model = j.opt_str(response.get("model"), f"{rpath}.model")
@@ -252,8 +251,11 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
             if logprobs is not None:
                 echo = request.get("echo") if request is not None else None
                 ids_from_tokens, steps, echoed = _completion_steps(
-                    j.obj(logprobs, f"{cpath}.logprobs"), f"{cpath}.logprobs", prompt,
-                    n_output, echo if isinstance(echo, bool) else None,
+                    j.obj(logprobs, f"{cpath}.logprobs"),
+                    f"{cpath}.logprobs",
+                    prompt,
+                    n_output,
+                    echo if isinstance(echo, bool) else None,
                 )
             output = _output_ids(explicit, ids_from_tokens, cpath, f"{cpath}.logprobs.tokens")
             text = None if echoed else choice.get("text")

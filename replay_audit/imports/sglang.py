@@ -59,7 +59,9 @@ def _finish(meta: Mapping[str, Any], path: str) -> tuple[StopReason | None, int 
 
 
 def _prompt_ids(
-    body: Mapping[str, Any], meta: Mapping[str, Any], request: Mapping[str, Any] | None,
+    body: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    request: Mapping[str, Any] | None,
     path: str,
 ) -> list[int]:
     if body.get("prompt_token_ids") is not None:
@@ -74,15 +76,13 @@ def _prompt_ids(
         return [_tuple(x, f"{lpath}[{i}]")[1] for i, x in enumerate(logged)]
     raise j.fail(
         f"{path}.prompt_token_ids",
-        "no prompt token ids: ask SGLang for them (\"return_prompt_token_ids\": true, or "
-        "\"return_logprob\": true with \"logprob_start_len\": 0) or send the request with "
+        'no prompt token ids: ask SGLang for them ("return_prompt_token_ids": true, or '
+        '"return_logprob": true with "logprob_start_len": 0) or send the request with '
         "input_ids",
     )
 
 
-def _one(
-    body: Mapping[str, Any], request: Mapping[str, Any] | None, path: str
-) -> Generation:
+def _one(body: Mapping[str, Any], request: Mapping[str, Any] | None, path: str) -> Generation:
     meta = j.obj(body.get("meta_info"), f"{path}.meta_info")
     mpath = f"{path}.meta_info"
     logged = meta.get("output_token_logprobs")

@@ -12,7 +12,7 @@ duplicates a result and never leaves one half-written.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
@@ -27,10 +27,17 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.sql.elements import ColumnElement
 
 from replay_audit.db.base import Base, utcnow
 from replay_audit.db.types import Int32Array, PackedInt32Array
-from replay_audit.replays.domain import Comparison, RunTarget
+from replay_audit.replays.domain import (
+    DEFAULT_CONTROL_FRACTION,
+    DEFAULT_CONTROL_SEED,
+    Comparison,
+    ControlSample,
+    RunTarget,
+)
 
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -75,6 +82,19 @@ class ReplayRun(Base):
     @property
     def run_comparisons(self) -> tuple[Comparison, ...]:
         return tuple(Comparison.from_json(c) for c in self.comparisons)
+
+    @property
+    def control_sample(self) -> ControlSample | None:
+        """The control sample of a scan-then-decode run (as its request recorded it; the
+        defaults for a run whose request predates the fields), None in the other modes."""
+        if self.mode != "scan_then_decode":
+            return None
+        fraction = self.request.get("control_fraction")
+        seed = self.request.get("control_seed")
+        return ControlSample(
+            DEFAULT_CONTROL_FRACTION if fraction is None else float(fraction),
+            DEFAULT_CONTROL_SEED if seed is None else int(seed),
+        )
 
 
 class ReplayJob(Base):
@@ -148,3 +168,10 @@ class ReplayResult(Base):
     #: margin track and text; the single-step re-run; the semantic answers.
     detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+def result_screen(result: Any = ReplayResult) -> ColumnElement[str | None]:
+    """SQL of a result's screen (`formats.Screen`: what a scan-then-decode run did with the
+    trace), read out of its detail JSON (NULL in the other modes): `result` is the table or an
+    alias of it."""
+    return cast("ColumnElement[str | None]", result.detail["screen"].as_string())

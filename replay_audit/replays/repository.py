@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, aliased
 
 from replay_audit.db.base import utcnow
 from replay_audit.replays.domain import LoggedTrace
-from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
+from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun, result_screen
 from replay_audit.replays.results import failed_values, figures
 from replay_audit.stats.report import AnswerFigures, PairedOutcome, ResultFigures, TraceRef
 from replay_audit.traces.models import Trace
@@ -216,6 +216,7 @@ _FIGURE_COLUMNS = (
     R.answer_extractor,
     R.answer_a,
     R.answer_b,
+    result_screen().label("screen"),
     Trace.public_id,
     Trace.external_id,
 )
@@ -244,12 +245,20 @@ def paired_outcomes(
     session: Session, run_a: int, comparison_a: int, run_b: int, comparison_b: int
 ) -> list[PairedOutcome]:
     """Exact-match flags of (run_a, comparison_a) and (run_b, comparison_b) on the traces where
-    both are ok, by trace id: one indexed join, three small values per trace."""
+    both are ok and established (a trace a scan-then-decode run only scanned is neither exact
+    nor not), by trace id: one indexed join, three small values per trace."""
     a, b = aliased(ReplayResult), aliased(ReplayResult)
     stmt = (
         select(a.trace_id, _exact(a), _exact(b))
         .join(b, and_(b.trace_id == a.trace_id, b.run_id == run_b, b.comparison == comparison_b))
-        .where(a.run_id == run_a, a.comparison == comparison_a, a.status == "ok", b.status == "ok")
+        .where(
+            a.run_id == run_a,
+            a.comparison == comparison_a,
+            a.status == "ok",
+            b.status == "ok",
+            a.exact_match.is_not(None),
+            b.exact_match.is_not(None),
+        )
         .order_by(a.trace_id)
     )
     return [PairedOutcome(int(t), bool(x), bool(y)) for t, x, y in session.execute(stmt)]

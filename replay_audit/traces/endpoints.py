@@ -171,6 +171,4 @@ def list_traces(
         created_before=created_before,
         greedy=greedy,
     )
-    return service.list_traces(
-        session, principal.project_id, selection, limit=limit, cursor=cursor
-    )
+    return service.list_traces(session, principal.project_id, selection, limit=limit, cursor=cursor)

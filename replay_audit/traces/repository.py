@@ -93,16 +93,12 @@ def _insert_do_nothing(
     json_columns = {c.name for c in table.c if isinstance(c.type, JSON)}
     values = ", ".join(f"%({c})s::json" if c in json_columns else f"%({c})s" for c in columns)
     sql = (
-        f"INSERT INTO {table.name} ({', '.join(columns)}) VALUES ({values}) "
-        "ON CONFLICT DO NOTHING"
+        f"INSERT INTO {table.name} ({', '.join(columns)}) VALUES ({values}) ON CONFLICT DO NOTHING"
     )
     if returning:
         sql += f" RETURNING {', '.join(returning)}"
     params = [
-        {
-            c: orjson.dumps(row[c]).decode() if c in json_columns else row[c]
-            for c in columns
-        }
+        {c: orjson.dumps(row[c]).decode() if c in json_columns else row[c] for c in columns}
         for row in rows
     ]
     driver_connection = session.connection().connection.driver_connection

@@ -238,9 +238,7 @@ class TraceCreate(TraceInput):
                 if len(self.prompt_token_ids) > MAX_TRACE_TOKENS
                 else "output_token_ids"
             )
-            raise TraceTooLarge(
-                field, f"trace has {n_tokens} tokens; at most {MAX_TRACE_TOKENS}"
-            )
+            raise TraceTooLarge(field, f"trace has {n_tokens} tokens; at most {MAX_TRACE_TOKENS}")
         for field in ("prompt_token_ids", "output_token_ids"):
             ids = getattr(self, field)
             # max() runs in C; find the offender only when there is one.
@@ -352,9 +350,7 @@ class TraceBatchCreate(TraceInput):
 
     #: The document says what the server does: any item is taken, and one that is not a
     #: valid TraceCreate gets its own 4xx result (the request does not fail).
-    traces: list[TraceCreate] = Field(
-        max_length=MAX_BATCH_TRACES, json_schema_extra=_any_item
-    )
+    traces: list[TraceCreate] = Field(max_length=MAX_BATCH_TRACES, json_schema_extra=_any_item)
 
 
 class TraceBatchResult(_Frozen):
