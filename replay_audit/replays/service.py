@@ -188,11 +188,7 @@ def to_read(
     says how far the run is, not what it found."""
     ok, failed = repository.progress(session, run)
     stats = statistics.of_run(session, run) if ok + failed and not status_only else None
-    rate = None
-    if run.started_at is not None and ok + failed:
-        end = run.finished_at or utcnow()
-        elapsed = (end - run.started_at).total_seconds()
-        rate = (ok + failed) / elapsed if elapsed > 0 else None
+    rate = results_per_s(run, ok + failed)
     request = run.request
     if status_only:
         request = {k: v for k, v in request.items() if k != "trace_ids"}
@@ -217,6 +213,15 @@ def to_read(
         aggregate=legacy_aggregate(stats) if stats is not None and run.finished_at else None,
         schedule_id=run.schedule_id,
     )
+
+
+def results_per_s(run: ReplayRun, results: int) -> float | None:
+    """A run's throughput: `results` (its results written so far) per second since it started,
+    until it finished or now; None before it started or wrote anything."""
+    if run.started_at is None or not results:
+        return None
+    elapsed = ((run.finished_at or utcnow()) - run.started_at).total_seconds()
+    return results / elapsed if elapsed > 0 else None
 
 
 def _encode_cursor(last_id: int) -> str:

@@ -28,6 +28,7 @@ from replay_audit.config import Settings
 from replay_audit.exceptions import BadRequest, FieldError, NotAuthenticated, PermissionDenied
 from replay_audit.formats import BODY_DTYPES, CATEGORIES
 from replay_audit.replays.domain import comparison_label, is_treatment
+from replay_audit.replays.service import results_per_s
 from replay_audit.reports import browsing, statistics
 from replay_audit.reports.endpoints import export_response
 from replay_audit.reports.filters import ResultFilter, RunFilter
@@ -372,6 +373,8 @@ def run_page(
         first_query=urllib.parse.urlencode(keep) + "#results",
         pair=pair,
         has_reference_answers=statistics.has_reference_answers(session, run),
+        results_per_s=results_per_s(run, sum(c.n for c in report.comparisons)),
+        screened=[c for c in report.comparisons if c.screening is not None],
     )
 
 
