@@ -14,6 +14,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from replay_audit.cli import app
+from replay_audit.replays.domain import DEFAULT_CONTROL_FRACTION, DEFAULT_CONTROL_SEED
 
 _DTYPES = ("fp32", "bf16", "fp16")
 _HEAD_DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
@@ -151,7 +152,25 @@ def replay(
     tau: Annotated[float | None, typer.Option(help="Gate threshold (default 1e-3).")] = None,
     tau_ulps: Annotated[float | None, typer.Option(help="Gate threshold in ulps.")] = None,
     top_k_b: Annotated[int, typer.Option(min=1, help="K of intervention B.")] = 8,
-    mode: Annotated[str, typer.Option(help="decode, scan or scan_then_decode.")] = "decode",
+    mode: Annotated[
+        str | None,
+        typer.Option(
+            help="decode, scan or scan_then_decode (default: scan_then_decode from "
+            "REPLAY_AUDIT_LARGE_RUN_TRACES traces, decode below)."
+        ),
+    ] = None,
+    control_fraction: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="scan_then_decode: share of the traces the scan does not flag that are "
+            "decoded anyway (the control sample that estimates the scan's miss rate).",
+        ),
+    ] = DEFAULT_CONTROL_FRACTION,
+    control_seed: Annotated[
+        int, typer.Option(min=0, help="Seed of the control sample.")
+    ] = DEFAULT_CONTROL_SEED,
     batch_size: Annotated[int, typer.Option(min=1)] = 1,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
     top_k: Annotated[int, typer.Option(min=2, max=20, help="Top-k kept per step.")] = 5,
@@ -169,10 +188,18 @@ def replay(
     """Replay each trace in the target configuration and diff it with the logged output."""
     from pydantic import ValidationError
 
+    from replay_audit.config import Settings
     from replay_audit.engine import EnginePool, Intervention, Target
     from replay_audit.engine.hashing import NoWeightsError
     from replay_audit.exceptions import ReplayAuditError
-    from replay_audit.replays.domain import Comparison, LoggedTrace, RunTarget, comparison_label
+    from replay_audit.replays.domain import (
+        Comparison,
+        ControlSample,
+        LoggedTrace,
+        RunTarget,
+        comparison_label,
+        resolve_mode,
+    )
     from replay_audit.replays.models import ReplayResult
     from replay_audit.replays.replayer import replay_trace
     from replay_audit.replays.results import figures, result_read, result_values
@@ -183,6 +210,7 @@ def replay(
     _choice(lm_head_dtype, _HEAD_DTYPES, "--lm-head-dtype")
     _choice(intervention, ("none", "A", "B", "C"), "--intervention")
     _choice(mode, ("decode", "scan", "scan_then_decode"), "--mode")
+    sample = ControlSample(control_fraction, control_seed)
     _choice(kv_cache, ("dynamic", "static", "compiled"), "--kv-cache")
     if tau is not None and tau_ulps is not None:
         _fail("give --tau or --tau-ulps, not both")
@@ -204,6 +232,11 @@ def replay(
             _fail(f"{traces}:{n}: not a valid trace: {where}: {err['msg']}")
     if not parsed:
         _fail(f"{traces} holds no trace")
+    run_mode = resolve_mode(
+        mode,  # type: ignore[arg-type]  # checked by _choice
+        len(parsed),
+        Settings().large_run_traces,
+    )
     pool = EnginePool(device=device, cache=kv_cache)  # type: ignore[arg-type]
     try:
         sha = pool.weights_sha256(model)
@@ -228,10 +261,12 @@ def replay(
                     target,
                     pool,
                     model_dir=model,
-                    mode=mode,  # type: ignore[arg-type]
+                    mode=run_mode,
                     top_k=top_k,
                     extractor=extractor,
                     check_weights=False,
+                    control=run_mode == "scan_then_decode"
+                    and sample.includes(tr.external_id or f"line {i + 1}"),
                 )
             except ReplayAuditError as e:
                 _fail(e.message)
@@ -251,11 +286,22 @@ def replay(
             bar.advance(task)
     # One comparison, T0 against the logged tokens, labelled as a run's would be.
     label = comparison_label(Comparison(0, "logged", 0), [RunTarget(target)])
-    stats = run_statistics("offline", [ComparisonInput(0, "logged", 0, label, False, rows)])
+    screening = run_mode == "scan_then_decode"
+    comparison = ComparisonInput(
+        0,
+        "logged",
+        0,
+        label,
+        False,
+        rows,
+        control_fraction=sample.fraction if screening else None,
+        control_seed=sample.seed if screening else None,
+    )
+    stats = run_statistics("offline", [comparison])
     summary = {
         **stats.comparisons[0].model_dump(mode="json"),
         "target": target.to_dict(),
-        "mode": mode,
+        "mode": run_mode,
     }
     _print_summary(summary)
     if summary_json is not None:
@@ -307,6 +353,29 @@ def _print_summary(s: dict[str, Any]) -> None:
                 f"{s['sar_neither_answered']} with no answer in either arm)",
             )
         )
+    screening = s.get("screening")
+    if screening is not None:
+        rows += _screening_rows(screening)
     for k, v in rows:
         table.add_row(k, v)
     Console().print(table)
+
+
+def _screening_rows(sc: dict[str, Any]) -> list[tuple[str, str]]:
+    """A scan-then-decode summary: what was scanned and decoded, and the scan's miss rate."""
+
+    def est(e: dict[str, Any]) -> str:
+        return f"{_fmt(e['estimate'], '.1%')} [{_fmt(e['low'], '.1%')}, {_fmt(e['high'], '.1%')}]"
+
+    return [
+        ("scanned", str(sc["scanned"])),
+        ("decoded (flagged + control)", f"{sc['decoded']} ({sc['flagged']} + {sc['control']})"),
+        ("only scanned (not in EAR)", str(sc["scanned_only"])),
+        (
+            "control sample",
+            f"{sc['control']} ({sc['control_diverged']} diverged; fraction "
+            f"{_fmt(sc['control_fraction'])}, seed {_fmt(sc['control_seed'])})",
+        ),
+        ("estimated miss rate", est(sc["miss_rate"])),
+        ("estimated EAR, all scanned", est(sc["ear"])),
+    ]

@@ -30,6 +30,7 @@ from pathlib import Path
 from replay_audit.config import Settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
+from replay_audit.engine.batch import plan_scan
 from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import Engine, Intervention, ScanItem, ScanRun
 from replay_audit.exceptions import ReplayAuditError
@@ -196,7 +197,7 @@ def _log_job(job_id: int, spec: _RunSpec, counts: JobCounts, seconds: float) -> 
     if counts.scanned:
         scan_rate = counts.scanned / counts.scan_s if counts.scan_s > 0 else 0.0
         scan = (
-            f"; scanned {counts.scanned} in {counts.forwards} batch(es), {counts.scan_s:.2f} s "
+            f"; scanned {counts.scanned} in {counts.forwards} forward(s), {counts.scan_s:.2f} s "
             f"({scan_rate:.1f} traces/s)"
         )
     log.info(
@@ -266,16 +267,10 @@ def _scan_all(pending: list[_Pending], spec: _RunSpec, ctx: WorkerContext) -> Jo
             continue
         counts.scan_s += time.perf_counter() - t0
         counts.scanned += len(items)
-        counts.forwards += _forwards(engine)
+        counts.forwards += len(plan_scan(items, budget))
         for (m, c), run in zip(members, runs, strict=True):
             m.scans[c] = run
     return counts
-
-
-def _forwards(engine: Engine) -> int:
-    """Forwards the engine's last batched scan ran (from the shapes it recorded)."""
-    shapes = str(engine.environment().get("extras", {}).get("scan_batch_shapes", ""))
-    return len(shapes.split(",")) if shapes else 0
 
 
 def _replay_one(p: _Pending, spec: _RunSpec, ctx: WorkerContext) -> list[dict[str, object]]:

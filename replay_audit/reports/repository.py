@@ -25,7 +25,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session, aliased
 
-from replay_audit.replays.models import ReplayResult, ReplayRun
+from replay_audit.replays.models import ReplayResult, ReplayRun, result_screen
 from replay_audit.reports.filters import ResultFilter, RunFilter
 from replay_audit.traces.models import Trace
 
@@ -41,8 +41,9 @@ def _exact() -> ColumnElement[bool]:
 
 
 def _diverged() -> ColumnElement[bool]:
-    # As the stored aggregate counts them: an ok row that is not an exact match.
-    return and_(_ok(), func.coalesce(R.exact_match, false()) == false())
+    # As the stored aggregate counts them: an ok row whose replay did not match (a trace a
+    # scan-then-decode run only scanned, exact_match NULL, is neither exact nor diverged).
+    return and_(_ok(), R.exact_match == false())
 
 
 # -- runs ------------------------------------------------------------------------------------
@@ -127,6 +128,9 @@ def _pair_join(
             a.comparison == comparison_a,
             a.status == "ok",
             b.status == "ok",
+            # Established on both sides: not a trace a scan-then-decode run only scanned.
+            a.exact_match.is_not(None),
+            b.exact_match.is_not(None),
         )
     )
     return a, b, base
@@ -281,6 +285,7 @@ def export_batch(
         Trace.model_name,
         Trace.tags,
         Trace.reference_answer.is_not(None).label("has_reference_answer"),
+        result_screen().label("screen"),
     ]
     if full:
         # The columns `replays.results.result_json` reads (a row, not an entity: no ORM

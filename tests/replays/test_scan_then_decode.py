@@ -34,6 +34,8 @@ LENGTH = 6
 Kind = Literal["none", "head", "kv"]
 #: The flip kind of each trace, by prompt.
 KINDS: dict[tuple[int, ...], Kind] = {}
+#: Every engine the worker's pool loaded.
+LOADED: list[FakeEngine] = []
 
 
 def _base(context: tuple[int, ...]) -> tuple[int, float]:
@@ -82,10 +84,17 @@ def settings(make_settings: Callable[..., Settings], tmp_path: Path) -> Settings
 def engines(monkeypatch: pytest.MonkeyPatch, db_url: str, fake_model_dir: Path) -> Iterator[None]:
     monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", db_url)
     monkeypatch.setenv("REPLAY_AUDIT_MODEL_DIRS", str(fake_model_dir))
-    jobs.install_worker_context(jobs.WorkerContext(get_settings(), EnginePool(loader=loader)))
+
+    def recording(directory: Path, target: Target) -> FakeEngine:
+        LOADED.append(loader(directory, target))
+        return LOADED[-1]
+
+    pool = EnginePool(loader=recording)
+    jobs.install_worker_context(jobs.WorkerContext(get_settings(), pool))
     yield
     jobs.install_worker_context(None)
     KINDS.clear()
+    LOADED.clear()
 
 
 @pytest.fixture
@@ -128,6 +137,7 @@ def test_the_control_sample_finds_what_the_scan_misses(
     headers: Callable[..., dict[str, str]],
     api_key: Callable[..., str],
     fake_model_dir: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     h = headers("admin")
     kinds: list[Kind] = ["kv"] * 12 + ["head"] * 24 + ["none"] * 44
@@ -137,7 +147,15 @@ def test_the_control_sample_finds_what_the_scan_misses(
     body = {"trace_ids": ids, "targets": [{"dtype": "fp16"}], "control_fraction": 0.5}
     r = client.post("/v1/replays", json=body, headers=h)
     assert r.status_code == 201, r.text
-    assert runner.run_all() == 2  # 80 traces, 64 a scan-then-decode job (decode: 16)
+    with caplog.at_level("INFO", logger="replay_audit.replays.tasks"):
+        assert runner.run_all() == 2  # 80 traces, 64 a scan-then-decode job (decode: 16)
+    # The worker scanned each job's traces in one batched call, never one trace per call, and
+    # logged each job's throughput.
+    [fp16] = [e for e in LOADED if e.target.dtype == "fp16"]
+    assert fp16.calls.count("scan_batch") == 2 and "scan" not in fp16.calls
+    lines = [m for m in caplog.messages if m.startswith("replay job")]
+    assert len(lines) == 2 and all("traces/s" in m and "scanned" in m for m in lines)
+    assert "scanned 64 in " in lines[0] and "scanned 16 in " in lines[1]
     run = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
     assert run["status"] == "done" and run["mode"] == "scan_then_decode"  # 80 >= 20: large
     assert run["request"]["control_seed"] == 0 and run["results_per_s"] > 0
@@ -279,10 +297,8 @@ def test_the_miss_rate_interval_covers_the_truth_in_about_95_percent_of_runs() -
             divergences += diverges
             misses += diverges and not flagged
             exact += not diverges
-            if flagged:
-                screen = "flagged"
-            else:
-                screen = "control" if rng.random() < 0.05 else "scanned"
+            control = not flagged and rng.random() < 0.05
+            screen = "flagged" if flagged else "control" if control else "scanned"
             figures.append(_figure(i, screen, not diverges))
         c = ComparisonInput(0, "logged", 0, "fp16", False, figures, 0.05, 0)
         report = screening_report(c)
