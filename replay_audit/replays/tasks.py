@@ -186,12 +186,20 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
 
     with session_scope(url) as s:
         repository.finish_job(s, job_id)
-    _log_job(job_id, spec, counts, time.perf_counter() - started)
+        run = s.get(ReplayRun, spec.run_id)
+        progress = (sum(repository.progress(s, run)), run.n_items) if run is not None else None
+    _log_job(job_id, spec, counts, time.perf_counter() - started, progress)
 
 
-def _log_job(job_id: int, spec: _RunSpec, counts: JobCounts, seconds: float) -> None:
-    """The job's line in the worker's log: traces and results done, traces/s, and the batched
-    scan's own throughput."""
+def _log_job(
+    job_id: int,
+    spec: _RunSpec,
+    counts: JobCounts,
+    seconds: float,
+    progress: tuple[int, int] | None,
+) -> None:
+    """The job's line in the worker's log: traces and results done, traces/s, the batched
+    scan's own throughput, and how far the run is."""
     rate = counts.traces / seconds if seconds > 0 else 0.0
     scan = ""
     if counts.scanned:
@@ -200,8 +208,9 @@ def _log_job(job_id: int, spec: _RunSpec, counts: JobCounts, seconds: float) -> 
             f"; scanned {counts.scanned} in {counts.forwards} forward(s), {counts.scan_s:.2f} s "
             f"({scan_rate:.1f} traces/s)"
         )
+    done = f"; run at {progress[0]}/{progress[1]} results" if progress is not None else ""
     log.info(
-        "replay job %d (run %d, %s): %d traces, %d results in %.2f s (%.1f traces/s)%s",
+        "replay job %d (run %d, %s): %d traces, %d results in %.2f s (%.1f traces/s)%s%s",
         job_id,
         spec.run_id,
         spec.mode,
@@ -210,6 +219,7 @@ def _log_job(job_id: int, spec: _RunSpec, counts: JobCounts, seconds: float) -> 
         seconds,
         rate,
         scan,
+        done,
     )
 
 

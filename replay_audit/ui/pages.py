@@ -458,7 +458,7 @@ def trace_page(
     trace, results = browsing.get_trace_in_run(session, run, trace_id)
     by_comparison = {r.comparison: r for r in results}
     if comparison is None:
-        diverged = [r.comparison for r in results if r.status == "ok" and not r.exact_match]
+        diverged = [r.comparison for r in results if r.status == "ok" and r.exact_match is False]
         comparison = diverged[0] if diverged else results[0].comparison
     if comparison not in by_comparison:
         raise FieldError(

@@ -156,6 +156,7 @@ def test_the_control_sample_finds_what_the_scan_misses(
     lines = [m for m in caplog.messages if m.startswith("replay job")]
     assert len(lines) == 2 and all("traces/s" in m and "scanned" in m for m in lines)
     assert "scanned 64 in " in lines[0] and "scanned 16 in " in lines[1]
+    assert lines[0].endswith("run at 64/80 results") and lines[1].endswith("run at 80/80 results")
     run = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
     assert run["status"] == "done" and run["mode"] == "scan_then_decode"  # 80 >= 20: large
     assert run["request"]["control_seed"] == 0 and run["results_per_s"] > 0
@@ -211,6 +212,10 @@ def test_the_control_sample_finds_what_the_scan_misses(
     assert page.status_code == 200
     assert 'id="screening"' in page.text
     assert f"control sample {len(control)}" in page.text
+    assert "only scanned" in page.text  # in the results table
+    scanned = next(i for i, x in items.items() if x["screen"] == "scanned")
+    trace_page = client.get(f"/ui/runs/{run['id']}/traces/{scanned}")
+    assert trace_page.status_code == 200 and 'id="only-scanned"' in trace_page.text
 
 
 @pytest.mark.usefixtures("engines")
