@@ -111,7 +111,7 @@ class _Pending:
 
 
 @dataclass
-class JobCounts:
+class _JobCounts:
     """What a job did, for its log line."""
 
     traces: int = 0
@@ -152,13 +152,15 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
         trace_ids = list(job.trace_ids)
 
     started = time.perf_counter()
-    counts = JobCounts()
+    counts = _JobCounts()
     scanning = spec.mode in ("scan", "scan_then_decode")
     work: Sequence[int | _Pending] = trace_ids
     if scanning:  # every trace's scan first, batched; decode-mode traces load one at a time
         pending = _load_pending(url, spec, trace_ids)
         counts = _scan_all(pending, spec, ctx)
         work = pending
+        with session_scope(url) as s:
+            repository.touch_job(s, job_id)  # alive: the scan may take a while on a CPU
 
     for item in work:
         if stop_requested():  # the process is stopping: the rest waits for the next run
@@ -194,7 +196,7 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
 def _log_job(
     job_id: int,
     spec: _RunSpec,
-    counts: JobCounts,
+    counts: _JobCounts,
     seconds: float,
     progress: tuple[int, int] | None,
 ) -> None:
@@ -239,11 +241,11 @@ def _load_pending(url: str, spec: _RunSpec, trace_ids: Sequence[int]) -> list[_P
     return out
 
 
-def _scan_all(pending: list[_Pending], spec: _RunSpec, ctx: WorkerContext) -> JobCounts:
+def _scan_all(pending: list[_Pending], spec: _RunSpec, ctx: WorkerContext) -> _JobCounts:
     """Scan every pending (trace, comparison against the logged tokens) in batches: grouped by
     the engine that replays it and the intervention, one `scan_batch` per group. A group whose
     batch fails is left to the per-trace replay, which then scans (and reports) each alone."""
-    counts = JobCounts()
+    counts = _JobCounts()
     groups: dict[tuple[int, Intervention], tuple[Engine, list[tuple[_Pending, int]]]] = {}
     for p in pending:
         if p.trace is None or not p.trace.greedy:
