@@ -12,7 +12,7 @@ duplicates a result and never leaves one half-written.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, cast
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -27,7 +27,6 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.orm import Mapped, mapped_column
-from sqlalchemy.sql.elements import ColumnElement
 
 from replay_audit.db.base import Base, utcnow
 from replay_audit.db.types import Int32Array, PackedInt32Array
@@ -168,10 +167,6 @@ class ReplayResult(Base):
     #: margin track and text; the single-step re-run; the semantic answers.
     detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
-
-
-def result_screen(result: Any = ReplayResult) -> ColumnElement[str | None]:
-    """SQL of a result's screen (`formats.Screen`: what a scan-then-decode run did with the
-    trace), read out of its detail JSON (NULL in the other modes): `result` is the table or an
-    alias of it."""
-    return cast("ColumnElement[str | None]", result.detail["screen"].as_string())
+    #: What a scan-then-decode run did with the trace (`formats.Screen`: flagged, control,
+    #: scanned), NULL in the other modes; a scanned result has exact_match and category NULL.
+    screen: Mapped[str | None] = mapped_column(String(16), nullable=True)

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, aliased
 
 from replay_audit.db.base import utcnow
 from replay_audit.replays.domain import LoggedTrace
-from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun, result_screen
+from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
 from replay_audit.replays.results import failed_values, figures
 from replay_audit.stats.report import AnswerFigures, PairedOutcome, ResultFigures, TraceRef
 from replay_audit.traces.models import Trace
@@ -216,7 +216,7 @@ _FIGURE_COLUMNS = (
     R.answer_extractor,
     R.answer_a,
     R.answer_b,
-    result_screen().label("screen"),
+    R.screen,
     Trace.public_id,
     Trace.external_id,
 )

@@ -93,7 +93,6 @@ def result_values(comparison: int, outcome: ReplayOutcome) -> dict[str, Any]:
     semantic = outcome.semantic
     detail = {
         "mode": outcome.mode,
-        "screen": outcome.screen,
         "external_id": outcome.external_id,
         "single_step": _single_step_json(outcome.single_step),
         "semantic": semantic.to_dict() if semantic is not None else None,
@@ -125,6 +124,7 @@ def result_values(comparison: int, outcome: ReplayOutcome) -> dict[str, Any]:
         "output_b": _tokens(b),
         "output_a": _tokens(a),
         "detail": detail,
+        "screen": outcome.screen,
     }
 
 
@@ -238,7 +238,7 @@ def result_json(row: Any, trace_public_id: str, run_public_id: str) -> dict[str,
         "cascade_length": row.cascade_length,
         "length_difference": row.length_difference,
         "mode": detail.get("mode"),
-        "screen": detail.get("screen"),
+        "screen": row.screen,
         "arms": {"a": arm_a, "b": arm_b} if ok else None,
         "single_step": single,
         "semantic": _semantic_read(detail.get("semantic")),
@@ -327,15 +327,5 @@ def figures(row: Any, trace_public_id: str, external_id: str | None) -> ResultFi
         answer_extractor=row.answer_extractor,
         answer_a=row.answer_a,
         answer_b=row.answer_b,
-        screen=_screen(row),
+        screen=row.screen,
     )
-
-
-def _screen(row: Any) -> str | None:
-    """The result's screen: a column of a figures row (`repository.result_figures` reads it out
-    of the detail JSON), or the detail JSON of an ORM row."""
-    if hasattr(row, "screen"):
-        return row.screen  # type: ignore[no-any-return]
-    detail = getattr(row, "detail", None) or {}
-    screen = detail.get("screen")
-    return str(screen) if screen is not None else None

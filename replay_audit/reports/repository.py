@@ -25,7 +25,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session, aliased
 
-from replay_audit.replays.models import ReplayResult, ReplayRun, result_screen
+from replay_audit.replays.models import ReplayResult, ReplayRun
 from replay_audit.reports.filters import ResultFilter, RunFilter
 from replay_audit.traces.models import Trace
 
@@ -285,7 +285,7 @@ def export_batch(
         Trace.model_name,
         Trace.tags,
         Trace.reference_answer.is_not(None).label("has_reference_answer"),
-        result_screen().label("screen"),
+        R.screen,
     ]
     if full:
         # The columns `replays.results.result_json` reads (a row, not an entity: no ORM
