@@ -201,7 +201,7 @@ def replay(
         resolve_mode,
     )
     from replay_audit.replays.models import ReplayResult
-    from replay_audit.replays.replayer import replay_trace
+    from replay_audit.replays.replayer import ScanRequest, replay_trace, scan_traces
     from replay_audit.replays.results import figures, result_read, result_values
     from replay_audit.stats.report import ComparisonInput, run_statistics
     from replay_audit.traces.schemas import TraceCreate
@@ -232,10 +232,11 @@ def replay(
             _fail(f"{traces}:{n}: not a valid trace: {where}: {err['msg']}")
     if not parsed:
         _fail(f"{traces} holds no trace")
+    settings = Settings()
     run_mode = resolve_mode(
         mode,  # type: ignore[arg-type]  # checked by _choice
         len(parsed),
-        Settings().large_run_traces,
+        settings.large_run_traces,
     )
     pool = EnginePool(device=device, cache=kv_cache)  # type: ignore[arg-type]
     try:
@@ -251,13 +252,29 @@ def replay(
             )
 
     _set_threads(threads)
+    logged = [LoggedTrace.from_json(tr.model_dump()) for tr in parsed]
+    scans: list[Any] = [None] * len(logged)
+    if run_mode != "decode":  # every trace's scan first, several per forward
+        batched = scan_traces(
+            [ScanRequest(t, target, model) for t in logged],
+            pool,
+            top_k=top_k,
+            token_budget=settings.scan_token_budget,
+        )
+        scans = list(batched.runs)
+        rate = batched.scanned / batched.seconds if batched.seconds > 0 else 0.0
+        typer.echo(
+            f"scanned {batched.scanned} traces in {batched.forwards} forward(s), "
+            f"{batched.seconds:.2f} s ({rate:.1f} traces/s)",
+            err=True,
+        )
     rows: list[Any] = []
     with out.open("w", encoding="utf-8") as f, _progress() as bar:
         task = bar.add_task(f"replay in {dtype}", total=len(parsed))
         for i, tr in enumerate(parsed):
             try:
                 r = replay_trace(
-                    LoggedTrace.from_json(tr.model_dump()),
+                    logged[i],
                     target,
                     pool,
                     model_dir=model,
@@ -267,6 +284,7 @@ def replay(
                     check_weights=False,
                     control=run_mode == "scan_then_decode"
                     and sample.includes(tr.external_id or f"line {i + 1}"),
+                    scan=scans[i],
                 )
             except ReplayAuditError as e:
                 _fail(e.message)

@@ -23,8 +23,11 @@ decoded here from the prompt, each with its target's intervention.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,9 +45,18 @@ from replay_audit.diff import (
     semantic_agreement,
 )
 from replay_audit.diff.answer import SemanticAgreement
+from replay_audit.engine.batch import plan_scan
 from replay_audit.engine.pool import EnginePool
-from replay_audit.engine.protocol import Engine, ScanRun, Steps, Target
-from replay_audit.exceptions import BadRequest, EngineError, ModelMismatch
+from replay_audit.engine.protocol import (
+    DEFAULT_SCAN_TOKEN_BUDGET,
+    Engine,
+    Intervention,
+    ScanItem,
+    ScanRun,
+    Steps,
+    Target,
+)
+from replay_audit.exceptions import BadRequest, EngineError, ModelMismatch, ReplayAuditError
 from replay_audit.formats import MODES, Category, MarginSource, Mode, Screen
 from replay_audit.replays.domain import (
     ArmMargin,
@@ -56,6 +68,73 @@ from replay_audit.replays.domain import (
 )
 
 LoggedEngineFactory = Callable[[Target], "Engine | None"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScanRequest:
+    """A trace to scan in a target, with the checkpoint it was logged with."""
+
+    trace: LoggedTrace
+    target: Target
+    model_dir: Path
+
+
+@dataclass(frozen=True)
+class BatchedScans:
+    """`scan_traces`' answer: each request's scan in order (None: not scanned in a batch; the
+    replay scans it alone and reports what went wrong), and what it cost."""
+
+    runs: list[ScanRun | None]
+    scanned: int
+    forwards: int
+    seconds: float
+
+
+def scan_traces(
+    requests: Sequence[ScanRequest],
+    pool: EnginePool,
+    *,
+    top_k: int = 5,
+    token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
+) -> BatchedScans:
+    """The scans `replay_trace` would run, several traces per forward: the requests grouped by
+    the engine that replays them (`replay_engine`) and the intervention, one `Engine.scan_batch`
+    per group (length buckets packed up to `token_budget` tokens). A request that cannot run
+    (non-greedy, no engine, another vocabulary) or whose group's batch fails gets None."""
+    runs: list[ScanRun | None] = [None] * len(requests)
+    groups: dict[tuple[int, Intervention], tuple[Engine, list[int]]] = {}
+    for i, r in enumerate(requests):
+        if not r.trace.greedy:
+            continue
+        try:
+            engine, resolved = replay_engine(r.trace, r.target, pool, r.model_dir)
+        except (ReplayAuditError, RuntimeError, ValueError, MemoryError):
+            continue  # the replay of the trace reports it
+        groups.setdefault((id(engine), resolved.intervention), (engine, []))[1].append(i)
+    scanned = forwards = 0
+    seconds = 0.0
+    for (_, iv), (engine, members) in groups.items():
+        items = [
+            ScanItem(
+                requests[i].trace.prompt_token_ids.tolist(),
+                requests[i].trace.output_token_ids.tolist(),
+            )
+            for i in members
+        ]
+        t0 = time.perf_counter()
+        try:
+            batch = engine.scan_batch(items, iv, top_k, token_budget=token_budget)
+        except (ReplayAuditError, RuntimeError, ValueError, MemoryError):
+            log.exception("batched scan of %d traces failed; scanning them one by one", len(items))
+            continue
+        seconds += time.perf_counter() - t0
+        scanned += len(items)
+        forwards += len(plan_scan(items, token_budget))
+        for i, run in zip(members, batch, strict=True):
+            runs[i] = run
+    return BatchedScans(runs, scanned, forwards, seconds)
 
 
 def _arm_margin(m: Margin | None, source: MarginSource) -> ArmMargin:

@@ -30,9 +30,8 @@ from pathlib import Path
 from replay_audit.config import Settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
-from replay_audit.engine.batch import plan_scan
 from replay_audit.engine.pool import EnginePool
-from replay_audit.engine.protocol import Engine, Intervention, ScanItem, ScanRun
+from replay_audit.engine.protocol import ScanRun
 from replay_audit.exceptions import ReplayAuditError
 from replay_audit.queue import stop_requested
 from replay_audit.replays import repository
@@ -45,7 +44,7 @@ from replay_audit.replays.domain import (
     RunTarget,
 )
 from replay_audit.replays.models import ReplayJob, ReplayRun
-from replay_audit.replays.replayer import compare_arms, replay_engine, replay_trace
+from replay_audit.replays.replayer import ScanRequest, compare_arms, replay_trace, scan_traces
 from replay_audit.replays.results import failed_values, result_values
 from replay_audit.traces.models import Trace
 
@@ -242,47 +241,30 @@ def _load_pending(url: str, spec: _RunSpec, trace_ids: Sequence[int]) -> list[_P
 
 
 def _scan_all(pending: list[_Pending], spec: _RunSpec, ctx: WorkerContext) -> _JobCounts:
-    """Scan every pending (trace, comparison against the logged tokens) in batches: grouped by
-    the engine that replays it and the intervention, one `scan_batch` per group. A group whose
-    batch fails is left to the per-trace replay, which then scans (and reports) each alone."""
-    counts = _JobCounts()
-    groups: dict[tuple[int, Intervention], tuple[Engine, list[tuple[_Pending, int]]]] = {}
+    """Scan every pending (trace, comparison against the logged tokens) in batches
+    (`replayer.scan_traces`); a pair left unscanned is scanned alone by its replay."""
+    pairs: list[tuple[_Pending, int]] = []
+    requests: list[ScanRequest] = []
     for p in pending:
-        if p.trace is None or not p.trace.greedy:
+        if p.trace is None:
             continue
+        try:
+            model_dir = find_checkpoint(p.trace.weights_sha256, ctx.settings.model_dirs, ctx.pool)
+        except ModelNotFound:
+            continue  # the per-trace replay reports it
         for c in p.missing:
             comparison = spec.comparisons[c]
-            if not comparison.against_logged:
-                continue
-            try:
-                model_dir = find_checkpoint(
-                    p.trace.weights_sha256, ctx.settings.model_dirs, ctx.pool
-                )
+            if comparison.against_logged:
                 target = spec.targets[comparison.b].resolve(p.trace.config)
-                engine, resolved = replay_engine(p.trace, target, ctx.pool, model_dir)
-            except (ModelNotFound, ReplayAuditError, RuntimeError, ValueError, MemoryError):
-                continue  # the per-trace replay reports it
-            key = (id(engine), resolved.intervention)
-            groups.setdefault(key, (engine, []))[1].append((p, c))
-    budget = ctx.settings.scan_token_budget
-    for (_, iv), (engine, members) in groups.items():
-        items = [
-            ScanItem(m.trace.prompt_token_ids.tolist(), m.trace.output_token_ids.tolist())
-            for m, _ in members
-            if m.trace is not None
-        ]
-        t0 = time.perf_counter()
-        try:
-            runs = engine.scan_batch(items, iv, spec.top_k, token_budget=budget)
-        except (ReplayAuditError, RuntimeError, ValueError, MemoryError):
-            log.exception("batched scan of %d traces failed; scanning them one by one", len(items))
-            continue
-        counts.scan_s += time.perf_counter() - t0
-        counts.scanned += len(items)
-        counts.forwards += len(plan_scan(items, budget))
-        for (m, c), run in zip(members, runs, strict=True):
-            m.scans[c] = run
-    return counts
+                pairs.append((p, c))
+                requests.append(ScanRequest(p.trace, target, model_dir))
+    scans = scan_traces(
+        requests, ctx.pool, top_k=spec.top_k, token_budget=ctx.settings.scan_token_budget
+    )
+    for (p, c), run in zip(pairs, scans.runs, strict=True):
+        if run is not None:
+            p.scans[c] = run
+    return _JobCounts(scanned=scans.scanned, scan_s=scans.seconds, forwards=scans.forwards)
 
 
 def _replay_one(p: _Pending, spec: _RunSpec, ctx: WorkerContext) -> list[dict[str, object]]:

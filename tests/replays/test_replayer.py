@@ -15,7 +15,7 @@ from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, we
 from replay_audit.exceptions import BadRequest, ModelMismatch
 from replay_audit.replays.domain import ArmMargin, LoggedTrace
 from replay_audit.replays.models import ReplayResult
-from replay_audit.replays.replayer import compare_arms, replay_trace
+from replay_audit.replays.replayer import ScanRequest, compare_arms, replay_trace, scan_traces
 from replay_audit.replays.results import result_read, result_values
 from replay_audit.traces.schemas import TraceCreate
 
@@ -354,3 +354,44 @@ def test_self_replay_of_a_kernel_this_host_lacks_falls_back_to_the_engine_defaul
     target = RunTarget(None).resolve(trace.config)
     r = replay_trace(trace, target, EnginePool(loader), model_dir=ckpt)
     assert r.exact_match and r.b.target is not None and r.b.target.attn_kernel is None
+
+
+def test_scan_traces_batches_per_engine_and_equals_each_scan(ckpt: Path) -> None:
+    engines: list[FakeEngine] = []
+
+    def loader(_: Path, target: Target) -> FakeEngine:
+        engines.append(FakeEngine(target, next_token=flipped(5e-4)))
+        return engines[-1]
+
+    pool = EnginePool(loader)
+    traces = [make_trace(ckpt, n=n) for n in (4, 8, 6)]
+    sampled = make_trace(ckpt, decoding={"strategy": "sample"})
+    c = Target("fp16", intervention=Intervention("C"))
+    requests = [
+        ScanRequest(traces[0], Target("fp16"), ckpt),
+        ScanRequest(sampled, Target("fp16"), ckpt),  # not greedy: left to its replay
+        ScanRequest(traces[1], c, ckpt),
+        ScanRequest(traces[2], Target("fp16"), ckpt),
+    ]
+    scans = scan_traces(requests, pool, top_k=3, token_budget=64)
+    assert scans.runs[1] is None and scans.scanned == 3
+    # One engine (the format), two interventions: two batched calls, no scan one by one.
+    [engine] = engines
+    assert engine.calls == ["scan_batch", "scan_batch"]
+    for r, run in zip(requests, scans.runs, strict=True):
+        if run is None:
+            continue
+        alone = engine.scan(
+            r.trace.prompt_token_ids.tolist(),
+            r.trace.output_token_ids.tolist(),
+            r.target.intervention,
+            3,
+        )
+        assert run.first_disagreement == alone.first_disagreement
+        assert (run.steps.token_ids == alone.steps.token_ids).all()
+    # The replay given a batched scan does not scan again.
+    engine.calls.clear()
+    out = replay_trace(
+        traces[1], c, pool, model_dir=ckpt, mode="scan_then_decode", scan=scans.runs[2], top_k=3
+    )
+    assert "scan" not in engine.calls and out.first_divergence_step == FLIP_AT
