@@ -16,6 +16,8 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from replay_audit.audits.metrics import DEFAULT_ALPHA, DEFAULT_MIN_N
+from replay_audit.engine.protocol import DEFAULT_SCAN_TOKEN_BUDGET
+from replay_audit.replays.domain import LARGE_RUN_TRACES
 
 PACKAGE_DIR: Final = Path(__file__).resolve().parent
 #: The committed small Llama checkpoint used by the demo and the tests.
@@ -65,6 +67,11 @@ class Settings(BaseSettings):
     #: a core: max(1, cores - 1).
     torch_threads: int | None = Field(default=None, ge=1)
     max_request_bytes: int = 256 * 1024 * 1024
+    #: A replay run (or an audit run) selecting at least this many traces and naming no `mode`
+    #: is replayed scan-then-decode (see `replays.domain.LARGE_RUN_TRACES`).
+    large_run_traces: int = Field(default=LARGE_RUN_TRACES, ge=1)
+    #: Tokens (padding included) per forward of a worker's batched scans.
+    scan_token_budget: int = Field(default=DEFAULT_SCAN_TOKEN_BUDGET, ge=1)
     #: Seconds before RQ kills a replay job (RQ's own default of 180 s is too short for a GPU).
     job_timeout_s: int = 3600
     #: Key that signs the web UI's session cookies (any long random string; every API process

@@ -86,6 +86,13 @@ def ulp(x: float, fmt: str | Format) -> float:
 Mode = Literal["decode", "scan", "scan_then_decode"]
 MODES: Final[tuple[Mode, ...]] = ("decode", "scan", "scan_then_decode")
 
+#: What a scan-then-decode run did with a trace (replays/replayer.py): `flagged`, the scan found
+#: a disagreement and the trace was decoded from it; `control`, not flagged but decoded in full
+#: (the random control sample that measures what the scan misses); `scanned`, not flagged and
+#: only scanned: its exact match is not established, and no statistic counts it as one.
+Screen = Literal["flagged", "control", "scanned"]
+SCREENS: Final[tuple[Screen, ...]] = ("flagged", "control", "scanned")
+
 #: The paper's interventions (section 4), applied at gated steps.
 InterventionKind = Literal["none", "A", "B", "C"]
 INTERVENTION_KINDS: Final[tuple[InterventionKind, ...]] = ("none", "A", "B", "C")

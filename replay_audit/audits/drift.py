@@ -3,8 +3,9 @@
 
 Pure (no database): the evaluation job, the trend endpoint and the tests share it.
 
-Trend point (one per audit run): per comparison its counts, EAR (with the Wilson interval),
-trigger rate and category counts; and the schedule page's headline numbers:
+Trend point (one per audit run): per comparison its EAR (with the Wilson interval; in a
+scan-then-decode run, the estimated EAR of all scanned traces and its interval, see
+`stats/report.py`), trigger rate and category counts; and the schedule page's headline numbers:
     ear             EAR of the first comparison that is not the self-replay (the baseline)
     c_lift          the statistics' lift of the comparison whose target uses Intervention C over
                     the baseline, when the baseline has no intervention
@@ -98,9 +99,11 @@ def run_metrics(stats: RunStatistics, targets: Sequence[RunTarget]) -> RunMetric
                 intervention="none" if is_self else kind,
                 n=c.ok,
                 failed=c.failed,
-                ear=c.ear.estimate,
-                ear_low=c.ear.low,
-                ear_high=c.ear.high,
+                # A scan-then-decode run's EAR over all scanned traces (its decoded EAR leaves
+                # out the traces only scanned): comparable with a decode run's.
+                ear=c.screening.ear.estimate if c.screening is not None else c.ear.estimate,
+                ear_low=c.screening.ear.low if c.screening is not None else c.ear.low,
+                ear_high=c.screening.ear.high if c.screening is not None else c.ear.high,
                 exact=c.ear.successes,
                 trigger_rate=c.trigger_rate,
                 categories={k: v.successes for k, v in c.categories.items()},

@@ -43,6 +43,7 @@ from replay_audit.audits.webhook import ErrorClass
 from replay_audit.exceptions import FieldError
 from replay_audit.formats import Mode
 from replay_audit.input import InputModel, Lax
+from replay_audit.replays.domain import DEFAULT_CONTROL_FRACTION, DEFAULT_CONTROL_SEED
 from replay_audit.replays.schemas import (
     MAX_REPLAY_TRACES,
     TARGETS_RULE,
@@ -108,7 +109,11 @@ class ScheduleReplay(InputModel):
     model_config = ConfigDict(json_schema_extra=TARGETS_RULE)
 
     targets: list[TargetSpec] = Field(default_factory=list)
-    mode: Mode = "decode"
+    #: None: each run by the large-run rule on the traces it samples (scan-then-decode from
+    #: `REPLAY_AUDIT_LARGE_RUN_TRACES` sampled traces up, decode below).
+    mode: Mode | None = None
+    control_fraction: float = Field(default=DEFAULT_CONTROL_FRACTION, ge=0, le=1)
+    control_seed: int = Field(default=DEFAULT_CONTROL_SEED, ge=0, le=2**53)
     compare: Literal["logged", "pairwise"] = "logged"
     pairs: list[Annotated[tuple[TargetIndex, TargetIndex], Lax]] | None = None
     compare_with: Literal["self"] | None = None

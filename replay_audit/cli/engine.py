@@ -15,6 +15,7 @@ import typer
 
 from replay_audit.cli import app
 from replay_audit.formats import CACHE_KINDS
+from replay_audit.replays.domain import DEFAULT_CONTROL_FRACTION, DEFAULT_CONTROL_SEED
 
 _DTYPES = ("fp32", "bf16", "fp16")
 _HEAD_DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
@@ -168,7 +169,25 @@ def replay(
     tau: Annotated[float | None, typer.Option(help="Gate threshold (default 1e-3).")] = None,
     tau_ulps: Annotated[float | None, typer.Option(help="Gate threshold in ulps.")] = None,
     top_k_b: Annotated[int, typer.Option(min=1, help="K of intervention B.")] = 8,
-    mode: Annotated[str, typer.Option(help="decode, scan or scan_then_decode.")] = "decode",
+    mode: Annotated[
+        str | None,
+        typer.Option(
+            help="decode, scan or scan_then_decode (default: scan_then_decode from "
+            "REPLAY_AUDIT_LARGE_RUN_TRACES traces, decode below)."
+        ),
+    ] = None,
+    control_fraction: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="scan_then_decode: share of the traces the scan does not flag that are "
+            "decoded anyway (the control sample that estimates the scan's miss rate).",
+        ),
+    ] = DEFAULT_CONTROL_FRACTION,
+    control_seed: Annotated[
+        int, typer.Option(min=0, help="Seed of the control sample.")
+    ] = DEFAULT_CONTROL_SEED,
     batch_size: Annotated[int, typer.Option(min=1)] = 1,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
     top_k: Annotated[int, typer.Option(min=2, max=20, help="Top-k kept per step.")] = 5,
@@ -201,12 +220,25 @@ def replay(
     from pydantic import ValidationError
 
     from replay_audit.cli.shutdown import signals_deferred
+    from replay_audit.config import Settings
     from replay_audit.engine import EnginePool, Intervention, Target
     from replay_audit.engine.hashing import NoWeightsError
     from replay_audit.exceptions import ReplayAuditError
-    from replay_audit.replays.domain import Comparison, LoggedTrace, RunTarget, comparison_label
+    from replay_audit.replays.domain import (
+        Comparison,
+        ControlSample,
+        LoggedTrace,
+        RunTarget,
+        comparison_label,
+        resolve_mode,
+    )
     from replay_audit.replays.models import ReplayResult
-    from replay_audit.replays.replayer import check_replayable, replay_trace
+    from replay_audit.replays.replayer import (
+        ScanRequest,
+        check_replayable,
+        replay_trace,
+        scan_traces,
+    )
     from replay_audit.replays.results import (
         figures,
         figures_from_json,
@@ -220,6 +252,7 @@ def replay(
     _choice(lm_head_dtype, _HEAD_DTYPES, "--lm-head-dtype")
     _choice(intervention, ("none", "A", "B", "C"), "--intervention")
     _choice(mode, ("decode", "scan", "scan_then_decode"), "--mode")
+    sample = ControlSample(control_fraction, control_seed)
     _choice(kv_cache, CACHE_KINDS, "--kv-cache")
     if tau is not None and tau_ulps is not None:
         _fail("give --tau or --tau-ulps, not both")
@@ -261,15 +294,38 @@ def replay(
                 f"{tr.model.weights_sha256}: refusing to replay it against other weights"
             )
 
+    settings = Settings()
+    run_mode = resolve_mode(
+        mode,  # type: ignore[arg-type]  # checked by _choice
+        len(parsed),
+        settings.large_run_traces,
+    )
     names = [tr.external_id or f"line {n}" for n, tr, _ in parsed]
     done: dict[str, dict[str, Any]] = {}
     if resume:
-        done = _results_written(out, names, target, mode)
+        done = _results_written(out, names, target, run_mode)
     rows = [
         figures_from_json(done[name], i, tr.external_id)
         for i, (name, (_, tr, _)) in enumerate(zip(names, parsed, strict=True))
         if name in done
     ]
+    todo = [i for i, name in enumerate(names) if name not in done]
+    scans: list[Any] = [None] * len(parsed)
+    if run_mode != "decode" and todo:  # every trace's scan first, several per forward
+        batched = scan_traces(
+            [ScanRequest(parsed[i][2], target, model) for i in todo],
+            pool,
+            top_k=top_k,
+            token_budget=settings.scan_token_budget,
+        )
+        for i, scanned in zip(todo, batched.runs, strict=True):
+            scans[i] = scanned
+        rate = batched.scanned / batched.seconds if batched.seconds > 0 else 0.0
+        typer.echo(
+            f"scanned {batched.scanned} traces in {batched.forwards} forward(s), "
+            f"{batched.seconds:.2f} s ({rate:.1f} traces/s)",
+            err=True,
+        )
     interrupted = False
     with out.open("a" if resume else "w", encoding="utf-8") as f, _progress() as bar:
         task = bar.add_task(f"replay in {dtype}", total=len(parsed), completed=len(rows))
@@ -284,10 +340,12 @@ def replay(
                         target,
                         pool,
                         model_dir=model,
-                        mode=mode,  # type: ignore[arg-type]
+                        mode=run_mode,
                         top_k=top_k,
                         extractor=extractor,
                         check_weights=False,
+                        control=run_mode == "scan_then_decode" and sample.includes(name),
+                        scan=scans[i],
                     )
                 except ReplayAuditError as e:
                     _fail(f"{traces}:{n}: " + (f"{e.field}: " if e.field else "") + e.message)
@@ -313,11 +371,22 @@ def replay(
         rows.sort(key=lambda x: x.trace_id)
         # One comparison, T0 against the logged tokens, labelled as a run's would be.
         label = comparison_label(Comparison(0, "logged", 0), [RunTarget(target)])
-        stats = run_statistics("offline", [ComparisonInput(0, "logged", 0, label, False, rows)])
+        screening = run_mode == "scan_then_decode"
+        comparison = ComparisonInput(
+            0,
+            "logged",
+            0,
+            label,
+            False,
+            rows,
+            control_fraction=sample.fraction if screening else None,
+            control_seed=sample.seed if screening else None,
+        )
+        stats = run_statistics("offline", [comparison])
         summary = {
             **stats.comparisons[0].model_dump(mode="json"),
             "target": target.to_dict(),
-            "mode": mode,
+            "mode": run_mode,
             "traces": len(parsed),
             "interrupted": interrupted,
         }
@@ -410,6 +479,29 @@ def _print_summary(s: dict[str, Any]) -> None:
                 f"{s['sar_neither_answered']} with no answer in either arm)",
             )
         )
+    screening = s.get("screening")
+    if screening is not None:
+        rows += _screening_rows(screening)
     for k, v in rows:
         table.add_row(k, v)
     Console().print(table)
+
+
+def _screening_rows(sc: dict[str, Any]) -> list[tuple[str, str]]:
+    """A scan-then-decode summary: what was scanned and decoded, and the scan's miss rate."""
+
+    def est(e: dict[str, Any]) -> str:
+        return f"{_fmt(e['estimate'], '.1%')} [{_fmt(e['low'], '.1%')}, {_fmt(e['high'], '.1%')}]"
+
+    return [
+        ("scanned", str(sc["scanned"])),
+        ("decoded (flagged + control)", f"{sc['decoded']} ({sc['flagged']} + {sc['control']})"),
+        ("only scanned (not in EAR)", str(sc["scanned_only"])),
+        (
+            "control sample",
+            f"{sc['control']} ({sc['control_diverged']} diverged; fraction "
+            f"{_fmt(sc['control_fraction'])}, seed {_fmt(sc['control_seed'])})",
+        ),
+        ("estimated miss rate", est(sc["miss_rate"])),
+        ("estimated EAR, all scanned", est(sc["ear"])),
+    ]

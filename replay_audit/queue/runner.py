@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import QueueUnavailable
+from replay_audit.replays.domain import LARGE_RUN_TRACES
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +302,10 @@ class JobQueue:
     capabilities: Capabilities
     #: The queue of targets that name no device (`Settings.default_queue`).
     default_queue: str = "gpu"
+    #: Runs of at least this many traces that name no mode are replayed scan-then-decode
+    #: (`Settings.large_run_traces`): how the deployment plans large runs, read where runs are
+    #: created (requests, audits, the CLI), all of which build their queue here.
+    large_run_traces: int = LARGE_RUN_TRACES
 
     def check(self) -> None:
         """`QueueUnavailable` when the queue cannot take work now (before anything is stored)."""
@@ -324,6 +329,7 @@ def build_job_queue(settings: Settings, runner: Runner | None = None) -> JobQueu
     return JobQueue(
         runner=runner or get_runner(settings),
         job_timeout_s=settings.job_timeout_s,
+        large_run_traces=settings.large_run_traces,
         capabilities=Capabilities(
             runner=settings.runner,
             cuda=settings.runner == "inprocess" and _has_cuda_device(),

@@ -9,6 +9,7 @@
     ArmOutcome     one arm of a replayed comparison: tokens, margins, gate firings, environment.
     SingleStep     the from-scratch re-run at t* in both formats.
     ReplayOutcome  the answer for one (trace, comparison): t*, category, both arms.
+    ControlSample  which unflagged traces a scan-then-decode run decodes anyway (seeded).
 
 Arms are `a` and `b` everywhere; "logged" is only the name of a source (arm A of a comparison
 against the logged tokens). The engine's own values (`Target`, `Intervention`) live in
@@ -18,11 +19,12 @@ this package. Pure: stdlib and numpy.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -38,10 +40,51 @@ from replay_audit.formats import (
     Device,
     MarginSource,
     Mode,
+    Screen,
     TopKValues,
     logged_by_another_engine,
 )
 from replay_audit.traces.selection import is_greedy
+
+#: A "large run": a run selecting at least this many traces and naming no `mode` is replayed
+#: scan-then-decode (`resolve_mode`); smaller ones decode every trace. At 1,000 traces the
+#: default 5% control sample holds about 50 traces, enough for a miss-rate interval a few points
+#: wide; below it, decoding everything costs minutes, not hours. `REPLAY_AUDIT_LARGE_RUN_TRACES`
+#: changes it per deployment.
+LARGE_RUN_TRACES: Final = 1000
+#: Share of the traces the scan does not flag that a scan-then-decode run decodes anyway.
+DEFAULT_CONTROL_FRACTION: Final = 0.05
+#: Seed of the control sample when a request names none.
+DEFAULT_CONTROL_SEED: Final = 0
+
+
+def resolve_mode(requested: Mode | None, n_traces: int, large_run_traces: int) -> Mode:
+    """The mode a run replays in: the one requested, else scan-then-decode for a large run
+    (at least `large_run_traces` traces) and decode for a smaller one."""
+    if requested is not None:
+        return requested
+    return "scan_then_decode" if n_traces >= large_run_traces else "decode"
+
+
+@dataclass(frozen=True)
+class ControlSample:
+    """The control sample of a scan-then-decode run: each trace the scan does not flag is
+    decoded in full with probability `fraction`, decided by a hash of (`seed`, the trace's id).
+    Every job decides alone, a retried job decides the same, and the same seed over the same
+    traces draws the same sample; each unflagged trace is in it independently, so the sample is
+    a simple random sample of the unflagged traces given its size."""
+
+    fraction: float = DEFAULT_CONTROL_FRACTION
+    seed: int = DEFAULT_CONTROL_SEED
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError("the control fraction is a share: 0 to 1")
+
+    def includes(self, trace_key: str) -> bool:
+        """Whether the trace named `trace_key` (its public id) is in the sample."""
+        digest = hashlib.sha256(f"control:{self.seed}:{trace_key}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2.0**64 < self.fraction
 
 
 def logging_engine(config_json: str) -> str:
@@ -378,9 +421,10 @@ class ReplayOutcome:
     """The answer for one trace and one comparison (DESIGN.md field names)."""
 
     mode: Mode
-    exact_match: bool
+    #: None where no decode established it: a trace a scan-then-decode run only scanned.
+    exact_match: bool | None
     first_divergence_step: int | None
-    category: Category
+    category: Category | None
     #: Either arm's margin at t* is exactly 0 (a tie in that arm's format).
     tie: bool
     cascade_length: int | None
@@ -390,6 +434,8 @@ class ReplayOutcome:
     single_step: SingleStep | None = None
     semantic: SemanticAgreement | None = None
     external_id: str | None = None
+    #: What a scan-then-decode run did with the trace (None in the other modes).
+    screen: Screen | None = None
 
     @property
     def gate_triggers(self) -> int:

@@ -34,7 +34,9 @@ def create_replay(
     principal: Writer,
     response: Response,
 ) -> ReplayCreated:
-    """Replay stored traces in one or more target configurations (queued; poll the run)."""
+    """Replay stored traces in one or more target configurations (queued; poll the run). With
+    no `mode`, a large run (`REPLAY_AUDIT_LARGE_RUN_TRACES` traces or more) is replayed
+    scan-then-decode, a smaller one decoded."""
     run, created = service.create_replay(session, principal.project_id, body, queue)
     if not created:
         response.status_code = status.HTTP_200_OK

@@ -30,7 +30,13 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from replay_audit.db.base import Base, utcnow
 from replay_audit.db.types import Int32Array, PackedInt32Array
-from replay_audit.replays.domain import Comparison, RunTarget
+from replay_audit.replays.domain import (
+    DEFAULT_CONTROL_FRACTION,
+    DEFAULT_CONTROL_SEED,
+    Comparison,
+    ControlSample,
+    RunTarget,
+)
 
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 #: Longest run name, in characters (migration 0007's column).
@@ -84,6 +90,19 @@ class ReplayRun(Base):
     @property
     def run_comparisons(self) -> tuple[Comparison, ...]:
         return tuple(Comparison.from_json(c) for c in self.comparisons)
+
+    @property
+    def control_sample(self) -> ControlSample | None:
+        """The control sample of a scan-then-decode run (as its request recorded it; the
+        defaults for a run whose request predates the fields), None in the other modes."""
+        if self.mode != "scan_then_decode":
+            return None
+        fraction = self.request.get("control_fraction")
+        seed = self.request.get("control_seed")
+        return ControlSample(
+            DEFAULT_CONTROL_FRACTION if fraction is None else float(fraction),
+            DEFAULT_CONTROL_SEED if seed is None else int(seed),
+        )
 
 
 class ReplayJob(Base):
@@ -157,3 +176,6 @@ class ReplayResult(Base):
     #: margin track and text; the single-step re-run; the semantic answers.
     detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    #: What a scan-then-decode run did with the trace (`formats.Screen`: flagged, control,
+    #: scanned), NULL in the other modes; a scanned result has exact_match and category NULL.
+    screen: Mapped[str | None] = mapped_column(String(16), nullable=True)

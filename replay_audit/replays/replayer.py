@@ -6,8 +6,14 @@ Modes:
     scan              one teacher-forced forward over prompt ‖ logged output; t* is the first
                       position whose choice differs from the logged token. A screen: the
                       replayed arm's own continuation after t* is not computed.
-    scan_then_decode  scan, then decode only from the scan's first disagreement s (prefill
-                      prompt ‖ logged[:s]); none found: the trace replays exactly.
+    scan_then_decode  scan; a trace the scan flags (first disagreement s) is decoded from s
+                      (prefill prompt ‖ logged[:s]); one it does not flag is decoded in full
+                      when it is in the run's control sample (`control=True`), and otherwise
+                      only scanned: its outcome says so (`screen="scanned"`, `exact_match`
+                      None), because a flip that needs the decode's KV cache is invisible to a
+                      teacher-forced scan. The control sample measures how many that misses.
+                      A flagged trace's decode starts at s: a flip before s that only a decode
+                      from the prompt would show is not looked for.
 
 `replay_trace`: arm A is the trace as logged (its top-k, when logged, gives its margin at t*;
 otherwise that margin is reconstructed by re-running the logged format here, and the outcome
@@ -17,8 +23,11 @@ decoded here from the prompt, each with its target's intervention.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +46,19 @@ from replay_audit.diff import (
     semantic_agreement,
 )
 from replay_audit.diff.answer import SemanticAgreement
+from replay_audit.engine.batch import plan_scan
 from replay_audit.engine.pool import EnginePool
-from replay_audit.engine.protocol import Engine, Steps, Target
-from replay_audit.exceptions import BadRequest, EngineError, ModelMismatch
-from replay_audit.formats import MODES, Category, MarginSource, Mode
+from replay_audit.engine.protocol import (
+    DEFAULT_SCAN_TOKEN_BUDGET,
+    Engine,
+    Intervention,
+    ScanItem,
+    ScanRun,
+    Steps,
+    Target,
+)
+from replay_audit.exceptions import BadRequest, EngineError, ModelMismatch, ReplayAuditError
+from replay_audit.formats import MODES, Category, MarginSource, Mode, Screen
 from replay_audit.replays.domain import (
     ArmMargin,
     ArmOutcome,
@@ -51,6 +69,73 @@ from replay_audit.replays.domain import (
 )
 
 LoggedEngineFactory = Callable[[Target], "Engine | None"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScanRequest:
+    """A trace to scan in a target, with the checkpoint it was logged with."""
+
+    trace: LoggedTrace
+    target: Target
+    model_dir: Path
+
+
+@dataclass(frozen=True)
+class BatchedScans:
+    """`scan_traces`' answer: each request's scan in order (None: not scanned in a batch; the
+    replay scans it alone and reports what went wrong), and what it cost."""
+
+    runs: list[ScanRun | None]
+    scanned: int
+    forwards: int
+    seconds: float
+
+
+def scan_traces(
+    requests: Sequence[ScanRequest],
+    pool: EnginePool,
+    *,
+    top_k: int = 5,
+    token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
+) -> BatchedScans:
+    """The scans `replay_trace` would run, several traces per forward: the requests grouped by
+    the engine that replays them (`replay_engine`) and the intervention, one `Engine.scan_batch`
+    per group (length buckets packed up to `token_budget` tokens). A request that cannot run
+    (non-greedy, no engine, another vocabulary) or whose group's batch fails gets None."""
+    runs: list[ScanRun | None] = [None] * len(requests)
+    groups: dict[tuple[int, Intervention], tuple[Engine, list[int]]] = {}
+    for i, r in enumerate(requests):
+        if not r.trace.greedy:
+            continue
+        try:
+            engine, resolved = replay_engine(r.trace, r.target, pool, r.model_dir)
+        except (ReplayAuditError, RuntimeError, ValueError, MemoryError):
+            continue  # the replay of the trace reports it
+        groups.setdefault((id(engine), resolved.intervention), (engine, []))[1].append(i)
+    scanned = forwards = 0
+    seconds = 0.0
+    for (_, iv), (engine, members) in groups.items():
+        items = [
+            ScanItem(
+                requests[i].trace.prompt_token_ids.tolist(),
+                requests[i].trace.output_token_ids.tolist(),
+            )
+            for i in members
+        ]
+        t0 = time.perf_counter()
+        try:
+            batch = engine.scan_batch(items, iv, top_k, token_budget=token_budget)
+        except (ReplayAuditError, RuntimeError, ValueError, MemoryError):
+            log.exception("batched scan of %d traces failed; scanning them one by one", len(items))
+            continue
+        seconds += time.perf_counter() - t0
+        scanned += len(items)
+        forwards += len(plan_scan(items, token_budget))
+        for i, run in zip(members, batch, strict=True):
+            runs[i] = run
+    return BatchedScans(runs, scanned, forwards, seconds)
 
 
 def _arm_margin(m: Margin | None, source: MarginSource) -> ArmMargin:
@@ -143,9 +228,16 @@ def replay_trace(
     extractor: str | Extractor | None = None,
     top_k: int = 5,
     check_weights: bool = True,
+    scan: ScanRun | None = None,
+    control: bool = False,
 ) -> ReplayOutcome:
     """Replay `trace` in `target` (an attention kernel of None means the logged one) and diff it
     against the logged output (arm A).
+
+    In the scan modes, `scan` is the trace's scan already run in `target` (a batched scan of
+    many traces, `Engine.scan_batch`); None runs it here. `control` (scan_then_decode): the
+    trace is in the run's control sample, so it is decoded in full even when the scan does not
+    flag it.
 
     Raises `ModelMismatch` when the checkpoint is not the one the trace was logged with,
     `BadRequest` for a non-greedy trace, `UnsupportedFormat` when the target cannot run here.
@@ -157,41 +249,26 @@ def replay_trace(
         raise BadRequest(f"mode must be one of {MODES}, got {mode!r}", field="mode")
     d = Path(model_dir)
     _check_trace(trace, pool, d, check_weights)
-    requested_kernel = target.attn_kernel
-    if target.attn_kernel is None:
-        target = Target(
-            target.dtype,
-            target.lm_head_dtype,
-            trace.config.attn_kernel,
-            target.batch_size,
-            target.intervention,
-        )
-    engine = _load(pool, d, target, requested_kernel)
-    # The kernel that was loaded (the engine's default when the logged one cannot run here).
-    target = Target(
-        target.dtype,
-        target.lm_head_dtype,
-        engine.target.attn_kernel,
-        target.batch_size,
-        target.intervention,
-    )
-    if engine.vocab_size != trace.vocab_size:
-        raise ModelMismatch(
-            f"checkpoint vocabulary is {engine.vocab_size}, the trace's {trace.vocab_size}",
-            field="model.vocab_size",
-        )
+    engine, target = replay_engine(trace, target, pool, d)
     iv = target.intervention
     prompt = trace.prompt_token_ids.tolist()
     logged = trace.output_token_ids.tolist()
     budget, eos = trace.budget()
 
+    screen: Screen | None = None
     if mode == "decode":
         run = engine.decode(prompt, budget, eos, iv, top_k)
         replay_ids, steps = run.output_token_ids, run.steps
     else:
-        scan = engine.scan(prompt, logged, iv, top_k)
+        if scan is None:
+            scan = engine.scan(prompt, logged, iv, top_k)
         s = scan.first_disagreement
-        if s is None:
+        if s is None and mode == "scan_then_decode" and control:
+            run = engine.decode(prompt, budget, eos, iv, top_k)
+            replay_ids, steps, screen = run.output_token_ids, run.steps, "control"
+        elif s is None and mode == "scan_then_decode":
+            return _scanned_only(trace, engine, target, scan.steps, logged)
+        elif s is None:
             replay_ids, steps = logged, scan.steps
         elif mode == "scan":
             replay_ids = [*logged[:s], int(scan.steps.token_ids[s])]
@@ -200,6 +277,7 @@ def replay_trace(
             run = engine.decode(prompt, budget, eos, iv, top_k, forced_prefix=logged[:s])
             replay_ids = run.output_token_ids
             steps = Steps.concat([scan.steps.slice(0, s), run.steps])
+            screen = "flagged"
 
     factory = logged_engine_factory or _default_logged_factory(pool, d)
     logged_target = trace.config
@@ -264,7 +342,64 @@ def replay_trace(
         single_step=single,
         semantic=_semantic(trace, engine, logged, replay_ids, extractor) if decoded_fully else None,
         external_id=trace.external_id,
+        screen=screen,
     )
+
+
+def _scanned_only(
+    trace: LoggedTrace, engine: Engine, target: Target, steps: Steps, logged: list[int]
+) -> ReplayOutcome:
+    """A trace a scan-then-decode run only scanned: the scan agreed with the logged output at
+    every step, and no decode says whether the replay does. Not an exact match, not agreed:
+    unknown (`exact_match` and `category` None), with the scan's steps as arm B's."""
+    return ReplayOutcome(
+        mode="scan_then_decode",
+        exact_match=None,
+        first_divergence_step=None,
+        category=None,
+        tie=False,
+        cascade_length=None,
+        length_difference=None,
+        a=ArmOutcome(
+            target=trace.config, output_token_ids=None, margin=None, text=trace.output_text
+        ),
+        b=_arm(engine, target, steps, None, None, logged),
+        external_id=trace.external_id,
+        screen="scanned",
+    )
+
+
+def replay_engine(
+    trace: LoggedTrace, target: Target, pool: EnginePool, model_dir: Path
+) -> tuple[Engine, Target]:
+    """The engine `replay_trace` replays `trace` in, and `target` with the kernel it loaded: an
+    attention kernel of None means the logged one, or the engine's default where that cannot
+    run here. `ModelMismatch` when the vocabularies differ. The job groups a batched scan's
+    traces by this engine."""
+    requested_kernel = target.attn_kernel
+    if target.attn_kernel is None:
+        target = Target(
+            target.dtype,
+            target.lm_head_dtype,
+            trace.config.attn_kernel,
+            target.batch_size,
+            target.intervention,
+        )
+    engine = _load(pool, model_dir, target, requested_kernel)
+    # The kernel that was loaded (the engine's default when the logged one cannot run here).
+    target = Target(
+        target.dtype,
+        target.lm_head_dtype,
+        engine.target.attn_kernel,
+        target.batch_size,
+        target.intervention,
+    )
+    if engine.vocab_size != trace.vocab_size:
+        raise ModelMismatch(
+            f"checkpoint vocabulary is {engine.vocab_size}, the trace's {trace.vocab_size}",
+            field="model.vocab_size",
+        )
+    return engine, target
 
 
 def _default_logged_factory(pool: EnginePool, model_dir: Path) -> LoggedEngineFactory:

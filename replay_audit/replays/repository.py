@@ -218,6 +218,7 @@ _FIGURE_COLUMNS = (
     R.answer_extractor,
     R.answer_a,
     R.answer_b,
+    R.screen,
     Trace.public_id,
     Trace.external_id,
 )
@@ -289,12 +290,20 @@ def paired_outcomes(
     session: Session, run_a: int, comparison_a: int, run_b: int, comparison_b: int
 ) -> list[PairedOutcome]:
     """Exact-match flags of (run_a, comparison_a) and (run_b, comparison_b) on the traces where
-    both are ok, by trace id: one indexed join, three small values per trace."""
+    both are ok and established (a trace a scan-then-decode run only scanned is neither exact
+    nor not), by trace id: one indexed join, three small values per trace."""
     a, b = aliased(ReplayResult), aliased(ReplayResult)
     stmt = (
         select(a.trace_id, _exact(a), _exact(b))
         .join(b, and_(b.trace_id == a.trace_id, b.run_id == run_b, b.comparison == comparison_b))
-        .where(a.run_id == run_a, a.comparison == comparison_a, a.status == "ok", b.status == "ok")
+        .where(
+            a.run_id == run_a,
+            a.comparison == comparison_a,
+            a.status == "ok",
+            b.status == "ok",
+            a.exact_match.is_not(None),
+            b.exact_match.is_not(None),
+        )
         .order_by(a.trace_id)
     )
     return [PairedOutcome(int(t), bool(x), bool(y)) for t, x, y in session.execute(stmt)]

@@ -128,6 +128,7 @@ def result_values(comparison: int, outcome: ReplayOutcome) -> dict[str, Any]:
         "output_b": _tokens(b),
         "output_a": _tokens(a),
         "detail": detail,
+        "screen": outcome.screen,
     }
 
 
@@ -249,6 +250,7 @@ def result_json(
         "cascade_length": row.cascade_length,
         "length_difference": row.length_difference,
         "mode": detail.get("mode"),
+        "screen": row.screen,
         "arms": {"a": arm_a, "b": arm_b} if ok else None,
         "single_step": single,
         "semantic": _semantic_read(detail.get("semantic")),
@@ -344,6 +346,7 @@ def figures(row: Any, trace_public_id: str, external_id: str | None) -> ResultFi
         answer_extractor=row.answer_extractor,
         answer_a=row.answer_a,
         answer_b=row.answer_b,
+        screen=row.screen,
     )
 
 

@@ -32,9 +32,22 @@ from pydantic import (
 
 from replay_audit.diff.margin import DEFAULT_TAU
 from replay_audit.engine.protocol import DEFAULT_B_TOP_K, Intervention, Target
-from replay_audit.formats import CATEGORIES, MODES, Category, MarginSource, Mode, RunStatus
+from replay_audit.formats import (
+    CATEGORIES,
+    MODES,
+    Category,
+    MarginSource,
+    Mode,
+    RunStatus,
+    Screen,
+)
 from replay_audit.input import InputModel, Lax, UtcDatetime
-from replay_audit.replays.domain import RunTarget
+from replay_audit.replays.domain import (
+    DEFAULT_CONTROL_FRACTION,
+    DEFAULT_CONTROL_SEED,
+    ControlSample,
+    RunTarget,
+)
 from replay_audit.replays.models import MAX_RUN_NAME
 from replay_audit.stats.report import RunStatistics
 from replay_audit.traces.schemas import BodyDTypeName, HeadDTypeName, Tag
@@ -194,7 +207,13 @@ class ReplayCreate(InputModel):
     trace_ids: list[str] | None = Field(default=None, min_length=1, max_length=MAX_REPLAY_TRACES)
     filter: TraceFilter | None = None
     targets: list[TargetSpec] = Field(default_factory=list, max_length=MAX_TARGETS)
-    mode: Mode = "decode"
+    #: None: scan_then_decode for a large run (`REPLAY_AUDIT_LARGE_RUN_TRACES` traces or more),
+    #: decode otherwise; the run's `mode` says which.
+    mode: Mode | None = None
+    #: scan_then_decode: the share of the traces the scan does not flag that are decoded
+    #: anyway (the control sample that estimates the scan's miss rate), and its seed.
+    control_fraction: float = Field(default=DEFAULT_CONTROL_FRACTION, ge=0, le=1)
+    control_seed: int = Field(default=DEFAULT_CONTROL_SEED, ge=0, le=2**53)
     compare: Literal["logged", "pairwise"] = "logged"
     pairs: list[Annotated[tuple[TargetIndex, TargetIndex], Lax]] | None = None
     compare_with: Literal["self"] | None = None
@@ -209,6 +228,9 @@ class ReplayCreate(InputModel):
     #: target, compared with the logged tokens) and reports the engine reproduction rate;
     #: "off": no such check.
     engine_check: Literal["auto", "off"] = "auto"
+
+    def control_sample(self) -> ControlSample:
+        return ControlSample(self.control_fraction, self.control_seed)
 
     @model_validator(mode="after")
     def _check(self) -> ReplayCreate:
@@ -252,7 +274,12 @@ class ReplayRead(_Frozen):
     targets: list[dict[str, Any]]
     comparisons: list[dict[str, Any]]
     n_traces: int
+    #: The mode the run replays in (a request naming none gets it by the large-run rule).
+    mode: Mode | None = None
     progress: Progress
+    #: Throughput: results (trace x comparison) written per second since the run started, until
+    #: it finished or now (None before the first result).
+    results_per_s: float | None = None
     error: str | None
     #: The run's statistics (the same object `/report` and the UI show): stored when the run
     #: finished, computed over the results so far while it runs.
@@ -333,6 +360,9 @@ class ReplayResultRead(_Frozen):
     cascade_length: int | None
     length_difference: int | None
     mode: Mode | None = None
+    #: scan_then_decode: flagged (decoded from the scan's first disagreement), control (not
+    #: flagged, decoded in full) or scanned (only scanned: `exact_match` and `category` null).
+    screen: Screen | None = None
     arms: ArmsRead | None = None
     single_step: dict[str, Any] | None = None
     semantic: dict[str, Any] | None = None

@@ -12,11 +12,13 @@ from typing import Final
 
 from sqlalchemy.orm import Session
 
+from replay_audit.db.base import utcnow
 from replay_audit.db.ids import new_public_id
 from replay_audit.exceptions import FieldError, NotFound
+from replay_audit.formats import Mode
 from replay_audit.queue import Capabilities, JobQueue
 from replay_audit.replays import repository, statistics
-from replay_audit.replays.domain import Comparison, RunTarget
+from replay_audit.replays.domain import Comparison, RunTarget, resolve_mode
 from replay_audit.replays.models import ReplayRun
 from replay_audit.replays.reconcile import job_spec
 from replay_audit.replays.results import result_read
@@ -33,9 +35,18 @@ from replay_audit.traces import repository as traces_repository
 from replay_audit.traces.models import Trace
 from replay_audit.traces.selection import is_greedy
 
-#: Traces per job: small enough that a killed job loses little, large enough that a GPU worker
-#: keeps its model busy between queue round trips.
+#: Traces per job of a decode run: small enough that a killed job loses little, large enough
+#: that a GPU worker keeps its model busy between queue round trips.
 TRACES_PER_JOB: Final = 16
+#: Traces per job by mode. A scan job scans its traces in batched forwards (up to the worker's
+#: scan token budget each: 32 traces of 512 tokens at the default 16k), so it takes many more
+#: traces for the same time; a scan-then-decode job also decodes the traces its scan flags (and
+#: its control sample), so it sits between.
+TRACES_PER_JOB_BY_MODE: Final[dict[Mode, int]] = {
+    "decode": TRACES_PER_JOB,
+    "scan_then_decode": 64,
+    "scan": 256,
+}
 
 
 def _select_traces(session: Session, project_id: int, request: ReplayCreate) -> list[Trace]:
@@ -128,7 +139,9 @@ def create_replay(
     """Validate and store a replay run and its jobs; enqueue the jobs after commit.
 
     Returns (run, created). With an `idempotency_key` already used in this project, the existing
-    run comes back and nothing is stored or enqueued.
+    run comes back and nothing is stored or enqueued. A request naming no `mode` is replayed
+    scan-then-decode when it selects `queue.large_run_traces` traces or more (a large run),
+    decode otherwise.
     """
     if request.idempotency_key is not None:
         existing = repository.get_run_by_idempotency_key(
@@ -158,13 +171,15 @@ def create_replay(
         bool(repository.traces_of_other_engines(session, ids)),
     )
     queue_name = _queue(targets, queue.default_queue)
-    chunks = [(queue_name, ids[i : i + TRACES_PER_JOB]) for i in range(0, len(ids), TRACES_PER_JOB)]
+    mode = resolve_mode(request.mode, len(traces), queue.large_run_traces)
+    size = TRACES_PER_JOB_BY_MODE[mode]
+    chunks = [(queue_name, ids[i : i + size]) for i in range(0, len(ids), size)]
     run = ReplayRun(
         public_id=new_public_id("rr"),
         project_id=project_id,
         name=request.name,
         status="queued",
-        mode=request.mode,
+        mode=mode,
         compare=request.compare,
         request=request.model_dump(mode="json"),
         targets=[t.to_json() for t in targets],
@@ -210,6 +225,7 @@ def to_read(
     says how far the run is, not what it found."""
     ok, failed = repository.progress(session, run)
     stats = statistics.of_run(session, run) if ok + failed and not status_only else None
+    rate = results_per_s(run, ok + failed)
     request = run.request
     if status_only:
         request = {k: v for k, v in request.items() if k != "trace_ids"}
@@ -225,14 +241,25 @@ def to_read(
         targets=run.targets,
         comparisons=run.comparisons,
         n_traces=run.n_traces,
+        mode=run.mode,
         progress=Progress(
             total=run.n_items, done=ok, failed=failed, pending=run.n_items - ok - failed
         ),
+        results_per_s=rate,
         error=run.error,
         statistics=stats,
         aggregate=legacy_aggregate(stats) if stats is not None and run.finished_at else None,
         schedule_id=run.schedule_id,
     )
+
+
+def results_per_s(run: ReplayRun, results: int) -> float | None:
+    """A run's throughput: `results` (its results written so far) per second since it started,
+    until it finished or now; None before it started or wrote anything."""
+    if run.started_at is None or not results:
+        return None
+    elapsed = ((run.finished_at or utcnow()) - run.started_at).total_seconds()
+    return results / elapsed if elapsed > 0 else None
 
 
 def _encode_cursor(last_id: int) -> str:

@@ -50,6 +50,7 @@ def comparison_inputs(
     """Every comparison of the run with its results' figures (none with `figures=False`)."""
     targets = run.run_targets
     rows = repository.result_figures(session, run.id) if figures else {}
+    control = run.control_sample
     return [
         ComparisonInput(
             index=c.index,
@@ -58,6 +59,8 @@ def comparison_inputs(
             label=comparison_label(c, targets),
             treatment=is_treatment(c, targets),
             figures=rows.get(c.index, []),
+            control_fraction=control.fraction if control is not None else None,
+            control_seed=control.seed if control is not None else None,
         )
         for c in run.run_comparisons
     ]

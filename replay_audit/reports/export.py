@@ -69,6 +69,8 @@ EXPORT_FIELDS: Final = (
     "margin_b_ulps",
     "gate_triggers_a",
     "n_steps_a",
+    # scan_then_decode: flagged, control or scanned (only scanned: exact_match empty).
+    "screen",
 )
 MEDIA_TYPES: Final[dict[str, str]] = {
     "csv": "text/csv; charset=utf-8",
@@ -131,6 +133,7 @@ def record(run: ReplayRun, row: Mapping[str, Any], *, full: bool) -> dict[str, A
         "margin_logged_source": row["margin_a_source"],
         "margin_replay": row["margin_b"],
         "margin_replay_ulps": row["margin_b_ulps"],
+        "screen": row["screen"],
     }
     for key in ("exact_match", "tie", "semantic_agree"):
         if out[key] is not None:

@@ -42,8 +42,9 @@ def _exact() -> ColumnElement[bool]:
 
 
 def _diverged() -> ColumnElement[bool]:
-    # As the stored aggregate counts them: an ok row that is not an exact match.
-    return and_(_ok(), func.coalesce(R.exact_match, false()) == false())
+    # As the stored aggregate counts them: an ok row whose replay did not match (a trace a
+    # scan-then-decode run only scanned, exact_match NULL, is neither exact nor diverged).
+    return and_(_ok(), R.exact_match == false())
 
 
 # -- runs ------------------------------------------------------------------------------------
@@ -132,6 +133,9 @@ def _pair_join(
             a.comparison == comparison_a,
             a.status == "ok",
             b.status == "ok",
+            # Established on both sides: not a trace a scan-then-decode run only scanned.
+            a.exact_match.is_not(None),
+            b.exact_match.is_not(None),
         )
     )
     return a, b, base
@@ -286,6 +290,7 @@ def export_batch(
         Trace.model_name,
         Trace.tags,
         Trace.reference_answer.is_not(None).label("has_reference_answer"),
+        R.screen,
     ]
     if full:
         # The columns `replays.results.result_json` reads (a row, not an entity: no ORM

@@ -15,7 +15,19 @@ Definitions (DESIGN.md):
                    arm A's the same way where arm A was run here: both-arms comparisons)
     mean gap       mean margin over arm B's replayed steps, pooled (weighted by steps)
     categories     share of each category among the ok results, Wilson intervals
-    lift           EAR(treated) - EAR(baseline) paired on the traces where both are ok: seeded
+    screening      (scan-then-decode) EAR and categories count only the decoded results: a
+                   trace that was only scanned is not an exact match, nor a divergence. The
+                   `screening` block says how many traces were scanned, flagged, decoded and
+                   in the control sample, and estimates from the control sample (the
+                   unflagged traces decoded anyway) the scan's miss rate, the share of decode
+                   divergences it does not flag: p = diverged / control (Wilson), estimated
+                   misses = p x unflagged, miss rate = misses / (flagged divergences + misses),
+                   its interval p's carried through that (increasing) formula; and the EAR of
+                   all scanned traces (flagged ones decoded, unflagged ones at 1 - p), its
+                   interval the same way. The flagged stratum is decoded in full: no sampling
+                   error of its own.
+    lift           EAR(treated) - EAR(baseline) paired on the traces where both are ok (and
+                   established: decoded, in scan-then-decode): seeded
                    paired bootstrap interval, exact McNemar p, the traces fixed and broke.
                    Only treatments get one: a self-replay comparison is a reproducibility check.
 """
@@ -76,6 +88,8 @@ class ResultFigures(NamedTuple):
     answer_extractor: str | None
     answer_a: str | None
     answer_b: str | None
+    #: scan-then-decode: flagged, control or scanned (`formats.Screen`); None in other modes.
+    screen: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -86,8 +100,13 @@ class ResultFigures(NamedTuple):
         return self.ok and bool(self.exact_match)
 
     @property
+    def established(self) -> bool:
+        """An ok result whose exact match a replay established (not a trace only scanned)."""
+        return self.ok and self.exact_match is not None
+
+    @property
     def diverged(self) -> bool:
-        return self.ok and not self.exact_match
+        return self.ok and self.exact_match is False
 
 
 @dataclass(frozen=True)
@@ -101,6 +120,9 @@ class ComparisonInput:
     #: Gets a lift over the baseline (False for the baseline itself and self-replays).
     treatment: bool
     figures: Sequence[ResultFigures]
+    #: The run's control sample (scan-then-decode runs): its fraction and seed, as recorded.
+    control_fraction: float | None = None
+    control_seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -224,6 +246,47 @@ class MarginReport(_Frozen):
         return self.histogram_b_ulps
 
 
+class EstimateRead(_Frozen):
+    """An estimate with its 95% interval (None where nothing was measured)."""
+
+    estimate: float | None
+    low: float | None
+    high: float | None
+
+
+class ScreeningReport(_Frozen):
+    """What a scan-then-decode comparison scanned and decoded, and what its control sample says
+    the scan misses (see the module docstring)."""
+
+    #: Ok results scanned (every trace of the comparison that did not fail).
+    scanned: int
+    #: Flagged by the scan (decoded from its first disagreement).
+    flagged: int
+    #: Decoded: flagged + control.
+    decoded: int
+    #: Only scanned (not flagged, not in the control sample): counted in no EAR.
+    scanned_only: int
+    #: The control sample: unflagged traces decoded in full, and the recorded fraction and seed.
+    control: int
+    control_fraction: float | None
+    control_seed: int | None
+    #: Control traces whose decode diverged: the misses found, by category.
+    control_diverged: int
+    misses_by_category: dict[str, int]
+    #: Flagged traces whose decode did not diverge.
+    false_flags: int
+    #: Flagged traces whose decode diverged.
+    flagged_diverged: int
+    #: Divergence rate of the unflagged traces (control_diverged / control, Wilson).
+    unflagged_divergence: ProportionRead
+    #: Estimated unflagged traces that diverge (unflagged x rate), with its interval.
+    estimated_misses: EstimateRead
+    #: Share of the decode divergences the scan does not flag.
+    miss_rate: EstimateRead
+    #: EAR over all scanned traces (flagged decoded; unflagged at 1 - rate).
+    ear: EstimateRead
+
+
 class ComparisonReport(_Frozen):
     """One comparison of the run (arm a vs arm b over the run's traces)."""
 
@@ -258,6 +321,8 @@ class ComparisonReport(_Frozen):
     #: logged configuration: not attributable to the format. None: the run has no engine check
     #: (or this is the check itself).
     not_attributable: int | None = None
+    #: Scan-then-decode only: decoded vs scanned, the control sample and the miss rate.
+    screening: ScreeningReport | None = None
 
 
 class TraceRef(_Frozen):
@@ -447,6 +512,76 @@ def _margins(figures: Sequence[ResultFigures]) -> _Margins:
     )
 
 
+def _estimate(
+    f: Callable[[float], float], low: float, high: float, estimate: float | None
+) -> EstimateRead:
+    """`f` (increasing) at a proportion's estimate and at its interval's ends."""
+    return EstimateRead(
+        estimate=f(estimate) if estimate is not None else None, low=f(low), high=f(high)
+    )
+
+
+def screening_report(c: ComparisonInput) -> ScreeningReport | None:
+    """The screening block of a scan-then-decode comparison (None when no result has a
+    screen: another mode)."""
+    ok = [f for f in c.figures if f.ok and f.screen is not None]
+    if not ok:
+        return None
+    flagged = [f for f in ok if f.screen == "flagged"]
+    control = [f for f in ok if f.screen == "control"]
+    unflagged = len(ok) - len(flagged)
+    missed = [f for f in control if f.exact_match is False]
+    flagged_div = sum(1 for f in flagged if f.exact_match is False)
+    flagged_exact = len(flagged) - flagged_div
+    rate = _prop(len(missed), len(control))
+
+    def misses(p: float) -> float:
+        return unflagged * p
+
+    def miss_rate(p: float) -> float:
+        total = flagged_div + unflagged * p
+        return unflagged * p / total if total else 0.0
+
+    def ear(p: float) -> float:
+        return (flagged_exact + unflagged * (1.0 - p)) / len(ok)
+
+    no_divergence = flagged_div == 0 and not missed
+    if control:
+        est_misses = _estimate(misses, rate.low, rate.high, rate.estimate)
+        est_rate = _estimate(miss_rate, rate.low, rate.high, rate.estimate)
+        if no_divergence:  # 0 / 0 at the estimate: no divergence seen at all
+            est_rate = EstimateRead(estimate=None, low=est_rate.low, high=est_rate.high)
+        # An interval's ends are ordered by the (increasing) maps; the high end of the EAR
+        # comes from the low end of the rate.
+        e = _estimate(ear, rate.low, rate.high, rate.estimate)
+        est_ear = EstimateRead(estimate=e.estimate, low=e.high, high=e.low)
+    elif unflagged:  # nothing measured about the unflagged traces
+        est_misses = EstimateRead(estimate=None, low=0.0, high=float(unflagged))
+        est_rate = EstimateRead(estimate=None, low=0.0, high=miss_rate(1.0))
+        est_ear = EstimateRead(estimate=None, low=ear(1.0), high=ear(0.0))
+    else:  # every trace flagged and decoded: nothing was left unflagged to miss
+        est_misses = EstimateRead(estimate=0.0, low=0.0, high=0.0)
+        est_rate = EstimateRead(estimate=None if no_divergence else 0.0, low=0.0, high=0.0)
+        est_ear = EstimateRead(estimate=ear(0.0), low=ear(0.0), high=ear(0.0))
+    return ScreeningReport(
+        scanned=len(ok),
+        flagged=len(flagged),
+        decoded=len(flagged) + len(control),
+        scanned_only=unflagged - len(control),
+        control=len(control),
+        control_fraction=c.control_fraction,
+        control_seed=c.control_seed,
+        control_diverged=len(missed),
+        misses_by_category={k: sum(1 for f in missed if f.category == k) for k in CATEGORIES[1:]},
+        false_flags=flagged_exact,
+        flagged_diverged=flagged_div,
+        unflagged_divergence=rate,
+        estimated_misses=est_misses,
+        miss_rate=est_rate,
+        ear=est_ear,
+    )
+
+
 def comparison_report(
     c: ComparisonInput,
     *,
@@ -456,7 +591,10 @@ def comparison_report(
     """One comparison's statistics; the two log axes are shared by a run's comparisons."""
     figures = c.figures
     ok = [f for f in figures if f.ok]
-    diverged = [f for f in ok if not f.exact_match]
+    # What EAR and the categories count: results a replay established (every ok one, but the
+    # traces a scan-then-decode run only scanned).
+    established = [f for f in ok if f.exact_match is not None]
+    diverged = [f for f in established if not f.exact_match]
     steps = sum(int(f.n_steps or 0) for f in ok)
     triggers = sum(int(f.gate_triggers or 0) for f in ok)
     gap_steps = sum(int(f.n_steps or 0) for f in ok if f.mean_gap is not None)
@@ -467,7 +605,7 @@ def comparison_report(
     answered = [f for f in ok if f.answer_extractor is not None]
     agree = sum(1 for f in answered if f.answer_a == f.answer_b)
     neither = sum(1 for f in answered if f.answer_a is None and f.answer_b is None)
-    categories = {k: sum(1 for f in ok if f.category == k) for k in CATEGORIES}
+    categories = {k: sum(1 for f in established if f.category == k) for k in CATEGORIES}
     m = _margins(figures)
     return ComparisonReport(
         index=c.index,
@@ -478,7 +616,7 @@ def comparison_report(
         n=len(figures),
         ok=len(ok),
         failed=len(figures) - len(ok),
-        ear=_prop(sum(1 for f in ok if f.exact_match), len(ok)),
+        ear=_prop(sum(1 for f in established if f.exact_match), len(established)),
         sar=_prop(agree, len(answered)) if answered else None,
         sar_neither_answered=neither,
         steps=steps,
@@ -488,7 +626,7 @@ def comparison_report(
         steps_a=steps_a,
         gate_triggers_a=triggers_a,
         trigger_rate_a=triggers_a / steps_a if steps_a and triggers_a is not None else None,
-        categories={k: _prop(v, len(ok)) for k, v in categories.items()},
+        categories={k: _prop(v, len(established)) for k, v in categories.items()},
         first_divergence_step=_dist([f.first_divergence_step for f in diverged]),
         t_star_histogram=_t_star_histogram([f.first_divergence_step for f in diverged]),
         margin_at_divergence=MarginReport(
@@ -503,6 +641,7 @@ def comparison_report(
             histogram_b_ulps=_log_hist(m.b_ulps, ulps_axis),
         ),
         length_difference=_dist([f.length_difference for f in diverged]),
+        screening=screening_report(c),
     )
 
 
@@ -596,8 +735,8 @@ def lift_report(
     base: LiftSide, treated: LiftSide, *, list_limit: int = DEFAULT_LIST_LIMIT
 ) -> LiftReport:
     """EAR lift of `treated` over `base`, paired by trace on the traces where both are ok."""
-    a_by = {f.trace_id: f for f in base.figures if f.ok}
-    b_by = {f.trace_id: f for f in treated.figures if f.ok}
+    a_by = {f.trace_id: f for f in base.figures if f.established}
+    b_by = {f.trace_id: f for f in treated.figures if f.established}
     pairs = [
         PairedOutcome(t, bool(a_by[t].exact_match), bool(b_by[t].exact_match))
         for t in sorted(a_by.keys() & b_by.keys())

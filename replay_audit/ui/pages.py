@@ -33,6 +33,7 @@ from replay_audit.replays.domain import (
     is_treatment,
     logging_engine,
 )
+from replay_audit.replays.service import results_per_s
 from replay_audit.reports import browsing, statistics
 from replay_audit.reports.endpoints import export_response
 from replay_audit.reports.filters import ResultFilter, RunFilter
@@ -387,6 +388,8 @@ def run_page(
         first_query=urllib.parse.urlencode(keep) + "#results",
         pair=pair,
         has_reference_answers=statistics.has_reference_answers(session, run),
+        results_per_s=results_per_s(run, sum(c.n for c in report.comparisons)),
+        screened=[c for c in report.comparisons if c.screening is not None],
     )
 
 
@@ -470,7 +473,7 @@ def trace_page(
     trace, results = browsing.get_trace_in_run(session, run, trace_id)
     by_comparison = {r.comparison: r for r in results}
     if comparison is None:
-        diverged = [r.comparison for r in results if r.status == "ok" and not r.exact_match]
+        diverged = [r.comparison for r in results if r.status == "ok" and r.exact_match is False]
         comparison = diverged[0] if diverged else results[0].comparison
     if comparison not in by_comparison:
         raise FieldError(

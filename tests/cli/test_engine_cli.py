@@ -137,6 +137,10 @@ def test_replay_in_fp16_with_c_and_scan_mode(ckpt: Path, traces: Path, tmp_path:
             "2",
             "--mode",
             "scan_then_decode",
+            "--control-fraction",
+            "1",
+            "--summary-json",
+            str(tmp_path / "summary.json"),
             "--kv-cache",
             "static",
             "--device",
@@ -146,7 +150,13 @@ def test_replay_in_fp16_with_c_and_scan_mode(ckpt: Path, traces: Path, tmp_path:
         ],
     )
     assert r.exit_code == 0, r.output
+    # Every unflagged trace is in a control sample of fraction 1: all decoded, none only scanned.
+    screening = json.loads((tmp_path / "summary.json").read_text())["screening"]
+    assert screening["scanned"] == 4 and screening["scanned_only"] == 0
+    assert screening["decoded"] == screening["flagged"] + screening["control"] == 4
+    assert "estimated miss rate" in r.output
     for x in map(json.loads, out.read_text().splitlines()):
+        assert x["screen"] in ("flagged", "control") and x["exact_match"] is not None
         assert x["mode"] == "scan_then_decode" and x["target"]["intervention"]["kind"] == "C"
         assert x["target"]["intervention"]["tau_ulps"] == 2.0
         assert x["environment"]["dtype"] == "fp16"

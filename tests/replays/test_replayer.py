@@ -15,7 +15,7 @@ from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, we
 from replay_audit.exceptions import BadRequest, ModelMismatch
 from replay_audit.replays.domain import ArmMargin, LoggedTrace
 from replay_audit.replays.models import ReplayResult
-from replay_audit.replays.replayer import compare_arms, replay_trace
+from replay_audit.replays.replayer import ScanRequest, compare_arms, replay_trace, scan_traces
 from replay_audit.replays.results import result_read, result_values
 from replay_audit.traces.schemas import TraceCreate
 
@@ -170,8 +170,67 @@ def test_scan_then_decode_skips_the_decode_when_the_scan_agrees(ckpt: Path) -> N
         model_dir=ckpt,
         mode="scan_then_decode",
     )
-    assert r.exact_match and r.b.steps == 8
+    # Not decoded: not claimed exact, nor agreed; the result says it was only scanned.
+    assert r.screen == "scanned" and r.exact_match is None and r.category is None
+    assert r.b.steps == 8 and r.first_divergence_step is None
     assert engines[0].calls == ["scan"]
+
+
+def kv_flip(from_scratch: bool) -> Callable[[tuple[int, ...]], tuple[int, float]]:
+    """FP16 flips at FLIP_AT in its decode (KV cache), not in a forward from scratch (the scan
+    and the single-step re-run): a kv_dependent flip, invisible to a teacher-forced scan."""
+    return base if from_scratch else flipped(5e-4)
+
+
+def kv_pool(engines: list[FakeEngine] | None = None) -> EnginePool:
+    def loader(_: Path, target: Target) -> FakeEngine:
+        if target.dtype != "fp16":
+            return FakeEngine(target, next_token=base)
+        e = FakeEngine(target, next_token=kv_flip(False), step_fn=base, scan_fn=base)
+        if engines is not None:
+            engines.append(e)
+        return e
+
+    return EnginePool(loader)
+
+
+def test_scan_then_decode_never_reports_a_decode_divergence_as_agreed(ckpt: Path) -> None:
+    trace = make_trace(ckpt)
+    decoded = replay_trace(trace, Target("fp16"), kv_pool(), model_dir=ckpt)
+    assert decoded.category == "kv_dependent" and decoded.first_divergence_step == FLIP_AT
+    # The scan misses the flip; outside the control sample the trace is only scanned: unknown.
+    scanned = replay_trace(
+        trace, Target("fp16"), kv_pool(), model_dir=ckpt, mode="scan_then_decode"
+    )
+    assert scanned.screen == "scanned"
+    assert scanned.exact_match is None and scanned.category is None
+    row = result_values(0, scanned)
+    assert row["exact_match"] is None and row["category"] is None
+    read = result_read(ReplayResult(trace_id=1, **row), "tr_1", "rr_1")
+    assert read.screen == "scanned" and read.exact_match is None and read.category is None
+    # In the control sample it is decoded in full, and the divergence is reported as decode has it.
+    engines: list[FakeEngine] = []
+    control = replay_trace(
+        trace,
+        Target("fp16"),
+        kv_pool(engines),
+        model_dir=ckpt,
+        mode="scan_then_decode",
+        control=True,
+    )
+    assert control.screen == "control" and control.exact_match is False
+    assert control.category == "kv_dependent"
+    assert control.first_divergence_step == FLIP_AT
+    assert engines[0].calls[:2] == ["scan", "decode"]
+
+
+def test_scan_then_decode_decodes_what_the_scan_flags(ckpt: Path) -> None:
+    pool = fake_pool({"fp16": {"next_token": flipped(5e-4)}})
+    r = replay_trace(
+        make_trace(ckpt), Target("fp16"), pool, model_dir=ckpt, mode="scan_then_decode"
+    )
+    assert r.screen == "flagged" and r.exact_match is False
+    assert r.first_divergence_step == FLIP_AT and r.category == "head_reachable"
 
 
 def test_the_replay_may_run_longer_than_the_logged_arm(ckpt: Path) -> None:
@@ -334,3 +393,44 @@ def test_a_margin_from_raw_logprobs_is_measured_in_ulps_of_the_logit(ckpt: Path)
 def with_logits_ids(ckpt: Path) -> list[list[int]]:
     logged = FakeEngine(Target("bf16"), next_token=base).decode(PROMPT, 8, [EOS])
     return [[int(i) for i in row] for row in logged.steps.top_k_ids.tolist()]
+
+
+def test_scan_traces_batches_per_engine_and_equals_each_scan(ckpt: Path) -> None:
+    engines: list[FakeEngine] = []
+
+    def loader(_: Path, target: Target) -> FakeEngine:
+        engines.append(FakeEngine(target, next_token=flipped(5e-4)))
+        return engines[-1]
+
+    pool = EnginePool(loader)
+    traces = [make_trace(ckpt, n=n) for n in (4, 8, 6)]
+    sampled = make_trace(ckpt, decoding={"strategy": "sample"})
+    c = Target("fp16", intervention=Intervention("C"))
+    requests = [
+        ScanRequest(traces[0], Target("fp16"), ckpt),
+        ScanRequest(sampled, Target("fp16"), ckpt),  # not greedy: left to its replay
+        ScanRequest(traces[1], c, ckpt),
+        ScanRequest(traces[2], Target("fp16"), ckpt),
+    ]
+    scans = scan_traces(requests, pool, top_k=3, token_budget=64)
+    assert scans.runs[1] is None and scans.scanned == 3
+    # One engine (the format), two interventions: two batched calls, no scan one by one.
+    [engine] = engines
+    assert engine.calls == ["scan_batch", "scan_batch"]
+    for r, run in zip(requests, scans.runs, strict=True):
+        if run is None:
+            continue
+        alone = engine.scan(
+            r.trace.prompt_token_ids.tolist(),
+            r.trace.output_token_ids.tolist(),
+            r.target.intervention,
+            3,
+        )
+        assert run.first_disagreement == alone.first_disagreement
+        assert (run.steps.token_ids == alone.steps.token_ids).all()
+    # The replay given a batched scan does not scan again.
+    engine.calls.clear()
+    out = replay_trace(
+        traces[1], c, pool, model_dir=ckpt, mode="scan_then_decode", scan=scans.runs[2], top_k=3
+    )
+    assert "scan" not in engine.calls and out.first_divergence_step == FLIP_AT

@@ -132,9 +132,21 @@ def test_scan_then_decode_equals_decode(model: Model, pool: EnginePool) -> None:
     d = model.dir
     for tr in _trace_set(model, "bf16"):
         full = replay_trace(_logged(tr), Target("fp16"), pool, model_dir=d, mode="decode")
-        fast = replay_trace(_logged(tr), Target("fp16"), pool, model_dir=d, mode="scan_then_decode")
+        # In the control sample every trace is decoded: the decode's answer, found faster.
+        fast = replay_trace(
+            _logged(tr), Target("fp16"), pool, model_dir=d, mode="scan_then_decode", control=True
+        )
         assert fast.first_divergence_step == full.first_divergence_step, tr.external_id
-        assert fast.category == full.category
+        assert fast.category == full.category and fast.screen in ("flagged", "control")
+        # Outside it, a trace the scan does not flag is only scanned: nothing claimed.
+        screened = replay_trace(
+            _logged(tr), Target("fp16"), pool, model_dir=d, mode="scan_then_decode"
+        )
+        if screened.screen == "scanned":
+            assert screened.exact_match is None and screened.category is None
+        else:
+            assert screened.first_divergence_step == full.first_divergence_step
+            assert screened.category == full.category
 
 
 def test_interventions_on_bf16_vs_fp16(model: Model, pool: EnginePool) -> None:

@@ -1,0 +1,315 @@
+"""Scan-then-decode: the scan screens, the flagged traces and a seeded control sample of the
+others are decoded, and the control sample estimates what the scan misses.
+
+A fake FP16 engine whose scan misses known traces: a flip that needs the decode's KV cache
+(`kv`) is invisible to the teacher-forced scan and to the single-step re-run; a flip the head
+sees (`head`) shows in both. The run's control sample finds the kv flips among the traces it
+decodes, and the estimated miss rate's interval covers the true one. The pure builder's interval
+is also checked by simulation: it covers the truth in about 95% of random runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Literal
+
+import pytest
+from fastapi.testclient import TestClient
+
+from replay_audit.config import Settings, get_settings
+from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
+from replay_audit.replays import tasks as jobs
+from replay_audit.replays.domain import ControlSample, resolve_mode
+from replay_audit.stats.report import ComparisonInput, ResultFigures, screening_report
+from tests.replays.conftest import HoldingRunner, all_results, ingest
+from tests.ui.conftest import SESSION_SECRET, sign_in
+
+VOCAB = 97
+PROMPT_LEN = 3
+FLIP_STEP = 2
+LENGTH = 6
+Kind = Literal["none", "head", "kv"]
+#: The flip kind of each trace, by prompt.
+KINDS: dict[tuple[int, ...], Kind] = {}
+#: Every engine the worker's pool loaded.
+LOADED: list[FakeEngine] = []
+
+
+def _base(context: tuple[int, ...]) -> tuple[int, float]:
+    return (sum(context) * 31 + len(context)) % VOCAB, 1.0
+
+
+def _fp16(*, from_scratch: bool) -> Callable[[tuple[int, ...]], tuple[int, float]]:
+    """FP16 flips at FLIP_STEP on head traces always, on kv traces only with its KV cache."""
+
+    def next_token(context: tuple[int, ...]) -> tuple[int, float]:
+        token, margin = _base(context)
+        kind = KINDS.get(context[:PROMPT_LEN], "none")
+        if len(context) - PROMPT_LEN == FLIP_STEP and kind != "none":
+            if kind == "head" or not from_scratch:
+                return (token + 1) % VOCAB, 5e-4
+            return token, 5e-4
+        return token, margin
+
+    return next_token
+
+
+def loader(_directory: Path, target: Target) -> FakeEngine:
+    if target.dtype != "fp16":
+        return FakeEngine(target, next_token=_base, vocab_size=VOCAB)
+    scratch = _fp16(from_scratch=True)
+    return FakeEngine(
+        target,
+        next_token=_fp16(from_scratch=False),
+        step_fn=scratch,
+        scan_fn=scratch,
+        vocab_size=VOCAB,
+    )
+
+
+@pytest.fixture
+def settings(make_settings: Callable[..., Settings], tmp_path: Path) -> Settings:
+    """The app's settings: a run of 20 traces or more is large."""
+    return make_settings(
+        large_run_traces=20,
+        session_secret=SESSION_SECRET,
+        session_secret_file=tmp_path / "session-secret",
+    )
+
+
+@pytest.fixture
+def engines(monkeypatch: pytest.MonkeyPatch, db_url: str, fake_model_dir: Path) -> Iterator[None]:
+    monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", db_url)
+    monkeypatch.setenv("REPLAY_AUDIT_MODEL_DIRS", str(fake_model_dir))
+
+    def recording(directory: Path, target: Target) -> FakeEngine:
+        LOADED.append(loader(directory, target))
+        return LOADED[-1]
+
+    pool = EnginePool(loader=recording)
+    jobs.install_worker_context(jobs.WorkerContext(get_settings(), pool))
+    yield
+    jobs.install_worker_context(None)
+    KINDS.clear()
+    LOADED.clear()
+
+
+@pytest.fixture
+def runner(client: TestClient) -> HoldingRunner:
+    r = HoldingRunner()
+    state = client.app.state  # type: ignore[attr-defined]
+    state.queue = dataclasses.replace(state.queue, runner=r)
+    return r
+
+
+def seed(
+    client: TestClient, h: dict[str, str], kinds: list[Kind], model_dir: Path, salt: int
+) -> list[str]:
+    sha = weights_sha256(model_dir)
+    bodies = []
+    for i, kind in enumerate(kinds):
+        prompt = [salt, i // VOCAB, i % VOCAB]
+        KINDS[tuple(prompt)] = kind
+        run = loader(model_dir, Target("bf16")).decode(prompt, LENGTH, (), Intervention(), 2)
+        bodies.append(
+            {
+                "model": {"name": "fake", "weights_sha256": sha, "vocab_size": VOCAB},
+                "config": {"dtype": "bf16", "attn_kernel": "sdpa", "device": "cpu"},
+                "decoding": {"strategy": "greedy", "max_new_tokens": LENGTH},
+                "prompt_token_ids": prompt,
+                "output_token_ids": run.output_token_ids,
+                "top_k": {
+                    "ids": run.steps.top_k_ids.tolist(),
+                    "logits": run.steps.top_k_logits.astype(float).tolist(),
+                },
+            }
+        )
+    return ingest(client, h, bodies)
+
+
+@pytest.mark.usefixtures("engines")
+def test_the_control_sample_finds_what_the_scan_misses(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    api_key: Callable[..., str],
+    fake_model_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    h = headers("admin")
+    kinds: list[Kind] = ["kv"] * 12 + ["head"] * 24 + ["none"] * 44
+    random.Random(3).shuffle(kinds)
+    ids = seed(client, h, kinds, fake_model_dir, salt=11)
+    kind_of = dict(zip(ids, kinds, strict=True))
+    body = {"trace_ids": ids, "targets": [{"dtype": "fp16"}], "control_fraction": 0.5}
+    r = client.post("/v1/replays", json=body, headers=h)
+    assert r.status_code == 201, r.text
+    with caplog.at_level("INFO", logger="replay_audit.replays.tasks"):
+        assert runner.run_all() == 2  # 80 traces, 64 a scan-then-decode job (decode: 16)
+    # The worker scanned each job's traces in one batched call, never one trace per call, and
+    # logged each job's throughput.
+    [fp16] = [e for e in LOADED if e.target.dtype == "fp16"]
+    assert fp16.calls.count("scan_batch") == 2 and "scan" not in fp16.calls
+    lines = [m for m in caplog.messages if m.startswith("replay job")]
+    assert len(lines) == 2 and all("traces/s" in m and "scanned" in m for m in lines)
+    assert "scanned 64 in " in lines[0] and "scanned 16 in " in lines[1]
+    assert lines[0].endswith("run at 64/80 results") and lines[1].endswith("run at 80/80 results")
+    run = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
+    assert run["status"] == "done" and run["mode"] == "scan_then_decode"  # 80 >= 20: large
+    assert run["request"]["control_seed"] == 0 and run["results_per_s"] > 0
+
+    sample = ControlSample(0.5, 0)
+    items = {x["trace_id"]: x for x in all_results(client, run["id"], h)}
+    for trace_id, x in items.items():
+        kind = kind_of[trace_id]
+        if kind == "head":  # flagged, decoded from the flip
+            assert x["screen"] == "flagged" and x["category"] == "head_reachable"
+        elif sample.includes(trace_id):  # unflagged, in the control sample: decoded in full
+            assert x["screen"] == "control"
+            assert x["category"] == ("kv_dependent" if kind == "kv" else "agreed")
+            assert x["exact_match"] is (kind == "none")
+        else:  # only scanned: never claimed agreed, even where the decode would diverge
+            assert x["screen"] == "scanned"
+            assert x["exact_match"] is None and x["category"] is None
+
+    c = run["statistics"]["comparisons"][0]
+    s = c["screening"]
+    control = [i for i in ids if kind_of[i] != "head" and sample.includes(i)]
+    missed = [i for i in control if kind_of[i] == "kv"]
+    assert missed, "the seed draws some kv traces into the control sample"
+    assert (s["scanned"], s["flagged"], s["control"], s["control_diverged"]) == (
+        80,
+        24,
+        len(control),
+        len(missed),
+    )
+    assert s["decoded"] == 24 + len(control) and s["scanned_only"] == 80 - s["decoded"]
+    assert (s["control_fraction"], s["control_seed"]) == (0.5, 0)
+    assert s["misses_by_category"] == {
+        "head_reachable": 0,
+        "kv_dependent": len(missed),
+        "body_dominated": 0,
+    }
+    assert s["false_flags"] == 0 and s["flagged_diverged"] == 24
+    # EAR counts decoded results only: the scanned-only ones are neither exact nor divergent.
+    assert c["ear"]["n"] == s["decoded"]
+    assert c["ear"]["successes"] == len(control) - len(missed)
+    # The scan misses the 12 kv flips of 36 decode divergences: the interval covers 1/3.
+    rate = s["miss_rate"]
+    assert rate["low"] <= 12 / 36 <= rate["high"]
+    assert rate["estimate"] is not None and 0 < rate["estimate"] < 1
+    true_ear = 44 / 80
+    assert s["ear"]["low"] <= true_ear <= s["ear"]["high"]
+    misses = s["estimated_misses"]
+    assert misses["low"] <= 12 <= misses["high"]
+
+    # The run page shows the split.
+    assert sign_in(client, api_key("auditor")).status_code == 303
+    page = client.get(f"/ui/runs/{run['id']}")
+    assert page.status_code == 200
+    assert 'id="screening"' in page.text
+    assert f"control sample {len(control)}" in page.text
+    assert "only scanned" in page.text  # in the results table
+    scanned = next(i for i, x in items.items() if x["screen"] == "scanned")
+    trace_page = client.get(f"/ui/runs/{run['id']}/traces/{scanned}")
+    assert trace_page.status_code == 200 and 'id="only-scanned"' in trace_page.text
+
+
+@pytest.mark.usefixtures("engines")
+def test_a_run_naming_no_mode_is_scan_then_decode_when_large(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    fake_model_dir: Path,
+) -> None:
+    h = headers("admin")
+    ids = seed(client, h, ["none"] * 20, fake_model_dir, salt=12)
+    modes = {}
+    for n in (19, 20):
+        r = client.post(
+            "/v1/replays", json={"trace_ids": ids[:n], "targets": [{"dtype": "fp16"}]}, headers=h
+        )
+        assert r.status_code == 201, r.text
+        modes[n] = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()["mode"]
+    assert modes == {19: "decode", 20: "scan_then_decode"}
+    explicit = client.post(
+        "/v1/replays",
+        json={"trace_ids": ids, "targets": [{"dtype": "fp16"}], "mode": "decode"},
+        headers=h,
+    )
+    assert client.get(f"/v1/replays/{explicit.json()['id']}", headers=h).json()["mode"] == "decode"
+    bad = client.post(
+        "/v1/replays",
+        json={"trace_ids": ids, "targets": [{"dtype": "fp16"}], "control_fraction": 1.5},
+        headers=h,
+    )
+    assert bad.status_code == 422 and "control_fraction" in bad.text
+
+
+def test_resolve_mode_and_the_control_sample_are_seeded() -> None:
+    assert resolve_mode(None, 999, 1000) == "decode"
+    assert resolve_mode(None, 1000, 1000) == "scan_then_decode"
+    assert resolve_mode("scan", 5, 1000) == "scan"
+    keys = [f"tr_{i}" for i in range(4000)]
+    a = [k for k in keys if ControlSample(0.05, 1).includes(k)]
+    assert a == [k for k in keys if ControlSample(0.05, 1).includes(k)]  # reproducible
+    assert a != [k for k in keys if ControlSample(0.05, 2).includes(k)]  # the seed matters
+    assert 140 <= len(a) <= 260  # about 5% of 4000 (200 +- 4.2 sd)
+    assert not any(ControlSample(0.0, 1).includes(k) for k in keys)
+    assert all(ControlSample(1.0, 1).includes(k) for k in keys)
+
+
+def _figure(i: int, screen: str, exact: bool) -> ResultFigures:
+    return ResultFigures(
+        trace_id=i,
+        trace_public_id=f"tr_{i}",
+        external_id=None,
+        status="ok",
+        exact_match=None if screen == "scanned" else exact,
+        first_divergence_step=None if exact or screen == "scanned" else 1,
+        category=None if screen == "scanned" else ("agreed" if exact else "kv_dependent"),
+        margin_a=None,
+        margin_a_ulps=None,
+        margin_b=None,
+        margin_b_ulps=None,
+        gate_triggers=0,
+        n_steps=4,
+        mean_gap=1.0,
+        gate_triggers_a=None,
+        n_steps_a=None,
+        length_difference=None,
+        answer_extractor=None,
+        answer_a=None,
+        answer_b=None,
+        screen=screen,
+    )
+
+
+def test_the_miss_rate_interval_covers_the_truth_in_about_95_percent_of_runs() -> None:
+    """Random runs of 2,000 traces: 25% flagged (most diverge), 4% of the unflagged diverge
+    unseen, a 5% control sample. The interval of the miss rate covers each run's true miss rate
+    (misses / decode divergences) in about 95% of runs."""
+    rng = random.Random(0)
+    runs, covered, ear_covered = 300, 0, 0
+    for _ in range(runs):
+        figures, misses, divergences, exact = [], 0, 0, 0
+        for i in range(2000):
+            flagged = rng.random() < 0.25
+            diverges = rng.random() < (0.9 if flagged else 0.04)
+            divergences += diverges
+            misses += diverges and not flagged
+            exact += not diverges
+            control = not flagged and rng.random() < 0.05
+            screen = "flagged" if flagged else "control" if control else "scanned"
+            figures.append(_figure(i, screen, not diverges))
+        c = ComparisonInput(0, "logged", 0, "fp16", False, figures, 0.05, 0)
+        report = screening_report(c)
+        assert report is not None
+        covered += report.miss_rate.low <= misses / divergences <= report.miss_rate.high  # type: ignore[operator]
+        ear = report.ear
+        ear_covered += ear.low <= exact / 2000 <= ear.high  # type: ignore[operator]
+    assert covered / runs >= 0.9, covered
+    assert ear_covered / runs >= 0.9, ear_covered
