@@ -75,6 +75,10 @@ class Settings(BaseSettings):
     #: comma-separated (`127.0.0.1,10.0.0.0/8,hooks.internal`) or a JSON list. Without them a
     #: webhook reaches public addresses only (see replay_audit/audits/webhook.py).
     webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    #: Days traces (with their tags, results and keys) are kept; unset keeps them forever. The
+    #: scheduler's tick prunes what is older (`replay-audit prune` does it by hand). On
+    #: PostgreSQL whole weekly partitions go, so a trace stays up to 7 days longer.
+    retention_days: int | None = Field(default=None, gt=0)
 
     @field_validator("database_url")
     @classmethod

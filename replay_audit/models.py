@@ -10,7 +10,7 @@ module before it hands out a session factory, and the migrations' `env.py` impor
 from replay_audit.audits.models import AuditAlert, AuditRun, AuditSchedule
 from replay_audit.auth.models import ApiKey, Project
 from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
-from replay_audit.traces.models import NumericalConfigRow, Trace, TraceTag
+from replay_audit.traces.models import NumericalConfigRow, Trace, TraceKey, TraceTag
 
 __all__ = [
     "ApiKey",
@@ -23,5 +23,6 @@ __all__ = [
     "ReplayResult",
     "ReplayRun",
     "Trace",
+    "TraceKey",
     "TraceTag",
 ]
