@@ -145,6 +145,7 @@ def _sqlite_upgrade() -> None:
             ["trace_id", "trace_created_at"],
             ["id", "created_at"],
             ondelete="CASCADE",
+            onupdate="CASCADE",
         )
     with op.batch_alter_table("replay_results") as batch:
         batch.alter_column("trace_created_at", existing_type=TIMESTAMP, nullable=False)
@@ -159,6 +160,7 @@ def _sqlite_upgrade() -> None:
             ["trace_id", "trace_created_at"],
             ["id", "created_at"],
             ondelete="CASCADE",
+            onupdate="CASCADE",
         )
 
 
@@ -237,7 +239,8 @@ def _postgresql_upgrade() -> None:
         " UNIQUE (run_id, trace_id, trace_created_at, comparison)",
         *(
             f"ALTER TABLE {table} ADD CONSTRAINT fk_{table}_trace_id_traces FOREIGN KEY"
-            " (trace_id, trace_created_at) REFERENCES traces (id, created_at) ON DELETE CASCADE"
+            " (trace_id, trace_created_at) REFERENCES traces (id, created_at)"
+            " ON DELETE CASCADE ON UPDATE CASCADE"
             for table in ("trace_tags", "replay_results")
         ),
     )

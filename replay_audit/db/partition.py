@@ -66,7 +66,9 @@ def is_partitioned(session: Session) -> bool:
 
 
 def weeks(session: Session) -> list[datetime]:
-    """The weeks that have partitions, oldest first."""
+    """The weeks that have partitions, oldest first (none on SQLite)."""
+    if not is_partitioned(session):
+        return []
     rows = session.scalars(
         text(
             "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"

@@ -111,6 +111,9 @@ class ReplayResult(Base):
             ["trace_id", "trace_created_at"],
             ["traces.id", "traces.created_at"],
             ondelete="CASCADE",
+            # A trace's created_at never changes in the product; tests that move traces in
+            # time carry their tags and results along.
+            onupdate="CASCADE",
         ),
         CheckConstraint("status IN ('ok', 'failed')", name="status"),
     )

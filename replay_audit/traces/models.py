@@ -125,6 +125,9 @@ class TraceTag(Base):
             ["trace_id", "trace_created_at"],
             ["traces.id", "traces.created_at"],
             ondelete="CASCADE",
+            # A trace's created_at never changes in the product; tests that move traces in
+            # time carry their tags and results along.
+            onupdate="CASCADE",
         ),
         Index(None, "tag", "trace_id"),
     )
