@@ -306,7 +306,9 @@ def test_scheduler_tick_creates_partitions_and_applies_the_retention_setting(
 
 
 @pytest.mark.slow
-def test_prune_command_prints_what_it_removes(db_url: str, ingest: Ingest, tmp_path: Path) -> None:
+def test_prune_and_partitions_commands(
+    db_url: str, is_postgres: bool, ingest: Ingest, tmp_path: Path
+) -> None:
     _store_weeks(db_url, ingest, [_monday(2022, 1, 3)])
     env = cli_env(database_url=db_url)
     dry = run_cli(["prune", "--older-than", "30", "--dry-run"], env=env, cwd=tmp_path)
@@ -319,3 +321,12 @@ def test_prune_command_prints_what_it_removes(db_url: str, ingest: Ingest, tmp_p
     assert _counts(db_url)["traces"] == 0
     bad = run_cli(["prune", "--older-than", "0"], env=env, cwd=tmp_path)
     assert bad.returncode == 2 and "older-than" in bad.stderr
+
+    ahead = run_cli(["db", "partitions", "--weeks-ahead", "6"], env=env, cwd=tmp_path)
+    assert ahead.returncode == 0, ahead.stderr
+    if is_postgres:
+        sixth = partition.week_start(datetime.now(UTC)) + 6 * partition.WEEK
+        assert f"created traces_p{sixth:%Y%m%d}" in ahead.stdout
+        assert f"{sixth:%Y-%m-%d}" in ahead.stdout.splitlines()[-1]
+    else:
+        assert "no partitions" in ahead.stdout
