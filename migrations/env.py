@@ -9,7 +9,9 @@ SQLite runs in batch mode (its ALTER TABLE cannot drop or alter columns); Postgr
 
 from __future__ import annotations
 
+import re
 from logging.config import fileConfig
+from typing import Any
 
 from alembic import context
 from sqlalchemy import Connection
@@ -29,10 +31,36 @@ if config.config_file_name is not None:
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 
 
+#: A partition of a partitioned table (replay_audit/db/partition.py names them): its parent is
+#: what the models describe, so the partitions and their indexes are left out of `alembic check`.
+_PARTITION = re.compile(r"^(traces|trace_tags|replay_results)_(p\d{8}|default)$")
+
+
+def _include_name(name: str | None, type_: str, parent_names: Any) -> bool:
+    return not (type_ == "table" and name is not None and _PARTITION.match(name))
+
+
+def _include_object_for(dialect: str) -> Any:
+    """Leave out of the comparison the model objects meant for the other database (their
+    `info["dialects"]`, see replay_audit.db.base.SQLITE_ONLY) and what PostgreSQL derives
+    from a foreign key to a partitioned table."""
+
+    def include(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
+        if type_ == "foreign_key_constraint" and _PARTITION.match(obj.referred_table.name):
+            # PostgreSQL's own per-partition copies of a foreign key to a partitioned table.
+            return False
+        dialects = getattr(obj, "info", {}).get("dialects") if not reflected else None
+        return dialects is None or dialect in dialects
+
+    return include
+
+
 def _configure(connection: Connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,
+        include_name=_include_name,
+        include_object=_include_object_for(connection.dialect.name),
         render_as_batch=connection.dialect.name == "sqlite",
         # SQLite too: our engine emits BEGIN itself (see replay_audit.db.engine), so a failed
         # migration rolls back whole instead of leaving half a schema.

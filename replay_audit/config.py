@@ -102,6 +102,10 @@ class Settings(BaseSettings):
     drift_alpha: float = Field(default=DEFAULT_ALPHA, gt=0, lt=1)
     #: Traces a drift test needs on each side (the latest run, the pooled baseline runs).
     drift_min_n: int = Field(default=DEFAULT_MIN_N, ge=1)
+    #: Days traces (with their tags, results and keys) are kept; unset keeps them forever. The
+    #: scheduler's tick prunes what is older (`replay-audit prune` does it by hand). On
+    #: PostgreSQL whole weekly partitions go, so a trace stays up to 7 days longer.
+    retention_days: int | None = Field(default=None, gt=0)
 
     @field_validator("database_url")
     @classmethod

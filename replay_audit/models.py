@@ -11,7 +11,7 @@ from replay_audit.audits.models import AuditAlert, AuditRun, AuditSchedule
 from replay_audit.auth.models import ApiKey, Project
 from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
 from replay_audit.screenings.models import Screening, ScreeningOutput
-from replay_audit.traces.models import NumericalConfigRow, Trace, TraceTag
+from replay_audit.traces.models import NumericalConfigRow, Trace, TraceKey, TraceTag
 
 __all__ = [
     "ApiKey",
@@ -26,5 +26,6 @@ __all__ = [
     "Screening",
     "ScreeningOutput",
     "Trace",
+    "TraceKey",
     "TraceTag",
 ]

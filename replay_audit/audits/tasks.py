@@ -9,7 +9,9 @@ A tick, every step idempotent and safe to run from two schedulers at once:
      (schedule, due time) key decides who starts it);
   2. evaluate audit runs whose replay run has finished: trend point, drift flags, alert;
   3. re-enqueue alerts still pending that no runner holds (after a Redis flush or a restart);
-  4. reconcile replay jobs with the queue (`replay_audit.replays.reconcile`).
+  4. reconcile replay jobs with the queue (`replay_audit.replays.reconcile`);
+  5. storage: create the trace tables' partitions ahead (PostgreSQL, `db.partition`) and, when
+     `retention_days` is set, prune what is older (`db.retention`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import json
 import logging
 import threading
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Final
 
 import replay_audit
@@ -26,6 +28,8 @@ from replay_audit.audits import repository, service, webhook
 from replay_audit.audits.models import AuditAlert, AuditSchedule
 from replay_audit.config import Settings, get_settings
 from replay_audit.db.base import utcnow
+from replay_audit.db.partition import ensure_partitions
+from replay_audit.db.retention import prune
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.queue import JobSpec, Runner, build_job_queue, get_runner
 from replay_audit.queue.runner import InProcessRunner
@@ -50,6 +54,8 @@ class TickReport:
     flagged: int = 0
     alerts_enqueued: int = 0
     jobs_reconciled: int = 0
+    partitions_created: int = 0
+    traces_pruned: int = 0
     errors: int = 0
 
     def summary(self) -> str:
@@ -58,7 +64,8 @@ class TickReport:
             f"audit tick: {self.due} schedule(s) due, {self.started} run(s) started, "
             f"{self.evaluated} evaluated ({self.flagged} flagged for drift), "
             f"{self.alerts_enqueued} alert delivery(ies) enqueued, "
-            f"{self.jobs_reconciled} job(s) reconciled, {self.errors} error(s)"
+            f"{self.jobs_reconciled} job(s) reconciled, {self.partitions_created} partition(s) "
+            f"created, {self.traces_pruned} trace(s) pruned, {self.errors} error(s)"
         )
 
 
@@ -176,14 +183,34 @@ def run_tick(
     except Exception:
         log.exception("reconcile pass failed")
         report.errors += 1
+
+    try:
+        maintain_storage(settings, url, now, report)
+    except Exception:
+        log.exception("storage maintenance failed")
+        report.errors += 1
     return report
+
+
+def maintain_storage(settings: Settings, url: str, now: datetime, report: TickReport) -> None:
+    """Partitions ahead, then retention if configured (both idempotent; a no-op mostly)."""
+    with session_scope(url) as s:
+        created = ensure_partitions(s, now)
+    report.partitions_created += len(created)
+    if created:
+        log.info("created partitions %s", ", ".join(created))
+    if settings.retention_days is not None:
+        pruned = prune(url, timedelta(days=settings.retention_days), now=now)
+        report.traces_pruned += pruned.traces_removed
+        if pruned.traces_removed:
+            log.info("retention: %s", "; ".join(pruned.lines()))
 
 
 def tick() -> dict[str, int]:
     """The job `rq cron` enqueues on the `audit` queue every minute (see cron_config.py)."""
     settings = get_settings()
     report = run_tick(settings, runner=get_runner(settings), alert_runner=alert_runner(settings))
-    if report.started or report.evaluated or report.errors:
+    if report.started or report.evaluated or report.errors or report.traces_pruned:
         log.info(report.summary())
     return asdict(report)
 

@@ -118,6 +118,56 @@ def db_current() -> None:
     typer.echo(f"current: {current or '(none)'}  head: {migration.head_revision()}")
 
 
+@db_app.command("partitions")
+def db_partitions(
+    weeks_ahead: Annotated[
+        int, typer.Option(min=0, help="Weeks to create after the current one.")
+    ] = 4,
+) -> None:
+    """Create the weekly partitions of the trace tables up to WEEKS_AHEAD weeks from now and
+    list them (PostgreSQL; the scheduler does the same every tick). SQLite has none."""
+    from replay_audit.cli.database import ready_database
+    from replay_audit.config import get_settings
+    from replay_audit.db import partition
+    from replay_audit.db.base import utcnow
+    from replay_audit.db.unit_of_work import session_scope
+
+    settings = get_settings()
+    ready_database(settings)
+    with session_scope(settings.database_url) as session:
+        if not partition.is_partitioned(session):
+            typer.echo("this database has no partitions (SQLite): nothing to do")
+            return
+        created = partition.ensure_partitions(session, utcnow(), weeks_ahead)
+        weeks = partition.weeks(session)
+    for name in created:
+        typer.echo(f"created {name}")
+    typer.echo(f"{len(weeks)} weeks: " + ", ".join(f"{w:%Y-%m-%d}" for w in weeks))
+
+
+@app.command()
+def prune(
+    older_than: Annotated[
+        int, typer.Option("--older-than", min=1, help="Delete traces older than DAYS days.")
+    ],
+    dry_run: Annotated[bool, typer.Option(help="Report what would go; change nothing.")] = False,
+) -> None:
+    """Delete the traces older than DAYS days with their tags and results: whole weekly
+    partitions on PostgreSQL (DETACH + DROP), batched deletes on SQLite. Prints what it
+    removed. (`REPLAY_AUDIT_RETENTION_DAYS` makes the scheduler do this every tick.)"""
+    from datetime import timedelta
+
+    from replay_audit.cli.database import ready_database
+    from replay_audit.config import get_settings
+    from replay_audit.db.retention import prune as prune_older
+
+    settings = get_settings()
+    ready_database(settings)
+    report = prune_older(settings.database_url, timedelta(days=older_than), dry_run=dry_run)
+    for line in report.lines():
+        typer.echo(line)
+
+
 @keys_app.command("create")
 def keys_create(
     project: Annotated[str, typer.Option(help="Project name (created if new).")],

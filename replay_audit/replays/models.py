@@ -2,7 +2,8 @@
 
     replay_runs      one request: selection, targets, comparisons, status, aggregate
     replay_jobs      the queue's unit of work: a chunk of the run's traces (unique per run+chunk)
-    replay_results   one row per trace x comparison (unique): the product's answer
+    replay_results   one row per trace x comparison (unique): the product's answer; on
+                     PostgreSQL partitioned by its trace's created_at (traces/models.py)
 
 A job writes each trace's results in their own transaction with INSERT ... ON CONFLICT DO
 NOTHING on (run_id, trace_id, comparison), so a killed, retried or re-enqueued job never
@@ -21,6 +22,7 @@ from sqlalchemy import (
     CheckConstraint,
     Float,
     ForeignKey,
+    ForeignKeyConstraint,
     Integer,
     String,
     Text,
@@ -130,7 +132,17 @@ class ReplayJob(Base):
 class ReplayResult(Base):
     __tablename__ = "replay_results"
     __table_args__ = (
-        UniqueConstraint("run_id", "trace_id", "comparison"),
+        # The trace's created_at is in the key because it is the partition key on PostgreSQL
+        # (a trace's id fixes it, so the key means what (run_id, trace_id, comparison) did).
+        UniqueConstraint("run_id", "trace_id", "trace_created_at", "comparison"),
+        ForeignKeyConstraint(
+            ["trace_id", "trace_created_at"],
+            ["traces.id", "traces.created_at"],
+            ondelete="CASCADE",
+            # A trace's created_at never changes in the product; tests that move traces in
+            # time carry their tags and results along.
+            onupdate="CASCADE",
+        ),
         CheckConstraint("status IN ('ok', 'failed')", name="status"),
     )
 
@@ -138,7 +150,10 @@ class ReplayResult(Base):
     run_id: Mapped[int] = mapped_column(
         ForeignKey("replay_runs.id", ondelete="CASCADE"), index=True
     )
-    trace_id: Mapped[int] = mapped_column(ForeignKey("traces.id", ondelete="CASCADE"), index=True)
+    trace_id: Mapped[int] = mapped_column(BigId, index=True)
+    #: The trace's `created_at`: on PostgreSQL the partition key (a result sits in the week
+    #: partition of its trace, so retention drops them together) and half of the key to it.
+    trace_created_at: Mapped[datetime] = mapped_column()
     comparison: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16))
     error: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -102,13 +102,29 @@ def missing_comparisons(
 def insert_results(
     session: Session, run_id: int, trace_id: int, rows: Sequence[dict[str, Any]]
 ) -> None:
-    """Insert one trace's results; a (run, trace, comparison) already there is left alone."""
+    """Insert one trace's results; a (run, trace, comparison) already there is left alone,
+    and so is a trace that no longer exists (retention deleted it: no result may point at a
+    deleted trace)."""
     if not rows:
         return
+    # The trace's created_at is half of the result's key to it (and its partition on
+    # PostgreSQL).
+    trace_created_at = session.scalar(select(Trace.created_at).where(Trace.id == trace_id))
+    if trace_created_at is None:
+        return
     now = utcnow()
-    values = [{"run_id": run_id, "trace_id": trace_id, "created_at": now, **r} for r in rows]
+    values = [
+        {
+            "run_id": run_id,
+            "trace_id": trace_id,
+            "trace_created_at": trace_created_at,
+            "created_at": now,
+            **r,
+        }
+        for r in rows
+    ]
     stmt = _insert(session)(ReplayResult).on_conflict_do_nothing(
-        index_elements=["run_id", "trace_id", "comparison"]
+        index_elements=["run_id", "trace_id", "trace_created_at", "comparison"]
     )
     session.execute(stmt, values)
 

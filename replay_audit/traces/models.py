@@ -1,14 +1,36 @@
-"""Tables: numerical configurations (stored once per distinct content), traces, trace tags."""
+"""Tables: numerical configurations (stored once per distinct content), traces, trace tags, and
+the trace keys that make ingest idempotent.
+
+Partitioning (PostgreSQL, migration 0010, `replay_audit.db.partition`). `traces` is range
+partitioned by `created_at` in weeks; `trace_tags` and `replay_results` by their trace's
+`created_at` (`trace_created_at`), so a trace, its tags and its results always sit in partitions
+of the same week and retention drops the three together. PostgreSQL requires every unique key of
+a partitioned table to contain the partition key: there the primary keys are (id, created_at)
+and (.., trace_created_at, ..), and the foreign keys to a trace name both columns. A unique key
+across partitions (one content per project, one external_id per project, one public id) cannot
+live on `traces` at all, so it lives in `trace_keys`, a small table that is not partitioned.
+SQLite has no partitions and keeps its original keys (the objects marked `SQLITE_ONLY`).
+"""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
-from replay_audit.db.base import Base, utcnow
+from replay_audit.db.base import SQLITE_ONLY, Base, utcnow
 from replay_audit.db.types import Float32Array, Int32Array, PackedFloat32Array, PackedInt32Array
 
 if TYPE_CHECKING:
@@ -41,21 +63,30 @@ class NumericalConfigRow(Base):
 
 
 class Trace(Base):
-    """One logged greedy generation. Token arrays are packed int32, logits packed float32."""
+    """One logged greedy generation. Token arrays are packed int32, logits packed float32.
+
+    Its key is `id` here (SQLite's rowid); on PostgreSQL the table's primary key is
+    (id, created_at), as partitioning requires (autogenerate compares no primary keys)."""
 
     __tablename__ = "traces"
     __table_args__ = (
-        # Idempotent ingest rests on these two, not on a check-then-insert.
-        UniqueConstraint("project_id", "content_sha256"),
-        UniqueConstraint("project_id", "external_id"),
+        # SQLite only: there these still back `trace_keys` (PostgreSQL cannot have them on a
+        # partitioned table; idempotent ingest rests on `trace_keys` on both).
+        UniqueConstraint("project_id", "content_sha256", info=SQLITE_ONLY),
+        UniqueConstraint("project_id", "external_id", info=SQLITE_ONLY),
+        UniqueConstraint("public_id", info=SQLITE_ONLY),
+        # The parent key of the (trace_id, trace_created_at) foreign keys: SQLite wants a
+        # unique index on exactly those columns; PostgreSQL's primary key is that.
+        Index(None, "id", "created_at", unique=True, info=SQLITE_ONLY),
         Index(None, "project_id", "public_id"),
         Index(None, "project_id", "created_at"),
         Index(None, "project_id", "model_name"),
         Index(None, "project_id", "weights_sha256"),
+        Index(None, "project_id", "external_id"),
     )
 
     id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
-    public_id: Mapped[str] = mapped_column(String(40), unique=True)
+    public_id: Mapped[str] = mapped_column(String(40))
     project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
     config_id: Mapped[int] = mapped_column(ForeignKey("numerical_configs.id"), index=True)
     model_name: Mapped[str] = mapped_column(String(200))
@@ -88,12 +119,45 @@ class Trace(Base):
 
 
 class TraceTag(Base):
-    """One tag of one trace: how `GET /v1/traces?tag=` filters on both databases."""
+    """One tag of one trace: how `GET /v1/traces?tag=` filters on both databases. On
+    PostgreSQL partitioned with its trace (primary key (trace_id, trace_created_at, tag))."""
 
     __tablename__ = "trace_tags"
-    __table_args__ = (Index(None, "tag", "trace_id"),)
-
-    trace_id: Mapped[int] = mapped_column(
-        BigIntPK, ForeignKey("traces.id", ondelete="CASCADE"), primary_key=True
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["trace_id", "trace_created_at"],
+            ["traces.id", "traces.created_at"],
+            ondelete="CASCADE",
+            # A trace's created_at never changes in the product; tests that move traces in
+            # time carry their tags and results along.
+            onupdate="CASCADE",
+        ),
+        Index(None, "tag", "trace_id"),
     )
+
+    trace_id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
     tag: Mapped[str] = mapped_column(String(64), primary_key=True)
+    #: The trace's `created_at`: the partition key, and half of the key to the trace.
+    trace_created_at: Mapped[datetime] = mapped_column()
+
+
+class TraceKey(Base):
+    """The unique keys of one stored trace, in a table that is never partitioned: what makes
+    ingest idempotent across partitions. Ingest inserts a trace's key first (`ON CONFLICT DO
+    NOTHING`) and stores the trace only if its key went in, in the same transaction; retention
+    deletes the keys of the traces it deletes, so a pruned trace may be sent again."""
+
+    __tablename__ = "trace_keys"
+    __table_args__ = (
+        UniqueConstraint("project_id", "content_sha256"),
+        UniqueConstraint("project_id", "external_id"),
+        Index(None, "created_at"),
+    )
+
+    #: The trace's public id (unique across partitions here, since it cannot be on `traces`).
+    public_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    content_sha256: Mapped[str] = mapped_column(String(64))
+    external_id: Mapped[str | None] = mapped_column(String(200))
+    #: The trace's `created_at` (retention deletes keys by it).
+    created_at: Mapped[datetime] = mapped_column()

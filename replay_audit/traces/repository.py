@@ -1,8 +1,10 @@
-"""SQL for numerical configurations, traces and their tags.
+"""SQL for numerical configurations, traces, their tags and their keys.
 
 Inserts are `INSERT ... ON CONFLICT DO NOTHING RETURNING`, one round trip per table and batch
 (see `_insert_do_nothing`): the unique constraints decide what is a duplicate, so concurrent
-retries cannot store a trace twice, and nothing is checked-then-inserted.
+retries cannot store a trace twice, and nothing is checked-then-inserted. The constraints that
+say what a duplicate trace is are on `trace_keys` (unpartitioned, see traces/models.py): a
+trace's key goes in first and the trace only if its key did.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from sqlalchemy import JSON, ColumnElement, Select, Table, exists, not_, or_, se
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, contains_eager, defer
 
-from replay_audit.traces.models import NumericalConfigRow, Trace, TraceTag
+from replay_audit.traces.models import NumericalConfigRow, Trace, TraceKey, TraceTag
 from replay_audit.traces.selection import GREEDY, TraceSelection
 
 _Ts = TypeVarTuple("_Ts")
@@ -118,34 +120,49 @@ def _insert_do_nothing(
         cursor.close()
 
 
-def insert_traces(session: Session, rows: Sequence[dict[str, Any]]) -> dict[str, tuple[int, str]]:
-    """Insert trace rows, skipping any that would break a unique constraint (same content or
-    same external_id in the project). Returns content_sha256 -> (id, public_id) of the rows
-    actually inserted."""
-    table = Trace.__table__
+def insert_trace_keys(session: Session, rows: Sequence[dict[str, Any]]) -> set[str]:
+    """Insert trace keys (public_id, project_id, content_sha256, external_id, created_at),
+    skipping any whose content or external_id the project already holds (or whose public id
+    is taken). Returns the content_sha256 of the keys actually inserted: exactly the traces to
+    store."""
+    table = TraceKey.__table__
     assert isinstance(table, Table)
     # Sorted by content: two batches holding the same traces in different orders (a client
     # retrying concurrently) take the unique-index locks in one order and cannot deadlock.
     ordered = sorted(rows, key=lambda row: str(row["content_sha256"]))
+    inserted = _insert_do_nothing(session, table, ordered, returning=("content_sha256",))
+    return {sha for (sha,) in inserted}
+
+
+def insert_traces(session: Session, rows: Sequence[dict[str, Any]]) -> dict[str, tuple[int, str]]:
+    """Insert trace rows whose keys `insert_trace_keys` just inserted. Returns content_sha256
+    -> (id, public_id) of the rows inserted."""
+    table = Trace.__table__
+    assert isinstance(table, Table)
     inserted = _insert_do_nothing(
-        session, table, ordered, returning=("id", "public_id", "content_sha256")
+        session, table, rows, returning=("id", "public_id", "content_sha256")
     )
     return {sha: (id_, public_id) for id_, public_id, sha in inserted}
 
 
 def insert_trace_tags(session: Session, rows: Sequence[dict[str, Any]]) -> None:
-    """Insert (trace_id, tag) rows."""
+    """Insert (trace_id, trace_created_at, tag) rows."""
     if not rows:
         return
     if session.get_bind().dialect.name == "postgresql":
-        # Two narrow columns: one statement over two arrays beats even a pipeline of rows.
+        # Three narrow columns: one statement over arrays beats even a pipeline of rows.
         session.execute(
             text(
-                "INSERT INTO trace_tags (trace_id, tag) "
-                "SELECT * FROM unnest(CAST(:trace_ids AS bigint[]), CAST(:tags AS text[])) "
+                "INSERT INTO trace_tags (trace_id, trace_created_at, tag) "
+                "SELECT * FROM unnest(CAST(:trace_ids AS bigint[]),"
+                " CAST(:created_ats AS timestamptz[]), CAST(:tags AS text[])) "
                 "ON CONFLICT DO NOTHING"
             ),
-            {"trace_ids": [r["trace_id"] for r in rows], "tags": [r["tag"] for r in rows]},
+            {
+                "trace_ids": [r["trace_id"] for r in rows],
+                "created_ats": [r["trace_created_at"] for r in rows],
+                "tags": [r["tag"] for r in rows],
+            },
         )
         return
     table = TraceTag.__table__
@@ -159,8 +176,8 @@ def public_ids_by_content(
     """content_sha256 -> public id of the project's traces with that content."""
     found: dict[str, str] = {}
     for chunk in _chunks(sorted(content_sha256s)):
-        stmt = select(Trace.content_sha256, Trace.public_id).where(
-            Trace.project_id == project_id, Trace.content_sha256.in_(chunk)
+        stmt = select(TraceKey.content_sha256, TraceKey.public_id).where(
+            TraceKey.project_id == project_id, TraceKey.content_sha256.in_(chunk)
         )
         found.update({sha: public_id for sha, public_id in session.execute(stmt)})
     return found
@@ -172,8 +189,8 @@ def public_ids_by_external_id(
     """external_id -> public id of the project's traces carrying it."""
     found: dict[str, str] = {}
     for chunk in _chunks(sorted(external_ids)):
-        stmt = select(Trace.external_id, Trace.public_id).where(
-            Trace.project_id == project_id, Trace.external_id.in_(chunk)
+        stmt = select(TraceKey.external_id, TraceKey.public_id).where(
+            TraceKey.project_id == project_id, TraceKey.external_id.in_(chunk)
         )
         found.update({ext: public_id for ext, public_id in session.execute(stmt) if ext})
     return found
@@ -216,7 +233,13 @@ def select_where(stmt: Select[*_Ts], project_id: int, selection: TraceSelection)
     if s.public_id is not None:
         where.append(Trace.public_id == s.public_id)
     for tag in s.tags:
-        where.append(exists().where(TraceTag.trace_id == Trace.id, TraceTag.tag == tag))
+        where.append(
+            exists().where(
+                TraceTag.trace_id == Trace.id,
+                TraceTag.trace_created_at == Trace.created_at,  # one partition's tags
+                TraceTag.tag == tag,
+            )
+        )
     if s.created_after is not None:
         where.append(Trace.created_at >= s.created_after)
     if s.created_before is not None:

@@ -8,7 +8,9 @@ logits float32), each preceded by its byte length. Two posts are the same trace 
 the same: logits that differ only below float32 precision are the same trace, since float32 is
 what is stored. `UNIQUE(project_id, content_sha256)` makes a repeat a no-op answered with the
 existing id; `UNIQUE(project_id, external_id)` makes a reused external_id with different
-content a 409 naming `external_id`.
+content a 409 naming `external_id`. Both are on `trace_keys`, not `traces` (which PostgreSQL
+partitions by time, and a partitioned table cannot hold them): a trace's key is inserted first,
+and the trace is stored only if its key went in, in the same transaction.
 """
 
 from __future__ import annotations
@@ -225,11 +227,26 @@ def _ingest(
                     "created_at": now,
                 }
             )
-        inserted = repository.insert_traces(session, rows)
+        keyed = repository.insert_trace_keys(
+            session,
+            [
+                {
+                    "public_id": row["public_id"],
+                    "project_id": project_id,
+                    "content_sha256": row["content_sha256"],
+                    "external_id": row["external_id"],
+                    "created_at": now,
+                }
+                for row in rows
+            ],
+        )
+        inserted = repository.insert_traces(
+            session, [row for row in rows if row["content_sha256"] in keyed]
+        )
         repository.insert_trace_tags(
             session,
             [
-                {"trace_id": inserted[sha][0], "tag": tag}
+                {"trace_id": inserted[sha][0], "trace_created_at": now, "tag": tag}
                 for sha, p in first.items()
                 if sha in inserted
                 for tag in dict.fromkeys(p.trace.tags)

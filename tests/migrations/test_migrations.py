@@ -240,3 +240,110 @@ def test_0008_adds_token_pieces_keeping_traces_stored_before(empty_db_url: str) 
             assert c.execute(text("SELECT output_token_pieces FROM traces")).scalar() is None
     finally:
         engine.dispose()
+
+
+def test_0010_keeps_every_row_and_files_it_under_its_traces_week(empty_db_url: str) -> None:
+    """Traces, tags and results written before 0010 survive it (in their trace's week
+    partition on PostgreSQL, with their keys in trace_keys) and survive its downgrade."""
+    from sqlalchemy import text
+
+    migration.upgrade(empty_db_url, "0006")
+    engine = create_engine(empty_db_url)
+    t = "2026-01-07 10:00:00"  # a Wednesday: the week of Monday 2026-01-05
+    postgres = engine.dialect.name == "postgresql"
+    try:
+        with engine.begin() as c:
+            c.execute(
+                text("INSERT INTO projects (id, name, created_at) VALUES (1, 'p', :t)"), {"t": t}
+            )
+            c.execute(
+                text(
+                    "INSERT INTO numerical_configs (id, public_id, content_sha256, config_json,"
+                    " dtype, lm_head_dtype, attn_kernel, device, batch_size, created_at) VALUES"
+                    " (1, 'nc_1', :h, '{}', 'bf16', 'bf16', 'eager', 'cpu', 1, :t)"
+                ),
+                {"h": "a" * 64, "t": t},
+            )
+            for i in (1, 2):
+                c.execute(
+                    text(
+                        "INSERT INTO traces (id, public_id, project_id, config_id, model_name,"
+                        " weights_sha256, vocab_size, decoding, prompt_token_ids,"
+                        " output_token_ids, n_prompt_tokens, n_output_tokens, tags,"
+                        " external_id, content_sha256, created_at) VALUES (:i, :p, 1, 1, 'm',"
+                        " :h, 10, '{}', :b, :b, 1, 1, '[\"x\"]', :e, :c, :t)"
+                    ),
+                    {
+                        "i": i,
+                        "p": f"tr_{i}",
+                        "h": "b" * 64,
+                        "b": b"\x01\x00\x00\x00",
+                        "e": f"ext-{i}",
+                        "c": str(i) * 64,
+                        "t": t,
+                    },
+                )
+                c.execute(
+                    text("INSERT INTO trace_tags (trace_id, tag) VALUES (:i, 'x')"), {"i": i}
+                )
+            c.execute(
+                text(
+                    "INSERT INTO replay_runs (id, public_id, project_id, status, mode, compare,"
+                    " request, targets, comparisons, n_traces, n_items, created_at) VALUES"
+                    " (1, 'rr_1', 1, 'done', 'decode', 'logged', '{}', '[]', '[]', 2, 2, :t)"
+                ),
+                {"t": t},
+            )
+            c.execute(
+                text(
+                    "INSERT INTO replay_results (id, run_id, trace_id, comparison, status,"
+                    " detail, created_at) VALUES (1, 1, 2, 0, 'ok', '{}', :t)"
+                ),
+                {"t": t},
+            )
+        migration.upgrade(empty_db_url)
+        with engine.connect() as c:
+            keys = c.execute(
+                text("SELECT public_id, external_id FROM trace_keys ORDER BY 1")
+            ).all()
+            moved = c.execute(
+                text(
+                    "SELECT r.trace_created_at = t.created_at, t.created_at"
+                    " FROM replay_results r JOIN traces t ON t.id = r.trace_id"
+                )
+            ).all()
+            tags = c.scalar(
+                text(
+                    "SELECT count(*) FROM trace_tags g JOIN traces t"
+                    " ON t.id = g.trace_id AND t.created_at = g.trace_created_at"
+                )
+            )
+            where = (
+                {
+                    table: c.scalar(text(f"SELECT DISTINCT tableoid::regclass::text FROM {table}"))
+                    for table in ("traces", "trace_tags", "replay_results")
+                }
+                if postgres
+                else {}
+            )
+        migration.downgrade(empty_db_url, "0006")
+        with engine.connect() as c:
+            after_downgrade = [
+                c.scalar(text(f"SELECT count(*) FROM {table}"))
+                for table in ("traces", "trace_tags", "replay_results")
+            ]
+        migration.upgrade(empty_db_url)
+        with engine.connect() as c:
+            after_upgrade = c.scalar(text("SELECT count(*) FROM trace_keys"))
+    finally:
+        engine.dispose()
+    assert [tuple(k) for k in keys] == [("tr_1", "ext-1"), ("tr_2", "ext-2")]
+    assert len(moved) == 1 and moved[0][0] is not False and moved[0][0] in (True, 1)
+    assert tags == 2
+    if postgres:
+        assert where == {
+            "traces": "traces_p20260105",
+            "trace_tags": "trace_tags_p20260105",
+            "replay_results": "replay_results_p20260105",
+        }
+    assert after_downgrade == [2, 2, 1] and after_upgrade == 2
