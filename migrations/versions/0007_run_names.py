@@ -26,5 +26,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("replay_runs", schema=None) as batch_op:
-        batch_op.drop_column("name")
+    if op.get_bind().dialect.name == "sqlite":
+        # SQLite's own DROP COLUMN (3.35+): a batch copy of `replay_runs` would drop the old table,
+        # and with foreign keys on, that deletes the rows that reference it (cascade).
+        op.execute("ALTER TABLE replay_runs DROP COLUMN name")
+        return
+    op.drop_column("replay_runs", "name")

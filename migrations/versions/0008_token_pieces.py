@@ -29,5 +29,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("traces", schema=None) as batch_op:
-        batch_op.drop_column("output_token_pieces")
+    if op.get_bind().dialect.name == "sqlite":
+        # SQLite's own DROP COLUMN (3.35+): a batch copy of `traces` would drop the old table,
+        # and with foreign keys on, that deletes every tag and result of its traces (cascade).
+        op.execute("ALTER TABLE traces DROP COLUMN output_token_pieces")
+        return
+    op.drop_column("traces", "output_token_pieces")

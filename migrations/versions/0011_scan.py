@@ -30,5 +30,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("replay_results", schema=None) as batch_op:
-        batch_op.drop_column("screen")
+    if op.get_bind().dialect.name == "sqlite":
+        # SQLite's own DROP COLUMN (3.35+): a batch copy of `replay_results` would drop the
+        # old table, and with foreign keys on, that deletes the rows that reference it.
+        op.execute("ALTER TABLE replay_results DROP COLUMN screen")
+        return
+    op.drop_column("replay_results", "screen")

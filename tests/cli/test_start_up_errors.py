@@ -164,6 +164,7 @@ def test_scheduler_logs_every_tick(tmp_path: Path) -> None:
     assert "audit scheduler: a tick every 0.2 s" in out.text
     assert re.search(
         r"audit tick: 0 schedule\(s\) due, 0 run\(s\) started, 0 evaluated \(0 flagged for "
-        r"drift\), 0 alert delivery\(ies\) enqueued, 0 job\(s\) reconciled, 0 error\(s\)",
+        r"drift\), 0 alert delivery\(ies\) enqueued, 0 job\(s\) reconciled, 0 partition\(s\) "
+            r"created, 0 trace\(s\) pruned, 0 error\(s\)",
         out.text,
     ), out.text
