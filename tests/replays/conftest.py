@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from replay_audit.config import Settings
 from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
 from replay_audit.queue import JobSpec
+from replay_audit.queue.runner import resolve
 from replay_audit.replays import tasks as jobs
 
 VOCAB = 97
@@ -61,7 +62,8 @@ def fake_loader(directory: Path, target: Target) -> FakeEngine:
 
 
 class HoldingRunner:
-    """A runner that keeps jobs until `run_all()` (or drops them, like a flushed Redis)."""
+    """A runner that keeps jobs until `run_all()` (or drops them, like a flushed Redis), then
+    runs each by its dotted path, as a worker does (replay jobs, screening jobs)."""
 
     def __init__(self) -> None:
         self.specs: list[JobSpec] = []
@@ -80,7 +82,7 @@ class HoldingRunner:
         n = 0
         while self.specs:
             spec = self.specs.pop(0)
-            jobs.run_replay_job(*spec.args)  # type: ignore[arg-type]
+            resolve(spec.func)(*spec.args)
             n += 1
         return n
 

@@ -13,38 +13,18 @@ import pytest
 from fastapi.testclient import TestClient
 
 from replay_audit.engine import FakeEngine
-from replay_audit.queue import JobSpec
-from replay_audit.queue.runner import resolve
 from replay_audit.screening.outputs import ScreenPrompt
 from replay_audit.screening.plan import Platform, ScreenConfig
 from replay_audit.screenings import tasks
-from tests.replays.conftest import fake_model_dir, worker_env  # noqa: F401  (fixtures)
+from tests.replays.conftest import (  # noqa: F401  (fixtures)
+    HoldingRunner,
+    fake_model_dir,
+    worker_env,
+)
 from tests.screening.fake_screen import FakeBackend
 
-
-class JobRunner:
-    """Keeps jobs until `run_all()`, then runs each by its dotted path."""
-
-    def __init__(self) -> None:
-        self.specs: list[JobSpec] = []
-
-    def enqueue(self, spec: JobSpec) -> None:
-        if all(s.job_id != spec.job_id for s in self.specs):
-            self.specs.append(spec)
-
-    def is_queued(self, job_id: str) -> bool:
-        return any(s.job_id == job_id for s in self.specs)
-
-    def ping(self) -> None:
-        """Always takes work."""
-
-    def run_all(self) -> int:
-        n = 0
-        while self.specs:
-            spec = self.specs.pop(0)
-            resolve(spec.func)(*spec.args)
-            n += 1
-        return n
+#: Keeps jobs until `run_all()`, then runs each by its dotted path.
+JobRunner = HoldingRunner
 
 
 @dataclasses.dataclass
