@@ -10,12 +10,24 @@ paths flip near-ties). Everything else in a step has the same shapes at every st
 token), so the step is cut at each attention:
 
     piece 0      the embedding, RoPE's cos/sin, layer 0's input norm, q/k/v projections, RoPE
-    attention i  `DynamicCache.update` (torch.cat) and transformers' attention function over the
-                 exact cache length, eagerly, with the mask `create_causal_mask` gives
+                 (k and v stacked into one tensor, for one copy into the cache)
+    attention i  the new k/v written at the next position of layer i's cache, and the attention
+                 over the exact cache length (keys[..., :n, :]), eagerly
     piece i      layer i-1's o_proj, residual, post-attention norm, MLP, residual; then layer
                  i's input norm, q/k/v and RoPE
     piece L      layer L-1's rest, the final norm, the native lm_head, its float32 logits and
                  their top-k packed for one device-to-host copy
+
+The cache. Where the model's attention is SDPA and its decode mask is None (no padding: what
+`create_causal_mask` gives one query token), the keys and values live in one preallocated
+buffer per layer, written in place at the next position, and the attention reads a view of the
+first n positions: the values `DynamicCache`'s `torch.cat` would hold, without reallocating the
+whole cache every step, and without building the (None) mask every step. The SDPA call is the
+one transformers' `sdpa_attention_forward` makes for one query token without a mask (the same
+arguments: `enable_gqa` where transformers passes it, `is_causal=False`, the module's scale),
+made directly: the step is host-bound, and that function's Python costs as much as the kernel.
+Any other attention (eager, or SDPA with a mask) runs transformers' own attention function on
+a `DynamicCache`, with the mask `create_causal_mask` builds at each step.
 
 Each piece calls the modules and functions transformers' forward calls (the layer's own norms,
 projections and MLP, its modeling module's `apply_rotary_pos_emb`, the configured attention
@@ -61,6 +73,8 @@ SUPPORTED_MODULES = {
 DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 #: Decode steps `check` compares with the dynamic path.
 CHECK_STEPS = 4
+#: Positions a buffered cache holds at least beyond its prefill (it doubles when full).
+CACHE_HEADROOM = 256
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -130,6 +144,10 @@ class PiecewiseDecoder:
                 self.config._attn_implementation, modeling.eager_attention_forward
             )
         )
+        #: Whether the attention is transformers' SDPA, which the buffered step calls directly
+        #: (module docstring), and the extra SDPA arguments it passes for one query token
+        #: without a mask (None: a layout the direct call does not follow).
+        self._sdpa_kwargs = _direct_sdpa_kwargs(self._attention, attn)
         b, dev = body.batch_size, body.device
         dtype = self.embed.weight.dtype
         width = attn.o_proj.in_features
@@ -147,7 +165,8 @@ class PiecewiseDecoder:
         self._h: torch.Tensor = self.attn_out[0]
         self._cos: torch.Tensor = self.attn_out[0]
         self._sin: torch.Tensor = self.attn_out[0]
-        self._qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        #: This layer's query and its new key/value stacked (2, batch, kv heads, 1, head dim).
+        self._qkv: tuple[torch.Tensor, torch.Tensor] | None = None
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.graphs: list[Any] = []
         self._graph_outputs: list[tuple[torch.Tensor, ...]] = []
@@ -157,20 +176,70 @@ class PiecewiseDecoder:
         #: not checked yet).
         self.check_result: str | None = None
         self._dynamic = DynamicDecoder(body, head)
-        #: The decode in progress: its cache, the next position to write, the k asked for.
+        #: The decode in progress: its `DynamicCache` (unbuffered) or its buffers, one per
+        #: layer (2, batch, kv heads, capacity, head dim), the next position, the k asked for.
         self.cache: Any = None
+        self.buffers: list[torch.Tensor] = []
         self._position = 0
         self._top_k = 0
+        #: Whether the decode in progress keeps its cache in `buffers` (module docstring).
+        self.buffered = False
 
     # -- the Decoder interface ------------------------------------------------------------
 
     def prefill(self, context: Sequence[int], top_k: int) -> StepOutput:
-        """The dynamic path's prefill (a new `DynamicCache`, one forward of the context)."""
+        """The dynamic path's prefill (a new `DynamicCache`, one forward of the context); then,
+        where the steps' attention is SDPA without a mask, its keys and values copied into the
+        decoder's buffers (module docstring)."""
         self._top_k = top_k
         out = self._dynamic.prefill(context, top_k)
         self.cache = self._dynamic.cache
         self._position = len(context)
+        self.buffered = self._sdpa_kwargs is not None and self._step_mask() is None
+        if self.buffered:
+            self._fill_buffers()
         return out
+
+    def _step_mask(self) -> Any:
+        """The mask of the next step's attention, as the model's forward makes it from the
+        cache before the step's update (None for SDPA without padding; an additive mask for
+        eager)."""
+        b = self.body.batch_size
+        self.position.fill_(self._position)
+        return self._mask(
+            config=self.config,
+            inputs_embeds=self.attn_out[0].expand(b, -1, -1),
+            attention_mask=None,
+            past_key_values=self.cache,
+            position_ids=self.position.expand(b, -1),
+        )
+
+    def _fill_buffers(self) -> None:
+        """Copy the prefill's `DynamicCache` into the buffers (grown to hold it and
+        `CACHE_HEADROOM` more positions), and let the `DynamicCache` go."""
+        n = self._position
+        self._ensure_capacity(n + CACHE_HEADROOM)
+        for buf, layer in zip(self.buffers, self.cache.layers, strict=True):
+            buf[0, :, :, :n].copy_(layer.keys)
+            buf[1, :, :, :n].copy_(layer.values)
+        self.cache = None
+
+    def _ensure_capacity(self, n: int) -> None:
+        """Buffers of at least `n` positions (doubling; what they hold is kept)."""
+        have = self.buffers[0].shape[3] if self.buffers else 0
+        if n <= have:
+            return
+        cap = max(have, CACHE_HEADROOM)
+        while cap < n:
+            cap *= 2
+        attn = self.layers[0].self_attn
+        kv_heads = self.config.num_key_value_heads
+        shape = (2, self.body.batch_size, kv_heads, cap, attn.head_dim)
+        dtype, dev = self.attn_out[0].dtype, self.body.device
+        old = self.buffers
+        self.buffers = [torch.zeros(shape, dtype=dtype, device=dev) for _ in self.layers]
+        for new, buf in zip(self.buffers, old, strict=False):
+            new[:, :, :, :have].copy_(buf)
 
     def step(self, token: int) -> StepOutput:
         """One token at the next position: the pieces (graph replays or eager) with the eager
@@ -190,11 +259,56 @@ class PiecewiseDecoder:
     def _step(self, token: int) -> StepOutput:
         self.token.fill_(token)
         self.position.fill_(self._position)
-        self._run(0)
+        if self.buffered:
+            self._ensure_capacity(self._position + 1)
+            self._run(0)
+            self._buffered_attention()
+        else:
+            self._run(0)
+            self._dynamic_attention()
+        self._position += 1
+        assert self._last is not None
+        h, z32, packed = self._last
+        top = unpack_top_k(packed.cpu().numpy(), self.kk)
+        kk = top_k_size(self._top_k, z32.shape[-1])
+        if kk != self.kk:  # more than TOP_K_CAP asked for: outside the pieces
+            top = unpack_top_k(pack_top_k(z32, kk).cpu().numpy(), kk)
+        return StepOutput(h, z32, top)
+
+    def _buffered_attention(self) -> None:
+        """Each layer's attention between the pieces, on the buffers: the new key/value
+        written at the next position, SDPA over the first n positions (as transformers'
+        `sdpa_attention_forward` calls it for one query token without a mask)."""
+        n = self._position + 1
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        kwargs = self._sdpa_kwargs or {}
+        for i, ((_, _, scaling, out_buffer), kv) in enumerate(
+            zip(self._attention_args, self.buffers, strict=True)
+        ):
+            assert self._qkv is not None
+            q, new = self._qkv
+            kv[:, :, :, n - 1 : n].copy_(new)
+            view = kv[:, :, :, :n]
+            out = sdpa(
+                q,
+                view[0],
+                view[1],
+                attn_mask=None,
+                dropout_p=0.0,
+                scale=scaling,
+                is_causal=False,
+                **kwargs,
+            )
+            # transformers' (batch, heads, 1, dim) -> transpose(1, 2).contiguous() -> reshape
+            # (batch, 1, heads * dim): for one query token, the same element order.
+            out_buffer.copy_(out.reshape(out_buffer.shape))
+            self._run(i + 1)
+
+    def _dynamic_attention(self) -> None:
+        """Each layer's attention between the pieces on the `DynamicCache`: its update
+        (torch.cat) and transformers' attention function with the step's mask."""
         positions = self.position.expand(self.body.batch_size, -1)
         cache = self.cache
-        # The mask of this step, from the cache before this step's update, as the model's
-        # forward makes it (None for sdpa without padding; an additive mask for eager).
         mask = self._mask(
             config=self.config,
             inputs_embeds=self._h,
@@ -204,8 +318,8 @@ class PiecewiseDecoder:
         )
         for i, (attn, layer_idx, scaling, buffer) in enumerate(self._attention_args):
             assert self._qkv is not None
-            q, k, v = self._qkv
-            keys, values = cache.update(k, v, layer_idx)
+            q, kv = self._qkv
+            keys, values = cache.update(kv[0], kv[1], layer_idx)
             out, _ = self._attention(
                 attn,
                 q,
@@ -219,14 +333,6 @@ class PiecewiseDecoder:
             )
             buffer.copy_(out.reshape(buffer.shape))
             self._run(i + 1)
-        self._position += 1
-        assert self._last is not None
-        h, z32, packed = self._last
-        top = unpack_top_k(packed.cpu().numpy(), self.kk)
-        kk = top_k_size(self._top_k, z32.shape[-1])
-        if kk != self.kk:  # more than TOP_K_CAP asked for: outside the pieces
-            top = unpack_top_k(pack_top_k(z32, kk).cpu().numpy(), kk)
-        return StepOutput(h, z32, top)
 
     # -- the check ------------------------------------------------------------------------
 
@@ -252,9 +358,10 @@ class PiecewiseDecoder:
 
     def _project(
         self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's input norm, q/k/v projections and RoPE of its input `h`, as
-        `LlamaAttention.forward`."""
+        `LlamaAttention.forward`; the query, and the key and value stacked (a copy: the same
+        values) for one write into the cache."""
         layer = self.layers[i]
         attn = layer.self_attn
         x = layer.input_layernorm(h)
@@ -263,7 +370,7 @@ class PiecewiseDecoder:
         k = attn.k_proj(x).view(hidden_shape).transpose(1, 2)
         v = attn.v_proj(x).view(hidden_shape).transpose(1, 2)
         q, k = self._rope(q, k, cos, sin)
-        return q, k, v
+        return q, torch.stack((k, v))
 
     def _finish_layer(self, i: int, residual: torch.Tensor) -> torch.Tensor:
         """The rest of layer i (input `residual`) after its attention, as
@@ -296,11 +403,11 @@ class PiecewiseDecoder:
     def _take(self, i: int, outputs: tuple[torch.Tensor, ...]) -> None:
         """Make piece i's outputs the live ones (after a replay: the graph's static outputs)."""
         if i == 0:
-            self._h, self._cos, self._sin, q, k, v = outputs
-            self._qkv = (q, k, v)
+            self._h, self._cos, self._sin, q, kv = outputs
+            self._qkv = (q, kv)
         elif i < len(self.layers):
-            self._h, q, k, v = outputs
-            self._qkv = (q, k, v)
+            self._h, q, kv = outputs
+            self._qkv = (q, kv)
         else:
             last, z32, packed = outputs
             self._last = (last, z32, packed)
@@ -360,3 +467,21 @@ class PiecewiseDecoder:
             outputs.append(out)
         torch.cuda.current_stream().wait_stream(side)
         return graphs, outputs
+
+
+def _direct_sdpa_kwargs(attention: Callable[..., Any], attn: Any) -> dict[str, Any] | None:
+    """The keyword arguments transformers' `sdpa_attention_forward` adds to its SDPA call for
+    one query token without a mask on this attention module (`enable_gqa` where it passes it),
+    or None where `attention` is not that function or takes another route (it repeats or packs
+    the key/value heads), which the buffered step does not follow."""
+    if getattr(attention, "__name__", "") != "sdpa_attention_forward":
+        return None
+    module = sys.modules.get(getattr(attention, "__module__", ""))
+    groups = int(getattr(attn, "num_key_value_groups", 1))
+    if groups <= 1:
+        return {}
+    use_gqa = getattr(module, "use_gqa_in_sdpa", None)
+    if use_gqa is None:
+        return None
+    probe = torch.zeros((1, 1, 1, attn.head_dim))
+    return {"enable_gqa": True} if use_gqa(None, probe, probe) else None

@@ -224,3 +224,39 @@ def test_default_cache_kind_is_piecewise_on_cuda_only(real_engine: EngineOf) -> 
     engine = TorchEngine(real_engine("bf16").model, None, Target("bf16"), torch.device("cpu"))
     assert engine.cache_kind == "dynamic"
     assert "decoder" not in engine.environment()["extras"]
+
+
+@pytest.mark.parametrize("headroom", [1, 3, 256])
+@torch.inference_mode()
+def test_sdpa_steps_keep_the_cache_in_buffers_that_grow(
+    real_engine: EngineOf, monkeypatch: pytest.MonkeyPatch, headroom: int
+) -> None:
+    """With SDPA (no mask for one query token) the steps read the keys and values from the
+    decoder's own buffers, grown by doubling as the decode goes (a headroom of 1 or 3 grows
+    them several times in 16 tokens): still the dynamic path's logits and hidden states, bit
+    for bit, on the model's GQA heads (2 key/value heads for 4 query heads)."""
+    import replay_audit.engine.piecewise as piecewise_module
+
+    monkeypatch.setattr(piecewise_module, "CACHE_HEADROOM", headroom)
+    engine = real_engine("fp32")
+    assert engine.model.config.num_key_value_heads < engine.model.config.num_attention_heads
+    piecewise = PiecewiseDecoder(engine.body, engine.head)
+    prompt = _prompts(engine)[0]
+    _, outs = _greedy(piecewise, prompt, N)
+    _, ref = _greedy(DynamicDecoder(engine.body, engine.head), prompt, N)
+    assert piecewise.buffered and piecewise.cache is None
+    # the buffers grew past their first size and hold every position decoded
+    assert piecewise.buffers[0].shape[3] >= len(prompt) + len(outs) - 1
+    for a, b in zip(outs, ref, strict=True):
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
+
+
+@torch.inference_mode()
+def test_eager_attention_steps_on_the_dynamic_cache(real_engine: EngineOf) -> None:
+    """Eager attention has a mask at every step: the steps keep transformers' `DynamicCache`
+    and build the mask as the model's forward does, with no buffers."""
+    engine = real_engine("fp32", kernel="eager")
+    piecewise = PiecewiseDecoder(engine.body, engine.head)
+    _greedy(piecewise, _prompts(engine)[1], 6)
+    assert not piecewise.buffered and not piecewise.buffers
+    assert piecewise.cache is not None
