@@ -38,6 +38,10 @@ class WorkerBackend(Backend, Protocol):
 
     def reference_dtype(self) -> str: ...
 
+    def availability(self, config: ScreenConfig) -> str | None:
+        """Why `config` cannot run on this device, found by trying it (the plan's probe)."""
+        ...
+
     def prompts(self, rows: Sequence[dict[str, Any]]) -> list[ScreenPrompt]: ...
 
 
@@ -59,6 +63,9 @@ class _TorchWorkerBackend:
 
     def activate(self, config: ScreenConfig) -> None:
         self._backend.activate(config)
+
+    def availability(self, config: ScreenConfig) -> str | None:
+        return self._backend.availability(config)
 
     def eos_ids(self) -> list[int]:
         return self._backend.eos_ids()
@@ -149,6 +156,7 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
             tau_ulps=request.get("tau_ulps"),
             max_new_tokens=int(request["max_new_tokens"]),
             cover=float(request["cover"]),
+            probe=backend.availability,
         )
         prompts = backend.prompts(request["prompts"])
         outputs = run_screening(plan, prompts, backend, DbStore(url, screening_id))
