@@ -1,8 +1,9 @@
 """The screening job: what a worker executes for one `screenings` row.
 
-Idempotent and resumable: every run and probe the screening produces is stored in
-`screening_outputs` as it is done (each in its own transaction), so a killed or re-run job
-continues from them; a done screening is left alone. The job runs on a worker that has the
+Idempotent and resumable: every prompt decoded in a run, every finished run and every probe
+the screening produces is stored in `screening_outputs` as it is done (each in its own
+transaction), so a killed or re-run job continues from them, within a run at its first prompt
+not decoded yet; a done screening is left alone. The job runs on a worker that has the
 checkpoint (`REPLAY_AUDIT_MODEL_DIRS`) and reaches the torch engine there.
 """
 
@@ -104,6 +105,10 @@ class DbStore:
     def get(self, key: str) -> dict[str, Any] | None:
         with session_scope(self.url) as s:
             return repository.get_output(s, self.screening_id, key)
+
+    def scan(self, prefix: str) -> list[dict[str, Any]]:
+        with session_scope(self.url) as s:
+            return repository.outputs_with_prefix(s, self.screening_id, prefix)
 
     def put(self, key: str, value: dict[str, Any]) -> None:
         with session_scope(self.url) as s:
