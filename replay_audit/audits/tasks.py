@@ -66,7 +66,7 @@ class TickReport:
             f"{self.evaluated} evaluated ({self.flagged} flagged for drift), "
             f"{self.alerts_enqueued} alert delivery(ies) enqueued, "
             f"{self.jobs_reconciled} job(s) reconciled, {self.partitions_created} partition(s) "
-            f"created, {self.traces_pruned} trace(s) and {self.screenings_pruned} screening(s) "
+            f"created, {self.traces_pruned} trace(s) pruned, {self.screenings_pruned} screening(s) "
             f"pruned, {self.errors} error(s)"
         )
 
