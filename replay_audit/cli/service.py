@@ -157,7 +157,8 @@ def prune(
 ) -> None:
     """Delete the traces older than DAYS days with their tags and results (whole weekly
     partitions on PostgreSQL, DETACH + DROP; batched deletes on SQLite), and the screenings
-    older than DAYS days with their stored outputs. Prints what it removed. (`REPLAY_AUDIT_RETENTION_DAYS` makes the scheduler do this every tick.)"""
+    older than DAYS days with their stored outputs. Prints what it removed.
+    (`REPLAY_AUDIT_RETENTION_DAYS` makes the scheduler do this every tick.)"""
     from datetime import timedelta
 
     from replay_audit.cli.database import ready_database
