@@ -9,7 +9,10 @@
 #   bash benchmarks/gpu_screen.sh all      # both, for a machine with time to spare
 #
 # Settings: MINUTES (training budget, 3), PROMPTS (16), TOKENS (48 new tokens per prompt),
-# KNOBS (comma-separated `--knobs`, default all), SCREEN_TIMEOUT (seconds one screen command may
+# KNOBS (comma-separated `--knobs`, default all), REFERENCE (`--reference-dtype`: fp32, bf16 or
+# fp16; default the checkpoint's own dtype, fp32 here; with bf16 the SDPA flash and cuDNN
+# backends, which have no fp32 kernel, can run; its state and report go to their own names,
+# e.g. `REFERENCE=bf16 KNOBS=attn_kernel bash benchmarks/gpu_screen.sh screen`), SCREEN_TIMEOUT (seconds one screen command may
 # run before it stops and leaves the rest for the next call, 540). About 25 runs x PROMPTS x
 # TOKENS decode steps at ~15 ms each on the dynamic-cache path, plus loads and one compile.
 # Every step's wall time goes to $OUT/screen_wall.txt.
@@ -19,7 +22,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=.models/py-12x768
-S=.models/screen-py-12x768
+REFERENCE=${REFERENCE:-}
+S=.models/screen-py-12x768${REFERENCE:+-ref-$REFERENCE}
 step=${1:-all}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_capability())"
@@ -39,19 +43,22 @@ train() {
 
 screen() {
     [ -f "$M/model.safetensors" ] || { echo "no model at $M: run the train step first"; return 1; }
-    local t0=$SECONDS
+    local t0=$SECONDS sfx=${REFERENCE:+-ref-$REFERENCE}
     timeout "${SCREEN_TIMEOUT:-540}" python3 -m replay_audit screen --model "$M" \
         --prompts "$M/prompts.jsonl" --device cuda --limit "${PROMPTS:-16}" \
-        --max-new-tokens "${TOKENS:-48}" ${KNOBS:+--knobs "$KNOBS"} --out "$S" \
-        2> "$OUT/screen.err"
+        --max-new-tokens "${TOKENS:-48}" ${KNOBS:+--knobs "$KNOBS"} \
+        ${REFERENCE:+--reference-dtype "$REFERENCE"} --out "$S" \
+        2> "$OUT/screen$sfx.err"
     local rc=$?
-    echo "screen: $((SECONDS - t0)) s (exit $rc)" | tee -a "$OUT/screen_wall.txt"
+    echo "screen${REFERENCE:+ (reference $REFERENCE)}: $((SECONDS - t0)) s (exit $rc)" \
+        | tee -a "$OUT/screen_wall.txt"
     ls "$S/state" | wc -l | xargs echo "stored state files:"
     if [ $rc -eq 124 ]; then
         echo "stopped at its time limit: run 'bash benchmarks/gpu_screen.sh screen' again to resume"
     fi
-    cp "$S"/report.json "$S"/report.html "$OUT"/ 2>/dev/null
-    tail -n 5 "$OUT/screen.err"
+    cp "$S"/report.json "$OUT/report$sfx.json" 2>/dev/null
+    cp "$S"/report.html "$OUT/report$sfx.html" 2>/dev/null
+    tail -n 5 "$OUT/screen$sfx.err"
     return $rc
 }
 

@@ -43,7 +43,13 @@ class InProcessScheduler:
         """One pass now, in the caller's thread."""
         report = run_tick(self.settings, runner=self.runner, alert_runner=self.alerts)
         self.ticks += 1
-        if report.started or report.evaluated or report.errors or report.traces_pruned:
+        if (
+            report.started
+            or report.evaluated
+            or report.errors
+            or report.traces_pruned
+            or report.screenings_pruned
+        ):
             log.info(report.summary())
         return report
 

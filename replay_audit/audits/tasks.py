@@ -56,6 +56,7 @@ class TickReport:
     jobs_reconciled: int = 0
     partitions_created: int = 0
     traces_pruned: int = 0
+    screenings_pruned: int = 0
     errors: int = 0
 
     def summary(self) -> str:
@@ -65,7 +66,8 @@ class TickReport:
             f"{self.evaluated} evaluated ({self.flagged} flagged for drift), "
             f"{self.alerts_enqueued} alert delivery(ies) enqueued, "
             f"{self.jobs_reconciled} job(s) reconciled, {self.partitions_created} partition(s) "
-            f"created, {self.traces_pruned} trace(s) pruned, {self.errors} error(s)"
+            f"created, {self.traces_pruned} trace(s) pruned, {self.screenings_pruned} screening(s) "
+            f"pruned, {self.errors} error(s)"
         )
 
 
@@ -202,7 +204,8 @@ def maintain_storage(settings: Settings, url: str, now: datetime, report: TickRe
     if settings.retention_days is not None:
         pruned = prune(url, timedelta(days=settings.retention_days), now=now)
         report.traces_pruned += pruned.traces_removed
-        if pruned.traces_removed:
+        report.screenings_pruned += pruned.screenings_deleted
+        if pruned.traces_removed or pruned.screenings_deleted:
             log.info("retention: %s", "; ".join(pruned.lines()))
 
 

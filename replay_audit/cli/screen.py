@@ -87,6 +87,7 @@ def screen(
     try:
         platform = probe(device)
         ref = ScreenConfig(reference_dtype or checkpoint_dtype(model))
+        backend = TorchBackend(model, device)
         plan = build_plan(
             platform,
             reference=ref,
@@ -96,8 +97,8 @@ def screen(
             tau_ulps=tau_ulps,
             max_new_tokens=max_new_tokens,
             cover=cover,
+            probe=backend.availability,
         )
-        backend = TorchBackend(model, device)
         screen_prompts = backend.prompts(rows)
         out.mkdir(parents=True, exist_ok=True)
         store = DirectoryStore(out / "state")

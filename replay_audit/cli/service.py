@@ -148,13 +148,17 @@ def db_partitions(
 @app.command()
 def prune(
     older_than: Annotated[
-        int, typer.Option("--older-than", min=1, help="Delete traces older than DAYS days.")
+        int,
+        typer.Option(
+            "--older-than", min=1, help="Delete traces and screenings older than DAYS days."
+        ),
     ],
     dry_run: Annotated[bool, typer.Option(help="Report what would go; change nothing.")] = False,
 ) -> None:
-    """Delete the traces older than DAYS days with their tags and results: whole weekly
-    partitions on PostgreSQL (DETACH + DROP), batched deletes on SQLite. Prints what it
-    removed. (`REPLAY_AUDIT_RETENTION_DAYS` makes the scheduler do this every tick.)"""
+    """Delete the traces older than DAYS days with their tags and results (whole weekly
+    partitions on PostgreSQL, DETACH + DROP; batched deletes on SQLite), and the screenings
+    older than DAYS days with their stored outputs. Prints what it removed.
+    (`REPLAY_AUDIT_RETENTION_DAYS` makes the scheduler do this every tick.)"""
     from datetime import timedelta
 
     from replay_audit.cli.database import ready_database

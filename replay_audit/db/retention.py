@@ -1,4 +1,5 @@
-"""Retention: delete the traces older than a cutoff, with their tags, results and keys.
+"""Retention: delete the traces older than a cutoff, with their tags, results and keys, and the
+screenings older than the cutoff with their stored outputs.
 
     report = prune(database_url, timedelta(days=30), dry_run=True)   # what would go
     report = prune(database_url, timedelta(days=30))                 # remove it
@@ -14,6 +15,11 @@ SQLite (and a PostgreSQL database without partitions): batches of `batch_size` t
 batch in its own transaction (SQLite has one writer: short transactions let the API write in
 between), deleting results and tags before their traces and the keys with them. A result never
 outlives its trace: the foreign keys say so, and the deletes run in that order.
+
+Screenings (both databases): those created before the cutoff, in batches, each batch's
+`screening_outputs` deleted before its `screenings` rows (SQLite does not cascade unless its
+foreign keys are on). A screening still queued or running whose heartbeat (`updated_at`) is
+newer than the cutoff is kept: a worker is writing its outputs.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ class PruneReport:
     results_deleted: int = 0
     #: Keys of deleted traces (`trace_keys`); not counted in a dry run.
     keys_deleted: int = 0
+    #: Screenings created before the cutoff, and their stored outputs (`screening_outputs`).
+    screenings_deleted: int = 0
+    screening_outputs_deleted: int = 0
 
     @property
     def traces_removed(self) -> int:
@@ -72,6 +81,10 @@ class PruneReport:
             )
         if not self.dry_run:
             out.append(f"removed {self.keys_deleted} trace keys")
+        out.append(
+            f"{verb} {self.screenings_deleted} screenings"
+            f" ({self.screening_outputs_deleted} stored outputs)"
+        )
         out.append(f"total: {self.traces_removed} traces, {self.results_removed} results {verb}")
         return out
 
@@ -85,10 +98,12 @@ def prune(
     batch_size: int = BATCH_SIZE,
 ) -> PruneReport:
     """Delete every trace created before `now - older_than` that retention can reach (see the
-    module docstring), with its tags, results and key; `dry_run` changes nothing and reports
-    what would go. Owns its transactions (it is an edge: the CLI and the scheduler call it)."""
+    module docstring), with its tags, results and key, and every screening created before it
+    with its outputs; `dry_run` changes nothing and reports what would go. Owns its
+    transactions (it is an edge: the CLI and the scheduler call it)."""
     cutoff = (now or utcnow()) - older_than
     report = PruneReport(cutoff=cutoff, dry_run=dry_run)
+    _prune_screenings(database_url, cutoff, report, batch_size)
     with session_scope(database_url) as session:
         partitioned = is_partitioned(session)
         report.weeks = droppable_weeks(session, cutoff)
@@ -113,7 +128,9 @@ def prune(
         with session_scope(database_url) as session:
             rows = session.execute(text(source), {"cutoff": cutoff}).all()
             report.traces_deleted = len(rows)
-            report.results_deleted = _count_results(session, [r[0] for r in rows])
+            report.results_deleted = _count_in(
+                session, "replay_results", "trace_id", [r[0] for r in rows]
+            )
         return report
     while True:
         with session_scope(database_url) as session:
@@ -130,14 +147,43 @@ def prune(
     return report
 
 
-def _count_results(session: Session, trace_ids: list[int]) -> int:
+#: Screenings retention may delete: created before the cutoff, and not being worked on.
+_OLD_SCREENINGS: Final = (
+    "SELECT id FROM screenings WHERE created_at < :cutoff"
+    " AND NOT (status IN ('queued', 'running') AND updated_at >= :cutoff)"
+)
+
+
+def _prune_screenings(url: str, cutoff: datetime, report: PruneReport, batch_size: int) -> None:
+    if report.dry_run:
+        with session_scope(url) as session:
+            ids = [r[0] for r in session.execute(text(_OLD_SCREENINGS), {"cutoff": cutoff})]
+            report.screenings_deleted = len(ids)
+            report.screening_outputs_deleted = _count_in(
+                session, "screening_outputs", "screening_id", ids
+            )
+        return
+    while True:
+        with session_scope(url) as session:
+            rows = session.execute(
+                text(f"{_OLD_SCREENINGS} ORDER BY id LIMIT :n"), {"cutoff": cutoff, "n": batch_size}
+            ).all()
+            if not rows:
+                return
+            ids = [r[0] for r in rows]
+            report.screening_outputs_deleted += _delete_in(
+                session, "screening_outputs", "screening_id", ids
+            )
+            report.screenings_deleted += _delete_in(session, "screenings", "id", ids)
+
+
+def _count_in(session: Session, table: str, column: str, values: list[int]) -> int:
     total = 0
-    for start in range(0, len(trace_ids), BATCH_SIZE):
-        chunk = trace_ids[start : start + BATCH_SIZE]
-        stmt = text("SELECT count(*) FROM replay_results WHERE trace_id IN :ids").bindparams(
-            bindparam("ids", expanding=True)
+    for start in range(0, len(values), BATCH_SIZE):
+        stmt = text(f"SELECT count(*) FROM {table} WHERE {column} IN :values").bindparams(
+            bindparam("values", expanding=True)
         )
-        total += int(session.scalar(stmt, {"ids": chunk}) or 0)
+        total += int(session.scalar(stmt, {"values": values[start : start + BATCH_SIZE]}) or 0)
     return total
 
 

@@ -2,8 +2,8 @@
 re-runs and hidden-state gaps) of each comparison's divergent prompts. Every statistic of the
 report is computed from these, so no prompt is decoded twice. Pure: stdlib and numpy.
 
-The JSON forms are what `--out` (CLI) and the `screenings` table (service) persist: a stopped
-screening resumes from the runs already stored.
+The JSON forms are what `--out` (CLI) and the `screening_outputs` table (service) persist, one
+prompt's decode at a time: a stopped screening resumes at the first prompt not yet decoded.
 """
 
 from __future__ import annotations

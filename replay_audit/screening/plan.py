@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Final, Literal
 
@@ -50,6 +50,9 @@ ATTN_KERNELS: Final = ("eager", "sdpa", "flash_attention_2")
 #: The backends of torch's SDPA a CUDA run can be limited to (`torch.backends.cuda.enable_*_sdp`);
 #: None lets torch choose, as by default.
 SDPA_BACKENDS: Final = ("math", "flash", "efficient", "cudnn")
+#: The SDPA backends torch has on a CPU (the flags `torch.backends.cuda.enable_*_sdp` govern
+#: the CPU's choice too).
+CPU_SDPA_BACKENDS: Final = ("math", "flash")
 BATCH_SIZES: Final = (1, 2, 4, 8)
 #: The paper's main pair for the head-vs-body analysis and the C lift (BF16 vs FP16).
 DEFAULT_PAIR: Final = ("bf16", "fp16")
@@ -150,9 +153,15 @@ class Platform:
         return asdict(self)
 
 
+#: probe(config): why `config` cannot run here, found by trying it on the device (None: it
+#: can). The torch backend's is `screening.worker.TorchBackend.availability` (which SDPA backend
+#: accepts the model's attention calls in the configuration's dtype); tests pass fakes.
+AvailabilityProbe = Callable[[ScreenConfig], str | None]
+
+
 def unavailable_reason(config: ScreenConfig, platform: Platform) -> str | None:
-    """Why `config` cannot run on `platform` (None: it can). A knob that cannot run is reported
-    as "not available here", never as a failure."""
+    """Why `config` cannot run on `platform` (None: it can), from the platform's facts alone.
+    A knob that cannot run is reported as "not available here", never as a failure."""
     if config.lm_head_dtype == "fp8_e5m2":
         return "the engine has no fp8_e5m2 lm_head (only fp8_e4m3)"
     if config.lm_head_dtype == "fp8_e4m3" and platform.fp8_unavailable:
@@ -167,8 +176,15 @@ def unavailable_reason(config: ScreenConfig, platform: Platform) -> str | None:
             return "flash_attention_2 runs on CUDA only"
         if not platform.flash_attn_installed:
             return "flash_attention_2 needs the flash-attn package, which is not installed"
-    if config.sdpa_backend is not None and platform.device != "cuda":
-        return "choosing an SDPA backend is a CUDA setting (torch.backends.cuda)"
+    if (
+        config.sdpa_backend is not None
+        and platform.device != "cuda"
+        and config.sdpa_backend not in CPU_SDPA_BACKENDS
+    ):
+        return (
+            f"the SDPA {config.sdpa_backend} backend is a CUDA kernel (torch's SDPA has only"
+            f" {' and '.join(CPU_SDPA_BACKENDS)} on a CPU)"
+        )
     if config.tf32 and platform.device != "cuda":
         return "TF32 is a CUDA matmul mode: it changes nothing on a CPU"
     if config.kv_cache == "compiled" and platform.device != "cuda":
@@ -229,6 +245,15 @@ def _value_configs(name: KnobName, ref: ScreenConfig) -> list[tuple[str, ScreenC
     elif name == "fp8_linear":
         out = [("end-to-end fp8 linear", replace(ref, fp8_linear=True))]
     return [(label, c) for label, c in out if _normal(c) != _normal(ref)]
+
+
+def _availability(
+    config: ScreenConfig, platform: Platform, probe: AvailabilityProbe | None
+) -> str | None:
+    reason = unavailable_reason(config, platform)
+    if reason is None and probe is not None:
+        reason = probe(config)
+    return reason
 
 
 def _normal(c: ScreenConfig) -> ScreenConfig:
@@ -365,8 +390,13 @@ def build_plan(
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     top_k: int = 5,
     cover: float = DEFAULT_COVER,
+    probe: AvailabilityProbe | None = None,
 ) -> SweepPlan:
-    """The one-knob-at-a-time plan from `reference`. ValueError on an unknown knob."""
+    """The one-knob-at-a-time plan from `reference`. ValueError on an unknown knob.
+
+    A value is "not available here" when the platform's facts say so (`unavailable_reason`) or,
+    failing that, when `probe` (tried on the device before anything runs) gives a reason: a
+    kernel that turns the model's inputs down is not a failure of the knob."""
     unknown = [k for k in knobs if k not in KNOB_NAMES]
     if unknown:
         raise ValueError(f"unknown knob {unknown[0]!r}; known: {', '.join(KNOB_NAMES)}")
@@ -378,7 +408,7 @@ def build_plan(
             continue
         n: KnobName = name
         values = tuple(
-            KnobValue(label, c, unavailable_reason(c, platform))
+            KnobValue(label, c, _availability(c, platform, probe))
             for label, c in _value_configs(n, reference)
         )
         built.append(Knob(n, _TITLES[name], values))

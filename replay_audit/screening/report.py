@@ -58,7 +58,9 @@ class CategoryLift(_Frozen):
 
 class HiddenGapRead(_Frozen):
     """Δh = ||h_A - h_B|| / ||h_A|| of the pair's divergent prompts: at t*, and at the gated
-    steps along the shared prefix (steps s <= t* where either arm's gate fired)."""
+    steps along the shared prefix (steps s <= t* where either arm's gate fired). h comes from a
+    from-scratch forward (no KV cache) over prompt ‖ y<t* in each arm, not from the decodes:
+    the KV cache's own numerics are left out (docs/screening.md says why)."""
 
     prompts: int
     t_star: DistributionRead | None

@@ -7,6 +7,7 @@ come from a `Backend` through the `Engine` protocol (the torch backend is
 
 from __future__ import annotations
 
+import glob
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -57,6 +58,10 @@ class Store(Protocol):
 
     def put(self, key: str, value: dict[str, Any]) -> None: ...
 
+    def scan(self, prefix: str) -> list[dict[str, Any]]:
+        """Every stored value whose key starts with `prefix` (in no particular order)."""
+        ...
+
 
 class DirectoryStore:
     """A `Store` in a directory: one JSON file per key (written whole, then renamed)."""
@@ -70,19 +75,31 @@ class DirectoryStore:
 
     def get(self, key: str) -> dict[str, Any] | None:
         p = self._path(key)
-        if not p.is_file():
-            return None
-        try:
-            value = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            return None  # a file cut short by a kill: produce it again
-        return value if isinstance(value, dict) else None
+        return self.get_file(p) if p.is_file() else None
 
     def put(self, key: str, value: dict[str, Any]) -> None:
         p = self._path(key)
         tmp = p.with_suffix(".tmp")
         tmp.write_text(json.dumps(value, allow_nan=False), encoding="utf-8")
         tmp.replace(p)
+
+    def scan(self, prefix: str) -> list[dict[str, Any]]:
+        # File names encode keys lossily ("/" and "__" alike): callers check what they read.
+        stem = self._path(prefix).name.removesuffix(".json")
+        out = []
+        for p in self.root.glob(f"{glob.escape(stem)}*.json"):
+            value = self.get_file(p)
+            if value is not None:
+                out.append(value)
+        return out
+
+    @staticmethod
+    def get_file(p: Path) -> dict[str, Any] | None:
+        try:
+            value = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            return None  # a file cut short by a kill: produce it again
+        return value if isinstance(value, dict) else None
 
 
 class MemoryStore:
@@ -96,6 +113,9 @@ class MemoryStore:
 
     def put(self, key: str, value: dict[str, Any]) -> None:
         self.values[key] = value
+
+    def scan(self, prefix: str) -> list[dict[str, Any]]:
+        return [v for k, v in self.values.items() if k.startswith(prefix)]
 
 
 class ScreenOutputs:
@@ -111,20 +131,53 @@ class ScreenOutputs:
 
 
 def _run_key(run: Run) -> str:
+    """A finished run: its environment and prompt count (its decodes are stored per prompt)."""
     return f"run/{run.key}"
+
+
+def _decode_prefix(run: Run) -> str:
+    return f"decode/{run.key}/"
+
+
+def _decode_key(run: Run, prompt: int) -> str:
+    """One prompt decoded in one run, stored as soon as it is decoded: a stopped screening
+    resumes a run at its first prompt not decoded yet."""
+    return f"{_decode_prefix(run)}{prompt}"
+
+
+def stored_decodes(store: Store, run: Run) -> dict[int, PromptDecode]:
+    """The prompts of `run` already decoded, by prompt index."""
+    out: dict[int, PromptDecode] = {}
+    for v in store.scan(_decode_prefix(run)):
+        if v.get("run_key") == run.key:  # a directory's file names may match another run's
+            out[int(v["prompt"])] = PromptDecode.from_json(v["decode"])
+    return out
+
+
+def _stored_run(store: Store, run: Run, n_prompts: int) -> RunOutput | None:
+    d = store.get(_run_key(run))
+    if d is None:
+        return None
+    if "decodes" in d:  # stored whole (before decodes were stored per prompt)
+        return RunOutput.from_json(d)
+    decodes = stored_decodes(store, run)
+    if sorted(decodes) != list(range(n_prompts)):
+        return None
+    return RunOutput(run.key, dict(d["environment"]), tuple(decodes[i] for i in range(n_prompts)))
 
 
 def _probe_key(spec: ComparisonSpec) -> str:
     return f"probe/{spec.name}"
 
 
-def load_outputs(plan: SweepPlan, store: Store) -> ScreenOutputs:
-    """Whatever the store holds for `plan` (runs, probes, unavailable configurations)."""
+def load_outputs(plan: SweepPlan, store: Store, n_prompts: int) -> ScreenOutputs:
+    """Whatever the store holds for `plan` (finished runs, probes, unavailable
+    configurations); a run stopped part-way is not among `runs` (see `stored_decodes`)."""
     out = ScreenOutputs()
     for run in plan.runs():
-        d = store.get(_run_key(run))
-        if d is not None:
-            out.runs[run.key] = RunOutput.from_json(d)
+        r = _stored_run(store, run, n_prompts)
+        if r is not None:
+            out.runs[run.key] = r
     for spec in plan.comparisons():
         d = store.get(_probe_key(spec))
         if d is not None:
@@ -145,22 +198,29 @@ def decode_run(
     prompts: Sequence[ScreenPrompt],
     eos: Sequence[int],
     tick: Callable[[str], None],
+    *,
+    done: dict[int, PromptDecode] | None = None,
+    save: Callable[[int, PromptDecode], None] = lambda i, d: None,
 ) -> RunOutput:
-    """Every prompt decoded once in `run`."""
+    """Every prompt decoded once in `run`: those in `done` (by index) are taken as they are,
+    each other one is decoded and handed to `save` at once."""
     iv = plan.intervention(run.intervention)
     decodes = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
+        if done is not None and i in done:
+            decodes.append(done[i])
+            continue
         r = engine.decode(list(p.token_ids), plan.max_new_tokens, eos, iv, plan.top_k)
         s = r.steps
-        decodes.append(
-            PromptDecode(
-                output_ids=tuple(int(x) for x in r.output_token_ids),
-                margins=np.asarray(s.margins, dtype=np.float64),
-                margins_ulps=np.asarray(s.margins_ulps, dtype=np.float64),
-                top1=np.asarray(s.top_k_logits[:, 0], dtype=np.float64),
-                gate_fired=np.asarray(s.gate_fired, dtype=bool),
-            )
+        d = PromptDecode(
+            output_ids=tuple(int(x) for x in r.output_token_ids),
+            margins=np.asarray(s.margins, dtype=np.float64),
+            margins_ulps=np.asarray(s.margins_ulps, dtype=np.float64),
+            top1=np.asarray(s.top_k_logits[:, 0], dtype=np.float64),
+            gate_fired=np.asarray(s.gate_fired, dtype=bool),
         )
+        save(i, d)
+        decodes.append(d)
         tick(f"decode {run.key}")
     # The engine's numerical environment, and every knob of the screening's configuration
     # (some, such as the SDPA backend, are process settings the engine does not report).
@@ -233,19 +293,19 @@ def run_screening(
             "use another --out or remove it"
         )
     store.put("plan", {"fingerprint": fingerprint})
-    out = load_outputs(plan, store)
+    out = load_outputs(plan, store, len(prompts))
     runs = plan.runs()
     specs = plan.comparisons()
     anchors = {s.a.config.key for s in specs}
-    todo_runs = [
-        r
+    partial = {
+        r.key: stored_decodes(store, r)
         for r in runs
         if r.key not in out.runs
         and r.config.key not in out.unavailable
         and r.config.key not in out.failed
-    ]
+    }
     todo_specs = [s for s in specs if s.name not in out.probes]
-    total = len(todo_runs) * len(prompts) + len(todo_specs)
+    total = sum(len(prompts) - len(d) for d in partial.values()) + len(todo_specs)
     done = 0
 
     def tick(what: str) -> None:
@@ -283,12 +343,24 @@ def run_screening(
             engine = engine_of(config)
             if engine is None:
                 return
+
+            def save(i: int, d: PromptDecode, run: Run = run) -> None:
+                store.put(
+                    _decode_key(run, i), {"run_key": run.key, "prompt": i, "decode": d.to_json()}
+                )
+
             try:
-                out.runs[run.key] = decode_run(engine, plan, run, prompts, eos, tick)
+                result = decode_run(
+                    engine, plan, run, prompts, eos, tick, done=partial.get(run.key), save=save
+                )
             except ENGINE_FAILURES as e:  # this configuration fails here: say why, go on
                 fail(config, e)
                 return
-            store.put(_run_key(run), out.runs[run.key].to_json())
+            out.runs[run.key] = result
+            store.put(
+                _run_key(run),
+                {"run_key": run.key, "environment": result.environment, "prompts": len(prompts)},
+            )
 
     def probe_specs(pending: list[ComparisonSpec]) -> None:
         for spec in pending:

@@ -68,6 +68,33 @@ class TorchBackend:
             fp8_linear=config.fp8_linear,
         )
 
+    def availability(self, config: ScreenConfig) -> str | None:
+        """Why `config` cannot run on this device, found by trying it (None: it can): the SDPA
+        backend it limits attention to must accept the model's attention calls (its heads, kv
+        heads, head_dim) in the configuration's compute dtype. The plan's probe."""
+        if config.sdpa_backend is None or config.attn_kernel != "sdpa":
+            return None
+        from replay_audit.engine.platform import AttentionShape, sdpa_refusal
+
+        return sdpa_refusal(
+            config.sdpa_backend,
+            AttentionShape(
+                *self._heads(),
+                dtype=config.dtype,
+                masked=config.kv_cache != "dynamic" or config.batch_size > 1,
+            ),
+            self.device,
+        )
+
+    def _heads(self) -> tuple[int, int, int]:
+        """(heads, kv heads, head_dim) of the checkpoint, from its config.json."""
+        c = json.loads((self.model_dir / "config.json").read_text(encoding="utf-8"))
+        c = c.get("text_config", c)
+        heads = int(c["num_attention_heads"])
+        kv_heads = int(c.get("num_key_value_heads") or heads)
+        head_dim = int(c.get("head_dim") or c["hidden_size"] // heads)
+        return heads, kv_heads, head_dim
+
     def activate(self, config: ScreenConfig) -> None:
         from replay_audit.engine.loading import configure_numerics, enable_sdpa_backends
 

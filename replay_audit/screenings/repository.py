@@ -62,3 +62,15 @@ def put_output(session: Session, screening_id: int, key: str, value: dict[str, A
         session.add(ScreeningOutput(screening_id=screening_id, key=key, value=value))
     else:
         row.value = value
+
+
+def outputs_with_prefix(session: Session, screening_id: int, prefix: str) -> list[dict[str, Any]]:
+    """The stored outputs whose key starts with `prefix` (a run's per-prompt decodes)."""
+    return list(
+        session.scalars(
+            select(ScreeningOutput.value).where(
+                ScreeningOutput.screening_id == screening_id,
+                ScreeningOutput.key.startswith(prefix, autoescape=True),
+            )
+        )
+    )

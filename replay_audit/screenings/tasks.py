@@ -1,8 +1,9 @@
 """The screening job: what a worker executes for one `screenings` row.
 
-Idempotent and resumable: every run and probe the screening produces is stored in
-`screening_outputs` as it is done (each in its own transaction), so a killed or re-run job
-continues from them; a done screening is left alone. The job runs on a worker that has the
+Idempotent and resumable: every prompt decoded in a run, every finished run and every probe
+the screening produces is stored in `screening_outputs` as it is done (each in its own
+transaction), so a killed or re-run job continues from them, within a run at its first prompt
+not decoded yet; a done screening is left alone. The job runs on a worker that has the
 checkpoint (`REPLAY_AUDIT_MODEL_DIRS`) and reaches the torch engine there.
 """
 
@@ -38,6 +39,10 @@ class WorkerBackend(Backend, Protocol):
 
     def reference_dtype(self) -> str: ...
 
+    def availability(self, config: ScreenConfig) -> str | None:
+        """Why `config` cannot run on this device, found by trying it (the plan's probe)."""
+        ...
+
     def prompts(self, rows: Sequence[dict[str, Any]]) -> list[ScreenPrompt]: ...
 
 
@@ -59,6 +64,9 @@ class _TorchWorkerBackend:
 
     def activate(self, config: ScreenConfig) -> None:
         self._backend.activate(config)
+
+    def availability(self, config: ScreenConfig) -> str | None:
+        return self._backend.availability(config)
 
     def eos_ids(self) -> list[int]:
         return self._backend.eos_ids()
@@ -97,6 +105,10 @@ class DbStore:
     def get(self, key: str) -> dict[str, Any] | None:
         with session_scope(self.url) as s:
             return repository.get_output(s, self.screening_id, key)
+
+    def scan(self, prefix: str) -> list[dict[str, Any]]:
+        with session_scope(self.url) as s:
+            return repository.outputs_with_prefix(s, self.screening_id, prefix)
 
     def put(self, key: str, value: dict[str, Any]) -> None:
         with session_scope(self.url) as s:
@@ -149,6 +161,7 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
             tau_ulps=request.get("tau_ulps"),
             max_new_tokens=int(request["max_new_tokens"]),
             cover=float(request["cover"]),
+            probe=backend.availability,
         )
         prompts = backend.prompts(request["prompts"])
         outputs = run_screening(plan, prompts, backend, DbStore(url, screening_id))

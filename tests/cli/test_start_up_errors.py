@@ -165,6 +165,6 @@ def test_scheduler_logs_every_tick(tmp_path: Path) -> None:
     assert re.search(
         r"audit tick: 0 schedule\(s\) due, 0 run\(s\) started, 0 evaluated \(0 flagged for "
         r"drift\), 0 alert delivery\(ies\) enqueued, 0 job\(s\) reconciled, 0 partition\(s\) "
-            r"created, 0 trace\(s\) pruned, 0 error\(s\)",
+        r"created, 0 trace\(s\) pruned, 0 screening\(s\) pruned, 0 error\(s\)",
         out.text,
     ), out.text

@@ -285,13 +285,15 @@ def test_scheduler_tick_creates_partitions_and_applies_the_retention_setting(
     weeks = [_monday(2023, 5, 1), _monday(2023, 5, 8)]
     ids, _ = _store_weeks(db_url, ingest, weeks)
     now = _monday(2023, 5, 29)
+    _store_screening(db_url, "sc_may", weeks[0])
     report = TickReport()
     maintain_storage(make_settings(retention_days=14), db_url, now, report)
     with session_scope(db_url) as s:
         left = set(s.scalars(select(Trace.public_id)))
         have = set(partition.weeks(s))
-    # Cutoff May 15: both weeks (ending May 8 and May 15) are older.
+    # Cutoff May 15: both weeks (ending May 8 and May 15) are older, and so is the screening.
     assert left.isdisjoint(ids) and report.traces_pruned == 4
+    assert report.screenings_pruned == 1 and _screenings(db_url) == (set(), 0)
     if is_postgres:
         assert report.partitions_created == 3 * (partition.WEEKS_AHEAD + 1)
         assert {now + i * partition.WEEK for i in range(partition.WEEKS_AHEAD + 1)} <= have
@@ -310,15 +312,20 @@ def test_prune_and_partitions_commands(
     db_url: str, is_postgres: bool, ingest: Ingest, tmp_path: Path
 ) -> None:
     _store_weeks(db_url, ingest, [_monday(2022, 1, 3)])
+    _store_screening(db_url, "sc_2022", _monday(2022, 1, 3))
+    _store_screening(db_url, "sc_today", datetime.now(UTC))
     env = cli_env(database_url=db_url)
     dry = run_cli(["prune", "--older-than", "30", "--dry-run"], env=env, cwd=tmp_path)
     assert dry.returncode == 0, dry.stderr
     assert "would remove" in dry.stdout and "total: 2 traces, 2 results" in dry.stdout
+    assert "would remove 1 screenings (3 stored outputs)" in dry.stdout
     assert _counts(db_url)["traces"] == 2
     done = run_cli(["prune", "--older-than", "30"], env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "total: 2 traces, 2 results removed" in done.stdout
+    assert "removed 1 screenings (3 stored outputs)" in done.stdout
     assert _counts(db_url)["traces"] == 0
+    assert _screenings(db_url) == ({"sc_today"}, 3)
     bad = run_cli(["prune", "--older-than", "0"], env=env, cwd=tmp_path)
     assert bad.returncode == 2 and "older-than" in bad.stderr
 
@@ -330,3 +337,70 @@ def test_prune_and_partitions_commands(
         assert f"{sixth:%Y-%m-%d}" in ahead.stdout.splitlines()[-1]
     else:
         assert "no partitions" in ahead.stdout
+
+
+def _store_screening(
+    db_url: str, name: str, at: datetime, *, status: str = "done", heartbeat: datetime | None = None
+) -> None:
+    """A screening created at `at` with three stored outputs, as its job leaves them."""
+    from replay_audit.auth.models import Project
+    from replay_audit.screenings.models import Screening, ScreeningOutput
+
+    with session_scope(db_url) as s:
+        project = s.scalar(select(Project).where(Project.name == "retention"))
+        if project is None:
+            project = Project(name="retention")
+            s.add(project)
+            s.flush()
+        row = Screening(
+            public_id=name,
+            project_id=project.id,
+            status=status,
+            model_sha256="0" * 64,
+            request={},
+            created_at=at,
+            updated_at=heartbeat or at,
+        )
+        s.add(row)
+        s.flush()
+        for key in ("plan", "decode/x/0", "run/x"):
+            s.add(ScreeningOutput(screening_id=row.id, key=key, value={"k": key}))
+
+
+def _screenings(db_url: str) -> tuple[set[str], int]:
+    from replay_audit.screenings.models import Screening, ScreeningOutput
+
+    with session_scope(db_url) as s:
+        names = set(s.scalars(select(Screening.public_id)))
+        outputs = s.scalar(select(text("count(*)")).select_from(ScreeningOutput))
+    return names, int(outputs or 0)
+
+
+def test_prune_deletes_old_screenings_with_their_outputs(db_url: str, is_postgres: bool) -> None:
+    now = datetime(2025, 3, 1, tzinfo=UTC)
+    _store_screening(db_url, "sc_old_done", now - timedelta(days=40))
+    _store_screening(db_url, "sc_old_failed", now - timedelta(days=31), status="failed")
+    # Created long ago but a worker wrote to it an hour ago: it is kept.
+    _store_screening(
+        db_url, "sc_old_running", now - timedelta(days=60), status="running",
+        heartbeat=now - timedelta(hours=1),
+    )  # fmt: skip
+    # Queued long ago and never picked up: it goes.
+    _store_screening(db_url, "sc_old_stuck", now - timedelta(days=35), status="queued")
+    _store_screening(db_url, "sc_new", now - timedelta(days=29))
+    older_than = timedelta(days=30)
+
+    dry = prune(db_url, older_than, now=now, dry_run=True)
+    assert (dry.screenings_deleted, dry.screening_outputs_deleted) == (3, 9)
+    assert _screenings(db_url) == (
+        {"sc_old_done", "sc_old_failed", "sc_old_running", "sc_old_stuck", "sc_new"},
+        15,
+    )
+    assert "would remove 3 screenings (9 stored outputs)" in dry.lines()
+
+    report = prune(db_url, older_than, now=now, batch_size=2)  # two batches
+    assert (report.screenings_deleted, report.screening_outputs_deleted) == (3, 9)
+    assert _screenings(db_url) == ({"sc_old_running", "sc_new"}, 6)
+    assert "removed 3 screenings (9 stored outputs)" in report.lines()
+    again = prune(db_url, older_than, now=now)
+    assert again.screenings_deleted == 0 and _screenings(db_url)[1] == 6

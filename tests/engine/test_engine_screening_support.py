@@ -84,3 +84,71 @@ def test_fp8_linear_layers_need_a_recent_gpu(tiny_dir: Path) -> None:
 
     with pytest.raises(UnsupportedFormat, match="fp8 linear layers"):
         load_engine(tiny_dir, Target("bf16"), device="cpu", fp8_linear=True)
+
+
+def test_sdpa_probe_on_this_cpu(real_dir: Path) -> None:
+    from replay_audit.engine.platform import AttentionShape, sdpa_refusal
+    from replay_audit.screening.plan import ScreenConfig
+    from replay_audit.screening.worker import TorchBackend
+
+    backend = TorchBackend(real_dir, "cpu")
+    assert backend._heads() == (4, 2, 32)  # grouped-query: the calls pass enable_gqa
+    for b in ("efficient", "cudnn"):
+        why = backend.availability(ScreenConfig("fp32", sdpa_backend=b))
+        assert why is not None and "CUDA kernel" in why and b in why
+    # torch's CPU SDPA has math and flash, in every dtype, with and without a mask.
+    for b in ("math", "flash"):
+        for dtype in ("fp32", "bf16", "fp16"):
+            for cache in ("dynamic", "static"):
+                config = ScreenConfig(dtype, sdpa_backend=b, kv_cache=cache)
+                assert backend.availability(config) is None, (b, dtype, cache)
+    assert backend.availability(ScreenConfig("fp32")) is None  # torch chooses: nothing to probe
+    assert sdpa_refusal("warp", AttentionShape(4, 2, 32, "fp32"), "cpu") == (
+        "unknown SDPA backend 'warp'"
+    )
+
+
+def test_sdpa_refusal_reports_torchs_own_reasons() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from replay_audit.engine.platform import _refusal
+
+    q, kv = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    # Grouped heads without enable_gqa: the fused kernels turn them down, and torch says why
+    # in a UserWarning (what the probe reports instead of "No available kernel").
+    why = _refusal(SDPBackend.FLASH_ATTENTION, sdpa_kernel, lambda: sdpa(q, kv, kv))
+    assert why is not None and "same num_heads" in why and "Triggered internally" not in why
+    ok = _refusal(SDPBackend.FLASH_ATTENTION, sdpa_kernel, lambda: sdpa(q, kv, kv, enable_gqa=True))
+    assert ok is None
+    # The probe leaves torch's SDPA flags as they were.
+    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+
+
+def test_a_screening_runs_sdpa_math_and_flash_on_this_cpu(tiny_dir: Path) -> None:
+    from replay_audit.screening.outputs import ScreenPrompt
+    from replay_audit.screening.plan import Platform, ScreenConfig, build_plan
+    from replay_audit.screening.runner import MemoryStore, run_screening
+    from replay_audit.screening.worker import TorchBackend
+
+    backend = TorchBackend(tiny_dir, "cpu")
+    plan = build_plan(
+        Platform(device="cpu", fp8_unavailable="no fp8 on a cpu"),
+        reference=ScreenConfig("fp32"),
+        knobs=("attn_kernel",),
+        max_new_tokens=3,
+        probe=backend.availability,
+    )
+    values = {v.label: v.unavailable for v in plan.knobs[0].values}
+    assert values["sdpa (math)"] is None and values["sdpa (flash)"] is None
+    assert values["sdpa (efficient)"] is not None and "CUDA" in values["sdpa (efficient)"]
+    out = run_screening(plan, [ScreenPrompt("p", (1, 5, 9))], backend, MemoryStore())
+    try:
+        for b in ("math", "flash"):
+            key = ScreenConfig("fp32", sdpa_backend=b).key
+            assert key in out.runs and key not in out.failed
+            assert out.runs[key].environment["screening_config"]["sdpa_backend"] == b
+    finally:
+        from replay_audit.engine.loading import enable_sdpa_backends
+
+        enable_sdpa_backends(None)

@@ -61,8 +61,11 @@ class FakeBackend:
     unsupported: dict[str, str] = field(default_factory=dict)
     #: Configurations that load but whose every decode raises RuntimeError(message).
     broken: dict[str, str] = field(default_factory=dict)
+    #: What the backend's availability probe says, by configuration key (absent: it runs).
+    refuses: dict[str, str] = field(default_factory=dict)
     loads: list[str] = field(default_factory=list)
     activated: list[str] = field(default_factory=list)
+    probed: list[str] = field(default_factory=list)
 
     def load(self, config: ScreenConfig) -> FakeEngine:
         if config.key in self.unsupported:
@@ -127,6 +130,10 @@ class FakeBackend:
             repair_fn=repair,
             hidden_fn=lambda c: [1.0, 0.01],
         )
+
+    def availability(self, config: ScreenConfig) -> str | None:
+        self.probed.append(config.key)
+        return self.refuses.get(config.key)
 
     def activate(self, config: ScreenConfig) -> None:
         self.activated.append(config.key)

@@ -178,3 +178,66 @@ def test_a_lost_screening_job_is_enqueued_again(
         assert reconcile_screenings(s, job_runner, stale_after_s=900, job_timeout_s=60) == []
     job_runner.run_all()
     assert client.get(f"/v1/screenings/{sid}", headers=headers("admin")).json()["status"] == "done"
+
+
+def test_a_stopped_screening_job_resumes_at_the_first_undecoded_prompt(
+    client: TestClient,
+    job_runner: JobRunner,
+    fake_backend: list[FakeWorkerBackend],
+    fake_model_dir: Path,
+    headers: Callable[..., dict[str, str]],
+) -> None:
+    import dataclasses
+
+    from sqlalchemy import select
+
+    from replay_audit.db.unit_of_work import session_scope
+    from replay_audit.screening.plan import ScreenConfig
+    from replay_audit.screenings import tasks
+    from replay_audit.screenings.models import ScreeningOutput
+    from tests.screening.test_resume import CountingBackend, Stopped
+
+    @dataclasses.dataclass
+    class Counting(CountingBackend, FakeWorkerBackend):
+        pass
+
+    fp16, stop_at = ScreenConfig("fp16").key, 7
+    built: list[Counting] = []
+
+    def factory(stop: tuple[str, int] | None) -> tasks.BackendFactory:
+        def make(model_dir: Path, device: str | None) -> Counting:
+            built.append(Counting(stop=stop))
+            return built[-1]
+
+        return make
+
+    admin = headers("admin")
+    r = client.post("/v1/screenings", json=_body(weights_sha256(fake_model_dir)), headers=admin)
+    sid = r.json()["id"]
+    screening_id = job_runner_id(client, sid)
+    tasks.install_backend_factory(factory((fp16, stop_at)))
+    with pytest.raises(Stopped):  # the worker stopped while prompt 7 of the fp16 run decoded
+        tasks.run_screening_job(screening_id)
+    url = client.app.state.settings.database_url  # type: ignore[attr-defined]
+    with session_scope(url) as s:
+        keys = set(
+            s.scalars(
+                select(ScreeningOutput.key).where(ScreeningOutput.screening_id == screening_id)
+            )
+        )
+    assert {k for k in keys if k.startswith(f"decode/{fp16}/")} == {
+        f"decode/{fp16}/{i}" for i in range(stop_at)
+    }
+    assert f"run/{fp16}" not in keys
+    tasks.install_backend_factory(factory(None))
+    tasks.run_screening_job(screening_id)
+    again = built[-1]
+    got = client.get(f"/v1/screenings/{sid}", headers=admin).json()
+    assert got["status"] == "done", got["error"]
+    for i in range(N_PROMPTS):
+        # fp16 without intervention resumed at prompt 7; fp16+C decoded every prompt.
+        n = again.decoded[(fp16, (i, 50, 60))]
+        assert n == (1 if i < stop_at else 2), (i, n)
+    assert not any(k == ScreenConfig("fp32").key for k, _ in again.decoded)
+    assert got["report"]["tier"]["tier"] == 1
+    assert got["report"]["head_vs_body"]["lift"]["lift"] == pytest.approx(len(HEAD) / N_PROMPTS)
