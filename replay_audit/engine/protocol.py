@@ -316,6 +316,20 @@ class Engine(Protocol):
         """From-scratch forward over prompt ‖ prefix: the native choice for the next step."""
         ...
 
+    def step_batch(
+        self,
+        contexts: Sequence[Sequence[int]],
+        top_k: int = 5,
+        *,
+        token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
+    ) -> list[StepInfo]:
+        """`step` over each context (prompt ‖ prefix), in order, several contexts per forward
+        (the batched scan's buckets and packing, the lm_head over each row's last position
+        only). Each result is what `step` gives for the context alone wherever the kernels do
+        not depend on the batch's shape; the shapes used are recorded in
+        `environment()["extras"]` (`step_batch_shapes`)."""
+        ...
+
     def detokenize(self, ids: Sequence[int]) -> str | None:
         """The text of `ids`, or None when the checkpoint has no tokenizer."""
         ...
