@@ -721,7 +721,11 @@ def check_run_page(
         for i, s in screened:
             text = _text(_section(html, rf'<li id="screening-{i}">(.*?)</li>'))
             assert f"{i} {labels[i]}: scanned {s['scanned']}, decoded {s['decoded']} " in text
-            assert f"({s['flagged']} flagged, {s['false_flags']} of them exact)" in text
+            assert (
+                f"({s['flagged']} flagged by a mismatch, {s['false_flags']} of them exact; " in text
+            )
+            assert f"{s['near_tie']} by a near-tie " in text
+            assert f"{s['near_tie_diverged']} of them diverged), " in text
             assert f"control sample {s['control']} " in text
             assert f"{s['control_diverged']} diverged in it" in text
             assert text.endswith(f"only scanned {s['scanned_only']}")
