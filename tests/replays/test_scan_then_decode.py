@@ -258,8 +258,11 @@ def test_near_tie_flagging_decodes_the_kv_flips_the_scan_cannot_see(
     kind_of = dict(zip(ids, kinds, strict=True))
     sample = ControlSample(0.5, 0)
 
-    # The deployment's default flag (1 ulp), recorded with the run.
-    run = _run(client, runner, h, ids)
+    # The deployment's default (exact ties only, 0 ulps) is recorded with a run naming none;
+    # here the run names 1 ulp.
+    default = _run(client, runner, h, ids[:20])
+    assert default["request"]["scan_flag_ulps"] == 0.0  # type: ignore[index]
+    run = _run(client, runner, h, ids, scan_flag_ulps=1)
     assert run["request"]["scan_flag_ulps"] == 1.0  # type: ignore[index]
     items = {x["trace_id"]: x for x in all_results(client, str(run["id"]), h)}
     for trace_id, x in items.items():

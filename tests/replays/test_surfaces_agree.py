@@ -771,9 +771,8 @@ def check_plans(
             flip = plan.flip
             if flip is not None and flip.kind == "kv" and mode != "decode":
                 # The scan cannot see a flip that needs the KV cache: a scan reports the trace
-                # exact; scan_then_decode only scanned it, or decoded it for its near-tie (the
-                # plan's kv flips sit at one: the default flag of 1 ulp sees them) or in its
-                # control sample.
+                # exact; scan_then_decode only scanned it, or decoded it for its near-tie (where
+                # the run's flag reaches the plan's kv margins) or in its control sample.
                 if mode == "scan":
                     assert r.t_star is None and r.exact is True, (r, plan)
                     continue
