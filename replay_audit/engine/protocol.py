@@ -323,11 +323,11 @@ class Engine(Protocol):
         *,
         token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
     ) -> list[StepInfo]:
-        """`step` over each context (prompt ‖ prefix), in order, several contexts per forward
-        (the batched scan's buckets and packing, the lm_head over each row's last position
-        only). Each result is what `step` gives for the context alone wherever the kernels do
-        not depend on the batch's shape; the shapes used are recorded in
-        `environment()["extras"]` (`step_batch_shapes`)."""
+        """`step` over each context (prompt ‖ prefix), in order, several contexts of one
+        length per forward, unpadded (`batch.plan_steps`), the lm_head over each row's last
+        hidden state alone. Each result is what `step` gives for the context alone wherever the
+        body's kernels do not depend on the number of rows (on CPU, bit for bit); the shapes
+        used are recorded in `environment()["extras"]` (`step_batch_shapes`)."""
         ...
 
     def detokenize(self, ids: Sequence[int]) -> str | None:
