@@ -19,6 +19,16 @@ the same for the bs=1 scan, misses by category, false flags (flagged, decode exa
 on the flagged divergences, and the miss rate a scan-then-decode run's statistics would estimate
 from a control sample of the unflagged traces (`stats/report.screening_report`, every unflagged
 trace decoded here, so the control is all of them). One JSON object on stdout.
+
+Near-tie flagging (`scan_flag_ulps`, replays/replayer.py): from the same batched scan, for each
+threshold of `--flag-ulps` (default 0,1,2,4,8,16 ulps of the replay format at the top-1 logit),
+a trace is flagged when the scan mismatches or some step's top-2 margin along the logged path is
+at most that many ulps (`diff.first_near_tie`; the logged arm's margins are not used here: these
+traces carry no logged top-k). Reported per threshold (`near_tie_sweep`): recall (decode
+divergences flagged), the misses left by category, the share of all scanned traces a
+scan-then-decode run would decode for the flags (mismatch + near-tie, before the control
+sample), and the near-tie flags whose decode was exact (the flag's cost). Pick the smallest
+threshold whose recall reaches the target at an affordable decoded share.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _models import build_engine
 
+from replay_audit.diff import first_near_tie
 from replay_audit.engine import EnginePool
 from replay_audit.engine.protocol import DEFAULT_SCAN_TOKEN_BUDGET, ScanItem, Target
 from replay_audit.replays.domain import LoggedTrace
@@ -103,6 +114,13 @@ def pair(args: argparse.Namespace, logged: str, replay: str) -> dict[str, Any]:
     single_s = time.perf_counter() - t0
     first_b = [r.first_disagreement for r in batched]
     first_1 = [r.first_disagreement for r in single]
+    # The smallest margin (ulps) along the logged path, over the steps before any mismatch.
+    min_ulps = [
+        float(
+            r.steps.margins_ulps[: r.first_disagreement or len(r.steps)].min(initial=float("inf"))
+        )
+        for r in batched
+    ]
 
     decoded: list[dict[str, Any]] = []
     t0 = time.perf_counter()
@@ -125,6 +143,8 @@ def pair(args: argparse.Namespace, logged: str, replay: str) -> dict[str, Any]:
                 "scan": first_b[i],
                 "scan_bs1": first_1[i],
                 "margin_b": r.b.margin.abs if r.b.margin else None,
+                "margin_b_ulps": r.b.margin.ulps if r.b.margin else None,
+                "scan_min_ulps": min_ulps[i],
             }
         )
     decode_s = time.perf_counter() - t0
@@ -161,6 +181,26 @@ def pair(args: argparse.Namespace, logged: str, replay: str) -> dict[str, Any]:
     ]
     screening = screening_report(ComparisonInput(0, "logged", 0, "", False, figures, 1.0, 0))
     n = len(items)
+    sweep = []
+    for k in args.flag_ulps:
+        flagged_k = [
+            first_b[i] is not None or first_near_tie(batched[i].steps.margins_ulps, k) is not None
+            for i in range(n)
+        ]
+        found = [d for d in div if flagged_k[d["i"]]]
+        left = [d for d in div if not flagged_k[d["i"]]]
+        near_only = [d for d in decoded if flagged_k[d["i"]] and d["scan"] is None]
+        sweep.append(
+            {
+                "flag_ulps": k,
+                "recall": len(found) / len(div) if div else None,
+                "misses": len(left),
+                "misses_by_category": dict(Counter(d["category"] for d in left)),
+                "decoded_share": sum(flagged_k) / n,
+                "near_tie_flagged": sum(flagged_k) - sum(x is not None for x in first_b),
+                "near_tie_exact_among_decoded": sum(d["t_star"] is None for d in near_only),
+            }
+        )
     return {
         "logged": logged,
         "replay": replay,
@@ -191,6 +231,7 @@ def pair(args: argparse.Namespace, logged: str, replay: str) -> dict[str, Any]:
         "misses_by_category": dict(Counter(d["category"] for d in missed)),
         "false_flags": len(false_flags),
         "screening": screening.model_dump(mode="json") if screening is not None else None,
+        "near_tie_sweep": sweep,
         "per_trace": decoded,
     }
 
@@ -206,6 +247,12 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=DEFAULT_SCAN_TOKEN_BUDGET)
     ap.add_argument("--decode-budget-s", type=float, default=100.0, help="per pair of arms")
     ap.add_argument("--pairs", nargs="*", default=["bf16:fp16", "fp16:bf16"])
+    ap.add_argument(
+        "--flag-ulps",
+        type=lambda v: [float(x) for x in v.split(",")],
+        default=[0.0, 1.0, 2.0, 4.0, 8.0, 16.0],
+        help="near-tie thresholds to sweep, comma-separated ulps",
+    )
     args = ap.parse_args()
     env = {
         "torch": torch.__version__,
@@ -224,6 +271,12 @@ def main() -> None:
             f"misses {r['misses_by_category']}, false flags {r['false_flags']}",
             file=sys.stderr,
         )
+        for row in r["near_tie_sweep"]:
+            print(
+                f"  flag <= {row['flag_ulps']:g} ulps: recall {row['recall']}, "
+                f"decoded share {row['decoded_share']:.3f}, misses {row['misses_by_category']}",
+                file=sys.stderr,
+            )
     json.dump({"environment": env, "pairs": results}, sys.stdout, indent=1)
     print()
 

@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -198,6 +199,15 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--poll-s", type=float, default=15.0, help="seconds between checks of the scan runs"
+    )
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        help="profile the worker during the scan with py-spy (collapsed stacks to this file)",
+    )
     args = parser.parse_args()
 
     server_url = normalise_database_url(args.server_url)
@@ -298,9 +308,20 @@ def main() -> None:
                 assert answer.status_code in (201, 202), answer.text
                 runs.append(answer.json()["id"])
             post_s = time.perf_counter() - start_scan
+            spy_cmd = [str(Path(sys.executable).parent / "py-spy"), "record", "--format", "raw"]
+            spy_cmd += ["--rate", "50", "--output", str(args.py_spy), "--nonblocking"]
+            spy = (
+                subprocess.Popen(
+                    [*spy_cmd, "--pid", str(worker.pid)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+                if args.py_spy
+                else None
+            )
             done: dict[str, dict[str, Any]] = {}
             while len(done) < len(runs):
-                time.sleep(15)
+                time.sleep(args.poll_s)
                 if worker.poll() is not None:
                     raise RuntimeError("the worker exited; see " + str(logs / "worker.log"))
                 for run_id in runs:
@@ -316,6 +337,9 @@ def main() -> None:
                     flush=True,
                 )
             scan_s = time.perf_counter() - start_scan
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                spy.wait(timeout=60)
 
         api_rss, worker_rss = peak_rss_mib(api.pid), peak_rss_mib(worker.pid)
         stats = [r["statistics"]["comparisons"][0] for r in done.values()]

@@ -17,7 +17,11 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from replay_audit.audits.metrics import DEFAULT_ALPHA, DEFAULT_MIN_N
 from replay_audit.engine.protocol import DEFAULT_SCAN_TOKEN_BUDGET
-from replay_audit.replays.domain import LARGE_RUN_TRACES
+from replay_audit.replays.domain import (
+    DEFAULT_SCAN_FLAG_ULPS,
+    LARGE_RUN_TRACES,
+    MAX_SCAN_FLAG_ULPS,
+)
 
 PACKAGE_DIR: Final = Path(__file__).resolve().parent
 #: The committed small Llama checkpoint used by the demo and the tests.
@@ -58,9 +62,7 @@ class Settings(BaseSettings):
     #: or its runs wait on a queue nobody serves.
     default_queue: Literal["gpu", "cpu"] = "gpu"
     #: Directories searched (one level deep) for checkpoints, matched by weights_sha256.
-    model_dirs: Annotated[list[Path], NoDecode] = Field(
-        default_factory=lambda: [BUNDLED_MODEL_DIR]
-    )
+    model_dirs: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [BUNDLED_MODEL_DIR])
     #: torch's CPU threads in every process that runs the engine (`serve` and the demo with the
     #: in-process runner, `worker`, `replay` and `generate` without --threads). Unset: torch's
     #: default (one per core), except beside the API (the in-process runner), which leaves it
@@ -70,6 +72,14 @@ class Settings(BaseSettings):
     #: A replay run (or an audit run) selecting at least this many traces and naming no `mode`
     #: is replayed scan-then-decode (see `replays.domain.LARGE_RUN_TRACES`).
     large_run_traces: int = Field(default=LARGE_RUN_TRACES, ge=1)
+    #: Scan-then-decode runs that name no `scan_flag_ulps`: a trace whose scan agrees with the
+    #: logged output is still decoded when some step's top-2 margin along the logged path is
+    #: at most this many ulps of the arm's format (a near-tie, where a flip that needs the
+    #: decode's KV cache hides from the scan); negative: off, mismatches only. Read where runs
+    #: are created; each run records the value it used.
+    scan_flag_ulps: float = Field(
+        default=DEFAULT_SCAN_FLAG_ULPS, le=MAX_SCAN_FLAG_ULPS, allow_inf_nan=False
+    )
     #: Tokens (padding included) per forward of a worker's batched scans.
     scan_token_budget: int = Field(default=DEFAULT_SCAN_TOKEN_BUDGET, ge=1)
     #: Seconds before RQ kills a replay job (RQ's own default of 180 s is too short for a GPU).

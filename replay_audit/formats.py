@@ -86,12 +86,15 @@ def ulp(x: float, fmt: str | Format) -> float:
 Mode = Literal["decode", "scan", "scan_then_decode"]
 MODES: Final[tuple[Mode, ...]] = ("decode", "scan", "scan_then_decode")
 
-#: What a scan-then-decode run did with a trace (replays/replayer.py): `flagged`, the scan found
-#: a disagreement and the trace was decoded from it; `control`, not flagged but decoded in full
-#: (the random control sample that measures what the scan misses); `scanned`, not flagged and
-#: only scanned: its exact match is not established, and no statistic counts it as one.
-Screen = Literal["flagged", "control", "scanned"]
-SCREENS: Final[tuple[Screen, ...]] = ("flagged", "control", "scanned")
+#: What a scan-then-decode run did with a trace, and why it was decoded (replays/replayer.py):
+#: `flagged`, the scan found a mismatch and the trace was decoded from it; `near_tie`, the scan
+#: agreed everywhere but some step's top-2 margin along the logged path was at most the run's
+#: `scan_flag_ulps` ulps (where a flip that needs the decode's KV cache hides), so the trace was
+#: decoded in full; `control`, flagged by neither rule but decoded in full (the random control
+#: sample that measures what the scan misses); `scanned`, flagged by neither and only scanned:
+#: its exact match is not established, and no statistic counts it as one.
+Screen = Literal["flagged", "near_tie", "control", "scanned"]
+SCREENS: Final[tuple[Screen, ...]] = ("flagged", "near_tie", "control", "scanned")
 
 #: The paper's interventions (section 4), applied at gated steps.
 InterventionKind = Literal["none", "A", "B", "C"]

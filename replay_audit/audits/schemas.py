@@ -43,7 +43,12 @@ from replay_audit.audits.webhook import ErrorClass
 from replay_audit.exceptions import FieldError
 from replay_audit.formats import Mode
 from replay_audit.input import InputModel, Lax
-from replay_audit.replays.domain import DEFAULT_CONTROL_FRACTION, DEFAULT_CONTROL_SEED
+from replay_audit.replays.domain import (
+    DEFAULT_CONTROL_FRACTION,
+    DEFAULT_CONTROL_SEED,
+    MAX_SCAN_FLAG_ULPS,
+    SCAN_FLAG_OFF,
+)
 from replay_audit.replays.schemas import (
     MAX_REPLAY_TRACES,
     TARGETS_RULE,
@@ -114,6 +119,10 @@ class ScheduleReplay(InputModel):
     mode: Mode | None = None
     control_fraction: float = Field(default=DEFAULT_CONTROL_FRACTION, ge=0, le=1)
     control_seed: int = Field(default=DEFAULT_CONTROL_SEED, ge=0, le=2**53)
+    #: ReplayCreate's: the near-tie flag of scan-then-decode runs (None: the deployment's).
+    scan_flag_ulps: float | None = Field(
+        default=None, ge=SCAN_FLAG_OFF, le=MAX_SCAN_FLAG_ULPS, allow_inf_nan=False
+    )
     compare: Literal["logged", "pairwise"] = "logged"
     pairs: list[Annotated[tuple[TargetIndex, TargetIndex], Lax]] | None = None
     compare_with: Literal["self"] | None = None

@@ -7,6 +7,7 @@ stay fast and torch-free.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -15,7 +16,11 @@ import typer
 
 from replay_audit.cli import app
 from replay_audit.formats import CACHE_KINDS
-from replay_audit.replays.domain import DEFAULT_CONTROL_FRACTION, DEFAULT_CONTROL_SEED
+from replay_audit.replays.domain import (
+    DEFAULT_CONTROL_FRACTION,
+    DEFAULT_CONTROL_SEED,
+    MAX_SCAN_FLAG_ULPS,
+)
 
 _DTYPES = ("fp32", "bf16", "fp16")
 _HEAD_DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
@@ -188,6 +193,15 @@ def replay(
     control_seed: Annotated[
         int, typer.Option(min=0, help="Seed of the control sample.")
     ] = DEFAULT_CONTROL_SEED,
+    scan_flag_ulps: Annotated[
+        float | None,
+        typer.Option(
+            max=MAX_SCAN_FLAG_ULPS,
+            help="scan_then_decode: also decode a trace the scan agrees with when some step's "
+            "top-2 margin along the logged path is at most this many ulps (a near-tie); "
+            "negative: off. Default: REPLAY_AUDIT_SCAN_FLAG_ULPS.",
+        ),
+    ] = None,
     batch_size: Annotated[int, typer.Option(min=1)] = 1,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
     top_k: Annotated[int, typer.Option(min=2, max=20, help="Top-k kept per step.")] = 5,
@@ -252,7 +266,10 @@ def replay(
     _choice(lm_head_dtype, _HEAD_DTYPES, "--lm-head-dtype")
     _choice(intervention, ("none", "A", "B", "C"), "--intervention")
     _choice(mode, ("decode", "scan", "scan_then_decode"), "--mode")
-    sample = ControlSample(control_fraction, control_seed)
+    if scan_flag_ulps is not None and not math.isfinite(scan_flag_ulps):
+        _fail("--scan-flag-ulps must be a finite number")
+    flag = Settings().scan_flag_ulps if scan_flag_ulps is None else scan_flag_ulps
+    sample = ControlSample(control_fraction, control_seed, flag)
     _choice(kv_cache, CACHE_KINDS, "--kv-cache")
     if tau is not None and tau_ulps is not None:
         _fail("give --tau or --tau-ulps, not both")
@@ -346,6 +363,7 @@ def replay(
                         check_weights=False,
                         control=run_mode == "scan_then_decode" and sample.includes(name),
                         scan=scans[i],
+                        flag_ulps=sample.flag_ulps if run_mode == "scan_then_decode" else -1.0,
                     )
                 except ReplayAuditError as e:
                     _fail(f"{traces}:{n}: " + (f"{e.field}: " if e.field else "") + e.message)
@@ -381,6 +399,7 @@ def replay(
             rows,
             control_fraction=sample.fraction if screening else None,
             control_seed=sample.seed if screening else None,
+            scan_flag_ulps=sample.flag_ulps if screening else None,
         )
         stats = run_statistics("offline", [comparison])
         summary = {
@@ -495,7 +514,17 @@ def _screening_rows(sc: dict[str, Any]) -> list[tuple[str, str]]:
 
     return [
         ("scanned", str(sc["scanned"])),
-        ("decoded (flagged + control)", f"{sc['decoded']} ({sc['flagged']} + {sc['control']})"),
+        (
+            "decoded (mismatch + near-tie + control)",
+            f"{sc['decoded']} ({sc['flagged']} + {sc.get('near_tie', 0)} + {sc['control']})",
+        ),
+        (
+            "near-tie flag",
+            "off"
+            if sc.get("scan_flag_ulps") is None or sc["scan_flag_ulps"] < 0
+            else f"<= {_fmt(sc['scan_flag_ulps'])} ulps ({sc.get('near_tie_diverged', 0)} of "
+            f"{sc.get('near_tie', 0)} diverged)",
+        ),
         ("only scanned (not in EAR)", str(sc["scanned_only"])),
         (
             "control sample",

@@ -203,3 +203,29 @@ def is_tie(*margins: Margin | None) -> bool:
     """True when any of the given margins is exactly 0: the top-2 logits were equal, and which
     token won depended on the implementation's tie-break."""
     return any(m is not None and m.abs == 0.0 for m in margins)
+
+
+def margins_ulps_from_top_k(
+    top_k: npt.ArrayLike, fmt: str, top1_logits: npt.ArrayLike | None = None
+) -> npt.NDArray[np.float64]:
+    """Per-step margins in ulps of `fmt` from (steps, k ≥ 2) logged top-k values, sorted
+    descending: logits (their own top-1 gives the ulp), or raw logprobs with `top1_logits`,
+    the top-1 logits of the same steps over the same prefixes (NaN, unknown, without them)."""
+    values = np.asarray(top_k, dtype=np.float64)
+    if values.ndim != 2 or values.shape[1] < 2:
+        raise ValueError("per-step margins need the top-2 values of every step")
+    margins = values[:, 0] - values[:, 1]
+    if top1_logits is None:
+        return margins / ulp_array(values[:, 0], fmt)
+    return margins / ulp_array(np.asarray(top1_logits, dtype=np.float64), fmt)
+
+
+def first_near_tie(margins_ulps: npt.ArrayLike, threshold_ulps: float) -> int | None:
+    """The first step whose margin is at most `threshold_ulps` ulps (a near-tie: a flip there
+    can need no more than the KV cache's rounding), None when there is none or the threshold is
+    negative (near-tie flagging off). A NaN margin (unknown) is never a near-tie."""
+    if threshold_ulps < 0:
+        return None
+    m = np.asarray(margins_ulps, dtype=np.float64)
+    hits = np.flatnonzero(m <= threshold_ulps)  # NaN compares False
+    return int(hits[0]) if hits.size else None

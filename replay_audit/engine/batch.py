@@ -167,3 +167,40 @@ def scan_extras(batches: Sequence[ScanBatch], token_budget: int) -> dict[str, st
         "scan_batch_shapes": ",".join(shape for _, shape in shapes),
         "scan_padding": f"right, power-of-two buckets from {MIN_BUCKET}",
     }
+
+
+def plan_steps(lengths: Sequence[int], token_budget: int) -> list[ScanBatch]:
+    """The batches of single-step re-runs over contexts of `lengths` tokens: contexts of the
+    same length together, unpadded, as many a forward as fit in `token_budget` tokens (at least
+    one). Not the scan's buckets: a step re-run is looked at where the margin is a near-tie,
+    and right padding changes the CPU sdpa kernel's reduction order
+    (tests/engine/test_engine_torch_scan_batch.py), so it could flip the very token asked for;
+    unpadded rows of one length get `step`'s bits wherever the kernels do not depend on the
+    number of rows. Batches come by length, shortest first; within one, contexts keep their
+    order."""
+    if token_budget < 1:
+        raise ValueError("the token budget must be at least 1")
+    by_length: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        if n < 1:
+            raise ValueError("a single step needs at least one context token")
+        by_length.setdefault(n, []).append(i)
+    batches: list[ScanBatch] = []
+    for length in sorted(by_length):
+        members = by_length[length]
+        rows = max(1, token_budget // length)
+        batches.extend(
+            ScanBatch(tuple(members[j : j + rows]), length) for j in range(0, len(members), rows)
+        )
+    return batches
+
+
+def step_extras(batches: Sequence[ScanBatch], token_budget: int) -> dict[str, str | int]:
+    """What batched single-step re-runs record in `environment()["extras"]`: their budget and
+    batch shapes (as `scan_extras`'), so a result says its re-runs at t* were batched."""
+    shapes = sorted({(b.padded_length, b.rows): b.shape for b in batches}.items())
+    return {
+        "step_token_budget": token_budget,
+        "step_batch_shapes": ",".join(shape for _, shape in shapes),
+        "step_padding": "none: one context length per forward",
+    }

@@ -21,7 +21,12 @@ import numpy.typing as npt
 
 from replay_audit.diff.margin import step_numerics
 from replay_audit.diff.pieces import Piece
-from replay_audit.engine.batch import plan_scan, scan_extras
+from replay_audit.engine.batch import (
+    plan_scan,
+    plan_steps,
+    scan_extras,
+    step_extras,
+)
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
     DecodeRun,
@@ -64,6 +69,8 @@ class FakeEngine:
     calls: list[str] = field(default_factory=list)
     #: What the last `scan_batch` recorded (its batch shapes), as the torch engine records it.
     _scan_extras: dict[str, str | int] = field(default_factory=dict, init=False, repr=False)
+    #: What the last `step_batch` recorded (its batch shapes).
+    _step_extras: dict[str, str | int] = field(default_factory=dict, init=False, repr=False)
 
     def environment(self) -> dict[str, Any]:
         return {
@@ -81,7 +88,7 @@ class FakeEngine:
             "cublas_version": None,
             "deterministic": True,
             "tf32": False,
-            "extras": dict(self._scan_extras),
+            "extras": {**self._scan_extras, **self._step_extras},
         }
 
     def _step(
@@ -181,6 +188,30 @@ class FakeEngine:
         s = self._step((*prompt_ids, *prefix_ids), Intervention(), top_k, fn)
         token = int(s.native_token_ids[0])
         return StepInfo(token, s.top_k_ids[0], s.top_k_logits[0], s.margin_at(0))
+
+    def step_batch(
+        self,
+        contexts: Sequence[Sequence[int]],
+        top_k: int = 5,
+        *,
+        token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
+    ) -> list[StepInfo]:
+        """Each context's `step` (the fake has no batch to vary), with the batch shapes the
+        torch engine's plan would use recorded in `environment()["extras"]`."""
+        self.calls.append("step_batch")
+        self._step_extras = step_extras(
+            plan_steps([len(c) for c in contexts], token_budget), token_budget
+        )
+        fn = self.step_fn or self.next_token
+        out = []
+        for c in contexts:
+            s = self._step(tuple(c), Intervention(), top_k, fn)
+            out.append(
+                StepInfo(
+                    int(s.native_token_ids[0]), s.top_k_ids[0], s.top_k_logits[0], s.margin_at(0)
+                )
+            )
+        return out
 
     def hidden_states(
         self, prompt_ids: Sequence[int], output_ids: Sequence[int]

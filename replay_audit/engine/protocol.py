@@ -316,6 +316,20 @@ class Engine(Protocol):
         """From-scratch forward over prompt ‖ prefix: the native choice for the next step."""
         ...
 
+    def step_batch(
+        self,
+        contexts: Sequence[Sequence[int]],
+        top_k: int = 5,
+        *,
+        token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
+    ) -> list[StepInfo]:
+        """`step` over each context (prompt ‖ prefix), in order, several contexts of one
+        length per forward, unpadded (`batch.plan_steps`), the lm_head over each row's last
+        hidden state alone. Each result is what `step` gives for the context alone wherever the
+        body's kernels do not depend on the number of rows (on CPU, bit for bit); the shapes
+        used are recorded in `environment()["extras"]` (`step_batch_shapes`)."""
+        ...
+
     def detokenize(self, ids: Sequence[int]) -> str | None:
         """The text of `ids`, or None when the checkpoint has no tokenizer."""
         ...

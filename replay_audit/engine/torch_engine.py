@@ -18,7 +18,14 @@ import torch
 
 import replay_audit
 from replay_audit.diff.pieces import Piece
-from replay_audit.engine.batch import PackedBatch, pack_batch, plan_scan, scan_extras
+from replay_audit.engine.batch import (
+    PackedBatch,
+    pack_batch,
+    plan_scan,
+    plan_steps,
+    scan_extras,
+    step_extras,
+)
 from replay_audit.engine.decoder import Body, Decoder, DynamicDecoder, StaticDecoder, head_step
 from replay_audit.engine.loading import (
     TORCH_DTYPES,
@@ -107,6 +114,8 @@ class TorchEngine:
         self.scan_pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
         #: What the last batched scan recorded in `environment()["extras"]` (its batch shapes).
         self._scan_extras: dict[str, str | int] = {}
+        #: What the last batched single-step re-runs recorded (their batch shapes).
+        self._step_extras: dict[str, str | int] = {}
 
     @classmethod
     def load(
@@ -287,6 +296,43 @@ class TorchEngine:
         )
 
     @torch.inference_mode()
+    def step_batch(
+        self,
+        contexts: Sequence[Sequence[int]],
+        top_k: int = 5,
+        *,
+        token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
+    ) -> list[StepInfo]:
+        """`step` of each context, the body batched: contexts of one length share a forward,
+        unpadded (`batch.plan_steps`), then each row's last hidden state goes through the
+        lm_head alone, as `step`'s does (a head product over many rows may sum in another
+        order: on this CPU fp32 rows differ by an ulp), with the native choice (no
+        intervention, as `step`). An engine whose target decodes among copies
+        (`batch_size` > 1) runs `step` one context at a time: its step's batch is the copies.
+        The shapes go into `environment()["extras"]` (`step_batch_shapes`)."""
+        if self.body.batch_size != 1:
+            return [self.step(c, [], top_k) for c in contexts]
+        plan = plan_steps([len(c) for c in contexts], token_budget)
+        out: list[StepInfo | None] = [None] * len(contexts)
+        for batch in plan:
+            ids = torch.tensor(
+                [list(contexts[i]) for i in batch.indices], dtype=torch.long, device=self.device
+            )
+            last = self.body.forward_rows(ids)[:, -1]
+            for r, i in enumerate(batch.indices):
+                h = last[r : r + 1]
+                step = head_step(self.head, h, top_k)
+                s = decide(self.head, step.top, step.logits[None], h, Intervention(), top_k)
+                out[i] = StepInfo(
+                    token=int(s.native_token_ids[0]),
+                    top_k_ids=s.top_k_ids[0],
+                    top_k_logits=s.top_k_logits[0],
+                    margin=s.margin_at(0),
+                )
+        self._step_extras = step_extras(plan, token_budget)
+        return [x for x in out if x is not None]
+
+    @torch.inference_mode()
     def hidden_states(
         self, prompt_ids: Sequence[int], output_ids: Sequence[int]
     ) -> npt.NDArray[np.float32]:
@@ -370,7 +416,7 @@ class TorchEngine:
         """Which decode path ran: the cache, the static cache lengths used so far, whether the
         step was captured in a CUDA graph and compiled (and why not, if compiling failed); after
         a batched scan, its batch shapes (`batch.scan_extras`)."""
-        scan: dict[str, Any] = dict(self._scan_extras)
+        scan: dict[str, Any] = {**self._scan_extras, **self._step_extras}
         if self.fp8_linear:
             scan["fp8_linear"] = True
         if self.cache_kind in ("dynamic", "piecewise"):

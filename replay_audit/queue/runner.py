@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import QueueUnavailable
-from replay_audit.replays.domain import LARGE_RUN_TRACES
+from replay_audit.replays.domain import DEFAULT_SCAN_FLAG_ULPS, LARGE_RUN_TRACES
 
 log = logging.getLogger(__name__)
 
@@ -306,6 +306,8 @@ class JobQueue:
     #: (`Settings.large_run_traces`): how the deployment plans large runs, read where runs are
     #: created (requests, audits, the CLI), all of which build their queue here.
     large_run_traces: int = LARGE_RUN_TRACES
+    #: The near-tie flag of scan-then-decode runs that name none (`Settings.scan_flag_ulps`).
+    scan_flag_ulps: float = DEFAULT_SCAN_FLAG_ULPS
 
     def check(self) -> None:
         """`QueueUnavailable` when the queue cannot take work now (before anything is stored)."""
@@ -330,6 +332,7 @@ def build_job_queue(settings: Settings, runner: Runner | None = None) -> JobQueu
         runner=runner or get_runner(settings),
         job_timeout_s=settings.job_timeout_s,
         large_run_traces=settings.large_run_traces,
+        scan_flag_ulps=settings.scan_flag_ulps,
         capabilities=Capabilities(
             runner=settings.runner,
             cuda=settings.runner == "inprocess" and _has_cuda_device(),

@@ -56,6 +56,20 @@ LARGE_RUN_TRACES: Final = 1000
 DEFAULT_CONTROL_FRACTION: Final = 0.05
 #: Seed of the control sample when a request names none.
 DEFAULT_CONTROL_SEED: Final = 0
+#: Near-tie flag of a scan-then-decode run when neither the request nor the deployment
+#: (`REPLAY_AUDIT_SCAN_FLAG_ULPS`) names one: a trace whose scan agrees everywhere is still
+#: decoded when some step's top-2 margin along the logged path is at most this many ulps of the
+#: arm's format. 0: exact ties only, where the scan's choice was the tie-break's and any
+#: rounding of the decode's own KV path can take the other token. Wider flags catch more
+#: KV-dependent flips but cost fast: the rule looks at every step, so the share of traces it
+#: decodes grows with their length (on the bundled model's 24-token traces in BF16, 31% at 0
+#: ulps and 75% at 1 ulp). A default chosen by that reasoning, until a GPU run of
+#: benchmarks/fidelity.py (recall and the share decoded at 0-16 ulps) picks it from data.
+DEFAULT_SCAN_FLAG_ULPS: Final = 0.0
+#: A near-tie flag that turns near-tie flagging off: only a scan's mismatch flags a trace.
+SCAN_FLAG_OFF: Final = -1.0
+#: The largest near-tie flag a request may name (beyond it nearly every trace is decoded).
+MAX_SCAN_FLAG_ULPS: Final = 1024.0
 
 
 def resolve_mode(requested: Mode | None, n_traces: int, large_run_traces: int) -> Mode:
@@ -76,10 +90,15 @@ class ControlSample:
 
     fraction: float = DEFAULT_CONTROL_FRACTION
     seed: int = DEFAULT_CONTROL_SEED
+    #: The run's near-tie flag (`replayer.replay_trace`'s `flag_ulps`): traces it flags are
+    #: decoded for that reason and are not in the sample; negative: off (mismatches only).
+    flag_ulps: float = DEFAULT_SCAN_FLAG_ULPS
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError("the control fraction is a share: 0 to 1")
+        if not self.flag_ulps <= MAX_SCAN_FLAG_ULPS:  # NaN too
+            raise ValueError(f"the near-tie flag is at most {MAX_SCAN_FLAG_ULPS} ulps")
 
     def includes(self, trace_key: str) -> bool:
         """Whether the trace named `trace_key` (its public id) is in the sample."""

@@ -35,6 +35,7 @@ from replay_audit.db.types import Int32Array, PackedInt32Array
 from replay_audit.replays.domain import (
     DEFAULT_CONTROL_FRACTION,
     DEFAULT_CONTROL_SEED,
+    SCAN_FLAG_OFF,
     Comparison,
     ControlSample,
     RunTarget,
@@ -101,9 +102,12 @@ class ReplayRun(Base):
             return None
         fraction = self.request.get("control_fraction")
         seed = self.request.get("control_seed")
+        flag = self.request.get("scan_flag_ulps")
         return ControlSample(
             DEFAULT_CONTROL_FRACTION if fraction is None else float(fraction),
             DEFAULT_CONTROL_SEED if seed is None else int(seed),
+            # A run stored before near-tie flagging had none: off.
+            SCAN_FLAG_OFF if flag is None else float(flag),
         )
 
 

@@ -13,7 +13,17 @@ Modes:
                       None), because a flip that needs the decode's KV cache is invisible to a
                       teacher-forced scan. The control sample measures how many that misses.
                       A flagged trace's decode starts at s: a flip before s that only a decode
-                      from the prompt would show is not looked for.
+                      from the prompt would show is not looked for. Such KV-dependent flips
+                      sit at near-ties: with `flag_ulps` >= 0, a trace the scan agrees with is
+                      also flagged (`screen="near_tie"`) and decoded in full from the prompt
+                      when some step's top-2 margin along the logged path (the replay arm's,
+                      and the logged arm's where it logged top-k) is at most that many ulps of
+                      the arm's format. The control sample is drawn from the traces neither
+                      rule flags, so it still estimates what the scan misses.
+
+`replay_traces` replays many traces (a job's) with the single-step re-runs at t* of all the
+divergent ones run as batched forwards (`Engine.step_batch`, per engine) instead of one
+from-scratch forward each: what a scan job spent most of its time on.
 
 `replay_trace`: arm A is the trace as logged (its top-k, when logged, gives its margin at t*;
 otherwise that margin is reconstructed by re-running the logged format here, and the outcome
@@ -38,11 +48,13 @@ from replay_audit.diff import (
     cascade_length,
     classify,
     first_divergence,
+    first_near_tie,
     gate_fires_at_divergence,
     is_tie,
     length_difference,
     margin_from_logprobs,
     margin_from_top_k,
+    margins_ulps_from_top_k,
     semantic_agreement,
 )
 from replay_audit.diff.answer import SemanticAgreement
@@ -54,12 +66,14 @@ from replay_audit.engine.protocol import (
     Intervention,
     ScanItem,
     ScanRun,
+    StepInfo,
     Steps,
     Target,
 )
 from replay_audit.exceptions import BadRequest, EngineError, ModelMismatch, ReplayAuditError
 from replay_audit.formats import MODES, Category, MarginSource, Mode, Screen
 from replay_audit.replays.domain import (
+    SCAN_FLAG_OFF,
     ArmMargin,
     ArmOutcome,
     LoggedTrace,
@@ -230,6 +244,7 @@ def replay_trace(
     check_weights: bool = True,
     scan: ScanRun | None = None,
     control: bool = False,
+    flag_ulps: float = SCAN_FLAG_OFF,
 ) -> ReplayOutcome:
     """Replay `trace` in `target` (an attention kernel of None means the logged one) and diff it
     against the logged output (arm A).
@@ -237,7 +252,9 @@ def replay_trace(
     In the scan modes, `scan` is the trace's scan already run in `target` (a batched scan of
     many traces, `Engine.scan_batch`); None runs it here. `control` (scan_then_decode): the
     trace is in the run's control sample, so it is decoded in full even when the scan does not
-    flag it.
+    flag it. `flag_ulps` (scan_then_decode): a trace whose scan agrees at every step is still
+    flagged, and decoded in full, when some step's top-2 margin along the logged path is at
+    most this many ulps (`first_near_tie`; negative: off).
 
     Raises `ModelMismatch` when the checkpoint is not the one the trace was logged with,
     `BadRequest` for a non-greedy trace, `UnsupportedFormat` when the target cannot run here.
@@ -245,11 +262,95 @@ def replay_trace(
     re-run and, without logged top-k, the logged margin), or None where it cannot run here; by
     default it is taken from `pool`.
     """
+    replayed = _replay_arm(
+        ReplayRequest(trace, target, Path(model_dir), scan, control, extractor),
+        pool,
+        mode=mode,
+        top_k=top_k,
+        check_weights=check_weights,
+        flag_ulps=flag_ulps,
+        factory=logged_engine_factory,
+    )
+    if isinstance(replayed, ReplayOutcome):
+        return replayed
+    reruns = {
+        key: engine.step(list(context), [], top_k)
+        for key, (engine, context) in _rerun_needs(replayed).items()
+    }
+    return _finish(replayed, reruns)
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """One trace to replay against its logged output (`replay_traces`): its target, checkpoint,
+    scan already run (None: run it), whether it is in the control sample, its extractor."""
+
+    trace: LoggedTrace
+    target: Target
+    model_dir: Path
+    scan: ScanRun | None = None
+    control: bool = False
+    extractor: str | Extractor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class _Replayed:
+    """A trace's replayed arm, before the single-step re-runs at t* and arm A's margin."""
+
+    request: ReplayRequest
+    mode: Mode
+    engine: Engine
+    target: Target
+    logged_engine: Engine | None
+    prompt: list[int]
+    logged: list[int]
+    replay_ids: list[int]
+    steps: Steps
+    screen: Screen | None
+    t_star: int | None
+    top_k: int
+
+
+#: The key of a re-run: (which trace of the batch, "a" or "b").
+_RerunKey = tuple[int, str]
+
+
+def _near_tie(trace: LoggedTrace, steps: Steps, flag_ulps: float) -> int | None:
+    """The first step of a scan along the logged path where either arm's top-2 margin is at
+    most `flag_ulps` ulps of its own format: the replayed arm's from the scan, the logged arm's
+    from its logged top-k where there is one (raw logprobs: in ulps at the scan's top-1 logit,
+    the same step over the same prefix). None: no near-tie, or flagging off."""
+    if flag_ulps < 0:
+        return None
+    found = [first_near_tie(steps.margins_ulps, flag_ulps)]
+    logits = trace.top_k_logits
+    if logits is not None and logits.shape[1] >= 2:
+        n = min(int(logits.shape[0]), len(steps))
+        top1 = steps.top_k_logits[:n, 0] if trace.top_k_values == "raw_logprobs" else None
+        logged_ulps = margins_ulps_from_top_k(logits[:n, :2], trace.config.head_dtype, top1)
+        found.append(first_near_tie(logged_ulps, flag_ulps))
+    hits = [t for t in found if t is not None]
+    return min(hits) if hits else None
+
+
+def _replay_arm(
+    request: ReplayRequest,
+    pool: EnginePool,
+    *,
+    mode: Mode,
+    top_k: int,
+    check_weights: bool,
+    flag_ulps: float,
+    factory: LoggedEngineFactory | None,
+) -> _Replayed | ReplayOutcome:
+    """Arm B of a replay against the logged output (decode, scan, or scan then decode), its t*
+    and the logged format's engine; a trace a scan-then-decode run only scans is finished
+    here (a `ReplayOutcome`)."""
     if mode not in MODES:
         raise BadRequest(f"mode must be one of {MODES}, got {mode!r}", field="mode")
-    d = Path(model_dir)
+    trace, d = request.trace, request.model_dir
     _check_trace(trace, pool, d, check_weights)
-    engine, target = replay_engine(trace, target, pool, d)
+    engine, target = replay_engine(trace, request.target, pool, d)
     iv = target.intervention
     prompt = trace.prompt_token_ids.tolist()
     logged = trace.output_token_ids.tolist()
@@ -260,12 +361,22 @@ def replay_trace(
         run = engine.decode(prompt, budget, eos, iv, top_k)
         replay_ids, steps = run.output_token_ids, run.steps
     else:
+        scan = request.scan
         if scan is None:
             scan = engine.scan(prompt, logged, iv, top_k)
         s = scan.first_disagreement
-        if s is None and mode == "scan_then_decode" and control:
+        near = (
+            _near_tie(trace, scan.steps, flag_ulps)
+            if s is None and mode == "scan_then_decode"
+            else None
+        )
+        if s is None and mode == "scan_then_decode" and (near is not None or request.control):
+            # A near-tie's flip may need the decode's own KV cache from the prompt on (a decode
+            # from the near-tie would prefill it as the scan does): decoded in full, as the
+            # control sample is. A near-tie trace is not in the control sample.
             run = engine.decode(prompt, budget, eos, iv, top_k)
-            replay_ids, steps, screen = run.output_token_ids, run.steps, "control"
+            replay_ids, steps = run.output_token_ids, run.steps
+            screen = "near_tie" if near is not None else "control"
         elif s is None and mode == "scan_then_decode":
             return _scanned_only(trace, engine, target, scan.steps, logged)
         elif s is None:
@@ -279,19 +390,52 @@ def replay_trace(
             steps = Steps.concat([scan.steps.slice(0, s), run.steps])
             screen = "flagged"
 
-    factory = logged_engine_factory or _default_logged_factory(pool, d)
-    logged_target = trace.config
     t_star = first_divergence(logged, replay_ids)
     logged_engine: Engine | None = None
+    if t_star is not None:
+        logged_engine = (factory or _default_logged_factory(pool, d))(trace.config)
+    return _Replayed(
+        request,
+        mode,
+        engine,
+        target,
+        logged_engine,
+        prompt,
+        logged,
+        replay_ids,
+        steps,
+        screen,
+        t_star,
+        top_k,
+    )
+
+
+def _rerun_needs(r: _Replayed, index: int = 0) -> dict[_RerunKey, tuple[Engine, list[int]]]:
+    """The from-scratch forwards a divergent replay needs, each over prompt ‖ logged[:t*]: the
+    replay format's (b) and the logged format's (a), where it runs here. Arm A's reconstructed
+    margin at t* (no logged top-k) is the same forward as its single-step re-run."""
+    if r.t_star is None:
+        return {}
+    context = [*r.prompt, *r.logged[: r.t_star]]
+    needs = {(index, "b"): (r.engine, context)}
+    if r.logged_engine is not None:
+        needs[(index, "a")] = (r.logged_engine, context)
+    return needs
+
+
+def _finish(r: _Replayed, reruns: dict[_RerunKey, StepInfo], index: int = 0) -> ReplayOutcome:
+    """The outcome of a replayed arm, with its re-runs at t* (`_rerun_needs`' forwards)."""
+    trace, mode, engine, target = r.request.trace, r.mode, r.engine, r.target
+    logged, replay_ids, steps, t_star = r.logged, r.replay_ids, r.steps, r.t_star
+    logged_target = trace.config
     margin_a = margin_b = None
     single: SingleStep | None = None
     category: Category = "agreed"
     tie = False
     if t_star is not None:
         mb = steps.margin_at(t_star) if t_star < len(steps) else None
-        ma, source_a, logged_engine = _logged_margin(
-            trace, t_star, prompt, logged, logged_target, factory, top_k, mb
-        )
+        rerun_a = reruns.get((index, "a"))
+        ma, source_a = _logged_margin(trace, t_star, logged, logged_target, mb, rerun_a)
         margin_a = _arm_margin(ma, source_a)
         margin_b = _arm_margin(mb, "scan" if mode == "scan" else "decode")
         tie = is_tie(ma, mb)
@@ -300,17 +444,12 @@ def replay_trace(
             mb,
             logged_format=logged_target.head_dtype,
             replay_format=target.head_dtype,
-            gate=iv.gate,
+            gate=target.intervention.gate,
         )
-        if logged_engine is None:
-            logged_engine = factory(logged_target)
         single = _single_step(
-            engine,
-            logged_engine,
-            prompt,
-            logged,
+            reruns[(index, "b")],
+            rerun_a,
             t_star,
-            top_k,
             logged_token=logged[t_star] if t_star < len(logged) else None,
         )
         # Unknown (the logged arm cannot run here and had stopped): the flip is not shown to
@@ -319,6 +458,7 @@ def replay_trace(
 
     decoded_fully = mode != "scan" or t_star is None
     arm_b = _arm(engine, target, steps, replay_ids, margin_b, replay_ids)
+    logged_engine = r.logged_engine
     arm_a = ArmOutcome(
         target=logged_target,
         output_token_ids=None,
@@ -329,6 +469,7 @@ def replay_trace(
         # tokens (the same checkpoint, so the same vocabulary).
         pieces=engine.token_pieces(logged) if trace.output_token_pieces is None else None,
     )
+    extractor = r.request.extractor
     return ReplayOutcome(
         mode=mode,
         exact_match=t_star is None,
@@ -342,8 +483,83 @@ def replay_trace(
         single_step=single,
         semantic=_semantic(trace, engine, logged, replay_ids, extractor) if decoded_fully else None,
         external_id=trace.external_id,
-        screen=screen,
+        screen=r.screen,
     )
+
+
+#: What `replay_traces` gives for a trace: its outcome, or the error its replay raised.
+ReplayResult = ReplayOutcome | Exception
+
+
+def replay_traces(
+    requests: Sequence[ReplayRequest],
+    pool: EnginePool,
+    *,
+    mode: Mode,
+    top_k: int = 5,
+    flag_ulps: float = SCAN_FLAG_OFF,
+    token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
+    check_weights: bool = True,
+) -> list[ReplayResult]:
+    """`replay_trace` of each request (against its logged output), in order, with the
+    single-step re-runs at t* of all the divergent ones (and arm A's reconstructed margins,
+    the same forwards) run as batched forwards, one `Engine.step_batch` per engine, instead
+    of one forward each. A trace whose replay fails gets its exception (a `ReplayAuditError`,
+    or the engine's RuntimeError, ValueError, MemoryError) in its place; a group whose batch
+    fails is re-run one forward at a time."""
+    results: list[ReplayResult | _Replayed] = []
+    for r in requests:
+        try:
+            results.append(
+                _replay_arm(
+                    r,
+                    pool,
+                    mode=mode,
+                    top_k=top_k,
+                    check_weights=check_weights,
+                    flag_ulps=flag_ulps,
+                    factory=None,
+                )
+            )
+        except (ReplayAuditError, RuntimeError, ValueError, MemoryError) as e:
+            results.append(e)
+    groups: dict[int, tuple[Engine, list[tuple[_RerunKey, list[int]]]]] = {}
+    for i, res in enumerate(results):
+        if isinstance(res, _Replayed):
+            for key, (engine, context) in _rerun_needs(res, i).items():
+                groups.setdefault(id(engine), (engine, []))[1].append((key, context))
+    reruns: dict[_RerunKey, StepInfo] = {}
+    for engine, members in groups.values():
+        contexts = [c for _, c in members]
+        infos: list[StepInfo | None]
+        try:
+            infos = list(engine.step_batch(contexts, top_k, token_budget=token_budget))
+        except (ReplayAuditError, RuntimeError, ValueError, MemoryError):
+            log.exception("batched re-runs of %d steps failed; one at a time", len(contexts))
+            infos = [_step_or_error(engine, c, top_k) for c in contexts]
+        for (key, _), info in zip(members, infos, strict=True):
+            if info is not None:
+                reruns[key] = info
+    out: list[ReplayResult] = []
+    for i, res in enumerate(results):
+        if not isinstance(res, _Replayed):
+            out.append(res)
+            continue
+        try:
+            out.append(_finish(res, reruns, i))
+        except KeyError:
+            out.append(RuntimeError("the single-step re-run at t* failed"))
+        except (ReplayAuditError, RuntimeError, ValueError, MemoryError) as e:
+            out.append(e)
+    return out
+
+
+def _step_or_error(engine: Engine, context: list[int], top_k: int) -> StepInfo | None:
+    try:
+        return engine.step(context, [], top_k)
+    except (ReplayAuditError, RuntimeError, ValueError, MemoryError):
+        log.exception("single-step re-run failed")
+        return None
 
 
 def _scanned_only(
@@ -415,50 +631,42 @@ def _default_logged_factory(pool: EnginePool, model_dir: Path) -> LoggedEngineFa
 def _logged_margin(
     trace: LoggedTrace,
     t_star: int,
-    prompt: list[int],
     logged: list[int],
     logged_target: Target,
-    factory: LoggedEngineFactory,
-    top_k: int,
     replayed: Margin | None,
-) -> tuple[Margin | None, MarginSource, Engine | None]:
-    """Arm A's margin at t*: from the logged top-k when it has two values, else re-run here.
+    rerun: StepInfo | None,
+) -> tuple[Margin | None, MarginSource]:
+    """Arm A's margin at t*: from the logged top-k when it has two values, else from the logged
+    format's re-run over prompt ‖ logged[:t*] (`rerun`, None where it cannot run here).
     Logged raw logprobs give the absolute margin; its ulps are measured at the replayed arm's
     top-1 logit at t* (`replayed`), the same step over the same prefix."""
     if t_star >= len(logged):
-        return None, "unavailable", None
+        return None, "unavailable"
     logits = trace.top_k_logits
     if logits is not None and logits.shape[1] >= 2:
         row = [float(x) for x in logits[t_star, :2]]
         fmt = logged_target.head_dtype
         if trace.top_k_values == "raw_logprobs":
             top1 = replayed.top1 if replayed is not None else None
-            return margin_from_logprobs(row, fmt, top1), "logged_top_k", None
-        return margin_from_top_k(row, fmt), "logged_top_k", None
-    engine = factory(logged_target)
-    if engine is None:
-        return None, "unavailable", None
-    return engine.step(prompt, logged[:t_star], top_k).margin, "reconstructed", engine
+            return margin_from_logprobs(row, fmt, top1), "logged_top_k"
+        return margin_from_top_k(row, fmt), "logged_top_k"
+    if rerun is None:
+        return None, "unavailable"
+    return rerun.margin, "reconstructed"
 
 
 def _single_step(
-    engine_b: Engine,
-    engine_a: Engine | None,
-    prompt: list[int],
-    prefix_source: Sequence[int],
+    rerun_b: StepInfo,
+    rerun_a: StepInfo | None,
     t_star: int,
-    top_k: int,
     *,
     logged_token: int | None,
 ) -> SingleStep:
     """From-scratch forwards over prompt ‖ y<t* in both formats: does the flip reproduce?"""
-    prefix = list(prefix_source[:t_star])
-    r = engine_b.step(prompt, prefix, top_k)
-    b = SingleStepChoice(r.token, _arm_margin(r.margin, "reconstructed"), "rerun")
+    b = SingleStepChoice(rerun_b.token, _arm_margin(rerun_b.margin, "reconstructed"), "rerun")
     a: SingleStepChoice | None
-    if engine_a is not None:
-        lg = engine_a.step(prompt, prefix, top_k)
-        a = SingleStepChoice(lg.token, _arm_margin(lg.margin, "reconstructed"), "rerun")
+    if rerun_a is not None:
+        a = SingleStepChoice(rerun_a.token, _arm_margin(rerun_a.margin, "reconstructed"), "rerun")
     elif logged_token is not None:
         # The logged format cannot run here: its logged token stands in for its re-run.
         a = SingleStepChoice(logged_token, None, "logged_token")
@@ -525,13 +733,11 @@ def compare_arms(
             replay_format=target_b.head_dtype,
             gate=target_b.intervention.gate,
         )
+        prefix = a_ids[:t_star]
         single = _single_step(
-            eb,
-            ea,
-            prompt,
-            a_ids,
+            eb.step(prompt, prefix, top_k),
+            ea.step(prompt, prefix, top_k),
             t_star,
-            top_k,
             logged_token=a_ids[t_star] if t_star < len(a_ids) else None,
         )
         category = classify(t_star, gate_fired=fired, single_step_disagrees=bool(single.disagree))

@@ -99,6 +99,63 @@ def missing_comparisons(
     return [c for c in range(n_comparisons) if c not in have]
 
 
+def missing_comparisons_of(
+    session: Session, run_id: int, trace_ids: Sequence[int], n_comparisons: int
+) -> dict[int, list[int]]:
+    """`missing_comparisons` of many traces in one query: trace id -> comparisons to do."""
+    have: dict[int, set[int]] = {t: set() for t in trace_ids}
+    if trace_ids:
+        found = session.execute(
+            select(ReplayResult.trace_id, ReplayResult.comparison).where(
+                ReplayResult.run_id == run_id, ReplayResult.trace_id.in_(list(trace_ids))
+            )
+        )
+        for trace_id, comparison in found:
+            have[trace_id].add(comparison)
+    return {t: [c for c in range(n_comparisons) if c not in have[t]] for t in trace_ids}
+
+
+def traces_by_id(session: Session, trace_ids: Sequence[int]) -> dict[int, Trace]:
+    """The traces of `trace_ids` that exist, in one query (their configuration joined)."""
+    if not trace_ids:
+        return {}
+    return {t.id: t for t in session.scalars(select(Trace).where(Trace.id.in_(list(trace_ids))))}
+
+
+def insert_results_of(
+    session: Session, run_id: int, results: Sequence[tuple[int, Sequence[dict[str, Any]]]]
+) -> None:
+    """`insert_results` of many traces, (trace id, its rows) each, in two statements: one read
+    of the traces' created_at, one insert of every row."""
+    ids = [t for t, rows in results if rows]
+    if not ids:
+        return
+    created = {
+        trace_id: at
+        for trace_id, at in session.execute(
+            select(Trace.id, Trace.created_at).where(Trace.id.in_(ids))
+        )
+    }
+    now = utcnow()
+    values = [
+        {
+            "run_id": run_id,
+            "trace_id": trace_id,
+            "trace_created_at": created[trace_id],
+            "created_at": now,
+            **r,
+        }
+        for trace_id, rows in results
+        if trace_id in created  # a trace retention deleted gets no result
+        for r in rows
+    ]
+    if values:
+        stmt = _insert(session)(ReplayResult).on_conflict_do_nothing(
+            index_elements=["run_id", "trace_id", "trace_created_at", "comparison"]
+        )
+        session.execute(stmt, values)
+
+
 def insert_results(
     session: Session, run_id: int, trace_id: int, rows: Sequence[dict[str, Any]]
 ) -> None:

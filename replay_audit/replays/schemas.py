@@ -45,6 +45,9 @@ from replay_audit.input import InputModel, Lax, UtcDatetime
 from replay_audit.replays.domain import (
     DEFAULT_CONTROL_FRACTION,
     DEFAULT_CONTROL_SEED,
+    DEFAULT_SCAN_FLAG_ULPS,
+    MAX_SCAN_FLAG_ULPS,
+    SCAN_FLAG_OFF,
     ControlSample,
     RunTarget,
 )
@@ -214,6 +217,13 @@ class ReplayCreate(InputModel):
     #: anyway (the control sample that estimates the scan's miss rate), and its seed.
     control_fraction: float = Field(default=DEFAULT_CONTROL_FRACTION, ge=0, le=1)
     control_seed: int = Field(default=DEFAULT_CONTROL_SEED, ge=0, le=2**53)
+    #: scan_then_decode: a trace whose scan agrees with the logged output is still decoded
+    #: (screen `near_tie`) when some step's top-2 margin along the logged path is at most this
+    #: many ulps of the arm's format; negative: off (mismatches only). None: the deployment's
+    #: `REPLAY_AUDIT_SCAN_FLAG_ULPS`; the run records the value it used.
+    scan_flag_ulps: float | None = Field(
+        default=None, ge=SCAN_FLAG_OFF, le=MAX_SCAN_FLAG_ULPS, allow_inf_nan=False
+    )
     compare: Literal["logged", "pairwise"] = "logged"
     pairs: list[Annotated[tuple[TargetIndex, TargetIndex], Lax]] | None = None
     compare_with: Literal["self"] | None = None
@@ -230,7 +240,11 @@ class ReplayCreate(InputModel):
     engine_check: Literal["auto", "off"] = "auto"
 
     def control_sample(self) -> ControlSample:
-        return ControlSample(self.control_fraction, self.control_seed)
+        return ControlSample(
+            self.control_fraction,
+            self.control_seed,
+            DEFAULT_SCAN_FLAG_ULPS if self.scan_flag_ulps is None else self.scan_flag_ulps,
+        )
 
     @model_validator(mode="after")
     def _check(self) -> ReplayCreate:

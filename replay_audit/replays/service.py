@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 from sqlalchemy.orm import Session
 
@@ -121,11 +121,18 @@ def _queue(targets: Sequence[RunTarget], default: str) -> str:
     """`cpu` when every target runs on the CPU (`device: cpu`, or no device where the
     deployment's default queue is `cpu`), else `gpu`."""
     queues = {
-        {"cpu": "cpu", "cuda": "gpu"}.get(t.device or "", default)
-        for t in targets
-        if not t.is_self
+        {"cpu": "cpu", "cuda": "gpu"}.get(t.device or "", default) for t in targets if not t.is_self
     }
     return "cpu" if queues == {"cpu"} or (not queues and default == "cpu") else "gpu"
+
+
+def _recorded(request: ReplayCreate, mode: str, scan_flag_ulps: float) -> dict[str, Any]:
+    """The request as the run stores it, with the near-tie flag a scan-then-decode run uses
+    (the deployment's where the request names none), so every worker applies the same one."""
+    stored: dict[str, Any] = request.model_dump(mode="json")
+    if mode == "scan_then_decode" and stored.get("scan_flag_ulps") is None:
+        stored["scan_flag_ulps"] = scan_flag_ulps
+    return stored
 
 
 def create_replay(
@@ -181,7 +188,7 @@ def create_replay(
         status="queued",
         mode=mode,
         compare=request.compare,
-        request=request.model_dump(mode="json"),
+        request=_recorded(request, mode, queue.scan_flag_ulps),
         targets=[t.to_json() for t in targets],
         comparisons=[c.to_json() for c in comparisons],
         n_traces=len(traces),

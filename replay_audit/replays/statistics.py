@@ -61,6 +61,7 @@ def comparison_inputs(
             figures=rows.get(c.index, []),
             control_fraction=control.fraction if control is not None else None,
             control_seed=control.seed if control is not None else None,
+            scan_flag_ulps=control.flag_ulps if control is not None else None,
         )
         for c in run.run_comparisons
     ]

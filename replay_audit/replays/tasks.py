@@ -1,8 +1,10 @@
 """The replay job: what a runner executes for one `replay_jobs` row.
 
 Contract (DESIGN.md): the job takes an id, reloads its rows, is idempotent, and writes each
-trace's results in one transaction. It may be killed at any point and run again (and returns
-between two traces when its runner is stopping): results already written are skipped (and
+trace's results in one transaction (a decode job one trace per transaction; a scan job a window
+of traces per transaction, `RERUN_WINDOW`). It may be killed at any point and run again (and
+returns between two traces, or windows, when its runner is stopping): results already written
+are skipped (and
 `INSERT ... ON CONFLICT DO NOTHING` on the unique (run, trace, comparison) key makes a race
 between two copies harmless); the run is finalised by whichever job finishes last, under a row
 lock on the run.
@@ -13,9 +15,11 @@ in-process runner of `serve` and the demo) the first job builds it from the envi
 
 In the scan modes the job first scans all its traces that still need a result, several per
 forward (`Engine.scan_batch`: length buckets packed up to `Settings.scan_token_budget` tokens),
-one batch per engine and intervention, then finishes each trace as before (a scan-then-decode
-trace the scan flags, or one in the control sample, is decoded), writing it in its own
-transaction. A job logs how many traces it did and how fast (traces/s, and the scan's alone).
+one batch per engine and intervention, then finishes its traces a window at a time
+(`replayer.replay_traces`: a scan-then-decode trace the scan flags, by a mismatch or a near-tie,
+or one in the control sample, is decoded; the single-step re-runs at t* of the window's
+divergent traces run as batched forwards), writing the window's results in one transaction. A
+job logs how many traces it did and how fast (traces/s, and the scan's alone).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from replay_audit.queue import stop_requested
 from replay_audit.replays import repository
 from replay_audit.replays.checkpoint import ModelNotFound, find_checkpoint
 from replay_audit.replays.domain import (
+    SCAN_FLAG_OFF,
     Comparison,
     ControlSample,
     LoggedTrace,
@@ -44,9 +49,15 @@ from replay_audit.replays.domain import (
     RunTarget,
 )
 from replay_audit.replays.models import ReplayJob, ReplayRun
-from replay_audit.replays.replayer import ScanRequest, compare_arms, replay_trace, scan_traces
+from replay_audit.replays.replayer import (
+    ReplayRequest,
+    ScanRequest,
+    compare_arms,
+    replay_trace,
+    replay_traces,
+    scan_traces,
+)
 from replay_audit.replays.results import failed_values, result_values
-from replay_audit.traces.models import Trace
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +66,11 @@ log = logging.getLogger(__name__)
 MAX_JOB_ATTEMPTS = 5
 #: Engines a worker keeps loaded (checkpoint x format), least recently used first out.
 MAX_ENGINES = 8
+#: Traces of a scan job replayed together, their single-step re-runs at t* batched, before
+#: their results are written (one transaction each): a scan job's whole chunk; a
+#: scan-then-decode window is smaller, because its flagged traces are decoded first and a
+#: window's results wait for its slowest decode.
+RERUN_WINDOW: dict[str, int] = {"scan": 256, "scan_then_decode": 16}
 
 
 @dataclass(frozen=True)
@@ -169,29 +185,32 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
         with session_scope(url) as s:
             repository.touch_job(s, job_id)  # alive: the scan may take a while on a CPU
 
-    for item in work:
+    window = RERUN_WINDOW[spec.mode] if scanning else 1
+    for start in range(0, len(work), window):
         if stop_requested():  # the process is stopping: the rest waits for the next run
             with session_scope(url) as s:
                 repository.release_job(s, job_id)
             log.info("replay job %d stopped between traces; it resumes when re-enqueued", job_id)
             return
-        if isinstance(item, _Pending):
-            p = item
+        chunk = work[start : start + window]
+        if scanning:
+            done = _replay_window([p for p in chunk if isinstance(p, _Pending)], spec, ctx)
         else:
-            loaded = _load_pending(url, spec, [item])
-            if not loaded:
-                continue
-            p = loaded[0]
-        rows = (
-            _replay_one(p, spec, ctx)
-            if p.trace is not None
-            else [failed_values(c, "trace was deleted") for c in p.missing]
-        )
+            done = []
+            for p in _load_pending(url, spec, [i for i in chunk if isinstance(i, int)]):
+                rows = (
+                    _replay_one(p, spec, ctx)
+                    if p.trace is not None
+                    else [failed_values(c, "trace was deleted") for c in p.missing]
+                )
+                done.append((p, rows))
+        # A window's results in one transaction (each trace's rows whole, none twice: the
+        # unique key), with the heartbeat the reconciler reads.
         with session_scope(url) as s:
-            repository.insert_results(s, spec.run_id, p.trace_id, rows)
-            repository.touch_job(s, job_id)  # the heartbeat the reconciler reads
-        counts.traces += 1
-        counts.results += len(rows)
+            repository.insert_results_of(s, spec.run_id, [(p.trace_id, r) for p, r in done])
+            repository.touch_job(s, job_id)
+        counts.traces += len(done)
+        counts.results += sum(len(r) for _, r in done)
 
     with session_scope(url) as s:
         repository.finish_job(s, job_id)
@@ -236,13 +255,13 @@ def _load_pending(url: str, spec: _RunSpec, trace_ids: Sequence[int]) -> list[_P
     """The traces of `trace_ids` that still need results, with their values (one read)."""
     out = []
     with session_scope(url) as s:
+        todo = repository.missing_comparisons_of(s, spec.run_id, trace_ids, len(spec.comparisons))
+        rows = repository.traces_by_id(s, [t for t in trace_ids if todo[t]])
         for trace_id in trace_ids:
-            missing = repository.missing_comparisons(
-                s, spec.run_id, trace_id, len(spec.comparisons)
-            )
+            missing = todo[trace_id]
             if not missing:
                 continue
-            row = s.get(Trace, trace_id)
+            row = rows.get(trace_id)
             trace = repository.logged_trace(row) if row is not None else None
             out.append(_Pending(trace_id, row.public_id if row else None, trace, missing))
     return out
@@ -275,6 +294,80 @@ def _scan_all(pending: list[_Pending], spec: _RunSpec, ctx: WorkerContext) -> _J
     return _JobCounts(scanned=scans.scanned, scan_s=scans.seconds, forwards=scans.forwards)
 
 
+def _replay_window(
+    pending: list[_Pending], spec: _RunSpec, ctx: WorkerContext
+) -> list[tuple[_Pending, list[dict[str, object]]]]:
+    """The result rows of a window of a scan job's traces: their replays against the logged
+    tokens together (`replayer.replay_traces`: the single-step re-runs at t* of all the
+    divergent ones batched, per engine), pairwise comparisons one by one."""
+    rows: dict[tuple[int, int], dict[str, object]] = {}
+    requests: list[ReplayRequest] = []
+    keys: list[tuple[int, int]] = []
+    flag = spec.control.flag_ulps if spec.control is not None else SCAN_FLAG_OFF
+    for n, p in enumerate(pending):
+        trace = p.trace
+        if trace is None:
+            rows.update({(n, c): failed_values(c, "trace was deleted") for c in p.missing})
+            continue
+        try:
+            model_dir = find_checkpoint(trace.weights_sha256, ctx.settings.model_dirs, ctx.pool)
+        except ModelNotFound as e:
+            rows.update({(n, c): failed_values(c, str(e)) for c in p.missing})
+            continue
+        control = spec.control is not None and spec.control.includes(p.public_id or str(p.trace_id))
+        extractor = "gsm8k" if trace.reference_answer is not None else None
+        for c in p.missing:
+            comparison = spec.comparisons[c]
+            if not comparison.against_logged:
+                rows[(n, c)] = _replay_pair(p, spec, c, ctx, model_dir, control)
+                continue
+            target = spec.targets[comparison.b].resolve(trace.config)
+            requests.append(
+                ReplayRequest(trace, target, model_dir, p.scans.get(c), control, extractor)
+            )
+            keys.append((n, c))
+    results = replay_traces(
+        requests,
+        ctx.pool,
+        mode=spec.mode,  # type: ignore[arg-type]
+        top_k=spec.top_k,
+        flag_ulps=flag,
+        token_budget=ctx.settings.scan_token_budget,
+    )
+    for (n, c), result in zip(keys, results, strict=True):
+        if isinstance(result, ReplayAuditError):
+            rows[(n, c)] = failed_values(c, result.message)
+        elif isinstance(result, Exception):
+            log.error("replay of trace %s comparison %d failed: %r", pending[n].trace_id, c, result)
+            rows[(n, c)] = failed_values(c, f"{type(result).__name__}: {result}")
+        else:
+            rows[(n, c)] = result_values(c, result)
+    return [(p, [rows[(n, c)] for c in p.missing]) for n, p in enumerate(pending)]
+
+
+def _replay_pair(
+    p: _Pending, spec: _RunSpec, c: int, ctx: WorkerContext, model_dir: Path, control: bool
+) -> dict[str, object]:
+    """One comparison of a trace replayed on its own, its failure as a failed row."""
+    assert p.trace is not None
+    try:
+        outcome = _compare(
+            p.trace,
+            spec,
+            spec.comparisons[c],
+            ctx.pool,
+            model_dir,
+            scan=p.scans.get(c),
+            control=control,
+        )
+    except ReplayAuditError as e:
+        return failed_values(c, e.message)
+    except (RuntimeError, ValueError, MemoryError) as e:  # engine-side failure of this item
+        log.exception("replay of trace %s comparison %d failed", p.trace.external_id, c)
+        return failed_values(c, f"{type(e).__name__}: {e}")
+    return result_values(c, outcome)
+
+
 def _replay_one(p: _Pending, spec: _RunSpec, ctx: WorkerContext) -> list[dict[str, object]]:
     trace = p.trace
     assert trace is not None
@@ -284,27 +377,7 @@ def _replay_one(p: _Pending, spec: _RunSpec, ctx: WorkerContext) -> list[dict[st
     except ModelNotFound as e:
         return [failed_values(c, str(e)) for c in comparisons]
     control = spec.control is not None and spec.control.includes(p.public_id or str(p.trace_id))
-    out = []
-    for c in comparisons:
-        try:
-            outcome = _compare(
-                trace,
-                spec,
-                spec.comparisons[c],
-                ctx.pool,
-                model_dir,
-                scan=p.scans.get(c),
-                control=control,
-            )
-        except ReplayAuditError as e:
-            out.append(failed_values(c, e.message))
-            continue
-        except (RuntimeError, ValueError, MemoryError) as e:  # engine-side failure of this item
-            log.exception("replay of trace %s comparison %d failed", trace.external_id, c)
-            out.append(failed_values(c, f"{type(e).__name__}: {e}"))
-            continue
-        out.append(result_values(c, outcome))
-    return out
+    return [_replay_pair(p, spec, c, ctx, model_dir, control) for c in comparisons]
 
 
 def _compare(
@@ -330,6 +403,7 @@ def _compare(
             extractor=extractor,
             scan=scan,
             control=control,
+            flag_ulps=spec.control.flag_ulps if spec.control is not None else SCAN_FLAG_OFF,
         )
     target_a = spec.targets[comparison.a].resolve(trace.config)
     return compare_arms(

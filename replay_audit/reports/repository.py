@@ -199,6 +199,7 @@ _SUMMARY_COLUMNS = (
     R.n_steps,
     R.gate_triggers_a,
     R.n_steps_a,
+    R.screen,
 )
 
 
@@ -290,7 +291,6 @@ def export_batch(
         Trace.model_name,
         Trace.tags,
         Trace.reference_answer.is_not(None).label("has_reference_answer"),
-        R.screen,
     ]
     if full:
         # The columns `replays.results.result_json` reads (a row, not an entity: no ORM

@@ -17,11 +17,13 @@ Definitions (DESIGN.md):
     categories     share of each category among the ok results, Wilson intervals
     screening      (scan-then-decode) EAR and categories count only the decoded results: a
                    trace that was only scanned is not an exact match, nor a divergence. The
-                   `screening` block says how many traces were scanned, flagged, decoded and
-                   in the control sample, and estimates from the control sample (the
-                   unflagged traces decoded anyway) the scan's miss rate, the share of decode
-                   divergences it does not flag: p = diverged / control (Wilson), estimated
-                   misses = p x unflagged, miss rate = misses / (flagged divergences + misses),
+                   `screening` block says how many traces were scanned, decoded and why
+                   (`decoded_by_reason`: the scan's mismatch, a near-tie at most
+                   `scan_flag_ulps` ulps, the control sample), and estimates from the control
+                   sample (traces flagged by neither rule, decoded anyway) the scan's miss
+                   rate, the share of decode divergences it does not flag: p = diverged /
+                   control (Wilson), estimated misses = p x unflagged, miss rate = misses /
+                   (flagged divergences + misses), with near-tie flags counted as flags,
                    its interval p's carried through that (increasing) formula; and the EAR of
                    all scanned traces (flagged ones decoded, unflagged ones at 1 - p), its
                    interval the same way. The flagged stratum is decoded in full: no sampling
@@ -123,6 +125,8 @@ class ComparisonInput:
     #: The run's control sample (scan-then-decode runs): its fraction and seed, as recorded.
     control_fraction: float | None = None
     control_seed: int | None = None
+    #: The run's near-tie flag in ulps (negative: off), as recorded.
+    scan_flag_ulps: float | None = None
 
 
 @dataclass(frozen=True)
@@ -260,11 +264,20 @@ class ScreeningReport(_Frozen):
 
     #: Ok results scanned (every trace of the comparison that did not fail).
     scanned: int
-    #: Flagged by the scan (decoded from its first disagreement).
+    #: Flagged by the scan's mismatch (decoded from its first disagreement).
     flagged: int
-    #: Decoded: flagged + control.
+    #: Flagged by a near-tie (no mismatch; some step's margin at most `scan_flag_ulps` ulps),
+    #: decoded in full; not in the control sample.
+    near_tie: int = 0
+    #: Near-tie traces whose decode diverged: what the mismatch alone would have missed.
+    near_tie_diverged: int = 0
+    #: The run's near-tie flag in ulps (negative: off; None: not recorded).
+    scan_flag_ulps: float | None = None
+    #: Decoded: flagged + near_tie + control.
     decoded: int
-    #: Only scanned (not flagged, not in the control sample): counted in no EAR.
+    #: Why each decoded trace was decoded: {"mismatch", "near_tie", "control"} -> count.
+    decoded_by_reason: dict[str, int] = {}
+    #: Only scanned (flagged by neither rule, not in the control sample): counted in no EAR.
     scanned_only: int
     #: The control sample: unflagged traces decoded in full, and the recorded fraction and seed.
     control: int
@@ -273,9 +286,10 @@ class ScreeningReport(_Frozen):
     #: Control traces whose decode diverged: the misses found, by category.
     control_diverged: int
     misses_by_category: dict[str, int]
-    #: Flagged traces whose decode did not diverge.
+    #: Mismatch-flagged traces whose decode did not diverge (a near-tie flag that does not
+    #: diverge is the flag's cost: near_tie - near_tie_diverged).
     false_flags: int
-    #: Flagged traces whose decode diverged.
+    #: Mismatch-flagged traces whose decode diverged.
     flagged_diverged: int
     #: Divergence rate of the unflagged traces (control_diverged / control, Wilson).
     unflagged_divergence: ProportionRead
@@ -527,12 +541,16 @@ def screening_report(c: ComparisonInput) -> ScreeningReport | None:
     ok = [f for f in c.figures if f.ok and f.screen is not None]
     if not ok:
         return None
-    flagged = [f for f in ok if f.screen == "flagged"]
+    mismatch = [f for f in ok if f.screen == "flagged"]
+    near = [f for f in ok if f.screen == "near_tie"]
     control = [f for f in ok if f.screen == "control"]
+    # Both rules flag: the control sample is drawn from the traces neither flags.
+    flagged = mismatch + near
     unflagged = len(ok) - len(flagged)
     missed = [f for f in control if f.exact_match is False]
     flagged_div = sum(1 for f in flagged if f.exact_match is False)
     flagged_exact = len(flagged) - flagged_div
+    mismatch_div = sum(1 for f in mismatch if f.exact_match is False)
     rate = _prop(len(missed), len(control))
 
     def misses(p: float) -> float:
@@ -565,16 +583,24 @@ def screening_report(c: ComparisonInput) -> ScreeningReport | None:
         est_ear = EstimateRead(estimate=ear(0.0), low=ear(0.0), high=ear(0.0))
     return ScreeningReport(
         scanned=len(ok),
-        flagged=len(flagged),
+        flagged=len(mismatch),
+        near_tie=len(near),
+        near_tie_diverged=flagged_div - mismatch_div,
+        scan_flag_ulps=c.scan_flag_ulps,
         decoded=len(flagged) + len(control),
+        decoded_by_reason={
+            "mismatch": len(mismatch),
+            "near_tie": len(near),
+            "control": len(control),
+        },
         scanned_only=unflagged - len(control),
         control=len(control),
         control_fraction=c.control_fraction,
         control_seed=c.control_seed,
         control_diverged=len(missed),
         misses_by_category={k: sum(1 for f in missed if f.category == k) for k in CATEGORIES[1:]},
-        false_flags=flagged_exact,
-        flagged_diverged=flagged_div,
+        false_flags=len(mismatch) - mismatch_div,
+        flagged_diverged=mismatch_div,
         unflagged_divergence=rate,
         estimated_misses=est_misses,
         miss_rate=est_rate,

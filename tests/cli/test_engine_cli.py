@@ -153,10 +153,12 @@ def test_replay_in_fp16_with_c_and_scan_mode(ckpt: Path, traces: Path, tmp_path:
     # Every unflagged trace is in a control sample of fraction 1: all decoded, none only scanned.
     screening = json.loads((tmp_path / "summary.json").read_text())["screening"]
     assert screening["scanned"] == 4 and screening["scanned_only"] == 0
-    assert screening["decoded"] == screening["flagged"] + screening["control"] == 4
+    decoded = screening["flagged"] + screening["near_tie"] + screening["control"]
+    assert screening["decoded"] == decoded == 4
+    assert screening["decoded_by_reason"]["near_tie"] == screening["near_tie"]
     assert "estimated miss rate" in r.output
     for x in map(json.loads, out.read_text().splitlines()):
-        assert x["screen"] in ("flagged", "control") and x["exact_match"] is not None
+        assert x["screen"] in ("flagged", "near_tie", "control") and x["exact_match"] is not None
         assert x["mode"] == "scan_then_decode" and x["target"]["intervention"]["kind"] == "C"
         assert x["target"]["intervention"]["tau_ulps"] == 2.0
         assert x["environment"]["dtype"] == "fp16"

@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 
 from replay_audit.diff import (
     GateRule,
+    first_near_tie,
     is_tie,
     margin,
     margin_from_top_k,
+    margins_ulps_from_top_k,
     sort_top_k,
     step_numerics,
     ulp_array,
@@ -221,3 +223,26 @@ def test_step_numerics_refuses_what_it_cannot_decide() -> None:
 def test_sort_top_k_is_the_tie_rule() -> None:
     ids, vals = sort_top_k(np.array([[1.0, 2.0, 2.0, 2.0]], np.float32), [[5, 8, 3, 6]])
     assert ids.tolist() == [[3, 6, 8, 5]] and vals.dtype == np.float32
+
+
+def test_first_near_tie_is_the_first_step_at_or_below_the_threshold() -> None:
+    ulps = [5.0, float("nan"), 2.0, 1.0, 0.0]
+    assert first_near_tie(ulps, 0) == 4  # 0: exact ties only
+    assert first_near_tie(ulps, 1) == 3  # at the threshold counts
+    assert first_near_tie(ulps, 4) == 2
+    assert first_near_tie(ulps, 100) == 0  # NaN (unknown) is never a near-tie
+    assert first_near_tie([float("nan")], 100) is None
+    assert first_near_tie(ulps, -1) is None  # negative: off
+    assert first_near_tie([], 1) is None
+
+
+def test_logged_margins_in_ulps_of_the_logged_format() -> None:
+    # BF16 at 16: one ulp is 0.125.
+    top_k = [[16.0, 15.875, 1.0], [16.0, 15.5, 1.0], [16.0, 16.0, 1.0]]
+    assert margins_ulps_from_top_k(top_k, "bf16").tolist() == [1.0, 4.0, 0.0]
+    # Raw logprobs: the same differences, in ulps at the given top-1 logits.
+    logprobs = [[-0.1, -0.225], [-0.2, -0.7]]
+    got = margins_ulps_from_top_k(logprobs, "bf16", [16.0, 8.0])
+    np.testing.assert_allclose(got, [0.125 / 0.125, 0.5 / 0.0625])
+    with pytest.raises(ValueError, match="top-2"):
+        margins_ulps_from_top_k([[1.0]], "bf16")

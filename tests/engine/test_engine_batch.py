@@ -16,6 +16,7 @@ from replay_audit.engine.batch import (
     pack_batch,
     plan_scan,
     plan_scan_batches,
+    plan_steps,
     scan_extras,
 )
 from replay_audit.engine.protocol import ScanItem, ScanRun
@@ -146,3 +147,30 @@ def test_fake_scan_batch_is_its_scan_in_order(
         assert _equal(run, engine.scan(it.prompt_ids, it.output_ids, iv, top_k=3))
     extras = engine.environment()["extras"]
     assert extras == scan_extras(plan_scan(items, budget), budget)
+
+
+@given(
+    lengths=st.lists(st.integers(1, 300), max_size=60),
+    budget=st.integers(1, 2048),
+)
+@settings(max_examples=200, deadline=None)
+def test_plan_steps_groups_one_length_per_forward_unpadded(lengths: list[int], budget: int) -> None:
+    batches = plan_steps(lengths, budget)
+    seen = sorted(i for b in batches for i in b.indices)
+    assert seen == list(range(len(lengths)))  # every context once
+    for b in batches:
+        assert {lengths[i] for i in b.indices} == {b.padded_length}  # one length, no padding
+        assert list(b.indices) == sorted(b.indices)  # order kept
+        assert b.rows == 1 or b.tokens <= budget
+
+
+def test_the_fake_batches_steps_as_step_does() -> None:
+    e = FakeEngine(Target("bf16"))
+    contexts = [[1, 2, 3], [4, 5, 6], [7, 8], [1, 2, 3, 4]]
+    batched = e.step_batch(contexts, 3, token_budget=6)
+    for c, b in zip(contexts, batched, strict=True):
+        a = e.step(c, [], 3)
+        assert (a.token, a.margin) == (b.token, b.margin)
+    assert e.environment()["extras"]["step_batch_shapes"] == "1x2,2x3,1x4"
+    with pytest.raises(ValueError, match="context token"):
+        e.step_batch([[]])

@@ -232,3 +232,29 @@ def test_environment_records_the_batch_shape(
     from replay_audit.traces.schemas import NumericalConfig
 
     NumericalConfig.model_validate(env)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kernel"), [("bf16", "sdpa"), ("fp16", "sdpa"), ("fp32", "eager")]
+)
+def test_batched_single_steps_are_step_bit_for_bit(
+    pool: EnginePool, real_dir: Path, items: list[ScanItem], dtype: str, kernel: str
+) -> None:
+    """`step_batch` over every prefix of the prompt set's traces (contexts of one length share a
+    forward, unpadded): each answer is `step` of the context alone, bit for bit, and the
+    forwards hold several rows."""
+    engine = _engine(pool, real_dir, dtype, kernel)
+    contexts = [
+        [*it.prompt_ids, *it.output_ids[:t]]
+        for it in items
+        for t in range(0, len(it.output_ids), 3)
+    ]
+    batched = engine.step_batch(contexts, 5, token_budget=BUDGET)
+    assert len(batched) == len(contexts)
+    for c, b in zip(contexts, batched, strict=True):
+        a = engine.step(c, [], 5)
+        assert (a.token, a.margin) == (b.token, b.margin), len(c)
+        np.testing.assert_array_equal(a.top_k_ids, b.top_k_ids)
+        np.testing.assert_array_equal(a.top_k_logits, b.top_k_logits)
+    shapes = str(engine.environment()["extras"]["step_batch_shapes"]).split(",")
+    assert max(int(s.split("x")[0]) for s in shapes) >= 2, shapes

@@ -13,9 +13,16 @@ import pytest
 
 from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
 from replay_audit.exceptions import BadRequest, ModelMismatch
-from replay_audit.replays.domain import ArmMargin, LoggedTrace
+from replay_audit.replays.domain import ArmMargin, LoggedTrace, ReplayOutcome
 from replay_audit.replays.models import ReplayResult
-from replay_audit.replays.replayer import ScanRequest, compare_arms, replay_trace, scan_traces
+from replay_audit.replays.replayer import (
+    ReplayRequest,
+    ScanRequest,
+    compare_arms,
+    replay_trace,
+    replay_traces,
+    scan_traces,
+)
 from replay_audit.replays.results import result_read, result_values
 from replay_audit.traces.schemas import TraceCreate
 
@@ -434,3 +441,69 @@ def test_scan_traces_batches_per_engine_and_equals_each_scan(ckpt: Path) -> None
         traces[1], c, pool, model_dir=ckpt, mode="scan_then_decode", scan=scans.runs[2], top_k=3
     )
     assert "scan" not in engine.calls and out.first_divergence_step == FLIP_AT
+
+
+def test_a_near_tie_in_either_arm_flags_the_trace_for_a_full_decode(ckpt: Path) -> None:
+    """The kv flip at FLIP_AT is invisible to the scan (its margin there is 1.0, 128 ulps of
+    FP16); the logged top-2 there are 2e-4 apart (a near-tie of the logged BF16 arm)."""
+    trace = make_trace(ckpt)
+    engines: list[FakeEngine] = []
+    r = replay_trace(
+        trace,
+        Target("fp16"),
+        kv_pool(engines),
+        model_dir=ckpt,
+        mode="scan_then_decode",
+        flag_ulps=1.0,
+    )
+    assert r.screen == "near_tie" and r.exact_match is False
+    assert r.category == "kv_dependent" and r.first_divergence_step == FLIP_AT
+    assert engines[0].calls[:2] == ["scan", "decode"]  # decoded in full, from the prompt
+
+    def screen(t: LoggedTrace, flag: float) -> str | None:
+        return replay_trace(
+            t, Target("fp16"), kv_pool(), model_dir=ckpt, mode="scan_then_decode", flag_ulps=flag
+        ).screen
+
+    assert screen(trace, -1.0) == "scanned"  # off: a miss
+    no_top_k = make_trace(ckpt, top_k=False)  # the replay arm's margins alone
+    assert screen(no_top_k, 1.0) == "scanned"
+    assert screen(no_top_k, 128.0) == "near_tie"  # every step's margin is 128 ulps
+    assert screen(no_top_k, 127.0) == "scanned"
+
+
+def test_replay_traces_batches_the_single_step_reruns_and_equals_each_replay(
+    ckpt: Path,
+) -> None:
+    traces = [make_trace(ckpt, top_k=i % 2 == 0, external_id=f"t{i}") for i in range(4)]
+    for mode in ("decode", "scan", "scan_then_decode"):
+        engines: list[FakeEngine] = []
+
+        def loader(_: Path, target: Target, engines: list[FakeEngine] = engines) -> FakeEngine:
+            fn = flipped(5e-4) if target.dtype == "fp16" else base
+            engines.append(FakeEngine(target, next_token=fn))
+            return engines[-1]
+
+        together = replay_traces(
+            [ReplayRequest(t, Target("fp16"), ckpt) for t in traces],
+            EnginePool(loader),
+            mode=mode,  # type: ignore[arg-type]
+        )
+        # One batched call per engine (replay format, logged format), no step alone.
+        assert all(e.calls.count("step_batch") == 1 and "step" not in e.calls for e in engines)
+        assert engines[0].environment()["extras"]["step_batch_shapes"]
+        for t, b in zip(traces, together, strict=True):
+            a = replay_trace(
+                t,
+                Target("fp16"),
+                fake_pool({"fp16": {"next_token": flipped(5e-4)}}),
+                model_dir=ckpt,
+                mode=mode,  # type: ignore[arg-type]
+            )
+            assert isinstance(b, ReplayOutcome)
+            assert (b.first_divergence_step, b.category) == (FLIP_AT, "head_reachable")
+            assert (a.single_step, a.a.margin, a.b.margin) == (
+                b.single_step,
+                b.a.margin,
+                b.b.margin,
+            )

@@ -12,9 +12,14 @@ import numpy as np
 import pytest
 
 from replay_audit.engine import EnginePool, Intervention, Target
-from replay_audit.replays.domain import LoggedTrace
+from replay_audit.replays.domain import LoggedTrace, ReplayOutcome
 from replay_audit.replays.models import ReplayResult
-from replay_audit.replays.replayer import compare_arms, replay_trace
+from replay_audit.replays.replayer import (
+    ReplayRequest,
+    compare_arms,
+    replay_trace,
+    replay_traces,
+)
 from replay_audit.replays.results import figures as results_figures
 from replay_audit.replays.results import result_values
 from replay_audit.stats.report import ComparisonInput, run_statistics
@@ -163,3 +168,43 @@ def test_interventions_on_bf16_vs_fp16(model: Model, pool: EnginePool) -> None:
         for arm in (r.a, r.b):  # a token only changes where the arm's gate fired
             assert arm.changed_steps is not None and arm.gate_triggers is not None
             assert arm.changed_steps <= arm.gate_triggers
+
+
+@pytest.mark.parametrize("mode", ["scan", "decode"])
+def test_batched_reruns_give_the_unbatched_outcomes(
+    pool: EnginePool, real_dir: Path, real_prompts: list[tuple[str, str]], mode: str
+) -> None:
+    """The committed model's fp32 traces, their logged top-k dropped (so arm A's margin at t* is
+    reconstructed by a re-run too), replayed in bf16: `replay_traces`, which batches every
+    divergent trace's single-step re-runs, gives each trace what `replay_trace` gives alone:
+    the same t*, category, single-step tokens and margins, arm A's margin."""
+    model = Model(real_dir, tuple(real_prompts[:24]), 48)
+    traces = [
+        LoggedTrace.from_json(tr.model_dump() | {"top_k": None}) for tr in _trace_set(model, "fp32")
+    ]
+    target = Target("bf16")
+    alone = [
+        replay_trace(t, target, pool, model_dir=real_dir, mode=mode, check_weights=False)  # type: ignore[arg-type]
+        for t in traces
+    ]
+    together = replay_traces(
+        [ReplayRequest(t, target, real_dir) for t in traces],
+        pool,
+        mode=mode,  # type: ignore[arg-type]
+        check_weights=False,
+    )
+    diverged = [r for r in alone if r.first_divergence_step is not None]
+    assert len(diverged) >= 3, "the prompt set diverges in bf16"
+    for a, b in zip(alone, together, strict=True):
+        assert isinstance(b, ReplayOutcome), b
+        assert (a.first_divergence_step, a.category, a.tie) == (
+            b.first_divergence_step,
+            b.category,
+            b.tie,
+        )
+        assert a.single_step == b.single_step
+        assert a.a.margin == b.a.margin and a.b.margin == b.b.margin
+        if a.first_divergence_step is not None:
+            assert a.a.margin is not None and a.a.margin.source == "reconstructed"
+    env = pool.get(real_dir, Target("bf16", attn_kernel="sdpa")).environment()
+    assert env["extras"]["step_batch_shapes"], "the re-runs ran batched and say so"

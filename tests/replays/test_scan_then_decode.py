@@ -6,6 +6,12 @@ A fake FP16 engine whose scan misses known traces: a flip that needs the decode'
 sees (`head`) shows in both. The run's control sample finds the kv flips among the traces it
 decodes, and the estimated miss rate's interval covers the true one. The pure builder's interval
 is also checked by simulation: it covers the truth in about 95% of random runs.
+
+Near-tie flagging: the kv flips sit at a near-tie (a scan margin of 0.06 ulps of FP16), so a
+run whose flag is 1 ulp decodes them (screen `near_tie`) and finds every one; `tie` traces sit
+at the same near-tie without flipping (the flag's cost: decoded, exact); `kv_far` flips need
+the KV cache at a wide scan margin (64 ulps), which no flag of 1 ulp sees: the control sample,
+drawn from the traces neither rule flags, still estimates those misses without bias.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ VOCAB = 97
 PROMPT_LEN = 3
 FLIP_STEP = 2
 LENGTH = 6
-Kind = Literal["none", "head", "kv"]
+Kind = Literal["none", "head", "kv", "kv_far", "tie"]
 #: The flip kind of each trace, by prompt.
 KINDS: dict[tuple[int, ...], Kind] = {}
 #: Every engine the worker's pool loaded.
@@ -49,9 +55,10 @@ def _fp16(*, from_scratch: bool) -> Callable[[tuple[int, ...]], tuple[int, float
         token, margin = _base(context)
         kind = KINDS.get(context[:PROMPT_LEN], "none")
         if len(context) - PROMPT_LEN == FLIP_STEP and kind != "none":
-            if kind == "head" or not from_scratch:
-                return (token + 1) % VOCAB, 5e-4
-            return token, 5e-4
+            near = 0.5 if kind == "kv_far" else 5e-4  # 64 or 0.06 ulps of FP16 at 10
+            if kind == "head" or (kind in ("kv", "kv_far") and not from_scratch):
+                return (token + 1) % VOCAB, near
+            return token, near
         return token, margin
 
     return next_token
@@ -144,7 +151,13 @@ def test_the_control_sample_finds_what_the_scan_misses(
     random.Random(3).shuffle(kinds)
     ids = seed(client, h, kinds, fake_model_dir, salt=11)
     kind_of = dict(zip(ids, kinds, strict=True))
-    body = {"trace_ids": ids, "targets": [{"dtype": "fp16"}], "control_fraction": 0.5}
+    # Near-tie flagging off: the control sample alone finds the kv flips.
+    body = {
+        "trace_ids": ids,
+        "targets": [{"dtype": "fp16"}],
+        "control_fraction": 0.5,
+        "scan_flag_ulps": -1,
+    }
     r = client.post("/v1/replays", json=body, headers=h)
     assert r.status_code == 201, r.text
     with caplog.at_level("INFO", logger="replay_audit.replays.tasks"):
@@ -218,6 +231,99 @@ def test_the_control_sample_finds_what_the_scan_misses(
     assert trace_page.status_code == 200 and 'id="only-scanned"' in trace_page.text
 
 
+def _run(
+    client: TestClient, runner: HoldingRunner, h: dict[str, str], ids: list[str], **extra: object
+) -> dict[str, object]:
+    body = {"trace_ids": ids, "targets": [{"dtype": "fp16"}], "control_fraction": 0.5, **extra}
+    r = client.post("/v1/replays", json=body, headers=h)
+    assert r.status_code == 201, r.text
+    runner.run_all()
+    run: dict[str, object] = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
+    assert run["status"] == "done" and run["mode"] == "scan_then_decode"
+    return run
+
+
+@pytest.mark.usefixtures("engines")
+def test_near_tie_flagging_decodes_the_kv_flips_the_scan_cannot_see(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    api_key: Callable[..., str],
+    fake_model_dir: Path,
+) -> None:
+    h = headers("admin")
+    kinds: list[Kind] = ["kv"] * 10 + ["tie"] * 6 + ["kv_far"] * 8 + ["head"] * 12 + ["none"] * 44
+    random.Random(5).shuffle(kinds)
+    ids = seed(client, h, kinds, fake_model_dir, salt=13)
+    kind_of = dict(zip(ids, kinds, strict=True))
+    sample = ControlSample(0.5, 0)
+
+    # The deployment's default (exact ties only, 0 ulps) is recorded with a run naming none;
+    # here the run names 1 ulp.
+    default = _run(client, runner, h, ids[:20])
+    assert default["request"]["scan_flag_ulps"] == 0.0  # type: ignore[index]
+    run = _run(client, runner, h, ids, scan_flag_ulps=1)
+    assert run["request"]["scan_flag_ulps"] == 1.0  # type: ignore[index]
+    items = {x["trace_id"]: x for x in all_results(client, str(run["id"]), h)}
+    for trace_id, x in items.items():
+        kind = kind_of[trace_id]
+        if kind == "head":
+            assert x["screen"] == "flagged"
+        elif kind in ("kv", "tie"):  # at a near-tie: decoded in full, never a control
+            assert x["screen"] == "near_tie"
+            assert x["exact_match"] is (kind == "tie")
+            assert x["category"] == ("kv_dependent" if kind == "kv" else "agreed")
+        else:
+            assert x["screen"] == ("control" if sample.includes(trace_id) else "scanned")
+    s = run["statistics"]["comparisons"][0]["screening"]  # type: ignore[index]
+    control = [i for i in ids if kind_of[i] in ("kv_far", "none") and sample.includes(i)]
+    missed = [i for i in control if kind_of[i] == "kv_far"]
+    assert missed, "the seed draws some kv_far traces into the control sample"
+    assert (s["flagged"], s["near_tie"], s["near_tie_diverged"]) == (12, 16, 10)
+    assert s["scan_flag_ulps"] == 1.0
+    assert s["decoded_by_reason"] == {"mismatch": 12, "near_tie": 16, "control": len(control)}
+    assert s["decoded"] == 28 + len(control) and s["scanned_only"] == 80 - s["decoded"]
+    assert (s["control"], s["control_diverged"]) == (len(control), len(missed))
+    # A wide margin at t*: the gate (1e-3) does not fire there, so the body is blamed.
+    assert s["misses_by_category"]["body_dominated"] == len(missed)
+    assert s["false_flags"] == 0 and s["flagged_diverged"] == 12
+    # The truth: 8 kv_far misses of 30 decode divergences; 50 exact of 80.
+    assert s["miss_rate"]["low"] <= 8 / 30 <= s["miss_rate"]["high"]
+    assert s["estimated_misses"]["low"] <= 8 <= s["estimated_misses"]["high"]
+    assert s["ear"]["low"] <= 50 / 80 <= s["ear"]["high"]
+    assert sign_in(client, api_key("auditor")).status_code == 303
+    page = client.get(f"/ui/runs/{run['id']}")
+    assert "16 by a near-tie (margin at most 1.0 ulps), 10 of them diverged" in page.text
+    assert "(near-tie)" in page.text  # the results table says why a trace was decoded
+
+    # Off: the kv flips are misses again, found only where the control sample holds them.
+    off = _run(client, runner, h, ids, scan_flag_ulps=-1)
+    items = {x["trace_id"]: x for x in all_results(client, str(off["id"]), h)}
+    assert not any(x["screen"] == "near_tie" for x in items.values())
+    for trace_id, x in items.items():
+        if kind_of[trace_id] == "kv":
+            assert x["screen"] == ("control" if sample.includes(trace_id) else "scanned")
+            assert x["exact_match"] is (None if x["screen"] == "scanned" else False)
+    s = off["statistics"]["comparisons"][0]["screening"]  # type: ignore[index]
+    assert (s["near_tie"], s["scan_flag_ulps"]) == (0, -1.0)
+    assert s["miss_rate"]["low"] <= 18 / 30 <= s["miss_rate"]["high"]
+
+
+@pytest.mark.usefixtures("engines")
+def test_a_bad_near_tie_flag_is_a_422_naming_the_field(
+    client: TestClient, headers: Callable[..., dict[str, str]], fake_model_dir: Path
+) -> None:
+    h = headers("admin")
+    ids = seed(client, h, ["none"] * 2, fake_model_dir, salt=14)
+    for bad in (2000, -5, "many", None):
+        body = {"trace_ids": ids, "targets": [{"dtype": "fp16"}], "mode": "scan_then_decode"}
+        r = client.post("/v1/replays", json={**body, "scan_flag_ulps": bad}, headers=h)
+        if bad is None:  # null: the deployment's
+            assert r.status_code == 201, r.text
+            continue
+        assert r.status_code == 422 and "scan_flag_ulps" in r.text, (bad, r.text)
+
+
 @pytest.mark.usefixtures("engines")
 def test_a_run_naming_no_mode_is_scan_then_decode_when_large(
     client: TestClient,
@@ -286,6 +392,39 @@ def _figure(i: int, screen: str, exact: bool) -> ResultFigures:
         answer_b=None,
         screen=screen,
     )
+
+
+def test_near_tie_flags_keep_the_control_estimate_unbiased() -> None:
+    """Random runs of 2,000 traces: 20% flagged by a mismatch, 10% by a near-tie (half of which
+    diverge), 3% of the rest diverge unseen, a 5% control sample of the rest. A near-tie trace
+    counts as flagged, never in the control sample: the miss-rate interval still covers each
+    run's truth in about 95% of runs, and the mean estimate sits at the true rate."""
+    rng = random.Random(1)
+    runs, covered, estimates, truths = 300, 0, [], []
+    for _ in range(runs):
+        figures, misses, divergences = [], 0, 0
+        for i in range(2000):
+            u = rng.random()
+            screen = "flagged" if u < 0.2 else "near_tie" if u < 0.3 else None
+            p = 0.9 if screen == "flagged" else 0.5 if screen == "near_tie" else 0.03
+            diverges = rng.random() < p
+            divergences += diverges
+            misses += diverges and screen is None
+            if screen is None:
+                screen = "control" if rng.random() < 0.05 else "scanned"
+            figures.append(_figure(i, screen, not diverges))
+        report = screening_report(
+            ComparisonInput(0, "logged", 0, "fp16", False, figures, 0.05, 0, 1.0)
+        )
+        assert report is not None and report.decoded_by_reason["near_tie"] > 0
+        truth = misses / divergences
+        covered += report.miss_rate.low <= truth <= report.miss_rate.high  # type: ignore[operator]
+        assert report.miss_rate.estimate is not None
+        estimates.append(report.miss_rate.estimate)
+        truths.append(truth)
+    assert covered / runs >= 0.9, covered
+    bias = sum(estimates) / runs - sum(truths) / runs
+    assert abs(bias) < 0.01, bias
 
 
 def test_the_miss_rate_interval_covers_the_truth_in_about_95_percent_of_runs() -> None:
