@@ -151,23 +151,32 @@ def _measure(
                 stderr=subprocess.STDOUT,
             )
         )
-    first = last = None
+    first = last = latest = None
     done = 0
+    complete = False
     while time.perf_counter() - t0 < timeout_s:
         done, status = _progress(run_id)
         now = time.perf_counter() - t0
         if done and first is None:
             first = (now, done)
+        latest = (now, done)
         if done >= n_items or status in ("done", "failed"):
-            last = (now, done)
+            last, complete = latest, True
             break
         time.sleep(0.2)
+    if last is None:  # the time limit: the window up to the last look, marked incomplete
+        last = latest
     for p in procs:
         try:
             p.wait(timeout=60)
         except subprocess.TimeoutExpired:
             p.kill()
-    out: dict[str, Any] = {"workers": workers, "results": done, "n_items": n_items}
+    out: dict[str, Any] = {
+        "workers": workers,
+        "results": done,
+        "n_items": n_items,
+        "complete": complete,
+    }
     if first is not None and last is not None and last[1] > first[1]:
         window = last[0] - first[0]
         out |= {
