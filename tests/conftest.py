@@ -67,6 +67,10 @@ def _create_database(server_url: str, prefix: str) -> str:
     try:
         with admin.connect() as connection:
             connection.execute(text(f'CREATE DATABASE "{name}"'))
+            # A test database need not survive a server crash: a commit returns without waiting
+            # for the WAL flush (about 2 ms an fsync here; thousands of commits a session). What
+            # every session sees is unchanged: visibility, locks and constraints are the same.
+            connection.execute(text(f'ALTER DATABASE "{name}" SET synchronous_commit = off'))
     finally:
         admin.dispose()
     return base.set(database=name).render_as_string(hide_password=False)
