@@ -32,9 +32,6 @@ pytestmark = pytest.mark.slow
 KEY = re.compile(r"\bra_[0-9a-f]{12}_[A-Za-z0-9_-]{43}\b")
 #: Seconds a stopping process may take: the runner finishes the trace it is replaying.
 STOP_WITHIN_S = 20
-#: Traces the interrupted replay holds: each takes the runner about a second (two targets), so
-#: the run is still running when the first is done and the signal comes.
-N_TRACES = 12
 
 
 class Output:
@@ -107,7 +104,7 @@ def _bundled_model_traces(n: int) -> list[dict[str, object]]:
     config = make_config(device="cpu", gpu=None)
     model = {"name": "tiny-llama", "weights_sha256": sha, "vocab_size": 4096}
     return [
-        make_trace(n_prompt=16, n_output=32, vocab=4096, top_k=None, config=config, model=model)
+        make_trace(n_prompt=16, n_output=64, vocab=4096, top_k=None, config=config, model=model)
         for _ in range(n)
     ]
 
@@ -122,8 +119,8 @@ def test_serve_stops_cleanly_mid_replay(sig: int, tmp_path: Path) -> None:
         (key,) = KEY.findall(out.text)
         h = {"X-API-Key": key}
         _wait_healthy(base, proc)
-        traces = _bundled_model_traces(N_TRACES)
-        r = httpx.post(f"{base}/v1/traces:batch", json={"traces": traces}, headers=h, timeout=60)
+        r = httpx.post(f"{base}/v1/traces:batch", json={"traces": _bundled_model_traces(24)},
+                       headers=h, timeout=60)  # fmt: skip
         assert r.status_code == 207, r.text
         ids = [item["id"] for item in r.json()["results"]]
         targets = [{"dtype": "fp16"}, {"dtype": "fp16", "intervention": {"kind": "C"}}]
@@ -163,7 +160,7 @@ def test_serve_stops_cleanly_mid_replay(sig: int, tmp_path: Path) -> None:
             while (run := _get(f"{base}/v1/replays/{run_id}", h))["status"] != "done":
                 assert time.monotonic() < deadline, run
                 time.sleep(0.5)
-            assert run["progress"]["done"] == 2 * N_TRACES, run
+            assert run["progress"]["done"] == 48, run
             _interrupt(proc, signal.SIGTERM)
         finally:
             if proc.poll() is None:
@@ -179,7 +176,7 @@ def _get(url: str, headers: dict[str, str]) -> dict[str, Any]:
 
 
 def test_interrupted_demo_has_printed_its_key(tmp_path: Path) -> None:
-    proc, out, err = _start(["demo", "--prompts", "6", "--max-new-tokens", "24"], tmp_path)
+    proc, out, err = _start(["demo", "--prompts", "12", "--max-new-tokens", "48"], tmp_path)
     try:
         out.wait_for(r"ingested \d+ traces", proc, 300)
         printed_before = KEY.findall(out.text)

@@ -47,12 +47,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def traces(checkpoint: Path) -> list[dict[str, Any]]:
-    """24 traces generated in BF16 by transformers' generate() on the checkpoint: two jobs of a
-    decode run (16 traces a job), so a run killed or flushed mid-way has a job left to recover
-    (the burst test takes 20, the CPU-only one 2)."""
+    """48 traces generated in BF16 by transformers' generate() on the checkpoint."""
     from replay_audit.engine.generate import generate_traces
 
-    prompts = [(f"p{i}", f"def f{i}(x, y):\n    return x * {i} + ") for i in range(24)]
+    prompts = [(f"p{i}", f"def f{i}(x, y):\n    return x * {i} + ") for i in range(48)]
     out = list(generate_traces(checkpoint, prompts, dtype="bf16", max_new_tokens=24, device="cpu"))
     return out
 
