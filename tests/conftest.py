@@ -6,7 +6,8 @@ postgresql+psycopg://postgres@127.0.0.1:5432/test, dropped at the end). Both are
 Alembic migrations, never `create_all`. After each test every table is emptied (DELETE in
 foreign-key order, reflected from the database, so tables added by later migrations are
 included): tests may commit, use threads and several connections. The PostgreSQL half carries
-the `postgres` marker: `-m "not postgres"` runs SQLite only.
+the `postgres` marker: `-m "not postgres"` runs SQLite only. The PostgreSQL databases commit
+with `synchronous_commit = off` (no wait for the WAL flush): only a server crash could tell.
 
     def test_something(client, api_key):
         headers = {"X-API-Key": api_key("submitter")}
@@ -67,6 +68,10 @@ def _create_database(server_url: str, prefix: str) -> str:
     try:
         with admin.connect() as connection:
             connection.execute(text(f'CREATE DATABASE "{name}"'))
+            # A test database need not survive a server crash: a commit returns without waiting
+            # for the WAL flush (about 2 ms an fsync here; thousands of commits a session). What
+            # every session sees is unchanged: visibility, locks and constraints are the same.
+            connection.execute(text(f'ALTER DATABASE "{name}" SET synchronous_commit = off'))
     finally:
         admin.dispose()
     return base.set(database=name).render_as_string(hide_password=False)
@@ -119,9 +124,15 @@ def empty_all_tables(url: str) -> None:
         _table_order[url] = [
             t.name for t in reversed(metadata.sorted_tables) if t.name != "alembic_version"
         ]
+    deletes = [f'DELETE FROM "{name}"' for name in _table_order[url]]
     with engine.begin() as connection:
-        for name in _table_order[url]:
-            connection.execute(text(f'DELETE FROM "{name}"'))
+        if engine.dialect.name == "postgresql":
+            # One round trip (the statements run in order, in this transaction): a third of
+            # the time of one statement each, after every test.
+            connection.exec_driver_sql("; ".join(deletes))
+        else:
+            for statement in deletes:
+                connection.exec_driver_sql(statement)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -26,6 +26,7 @@ from replay_audit.config import Settings
 from replay_audit.db import migration
 from replay_audit.db.engine import dispose_engines
 from tests.cli.conftest import assert_no_traceback, cli_args, cli_env, run_cli
+from tests.cli.test_interrupt import Output
 from tests.conftest import RedisNamespace
 
 pytestmark = pytest.mark.slow
@@ -86,7 +87,7 @@ def test_every_database_command_in_a_fresh_process(
     assert f"trend of {sid}" in _ok(["audit", "trend", "--schedule", sid], fresh_url, tmp_path)
     assert "errors 0" in _ok(["audit", "tick"], fresh_url, tmp_path)
 
-    # The scheduler loop: a few ticks (each reconciles the queue), then Ctrl-C.
+    # The scheduler loop: three ticks (each reconciles the queue), then Ctrl-C.
     proc = subprocess.Popen(
         cli_args("scheduler", "--interval-s", "0.2"),
         env=cli_env(database_url=fresh_url),
@@ -95,14 +96,21 @@ def test_every_database_command_in_a_fresh_process(
         stderr=subprocess.STDOUT,
         text=True,
     )
+    assert proc.stdout is not None
+    log = Output(proc.stdout)
     try:
-        time.sleep(4)
+        deadline = time.monotonic() + 120
+        while log.text.count("audit tick:") < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, log.text[-3000:]
+            time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=20)
+        proc.wait(timeout=20)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
+        log.close()
+    out = log.text
     assert proc.returncode in (0, 130), out
     assert_no_traceback(proc, out)
     assert "failed" not in out, out
