@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Final
 
 import numpy as np
 
@@ -163,6 +164,24 @@ def _track(steps: Steps) -> tuple[tuple[float | None, ...], tuple[int, ...]]:
     return margins, tuple(int(t) for t in np.flatnonzero(steps.gate_fired))
 
 
+#: An engine's `environment()["extras"]` that describe its last batched scan or batched
+#: single-step re-runs (`engine/batch.py`): true of a result only where its trace took part.
+SCAN_BATCH_EXTRAS: Final = ("scan_token_budget", "scan_batch_shapes", "scan_padding")
+STEP_BATCH_EXTRAS: Final = ("step_token_budget", "step_batch_shapes", "step_padding")
+
+
+def _environment(engine: Engine, *, scan_batched: bool, step_batched: bool) -> dict[str, Any]:
+    """`engine.environment()` as it held for one result: without the batch extras of a batched
+    scan or of batched re-runs the result's trace was not part of (the engine keeps its last
+    batch's, whatever it ran since)."""
+    env = engine.environment()
+    extras = env.get("extras")
+    drop = (() if scan_batched else SCAN_BATCH_EXTRAS) + (() if step_batched else STEP_BATCH_EXTRAS)
+    if isinstance(extras, dict) and any(k in extras for k in drop):
+        env = {**env, "extras": {k: v for k, v in extras.items() if k not in drop}}
+    return env
+
+
 def _arm(
     engine: Engine,
     target: Target,
@@ -170,8 +189,12 @@ def _arm(
     output: Sequence[int] | None,
     margin: ArmMargin | None,
     text_of: Sequence[int],
+    *,
+    scan_batched: bool = False,
+    step_batched: bool = False,
 ) -> ArmOutcome:
-    """An arm run here: its counts over `steps`, its track and environment."""
+    """An arm run here: its counts over `steps`, its track and environment (with the batch
+    extras of the batched scan and re-runs it took part in)."""
     n = len(steps)
     track, fired = _track(steps)
     return ArmOutcome(
@@ -184,7 +207,7 @@ def _arm(
         changed_steps=int(steps.changed.sum()),
         margins=track,
         gate_fired_steps=fired,
-        environment=engine.environment(),
+        environment=_environment(engine, scan_batched=scan_batched, step_batched=step_batched),
         text=engine.detokenize(list(text_of)),
         pieces=engine.token_pieces(list(text_of)),
     )
@@ -378,7 +401,8 @@ def _replay_arm(
             replay_ids, steps = run.output_token_ids, run.steps
             screen = "near_tie" if near is not None else "control"
         elif s is None and mode == "scan_then_decode":
-            return _scanned_only(trace, engine, target, scan.steps, logged)
+            batched = request.scan is not None
+            return _scanned_only(trace, engine, target, scan.steps, logged, batched)
         elif s is None:
             replay_ids, steps = logged, scan.steps
         elif mode == "scan":
@@ -423,8 +447,14 @@ def _rerun_needs(r: _Replayed, index: int = 0) -> dict[_RerunKey, tuple[Engine, 
     return needs
 
 
-def _finish(r: _Replayed, reruns: dict[_RerunKey, StepInfo], index: int = 0) -> ReplayOutcome:
-    """The outcome of a replayed arm, with its re-runs at t* (`_rerun_needs`' forwards)."""
+def _finish(
+    r: _Replayed,
+    reruns: dict[_RerunKey, StepInfo],
+    index: int = 0,
+    batched: frozenset[_RerunKey] = frozenset(),
+) -> ReplayOutcome:
+    """The outcome of a replayed arm, with its re-runs at t* (`_rerun_needs`' forwards;
+    `batched`: those that ran in a `step_batch`)."""
     trace, mode, engine, target = r.request.trace, r.mode, r.engine, r.target
     logged, replay_ids, steps, t_star = r.logged, r.replay_ids, r.steps, r.t_star
     logged_target = trace.config
@@ -457,13 +487,26 @@ def _finish(r: _Replayed, reruns: dict[_RerunKey, StepInfo], index: int = 0) -> 
         category = classify(t_star, gate_fired=fired, single_step_disagrees=bool(single.disagree))
 
     decoded_fully = mode != "scan" or t_star is None
-    arm_b = _arm(engine, target, steps, replay_ids, margin_b, replay_ids)
+    arm_b = _arm(
+        engine,
+        target,
+        steps,
+        replay_ids,
+        margin_b,
+        replay_ids,
+        scan_batched=mode != "decode" and r.request.scan is not None,
+        step_batched=(index, "b") in batched,
+    )
     logged_engine = r.logged_engine
     arm_a = ArmOutcome(
         target=logged_target,
         output_token_ids=None,
         margin=margin_a,
-        environment=logged_engine.environment() if logged_engine is not None else None,
+        environment=(
+            _environment(logged_engine, scan_batched=False, step_batched=(index, "a") in batched)
+            if logged_engine is not None
+            else None
+        ),
         text=trace.output_text,
         # The trace's own pieces are stored with it; else the tokenizer here reads the logged
         # tokens (the same checkpoint, so the same vocabulary).
@@ -529,24 +572,27 @@ def replay_traces(
             for key, (engine, context) in _rerun_needs(res, i).items():
                 groups.setdefault(id(engine), (engine, []))[1].append((key, context))
     reruns: dict[_RerunKey, StepInfo] = {}
+    batched: set[_RerunKey] = set()
     for engine, members in groups.values():
         contexts = [c for _, c in members]
         infos: list[StepInfo | None]
         try:
             infos = list(engine.step_batch(contexts, top_k, token_budget=token_budget))
+            batched.update(key for key, _ in members)
         except (ReplayAuditError, RuntimeError, ValueError, MemoryError):
             log.exception("batched re-runs of %d steps failed; one at a time", len(contexts))
             infos = [_step_or_error(engine, c, top_k) for c in contexts]
         for (key, _), info in zip(members, infos, strict=True):
             if info is not None:
                 reruns[key] = info
+    ran_batched = frozenset(batched)
     out: list[ReplayResult] = []
     for i, res in enumerate(results):
         if not isinstance(res, _Replayed):
             out.append(res)
             continue
         try:
-            out.append(_finish(res, reruns, i))
+            out.append(_finish(res, reruns, i, ran_batched))
         except KeyError:
             out.append(RuntimeError("the single-step re-run at t* failed"))
         except (ReplayAuditError, RuntimeError, ValueError, MemoryError) as e:
@@ -563,7 +609,12 @@ def _step_or_error(engine: Engine, context: list[int], top_k: int) -> StepInfo |
 
 
 def _scanned_only(
-    trace: LoggedTrace, engine: Engine, target: Target, steps: Steps, logged: list[int]
+    trace: LoggedTrace,
+    engine: Engine,
+    target: Target,
+    steps: Steps,
+    logged: list[int],
+    scan_batched: bool,
 ) -> ReplayOutcome:
     """A trace a scan-then-decode run only scanned: the scan agreed with the logged output at
     every step, and no decode says whether the replay does. Not an exact match, not agreed:
@@ -579,7 +630,7 @@ def _scanned_only(
         a=ArmOutcome(
             target=trace.config, output_token_ids=None, margin=None, text=trace.output_text
         ),
-        b=_arm(engine, target, steps, None, None, logged),
+        b=_arm(engine, target, steps, None, None, logged, scan_batched=scan_batched),
         external_id=trace.external_id,
         screen="scanned",
     )

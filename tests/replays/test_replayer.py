@@ -507,3 +507,40 @@ def test_replay_traces_batches_the_single_step_reruns_and_equals_each_replay(
                 b.a.margin,
                 b.b.margin,
             )
+
+
+def test_a_result_carries_only_the_batch_extras_of_batches_its_trace_was_in(ckpt: Path) -> None:
+    """An engine keeps its last batched scan's and batched re-runs' shapes in its extras; a
+    result's environment keeps them only where its trace was in that scan or re-run: a trace
+    that agrees had no re-run, a decode afterwards had neither, the logged arm had no scan."""
+
+    def loader(_: Path, target: Target) -> FakeEngine:
+        return FakeEngine(target, next_token=flipped(5e-4) if target.dtype == "fp16" else base)
+
+    pool = EnginePool(loader)
+    diverges = make_trace(ckpt, n=8, external_id="d")  # flips at step FLIP_AT
+    agrees = make_trace(ckpt, n=FLIP_AT, top_k=False, external_id="a")  # ends before the flip
+    fp16 = Target("fp16")
+    scans = scan_traces([ScanRequest(t, fp16, ckpt) for t in (diverges, agrees)], pool)
+    pairs = zip((diverges, agrees), scans.runs, strict=True)
+    d, a = replay_traces(
+        [ReplayRequest(t, fp16, ckpt, scan=s) for t, s in pairs],
+        pool,
+        mode="scan",
+    )
+    assert isinstance(d, ReplayOutcome) and isinstance(a, ReplayOutcome)
+    assert d.first_divergence_step == FLIP_AT and a.exact_match
+    scan_keys, step_keys = {"scan_batch_shapes", "scan_token_budget"}, {"step_batch_shapes"}
+    assert d.b.environment is not None and a.b.environment is not None
+    assert scan_keys | step_keys <= set(d.b.environment["extras"])
+    assert scan_keys <= set(a.b.environment["extras"])
+    assert not step_keys & set(a.b.environment["extras"])
+    assert d.a.environment is not None  # the logged format's re-run: batched, no scan
+    assert step_keys <= set(d.a.environment["extras"])
+    assert not scan_keys & set(d.a.environment["extras"])
+    # The engine still holds both; a decode of the same format afterwards records neither.
+    engine = pool.get(ckpt, Target("fp16", attn_kernel="sdpa"))  # the logged kernel
+    assert scan_keys | step_keys <= set(engine.environment()["extras"])
+    decoded = replay_trace(diverges, fp16, pool, model_dir=ckpt, mode="decode")
+    assert decoded.b.environment is not None
+    assert not (scan_keys | step_keys) & set(decoded.b.environment["extras"])
