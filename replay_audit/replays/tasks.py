@@ -303,7 +303,6 @@ def _replay_window(
     rows: dict[tuple[int, int], dict[str, object]] = {}
     requests: list[ReplayRequest] = []
     keys: list[tuple[int, int]] = []
-    flag = spec.control.flag_ulps if spec.control is not None else SCAN_FLAG_OFF
     for n, p in enumerate(pending):
         trace = p.trace
         if trace is None:
@@ -314,8 +313,7 @@ def _replay_window(
         except ModelNotFound as e:
             rows.update({(n, c): failed_values(c, str(e)) for c in p.missing})
             continue
-        control = spec.control is not None and spec.control.includes(p.public_id or str(p.trace_id))
-        extractor = "gsm8k" if trace.reference_answer is not None else None
+        control = _in_control(p, spec)
         for c in p.missing:
             comparison = spec.comparisons[c]
             if not comparison.against_logged:
@@ -323,7 +321,7 @@ def _replay_window(
                 continue
             target = spec.targets[comparison.b].resolve(trace.config)
             requests.append(
-                ReplayRequest(trace, target, model_dir, p.scans.get(c), control, extractor)
+                ReplayRequest(trace, target, model_dir, p.scans.get(c), control, _extractor(trace))
             )
             keys.append((n, c))
     results = replay_traces(
@@ -331,17 +329,15 @@ def _replay_window(
         ctx.pool,
         mode=spec.mode,  # type: ignore[arg-type]
         top_k=spec.top_k,
-        flag_ulps=flag,
+        flag_ulps=_flag_ulps(spec),
         token_budget=ctx.settings.scan_token_budget,
     )
     for (n, c), result in zip(keys, results, strict=True):
-        if isinstance(result, ReplayAuditError):
-            rows[(n, c)] = failed_values(c, result.message)
-        elif isinstance(result, Exception):
-            log.error("replay of trace %s comparison %d failed: %r", pending[n].trace_id, c, result)
-            rows[(n, c)] = failed_values(c, f"{type(result).__name__}: {result}")
-        else:
-            rows[(n, c)] = result_values(c, result)
+        rows[(n, c)] = (
+            _failed_row(c, result, pending[n].trace_id)
+            if isinstance(result, Exception)
+            else result_values(c, result)
+        )
     return [(p, [rows[(n, c)] for c in p.missing]) for n, p in enumerate(pending)]
 
 
@@ -360,12 +356,34 @@ def _replay_pair(
             scan=p.scans.get(c),
             control=control,
         )
-    except ReplayAuditError as e:
-        return failed_values(c, e.message)
-    except (RuntimeError, ValueError, MemoryError) as e:  # engine-side failure of this item
-        log.exception("replay of trace %s comparison %d failed", p.trace.external_id, c)
-        return failed_values(c, f"{type(e).__name__}: {e}")
+    except (ReplayAuditError, RuntimeError, ValueError, MemoryError) as e:
+        return _failed_row(c, e, p.trace_id)
     return result_values(c, outcome)
+
+
+def _failed_row(c: int, error: Exception, trace_id: int) -> dict[str, object]:
+    """Comparison c's failed row: a `ReplayAuditError`'s message, or an engine-side failure
+    of this item (RuntimeError, ValueError, MemoryError: logged) by its type and text."""
+    if isinstance(error, ReplayAuditError):
+        return failed_values(c, error.message)
+    log.error("replay of trace %s comparison %d failed", trace_id, c, exc_info=error)
+    return failed_values(c, f"{type(error).__name__}: {error}")
+
+
+def _in_control(p: _Pending, spec: _RunSpec) -> bool:
+    """Whether the trace is in the run's control sample (scan-then-decode)."""
+    return spec.control is not None and spec.control.includes(p.public_id or str(p.trace_id))
+
+
+def _extractor(trace: LoggedTrace) -> str | None:
+    """The answer extractor of a trace's semantic agreement: GSM8K's where it has a reference
+    answer."""
+    return "gsm8k" if trace.reference_answer is not None else None
+
+
+def _flag_ulps(spec: _RunSpec) -> float:
+    """The run's near-tie flag (scan-then-decode), off in the other modes."""
+    return spec.control.flag_ulps if spec.control is not None else SCAN_FLAG_OFF
 
 
 def _replay_one(p: _Pending, spec: _RunSpec, ctx: WorkerContext) -> list[dict[str, object]]:
@@ -376,7 +394,7 @@ def _replay_one(p: _Pending, spec: _RunSpec, ctx: WorkerContext) -> list[dict[st
         model_dir = find_checkpoint(trace.weights_sha256, ctx.settings.model_dirs, ctx.pool)
     except ModelNotFound as e:
         return [failed_values(c, str(e)) for c in comparisons]
-    control = spec.control is not None and spec.control.includes(p.public_id or str(p.trace_id))
+    control = _in_control(p, spec)
     return [_replay_pair(p, spec, c, ctx, model_dir, control) for c in comparisons]
 
 
@@ -391,7 +409,7 @@ def _compare(
     control: bool = False,
 ) -> ReplayOutcome:
     target_b = spec.targets[comparison.b].resolve(trace.config)
-    extractor = "gsm8k" if trace.reference_answer is not None else None
+    extractor = _extractor(trace)
     if comparison.a == "logged":
         return replay_trace(
             trace,
@@ -403,7 +421,7 @@ def _compare(
             extractor=extractor,
             scan=scan,
             control=control,
-            flag_ulps=spec.control.flag_ulps if spec.control is not None else SCAN_FLAG_OFF,
+            flag_ulps=_flag_ulps(spec),
         )
     target_a = spec.targets[comparison.a].resolve(trace.config)
     return compare_arms(
