@@ -109,6 +109,14 @@ def test_create_read_and_roles(client: TestClient, headers: Headers) -> None:
         ({"selection": {"window_hours": 0}}, "selection"),
         ({"webhook_url": "ftp://example.com/x"}, "webhook_url"),
         ({"surprise": 1}, "surprise"),
+        ({"replay": {"targets": [{"dtype": "fp16"}], "scan_flag_ulps": 5000}}, "scan_flag_ulps"),
+        ({"replay": {"targets": [{"dtype": "fp16"}], "scan_flag_ulps": -2}}, "scan_flag_ulps"),
+        ({"replay": {"targets": [{"dtype": "fp16"}], "scan_flag_ulps": "many"}}, "scan_flag_ulps"),
+        (
+            {"replay": {"targets": [{"dtype": "fp16"}], "scan_flag_ulps": "\u0000"}},
+            "scan_flag_ulps",
+        ),
+        ({"replay": {"targets": [{"dtype": "fp16"}], "scan_flag_ulps": 1e308}}, "scan_flag_ulps"),
     ],
 )
 def test_invalid_schedules_are_422(
