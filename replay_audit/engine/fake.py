@@ -181,17 +181,20 @@ class FakeEngine:
         return ScanRun(steps, np.asarray(steps.token_ids == np.asarray(output_ids), dtype=bool))
 
     def step(
-        self, prompt_ids: Sequence[int], prefix_ids: Sequence[int], top_k: int = 5
+        self,
+        prompt_ids: Sequence[int],
+        prefix_ids: Sequence[int],
+        intervention: Intervention,
+        top_k: int = 5,
     ) -> StepInfo:
         self.calls.append("step")
         fn = self.step_fn or self.next_token
-        s = self._step((*prompt_ids, *prefix_ids), Intervention(), top_k, fn)
-        token = int(s.native_token_ids[0])
-        return StepInfo(token, s.top_k_ids[0], s.top_k_logits[0], s.margin_at(0))
+        return StepInfo.from_steps(self._step((*prompt_ids, *prefix_ids), intervention, top_k, fn))
 
     def step_batch(
         self,
         contexts: Sequence[Sequence[int]],
+        intervention: Intervention,
         top_k: int = 5,
         *,
         token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
@@ -203,15 +206,9 @@ class FakeEngine:
             plan_steps([len(c) for c in contexts], token_budget), token_budget
         )
         fn = self.step_fn or self.next_token
-        out = []
-        for c in contexts:
-            s = self._step(tuple(c), Intervention(), top_k, fn)
-            out.append(
-                StepInfo(
-                    int(s.native_token_ids[0]), s.top_k_ids[0], s.top_k_logits[0], s.margin_at(0)
-                )
-            )
-        return out
+        return [
+            StepInfo.from_steps(self._step(tuple(c), intervention, top_k, fn)) for c in contexts
+        ]
 
     def hidden_states(
         self, prompt_ids: Sequence[int], output_ids: Sequence[int]

@@ -248,12 +248,28 @@ class ScanItem:
 
 @dataclass(frozen=True, eq=False)
 class StepInfo:
-    """A single step re-run from scratch (no KV cache): the native argmax and margin."""
+    """A single step re-run from scratch (no KV cache) with the arm's whole computation:
+    `token` is the token the arm chooses (its intervention applied where its gate fires),
+    `native_token` the native argmax; the top-k and the margin are the native logits'."""
 
     token: int
+    native_token: int
+    gate_fired: bool
     top_k_ids: IntArray
     top_k_logits: npt.NDArray[np.float32]
     margin: Margin
+
+    @classmethod
+    def from_steps(cls, steps: Steps) -> StepInfo:
+        """The one row of a single step's `Steps`."""
+        return cls(
+            token=int(steps.token_ids[0]),
+            native_token=int(steps.native_token_ids[0]),
+            gate_fired=bool(steps.gate_fired[0]),
+            top_k_ids=steps.top_k_ids[0],
+            top_k_logits=steps.top_k_logits[0],
+            margin=steps.margin_at(0),
+        )
 
 
 @runtime_checkable
@@ -311,14 +327,21 @@ class Engine(Protocol):
         ...
 
     def step(
-        self, prompt_ids: Sequence[int], prefix_ids: Sequence[int], top_k: int = 5
+        self,
+        prompt_ids: Sequence[int],
+        prefix_ids: Sequence[int],
+        intervention: Intervention,
+        top_k: int = 5,
     ) -> StepInfo:
-        """From-scratch forward over prompt ‖ prefix: the native choice for the next step."""
+        """From-scratch forward over prompt ‖ prefix: the arm's choice for the next step, with
+        `intervention` applied where its gate fires (the single-step re-run runs the arm's
+        whole computation; there is no default: the caller names the arm's)."""
         ...
 
     def step_batch(
         self,
         contexts: Sequence[Sequence[int]],
+        intervention: Intervention,
         top_k: int = 5,
         *,
         token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,

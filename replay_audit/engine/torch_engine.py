@@ -283,35 +283,33 @@ class TorchEngine:
 
     @torch.inference_mode()
     def step(
-        self, prompt_ids: Sequence[int], prefix_ids: Sequence[int], top_k: int = 5
+        self,
+        prompt_ids: Sequence[int],
+        prefix_ids: Sequence[int],
+        intervention: Intervention,
+        top_k: int = 5,
     ) -> StepInfo:
         h = self.body.forward([*prompt_ids, *prefix_ids], None, 0)[:, -1]
-        out = head_step(self.head, h, top_k)
-        s = decide(self.head, out.top, out.logits[None], h[:1], Intervention(), top_k)
-        return StepInfo(
-            token=int(s.native_token_ids[0]),
-            top_k_ids=s.top_k_ids[0],
-            top_k_logits=s.top_k_logits[0],
-            margin=s.margin_at(0),
-        )
+        return self._head_step(h[:1], intervention, top_k)
 
     @torch.inference_mode()
     def step_batch(
         self,
         contexts: Sequence[Sequence[int]],
+        intervention: Intervention,
         top_k: int = 5,
         *,
         token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
     ) -> list[StepInfo]:
         """`step` of each context, the body batched: contexts of one length share a forward,
         unpadded (`batch.plan_steps`), then each row's last hidden state goes through the
-        lm_head alone, as `step`'s does (a head product over many rows may sum in another
-        order: on this CPU fp32 rows differ by an ulp), with the native choice (no
-        intervention, as `step`). An engine whose target decodes among copies
-        (`batch_size` > 1) runs `step` one context at a time: its step's batch is the copies.
-        The shapes go into `environment()["extras"]` (`step_batch_shapes`)."""
+        lm_head and `intervention` alone, as `step`'s does (a head product over many rows may
+        sum in another order: on this CPU fp32 rows differ by an ulp). An engine whose target
+        decodes among copies (`batch_size` > 1) runs `step` one context at a time: its step's
+        batch is the copies. The shapes go into `environment()["extras"]`
+        (`step_batch_shapes`)."""
         if self.body.batch_size != 1:
-            return [self.step(c, [], top_k) for c in contexts]
+            return [self.step(c, [], intervention, top_k) for c in contexts]
         plan = plan_steps([len(c) for c in contexts], token_budget)
         out: list[StepInfo | None] = [None] * len(contexts)
         for batch in plan:
@@ -320,17 +318,16 @@ class TorchEngine:
             )
             last = self.body.forward_rows(ids)[:, -1]
             for r, i in enumerate(batch.indices):
-                h = last[r : r + 1]
-                step = head_step(self.head, h, top_k)
-                s = decide(self.head, step.top, step.logits[None], h, Intervention(), top_k)
-                out[i] = StepInfo(
-                    token=int(s.native_token_ids[0]),
-                    top_k_ids=s.top_k_ids[0],
-                    top_k_logits=s.top_k_logits[0],
-                    margin=s.margin_at(0),
-                )
+                out[i] = self._head_step(last[r : r + 1], intervention, top_k)
         self._step_extras = step_extras(plan, token_budget)
         return [x for x in out if x is not None]
+
+    def _head_step(self, h: torch.Tensor, intervention: Intervention, top_k: int) -> StepInfo:
+        """The lm_head, the gate and the intervention over one final hidden state (1, d)."""
+        out = head_step(self.head, h, top_k)
+        return StepInfo.from_steps(
+            decide(self.head, out.top, out.logits[None], h, intervention, top_k)
+        )
 
     @torch.inference_mode()
     def hidden_states(

@@ -297,8 +297,8 @@ def replay_trace(
     if isinstance(replayed, ReplayOutcome):
         return replayed
     reruns = {
-        key: engine.step(list(context), [], top_k)
-        for key, (engine, context) in _rerun_needs(replayed).items()
+        key: engine.step(list(context), [], iv, top_k)
+        for key, (engine, iv, context) in _rerun_needs(replayed).items()
     }
     return _finish(replayed, reruns)
 
@@ -434,16 +434,22 @@ def _replay_arm(
     )
 
 
-def _rerun_needs(r: _Replayed, index: int = 0) -> dict[_RerunKey, tuple[Engine, list[int]]]:
-    """The from-scratch forwards a divergent replay needs, each over prompt ‖ logged[:t*]: the
-    replay format's (b) and the logged format's (a), where it runs here. Arm A's reconstructed
-    margin at t* (no logged top-k) is the same forward as its single-step re-run."""
+#: A re-run to make: the arm's engine, its intervention and the context.
+_Rerun = tuple[Engine, Intervention, list[int]]
+
+
+def _rerun_needs(r: _Replayed, index: int = 0) -> dict[_RerunKey, _Rerun]:
+    """The from-scratch forwards a divergent replay needs, each over prompt ‖ logged[:t*] and
+    each with its arm's whole computation, intervention included: the replay arm's (b) and the
+    logged arm's (a), where it runs here. Arm A's reconstructed margin at t* (no logged top-k)
+    is the same forward as its single-step re-run (the margin is the native logits')."""
     if r.t_star is None:
         return {}
     context = [*r.prompt, *r.logged[: r.t_star]]
-    needs = {(index, "b"): (r.engine, context)}
+    needs: dict[_RerunKey, _Rerun] = {(index, "b"): (r.engine, r.target.intervention, context)}
     if r.logged_engine is not None:
-        needs[(index, "a")] = (r.logged_engine, context)
+        iv_a = r.request.trace.config.intervention
+        needs[(index, "a")] = (r.logged_engine, iv_a, context)
     return needs
 
 
@@ -566,22 +572,24 @@ def replay_traces(
             )
         except (ReplayAuditError, RuntimeError, ValueError, MemoryError) as e:
             results.append(e)
-    groups: dict[int, tuple[Engine, list[tuple[_RerunKey, list[int]]]]] = {}
+    groups: dict[
+        tuple[int, Intervention], tuple[Engine, Intervention, list[tuple[_RerunKey, list[int]]]]
+    ] = {}
     for i, res in enumerate(results):
         if isinstance(res, _Replayed):
-            for key, (engine, context) in _rerun_needs(res, i).items():
-                groups.setdefault(id(engine), (engine, []))[1].append((key, context))
+            for key, (engine, iv, context) in _rerun_needs(res, i).items():
+                groups.setdefault((id(engine), iv), (engine, iv, []))[2].append((key, context))
     reruns: dict[_RerunKey, StepInfo] = {}
     batched: set[_RerunKey] = set()
-    for engine, members in groups.values():
+    for engine, iv, members in groups.values():
         contexts = [c for _, c in members]
         infos: list[StepInfo | None]
         try:
-            infos = list(engine.step_batch(contexts, top_k, token_budget=token_budget))
+            infos = list(engine.step_batch(contexts, iv, top_k, token_budget=token_budget))
             batched.update(key for key, _ in members)
         except (ReplayAuditError, RuntimeError, ValueError, MemoryError):
             log.exception("batched re-runs of %d steps failed; one at a time", len(contexts))
-            infos = [_step_or_error(engine, c, top_k) for c in contexts]
+            infos = [_step_or_error(engine, c, iv, top_k) for c in contexts]
         for (key, _), info in zip(members, infos, strict=True):
             if info is not None:
                 reruns[key] = info
@@ -600,9 +608,11 @@ def replay_traces(
     return out
 
 
-def _step_or_error(engine: Engine, context: list[int], top_k: int) -> StepInfo | None:
+def _step_or_error(
+    engine: Engine, context: list[int], iv: Intervention, top_k: int
+) -> StepInfo | None:
     try:
-        return engine.step(context, [], top_k)
+        return engine.step(context, [], iv, top_k)
     except (ReplayAuditError, RuntimeError, ValueError, MemoryError):
         log.exception("single-step re-run failed")
         return None
@@ -786,8 +796,8 @@ def compare_arms(
         )
         prefix = a_ids[:t_star]
         single = _single_step(
-            eb.step(prompt, prefix, top_k),
-            ea.step(prompt, prefix, top_k),
+            eb.step(prompt, prefix, target_b.intervention, top_k),
+            ea.step(prompt, prefix, target_a.intervention, top_k),
             t_star,
             logged_token=a_ids[t_star] if t_star < len(a_ids) else None,
         )

@@ -15,7 +15,7 @@ from typing import Any, Final, Protocol
 
 import numpy as np
 
-from replay_audit.engine.protocol import Engine, HiddenStates
+from replay_audit.engine.protocol import Engine, HiddenStates, Intervention
 from replay_audit.exceptions import EngineError, ReplayAuditError, UnsupportedFormat
 from replay_audit.screening.outputs import (
     Probe,
@@ -235,12 +235,15 @@ def probe_comparison(
     out_a: RunOutput,
     out_b: RunOutput,
     prompts: Sequence[ScreenPrompt],
+    interventions: tuple[Intervention, Intervention],
     top_k: int,
     activate: Callable[[ScreenConfig], None] = lambda _: None,
 ) -> dict[int, Probe]:
-    """Each divergent prompt's single-step re-run at t* in both configurations and the
-    hidden-state gap along the shared prefix y<t* (from-scratch forwards, no decode).
-    `activate(config)` runs before each engine's forwards (its process-wide flags)."""
+    """Each divergent prompt's single-step re-run at t* in both configurations, each with its
+    run's intervention (`interventions`: arm A's, arm B's), and the hidden-state gap along the
+    shared prefix y<t* (from-scratch forwards, no decode). `activate(config)` runs before each
+    engine's forwards (its process-wide flags)."""
+    iv_a, iv_b = interventions
     probes: dict[int, Probe] = {}
     for i, p in enumerate(prompts):
         da, db = out_a.decodes[i], out_b.decodes[i]
@@ -250,10 +253,10 @@ def probe_comparison(
         prompt = list(p.token_ids)
         prefix = list(da.output_ids[:t])
         activate(spec.a.config)
-        ra = engine_a.step(prompt, prefix, top_k)
+        ra = engine_a.step(prompt, prefix, iv_a, top_k)
         h_a = engine_a.hidden_states(prompt, prefix) if isinstance(engine_a, HiddenStates) else None
         activate(spec.b.config)
-        rb = engine_b.step(prompt, prefix, top_k)
+        rb = engine_b.step(prompt, prefix, iv_b, top_k)
         h_b = engine_b.hidden_states(prompt, prefix) if isinstance(engine_b, HiddenStates) else None
         gated = tuple(
             s
@@ -374,8 +377,12 @@ def run_screening(
                 continue
             # Each engine steps under its own flags.
             try:
+                ivs = (
+                    plan.intervention(spec.a.intervention),
+                    plan.intervention(spec.b.intervention),
+                )
                 probes = probe_comparison(
-                    spec, ea, eb, oa, ob, prompts, plan.top_k, activate=backend.activate
+                    spec, ea, eb, oa, ob, prompts, ivs, plan.top_k, activate=backend.activate
                 )
             except ENGINE_FAILURES as e:
                 fail(spec.b.config, e)

@@ -167,10 +167,10 @@ def test_plan_steps_groups_one_length_per_forward_unpadded(lengths: list[int], b
 def test_the_fake_batches_steps_as_step_does() -> None:
     e = FakeEngine(Target("bf16"))
     contexts = [[1, 2, 3], [4, 5, 6], [7, 8], [1, 2, 3, 4]]
-    batched = e.step_batch(contexts, 3, token_budget=6)
+    batched = e.step_batch(contexts, Intervention(), 3, token_budget=6)
     for c, b in zip(contexts, batched, strict=True):
-        a = e.step(c, [], 3)
+        a = e.step(c, [], Intervention(), 3)
         assert (a.token, a.margin) == (b.token, b.margin)
     assert e.environment()["extras"]["step_batch_shapes"] == "1x2,2x3,1x4"
     with pytest.raises(ValueError, match="context token"):
-        e.step_batch([[]])
+        e.step_batch([[]], Intervention())

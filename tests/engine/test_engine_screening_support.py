@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from replay_audit.engine import Target, load_engine
+from replay_audit.engine import Intervention, Target, load_engine
 from replay_audit.engine.platform import probe_platform
 from replay_audit.engine.protocol import HiddenStates
 from replay_audit.engine.torch_engine import TorchEngine
@@ -22,7 +22,7 @@ def test_hidden_states_feed_the_head_as_the_single_step_does(tiny_dir: Path) -> 
     assert h.shape == (len(out) + 1, engine.model.config.hidden_size) and h.dtype == np.float32
     for t in range(len(out) + 1):
         z = engine.head.native(torch.from_numpy(h[t : t + 1]))[0]
-        assert int(torch.argmax(z)) == engine.step(prompt, out[:t]).token
+        assert int(torch.argmax(z)) == engine.step(prompt, out[:t], Intervention()).token
 
 
 def test_weights_stored_in_bf16_and_computed_in_fp32(real_dir: Path) -> None:

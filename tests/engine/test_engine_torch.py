@@ -172,7 +172,7 @@ def test_single_step_rerun_is_the_scan_at_that_position(
     out = engine.decode(p, 12, []).output_token_ids
     scan = engine.scan(p, out)
     for t in (0, 5, 11):
-        s = engine.step(p, out[:t])
+        s = engine.step(p, out[:t], Intervention())
         assert s.token == int(scan.steps.native_token_ids[t])
         assert s.margin.abs == pytest.approx(float(scan.steps.margins[t]), abs=0.2)
 

@@ -249,10 +249,10 @@ def test_batched_single_steps_are_step_bit_for_bit(
         for it in items
         for t in range(0, len(it.output_ids), 3)
     ]
-    batched = engine.step_batch(contexts, 5, token_budget=BUDGET)
+    batched = engine.step_batch(contexts, Intervention(), 5, token_budget=BUDGET)
     assert len(batched) == len(contexts)
     for c, b in zip(contexts, batched, strict=True):
-        a = engine.step(c, [], 5)
+        a = engine.step(c, [], Intervention(), 5)
         assert (a.token, a.margin) == (b.token, b.margin), len(c)
         np.testing.assert_array_equal(a.top_k_ids, b.top_k_ids)
         np.testing.assert_array_equal(a.top_k_logits, b.top_k_logits)
