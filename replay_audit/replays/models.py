@@ -191,6 +191,11 @@ class ReplayResult(Base):
     #: Replayed output of arm B (and of arm A when both arms were run by us).
     output_b: Mapped[Int32Array | None] = mapped_column(PackedInt32Array, nullable=True)
     output_a: Mapped[Int32Array | None] = mapped_column(PackedInt32Array, nullable=True)
+    #: What ran for each arm (`domain.ResolvedArm` as JSON text), NULL for the logged tokens
+    #: and for rows of releases before it was recorded: columns, so the run page counts what
+    #: ran per comparison with a GROUP BY.
+    resolved_a: Mapped[str | None] = mapped_column(Text, nullable=True)
+    resolved_b: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: Everything else of the outcome (`replays.results`): per arm its environment, target,
     #: margin track and text; the single-step re-run; the semantic answers.
     detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)

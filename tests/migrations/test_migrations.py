@@ -123,6 +123,90 @@ def test_0004_backfills_answers_from_the_detail_json(empty_db_url: str) -> None:
     assert [tuple(r) for r in rows] == [("gsm8k", "42", "41"), (None, None, None)]
 
 
+def test_0012_rewrites_older_result_layouts_into_the_one_layout(empty_db_url: str) -> None:
+    """Results of 0.x releases before 0012 (arm B at the top level with `logged_arm`, single
+    steps named logged/replay, semantic answers named logged_answer/replay_answer) carried up
+    through every revision are in the one layout the code reads; `resolved_a/b` are NULL (not
+    recorded then)."""
+    import json
+
+    from sqlalchemy import text
+
+    migration.upgrade(empty_db_url, "0003")
+    engine = create_engine(empty_db_url)
+    t = "2026-01-01 00:00:00"
+    legacy = {
+        "mode": "decode",
+        "target": {"dtype": "fp16"},
+        "environment": {"dtype": "fp16"},
+        "logged_environment": {"dtype": "bf16"},
+        "margins": [0.5, 0.25],
+        "gate_fired_steps": [1],
+        "changed_steps": 0,
+        "replay_text": "b text",
+        "logged_arm": {"target": {"dtype": "bf16"}, "text": "a text", "gate_triggers": 2},
+        "single_step": {"step": 1, "logged": {"token": 3}, "replay": {"token": 4}, "disagree": 1},
+        "semantic": {"extractor": "gsm8k", "logged_answer": "42", "replay_answer": "41"},
+    }
+    try:
+        with engine.begin() as c:
+            c.execute(
+                text("INSERT INTO projects (id, name, created_at) VALUES (1, 'p', :t)"), {"t": t}
+            )
+            c.execute(
+                text(
+                    "INSERT INTO numerical_configs (id, public_id, content_sha256, config_json,"
+                    " dtype, lm_head_dtype, attn_kernel, device, batch_size, created_at) VALUES"
+                    " (1, 'nc_1', :h, '{}', 'bf16', 'bf16', 'eager', 'cpu', 1, :t)"
+                ),
+                {"h": "a" * 64, "t": t},
+            )
+            c.execute(
+                text(
+                    "INSERT INTO traces (id, public_id, project_id, config_id, model_name,"
+                    " weights_sha256, vocab_size, decoding, prompt_token_ids, output_token_ids,"
+                    " n_prompt_tokens, n_output_tokens, tags, content_sha256, created_at) VALUES"
+                    " (1, 'tr_1', 1, 1, 'm', :h, 10, '{}', :b, :b, 1, 1, '[]', :h, :t)"
+                ),
+                {"h": "b" * 64, "b": b"\x01\x00\x00\x00", "t": t},
+            )
+            c.execute(
+                text(
+                    "INSERT INTO replay_runs (id, public_id, project_id, status, mode, compare,"
+                    " request, targets, comparisons, n_traces, n_items, created_at) VALUES"
+                    " (1, 'rr_1', 1, 'done', 'decode', 'logged', '{}', '[]', '[]', 1, 2, :t)"
+                ),
+                {"t": t},
+            )
+            for rid, detail in ((1, json.dumps(legacy)), (2, "{}")):
+                c.execute(
+                    text(
+                        "INSERT INTO replay_results (id, run_id, trace_id, comparison, status,"
+                        " detail, created_at) VALUES (:id, 1, 1, :c, 'ok', :d, :t)"
+                    ),
+                    {"id": rid, "c": rid - 1, "d": detail, "t": t},
+                )
+        migration.upgrade(empty_db_url, "0012")
+        with engine.connect() as c:
+            rows = c.execute(
+                text("SELECT detail, resolved_a, resolved_b FROM replay_results ORDER BY id")
+            ).all()
+    finally:
+        engine.dispose()
+    details = [r[0] if isinstance(r[0], dict) else json.loads(r[0]) for r in rows]
+    assert all(r[1] is None and r[2] is None for r in rows)
+    d = details[0]
+    assert set(d) == {"mode", "single_step", "semantic", "arms"}
+    assert d["arms"]["b"]["text"] == "b text" and d["arms"]["b"]["margins"] == [0.5, 0.25]
+    assert d["arms"]["b"]["target"] == {"dtype": "fp16"}
+    assert d["arms"]["a"]["text"] == "a text" and d["arms"]["a"]["gate_triggers"] == 2
+    assert d["arms"]["a"]["environment"] == {"dtype": "bf16"}
+    assert d["single_step"] == {"step": 1, "a": {"token": 3}, "b": {"token": 4}, "disagree": 1}
+    assert d["semantic"]["answer_a"] == "42" and d["semantic"]["agree"] is False
+    assert "logged_answer" not in d["semantic"]
+    assert details[1] == {}
+
+
 def test_0006_gives_webhooks_a_secret_and_scrubs_stored_answers(empty_db_url: str) -> None:
     """Schedules with a webhook get a signing secret; alert attempts written before 0006 (with
     up to 200 characters of the receiver's answer) keep only a status code and error class."""
