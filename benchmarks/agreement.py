@@ -23,7 +23,7 @@ from replay_audit.diff import first_divergence
 from replay_audit.engine import EnginePool, Intervention, Target
 from replay_audit.replays.domain import LoggedTrace
 from replay_audit.replays.models import ReplayResult
-from replay_audit.replays.replayer import compare_arms
+from replay_audit.replays.pipeline import compare_arms
 from replay_audit.replays.results import figures as result_figures
 from replay_audit.replays.results import result_values
 from replay_audit.stats.report import ComparisonInput, run_statistics

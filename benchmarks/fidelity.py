@@ -9,7 +9,7 @@ For each pair of arms (logged format -> replay format; default bf16 -> fp16 and 
    once with transformers' `generate()` (prompts cut to one length, every row `--tokens` long);
 2. the replay format's batched scan of every trace (`Engine.scan_batch`, `--token-budget`) and its
    bs=1 scan (`Engine.scan`), same engine, same run: the first mismatch of each;
-3. the decode replay of every trace in the replay format (`replays.replayer.replay_trace`, mode
+3. the decode replay of every trace in the replay format (`replays.pipeline.replay_trace`, mode
    decode: the engine's dynamic-cache decode, token-identical to `generate()`), with its t*,
    category and the margins, until `--decode-budget-s` runs out (the traces decoded are counted).
 
@@ -20,7 +20,7 @@ on the flagged divergences, and the miss rate a scan-then-decode run's statistic
 from a control sample of the unflagged traces (`stats/report.screening_report`, every unflagged
 trace decoded here, so the control is all of them). One JSON object on stdout.
 
-Near-tie flagging (`scan_flag_ulps`, replays/replayer.py): from the same batched scan, for each
+Near-tie flagging (`scan_flag_ulps`, replays/pipeline.py): from the same batched scan, for each
 threshold of `--flag-ulps` (default 0,1,2,4,8,16 ulps of the replay format at the top-1 logit),
 a trace is flagged when the scan mismatches or some step's top-2 margin along the logged path is
 at most that many ulps (`diff.first_near_tie`; the logged arm's margins are not used here: these
@@ -50,7 +50,7 @@ from replay_audit.diff import first_near_tie
 from replay_audit.engine import EnginePool
 from replay_audit.engine.protocol import DEFAULT_SCAN_TOKEN_BUDGET, ScanItem, Target
 from replay_audit.replays.domain import LoggedTrace
-from replay_audit.replays.replayer import replay_trace
+from replay_audit.replays.pipeline import replay_trace
 from replay_audit.stats.report import ComparisonInput, ResultFigures, screening_report
 
 

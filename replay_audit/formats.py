@@ -82,11 +82,11 @@ def ulp(x: float, fmt: str | Format) -> float:
 # Every other module spells these through the names below (Literal types for schemas and
 # dataclasses, tuples for validation and for iterating in a stable order).
 
-#: How a replay is run (see replays/replayer.py).
+#: How a replay is run (see replays/pipeline.py).
 Mode = Literal["decode", "scan", "scan_then_decode"]
 MODES: Final[tuple[Mode, ...]] = ("decode", "scan", "scan_then_decode")
 
-#: What a scan-then-decode run did with a trace, and why it was decoded (replays/replayer.py):
+#: What a scan-then-decode run did with a trace, and why it was decoded (replays/pipeline.py):
 #: `flagged`, the scan found a mismatch and the trace was decoded from it; `near_tie`, the scan
 #: agreed everywhere but some step's top-2 margin along the logged path was at most the run's
 #: `scan_flag_ulps` ulps (where a flip that needs the decode's KV cache hides), so the trace was

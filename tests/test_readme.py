@@ -84,6 +84,17 @@ def test_post_a_trace_and_replay_it_as_written(tmp_path: Path) -> None:
         while _status(base, run_id, key) != "done":
             assert time.monotonic() < deadline and server.poll() is None, log.text[-3000:]
             time.sleep(0.5)
+        # The trace was logged with `eager` and the targets name no kernel: both arms of every
+        # pairwise comparison ran the logged kernel, and the results say so.
+        results = httpx.get(f"{base}/v1/replays/{run_id}/results", headers={"X-API-Key": key})
+        items = results.json()["items"]
+        assert len(items) == 2 and all(x["status"] == "ok" for x in items), items
+        for x in items:
+            for arm in ("a", "b"):
+                resolved = x["arms"][arm]["resolved"]
+                assert resolved["attn_kernel"] == "eager" and resolved["kernel_source"] == "logged"
+                assert x["arms"][arm]["environment"]["attn_kernel"] == "eager"
+                assert x["arms"][arm]["target"]["attn_kernel"] == "eager"
     finally:
         server.terminate()
         server.wait(timeout=60)

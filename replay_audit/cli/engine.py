@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -239,6 +239,7 @@ def replay(
     from replay_audit.engine.hashing import NoWeightsError
     from replay_audit.exceptions import ReplayAuditError
     from replay_audit.replays.domain import (
+        SCAN_FLAG_OFF,
         Comparison,
         ControlSample,
         LoggedTrace,
@@ -247,11 +248,12 @@ def replay(
         resolve_mode,
     )
     from replay_audit.replays.models import ReplayResult
-    from replay_audit.replays.replayer import (
-        ScanRequest,
+    from replay_audit.replays.pipeline import (
+        ReplayItem,
+        ReplayOptions,
         check_replayable,
-        replay_trace,
-        scan_traces,
+        replay_items,
+        scan_items,
     )
     from replay_audit.replays.results import (
         figures,
@@ -327,16 +329,29 @@ def replay(
         if name in done
     ]
     todo = [i for i, name in enumerate(names) if name not in done]
-    scans: list[Any] = [None] * len(parsed)
-    if run_mode != "decode" and todo:  # every trace's scan first, several per forward
-        batched = scan_traces(
-            [ScanRequest(parsed[i][2], target, model) for i in todo],
-            pool,
-            top_k=top_k,
-            token_budget=settings.scan_token_budget,
+    # The job's pipeline: the same items, options, batched scans and outcome rule.
+    screening = run_mode == "scan_then_decode"
+    options = ReplayOptions(
+        run_mode,
+        top_k,
+        sample.flag_ulps if screening else SCAN_FLAG_OFF,
+        settings.scan_token_budget,
+        check_weights=False,  # checked above, once for all traces
+    )
+    items = {
+        i: ReplayItem(
+            parsed[i][2],
+            RunTarget(target),
+            model,
+            control=screening and sample.includes(names[i]),
+            extractor=extractor,
         )
-        for i, scanned in zip(todo, batched.runs, strict=True):
-            scans[i] = scanned
+        for i in todo
+    }
+    scans = dict.fromkeys(todo, None)
+    if run_mode != "decode" and todo:  # every trace's scan first, several per forward
+        batched = scan_items(list(items.values()), pool, options)
+        scans = dict(zip(todo, batched.runs, strict=True))
         rate = batched.scanned / batched.seconds if batched.seconds > 0 else 0.0
         typer.echo(
             f"scanned {batched.scanned} traces in {batched.forwards} forward(s), "
@@ -347,36 +362,19 @@ def replay(
     with out.open("a" if resume else "w", encoding="utf-8") as f, _progress() as bar:
         task = bar.add_task(f"replay in {dtype}", total=len(parsed), completed=len(rows))
         try:
-            for i, (n, tr, logged) in enumerate(parsed):
+            for i, (n, tr, _) in enumerate(parsed):
                 name = names[i]
                 if name in done:
                     continue
-                try:
-                    r = replay_trace(
-                        logged,
-                        target,
-                        pool,
-                        model_dir=model,
-                        mode=run_mode,
-                        top_k=top_k,
-                        extractor=extractor,
-                        check_weights=False,
-                        control=run_mode == "scan_then_decode" and sample.includes(name),
-                        scan=scans[i],
-                        flag_ulps=sample.flag_ulps if run_mode == "scan_then_decode" else -1.0,
-                    )
-                except ReplayAuditError as e:
-                    _fail(f"{traces}:{n}: " + (f"{e.field}: " if e.field else "") + e.message)
+                (r,) = replay_items([items[i]], pool, options, scans=[scans[i]])
+                if isinstance(r, ReplayAuditError):
+                    _fail(f"{traces}:{n}: " + (f"{r.field}: " if r.field else "") + r.message)
+                if isinstance(r, Exception):
+                    raise r
                 # The same mappings as a stored result: the row, then the API's view of it.
                 stored = ReplayResult(trace_id=i, **result_values(0, r))
                 read = result_read(stored, name, "offline")
-                line = read.model_dump(mode="json", exclude={"run_id", "created_at", "detail"})
-                # Deprecated: the top-level keys of earlier releases' output (docs/engine.md).
-                legacy = {
-                    "external_id": tr.external_id,
-                    "steps": read.arms.b.steps if read.arms else None,
-                }
-                line = {**read.detail, **legacy, **line}
+                line = read.model_dump(mode="json", exclude={"run_id", "created_at"})
                 text = json.dumps(line, allow_nan=False) + "\n"
                 with signals_deferred():  # a Ctrl-C lands after the line and its count
                     f.write(text)
@@ -389,7 +387,6 @@ def replay(
         rows.sort(key=lambda x: x.trace_id)
         # One comparison, T0 against the logged tokens, labelled as a run's would be.
         label = comparison_label(Comparison(0, "logged", 0), [RunTarget(target)])
-        screening = run_mode == "scan_then_decode"
         comparison = ComparisonInput(
             0,
             "logged",
@@ -439,10 +436,13 @@ def _results_written(
     if text and not text.endswith("\n"):
         text = text[: text.rfind("\n") + 1]
         out.write_text(text, encoding="utf-8")
-    want = {k: target.to_dict()[k] for k in ("dtype", "lm_head_dtype", "intervention")}
+    def key(t: Mapping[str, Any]) -> tuple[object, ...]:
+        return (t.get("dtype"), t.get("lm_head_dtype") or t.get("dtype"), t.get("intervention"))
+
+    want = key(target.to_dict())
     done: dict[str, dict[str, Any]] = {}
     for n, row in _read_jsonl(out):
-        got = {k: (row.get("target") or {}).get(k) for k in want}
+        got = key(((row.get("arms") or {}).get("b") or {}).get("target") or {})
         if got != want or row.get("mode") != mode:
             _fail(
                 f"{out}:{n}: a result of another target or mode ({got}, {row.get('mode')}); "

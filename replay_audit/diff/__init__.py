@@ -11,7 +11,7 @@ from replay_audit.diff.answer import (
     register_extractor,
     semantic_agreement,
 )
-from replay_audit.diff.category import classify, gate_fires_at_divergence
+from replay_audit.diff.category import Verdict, classify, judge
 from replay_audit.diff.divergence import (
     cascade_length,
     exact_match,
@@ -41,6 +41,7 @@ __all__ = [
     "Margin",
     "SemanticAgreement",
     "StepNumerics",
+    "Verdict",
     "cascade_length",
     "classify",
     "exact_match",
@@ -48,9 +49,9 @@ __all__ = [
     "extractor_names",
     "first_divergence",
     "first_near_tie",
-    "gate_fires_at_divergence",
     "get_extractor",
     "is_tie",
+    "judge",
     "length_difference",
     "margin",
     "margin_from_logprobs",

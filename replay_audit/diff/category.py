@@ -13,27 +13,10 @@ stratification"), as DESIGN.md defines it. Pure.
 
 from __future__ import annotations
 
-from replay_audit.diff.margin import GateRule, Margin
+from dataclasses import dataclass
+
+from replay_audit.diff.margin import GateRule, Margin, is_tie
 from replay_audit.formats import Category
-
-
-def gate_fires_at_divergence(
-    logged: Margin | None,
-    replay: Margin | None,
-    *,
-    logged_format: str,
-    replay_format: str,
-    gate: GateRule,
-) -> bool:
-    """Whether the gate would fire at t*: in either arm (each in its own lm_head format), which
-    for an absolute τ is min(Δ_logged, Δ_replay) < τ. An arm with no margin (unknown) does not
-    count; with neither known, the gate is taken as not firing."""
-    fired = False
-    if logged is not None:
-        fired |= gate.fires(logged.abs, logged.top1, logged_format)
-    if replay is not None:
-        fired |= gate.fires(replay.abs, replay.top1, replay_format)
-    return fired
 
 
 def classify(
@@ -43,7 +26,7 @@ def classify(
     single_step_disagrees: bool | None,
 ) -> Category:
     """The category of a replay from t* (None when exact), whether the gate would fire at t*
-    (`gate_fires_at_divergence`), and whether the single-step re-run at t* gives different
+    in either arm, and whether the single-step re-run at t* gives different
     tokens in the two formats (needed only when the gate fires)."""
     if t_star is None:
         return "agreed"
@@ -52,3 +35,47 @@ def classify(
     if single_step_disagrees is None:
         raise ValueError("the gate fires at t*: the single-step re-run result is needed")
     return "head_reachable" if single_step_disagrees else "kv_dependent"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the outcome rule says of a divergence at t*: whether each arm's gate fires there (in
+    its own lm_head format), whether either margin is an exact tie, whether the single-step
+    re-runs disagree, and the category (None: the gate fires but no single-step re-run is
+    known, so no category can be given)."""
+
+    gate_fired_a: bool
+    gate_fired_b: bool
+    tie: bool
+    single_step_disagrees: bool | None
+    category: Category | None
+
+    @property
+    def gate_fired(self) -> bool:
+        return self.gate_fired_a or self.gate_fired_b
+
+
+def judge(
+    margin_a: Margin | None,
+    margin_b: Margin | None,
+    *,
+    format_a: str,
+    format_b: str,
+    gate: GateRule,
+    rerun_a: int | None,
+    rerun_b: int | None,
+) -> Verdict:
+    """The outcome rule at a divergence, written once (the replay pipeline and the screening
+    both judge here): each arm's margin at t* against the comparison's gate, each in its own
+    lm_head format (for an absolute τ, min(Δ_a, Δ_b) < τ; an arm with no margin, unknown, does
+    not count), then the single-step re-runs' tokens (each from the arm's whole computation;
+    None where unknown)."""
+    fired_a = margin_a is not None and gate.fires(margin_a.abs, margin_a.top1, format_a)
+    fired_b = margin_b is not None and gate.fires(margin_b.abs, margin_b.top1, format_b)
+    disagrees = None if rerun_a is None or rerun_b is None else rerun_a != rerun_b
+    category: Category | None
+    if fired_a or fired_b:
+        category = None if disagrees is None else "head_reachable" if disagrees else "kv_dependent"
+    else:
+        category = "body_dominated"
+    return Verdict(fired_a, fired_b, is_tie(margin_a, margin_b), disagrees, category)

@@ -156,12 +156,7 @@ class RunTarget:
             parts.append(t.attn_kernel)
         if t.batch_size != 1:
             parts.append(f"bs {t.batch_size}")
-        text = " / ".join(parts)
-        iv = t.intervention
-        if iv.kind != "none":
-            gate = f"{iv.tau_ulps:g} ulps" if iv.tau_ulps is not None else f"τ={iv.tau:g}"
-            text += f" + {iv.kind}({gate})"
-        return text
+        return " / ".join(parts) + intervention_suffix(t.intervention)
 
     def to_json(self) -> dict[str, Any]:
         """The stored form (the run's `targets` column, as the API returns it)."""
@@ -174,23 +169,139 @@ class RunTarget:
         """The inverse of `to_json` (defaults as `Intervention`'s for keys a row lacks)."""
         if d.get("self"):
             return cls(None, label=d.get("label"))
-        iv = d.get("intervention") or {}
         return cls(
             Target(
                 dtype=str(d["dtype"]),
                 lm_head_dtype=d.get("lm_head_dtype"),
                 attn_kernel=d.get("attn_kernel"),
                 batch_size=int(d.get("batch_size") or 1),
-                intervention=Intervention(
-                    kind=iv.get("kind", "none"),
-                    tau=float(iv.get("tau", DEFAULT_TAU)),
-                    tau_ulps=iv.get("tau_ulps"),
-                    top_k=int(iv.get("top_k", DEFAULT_B_TOP_K)),
-                ),
+                intervention=intervention_from_json(d.get("intervention") or {}),
             ),
             device=d.get("device"),
             label=d.get("label"),
         )
+
+
+#: Why a resolved arm runs the attention kernel it runs: the target named it; the target named
+#: none and the trace's logged kernel runs here; or neither could run here (the logged kernel is
+#: `unknown` or not available on this device) and the engine's default ran.
+KernelSource = Literal["requested", "logged", "engine_default"]
+
+
+@dataclass(frozen=True)
+class ResolvedArm:
+    """An arm resolved against one trace into the complete computation that runs: what every
+    surface shows of it, stored with the result. Resolved once, by the pipeline, from the
+    engine that was loaded for it (its recorded environment) and the arm's intervention; every
+    probe of the arm (decode, scan, single-step re-run) runs all of it."""
+
+    dtype: str
+    lm_head_dtype: str
+    weight_dtype: str | None
+    attn_kernel: str
+    kernel_source: KernelSource
+    batch_size: int
+    tp_degree: int
+    device: str
+    #: The GPU's name and compute capability, e.g. `NVIDIA H100 80GB HBM3 (sm 9.0)`; None on a CPU.
+    gpu: str | None
+    #: The engine's decode path (e.g. `piecewise`, `dynamic`, `compiled`), as its environment
+    #: records it.
+    engine_path: str | None
+    intervention: Intervention
+
+    @property
+    def target(self) -> Target:
+        """The engine target this arm runs (the kernel resolved)."""
+        head = None if self.lm_head_dtype == self.dtype else self.lm_head_dtype
+        return Target(self.dtype, head, self.attn_kernel, self.batch_size, self.intervention)
+
+    def label(self) -> str:
+        """A short human name of what ran, e.g. `bf16 / eager / cpu + C(τ=0.05)`."""
+        parts = [self.dtype]
+        if self.lm_head_dtype != self.dtype:
+            parts.append(f"head {self.lm_head_dtype}")
+        parts.append(self.attn_kernel)
+        if self.batch_size != 1:
+            parts.append(f"bs {self.batch_size}")
+        if self.tp_degree != 1:
+            parts.append(f"tp {self.tp_degree}")
+        parts.append(self.gpu or self.device)
+        return " / ".join(parts) + intervention_suffix(self.intervention)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "dtype": self.dtype,
+            "lm_head_dtype": self.lm_head_dtype,
+            "weight_dtype": self.weight_dtype,
+            "attn_kernel": self.attn_kernel,
+            "kernel_source": self.kernel_source,
+            "batch_size": self.batch_size,
+            "tp_degree": self.tp_degree,
+            "device": self.device,
+            "gpu": self.gpu,
+            "engine_path": self.engine_path,
+            "intervention": self.intervention.to_dict(),
+        }
+
+    @classmethod
+    def from_environment(
+        cls,
+        environment: Mapping[str, Any],
+        intervention: Intervention,
+        kernel_source: KernelSource,
+    ) -> ResolvedArm:
+        """The arm an engine runs, from its recorded environment (`Engine.environment()`)."""
+        gpu = environment.get("gpu")
+        extras = environment.get("extras") or {}
+        path = extras.get("decoder") or extras.get("kv_cache")
+        return cls(
+            dtype=str(environment["dtype"]),
+            lm_head_dtype=str(environment.get("lm_head_dtype") or environment["dtype"]),
+            weight_dtype=environment.get("weight_dtype"),
+            attn_kernel=str(environment.get("attn_kernel")),
+            kernel_source=kernel_source,
+            batch_size=int(environment.get("batch_size") or 1),
+            tp_degree=int(environment.get("tp_degree") or 1),
+            device=str(environment.get("device") or "cpu"),
+            gpu=f"{gpu['name']} (sm {gpu['sm']})" if isinstance(gpu, Mapping) else None,
+            engine_path=str(path) if path is not None else None,
+            intervention=intervention,
+        )
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ResolvedArm:
+        return cls(
+            dtype=str(d["dtype"]),
+            lm_head_dtype=str(d["lm_head_dtype"]),
+            weight_dtype=d.get("weight_dtype"),
+            attn_kernel=str(d["attn_kernel"]),
+            kernel_source=d["kernel_source"],
+            batch_size=int(d["batch_size"]),
+            tp_degree=int(d["tp_degree"]),
+            device=str(d["device"]),
+            gpu=d.get("gpu"),
+            engine_path=d.get("engine_path"),
+            intervention=intervention_from_json(d.get("intervention") or {}),
+        )
+
+
+def intervention_suffix(iv: Intervention) -> str:
+    """` + C(τ=0.05)`, ` + A(2 ulps)`; empty for none."""
+    if iv.kind == "none":
+        return ""
+    gate = f"{iv.tau_ulps:g} ulps" if iv.tau_ulps is not None else f"τ={iv.tau:g}"
+    return f" + {iv.kind}({gate})"
+
+
+def intervention_from_json(iv: Mapping[str, Any]) -> Intervention:
+    """An intervention from its stored form (`Intervention.to_dict`; defaults for missing keys)."""
+    return Intervention(
+        kind=iv.get("kind", "none"),
+        tau=float(iv.get("tau", DEFAULT_TAU)),
+        tau_ulps=iv.get("tau_ulps"),
+        top_k=int(iv.get("top_k", DEFAULT_B_TOP_K)),
+    )
 
 
 @dataclass(frozen=True)
@@ -385,10 +496,16 @@ class ArmOutcome:
     """One arm of a replayed comparison. An arm that was not run here (the logged tokens of a
     comparison against the trace) has no output, step counts or track: None, never zero."""
 
+    #: The configuration the arm stands for: the run's target, or the logged configuration.
     target: Target | None
     #: The arm's output (None: the trace's logged output, not stored again).
     output_token_ids: tuple[int, ...] | None
     margin: ArmMargin | None
+    #: What ran for this arm here (None: the logged tokens, not run here).
+    resolved: ResolvedArm | None = None
+    #: Whether the comparison's gate fires at t* on this arm's margin (None: no divergence, or
+    #: the margin is unknown).
+    gate_fired_at_divergence: bool | None = None
     gate_triggers: int | None = None
     steps: int | None = None
     mean_gap: float | None = None

@@ -7,12 +7,12 @@
 
 The CLI, which stores nothing, builds the same row object in memory (`ReplayResult(**values)`)
 and goes through the same two mappings, so its output file and summary say what the API would.
-Rows written by earlier releases (detail JSON with `logged_arm`, `replay_text`, ...) are read by
-the same functions.
+One layout: rows of earlier 0.x releases are converted by a migration, not read here.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from replay_audit.db.base import utcnow
-from replay_audit.diff.answer import SemanticAgreement
 from replay_audit.diff.pieces import to_json
 from replay_audit.replays.domain import ArmMargin, ArmOutcome, ReplayOutcome, SingleStep
 from replay_audit.replays.schemas import ReplayResultRead
@@ -43,15 +42,12 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def _target_json(arm: ArmOutcome) -> dict[str, Any] | None:
-    return arm.target.to_dict() if arm.target is not None else None
-
-
 def _arm_detail(arm: ArmOutcome) -> dict[str, Any]:
     """What the detail JSON keeps of an arm (its output lives in a token column)."""
     detail: dict[str, Any] = _plain(
         {
-            "target": _target_json(arm),
+            "target": arm.target.to_dict() if arm.target is not None else None,
+            "gate_fired_at_divergence": arm.gate_fired_at_divergence,
             "gate_triggers": arm.gate_triggers,
             "steps": arm.steps,
             "mean_gap": arm.mean_gap,
@@ -79,9 +75,7 @@ def _single_step_json(s: SingleStep | None) -> dict[str, Any] | None:
         m = c.margin.to_json() if c.margin is not None else None
         return {"token": c.token, "margin": m, "source": c.source}
 
-    a, b = choice(s.a), choice(s.b)
-    # `logged`/`replay` repeat `a`/`b` for readers of earlier releases (deprecated).
-    return {"step": s.step, "a": a, "b": b, "disagree": s.disagree, "logged": a, "replay": b}
+    return {"step": s.step, "a": choice(s.a), "b": choice(s.b), "disagree": s.disagree}
 
 
 def _margin_columns(prefix: str, m: ArmMargin | None) -> dict[str, Any]:
@@ -127,9 +121,15 @@ def result_values(comparison: int, outcome: ReplayOutcome) -> dict[str, Any]:
         "answer_b": semantic.answer_b if semantic is not None else None,
         "output_b": _tokens(b),
         "output_a": _tokens(a),
+        "resolved_a": _resolved(a),
+        "resolved_b": _resolved(b),
         "detail": detail,
         "screen": outcome.screen,
     }
+
+
+def _resolved(arm: ArmOutcome) -> str | None:
+    return json.dumps(_plain(arm.resolved.to_json())) if arm.resolved is not None else None
 
 
 def _tokens(arm: ArmOutcome) -> np.ndarray | None:
@@ -148,39 +148,10 @@ def failed_values(comparison: int, reason: str) -> dict[str, Any]:
     }
 
 
-def _arms_detail(detail: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Both arms' detail, from this release's layout or an earlier one's."""
-    if "arms" in detail:
-        return {k: dict(v or {}) for k, v in detail["arms"].items()}
-    logged_arm = detail.get("logged_arm") or {}
-    b = {
-        "target": detail.get("target"),
-        "gate_triggers": None,
-        "steps": None,
-        "mean_gap": None,
-        "changed_steps": detail.get("changed_steps"),
-        "margins": detail.get("margins"),
-        "gate_fired_steps": detail.get("gate_fired_steps"),
-        "environment": detail.get("environment"),
-        "text": detail.get("replay_text"),
-    }
-    a = {
-        "target": logged_arm.get("target"),
-        "gate_triggers": logged_arm.get("gate_triggers"),
-        "steps": logged_arm.get("steps"),
-        "mean_gap": logged_arm.get("mean_gap"),
-        "changed_steps": logged_arm.get("changed_steps"),
-        "margins": logged_arm.get("margins"),
-        "gate_fired_steps": logged_arm.get("gate_fired_steps"),
-        "environment": detail.get("logged_environment"),
-        "text": logged_arm.get("text"),
-    }
-    return {"a": a, "b": b}
-
-
 def _arm_json(
     d: Mapping[str, Any],
     output: np.ndarray | None,
+    resolved: str | None,
     gate_triggers: int | None,
     steps: int | None,
     mean_gap: float | None,
@@ -190,6 +161,8 @@ def _arm_json(
     n = steps if steps is not None else d.get("steps")
     return {
         "target": d.get("target"),
+        "resolved": json.loads(resolved) if resolved is not None else None,
+        "gate_fired_at_divergence": d.get("gate_fired_at_divergence"),
         "output_token_ids": output.tolist() if output is not None else None,
         "gate_triggers": triggers,
         "steps": n,
@@ -211,15 +184,16 @@ def result_json(
     *,
     engine_reproduced: bool | None = None,
 ) -> dict[str, Any]:
-    """A stored result as the API's JSON (`ReplayResultRead`, deprecated aliases included; times
-    as datetimes), built without a model: the export streams it for every row. `row` is a
-    `ReplayResult` or a row of the same columns; `engine_reproduced` is the outcome of the run's
-    engine-reproduction check on the trace (see `statistics.engine_reproduced`)."""
+    """A stored result as the API's JSON (`ReplayResultRead`; times as datetimes), built
+    without a model: the export streams it for every row. `row` is a `ReplayResult` or a row of
+    the same columns; `engine_reproduced` is the outcome of the run's engine-reproduction check
+    on the trace (see `statistics.engine_reproduced`)."""
     detail = dict(row.detail or {})
-    arms = _arms_detail(detail)
+    arms = detail.get("arms") or {}
     ok = row.status == "ok"
-    arm_a = _arm_json(arms["a"], row.output_a, row.gate_triggers_a, row.n_steps_a, None)
-    arm_b = _arm_json(arms["b"], row.output_b, row.gate_triggers, row.n_steps, row.mean_gap)
+    a, b = arms.get("a") or {}, arms.get("b") or {}
+    arm_a = _arm_json(a, row.output_a, row.resolved_a, row.gate_triggers_a, row.n_steps_a, None)
+    arm_b = _arm_json(b, row.output_b, row.resolved_b, row.gate_triggers, row.n_steps, row.mean_gap)
     margins = None
     if ok and row.first_divergence_step is not None:
         ma = {
@@ -228,11 +202,10 @@ def result_json(
             "source": row.margin_a_source or "unavailable",
         }
         source_b = "scan" if detail.get("mode") == "scan" else "decode"
-        mb = {"abs": row.margin_b, "ulps": row.margin_b_ulps, "source": source_b}
-        margins = {"a": ma, "b": mb, "logged": ma, "replay": mb}  # (deprecated names)
-    single = detail.get("single_step")
-    if single is not None and "a" not in single:  # an earlier release's layout
-        single = {**single, "a": single.get("logged"), "b": single.get("replay")}
+        margins = {
+            "a": ma,
+            "b": {"abs": row.margin_b, "ulps": row.margin_b_ulps, "source": source_b},
+        }
     return {
         "run_id": run_public_id,
         "trace_id": trace_public_id,
@@ -252,9 +225,8 @@ def result_json(
         "mode": detail.get("mode"),
         "screen": row.screen,
         "arms": {"a": arm_a, "b": arm_b} if ok else None,
-        "single_step": single,
-        "semantic": _semantic_read(detail.get("semantic")),
-        "detail": _legacy_detail(detail, arms, arm_a, arm_b) if ok else {},
+        "single_step": detail.get("single_step"),
+        "semantic": detail.get("semantic"),
         "engine_reproduced": engine_reproduced,
         "created_at": row.created_at or utcnow(),
     }
@@ -268,59 +240,9 @@ def result_read(
     engine_reproduced: bool | None = None,
 ) -> ReplayResultRead:
     """The API view of a stored result (also what the UI and the CLI show): `result_json`,
-    validated into its model (which adds the deprecated margin names itself)."""
+    validated into its model."""
     data = result_json(row, trace_public_id, run_public_id, engine_reproduced=engine_reproduced)
-    margins = data["margin_at_divergence"]
-    if margins is not None:
-        data["margin_at_divergence"] = {"a": margins["a"], "b": margins["b"]}
     return ReplayResultRead.model_validate(data)
-
-
-def _semantic_read(sem: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The semantic answers in this release's form, also for results stored by an earlier one
-    (which named the arms logged/replay and counted 'neither answered' as disagreement)."""
-    if sem is None:
-        return None
-    if "answer_a" in sem:
-        return dict(sem)
-    return SemanticAgreement(
-        extractor=str(sem.get("extractor")),
-        answer_a=sem.get("logged_answer"),
-        answer_b=sem.get("replay_answer"),
-        correct_a=sem.get("logged_correct"),
-        correct_b=sem.get("replay_correct"),
-    ).to_dict()
-
-
-def _legacy_detail(
-    detail: Mapping[str, Any],
-    arms: Mapping[str, Mapping[str, Any]],
-    arm_a: Mapping[str, Any],
-    arm_b: Mapping[str, Any],
-) -> dict[str, Any]:
-    """The `detail` object of earlier releases (deprecated: read `arms`)."""
-    b = arms["b"]
-    out: dict[str, Any] = {
-        "mode": detail.get("mode"),
-        "external_id": detail.get("external_id"),
-        "single_step": detail.get("single_step"),
-        "semantic": detail.get("semantic"),
-        "environment": b.get("environment"),
-        "target": b.get("target"),
-        "logged_environment": arms["a"].get("environment"),
-        "changed_steps": b.get("changed_steps"),
-        "margins": b.get("margins"),
-        "gate_fired_steps": b.get("gate_fired_steps"),
-        "replay_text": b.get("text"),
-        "replay_output_token_ids": arm_b["output_token_ids"],
-    }
-    if arm_a["output_token_ids"] is not None:
-        out["arm_a_output_token_ids"] = arm_a["output_token_ids"]
-        out["logged_arm"] = {
-            k: arms["a"].get(k)
-            for k in ("target", "gate_triggers", "steps", "mean_gap", "changed_steps", "margins")
-        } | {"gate_fired_steps": arm_a["gate_fired_steps"], "text": arm_a["text"]}
-    return out
 
 
 def figures(row: Any, trace_public_id: str, external_id: str | None) -> ResultFigures:

@@ -26,7 +26,6 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationInfo,
-    computed_field,
     model_validator,
 )
 
@@ -36,6 +35,7 @@ from replay_audit.formats import (
     CATEGORIES,
     MODES,
     Category,
+    InterventionKind,
     MarginSource,
     Mode,
     RunStatus,
@@ -49,6 +49,7 @@ from replay_audit.replays.domain import (
     MAX_SCAN_FLAG_ULPS,
     SCAN_FLAG_OFF,
     ControlSample,
+    KernelSource,
     RunTarget,
 )
 from replay_audit.replays.models import MAX_RUN_NAME
@@ -317,23 +318,73 @@ class MarginsRead(_Frozen):
     a: ArmMarginRead
     b: ArmMarginRead
 
-    # Deprecated names of earlier releases (`logged` was arm A even when it was a target).
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def logged(self) -> ArmMarginRead:
-        return self.a
 
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def replay(self) -> ArmMarginRead:
-        return self.b
+class InterventionRead(_Frozen):
+    kind: InterventionKind
+    tau: float
+    tau_ulps: float | None
+    top_k: int
+
+
+class ResolvedArmRead(_Frozen):
+    """What ran for an arm, resolved once against the trace (`domain.ResolvedArm`)."""
+
+    dtype: str
+    lm_head_dtype: str
+    weight_dtype: str | None
+    attn_kernel: str
+    #: requested (the target named it), logged (the trace's logged kernel: the target named
+    #: none) or engine_default (neither could run here).
+    kernel_source: KernelSource
+    batch_size: int
+    tp_degree: int
+    device: str
+    gpu: str | None
+    engine_path: str | None
+    intervention: InterventionRead
+
+
+class SingleStepChoiceRead(_Frozen):
+    token: int
+    margin: ArmMarginRead | None
+    #: rerun: a from-scratch forward here with the arm's whole computation; logged_token: the
+    #: logged token stands in for a re-run of a format that cannot run here.
+    source: Literal["rerun", "logged_token"]
+
+
+class SingleStepRead(_Frozen):
+    """The from-scratch re-runs at t* in both arms: does the flip reproduce?"""
+
+    step: int
+    a: SingleStepChoiceRead | None
+    b: SingleStepChoiceRead
+    disagree: bool | None
+
+
+class SemanticRead(_Frozen):
+    """The answers extracted from both arms' texts, and whether they agree."""
+
+    extractor: str
+    answer_a: str | None
+    answer_b: str | None
+    agree: bool | None
+    neither_answered: bool
+    correct_a: bool | None
+    correct_b: bool | None
 
 
 class ArmRead(_Frozen):
     """One arm of a result. For arm A of a comparison against the logged tokens, what was not
     run here (output, steps, gate firings) is null."""
 
+    #: The configuration the arm stands for (the run's target with the kernel that ran, or
+    #: the trace's logged configuration).
     target: dict[str, Any] | None
+    #: What ran for the arm here (null: the logged tokens, not run here).
+    resolved: ResolvedArmRead | None = None
+    #: Whether the comparison's gate fires at t* on this arm's margin (null: no divergence, or
+    #: the margin is unknown).
+    gate_fired_at_divergence: bool | None = None
     output_token_ids: list[int] | None
     gate_triggers: int | None
     steps: int | None
@@ -378,10 +429,8 @@ class ReplayResultRead(_Frozen):
     #: flagged, decoded in full) or scanned (only scanned: `exact_match` and `category` null).
     screen: Screen | None = None
     arms: ArmsRead | None = None
-    single_step: dict[str, Any] | None = None
-    semantic: dict[str, Any] | None = None
-    #: Deprecated: the layout of earlier releases (read `arms`, `single_step`, `semantic`).
-    detail: dict[str, Any]
+    single_step: SingleStepRead | None = None
+    semantic: SemanticRead | None = None
     #: For a trace logged by another engine (vLLM, SGLang...), in a run with the engine check:
     #: whether this engine reproduced the logged tokens in the trace's own logged configuration
     #: (False: this result's divergence is not attributable to the format). None otherwise, or

@@ -29,7 +29,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from replay_audit.config import Settings
 from replay_audit.db.base import utcnow
@@ -45,18 +44,10 @@ from replay_audit.replays.domain import (
     Comparison,
     ControlSample,
     LoggedTrace,
-    ReplayOutcome,
     RunTarget,
 )
 from replay_audit.replays.models import ReplayJob, ReplayRun
-from replay_audit.replays.replayer import (
-    ReplayRequest,
-    ScanRequest,
-    compare_arms,
-    replay_trace,
-    replay_traces,
-    scan_traces,
-)
+from replay_audit.replays.pipeline import ReplayItem, ReplayOptions, replay_items, scan_items
 from replay_audit.replays.results import failed_values, result_values
 
 log = logging.getLogger(__name__)
@@ -114,8 +105,7 @@ def worker_context() -> WorkerContext:
 @dataclass(frozen=True)
 class _RunSpec:
     run_id: int
-    mode: str
-    top_k: int
+    options: ReplayOptions
     targets: tuple[RunTarget, ...]
     comparisons: tuple[Comparison, ...]
     control: ControlSample | None = None
@@ -129,8 +119,10 @@ class _Pending:
     public_id: str | None
     trace: LoggedTrace | None
     missing: list[int]
-    #: Its scans already run (batched), by comparison.
-    scans: dict[int, ScanRun] = field(default_factory=dict)
+    #: Its items to replay, one per missing comparison (None: it failed before, with this row).
+    items: list[ReplayItem | dict[str, object]] = field(default_factory=list)
+    #: Its scans already run (batched), one per item.
+    scans: list[ScanRun | None] = field(default_factory=list)
 
 
 @dataclass
@@ -164,28 +156,27 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
         job.status, job.attempts, job.updated_at = "running", job.attempts + 1, now
         if run.status == "queued":
             run.status, run.started_at = "running", now
-        spec = _RunSpec(
-            run.id,
-            run.mode,
-            int(run.request.get("top_k", 5)),
-            run.run_targets,
-            run.run_comparisons,
-            run.control_sample,
+        control = run.control_sample
+        options = ReplayOptions(
+            mode=run.mode,  # type: ignore[arg-type]  # a stored run's mode is one of MODES
+            top_k=int(run.request.get("top_k", 5)),
+            flag_ulps=control.flag_ulps if control is not None else SCAN_FLAG_OFF,
+            token_budget=ctx.settings.scan_token_budget,
         )
+        spec = _RunSpec(run.id, options, run.run_targets, run.run_comparisons, control)
         trace_ids = list(job.trace_ids)
 
     started = time.perf_counter()
     counts = _JobCounts()
-    scanning = spec.mode in ("scan", "scan_then_decode")
+    scanning = spec.options.mode in ("scan", "scan_then_decode")
     work: Sequence[int | _Pending] = trace_ids
     if scanning:  # every trace's scan first, batched; decode-mode traces load one at a time
-        pending = _load_pending(url, spec, trace_ids)
-        counts = _scan_all(pending, spec, ctx)
-        work = pending
+        work = _load_pending(url, spec, trace_ids, ctx)
+        counts = _scan_all(work, spec, ctx)
         with session_scope(url) as s:
             repository.touch_job(s, job_id)  # alive: the scan may take a while on a CPU
 
-    window = RERUN_WINDOW[spec.mode] if scanning else 1
+    window = RERUN_WINDOW[spec.options.mode] if scanning else 1
     for start in range(0, len(work), window):
         if stop_requested():  # the process is stopping: the rest waits for the next run
             with session_scope(url) as s:
@@ -193,17 +184,10 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
             log.info("replay job %d stopped between traces; it resumes when re-enqueued", job_id)
             return
         chunk = work[start : start + window]
-        if scanning:
-            done = _replay_window([p for p in chunk if isinstance(p, _Pending)], spec, ctx)
-        else:
-            done = []
-            for p in _load_pending(url, spec, [i for i in chunk if isinstance(i, int)]):
-                rows = (
-                    _replay_one(p, spec, ctx)
-                    if p.trace is not None
-                    else [failed_values(c, "trace was deleted") for c in p.missing]
-                )
-                done.append((p, rows))
+        pending = [p for p in chunk if isinstance(p, _Pending)] or _load_pending(
+            url, spec, [i for i in chunk if isinstance(i, int)], ctx
+        )
+        done = _replay(pending, spec, ctx)
         # A window's results in one transaction (each trace's rows whole, none twice: the
         # unique key), with the heartbeat the reconciler reads.
         with session_scope(url) as s:
@@ -241,7 +225,7 @@ def _log_job(
         "replay job %d (run %d, %s): %d traces, %d results in %.2f s (%.1f traces/s)%s%s",
         job_id,
         spec.run_id,
-        spec.mode,
+        spec.options.mode,
         counts.traces,
         counts.results,
         seconds,
@@ -251,8 +235,11 @@ def _log_job(
     )
 
 
-def _load_pending(url: str, spec: _RunSpec, trace_ids: Sequence[int]) -> list[_Pending]:
-    """The traces of `trace_ids` that still need results, with their values (one read)."""
+def _load_pending(
+    url: str, spec: _RunSpec, trace_ids: Sequence[int], ctx: WorkerContext
+) -> list[_Pending]:
+    """The traces of `trace_ids` that still need results, with their values (one read) and an
+    item per missing comparison (or, where the trace or its checkpoint is gone, its failed row)."""
     out = []
     with session_scope(url) as s:
         todo = repository.missing_comparisons_of(s, spec.run_id, trace_ids, len(spec.comparisons))
@@ -263,102 +250,68 @@ def _load_pending(url: str, spec: _RunSpec, trace_ids: Sequence[int]) -> list[_P
                 continue
             row = rows.get(trace_id)
             trace = repository.logged_trace(row) if row is not None else None
-            out.append(_Pending(trace_id, row.public_id if row else None, trace, missing))
+            p = _Pending(trace_id, row.public_id if row else None, trace, missing)
+            p.items = _items(p, spec, ctx)
+            out.append(p)
     return out
 
 
-def _scan_all(pending: list[_Pending], spec: _RunSpec, ctx: WorkerContext) -> _JobCounts:
-    """Scan every pending (trace, comparison against the logged tokens) in batches
-    (`replayer.scan_traces`); a pair left unscanned is scanned alone by its replay."""
-    pairs: list[tuple[_Pending, int]] = []
-    requests: list[ScanRequest] = []
+def _items(p: _Pending, spec: _RunSpec, ctx: WorkerContext) -> list[ReplayItem | dict[str, object]]:
+    """A pending trace's item per missing comparison, or its failed row."""
+    trace = p.trace
+    if trace is None:
+        return [failed_values(c, "trace was deleted") for c in p.missing]
+    try:
+        model_dir = find_checkpoint(trace.weights_sha256, ctx.settings.model_dirs, ctx.pool)
+    except ModelNotFound as e:
+        return [failed_values(c, str(e)) for c in p.missing]
+    control = spec.control is not None and spec.control.includes(p.public_id or str(p.trace_id))
+    # The answer extractor of a trace's semantic agreement: GSM8K's where it has a reference.
+    extractor = "gsm8k" if trace.reference_answer is not None else None
+    items: list[ReplayItem | dict[str, object]] = []
+    for c in p.missing:
+        comparison = spec.comparisons[c]
+        a = None if comparison.against_logged else spec.targets[int(comparison.a)]
+        b = spec.targets[comparison.b]
+        items.append(ReplayItem(trace, b, model_dir, a, control, extractor))
+    return items
+
+
+def _scan_all(pending: Sequence[_Pending], spec: _RunSpec, ctx: WorkerContext) -> _JobCounts:
+    """Scan every pending item against the logged tokens in batches (`pipeline.scan_items`);
+    an item left unscanned is scanned alone by its replay."""
+    flat = [(p, i) for p in pending for i in p.items if isinstance(i, ReplayItem)]
+    scans = scan_items([i for _, i in flat], ctx.pool, spec.options)
+    runs = iter(scans.runs)
     for p in pending:
-        if p.trace is None:
-            continue
-        try:
-            model_dir = find_checkpoint(p.trace.weights_sha256, ctx.settings.model_dirs, ctx.pool)
-        except ModelNotFound:
-            continue  # the per-trace replay reports it
-        for c in p.missing:
-            comparison = spec.comparisons[c]
-            if comparison.against_logged:
-                target = spec.targets[comparison.b].resolve(p.trace.config)
-                pairs.append((p, c))
-                requests.append(ScanRequest(p.trace, target, model_dir))
-    scans = scan_traces(
-        requests, ctx.pool, top_k=spec.top_k, token_budget=ctx.settings.scan_token_budget
-    )
-    for (p, c), run in zip(pairs, scans.runs, strict=True):
-        if run is not None:
-            p.scans[c] = run
+        p.scans = [next(runs) if isinstance(i, ReplayItem) else None for i in p.items]
     return _JobCounts(scanned=scans.scanned, scan_s=scans.seconds, forwards=scans.forwards)
 
 
-def _replay_window(
-    pending: list[_Pending], spec: _RunSpec, ctx: WorkerContext
+def _replay(
+    pending: Sequence[_Pending], spec: _RunSpec, ctx: WorkerContext
 ) -> list[tuple[_Pending, list[dict[str, object]]]]:
-    """The result rows of a window of a scan job's traces: their replays against the logged
-    tokens together (`replayer.replay_traces`: the single-step re-runs at t* of all the
-    divergent ones batched, per engine), pairwise comparisons one by one."""
-    rows: dict[tuple[int, int], dict[str, object]] = {}
-    requests: list[ReplayRequest] = []
-    keys: list[tuple[int, int]] = []
-    for n, p in enumerate(pending):
-        trace = p.trace
-        if trace is None:
-            rows.update({(n, c): failed_values(c, "trace was deleted") for c in p.missing})
-            continue
-        try:
-            model_dir = find_checkpoint(trace.weights_sha256, ctx.settings.model_dirs, ctx.pool)
-        except ModelNotFound as e:
-            rows.update({(n, c): failed_values(c, str(e)) for c in p.missing})
-            continue
-        control = _in_control(p, spec)
-        for c in p.missing:
-            comparison = spec.comparisons[c]
-            if not comparison.against_logged:
-                rows[(n, c)] = _replay_pair(p, spec, c, ctx, model_dir, control)
+    """The result rows of a window of traces: their items replayed together
+    (`pipeline.replay_items`: the single-step re-runs at t* of all the divergent ones batched
+    per engine and intervention), a failure as its item's failed row."""
+    flat = [(p, n, i) for p in pending for n, i in enumerate(p.items) if isinstance(i, ReplayItem)]
+    scans = [p.scans[n] if p.scans else None for p, n, _ in flat]
+    results = iter(replay_items([i for _, _, i in flat], ctx.pool, spec.options, scans=scans))
+    out = []
+    for p in pending:
+        rows: list[dict[str, object]] = []
+        for c, item in zip(p.missing, p.items, strict=True):
+            if not isinstance(item, ReplayItem):
+                rows.append(item)
                 continue
-            target = spec.targets[comparison.b].resolve(trace.config)
-            requests.append(
-                ReplayRequest(trace, target, model_dir, p.scans.get(c), control, _extractor(trace))
+            result = next(results)
+            rows.append(
+                _failed_row(c, result, p.trace_id)
+                if isinstance(result, Exception)
+                else result_values(c, result)
             )
-            keys.append((n, c))
-    results = replay_traces(
-        requests,
-        ctx.pool,
-        mode=spec.mode,  # type: ignore[arg-type]
-        top_k=spec.top_k,
-        flag_ulps=_flag_ulps(spec),
-        token_budget=ctx.settings.scan_token_budget,
-    )
-    for (n, c), result in zip(keys, results, strict=True):
-        rows[(n, c)] = (
-            _failed_row(c, result, pending[n].trace_id)
-            if isinstance(result, Exception)
-            else result_values(c, result)
-        )
-    return [(p, [rows[(n, c)] for c in p.missing]) for n, p in enumerate(pending)]
-
-
-def _replay_pair(
-    p: _Pending, spec: _RunSpec, c: int, ctx: WorkerContext, model_dir: Path, control: bool
-) -> dict[str, object]:
-    """One comparison of a trace replayed on its own, its failure as a failed row."""
-    assert p.trace is not None
-    try:
-        outcome = _compare(
-            p.trace,
-            spec,
-            spec.comparisons[c],
-            ctx.pool,
-            model_dir,
-            scan=p.scans.get(c),
-            control=control,
-        )
-    except (ReplayAuditError, RuntimeError, ValueError, MemoryError) as e:
-        return _failed_row(c, e, p.trace_id)
-    return result_values(c, outcome)
+        out.append((p, rows))
+    return out
 
 
 def _failed_row(c: int, error: Exception, trace_id: int) -> dict[str, object]:
@@ -368,62 +321,3 @@ def _failed_row(c: int, error: Exception, trace_id: int) -> dict[str, object]:
         return failed_values(c, error.message)
     log.error("replay of trace %s comparison %d failed", trace_id, c, exc_info=error)
     return failed_values(c, f"{type(error).__name__}: {error}")
-
-
-def _in_control(p: _Pending, spec: _RunSpec) -> bool:
-    """Whether the trace is in the run's control sample (scan-then-decode)."""
-    return spec.control is not None and spec.control.includes(p.public_id or str(p.trace_id))
-
-
-def _extractor(trace: LoggedTrace) -> str | None:
-    """The answer extractor of a trace's semantic agreement: GSM8K's where it has a reference
-    answer."""
-    return "gsm8k" if trace.reference_answer is not None else None
-
-
-def _flag_ulps(spec: _RunSpec) -> float:
-    """The run's near-tie flag (scan-then-decode), off in the other modes."""
-    return spec.control.flag_ulps if spec.control is not None else SCAN_FLAG_OFF
-
-
-def _replay_one(p: _Pending, spec: _RunSpec, ctx: WorkerContext) -> list[dict[str, object]]:
-    trace = p.trace
-    assert trace is not None
-    comparisons = p.missing
-    try:
-        model_dir = find_checkpoint(trace.weights_sha256, ctx.settings.model_dirs, ctx.pool)
-    except ModelNotFound as e:
-        return [failed_values(c, str(e)) for c in comparisons]
-    control = _in_control(p, spec)
-    return [_replay_pair(p, spec, c, ctx, model_dir, control) for c in comparisons]
-
-
-def _compare(
-    trace: LoggedTrace,
-    spec: _RunSpec,
-    comparison: Comparison,
-    pool: EnginePool,
-    model_dir: Path,
-    *,
-    scan: ScanRun | None = None,
-    control: bool = False,
-) -> ReplayOutcome:
-    target_b = spec.targets[comparison.b].resolve(trace.config)
-    extractor = _extractor(trace)
-    if comparison.a == "logged":
-        return replay_trace(
-            trace,
-            target_b,
-            pool,
-            model_dir=model_dir,
-            mode=spec.mode,  # type: ignore[arg-type]
-            top_k=spec.top_k,
-            extractor=extractor,
-            scan=scan,
-            control=control,
-            flag_ulps=_flag_ulps(spec),
-        )
-    target_a = spec.targets[comparison.a].resolve(trace.config)
-    return compare_arms(
-        trace, target_a, target_b, pool, model_dir=model_dir, top_k=spec.top_k, extractor=extractor
-    )

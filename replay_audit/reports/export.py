@@ -80,8 +80,6 @@ MEDIA_TYPES: Final[dict[str, str]] = {
 BATCH: Final = 1000
 _FORMULA_START: Final = ("=", "+", "-", "@", "\t", "\r")
 _USER_TEXT: Final = ("external_id", "model_name", "tags", "error")
-#: An arm's per-step arrays, written once in a JSONL record (under their earlier names).
-_PER_STEP: Final = frozenset({"margins", "gate_fired_steps", "output_token_ids", "token_pieces"})
 
 
 def _arm(value: Any) -> str:
@@ -139,21 +137,10 @@ def record(run: ReplayRun, row: Mapping[str, Any], *, full: bool) -> dict[str, A
         if out[key] is not None:
             out[key] = bool(out[key])
     if full:
-        # The result as `GET /v1/replays/{id}/results` gives it. The per-step arrays (margin
-        # tracks, gate firings, token ids) are written once: in this release under their
-        # earlier names (`detail.margins`, `detail.gate_fired_steps`, the `*_output_token_ids`
-        # keys), so `arms` here leaves them out; the file stays the size it was.
+        # The result as `GET /v1/replays/{id}/results` gives it.
         result = result_json(row["result"], row["public_id"], run.public_id)
-        detail = result["detail"]
-        out["replay_output_token_ids"] = detail.pop("replay_output_token_ids", None)
-        out["arm_a_output_token_ids"] = detail.pop("arm_a_output_token_ids", None)
-        for key in ("mode", "margin_at_divergence", "single_step", "semantic", "detail"):
+        for key in ("mode", "margin_at_divergence", "single_step", "semantic", "arms"):
             out[key] = result[key]
-        if result["arms"] is not None:
-            out["arms"] = {
-                arm: {k: v for k, v in values.items() if k not in _PER_STEP}
-                for arm, values in result["arms"].items()
-            }
     return out
 
 

@@ -299,6 +299,8 @@ def export_batch(
             R.detail,
             R.output_a,
             R.output_b,
+            R.resolved_a,
+            R.resolved_b,
         ]
     stmt = (
         select(*columns)

@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from replay_audit.diff import classify, gate_fires_at_divergence, length_difference
+from replay_audit.diff import judge, length_difference
 from replay_audit.formats import CATEGORIES, Category
 from replay_audit.screening.density import (
     coefficient_of_variation,
@@ -74,25 +74,22 @@ def _prompt_figures(
     da, db = a.decodes[i], b.decodes[i]
     t = first_divergence_of(da.output_ids, db.output_ids)
     ma = mb = None
-    category: Category = "agreed"
-    status = "ok"
+    category: Category | None = "agreed"
     if t is not None:
+        # The one outcome rule (the replay pipeline's): each run's single-step re-run at t* ran
+        # its whole computation, intervention included (`runner.probe_comparison`).
         ma, mb = da.margin_at(t), db.margin_at(t)
-        fired = gate_fires_at_divergence(
+        category = judge(
             ma,
             mb,
-            logged_format=spec.a.config.head_dtype,
-            replay_format=spec.b.config.head_dtype,
+            format_a=spec.a.config.head_dtype,
+            format_b=spec.b.config.head_dtype,
             gate=plan.gate,
-        )
-        if fired and probe is None:
-            status = "failed"  # the single-step re-run is missing: no category can be given
-        else:
-            category = classify(
-                t,
-                gate_fired=fired,
-                single_step_disagrees=None if probe is None else probe.single_step_disagrees,
-            )
+            rerun_a=None if probe is None else probe.token_a,
+            rerun_b=None if probe is None else probe.token_b,
+        ).category
+    # No category where the gate fires and the single-step re-run is missing.
+    status = "ok" if category is not None else "failed"
     finite_b = db.margins[np.isfinite(db.margins)]
     return ResultFigures(
         trace_id=i,
@@ -101,7 +98,7 @@ def _prompt_figures(
         status=status,
         exact_match=t is None,
         first_divergence_step=t,
-        category=category if status == "ok" else None,
+        category=category,
         margin_a=None if ma is None else ma.abs,
         margin_a_ulps=None if ma is None else ma.ulps,
         margin_b=None if mb is None else mb.abs,

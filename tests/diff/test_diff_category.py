@@ -8,7 +8,7 @@ from replay_audit.diff import (
     GateRule,
     classify,
     first_divergence,
-    gate_fires_at_divergence,
+    judge,
     margin,
 )
 from replay_audit.formats import CATEGORIES
@@ -27,8 +27,14 @@ def _category(
     t = first_divergence(logged, replay)
     lm = margin(*logged_margin, "bf16") if logged_margin else None
     rm = margin(*replay_margin, "fp16") if replay_margin else None
-    fired = gate_fires_at_divergence(lm, rm, logged_format="bf16", replay_format="fp16", gate=gate)
-    return classify(t, gate_fired=fired, single_step_disagrees=single_step_disagrees)
+    if t is None:
+        return classify(t, gate_fired=False, single_step_disagrees=None)
+    rerun_b = None if single_step_disagrees is None else int(single_step_disagrees)
+    verdict = judge(lm, rm, format_a="bf16", format_b="fp16", gate=gate, rerun_a=0, rerun_b=rerun_b)
+    assert verdict.gate_fired == (verdict.category != "body_dominated")
+    category = verdict.category
+    assert category is not None, "the gate fires: the single-step re-run is needed"
+    return category
 
 
 def test_agreed() -> None:
@@ -76,6 +82,17 @@ def test_ungated_tau_zero_always_fires() -> None:
 def test_a_firing_gate_needs_the_single_step_result() -> None:
     with pytest.raises(ValueError, match="single-step"):
         classify(3, gate_fired=True, single_step_disagrees=None)
+    small = margin(10.0, 9.9995, "bf16")
+    v = judge(small, None, format_a="bf16", format_b="fp16", gate=G, rerun_a=1, rerun_b=None)
+    assert v.gate_fired_a and not v.gate_fired_b and v.category is None
+
+
+def test_each_arm_is_judged_in_its_own_format_and_an_exact_tie_is_a_tie() -> None:
+    tie = margin(10.0, 10.0, "bf16")
+    wide = margin(10.0, 9.0, "fp16")
+    v = judge(tie, wide, format_a="bf16", format_b="fp16", gate=G, rerun_a=3, rerun_b=4)
+    assert (v.gate_fired_a, v.gate_fired_b, v.tie) == (True, False, True)
+    assert v.single_step_disagrees and v.category == "head_reachable"
 
 
 def test_categories_are_the_design_names() -> None:

@@ -14,7 +14,7 @@ from replay_audit.engine import EnginePool, Intervention, Target
 from replay_audit.engine.protocol import Engine, ScanItem
 from replay_audit.engine.testing import TINY_EOS_ID
 from replay_audit.replays.domain import LoggedTrace
-from replay_audit.replays.replayer import compare_arms, replay_trace
+from replay_audit.replays.pipeline import compare_arms, replay_trace
 from replay_audit.traces.schemas import TraceCreate
 
 torch = pytest.importorskip("torch")

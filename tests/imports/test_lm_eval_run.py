@@ -23,7 +23,7 @@ from replay_audit.cli import app
 from replay_audit.config import BUNDLED_MODEL_DIR
 from replay_audit.engine import EnginePool, Target
 from replay_audit.replays.domain import LoggedTrace
-from replay_audit.replays.replayer import replay_trace
+from replay_audit.replays.pipeline import replay_trace
 from replay_audit.traces.schemas import TraceCreate
 
 # lm_eval's start-up alone takes ~30 s on 2 shared cores.

@@ -21,7 +21,7 @@ from replay_audit.engine.generate import TraceGenerator
 from replay_audit.imports.schemas import ImportContext
 from replay_audit.imports.service import traces_from_item
 from replay_audit.replays.domain import LoggedTrace
-from replay_audit.replays.replayer import replay_trace
+from replay_audit.replays.pipeline import replay_trace
 
 pytestmark = pytest.mark.slow  # real transformers generate() on 2 shared cores
 

@@ -13,15 +13,15 @@ import pytest
 
 from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
 from replay_audit.exceptions import BadRequest, ModelMismatch
-from replay_audit.replays.domain import ArmMargin, LoggedTrace, ReplayOutcome
+from replay_audit.replays.domain import ArmMargin, LoggedTrace, ReplayOutcome, RunTarget
 from replay_audit.replays.models import ReplayResult
-from replay_audit.replays.replayer import (
-    ReplayRequest,
-    ScanRequest,
+from replay_audit.replays.pipeline import (
+    ReplayItem,
+    ReplayOptions,
     compare_arms,
+    replay_items,
     replay_trace,
-    replay_traces,
-    scan_traces,
+    scan_items,
 )
 from replay_audit.replays.results import result_read, result_values
 from replay_audit.traces.schemas import TraceCreate
@@ -124,13 +124,15 @@ def test_body_dominated_flip(ckpt: Path) -> None:
 
 
 def test_logged_format_unavailable_falls_back_to_the_logged_token(ckpt: Path) -> None:
-    pool = fake_pool({"fp16": {"next_token": flipped(5e-4)}})
+    from replay_audit.exceptions import UnsupportedFormat
+
+    def loader(_: Path, target: Target) -> FakeEngine:
+        if target.dtype == "bf16":  # the logged format cannot run here
+            raise UnsupportedFormat("no bf16 here")
+        return FakeEngine(target, next_token=flipped(5e-4))
+
     r = replay_trace(
-        make_trace(ckpt, top_k=False),
-        Target("fp16"),
-        pool,
-        model_dir=ckpt,
-        logged_engine_factory=lambda t: None,
+        make_trace(ckpt, top_k=False), Target("fp16"), EnginePool(loader), model_dir=ckpt
     )
     assert r.a.margin == ArmMargin(None, None, "unavailable")
     assert r.single_step is not None and r.single_step.a is not None
@@ -308,7 +310,10 @@ def test_result_json_has_the_design_fields_and_no_nan(ckpt: Path) -> None:
         assert key in d
     assert d["arms"]["b"]["output_token_ids"] and d["arms"]["b"]["environment"]
     assert d["arms"]["b"]["target"]["dtype"] == "fp16"
-    assert d["margin_at_divergence"]["a"] == d["margin_at_divergence"]["logged"]
+    assert set(d["margin_at_divergence"]) == {"a", "b"}  # one layout: no older names
+    assert d["arms"]["b"]["resolved"]["attn_kernel"] == "sdpa"  # the trace's logged kernel
+    assert d["arms"]["b"]["resolved"]["kernel_source"] == "logged"
+    assert d["arms"]["a"]["resolved"] is None  # the logged tokens, not run here
     assert d["tie"] is True  # the replay margin at t* is exactly 0
     assert d["semantic"]["extractor"] == "gsm8k"
     assert d["semantic"]["agree"] is False and d["semantic"]["neither_answered"] is False
@@ -316,7 +321,7 @@ def test_result_json_has_the_design_fields_and_no_nan(ckpt: Path) -> None:
 
 def test_replayer_and_protocol_do_not_import_torch() -> None:
     code = (
-        "import sys; import replay_audit.engine, replay_audit.replays.replayer, "
+        "import sys; import replay_audit.engine, replay_audit.replays.pipeline, "
         "replay_audit.engine.fake, replay_audit.engine.pool; "
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
         "assert not bad, bad"
@@ -341,7 +346,6 @@ def test_result_json_is_the_api_models_json(ckpt: Path) -> None:
         row = ReplayResult(trace_id=1, created_at=utcnow(), **result_values(0, outcome))
         plain = to_jsonable_python(result_json(row, "tr_1", "rr_1"))
         assert plain == result_read(row, "tr_1", "rr_1").model_dump(mode="json")
-        assert plain["margin_at_divergence"]["logged"] == plain["margin_at_divergence"]["a"]
 
 
 def test_self_replay_of_a_kernel_this_host_lacks_falls_back_to_the_engine_default(
@@ -360,7 +364,10 @@ def test_self_replay_of_a_kernel_this_host_lacks_falls_back_to_the_engine_defaul
     trace = make_trace(ckpt, config={"dtype": "bf16", "attn_kernel": "unknown"})
     target = RunTarget(None).resolve(trace.config)
     r = replay_trace(trace, target, EnginePool(loader), model_dir=ckpt)
-    assert r.exact_match and r.b.target is not None and r.b.target.attn_kernel is None
+    # What ran is what every surface shows: the engine's default, and why.
+    assert r.exact_match and r.b.target is not None and r.b.target.attn_kernel == "sdpa"
+    assert r.b.resolved is not None and r.b.resolved.attn_kernel == "sdpa"
+    assert r.b.resolved.kernel_source == "engine_default"
 
 
 def test_a_margin_from_raw_logprobs_is_measured_in_ulps_of_the_logit(ckpt: Path) -> None:
@@ -414,12 +421,12 @@ def test_scan_traces_batches_per_engine_and_equals_each_scan(ckpt: Path) -> None
     sampled = make_trace(ckpt, decoding={"strategy": "sample"})
     c = Target("fp16", intervention=Intervention("C"))
     requests = [
-        ScanRequest(traces[0], Target("fp16"), ckpt),
-        ScanRequest(sampled, Target("fp16"), ckpt),  # not greedy: left to its replay
-        ScanRequest(traces[1], c, ckpt),
-        ScanRequest(traces[2], Target("fp16"), ckpt),
+        ReplayItem(traces[0], RunTarget(Target("fp16")), ckpt),
+        ReplayItem(sampled, RunTarget(Target("fp16")), ckpt),  # not greedy: left to its replay
+        ReplayItem(traces[1], RunTarget(c), ckpt),
+        ReplayItem(traces[2], RunTarget(Target("fp16")), ckpt),
     ]
-    scans = scan_traces(requests, pool, top_k=3, token_budget=64)
+    scans = scan_items(requests, pool, ReplayOptions("scan", top_k=3, token_budget=64))
     assert scans.runs[1] is None and scans.scanned == 3
     # One engine (the format), two interventions: two batched calls, no scan one by one.
     [engine] = engines
@@ -430,7 +437,7 @@ def test_scan_traces_batches_per_engine_and_equals_each_scan(ckpt: Path) -> None
         alone = engine.scan(
             r.trace.prompt_token_ids.tolist(),
             r.trace.output_token_ids.tolist(),
-            r.target.intervention,
+            r.b.resolve(r.trace.config).intervention,
             3,
         )
         assert run.first_disagreement == alone.first_disagreement
@@ -484,10 +491,10 @@ def test_replay_traces_batches_the_single_step_reruns_and_equals_each_replay(
             engines.append(FakeEngine(target, next_token=fn))
             return engines[-1]
 
-        together = replay_traces(
-            [ReplayRequest(t, Target("fp16"), ckpt) for t in traces],
+        together = replay_items(
+            [ReplayItem(t, RunTarget(Target("fp16")), ckpt) for t in traces],
             EnginePool(loader),
-            mode=mode,  # type: ignore[arg-type]
+            ReplayOptions(mode),  # type: ignore[arg-type]
         )
         # One batched call per engine (replay format, logged format), no step alone.
         assert all(e.calls.count("step_batch") == 1 and "step" not in e.calls for e in engines)
@@ -521,13 +528,9 @@ def test_a_result_carries_only_the_batch_extras_of_batches_its_trace_was_in(ckpt
     diverges = make_trace(ckpt, n=8, external_id="d")  # flips at step FLIP_AT
     agrees = make_trace(ckpt, n=FLIP_AT, top_k=False, external_id="a")  # ends before the flip
     fp16 = Target("fp16")
-    scans = scan_traces([ScanRequest(t, fp16, ckpt) for t in (diverges, agrees)], pool)
-    pairs = zip((diverges, agrees), scans.runs, strict=True)
-    d, a = replay_traces(
-        [ReplayRequest(t, fp16, ckpt, scan=s) for t, s in pairs],
-        pool,
-        mode="scan",
-    )
+    items = [ReplayItem(t, RunTarget(fp16), ckpt) for t in (diverges, agrees)]
+    scans = scan_items(items, pool, ReplayOptions("scan"))
+    d, a = replay_items(items, pool, ReplayOptions("scan"), scans=scans.runs)
     assert isinstance(d, ReplayOutcome) and isinstance(a, ReplayOutcome)
     assert d.first_divergence_step == FLIP_AT and a.exact_match
     scan_keys, step_keys = {"scan_batch_shapes", "scan_token_budget"}, {"step_batch_shapes"}
@@ -541,6 +544,6 @@ def test_a_result_carries_only_the_batch_extras_of_batches_its_trace_was_in(ckpt
     # The engine still holds both; a decode of the same format afterwards records neither.
     engine = pool.get(ckpt, Target("fp16", attn_kernel="sdpa"))  # the logged kernel
     assert scan_keys | step_keys <= set(engine.environment()["extras"])
-    decoded = replay_trace(diverges, fp16, pool, model_dir=ckpt, mode="decode")
+    decoded = replay_trace(agrees, fp16, pool, model_dir=ckpt, mode="decode")
     assert decoded.b.environment is not None
     assert not (scan_keys | step_keys) & set(decoded.b.environment["extras"])

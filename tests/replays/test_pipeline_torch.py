@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 from replay_audit.engine import EnginePool, Intervention, Target
-from replay_audit.replays.domain import LoggedTrace, ReplayOutcome
+from replay_audit.replays.domain import LoggedTrace, ReplayOutcome, RunTarget
 from replay_audit.replays.models import ReplayResult
-from replay_audit.replays.replayer import (
-    ReplayRequest,
+from replay_audit.replays.pipeline import (
+    ReplayItem,
+    ReplayOptions,
     compare_arms,
+    replay_items,
     replay_trace,
-    replay_traces,
 )
 from replay_audit.replays.results import figures as results_figures
 from replay_audit.replays.results import result_values
@@ -175,7 +176,7 @@ def test_batched_reruns_give_the_unbatched_outcomes(
     pool: EnginePool, real_dir: Path, real_prompts: list[tuple[str, str]], mode: str
 ) -> None:
     """The committed model's fp32 traces, their logged top-k dropped (so arm A's margin at t* is
-    reconstructed by a re-run too), replayed in bf16: `replay_traces`, which batches every
+    reconstructed by a re-run too), replayed in bf16: `replay_items`, which batches every
     divergent trace's single-step re-runs, gives each trace what `replay_trace` gives alone:
     the same t*, category, single-step tokens and margins, arm A's margin."""
     model = Model(real_dir, tuple(real_prompts[:24]), 48)
@@ -187,11 +188,10 @@ def test_batched_reruns_give_the_unbatched_outcomes(
         replay_trace(t, target, pool, model_dir=real_dir, mode=mode, check_weights=False)  # type: ignore[arg-type]
         for t in traces
     ]
-    together = replay_traces(
-        [ReplayRequest(t, target, real_dir) for t in traces],
+    together = replay_items(
+        [ReplayItem(t, RunTarget(target), real_dir) for t in traces],
         pool,
-        mode=mode,  # type: ignore[arg-type]
-        check_weights=False,
+        ReplayOptions(mode, check_weights=False),  # type: ignore[arg-type]
     )
     diverged = [r for r in alone if r.first_divergence_step is not None]
     assert len(diverged) >= 3, "the prompt set diverges in bf16"
@@ -208,3 +208,44 @@ def test_batched_reruns_give_the_unbatched_outcomes(
             assert a.a.margin is not None and a.a.margin.source == "reconstructed"
     env = pool.get(real_dir, Target("bf16", attn_kernel="sdpa")).environment()
     assert env["extras"]["step_batch_shapes"], "the re-runs ran batched and say so"
+
+
+@pytest.mark.parametrize("kind", ["C"])
+def test_an_intervention_only_comparison_labels_its_flips_head_reachable(
+    pool: EnginePool, real_dir: Path, real_prompts: list[tuple[str, str]], kind: str
+) -> None:
+    """BF16-logged traces of the bundled model against BF16 + C (τ = 0.05, wide enough to fire):
+    prefix, KV cache and body are the logged arm's, so a flip is the head's. The single-step
+    re-run runs each arm's whole computation, C included: wherever the flip reproduces from
+    scratch (checked here independently: one forward over prompt ‖ logged[:t*] with C, one
+    without), the category is head_reachable, and that is most of the diverged traces."""
+    model = Model(real_dir, tuple(real_prompts[:24]), 48)
+    traces = [_logged(tr) for tr in _trace_set(model, "bf16")]
+    c = Intervention(kind, tau=0.05)  # type: ignore[arg-type]
+    target = Target("bf16", intervention=c)
+    results = replay_items(
+        [ReplayItem(t, RunTarget(target), real_dir) for t in traces],
+        pool,
+        ReplayOptions("decode", check_weights=False),
+    )
+    engine = pool.get(real_dir, Target("bf16", attn_kernel="sdpa"))
+    diverged = reproduced = head_reachable = 0
+    for t, r in zip(traces, results, strict=True):
+        assert isinstance(r, ReplayOutcome), r
+        assert r.b.resolved is not None and r.b.resolved.intervention == c
+        if r.first_divergence_step is None:
+            continue
+        diverged += 1
+        s = r.first_divergence_step
+        logged = t.output_token_ids.tolist()
+        prompt, prefix = t.prompt_token_ids.tolist(), logged[:s]
+        with_c, native = engine.step(prompt, prefix, c), engine.step(prompt, prefix, Intervention())
+        assert r.single_step is not None and r.single_step.b.token == with_c.token
+        assert r.single_step.a is not None and r.single_step.a.token == native.token
+        if with_c.token != native.token:  # the flip reproduces from scratch
+            reproduced += 1
+            assert r.category == "head_reachable", (t.external_id, s)
+        head_reachable += r.category == "head_reachable"
+    assert diverged >= 3, "C at τ = 0.05 changes some BF16 greedy outputs"
+    assert head_reachable >= 0.8 * diverged, (head_reachable, diverged)
+    assert reproduced == head_reachable

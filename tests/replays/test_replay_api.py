@@ -60,12 +60,12 @@ def test_paired_replay_end_to_end(
     # Self-replay in the logged configuration is exact; C repairs every flip of this model.
     assert all(x["exact_match"] for x in self_replay)
     assert all(x["exact_match"] for x in with_c)
-    assert all(x["gate_triggers"] > 0 for x in with_c if x["detail"]["changed_steps"])
+    assert all(x["gate_triggers"] > 0 for x in with_c if x["arms"]["b"]["changed_steps"])
 
     traces = {i: client.get(f"/v1/traces/{i}", headers=h).json() for i in ids}
     for x in baseline:
         logged = traces[x["trace_id"]]["output_token_ids"]
-        replayed = x["detail"]["replay_output_token_ids"]
+        replayed = x["arms"]["b"]["output_token_ids"]
         if x["exact_match"]:
             assert replayed == logged and x["first_divergence_step"] is None
             assert x["category"] == "agreed"
@@ -73,8 +73,8 @@ def test_paired_replay_end_to_end(
         t = x["first_divergence_step"]
         # t* is the first mismatch, and the flip happened at a close call of both arms.
         assert replayed[:t] == logged[:t] and replayed[t] != logged[t]
-        assert x["margin_at_divergence"]["logged"]["source"] == "logged_top_k"
-        assert x["margin_at_divergence"]["replay"]["abs"] < 1e-3
+        assert x["margin_at_divergence"]["a"]["source"] == "logged_top_k"
+        assert x["margin_at_divergence"]["b"]["abs"] < 1e-3
         assert x["category"] == "head_reachable"
         assert x["cascade_length"] == len(logged) - t
 

@@ -155,8 +155,8 @@ def test_burst_workers_complete_a_paired_run(
         assert c["ear"]["successes"] == sum(1 for i in mine if i["exact_match"])
         assert c["gate_triggers"] == sum(i["gate_triggers"] for i in mine)
         # The worker records the numerical environment it actually used.
-        assert all(i["detail"]["environment"]["device"] == "cpu" for i in mine)
-        assert all(i["detail"]["environment"]["dtype"] == "fp16" for i in mine)
+        assert all(i["arms"]["b"]["environment"]["device"] == "cpu" for i in mine)
+        assert all(i["arms"]["b"]["environment"]["dtype"] == "fp16" for i in mine)
         assert all(i["arms"]["b"]["environment"]["extras"]["torch_threads"] == 2 for i in mine)
 
 

@@ -13,7 +13,7 @@ from replay_audit.engine import EnginePool, Target
 from replay_audit.engine.loading import load_tokenizer
 from replay_audit.engine.pieces import PieceReader
 from replay_audit.replays.domain import LoggedTrace
-from replay_audit.replays.replayer import compare_arms, replay_trace
+from replay_audit.replays.pipeline import compare_arms, replay_trace
 from replay_audit.replays.results import result_values
 from replay_audit.traces.schemas import TraceCreate
 

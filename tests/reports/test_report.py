@@ -73,14 +73,14 @@ def test_report_matches_the_rows_and_the_stored_aggregate(
         else:
             assert exact == len(ok)  # FP16 + C repairs every close call
         assert c["n"] == len(mine) and c["failed"] == 0
-        steps = sum(len(x["detail"]["margins"]) for x in ok)  # one margin per replayed step
+        steps = sum(len(x["arms"]["b"]["margins"]) for x in ok)  # one margin per replayed step
         triggers = sum(x["gate_triggers"] for x in ok)
         assert c["steps"] == steps == stored[c["index"]]["steps"]
         assert c["gate_triggers"] == triggers
         assert c["trigger_rate"] == pytest.approx(triggers / steps)
         assert c["mean_gap"] == pytest.approx(stored[c["index"]]["mean_gap"])
         # SAR from the per-trace semantic answers.
-        semantic = [x["detail"]["semantic"]["agree"] for x in ok]
+        semantic = [x["semantic"]["agree"] for x in ok]
         assert c["sar"]["successes"] == sum(semantic) and c["sar"]["n"] == len(semantic)
         assert c["sar"] == stored[c["index"]]["sar"]
         cats = Counter(x["category"] for x in ok)
@@ -98,14 +98,14 @@ def test_report_matches_the_rows_and_the_stored_aggregate(
             assert c["first_divergence_step"]["median"] == d.median
             assert c["first_divergence_step"] == stored[c["index"]]["first_divergence_step"]
             assert sum(c["t_star_histogram"]["counts"]) == len(diverged)
-            replay_margins = [x["margin_at_divergence"]["replay"]["abs"] for x in diverged]
+            replay_margins = [x["margin_at_divergence"]["b"]["abs"] for x in diverged]
             hist = c["margin_at_divergence"]["histogram_b"]
             assert hist["zeros"] + sum(hist["counts"]) + hist["below"] + hist["above"] == len(
                 [m for m in replay_margins if m is not None]
             )
             assert (
-                c["margin_at_divergence"]["replay"]
-                == stored[c["index"]]["margin_at_divergence"]["replay"]
+                c["margin_at_divergence"]["b"]
+                == stored[c["index"]]["margin_at_divergence"]["b"]
             )
         else:
             assert c["first_divergence_step"] is None and c["t_star_histogram"] is None
@@ -178,8 +178,8 @@ def test_task_accuracy_flips_and_tost_from_the_answers(
     ref = {t: gsm8k(traces[t]["reference_answer"]) for t in traces}
     correct: dict[Any, dict[str, bool]] = {"logged": {}, 0: {}, 1: {}}
     for x in rows:
-        sem = x["detail"]["semantic"]
-        correct["logged"][x["trace_id"]] = sem["logged_answer"] == ref[x["trace_id"]]
+        sem = x["semantic"]
+        correct["logged"][x["trace_id"]] = sem["answer_a"] == ref[x["trace_id"]]
         correct[x["comparison"]][x["trace_id"]] = sem["replay_answer"] == ref[x["trace_id"]]
         # The worker's own flags agree with the answers recomputed here.
         assert sem["correct_b"] == correct[x["comparison"]][x["trace_id"]]
@@ -223,11 +223,11 @@ def test_worker_stores_the_margin_track_and_gate_firings(
 ) -> None:
     rows = all_results(client, seeded_run.run_id, headers("auditor"))
     for x in rows:
-        d = x["detail"]
-        assert len(d["margins"]) == len(d["replay_output_token_ids"])
+        d = x["arms"]["b"]
+        assert len(d["margins"]) == len(d["output_token_ids"])
         assert len(d["gate_fired_steps"]) == x["gate_triggers"]
         assert all(d["margins"][t] < 1e-3 for t in d["gate_fired_steps"])
-        assert d["replay_text"] == "".join(f" {t}" for t in d["replay_output_token_ids"])
+        assert d["text"] == "".join(f" {t}" for t in d["output_token_ids"])
     assert any(x["gate_triggers"] for x in rows)
 
 

@@ -324,7 +324,7 @@ def test_trace_page_highlights_t_star_and_shows_both_arms(
     t_star = row["first_divergence_step"]
     html = ui_client().get(f"/ui/runs/{seeded_run.run_id}/traces/{trace_id}").text
     assert f"t* = {t_star}" in html
-    replayed = row["detail"]["replay_output_token_ids"][t_star]
+    replayed = row["arms"]["b"]["output_token_ids"][t_star]
     # Each token shows its piece (the worker stored them); its tooltip names its step, its id
     # and both arms' margins there.
     piece = row["arms"]["b"]["token_pieces"][t_star]
@@ -348,7 +348,7 @@ def test_trace_page_highlights_t_star_and_shows_both_arms(
     # The side-by-side texts are rebuilt from the pieces, t* and everything after it marked.
     shown = re.search(r'<pre class="text pieces-text" id="text-b">(.*?)</pre>', html, re.S)
     assert shown is not None
-    assert unescape(re.sub(r"<[^>]+>", "", shown.group(1))) == row["detail"]["replay_text"]
+    assert unescape(re.sub(r"<[^>]+>", "", shown.group(1))) == row["arms"]["b"]["text"]
     at = re.search(
         r'<span class="text-t-star"[^>]*>([^<]*)</span><span class="text-after">', shown.group(1)
     )

@@ -1,0 +1,724 @@
+"""The one replay pipeline: every caller (the replay job, `replay-audit replay`, nightly audits,
+the import round trips) replays through these functions, and nothing else assembles an outcome.
+Torch-free: engines come from an `EnginePool` through the `Engine` protocol.
+
+    ReplayItem (trace x comparison)
+      │ resolve_arm: each arm run here resolved once against the trace into a `ResolvedArm`
+      │              (body and head format, kernel and why, batch, TP, device, engine path,
+      │              intervention) and the engine that runs all of it
+      ▼
+    scan_items        the scans of the scan modes, several traces per forward (`scan_batch`)
+    replay_items      each item's arms run (decode / scan / scan then decode), t*, then the
+      │               single-step re-runs at t* of every divergent item batched per engine and
+      │               intervention (`step_batch`), each with its arm's whole computation
+      ▼
+    diff.judge        the one outcome rule: both arms' gates at t*, tie, single step, category
+      ▼
+    ReplayOutcome     -> results.result_values (the row) -> every surface
+
+Modes (items whose arm A is the logged tokens; a comparison of two targets always decodes both
+arms from the prompt, the paper's both-arms protocol):
+    decode            greedy decode of the prompt in arm B, compared with the logged output
+    scan              one teacher-forced forward over prompt ‖ logged output; t* is the first
+                      position whose choice differs from the logged token. A screen: arm B's
+                      own continuation after t* is not computed.
+    scan_then_decode  scan; a trace the scan flags (first disagreement s) is decoded from s
+                      (prefill prompt ‖ logged[:s]); one it does not flag is decoded in full
+                      when it is in the run's control sample, or when some step's top-2 margin
+                      along the logged path is at most `flag_ulps` ulps (a near-tie, where a
+                      flip that needs the decode's own KV cache hides), and otherwise only
+                      scanned (`screen="scanned"`, `exact_match` None).
+Arm A against the logged tokens: its margin at t* is the logged top-k's where logged, else it is
+reconstructed by re-running the logged format here (the outcome says which).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+from replay_audit.diff import (
+    Extractor,
+    GateRule,
+    Margin,
+    cascade_length,
+    first_divergence,
+    first_near_tie,
+    judge,
+    length_difference,
+    margin_from_logprobs,
+    margin_from_top_k,
+    margins_ulps_from_top_k,
+    semantic_agreement,
+)
+from replay_audit.diff.answer import SemanticAgreement
+from replay_audit.engine.batch import plan_scan
+from replay_audit.engine.pool import EnginePool
+from replay_audit.engine.protocol import (
+    DEFAULT_SCAN_TOKEN_BUDGET,
+    Engine,
+    Intervention,
+    ScanItem,
+    ScanRun,
+    StepInfo,
+    Steps,
+    Target,
+)
+from replay_audit.exceptions import BadRequest, EngineError, ModelMismatch, ReplayAuditError
+from replay_audit.formats import MODES, MarginSource, Mode, Screen
+from replay_audit.replays.domain import (
+    SCAN_FLAG_OFF,
+    ArmMargin,
+    ArmOutcome,
+    KernelSource,
+    LoggedTrace,
+    ReplayOutcome,
+    ResolvedArm,
+    RunTarget,
+    SingleStep,
+    SingleStepChoice,
+)
+
+log = logging.getLogger(__name__)
+
+#: What an engine raises for one item (besides the domain's errors): the item fails, not the run.
+ENGINE_FAILURES: Final = (ReplayAuditError, RuntimeError, ValueError, MemoryError)
+
+
+@dataclass(frozen=True)
+class ReplayItem:
+    """One trace and one comparison to replay: arm B (a run target) against arm A (None: the
+    trace's logged tokens; else another run target, both decoded here), on the checkpoint in
+    `model_dir`. `control`: the trace is in the run's control sample (scan then decode)."""
+
+    trace: LoggedTrace
+    b: RunTarget
+    model_dir: Path
+    a: RunTarget | None = None
+    control: bool = False
+    extractor: str | Extractor | None = None
+
+    @property
+    def against_logged(self) -> bool:
+        return self.a is None
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How a run replays (the same for all its items)."""
+
+    mode: Mode = "decode"
+    top_k: int = 5
+    #: scan then decode: the near-tie flag in ulps (negative: off).
+    flag_ulps: float = SCAN_FLAG_OFF
+    token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET
+    #: Refuse a checkpoint whose weights are not the trace's (a caller that checked them all
+    #: once, as the CLI does, turns it off).
+    check_weights: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise BadRequest(f"mode must be one of {MODES}, got {self.mode!r}", field="mode")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """A resolved arm and the engine that runs all of it."""
+
+    engine: Engine
+    resolved: ResolvedArm
+
+    @property
+    def intervention(self) -> Intervention:
+        return self.resolved.intervention
+
+
+def resolve_arm(
+    trace: LoggedTrace, run_target: RunTarget, pool: EnginePool, model_dir: Path
+) -> Arm:
+    """`run_target` resolved against `trace`, once: a target that names no attention kernel
+    runs the trace's logged kernel, or the engine's default where that cannot run here (an
+    imported `unknown`, flash-attention on a CPU); `self` runs the logged configuration. The
+    engine is loaded (or taken from the pool) and its recorded environment gives the rest.
+    `ModelMismatch` when the vocabularies differ; `UnsupportedFormat`/`EngineError` when the
+    target cannot run here."""
+    requested = run_target.resolve(trace.config)
+    source: KernelSource = "requested" if requested.attn_kernel is not None else "logged"
+    want = _with_kernel(requested, requested.attn_kernel or trace.config.attn_kernel)
+    try:
+        engine = pool.get(model_dir, want)
+    except EngineError:
+        if source == "requested" or want.attn_kernel is None:
+            raise
+        engine, source = pool.get(model_dir, _with_kernel(want, None)), "engine_default"
+    if engine.vocab_size != trace.vocab_size:
+        raise ModelMismatch(
+            f"checkpoint vocabulary is {engine.vocab_size}, the trace's {trace.vocab_size}",
+            field="model.vocab_size",
+        )
+    resolved = ResolvedArm.from_environment(engine.environment(), requested.intervention, source)
+    return Arm(engine, resolved)
+
+
+def _with_kernel(t: Target, kernel: str | None) -> Target:
+    return Target(t.dtype, t.lm_head_dtype, kernel, t.batch_size, t.intervention)
+
+
+def _logged_arm(trace: LoggedTrace, pool: EnginePool, model_dir: Path) -> Arm | None:
+    """The logged configuration run here (arm A's single-step re-run and reconstructed margin
+    against the logged tokens), or None where it cannot run here."""
+    try:
+        return resolve_arm(trace, RunTarget(None), pool, model_dir)
+    except ENGINE_FAILURES:
+        return None
+
+
+def check_replayable(trace: LoggedTrace) -> None:
+    """Refuse, before any model loads, a trace no target can replay (`BadRequest` naming the
+    field): only greedy generations replay."""
+    if not trace.greedy:
+        raise BadRequest(
+            f"only greedy traces can be replayed; this one is {trace.strategy!r}",
+            field="decoding.strategy",
+        )
+
+
+def _check(item: ReplayItem, pool: EnginePool, check_weights: bool) -> None:
+    check_replayable(item.trace)
+    if check_weights:
+        sha = pool.weights_sha256(item.model_dir)
+        if sha != item.trace.weights_sha256:
+            raise ModelMismatch(
+                f"checkpoint {item.model_dir} has weights_sha256 {sha}, but the trace "
+                f"{item.trace.external_id or ''} was logged with {item.trace.weights_sha256}",
+                field="model.weights_sha256",
+            )
+
+
+# -- scans --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scans:
+    """`scan_items`' answer: each item's scan in order (None: not a scan of the logged tokens,
+    or not scanned in a batch; its replay scans it alone and reports what went wrong), and what
+    it cost."""
+
+    runs: list[ScanRun | None]
+    scanned: int = 0
+    forwards: int = 0
+    seconds: float = 0.0
+
+
+def scan_items(items: Sequence[ReplayItem], pool: EnginePool, options: ReplayOptions) -> Scans:
+    """The scans `replay_items` would run in the scan modes, several traces per forward: the
+    items against the logged tokens grouped by the engine and the intervention of their arm B,
+    one `Engine.scan_batch` per group (length buckets packed up to the token budget)."""
+    runs: list[ScanRun | None] = [None] * len(items)
+    if options.mode == "decode":
+        return Scans(runs)
+    groups: dict[tuple[int, Intervention], tuple[Arm, list[int]]] = {}
+    for i, item in enumerate(items):
+        if not item.against_logged or not item.trace.greedy:
+            continue
+        try:
+            arm = resolve_arm(item.trace, item.b, pool, item.model_dir)
+        except ENGINE_FAILURES:
+            continue  # the item's replay reports it
+        groups.setdefault((id(arm.engine), arm.intervention), (arm, []))[1].append(i)
+    scanned = forwards = 0
+    seconds = 0.0
+    for arm, members in groups.values():
+        batch_items = [
+            ScanItem(
+                items[i].trace.prompt_token_ids.tolist(), items[i].trace.output_token_ids.tolist()
+            )
+            for i in members
+        ]
+        t0 = time.perf_counter()
+        try:
+            batch = arm.engine.scan_batch(
+                batch_items, arm.intervention, options.top_k, token_budget=options.token_budget
+            )
+        except ENGINE_FAILURES:
+            log.exception(
+                "batched scan of %d traces failed; scanning them one by one", len(members)
+            )
+            continue
+        seconds += time.perf_counter() - t0
+        scanned += len(members)
+        forwards += len(plan_scan(batch_items, options.token_budget))
+        for i, run in zip(members, batch, strict=True):
+            runs[i] = run
+    return Scans(runs, scanned, forwards, seconds)
+
+
+# -- replays ------------------------------------------------------------------------------------
+
+#: What `replay_items` gives for an item: its outcome, or the error its replay raised.
+ReplayResult = ReplayOutcome | Exception
+
+#: An engine's `environment()["extras"]` that describe its last batched scan or batched
+#: single-step re-runs (`engine/batch.py`): true of a result only where its trace took part.
+SCAN_BATCH_EXTRAS: Final = ("scan_token_budget", "scan_batch_shapes", "scan_padding")
+STEP_BATCH_EXTRAS: Final = ("step_token_budget", "step_batch_shapes", "step_padding")
+
+
+@dataclass
+class _ArmRun:
+    """An arm of an item as it ran: its tokens and steps (None for the logged tokens)."""
+
+    arm: Arm | None
+    ids: list[int]
+    steps: Steps | None
+    #: Where its margins come from: its own decode or scan.
+    source: MarginSource = "decode"
+    scan_batched: bool = False
+
+
+@dataclass(eq=False)
+class _Replayed:
+    """An item's arms run, before its single-step re-runs at t*."""
+
+    item: ReplayItem
+    mode: Mode
+    a: _ArmRun
+    b: _ArmRun
+    t_star: int | None
+    screen: Screen | None = None
+    #: Arm A's engine for its re-run against the logged tokens (None: cannot run here).
+    logged_arm: Arm | None = None
+    batched: set[str] = field(default_factory=set)
+
+    def rerun_arm(self, side: str) -> Arm | None:
+        if side == "b":
+            return self.b.arm
+        return self.a.arm if self.a.arm is not None else self.logged_arm
+
+
+def replay_items(
+    items: Sequence[ReplayItem],
+    pool: EnginePool,
+    options: ReplayOptions,
+    *,
+    scans: Sequence[ScanRun | None] | None = None,
+) -> list[ReplayResult]:
+    """Each item replayed, in order: its arms run, t*, then the single-step re-runs at t* of all
+    the divergent items as batched forwards (one `step_batch` per engine and intervention; a
+    group whose batch fails is re-run one forward at a time), and the one outcome rule. `scans`:
+    the items' scans already run (`scan_items`), None to run each here. An item whose replay
+    fails gets its exception (a `ReplayAuditError`, or the engine's RuntimeError, ValueError,
+    MemoryError) in its place."""
+    runs: list[_Replayed | ReplayResult] = []
+    for i, item in enumerate(items):
+        try:
+            scan = scans[i] if scans is not None else None
+            runs.append(_run_arms(item, pool, options, scan))
+        except ENGINE_FAILURES as e:
+            runs.append(e)
+    reruns = _rerun_all([r for r in runs if isinstance(r, _Replayed)], options)
+    out: list[ReplayResult] = []
+    for r in runs:
+        if not isinstance(r, _Replayed):
+            out.append(r)
+            continue
+        try:
+            out.append(_outcome(r, reruns.get(id(r), {})))
+        except ENGINE_FAILURES as e:
+            out.append(e)
+    return out
+
+
+def _run_arms(
+    item: ReplayItem, pool: EnginePool, options: ReplayOptions, scan: ScanRun | None
+) -> _Replayed | ReplayOutcome:
+    """Both arms of an item run (arm A as logged or decoded), and t*; a trace a scan-then-decode
+    run only scans is finished here."""
+    _check(item, pool, options.check_weights)
+    trace, top_k = item.trace, options.top_k
+    prompt = trace.prompt_token_ids.tolist()
+    budget, eos = trace.budget()
+    b = resolve_arm(trace, item.b, pool, item.model_dir)
+    if item.a is not None:  # the both-arms protocol: both decoded from the prompt
+        a = resolve_arm(trace, item.a, pool, item.model_dir)
+        ra = a.engine.decode(prompt, budget, eos, a.intervention, top_k)
+        rb = b.engine.decode(prompt, budget, eos, b.intervention, top_k)
+        run_a = _ArmRun(a, ra.output_token_ids, ra.steps)
+        run_b = _ArmRun(b, rb.output_token_ids, rb.steps)
+        t_star = first_divergence(run_a.ids, run_b.ids)
+        return _Replayed(item, "decode", run_a, run_b, t_star)
+
+    logged = trace.output_token_ids.tolist()
+    run_a = _ArmRun(None, logged, None)
+    mode, iv = options.mode, b.intervention
+    screen: Screen | None = None
+    if mode == "decode":
+        rb = b.engine.decode(prompt, budget, eos, iv, top_k)
+        run_b = _ArmRun(b, rb.output_token_ids, rb.steps)
+    else:
+        batched = scan is not None
+        if scan is None:
+            scan = b.engine.scan(prompt, logged, iv, top_k)
+        s = scan.first_disagreement
+        near = None
+        if s is None and mode == "scan_then_decode":
+            near = _near_tie(trace, scan.steps, options.flag_ulps)
+        if s is None and mode == "scan_then_decode" and (near is not None or item.control):
+            # A near-tie's flip may need the decode's own KV cache from the prompt on: decoded
+            # in full, as the control sample is. A near-tie trace is not in the control sample.
+            rb = b.engine.decode(prompt, budget, eos, iv, top_k)
+            run_b = _ArmRun(b, rb.output_token_ids, rb.steps)
+            screen = "near_tie" if near is not None else "control"
+        elif s is None and mode == "scan_then_decode":
+            return _scanned_only(item, b, scan.steps, batched)
+        elif s is None:
+            run_b = _ArmRun(b, logged, scan.steps, "scan", batched)
+        elif mode == "scan":
+            ids = [*logged[:s], int(scan.steps.token_ids[s])]
+            run_b = _ArmRun(b, ids, scan.steps.slice(0, s + 1), "scan", batched)
+        else:
+            rb = b.engine.decode(prompt, budget, eos, iv, top_k, forced_prefix=logged[:s])
+            steps = Steps.concat([scan.steps.slice(0, s), rb.steps])
+            run_b = _ArmRun(b, rb.output_token_ids, steps, "decode", batched)
+            screen = "flagged"
+    t_star = first_divergence(logged, run_b.ids)
+    replayed = _Replayed(item, mode, run_a, run_b, t_star, screen)
+    if t_star is not None:
+        replayed.logged_arm = _logged_arm(trace, pool, item.model_dir)
+    return replayed
+
+
+#: The re-runs of one item at t*, by side ("a", "b").
+_Reruns = dict[str, StepInfo]
+
+
+def _rerun_all(replayed: Sequence[_Replayed], options: ReplayOptions) -> dict[int, _Reruns]:
+    """The from-scratch forwards every divergent item needs, over its context at t* (prompt ‖
+    arm A's tokens before t*), each with its arm's whole computation, intervention included:
+    arm B's and arm A's (where arm A runs here; against the logged tokens, the logged format's,
+    whose forward also gives arm A's reconstructed margin). Batched per (engine, intervention)."""
+    groups: dict[tuple[int, Intervention], tuple[Arm, list[tuple[_Replayed, str, list[int]]]]]
+    groups = {}
+    for r in replayed:
+        if r.t_star is None:
+            continue
+        context = [*r.item.trace.prompt_token_ids.tolist(), *r.a.ids[: r.t_star]]
+        for side in ("a", "b"):
+            arm = r.rerun_arm(side)
+            if arm is not None:
+                key = (id(arm.engine), arm.intervention)
+                groups.setdefault(key, (arm, []))[1].append((r, side, context))
+    out: dict[int, _Reruns] = {}
+    for arm, members in groups.values():
+        contexts = [c for _, _, c in members]
+        infos: list[StepInfo | None]
+        try:
+            infos = list(
+                arm.engine.step_batch(
+                    contexts, arm.intervention, options.top_k, token_budget=options.token_budget
+                )
+            )
+            for r, side, _ in members:
+                r.batched.add(side)
+        except ENGINE_FAILURES:
+            log.exception("batched re-runs of %d steps failed; one at a time", len(contexts))
+            infos = [_step_or_none(arm, c, options.top_k) for c in contexts]
+        for (r, side, _), info in zip(members, infos, strict=True):
+            if info is not None:
+                out.setdefault(id(r), {})[side] = info
+    return out
+
+
+def _step_or_none(arm: Arm, context: list[int], top_k: int) -> StepInfo | None:
+    try:
+        return arm.engine.step(context, [], arm.intervention, top_k)
+    except ENGINE_FAILURES:
+        log.exception("single-step re-run failed")
+        return None
+
+
+def _outcome(r: _Replayed, reruns: _Reruns) -> ReplayOutcome:
+    """The outcome of an item whose arms ran, with its re-runs at t*: the one outcome rule."""
+    trace, t_star = r.item.trace, r.t_star
+    a_ids, b_ids = r.a.ids, r.b.ids
+    margin_a = margin_b = None
+    single: SingleStep | None = None
+    verdict = None
+    if t_star is not None:
+        if "b" not in reruns:
+            raise RuntimeError("the single-step re-run at t* failed")
+        mb = _margin_at(r.b.steps, t_star)
+        ma, source_a = _margin_a(r, t_star, mb, reruns.get("a"))
+        margin_a, margin_b = _arm_margin(ma, source_a), _arm_margin(mb, r.b.source)
+        single = _single_step(r, t_star, reruns)
+        verdict = judge(
+            ma,
+            mb,
+            format_a=_head_format(r, "a"),
+            format_b=_head_format(r, "b"),
+            gate=_gate(r),
+            rerun_a=single.a.token if single.a is not None else None,
+            rerun_b=single.b.token,
+        )
+    decoded_fully = r.mode != "scan" or t_star is None
+    arm_b = _arm_outcome(r, "b", margin_b, verdict.gate_fired_b if verdict else None)
+    arm_a = _arm_outcome(r, "a", margin_a, verdict.gate_fired_a if verdict else None)
+    return ReplayOutcome(
+        mode=r.mode,
+        exact_match=t_star is None,
+        first_divergence_step=t_star,
+        category="agreed" if verdict is None else verdict.category,
+        tie=verdict is not None and verdict.tie,
+        cascade_length=cascade_length(a_ids, b_ids) if decoded_fully else None,
+        length_difference=length_difference(a_ids, b_ids) if decoded_fully else None,
+        a=arm_a,
+        b=arm_b,
+        single_step=single,
+        semantic=_semantic(r, arm_a, arm_b) if decoded_fully else None,
+        external_id=trace.external_id,
+        screen=r.screen,
+    )
+
+
+def _gate(r: _Replayed) -> GateRule:
+    """The comparison's gate: arm B's intervention's (the treatment's; with none, the gate that
+    would fire)."""
+    return r.b.arm.intervention.gate if r.b.arm is not None else GateRule()
+
+
+def _head_format(r: _Replayed, side: str) -> str:
+    arm = r.a.arm if side == "a" else r.b.arm
+    return arm.resolved.lm_head_dtype if arm is not None else r.item.trace.config.head_dtype
+
+
+def _margin_at(steps: Steps | None, t: int) -> Margin | None:
+    return steps.margin_at(t) if steps is not None and t < len(steps) else None
+
+
+def _margin_a(
+    r: _Replayed, t_star: int, replayed: Margin | None, rerun: StepInfo | None
+) -> tuple[Margin | None, MarginSource]:
+    """Arm A's margin at t*: its own steps' where it ran here; against the logged tokens, the
+    logged top-k's where it has two values, else the logged format's re-run over prompt ‖
+    logged[:t*] (None where it cannot run here). Logged raw logprobs give the absolute margin;
+    its ulps are measured at arm B's top-1 logit at t* (the same step over the same prefix)."""
+    if r.a.steps is not None:
+        return _margin_at(r.a.steps, t_star), r.a.source
+    trace = r.item.trace
+    if t_star >= len(r.a.ids):
+        return None, "unavailable"
+    logits = trace.top_k_logits
+    if logits is not None and logits.shape[1] >= 2:
+        row = [float(x) for x in logits[t_star, :2]]
+        fmt = trace.config.head_dtype
+        if trace.top_k_values == "raw_logprobs":
+            top1 = replayed.top1 if replayed is not None else None
+            return margin_from_logprobs(row, fmt, top1), "logged_top_k"
+        return margin_from_top_k(row, fmt), "logged_top_k"
+    if rerun is None:
+        return None, "unavailable"
+    return rerun.margin, "reconstructed"
+
+
+def _single_step(r: _Replayed, t_star: int, reruns: _Reruns) -> SingleStep:
+    """From-scratch forwards over prompt ‖ y<t* in both arms: does the flip reproduce?"""
+    b = _choice(reruns["b"])
+    a: SingleStepChoice | None
+    if "a" in reruns:
+        a = _choice(reruns["a"])
+    elif t_star < len(r.a.ids) and r.a.arm is None:
+        # The logged format cannot run here: its logged token stands in for its re-run.
+        a = SingleStepChoice(r.a.ids[t_star], None, "logged_token")
+    else:
+        a = None
+    return SingleStep(step=t_star, a=a, b=b, disagree=None if a is None else a.token != b.token)
+
+
+def _choice(info: StepInfo) -> SingleStepChoice:
+    return SingleStepChoice(info.token, _arm_margin(info.margin, "reconstructed"), "rerun")
+
+
+def _arm_margin(m: Margin | None, source: MarginSource) -> ArmMargin:
+    return ArmMargin.unavailable() if m is None else ArmMargin(m.abs, m.ulps, source)
+
+
+def _arm_outcome(
+    r: _Replayed, side: str, margin: ArmMargin | None, fired: bool | None
+) -> ArmOutcome:
+    """One arm's outcome: run here, its counts, track and environment (with the batch extras
+    of the batched scan and re-runs it took part in); the logged tokens, what the trace has."""
+    run = r.a if side == "a" else r.b
+    trace = r.item.trace
+    if run.arm is None or run.steps is None:  # the logged tokens
+        logged_arm = r.logged_arm
+        return ArmOutcome(
+            target=trace.config,
+            output_token_ids=None,
+            margin=margin,
+            gate_fired_at_divergence=fired,
+            environment=(
+                _environment(logged_arm.engine, False, side in r.batched)
+                if logged_arm is not None
+                else None
+            ),
+            text=trace.output_text,
+            # The trace's own pieces are stored with it; else the tokenizer here reads the
+            # logged tokens (the same checkpoint, so the same vocabulary).
+            pieces=(
+                r.b.arm.engine.token_pieces(run.ids)
+                if trace.output_token_pieces is None and r.b.arm is not None
+                else None
+            ),
+        )
+    steps, engine = run.steps, run.arm.engine
+    n = len(steps)
+    margins = tuple(float(f"{m:.6g}") if math.isfinite(m) else None for m in steps.margins.tolist())
+    return ArmOutcome(
+        target=run.arm.resolved.target,
+        output_token_ids=tuple(int(x) for x in run.ids),
+        margin=margin,
+        resolved=run.arm.resolved,
+        gate_fired_at_divergence=fired,
+        gate_triggers=int(steps.gate_fired.sum()),
+        steps=n,
+        mean_gap=float(steps.margins.mean()) if n else None,
+        changed_steps=int(steps.changed.sum()),
+        margins=margins,
+        gate_fired_steps=tuple(int(t) for t in np.flatnonzero(steps.gate_fired)),
+        environment=_environment(engine, run.scan_batched, side in r.batched),
+        text=engine.detokenize(run.ids),
+        pieces=engine.token_pieces(run.ids),
+    )
+
+
+def _environment(engine: Engine, scan_batched: bool, step_batched: bool) -> dict[str, Any]:
+    """`engine.environment()` as it held for one result: without the batch extras of a batched
+    scan or of batched re-runs the result's trace was not part of (the engine keeps its last
+    batch's, whatever it ran since)."""
+    env = dict(engine.environment())
+    extras = env.get("extras")
+    drop = (() if scan_batched else SCAN_BATCH_EXTRAS) + (() if step_batched else STEP_BATCH_EXTRAS)
+    if isinstance(extras, dict) and any(k in extras for k in drop):
+        env["extras"] = {k: v for k, v in extras.items() if k not in drop}
+    return env
+
+
+def _semantic(r: _Replayed, a: ArmOutcome, b: ArmOutcome) -> SemanticAgreement | None:
+    extractor, trace = r.item.extractor, r.item.trace
+    if extractor is None:
+        return None
+    text_a = a.text
+    if text_a is None and r.b.arm is not None:
+        text_a = r.b.arm.engine.detokenize(r.a.ids)
+    text_b = text_a if r.b.ids == r.a.ids else b.text
+    if text_a is None or text_b is None:
+        return None
+    return semantic_agreement(text_a, text_b, extractor, reference_answer=trace.reference_answer)
+
+
+def _near_tie(trace: LoggedTrace, steps: Steps, flag_ulps: float) -> int | None:
+    """The first step of a scan along the logged path where either arm's top-2 margin is at
+    most `flag_ulps` ulps of its own format: arm B's from the scan, the logged arm's from its
+    logged top-k where there is one (raw logprobs: in ulps at the scan's top-1 logit, the same
+    step over the same prefix). None: no near-tie, or flagging off."""
+    if flag_ulps < 0:
+        return None
+    found = [first_near_tie(steps.margins_ulps, flag_ulps)]
+    logits = trace.top_k_logits
+    if logits is not None and logits.shape[1] >= 2:
+        n = min(int(logits.shape[0]), len(steps))
+        top1 = steps.top_k_logits[:n, 0] if trace.top_k_values == "raw_logprobs" else None
+        logged_ulps = margins_ulps_from_top_k(logits[:n, :2], trace.config.head_dtype, top1)
+        found.append(first_near_tie(logged_ulps, flag_ulps))
+    hits = [t for t in found if t is not None]
+    return min(hits) if hits else None
+
+
+def _scanned_only(item: ReplayItem, b: Arm, steps: Steps, batched: bool) -> ReplayOutcome:
+    """A trace a scan-then-decode run only scanned: the scan agreed with the logged output at
+    every step, and no decode says whether the replay does. Not an exact match, not agreed:
+    unknown (`exact_match` and `category` None), with the scan's steps as arm B's."""
+    trace = item.trace
+    logged = trace.output_token_ids.tolist()
+    run_b = _ArmRun(b, logged, steps, "scan", batched)
+    r = _Replayed(item, "scan_then_decode", _ArmRun(None, logged, None), run_b, None)
+    arm_b = replace(_arm_outcome(r, "b", None, None), output_token_ids=None)
+    return ReplayOutcome(
+        mode="scan_then_decode",
+        exact_match=None,
+        first_divergence_step=None,
+        category=None,
+        tie=False,
+        cascade_length=None,
+        length_difference=None,
+        a=ArmOutcome(
+            target=trace.config, output_token_ids=None, margin=None, text=trace.output_text
+        ),
+        b=arm_b,
+        external_id=trace.external_id,
+        screen="scanned",
+    )
+
+
+# -- one item -----------------------------------------------------------------------------------
+
+
+def replay_one(item: ReplayItem, pool: EnginePool, options: ReplayOptions) -> ReplayOutcome:
+    """`replay_items` of one item, its failure raised."""
+    (result,) = replay_items([item], pool, options)
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def replay_trace(
+    trace: LoggedTrace,
+    target: Target,
+    pool: EnginePool,
+    *,
+    model_dir: str | Path,
+    mode: Mode = "decode",
+    extractor: str | Extractor | None = None,
+    top_k: int = 5,
+    check_weights: bool = True,
+    scan: ScanRun | None = None,
+    control: bool = False,
+    flag_ulps: float = SCAN_FLAG_OFF,
+) -> ReplayOutcome:
+    """Replay `trace` in `target` (an attention kernel of None means the logged one) against
+    its logged output: `replay_items` of one item. Raises `ModelMismatch` when the checkpoint
+    is not the one the trace was logged with, `BadRequest` for a non-greedy trace,
+    `UnsupportedFormat` when the target cannot run here."""
+    item = ReplayItem(trace, RunTarget(target), Path(model_dir), None, control, extractor)
+    options = ReplayOptions(mode, top_k, flag_ulps, check_weights=check_weights)
+    (result,) = replay_items([item], pool, options, scans=[scan])
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def compare_arms(
+    trace: LoggedTrace,
+    target_a: Target,
+    target_b: Target,
+    pool: EnginePool,
+    *,
+    model_dir: str | Path,
+    extractor: str | Extractor | None = None,
+    top_k: int = 5,
+    check_weights: bool = True,
+) -> ReplayOutcome:
+    """The paper's both-arms protocol for one trace: its prompt decoded in `target_a` and in
+    `target_b` (each with its own intervention; a kernel of None means the logged one), arm B
+    diffed against arm A. The logged output is not used."""
+    item = ReplayItem(
+        trace, RunTarget(target_b), Path(model_dir), RunTarget(target_a), extractor=extractor
+    )
+    return replay_one(item, pool, ReplayOptions("decode", top_k, check_weights=check_weights))
