@@ -90,8 +90,7 @@ class SemanticAgreement:
         return self.answer_a is None and self.answer_b is None
 
     def to_dict(self) -> dict[str, Any]:
-        """The stored JSON. `logged_answer`/`replay_answer`/`logged_correct`/`replay_correct`
-        repeat the arm-named values for readers of earlier releases (deprecated)."""
+        """The stored JSON (`detail.semantic`, the API's `semantic`)."""
         return {
             "extractor": self.extractor,
             "answer_a": self.answer_a,
@@ -100,10 +99,6 @@ class SemanticAgreement:
             "neither_answered": self.neither_answered,
             "correct_a": self.correct_a,
             "correct_b": self.correct_b,
-            "logged_answer": self.answer_a,
-            "replay_answer": self.answer_b,
-            "logged_correct": self.correct_a,
-            "replay_correct": self.correct_b,
         }
 
 

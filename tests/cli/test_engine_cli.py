@@ -159,10 +159,11 @@ def test_replay_in_fp16_with_c_and_scan_mode(ckpt: Path, traces: Path, tmp_path:
     assert "estimated miss rate" in r.output
     for x in map(json.loads, out.read_text().splitlines()):
         assert x["screen"] in ("flagged", "near_tie", "control") and x["exact_match"] is not None
-        assert x["mode"] == "scan_then_decode" and x["target"]["intervention"]["kind"] == "C"
-        assert x["target"]["intervention"]["tau_ulps"] == 2.0
-        assert x["environment"]["dtype"] == "fp16"
-        assert x["environment"]["extras"]["kv_cache"] == "static"
+        b = x["arms"]["b"]
+        assert x["mode"] == "scan_then_decode" and b["resolved"]["intervention"]["kind"] == "C"
+        assert b["resolved"]["intervention"]["tau_ulps"] == 2.0 and b["resolved"]["dtype"] == "fp16"
+        assert b["environment"]["dtype"] == "fp16"
+        assert b["environment"]["extras"]["kv_cache"] == "static"
 
 
 def test_replay_refuses_other_weights(ckpt: Path, traces: Path, tmp_path: Path) -> None:

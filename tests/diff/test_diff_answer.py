@@ -50,7 +50,7 @@ def test_semantic_agreement_and_reference() -> None:
     assert s.agree and s.neither_answered and s.answer_a is None and s.correct_a is None
     s = semantic_agreement("#### 3", "nothing")
     assert not s.agree and not s.neither_answered
-    assert s.to_dict()["logged_answer"] == "3" and s.to_dict()["answer_b"] is None
+    assert s.to_dict()["answer_a"] == "3" and s.to_dict()["answer_b"] is None
     assert s.to_dict()["extractor"] == "gsm8k"
 
 

@@ -977,7 +977,7 @@ def test_cli_summary_is_the_api_comparison(
     assert printed == run["statistics"]["comparisons"][0]
     assert f"({printed['ear']['successes']}/{printed['ear']['n']})" in r.output
     # Per trace, the CLI's output file says what the API's results say.
-    by_external = {x["external_id"]: x for x in map(json.loads, out.read_text().splitlines())}
+    by_external = {x["trace_id"]: x for x in map(json.loads, out.read_text().splitlines())}
     for trace_id, x in items.items():
         mine = by_external[external[trace_id]]
         assert (mine["exact_match"], mine["first_divergence_step"], mine["category"]) == (

@@ -105,7 +105,7 @@ def test_report_matches_the_rows_and_the_stored_aggregate(
             )
             assert (
                 c["margin_at_divergence"]["b"]
-                == stored[c["index"]]["margin_at_divergence"]["b"]
+                == stored[c["index"]]["margin_at_divergence"]["replay"]
             )
         else:
             assert c["first_divergence_step"] is None and c["t_star_histogram"] is None
@@ -180,7 +180,7 @@ def test_task_accuracy_flips_and_tost_from_the_answers(
     for x in rows:
         sem = x["semantic"]
         correct["logged"][x["trace_id"]] = sem["answer_a"] == ref[x["trace_id"]]
-        correct[x["comparison"]][x["trace_id"]] = sem["replay_answer"] == ref[x["trace_id"]]
+        correct[x["comparison"]][x["trace_id"]] = sem["answer_b"] == ref[x["trace_id"]]
         # The worker's own flags agree with the answers recomputed here.
         assert sem["correct_b"] == correct[x["comparison"]][x["trace_id"]]
     assert [a["arm"] for a in acc["arms"]] == ["logged", 0, 1]
