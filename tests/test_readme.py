@@ -95,6 +95,10 @@ def test_post_a_trace_and_replay_it_as_written(tmp_path: Path) -> None:
                 assert resolved["attn_kernel"] == "eager" and resolved["kernel_source"] == "logged"
                 assert x["arms"][arm]["environment"]["attn_kernel"] == "eager"
                 assert x["arms"][arm]["target"]["attn_kernel"] == "eager"
+        run = httpx.get(f"{base}/v1/replays/{run_id}", headers={"X-API-Key": key}).json()
+        assert {(r["a"]["attn_kernel"], r["b"]["attn_kernel"]) for r in run["ran"]} == {
+            ("eager", "eager")
+        }
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -316,6 +316,19 @@ def result_figures(
     return out
 
 
+def resolved_arms(session: Session, run_id: int) -> list[tuple[int, str | None, str | None, int]]:
+    """What ran in a run: (comparison, arm A's resolved JSON, arm B's, results) for each
+    distinct pair among its ok results (None: the logged tokens, or not recorded)."""
+    R = ReplayResult
+    stmt = (
+        select(R.comparison, R.resolved_a, R.resolved_b, func.count())
+        .where(R.run_id == run_id, R.status == "ok")
+        .group_by(R.comparison, R.resolved_a, R.resolved_b)
+        .order_by(R.comparison, func.count().desc())
+    )
+    return [(int(c), a, b, int(n)) for c, a, b, n in session.execute(stmt).all()]
+
+
 def traces_of_other_engines(session: Session, trace_ids: Sequence[int]) -> dict[int, str]:
     """Of `trace_ids`, those logged by another engine than this project's, with its name: one
     query over the traces' configuration ids, the (few) configurations parsed once each."""

@@ -299,6 +299,9 @@ class ReplayRead(_Frozen):
     #: The run's statistics (the same object `/report` and the UI show): stored when the run
     #: finished, computed over the results so far while it runs.
     statistics: RunStatistics | None = None
+    #: What ran, per comparison: each distinct pair of resolved arms among its results and how
+    #: many results ran it (the computation each arm ran, resolved once against each trace).
+    ran: list[RanRead] = []
     #: Deprecated: the same figures under the key names of earlier releases.
     aggregate: dict[str, Any] | None
     schedule_id: str | None = None
@@ -342,6 +345,19 @@ class ResolvedArmRead(_Frozen):
     gpu: str | None
     engine_path: str | None
     intervention: InterventionRead
+
+
+class RanRead(_Frozen):
+    """Results of one comparison that ran one pair of resolved arms."""
+
+    comparison: int
+    #: Arm A's computation (null: the logged tokens, or not recorded), and arm B's.
+    a: ResolvedArmRead | None
+    b: ResolvedArmRead | None
+    #: `ResolvedArm.label()` of each (`logged tokens` for arm A against the logged tokens).
+    label_a: str
+    label_b: str
+    results: int
 
 
 class SingleStepChoiceRead(_Frozen):

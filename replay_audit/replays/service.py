@@ -7,6 +7,7 @@ never looks for rows that are not there yet, and a rolled-back request enqueues 
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -18,7 +19,7 @@ from replay_audit.exceptions import FieldError, NotFound
 from replay_audit.formats import Mode
 from replay_audit.queue import Capabilities, JobQueue
 from replay_audit.replays import repository, statistics
-from replay_audit.replays.domain import Comparison, RunTarget, resolve_mode
+from replay_audit.replays.domain import Comparison, ResolvedArm, RunTarget, resolve_mode
 from replay_audit.replays.models import ReplayRun
 from replay_audit.replays.reconcile import job_spec
 from replay_audit.replays.results import result_read
@@ -26,6 +27,7 @@ from replay_audit.replays.schemas import (
     MAX_REPLAY_TRACES,
     Page,
     Progress,
+    RanRead,
     ReplayCreate,
     ReplayRead,
     TraceFilter,
@@ -254,10 +256,35 @@ def to_read(
         ),
         results_per_s=rate,
         error=run.error,
+        ran=[] if status_only else ran(session, run),
         statistics=stats,
         aggregate=legacy_aggregate(stats) if stats is not None and run.finished_at else None,
         schedule_id=run.schedule_id,
     )
+
+
+def ran(session: Session, run: ReplayRun) -> list[RanRead]:
+    """What ran in `run`, per comparison (`repository.resolved_arms`), with labels."""
+    out = []
+    for comparison, a, b, n in repository.resolved_arms(session, run.id):
+        arm_a = ResolvedArm.from_json(json.loads(a)) if a is not None else None
+        arm_b = ResolvedArm.from_json(json.loads(b)) if b is not None else None
+        against_logged = run.run_comparisons[comparison].against_logged
+        out.append(
+            RanRead(
+                comparison=comparison,
+                a=json.loads(a) if a is not None else None,
+                b=json.loads(b) if b is not None else None,
+                label_a=_ran_label(arm_a, "logged tokens" if against_logged else "not recorded"),
+                label_b=_ran_label(arm_b, "not recorded"),
+                results=n,
+            )
+        )
+    return out
+
+
+def _ran_label(arm: ResolvedArm | None, none: str) -> str:
+    return arm.label() if arm is not None else none
 
 
 def results_per_s(run: ReplayRun, results: int) -> float | None:

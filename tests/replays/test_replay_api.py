@@ -343,3 +343,33 @@ def test_a_stored_schedule_with_both_gates_still_reads() -> None:
     replay = ScheduleReplay.model_validate(stored, context=STORED)
     iv = replay.targets[0].intervention.to_domain()
     assert (iv.tau_ulps, iv.tau) == (2.0, 1e-3)
+
+
+def test_a_pairwise_target_without_a_kernel_runs_the_logged_one_and_every_surface_says_so(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+) -> None:
+    """Traces logged with `eager`, a pairwise run whose targets name no kernel: both arms run
+    `eager` (resolved once per trace, `kernel_source: logged`), and the results, the run's
+    `ran` and the run page say `eager`, never "logged" for a kernel that was resolved."""
+    h = headers("admin")
+    config = {"dtype": "bf16", "attn_kernel": "eager", "device": "cpu"}
+    ids = ingest(client, h, [logged_trace(p, config=config) for p in PROMPTS[:4]])
+    body = {"trace_ids": ids, "targets": [{"dtype": "bf16"}, FP16], "compare": "pairwise"}
+    r = client.post("/v1/replays", json={**body, "pairs": [[0, 1]]}, headers=h)
+    assert r.status_code == 201, r.text
+    run_id = r.json()["id"]
+    runner.run_all()
+    results = all_results(client, run_id, h)
+    assert len(results) == 4 and all(x["status"] == "ok" for x in results)
+    for x in results:
+        for arm in ("a", "b"):
+            resolved = x["arms"][arm]["resolved"]
+            assert (resolved["attn_kernel"], resolved["kernel_source"]) == ("eager", "logged")
+            assert x["arms"][arm]["environment"]["attn_kernel"] == "eager"
+    run = client.get(f"/v1/replays/{run_id}", headers=h).json()
+    (ran,) = run["ran"]
+    assert ran["results"] == 4 and ran["a"]["attn_kernel"] == ran["b"]["attn_kernel"] == "eager"
+    assert ran["label_a"] == "bf16 / eager / cpu" and ran["label_b"] == "fp16 / eager / cpu"
