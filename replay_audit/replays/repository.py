@@ -15,7 +15,7 @@ from replay_audit.db.base import utcnow
 from replay_audit.formats import logged_by_another_engine
 from replay_audit.replays.domain import LoggedTrace, logging_engine
 from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
-from replay_audit.replays.results import failed_values, figures
+from replay_audit.replays.results import ResultRow, failed_values, figures
 from replay_audit.stats.report import AnswerFigures, PairedOutcome, ResultFigures, TraceRef
 from replay_audit.traces.models import NumericalConfigRow, Trace
 
@@ -123,10 +123,13 @@ def traces_by_id(session: Session, trace_ids: Sequence[int]) -> dict[int, Trace]
 
 
 def insert_results_of(
-    session: Session, run_id: int, results: Sequence[tuple[int, Sequence[dict[str, Any]]]]
+    session: Session, run_id: int, results: Sequence[tuple[int, Sequence[ResultRow]]]
 ) -> None:
-    """`insert_results` of many traces, (trace id, its rows) each, in two statements: one read
-    of the traces' created_at, one insert of every row."""
+    """Insert the results of many traces, (trace id, its rows) each, in two statements: one
+    read of the traces' created_at (half of a result's key to its trace, and its partition on
+    PostgreSQL), one insert of every row. A (run, trace, comparison) already there is left
+    alone, and so is a trace that no longer exists (retention deleted it: no result may point
+    at a deleted trace)."""
     ids = [t for t, rows in results if rows]
     if not ids:
         return
@@ -156,34 +159,9 @@ def insert_results_of(
         session.execute(stmt, values)
 
 
-def insert_results(
-    session: Session, run_id: int, trace_id: int, rows: Sequence[dict[str, Any]]
-) -> None:
-    """Insert one trace's results; a (run, trace, comparison) already there is left alone,
-    and so is a trace that no longer exists (retention deleted it: no result may point at a
-    deleted trace)."""
-    if not rows:
-        return
-    # The trace's created_at is half of the result's key to it (and its partition on
-    # PostgreSQL).
-    trace_created_at = session.scalar(select(Trace.created_at).where(Trace.id == trace_id))
-    if trace_created_at is None:
-        return
-    now = utcnow()
-    values = [
-        {
-            "run_id": run_id,
-            "trace_id": trace_id,
-            "trace_created_at": trace_created_at,
-            "created_at": now,
-            **r,
-        }
-        for r in rows
-    ]
-    stmt = _insert(session)(ReplayResult).on_conflict_do_nothing(
-        index_elements=["run_id", "trace_id", "trace_created_at", "comparison"]
-    )
-    session.execute(stmt, values)
+def insert_results(session: Session, run_id: int, trace_id: int, rows: Sequence[ResultRow]) -> None:
+    """Insert one trace's results (`insert_results_of`)."""
+    insert_results_of(session, run_id, [(trace_id, rows)])
 
 
 def _lock_run(session: Session, run_id: int) -> ReplayRun:

@@ -15,13 +15,15 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Required, TypedDict
 
 import numpy as np
+import numpy.typing as npt
 
 from replay_audit.db.base import utcnow
 from replay_audit.diff.pieces import to_json
-from replay_audit.replays.domain import ArmMargin, ArmOutcome, ReplayOutcome, SingleStep
+from replay_audit.formats import Category, MarginSource, ResultStatus, Screen
+from replay_audit.replays.domain import ArmOutcome, ReplayOutcome, SingleStep
 from replay_audit.replays.schemas import ReplayResultRead
 from replay_audit.stats.report import ResultFigures
 
@@ -78,18 +80,51 @@ def _single_step_json(s: SingleStep | None) -> dict[str, Any] | None:
     return {"step": s.step, "a": choice(s.a), "b": choice(s.b), "disagree": s.disagree}
 
 
-def _margin_columns(prefix: str, m: ArmMargin | None) -> dict[str, Any]:
-    return {
-        f"margin_{prefix}": _plain(m.abs) if m else None,
-        f"margin_{prefix}_ulps": _plain(m.ulps) if m else None,
-    }
+class ResultRow(TypedDict, total=False):
+    """A `replay_results` row's values (without run, trace and time): what `result_values`
+    and `failed_values` give and `repository.insert_results_of` writes."""
+
+    comparison: Required[int]
+    status: Required[ResultStatus]
+    error: str | None
+    exact_match: bool | None
+    first_divergence_step: int | None
+    category: Category | None
+    margin_a: float | None
+    margin_a_ulps: float | None
+    margin_a_source: MarginSource | None
+    margin_b: float | None
+    margin_b_ulps: float | None
+    gate_triggers: int | None
+    n_steps: int | None
+    trigger_rate: float | None
+    mean_gap: float | None
+    gate_triggers_a: int | None
+    n_steps_a: int | None
+    tie: bool
+    cascade_length: int | None
+    length_difference: int | None
+    semantic_agree: bool | None
+    answer_extractor: str | None
+    answer_a: str | None
+    answer_b: str | None
+    output_b: npt.NDArray[np.int32] | None
+    output_a: npt.NDArray[np.int32] | None
+    resolved_a: str | None
+    resolved_b: str | None
+    detail: Required[dict[str, object]]
+    screen: Screen | None
 
 
-def result_values(comparison: int, outcome: ReplayOutcome) -> dict[str, Any]:
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def result_values(comparison: int, outcome: ReplayOutcome) -> ResultRow:
     """The `replay_results` values of one outcome (without run, trace and time)."""
     a, b = outcome.a, outcome.b
     semantic = outcome.semantic
-    detail = {
+    detail: dict[str, object] = {
         "mode": outcome.mode,
         "external_id": outcome.external_id,
         "single_step": _single_step_json(outcome.single_step),
@@ -103,13 +138,15 @@ def result_values(comparison: int, outcome: ReplayOutcome) -> dict[str, Any]:
         "exact_match": outcome.exact_match,
         "first_divergence_step": outcome.first_divergence_step,
         "category": outcome.category,
-        **_margin_columns("a", a.margin),
+        "margin_a": _finite(a.margin.abs) if a.margin else None,
+        "margin_a_ulps": _finite(a.margin.ulps) if a.margin else None,
         "margin_a_source": a.margin.source if a.margin else None,
-        **_margin_columns("b", b.margin),
+        "margin_b": _finite(b.margin.abs) if b.margin else None,
+        "margin_b_ulps": _finite(b.margin.ulps) if b.margin else None,
         "gate_triggers": b.gate_triggers,
         "n_steps": b.steps,
-        "trigger_rate": _plain(b.trigger_rate),
-        "mean_gap": _plain(b.mean_gap),
+        "trigger_rate": _finite(b.trigger_rate),
+        "mean_gap": _finite(b.mean_gap),
         "gate_triggers_a": a.gate_triggers,
         "n_steps_a": a.steps,
         "tie": outcome.tie,
@@ -132,13 +169,13 @@ def _resolved(arm: ArmOutcome) -> str | None:
     return json.dumps(_plain(arm.resolved.to_json())) if arm.resolved is not None else None
 
 
-def _tokens(arm: ArmOutcome) -> np.ndarray | None:
+def _tokens(arm: ArmOutcome) -> npt.NDArray[np.int32] | None:
     if arm.output_token_ids is None:
         return None
     return np.asarray(arm.output_token_ids, np.int32)
 
 
-def failed_values(comparison: int, reason: str) -> dict[str, Any]:
+def failed_values(comparison: int, reason: str) -> ResultRow:
     """The values of a result that could not be computed, saying why."""
     return {
         "comparison": comparison,

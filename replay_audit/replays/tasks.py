@@ -48,7 +48,7 @@ from replay_audit.replays.domain import (
 )
 from replay_audit.replays.models import ReplayJob, ReplayRun
 from replay_audit.replays.pipeline import ReplayItem, ReplayOptions, replay_items, scan_items
-from replay_audit.replays.results import failed_values, result_values
+from replay_audit.replays.results import ResultRow, failed_values, result_values
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class _Pending:
     trace: LoggedTrace | None
     missing: list[int]
     #: Its items to replay, one per missing comparison (None: it failed before, with this row).
-    items: list[ReplayItem | dict[str, object]] = field(default_factory=list)
+    items: list[ReplayItem | ResultRow] = field(default_factory=list)
     #: Its scans already run (batched), one per item.
     scans: list[ScanRun | None] = field(default_factory=list)
 
@@ -256,7 +256,7 @@ def _load_pending(
     return out
 
 
-def _items(p: _Pending, spec: _RunSpec, ctx: WorkerContext) -> list[ReplayItem | dict[str, object]]:
+def _items(p: _Pending, spec: _RunSpec, ctx: WorkerContext) -> list[ReplayItem | ResultRow]:
     """A pending trace's item per missing comparison, or its failed row."""
     trace = p.trace
     if trace is None:
@@ -268,7 +268,7 @@ def _items(p: _Pending, spec: _RunSpec, ctx: WorkerContext) -> list[ReplayItem |
     control = spec.control is not None and spec.control.includes(p.public_id or str(p.trace_id))
     # The answer extractor of a trace's semantic agreement: GSM8K's where it has a reference.
     extractor = "gsm8k" if trace.reference_answer is not None else None
-    items: list[ReplayItem | dict[str, object]] = []
+    items: list[ReplayItem | ResultRow] = []
     for c in p.missing:
         comparison = spec.comparisons[c]
         a = None if comparison.against_logged else spec.targets[int(comparison.a)]
@@ -290,7 +290,7 @@ def _scan_all(pending: Sequence[_Pending], spec: _RunSpec, ctx: WorkerContext) -
 
 def _replay(
     pending: Sequence[_Pending], spec: _RunSpec, ctx: WorkerContext
-) -> list[tuple[_Pending, list[dict[str, object]]]]:
+) -> list[tuple[_Pending, list[ResultRow]]]:
     """The result rows of a window of traces: their items replayed together
     (`pipeline.replay_items`: the single-step re-runs at t* of all the divergent ones batched
     per engine and intervention), a failure as its item's failed row."""
@@ -299,7 +299,7 @@ def _replay(
     results = iter(replay_items([i for _, _, i in flat], ctx.pool, spec.options, scans=scans))
     out = []
     for p in pending:
-        rows: list[dict[str, object]] = []
+        rows: list[ResultRow] = []
         for c, item in zip(p.missing, p.items, strict=True):
             if not isinstance(item, ReplayItem):
                 rows.append(item)
@@ -314,7 +314,7 @@ def _replay(
     return out
 
 
-def _failed_row(c: int, error: Exception, trace_id: int) -> dict[str, object]:
+def _failed_row(c: int, error: Exception, trace_id: int) -> ResultRow:
     """Comparison c's failed row: a `ReplayAuditError`'s message, or an engine-side failure
     of this item (RuntimeError, ValueError, MemoryError: logged) by its type and text."""
     if isinstance(error, ReplayAuditError):
