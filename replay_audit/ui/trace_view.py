@@ -344,6 +344,8 @@ def build(
             t_star,
             tau=float(tau) if tau else None,
             gate_fired_steps_a=sorted(fired_a),
+            label_a=arm_a.label,
+            label_b=arm_b.label,
         ),
         logged_top_k=top_k,
         margin_at_divergence=read.margin_at_divergence,

@@ -424,6 +424,8 @@ class Row(NamedTuple):
     length_difference: int | None
     semantic_agree: bool | None
     screen: str | None
+    trigger_rate_a: float | None
+    mode: str
 
     @classmethod
     def parse(cls, r: dict[str, str]) -> Row:
@@ -447,6 +449,8 @@ class Row(NamedTuple):
             length_difference=_int(r["length_difference"]),
             semantic_agree=_bool(r["semantic_agree"]),
             screen=r["screen"] or None,
+            trigger_rate_a=_float(r["trigger_rate_a"]),
+            mode=r["mode"],
         )
 
     def agrees_with(self, x: dict[str, Any]) -> None:
@@ -466,10 +470,12 @@ class Row(NamedTuple):
             x["trigger_rate"],
             x["mean_gap"],
         )
-        assert (self.gate_triggers_a, self.n_steps_a) == (
+        assert (self.gate_triggers_a, self.n_steps_a, self.trigger_rate_a) == (
             arms["a"].get("gate_triggers"),
             arms["a"].get("steps"),
+            arms["a"].get("trigger_rate"),
         )
+        assert self.mode == x["mode"] or x["mode"] is None
         if self.ok:  # an arm's trigger rate is its gate firings over its replayed steps
             assert self.trigger_rate == (self.gate_triggers or 0) / (self.n_steps or 1)
             if self.n_steps_a is not None:
@@ -481,7 +487,9 @@ class Row(NamedTuple):
             assert margins == (m["a"]["abs"], m["a"]["ulps"], m["b"]["abs"], m["b"]["ulps"])
         assert self.length_difference == x["length_difference"]
         assert self.screen == x["screen"]
-        assert self.semantic_agree == (None if semantic is None else semantic["agree"])
+        # A scan has no replay text: the export shows no answer agreement for it.
+        no_text = semantic is None or self.mode == "scan"
+        assert self.semantic_agree == (None if no_text else semantic["agree"])
         if self.ok:  # one margin per replayed step in the display track
             assert len(arms["b"]["margins"]) == self.n_steps
 
@@ -507,8 +515,17 @@ def _dist(values: list[Any]) -> dict[str, Any] | None:
     }
 
 
-def expected_comparison(rows: list[Row], items: list[dict[str, Any]]) -> dict[str, Any]:
-    """A comparison's figures from its CSV rows (and its SAR from the results' answers)."""
+#: What a comparison's SAR note says, by the mode of its results (decode: nothing).
+SAR_NOTE = {
+    "decode": None,
+    "scan": "n/a: a scan has no replay text",
+    "scan_then_decode": "decoded traces only (a trace only scanned has no replay text)",
+}
+
+
+def expected_comparison(rows: list[Row], items: list[dict[str, Any]], mode: str) -> dict[str, Any]:
+    """A comparison's figures from its CSV rows (and its SAR from the results' answers): no SAR
+    in a scan (no replay text), the decoded traces' in scan-then-decode."""
     ok = [r for r in rows if r.ok]
     # EAR and categories count established results: not a trace only scanned (scan_then_decode).
     established = [r for r in ok if r.exact is not None]
@@ -520,7 +537,13 @@ def expected_comparison(rows: list[Row], items: list[dict[str, Any]]) -> dict[st
     triggers_a = sum(r.gate_triggers_a or 0 for r in with_a) if with_a else None
     gapped = [r for r in ok if r.mean_gap is not None]
     gap_steps = sum(r.n_steps or 0 for r in gapped)
-    answers = [x["semantic"] for x in items if x["status"] == "ok" and x["semantic"] is not None]
+    answers = [
+        x["semantic"]
+        for x in items
+        if x["status"] == "ok" and x["semantic"] is not None and x["exact_match"] is not None
+    ]
+    if mode == "scan":
+        answers = []
     agree = sum(1 for s in answers if s["answer_a"] == s["answer_b"])
     answered = [r.semantic_agree for r in ok if r.semantic_agree is not None]
     assert (len(answered), sum(answered)) == (len(answers), agree)  # the CSV says the same
@@ -529,7 +552,9 @@ def expected_comparison(rows: list[Row], items: list[dict[str, Any]]) -> dict[st
         "ok": len(ok),
         "failed": len(rows) - len(ok),
         "ear": _prop(len(established) - len(diverged), len(established)),
+        "mode": mode,
         "sar": _prop(agree, len(answers)) if answers else None,
+        "sar_note": SAR_NOTE[mode],
         "sar_neither_answered": sum(
             1 for s in answers if s["answer_a"] is None and s["answer_b"] is None
         ),
@@ -691,11 +716,13 @@ def comparison_row_text(index: int, label: str, e: dict[str, Any]) -> str:
     """The row of the run page's agreement table that the figures `e` should give."""
     failed = f" ({e['failed']} failed)" if e["failed"] else ""
     trigger = f"{pct(e['trigger_rate'], 2)} {e['gate_triggers']}/{e['steps']} steps"
-    if e["steps_a"] is not None:
-        trigger += f" arm A: {pct(e['trigger_rate_a'], 2)} ({e['gate_triggers_a']}/{e['steps_a']})"
+    if e["steps_a"] is not None:  # both arms ran here: both arms' gates, labelled
+        a = f"{pct(e['trigger_rate_a'], 2)} {e['gate_triggers_a']}/{e['steps_a']} steps"
+        trigger = f"arm A {a} arm B {trigger}"
+    sar = " ".join(x for x in (_prop_text(e["sar"]) if e["sar"] else "", e["sar_note"]) if x)
     return (
         f"{index} {label} {e['ok']} / {e['n']}{failed} {_prop_text(e['ear'])} "
-        f"{_prop_text(e['sar'])} {trigger} {num(e['mean_gap'])} "
+        f"{sar or NONE} {trigger} {num(e['mean_gap'])} "
         f"{e['margin_at_divergence']['ties']}"
     )
 
@@ -840,7 +867,10 @@ def test_every_surface_shows_the_same_figures(
     items_of = {
         c["index"]: [x for x in items if x["comparison"] == c["index"]] for c in comparisons
     }
-    expected = [expected_comparison(rows_of[i], items_of[i]) for i in rows_of]
+    # A run's mode is its comparisons' against the logged tokens; pairwise ones decode.
+    modes = {c["index"]: case.mode if c["a"] == "logged" else "decode" for c in comparisons}
+    assert all(r.mode == modes[r.comparison] for r in rows)
+    expected = [expected_comparison(rows_of[i], items_of[i], modes[i]) for i in rows_of]
     # Every comparison but the baseline gets a lift over it, except where arm B is the self
     # target: a self-replay is a reproducibility check.
     treatments = [i for i, (_, b) in enumerate(arms) if i != 0 and b != "self"]
@@ -886,7 +916,10 @@ def test_every_surface_shows_the_same_figures(
         assert c["failed"] == sum(x["status"] == "failed" for x in items_of[c["index"]])
         exact_answered = [x for x in ok_items if x["exact_match"] and x["semantic"] is not None]
         assert all(x["semantic"]["agree"] for x in exact_answered)
-        assert (c["sar"]["successes"] if c["sar"] else 0) >= len(exact_answered)
+        if c["mode"] == "scan":  # no replay text, no SAR, and every surface says why
+            assert c["sar"] is None and c["sar_note"] == "n/a: a scan has no replay text"
+        else:
+            assert (c["sar"]["successes"] if c["sar"] else 0) >= len(exact_answered)
     assert run["progress"]["failed"] == sum(c["failed"] for c in stats["comparisons"])
 
     assert [lf["comparison_b"] for lf in stats["lifts"]] == treatments
@@ -972,7 +1005,7 @@ def test_cli_summary_is_the_api_comparison(
     )
     assert r.exit_code == 0, r.output
     printed = json.loads(summary.read_text())
-    assert printed.pop("mode") == "decode" and printed.pop("target")["dtype"] == target["dtype"]
+    assert printed["mode"] == "decode" and printed.pop("target")["dtype"] == target["dtype"]
     assert printed.pop("traces") == len(trace_ids) and printed.pop("interrupted") is False
     assert printed == run["statistics"]["comparisons"][0]
     assert f"({printed['ear']['successes']}/{printed['ear']['n']})" in r.output
