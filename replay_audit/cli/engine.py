@@ -470,11 +470,10 @@ def _rate(rate: float | None, triggers: int | None, steps: int | None) -> str:
 def gate_rows(c: ComparisonReport) -> list[tuple[str, str]]:
     """Both arms' gate trigger rates where both ran here (a both-arms comparison), else arm
     B's: what the CLI summary and the demo print, from the run's statistics."""
-    b = _rate(c.trigger_rate, c.gate_triggers, c.steps)
-    if c.steps_a is None:
-        return [("trigger rate (arm B; arm A not run here)", b)]
-    a = _rate(c.trigger_rate_a, c.gate_triggers_a, c.steps_a)
-    return [("trigger rate, arm A", a), ("trigger rate, arm B", b)]
+    b = ("trigger rate, arm B", _rate(c.trigger_rate, c.gate_triggers, c.steps))
+    if c.steps_a is None:  # arm A is the logged tokens: no gate of ours ran on it
+        return [b]
+    return [("trigger rate, arm A", _rate(c.trigger_rate_a, c.gate_triggers_a, c.steps_a)), b]
 
 
 def sar_text(c: ComparisonReport) -> str:
