@@ -25,6 +25,7 @@ import typer
 from replay_audit.cli import app
 
 if TYPE_CHECKING:
+    from replay_audit.replays.schemas import ReplayRead
     from replay_audit.stats.report import ComparisonReport, ProportionRead
 
 PROMPTS_FILE = Path(__file__).resolve().parent.parent / "assets" / "prompts.jsonl"
@@ -126,21 +127,17 @@ def _gate(c: ComparisonReport) -> str:
     return b if c.steps_a is None else f"A {rate(c.trigger_rate_a)} · B {b}"
 
 
-def _print_run(console: Any, run: dict[str, Any], title: str) -> None:
+def _print_run(console: Any, run: ReplayRead, title: str) -> None:
     """The run's statistics as the API serves them (`statistics`: the same object as /report
     and the UI), with each comparison's and each lift's own label."""
     from rich.markup import escape
     from rich.table import Table
 
-    from replay_audit.stats.report import RunStatistics
-
-    stats = RunStatistics.model_validate(
-        run["statistics"] or {"run_id": run["id"], "comparisons": [], "lifts": [], "accuracy": None}
-    )
-    table = Table(title=f"{title}\nrun {run['id']} ({run['status']})", title_justify="left")
+    stats = run.statistics
+    table = Table(title=f"{title}\nrun {run.id} ({run.status})", title_justify="left")
     for col in ("comparison", "EAR [95% CI]", "gate trigger rate", "t* med", "categories"):
         table.add_column(col, overflow="fold")
-    for c in stats.comparisons:
+    for c in stats.comparisons if stats else []:
         t_star = c.first_divergence_step
         cats = " ".join(
             f"{_SHORT[k]} {v.successes}" for k, v in c.categories.items() if v.successes
@@ -153,7 +150,7 @@ def _print_run(console: Any, run: dict[str, Any], title: str) -> None:
             cats or "-",
         )
     console.print(table)
-    for lift in stats.lifts:
+    for lift in stats.lifts if stats else []:
         if lift.lift is None or lift.low is None or lift.high is None:
             continue  # no trace where both are ok
         line = (
@@ -288,10 +285,11 @@ def demo(
                             finished[name] = run
                     time.sleep(0.2)
 
-        _print_run(
-            console, finished["logged"], "BF16-logged traces replayed (arm A: logged tokens)"
-        )
-        _print_run(console, finished["both_arms"], "Both arms run here (the paper's protocol)")
+        from replay_audit.replays.schemas import ReplayRead
+
+        read = {k: ReplayRead.model_validate(v) for k, v in finished.items()}
+        _print_run(console, read["logged"], "BF16-logged traces replayed (arm A: logged tokens)")
+        _print_run(console, read["both_arms"], "Both arms run here (the paper's protocol)")
         runs = f"/ui/runs/{run_ids['logged']} and /ui/runs/{run_ids['both_arms']}"
         if keep_serving:
             where = f"{base} (serving until Ctrl-C)"

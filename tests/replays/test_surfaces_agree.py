@@ -1154,6 +1154,7 @@ def test_a_both_arms_comparison_shows_both_gates_everywhere(
     from rich.console import Console
 
     from replay_audit.cli.demo import _print_run
+    from replay_audit.replays.schemas import ReplayRead
 
     trace_ids = seed_traces(client, admin, BOTH_ARMS_PLANS, fake_model_dir)
     names = ("bf16", "fp16", "bf16+C", "fp16+C")
@@ -1185,7 +1186,7 @@ def test_a_both_arms_comparison_shows_both_gates_everywhere(
     assert all(r.trigger_rate_a == (r.gate_triggers_a or 0) / (r.n_steps_a or 1) for r in rows)
 
     console = Console(file=io.StringIO(), width=200)
-    _print_run(console, run, "both arms")
+    _print_run(console, ReplayRead.model_validate(run), "both arms")
     printed = console.file.getvalue()  # type: ignore[attr-defined]
     for x in comparisons:
         assert f"A {100 * x['trigger_rate_a']:.2f}% · B {100 * x['trigger_rate']:.2f}%" in printed
@@ -1220,6 +1221,7 @@ def test_no_lift_for_a_self_comparison_and_report_lifts_are_the_stored_ones(
     from replay_audit.cli.demo import _print_run
     from replay_audit.db.unit_of_work import session_scope
     from replay_audit.replays.models import ReplayRun
+    from replay_audit.replays.schemas import ReplayRead
 
     trace_ids = seed_traces(client, admin, EVERY_FEATURE, fake_model_dir)
     pairwise = {
@@ -1261,7 +1263,7 @@ def test_no_lift_for_a_self_comparison_and_report_lifts_are_the_stored_ones(
         assert re.findall(r'<option value="(\d+)" selected>', pick_b) == [str(lifted[0])]
 
         console = Console(file=io.StringIO(), width=300)
-        _print_run(console, run, "lifts")
+        _print_run(console, ReplayRead.model_validate(run), "lifts")
         printed = console.file.getvalue()  # type: ignore[attr-defined]
         assert printed.count("EAR lift of") == len(lifted)
         for i in selfs:
