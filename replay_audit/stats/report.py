@@ -663,16 +663,6 @@ def comparison_report(
     )
 
 
-@dataclass(frozen=True)
-class LiftSide:
-    """One side of a lift: a comparison of a run, its label and its results' figures."""
-
-    run_id: str
-    comparison: int
-    label: str
-    figures: Sequence[ResultFigures]
-
-
 class PairedOutcome(NamedTuple):
     """One trace of a lift: whether each side's result was an exact match (both ok)."""
 
@@ -750,9 +740,14 @@ def lift_from_pairs(
 
 
 def lift_report(
-    base: LiftSide, treated: LiftSide, *, list_limit: int = DEFAULT_LIST_LIMIT
+    run_id: str,
+    base: ComparisonInput,
+    treated: ComparisonInput,
+    *,
+    list_limit: int = DEFAULT_LIST_LIMIT,
 ) -> LiftReport:
-    """EAR lift of `treated` over `base`, paired by trace on the traces where both are ok."""
+    """EAR lift of `treated` over `base` (two comparisons of run `run_id`), paired by trace on
+    the traces where both are established (ok, and decoded in scan-then-decode)."""
     a_by = {f.trace_id: f for f in base.figures if f.established}
     b_by = {f.trace_id: f for f in treated.figures if f.established}
     pairs = [
@@ -760,9 +755,7 @@ def lift_report(
         for t in sorted(a_by.keys() & b_by.keys())
     ]
     refs = {t: TraceRef(id=f.trace_public_id, external_id=f.external_id) for t, f in b_by.items()}
-    sides = LiftSides(
-        base.run_id, base.comparison, base.label, treated.run_id, treated.comparison, treated.label
-    )
+    sides = LiftSides(run_id, base.index, base.label, run_id, treated.index, treated.label)
     return lift_from_pairs(pairs, sides, refs, list_limit=list_limit)
 
 
@@ -900,14 +893,11 @@ def run_statistics(
             else r.model_copy(update={"not_attributable": _not_attributable(c, unreproduced)})
             for r, c in zip(reports, comparisons, strict=True)
         ]
-    lifts = []
-    if comparisons:
-        base = comparisons[0]
-        base_side = LiftSide(run_id, base.index, base.label, base.figures)
-        for c in comparisons[1:]:
-            if c.treatment:
-                side = LiftSide(run_id, c.index, c.label, c.figures)
-                lifts.append(lift_report(base_side, side, list_limit=list_limit))
+    lifts = [
+        lift_report(run_id, comparisons[0], c, list_limit=list_limit)
+        for c in comparisons[1:]
+        if c.treatment
+    ]
     return RunStatistics(
         run_id=run_id,
         comparisons=reports,

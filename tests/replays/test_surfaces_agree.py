@@ -1184,6 +1184,14 @@ def test_a_both_arms_comparison_shows_both_gates_everywhere(
     rows = [r for r in _csv(client, run["id"], admin) if r.comparison == 1 and r.ok]
     assert sum(r.gate_triggers_a or 0 for r in rows) == c["gate_triggers_a"]
     assert all(r.trigger_rate_a == (r.gate_triggers_a or 0) / (r.n_steps_a or 1) for r in rows)
+    # The run page's results table: each result's gate firings in both arms.
+    listed = signed_in.get(f"/ui/runs/{run['id']}?comparison=1").text
+    table = _text(
+        _section(listed, r'<table class="data" id="results-table">.*?<tbody>(.*?)</tbody>')
+    )
+    assert sorted(re.findall(r"A \d+ · B \d+", table)) == sorted(
+        f"A {r.gate_triggers_a} · B {r.gate_triggers}" for r in rows
+    )
 
     console = Console(file=io.StringIO(), width=200)
     _print_run(console, ReplayRead.model_validate(run), "both arms")
