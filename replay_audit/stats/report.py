@@ -6,6 +6,12 @@ run's `aggregate`), `GET /v1/replays/{id}` and `/report` serve it, the web UI re
 CLI `replay` summary and the demo print it, audit trends and drift alerts read it. A run still
 replaying gets the same function over the results stored so far.
 
+One representation: the output is pydantic read models (they validate the stored JSON back and
+give the API its schema), and where the pure `stats` functions already return a frozen
+dataclass (`Distribution`, `Histogram`, `LogHistogram`, `TostResult`) that dataclass is the
+field itself, its schema derived by pydantic, not copied into a `...Read` twin. `ProportionRead`
+stays: it is the flat JSON shape of a proportion (`stats.Proportion` nests its interval).
+
 Definitions (DESIGN.md):
     EAR            exact matches / ok results, Wilson 95% interval
     SAR            equal extracted answers / ok results with an extraction; two arms that both
@@ -319,7 +325,7 @@ class ComparisonReport(_Frozen):
     ear: ProportionRead
     #: None where no answer was extracted, or where there is no replay text (a scan).
     sar: ProportionRead | None
-    #: What SAR covers or why there is none (`SAR_NOTES`); None: every ok result answered.
+    #: What SAR covers or why there is none (`SAR_NOTES`); None in decode mode.
     sar_note: str | None
     #: Results with an extraction where neither arm gave an answer (they count as agreeing).
     sar_neither_answered: int
