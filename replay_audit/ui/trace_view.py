@@ -16,6 +16,7 @@ from replay_audit.replays.domain import arm_label, c_against_logged, comparison_
 from replay_audit.replays.models import ReplayResult, ReplayRun
 from replay_audit.replays.results import result_read
 from replay_audit.replays.schemas import ArmRead, MarginsRead, ReplayResultRead
+from replay_audit.stats.report import SAR_NOTES
 from replay_audit.traces.models import Trace
 from replay_audit.ui.charts import margin_track_chart
 
@@ -112,6 +113,8 @@ class TraceView:
     #: Intervention C on the replay arm only, against the logged tokens (a note says what
     #: that measures).
     c_against_logged: bool = False
+    #: Why the answers are not compared (a scan has no replay text), as the run's SAR says.
+    answers_note: str | None = None
 
 
 def logged_margins(trace: Trace) -> list[float | None] | None:
@@ -350,4 +353,5 @@ def build(
         logged_top_k=top_k,
         margin_at_divergence=read.margin_at_divergence,
         c_against_logged=c_against_logged(comp, targets),
+        answers_note=SAR_NOTES["scan"] if read.mode == "scan" else None,
     )

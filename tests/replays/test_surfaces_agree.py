@@ -1116,6 +1116,17 @@ def test_sar_is_mode_aware_and_the_cli_shows_the_api_figures(
     else:
         assert cell == " ".join(x for x in (_prop_text(c["sar"]), c["sar_note"]) if x)
 
+    # The trace page of an exact trace with answers: no answer agreement for a scan either.
+    exact = next((x for x in items if x["exact_match"] and x["semantic"] is not None), None)
+    assert exact is not None or mode == "scan_then_decode"
+    if exact is not None:
+        url = f"/ui/runs/{run['id']}/traces/{exact['trace_id']}?comparison=0"
+        answers = _text(_section(signed_in.get(url).text, r"<tr[^>]*><th>Answers(.*?)</tr>"))
+        if mode == "scan":
+            assert answers.endswith("n/a: a scan has no replay text") and "agree" not in answers
+        else:
+            assert answers.endswith("→ agree")
+
     rows = _csv(client, run["id"], admin)
     assert {r.mode for r in rows} == {mode}
     assert any(r.semantic_agree is not None for r in rows) is (mode != "scan")
