@@ -239,9 +239,9 @@ class TraceCreate(TraceInput):
     output_text: str | None = Field(default=None, max_length=1_000_000)
     #: One piece per output token (its text, or its bytes), from a producer that had the
     #: tokenizer; byte lists that are valid text are stored as that text.
-    output_token_pieces: Annotated[list[TokenPiece], AfterValidator(_canonical_pieces)] | None = (
-        Field(default=None, max_length=MAX_TRACE_TOKENS)
-    )
+    output_token_pieces: (
+        Annotated[list[TokenPiece], AfterValidator(_canonical_pieces)] | None
+    ) = Field(default=None, max_length=MAX_TRACE_TOKENS)
     top_k: TopK | None = None
     tags: list[Tag] = Field(default_factory=list, max_length=64)
     reference_answer: str | None = Field(default=None, max_length=100_000)
