@@ -467,16 +467,16 @@ def _rate(rate: float | None, triggers: int | None, steps: int | None) -> str:
     return f"{_fmt(rate, '.2%')} ({_fmt(triggers)}/{_fmt(steps)})"
 
 
-def gate_rows(c: ComparisonReport) -> list[tuple[str, str]]:
+def _gate_rows(c: ComparisonReport) -> list[tuple[str, str]]:
     """Both arms' gate trigger rates where both ran here (a both-arms comparison), else arm
-    B's: what the CLI summary and the demo print, from the run's statistics."""
+    B's, as the run statistics have them."""
     b = ("trigger rate, arm B", _rate(c.trigger_rate, c.gate_triggers, c.steps))
     if c.steps_a is None:  # arm A is the logged tokens: no gate of ours ran on it
         return [b]
     return [("trigger rate, arm A", _rate(c.trigger_rate_a, c.gate_triggers_a, c.steps_a)), b]
 
 
-def sar_text(c: ComparisonReport) -> str:
+def _sar_text(c: ComparisonReport) -> str:
     """SAR with its counts, or why there is none (a scan has no replay text)."""
     if c.sar is None:
         return c.sar_note or "- (no answers extracted)"
@@ -510,7 +510,7 @@ def _print_summary(c: ComparisonReport, target: Target) -> None:
             f"{_fmt(ear.estimate, '.1%')} [{ear.low:.1%}, {ear.high:.1%}] "
             f"({ear.successes}/{ear.n})",
         ),
-        *gate_rows(c),
+        *_gate_rows(c),
         ("mean gap", _fmt(c.mean_gap, ".4g")),
         (
             "t* min / median / max",
@@ -518,7 +518,7 @@ def _print_summary(c: ComparisonReport, target: Target) -> None:
         ),
     ]
     rows += [(f"category {k}", str(v.successes)) for k, v in c.categories.items()]
-    rows.append(("answer agreement (SAR)", sar_text(c)))
+    rows.append(("answer agreement (SAR)", _sar_text(c)))
     if c.screening is not None:
         rows += _screening_rows(c.screening)
     for k, v in rows:
