@@ -212,19 +212,7 @@ def build(
     targets = run.run_targets
     comp = run.run_comparisons[result.comparison]
     read = result_read(result, trace.public_id, run.public_id, engine_reproduced=engine_reproduced)
-    empty = ArmRead(
-        target=None,
-        output_token_ids=None,
-        gate_triggers=None,
-        steps=None,
-        trigger_rate=None,
-        mean_gap=None,
-        changed_steps=None,
-        gate_fired_steps=None,
-        margins=None,
-        environment=None,
-        text=None,
-    )
+    empty = ArmRead.model_validate(dict.fromkeys(ArmRead.model_fields))  # a failed result's
     ra, rb = (read.arms.a, read.arms.b) if read.arms is not None else (empty, empty)
     t_star = result.first_divergence_step
     start = max(0, t_star - MAX_TOKENS_SHOWN // 4) if t_star and t_star >= MAX_TOKENS_SHOWN else 0
