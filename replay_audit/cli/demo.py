@@ -18,11 +18,15 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from replay_audit.cli import app
+
+if TYPE_CHECKING:
+    from replay_audit.replays.schemas import ReplayRead
+    from replay_audit.stats.report import ComparisonReport, ProportionRead
 
 PROMPTS_FILE = Path(__file__).resolve().parent.parent / "assets" / "prompts.jsonl"
 #: The demo's admin key, kept (mode 0600) so the next demo reuses it instead of minting another.
@@ -104,43 +108,55 @@ def _serving(settings: Any, port: int) -> Iterator[tuple[threading.Thread, str]]
         thread.join(timeout=10)
 
 
-def _pct(p: dict[str, Any] | None) -> str:
-    if not p or p.get("estimate") is None:
+def _pct(p: ProportionRead) -> str:
+    if p.estimate is None:
         return "-"
-    return f"{100 * p['estimate']:.0f}% [{100 * p['low']:.0f}, {100 * p['high']:.0f}]"
+    return f"{100 * p.estimate:.0f}% [{100 * p.low:.0f}, {100 * p.high:.0f}]"
 
 
 _SHORT = {"agreed": "agr", "head_reachable": "head", "kv_dependent": "kv", "body_dominated": "body"}
 
 
-def _print_run(console: Any, run: dict[str, Any], title: str) -> None:
+def _gate(c: ComparisonReport) -> str:
+    """Arm B's trigger rate, and arm A's before it where arm A ran here (both arms)."""
+
+    def rate(r: float | None) -> str:
+        return "-" if r is None else f"{100 * r:.2f}%"
+
+    b = rate(c.trigger_rate)
+    return b if c.steps_a is None else f"A {rate(c.trigger_rate_a)} · B {b}"
+
+
+def _print_run(console: Any, run: ReplayRead, title: str) -> None:
     """The run's statistics as the API serves them (`statistics`: the same object as /report
     and the UI), with each comparison's and each lift's own label."""
     from rich.markup import escape
     from rich.table import Table
 
-    stats = run["statistics"] or {"comparisons": [], "lifts": []}
-    table = Table(title=f"{title}\nrun {run['id']} ({run['status']})", title_justify="left")
-    for col in ("comparison", "EAR [95% CI]", "gate", "t* med", "categories"):
+    stats = run.statistics
+    table = Table(title=f"{title}\nrun {run.id} ({run.status})", title_justify="left")
+    for col in ("comparison", "EAR [95% CI]", "gate trigger rate", "t* med", "categories"):
         table.add_column(col, overflow="fold")
-    for c in stats["comparisons"]:
-        t_star = c["first_divergence_step"]
+    for c in stats.comparisons if stats else []:
+        t_star = c.first_divergence_step
         cats = " ".join(
-            f"{_SHORT[k]} {v['successes']}" for k, v in c["categories"].items() if v["successes"]
+            f"{_SHORT[k]} {v.successes}" for k, v in c.categories.items() if v.successes
         )
         table.add_row(
-            escape(c["label"]),
-            _pct(c["ear"]),
-            "-" if c["trigger_rate"] is None else f"{100 * c['trigger_rate']:.2f}%",
-            "-" if t_star is None else f"{t_star['median']:.0f}",
+            escape(c.label),
+            _pct(c.ear),
+            _gate(c),
+            "-" if t_star is None else f"{t_star.median:.0f}",
             cats or "-",
         )
     console.print(table)
-    for lift in stats["lifts"]:
+    for lift in stats.lifts if stats else []:
+        if lift.lift is None or lift.low is None or lift.high is None:
+            continue  # no trace where both are ok
         line = (
-            f"  EAR lift of [{lift['label_b']}] over [{lift['label_a']}]: "
-            f"{100 * lift['lift']:+.1f} pp [{100 * lift['low']:+.1f}, {100 * lift['high']:+.1f}]"
-            f"; fixed {lift['fixed']}, broke {lift['broke']}, McNemar p = {lift['mcnemar_p']:.3g}"
+            f"  EAR lift of [{lift.label_b}] over [{lift.label_a}]: "
+            f"{100 * lift.lift:+.1f} pp [{100 * lift.low:+.1f}, {100 * lift.high:+.1f}]"
+            f"; fixed {lift.fixed}, broke {lift.broke}, McNemar p = {lift.mcnemar_p:.3g}"
         )
         console.print(escape(line))  # the brackets are text, not rich markup
 
@@ -269,10 +285,11 @@ def demo(
                             finished[name] = run
                     time.sleep(0.2)
 
-        _print_run(
-            console, finished["logged"], "BF16-logged traces replayed (arm A: logged tokens)"
-        )
-        _print_run(console, finished["both_arms"], "Both arms run here (the paper's protocol)")
+        from replay_audit.replays.schemas import ReplayRead
+
+        read = {k: ReplayRead.model_validate(v) for k, v in finished.items()}
+        _print_run(console, read["logged"], "BF16-logged traces replayed (arm A: logged tokens)")
+        _print_run(console, read["both_arms"], "Both arms run here (the paper's protocol)")
         runs = f"/ui/runs/{run_ids['logged']} and /ui/runs/{run_ids['both_arms']}"
         if keep_serving:
             where = f"{base} (serving until Ctrl-C)"

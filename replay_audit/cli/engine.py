@@ -10,7 +10,7 @@ import json
 import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
@@ -21,6 +21,10 @@ from replay_audit.replays.domain import (
     DEFAULT_CONTROL_SEED,
     MAX_SCAN_FLAG_ULPS,
 )
+
+if TYPE_CHECKING:
+    from replay_audit.engine import Target
+    from replay_audit.stats.report import ComparisonReport, EstimateRead, ScreeningReport
 
 _DTYPES = ("fp32", "bf16", "fp16")
 _HEAD_DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
@@ -397,6 +401,7 @@ def replay(
             control_fraction=sample.fraction if screening else None,
             control_seed=sample.seed if screening else None,
             scan_flag_ulps=sample.flag_ulps if screening else None,
+            mode=run_mode,
         )
         stats = run_statistics("offline", [comparison])
         summary = {
@@ -406,7 +411,7 @@ def replay(
             "traces": len(parsed),
             "interrupted": interrupted,
         }
-        _print_summary(summary)
+        _print_summary(stats.comparisons[0], target)
         if summary_json is not None:
             summary_json.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
     if interrupted:
@@ -454,83 +459,98 @@ def _results_written(
     return done
 
 
-def _fmt(x: Any, spec: str = "") -> str:
+def _fmt(x: float | int | str | None, spec: str = "") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _print_summary(s: dict[str, Any]) -> None:
+def _rate(rate: float | None, triggers: int | None, steps: int | None) -> str:
+    return f"{_fmt(rate, '.2%')} ({_fmt(triggers)}/{_fmt(steps)})"
+
+
+def _gate_rows(c: ComparisonReport) -> list[tuple[str, str]]:
+    """Both arms' gate trigger rates where both ran here (a both-arms comparison), else arm
+    B's, as the run statistics have them."""
+    b = ("trigger rate, arm B", _rate(c.trigger_rate, c.gate_triggers, c.steps))
+    if c.steps_a is None:  # arm A is the logged tokens: no gate of ours ran on it
+        return [b]
+    return [("trigger rate, arm A", _rate(c.trigger_rate_a, c.gate_triggers_a, c.steps_a)), b]
+
+
+def _sar_text(c: ComparisonReport) -> str:
+    """SAR with its counts, or why there is none (a scan has no replay text)."""
+    if c.sar is None:
+        return c.sar_note or "- (no answers extracted)"
+    text = (
+        f"{_fmt(c.sar.estimate, '.1%')} ({c.sar.successes}/{c.sar.n}; "
+        f"{c.sar_neither_answered} with no answer in either arm)"
+    )
+    return f"{text}; {c.sar_note}" if c.sar_note else text
+
+
+def _print_summary(c: ComparisonReport, target: Target) -> None:
+    """The `replay` summary: the run statistics' comparison, as the API serves it."""
     from rich.console import Console
     from rich.table import Table
 
-    t = s["target"]
-    iv = t["intervention"]
-    gate = f"tau_ulps={iv['tau_ulps']}" if iv["tau_ulps"] is not None else f"tau={iv['tau']}"
+    iv = target.intervention
+    gate = f"tau_ulps={iv.tau_ulps}" if iv.tau_ulps is not None else f"tau={iv.tau}"
     title = (
-        f"replay in {t['dtype']}"
-        + (f" (lm_head {t['lm_head_dtype']})" if t["lm_head_dtype"] else "")
-        + f", intervention {iv['kind']} ({gate}), mode {s['mode']}"
+        f"replay in {target.dtype}"
+        + (f" (lm_head {target.lm_head_dtype})" if target.lm_head_dtype else "")
+        + f", intervention {iv.kind} ({gate}), mode {c.mode}"
     )
     table = Table(title=title, show_header=True)
     table.add_column("measure")
     table.add_column("value", justify="right")
-    ear, ts = s["ear"], s["first_divergence_step"] or {}
+    ear, ts = c.ear, c.first_divergence_step
     rows = [
-        ("traces (n)", str(s["n"])),
+        ("traces (n)", str(c.n)),
         (
             "exact agreement (EAR)",
-            f"{_fmt(ear['estimate'], '.1%')} [{ear['low']:.1%}, {ear['high']:.1%}] "
-            f"({ear['successes']}/{ear['n']})",
+            f"{_fmt(ear.estimate, '.1%')} [{ear.low:.1%}, {ear.high:.1%}] "
+            f"({ear.successes}/{ear.n})",
         ),
-        ("trigger rate", f"{_fmt(s['trigger_rate'], '.2%')} ({s['gate_triggers']}/{s['steps']})"),
-        ("mean gap", _fmt(s["mean_gap"], ".4g")),
+        *_gate_rows(c),
+        ("mean gap", _fmt(c.mean_gap, ".4g")),
         (
             "t* min / median / max",
-            f"{_fmt(ts.get('min'))} / {_fmt(ts.get('median'))} / {_fmt(ts.get('max'))}",
+            " / ".join(_fmt(getattr(ts, k) if ts else None) for k in ("min", "median", "max")),
         ),
     ]
-    rows += [(f"category {k}", str(v["successes"])) for k, v in s["categories"].items()]
-    if s["sar"] is not None:
-        sar = s["sar"]
-        rows.append(
-            (
-                "answer agreement (SAR)",
-                f"{_fmt(sar['estimate'], '.1%')} ({sar['successes']}/{sar['n']}; "
-                f"{s['sar_neither_answered']} with no answer in either arm)",
-            )
-        )
-    screening = s.get("screening")
-    if screening is not None:
-        rows += _screening_rows(screening)
+    rows += [(f"category {k}", str(v.successes)) for k, v in c.categories.items()]
+    rows.append(("answer agreement (SAR)", _sar_text(c)))
+    if c.screening is not None:
+        rows += _screening_rows(c.screening)
     for k, v in rows:
         table.add_row(k, v)
     Console().print(table)
 
 
-def _screening_rows(sc: dict[str, Any]) -> list[tuple[str, str]]:
+def _screening_rows(sc: ScreeningReport) -> list[tuple[str, str]]:
     """A scan-then-decode summary: what was scanned and decoded, and the scan's miss rate."""
 
-    def est(e: dict[str, Any]) -> str:
-        return f"{_fmt(e['estimate'], '.1%')} [{_fmt(e['low'], '.1%')}, {_fmt(e['high'], '.1%')}]"
+    def est(e: EstimateRead) -> str:
+        return f"{_fmt(e.estimate, '.1%')} [{_fmt(e.low, '.1%')}, {_fmt(e.high, '.1%')}]"
 
+    flag = sc.scan_flag_ulps
     return [
-        ("scanned", str(sc["scanned"])),
+        ("scanned", str(sc.scanned)),
         (
             "decoded (mismatch + near-tie + control)",
-            f"{sc['decoded']} ({sc['flagged']} + {sc.get('near_tie', 0)} + {sc['control']})",
+            f"{sc.decoded} ({sc.flagged} + {sc.near_tie} + {sc.control})",
         ),
         (
             "near-tie flag",
             "off"
-            if sc.get("scan_flag_ulps") is None or sc["scan_flag_ulps"] < 0
-            else f"<= {_fmt(sc['scan_flag_ulps'])} ulps ({sc.get('near_tie_diverged', 0)} of "
-            f"{sc.get('near_tie', 0)} diverged)",
+            if flag is None or flag < 0
+            else f"<= {_fmt(flag)} ulps ({sc.near_tie_diverged} of {sc.near_tie} diverged)",
         ),
-        ("only scanned (not in EAR)", str(sc["scanned_only"])),
+        ("only scanned (not in EAR)", str(sc.scanned_only)),
         (
             "control sample",
-            f"{sc['control']} ({sc['control_diverged']} diverged; fraction "
-            f"{_fmt(sc['control_fraction'])}, seed {_fmt(sc['control_seed'])})",
+            f"{sc.control} ({sc.control_diverged} diverged; fraction "
+            f"{_fmt(sc.control_fraction)}, seed {_fmt(sc.control_seed)})",
         ),
-        ("estimated miss rate", est(sc["miss_rate"])),
-        ("estimated EAR, all scanned", est(sc["ear"])),
+        ("estimated miss rate", est(sc.miss_rate)),
+        ("estimated EAR, all scanned", est(sc.ear)),
     ]

@@ -10,15 +10,16 @@ the stored object is the cache, and it lives in the database every process reads
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from replay_audit.diff import get_extractor
 from replay_audit.exceptions import FieldError
-from replay_audit.formats import ArmKey
+from replay_audit.formats import ArmKey, Mode
 from replay_audit.replays import repository
-from replay_audit.replays.domain import arm_label, comparison_label, is_treatment
+from replay_audit.replays.domain import Comparison, arm_label, comparison_label, is_treatment
 from replay_audit.replays.models import ReplayRun
 from replay_audit.stats.report import (
     DEFAULT_LIST_LIMIT,
@@ -44,6 +45,15 @@ def _extractor(name: str) -> Callable[[str], str | None] | None:
         return None  # an extractor this process does not know: its answers are not counted
 
 
+def comparison_mode(run: ReplayRun, index: int) -> Mode:
+    """The mode comparison `index`'s results were produced in: the run's for a comparison
+    against the logged tokens; a pairwise comparison decodes both arms in every mode
+    (`replayer.compare_arms`). What SAR can count (`stats.report.SAR_NOTES`)."""
+    if Comparison.from_json(run.comparisons[index]).against_logged:
+        return cast(Mode, run.mode)
+    return "decode"
+
+
 def comparison_inputs(
     session: Session, run: ReplayRun, *, figures: bool = True
 ) -> list[ComparisonInput]:
@@ -62,6 +72,7 @@ def comparison_inputs(
             control_fraction=control.fraction if control is not None else None,
             control_seed=control.seed if control is not None else None,
             scan_flag_ulps=control.flag_ulps if control is not None else None,
+            mode=comparison_mode(run, c.index),
         )
         for c in run.run_comparisons
     ]

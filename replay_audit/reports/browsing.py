@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -19,7 +18,7 @@ from replay_audit.replays.models import ReplayResult, ReplayRun
 from replay_audit.replays.statistics import check_comparison
 from replay_audit.reports import repository
 from replay_audit.reports.filters import ResultFilter, RunFilter
-from replay_audit.reports.repository import ReplayCounts
+from replay_audit.reports.repository import ReplayCounts, ResultRow
 from replay_audit.reports.schemas import RunList, RunSummaryRead
 from replay_audit.stats.report import ProportionRead
 from replay_audit.traces import service as traces_service
@@ -116,7 +115,7 @@ def run_list(
 
 @dataclass(frozen=True)
 class ResultsPage:
-    items: list[dict[str, Any]]
+    items: list[ResultRow]
     next_after: int | None
 
 
@@ -129,7 +128,7 @@ def results_page(
     rows = repository.results_page(session, run.id, f, after_id=after, limit=limit + 1)
     more = len(rows) > limit
     rows = rows[:limit]
-    return ResultsPage(items=rows, next_after=int(rows[-1]["id"]) if more and rows else None)
+    return ResultsPage(items=rows, next_after=rows[-1].id if more and rows else None)
 
 
 def get_trace_in_run(
@@ -210,7 +209,7 @@ class TraceReplay:
     run: ReplayRun
     comparison: int
     label: str
-    result: dict[str, Any]
+    result: ResultRow
 
 
 @dataclass(frozen=True)
@@ -236,11 +235,11 @@ def trace_history(
     rows = rows[:limit]
     replays = []
     for result, run in rows:
-        index = int(result["comparison"])
+        index = result.comparison
         label = comparison_label(run.run_comparisons[index], run.run_targets)
         replays.append(TraceReplay(run=run, comparison=index, label=label, result=result))
     return TraceHistory(
         trace=trace,
         replays=replays,
-        next_before=int(rows[-1][0]["id"]) if more and rows else None,
+        next_before=rows[-1][0].id if more and rows else None,
     )

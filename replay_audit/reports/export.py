@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from replay_audit.db.unit_of_work import unit_of_work
 from replay_audit.replays.models import ReplayRun
 from replay_audit.replays.results import result_json
+from replay_audit.replays.statistics import comparison_mode
 from replay_audit.reports import repository
 
 ExportFormat = Literal["csv", "jsonl"]
@@ -71,6 +72,10 @@ EXPORT_FIELDS: Final = (
     "n_steps_a",
     # scan_then_decode: flagged, control or scanned (only scanned: exact_match empty).
     "screen",
+    # Arm A's gate trigger rate where arm A ran here (both arms); the mode the result was
+    # produced in (a scan has no replay text: semantic_agree empty).
+    "trigger_rate_a",
+    "mode",
 )
 MEDIA_TYPES: Final[dict[str, str]] = {
     "csv": "text/csv; charset=utf-8",
@@ -89,8 +94,11 @@ def _arm(value: Any) -> str:
 def record(run: ReplayRun, row: Mapping[str, Any], *, full: bool) -> dict[str, Any]:
     """One exported result as typed JSON values (EXPORT_FIELDS, plus detail and token ids when
     `full`)."""
-    comp = run.comparisons[int(row["comparison"])]
+    index = int(row["comparison"])
+    comp = run.comparisons[index]
+    mode = comparison_mode(run, index)
     created = row["created_at"]
+    triggers_a, steps_a = row["gate_triggers_a"], row["n_steps_a"]
     out: dict[str, Any] = {
         "run_id": run.public_id,
         "trace_id": row["public_id"],
@@ -98,7 +106,7 @@ def record(run: ReplayRun, row: Mapping[str, Any], *, full: bool) -> dict[str, A
         "model_name": row["model_name"],
         "tags": list(row["tags"] or []),
         "has_reference_answer": bool(row["has_reference_answer"]),
-        "comparison": int(row["comparison"]),
+        "comparison": index,
         "arm_a": _arm(comp["a"]),
         "arm_b": _arm(comp["b"]),
         "status": row["status"],
@@ -117,14 +125,18 @@ def record(run: ReplayRun, row: Mapping[str, Any], *, full: bool) -> dict[str, A
         "gate_triggers_a": row["gate_triggers_a"],
         "n_steps_a": row["n_steps_a"],
         "trigger_rate": row["trigger_rate"],
+        "trigger_rate_a": triggers_a / steps_a if triggers_a is not None and steps_a else None,
         "mean_gap": row["mean_gap"],
         "cascade_length": row["cascade_length"],
         "length_difference": row["length_difference"],
         # Equal extracted answers (neither answering counts as agreeing), as the statistics
-        # count it, for results stored by earlier releases too.
+        # count it, for results stored by earlier releases too; none in a scan (no replay text).
         "semantic_agree": (
-            row["answer_a"] == row["answer_b"] if row["answer_extractor"] is not None else None
+            row["answer_a"] == row["answer_b"]
+            if row["answer_extractor"] is not None and mode != "scan"
+            else None
         ),
+        "mode": mode,
         "created_at": created.isoformat() if isinstance(created, datetime) else created,
         "margin_logged": row["margin_a"],
         "margin_logged_ulps": row["margin_a_ulps"],
@@ -139,7 +151,7 @@ def record(run: ReplayRun, row: Mapping[str, Any], *, full: bool) -> dict[str, A
     if full:
         # The result as `GET /v1/replays/{id}/results` gives it.
         result = result_json(row["result"], row["public_id"], run.public_id)
-        for key in ("mode", "margin_at_divergence", "single_step", "semantic", "arms"):
+        for key in ("margin_at_divergence", "single_step", "semantic", "arms"):
             out[key] = result[key]
     return out
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import (
     ColumnElement,
@@ -181,7 +181,33 @@ def flipped_traces(
 # -- result rows -------------------------------------------------------------------------------
 
 
-#: The summary columns of a result (no token arrays, no detail JSON): what lists show.
+class ResultRow(NamedTuple):
+    """A result's summary columns (no token arrays, no detail JSON): what lists show, and its
+    trace's ids and tags where the list shows them. Fields in `_SUMMARY_COLUMNS`' order."""
+
+    id: int
+    comparison: int
+    status: str
+    error: str | None
+    exact_match: bool | None
+    first_divergence_step: int | None
+    category: str | None
+    margin_a: float | None
+    margin_a_ulps: float | None
+    margin_b: float | None
+    margin_b_ulps: float | None
+    length_difference: int | None
+    gate_triggers: int | None
+    n_steps: int | None
+    gate_triggers_a: int | None
+    n_steps_a: int | None
+    screen: str | None
+    public_id: str | None = None
+    external_id: str | None = None
+    tags: list[str] | None = None
+
+
+#: The columns of `ResultRow`, but the trace's.
 _SUMMARY_COLUMNS = (
     R.id,
     R.comparison,
@@ -205,7 +231,7 @@ _SUMMARY_COLUMNS = (
 
 def results_page(
     session: Session, run_id: int, f: ResultFilter, *, after_id: int | None, limit: int
-) -> list[dict[str, Any]]:
+) -> list[ResultRow]:
     """Summary rows of a run's results with their trace's ids and tags, in result id order."""
     stmt = (
         select(*_SUMMARY_COLUMNS, Trace.public_id, Trace.external_id, Trace.tags)
@@ -226,7 +252,7 @@ def results_page(
         stmt = stmt.where(R.status == "failed")
     if after_id is not None:
         stmt = stmt.where(R.id > after_id)
-    return [dict(m) for m in session.execute(stmt).mappings()]
+    return [ResultRow._make(row) for row in session.execute(stmt)]
 
 
 def get_trace(session: Session, project_id: int, public_id: str) -> Trace | None:
@@ -348,7 +374,7 @@ def replay_counts(session: Session, trace_ids: Sequence[int]) -> dict[int, Repla
 
 def trace_replays(
     session: Session, project_id: int, trace_id: int, *, before_id: int | None, limit: int
-) -> list[tuple[dict[str, Any], ReplayRun]]:
+) -> list[tuple[ResultRow, ReplayRun]]:
     """The results of one trace in every run of the project, newest first (by result id), with
     their run: summary columns only (no token arrays, no detail JSON)."""
     stmt = (
@@ -360,12 +386,11 @@ def trace_replays(
     )
     if before_id is not None:
         stmt = stmt.where(R.id < before_id)
-    out = []
-    for row in session.execute(stmt):
-        mapping = dict(row._mapping)
-        run = mapping.pop("ReplayRun")
-        out.append((mapping, run))
-    return out
+    # No trace columns: the trace is the one asked for.
+    return [
+        (ResultRow._make([*row[:-1], None, None, None]), row.ReplayRun)
+        for row in session.execute(stmt)
+    ]
 
 
 def internal_trace_ids(

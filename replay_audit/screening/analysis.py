@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict
 
 import numpy as np
 
@@ -45,20 +44,18 @@ from replay_audit.screening.tier import choose_tier
 from replay_audit.stats.report import (
     ComparisonInput,
     ComparisonReport,
-    DistributionRead,
-    LogHistogramRead,
     ResultFigures,
     run_statistics,
 )
-from replay_audit.stats.summary import distribution, log_histogram
+from replay_audit.stats.summary import Distribution, LogHistogram, distribution, log_histogram
 
 #: Bins per decade of the margin histograms (as the run reports').
 BINS_PER_DECADE = 2
 
 
-def _dist(values: Sequence[float]) -> DistributionRead | None:
+def _dist(values: Sequence[float]) -> Distribution | None:
     xs = [float(v) for v in values if math.isfinite(v)]
-    return DistributionRead(**asdict(distribution(xs))) if xs else None
+    return distribution(xs) if xs else None
 
 
 def _prompt_figures(
@@ -180,16 +177,13 @@ def _decades(groups: Sequence[np.ndarray]) -> tuple[int, int] | None:
     return lo, hi
 
 
-def _log_hist(values: np.ndarray, decades: tuple[int, int] | None) -> LogHistogramRead | None:
+def _log_hist(values: np.ndarray, decades: tuple[int, int] | None) -> LogHistogram | None:
     xs = values[np.isfinite(values) & (values >= 0)]
     if xs.size == 0:
         return None
     if decades is None:
-        return LogHistogramRead(edges=[], counts=[], zeros=int(xs.size), below=0, above=0)
-    h = log_histogram(xs.tolist(), decades=decades, bins_per_decade=BINS_PER_DECADE)
-    return LogHistogramRead(
-        edges=list(h.edges), counts=list(h.counts), zeros=h.zeros, below=h.below, above=h.above
-    )
+        return LogHistogram(edges=(), counts=(), zeros=int(xs.size), below=0, above=0)
+    return log_histogram(xs.tolist(), decades=decades, bins_per_decade=BINS_PER_DECADE)
 
 
 def margin_distributions(plan: SweepPlan, out: ScreenOutputs) -> list[MarginDistributionRead]:
@@ -274,7 +268,7 @@ def _hidden_gap(figs: list[ResultFigures], probes: dict[int, Probe]) -> HiddenGa
     div = [f for f in figs if f.diverged and f.trace_id in probes]
     at_t = [probes[f.trace_id].dh_t_star for f in div]
     gated = [x for f in div for x in probes[f.trace_id].dh_gated]
-    by_cat: dict[str, DistributionRead | None] = {}
+    by_cat: dict[str, Distribution | None] = {}
     for c in CATEGORIES[1:]:
         vals = [probes[f.trace_id].dh_t_star for f in div if f.category == c]
         by_cat[c] = _dist([v for v in vals if v is not None])

@@ -7,12 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from replay_audit.stats.report import (
-    ComparisonReport,
-    DistributionRead,
-    LiftReport,
-    LogHistogramRead,
-)
+from replay_audit.stats.report import ComparisonReport, LiftReport
+from replay_audit.stats.summary import Distribution, LogHistogram
 
 
 class _Frozen(BaseModel):
@@ -63,10 +59,10 @@ class HiddenGapRead(_Frozen):
     the KV cache's own numerics are left out (docs/screening.md says why)."""
 
     prompts: int
-    t_star: DistributionRead | None
-    gated: DistributionRead | None
+    t_star: Distribution | None
+    gated: Distribution | None
     gated_steps: int
-    by_category: dict[str, DistributionRead | None]
+    by_category: dict[str, Distribution | None]
 
 
 class PairResult(_Frozen):
@@ -102,9 +98,9 @@ class MarginDistributionRead(_Frozen):
     steps: int
     ties: int
     tie_share: float | None
-    histogram: LogHistogramRead | None
-    histogram_ulps: LogHistogramRead | None
-    distribution: DistributionRead | None
+    histogram: LogHistogram | None
+    histogram_ulps: LogHistogram | None
+    distribution: Distribution | None
 
 
 class TauCalibrationRead(_Frozen):
@@ -114,8 +110,8 @@ class TauCalibrationRead(_Frozen):
 
     format: str
     flips: int
-    flip_margin: DistributionRead | None
-    flip_margin_ulps: DistributionRead | None
+    flip_margin: Distribution | None
+    flip_margin_ulps: Distribution | None
     cover: float
     tau: float | None
     tau_ulps: float | None

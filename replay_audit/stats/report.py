@@ -6,13 +6,22 @@ run's `aggregate`), `GET /v1/replays/{id}` and `/report` serve it, the web UI re
 CLI `replay` summary and the demo print it, audit trends and drift alerts read it. A run still
 replaying gets the same function over the results stored so far.
 
+One representation: the output is pydantic read models (they validate the stored JSON back and
+give the API its schema), and where the pure `stats` functions already return a frozen
+dataclass (`Distribution`, `Histogram`, `LogHistogram`, `TostResult`) that dataclass is the
+field itself, its schema derived by pydantic, not copied into a `...Read` twin. `ProportionRead`
+stays: it is the flat JSON shape of a proportion (`stats.Proportion` nests its interval).
+
 Definitions (DESIGN.md):
     EAR            exact matches / ok results, Wilson 95% interval
     SAR            equal extracted answers / ok results with an extraction; two arms that both
                    give no answer agree (their answers do not differ), counted in
-                   `sar_neither_answered`
-    trigger rate   arm B's gate firings over arm B's replayed steps, pooled over traces (and
-                   arm A's the same way where arm A was run here: both-arms comparisons)
+                   `sar_neither_answered`. Mode-aware: a scan has no replay text, so no SAR
+                   (None); scan-then-decode counts the decoded traces only. `sar_note` says so,
+                   and every surface shows it in place of (or next to) the figure.
+    trigger rate   arm B's gate firings over arm B's replayed steps, pooled over traces, and
+                   arm A's the same way where arm A was run here (both-arms comparisons): every
+                   surface shows both
     mean gap       mean margin over arm B's replayed steps, pooled (weighted by steps)
     categories     share of each category among the ok results, Wilson intervals
     screening      (scan-then-decode) EAR and categories count only the decoded results: a
@@ -38,17 +47,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Final, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, computed_field
 
-from replay_audit.formats import CATEGORIES, ArmKey
-from replay_audit.stats.equivalence import tost_noninferiority
+from replay_audit.formats import CATEGORIES, ArmKey, Mode
+from replay_audit.stats.equivalence import TostResult, tost_noninferiority
 from replay_audit.stats.mcnemar import mcnemar_exact
 from replay_audit.stats.paired import correctness_flips, paired_bootstrap_lift
 from replay_audit.stats.proportion import proportion
-from replay_audit.stats.summary import distribution, histogram, log_histogram
+from replay_audit.stats.summary import (
+    Distribution,
+    Histogram,
+    LogHistogram,
+    distribution,
+    histogram,
+    log_histogram,
+)
 
 #: Resamples of the paired bootstrap behind each lift interval (seeded: reproducible).
 BOOTSTRAP_RESAMPLES: Final = 10_000
@@ -62,6 +78,12 @@ MARGIN_BINS_PER_DECADE: Final = 2
 #: Default non-inferiority margin for task accuracy: the paper's δ = 0.05 (5 points).
 DEFAULT_TOST_MARGIN: Final = 0.05
 DEFAULT_TOST_ALPHA: Final = 0.05
+#: Why a comparison's SAR is not over all its ok results, by the mode its results were
+#: produced in (`ComparisonReport.sar_note`; none in decode mode).
+SAR_NOTES: Final[dict[str, str]] = {
+    "scan": "n/a: a scan has no replay text",
+    "scan_then_decode": "decoded traces only (a trace only scanned has no replay text)",
+}
 
 
 # -- input -------------------------------------------------------------------------------------
@@ -127,6 +149,8 @@ class ComparisonInput:
     control_seed: int | None = None
     #: The run's near-tie flag in ulps (negative: off), as recorded.
     scan_flag_ulps: float | None = None
+    #: The mode the results were produced in (what SAR can count: see SAR_NOTES).
+    mode: Mode = "decode"
 
 
 @dataclass(frozen=True)
@@ -158,7 +182,8 @@ class _Frozen(BaseModel):
 
 
 class ProportionRead(_Frozen):
-    """successes / n with its Wilson 95% interval; `estimate` is None when n == 0."""
+    """successes / n with its Wilson 95% interval; `estimate` is None when n == 0. (Flat, where
+    `stats.Proportion` nests its interval: the JSON shape every surface has always read.)"""
 
     successes: int
     n: int
@@ -166,87 +191,68 @@ class ProportionRead(_Frozen):
     low: float
     high: float
 
-
-class DistributionRead(_Frozen):
-    n: int
-    min: float
-    median: float
-    p90: float
-    max: float
-    mean: float
-
-
-class HistogramRead(_Frozen):
-    """counts[i] values in [edges[i], edges[i+1])."""
-
-    edges: list[float]
-    counts: list[int]
-
-
-class LogHistogramRead(_Frozen):
-    """A histogram on a log10 axis; exact zeros counted apart (a log axis cannot show them)."""
-
-    edges: list[float]
-    counts: list[int]
-    zeros: int
-    below: int
-    above: int
+    @classmethod
+    def of(cls, successes: int, n: int) -> ProportionRead:
+        p = proportion(successes, n)
+        return cls(
+            successes=successes, n=n, estimate=p.estimate, low=p.interval.low, high=p.interval.high
+        )
 
 
 class MarginReport(_Frozen):
     """The margin at t* of the divergent results, per arm, absolute and in ulps."""
 
-    a: DistributionRead | None
-    a_ulps: DistributionRead | None
-    b: DistributionRead | None
-    b_ulps: DistributionRead | None
+    a: Distribution | None
+    a_ulps: Distribution | None
+    b: Distribution | None
+    b_ulps: Distribution | None
     #: Divergences where either arm's margin at t* is exactly 0 (a tie in that format).
     ties: int
-    histogram_a: LogHistogramRead | None
-    histogram_b: LogHistogramRead | None
-    histogram_a_ulps: LogHistogramRead | None
-    histogram_b_ulps: LogHistogramRead | None
+    histogram_a: LogHistogram | None
+    histogram_b: LogHistogram | None
+    histogram_a_ulps: LogHistogram | None
+    histogram_b_ulps: LogHistogram | None
 
     # Deprecated names of earlier releases (arm A was called "logged" even when it was a
     # target run here): kept in the JSON for this release, see docs/api.md.
     @computed_field  # type: ignore[prop-decorator]
     @property
-    def logged(self) -> DistributionRead | None:
+    def logged(self) -> Distribution | None:
         return self.a
 
     @computed_field  # type: ignore[prop-decorator]
     @property
-    def logged_ulps(self) -> DistributionRead | None:
+    def logged_ulps(self) -> Distribution | None:
         return self.a_ulps
 
     @computed_field  # type: ignore[prop-decorator]
     @property
-    def replay(self) -> DistributionRead | None:
+    def replay(self) -> Distribution | None:
         return self.b
 
     @computed_field  # type: ignore[prop-decorator]
     @property
-    def replay_ulps(self) -> DistributionRead | None:
+    def replay_ulps(self) -> Distribution | None:
         return self.b_ulps
 
     @computed_field  # type: ignore[prop-decorator]
     @property
-    def histogram_logged(self) -> LogHistogramRead | None:
+    def histogram_logged(self) -> LogHistogram | None:
         return self.histogram_a
 
     @computed_field  # type: ignore[prop-decorator]
     @property
-    def histogram_replay(self) -> LogHistogramRead | None:
+    def histogram_replay(self) -> LogHistogram | None:
         return self.histogram_b
 
     @computed_field  # type: ignore[prop-decorator]
     @property
-    def histogram_logged_ulps(self) -> LogHistogramRead | None:
+    def histogram_logged_ulps(self) -> LogHistogram | None:
         return self.histogram_a_ulps
 
     @computed_field  # type: ignore[prop-decorator]
     @property
-    def histogram_replay_ulps(self) -> LogHistogramRead | None:
+    def histogram_replay_ulps(self) -> LogHistogram | None:
         return self.histogram_b_ulps
 
 
@@ -310,11 +316,17 @@ class ComparisonReport(_Frozen):
     label: str
     #: Whether this comparison gets a lift over comparison 0 (not the baseline, not self).
     treatment: bool
+    #: The mode its results were produced in. Required: statistics stored before it existed
+    #: (a scan's SAR over its agreed traces) fail to validate and are computed afresh.
+    mode: Mode
     n: int
     ok: int
     failed: int
     ear: ProportionRead
+    #: None where no answer was extracted, or where there is no replay text (a scan).
     sar: ProportionRead | None
+    #: What SAR covers or why there is none (`SAR_NOTES`); None in decode mode.
+    sar_note: str | None
     #: Results with an extraction where neither arm gave an answer (they count as agreeing).
     sar_neither_answered: int
     steps: int
@@ -327,10 +339,10 @@ class ComparisonReport(_Frozen):
     trigger_rate_a: float | None
     #: Share of each category among the ok results, with Wilson intervals.
     categories: dict[str, ProportionRead]
-    first_divergence_step: DistributionRead | None
-    t_star_histogram: HistogramRead | None
+    first_divergence_step: Distribution | None
+    t_star_histogram: Histogram | None
     margin_at_divergence: MarginReport
-    length_difference: DistributionRead | None
+    length_difference: Distribution | None
     #: Divergences (ok, not exact) on traces that this engine did not reproduce in their own
     #: logged configuration: not attributable to the format. None: the run has no engine check
     #: (or this is the check itself).
@@ -385,20 +397,6 @@ class FlipsRead(_Frozen):
     flip_rate: float | None
 
 
-class TostRead(_Frozen):
-    """Paired non-inferiority (TOST) of accuracy(treated) - accuracy(baseline) at `margin`; its
-    interval is the (1 - 2 alpha) one, 90% at the default alpha."""
-
-    diff: float
-    low: float
-    high: float
-    p_value: float
-    non_inferior: bool
-    margin: float
-    alpha: float
-    confidence: float
-
-
 class ArmAccuracy(_Frozen):
     arm: ArmKey
     label: str
@@ -411,7 +409,9 @@ class AccuracyPair(_Frozen):
     label_baseline: str
     label_treated: str
     flips: FlipsRead
-    tost: TostRead | None
+    #: Paired non-inferiority of accuracy(treated) - accuracy(baseline) at `margin` (its
+    #: interval the (1 - 2 alpha) one, 90% at the default alpha); None: no common trace.
+    tost: TostResult | None
 
 
 class AccuracyReport(_Frozen):
@@ -460,30 +460,25 @@ class RunStatistics(_Frozen):
 # -- builders ----------------------------------------------------------------------------------
 
 
-def _prop(successes: int, n: int) -> ProportionRead:
-    p = proportion(successes, n)
-    return ProportionRead(
-        successes=p.successes, n=p.n, estimate=p.estimate, low=p.interval.low, high=p.interval.high
-    )
+_prop = ProportionRead.of
 
 
 def _finite(values: Sequence[float | int | None]) -> list[float]:
     return [float(v) for v in values if v is not None and math.isfinite(float(v))]
 
 
-def _dist(values: Sequence[float | int | None]) -> DistributionRead | None:
+def _dist(values: Sequence[float | int | None]) -> Distribution | None:
     xs = _finite(values)
-    return DistributionRead(**asdict(distribution(xs))) if xs else None
+    return distribution(xs) if xs else None
 
 
-def _t_star_histogram(values: Sequence[int | None]) -> HistogramRead | None:
+def _t_star_histogram(values: Sequence[int | None]) -> Histogram | None:
     xs = _finite(values)
     if not xs:
         return None
     width = max(1, math.ceil((max(xs) + 1) / T_STAR_BINS))
     n_bins = math.ceil((max(xs) + 1) / width)
-    h = histogram(xs, [float(i * width) for i in range(n_bins + 1)])
-    return HistogramRead(edges=list(h.edges), counts=list(h.counts))
+    return histogram(xs, [float(i * width) for i in range(n_bins + 1)])
 
 
 def _decades(groups: Sequence[Sequence[float]]) -> tuple[int, int] | None:
@@ -496,16 +491,13 @@ def _decades(groups: Sequence[Sequence[float]]) -> tuple[int, int] | None:
     return lo, hi
 
 
-def _log_hist(values: Sequence[float], decades: tuple[int, int] | None) -> LogHistogramRead | None:
+def _log_hist(values: Sequence[float], decades: tuple[int, int] | None) -> LogHistogram | None:
     xs = [v for v in values if v >= 0]
     if not xs:
         return None
     if decades is None:  # only zeros: no bins, the zero count alone
-        return LogHistogramRead(edges=[], counts=[], zeros=len(xs), below=0, above=0)
-    h = log_histogram(xs, decades=decades, bins_per_decade=MARGIN_BINS_PER_DECADE)
-    return LogHistogramRead(
-        edges=list(h.edges), counts=list(h.counts), zeros=h.zeros, below=h.below, above=h.above
-    )
+        return LogHistogram(edges=(), counts=(), zeros=len(xs), below=0, above=0)
+    return log_histogram(xs, decades=decades, bins_per_decade=MARGIN_BINS_PER_DECADE)
 
 
 @dataclass(frozen=True)
@@ -628,7 +620,11 @@ def comparison_report(
     arm_a = [f for f in ok if f.n_steps_a is not None]
     steps_a = sum(int(f.n_steps_a or 0) for f in arm_a) if arm_a else None
     triggers_a = sum(int(f.gate_triggers_a or 0) for f in arm_a) if arm_a else None
-    answered = [f for f in ok if f.answer_extractor is not None]
+    # A scan has no replay text (its agreed traces' "answers" are the logged text's twice);
+    # scan-then-decode answers only the decoded ones.
+    answered = [f for f in established if f.answer_extractor is not None]
+    if c.mode == "scan":
+        answered = []
     agree = sum(1 for f in answered if f.answer_a == f.answer_b)
     neither = sum(1 for f in answered if f.answer_a is None and f.answer_b is None)
     categories = {k: sum(1 for f in established if f.category == k) for k in CATEGORIES}
@@ -639,11 +635,13 @@ def comparison_report(
         b=c.b,
         label=c.label,
         treatment=c.treatment,
+        mode=c.mode,
         n=len(figures),
         ok=len(ok),
         failed=len(figures) - len(ok),
         ear=_prop(sum(1 for f in established if f.exact_match), len(established)),
         sar=_prop(agree, len(answered)) if answered else None,
+        sar_note=SAR_NOTES.get(c.mode),
         sar_neither_answered=neither,
         steps=steps,
         gate_triggers=triggers,
@@ -669,16 +667,6 @@ def comparison_report(
         length_difference=_dist([f.length_difference for f in diverged]),
         screening=screening_report(c),
     )
-
-
-@dataclass(frozen=True)
-class LiftSide:
-    """One side of a lift: a comparison of a run, its label and its results' figures."""
-
-    run_id: str
-    comparison: int
-    label: str
-    figures: Sequence[ResultFigures]
 
 
 class PairedOutcome(NamedTuple):
@@ -758,9 +746,14 @@ def lift_from_pairs(
 
 
 def lift_report(
-    base: LiftSide, treated: LiftSide, *, list_limit: int = DEFAULT_LIST_LIMIT
+    run_id: str,
+    base: ComparisonInput,
+    treated: ComparisonInput,
+    *,
+    list_limit: int = DEFAULT_LIST_LIMIT,
 ) -> LiftReport:
-    """EAR lift of `treated` over `base`, paired by trace on the traces where both are ok."""
+    """EAR lift of `treated` over `base` (two comparisons of run `run_id`), paired by trace on
+    the traces where both are established (ok, and decoded in scan-then-decode)."""
     a_by = {f.trace_id: f for f in base.figures if f.established}
     b_by = {f.trace_id: f for f in treated.figures if f.established}
     pairs = [
@@ -768,9 +761,7 @@ def lift_report(
         for t in sorted(a_by.keys() & b_by.keys())
     ]
     refs = {t: TraceRef(id=f.trace_public_id, external_id=f.external_id) for t, f in b_by.items()}
-    sides = LiftSides(
-        base.run_id, base.comparison, base.label, treated.run_id, treated.comparison, treated.label
-    )
+    sides = LiftSides(run_id, base.index, base.label, run_id, treated.index, treated.label)
     return lift_from_pairs(pairs, sides, refs, list_limit=list_limit)
 
 
@@ -824,17 +815,7 @@ def accuracy_report(
         tost = None
         if common:
             flips = correctness_flips(base, treat)
-            r = tost_noninferiority(base, treat, margin=margin, alpha=alpha)
-            tost = TostRead(
-                diff=r.diff,
-                low=r.low,
-                high=r.high,
-                p_value=r.p_value,
-                non_inferior=r.non_inferior,
-                margin=r.margin,
-                alpha=r.alpha,
-                confidence=r.confidence,
-            )
+            tost = tost_noninferiority(base, treat, margin=margin, alpha=alpha)
             flips_read = FlipsRead(
                 gained=flips.gained, lost=flips.lost, n=flips.n, flip_rate=flips.flip_rate
             )
@@ -918,14 +899,11 @@ def run_statistics(
             else r.model_copy(update={"not_attributable": _not_attributable(c, unreproduced)})
             for r, c in zip(reports, comparisons, strict=True)
         ]
-    lifts = []
-    if comparisons:
-        base = comparisons[0]
-        base_side = LiftSide(run_id, base.index, base.label, base.figures)
-        for c in comparisons[1:]:
-            if c.treatment:
-                side = LiftSide(run_id, c.index, c.label, c.figures)
-                lifts.append(lift_report(base_side, side, list_limit=list_limit))
+    lifts = [
+        lift_report(run_id, comparisons[0], c, list_limit=list_limit)
+        for c in comparisons[1:]
+        if c.treatment
+    ]
     return RunStatistics(
         run_id=run_id,
         comparisons=reports,
@@ -935,70 +913,37 @@ def run_statistics(
     )
 
 
+#: What the `aggregate` of earlier releases kept of each comparison, lift and margin block.
+_LEGACY_COMPARISON: Final = (
+    *("index", "a", "b", "n", "ok", "failed", "ear", "sar", "steps", "gate_triggers"),
+    *("trigger_rate", "mean_gap", "first_divergence_step", "length_difference"),
+)
+_LEGACY_MARGINS: Final = ("replay", "replay_ulps", "logged", "logged_ulps", "ties")
+_LEGACY_LIFT: Final = (
+    *("comparison_a", "comparison_b", "n", "lift", "low", "high", "confidence", "fixed"),
+    *("broke", "mcnemar_p"),
+)
+
+
 def legacy_aggregate(stats: RunStatistics) -> dict[str, object]:
-    """The `aggregate` of earlier releases, derived from `stats` (deprecated: read
-    `statistics`). Same figures, older key names."""
-
-    def prop(p: ProportionRead) -> dict[str, object]:
-        return p.model_dump()
-
-    def dist(d: DistributionRead | None) -> dict[str, object] | None:
-        return d.model_dump() if d is not None else None
-
-    comparisons = []
-    for c in stats.comparisons:
-        m = c.margin_at_divergence
-        comparisons.append(
-            {
-                "index": c.index,
-                "a": c.a,
-                "b": c.b,
-                "n": c.n,
-                "ok": c.ok,
-                "failed": c.failed,
-                "ear": prop(c.ear),
-                "sar": prop(c.sar) if c.sar is not None else None,
-                "steps": c.steps,
-                "gate_triggers": c.gate_triggers,
-                "trigger_rate": c.trigger_rate,
-                "mean_gap": c.mean_gap,
-                "first_divergence_step": dist(c.first_divergence_step),
-                "margin_at_divergence": {
-                    "replay": dist(m.b),
-                    "replay_ulps": dist(m.b_ulps),
-                    "logged": dist(m.a),
-                    "logged_ulps": dist(m.a_ulps),
-                    "ties": m.ties,
-                },
-                "length_difference": dist(c.length_difference),
-                "categories": {k: v.successes for k, v in c.categories.items()},
-            }
-        )
-    lifts = [
-        {
-            "baseline": lf.comparison_a,
-            "treated": lf.comparison_b,
-            "n": lf.n,
-            "lift": lf.lift,
-            "low": lf.low,
-            "high": lf.high,
-            "confidence": lf.confidence,
-            "fixed": lf.fixed,
-            "broke": lf.broke,
-            "mcnemar_p": lf.mcnemar_p,
-            "fixed_trace_ids": [t.id for t in lf.fixed_traces],
-            "broke_trace_ids": [t.id for t in lf.broke_traces],
+    """The `aggregate` of earlier releases: a view of `stats` under older key names
+    (deprecated: read `statistics`)."""
+    data = stats.model_dump(mode="json")
+    comparisons = [
+        {k: c[k] for k in _LEGACY_COMPARISON}
+        | {
+            "margin_at_divergence": {k: c["margin_at_divergence"][k] for k in _LEGACY_MARGINS},
+            "categories": {k: v["successes"] for k, v in c["categories"].items()},
         }
-        for lf in stats.lifts
+        for c in data["comparisons"]
+    ]
+    renamed = {"comparison_a": "baseline", "comparison_b": "treated"}
+    lifts = [
+        {renamed.get(k, k): lf[k] for k in _LEGACY_LIFT}
+        | {
+            f"{kind}_trace_ids": [t["id"] for t in lf[f"{kind}_traces"]]
+            for kind in ("fixed", "broke")
+        }
+        for lf in data["lifts"]
     ]
     return {"comparisons": comparisons, "lifts": lifts}
-
-
-def figures_by_comparison(
-    figures: Sequence[tuple[int, ResultFigures]],
-) -> Mapping[int, list[ResultFigures]]:
-    """Group (comparison, figures) pairs by comparison."""
-    out: dict[int, list[ResultFigures]] = {}
-    for c, f in figures:
-        out.setdefault(c, []).append(f)
-    return out

@@ -19,14 +19,12 @@ from dataclasses import dataclass
 
 from markupsafe import Markup, escape
 
-from replay_audit.stats.report import (
-    HistogramRead,
-    LiftReport,
-    LogHistogramRead,
-    ProportionRead,
-)
+from replay_audit.stats.report import LiftReport, ProportionRead
+from replay_audit.stats.summary import Histogram, LogHistogram
 
 WIDTH = 640
+#: Longest arm name in the margin track's legend (three entries share its one row).
+LEGEND_CHARS = 30
 #: Margins: left (axis labels), right, top, bottom (axis labels).
 ML, MR, MT, MB = 56, 12, 14, 40
 
@@ -83,7 +81,7 @@ def _count_axis(body: list[str], top: int, height: int, y_max: int, x0: float, x
         body.append(_text(x0 - 6, y + 4, int(value), anchor="end"))
 
 
-def histogram_chart(hist: HistogramRead | None, x_label: str, height: int = 200) -> Markup:
+def histogram_chart(hist: Histogram | None, x_label: str, height: int = 200) -> Markup:
     """Bars of a linear histogram (e.g. t*); bins are labelled by their integer range."""
     label = f"Histogram of {x_label}"
     if hist is None or not hist.counts:
@@ -114,7 +112,7 @@ class Series:
     """One data set of a grouped chart: a name for the legend, its data, a CSS class."""
 
     name: str
-    hist: LogHistogramRead | None
+    hist: LogHistogram | None
     css: str
 
 
@@ -271,11 +269,19 @@ def margin_track_chart(
     tau: float | None = None,
     height: int = 270,
     gate_fired_steps_a: Sequence[int] = (),
+    label_a: str = "logged",
+    label_b: str = "replay",
 ) -> Markup:
     """Per-step margins of both arms on a log axis (exact zeros on a band below it), the steps
     where each arm's gate fired as ticks on top (arm B's pointing down, arm A's, where arm A
-    was run here, pointing up below them), t* as a vertical line, τ dashed."""
+    was run here, pointing up below them), t* as a vertical line, τ dashed. The legend names
+    each arm by what it is (`label_a`: "logged" only where arm A is the logged tokens)."""
     label = "Per-step top-two margin of both arms"
+    # Cut to fit the legend's row (the page names the arms in full).
+    names = {
+        "logged": f"arm A: {label_a}"[:LEGEND_CHARS],
+        "replay": f"arm B: {label_b}"[:LEGEND_CHARS],
+    }
     tracks = [(name, vals) for name, vals in (("logged", logged), ("replay", replay)) if vals]
     if not tracks:
         return _svg(60, [_text(WIDTH / 2, 34, "no per-step margins stored", "empty")], label)
@@ -332,12 +338,12 @@ def margin_track_chart(
                 y = zero_band if m <= 0 else sy(m)
                 body.append(
                     f'<circle cx="{_num(sx(t))}" cy="{_num(y)}" r="2.2" class="dot dot-{name}">'
-                    f"<title>{name} step {t}: margin {m:g}</title></circle>"
+                    f"<title>{escape(names[name])} step {t}: margin {m:g}</title></circle>"
                 )
     for t in sorted({0, n // 2, n - 1}):
         body.append(_text(sx(t), zero_band + 18, t))
     body.append(_text((x0 + x1) / 2, zero_band + 32, "step"))
-    legend = [("logged", "logged arm"), ("replay", "replayed arm"), ("gate", "gate fired")]
+    legend = [("logged", names["logged"]), ("replay", names["replay"]), ("gate", "gate fired")]
     x = x1
     for key, text in reversed(legend):
         body.append(_text(x, height - 4, text, f"legend legend-{key}", "end"))

@@ -16,11 +16,13 @@ render a template.
 from __future__ import annotations
 
 import urllib.parse
+from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from typing import Annotated, Any, Final, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
+from markupsafe import Markup
 
 from replay_audit.api.deps import DBSession
 from replay_audit.auth.schemas import Principal
@@ -39,6 +41,7 @@ from replay_audit.reports.endpoints import export_response
 from replay_audit.reports.filters import ResultFilter, RunFilter
 from replay_audit.reports.schemas import RunReport
 from replay_audit.screenings import service as screenings_service
+from replay_audit.stats.report import MarginReport
 from replay_audit.ui import session as ui_session
 from replay_audit.ui import trace_view
 from replay_audit.ui.charts import (
@@ -297,31 +300,35 @@ def runs_list(
     )
 
 
-def _run_charts(report: RunReport) -> list[dict[str, Any]]:
-    charts = []
-    for c in report.comparisons:
-        m = c.margin_at_divergence
-        charts.append(
-            {
-                "categories": category_chart(c.categories),
-                "t_star": histogram_chart(c.t_star_histogram, "first divergence step t*"),
-                "margin": log_histogram_chart(
-                    [
-                        Series("arm A", m.histogram_a, "series-logged"),
-                        Series("arm B", m.histogram_b, "series-replay"),
-                    ],
-                    "margin at t* (top-1 \u2212 top-2 logit)",
-                ),
-                "margin_ulps": log_histogram_chart(
-                    [
-                        Series("arm A", m.histogram_a_ulps, "series-logged"),
-                        Series("arm B", m.histogram_b_ulps, "series-replay"),
-                    ],
-                    "margin at t* in ulps of the arm's lm_head format",
-                ),
-            }
+@dataclass(frozen=True)
+class ComparisonCharts:
+    """A comparison's charts on the run page: categories, t*, margins at t* (both arms)."""
+
+    categories: Markup
+    t_star: Markup
+    margin: Markup
+    margin_ulps: Markup
+
+
+def _run_charts(report: RunReport) -> list[ComparisonCharts]:
+    def margins(m: MarginReport, ulps: bool) -> list[Series]:
+        a, b = (m.histogram_a_ulps, m.histogram_b_ulps) if ulps else (m.histogram_a, m.histogram_b)
+        return [Series("arm A", a, "series-logged"), Series("arm B", b, "series-replay")]
+
+    return [
+        ComparisonCharts(
+            categories=category_chart(c.categories),
+            t_star=histogram_chart(c.t_star_histogram, "first divergence step t*"),
+            margin=log_histogram_chart(
+                margins(c.margin_at_divergence, False), "margin at t* (top-1 \u2212 top-2 logit)"
+            ),
+            margin_ulps=log_histogram_chart(
+                margins(c.margin_at_divergence, True),
+                "margin at t* in ulps of the arm's lm_head format",
+            ),
         )
-    return charts
+        for c in report.comparisons
+    ]
 
 
 @router.get("/runs/{run_id}")

@@ -9,8 +9,8 @@ from typing import Any
 from markupsafe import Markup
 
 from replay_audit.screening.report import ScreeningReport
-from replay_audit.stats.report import HistogramRead, ProportionRead
-from replay_audit.stats.summary import histogram
+from replay_audit.stats.report import ProportionRead
+from replay_audit.stats.summary import Histogram, histogram
 from replay_audit.ui.charts import (
     Series,
     category_chart,
@@ -21,12 +21,8 @@ from replay_audit.ui.charts import (
 from replay_audit.ui.templating import ENV, STATIC_DIR
 
 
-def _td_histogram(values: list[float]) -> HistogramRead | None:
-    if not values:
-        return None
-    edges = [i / 20 for i in range(21)]
-    h = histogram(values, edges)
-    return HistogramRead(edges=list(h.edges), counts=list(h.counts))
+def _td_histogram(values: list[float]) -> Histogram | None:
+    return histogram(values, [i / 20 for i in range(21)]) if values else None
 
 
 def charts(report: ScreeningReport) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from replay_audit.replays.domain import arm_label, c_against_logged, comparison_
 from replay_audit.replays.models import ReplayResult, ReplayRun
 from replay_audit.replays.results import result_read
 from replay_audit.replays.schemas import ArmRead, MarginsRead, ReplayResultRead
+from replay_audit.stats.report import SAR_NOTES
 from replay_audit.traces.models import Trace
 from replay_audit.ui.charts import margin_track_chart
 
@@ -112,6 +113,8 @@ class TraceView:
     #: Intervention C on the replay arm only, against the logged tokens (a note says what
     #: that measures).
     c_against_logged: bool = False
+    #: Why the answers are not compared (a scan has no replay text), as the run's SAR says.
+    answers_note: str | None = None
 
 
 def logged_margins(trace: Trace) -> list[float | None] | None:
@@ -209,19 +212,7 @@ def build(
     targets = run.run_targets
     comp = run.run_comparisons[result.comparison]
     read = result_read(result, trace.public_id, run.public_id, engine_reproduced=engine_reproduced)
-    empty = ArmRead(
-        target=None,
-        output_token_ids=None,
-        gate_triggers=None,
-        steps=None,
-        trigger_rate=None,
-        mean_gap=None,
-        changed_steps=None,
-        gate_fired_steps=None,
-        margins=None,
-        environment=None,
-        text=None,
-    )
+    empty = ArmRead.model_validate(dict.fromkeys(ArmRead.model_fields))  # a failed result's
     ra, rb = (read.arms.a, read.arms.b) if read.arms is not None else (empty, empty)
     t_star = result.first_divergence_step
     start = max(0, t_star - MAX_TOKENS_SHOWN // 4) if t_star and t_star >= MAX_TOKENS_SHOWN else 0
@@ -344,8 +335,11 @@ def build(
             t_star,
             tau=float(tau) if tau else None,
             gate_fired_steps_a=sorted(fired_a),
+            label_a=arm_a.label,
+            label_b=arm_b.label,
         ),
         logged_top_k=top_k,
         margin_at_divergence=read.margin_at_divergence,
         c_against_logged=c_against_logged(comp, targets),
+        answers_note=SAR_NOTES["scan"] if read.mode == "scan" else None,
     )

@@ -424,6 +424,8 @@ class Row(NamedTuple):
     length_difference: int | None
     semantic_agree: bool | None
     screen: str | None
+    trigger_rate_a: float | None
+    mode: str
 
     @classmethod
     def parse(cls, r: dict[str, str]) -> Row:
@@ -447,6 +449,8 @@ class Row(NamedTuple):
             length_difference=_int(r["length_difference"]),
             semantic_agree=_bool(r["semantic_agree"]),
             screen=r["screen"] or None,
+            trigger_rate_a=_float(r["trigger_rate_a"]),
+            mode=r["mode"],
         )
 
     def agrees_with(self, x: dict[str, Any]) -> None:
@@ -466,10 +470,12 @@ class Row(NamedTuple):
             x["trigger_rate"],
             x["mean_gap"],
         )
-        assert (self.gate_triggers_a, self.n_steps_a) == (
+        assert (self.gate_triggers_a, self.n_steps_a, self.trigger_rate_a) == (
             arms["a"].get("gate_triggers"),
             arms["a"].get("steps"),
+            arms["a"].get("trigger_rate"),
         )
+        assert self.mode == x["mode"] or x["mode"] is None
         if self.ok:  # an arm's trigger rate is its gate firings over its replayed steps
             assert self.trigger_rate == (self.gate_triggers or 0) / (self.n_steps or 1)
             if self.n_steps_a is not None:
@@ -481,7 +487,9 @@ class Row(NamedTuple):
             assert margins == (m["a"]["abs"], m["a"]["ulps"], m["b"]["abs"], m["b"]["ulps"])
         assert self.length_difference == x["length_difference"]
         assert self.screen == x["screen"]
-        assert self.semantic_agree == (None if semantic is None else semantic["agree"])
+        # A scan has no replay text: the export shows no answer agreement for it.
+        no_text = semantic is None or self.mode == "scan"
+        assert self.semantic_agree == (None if no_text else semantic["agree"])
         if self.ok:  # one margin per replayed step in the display track
             assert len(arms["b"]["margins"]) == self.n_steps
 
@@ -507,8 +515,17 @@ def _dist(values: list[Any]) -> dict[str, Any] | None:
     }
 
 
-def expected_comparison(rows: list[Row], items: list[dict[str, Any]]) -> dict[str, Any]:
-    """A comparison's figures from its CSV rows (and its SAR from the results' answers)."""
+#: What a comparison's SAR note says, by the mode of its results (decode: nothing).
+SAR_NOTE = {
+    "decode": None,
+    "scan": "n/a: a scan has no replay text",
+    "scan_then_decode": "decoded traces only (a trace only scanned has no replay text)",
+}
+
+
+def expected_comparison(rows: list[Row], items: list[dict[str, Any]], mode: str) -> dict[str, Any]:
+    """A comparison's figures from its CSV rows (and its SAR from the results' answers): no SAR
+    in a scan (no replay text), the decoded traces' in scan-then-decode."""
     ok = [r for r in rows if r.ok]
     # EAR and categories count established results: not a trace only scanned (scan_then_decode).
     established = [r for r in ok if r.exact is not None]
@@ -520,7 +537,13 @@ def expected_comparison(rows: list[Row], items: list[dict[str, Any]]) -> dict[st
     triggers_a = sum(r.gate_triggers_a or 0 for r in with_a) if with_a else None
     gapped = [r for r in ok if r.mean_gap is not None]
     gap_steps = sum(r.n_steps or 0 for r in gapped)
-    answers = [x["semantic"] for x in items if x["status"] == "ok" and x["semantic"] is not None]
+    answers = [
+        x["semantic"]
+        for x in items
+        if x["status"] == "ok" and x["semantic"] is not None and x["exact_match"] is not None
+    ]
+    if mode == "scan":
+        answers = []
     agree = sum(1 for s in answers if s["answer_a"] == s["answer_b"])
     answered = [r.semantic_agree for r in ok if r.semantic_agree is not None]
     assert (len(answered), sum(answered)) == (len(answers), agree)  # the CSV says the same
@@ -529,7 +552,9 @@ def expected_comparison(rows: list[Row], items: list[dict[str, Any]]) -> dict[st
         "ok": len(ok),
         "failed": len(rows) - len(ok),
         "ear": _prop(len(established) - len(diverged), len(established)),
+        "mode": mode,
         "sar": _prop(agree, len(answers)) if answers else None,
+        "sar_note": SAR_NOTE[mode],
         "sar_neither_answered": sum(
             1 for s in answers if s["answer_a"] is None and s["answer_b"] is None
         ),
@@ -691,11 +716,13 @@ def comparison_row_text(index: int, label: str, e: dict[str, Any]) -> str:
     """The row of the run page's agreement table that the figures `e` should give."""
     failed = f" ({e['failed']} failed)" if e["failed"] else ""
     trigger = f"{pct(e['trigger_rate'], 2)} {e['gate_triggers']}/{e['steps']} steps"
-    if e["steps_a"] is not None:
-        trigger += f" arm A: {pct(e['trigger_rate_a'], 2)} ({e['gate_triggers_a']}/{e['steps_a']})"
+    if e["steps_a"] is not None:  # both arms ran here: both arms' gates, labelled
+        a = f"{pct(e['trigger_rate_a'], 2)} {e['gate_triggers_a']}/{e['steps_a']} steps"
+        trigger = f"arm A {a} arm B {trigger}"
+    sar = " ".join(x for x in (_prop_text(e["sar"]) if e["sar"] else "", e["sar_note"]) if x)
     return (
         f"{index} {label} {e['ok']} / {e['n']}{failed} {_prop_text(e['ear'])} "
-        f"{_prop_text(e['sar'])} {trigger} {num(e['mean_gap'])} "
+        f"{sar or NONE} {trigger} {num(e['mean_gap'])} "
         f"{e['margin_at_divergence']['ties']}"
     )
 
@@ -840,7 +867,10 @@ def test_every_surface_shows_the_same_figures(
     items_of = {
         c["index"]: [x for x in items if x["comparison"] == c["index"]] for c in comparisons
     }
-    expected = [expected_comparison(rows_of[i], items_of[i]) for i in rows_of]
+    # A run's mode is its comparisons' against the logged tokens; pairwise ones decode.
+    modes = {c["index"]: case.mode if c["a"] == "logged" else "decode" for c in comparisons}
+    assert all(r.mode == modes[r.comparison] for r in rows)
+    expected = [expected_comparison(rows_of[i], items_of[i], modes[i]) for i in rows_of]
     # Every comparison but the baseline gets a lift over it, except where arm B is the self
     # target: a self-replay is a reproducibility check.
     treatments = [i for i, (_, b) in enumerate(arms) if i != 0 and b != "self"]
@@ -886,7 +916,10 @@ def test_every_surface_shows_the_same_figures(
         assert c["failed"] == sum(x["status"] == "failed" for x in items_of[c["index"]])
         exact_answered = [x for x in ok_items if x["exact_match"] and x["semantic"] is not None]
         assert all(x["semantic"]["agree"] for x in exact_answered)
-        assert (c["sar"]["successes"] if c["sar"] else 0) >= len(exact_answered)
+        if c["mode"] == "scan":  # no replay text, no SAR, and every surface says why
+            assert c["sar"] is None and c["sar_note"] == "n/a: a scan has no replay text"
+        else:
+            assert (c["sar"]["successes"] if c["sar"] else 0) >= len(exact_answered)
     assert run["progress"]["failed"] == sum(c["failed"] for c in stats["comparisons"])
 
     assert [lf["comparison_b"] for lf in stats["lifts"]] == treatments
@@ -941,38 +974,13 @@ def test_cli_summary_is_the_api_comparison(
     run = replay(client, runner, admin, {"trace_ids": trace_ids, "targets": [target]})
     items = {x["trace_id"]: x for x in all_results(client, run["id"], admin)}
 
-    traces = tmp_path / f"traces-{run['id']}.jsonl"
-    lines, external = [], {}
-    for i in trace_ids:  # in the run's trace order, which the statistics sum in
-        body = client.get(f"/v1/traces/{i}", headers=admin).json()
-        external[i] = body["external_id"]
-        lines.append(json.dumps({k: v for k, v in body.items() if k in TraceCreate.model_fields}))
-    traces.write_text("\n".join(lines) + "\n")
-    monkeypatch.setattr("replay_audit.engine.load_engine", planned_engine)
-    out, summary = tmp_path / f"out-{run['id']}.jsonl", tmp_path / f"summary-{run['id']}.json"
-    iv = target.get("intervention")
-    args = ["--intervention", iv["kind"], "--tau", str(iv["tau"])] if iv else []
-    r = CliRunner().invoke(
-        cli,
-        [
-            "replay",
-            str(traces),
-            "--model",
-            str(fake_model_dir),
-            "--dtype",
-            target["dtype"],
-            *args,
-            "--extractor",
-            "gsm8k",
-            "--out",
-            str(out),
-            "--summary-json",
-            str(summary),
-        ],
+    r, out, summary, external = cli_replay(
+        client, admin, trace_ids, target, fake_model_dir, tmp_path, monkeypatch
     )
     assert r.exit_code == 0, r.output
     printed = json.loads(summary.read_text())
-    assert printed.pop("mode") == "decode" and printed.pop("target")["dtype"] == target["dtype"]
+    assert printed["mode"] == "decode" and printed.pop("target")["dtype"] == target["dtype"]
+    check_cli_table(r.output, run["statistics"]["comparisons"][0])
     assert printed.pop("traces") == len(trace_ids) and printed.pop("interrupted") is False
     assert printed == run["statistics"]["comparisons"][0]
     assert f"({printed['ear']['successes']}/{printed['ear']['n']})" in r.output
@@ -986,3 +994,296 @@ def test_cli_summary_is_the_api_comparison(
             x["category"],
         )
         assert mine["gate_triggers"] == x["gate_triggers"] and mine["semantic"] == x["semantic"]
+
+
+def cli_replay(
+    client: TestClient,
+    admin: dict[str, str],
+    trace_ids: list[str],
+    target: dict[str, Any],
+    model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *options: str,
+) -> tuple[Any, Path, Path, dict[str, str]]:
+    """`replay-audit replay` of the traces (as `GET /v1/traces/{id}` gives them, in the run's
+    order, which the statistics sum in) in `target` with `--extractor gsm8k`: the CLI's result,
+    its --out and --summary-json files, and each trace's external id. The CLI itself runs: its
+    `EnginePool(device=, cache=)` loads engines through `replay_audit.engine.load_engine`,
+    replaced here by the fake, so no torch is needed."""
+    traces = tmp_path / f"traces-{trace_ids[0]}.jsonl"
+    lines, external = [], {}
+    for i in trace_ids:
+        body = client.get(f"/v1/traces/{i}", headers=admin).json()
+        external[i] = body["external_id"]
+        lines.append(json.dumps({k: v for k, v in body.items() if k in TraceCreate.model_fields}))
+    traces.write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr("replay_audit.engine.load_engine", planned_engine)
+    monkeypatch.setenv("COLUMNS", "200")  # rich's table, unwrapped
+    out, summary = tmp_path / f"out-{trace_ids[0]}.jsonl", tmp_path / f"sum-{trace_ids[0]}.json"
+    iv = target.get("intervention")
+    args = ["--intervention", iv["kind"], "--tau", str(iv["tau"])] if iv else []
+    r = CliRunner().invoke(
+        cli,
+        ["replay", str(traces), "--model", str(model_dir), "--dtype", target["dtype"], *args,
+         "--extractor", "gsm8k", "--out", str(out), "--summary-json", str(summary), *options],
+    )  # fmt: skip
+    return r, out, summary, external
+
+
+def _cli_row(output: str, measure: str) -> str:
+    """The value of one row of the CLI's summary table (rich draws it with box characters)."""
+    m = re.search(rf"│ {re.escape(measure)} +│ +(.*?) *│", output)
+    assert m is not None, (measure, output)
+    return m.group(1)
+
+
+def check_cli_table(output: str, c: dict[str, Any]) -> None:
+    """The CLI's printed table shows the API's figures of comparison `c`: EAR, arm B's gate
+    (arm A is the logged tokens: not run here), SAR or why there is none."""
+    ear = c["ear"]
+    assert _cli_row(output, "exact agreement (EAR)").endswith(f"({ear['successes']}/{ear['n']})")
+    assert ear["estimate"] is None or _cli_row(output, "exact agreement (EAR)").startswith(
+        f"{ear['estimate']:.1%} [{ear['low']:.1%}, {ear['high']:.1%}]"
+    )
+    gate = _cli_row(output, "trigger rate, arm B")
+    assert "trigger rate, arm A" not in output
+    rate = "-" if c["trigger_rate"] is None else f"{c['trigger_rate']:.2%}"
+    assert gate == f"{rate} ({c['gate_triggers']}/{c['steps']})"
+    sar = _cli_row(output, "answer agreement (SAR)")
+    if c["sar"] is None:
+        assert sar == (c["sar_note"] or "- (no answers extracted)") and "%" not in sar
+    else:
+        assert sar.startswith(f"{c['sar']['estimate']:.1%} ({c['sar']['successes']}/")
+
+
+# -- one run-statistics object, mode-aware, on every surface (issue 19) -----------------------
+
+#: Offline-capable traces (all answerable, none failing): exact ones, flips the scan sees (at
+#: the gate, in the body) and one it cannot (the KV cache's), one answered by neither arm.
+MODE_PLANS = [
+    _plan(),
+    _plan(flip=Flip(2, (1e-5, 0.0), "head", stops=False), gap=3.0),
+    _plan(7, flip=Flip(0, (0.05, 0.1), "body", stops=True)),
+    _plan(mute=True),
+    _plan(flip=Flip(3, (3e-4, 1.5e-4), "kv", stops=False)),
+]
+
+
+@pytest.mark.usefixtures("planned_engines")
+@pytest.mark.parametrize("mode", ["decode", "scan", "scan_then_decode"])
+def test_sar_is_mode_aware_and_the_cli_shows_the_api_figures(
+    client: TestClient,
+    runner: HoldingRunner,
+    admin: dict[str, str],
+    signed_in: TestClient,
+    fake_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str,
+) -> None:
+    """A scan has no replay text: no SAR (it was 100%, over the agreed traces only) on the
+    summary, /report, the UI, the export and the CLI, each saying why; scan-then-decode's SAR
+    counts the decoded traces only, and says so; decode's counts every trace. The CLI prints
+    the API's figures for the same traces."""
+    trace_ids = seed_traces(client, admin, MODE_PLANS, fake_model_dir)
+    body: dict[str, Any] = {"trace_ids": trace_ids, "targets": [{"dtype": "fp16"}], "mode": mode}
+    control = ["--control-fraction", "0"] if mode == "scan_then_decode" else []
+    if control:
+        body["control_fraction"] = 0.0
+    run = replay(client, runner, admin, body)
+    c = run["statistics"]["comparisons"][0]
+    items = all_results(client, run["id"], admin)
+    decoded = [x for x in items if x["semantic"] is not None and x["exact_match"] is not None]
+    assert c["mode"] == mode and c["ear"]["successes"] < c["ear"]["n"]
+    if mode == "scan":
+        # Answers were extracted (an agreed scan's logged text, twice), yet no SAR.
+        assert decoded
+        assert c["sar"] is None and c["sar_note"] == "n/a: a scan has no replay text"
+    elif mode == "scan_then_decode":
+        assert 0 < c["sar"]["n"] == len(decoded) < len(trace_ids)
+        assert c["sar_note"].startswith("decoded traces only")
+    else:
+        assert c["sar"]["n"] == len(trace_ids) and c["sar_note"] is None
+    report = client.get(f"/v1/replays/{run['id']}/report", headers=admin).json()
+    assert report["comparisons"][0] == c
+    assert run["aggregate"]["comparisons"][0]["sar"] == c["sar"]
+
+    page = signed_in.get(f"/ui/runs/{run['id']}").text
+    cell = _text(_section(page, r'<tr id="comparison-0">.*?<td class="sar">(.*?)</td>'))
+    if c["sar"] is None:
+        assert cell == c["sar_note"] and "%" not in cell
+    else:
+        assert cell == " ".join(x for x in (_prop_text(c["sar"]), c["sar_note"]) if x)
+
+    # The trace page of an exact trace with answers: no answer agreement for a scan either.
+    exact = next((x for x in items if x["exact_match"] and x["semantic"] is not None), None)
+    assert exact is not None or mode == "scan_then_decode"
+    if exact is not None:
+        url = f"/ui/runs/{run['id']}/traces/{exact['trace_id']}?comparison=0"
+        answers = _text(_section(signed_in.get(url).text, r"<tr[^>]*><th>Answers(.*?)</tr>"))
+        if mode == "scan":
+            assert answers.endswith("n/a: a scan has no replay text") and "agree" not in answers
+        else:
+            assert answers.endswith("→ agree")
+
+    rows = _csv(client, run["id"], admin)
+    assert {r.mode for r in rows} == {mode}
+    assert any(r.semantic_agree is not None for r in rows) is (mode != "scan")
+
+    r, _, summary, _ = cli_replay(
+        client, admin, trace_ids, {"dtype": "fp16"}, fake_model_dir, tmp_path, monkeypatch,
+        "--mode", mode, *control,
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    printed = json.loads(summary.read_text())
+    assert printed.pop("traces") == len(trace_ids) and printed.pop("target")["dtype"] == "fp16"
+    assert printed.pop("interrupted") is False and printed == c
+    check_cli_table(r.output, c)
+
+
+#: Near misses (both arms' gates fire where C runs), a flip at the gate, one in the body.
+BOTH_ARMS_PLANS = [
+    _plan(near_miss=2),
+    _plan(flip=Flip(2, (3e-4, 1.5e-4), "head", stops=False), near_miss=4),
+    _plan(7, flip=Flip(1, (0.05, 0.1), "body", stops=True)),
+    _plan(flip=Flip(3, (1e-5, 0.0), "head", stops=False)),
+]
+
+
+@pytest.mark.usefixtures("planned_engines")
+def test_a_both_arms_comparison_shows_both_gates_everywhere(
+    client: TestClient,
+    runner: HoldingRunner,
+    admin: dict[str, str],
+    signed_in: TestClient,
+    fake_model_dir: Path,
+) -> None:
+    """The paper's both-arms protocol (the demo's second run): each arm's gate trigger rate on
+    the API, /report, the UI run page, the export and the demo's table; the trace page's
+    margin track names each arm by what it is, not "logged"/"replayed"."""
+    from rich.console import Console
+
+    from replay_audit.cli.demo import _print_run
+    from replay_audit.replays.schemas import ReplayRead
+
+    trace_ids = seed_traces(client, admin, BOTH_ARMS_PLANS, fake_model_dir)
+    names = ("bf16", "fp16", "bf16+C", "fp16+C")
+    body = {
+        "trace_ids": trace_ids,
+        "targets": [PAIRWISE_TARGETS[k] for k in names],
+        "compare": "pairwise",
+        "pairs": [[0, 1], [2, 3]],
+    }
+    run = replay(client, runner, admin, body)
+    comparisons = run["statistics"]["comparisons"]
+    c = comparisons[1]  # BF16 + C vs FP16 + C: both arms' gates fire
+    assert c["gate_triggers_a"] > 0 and c["gate_triggers"] > 0
+    assert c["trigger_rate_a"] == c["gate_triggers_a"] / c["steps_a"] != c["trigger_rate"]
+    report = client.get(f"/v1/replays/{run['id']}/report", headers=admin).json()
+    assert report["comparisons"] == comparisons
+
+    page = signed_in.get(f"/ui/runs/{run['id']}").text
+    for x in comparisons:
+        cell = _text(
+            _section(page, rf'<tr id="comparison-{x["index"]}">.*?<td class="gate">(.*?)</td>')
+        )
+        a = f"{pct(x['trigger_rate_a'], 2)} {x['gate_triggers_a']}/{x['steps_a']} steps"
+        b = f"{pct(x['trigger_rate'], 2)} {x['gate_triggers']}/{x['steps']} steps"
+        assert cell == f"arm A {a} arm B {b}"
+
+    rows = [r for r in _csv(client, run["id"], admin) if r.comparison == 1 and r.ok]
+    assert sum(r.gate_triggers_a or 0 for r in rows) == c["gate_triggers_a"]
+    assert all(r.trigger_rate_a == (r.gate_triggers_a or 0) / (r.n_steps_a or 1) for r in rows)
+    # The run page's results table: each result's gate firings in both arms.
+    listed = signed_in.get(f"/ui/runs/{run['id']}?comparison=1").text
+    table = _text(
+        _section(listed, r'<table class="data" id="results-table">.*?<tbody>(.*?)</tbody>')
+    )
+    assert sorted(re.findall(r"A \d+ · B \d+", table)) == sorted(
+        f"A {r.gate_triggers_a} · B {r.gate_triggers}" for r in rows
+    )
+
+    console = Console(file=io.StringIO(), width=200)
+    _print_run(console, ReplayRead.model_validate(run), "both arms")
+    printed = console.file.getvalue()  # type: ignore[attr-defined]
+    for x in comparisons:
+        assert f"A {100 * x['trigger_rate_a']:.2f}% · B {100 * x['trigger_rate']:.2f}%" in printed
+
+    diverged = next(
+        x for x in all_results(client, run["id"], admin)
+        if x["comparison"] == 0 and x["exact_match"] is False
+    )  # fmt: skip
+    trace = signed_in.get(f"/ui/runs/{run['id']}/traces/{diverged['trace_id']}?comparison=0")
+    label_a, label_b = comparisons[0]["label"].split(" vs ")
+    legend = re.findall(r'class="legend legend-\w+"[^>]*>([^<]*)<', trace.text)[::-1]
+    assert legend == [f"arm A: {label_a}"[:30], f"arm B: {label_b}"[:30], "gate fired"]
+    assert "logged arm" not in trace.text and "replayed arm" not in trace.text
+
+
+@pytest.mark.usefixtures("planned_engines")
+def test_no_lift_for_a_self_comparison_and_report_lifts_are_the_stored_ones(
+    client: TestClient,
+    runner: HoldingRunner,
+    admin: dict[str, str],
+    signed_in: TestClient,
+    fake_model_dir: Path,
+    db_url: str,
+) -> None:
+    """A self comparison (arm B the trace's own logged configuration) is a reproducibility
+    check: no lift on the API, /report, the UI (nor its default pair) or the demo's lines, in
+    a run against the logged tokens and in a pairwise one. /report's lifts are the run's
+    stored statistics' (recomputed at another list limit: the same figures)."""
+    from rich.console import Console
+    from sqlalchemy import select
+
+    from replay_audit.cli.demo import _print_run
+    from replay_audit.db.unit_of_work import session_scope
+    from replay_audit.replays.models import ReplayRun
+    from replay_audit.replays.schemas import ReplayRead
+
+    trace_ids = seed_traces(client, admin, EVERY_FEATURE, fake_model_dir)
+    pairwise = {
+        "trace_ids": trace_ids,
+        "targets": [{"dtype": "bf16"}, {"dtype": "fp16"}],
+        "compare": "pairwise",
+        "compare_with": "self",
+        "pairs": [[0, 1], [0, 2], [1, 0], [1, 2]],
+    }
+    for body in (ALL_LOGGED.request(trace_ids), pairwise):
+        run = replay(client, runner, admin, body)
+        stats = run["statistics"]
+        selfs = {c["index"] for c in stats["comparisons"] if run["targets"][c["b"]].get("self")}
+        assert selfs and not any(stats["comparisons"][i]["treatment"] for i in selfs)
+        lifted = [lf["comparison_b"] for lf in stats["lifts"]]
+        assert lifted and not selfs & set(lifted)
+
+        report = client.get(f"/v1/replays/{run['id']}/report", headers=admin).json()
+        with session_scope(db_url) as s:
+            stored = s.scalar(select(ReplayRun.aggregate).where(ReplayRun.public_id == run["id"]))
+        assert stored is not None and report["lifts"] == stored["lifts"] == stats["lifts"]
+        old = [
+            (lf["treated"], lf["lift"], lf["fixed"], lf["broke"])
+            for lf in run["aggregate"]["lifts"]
+        ]
+        assert old == [
+            (lf["comparison_b"], lf["lift"], lf["fixed"], lf["broke"]) for lf in stored["lifts"]
+        ]
+        listed = ("fixed_traces", "broke_traces", "fixed_more", "broke_more")
+        other = client.get(f"/v1/replays/{run['id']}/report?list_limit=1", headers=admin).json()
+        assert [{k: v for k, v in lf.items() if k not in listed} for lf in other["lifts"]] == [
+            {k: v for k, v in lf.items() if k not in listed} for lf in stored["lifts"]
+        ]
+
+        page = signed_in.get(f"/ui/runs/{run['id']}").text
+        lifts_table = _section(page, r'<section class="card" id="lifts">.*?<tbody>(.*?)</tbody>')
+        assert [int(b) for b in re.findall(r"b=(\d+)&amp;kind=fixed", lifts_table)] == lifted
+        pick_b = _section(page, r'<select name="b">(.*?)</select>')
+        assert re.findall(r'<option value="(\d+)" selected>', pick_b) == [str(lifted[0])]
+
+        console = Console(file=io.StringIO(), width=300)
+        _print_run(console, ReplayRead.model_validate(run), "lifts")
+        printed = console.file.getvalue()  # type: ignore[attr-defined]
+        assert printed.count("EAR lift of") == len(lifted)
+        for i in selfs:
+            assert f"EAR lift of [{stats['comparisons'][i]['label']}]" not in printed
