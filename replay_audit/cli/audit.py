@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from replay_audit.cli import CommandGroup, app
+from replay_audit.cli.root import CommandGroup, app
 
 if TYPE_CHECKING:
     from replay_audit.audits.models import AuditRun

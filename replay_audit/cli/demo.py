@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 import typer
 
-from replay_audit.cli import app
+from replay_audit.cli.root import app
 
 PROMPTS_FILE = Path(__file__).resolve().parent.parent / "assets" / "prompts.jsonl"
 #: The demo's admin key, kept (mode 0600) so the next demo reuses it instead of minting another.

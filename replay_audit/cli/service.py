@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from replay_audit.cli import CommandGroup, app
+from replay_audit.cli.root import CommandGroup, app
 
 db_app = CommandGroup(help="Database migrations.", no_args_is_help=True)
 keys_app = CommandGroup(help="API keys.", no_args_is_help=True)

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from replay_audit.cli import app
+from replay_audit.cli.root import app
 from replay_audit.formats import CACHE_KINDS
 
 

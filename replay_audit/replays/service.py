@@ -19,9 +19,9 @@ from replay_audit.formats import Mode
 from replay_audit.queue import Capabilities, JobQueue
 from replay_audit.replays import repository, statistics
 from replay_audit.replays.domain import Comparison, RunTarget, resolve_mode
-from replay_audit.replays.models import ReplayRun
+from replay_audit.replays.models import ReplayJob, ReplayRun
 from replay_audit.replays.reconcile import job_spec
-from replay_audit.replays.results import result_read
+from replay_audit.replays.results import failed_values, result_read
 from replay_audit.replays.schemas import (
     MAX_REPLAY_TRACES,
     Page,
@@ -212,6 +212,61 @@ def check_targets(capabilities: Capabilities, targets: Sequence[RunTarget], *, f
         )
         if why is not None:
             raise FieldError(f"{field}[{i}]: {why}", field=f"{field}[{i}]")
+
+
+# --- a job's end: the worker's side (`replays.tasks`) ----------------------------------------
+
+
+def finish_job(session: Session, job_id: int) -> None:
+    """Mark the job done; if no job of its run is left unfinished, finalise the run.
+
+    The run row is locked first (`repository.lock_run`), so of two jobs finishing at once
+    exactly one sees the other's commit and finalises."""
+    job = session.get(ReplayJob, job_id)
+    if job is None:
+        return
+    run = repository.lock_run(session, job.run_id)
+    job.status, job.updated_at, job.error = "done", utcnow(), None
+    session.flush()
+    if repository.count_unfinished_jobs(session, run.id) == 0:
+        finalise_run(session, run)
+
+
+def fail_job(session: Session, job_id: int, reason: str) -> None:
+    """A job that will not be retried: its traces get failed results saying why."""
+    job = session.get(ReplayJob, job_id)
+    if job is None or job.status == "done":
+        return
+    run = repository.lock_run(session, job.run_id)
+    for trace_id in job.trace_ids:
+        missing = repository.missing_comparisons(session, run.id, trace_id, len(run.comparisons))
+        repository.insert_results(
+            session,
+            run.id,
+            trace_id,
+            [failed_values(c, reason) for c in missing],
+        )
+    job.error = reason
+    session.flush()
+    finish_job(session, job_id)
+
+
+def finalise_run(session: Session, run: ReplayRun) -> None:
+    """Store the run's statistics and its final status (done, or failed when every item
+    failed)."""
+    stats = statistics.compute(session, run)
+    run.aggregate = stats.model_dump(mode="json")
+    counts = {c.index: (c.ok, c.n) for c in stats.comparisons}
+    n_ok = sum(ok for ok, _ in counts.values())
+    run.finished_at = utcnow()
+    if sum(n for _, n in counts.values()) and n_ok == 0:
+        run.status = "failed"
+        run.error = f"every item failed; first reason: {repository.first_failure(session, run.id)}"
+    else:
+        run.status = "done"
+
+
+# --- reading -----------------------------------------------------------------------------------
 
 
 def get_replay(session: Session, project_id: int, public_id: str) -> ReplayRun:

@@ -38,7 +38,7 @@ from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import ScanRun
 from replay_audit.exceptions import ReplayAuditError
 from replay_audit.queue import stop_requested
-from replay_audit.replays import repository
+from replay_audit.replays import repository, service
 from replay_audit.replays.checkpoint import ModelNotFound, find_checkpoint
 from replay_audit.replays.domain import (
     SCAN_FLAG_OFF,
@@ -154,7 +154,7 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
         if job is None or job.status == "done":
             return
         if job.attempts >= MAX_JOB_ATTEMPTS:
-            repository.fail_job(
+            service.fail_job(
                 s, job_id, f"gave up after {job.attempts} attempts (worker killed or crashing)"
             )
             return
@@ -213,7 +213,7 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
         counts.results += sum(len(r) for _, r in done)
 
     with session_scope(url) as s:
-        repository.finish_job(s, job_id)
+        service.finish_job(s, job_id)
         run = s.get(ReplayRun, spec.run_id)
         progress = (sum(repository.progress(s, run)), run.n_items) if run is not None else None
     _log_job(job_id, spec, counts, time.perf_counter() - started, progress)

@@ -932,7 +932,7 @@ def test_cli_summary_is_the_api_comparison(
 ) -> None:
     """`replay-audit replay --summary-json` on the run's traces (as `GET /v1/traces/{id}` gives
     them) prints the API's comparison 0. The CLI itself runs: its `EnginePool(device=, cache=)`
-    loads engines through `replay_audit.engine.load_engine`, replaced here by the fake, so no
+    loads engines through `replay_audit.engine.pool.load_engine`, replaced here by the fake, so no
     torch is needed. Every trace carries a reference answer, so `--extractor gsm8k` extracts
     answers where the API's job does."""
     plans, name = case
@@ -948,7 +948,7 @@ def test_cli_summary_is_the_api_comparison(
         external[i] = body["external_id"]
         lines.append(json.dumps({k: v for k, v in body.items() if k in TraceCreate.model_fields}))
     traces.write_text("\n".join(lines) + "\n")
-    monkeypatch.setattr("replay_audit.engine.load_engine", planned_engine)
+    monkeypatch.setattr("replay_audit.engine.pool.load_engine", planned_engine)
     out, summary = tmp_path / f"out-{run['id']}.jsonl", tmp_path / f"summary-{run['id']}.json"
     iv = target.get("intervention")
     args = ["--intervention", iv["kind"], "--tau", str(iv["tau"])] if iv else []
