@@ -8,6 +8,8 @@ cycle all the same (it only fails later, at the first call).
 
 from __future__ import annotations
 
+import itertools
+
 import grimp
 
 PACKAGE = "replay_audit"
@@ -71,7 +73,7 @@ def describe_cycle(graph: grimp.ImportGraph, component: list[str]) -> str:
     assert back is not None  # same component: a path back exists
     chain = [start, *back]
     steps = []
-    for importer, imported in zip(chain, chain[1:], strict=False):
+    for importer, imported in itertools.pairwise(chain):
         lines = sorted(
             d["line_number"] for d in graph.get_import_details(importer=importer, imported=imported)
         )

@@ -34,6 +34,7 @@ from replay_audit.db.unit_of_work import session_scope
 from replay_audit.queue import JobSpec, Runner, build_job_queue, get_runner
 from replay_audit.queue.runner import InProcessRunner
 from replay_audit.replays.reconcile import reconcile
+from replay_audit.replays.service import RunDefaults
 from replay_audit.screenings.reconcile import reconcile_screenings
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ def run_tick(
     now = now or utcnow()
     report = TickReport()
     queue = build_job_queue(settings, runner=runner)
+    defaults = RunDefaults.from_settings(settings)
 
     with session_scope(url) as s:
         schedules = repository.active_schedules(s)
@@ -130,7 +132,9 @@ def run_tick(
                 schedule = s.get(AuditSchedule, schedule_id)
                 if schedule is None or schedule.status != "active":
                     continue  # paused or deleted since
-                _, created = service.start_audit_run(s, schedule, due_at, "scheduled", queue=queue)
+                _, created = service.start_audit_run(
+                    s, schedule, due_at, "scheduled", queue=queue, defaults=defaults
+                )
             report.started += created
         except Exception:
             log.exception("could not start schedule %d at %s", schedule_id, due_at)

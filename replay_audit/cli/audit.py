@@ -70,21 +70,25 @@ def _start(schedule_id: str, action: str, limit: int) -> tuple[list[int], int]:
     from replay_audit.db.unit_of_work import session_scope
     from replay_audit.exceptions import ReplayAuditError
     from replay_audit.queue import build_job_queue
+    from replay_audit.replays.service import RunDefaults
 
     settings = _settings()
     queue = build_job_queue(settings)
+    defaults = RunDefaults.from_settings(settings)
     try:
         with session_scope(settings.database_url) as s:
             schedule = repository.find_schedule(s, schedule_id)
             if schedule is None:
                 _fail(f"no audit schedule {schedule_id!r}")
             if action == "run-now":
-                run, created = service.run_now(s, schedule, queue=queue)
+                run, created = service.run_now(s, schedule, queue=queue, defaults=defaults)
                 runs, left = [run], 0
                 if not created:
                     typer.echo(f"a run due this second exists: {run.public_id}")
             else:
-                runs, left = service.catch_up(s, schedule, limit=limit, queue=queue)
+                runs, left = service.catch_up(
+                    s, schedule, limit=limit, queue=queue, defaults=defaults
+                )
             ids = [r.id for r in runs]
     except ReplayAuditError as e:
         _fail(e.message)

@@ -18,7 +18,6 @@ from sqlalchemy.orm import Session
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import QueueUnavailable
-from replay_audit.replays.domain import DEFAULT_SCAN_FLAG_ULPS, LARGE_RUN_TRACES
 
 log = logging.getLogger(__name__)
 
@@ -260,35 +259,13 @@ def _has_cuda_device() -> bool:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What this deployment can replay, answered in one place.
-
-    `rq`: GPU and CPU workers take the jobs, so every target is accepted here; a worker that
-    cannot run one (an fp8 lm_head on a GPU below SM 8.9) fails that item saying why.
-    `inprocess`: the jobs run in this process, on its CUDA device when the host has one
-    (`cuda`), else on the CPU."""
+    """Where this deployment's jobs run: the runner (`rq`: GPU and CPU workers elsewhere;
+    `inprocess`: this process) and, for the in-process runner, whether this host has a CUDA
+    device. Facts only: what a domain can run on them is the domain's rule
+    (`replays.service.target_refusal`)."""
 
     runner: str
     cuda: bool
-
-    def refusal(self, *, lm_head_dtype: str | None, device: str | None) -> str | None:
-        """Why a target with this lm_head format and device cannot run here (None: it can)."""
-        if self.runner != "inprocess" or self.cuda:
-            return None
-        if device == "cuda":
-            return (
-                "this embedded deployment has no CUDA device; run a GPU worker "
-                "(REPLAY_AUDIT_RUNNER=rq and `replay-audit worker --queue gpu`)"
-            )
-        if lm_head_dtype in FP8_HEAD_DTYPES:
-            return (
-                f"an {lm_head_dtype} lm_head needs a CUDA GPU of compute capability >= 8.9, and "
-                "this embedded deployment has none (REPLAY_AUDIT_RUNNER=rq with a GPU worker)"
-            )
-        return None
-
-
-#: lm_head formats only a CUDA GPU can compute.
-FP8_HEAD_DTYPES: Final = frozenset({"fp8_e4m3", "fp8_e5m2"})
 
 
 @dataclass(frozen=True)
@@ -302,12 +279,6 @@ class JobQueue:
     capabilities: Capabilities
     #: The queue of targets that name no device (`Settings.default_queue`).
     default_queue: str = "gpu"
-    #: Runs of at least this many traces that name no mode are replayed scan-then-decode
-    #: (`Settings.large_run_traces`): how the deployment plans large runs, read where runs are
-    #: created (requests, audits, the CLI), all of which build their queue here.
-    large_run_traces: int = LARGE_RUN_TRACES
-    #: The near-tie flag of scan-then-decode runs that name none (`Settings.scan_flag_ulps`).
-    scan_flag_ulps: float = DEFAULT_SCAN_FLAG_ULPS
 
     def check(self) -> None:
         """`QueueUnavailable` when the queue cannot take work now (before anything is stored)."""
@@ -331,8 +302,6 @@ def build_job_queue(settings: Settings, runner: Runner | None = None) -> JobQueu
     return JobQueue(
         runner=runner or get_runner(settings),
         job_timeout_s=settings.job_timeout_s,
-        large_run_traces=settings.large_run_traces,
-        scan_flag_ulps=settings.scan_flag_ulps,
         capabilities=Capabilities(
             runner=settings.runner,
             cuda=settings.runner == "inprocess" and _has_cuda_device(),

@@ -8,17 +8,25 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 from sqlalchemy.orm import Session
 
+from replay_audit.config import Settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.ids import new_public_id
 from replay_audit.exceptions import FieldError, NotFound
 from replay_audit.formats import Mode
 from replay_audit.queue import Capabilities, JobQueue
 from replay_audit.replays import repository, statistics
-from replay_audit.replays.domain import Comparison, RunTarget, resolve_mode
+from replay_audit.replays.domain import (
+    DEFAULT_SCAN_FLAG_ULPS,
+    LARGE_RUN_TRACES,
+    Comparison,
+    RunTarget,
+    resolve_mode,
+)
 from replay_audit.replays.models import ReplayJob, ReplayRun
 from replay_audit.replays.reconcile import job_spec
 from replay_audit.replays.results import failed_values, result_read
@@ -135,19 +143,36 @@ def _recorded(request: ReplayCreate, mode: str, scan_flag_ulps: float) -> dict[s
     return stored
 
 
+@dataclass(frozen=True)
+class RunDefaults:
+    """How this deployment plans a run whose request leaves it open, read where runs are
+    created (requests, audits, the CLI) from the settings."""
+
+    #: Runs of at least this many traces that name no mode are replayed scan-then-decode
+    #: (`Settings.large_run_traces`).
+    large_run_traces: int = LARGE_RUN_TRACES
+    #: The near-tie flag of scan-then-decode runs that name none (`Settings.scan_flag_ulps`).
+    scan_flag_ulps: float = DEFAULT_SCAN_FLAG_ULPS
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RunDefaults:
+        return cls(settings.large_run_traces, settings.scan_flag_ulps)
+
+
 def create_replay(
     session: Session,
     project_id: int,
     request: ReplayCreate,
     queue: JobQueue,
     *,
+    defaults: RunDefaults,
     schedule_id: str | None = None,
 ) -> tuple[ReplayRun, bool]:
     """Validate and store a replay run and its jobs; enqueue the jobs after commit.
 
     Returns (run, created). With an `idempotency_key` already used in this project, the existing
     run comes back and nothing is stored or enqueued. A request naming no `mode` is replayed
-    scan-then-decode when it selects `queue.large_run_traces` traces or more (a large run),
+    scan-then-decode when it selects `defaults.large_run_traces` traces or more (a large run),
     decode otherwise.
     """
     if request.idempotency_key is not None:
@@ -178,7 +203,7 @@ def create_replay(
         bool(repository.traces_of_other_engines(session, ids)),
     )
     queue_name = _queue(targets, queue.default_queue)
-    mode = resolve_mode(request.mode, len(traces), queue.large_run_traces)
+    mode = resolve_mode(request.mode, len(traces), defaults.large_run_traces)
     size = TRACES_PER_JOB_BY_MODE[mode]
     chunks = [(queue_name, ids[i : i + size]) for i in range(0, len(ids), size)]
     run = ReplayRun(
@@ -188,7 +213,7 @@ def create_replay(
         status="queued",
         mode=mode,
         compare=request.compare,
-        request=_recorded(request, mode, queue.scan_flag_ulps),
+        request=_recorded(request, mode, defaults.scan_flag_ulps),
         targets=[t.to_json() for t in targets],
         comparisons=[c.to_json() for c in comparisons],
         n_traces=len(traces),
@@ -203,10 +228,40 @@ def create_replay(
     return run, True
 
 
+#: lm_head formats only a CUDA GPU can compute.
+FP8_HEAD_DTYPES: Final = frozenset({"fp8_e4m3", "fp8_e5m2"})
+
+
+def target_refusal(
+    capabilities: Capabilities, *, lm_head_dtype: str | None, device: str | None
+) -> str | None:
+    """Why a target with this lm_head format and device cannot run where this deployment runs
+    its jobs (None: it can).
+
+    `rq`: GPU and CPU workers take the jobs, so every target is accepted here; a worker that
+    cannot run one (an fp8 lm_head on a GPU below SM 8.9) fails that item saying why.
+    `inprocess`: the jobs run in this process, on its CUDA device when the host has one, else
+    on the CPU."""
+    if capabilities.runner != "inprocess" or capabilities.cuda:
+        return None
+    if device == "cuda":
+        return (
+            "this embedded deployment has no CUDA device; run a GPU worker "
+            "(REPLAY_AUDIT_RUNNER=rq and `replay-audit worker --queue gpu`)"
+        )
+    if lm_head_dtype in FP8_HEAD_DTYPES:
+        return (
+            f"an {lm_head_dtype} lm_head needs a CUDA GPU of compute capability >= 8.9, and "
+            "this embedded deployment has none (REPLAY_AUDIT_RUNNER=rq with a GPU worker)"
+        )
+    return None
+
+
 def check_targets(capabilities: Capabilities, targets: Sequence[RunTarget], *, field: str) -> None:
     """A 422 naming the first target this deployment cannot run, saying why."""
     for i, t in enumerate(targets):
-        why = capabilities.refusal(
+        why = target_refusal(
+            capabilities,
             lm_head_dtype=t.target.lm_head_dtype if t.target is not None else None,
             device=t.device,
         )
