@@ -1,16 +1,33 @@
-"""The package's shape, checked: no import cycles (the layers themselves are import-linter's
-`layers` contract in pyproject.toml, run by `lint-imports`).
+"""The package's shape, checked (the layers themselves are import-linter's `layers` contract in
+pyproject.toml, run by `lint-imports`):
 
-The import graph is grimp's, the one import-linter checks: every `import` in a module counts,
-those inside functions and under `TYPE_CHECKING` too, since a cycle hidden in a function is a
-cycle all the same (it only fails later, at the first call).
+- no import cycles. The import graph is grimp's, the one import-linter checks: every `import` in
+  a module counts, those inside functions and under `TYPE_CHECKING` too, since a cycle hidden in
+  a function is a cycle all the same (it only fails later, at the first call);
+- no mutable process-wide singleton: no module keeps state for the process (a runner, a
+  scheduler, a worker context, a cache, a registry) in a global, whether built at import or on
+  first use. The app, the worker or the command that needs one builds it and owns it; state a
+  worker binds for its jobs lives in a `ContextVar` (per thread, or per in-process runner).
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import enum
+import importlib
 import itertools
+import pkgutil
+import queue
+import threading
+import types
+import weakref
+from pathlib import Path
 
 import grimp
+import typer
+
+import replay_audit
 
 PACKAGE = "replay_audit"
 
@@ -101,3 +118,118 @@ def test_the_cycle_check_sees_a_cycle() -> None:
     [component] = strongly_connected(graph)
     assert component == ["p.a", "p.b", "p.c"]
     assert describe_cycle(graph, component) == "p.a (l.3) -> p.b (l.4) -> p.c (l.9) -> p.a"
+
+
+# --- singletons -------------------------------------------------------------------------------
+
+#: Module globals that are process-wide on purpose, and why. Keep it short.
+DELIBERATE: dict[tuple[str, str], str] = {
+    ("replay_audit.api.parsing", "_gc_pause"): "the cyclic GC is process-wide: so is its pause",
+    # One SQLAlchemy engine (a connection pool) per database URL per process, shared by every
+    # unit of work; the app holds its own in app.state, the jobs reach it through the URL.
+    ("replay_audit.db.engine", "_engines"): "connection pools, one per database URL",
+    ("replay_audit.db.engine", "_sessionmakers"): "their session factories",
+    ("replay_audit.db.engine", "_lock"): "guards the two above",
+    # Read once per secret file; owned by the UI package.
+    ("replay_audit.ui.session", "_secrets"): "session secrets read from their files",
+    ("replay_audit.ui.session", "_secret_lock"): "guards the above",
+}
+
+_THREADING = (
+    type(threading.Lock()),
+    type(threading.RLock()),
+    threading.Condition,
+    threading.Event,
+    threading.Semaphore,
+    threading.Thread,
+    threading.local,
+    queue.Queue,
+    weakref.WeakSet,
+    weakref.WeakKeyDictionary,
+    weakref.WeakValueDictionary,
+)
+
+
+def _is_immutable(value: object) -> bool:
+    kind = type(value)
+    if isinstance(value, enum.Enum | tuple | frozenset):
+        return True
+    params = getattr(kind, "__dataclass_params__", None)
+    return dataclasses.is_dataclass(value) and params is not None and params.frozen
+
+
+def mutable_globals(module: types.ModuleType) -> list[str]:
+    """The module's globals that hold mutable state: a lock, thread, queue or weak registry
+    (there only to guard or hold state for the process), an empty dict, list or set (a cache
+    or registry waiting to be filled), or an instance of a mutable class of the package. The
+    command tree (`typer.Typer` groups, declared at import and never changed after) is not
+    state."""
+    found = []
+    for name, value in vars(module).items():
+        if name.startswith("__") or isinstance(value, types.ModuleType | type | typer.Typer):
+            continue
+        if isinstance(value, _THREADING):
+            found.append(f"{module.__name__}.{name}: a {type(value).__name__}")
+        elif isinstance(value, dict | list | set | bytearray) and not value:
+            found.append(f"{module.__name__}.{name}: an empty {type(value).__name__}")
+        elif type(value).__module__.startswith(f"{PACKAGE}.") and not _is_immutable(value):
+            found.append(f"{module.__name__}.{name}: a {type(value).__qualname__}")
+    return found
+
+
+def _modules() -> list[types.ModuleType]:
+    names = [
+        m.name
+        for m in pkgutil.walk_packages(replay_audit.__path__, f"{PACKAGE}.")
+        if not m.name.endswith(".__main__")  # runs the command
+    ]
+    return [importlib.import_module(name) for name in [PACKAGE, *names]]
+
+
+def test_no_module_keeps_mutable_state_for_the_process() -> None:
+    found = [
+        line
+        for module in _modules()
+        for line in mutable_globals(module)
+        if (module.__name__, line.split(": ")[0].rsplit(".", 1)[1]) not in DELIBERATE
+    ]
+    assert not found, "mutable process-wide state in module globals:\n" + "\n".join(found)
+
+
+def test_no_function_rebinds_a_module_global() -> None:
+    """`global x` in a function is how a lazily built singleton is kept: none in the package."""
+    root = Path(replay_audit.__file__).parent
+    found = [
+        f"{path.relative_to(root.parent)}:{node.lineno}: global {', '.join(node.names)}"
+        for path in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Global)
+    ]
+    assert not found, "module globals rebound by functions:\n" + "\n".join(found)
+
+
+def test_the_state_check_sees_state() -> None:
+    module = types.ModuleType(f"{PACKAGE}.example")
+
+    @dataclasses.dataclass
+    class Mutable:
+        n: int = 0
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        n: int = 0
+
+    Mutable.__module__ = Frozen.__module__ = module.__name__
+    vars(module).update(
+        _lock=threading.Lock(),
+        _cache={},
+        _current=Mutable(),
+        CONSTANT=Frozen(),
+        TABLE={"a": 1},
+        NAMES=("a", "b"),
+    )
+    assert mutable_globals(module) == [
+        f"{PACKAGE}.example._lock: a lock",
+        f"{PACKAGE}.example._cache: an empty dict",
+        f"{PACKAGE}.example._current: a test_the_state_check_sees_state.<locals>.Mutable",
+    ]
