@@ -92,7 +92,7 @@ def _create_run(project_id: int, trace_ids: list[str], mode: str, key: str) -> s
     from replay_audit.db.unit_of_work import session_scope
     from replay_audit.queue import build_job_queue
     from replay_audit.replays.schemas import ReplayCreate
-    from replay_audit.replays.service import create_replay
+    from replay_audit.replays.service import RunDefaults, create_replay
 
     settings = get_settings()
     queue = build_job_queue(settings)
@@ -106,7 +106,9 @@ def _create_run(project_id: int, trace_ids: list[str], mode: str, key: str) -> s
         }
     )
     with session_scope(settings.database_url) as session:
-        run, _ = create_replay(session, project_id, request, queue)
+        run, _ = create_replay(
+            session, project_id, request, queue, defaults=RunDefaults.from_settings(settings)
+        )
         return run.public_id
 
 

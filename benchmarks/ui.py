@@ -52,7 +52,7 @@ from replay_audit.db import migration  # noqa: E402
 from replay_audit.db.base import utcnow  # noqa: E402
 from replay_audit.db.ids import new_public_id  # noqa: E402
 from replay_audit.db.unit_of_work import session_scope  # noqa: E402
-from replay_audit.replays import repository as replays_repository  # noqa: E402
+from replay_audit.replays import service as replays_service  # noqa: E402
 from replay_audit.replays.models import ReplayResult, ReplayRun  # noqa: E402
 from replay_audit.traces import service as traces_service  # noqa: E402
 from replay_audit.traces.models import Trace  # noqa: E402
@@ -214,7 +214,7 @@ def seed(url: str, n: int, steps: int, reference: bool) -> tuple[str, str]:
     with session_scope(url) as s:
         run = s.get(ReplayRun, run_db_id)
         assert run is not None
-        replays_repository.finalise_run(s, run)
+        replays_service.finalise_run(s, run)
     return run_public, key
 
 

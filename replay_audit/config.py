@@ -1,5 +1,10 @@
 """Settings, read from the environment with the `REPLAY_AUDIT_` prefix (or a `.env` file).
 
+Plumbing: this module imports no domain package. A setting whose default is a domain's policy
+(`large_run_traces`, `scan_flag_ulps`, `scan_token_budget`, `drift_alpha`, `drift_min_n`)
+repeats the owner's constant as a plain value, named beside it, and
+`tests/test_config.py` checks that the two agree.
+
 With nothing set, the service runs on the embedded default: a SQLite file under `./var/`, an
 in-process job runner and scheduler, and the committed small model as a checkpoint directory.
 """
@@ -14,14 +19,6 @@ from typing import Annotated, Final, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
-
-from replay_audit.audits.metrics import DEFAULT_ALPHA, DEFAULT_MIN_N
-from replay_audit.engine.protocol import DEFAULT_SCAN_TOKEN_BUDGET
-from replay_audit.replays.domain import (
-    DEFAULT_SCAN_FLAG_ULPS,
-    LARGE_RUN_TRACES,
-    MAX_SCAN_FLAG_ULPS,
-)
 
 PACKAGE_DIR: Final = Path(__file__).resolve().parent
 #: The committed small Llama checkpoint used by the demo and the tests.
@@ -71,17 +68,17 @@ class Settings(BaseSettings):
     max_request_bytes: int = 256 * 1024 * 1024
     #: A replay run (or an audit run) selecting at least this many traces and naming no `mode`
     #: is replayed scan-then-decode (see `replays.domain.LARGE_RUN_TRACES`).
-    large_run_traces: int = Field(default=LARGE_RUN_TRACES, ge=1)
+    large_run_traces: int = Field(default=1000, ge=1)  # replays.domain.LARGE_RUN_TRACES
     #: Scan-then-decode runs that name no `scan_flag_ulps`: a trace whose scan agrees with the
     #: logged output is still decoded when some step's top-2 margin along the logged path is
     #: at most this many ulps of the arm's format (a near-tie, where a flip that needs the
     #: decode's KV cache hides from the scan); negative: off, mismatches only. Read where runs
     #: are created; each run records the value it used.
-    scan_flag_ulps: float = Field(
-        default=DEFAULT_SCAN_FLAG_ULPS, le=MAX_SCAN_FLAG_ULPS, allow_inf_nan=False
-    )
+    #: (Default replays.domain.DEFAULT_SCAN_FLAG_ULPS, bound MAX_SCAN_FLAG_ULPS.)
+    scan_flag_ulps: float = Field(default=0.0, le=1024.0, allow_inf_nan=False)
     #: Tokens (padding included) per forward of a worker's batched scans.
-    scan_token_budget: int = Field(default=DEFAULT_SCAN_TOKEN_BUDGET, ge=1)
+    #: (Default engine.protocol.DEFAULT_SCAN_TOKEN_BUDGET.)
+    scan_token_budget: int = Field(default=16384, ge=1)
     #: Seconds before RQ kills a replay job (RQ's own default of 180 s is too short for a GPU).
     job_timeout_s: int = 3600
     #: Key that signs the web UI's session cookies (any long random string; every API process
@@ -109,9 +106,9 @@ class Settings(BaseSettings):
     #: Significance level of the drift rules' tests on counts: a schedule that has not drifted
     #: raises a false alarm on at most this share of its runs, per rule and comparison
     #: (docs/audits.md, "Trend and drift").
-    drift_alpha: float = Field(default=DEFAULT_ALPHA, gt=0, lt=1)
+    drift_alpha: float = Field(default=0.01, gt=0, lt=1)  # audits.metrics.DEFAULT_ALPHA
     #: Traces a drift test needs on each side (the latest run, the pooled baseline runs).
-    drift_min_n: int = Field(default=DEFAULT_MIN_N, ge=1)
+    drift_min_n: int = Field(default=10, ge=1)  # audits.metrics.DEFAULT_MIN_N
     #: Days traces (with their tags, results and keys) are kept; unset keeps them forever. The
     #: scheduler's tick prunes what is older (`replay-audit prune` does it by hand). On
     #: PostgreSQL whole weekly partitions go, so a trace stays up to 7 days longer.

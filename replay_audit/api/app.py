@@ -10,7 +10,9 @@ from local assets, no CDN).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Final
 
 from fastapi import APIRouter, Depends, FastAPI
 from pydantic import BaseModel
@@ -24,7 +26,7 @@ from replay_audit.api.health import router as health_router
 from replay_audit.config import Settings, get_settings
 from replay_audit.db.engine import get_engine, get_sessionmaker
 from replay_audit.imports.schemas import ImportRequest
-from replay_audit.queue import build_job_queue
+from replay_audit.queue import Runner, build_job_queue, build_runner, stop_runner
 from replay_audit.traces.schemas import TraceBatchCreate, TraceCreate
 
 
@@ -142,11 +144,31 @@ def _install_openapi(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+#: Seconds the app's own in-process runner gets to finish the trace it is on at shutdown.
+RUNNER_STOP_TIMEOUT_S: Final = 30.0
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    yield
+    # The runner the app built is the app's: its thread stops with the app (uvicorn's shutdown,
+    # a TestClient's exit). A runner it was given is its giver's to stop.
+    own: Runner | None = app.state.own_runner
+    if own is not None:
+        stop_runner(own, RUNNER_STOP_TIMEOUT_S)
+
+
+def create_app(settings: Settings | None = None, *, runner: Runner | None = None) -> FastAPI:
     """A configured app: database from `settings.database_url` (engines are shared per URL),
-    the `/v1` routers, `/healthz`, one error handler for the domain errors."""
+    the `/v1` routers, `/healthz`, one error handler for the domain errors.
+
+    Jobs go to `runner` (the caller's: `serve` shares one with its scheduler, and stops it), or
+    to one the app builds from the settings and owns: its in-process thread, if any, stops
+    when the app shuts down."""
     settings = settings or get_settings()
+    own_runner = None if runner is not None else build_runner(settings)
     app = FastAPI(
+        lifespan=_lifespan,
         title="replay-audit",
         version=replay_audit.__version__,
         summary="Cross-precision replay and audit of LLM inference",
@@ -160,7 +182,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = get_engine(settings.database_url)
     app.state.sessionmaker = get_sessionmaker(settings.database_url)
     #: The job queue (in-process thread or RQ, and what it can run): built once, here.
-    app.state.queue = build_job_queue(settings)
+    app.state.queue = build_job_queue(settings, runner or own_runner)
+    app.state.own_runner = own_runner
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(InternalErrorMiddleware)  # added last: the outermost of ours

@@ -17,19 +17,25 @@ from rq import cron
 
 from replay_audit.audits.service import AUDIT_QUEUE
 from replay_audit.audits.tasks import tick
-from replay_audit.config import get_settings
+from replay_audit.config import Settings, get_settings
 from replay_audit.queue import rq_name
 
-SETTINGS = get_settings()
-INTERVAL_S = max(1, round(SETTINGS.audit_tick_interval_s))
 
-cron.register(
-    tick,
-    rq_name(SETTINGS, AUDIT_QUEUE),
-    interval=INTERVAL_S,
-    job_timeout=600,
-    ttl=max(60, 2 * INTERVAL_S),
-    result_ttl=3600,
-    failure_ttl=7 * 24 * 3600,
-    name=rq_name(SETTINGS, "replay-audit-tick"),
-)
+def register(settings: Settings) -> None:
+    """Register the tick with `rq cron` for the deployment of `settings`."""
+    interval_s = max(1, round(settings.audit_tick_interval_s))
+    cron.register(
+        tick,
+        rq_name(settings, AUDIT_QUEUE),
+        interval=interval_s,
+        job_timeout=600,
+        ttl=max(60, 2 * interval_s),
+        result_ttl=3600,
+        failure_ttl=7 * 24 * 3600,
+        name=rq_name(settings, "replay-audit-tick"),
+    )
+
+
+# `rq cron` loads this module and reads what it registered: the one thing done at import. The
+# settings are read for it and not kept.
+register(get_settings())

@@ -32,6 +32,7 @@ from replay_audit.auth.models import READER_ROLES, Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.config import Settings
 from replay_audit.input import UtcDatetime
+from replay_audit.replays.service import RunDefaults
 
 router = APIRouter(prefix="/v1/audits/schedules", tags=["audits"])
 
@@ -128,6 +129,7 @@ def run_now(
     queue: Queue,
     principal: Admin,
     response: Response,
+    settings: AppSettings,
 ) -> AuditRunCreated:
     """Run the schedule now (due now; paused schedules too)."""
     schedule = service.get_schedule(session, principal.project_id, schedule_id)
@@ -135,6 +137,7 @@ def run_now(
         session,
         schedule,
         queue=queue,
+        defaults=RunDefaults.from_settings(settings),
     )
     if not created:
         response.status_code = status.HTTP_200_OK
@@ -180,6 +183,7 @@ def catch_up(
     session: DBSession,
     queue: Queue,
     principal: Admin,
+    settings: AppSettings,
     body: Annotated[CatchUpRequest | None, Body()] = None,
 ) -> CatchUpResult:
     """Start runs for missed due times, newest first (each samples its own window)."""
@@ -189,6 +193,7 @@ def catch_up(
         schedule,
         limit=(body or CatchUpRequest()).limit,
         queue=queue,
+        defaults=RunDefaults.from_settings(settings),
     )
     return CatchUpResult(started=service.runs_to_read(session, schedule, runs), remaining=remaining)
 

@@ -30,6 +30,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
+# The tables its foreign keys name (projects, replay_runs), in the metadata whoever imports this.
+import replay_audit.auth.models
+import replay_audit.replays.models  # noqa: F401
 from replay_audit.audits.metrics import Flag, RunMetrics
 from replay_audit.db.base import Base, utcnow
 from replay_audit.db.types import ModelJSON

@@ -3,9 +3,12 @@
 both run the same `run_tick`, and running both by mistake is harmless (the database's unique
 keys, not this process, decide what runs).
 
-    scheduler = start_inprocess_scheduler(settings)   # None unless the settings ask for one
+    scheduler = start_inprocess_scheduler(settings, runner=runner)  # None unless asked for
     ...
     scheduler.stop()
+
+The scheduler belongs to whoever starts it (`replay-audit serve`, a test), who stops it; nothing
+process-wide keeps it.
 """
 
 from __future__ import annotations
@@ -13,15 +16,18 @@ from __future__ import annotations
 import logging
 import threading
 
-from replay_audit.audits.tasks import TickReport, alert_runner, run_tick
+from replay_audit.audits.tasks import TickReport, build_alert_runner, run_tick
 from replay_audit.config import Settings
-from replay_audit.queue import Runner, get_runner
+from replay_audit.queue import Runner, build_runner, stop_runner
 
 log = logging.getLogger(__name__)
 
 
 class InProcessScheduler:
-    """Ticks in a daemon thread until `stop()`. Times are UTC throughout (see schedule.py)."""
+    """Ticks in a daemon thread until `stop()`. Times are UTC throughout (see schedule.py).
+
+    `runner` (replay jobs) and `alerts` (webhook deliveries) are the caller's when given; the
+    ones it builds itself (from the settings) are its own, and `stop()` stops them too."""
 
     def __init__(
         self,
@@ -32,8 +38,12 @@ class InProcessScheduler:
         interval_s: float | None = None,
     ) -> None:
         self.settings = settings
-        self.runner = runner or get_runner(settings)
-        self.alerts = alerts or alert_runner(settings)
+        self.runner = runner or build_runner(settings)
+        self.alerts = alerts or build_alert_runner(settings)
+        #: The runners it built itself, which `stop()` stops too.
+        self._owned = [
+            r for r, given in ((self.runner, runner), (self.alerts, alerts)) if given is None
+        ]
         self.interval_s = settings.audit_tick_interval_s if interval_s is None else interval_s
         self.ticks = 0
         self._stop = threading.Event()
@@ -71,20 +81,18 @@ class InProcessScheduler:
         return self
 
     def stop(self, timeout_s: float | None = 10.0) -> bool:
-        """Stop ticking and wait for a tick under way; False if it is still running."""
+        """Stop ticking and wait for a tick under way, then stop the runners it built; False if
+        a thread is still running after `timeout_s` (each)."""
         self._stop.set()
+        clean = True
         if self._thread is not None:
             self._thread.join(timeout_s)
-            return not self._thread.is_alive()
-        return True
+            clean = not self._thread.is_alive()
+        return all([stop_runner(r, timeout_s) for r in self._owned]) and clean
 
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-
-_scheduler: InProcessScheduler | None = None
-_lock = threading.Lock()
 
 
 def wants_inprocess_scheduler(settings: Settings) -> bool:
@@ -94,22 +102,15 @@ def wants_inprocess_scheduler(settings: Settings) -> bool:
     return settings.scheduler == "inprocess"
 
 
-def start_inprocess_scheduler(settings: Settings) -> InProcessScheduler | None:
-    """Start this process's embedded scheduler if the settings ask for one (once per
-    process); None when they do not (production: `rq cron replay_audit.audits.cron_config`)."""
-    global _scheduler
+def start_inprocess_scheduler(
+    settings: Settings, *, runner: Runner | None = None
+) -> InProcessScheduler | None:
+    """Start an embedded scheduler if the settings ask for one, its replay jobs on `runner`
+    (by default one of its own); None when they do not (production: `rq cron
+    replay_audit.audits.cron_config`). The caller owns it: stop it before the process exits,
+    and before the runner it was given, since a tick enqueues jobs."""
     if not wants_inprocess_scheduler(settings):
         return None
-    with _lock:
-        if _scheduler is None or not _scheduler.running:
-            _scheduler = InProcessScheduler(settings).start()
-            log.info("embedded audit scheduler: a tick every %.0f s", _scheduler.interval_s)
-        return _scheduler
-
-
-def stop_inprocess_scheduler(timeout_s: float | None = 10.0) -> bool:
-    """Stop this process's embedded scheduler, if one runs (before the process exits, and
-    before its runners are stopped, since a tick enqueues jobs)."""
-    with _lock:
-        scheduler = _scheduler
-    return scheduler.stop(timeout_s) if scheduler is not None else True
+    scheduler = InProcessScheduler(settings, runner=runner).start()
+    log.info("embedded audit scheduler: a tick every %.0f s", scheduler.interval_s)
+    return scheduler

@@ -47,6 +47,7 @@ from replay_audit.queue import Capabilities, JobQueue, JobSpec, Runner
 from replay_audit.replays import service as replay_service
 from replay_audit.replays import statistics as replay_statistics
 from replay_audit.replays.models import MAX_RUN_NAME, ReplayRun
+from replay_audit.replays.service import RunDefaults
 
 #: How far back missed runs are looked for.
 MISSED_LOOKBACK: Final = timedelta(days=31)
@@ -305,6 +306,7 @@ def start_audit_run(
     trigger: str,
     *,
     queue: JobQueue,
+    defaults: RunDefaults,
 ) -> tuple[AuditRun, bool]:
     """The audit run of (schedule, due_at): created now, or the one that exists (created False).
 
@@ -358,6 +360,7 @@ def start_audit_run(
             schedule.project_id,
             request,
             queue,
+            defaults=defaults,
             schedule_id=schedule.public_id,
         )
     except ReplayAuditError as e:
@@ -375,6 +378,7 @@ def run_now(
     schedule: AuditSchedule,
     *,
     queue: JobQueue,
+    defaults: RunDefaults,
     now: datetime | None = None,
 ) -> tuple[AuditRun, bool]:
     """Start a run due now, paused or not. "Now" is rounded up to the whole second, so the
@@ -388,6 +392,7 @@ def run_now(
         due,
         "manual",
         queue=queue,
+        defaults=defaults,
     )
 
 
@@ -425,6 +430,7 @@ def catch_up(
     *,
     limit: int,
     queue: JobQueue,
+    defaults: RunDefaults,
     now: datetime | None = None,
 ) -> tuple[list[AuditRun], int]:
     """Start runs for the newest `limit` missed due times; (the runs, how many are left)."""
@@ -438,6 +444,7 @@ def catch_up(
             d,
             "catch_up",
             queue=queue,
+            defaults=defaults,
         )
         runs.append(run)
     return runs, len(due) - len(todo)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Final
@@ -31,9 +30,10 @@ from replay_audit.db.base import utcnow
 from replay_audit.db.partition import ensure_partitions
 from replay_audit.db.retention import prune
 from replay_audit.db.unit_of_work import session_scope
-from replay_audit.queue import JobSpec, Runner, build_job_queue, get_runner
+from replay_audit.queue import JobSpec, Runner, build_job_queue, build_runner
 from replay_audit.queue.runner import InProcessRunner
 from replay_audit.replays.reconcile import reconcile
+from replay_audit.replays.service import RunDefaults
 from replay_audit.screenings.reconcile import reconcile_screenings
 
 log = logging.getLogger(__name__)
@@ -71,20 +71,13 @@ class TickReport:
         )
 
 
-_alert_runner: InProcessRunner | None = None
-_alert_runner_lock = threading.Lock()
-
-
-def alert_runner(settings: Settings) -> Runner:
+def build_alert_runner(settings: Settings) -> Runner:
     """Where webhook deliveries go: RQ's `audit` queue, or in the embedded mode a runner thread
-    of their own, so that a webhook's backoff never holds up a replay job."""
-    global _alert_runner
+    of their own, so that a webhook's backoff never holds up a replay job. The caller owns it
+    (an in-process one is stopped by whoever built it: the scheduler, a command)."""
     if settings.runner == "rq":
-        return get_runner(settings)
-    with _alert_runner_lock:
-        if _alert_runner is None:
-            _alert_runner = InProcessRunner()
-        return _alert_runner
+        return build_runner(settings)
+    return InProcessRunner()
 
 
 class DeferredRunner:
@@ -116,6 +109,7 @@ def run_tick(
     now = now or utcnow()
     report = TickReport()
     queue = build_job_queue(settings, runner=runner)
+    defaults = RunDefaults.from_settings(settings)
 
     with session_scope(url) as s:
         schedules = repository.active_schedules(s)
@@ -130,7 +124,9 @@ def run_tick(
                 schedule = s.get(AuditSchedule, schedule_id)
                 if schedule is None or schedule.status != "active":
                     continue  # paused or deleted since
-                _, created = service.start_audit_run(s, schedule, due_at, "scheduled", queue=queue)
+                _, created = service.start_audit_run(
+                    s, schedule, due_at, "scheduled", queue=queue, defaults=defaults
+                )
             report.started += created
         except Exception:
             log.exception("could not start schedule %d at %s", schedule_id, due_at)
@@ -212,7 +208,9 @@ def maintain_storage(settings: Settings, url: str, now: datetime, report: TickRe
 def tick() -> dict[str, int]:
     """The job `rq cron` enqueues on the `audit` queue every minute (see cron_config.py)."""
     settings = get_settings()
-    report = run_tick(settings, runner=get_runner(settings), alert_runner=alert_runner(settings))
+    report = run_tick(
+        settings, runner=build_runner(settings), alert_runner=build_alert_runner(settings)
+    )
     if report.started or report.evaluated or report.errors or report.traces_pruned:
         log.info(report.summary())
     return asdict(report)

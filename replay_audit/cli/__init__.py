@@ -1,171 +1,24 @@
-"""The `replay-audit` command. Each module here registers its commands on `app`; heavy imports
-(torch, the web app) happen inside the commands so `replay-audit --help` stays fast.
+"""The `replay-audit` command. Each module here registers its commands on `app` (`cli/root.py`);
+heavy imports (torch, the web app) happen inside the commands so `replay-audit --help` stays
+fast.
 
 Commands check what they need up front and fail in one line (`cli/database.py`); `app` itself is
-the last line of defence: a database that goes away mid-command, or a setting that does not
-parse, is one line on stderr and exit code 2, not a traceback. It also stops the threads a
-command started before the process exits, on Ctrl-C and SIGTERM too (`cli/shutdown.py`).
+the last line of defence (see `cli/root.py`).
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-from typing import Annotated, Any
-
-import typer
-from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
-from typer.models import CommandFunctionType
-
-
-def _reason(error: Any) -> str:
-    """A validation error's message without pydantic's "Value error, " before a validator's
-    own words."""
-    cause = (error.get("ctx") or {}).get("error")
-    return str(cause) if error.get("type") == "value_error" and cause is not None else error["msg"]
-
-
-def _failure(exc: Exception) -> str | None:
-    """The one line for an error a user can fix (None: a bug, which keeps its traceback)."""
-    from pydantic import ValidationError
-
-    if isinstance(exc, ValidationError) and exc.title == "Settings":
-        problems = "; ".join(
-            f"REPLAY_AUDIT_{'_'.join(map(str, e['loc'])).upper()}: {_reason(e)}"
-            for e in exc.errors()
-        )
-        return f"invalid settings: {problems}"
-    from replay_audit.cli.database import describe_database_error
-    from replay_audit.config import get_settings
-
-    return describe_database_error(exc, get_settings().database_url)
-
-
-#: Typer's type labels, in click's words (what `--help` printed before Typer 0.29).
-_TYPE_NAMES = {"str": "TEXT", "int": "INTEGER", "float": "FLOAT", "path": "PATH"}
-
-
-def _type_name(param: TyperArgument | TyperOption, ctx: Any) -> str:
-    label = param.display_type(ctx).strip("<>")
-    label = label.removesuffix(" range")  # the range itself is printed beside it
-    if label.startswith("list[") and label.endswith("]"):  # a repeatable option or argument
-        label = label[5:-1]
-    return _TYPE_NAMES.get(label, label.upper())
-
-
-class _Argument(TyperArgument):
-    """`TRACES` in the usage line (`[TRACES]` when optional), its type as a word."""
-
-    def display_type_rich(self, ctx: Any) -> str | None:
-        return _type_name(self, ctx)
-
-    def _usage_display_name(self) -> str:
-        name = (self.metavar or self.name or "").upper()
-        name = name if self.required else f"[{name}]"
-        return name + ("..." if self.nargs != 1 else "")
-
-
-class _Option(TyperOption):
-    """A flag shows no value (Typer 0.29 prints `<bool>`), an option its metavar or type word."""
-
-    def display_type_rich(self, ctx: Any) -> str | None:
-        if self.metavar is not None:
-            return self.metavar
-        if self.is_flag:
-            return None
-        return _type_name(self, ctx)
-
-
-def _plain(params: list[Any]) -> list[Any]:
-    # Typer builds its own parameter objects and takes no class for them; these subclasses
-    # only change how the help prints them, so the instances are re-classed in place.
-    for p in params:
-        if type(p) is TyperArgument:
-            p.__class__ = _Argument
-        elif type(p) is TyperOption:
-            p.__class__ = _Option
-    return params
-
-
-class _Command(TyperCommand):
-    """A command whose help reads as click's: `TEXT`, `PATH`, flags bare, `MODEL_DIR`."""
-
-    def get_params(self, ctx: Any) -> list[Any]:
-        return _plain(super().get_params(ctx))
-
-
-class _Group(TyperGroup):
-    """A group of commands, with `_Command`'s help."""
-
-    def get_params(self, ctx: Any) -> list[Any]:
-        return _plain(super().get_params(ctx))
-
-
-class CommandGroup(typer.Typer):
-    """`typer.Typer` whose groups and commands print plain help (see `_Command`). Every
-    `replay-audit` command hangs off one of these."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("cls", _Group)
-        super().__init__(**kwargs)
-
-    def command(
-        self, *args: Any, **kwargs: Any
-    ) -> Callable[[CommandFunctionType], CommandFunctionType]:
-        kwargs.setdefault("cls", _Command)
-        return super().command(*args, **kwargs)
-
-
-def _version(value: bool) -> None:
-    if value:
-        from replay_audit import __version__
-
-        typer.echo(f"replay-audit {__version__}")
-        raise typer.Exit()
-
-
-class _App(CommandGroup):
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from replay_audit.cli.shutdown import stopping_threads_on_exit
-
-        with stopping_threads_on_exit():  # Ctrl-C and SIGTERM: cli/shutdown.py
-            try:
-                return super().__call__(*args, **kwargs)
-            except Exception as exc:
-                message = _failure(exc)
-                if message is None:
-                    raise
-                typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-                sys.exit(2)
-
-
-app = _App(
-    name="replay-audit",
-    help="Cross-precision replay and audit of LLM inference.",
-    no_args_is_help=True,
-    add_completion=False,
-)
-
-
-@app.callback()
-def _main(
-    version: Annotated[
-        bool,
-        typer.Option(
-            "--version", callback=_version, is_eager=True, help="Print the version and exit."
-        ),
-    ] = False,
-) -> None:
-    """Cross-precision replay and audit of LLM inference."""
-
+# ruff: isort: off
+from replay_audit.cli.root import CommandGroup, app
 
 # Registration order is the order in --help.
-# ruff: isort: off
-from replay_audit.cli import service as _service  # noqa: E402,F401
-from replay_audit.cli import engine as _engine  # noqa: E402,F401
-from replay_audit.cli import screen as _screen  # noqa: E402,F401
-from replay_audit.cli import imports as _imports  # noqa: E402,F401
-from replay_audit.cli import worker as _worker  # noqa: E402,F401
-from replay_audit.cli import demo as _demo  # noqa: E402,F401
-from replay_audit.cli import audit as _audit  # noqa: E402,F401
+from replay_audit.cli import service as _service  # noqa: F401
+from replay_audit.cli import engine as _engine  # noqa: F401
+from replay_audit.cli import screen as _screen  # noqa: F401
+from replay_audit.cli import imports as _imports  # noqa: F401
+from replay_audit.cli import worker as _worker  # noqa: F401
+from replay_audit.cli import demo as _demo  # noqa: F401
+from replay_audit.cli import audit as _audit  # noqa: F401
 # ruff: isort: on
+
+__all__ = ["CommandGroup", "app"]

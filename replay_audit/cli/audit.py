@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from replay_audit.cli import CommandGroup, app
+from replay_audit.cli.root import CommandGroup, app
 
 if TYPE_CHECKING:
     from replay_audit.audits.models import AuditRun
     from replay_audit.config import Settings
+    from replay_audit.queue import Runner
 
 audit_app = CommandGroup(help="Scheduled re-audits: schedules, runs, trends.", no_args_is_help=True)
 app.add_typer(audit_app, name="audit")
@@ -64,45 +65,58 @@ def _ready() -> None:
     ready_database(_settings())
 
 
-def _start(schedule_id: str, action: str, limit: int) -> tuple[list[int], int]:
-    """Start run(s) in one transaction; (audit run ids, missed runs left)."""
+def _runner() -> Runner:
+    """The command's runner, stopped when the command ends (`cli.shutdown.own`)."""
+    from replay_audit.cli.shutdown import own
+    from replay_audit.queue import build_runner, stop_runner
+
+    runner = build_runner(_settings())
+    own(lambda timeout_s: stop_runner(runner, timeout_s))
+    return runner
+
+
+def _start(schedule_id: str, action: str, limit: int, runner: Runner) -> tuple[list[int], int]:
+    """Start run(s) in one transaction, their jobs on `runner`; (audit run ids, missed runs
+    left)."""
     from replay_audit.audits import repository, service
     from replay_audit.db.unit_of_work import session_scope
     from replay_audit.exceptions import ReplayAuditError
     from replay_audit.queue import build_job_queue
+    from replay_audit.replays.service import RunDefaults
 
     settings = _settings()
-    queue = build_job_queue(settings)
+    queue = build_job_queue(settings, runner)
+    defaults = RunDefaults.from_settings(settings)
     try:
         with session_scope(settings.database_url) as s:
             schedule = repository.find_schedule(s, schedule_id)
             if schedule is None:
                 _fail(f"no audit schedule {schedule_id!r}")
             if action == "run-now":
-                run, created = service.run_now(s, schedule, queue=queue)
+                run, created = service.run_now(s, schedule, queue=queue, defaults=defaults)
                 runs, left = [run], 0
                 if not created:
                     typer.echo(f"a run due this second exists: {run.public_id}")
             else:
-                runs, left = service.catch_up(s, schedule, limit=limit, queue=queue)
+                runs, left = service.catch_up(
+                    s, schedule, limit=limit, queue=queue, defaults=defaults
+                )
             ids = [r.id for r in runs]
     except ReplayAuditError as e:
         _fail(e.message)
     return ids, left
 
 
-def _finish(ids: list[int], wait: bool, timeout_s: float) -> None:
+def _finish(ids: list[int], wait: bool, timeout_s: float, runner: Runner) -> None:
     """Wait for the runs' replays (in this process with the in-process runner), evaluate them
     and print each trend point."""
     from replay_audit.audits import service
     from replay_audit.audits.models import AuditRun
     from replay_audit.audits.tasks import DeferredRunner
     from replay_audit.db.unit_of_work import session_scope
-    from replay_audit.queue import get_runner
     from replay_audit.queue.runner import InProcessRunner
 
     settings = _settings()
-    runner = get_runner(settings)
     inprocess = isinstance(runner, InProcessRunner)
     if isinstance(runner, InProcessRunner):
         runner.join(timeout_s)
@@ -201,8 +215,9 @@ def run_now(
 ) -> None:
     """Run a schedule now: sample its window ending now and replay the sample."""
     _ready()
-    ids, _ = _start(schedule, "run-now", 1)
-    _finish(ids, wait, timeout_s)
+    runner = _runner()
+    ids, _ = _start(schedule, "run-now", 1, runner)
+    _finish(ids, wait, timeout_s, runner)
 
 
 @audit_app.command("catch-up")
@@ -216,11 +231,12 @@ def catch_up(
 ) -> None:
     """Start the runs a stopped scheduler missed (newest first), each over its own window."""
     _ready()
-    ids, left = _start(schedule, "catch-up", limit)
+    runner = _runner()
+    ids, left = _start(schedule, "catch-up", limit, runner)
     if not ids:
         typer.echo("no missed runs")
         return
-    _finish(ids, wait, timeout_s)
+    _finish(ids, wait, timeout_s, runner)
     if left:
         typer.echo(f"{left} missed run(s) left; run catch-up again")
 
@@ -264,13 +280,16 @@ def trend(
 def tick() -> None:
     """One scheduler pass now (what `rq cron` and the embedded scheduler run every minute)."""
     _ready()
-    from replay_audit.audits.tasks import alert_runner, run_tick
-    from replay_audit.queue import get_runner
+    from replay_audit.audits.tasks import build_alert_runner, run_tick
+    from replay_audit.cli.shutdown import own
+    from replay_audit.queue import stop_runner
     from replay_audit.queue.runner import InProcessRunner
 
     settings = _settings()
-    runner = get_runner(settings)
-    report = run_tick(settings, runner=runner, alert_runner=alert_runner(settings))
+    runner = _runner()
+    alerts = build_alert_runner(settings)
+    own(lambda timeout_s: stop_runner(alerts, timeout_s))
+    report = run_tick(settings, runner=runner, alert_runner=alerts)
     if isinstance(runner, InProcessRunner):
         runner.join()
     typer.echo(

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from replay_audit.cli import app
+from replay_audit.cli.root import app
 
 if TYPE_CHECKING:
     from replay_audit.replays.schemas import ReplayRead
@@ -89,9 +89,17 @@ def _serving(settings: Any, port: int) -> Iterator[tuple[threading.Thread, str]]
     import uvicorn
 
     from replay_audit.api.app import create_app
+    from replay_audit.cli.shutdown import own
+    from replay_audit.queue import build_runner, stop_runner
 
+    # The demo's runner is the command's: it stops when the command ends (Ctrl-C included),
+    # after the server thread, which may not get to its own shutdown.
+    runner = build_runner(settings)
+    own(lambda timeout_s: stop_runner(runner, timeout_s))
     server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+        uvicorn.Config(
+            create_app(settings, runner=runner), host="127.0.0.1", port=port, log_level="warning"
+        )
     )
     thread = threading.Thread(target=server.run, name="replay-audit-demo-api", daemon=True)
     thread.start()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from replay_audit.cli import app
+from replay_audit.cli.root import app
 from replay_audit.formats import CACHE_KINDS
 from replay_audit.replays.domain import (
     DEFAULT_CONTROL_FRACTION,

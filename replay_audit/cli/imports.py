@@ -19,7 +19,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from replay_audit.cli import app
+from replay_audit.cli.root import app
 
 _FORMATS = ("openai", "sglang", "hf", "lm-eval")
 _LIST_KEYS = frozenset({"tags", "decoding.eos_token_ids"})

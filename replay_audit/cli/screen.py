@@ -9,8 +9,8 @@ from typing import Annotated, Any
 
 import typer
 
-from replay_audit.cli import app
 from replay_audit.cli.engine import _fail, _progress, _read_jsonl, _threads
+from replay_audit.cli.root import app
 
 
 def _knobs(values: list[str] | None) -> list[str]:

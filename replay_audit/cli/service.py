@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from replay_audit.cli import CommandGroup, app
+from replay_audit.cli.root import CommandGroup, app
 
 db_app = CommandGroup(help="Database migrations.", no_args_is_help=True)
 keys_app = CommandGroup(help="API keys.", no_args_is_help=True)
@@ -58,11 +58,20 @@ def serve(
     if key is not None:
         typer.echo(_banner_for_key(key, DEFAULT_PROJECT))
     from replay_audit.audits.scheduler import start_inprocess_scheduler
+    from replay_audit.cli.shutdown import own
+    from replay_audit.queue import build_runner, stop_runner
 
+    # One runner for the app and the scheduler (one replay thread, one set of loaded engines),
+    # owned by this command: stopped when it ends, after the scheduler that feeds it.
+    runner = build_runner(settings) if workers == 1 else None
+    if runner is not None:
+        own(lambda timeout_s: stop_runner(runner, timeout_s))
     # The embedded audit scheduler: a daemon thread, none when `rq cron` does the job.
-    start_inprocess_scheduler(settings)
-    if workers == 1:
-        uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+    scheduler = start_inprocess_scheduler(settings, runner=runner)
+    if scheduler is not None:
+        own(scheduler.stop)
+    if runner is not None:
+        uvicorn.run(create_app(settings, runner=runner), host=host, port=port, log_level=log_level)
     else:
         # Separate processes build their own app from the same environment, on a listening
         # socket bound as TCP so their connections get TCP_NODELAY (api/server.py says why).

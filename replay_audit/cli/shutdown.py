@@ -8,7 +8,8 @@ daemon threads. One still inside torch while the interpreter tears down aborts t
 - SIGINT and SIGTERM raise `Interrupted` (a `KeyboardInterrupt`) in the main thread; uvicorn,
   while it serves, takes both over, shuts the server down gracefully and raises the signal again
   once it has returned, which lands here too;
-- the scheduler is stopped first (a tick enqueues jobs), then the runners; a replay job returns
+- what the command started, it owns (`own`): the scheduler is stopped first (a tick enqueues
+  jobs), then the runners, the reverse of the order they were started in; a replay job returns
   between two traces and is queued again in the database (`replays.tasks`), so it resumes when
   the reconciler re-enqueues it (at the next `serve`);
 - a second Ctrl-C while they stop leaves at once, as does a thread that has not stopped after
@@ -24,8 +25,9 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from contextvars import ContextVar
 from types import FrameType
 from typing import Final
 
@@ -43,18 +45,29 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-def stop_background_threads(timeout_s: float | None = STOP_TIMEOUT_S) -> bool:
-    """Stop the embedded scheduler, then every in-process runner; False if a thread is still
-    running after `timeout_s` each. Only modules already imported are asked: one that was never
-    imported has started nothing."""
-    clean = True
-    scheduler = sys.modules.get("replay_audit.audits.scheduler")
-    if scheduler is not None:
-        clean = scheduler.stop_inprocess_scheduler(timeout_s) and clean
-    runner = sys.modules.get("replay_audit.queue.runner")
-    if runner is not None:
-        clean = runner.stop_inprocess_runners(timeout_s) and clean
-    return bool(clean)
+#: A thread's stop: `stop(timeout_s)`, False if it is still running after that.
+Stop = Callable[[float | None], bool]
+
+#: What the running command started and owns, in the order it started them: bound afresh by
+#: `stopping_threads_on_exit` for each command, so nothing outlives it and nothing is kept
+#: process-wide.
+_owned: ContextVar[list[Stop] | None] = ContextVar("replay_audit_command_threads", default=None)
+
+
+def own(stop: Stop) -> None:
+    """Have `stop(timeout_s)` (an in-process runner's, the embedded scheduler's) called when the
+    running command ends, however it ends, before what was owned earlier: own a runner before
+    the scheduler that feeds it. Outside `stopping_threads_on_exit` (a command's function
+    called directly) the caller stops what it started."""
+    owned = _owned.get()
+    if owned is not None:
+        owned.append(stop)
+
+
+def stop_background_threads(owned: list[Stop], timeout_s: float | None = STOP_TIMEOUT_S) -> bool:
+    """Stop what the command owns, the last started first; False if a thread is still running
+    after `timeout_s` each."""
+    return all([stop(timeout_s) for stop in reversed(owned)])
 
 
 def _leave_now(signum: int, _frame: FrameType | None) -> None:
@@ -85,6 +98,8 @@ def stopping_threads_on_exit() -> Iterator[None]:
 
     main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, interrupt) for sig in SIGNALS} if main else {}
+    owned: list[Stop] = []
+    token = _owned.set(owned)
     code: int | str | None = None
     try:
         yield
@@ -98,8 +113,9 @@ def stopping_threads_on_exit() -> Iterator[None]:
         for sig in previous:
             signal.signal(sig, _leave_now)
         try:
-            clean = stop_background_threads()
+            clean = stop_background_threads(owned)
         finally:
+            _owned.reset(token)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if received:

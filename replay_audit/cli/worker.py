@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from replay_audit.cli import app
+from replay_audit.cli.root import app
 from replay_audit.formats import CACHE_KINDS
 
 
@@ -94,16 +94,18 @@ def reconcile(
     worker killed mid-job). With the embedded in-process runner the jobs run in this process,
     and the command waits for them (Ctrl-C stops them cleanly)."""
     from replay_audit.cli.database import ready_database
+    from replay_audit.cli.shutdown import own
     from replay_audit.config import get_settings
     from replay_audit.db.unit_of_work import session_scope
-    from replay_audit.queue import get_runner
+    from replay_audit.queue import build_runner, stop_runner
     from replay_audit.queue.runner import InProcessRunner
     from replay_audit.replays.reconcile import reconcile as run_reconcile
     from replay_audit.screenings.reconcile import reconcile_screenings
 
     settings = get_settings()
     ready_database(settings)
-    runner = get_runner(settings)
+    runner = build_runner(settings)
+    own(lambda timeout_s: stop_runner(runner, timeout_s))
     with session_scope(settings.database_url) as session:
         again = run_reconcile(
             session, runner, stale_after_s=stale_after_s, job_timeout_s=settings.job_timeout_s
@@ -131,16 +133,19 @@ def scheduler(
     reconciles the queue with the database (production runs `rq cron
     replay_audit.audits.cron_config` instead; running both is harmless, the database's unique
     keys decide)."""
-    from replay_audit.audits.tasks import alert_runner, run_tick
+    from replay_audit.audits.tasks import build_alert_runner, run_tick
     from replay_audit.cli.database import ready_database, shown_url
+    from replay_audit.cli.shutdown import own
     from replay_audit.config import get_settings
-    from replay_audit.queue import get_runner
+    from replay_audit.queue import build_runner, stop_runner
 
     settings = get_settings()
     ready_database(settings)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    runner = get_runner(settings)
-    alerts = alert_runner(settings)
+    runner = build_runner(settings)
+    alerts = build_alert_runner(settings)
+    own(lambda timeout_s: stop_runner(runner, timeout_s))
+    own(lambda timeout_s: stop_runner(alerts, timeout_s))
     interval = settings.audit_tick_interval_s if interval_s is None else interval_s
     log = logging.getLogger("replay_audit.scheduler")
     url = settings.database_url

@@ -96,13 +96,10 @@ def get_sessionmaker(database_url: str) -> sessionmaker[Session]:
     """The process-wide session factory for `database_url`.
 
     Sessions do not expire objects on commit, so what a unit of work loaded stays readable after
-    it committed (jobs build their result from it). Every mapped class is imported first
-    (`replay_audit.models`): a CLI command or a job imports only its own domain, and the first
-    session would fail to resolve a relationship to a class nobody imported.
+    it committed (jobs build their result from it). This package knows no table: each domain's
+    `models.py` imports the models its foreign keys and relationships name, so whichever domain
+    a command or a job imports, the first session finds every class its mappers refer to.
     """
-    # Imported here, not at the top: the models import this package (their Base).
-    import replay_audit.models  # noqa: F401
-
     engine = get_engine(database_url)
     with _lock:
         factory = _sessionmakers.get(database_url)

@@ -1,7 +1,7 @@
 """Loaded engines, kept per process: a worker loads each (checkpoint, format) once.
 
-Torch-free: the loader (by default `replay_audit.engine.load_engine`) imports torch the first
-time an engine is actually built.
+Torch-free: the loader (by default `load_engine`, here, re-exported as
+`replay_audit.engine.load_engine`) imports torch the first time an engine is actually built.
 """
 
 from __future__ import annotations
@@ -74,8 +74,6 @@ class EnginePool:
     def _load(self, d: Path, target: Target) -> Engine:
         if self._loader is not None:
             return self._loader(d, target)
-        from replay_audit.engine import load_engine
-
         return load_engine(
             d, target, device=self._device, cache=self._cache, max_cache_len=self._max_cache_len
         )
@@ -99,3 +97,45 @@ class EnginePool:
     def clear(self) -> None:
         with self._lock:
             self._engines.clear()
+
+
+def load_engine(
+    model_dir: str | Path,
+    target: Target,
+    *,
+    device: str | None = None,
+    deterministic: bool = True,
+    tf32: bool = False,
+    cache: CacheKind | None = None,
+    max_cache_len: int = 4096,
+    weight_dtype: str | None = None,
+    fp8_linear: bool = False,
+) -> Engine:
+    """Load a local Hugging Face checkpoint (no network) in `target`'s format as a torch engine.
+
+    `device` None picks CUDA when available, else the CPU. The deterministic-algorithms and TF32
+    flags are process-wide torch settings: the engine sets them explicitly here and reports them
+    in `environment()`. `cache` (`formats.CacheKind`): "dynamic" grows the KV cache, as
+    transformers' `generate()` does; "piecewise" too, with the rest of each decode step in CUDA
+    graphs (the same logits bit for bit); "static" preallocates it (and on CUDA captures the
+    decode step in a CUDA graph) for `max_cache_len` tokens (longer decodes use the dynamic
+    path); "compiled" is "static" with the step compiled. None: "piecewise" on CUDA, else
+    "dynamic". `weight_dtype`: the
+    dtype the weights are stored in when it differs from `target.dtype`, the compute dtype
+    (loaded in the one, cast to the other: the storage-vs-compute ablation). `fp8_linear`: every
+    linear layer of the body in FP8-E4M3 (the paper's end-to-end FP8 boundary case; CUDA, SM >=
+    8.9).
+    """
+    from replay_audit.engine.torch_engine import TorchEngine
+
+    return TorchEngine.load(
+        Path(model_dir),
+        target,
+        device=device,
+        deterministic=deterministic,
+        tf32=tf32,
+        cache=cache,
+        max_cache_len=max_cache_len,
+        weight_dtype=weight_dtype,
+        fp8_linear=fp8_linear,
+    )

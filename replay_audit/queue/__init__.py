@@ -15,11 +15,11 @@ from replay_audit.queue.runner import (
     JobSpec,
     Runner,
     build_job_queue,
-    get_runner,
+    build_runner,
     resolve,
     rq_name,
-    stop_inprocess_runners,
     stop_requested,
+    stop_runner,
 )
 
 __all__ = [
@@ -28,9 +28,9 @@ __all__ = [
     "JobSpec",
     "Runner",
     "build_job_queue",
-    "get_runner",
+    "build_runner",
     "resolve",
     "rq_name",
-    "stop_inprocess_runners",
     "stop_requested",
+    "stop_runner",
 ]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import logging
 import queue as stdlib_queue
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +18,6 @@ from sqlalchemy.orm import Session
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import QueueUnavailable
-from replay_audit.replays.domain import DEFAULT_SCAN_FLAG_ULPS, LARGE_RUN_TRACES
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +67,9 @@ class Runner(Protocol):
 
 
 #: The stop event of the in-process runner whose thread this is (unset in other threads).
-_running_in = threading.local()
+_stop_of_runner: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
+    "replay_audit_runner_stop", default=None
+)
 
 
 def stop_requested() -> bool:
@@ -76,7 +77,7 @@ def stop_requested() -> bool:
     SIGTERM). A long job checks it between units of work and returns early, leaving the rest to
     its next run: jobs are idempotent and the reconciler re-enqueues unfinished ones. Always
     False outside an in-process runner's thread (an RQ worker finishes its job first)."""
-    stop: threading.Event | None = getattr(_running_in, "stop", None)
+    stop = _stop_of_runner.get()
     return stop is not None and stop.is_set()
 
 
@@ -89,7 +90,14 @@ class InProcessRunner:
 
     `stop()` ends the thread before the process exits: a daemon thread still inside torch when
     the interpreter tears down aborts the process ("terminate called without an active
-    exception"). A stopped runner takes no more jobs.
+    exception"). A stopped runner takes no more jobs. Whoever builds a runner owns it and
+    stops it (the app's lifespan, a command's `cli.shutdown.own`): nothing process-wide keeps
+    a list of runners.
+
+    The thread runs its jobs in a copy of the context (`contextvars`) of whoever built the
+    runner: what they bound there (a worker context with its loaded engines, a test's fakes)
+    the jobs see, and what the jobs bind for later jobs (a worker context built on first use)
+    stays with this runner, and goes with it.
     """
 
     def __init__(self, *, retry_scale: float = 1.0) -> None:
@@ -100,7 +108,7 @@ class InProcessRunner:
         self._retry_scale = retry_scale
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        _runners.add(self)
+        self._context = contextvars.copy_context()
 
     def enqueue(self, spec: JobSpec) -> None:
         with self._lock:
@@ -112,7 +120,10 @@ class InProcessRunner:
             self._pending.add(spec.job_id)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
-                    target=self._loop, name="replay-audit-runner", daemon=True
+                    target=self._context.run,
+                    args=(self._loop,),
+                    name="replay-audit-runner",
+                    daemon=True,
                 )
                 self._thread.start()
         self._queue.put(spec)
@@ -151,7 +162,7 @@ class InProcessRunner:
         return True
 
     def _loop(self) -> None:
-        _running_in.stop = self._stop
+        _stop_of_runner.set(self._stop)
         while not self._stop.is_set():
             spec = self._queue.get()
             if spec is None:
@@ -175,16 +186,6 @@ class InProcessRunner:
                     return
                 if self._stop.wait(spec.retry_intervals_s[attempt] * self._retry_scale):
                     return  # stopping: the reconciler retries it at the next start
-
-
-#: Every in-process runner of this process, for `stop_inprocess_runners()`.
-_runners: weakref.WeakSet[InProcessRunner] = weakref.WeakSet()
-
-
-def stop_inprocess_runners(timeout_s: float | None = None) -> bool:
-    """Stop every in-process runner of this process (`InProcessRunner.stop`), each given
-    `timeout_s`; False if a thread is still running after that."""
-    return all([runner.stop(timeout_s) for runner in list(_runners)])
 
 
 def rq_name(settings: Settings, name: str) -> str:
@@ -260,35 +261,13 @@ def _has_cuda_device() -> bool:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What this deployment can replay, answered in one place.
-
-    `rq`: GPU and CPU workers take the jobs, so every target is accepted here; a worker that
-    cannot run one (an fp8 lm_head on a GPU below SM 8.9) fails that item saying why.
-    `inprocess`: the jobs run in this process, on its CUDA device when the host has one
-    (`cuda`), else on the CPU."""
+    """Where this deployment's jobs run: the runner (`rq`: GPU and CPU workers elsewhere;
+    `inprocess`: this process) and, for the in-process runner, whether this host has a CUDA
+    device. Facts only: what a domain can run on them is the domain's rule
+    (`replays.service.target_refusal`)."""
 
     runner: str
     cuda: bool
-
-    def refusal(self, *, lm_head_dtype: str | None, device: str | None) -> str | None:
-        """Why a target with this lm_head format and device cannot run here (None: it can)."""
-        if self.runner != "inprocess" or self.cuda:
-            return None
-        if device == "cuda":
-            return (
-                "this embedded deployment has no CUDA device; run a GPU worker "
-                "(REPLAY_AUDIT_RUNNER=rq and `replay-audit worker --queue gpu`)"
-            )
-        if lm_head_dtype in FP8_HEAD_DTYPES:
-            return (
-                f"an {lm_head_dtype} lm_head needs a CUDA GPU of compute capability >= 8.9, and "
-                "this embedded deployment has none (REPLAY_AUDIT_RUNNER=rq with a GPU worker)"
-            )
-        return None
-
-
-#: lm_head formats only a CUDA GPU can compute.
-FP8_HEAD_DTYPES: Final = frozenset({"fp8_e4m3", "fp8_e5m2"})
 
 
 @dataclass(frozen=True)
@@ -302,12 +281,6 @@ class JobQueue:
     capabilities: Capabilities
     #: The queue of targets that name no device (`Settings.default_queue`).
     default_queue: str = "gpu"
-    #: Runs of at least this many traces that name no mode are replayed scan-then-decode
-    #: (`Settings.large_run_traces`): how the deployment plans large runs, read where runs are
-    #: created (requests, audits, the CLI), all of which build their queue here.
-    large_run_traces: int = LARGE_RUN_TRACES
-    #: The near-tie flag of scan-then-decode runs that name none (`Settings.scan_flag_ulps`).
-    scan_flag_ulps: float = DEFAULT_SCAN_FLAG_ULPS
 
     def check(self) -> None:
         """`QueueUnavailable` when the queue cannot take work now (before anything is stored)."""
@@ -329,10 +302,8 @@ class JobQueue:
 def build_job_queue(settings: Settings, runner: Runner | None = None) -> JobQueue:
     """The deployment's job queue from its settings (`runner`: a runner to use instead)."""
     return JobQueue(
-        runner=runner or get_runner(settings),
+        runner=runner or build_runner(settings),
         job_timeout_s=settings.job_timeout_s,
-        large_run_traces=settings.large_run_traces,
-        scan_flag_ulps=settings.scan_flag_ulps,
         capabilities=Capabilities(
             runner=settings.runner,
             cuda=settings.runner == "inprocess" and _has_cuda_device(),
@@ -341,16 +312,16 @@ def build_job_queue(settings: Settings, runner: Runner | None = None) -> JobQueu
     )
 
 
-_inprocess: InProcessRunner | None = None
-_inprocess_lock = threading.Lock()
-
-
-def get_runner(settings: Settings) -> Runner:
-    """The runner the settings ask for. The in-process one is a per-process singleton."""
-    global _inprocess
+def build_runner(settings: Settings) -> Runner:
+    """A new runner of the kind the settings ask for. The caller owns it: an in-process runner
+    is stopped by whoever built it (`InProcessRunner.stop`), and one process shares one by
+    handing it on (`serve` gives its runner to the app and to the scheduler)."""
     if settings.runner == "rq":
         return RQRunner(settings.redis_url, prefix=settings.queue_prefix)
-    with _inprocess_lock:
-        if _inprocess is None:
-            _inprocess = InProcessRunner()
-        return _inprocess
+    return InProcessRunner()
+
+
+def stop_runner(runner: Runner, timeout_s: float | None = None) -> bool:
+    """Stop `runner` if it is an in-process one (its thread); False if that is still running
+    after `timeout_s`. Other runners hold no thread of this process."""
+    return runner.stop(timeout_s) if isinstance(runner, InProcessRunner) else True

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Response, status
 
-from replay_audit.api.deps import DBSession, Queue, require_role
+from replay_audit.api.deps import AppSettings, DBSession, Queue, require_role
 from replay_audit.auth.models import READER_ROLES, Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.replays import service
@@ -33,11 +33,18 @@ def create_replay(
     queue: Queue,
     principal: Writer,
     response: Response,
+    settings: AppSettings,
 ) -> ReplayCreated:
     """Replay stored traces in one or more target configurations (queued; poll the run). With
     no `mode`, a large run (`REPLAY_AUDIT_LARGE_RUN_TRACES` traces or more) is replayed
     scan-then-decode, a smaller one decoded."""
-    run, created = service.create_replay(session, principal.project_id, body, queue)
+    run, created = service.create_replay(
+        session,
+        principal.project_id,
+        body,
+        queue,
+        defaults=service.RunDefaults.from_settings(settings),
+    )
     if not created:
         response.status_code = status.HTTP_200_OK
     return ReplayCreated(id=run.public_id, created=created)

@@ -30,6 +30,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
+# The tables its foreign keys name (projects, traces), in the metadata whoever imports this.
+import replay_audit.auth.models
+import replay_audit.traces.models  # noqa: F401
 from replay_audit.db.base import Base, utcnow
 from replay_audit.db.types import Int32Array, PackedInt32Array
 from replay_audit.replays.domain import (

@@ -15,7 +15,7 @@ from replay_audit.db.base import utcnow
 from replay_audit.formats import logged_by_another_engine
 from replay_audit.replays.domain import LoggedTrace, logging_engine
 from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
-from replay_audit.replays.results import ResultRow, failed_values, figures
+from replay_audit.replays.results import ResultRow, figures
 from replay_audit.stats.report import AnswerFigures, PairedOutcome, ResultFigures, TraceRef
 from replay_audit.traces.models import NumericalConfigRow, Trace
 
@@ -164,7 +164,9 @@ def insert_results(session: Session, run_id: int, trace_id: int, rows: Sequence[
     insert_results_of(session, run_id, [(trace_id, rows)])
 
 
-def _lock_run(session: Session, run_id: int) -> ReplayRun:
+def lock_run(session: Session, run_id: int) -> ReplayRun:
+    """The run row, reloaded and locked for the rest of the transaction (PostgreSQL `FOR
+    UPDATE`; SQLite write transactions are serialised by `BEGIN IMMEDIATE`)."""
     stmt = select(ReplayRun).where(ReplayRun.id == run_id)
     if session.get_bind().dialect.name == "postgresql":
         stmt = stmt.with_for_update()
@@ -173,23 +175,12 @@ def _lock_run(session: Session, run_id: int) -> ReplayRun:
     return run
 
 
-def finish_job(session: Session, job_id: int) -> None:
-    """Mark the job done; if no job of its run is left unfinished, finalise the run.
-
-    The run row is locked first (PostgreSQL `FOR UPDATE`; SQLite write transactions are
-    serialised by `BEGIN IMMEDIATE`), so of two jobs finishing at once exactly one sees the
-    other's commit and finalises."""
-    job = session.get(ReplayJob, job_id)
-    if job is None:
-        return
-    run = _lock_run(session, job.run_id)
-    job.status, job.updated_at, job.error = "done", utcnow(), None
-    session.flush()
-    left = session.scalar(
-        select(func.count()).where(ReplayJob.run_id == run.id, ReplayJob.status != "done")
+def count_unfinished_jobs(session: Session, run_id: int) -> int:
+    """How many jobs of the run are not done."""
+    count = session.scalar(
+        select(func.count()).where(ReplayJob.run_id == run_id, ReplayJob.status != "done")
     )
-    if left == 0:
-        finalise_run(session, run)
+    return int(count or 0)
 
 
 def release_job(session: Session, job_id: int) -> None:
@@ -201,25 +192,6 @@ def release_job(session: Session, job_id: int) -> None:
     job.status, job.attempts, job.updated_at = "queued", max(0, job.attempts - 1), utcnow()
 
 
-def fail_job(session: Session, job_id: int, reason: str) -> None:
-    """A job that will not be retried: its traces get failed results saying why."""
-    job = session.get(ReplayJob, job_id)
-    if job is None or job.status == "done":
-        return
-    run = _lock_run(session, job.run_id)
-    for trace_id in job.trace_ids:
-        missing = missing_comparisons(session, run.id, trace_id, len(run.comparisons))
-        insert_results(
-            session,
-            run.id,
-            trace_id,
-            [failed_values(c, reason) for c in missing],
-        )
-    job.error = reason
-    session.flush()
-    finish_job(session, job_id)
-
-
 def finished_runs_without_statistics(session: Session) -> list[ReplayRun]:
     """Finished runs whose statistics are not stored."""
     # SQL NULL (what the migration leaves) or a JSON null (None assigned through the ORM).
@@ -228,24 +200,11 @@ def finished_runs_without_statistics(session: Session) -> list[ReplayRun]:
     return list(session.scalars(stmt.order_by(ReplayRun.id)))
 
 
-def finalise_run(session: Session, run: ReplayRun) -> None:
-    """Store the run's statistics and its final status (done, or failed when every item
-    failed)."""
-    from replay_audit.replays import statistics  # the builder reads through this module
-
-    stats = statistics.compute(session, run)
-    run.aggregate = stats.model_dump(mode="json")
-    counts = {c.index: (c.ok, c.n) for c in stats.comparisons}
-    n_ok = sum(ok for ok, _ in counts.values())
-    run.finished_at = utcnow()
-    if sum(n for _, n in counts.values()) and n_ok == 0:
-        run.status = "failed"
-        first = session.scalar(
-            select(R.error).where(R.run_id == run.id, R.status == "failed").order_by(R.id).limit(1)
-        )
-        run.error = f"every item failed; first reason: {first}"
-    else:
-        run.status = "done"
+def first_failure(session: Session, run_id: int) -> str | None:
+    """The reason of the run's first failed result (None: none failed)."""
+    return session.scalar(
+        select(R.error).where(R.run_id == run_id, R.status == "failed").order_by(R.id).limit(1)
+    )
 
 
 #: The result columns the statistics read (`stats.report.ResultFigures`), plus the trace's ids.

@@ -9,20 +9,29 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 from sqlalchemy.orm import Session
 
+from replay_audit.config import Settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.ids import new_public_id
 from replay_audit.exceptions import FieldError, NotFound
 from replay_audit.formats import Mode
 from replay_audit.queue import Capabilities, JobQueue
 from replay_audit.replays import repository, statistics
-from replay_audit.replays.domain import Comparison, ResolvedArm, RunTarget, resolve_mode
-from replay_audit.replays.models import ReplayRun
+from replay_audit.replays.domain import (
+    DEFAULT_SCAN_FLAG_ULPS,
+    LARGE_RUN_TRACES,
+    Comparison,
+    ResolvedArm,
+    RunTarget,
+    resolve_mode,
+)
+from replay_audit.replays.models import ReplayJob, ReplayRun
 from replay_audit.replays.reconcile import job_spec
-from replay_audit.replays.results import result_read
+from replay_audit.replays.results import failed_values, result_read
 from replay_audit.replays.schemas import (
     MAX_REPLAY_TRACES,
     Page,
@@ -137,19 +146,36 @@ def _recorded(request: ReplayCreate, mode: str, scan_flag_ulps: float) -> dict[s
     return stored
 
 
+@dataclass(frozen=True)
+class RunDefaults:
+    """How this deployment plans a run whose request leaves it open, read where runs are
+    created (requests, audits, the CLI) from the settings."""
+
+    #: Runs of at least this many traces that name no mode are replayed scan-then-decode
+    #: (`Settings.large_run_traces`).
+    large_run_traces: int = LARGE_RUN_TRACES
+    #: The near-tie flag of scan-then-decode runs that name none (`Settings.scan_flag_ulps`).
+    scan_flag_ulps: float = DEFAULT_SCAN_FLAG_ULPS
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RunDefaults:
+        return cls(settings.large_run_traces, settings.scan_flag_ulps)
+
+
 def create_replay(
     session: Session,
     project_id: int,
     request: ReplayCreate,
     queue: JobQueue,
     *,
+    defaults: RunDefaults,
     schedule_id: str | None = None,
 ) -> tuple[ReplayRun, bool]:
     """Validate and store a replay run and its jobs; enqueue the jobs after commit.
 
     Returns (run, created). With an `idempotency_key` already used in this project, the existing
     run comes back and nothing is stored or enqueued. A request naming no `mode` is replayed
-    scan-then-decode when it selects `queue.large_run_traces` traces or more (a large run),
+    scan-then-decode when it selects `defaults.large_run_traces` traces or more (a large run),
     decode otherwise.
     """
     if request.idempotency_key is not None:
@@ -180,7 +206,7 @@ def create_replay(
         bool(repository.traces_of_other_engines(session, ids)),
     )
     queue_name = _queue(targets, queue.default_queue)
-    mode = resolve_mode(request.mode, len(traces), queue.large_run_traces)
+    mode = resolve_mode(request.mode, len(traces), defaults.large_run_traces)
     size = TRACES_PER_JOB_BY_MODE[mode]
     chunks = [(queue_name, ids[i : i + size]) for i in range(0, len(ids), size)]
     run = ReplayRun(
@@ -190,7 +216,7 @@ def create_replay(
         status="queued",
         mode=mode,
         compare=request.compare,
-        request=_recorded(request, mode, queue.scan_flag_ulps),
+        request=_recorded(request, mode, defaults.scan_flag_ulps),
         targets=[t.to_json() for t in targets],
         comparisons=[c.to_json() for c in comparisons],
         n_traces=len(traces),
@@ -205,15 +231,100 @@ def create_replay(
     return run, True
 
 
+#: lm_head formats only a CUDA GPU can compute.
+FP8_HEAD_DTYPES: Final = frozenset({"fp8_e4m3", "fp8_e5m2"})
+
+
+def target_refusal(
+    capabilities: Capabilities, *, lm_head_dtype: str | None, device: str | None
+) -> str | None:
+    """Why a target with this lm_head format and device cannot run where this deployment runs
+    its jobs (None: it can).
+
+    `rq`: GPU and CPU workers take the jobs, so every target is accepted here; a worker that
+    cannot run one (an fp8 lm_head on a GPU below SM 8.9) fails that item saying why.
+    `inprocess`: the jobs run in this process, on its CUDA device when the host has one, else
+    on the CPU."""
+    if capabilities.runner != "inprocess" or capabilities.cuda:
+        return None
+    if device == "cuda":
+        return (
+            "this embedded deployment has no CUDA device; run a GPU worker "
+            "(REPLAY_AUDIT_RUNNER=rq and `replay-audit worker --queue gpu`)"
+        )
+    if lm_head_dtype in FP8_HEAD_DTYPES:
+        return (
+            f"an {lm_head_dtype} lm_head needs a CUDA GPU of compute capability >= 8.9, and "
+            "this embedded deployment has none (REPLAY_AUDIT_RUNNER=rq with a GPU worker)"
+        )
+    return None
+
+
 def check_targets(capabilities: Capabilities, targets: Sequence[RunTarget], *, field: str) -> None:
     """A 422 naming the first target this deployment cannot run, saying why."""
     for i, t in enumerate(targets):
-        why = capabilities.refusal(
+        why = target_refusal(
+            capabilities,
             lm_head_dtype=t.target.lm_head_dtype if t.target is not None else None,
             device=t.device,
         )
         if why is not None:
             raise FieldError(f"{field}[{i}]: {why}", field=f"{field}[{i}]")
+
+
+# --- a job's end: the worker's side (`replays.tasks`) ----------------------------------------
+
+
+def finish_job(session: Session, job_id: int) -> None:
+    """Mark the job done; if no job of its run is left unfinished, finalise the run.
+
+    The run row is locked first (`repository.lock_run`), so of two jobs finishing at once
+    exactly one sees the other's commit and finalises."""
+    job = session.get(ReplayJob, job_id)
+    if job is None:
+        return
+    run = repository.lock_run(session, job.run_id)
+    job.status, job.updated_at, job.error = "done", utcnow(), None
+    session.flush()
+    if repository.count_unfinished_jobs(session, run.id) == 0:
+        finalise_run(session, run)
+
+
+def fail_job(session: Session, job_id: int, reason: str) -> None:
+    """A job that will not be retried: its traces get failed results saying why."""
+    job = session.get(ReplayJob, job_id)
+    if job is None or job.status == "done":
+        return
+    run = repository.lock_run(session, job.run_id)
+    for trace_id in job.trace_ids:
+        missing = repository.missing_comparisons(session, run.id, trace_id, len(run.comparisons))
+        repository.insert_results(
+            session,
+            run.id,
+            trace_id,
+            [failed_values(c, reason) for c in missing],
+        )
+    job.error = reason
+    session.flush()
+    finish_job(session, job_id)
+
+
+def finalise_run(session: Session, run: ReplayRun) -> None:
+    """Store the run's statistics and its final status (done, or failed when every item
+    failed)."""
+    stats = statistics.compute(session, run)
+    run.aggregate = stats.model_dump(mode="json")
+    counts = {c.index: (c.ok, c.n) for c in stats.comparisons}
+    n_ok = sum(ok for ok, _ in counts.values())
+    run.finished_at = utcnow()
+    if sum(n for _, n in counts.values()) and n_ok == 0:
+        run.status = "failed"
+        run.error = f"every item failed; first reason: {repository.first_failure(session, run.id)}"
+    else:
+        run.status = "done"
+
+
+# --- reading -----------------------------------------------------------------------------------
 
 
 def get_replay(session: Session, project_id: int, public_id: str) -> ReplayRun:

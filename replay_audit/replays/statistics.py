@@ -1,7 +1,7 @@
 """A run's statistics: the result figures from the database through the one pure builder
 (`replay_audit.stats.report`).
 
-A finished run's statistics are stored when it finishes (`repository.finalise_run`) and read
+A finished run's statistics are stored when it finishes (`service.finalise_run`) and read
 back from then on; a running run (or one finished by an earlier release, whose stored aggregate
 had another shape) gets the same function over its rows. Nothing is memoised in the process:
 the stored object is the cache, and it lives in the database every process reads.

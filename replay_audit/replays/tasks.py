@@ -9,9 +9,11 @@ are skipped (and
 between two copies harmless); the run is finalised by whichever job finishes last, under a row
 lock on the run.
 
-A worker process has one `WorkerContext` (its settings and its engines, each checkpoint loaded
-once per format and kept loaded): `replay-audit worker` and the tests install it; elsewhere (the
-in-process runner of `serve` and the demo) the first job builds it from the environment.
+A worker has one `WorkerContext` (its settings and its engines, each checkpoint loaded once per
+format and kept loaded), owned by the worker, never by this module: `replay-audit worker` binds
+its own in the thread its RQ `SimpleWorker` runs jobs in, and the tests bind theirs; an
+in-process runner's first job builds one from the environment, which its thread keeps (see
+`queue.runner.InProcessRunner`) for as long as the runner lives.
 
 In the scan modes the job first scans all its traces that still need a result, several per
 forward (`Engine.scan_batch`: length buckets packed up to `Settings.scan_token_budget` tokens),
@@ -25,9 +27,9 @@ job logs how many traces it did and how fast (traces/s, and the scan's alone).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from replay_audit.config import Settings
@@ -37,7 +39,7 @@ from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import ScanRun
 from replay_audit.exceptions import ReplayAuditError
 from replay_audit.queue import stop_requested
-from replay_audit.replays import repository
+from replay_audit.replays import repository, service
 from replay_audit.replays.checkpoint import ModelNotFound, find_checkpoint
 from replay_audit.replays.domain import (
     SCAN_FLAG_OFF,
@@ -72,34 +74,40 @@ class WorkerContext:
     settings: Settings
     pool: EnginePool
 
+    @classmethod
+    def from_environment(cls) -> WorkerContext:
+        """A context from the settings of the environment, with an empty engine pool."""
+        settings = Settings()
+        # The in-process runner replays beside the API it runs in: it leaves it a core.
+        beside_api = settings.runner == "inprocess"
+        pool = EnginePool(
+            max_engines=MAX_ENGINES,
+            threads=settings.torch_threads,
+            leave_free=1 if beside_api else 0,
+        )
+        return cls(settings, pool)
 
-_context: WorkerContext | None = None
-_context_lock = threading.Lock()
+
+#: The worker context of the jobs run in the current context (a thread's, or an in-process
+#: runner's copy): set by the worker that runs them, so no context is process-wide.
+_bound: ContextVar[WorkerContext | None] = ContextVar("replay_audit_worker_context", default=None)
 
 
 def install_worker_context(context: WorkerContext | None) -> None:
-    """Make `context` this process's worker context (None: build one from the environment at
-    the next job)."""
-    global _context
-    with _context_lock:
-        _context = context
+    """Make `context` the worker context of the jobs run from here on in the current context
+    (the calling thread, or the runner whose copy it is); None: build one from the environment
+    at the next job. An in-process runner built afterwards inherits it."""
+    _bound.set(context)
 
 
 def worker_context() -> WorkerContext:
-    """This process's worker context, built from the environment on first use."""
-    global _context
-    with _context_lock:
-        if _context is None:
-            settings = Settings()
-            # The in-process runner replays beside the API it runs in: it leaves it a core.
-            beside_api = settings.runner == "inprocess"
-            pool = EnginePool(
-                max_engines=MAX_ENGINES,
-                threads=settings.torch_threads,
-                leave_free=1 if beside_api else 0,
-            )
-            _context = WorkerContext(settings, pool)
-        return _context
+    """The worker context bound in the current context, built from the environment on first
+    use and kept there (an in-process runner's thread keeps it between its jobs)."""
+    context = _bound.get()
+    if context is None:
+        context = WorkerContext.from_environment()
+        _bound.set(context)
+    return context
 
 
 @dataclass(frozen=True)
@@ -146,7 +154,7 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
         if job is None or job.status == "done":
             return
         if job.attempts >= MAX_JOB_ATTEMPTS:
-            repository.fail_job(
+            service.fail_job(
                 s, job_id, f"gave up after {job.attempts} attempts (worker killed or crashing)"
             )
             return
@@ -197,7 +205,7 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
         counts.results += sum(len(r) for _, r in done)
 
     with session_scope(url) as s:
-        repository.finish_job(s, job_id)
+        service.finish_job(s, job_id)
         run = s.get(ReplayRun, spec.run_id)
         progress = (sum(repository.progress(s, run)), run.n_items) if run is not None else None
     _log_job(job_id, spec, counts, time.perf_counter() - started, progress)

@@ -23,6 +23,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
+# The table its foreign keys name (projects), in the metadata whoever imports this.
+import replay_audit.auth.models  # noqa: F401
 from replay_audit.db.base import Base, utcnow
 
 BigId = BigInteger().with_variant(Integer(), "sqlite")

@@ -8,6 +8,7 @@ from sqlalchemy.orm import Session
 from replay_audit.db.ids import new_public_id
 from replay_audit.exceptions import FieldError, NotFound
 from replay_audit.queue import JobQueue, JobSpec
+from replay_audit.replays.service import target_refusal
 from replay_audit.screening.report import ScreeningReport
 from replay_audit.screenings import repository
 from replay_audit.screenings.models import Screening
@@ -38,7 +39,7 @@ def create_screening(
         existing = repository.get_by_idempotency_key(session, project_id, request.idempotency_key)
         if existing is not None:
             return existing, False
-    refusal = queue.capabilities.refusal(lm_head_dtype=None, device=request.device)
+    refusal = target_refusal(queue.capabilities, lm_head_dtype=None, device=request.device)
     if refusal is not None:
         raise FieldError(refusal, field="device")
     queue.check()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -85,14 +86,18 @@ class _TorchWorkerBackend:
         return self._backend.prompts(rows)
 
 
-_factory: BackendFactory | None = None
+#: The backend factory of the screening jobs run in the current context (a thread's, or an
+#: in-process runner's copy of its builder's): bound by a test, never process-wide.
+_factory: ContextVar[BackendFactory | None] = ContextVar(
+    "replay_audit_screening_backend", default=None
+)
 
 
 def install_backend_factory(factory: BackendFactory | None) -> None:
-    """Use `factory(model_dir, device)` for the screening's engines (tests pass fakes); None:
-    the torch engine."""
-    global _factory
-    _factory = factory
+    """Use `factory(model_dir, device)` for the screening's engines run from here on in the
+    current context (tests pass fakes; an in-process runner built afterwards inherits it);
+    None: the torch engine."""
+    _factory.set(factory)
 
 
 class DbStore:
@@ -148,7 +153,7 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
         _fail(url, screening_id, str(e))
         return
     device = request.get("device")
-    factory = _factory or _TorchWorkerBackend
+    factory = _factory.get() or _TorchWorkerBackend
     try:
         backend = factory(model_dir, device)
         platform = backend.platform()

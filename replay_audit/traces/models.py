@@ -15,7 +15,7 @@ SQLite has no partitions and keeps its original keys (the objects marked `SQLITE
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -30,11 +30,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
+from replay_audit.auth.models import Project
 from replay_audit.db.base import SQLITE_ONLY, Base, utcnow
 from replay_audit.db.types import Float32Array, Int32Array, PackedFloat32Array, PackedInt32Array
-
-if TYPE_CHECKING:
-    from replay_audit.auth.models import Project
 
 #: 64-bit keys on PostgreSQL; SQLite autoincrements only an INTEGER PRIMARY KEY (its rowid).
 BigIntPK = BigInteger().with_variant(Integer(), "sqlite")

@@ -25,6 +25,7 @@ from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.queue import Capabilities, JobQueue
 from replay_audit.replays.models import ReplayRun
+from replay_audit.replays.service import RunDefaults
 from tests.audits.conftest import (
     PROMPTS,
     HoldingRunner,
@@ -98,6 +99,7 @@ def test_racing_claims_make_one_run(
                 due,
                 "scheduled",
                 queue=JobQueue(runner, 60, Capabilities("inprocess", cuda=False)),
+                defaults=RunDefaults(),
             )
             return run.public_id, created
 

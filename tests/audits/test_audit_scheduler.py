@@ -12,7 +12,6 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 from typer.testing import CliRunner
 
-from replay_audit.audits import scheduler as scheduler_module
 from replay_audit.audits.models import AuditRun
 from replay_audit.audits.scheduler import (
     InProcessScheduler,
@@ -23,6 +22,7 @@ from replay_audit.cli import app as cli
 from replay_audit.config import Settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
+from replay_audit.queue import JobSpec
 from replay_audit.queue.runner import InProcessRunner
 from tests.audits.conftest import (
     PROMPTS,
@@ -59,21 +59,37 @@ def test_which_processes_run_the_embedded_scheduler(
     assert wants_inprocess_scheduler(make_settings(scheduler=scheduler, runner=runner)) is wanted
 
 
-def test_start_inprocess_scheduler_once_per_process(
-    make_settings: Callable[..., Settings], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(scheduler_module, "_scheduler", None)
+def noop() -> None:
+    """A job that does nothing."""
+
+
+def _noop_spec(job_id: str) -> JobSpec:
+    return JobSpec(func=f"{__name__}.noop", args=(), job_id=job_id)
+
+
+def test_a_started_scheduler_is_its_callers(make_settings: Callable[..., Settings]) -> None:
+    """Nothing process-wide keeps it: each call starts one, the caller stops it, and it stops
+    the runners it built itself but not the one it was given."""
     assert start_inprocess_scheduler(make_settings(scheduler="off")) is None
     settings = make_settings(audit_tick_interval_s=3600)
-    first = start_inprocess_scheduler(settings)
+    given = InProcessRunner()
+    first = start_inprocess_scheduler(settings, runner=given)
     try:
-        assert first is not None and first.running
-        assert start_inprocess_scheduler(settings) is first
+        assert first is not None and first.running and first.runner is given
         _wait(lambda: first.ticks >= 1, 10, "the first tick")  # it ticks at once
+        second = start_inprocess_scheduler(settings)
+        assert second is not None and second is not first and second.runner is not given
+        assert second.stop() and not second.running
     finally:
         assert first is not None
         first.stop()
     assert not first.running
+    own_alerts = first.alerts
+    assert isinstance(own_alerts, InProcessRunner)
+    own_alerts.enqueue(_noop_spec("after-stop"))  # the runner it built is stopped: no taker
+    assert not own_alerts.is_queued("after-stop")
+    given.enqueue(_noop_spec("still-taken"))  # the caller's runner still takes work
+    assert given.join(10) and given.stop(10)
 
 
 def test_embedded_scheduler_runs_a_due_audit_end_to_end(
@@ -157,7 +173,6 @@ def test_rq_cron_config_registers_the_tick_by_interval(monkeypatch: pytest.Monke
     60 s by interval (not a cron expression, which RQ would read in local time)."""
     from redis import Redis
     from rq.cron import CronScheduler
-
 
     monkeypatch.delenv("REPLAY_AUDIT_AUDIT_TICK_INTERVAL_S", raising=False)
     cron = CronScheduler(connection=Redis.from_url(REDIS_URL))

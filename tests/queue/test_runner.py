@@ -1,9 +1,10 @@
 """The runners.
 
 In-process: it stops; the running job sees `stop_requested()` and returns, nothing more runs,
-and nobody waits forever on jobs that will never run here. (`stop_inprocess_runners()`, which
-stops every runner of the process, is tested through real processes in
-tests/cli/test_interrupt.py: here it would stop the other tests' runners.)
+and nobody waits forever on jobs that will never run here. Its jobs see the context its builder
+bound (a worker context), and keep what they bind for the runner's next jobs, not for the
+process. (A command stopping the runners it owns on Ctrl-C is tested through real processes in
+tests/cli/test_interrupt.py.)
 
 RQ: REPLAY_AUDIT_QUEUE_PREFIX keeps two deployments (or test runs) on one Redis apart.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextvars import ContextVar
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,37 @@ def long_job(name: str) -> None:
 
 def _spec(name: str) -> JobSpec:
     return JobSpec(func=f"{__name__}.long_job", args=(name,), job_id=name)
+
+
+#: What the jobs below see of their runner's context.
+seen: ContextVar[str | None] = ContextVar("test_runner_seen", default=None)
+observed: list[str | None] = []
+
+
+def observe(bind: str) -> None:
+    """Record what the runner's context holds, then bind `bind` there for the next job."""
+    observed.append(seen.get())
+    seen.set(bind)
+
+
+def test_jobs_run_in_a_copy_of_their_builders_context() -> None:
+    observed.clear()
+    token = seen.set("bound by the builder")
+    try:
+        runner = InProcessRunner()
+    finally:
+        seen.reset(token)
+    other = InProcessRunner()  # built with nothing bound
+    try:
+        for n, r in enumerate((runner, runner, other)):
+            r.enqueue(JobSpec(func=f"{__name__}.observe", args=(f"job {n}",), job_id=f"o{n}"))
+            assert r.join(10)
+    finally:
+        assert runner.stop(10) and other.stop(10)
+    # The builder's binding, then what the runner's first job bound; another runner sees none
+    # of it, and neither does this thread.
+    assert observed == ["bound by the builder", "job 0", None]
+    assert seen.get() is None
 
 
 def test_stop_ends_the_running_job_and_runs_nothing_more() -> None:

@@ -965,7 +965,7 @@ def test_cli_summary_is_the_api_comparison(
 ) -> None:
     """`replay-audit replay --summary-json` on the run's traces (as `GET /v1/traces/{id}` gives
     them) prints the API's comparison 0. The CLI itself runs: its `EnginePool(device=, cache=)`
-    loads engines through `replay_audit.engine.load_engine`, replaced here by the fake, so no
+    loads engines through `replay_audit.engine.pool.load_engine`, replaced here by the fake, so no
     torch is needed. Every trace carries a reference answer, so `--extractor gsm8k` extracts
     answers where the API's job does."""
     plans, name = case
@@ -1009,7 +1009,7 @@ def cli_replay(
     """`replay-audit replay` of the traces (as `GET /v1/traces/{id}` gives them, in the run's
     order, which the statistics sum in) in `target` with `--extractor gsm8k`: the CLI's result,
     its --out and --summary-json files, and each trace's external id. The CLI itself runs: its
-    `EnginePool(device=, cache=)` loads engines through `replay_audit.engine.load_engine`,
+    `EnginePool(device=, cache=)` loads engines through `replay_audit.engine.pool.load_engine`,
     replaced here by the fake, so no torch is needed."""
     traces = tmp_path / f"traces-{trace_ids[0]}.jsonl"
     lines, external = [], {}
@@ -1018,7 +1018,7 @@ def cli_replay(
         external[i] = body["external_id"]
         lines.append(json.dumps({k: v for k, v in body.items() if k in TraceCreate.model_fields}))
     traces.write_text("\n".join(lines) + "\n")
-    monkeypatch.setattr("replay_audit.engine.load_engine", planned_engine)
+    monkeypatch.setattr("replay_audit.engine.pool.load_engine", planned_engine)
     monkeypatch.setenv("COLUMNS", "200")  # rich's table, unwrapped
     out, summary = tmp_path / f"out-{trace_ids[0]}.jsonl", tmp_path / f"sum-{trace_ids[0]}.json"
     iv = target.get("intervention")

@@ -314,7 +314,7 @@ def test_a_report_follows_its_run_from_queued_to_done_and_refinalised(
 ) -> None:
     """An unfinished run's report is computed from its rows; a finished run's is the statistics
     stored when it finished (read back, not recomputed), and finalising again stores them anew."""
-    from replay_audit.replays import repository as replays_repository
+    from replay_audit.replays import service as replays_service
 
     h = headers("admin")
     ids = ingest(client, h, make_traces(logged_trace, PROMPTS[:6]))
@@ -348,7 +348,7 @@ def test_a_report_follows_its_run_from_queued_to_done_and_refinalised(
     with session_scope(url) as s:
         run = s.scalar(select(ReplayRun).where(ReplayRun.public_id == run_id))
         assert run is not None
-        replays_repository.finalise_run(s, run)
+        replays_service.finalise_run(s, run)
     again = report()
     assert again == done and again.comparisons[0].label != "stored marker"
 
