@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Final, Literal, Protocol, runtime_checkable
+from typing import Any, Final, Literal, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -72,10 +72,6 @@ class Intervention:
     def gate(self) -> GateRule:
         return GateRule(tau=self.tau, tau_ulps=self.tau_ulps)
 
-    def bin_width(self, top1: float, fmt: str) -> float:
-        """τ at this step, the bin width of A and B (0: no binning, plain argmax)."""
-        return max(self.gate.threshold(top1, fmt), 0.0)
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -128,6 +124,44 @@ class Target:
             batch_size=get("batch_size") or 1,
             intervention=intervention or Intervention(),
         )
+
+
+#: A value of `Environment.extras`: what `NumericalConfig.extras` stores.
+ExtraValue = str | int | float | bool | None
+
+
+class GpuName(TypedDict):
+    name: str
+    #: Compute capability, "major.minor".
+    sm: str
+
+
+class EngineName(TypedDict):
+    name: str
+    version: str | None
+
+
+class Environment(TypedDict):
+    """The numerical environment an engine actually runs in (`Engine.environment()`): the keys
+    of `traces.schemas.NumericalConfig`, so it is stored as one. `lm_head_dtype` and
+    `weight_dtype` are spelled out (never None), `device` is "cpu", "cuda", "rocm", "mps" or
+    "xpu", and `extras` records the decode path and batch shapes that ran."""
+
+    dtype: str
+    lm_head_dtype: str
+    weight_dtype: str
+    device: str
+    gpu: GpuName | None
+    attn_kernel: str
+    batch_size: int
+    tp_degree: int
+    engine: EngineName
+    torch_version: str | None
+    cuda_version: str | None
+    cublas_version: str | None
+    deterministic: bool
+    tf32: bool
+    extras: dict[str, ExtraValue]
 
 
 @dataclass(frozen=True, eq=False)
@@ -282,7 +316,7 @@ class Engine(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def environment(self) -> dict[str, Any]:
+    def environment(self) -> Environment:
         """The numerical environment actually in use, with `NumericalConfig`'s keys."""
         ...
 

@@ -174,7 +174,7 @@ def _environment(engine: Engine, *, scan_batched: bool, step_batched: bool) -> d
     """`engine.environment()` as it held for one result: without the batch extras of a batched
     scan or of batched re-runs the result's trace was not part of (the engine keeps its last
     batch's, whatever it ran since)."""
-    env = engine.environment()
+    env: dict[str, Any] = dict(engine.environment())
     extras = env.get("extras")
     drop = (() if scan_batched else SCAN_BATCH_EXTRAS) + (() if step_batched else STEP_BATCH_EXTRAS)
     if isinstance(extras, dict) and any(k in extras for k in drop):
