@@ -218,6 +218,30 @@ def test_fp8_head_is_refused_off_gpu(pool: EnginePool, tiny_dir: Path) -> None:
         pool.get(tiny_dir, Target("bf16", lm_head_dtype="fp8_e5m2"))
 
 
+def test_fp8_head_and_fp8_body_layers_share_one_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FP8 lm_head and the end-to-end FP8 body's linear layers are one product
+    (`numerics.fp8_matmul`): the head's logits are an `Fp8Linear` of the same weight, bit for
+    bit, one activation scale over a decode step's rows, one per step in a scan. Run on the
+    CPU's `_scaled_mm` with the GPU check waived (the head needs SM >= 8.9 for real)."""
+    from replay_audit.engine import numerics
+
+    monkeypatch.setattr(numerics, "fp8_supported", lambda *_: (True, ""))
+    torch.manual_seed(0)
+    weight = (torch.randn(48, 64) * 0.05).to(torch.bfloat16)
+    head = numerics.LmHead(weight, "fp8_e4m3", torch.bfloat16)
+    linear = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    layer = numerics.Fp8Linear(linear, torch.bfloat16)
+    hs = torch.randn(5, 64).to(torch.bfloat16)
+    assert torch.equal(head.native(hs), layer(hs))
+    per_step = torch.cat([layer(hs[i : i + 1]) for i in range(5)]).float()
+    assert torch.equal(head.native_steps(hs), per_step)
+    assert not torch.equal(per_step, layer(hs).float())  # the scale is per step: it matters
+    # C recomputes from the stored BF16 weight, not from its FP8 copy
+    assert torch.equal(head.fp32(hs), torch.nn.functional.linear(hs.float(), weight.float()))
+
+
 def test_mixed_head_format(tiny_engine: EngineOf, tiny_prompts: list[list[int]]) -> None:
     engine = tiny_engine("bf16", lm_head_dtype="fp32")
     env = engine.environment()
