@@ -244,7 +244,10 @@ def decide(
     tokens = top.native.copy()
     for start in range(0, gated.size, chunk):
         rows = gated[start : start + chunk]
-        index = torch.from_numpy(rows).to(z32.device)
+        # Every step gated (a gated decode step, an ungated scan): no gather, no index copy.
+        index: slice | torch.Tensor = slice(None)
+        if rows.size != tokens.size:
+            index = torch.from_numpy(rows).to(z32.device)
         tokens[rows] = intervene(
             head, z32[index], hs[index], intervention, widths[start : start + chunk]
         )
@@ -275,16 +278,17 @@ def intervene(
     all G steps, one copy of the chosen tokens to the host. A is elementwise, so it chooses
     the same at any G; B's and C's products may sum in another order at another row count
     (MKL's one-row product on the CPU does)."""
-    w = torch.from_numpy(np.ascontiguousarray(widths, dtype=np.float64)).to(z32.device)
-    if intervention.kind == "A":
-        chosen = integer_argmax(z32, w)
-    elif intervention.kind == "B":
-        k = min(intervention.top_k, z32.shape[-1])
-        cand = torch.sort(torch.topk(z32, k, dim=-1).indices, dim=-1).values
-        vals = torch.bmm(head.weight[cand].float(), hs.float().unsqueeze(-1)).squeeze(-1)
-        chosen = cand.gather(-1, integer_argmax(vals, w).unsqueeze(-1)).squeeze(-1)
-    elif intervention.kind == "C":
+    if intervention.kind == "C":
         chosen = torch.argmax(head.fp32(hs), dim=-1)
+    elif intervention.kind in ("A", "B"):
+        w = torch.from_numpy(np.ascontiguousarray(widths, dtype=np.float64)).to(z32.device)
+        if intervention.kind == "A":
+            chosen = integer_argmax(z32, w)
+        else:
+            k = min(intervention.top_k, z32.shape[-1])
+            cand = torch.sort(torch.topk(z32, k, dim=-1).indices, dim=-1).values
+            vals = torch.bmm(head.weight[cand].float(), hs.float().unsqueeze(-1)).squeeze(-1)
+            chosen = cand.gather(-1, integer_argmax(vals, w).unsqueeze(-1)).squeeze(-1)
     else:
         raise ValueError(f"no intervention {intervention.kind!r}")
     return np.asarray(chosen.cpu().numpy(), dtype=np.int64)

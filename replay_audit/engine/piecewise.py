@@ -459,7 +459,7 @@ class PiecewiseDecoder:
         return graphs, outputs
 
 
-def _direct_sdpa_kwargs(attention: Callable[..., Any], attn: Any) -> dict[str, Any] | None:
+def _direct_sdpa_kwargs(attention: Callable[..., Any], attn: Any) -> dict[str, bool] | None:
     """The keyword arguments transformers' `sdpa_attention_forward` adds to its SDPA call for
     one query token without a mask on this attention module (`enable_gqa` where it passes it),
     or None where `attention` is not that function or takes another route (it repeats or packs

@@ -13,7 +13,7 @@ until `replay_audit.engine.load_engine` builds a real engine.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Final, Literal, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
@@ -104,11 +104,6 @@ class Target:
     def format_key(self) -> tuple[str, str, str | None, int]:
         """What a loaded engine depends on (the intervention is per call, not per engine)."""
         return (self.dtype, self.head_dtype, self.attn_kernel, self.batch_size)
-
-    def with_intervention(self, intervention: Intervention) -> Target:
-        return Target(
-            self.dtype, self.lm_head_dtype, self.attn_kernel, self.batch_size, intervention
-        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -201,16 +196,7 @@ class Steps:
         )
 
     def slice(self, start: int, stop: int | None = None) -> Steps:
-        s = slice(start, stop)
-        return Steps(
-            self.token_ids[s],
-            self.native_token_ids[s],
-            self.top_k_ids[s],
-            self.top_k_logits[s],
-            self.margins[s],
-            self.margins_ulps[s],
-            self.gate_fired[s],
-        )
+        return Steps(*(getattr(self, f)[start:stop] for f in _STEP_FIELDS))
 
     @staticmethod
     def concat(parts: Sequence[Steps]) -> Steps:
@@ -229,15 +215,7 @@ class Steps:
         )
 
 
-_STEP_FIELDS = (
-    "token_ids",
-    "native_token_ids",
-    "top_k_ids",
-    "top_k_logits",
-    "margins",
-    "margins_ulps",
-    "gate_fired",
-)
+_STEP_FIELDS = tuple(f.name for f in fields(Steps))
 
 
 @dataclass(frozen=True, eq=False)
@@ -250,12 +228,6 @@ class DecodeRun:
     steps: Steps
     start_step: int
     stop_reason: Literal["eos", "length"]
-
-    def step_at(self, t: int) -> int:
-        """Row of `steps` for output step t."""
-        if not self.start_step <= t < self.start_step + len(self.steps):
-            raise IndexError(f"step {t} was not decoded (decoded: {self.start_step}..)")
-        return t - self.start_step
 
 
 @dataclass(frozen=True, eq=False)

@@ -91,7 +91,7 @@ class TorchEngine:
         self.model = model
         #: The dtype the weights were stored in before the cast to the compute dtype.
         self.weight_dtype = weight_dtype or target.dtype
-        #: Whether the body's linear layers compute in FP8 (`fp8_linear.py`).
+        #: Whether the body's linear layers compute in FP8 (`numerics.Fp8Linear`).
         self.fp8_linear = False
         self.tokenizer = tokenizer
         self._pieces = PieceReader(tokenizer) if tokenizer is not None else None
@@ -141,7 +141,7 @@ class TorchEngine:
         the fastest decode on CUDA, not token-identical to `generate()`).
         `weight_dtype`: the storage dtype when it differs from the compute dtype
         (`loading.load_model`). `fp8_linear`: every linear layer of the body in FP8-E4M3
-        (`fp8_linear.py`; a CUDA GPU of compute capability >= 8.9)."""
+        (`numerics.Fp8Linear`; a CUDA GPU of compute capability >= 8.9)."""
         configure_numerics(deterministic=deterministic, tf32=tf32)
         dev = resolve_device(device)
         if fp8_linear:
