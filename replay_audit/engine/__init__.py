@@ -14,6 +14,7 @@ from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import (
     DecodeRun,
     Engine,
+    Environment,
     Intervention,
     ScanItem,
     ScanRun,
@@ -68,6 +69,7 @@ __all__ = [
     "DecodeRun",
     "Engine",
     "EnginePool",
+    "Environment",
     "FakeEngine",
     "Intervention",
     "ScanItem",
