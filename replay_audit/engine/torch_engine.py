@@ -18,6 +18,7 @@ lm_head, the top-k and the choice of token are `numerics`' (the margin and the g
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -106,6 +107,9 @@ class TorchEngine:
         #: The piecewise decoder once built and checked; why it is not used, if it is not.
         self._piecewise: PiecewiseDecoder | None = None
         self._piecewise_error: str | None = None
+        #: One decode at a time: the decoders (their buffers, caches and graphs) are the
+        #: engine's, reused by every decode, and a pool hands one engine to every thread.
+        self._decoding = threading.Lock()
         body_dtype = TORCH_DTYPES[target.dtype]
         self.head = LmHead(model.get_output_embeddings().weight, target.head_dtype, body_dtype)
         kernel = str(getattr(model.config, "_attn_implementation", None) or "eager")
@@ -208,21 +212,22 @@ class TorchEngine:
             stop: Literal["eos", "length"] = "eos" if out and out[-1] in eos else "length"
             return DecodeRun(out, Steps.empty(top_k), start, stop)
         context = [*prompt_ids, *out]
-        decoder = self._decoder(context, len(context) + max_new_tokens - start)
-        step = decoder.prefill(context, top_k)
         parts: list[Steps] = []
         stop = "length"
-        while True:
-            chosen = decide(self.head, step.top, step.logits[None], step.hidden[:1], iv, top_k)
-            parts.append(chosen)
-            token = int(chosen.token_ids[0])
-            out.append(token)
-            if token in eos:
-                stop = "eos"
-                break
-            if len(out) >= max_new_tokens:
-                break
-            step = decoder.step(token)
+        with self._decoding:
+            decoder = self._decoder(context, len(context) + max_new_tokens - start)
+            step = decoder.prefill(context, top_k)
+            while True:
+                chosen = decide(self.head, step.top, step.logits[None], step.hidden[:1], iv, top_k)
+                parts.append(chosen)
+                token = int(chosen.token_ids[0])
+                out.append(token)
+                if token in eos:
+                    stop = "eos"
+                    break
+                if len(out) >= max_new_tokens:
+                    break
+                step = decoder.step(token)
         return DecodeRun(out, Steps.concat(parts), start, stop)
 
     @torch.inference_mode()

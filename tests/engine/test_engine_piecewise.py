@@ -275,3 +275,16 @@ def test_eager_attention_steps_on_the_dynamic_cache(real_engine: EngineOf) -> No
     _greedy(piecewise, _prompts(engine)[1], 6)
     assert not piecewise.buffered and not piecewise.buffers
     assert piecewise.cache is not None
+
+
+def test_threads_sharing_an_engine_decode_one_at_a_time(real_engine: EngineOf) -> None:
+    """A pool hands one engine to every thread, and its piecewise decoder (buffers, cache) is
+    reused by every decode: concurrent decodes must each get what a decode alone gets."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = real_engine("fp32")
+    prompts = _prompts(engine)
+    alone = [engine.decode(p, N, [EOS]).output_token_ids for p in prompts]
+    with ThreadPoolExecutor(max_workers=3) as ex:
+        runs = list(ex.map(lambda p: engine.decode(p, N, [EOS]).output_token_ids, prompts * 3))
+    assert runs == alone * 3
