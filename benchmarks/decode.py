@@ -1,16 +1,17 @@
-"""Decode speed at batch size 1: our KV-cache loop on each path (dynamic cache; piecewise: the
-dynamic cache with the rest of each step in CUDA graphs; static cache + CUDA graph; static cache
-+ torch.compile'd step in the CUDA graph), each with and without gated Intervention C, against
-transformers' `generate()` and a plain transformers KV-cache loop, all in one run; optionally
-the HBM bound measured in the same run, and the faithful paths' identity with `generate()`.
+"""Decode speed at batch size 1: our KV-cache loop on each decode path (piecewise, the faithful
+default: the dynamic cache with the rest of each step in CUDA graphs; compiled: static cache +
+torch.compile'd step in the CUDA graph) and on the piecewise path's dynamic fallback, each with
+and without gated Intervention C, against transformers' `generate()` and a plain transformers
+KV-cache loop, all in one run; optionally the HBM bound measured in the same run, and the
+faithful path's identity with `generate()`.
 
     python benchmarks/decode.py --model replay_audit/assets/tiny-llama --device cpu --threads 1
     python benchmarks/decode.py --tinyllama --device cuda --tokens 256 \\
-        --variants hf_generate hf_kv_loop dynamic piecewise static compiled --hbm \\
+        --variants hf_generate hf_kv_loop dynamic piecewise compiled --hbm \\
         --identity bf16 fp16 --out decode.json          # benchmarks/gpu_decode_fast.sh
 
-Speed: each engine variant runs once untimed first (for the piecewise, static and compiled
-paths at the timed length: checks, captures, compiles happen there; for the slow dynamic and
+Speed: each engine variant runs once untimed first (for the piecewise and compiled paths at
+the timed length: checks, captures, compiles happen there; for the slow dynamic and
 transformers paths 16 tokens), then its plain and (for the `--gated` variants) gated-C decodes
 are timed alternately `--repeats` times (`--dynamic-repeats` for the slow ones); medians.
 
@@ -59,10 +60,11 @@ from _models import build_engine, random_tinyllama, sync
 
 from replay_audit.engine.protocol import Intervention, Target
 
-ENGINE_VARIANTS = ("dynamic", "piecewise", "static", "compiled")
+#: The decode paths, and "dynamic": the piecewise path's fallback (`_models.build_engine`).
+ENGINE_VARIANTS = ("dynamic", "piecewise", "compiled")
 HF_VARIANTS = ("hf_kv_loop", "hf_generate")
 #: Variants whose first call is worth the timed length (a check, a capture or a compile).
-CAPTURED = ("piecewise", "static", "compiled")
+CAPTURED = ("piecewise", "compiled")
 #: The batch-1 bound BENCHMARKS.md has used for the TinyLlama shape on an H100 (tok/s).
 REFERENCE_BOUND = 686.0
 
@@ -170,7 +172,7 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         nargs="+",
-        default=["dynamic", "static", *HF_VARIANTS],
+        default=["dynamic", "piecewise", *HF_VARIANTS],
         choices=[*ENGINE_VARIANTS, *HF_VARIANTS],
     )
     ap.add_argument(
@@ -180,7 +182,7 @@ def main() -> None:
         choices=ENGINE_VARIANTS,
         help="engine variants also timed with gated C (default: all of them)",
     )
-    ap.add_argument("--max-cache-len", type=int, default=4096, help="largest static cache")
+    ap.add_argument("--max-cache-len", type=int, default=4096, help="compiled: largest cache")
     ap.add_argument("--tau", type=float, default=1e-3, help="gated C's threshold")
     ap.add_argument("--no-deterministic", action="store_true")
     ap.add_argument("--profile", default=None, help="an engine variant: its top CUDA kernels")

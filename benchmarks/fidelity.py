@@ -10,7 +10,7 @@ For each pair of arms (logged format -> replay format; default bf16 -> fp16 and 
 2. the replay format's batched scan of every trace (`Engine.scan_batch`, `--token-budget`) and its
    bs=1 scan (`Engine.scan`), same engine, same run: the first mismatch of each;
 3. the decode replay of every trace in the replay format (`replays.pipeline.replay_trace`, mode
-   decode: the engine's dynamic-cache decode, token-identical to `generate()`), with its t*,
+   decode: the engine's faithful piecewise decode, token-identical to `generate()`), with its t*,
    category and the margins, until `--decode-budget-s` runs out (the traces decoded are counted).
 
 Reported per pair: `batched_equals_bs1` (share of traces whose batched first mismatch is the bs=1

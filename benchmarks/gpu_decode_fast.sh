@@ -2,8 +2,9 @@
 # The faithful fast decode on a lent GPU (device tool, `carry: [".whl"]`), about 4 minutes on
 # an H100 (`--quick`: about 2): random TinyLlama-shaped model in BF16, batch 1, 256 new tokens.
 #   1. tok/s and % of the HBM bound (measured in the same run) of transformers' generate(), a
-#      plain transformers KV-cache loop, our dynamic path, the piecewise path (CUDA graphs
-#      around an eager attention) and the static/compiled paths, gated C on piecewise/compiled;
+#      plain transformers KV-cache loop, our dynamic path (the piecewise path's fallback), the
+#      piecewise path (CUDA graphs around an eager attention) and the compiled path, gated C on
+#      piecewise/compiled;
 #   2. first, identity of the piecewise path with generate() on 16 random prompts (48 tokens) in bf16
 #      and fp16: tokens, each step's float32 logits bitwise, and the dynamic path's hidden
 #      states and logits bitwise (first 24 steps);
@@ -24,7 +25,7 @@ QUICK=""; [ "${1:-}" = "--quick" ] && QUICK="--quick"
 
 timeout ${BENCH_TIMEOUT:-290} python3 benchmarks/decode.py --tinyllama --device cuda --dtype bf16 \
     --tokens ${TOKENS:-256} --repeats ${REPEATS:-5} --dynamic-repeats 1 $QUICK \
-    --variants piecewise dynamic hf_generate hf_kv_loop static compiled \
+    --variants piecewise dynamic hf_generate hf_kv_loop compiled \
     --gated piecewise compiled --max-cache-len 4096 --hbm \
     --identity bf16 fp16 --identity-first --budget-s ${BUDGET_S:-240} ${PROFILE:+--profile piecewise} \
     --out "$OUT/decode_fast.json" > /dev/null 2> "$OUT/decode_fast.log"
@@ -48,7 +49,7 @@ if "bound_tokens_per_s" in hbm:
 else:
     print("HBM:", hbm)
 print(f"{'path':12s} {'tok/s':>8s} {'%bound':>7s} {'%686':>6s} {'gated C':>8s}  extras / error")
-for k in ("hf_generate", "hf_kv_loop", "dynamic", "piecewise", "static", "compiled"):
+for k in ("hf_generate", "hf_kv_loop", "dynamic", "piecewise", "compiled"):
     v = d.get(k)
     if not isinstance(v, dict):
         continue

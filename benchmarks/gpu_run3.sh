@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Third GPU pass (device tool, `carry: [".whl"]`): decode speed of every engine path on the
-# random TinyLlama-shaped model (dynamic cache; static cache + CUDA graph; torch.compile'd step
-# in the graph), with and without gated C (τ = 1e-3, then τ = 0: every step gated, the worst
+# random TinyLlama-shaped model (the piecewise path and its dynamic fallback; the compiled path:
+# static cache, torch.compile'd step in the graph), with and without gated C (τ = 1e-3, then τ = 0: every step gated, the worst
 # case), then the engine's GPU tests (SKIP_TESTS=1 leaves them out). JSON and logs in $OUT.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -12,7 +12,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 } 2>&1 | tee "$OUT/env.txt"
 D="benchmarks/decode.py --tinyllama --device cuda --tokens 256 --max-cache-len 4096"
 timeout ${BENCH_TIMEOUT:-300} python3 $D --repeats ${REPEATS:-7} --dynamic-repeats 1 \
-    --variants ${VARIANTS:-dynamic static compiled} --profile compiled \
+    --variants ${VARIANTS:-dynamic piecewise compiled} --profile compiled \
     > "$OUT/decode.json" 2> "$OUT/decode.log"
 echo "decode.py exit $?"
 timeout 120 python3 $D --repeats 3 --variants compiled --tau 0 \

@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--logged-dtype", default="bf16")
     ap.add_argument("--dtype", default="fp16")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--cache", default="dynamic", choices=["dynamic", "static"])
+    ap.add_argument("--cache", default="piecewise", choices=["piecewise", "compiled"])
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)

@@ -109,12 +109,12 @@ CATEGORIES: Final[tuple[Category, ...]] = (
     "body_dominated",
 )
 
-#: KV cache of the engine's decode: dynamic (token-identical to transformers' generate()),
-#: piecewise (the dynamic cache with the rest of each step in CUDA graphs: the dynamic path's
-#: logits bit for bit, fast on a GPU), static (fixed-size, CUDA-graph capturable) or compiled
-#: (torch.compile + CUDA graph). The last two can flip near-ties against generate().
-CacheKind = Literal["dynamic", "piecewise", "static", "compiled"]
-CACHE_KINDS: Final[tuple[CacheKind, ...]] = ("dynamic", "piecewise", "static", "compiled")
+#: The engine's decode path: piecewise (the default: transformers' growing KV cache with the
+#: rest of each step in CUDA graphs, bitwise equal to transformers' generate()) or compiled
+#: (opt-in: a static cache, torch.compile and one CUDA graph a step; faster, but it can flip
+#: near-ties against generate()).
+CacheKind = Literal["piecewise", "compiled"]
+CACHE_KINDS: Final[tuple[CacheKind, ...]] = ("piecewise", "compiled")
 
 #: Where an arm's margin at t* came from: the logged top-k, a re-run of the logged format on
 #: the worker, the arm's own decode or scan here, or nowhere.

@@ -213,9 +213,9 @@ def replay(
     kv_cache: Annotated[
         str | None,
         typer.Option(
-            help="dynamic (as generate()), piecewise (as generate(), CUDA graphs around the "
-            "attention: the fast faithful GPU path), static (CUDA graph on a GPU) or compiled "
-            "(torch.compile + CUDA graph). Default: piecewise on CUDA, dynamic on the CPU."
+            help="The decode path: piecewise (the default: bitwise as generate(), CUDA graphs "
+            "around the attention on a GPU) or compiled (torch.compile + CUDA graph: faster, "
+            "may flip near-ties)."
         ),
     ] = None,
     summary_json: Annotated[Path | None, typer.Option(help="Also write the summary here.")] = None,

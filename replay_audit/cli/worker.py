@@ -32,10 +32,9 @@ def worker(
     kv_cache: Annotated[
         str | None,
         typer.Option(
-            help="dynamic (bit-identical to transformers generate()), piecewise (the same bits, "
-            "CUDA graphs around the attention: the fast faithful GPU path), static (CUDA graph) "
-            "or compiled (torch.compile + CUDA graph); recorded per result. Default: piecewise "
-            "on CUDA, dynamic on the CPU."
+            help="The decode path: piecewise (the default: bitwise as transformers generate(), "
+            "CUDA graphs around the attention on a GPU) or compiled (torch.compile + CUDA "
+            "graph: faster, may flip near-ties); recorded per result."
         ),
     ] = None,
 ) -> None:

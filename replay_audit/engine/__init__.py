@@ -12,6 +12,7 @@ from replay_audit.engine.pool import EnginePool, load_engine
 from replay_audit.engine.protocol import (
     DecodeRun,
     Engine,
+    Environment,
     Intervention,
     ScanItem,
     ScanRun,
@@ -24,6 +25,7 @@ __all__ = [
     "DecodeRun",
     "Engine",
     "EnginePool",
+    "Environment",
     "FakeEngine",
     "Intervention",
     "ScanItem",

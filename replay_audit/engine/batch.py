@@ -30,7 +30,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from replay_audit.engine.protocol import ScanItem
+from replay_audit.engine.protocol import ExtraValue, ScanItem
 
 #: The shortest bucket: shorter traces are padded up to it (a few padded tokens per row cost
 #: less than many buckets of tiny batches).
@@ -156,7 +156,7 @@ def pack_batch(items: Sequence[ScanItem], padded_length: int, pad_id: int) -> Pa
     return PackedBatch(input_ids, lengths, output_positions, row_steps)
 
 
-def scan_extras(batches: Sequence[ScanBatch], token_budget: int) -> dict[str, str | int]:
+def scan_extras(batches: Sequence[ScanBatch], token_budget: int) -> dict[str, ExtraValue]:
     """What a batched scan records in the engine's `environment()["extras"]`: the budget, the
     distinct batch shapes ("rows x padded length", by length then rows) and the padding rule.
     The shape is part of the numerical configuration: kernels may sum in another order at
@@ -195,7 +195,7 @@ def plan_steps(lengths: Sequence[int], token_budget: int) -> list[ScanBatch]:
     return batches
 
 
-def step_extras(batches: Sequence[ScanBatch], token_budget: int) -> dict[str, str | int]:
+def step_extras(batches: Sequence[ScanBatch], token_budget: int) -> dict[str, ExtraValue]:
     """What batched single-step re-runs record in `environment()["extras"]`: their budget and
     batch shapes (as `scan_extras`'), so a result says its re-runs at t* were batched."""
     shapes = sorted({(b.padded_length, b.rows): b.shape for b in batches}.items())

@@ -3,11 +3,14 @@ the whole context once, `step(token)` runs it over one token. Both return the la
 hidden states, its native float32 logits and their host-side top-k (`StepOutput`); choosing the
 token from them is the engine's (`numerics.decide`), the same whichever decoder ran.
 
-Two implementations of the one `Decoder` interface:
+The decoders of the one `Decoder` interface:
 
-    DynamicDecoder  transformers' growing `DynamicCache`: token-identical to `generate()`.
-    StaticDecoder   a preallocated `StaticCache` written by position and, on CUDA, the step
-                    captured in a CUDA graph (optionally compiled first).
+    DynamicDecoder    transformers' growing `DynamicCache`: token-identical to `generate()`.
+                      The faithful path's reference and fallback (`piecewise.py` is the same
+                      decode with the rest of each step in CUDA graphs).
+    CompiledDecoder   the opt-in fast path: a preallocated `StaticCache` written by position,
+                      the step compiled by `torch.compile` and, on CUDA, captured in one CUDA
+                      graph. Not bitwise equal to `generate()`.
 
 Each gets what it runs explicitly: the `Body` (transformers' body, batch size, device) and the
 `LmHead`.
@@ -84,6 +87,17 @@ def head_step(head: LmHead, hidden: torch.Tensor, k: int) -> StepOutput:
     return StepOutput(hidden, z32, top_k_on_host(z32, k))
 
 
+def captured_step_output(
+    hidden: torch.Tensor, z32: torch.Tensor, packed: torch.Tensor, k: int
+) -> StepOutput:
+    """A captured step's outputs (`pack_top_k` of `top_k_size(0)`, inside the step) as a
+    `StepOutput`: one device-to-host copy, or a new top-k where more than that was asked for."""
+    kk = top_k_size(0, z32.shape[-1])
+    if top_k_size(k, z32.shape[-1]) != kk:
+        return StepOutput(hidden, z32, top_k_on_host(z32, k))
+    return StepOutput(hidden, z32, unpack_top_k(packed.cpu().numpy(), kk))
+
+
 class Decoder(Protocol):
     """A KV-cache decode: one `prefill`, then one `step` per token."""
 
@@ -122,36 +136,26 @@ class DynamicDecoder:
         return head_step(self.head, h, self._top_k)
 
 
-class StaticDecoder:
-    """A preallocated KV cache written by position (transformers' `StaticCache`), reused across
-    decodes, and on CUDA the one-token decode step (body, native head, top-k) captured once in a
-    CUDA graph, as gpt-fast does: a step is then one graph replay and one device-to-host copy
-    instead of hundreds of kernel launches from Python.
+class CompiledDecoder:
+    """The opt-in fast decode: a preallocated KV cache written by position (transformers'
+    `StaticCache`), reused across decodes, and the one-token step (body, native head, top-k)
+    compiled by `torch.compile` (mode "default": inductor fuses RMSNorm, RoPE, SiLU·mul and the
+    residual adds) and captured once in a CUDA graph, as gpt-fast does: a step is one graph
+    replay and one device-to-host copy.
 
-    The captured step also feeds itself: it writes its argmax into the token buffer and advances
-    the position buffer, so the host writes them only when the chosen token is not the argmax
-    (a gated step that an intervention changed) or a decode starts.
+    The captured step feeds itself: it writes its argmax into the token buffer and advances the
+    position buffer, so the host writes them only when the chosen token is not the argmax (a
+    gated step that an intervention changed) or a decode starts.
 
-    With `compile_mode` (a `torch.compile` mode without CUDA graphs of its own: "default" or
-    "max-autotune-no-cudagraphs"), the step is compiled before it is captured: inductor fuses
-    the elementwise kernels (RMSNorm, RoPE, SiLU·mul, residual adds), so its bits may differ
-    from the eager step's. If compiling fails, the eager step is captured and `compile_error`
-    says why.
-
-    Its attention runs over the whole preallocated length with the unwritten positions masked,
-    so its bits may differ from a growing cache's: `environment()` records `kv_cache`.
+    Not bitwise equal to `generate()`: its attention runs over the whole preallocated length
+    with the unwritten positions masked, and fused kernels round differently. If compiling
+    fails, the eager step is captured and `compile_error` says why; off CUDA (or where capture
+    fails) the eager step runs uncaptured.
     """
 
-    def __init__(
-        self, body: Body, head: LmHead, max_len: int, *, compile_mode: str | None = None
-    ) -> None:
+    def __init__(self, body: Body, head: LmHead, max_len: int) -> None:
         from transformers import StaticCache
 
-        if compile_mode not in (None, "default", "max-autotune-no-cudagraphs"):
-            raise ValueError(
-                f"compile mode {compile_mode!r}: the step is captured in our own CUDA graph, so "
-                "use 'default' or 'max-autotune-no-cudagraphs'"
-            )
         self.body = body
         self.head = head
         self.model = body.model
@@ -164,7 +168,6 @@ class StaticDecoder:
         self.graph: Any = None
         self.outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._capture_failed = body.device.type != "cuda"
-        self.compile_mode = compile_mode
         self.compiled = False
         self.compile_error: str | None = None
         # What the token and position buffers hold now (None: unknown, write them).
@@ -198,14 +201,10 @@ class StaticDecoder:
             h, z32, packed = self.outputs
         else:
             h, z32, packed = self._step_and_advance(self._step_body)
-        host = packed.cpu().numpy()
-        kk = top_k_size(self._top_k, z32.shape[-1])
-        top = unpack_top_k(host, self.kk)
-        if kk != self.kk:  # more than TOP_K_CAP asked for: outside the captured step
-            top = unpack_top_k(pack_top_k(z32, kk).cpu().numpy(), kk)
-        self._dev_token, self._dev_position = int(top.native[0]), position + 1
+        out = captured_step_output(h, z32, packed, self._top_k)
+        self._dev_token, self._dev_position = int(out.top.native[0]), position + 1
         self._next_position = position + 1
-        return StepOutput(h, z32, top)
+        return out
 
     def _step_body(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out = self.model.model(
@@ -223,20 +222,19 @@ class StaticDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step, then its argmax into the token buffer and the position one on."""
         h, z32, packed = body()
-        self.token.copy_(packed[-1].to(torch.long).expand_as(self.token))
+        self.token.copy_(packed[0, -1].to(torch.long).expand_as(self.token))
         self.position.add_(1)
         return h, z32, packed
 
     def _capture(self) -> None:
-        """Warm up on a side stream (compiling the step first, with `compile_mode`), then
-        capture one step. The warm-up writes K/V at the next position (which the real step
-        overwrites) and advances the cache's length counters, which are put back.
+        """Warm up on a side stream (compiling the step first), then capture one step. The
+        warm-up writes K/V at the next position (which the real step overwrites) and advances
+        the cache's length counters, which are put back.
 
         Captured with torch's deterministic-algorithms check off: under it, the cache write
         (`index_copy_` at one position) takes a sort-based path that costs a third of the step.
         The write is a copy to distinct positions, exact either way, and nothing in the step
-        accumulates with atomics; the replay is bitwise equal to the uncaptured step
-        (tests/engine/test_engine_gpu.py).
+        accumulates with atomics.
         """
         lengths = [layer.cumulative_length.clone() for layer in self.cache.layers]
 
@@ -251,10 +249,8 @@ class StaticDecoder:
             stream_cls: Any = torch.cuda.Stream
             side = stream_cls()
             side.wait_stream(torch.cuda.current_stream())
-            body: Any = self._step_body
             with torch.cuda.stream(side):
-                if self.compile_mode is not None:
-                    body = self._compile(restore)
+                body = self._compile(restore)
                 for _ in range(2):
                     self._step_and_advance(body)
                     restore()
@@ -273,14 +269,16 @@ class StaticDecoder:
         finally:
             torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
 
-    def _compile(self, restore: Any) -> Any:
+    def _compile(
+        self, restore: Callable[[], None]
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """The compiled step, run once (which compiles it), or the eager step if that fails."""
         import torch._dynamo
 
-        # One compiled entry per static decoder (cache length x engine) on the same code.
+        # One compiled entry per compiled decoder (cache length x engine) on the same code.
         dynamo_config: Any = torch._dynamo.config
         dynamo_config.cache_size_limit = max(int(dynamo_config.cache_size_limit), 64)
-        fn = torch.compile(self._step_body, mode=self.compile_mode, dynamic=False)
+        fn: Any = torch.compile(self._step_body, mode="default", dynamic=False)
         try:
             fn()
             restore()
@@ -289,4 +287,5 @@ class StaticDecoder:
             self.compile_error = f"{type(exc).__name__}: {exc}"
             return self._step_body
         self.compiled = True
-        return fn
+        step: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = fn
+        return step

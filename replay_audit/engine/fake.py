@@ -30,6 +30,8 @@ from replay_audit.engine.batch import (
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
     DecodeRun,
+    Environment,
+    ExtraValue,
     Intervention,
     ScanItem,
     ScanRun,
@@ -68,11 +70,11 @@ class FakeEngine:
     hidden_fn: Hidden | None = None
     calls: list[str] = field(default_factory=list)
     #: What the last `scan_batch` recorded (its batch shapes), as the torch engine records it.
-    _scan_extras: dict[str, str | int] = field(default_factory=dict, init=False, repr=False)
+    _scan_extras: dict[str, ExtraValue] = field(default_factory=dict, init=False, repr=False)
     #: What the last `step_batch` recorded (its batch shapes).
-    _step_extras: dict[str, str | int] = field(default_factory=dict, init=False, repr=False)
+    _step_extras: dict[str, ExtraValue] = field(default_factory=dict, init=False, repr=False)
 
-    def environment(self) -> dict[str, Any]:
+    def environment(self) -> Environment:
         return {
             "dtype": self.target.dtype,
             "lm_head_dtype": self.target.head_dtype,

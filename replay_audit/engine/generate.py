@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
-from replay_audit.diff.margin import sort_top_k
 from replay_audit.diff.pieces import to_json
 from replay_audit.engine.hashing import weights_sha256
 from replay_audit.engine.loading import (
@@ -24,7 +24,9 @@ from replay_audit.engine.loading import (
     resolve_device,
     set_torch_threads,
 )
+from replay_audit.engine.numerics import top_k_on_host
 from replay_audit.engine.pieces import PieceReader
+from replay_audit.engine.protocol import Environment
 from replay_audit.exceptions import EngineError
 
 
@@ -46,13 +48,14 @@ def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]
 
 
-def sorted_top_k(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+def sorted_top_k(
+    logits: torch.Tensor, k: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
     """Per-row top-k of (T, V) float32 logits: ids and values by value descending, then id
-    ascending (so equal logits are listed in a platform-independent order)."""
-    kk = min(k, logits.shape[-1])
-    vals, ids = torch.topk(logits.float(), kk, dim=-1)
-    # diff.sort_top_k: the tie rule the engines' steps use, so logged and replayed top-k agree.
-    return sort_top_k(vals.cpu().numpy().astype(np.float32), ids.cpu().numpy().astype(np.int64))
+    ascending: the engine's own top-k (`numerics.top_k_on_host`), so logged and replayed top-k
+    agree, ties at the k-th place included."""
+    top = top_k_on_host(logits.float(), k)
+    return top.ids[:, :k], top.logits[:, :k]
 
 
 class TraceGenerator:
@@ -88,7 +91,7 @@ class TraceGenerator:
         self.model_name = model_name or self.model_dir.name
         self.config = self._config()
 
-    def _config(self) -> dict[str, Any]:
+    def _config(self) -> Environment:
         import transformers
 
         return numerical_environment(

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from replay_audit.engine.protocol import Environment, ExtraValue, GpuName
 from replay_audit.exceptions import EngineError, UnsupportedFormat
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -131,12 +132,12 @@ def numerical_environment(
     batch_size: int,
     engine_name: str,
     engine_version: str | None,
-    extras: dict[str, str | int | float | bool | None] | None = None,
-) -> dict[str, Any]:
+    extras: dict[str, ExtraValue] | None = None,
+) -> Environment:
     """The numerical configuration in use, with `NumericalConfig`'s keys, read from torch."""
     import transformers
 
-    gpu = None
+    gpu: GpuName | None = None
     kind = "cpu"
     if device.type == "cuda":
         kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"

@@ -1,7 +1,8 @@
-"""The lm_head in an arm's native format, its top-k on the device, and the per-step choice: the
-margin and gate decided on the host by `diff.step_numerics`, then interventions A, B and C in
-torch. The transformer body is transformers' own; only the head and the choice of token are
-ours, so the numerics that the paper's interventions touch are explicit here.
+"""The engine's numerics, each written once: the FP8-E4M3 matrix product (the FP8 lm_head and
+the end-to-end FP8 body share it), the lm_head in an arm's native format, the top-k of native
+logits with its tie order, and `decide`: the margin and gate (by `diff.step_numerics`) and the
+paper's interventions A, B and C at the gated steps. Every decode path, the scans and the
+single-step re-runs choose their tokens here. The transformer body is transformers' own.
 """
 
 from __future__ import annotations
@@ -12,53 +13,114 @@ import numpy as np
 import numpy.typing as npt
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from replay_audit.diff.margin import step_numerics
 from replay_audit.engine.loading import TORCH_DTYPES
 from replay_audit.engine.protocol import Intervention, Steps, steps_from_numerics
 from replay_audit.exceptions import UnsupportedFormat
 
+# -- FP8 ------------------------------------------------------------------------------------
+
 FP8_E4M3_MAX = 448.0
 #: `torch._scaled_mm` wants the rows of its first operand in multiples of 16.
 _FP8_ROW_MULTIPLE = 16
 
 
-def fp8_supported(device: torch.device) -> tuple[bool, str]:
-    """Whether an FP8-E4M3 lm_head can run on `device`, and why not."""
+def fp8_supported(device: torch.device, what: str = "an fp8_e4m3 lm_head") -> tuple[bool, str]:
+    """Whether FP8-E4M3 products (`what` needs them) can run on `device`, and why not."""
     if device.type != "cuda":
-        return (
-            False,
-            "an fp8_e4m3 lm_head needs a CUDA GPU of compute capability >= 8.9; "
-            f"this is {device.type}",
-        )
+        return False, f"{what} needs a CUDA GPU of compute capability >= 8.9; this is {device.type}"
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
-        return (
-            False,
-            f"an fp8_e4m3 lm_head needs compute capability >= 8.9; this GPU is {major}.{minor}",
-        )
+        return False, f"{what} needs compute capability >= 8.9; this GPU is {major}.{minor}"
     if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
         return False, f"torch {torch.__version__} has no FP8 matrix product (_scaled_mm)"
     return True, ""
 
 
+def _fp8_scale(x32: torch.Tensor) -> torch.Tensor:
+    """The per-tensor scale amax/448 of a float32 tensor (a 0-d tensor)."""
+    return (x32.abs().amax().clamp(min=1e-12) / FP8_E4M3_MAX).reshape(())
+
+
+def fp8_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight (out, in) in FP8-E4M3 with its per-tensor scale, quantised once."""
+    out_features, in_features = weight.shape
+    if out_features % 16 or in_features % 16:
+        raise UnsupportedFormat(
+            f"an fp8 product needs sizes divisible by 16, got {in_features}x{out_features}"
+        )
+    w32 = weight.detach().float()
+    scale = _fp8_scale(w32)
+    return (w32 / scale).to(torch.float8_e4m3fn), scale
+
+
+def fp8_matmul(
+    x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """x (M, in) · W^T in FP8-E4M3: the activation quantised with its own per-tensor dynamic
+    scale, `torch._scaled_mm` into `out_dtype` (the rows padded to 16); (M, out)."""
+    x32 = x.float()
+    m = x32.shape[0]
+    a_scale = _fp8_scale(x32)
+    rows = -(-m // _FP8_ROW_MULTIPLE) * _FP8_ROW_MULTIPLE
+    a8 = torch.zeros(rows, x32.shape[1], dtype=torch.float8_e4m3fn, device=x.device)
+    a8[:m] = (x32 / a_scale).to(torch.float8_e4m3fn)
+    out = torch._scaled_mm(a8, w8.t(), scale_a=a_scale, scale_b=w_scale, out_dtype=out_dtype)
+    return out[:m]
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer of the body computed in FP8-E4M3 (`fp8_matmul`), output in `out_dtype`:
+    the paper's end-to-end FP8 boundary case."""
+
+    def __init__(self, linear: nn.Linear, out_dtype: torch.dtype) -> None:
+        super().__init__()
+        # Plain tensors on the weight's device (the model is on its device before it is
+        # quantised and never moves after).
+        self.w8, self.w_scale = fp8_quantize(linear.weight)
+        self.bias = linear.bias.detach().to(out_dtype) if linear.bias is not None else None
+        self.out_dtype = out_dtype
+        self.out_features, self.in_features = linear.weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = fp8_matmul(x.reshape(-1, self.in_features), self.w8, self.w_scale, self.out_dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_body_linears(body: nn.Module, out_dtype: torch.dtype) -> int:
+    """Replace every `nn.Linear` under `body` (the transformer body, not the lm_head) by an
+    `Fp8Linear`; the number replaced."""
+    n = 0
+    for parent in list(body.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Fp8Linear(child, out_dtype))
+                n += 1
+    return n
+
+
+# -- the lm_head ----------------------------------------------------------------------------
+
+
 class LmHead:
     """The lm_head of one arm: the native projection in the arm's head format, and the FP32
-    recomputes of interventions B and C from the same stored weight.
+    recompute of interventions B and C from the same stored weight.
 
     16/32-bit heads keep the weight in the head format and compute `F.linear` in it (exactly
     what transformers' `lm_head` does when the head format is the body's). The FP8-E4M3 head
-    keeps the weight in the body format (BF16 in the paper), quantises it once with a per-tensor
-    scale amax/448, quantises each step's activation with its own per-tensor dynamic scale, and
-    multiplies with `torch._scaled_mm` into the body dtype. C and B upcast the stored weight on
-    the fly (`weight.float()`): there is no persistent FP32 copy unless the head format is fp32.
+    keeps the weight in the body format (BF16 in the paper) and multiplies with `fp8_matmul`
+    into the body dtype. B and C upcast the stored weight on the fly (`weight.float()`): there
+    is no persistent FP32 copy unless the head format is fp32.
     """
 
     def __init__(self, weight: torch.Tensor, fmt: str, body_dtype: torch.dtype) -> None:
         self.fmt = fmt
         w = weight.detach()
-        self._w8: torch.Tensor | None = None
-        self._w_scale: torch.Tensor | None = None
+        self._fp8: tuple[torch.Tensor, torch.Tensor] | None = None
         self._out_dtype = body_dtype
         if fmt in TORCH_DTYPES:
             self.weight = w if w.dtype == TORCH_DTYPES[fmt] else w.to(TORCH_DTYPES[fmt])
@@ -67,13 +129,7 @@ class LmHead:
             if not ok:
                 raise UnsupportedFormat(why)
             self.weight = w if w.dtype == body_dtype else w.to(body_dtype)
-            w32 = self.weight.float()
-            self._w_scale = (w32.abs().amax().clamp(min=1e-12) / FP8_E4M3_MAX).reshape(())
-            self._w8 = (w32 / self._w_scale).to(torch.float8_e4m3fn)
-            if self.weight.shape[0] % 16 or self.weight.shape[1] % 16:
-                raise UnsupportedFormat(
-                    "an fp8 lm_head needs vocab and hidden sizes divisible by 16"
-                )
+            self._fp8 = fp8_quantize(self.weight)
         else:
             raise UnsupportedFormat(f"lm_head format {fmt!r} is not supported by this engine")
 
@@ -82,84 +138,83 @@ class LmHead:
         return int(self.weight.shape[0])
 
     def native(self, h: torch.Tensor) -> torch.Tensor:
-        """Native logits (M, V) of hidden states (M, d): one per-tensor product."""
-        if self._w8 is None:
+        """Native logits (M, V) of hidden states (M, d): one product (for FP8, one activation
+        scale over all M rows: a decode step's rows are copies of one)."""
+        if self._fp8 is None:
             return F.linear(h.to(self.weight.dtype), self.weight)
-        assert self._w_scale is not None
-        m = h.shape[0]
-        h32 = h.float()
-        a_scale = (h32.abs().amax().clamp(min=1e-12) / FP8_E4M3_MAX).reshape(())
-        rows = -(-m // _FP8_ROW_MULTIPLE) * _FP8_ROW_MULTIPLE
-        a8 = torch.zeros(rows, h.shape[1], dtype=torch.float8_e4m3fn, device=h.device)
-        a8[:m] = (h32 / a_scale).to(torch.float8_e4m3fn)
-        out = torch._scaled_mm(
-            a8, self._w8.t(), scale_a=a_scale, scale_b=self._w_scale, out_dtype=self._out_dtype
-        )
-        return out[:m]
+        return fp8_matmul(h, *self._fp8, self._out_dtype)
+
+    def native_steps(self, hs: torch.Tensor) -> torch.Tensor:
+        """Float32 native logits (M, V) of M steps' hidden states (a scan's): as each step's
+        decode computes them, so for FP8 each step with its own activation scale."""
+        if self._fp8 is None:
+            return self.native(hs).float()
+        return torch.cat([self.native(hs[i : i + 1]) for i in range(hs.shape[0])]).float()
 
     def fp32(self, h: torch.Tensor) -> torch.Tensor:
         """Intervention C: fp32(W_lm) · fp32(h) over the whole vocabulary, (M, V) float32."""
         return F.linear(h.float(), self.weight.float())
 
-    def fp32_rows(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Intervention B: fp32(W_lm[ids]) · fp32(h) for one hidden state h (d,), (K,) float32."""
-        return F.linear(h.float().unsqueeze(0), self.weight[ids].float())[0]
+
+# -- top-k ----------------------------------------------------------------------------------
+
+#: Top-k computed on the device each step (then cut to the k asked for): a fixed size, so a
+#: captured decode step can include it, and the same in every path, so ties at the k-th place
+#: resolve the same way whichever path ran.
+TOP_K_CAP = 20
+
+
+def top_k_size(k: int, vocab: int) -> int:
+    """How many of the top logits the device reduces to when k are asked for."""
+    return min(max(k, 2, TOP_K_CAP), vocab)
 
 
 @dataclass(frozen=True, eq=False)
 class HostTopK:
-    """The top-kk of (steps, V) native logits as copied to the host, in the device's order:
-    `ids` (T, kk), `logits` (T, kk) float32, `native` (T,) the argmax (smallest id among equal
-    maxima). `diff.step_numerics` orders them (the tie rule) and decides the margin and gate."""
+    """The top-kk of (M, V) float32 native logits, on the host: `ids` (M, kk) and `logits`
+    (M, kk) ordered by logit descending, then id ascending (`diff.sort_top_k`'s tie rule);
+    `native` (M,) the argmax (the smallest id among equal maxima, as greedy search)."""
 
     ids: npt.NDArray[np.int64]
     logits: npt.NDArray[np.float32]
     native: npt.NDArray[np.int64]
 
 
-#: Top-k computed on the device each step (then cut to the k asked for): a fixed size, so a
-#: captured decode step can include it, and the same in every path, so ties at the k-th place
-#: resolve the same way (smaller id first) whichever path ran.
-TOP_K_CAP = 20
-
-
 def pack_top_k(z32: torch.Tensor, kk: int) -> torch.Tensor:
-    """Top-kk values, their ids and the argmax of one step's float32 logits (V,), packed into
-    one float64 vector (ids < 2**53 are exact) so a single device-to-host copy carries them."""
-    vals, ids = torch.topk(z32, kk)
-    native = torch.argmax(z32).reshape(1)
-    return torch.cat([vals.double(), ids.double(), native.double()])
+    """The top-kk of float32 logits (M, V) or (V,), ordered on the device (logit descending,
+    then id ascending), and the argmax, packed into one float64 tensor (M, 2kk + 1) (ids <
+    2**53 are exact), so one device-to-host copy carries them and the (M, V) logits never leave
+    the device. No host sync: a captured decode step includes it."""
+    z = z32.reshape(-1, z32.shape[-1])
+    vals, ids = torch.topk(z, kk, dim=-1)  # values descending; equal values in any id order
+    ids, by_id = torch.sort(ids, dim=-1)
+    vals, by_value = torch.sort(vals.gather(-1, by_id), dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, by_value)
+    native = torch.argmax(z, dim=-1, keepdim=True)
+    return torch.cat([vals.double(), ids.double(), native.double()], dim=-1)
 
 
-def unpack_top_k(packed: np.ndarray, kk: int) -> HostTopK:
-    """One step's `pack_top_k` vector, copied to the host, as a one-row `HostTopK`."""
+def unpack_top_k(packed: npt.NDArray[np.float64], kk: int) -> HostTopK:
+    """`pack_top_k`'s (M, 2kk + 1) values, copied to the host."""
     return HostTopK(
-        ids=packed[kk : 2 * kk].astype(np.int64)[None],
-        logits=packed[:kk].astype(np.float32)[None],
-        native=np.asarray([int(packed[2 * kk])], dtype=np.int64),
+        ids=packed[:, kk : 2 * kk].astype(np.int64),
+        logits=packed[:, :kk].astype(np.float32),
+        native=packed[:, 2 * kk].astype(np.int64),
     )
 
 
-def top_k_size(k: int, vocab: int) -> int:
-    return min(max(k, 2, TOP_K_CAP), vocab)
-
-
 def top_k_on_host(z32: torch.Tensor, k: int) -> HostTopK:
-    """The host-side top-k of one step's float32 logits (V,), with one device transfer."""
+    """The host-side top-k (at least `top_k_size`) of float32 logits (M, V): one copy."""
     kk = top_k_size(k, z32.shape[-1])
     return unpack_top_k(pack_top_k(z32, kk).cpu().numpy(), kk)
 
 
-def top_k_rows(z32: torch.Tensor, k: int) -> HostTopK:
-    """The host-side top-k of many steps' float32 logits (T, V): one batched top-k."""
-    kk = top_k_size(k, z32.shape[-1])
-    vals, ids = torch.topk(z32, kk, dim=-1)
-    native = torch.argmax(z32, dim=-1)
-    return HostTopK(
-        ids=ids.cpu().numpy().astype(np.int64),
-        logits=vals.cpu().numpy().astype(np.float32),
-        native=native.cpu().numpy().astype(np.int64),
-    )
+# -- the choice of token ----------------------------------------------------------------------
+
+#: Elements of the largest temporary one batched intervention makes (float64 bins of A, FP32
+#: logits of C, gathered FP32 rows of B): the gated steps are taken this many elements at a
+#: time, 512 MiB in float64 (2048 steps of a 32k vocabulary).
+INTERVENTION_ELEMENTS = 2**26
 
 
 def decide(
@@ -170,81 +225,10 @@ def decide(
     intervention: Intervention,
     k: int,
 ) -> Steps:
-    """The steps chosen from their host-side top-k: order, margin, ulps and gate by
-    `diff.step_numerics` on the native logits, then the intervention at each step where the
-    gate fired (on the device, from that step's float32 logits z32[t] (V,) and hidden state
-    hs[t] (d,)). One decode step is T = 1; a scan is all its steps."""
-    numerics = step_numerics(top.logits, top.ids, head_format=head.fmt, gate=intervention.gate)
-    steps = steps_from_numerics(top.native, top.native, numerics, k)
-    if intervention.kind == "none" or not steps.gate_fired.any():
-        return steps
-    tokens = top.native.copy()
-    for t in np.flatnonzero(steps.gate_fired):
-        width = intervention.bin_width(float(numerics.top1[t]), head.fmt)
-        tokens[t] = apply_intervention(head, z32[t], hs[t], intervention, width)
-    return replace(steps, token_ids=tokens)
-
-
-def integer_argmax(values: torch.Tensor, width: float) -> int:
-    """argmax of round(values / width) (width 0: of the values), the smallest index winning
-    ties. torch.argmax returns the first maximal index, which gives that tie-break."""
-    if width > 0:
-        values = torch.round(values.double() / width)
-    return int(torch.argmax(values))
-
-
-def apply_intervention(
-    head: LmHead, z32: torch.Tensor, h: torch.Tensor, intervention: Intervention, width: float
-) -> int:
-    """The token chosen by intervention A, B or C at a gated step."""
-    if intervention.kind == "A":
-        return integer_argmax(z32, width)
-    if intervention.kind == "B":
-        k = min(intervention.top_k, z32.shape[-1])
-        cand = torch.sort(torch.topk(z32, k).indices).values  # ascending ids: smallest wins ties
-        return int(cand[integer_argmax(head.fp32_rows(h, cand), width)])
-    if intervention.kind == "C":
-        return int(torch.argmax(head.fp32(h.unsqueeze(0))[0]))
-    raise ValueError(f"no intervention {intervention.kind!r}")
-
-
-def top_k_ordered(z32: torch.Tensor, k: int) -> HostTopK:
-    """The host-side top-k of many steps' float32 logits (M, V), reduced and ordered on the
-    device: by logit descending, then by id ascending (`diff.sort_top_k`'s tie rule, so
-    `step_numerics` takes them as ordered), then one copy of (M, 2k + 1) values to the host. The
-    (M, V) logits never leave the device, and the host does no sort (which costs as much as a
-    GPU forward at tens of thousands of steps)."""
-    kk = top_k_size(k, z32.shape[-1])
-    vals, ids = torch.topk(z32, kk, dim=-1)  # values descending; equal values in any id order
-    ids, by_id = torch.sort(ids, dim=-1)
-    vals, by_value = torch.sort(vals.gather(-1, by_id), dim=-1, descending=True, stable=True)
-    ids = ids.gather(-1, by_value)
-    native = torch.argmax(z32, dim=-1, keepdim=True)
-    host = torch.cat([vals.double(), ids.double(), native.double()], dim=-1).cpu().numpy()
-    return HostTopK(
-        ids=host[:, kk : 2 * kk].astype(np.int64),
-        logits=host[:, :kk].astype(np.float32),
-        native=host[:, 2 * kk].astype(np.int64),
-    )
-
-
-#: Elements of the largest temporary one batched intervention makes (float64 bins of A, FP32
-#: logits of C, gathered FP32 rows of B): the gated steps are taken this many elements at a
-#: time, 512 MiB in float64 (2048 steps of a 32k vocabulary).
-INTERVENTION_ELEMENTS = 2**26
-
-
-def decide_rows(
-    head: LmHead,
-    top: HostTopK,
-    z32: torch.Tensor,
-    hs: torch.Tensor,
-    intervention: Intervention,
-    k: int,
-) -> Steps:
-    """`decide` for many steps at once (a batched scan's): the top-k as `top_k_ordered` gives
-    it, its margins and gate by one call of `diff.step_numerics`, then the intervention at all
-    gated steps together on the device (`intervene_rows`), a bounded chunk at a time."""
+    """The tokens of M steps (one decode step, or a scan's steps) from their top-k: margin,
+    ulps and gate by one call of `diff.step_numerics`, then the intervention at every gated
+    step together (`intervene`, from the steps' float32 logits z32 (M, V) and hidden states
+    hs (M, d) on the device), a bounded chunk at a time."""
     numerics = step_numerics(
         top.logits, top.ids, head_format=head.fmt, gate=intervention.gate, sort=False
     )
@@ -260,43 +244,51 @@ def decide_rows(
     tokens = top.native.copy()
     for start in range(0, gated.size, chunk):
         rows = gated[start : start + chunk]
-        index = torch.from_numpy(rows).to(z32.device)
-        tokens[rows] = intervene_rows(
+        # Every step gated (a gated decode step, an ungated scan): no gather, no index copy.
+        index: slice | torch.Tensor = slice(None)
+        if rows.size != tokens.size:
+            index = torch.from_numpy(rows).to(z32.device)
+        tokens[rows] = intervene(
             head, z32[index], hs[index], intervention, widths[start : start + chunk]
         )
     return replace(steps, token_ids=tokens)
 
 
-def integer_argmax_rows(values: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
-    """`integer_argmax` of each row of `values` (G, n) with its own bin width (G,) float64."""
+def integer_argmax(values: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """argmax of each row of round(values / width) (G, n), with the row's own bin width (G,)
+    float64 (width 0: of the values themselves); the smallest index wins ties (torch.argmax
+    returns the first maximal index)."""
     w = widths.unsqueeze(-1)
     v = values.double()
     binned = torch.where(w > 0, torch.round(v / torch.where(w > 0, w, 1.0)), v)
     return torch.argmax(binned, dim=-1)
 
 
-def intervene_rows(
+def intervene(
     head: LmHead,
     z32: torch.Tensor,
     hs: torch.Tensor,
     intervention: Intervention,
     widths: npt.NDArray[np.float64],
 ) -> npt.NDArray[np.int64]:
-    """`apply_intervention` at G gated steps at once, from their float32 logits z32 (G, V),
-    hidden states hs (G, d) and bin widths (G,): one FP32 product for all of them (B, C), one
-    copy of the chosen tokens to the host. A is elementwise, so it chooses exactly what the
-    per-step A chooses; B's and C's FP32 products run at G rows instead of 1, and a kernel may
-    sum in another order at another row count (MKL's one-row product on the CPU does)."""
-    w = torch.from_numpy(np.ascontiguousarray(widths, dtype=np.float64)).to(z32.device)
-    if intervention.kind == "A":
-        chosen = integer_argmax_rows(z32, w)
-    elif intervention.kind == "B":
-        k = min(intervention.top_k, z32.shape[-1])
-        cand = torch.sort(torch.topk(z32, k, dim=-1).indices, dim=-1).values  # smallest id first
-        vals = torch.bmm(head.weight[cand].float(), hs.float().unsqueeze(-1)).squeeze(-1)
-        chosen = cand.gather(-1, integer_argmax_rows(vals, w).unsqueeze(-1)).squeeze(-1)
-    elif intervention.kind == "C":
+    """The tokens intervention A, B or C chooses at G gated steps, from their float32 logits
+    z32 (G, V), hidden states hs (G, d) and bin widths τ (G,): A bins the native logits; B
+    recomputes the top-K rows in FP32 (candidates by ascending id, so the smallest id wins a
+    shared bin) and bins them; C recomputes the whole vocabulary in FP32. One FP32 product for
+    all G steps, one copy of the chosen tokens to the host. A is elementwise, so it chooses
+    the same at any G; B's and C's products may sum in another order at another row count
+    (MKL's one-row product on the CPU does)."""
+    if intervention.kind == "C":
         chosen = torch.argmax(head.fp32(hs), dim=-1)
+    elif intervention.kind in ("A", "B"):
+        w = torch.from_numpy(np.ascontiguousarray(widths, dtype=np.float64)).to(z32.device)
+        if intervention.kind == "A":
+            chosen = integer_argmax(z32, w)
+        else:
+            k = min(intervention.top_k, z32.shape[-1])
+            cand = torch.sort(torch.topk(z32, k, dim=-1).indices, dim=-1).values
+            vals = torch.bmm(head.weight[cand].float(), hs.float().unsqueeze(-1)).squeeze(-1)
+            chosen = cand.gather(-1, integer_argmax(vals, w).unsqueeze(-1)).squeeze(-1)
     else:
         raise ValueError(f"no intervention {intervention.kind!r}")
     return np.asarray(chosen.cpu().numpy(), dtype=np.int64)

@@ -4,9 +4,9 @@ cache length (vLLM's piecewise graphs), on transformers' own Llama modules and i
 for bit.
 
 Why not one graph: a decode step's attention reads a key length that grows by one each step. A
-preallocated cache (`StaticDecoder`) gives it a fixed length with the unwritten positions masked,
-which changes the attention's reduction length, and with it the bits (the static and compiled
-paths flip near-ties). Everything else in a step has the same shapes at every step (batch x one
+preallocated cache (`CompiledDecoder`'s) gives it a fixed length with the unwritten positions
+masked, which changes the attention's reduction length, and with it the bits (the compiled path
+flips near-ties). Everything else in a step has the same shapes at every step (batch x one
 token), so the step is cut at each attention:
 
     piece 0      the embedding, RoPE's cos/sin, layer 0's input norm, q/k/v projections, RoPE
@@ -52,13 +52,8 @@ from typing import Any
 import torch
 import torch.utils.deterministic
 
-from replay_audit.engine.decoder import Body, DynamicDecoder, StepOutput
-from replay_audit.engine.numerics import (
-    LmHead,
-    pack_top_k,
-    top_k_size,
-    unpack_top_k,
-)
+from replay_audit.engine.decoder import Body, DynamicDecoder, StepOutput, captured_step_output
+from replay_audit.engine.numerics import LmHead, pack_top_k, top_k_size
 
 #: The transformers classes whose forward the pieces follow, by class name (Llama's layout:
 #: pre-norm attention and MLP with residuals, no sliding window). Other models decode
@@ -268,12 +263,7 @@ class PiecewiseDecoder:
             self._dynamic_attention()
         self._position += 1
         assert self._last is not None
-        h, z32, packed = self._last
-        top = unpack_top_k(packed.cpu().numpy(), self.kk)
-        kk = top_k_size(self._top_k, z32.shape[-1])
-        if kk != self.kk:  # more than TOP_K_CAP asked for: outside the pieces
-            top = unpack_top_k(pack_top_k(z32, kk).cpu().numpy(), kk)
-        return StepOutput(h, z32, top)
+        return captured_step_output(*self._last, self._top_k)
 
     def _buffered_attention(self) -> None:
         """Each layer's attention between the pieces, on the buffers: the new key/value
@@ -469,7 +459,7 @@ class PiecewiseDecoder:
         return graphs, outputs
 
 
-def _direct_sdpa_kwargs(attention: Callable[..., Any], attn: Any) -> dict[str, Any] | None:
+def _direct_sdpa_kwargs(attention: Callable[..., Any], attn: Any) -> dict[str, bool] | None:
     """The keyword arguments transformers' `sdpa_attention_forward` adds to its SDPA call for
     one query token without a mask on this attention module (`enable_gqa` where it passes it),
     or None where `attention` is not that function or takes another route (it repeats or packs

@@ -66,8 +66,8 @@ class AttentionShape:
     kv_heads: int
     head_dim: int
     dtype: str  # "fp32" | "bf16" | "fp16"
-    #: Whether the model's attention gets an explicit mask (static or compiled KV cache, batch
-    #: emulation with padding) besides the mask-free calls of a dynamic cache at batch 1.
+    #: Whether the model's attention gets an explicit mask (the compiled path's static cache,
+    #: batch emulation with padding) besides the piecewise path's mask-free calls at batch 1.
     masked: bool = False
 
 

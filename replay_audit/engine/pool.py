@@ -115,16 +115,14 @@ def load_engine(
 
     `device` None picks CUDA when available, else the CPU. The deterministic-algorithms and TF32
     flags are process-wide torch settings: the engine sets them explicitly here and reports them
-    in `environment()`. `cache` (`formats.CacheKind`): "dynamic" grows the KV cache, as
-    transformers' `generate()` does; "piecewise" too, with the rest of each decode step in CUDA
-    graphs (the same logits bit for bit); "static" preallocates it (and on CUDA captures the
-    decode step in a CUDA graph) for `max_cache_len` tokens (longer decodes use the dynamic
-    path); "compiled" is "static" with the step compiled. None: "piecewise" on CUDA, else
-    "dynamic". `weight_dtype`: the
-    dtype the weights are stored in when it differs from `target.dtype`, the compute dtype
-    (loaded in the one, cast to the other: the storage-vs-compute ablation). `fp8_linear`: every
-    linear layer of the body in FP8-E4M3 (the paper's end-to-end FP8 boundary case; CUDA, SM >=
-    8.9).
+    in `environment()`. `cache`, the decode path (`formats.CacheKind`): "piecewise" (None: the
+    default) grows the KV cache as transformers' `generate()` does, with the rest of each step
+    in CUDA graphs, bitwise equal to it; "compiled" preallocates it for up to `max_cache_len`
+    tokens (longer decodes take the piecewise path) and compiles and captures the step: faster,
+    not bitwise equal. `weight_dtype`: the dtype the weights are stored in when it differs from
+    `target.dtype`, the compute dtype (loaded in the one, cast to the other: the
+    storage-vs-compute ablation). `fp8_linear`: every linear layer of the body in FP8-E4M3 (the
+    paper's end-to-end FP8 boundary case; CUDA, SM >= 8.9).
     """
     from replay_audit.engine.torch_engine import TorchEngine
 

@@ -13,8 +13,8 @@ until `replay_audit.engine.load_engine` builds a real engine.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Final, Literal, Protocol, runtime_checkable
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Final, Literal, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -72,10 +72,6 @@ class Intervention:
     def gate(self) -> GateRule:
         return GateRule(tau=self.tau, tau_ulps=self.tau_ulps)
 
-    def bin_width(self, top1: float, fmt: str) -> float:
-        """τ at this step, the bin width of A and B (0: no binning, plain argmax)."""
-        return max(self.gate.threshold(top1, fmt), 0.0)
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -109,11 +105,6 @@ class Target:
         """What a loaded engine depends on (the intervention is per call, not per engine)."""
         return (self.dtype, self.head_dtype, self.attn_kernel, self.batch_size)
 
-    def with_intervention(self, intervention: Intervention) -> Target:
-        return Target(
-            self.dtype, self.lm_head_dtype, self.attn_kernel, self.batch_size, intervention
-        )
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -128,6 +119,44 @@ class Target:
             batch_size=get("batch_size") or 1,
             intervention=intervention or Intervention(),
         )
+
+
+#: A value of `Environment.extras`: what `NumericalConfig.extras` stores.
+ExtraValue = str | int | float | bool | None
+
+
+class GpuName(TypedDict):
+    name: str
+    #: Compute capability, "major.minor".
+    sm: str
+
+
+class EngineName(TypedDict):
+    name: str
+    version: str | None
+
+
+class Environment(TypedDict):
+    """The numerical environment an engine actually runs in (`Engine.environment()`): the keys
+    of `traces.schemas.NumericalConfig`, so it is stored as one. `lm_head_dtype` and
+    `weight_dtype` are spelled out (never None), `device` is "cpu", "cuda", "rocm", "mps" or
+    "xpu", and `extras` records the decode path and batch shapes that ran."""
+
+    dtype: str
+    lm_head_dtype: str
+    weight_dtype: str
+    device: str
+    gpu: GpuName | None
+    attn_kernel: str
+    batch_size: int
+    tp_degree: int
+    engine: EngineName
+    torch_version: str | None
+    cuda_version: str | None
+    cublas_version: str | None
+    deterministic: bool
+    tf32: bool
+    extras: dict[str, ExtraValue]
 
 
 @dataclass(frozen=True, eq=False)
@@ -167,16 +196,7 @@ class Steps:
         )
 
     def slice(self, start: int, stop: int | None = None) -> Steps:
-        s = slice(start, stop)
-        return Steps(
-            self.token_ids[s],
-            self.native_token_ids[s],
-            self.top_k_ids[s],
-            self.top_k_logits[s],
-            self.margins[s],
-            self.margins_ulps[s],
-            self.gate_fired[s],
-        )
+        return Steps(*(getattr(self, f)[start:stop] for f in _STEP_FIELDS))
 
     @staticmethod
     def concat(parts: Sequence[Steps]) -> Steps:
@@ -195,15 +215,7 @@ class Steps:
         )
 
 
-_STEP_FIELDS = (
-    "token_ids",
-    "native_token_ids",
-    "top_k_ids",
-    "top_k_logits",
-    "margins",
-    "margins_ulps",
-    "gate_fired",
-)
+_STEP_FIELDS = tuple(f.name for f in fields(Steps))
 
 
 @dataclass(frozen=True, eq=False)
@@ -216,12 +228,6 @@ class DecodeRun:
     steps: Steps
     start_step: int
     stop_reason: Literal["eos", "length"]
-
-    def step_at(self, t: int) -> int:
-        """Row of `steps` for output step t."""
-        if not self.start_step <= t < self.start_step + len(self.steps):
-            raise IndexError(f"step {t} was not decoded (decoded: {self.start_step}..)")
-        return t - self.start_step
 
 
 @dataclass(frozen=True, eq=False)
@@ -282,7 +288,7 @@ class Engine(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def environment(self) -> dict[str, Any]:
+    def environment(self) -> Environment:
         """The numerical environment actually in use, with `NumericalConfig`'s keys."""
         ...
 

@@ -1,13 +1,24 @@
 """The torch engine: a local Hugging Face checkpoint in one numerical configuration.
 
 The transformer body is transformers' own (`model.model(...)`, its final norm included); the
-lm_head projection and the interventions are ours (`numerics`), the margin and the gate are
-`diff.step_numerics`'. The decode loop keeps a KV cache (`decoder`: dynamic or static, one loop
-for both); the scan and the single-step re-run are one from-scratch forward each.
+lm_head, the top-k and the choice of token are `numerics`' (the margin and the gate are
+`diff.step_numerics`'). Three paths run the body:
+
+    decode, faithful (default)  `piecewise.PiecewiseDecoder`: transformers' growing cache with
+                                the rest of each step in CUDA graphs (uncaptured off CUDA),
+                                checked bitwise against `decoder.DynamicDecoder` on the engine's
+                                first decode; that dynamic decode runs where the check fails or
+                                the model is not one the pieces follow.
+    decode, compiled (opt-in)   `decoder.CompiledDecoder`: static cache, torch.compile, one CUDA
+                                graph per step; faster, not bitwise equal to `generate()`.
+    scan                        one from-scratch forward per trace (`scan`), several traces per
+                                forward (`scan_batch`); the single-step re-runs are the same
+                                forward over a context.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +37,7 @@ from replay_audit.engine.batch import (
     scan_extras,
     step_extras,
 )
-from replay_audit.engine.decoder import Body, Decoder, DynamicDecoder, StaticDecoder, head_step
+from replay_audit.engine.decoder import Body, CompiledDecoder, Decoder, DynamicDecoder
 from replay_audit.engine.loading import (
     TORCH_DTYPES,
     configure_numerics,
@@ -37,16 +48,17 @@ from replay_audit.engine.loading import (
 from replay_audit.engine.numerics import (
     LmHead,
     decide,
-    decide_rows,
     fp8_supported,
-    top_k_ordered,
-    top_k_rows,
+    quantize_body_linears,
+    top_k_on_host,
 )
 from replay_audit.engine.pieces import PieceReader
 from replay_audit.engine.piecewise import PiecewiseDecoder
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
     DecodeRun,
+    Environment,
+    ExtraValue,
     Intervention,
     ScanItem,
     ScanRun,
@@ -57,18 +69,10 @@ from replay_audit.engine.protocol import (
 from replay_audit.exceptions import UnsupportedFormat
 from replay_audit.formats import CacheKind
 
-#: The cache kind when none is asked for (`default_cache_kind`): on CUDA the piecewise decode,
-#: whose logits are the dynamic path's bit for bit (checked on each engine's first decode; where
-#: the check fails the engine decodes dynamically and says so), elsewhere the dynamic one.
-DEFAULT_CUDA_CACHE_KIND: CacheKind = "piecewise"
-#: Static cache lengths are powers of two from this up to `max_cache_len`: a decode gets the
-#: smallest that holds it, so attention reads (and masks) as few unwritten positions as it can.
+#: Compiled decoders' cache lengths are powers of two from this up to `max_cache_len`: a decode
+#: gets the smallest that holds it, so attention reads (and masks) as few unwritten positions
+#: as it can.
 MIN_STATIC_BUCKET = 256
-
-
-def default_cache_kind(device: torch.device) -> CacheKind:
-    """The decode path when none is asked for: the fastest faithful one for the device."""
-    return DEFAULT_CUDA_CACHE_KIND if device.type == "cuda" else "dynamic"
 
 
 class TorchEngine:
@@ -88,19 +92,24 @@ class TorchEngine:
         self.model = model
         #: The dtype the weights were stored in before the cast to the compute dtype.
         self.weight_dtype = weight_dtype or target.dtype
-        #: Whether the body's linear layers compute in FP8 (`fp8_linear.py`).
+        #: Whether the body's linear layers compute in FP8 (`numerics.Fp8Linear`).
         self.fp8_linear = False
         self.tokenizer = tokenizer
         self._pieces = PieceReader(tokenizer) if tokenizer is not None else None
         self.device = device
         self.body = Body(model, target.batch_size, device)
-        self.cache_kind: CacheKind = cache or default_cache_kind(device)
+        #: The decode path (`formats.CacheKind`): faithful "piecewise" or opt-in "compiled".
+        self.cache_kind: CacheKind = cache or "piecewise"
+        #: The compiled path's longest static cache (longer decodes run the faithful path).
         self.max_cache_len = max_cache_len
-        #: Static decoders by cache length (bucket), each with its own cache and graph.
-        self._static: dict[int, StaticDecoder] = {}
+        #: Compiled decoders by cache length (bucket), each with its own cache and graph.
+        self._compiled: dict[int, CompiledDecoder] = {}
         #: The piecewise decoder once built and checked; why it is not used, if it is not.
         self._piecewise: PiecewiseDecoder | None = None
         self._piecewise_error: str | None = None
+        #: One decode at a time: the decoders (their buffers, caches and graphs) are the
+        #: engine's, reused by every decode, and a pool hands one engine to every thread.
+        self._decoding = threading.Lock()
         body_dtype = TORCH_DTYPES[target.dtype]
         self.head = LmHead(model.get_output_embeddings().weight, target.head_dtype, body_dtype)
         kernel = str(getattr(model.config, "_attn_implementation", None) or "eager")
@@ -113,9 +122,9 @@ class TorchEngine:
         pad = getattr(model.config, "pad_token_id", None)
         self.scan_pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
         #: What the last batched scan recorded in `environment()["extras"]` (its batch shapes).
-        self._scan_extras: dict[str, str | int] = {}
+        self._scan_extras: dict[str, ExtraValue] = {}
         #: What the last batched single-step re-runs recorded (their batch shapes).
-        self._step_extras: dict[str, str | int] = {}
+        self._step_extras: dict[str, ExtraValue] = {}
 
     @classmethod
     def load(
@@ -131,24 +140,22 @@ class TorchEngine:
         weight_dtype: str | None = None,
         fp8_linear: bool = False,
     ) -> TorchEngine:
-        """Set the numerical flags, then load `model_dir` in `target`'s format. `cache`: see
-        `formats.CacheKind` (None: `default_cache_kind`; "compiled" for the fastest decode on
-        CUDA, not token-identical to `generate()`).
+        """Set the numerical flags, then load `model_dir` in `target`'s format. `cache`: the
+        decode path (`formats.CacheKind`; None: "piecewise", the faithful one; "compiled" for
+        the fastest decode on CUDA, not token-identical to `generate()`).
         `weight_dtype`: the storage dtype when it differs from the compute dtype
         (`loading.load_model`). `fp8_linear`: every linear layer of the body in FP8-E4M3
-        (`fp8_linear.py`; a CUDA GPU of compute capability >= 8.9)."""
+        (`numerics.Fp8Linear`; a CUDA GPU of compute capability >= 8.9)."""
         configure_numerics(deterministic=deterministic, tf32=tf32)
         dev = resolve_device(device)
         if fp8_linear:
-            ok, why = fp8_supported(dev)
+            ok, why = fp8_supported(dev, "fp8 linear layers")
             if not ok:
-                raise UnsupportedFormat(why.replace("an fp8_e4m3 lm_head", "fp8 linear layers"))
+                raise UnsupportedFormat(why)
         model, tokenizer = load_model(
             model_dir, target.dtype, target.attn_kernel, dev, weight_dtype=weight_dtype
         )
         if fp8_linear:
-            from replay_audit.engine.fp8_linear import quantize_body_linears
-
             quantize_body_linears(model.model, TORCH_DTYPES[target.dtype])
         engine = cls(
             model,
@@ -172,7 +179,7 @@ class TorchEngine:
     def vocab_size(self) -> int:
         return self.head.vocab_size
 
-    def environment(self) -> dict[str, Any]:
+    def environment(self) -> Environment:
         t = self._target
         return numerical_environment(
             dtype=t.dtype,
@@ -205,21 +212,22 @@ class TorchEngine:
             stop: Literal["eos", "length"] = "eos" if out and out[-1] in eos else "length"
             return DecodeRun(out, Steps.empty(top_k), start, stop)
         context = [*prompt_ids, *out]
-        decoder = self._decoder(context, len(context) + max_new_tokens - start)
-        step = decoder.prefill(context, top_k)
         parts: list[Steps] = []
         stop = "length"
-        while True:
-            chosen = decide(self.head, step.top, step.logits[None], step.hidden[:1], iv, top_k)
-            parts.append(chosen)
-            token = int(chosen.token_ids[0])
-            out.append(token)
-            if token in eos:
-                stop = "eos"
-                break
-            if len(out) >= max_new_tokens:
-                break
-            step = decoder.step(token)
+        with self._decoding:
+            decoder = self._decoder(context, len(context) + max_new_tokens - start)
+            step = decoder.prefill(context, top_k)
+            while True:
+                chosen = decide(self.head, step.top, step.logits[None], step.hidden[:1], iv, top_k)
+                parts.append(chosen)
+                token = int(chosen.token_ids[0])
+                out.append(token)
+                if token in eos:
+                    stop = "eos"
+                    break
+                if len(out) >= max_new_tokens:
+                    break
+                step = decoder.step(token)
         return DecodeRun(out, Steps.concat(parts), start, stop)
 
     @torch.inference_mode()
@@ -237,14 +245,7 @@ class TorchEngine:
         context = [*prompt_ids, *output_ids[:-1]]
         # Position p's hidden state predicts token p + 1: output step t is at len(prompt) - 1 + t.
         hs = self.body.forward(context, None, 0)[0, len(prompt_ids) - 1 :]
-        # One batched head product (per row for FP8, whose activation scale is per step), one
-        # batched top-k, one call of the numerics for all steps.
-        if self.head.fmt.startswith("fp8"):
-            z = torch.cat([self.head.native(hs[i : i + 1]) for i in range(hs.shape[0])])
-        else:
-            z = self.head.native(hs)
-        z32 = z.float()
-        steps = decide(self.head, top_k_rows(z32, top_k), z32, hs, iv, top_k)
+        steps = self._choose(hs, iv, top_k)
         return ScanRun(steps, np.asarray(steps.token_ids == np.asarray(output_ids), dtype=bool))
 
     @torch.inference_mode()
@@ -290,7 +291,7 @@ class TorchEngine:
         top_k: int = 5,
     ) -> StepInfo:
         h = self.body.forward([*prompt_ids, *prefix_ids], None, 0)[:, -1]
-        return self._head_step(h[:1], intervention, top_k)
+        return StepInfo.from_steps(self._choose(h[:1], intervention, top_k))
 
     @torch.inference_mode()
     def step_batch(
@@ -318,16 +319,15 @@ class TorchEngine:
             )
             last = self.body.forward_rows(ids)[:, -1]
             for r, i in enumerate(batch.indices):
-                out[i] = self._head_step(last[r : r + 1], intervention, top_k)
+                out[i] = StepInfo.from_steps(self._choose(last[r : r + 1], intervention, top_k))
         self._step_extras = step_extras(plan, token_budget)
         return [x for x in out if x is not None]
 
-    def _head_step(self, h: torch.Tensor, intervention: Intervention, top_k: int) -> StepInfo:
-        """The lm_head, the gate and the intervention over one final hidden state (1, d)."""
-        out = head_step(self.head, h, top_k)
-        return StepInfo.from_steps(
-            decide(self.head, out.top, out.logits[None], h, intervention, top_k)
-        )
+    def _choose(self, hs: torch.Tensor, intervention: Intervention, top_k: int) -> Steps:
+        """The lm_head, top-k, gate and intervention over M steps' final hidden states (M, d):
+        what a scan, a batched scan and a single-step re-run choose (a decode step: `decode`)."""
+        z32 = self.head.native_steps(hs)
+        return decide(self.head, top_k_on_host(z32, top_k), z32, hs, intervention, top_k)
 
     @torch.inference_mode()
     def hidden_states(
@@ -358,23 +358,16 @@ class TorchEngine:
         positions = torch.from_numpy(packed.output_positions).to(self.device)
         # Only the real output positions' hidden states go on: padding's are never read.
         hs = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
-        if self.head.fmt.startswith("fp8"):  # per step, as `scan`: the activation scale is per step
-            z32 = torch.cat([self.head.native(hs[i : i + 1]) for i in range(hs.shape[0])]).float()
-        else:
-            z32 = self.head.native(hs).float()  # the native (steps, V) freed at once
-        return decide_rows(self.head, top_k_ordered(z32, top_k), z32, hs, iv, top_k)
+        return self._choose(hs, iv, top_k)
 
     def _decoder(self, context: Sequence[int], total: int) -> Decoder:
-        """The decoder for a decode of `context` and `total` tokens (context and new): the
-        piecewise one where the cache kind asks for it and it passed its check, a static one
-        where the cache kind asks for it and the longest static cache holds them, else a
-        dynamic one."""
-        if self.cache_kind == "piecewise":
-            piecewise = self._piecewise_decoder(context)
-            return piecewise if piecewise is not None else DynamicDecoder(self.body, self.head)
-        if self.cache_kind == "dynamic" or total > self.max_cache_len:
-            return DynamicDecoder(self.body, self.head)
-        return self._static_decoder(total)
+        """The decoder for a decode of `context` and `total` tokens (context and new): a
+        compiled one where the path is "compiled" and its longest cache holds them; else the
+        piecewise one if it passed its check, else a dynamic one."""
+        if self.cache_kind == "compiled" and total <= self.max_cache_len:
+            return self._compiled_decoder(total)
+        piecewise = self._piecewise_decoder(context)
+        return piecewise if piecewise is not None else DynamicDecoder(self.body, self.head)
 
     def _piecewise_decoder(self, context: Sequence[int]) -> PiecewiseDecoder | None:
         """The engine's piecewise decoder, built and checked against the dynamic path on its
@@ -398,62 +391,45 @@ class TorchEngine:
                 self._piecewise_error = f"check failed: {piecewise.check_result}"
         return self._piecewise
 
-    def _static_decoder(self, total: int) -> StaticDecoder:
-        """The static decoder whose cache length is the smallest bucket holding `total` tokens."""
+    def _compiled_decoder(self, total: int) -> CompiledDecoder:
+        """The compiled decoder whose cache length is the smallest bucket holding `total`."""
         length = MIN_STATIC_BUCKET
         while length < total:
             length *= 2
         length = min(length, self.max_cache_len)
-        if length not in self._static:
-            mode = "default" if self.cache_kind == "compiled" else None
-            self._static[length] = StaticDecoder(self.body, self.head, length, compile_mode=mode)
-        return self._static[length]
+        if length not in self._compiled:
+            self._compiled[length] = CompiledDecoder(self.body, self.head, length)
+        return self._compiled[length]
 
-    def _extras(self) -> dict[str, Any]:
-        """Which decode path ran: the cache, the static cache lengths used so far, whether the
-        step was captured in a CUDA graph and compiled (and why not, if compiling failed); after
-        a batched scan, its batch shapes (`batch.scan_extras`)."""
-        scan: dict[str, Any] = {**self._scan_extras, **self._step_extras}
+    def _extras(self) -> dict[str, ExtraValue]:
+        """Which decode path ran (`decoder`: piecewise, dynamic or compiled), with its record:
+        the piecewise check's outcome, or why the faithful path decodes dynamically; the
+        compiled path's cache lengths so far, its CUDA graph and whether it compiled; after a
+        batched scan or batched re-runs, their batch shapes (`batch.scan_extras`)."""
+        extras: dict[str, ExtraValue] = {**self._scan_extras, **self._step_extras}
         if self.fp8_linear:
-            scan["fp8_linear"] = True
-        if self.cache_kind in ("dynamic", "piecewise"):
-            extras: dict[str, Any] = {
-                "kv_cache": "dynamic",
-                "cuda_graph": False,
-                "static_cache_len": None,
-                **scan,
-            }
-            if self.cache_kind == "piecewise":
-                extras.update(self._piecewise_extras())
-            return extras
-        decoders = list(self._static.values())
-        errors = sorted({d.compile_error for d in decoders if d.compile_error})
-        extras = {
-            "kv_cache": "static",
-            "cuda_graph": bool(decoders) and all(d.graph is not None for d in decoders),
-            "static_cache_len": self.max_cache_len,
-            "static_cache_lens_used": ",".join(str(n) for n in sorted(self._static)),
-            "compiled": bool(decoders) and all(d.compiled for d in decoders),
-            **scan,
-        }
+            extras["fp8_linear"] = True
         if self.cache_kind == "compiled":
-            extras["compile_mode"] = "default"
+            decoders = list(self._compiled.values())
+            errors = sorted({d.compile_error for d in decoders if d.compile_error})
+            extras.update(
+                kv_cache="static",
+                decoder="compiled",
+                cuda_graph=bool(decoders) and all(d.graph is not None for d in decoders),
+                static_cache_len=self.max_cache_len,
+                static_cache_lens_used=",".join(str(n) for n in sorted(self._compiled)),
+                compiled=bool(decoders) and all(d.compiled for d in decoders),
+                compile_mode="default",
+            )
             if errors:
                 extras["compile_error"] = errors[0][:200]
-        return extras
-
-    def _piecewise_extras(self) -> dict[str, Any]:
-        """The piecewise path's record: `decoder` is the path that decoded (or decodes next,
-        before the first decode), `piecewise_check` the check's outcome, `piecewise_error` why
-        the engine decodes dynamically instead."""
+            return extras
         pw = self._piecewise
+        extras.update(kv_cache="dynamic", decoder="piecewise", cuda_graph=False)
         if self._piecewise_error is not None:
-            return {"decoder": "dynamic", "piecewise_error": self._piecewise_error[:200]}
-        extras: dict[str, Any] = {
-            "decoder": "piecewise",
-            "cuda_graph": pw is not None and bool(pw.graphs),
-            "piecewise_check": pw.check_result if pw is not None else None,
-        }
-        if pw is not None and pw.capture_error is not None:
-            extras["capture_error"] = pw.capture_error[:200]
+            extras.update(decoder="dynamic", piecewise_error=self._piecewise_error[:200])
+        elif pw is not None:
+            extras.update(cuda_graph=bool(pw.graphs), piecewise_check=pw.check_result)
+            if pw.capture_error is not None:
+                extras["capture_error"] = pw.capture_error[:200]
         return extras

@@ -74,7 +74,7 @@ class ScreenConfig:
     batch_size: int = 1
     deterministic: bool = True
     tf32: bool = False
-    kv_cache: CacheKind = "dynamic"
+    kv_cache: CacheKind = "piecewise"
     fp8_linear: bool = False
     #: Limit `sdpa` to one of its CUDA backends (None: torch chooses).
     sdpa_backend: str | None = None
@@ -189,7 +189,8 @@ def unavailable_reason(config: ScreenConfig, platform: Platform) -> str | None:
         return "TF32 is a CUDA matmul mode: it changes nothing on a CPU"
     if config.kv_cache == "compiled" and platform.device != "cuda":
         return (
-            "the compiled KV-cache step is captured in a CUDA graph: on a CPU it runs as 'static'"
+            "the compiled decode path compiles its step and captures it in a CUDA graph: "
+            "on a CPU it would run uncompiled"
         )
     return None
 

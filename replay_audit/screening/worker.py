@@ -81,7 +81,7 @@ class TorchBackend:
             AttentionShape(
                 *self._heads(),
                 dtype=config.dtype,
-                masked=config.kv_cache != "dynamic" or config.batch_size > 1,
+                masked=config.kv_cache == "compiled" or config.batch_size > 1,
             ),
             self.device,
         )

@@ -142,7 +142,7 @@ def test_replay_in_fp16_with_c_and_scan_mode(ckpt: Path, traces: Path, tmp_path:
             "--summary-json",
             str(tmp_path / "summary.json"),
             "--kv-cache",
-            "static",
+            "compiled",
             "--device",
             "cpu",
             "--threads",
@@ -162,8 +162,10 @@ def test_replay_in_fp16_with_c_and_scan_mode(ckpt: Path, traces: Path, tmp_path:
         b = x["arms"]["b"]
         assert x["mode"] == "scan_then_decode" and b["resolved"]["intervention"]["kind"] == "C"
         assert b["resolved"]["intervention"]["tau_ulps"] == 2.0 and b["resolved"]["dtype"] == "fp16"
+        assert b["resolved"]["engine_path"] == "compiled"
         assert b["environment"]["dtype"] == "fp16"
         assert b["environment"]["extras"]["kv_cache"] == "static"
+        assert b["environment"]["extras"]["decoder"] == "compiled"
 
 
 def test_replay_refuses_other_weights(ckpt: Path, traces: Path, tmp_path: Path) -> None:
@@ -196,6 +198,9 @@ def test_replay_refuses_other_weights(ckpt: Path, traces: Path, tmp_path: Path) 
         (["--dtype", "fp16", "--tau", "0.1", "--tau-ulps", "2"], "not both"),
         (["--dtype", "fp16", "--intervention", "D"], "--intervention must be one of"),
         (["--dtype", "fp16", "--mode", "fast"], "--mode must be one of"),
+        # the dynamic and static decode paths are gone: piecewise is the faithful one
+        (["--dtype", "fp16", "--kv-cache", "static"], "--kv-cache must be one of"),
+        (["--dtype", "fp16", "--kv-cache", "dynamic"], "--kv-cache must be one of"),
     ],
 )
 def test_replay_rejects_bad_options(

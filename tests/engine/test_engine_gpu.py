@@ -125,30 +125,23 @@ def test_c_bitwise_identical_from_identical_hidden_states(
     assert torch.equal(ref.fp32(h), other.fp32(h))
 
 
-def test_static_cache_cuda_graph_equals_uncaptured(tiny_dir: Path) -> None:
-    """Replaying the captured decode step gives the bits of running it uncaptured."""
-    from replay_audit.engine.decoder import StaticDecoder
+def _uncaptured(engine: Any, length: int = 256) -> Any:
+    """`engine` (compiled path) with its decoder of cache `length` run eagerly: neither compiled
+    nor captured (the static-cache step as the CPU runs it)."""
+    from replay_audit.engine.decoder import CompiledDecoder
+
+    eager = CompiledDecoder(engine.body, engine.head, length)
+    eager._capture_failed = True
+    engine._compiled[length] = eager
+    return engine
+
+
+def test_compiled_cache_buckets(tiny_dir: Path) -> None:
+    """A compiled decode gets the smallest power-of-two cache (from 256) that holds it; a
+    longer one than `max_cache_len` takes the faithful path."""
     from replay_audit.engine.torch_engine import TorchEngine
 
-    graph = TorchEngine.load(tiny_dir, Target("bf16"), device="cuda", cache="static")
-    plain = TorchEngine.load(tiny_dir, Target("bf16"), device="cuda", cache="static")
-    uncaptured = StaticDecoder(plain.body, plain.head, 256)  # the bucket these short decodes use
-    uncaptured._capture_failed = True
-    plain._static[256] = uncaptured
-    for p in ([1, 2, 3], [9, 8, 7, 6, 5]):
-        a, b = graph.decode(p, N, []), plain.decode(p, N, [])
-        assert graph.environment()["extras"]["cuda_graph"] is True
-        assert plain.environment()["extras"]["cuda_graph"] is False
-        assert plain.environment()["extras"]["static_cache_lens_used"] == "256"
-        assert a.output_token_ids == b.output_token_ids
-        np.testing.assert_array_equal(a.steps.top_k_logits, b.steps.top_k_logits)
-
-
-def test_static_cache_buckets(tiny_dir: Path) -> None:
-    """A decode gets the smallest power-of-two cache (from 256) that holds it."""
-    from replay_audit.engine.torch_engine import TorchEngine
-
-    e = TorchEngine.load(tiny_dir, Target("bf16"), device="cuda", cache="static")
+    e = TorchEngine.load(tiny_dir, Target("bf16"), device="cuda", cache="compiled")
     e.max_cache_len = 1000
     assert len(e.decode([1, 2, 3], 200, []).steps) == 200
     assert e.environment()["extras"]["static_cache_lens_used"] == "256"
@@ -156,24 +149,26 @@ def test_static_cache_buckets(tiny_dir: Path) -> None:
     assert e.environment()["extras"]["static_cache_lens_used"] == "256,512"
     assert len(e.decode([1, 2, 3], 700, []).steps) == 700  # 1024 rounds down to the maximum
     assert e.environment()["extras"]["static_cache_lens_used"] == "256,512,1000"
-    assert len(e.decode([1, 2, 3], 1100, []).steps) == 1100  # longer: the dynamic cache
+    assert len(e.decode([1, 2, 3], 1100, []).steps) == 1100  # longer: the piecewise path
     assert e.environment()["extras"]["static_cache_lens_used"] == "256,512,1000"
 
 
 def test_compiled_step_matches_eager_static_step(real_dir: Path) -> None:
-    """The torch.compile'd step (captured in the graph) against the eager captured step on the
-    committed small model. Inductor fuses RMSNorm, RoPE and SiLU, so bitwise equality is not
-    promised; what is: the first step (both from the same eager prefill) is bitwise equal, the
-    logits agree to BF16 rounding while the tokens agree, a token differs only where the eager
-    step's top two were within a few BF16 ulps, and the compiled replay is reproducible."""
+    """The torch.compile'd step (captured in the graph) against the same static-cache step run
+    eagerly, uncaptured, on the committed small model. Inductor fuses RMSNorm, RoPE and SiLU,
+    so bitwise equality is not promised; what is: the first step (both from the same eager
+    prefill) is bitwise equal, the logits agree to BF16 rounding while the tokens agree, a
+    token differs only where the eager step's top two were within a few BF16 ulps, and the
+    compiled replay is reproducible."""
     from replay_audit.engine.torch_engine import TorchEngine
 
-    eager = TorchEngine.load(real_dir, Target("bf16"), device="cuda", cache="static")
+    eager = _uncaptured(TorchEngine.load(real_dir, Target("bf16"), device="cuda", cache="compiled"))
     comp = TorchEngine.load(real_dir, Target("bf16"), device="cuda", cache="compiled")
     diverged = 0
     for text in TEXTS:
         p = list(eager.tokenizer.encode(text))
         a, b = eager.decode(p, N, []), comp.decode(p, N, [])
+        assert eager.environment()["extras"]["cuda_graph"] is False
         extras = comp.environment()["extras"]
         assert extras["compiled"] is True, extras.get("compile_error")
         assert extras["cuda_graph"] is True
@@ -284,9 +279,7 @@ def test_piecewise_graphs_are_the_dynamic_path_bit_for_bit(real_dir: Path, dtype
 
     eos = 1  # the committed model's
     for b in (1, 2):
-        engine = TorchEngine.load(
-            real_dir, Target(dtype, batch_size=b), device="cuda", cache="piecewise"
-        )
+        engine = TorchEngine.load(real_dir, Target(dtype, batch_size=b), device="cuda")
         piecewise = PiecewiseDecoder(engine.body, engine.head)
         for text in TEXTS[:4]:
             p = list(engine.tokenizer.encode(text))
@@ -316,7 +309,8 @@ def test_piecewise_graphs_are_the_dynamic_path_bit_for_bit(real_dir: Path, dtype
                 assert all(
                     torch.equal(z, gz[0].float()) for (_, z), gz in zip(outs, g.logits, strict=True)
                 )
-        dynamic = TorchEngine(engine.model, None, engine.target, engine.device, cache="dynamic")
+        dynamic = TorchEngine(engine.model, None, engine.target, engine.device)
+        dynamic._piecewise_error = "the test's dynamic reference"  # its fallback path
         p = list(engine.tokenizer.encode(TEXTS[0]))
         a, d = engine.decode(p, N, [eos]), dynamic.decode(p, N, [eos])
         assert a.output_token_ids == d.output_token_ids

@@ -1,6 +1,7 @@
-"""The piecewise decode (`engine/piecewise.py`) on the CPU: the same pieces the GPU captures in
-CUDA graphs, run without graphs. Its logits must be the dynamic path's bit for bit, and its
-tokens and logits those of transformers' `generate()`, on the committed small model."""
+"""The piecewise decode (`engine/piecewise.py`), the faithful default on every device, on the
+CPU: the same pieces the GPU captures in CUDA graphs, run without graphs. Its logits must be
+the dynamic path's bit for bit, and its tokens and logits those of transformers' `generate()`,
+on the committed small model."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from replay_audit.engine import Intervention, Target
 from replay_audit.engine.decoder import DynamicDecoder, StepOutput
 from replay_audit.engine.piecewise import PiecewiseDecoder, unsupported_reason
-from replay_audit.engine.torch_engine import TorchEngine, default_cache_kind
+from replay_audit.engine.torch_engine import TorchEngine
 
 N = 16  # tokens per decode
 EOS = 1  # the committed model's eos id
@@ -23,16 +24,26 @@ TEXTS = ["def main():\n    ", "import os\n", "class Foo:"]
 EngineOf = Callable[..., TorchEngine]
 
 
+def dynamic_only(engine: TorchEngine) -> TorchEngine:
+    """`engine` decoding with its fallback, the dynamic path (as where the piecewise check
+    fails): the reference the piecewise decode is held to."""
+    engine._piecewise_error = "the tests' dynamic reference"
+    return engine
+
+
 @pytest.fixture(scope="module")
 def real_engine(real_dir: Path) -> EngineOf:
-    """Engines over the committed model, one per (dtype, kernel, cache, batch size)."""
+    """Engines over the committed model, one per (dtype, kernel, batch size, path): the default
+    (piecewise) path, or with `dynamic=True` the dynamic one."""
     made: dict[tuple[object, ...], TorchEngine] = {}
 
-    def get(dtype: str, kernel: str = "sdpa", cache: str = "piecewise", b: int = 1) -> TorchEngine:
-        key = (dtype, kernel, cache, b)
+    def get(dtype: str, kernel: str = "sdpa", dynamic: bool = False, b: int = 1) -> TorchEngine:
+        key = (dtype, kernel, dynamic, b)
         if key not in made:
             target = Target(dtype, attn_kernel=kernel, batch_size=b)
-            made[key] = TorchEngine.load(real_dir, target, device="cpu", cache=cache)  # type: ignore[arg-type]
+            made[key] = TorchEngine.load(real_dir, target, device="cpu")
+            if dynamic:
+                dynamic_only(made[key])
         return made[key]
 
     return get
@@ -117,7 +128,7 @@ def test_a_decoder_is_reused_across_decodes_and_batch_copies(real_engine: Engine
 def test_engine_decode_equals_the_dynamic_engine(real_engine: EngineOf, iv: Intervention) -> None:
     """The whole decode (choice, gate, intervention, top-k, forced prefix) is the dynamic
     engine's, and the environment says which path ran and that its check passed."""
-    piecewise, dynamic = real_engine("bf16"), real_engine("bf16", cache="dynamic")
+    piecewise, dynamic = real_engine("bf16"), real_engine("bf16", dynamic=True)
     options: list[dict[str, Any]] = [{}, {"forced_prefix": [40, 41]}, {"top_k": 25}]
     for prompt, kw in zip(_prompts(piecewise), options, strict=True):
         a = piecewise.decode(prompt, N, [EOS], iv, **kw)
@@ -129,7 +140,7 @@ def test_engine_decode_equals_the_dynamic_engine(real_engine: EngineOf, iv: Inte
     extras = piecewise.environment()["extras"]
     assert extras["decoder"] == "piecewise" and extras["piecewise_check"] == "bitwise"
     assert extras["kv_cache"] == "dynamic" and extras["cuda_graph"] is False
-    assert "decoder" not in dynamic.environment()["extras"]
+    assert dynamic.environment()["extras"]["decoder"] == "dynamic"
     from replay_audit.traces.schemas import NumericalConfig
 
     NumericalConfig.model_validate(piecewise.environment())
@@ -147,8 +158,8 @@ def test_a_failed_check_decodes_dynamically_and_says_why(
         return out * (1 + torch.finfo(out.dtype).eps) if i == 0 else out
 
     monkeypatch.setattr(PiecewiseDecoder, "_finish_layer", nudged)
-    engine = TorchEngine.load(real_dir, Target("fp32"), device="cpu", cache="piecewise")
-    dynamic = TorchEngine.load(real_dir, Target("fp32"), device="cpu", cache="dynamic")
+    engine = TorchEngine.load(real_dir, Target("fp32"), device="cpu")
+    dynamic = dynamic_only(TorchEngine.load(real_dir, Target("fp32"), device="cpu"))
     prompt = _prompts(engine)[0]
     assert (
         engine.decode(prompt, N, [EOS]).output_token_ids
@@ -169,8 +180,8 @@ def test_a_check_that_raises_decodes_dynamically_and_says_why(
         raise TypeError("create_causal_mask() got an unexpected keyword argument")
 
     monkeypatch.setattr(PiecewiseDecoder, "step", broken)
-    engine = TorchEngine.load(real_dir, Target("bf16"), device="cpu", cache="piecewise")
-    dynamic = TorchEngine.load(real_dir, Target("bf16"), device="cpu", cache="dynamic")
+    engine = TorchEngine.load(real_dir, Target("bf16"), device="cpu")
+    dynamic = dynamic_only(TorchEngine.load(real_dir, Target("bf16"), device="cpu"))
     prompt = _prompts(engine)[1]
     a, b = engine.decode(prompt, N, [EOS]), dynamic.decode(prompt, N, [EOS])
     assert a.output_token_ids == b.output_token_ids
@@ -211,19 +222,23 @@ def test_models_it_does_not_follow_decode_dynamically(tmp_path: Path) -> None:
     model.eval()
     reason = unsupported_reason(model)
     assert reason is not None and "MistralDecoderLayer" in reason
-    engine = TorchEngine(model, None, Target("fp32"), torch.device("cpu"), cache="piecewise")
+    engine = TorchEngine(model, None, Target("fp32"), torch.device("cpu"))
     run = engine.decode([3, 4, 5], 6, [])
     assert len(run.output_token_ids) == 6
     extras = engine.environment()["extras"]
     assert extras["decoder"] == "dynamic" and "MistralDecoderLayer" in extras["piecewise_error"]
 
 
-def test_default_cache_kind_is_piecewise_on_cuda_only(real_engine: EngineOf) -> None:
-    assert default_cache_kind(torch.device("cuda")) == "piecewise"
-    assert default_cache_kind(torch.device("cpu")) == "dynamic"
+def test_the_default_path_is_piecewise_on_the_cpu_too(real_engine: EngineOf) -> None:
+    """No path is chosen by device: the CPU decodes with the piecewise pieces uncaptured,
+    checked against the dynamic path like a GPU's."""
     engine = TorchEngine(real_engine("bf16").model, None, Target("bf16"), torch.device("cpu"))
-    assert engine.cache_kind == "dynamic"
-    assert "decoder" not in engine.environment()["extras"]
+    assert engine.cache_kind == "piecewise"
+    assert engine.environment()["extras"]["decoder"] == "piecewise"  # before any decode
+    engine.decode([5, 6, 7], 4, [])
+    extras = engine.environment()["extras"]
+    assert extras["decoder"] == "piecewise" and extras["piecewise_check"] == "bitwise"
+    assert extras["cuda_graph"] is False and "piecewise_error" not in extras
 
 
 @pytest.mark.parametrize("headroom", [1, 3, 256])
@@ -260,3 +275,16 @@ def test_eager_attention_steps_on_the_dynamic_cache(real_engine: EngineOf) -> No
     _greedy(piecewise, _prompts(engine)[1], 6)
     assert not piecewise.buffered and not piecewise.buffers
     assert piecewise.cache is not None
+
+
+def test_threads_sharing_an_engine_decode_one_at_a_time(real_engine: EngineOf) -> None:
+    """A pool hands one engine to every thread, and its piecewise decoder (buffers, cache) is
+    reused by every decode: concurrent decodes must each get what a decode alone gets."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = real_engine("fp32")
+    prompts = _prompts(engine)
+    alone = [engine.decode(p, N, [EOS]).output_token_ids for p in prompts]
+    with ThreadPoolExecutor(max_workers=3) as ex:
+        runs = list(ex.map(lambda p: engine.decode(p, N, [EOS]).output_token_ids, prompts * 3))
+    assert runs == alone * 3

@@ -61,7 +61,7 @@ def test_sdpa_backends_can_be_limited_and_restored() -> None:
 
 
 def test_fp8_linear_layers_approximate_the_float_product() -> None:
-    from replay_audit.engine.fp8_linear import Fp8Linear, quantize_body_linears
+    from replay_audit.engine.numerics import Fp8Linear, quantize_body_linears
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 32, bias=True)
@@ -99,7 +99,7 @@ def test_sdpa_probe_on_this_cpu(real_dir: Path) -> None:
     # torch's CPU SDPA has math and flash, in every dtype, with and without a mask.
     for b in ("math", "flash"):
         for dtype in ("fp32", "bf16", "fp16"):
-            for cache in ("dynamic", "static"):
+            for cache in ("piecewise", "compiled"):
                 config = ScreenConfig(dtype, sdpa_backend=b, kv_cache=cache)
                 assert backend.availability(config) is None, (b, dtype, cache)
     assert backend.availability(ScreenConfig("fp32")) is None  # torch chooses: nothing to probe

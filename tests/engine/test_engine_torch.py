@@ -120,7 +120,7 @@ def test_b_with_k_equal_to_the_vocabulary_picks_what_c_picks(
 def test_b_bins_the_fp32_values_of_c_at_tau(tiny_engine: EngineOf) -> None:
     """With τ > 0, B(K = |V|) is the integer argmax of C's FP32 logits in bins of τ (the smallest
     id winning a shared bin): it equals C wherever C's top two fall in different bins."""
-    from replay_audit.engine.numerics import apply_intervention, integer_argmax
+    from replay_audit.engine.numerics import integer_argmax, intervene
 
     engine = tiny_engine("fp16")
     head = engine.head  # type: ignore[attr-defined]
@@ -128,27 +128,37 @@ def test_b_bins_the_fp32_values_of_c_at_tau(tiny_engine: EngineOf) -> None:
         hs = engine.body.forward(list(range(40, 100)), None, 0)[0]  # type: ignore[attr-defined]
     tau = 0.05
     b_iv = Intervention("B", tau=tau, top_k=engine.vocab_size)
+    widths = np.full(hs.shape[0], tau)
     same = 0
-    for h in hs:
-        z32 = head.native(h[None])[0].float()
-        c32 = head.fp32(h[None])[0]
-        b = apply_intervention(head, z32, h, b_iv, tau)
-        assert b == integer_argmax(c32, tau)
-        c = apply_intervention(head, z32, h, Intervention("C"), tau)
-        top2 = torch.topk(c32, 2).values.double()
+    for h in hs:  # one gated step at a time, as a decode step is
+        z32 = head.native(h[None]).float()
+        c32 = head.fp32(h[None])
+        b = int(intervene(head, z32, h[None], b_iv, widths[:1])[0])
+        assert b == int(integer_argmax(c32, torch.tensor([tau], dtype=torch.float64))[0])
+        c = int(intervene(head, z32, h[None], Intervention("C"), widths[:1])[0])
+        top2 = torch.topk(c32[0], 2).values.double()
         if torch.round(top2[0] / tau) != torch.round(top2[1] / tau):
             assert b == c
             same += 1
     assert same > 0
+    # all the steps at once (a scan's gated steps) choose what each chooses alone
+    z32 = head.native(hs).float()
+    for iv in (b_iv, Intervention("C"), Intervention("A", tau=tau)):
+        alone = [
+            int(intervene(head, z32[i : i + 1], hs[i : i + 1], iv, widths[:1])[0])
+            for i in range(len(hs))
+        ]
+        assert intervene(head, z32, hs, iv, widths).tolist() == alone
 
 
 def test_intervention_a_bins_and_breaks_ties_by_smallest_id() -> None:
     from replay_audit.engine.numerics import integer_argmax
 
-    z = torch.tensor([1.0, 3.0004, 2.0, 3.0001, 3.0009])
-    assert integer_argmax(z, 0.0) == 4
-    assert integer_argmax(z, 1e-3) == 4  # bins 3000, 3000, 3001: id 4 still wins
-    assert integer_argmax(z, 1e-2) == 1  # all of 1, 3 and 4 in bin 300: smallest id wins
+    z = torch.tensor([[1.0, 3.0004, 2.0, 3.0001, 3.0009]] * 3)
+    # width 0: plain argmax; 1e-3: bins 3000, 3000, 3001, id 4 still wins; 1e-2: all of 1, 3
+    # and 4 in bin 300, the smallest id wins
+    widths = torch.tensor([0.0, 1e-3, 1e-2], dtype=torch.float64)
+    assert integer_argmax(z, widths).tolist() == [4, 4, 1]
 
 
 def test_scan_matches_the_decode_on_its_own_path(
@@ -208,6 +218,30 @@ def test_fp8_head_is_refused_off_gpu(pool: EnginePool, tiny_dir: Path) -> None:
         pool.get(tiny_dir, Target("bf16", lm_head_dtype="fp8_e5m2"))
 
 
+def test_fp8_head_and_fp8_body_layers_share_one_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FP8 lm_head and the end-to-end FP8 body's linear layers are one product
+    (`numerics.fp8_matmul`): the head's logits are an `Fp8Linear` of the same weight, bit for
+    bit, one activation scale over a decode step's rows, one per step in a scan. Run on the
+    CPU's `_scaled_mm` with the GPU check waived (the head needs SM >= 8.9 for real)."""
+    from replay_audit.engine import numerics
+
+    monkeypatch.setattr(numerics, "fp8_supported", lambda *_: (True, ""))
+    torch.manual_seed(0)
+    weight = (torch.randn(48, 64) * 0.05).to(torch.bfloat16)
+    head = numerics.LmHead(weight, "fp8_e4m3", torch.bfloat16)
+    linear = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    layer = numerics.Fp8Linear(linear, torch.bfloat16)
+    hs = torch.randn(5, 64).to(torch.bfloat16)
+    assert torch.equal(head.native(hs), layer(hs))
+    per_step = torch.cat([layer(hs[i : i + 1]) for i in range(5)]).float()
+    assert torch.equal(head.native_steps(hs), per_step)
+    assert not torch.equal(per_step, layer(hs).float())  # the scale is per step: it matters
+    # C recomputes from the stored BF16 weight, not from its FP8 copy
+    assert torch.equal(head.fp32(hs), torch.nn.functional.linear(hs.float(), weight.float()))
+
+
 def test_mixed_head_format(tiny_engine: EngineOf, tiny_prompts: list[list[int]]) -> None:
     engine = tiny_engine("bf16", lm_head_dtype="fp32")
     env = engine.environment()
@@ -217,22 +251,48 @@ def test_mixed_head_format(tiny_engine: EngineOf, tiny_prompts: list[list[int]])
     assert np.all(run.steps.margins_ulps[run.steps.margins > 0] > 1000)
 
 
-def test_static_cache_decodes_like_the_dynamic_one(
+def test_compiled_path_off_cuda_decodes_like_the_faithful_one(
     tiny_dir: Path, tiny_prompts: list[list[int]]
 ) -> None:
-    """A preallocated cache attends over masked unwritten positions; with the eager kernel in
-    fp32 that changes no choice of this model away from near-ties."""
+    """The compiled path's preallocated cache attends over masked unwritten positions (off
+    CUDA its step runs uncompiled and uncaptured, and says so); with the eager kernel in fp32
+    that changes no choice of this model away from near-ties."""
     from replay_audit.engine import load_engine
 
-    static = load_engine(
-        tiny_dir, Target("fp32", attn_kernel="eager"), device="cpu", cache="static"
+    compiled = load_engine(
+        tiny_dir, Target("fp32", attn_kernel="eager"), device="cpu", cache="compiled"
     )
-    dynamic = load_engine(tiny_dir, Target("fp32", attn_kernel="eager"), device="cpu")
-    assert static.environment()["extras"]["kv_cache"] == "static"
+    faithful = load_engine(tiny_dir, Target("fp32", attn_kernel="eager"), device="cpu")
     for p in tiny_prompts[:6]:
-        d, s = dynamic.decode(p, N, []), static.decode(p, N, [])
+        d, s = faithful.decode(p, N, []), compiled.decode(p, N, [])
         t = first_divergence(d.output_token_ids, s.output_token_ids)
         assert t is None or d.steps.margins[t] < 1e-3
+    extras = compiled.environment()["extras"]
+    assert extras["kv_cache"] == "static" and extras["decoder"] == "compiled"
+    assert extras["compiled"] is False and extras["cuda_graph"] is False
+    assert extras["static_cache_lens_used"] == "256"
+
+
+def test_trace_generation_logs_the_engines_top_k(real_dir: Path) -> None:
+    """`generate` logs generate()'s top-k with the engine's own top-k (`numerics.top_k_on_host`):
+    the same ids and logits, in the same order, as the engine's decode of the same prompt in
+    the same format, ties at the k-th place included (smallest ids first). On the committed
+    model "for i in range(10):" in bf16 has one: two ids share the 5th logit at step 3."""
+    from replay_audit.engine import load_engine
+    from replay_audit.engine.generate import TraceGenerator
+
+    gen = TraceGenerator(real_dir, dtype="bf16", device="cpu")
+    engine = load_engine(real_dir, Target("bf16"), device="cpu")
+    tied = 0
+    for text in ("for i in range(10):", "class Foo:"):
+        trace = gen.trace(text, max_new_tokens=16, top_k=5)
+        run = engine.decode(trace["prompt_token_ids"], 16, gen.eos_ids, top_k=5)
+        assert run.output_token_ids == trace["output_token_ids"]
+        np.testing.assert_array_equal(run.steps.top_k_ids, trace["top_k"]["ids"])
+        np.testing.assert_array_equal(run.steps.top_k_logits, trace["top_k"]["logits"])
+        logits = np.asarray(trace["top_k"]["logits"])
+        tied += int(np.sum(logits[:, 4] == logits[:, 3]))
+    assert tied >= 1
 
 
 @pytest.mark.parametrize(
