@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from replay_audit.exceptions import FieldError
+from replay_audit.formats import body_dtype
 from replay_audit.imports.schemas import ImportContext
 
 
@@ -23,8 +24,7 @@ def context_from_model(
 
     from replay_audit.engine.hashing import weights_sha256
 
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    dtype = names.get(model.dtype)
+    dtype = body_dtype(model.dtype)
     if dtype is None:
         raise FieldError(
             f"dtype: model dtype {model.dtype} is not fp32, bf16 or fp16", field="dtype"

@@ -20,12 +20,11 @@ from replay_audit.auth.models import READER_ROLES, Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.config import MAX_BATCH_TRACES
 from replay_audit.exceptions import FieldError
+from replay_audit.formats import BodyDType, HeadDType
 from replay_audit.input import UtcDatetime
 from replay_audit.traces import service
 from replay_audit.traces.fast_validation import validate_trace_fast
 from replay_audit.traces.schemas import (
-    BodyDTypeName,
-    HeadDTypeName,
     IngestResult,
     TraceBatchResult,
     TraceCreate,
@@ -140,9 +139,9 @@ def list_traces(
     ] = None,
     weights_sha256: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
     config_id: Annotated[str | None, Query()] = None,
-    dtype: Annotated[BodyDTypeName | None, Query(description="config.dtype")] = None,
+    dtype: Annotated[BodyDType | None, Query(description="config.dtype")] = None,
     lm_head_dtype: Annotated[
-        HeadDTypeName | None,
+        HeadDType | None,
         Query(description="effective config.lm_head_dtype (the body dtype when unset)"),
     ] = None,
     attn_kernel: Annotated[str | None, Query(description="config.attn_kernel")] = None,
