@@ -15,7 +15,7 @@ SQLite has no partitions and keeps its original keys (the objects marked `SQLITE
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sqlalchemy import (
     JSON,
@@ -32,6 +32,7 @@ from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from replay_audit.db.base import SQLITE_ONLY, Base, utcnow
 from replay_audit.db.types import Float32Array, Int32Array, PackedFloat32Array, PackedInt32Array
+from replay_audit.json_value import JsonObject
 
 if TYPE_CHECKING:
     from replay_audit.auth.models import Project
@@ -93,7 +94,7 @@ class Trace(Base):
     model_revision: Mapped[str | None] = mapped_column(String(200))
     weights_sha256: Mapped[str] = mapped_column(String(64))
     vocab_size: Mapped[int] = mapped_column()
-    decoding: Mapped[dict[str, Any]] = mapped_column(JSON)
+    decoding: Mapped[JsonObject] = mapped_column(JSON)
     prompt_token_ids: Mapped[Int32Array] = mapped_column(PackedInt32Array())
     output_token_ids: Mapped[Int32Array] = mapped_column(PackedInt32Array())
     n_prompt_tokens: Mapped[int] = mapped_column()

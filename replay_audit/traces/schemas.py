@@ -39,6 +39,7 @@ from replay_audit.formats import (
     WeightDType,
 )
 from replay_audit.input import InputModel, refuse_unstorable
+from replay_audit.json_value import JsonObject
 
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
@@ -363,6 +364,14 @@ class TraceSummary(_Frozen):
     created_at: datetime
 
 
+class ErrorBody(_Frozen):
+    """An error as every answer renders it (`ReplayAuditError.to_dict`)."""
+
+    error: str
+    detail: str
+    field: str | None = None
+
+
 class IngestResult(_Frozen):
     """One item of a batch answer (and the body of a single POST)."""
 
@@ -370,10 +379,10 @@ class IngestResult(_Frozen):
     status: int
     id: str | None = None
     created: bool | None = None
-    error: dict[str, Any] | None = None
+    error: ErrorBody | None = None
 
 
-def _any_item(schema: dict[str, Any]) -> None:
+def _any_item(schema: JsonObject) -> None:
     schema["items"] = {
         "anyOf": [schema["items"], {}],
         "description": "a TraceCreate; an item that is not gets its own 4xx result",
