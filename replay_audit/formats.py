@@ -188,6 +188,10 @@ CPU_SDPA_BACKENDS: Final[tuple[SdpaBackendName, ...]] = tuple(
     n for n, b in SDPA_BACKENDS.items() if b.on_cpu
 )
 
+#: The log formats `replay-audit import` and `POST /v1/traces:import` read.
+ImportFormat = Literal["openai", "sglang", "hf", "lm-eval"]
+IMPORT_FORMATS: Final[tuple[ImportFormat, ...]] = get_args(ImportFormat)
+
 #: How a trace was decoded (only greedy traces replay) and why its generation stopped.
 Strategy = Literal["greedy", "sample", "beam", "other"]
 StopReason = Literal["eos", "length", "stop_string", "other"]

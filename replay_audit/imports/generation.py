@@ -30,14 +30,13 @@ from pydantic import ValidationError
 
 from replay_audit.diff.pieces import Piece, to_json
 from replay_audit.exceptions import FieldError
-from replay_audit.formats import EXTRA_TOP_K_VALUES, StopReason, Strategy, TopKValues
+from replay_audit.formats import EXTRA_TOP_K_VALUES, ImportFormat, StopReason, Strategy, TopKValues
 from replay_audit.imports.schemas import (
     EXTRA_FORMAT,
     EXTRA_LOGPROBS_MODE,
     EXTRA_UNKNOWN,
     UNKNOWN,
     ImportContext,
-    ImportFormat,
     LogprobsMode,
 )
 from replay_audit.traces.schemas import ExtraValue, TraceCreate, TraceFieldError

@@ -33,6 +33,7 @@ from replay_audit.engine.pieces import PieceReader
 from replay_audit.formats import LOGGED_DEVICES, body_dtype
 from replay_audit.imports import _json as j
 from replay_audit.imports.generation import Generation
+from replay_audit.json_value import JsonObject
 
 #: `config.extras["tokenization"]` of every lm-eval trace.
 TOKENIZATION: Final = "re-tokenised from lm-eval text with the checkpoint tokenizer"
@@ -63,13 +64,13 @@ def _model_args(value: Any) -> dict[str, str]:
     return {}
 
 
-def context_from_results(results: Mapping[str, Any]) -> dict[str, Any]:
+def context_from_results(results: Mapping[str, Any]) -> JsonObject:
     """What an lm-eval results JSON says of the run, as `ImportContext` keys: the model's
     dtype as loaded (`config.model_dtype`), the batch size and device asked for, the
     transformers version. Nothing that the file does not state."""
     config = results.get("config")
     config = config if isinstance(config, Mapping) else {}
-    out: dict[str, Any] = {}
+    out: JsonObject = {}
     dtype = body_dtype(config.get("model_dtype", ""))
     if dtype is None:
         dtype = body_dtype(_model_args(config.get("model_args")).get("dtype", ""))
@@ -87,9 +88,10 @@ def context_from_results(results: Mapping[str, Any]) -> dict[str, Any]:
             out["device"] = kind
     version = results.get("transformers_version")
     if config.get("model") == "hf":  # lm-eval's HFLM: transformers' generate()
-        out["engine"] = {"name": "transformers"}
+        engine: JsonObject = {"name": "transformers"}
         if isinstance(version, str) and version and version != "N/A":
-            out["engine"]["version"] = version
+            engine["version"] = version
+        out["engine"] = engine
     return out
 
 

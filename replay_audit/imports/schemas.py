@@ -11,7 +11,7 @@ recorded as unknown in the trace (`config.extras["unknown"]`), never filled with
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, get_args
 
 from pydantic import ConfigDict, Field
 
@@ -34,21 +34,12 @@ from replay_audit.traces.schemas import (
     Version,
 )
 
-#: The sources `replay-audit import` and `POST /v1/traces:import` read.
-ImportFormat = Literal["openai", "sglang", "hf", "lm-eval"]
-IMPORT_FORMATS: Final[tuple[ImportFormat, ...]] = ("openai", "sglang", "hf", "lm-eval")
-
 #: What the numbers a server returns as "logprobs" are (vLLM's `--logprobs-mode` names):
 #: `raw_logprobs` log_softmax of the model's logits (vLLM's default), `raw_logits` the logits
 #: themselves, `processed_*` the same after the sampler's processing (temperature, penalties,
 #: bias, top-k/top-p masks). Only the raw ones give the logged arm's margins.
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
-LOGPROBS_MODES: Final[tuple[LogprobsMode, ...]] = (
-    "raw_logprobs",
-    "raw_logits",
-    "processed_logprobs",
-    "processed_logits",
-)
+LOGPROBS_MODES: Final[tuple[LogprobsMode, ...]] = get_args(LogprobsMode)
 
 #: The `config.extras` keys an import writes (a user's own extras keep any other key).
 EXTRA_FORMAT: Final = "import_format"
