@@ -18,11 +18,16 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from replay_audit.cli import app
+from replay_audit.json_value import JsonObject, JsonValue, as_object, as_str
+
+if TYPE_CHECKING:
+    from replay_audit.replays.schemas import ReplayRead
+    from replay_audit.stats.report import ProportionRead
 
 PROMPTS_FILE = Path(__file__).resolve().parent.parent / "assets" / "prompts.jsonl"
 #: The demo's admin key, kept (mode 0600) so the next demo reuses it instead of minting another.
@@ -104,55 +109,59 @@ def _serving(settings: Any, port: int) -> Iterator[tuple[threading.Thread, str]]
         thread.join(timeout=10)
 
 
-def _pct(p: dict[str, Any] | None) -> str:
-    if not p or p.get("estimate") is None:
+def _pct(p: ProportionRead | None) -> str:
+    if p is None or p.estimate is None:
         return "-"
-    return f"{100 * p['estimate']:.0f}% [{100 * p['low']:.0f}, {100 * p['high']:.0f}]"
+    return f"{100 * p.estimate:.0f}% [{100 * p.low:.0f}, {100 * p.high:.0f}]"
+
+
+def _points(x: float | None) -> str:
+    return "?" if x is None else f"{100 * x:+.1f}"
 
 
 _SHORT = {"agreed": "agr", "head_reachable": "head", "kv_dependent": "kv", "body_dominated": "body"}
 
 
-def _print_run(console: Any, run: dict[str, Any], title: str) -> None:
+def _print_run(console: Any, run: ReplayRead, title: str) -> None:
     """The run's statistics as the API serves them (`statistics`: the same object as /report
     and the UI), with each comparison's and each lift's own label."""
     from rich.markup import escape
     from rich.table import Table
 
-    stats = run["statistics"] or {"comparisons": [], "lifts": []}
-    table = Table(title=f"{title}\nrun {run['id']} ({run['status']})", title_justify="left")
+    stats = run.statistics
+    table = Table(title=f"{title}\nrun {run.id} ({run.status})", title_justify="left")
     for col in ("comparison", "EAR [95% CI]", "gate", "t* med", "categories"):
         table.add_column(col, overflow="fold")
-    for c in stats["comparisons"]:
-        t_star = c["first_divergence_step"]
+    for c in stats.comparisons if stats is not None else []:
+        t_star = c.first_divergence_step
         cats = " ".join(
-            f"{_SHORT[k]} {v['successes']}" for k, v in c["categories"].items() if v["successes"]
+            f"{_SHORT[k]} {v.successes}" for k, v in c.categories.items() if v.successes
         )
         table.add_row(
-            escape(c["label"]),
-            _pct(c["ear"]),
-            "-" if c["trigger_rate"] is None else f"{100 * c['trigger_rate']:.2f}%",
-            "-" if t_star is None else f"{t_star['median']:.0f}",
+            escape(c.label),
+            _pct(c.ear),
+            "-" if c.trigger_rate is None else f"{100 * c.trigger_rate:.2f}%",
+            "-" if t_star is None else f"{t_star.median:.0f}",
             cats or "-",
         )
     console.print(table)
-    for lift in stats["lifts"]:
+    for lift in stats.lifts if stats is not None else []:
         line = (
-            f"  EAR lift of [{lift['label_b']}] over [{lift['label_a']}]: "
-            f"{100 * lift['lift']:+.1f} pp [{100 * lift['low']:+.1f}, {100 * lift['high']:+.1f}]"
-            f"; fixed {lift['fixed']}, broke {lift['broke']}, McNemar p = {lift['mcnemar_p']:.3g}"
+            f"  EAR lift of [{lift.label_b}] over [{lift.label_a}]: "
+            f"{_points(lift.lift)} pp [{_points(lift.low)}, {_points(lift.high)}]"
+            f"; fixed {lift.fixed}, broke {lift.broke}, McNemar p = {lift.mcnemar_p:.3g}"
         )
         console.print(escape(line))  # the brackets are text, not rich markup
 
 
-def _requests(ids: list[str]) -> dict[str, dict[str, Any]]:
-    c = {"kind": "C", "tau": 1e-3}
+def _requests(ids: list[str]) -> dict[str, JsonObject]:
+    c: JsonObject = {"kind": "C", "tau": 1e-3}
     return {
         # Each target against the logged BF16 tokens, plus a self-replay in the logged
         # configuration, which must reproduce exactly.
         "logged": {
             "name": "demo: replay vs logged BF16 (FP16, FP16 + C, self)",
-            "trace_ids": ids,
+            "trace_ids": list[JsonValue](ids),
             "targets": [
                 {"dtype": "fp16", "label": "FP16"},
                 {"dtype": "fp16", "intervention": c, "label": "FP16 + C"},
@@ -162,7 +171,7 @@ def _requests(ids: list[str]) -> dict[str, dict[str, Any]]:
         # The paper's both-arms protocol: would C have prevented the divergence?
         "both_arms": {
             "name": "demo: both arms, BF16 vs FP16 with and without C",
-            "trace_ids": ids,
+            "trace_ids": list[JsonValue](ids),
             "targets": [
                 {"dtype": "bf16", "label": "BF16"},
                 {"dtype": "fp16", "label": "FP16"},
@@ -198,6 +207,7 @@ def demo(
 
     from replay_audit.cli.database import ready_database
     from replay_audit.config import BUNDLED_MODEL_DIR, get_settings
+    from replay_audit.replays.schemas import ReplayRead
 
     console = Console()
     settings = get_settings()
@@ -218,7 +228,7 @@ def demo(
         items = [
             (external_id(d.get("id"), max_new_tokens), d["prompt"]) for d in map(json.loads, lines)
         ]
-        traces: list[dict[str, Any]] = []
+        traces: list[JsonObject] = []
         bar = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
         with Progress(*bar, console=console) as progress:
             task = progress.add_task("generate (BF16, transformers generate())", total=len(items))
@@ -252,7 +262,7 @@ def demo(
                 r = client.post("/v1/replays", json=request)
                 r.raise_for_status()
                 run_ids[name] = r.json()["id"]
-            finished: dict[str, dict[str, Any]] = {}
+            finished: dict[str, JsonObject] = {}
             with Progress(*bar, console=console) as progress:
                 titles = {
                     "logged": "replay vs logged: FP16, FP16 + C, self",
@@ -261,18 +271,19 @@ def demo(
                 tasks = {k: progress.add_task(t, total=None) for k, t in titles.items()}
                 while len(finished) < len(run_ids):
                     for name, run_id in run_ids.items():
-                        run = client.get(f"/v1/replays/{run_id}").json()
-                        p = run["progress"]
-                        done = p["done"] + p["failed"]
-                        progress.update(tasks[name], total=p["total"], completed=done)
-                        if run["status"] in ("done", "failed"):
+                        run = as_object(client.get(f"/v1/replays/{run_id}").json())
+                        read = ReplayRead.model_validate(run)
+                        p = read.progress
+                        progress.update(tasks[name], total=p.total, completed=p.done + p.failed)
+                        if read.status in ("done", "failed"):
                             finished[name] = run
                     time.sleep(0.2)
 
-        _print_run(
-            console, finished["logged"], "BF16-logged traces replayed (arm A: logged tokens)"
+        logged, both_arms = (
+            ReplayRead.model_validate(finished[k]) for k in ("logged", "both_arms")
         )
-        _print_run(console, finished["both_arms"], "Both arms run here (the paper's protocol)")
+        _print_run(console, logged, "BF16-logged traces replayed (arm A: logged tokens)")
+        _print_run(console, both_arms, "Both arms run here (the paper's protocol)")
         runs = f"/ui/runs/{run_ids['logged']} and /ui/runs/{run_ids['both_arms']}"
         if keep_serving:
             where = f"{base} (serving until Ctrl-C)"
@@ -290,5 +301,5 @@ def demo(
             console.print("serving; Ctrl-C to stop")
             with contextlib.suppress(KeyboardInterrupt):
                 thread.join()
-    if any(run["status"] != "done" for run in finished.values()):
+    if any(as_str(run["status"]) != "done" for run in finished.values()):
         raise typer.Exit(1)
