@@ -364,14 +364,6 @@ class TraceSummary(_Frozen):
     created_at: datetime
 
 
-class ErrorBody(_Frozen):
-    """An error as every answer renders it (`ReplayAuditError.to_dict`)."""
-
-    error: str
-    detail: str
-    field: str | None = None
-
-
 class IngestResult(_Frozen):
     """One item of a batch answer (and the body of a single POST)."""
 
@@ -379,7 +371,8 @@ class IngestResult(_Frozen):
     status: int
     id: str | None = None
     created: bool | None = None
-    error: ErrorBody | None = None
+    #: The error body of a refused item (`api.errors.ErrorBody`).
+    error: JsonObject | None = None
 
 
 def _any_item(schema: JsonObject) -> None:
