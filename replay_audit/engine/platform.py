@@ -13,14 +13,14 @@ import torch
 
 from replay_audit.engine.loading import resolve_device
 from replay_audit.engine.numerics import fp8_supported
-from replay_audit.formats import CPU_SDPA_BACKENDS, SDPA_BACKENDS
+from replay_audit.formats import CPU_SDPA_BACKENDS, SDPA_BACKENDS, BodyDType, Device
 
 
 @dataclass(frozen=True)
 class PlatformFacts:
     """The device a screening runs on and what it supports (plain values, no torch types)."""
 
-    device: str  # "cpu" or "cuda"
+    device: Device
     gpu_name: str | None
     sm: str | None
     #: Why an FP8-E4M3 lm_head cannot run here (None: it can).
@@ -55,7 +55,7 @@ class AttentionShape:
     heads: int
     kv_heads: int
     head_dim: int
-    dtype: str  # "fp32" | "bf16" | "fp16"
+    dtype: BodyDType
     #: Whether the model's attention gets an explicit mask (static or compiled KV cache, batch
     #: emulation with padding) besides the mask-free calls of a dynamic cache at batch 1.
     masked: bool = False
