@@ -54,8 +54,6 @@ KnobName = Literal[
 ]
 KNOB_NAMES: Final[tuple[KnobName, ...]] = get_args(KnobName)
 BATCH_SIZES: Final = (1, 2, 4, 8)
-DEFAULT_COVER: Final = COVER.default
-DEFAULT_MAX_NEW_TOKENS: Final = MAX_NEW_TOKENS.default
 #: A screening's runs decode with no intervention (the gate still evaluated) or gated C.
 ScreenIntervention = Literal["none", "C"]
 
@@ -303,9 +301,9 @@ class SweepPlan:
     platform: Platform
     tau: float = DEFAULT_TAU
     tau_ulps: float | None = None
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int = MAX_NEW_TOKENS.default
     top_k: int = TOP_K.default
-    cover: float = DEFAULT_COVER
+    cover: float = COVER.default
     extra: JsonObject = field(default_factory=dict)
 
     @property
@@ -382,9 +380,9 @@ def build_plan(
     pair: tuple[BodyDType, BodyDType] = DEFAULT_PAIR,
     tau: float = DEFAULT_TAU,
     tau_ulps: float | None = None,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    max_new_tokens: int = MAX_NEW_TOKENS.default,
     top_k: int = TOP_K.default,
-    cover: float = DEFAULT_COVER,
+    cover: float = COVER.default,
     probe: AvailabilityProbe | None = None,
 ) -> SweepPlan:
     """The one-knob-at-a-time plan from `reference`. ValueError on an unknown knob.
