@@ -41,6 +41,7 @@ from replay_audit.imports.generation import build_trace
 from replay_audit.imports.openai_compat import parse_openai
 from replay_audit.imports.schemas import ImportContext
 from replay_audit.imports.sglang import parse_sglang
+from replay_audit.json_value import JsonObject, as_list, as_object
 from replay_audit.traces.schemas import TraceCreate
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,8 @@ class ClientStats:
     undelivered: int = 0
     #: Batch posts retried after a network error, 5xx or 429.
     retries: int = 0
-    errors: list[dict[str, Any]] = field(default_factory=list)
+    #: The first 100 refusals: each item's error body (or its status), or the request's.
+    errors: list[JsonObject] = field(default_factory=list)
 
 
 def _body(traces: Sequence[TraceCreate]) -> bytes:
@@ -99,7 +101,7 @@ def send_batch(
     deadline: Callable[[], bool],
     stats: ClientStats,
     sleep: Callable[[float], None] = time.sleep,
-) -> list[dict[str, Any]] | None:
+) -> list[JsonObject] | None:
     """POST `traces` to /v1/traces:batch until the server answers (retrying with backoff while
     it cannot be reached or answers 5xx/429) or `deadline()` says to stop (None then). The
     item results, in order; a 413 batch is split in halves. Raises SendError on a 4xx for the
@@ -117,8 +119,7 @@ def send_batch(
         else:
             status, detail = answer.status_code, answer.text[:500]
             if status == 207:
-                results: list[dict[str, Any]] = answer.json()["results"]
-                return results
+                return [as_object(r) for r in as_list(as_object(answer.json())["results"])]
             if status == 413 and len(traces) > 1:
                 half = len(traces) // 2
                 first = send_batch(http, traces[:half], deadline=deadline, stats=stats, sleep=sleep)
@@ -137,7 +138,7 @@ def send_batch(
         wait = min(wait * 2, BACKOFF_MAX_S)
 
 
-def _count(results: Iterable[Mapping[str, Any]], stats: ClientStats) -> None:
+def _count(results: Iterable[JsonObject], stats: ClientStats) -> None:
     for r in results:
         if r.get("status") == 201:
             stats.created += 1
@@ -146,7 +147,11 @@ def _count(results: Iterable[Mapping[str, Any]], stats: ClientStats) -> None:
         else:
             stats.rejected += 1
             if len(stats.errors) < 100:
-                stats.errors.append(dict(r.get("error") or {"status": r.get("status")}))
+                error = r.get("error")
+                if isinstance(error, dict) and error:
+                    stats.errors.append(dict(error))
+                else:
+                    stats.errors.append({"status": r.get("status")})
 
 
 def post_traces(
@@ -157,7 +162,7 @@ def post_traces(
     batch_size: int = DEFAULT_BATCH_SIZE,
     timeout_s: float = 60.0,
     give_up_after_s: float = 300.0,
-    on_batch: Callable[[Sequence[Mapping[str, Any]]], None] | None = None,
+    on_batch: Callable[[Sequence[JsonObject]], None] | None = None,
     transport: httpx.BaseTransport | None = None,
 ) -> ClientStats:
     """Send `traces` synchronously in batches (idempotent: a repeat is answered with the id

@@ -20,6 +20,8 @@
 
 from __future__ import annotations
 
+from replay_audit.json_value import JsonObject
+
 
 class ReplayAuditError(Exception):
     status_code = 500
@@ -29,8 +31,9 @@ class ReplayAuditError(Exception):
         self.message = message
         self.field = field
 
-    def to_dict(self) -> dict[str, object]:
-        body: dict[str, object] = {"error": type(self).__name__, "detail": self.message}
+    def to_dict(self) -> JsonObject:
+        """The error body every answer renders (`api.errors.ErrorBody`)."""
+        body: JsonObject = {"error": type(self).__name__, "detail": self.message}
         if self.field is not None:
             body["field"] = self.field
         return body

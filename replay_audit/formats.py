@@ -21,22 +21,38 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Generic, Literal, TypeVar, get_args
 
 import numpy as np
 import numpy.typing as npt
 
+# Each name set is spelled once, as a Literal type (for schemas, dataclasses and mypy); its
+# tuple is read from the type (`get_args`), for validation, CLI choices and stable iteration.
+
+#: A body (compute) dtype.
 BodyDType = Literal["fp32", "bf16", "fp16"]
-HeadDType = Literal["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"]
+#: An lm_head format: a body dtype or an FP8 one.
+HeadDType = Literal[BodyDType, "fp8_e4m3", "fp8_e5m2"]
+#: How a logged checkpoint's weights were stored (integer quantisation only as logged).
+WeightDType = Literal[HeadDType, "int8", "int4"]
+BODY_DTYPES: Final[tuple[BodyDType, ...]] = get_args(BodyDType)
+HEAD_DTYPES: Final[tuple[HeadDType, ...]] = get_args(HeadDType)
+WEIGHT_DTYPES: Final[tuple[WeightDType, ...]] = get_args(WeightDType)
 
 
 @dataclass(frozen=True)
 class Format:
-    name: str
+    name: HeadDType
     precision: int  # significand bits including the implicit leading one
     min_normal_exponent: int
     max_finite: float
-    body_ok: bool
+    #: The format's name in torch (`torch.<torch_name>`), which checkpoints' config.json and
+    #: lm-eval's `model_dtype` also write.
+    torch_name: str
+
+    @property
+    def body_ok(self) -> bool:
+        return self.name in BODY_DTYPES
 
     @property
     def eps(self) -> float:
@@ -44,14 +60,31 @@ class Format:
 
 
 FORMATS: Final[dict[str, Format]] = {
-    "fp32": Format("fp32", 24, -126, 3.4028234663852886e38, True),
-    "bf16": Format("bf16", 8, -126, 3.3895313892515355e38, True),
-    "fp16": Format("fp16", 11, -14, 65504.0, True),
-    "fp8_e4m3": Format("fp8_e4m3", 4, -6, 448.0, False),
-    "fp8_e5m2": Format("fp8_e5m2", 3, -14, 57344.0, False),
+    f.name: f
+    for f in (
+        Format("fp32", 24, -126, 3.4028234663852886e38, "float32"),
+        Format("bf16", 8, -126, 3.3895313892515355e38, "bfloat16"),
+        Format("fp16", 11, -14, 65504.0, "float16"),
+        Format("fp8_e4m3", 4, -6, 448.0, "float8_e4m3fn"),
+        Format("fp8_e5m2", 3, -14, 57344.0, "float8_e5m2"),
+    )
 }
-BODY_DTYPES: Final[tuple[str, ...]] = tuple(n for n, f in FORMATS.items() if f.body_ok)
-HEAD_DTYPES: Final[tuple[str, ...]] = tuple(FORMATS)
+assert tuple(FORMATS) == HEAD_DTYPES
+
+#: Other spellings of the body dtypes: torch's names, with or without "torch.", and its
+#: aliases `float` and `half`.
+_BODY_ALIASES: Final[dict[str, BodyDType]] = {
+    **{FORMATS[d].torch_name: d for d in BODY_DTYPES},
+    **{d: d for d in BODY_DTYPES},
+    "float": "fp32",
+    "half": "fp16",
+}
+
+
+def body_dtype(name: object) -> BodyDType | None:
+    """The body dtype a checkpoint, torch or a log calls `name` ("torch.bfloat16",
+    "bfloat16", "half", "bf16"...); None for anything else."""
+    return _BODY_ALIASES.get(str(name).removeprefix("torch."))
 
 
 def get_format(name: str) -> Format:
@@ -79,12 +112,10 @@ def ulp(x: float, fmt: str | Format) -> float:
 
 
 # -- the rest of the vocabulary ---------------------------------------------------------------
-# Every other module spells these through the names below (Literal types for schemas and
-# dataclasses, tuples for validation and for iterating in a stable order).
 
 #: How a replay is run (see replays/pipeline.py).
 Mode = Literal["decode", "scan", "scan_then_decode"]
-MODES: Final[tuple[Mode, ...]] = ("decode", "scan", "scan_then_decode")
+MODES: Final[tuple[Mode, ...]] = get_args(Mode)
 
 #: What a scan-then-decode run did with a trace, and why it was decoded (replays/pipeline.py):
 #: `flagged`, the scan found a mismatch and the trace was decoded from it; `near_tie`, the scan
@@ -94,44 +125,144 @@ MODES: Final[tuple[Mode, ...]] = ("decode", "scan", "scan_then_decode")
 #: sample that measures what the scan misses); `scanned`, flagged by neither and only scanned:
 #: its exact match is not established, and no statistic counts it as one.
 Screen = Literal["flagged", "near_tie", "control", "scanned"]
-SCREENS: Final[tuple[Screen, ...]] = ("flagged", "near_tie", "control", "scanned")
+SCREENS: Final[tuple[Screen, ...]] = get_args(Screen)
 
 #: The paper's interventions (section 4), applied at gated steps.
 InterventionKind = Literal["none", "A", "B", "C"]
-INTERVENTION_KINDS: Final[tuple[InterventionKind, ...]] = ("none", "A", "B", "C")
+INTERVENTION_KINDS: Final[tuple[InterventionKind, ...]] = get_args(InterventionKind)
 
 #: The category of a replayed comparison (the paper's per-prompt stratification).
 Category = Literal["agreed", "head_reachable", "kv_dependent", "body_dominated"]
-CATEGORIES: Final[tuple[Category, ...]] = (
-    "agreed",
-    "head_reachable",
-    "kv_dependent",
-    "body_dominated",
-)
+CATEGORIES: Final[tuple[Category, ...]] = get_args(Category)
 
 #: The engine's decode path: piecewise (the default: transformers' growing KV cache with the
 #: rest of each step in CUDA graphs, bitwise equal to transformers' generate()) or compiled
 #: (opt-in: a static cache, torch.compile and one CUDA graph a step; faster, but it can flip
 #: near-ties against generate()).
 CacheKind = Literal["piecewise", "compiled"]
-CACHE_KINDS: Final[tuple[CacheKind, ...]] = ("piecewise", "compiled")
+CACHE_KINDS: Final[tuple[CacheKind, ...]] = get_args(CacheKind)
 
 #: Where an arm's margin at t* came from: the logged top-k, a re-run of the logged format on
 #: the worker, the arm's own decode or scan here, or nowhere.
 MarginSource = Literal["logged_top_k", "reconstructed", "decode", "scan", "unavailable"]
-MARGIN_SOURCES: Final[tuple[MarginSource, ...]] = (
-    "logged_top_k",
-    "reconstructed",
-    "decode",
-    "scan",
-    "unavailable",
+MARGIN_SOURCES: Final[tuple[MarginSource, ...]] = get_args(MarginSource)
+
+#: Where a replay target or a screening runs: a CUDA worker or a CPU one (None where a field
+#: takes it: wherever the deployment can).
+Device = Literal["cpu", "cuda"]
+DEVICES: Final[tuple[Device, ...]] = get_args(Device)
+#: What a logged configuration's `device` may say (the runtimes logs come from).
+LoggedDevice = Literal[Device, "rocm", "mps", "xpu", "other"]
+LOGGED_DEVICES: Final[tuple[LoggedDevice, ...]] = get_args(LoggedDevice)
+
+#: The attention kernels this engine runs and a screening sweeps (transformers'
+#: `attn_implementation` names). A logged `attn_kernel` may name any other (`ATTN_KERNEL_PATTERN`).
+AttnKernel = Literal["eager", "sdpa", "flash_attention_2"]
+ATTN_KERNELS: Final[tuple[AttnKernel, ...]] = get_args(AttnKernel)
+#: The kernel when none is asked for (transformers' own default).
+DEFAULT_ATTN_KERNEL: Final[AttnKernel] = "sdpa"
+ATTN_KERNEL_PATTERN: Final = r"^[a-z0-9_\-]{1,64}$"
+
+
+@dataclass(frozen=True)
+class SdpaBackend:
+    """One backend of torch's SDPA by this project's name: its `torch.nn.attention.SDPBackend`
+    member, the `torch.backends.cuda` switch that enables it, and whether a CPU has it (the
+    switches govern the CPU's choice too)."""
+
+    torch_backend: str
+    enable_switch: str
+    on_cpu: bool
+
+
+SdpaBackendName = Literal["math", "flash", "efficient", "cudnn"]
+#: The backends `sdpa` can be limited to (a screening knob; None lets torch choose).
+SDPA_BACKENDS: Final[dict[SdpaBackendName, SdpaBackend]] = {
+    "math": SdpaBackend("MATH", "enable_math_sdp", on_cpu=True),
+    "flash": SdpaBackend("FLASH_ATTENTION", "enable_flash_sdp", on_cpu=True),
+    "efficient": SdpaBackend("EFFICIENT_ATTENTION", "enable_mem_efficient_sdp", on_cpu=False),
+    "cudnn": SdpaBackend("CUDNN_ATTENTION", "enable_cudnn_sdp", on_cpu=False),
+}
+assert tuple(SDPA_BACKENDS) == get_args(SdpaBackendName)
+CPU_SDPA_BACKENDS: Final[tuple[SdpaBackendName, ...]] = tuple(
+    n for n, b in SDPA_BACKENDS.items() if b.on_cpu
 )
 
-#: Where a replay target runs: a CUDA worker or a CPU one (None: wherever the deployment can).
-Device = Literal["cpu", "cuda"]
+#: The log formats `replay-audit import` and `POST /v1/traces:import` read.
+ImportFormat = Literal["openai", "sglang", "hf", "lm-eval"]
+IMPORT_FORMATS: Final[tuple[ImportFormat, ...]] = get_args(ImportFormat)
+
+#: How a trace was decoded (only greedy traces replay) and why its generation stopped.
+Strategy = Literal["greedy", "sample", "beam", "other"]
+StopReason = Literal["eos", "length", "stop_string", "other"]
 
 #: An arm of a run: "logged" (the trace as logged) or the index of one of the run's targets.
 ArmKey = Literal["logged"] | int
+#: What a run compares: each target with the logged tokens, or the targets with each other.
+Compare = Literal["logged", "pairwise"]
+#: `compare_with: "self"`: a target per trace equal to its own logged configuration.
+CompareWith = Literal["self"]
+
+# -- run options -------------------------------------------------------------------------------
+# The options a replay run shares between `POST /v1/replays`, `replay-audit replay`, audit
+# schedules and screenings: each defined once, with its default and limits; the pydantic fields
+# (`input.option_field`) and the CLI flags (`cli.option`) are built from it.
+
+N = TypeVar("N", int, float)
+
+
+@dataclass(frozen=True)
+class RunOption(Generic[N]):
+    """A numeric run option: its default, its inclusive bounds (`gt`: an exclusive lower one;
+    None: unbounded) and what it means (the OpenAPI description and the CLI help)."""
+
+    default: N
+    help: str
+    ge: N | None = None
+    le: N | None = None
+    gt: N | None = None
+
+
+#: Top-k recorded per replayed step (kept with the result for the trace page).
+TOP_K: Final = RunOption(5, "Top-k kept per replayed step.", ge=2, le=20)
+#: Share of the traces the scan does not flag that a scan-then-decode run decodes anyway.
+CONTROL_FRACTION: Final = RunOption(
+    0.05,
+    "scan_then_decode: share of the traces the scan does not flag that are decoded anyway "
+    "(the control sample that estimates the scan's miss rate).",
+    ge=0.0,
+    le=1.0,
+)
+#: The near-tie flag that turns near-tie flagging off, and the largest one a request may name.
+SCAN_FLAG_OFF: Final = -1.0
+MAX_SCAN_FLAG_ULPS: Final = 1024.0
+#: Seed of the control sample when a request names none.
+CONTROL_SEED: Final = RunOption(0, "Seed of the control sample.", ge=0, le=2**53)
+#: Near-tie flag of a scan-then-decode run when neither the request nor the deployment
+#: (`REPLAY_AUDIT_SCAN_FLAG_ULPS`) names one: a trace whose scan agrees everywhere is still
+#: decoded when some step's top-2 margin along the logged path is at most this many ulps of the
+#: arm's format. 0: exact ties only, where the scan's choice was the tie-break's and any
+#: rounding of the decode's own KV path can take the other token. Wider flags catch more
+#: KV-dependent flips but cost fast: the rule looks at every step, so the share of traces it
+#: decodes grows with their length (on the bundled model's 24-token traces in BF16, 31% at 0
+#: ulps and 75% at 1 ulp). On an H100 with a trained model (BENCHMARKS.md) 0 ulps took the
+#: scan's recall of decode divergences from 94.9% to 100% (fp16 -> bf16). `SCAN_FLAG_OFF`
+#: turns near-tie flagging off (only a scan's mismatch flags a trace); beyond
+#: `MAX_SCAN_FLAG_ULPS` nearly every trace is decoded.
+SCAN_FLAG_ULPS: Final = RunOption(
+    0.0,
+    "scan_then_decode: also decode a trace the scan agrees with when some step's top-2 margin "
+    "along the logged path is at most this many ulps (a near-tie); negative: off. "
+    "Default: REPLAY_AUDIT_SCAN_FLAG_ULPS.",
+    ge=SCAN_FLAG_OFF,
+    le=MAX_SCAN_FLAG_ULPS,
+)
+#: A screening's decode budget per prompt.
+MAX_NEW_TOKENS: Final = RunOption(64, "Tokens decoded per prompt.", ge=1, le=512)
+#: The share of flips a screening's τ calibration covers.
+COVER: Final = RunOption(0.9, "Share of flips the τ calibration covers.", gt=0.0, le=1.0)
+#: The paper's main pair for a screening's head-vs-body analysis and C lift (BF16 vs FP16).
+DEFAULT_PAIR: Final[tuple[BodyDType, BodyDType]] = ("bf16", "fp16")
 
 RunStatus = Literal["queued", "running", "done", "failed"]
 ResultStatus = Literal["ok", "failed"]

@@ -30,10 +30,13 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Field,
     GetCoreSchemaHandler,
     Strict,
 )
 from pydantic_core import core_schema
+
+from replay_audit.formats import RunOption
 
 #: Characters no database of ours can store in text: NUL and the UTF-16 surrogate halves.
 _UNSTORABLE: Final = re.compile("[\x00\ud800-\udfff]")
@@ -133,3 +136,18 @@ def _as_utc(value: datetime) -> datetime:
 
 #: A time, converted to UTC (no zone means UTC); refused when UTC cannot represent it.
 UtcDatetime = Annotated[datetime, Lax, BeforeValidator(_string_or_time), AfterValidator(_as_utc)]
+
+
+def option_field(option: RunOption[Any], *, default: Any = ..., **kwargs: Any) -> Any:
+    """The pydantic `Field` of a run option: its default (or `default`), bounds and help; a
+    float option takes finite numbers only."""
+    if isinstance(option.default, float):
+        kwargs.setdefault("allow_inf_nan", False)
+    return Field(
+        default=option.default if default is ... else default,
+        ge=option.ge,
+        le=option.le,
+        gt=option.gt,
+        description=option.help,
+        **kwargs,
+    )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Final
+from typing import Final
 
 from fastapi import APIRouter, Depends, FastAPI
 from pydantic import BaseModel
@@ -26,6 +26,7 @@ from replay_audit.api.health import router as health_router
 from replay_audit.config import Settings, get_settings
 from replay_audit.db.engine import get_engine, get_sessionmaker
 from replay_audit.imports.schemas import ImportRequest
+from replay_audit.json_value import JsonObject, JsonValue, as_object
 from replay_audit.queue import Runner, build_job_queue, build_runner, stop_runner
 from replay_audit.traces.schemas import TraceBatchCreate, TraceCreate
 
@@ -76,17 +77,17 @@ _BODY_ERRORS: dict[str, str] = {
 }
 
 
-def _document_errors(schema: dict[str, Any]) -> None:
+def _document_errors(schema: JsonObject) -> None:
     """Every error answer of every operation, with the one error body (`ErrorBody`) in place
     of FastAPI's `HTTPValidationError`, which this API never sends."""
-    components = schema["components"]["schemas"]
+    components = as_object(as_object(schema["components"])["schemas"])
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
     components["ErrorBody"] = ErrorBody.model_json_schema()
-    body = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
-    for path, item in schema["paths"].items():
-        for operation in item.values():
-            responses = operation.setdefault("responses", {})
+    body: JsonObject = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+    for path, item in as_object(schema["paths"]).items():
+        for operation in map(as_object, as_object(item).values()):
+            responses = as_object(operation.setdefault("responses", {}))
             errors = {"500": _API_ERRORS["500"]}
             if path.startswith("/v1/"):
                 errors |= _API_ERRORS
@@ -96,7 +97,7 @@ def _document_errors(schema: dict[str, Any]) -> None:
                     errors |= _BODY_ERRORS
             for status in [*errors, *responses]:
                 if int(status) >= 400 and (path.startswith("/v1/") or status in errors):
-                    described = responses.get(status, {}).get("description")
+                    described = as_object(responses.get(status, {})).get("description")
                     if described in (None, "Validation Error"):
                         described = errors.get(status, "Error")
                     responses[status] = {"description": described, "content": body}
@@ -107,7 +108,7 @@ def _document_errors(schema: dict[str, Any]) -> None:
 _STORABLE_TEXT = "^[^\\x00]*$"
 
 
-def _document_storable_text(node: Any) -> None:
+def _document_storable_text(node: JsonValue) -> None:
     if isinstance(node, list):
         for item in node:
             _document_storable_text(item)
@@ -121,21 +122,23 @@ def _document_storable_text(node: Any) -> None:
 def _install_openapi(app: FastAPI) -> None:
     base_openapi = app.openapi
 
-    def openapi() -> dict[str, Any]:
+    def openapi() -> JsonObject:
         if app.openapi_schema is not None:
             return app.openapi_schema
-        schema = base_openapi()
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        schema: JsonObject = base_openapi()
+        components = as_object(
+            as_object(schema.setdefault("components", {})).setdefault("schemas", {})
+        )
         for model in raw_body_models():
             model_schema = model.model_json_schema(
                 ref_template="#/components/schemas/{model}", mode="validation"
             )
-            for name, definition in model_schema.pop("$defs", {}).items():
+            for name, definition in as_object(model_schema.pop("$defs", {})).items():
                 components.setdefault(name, definition)
             components[model.__name__] = model_schema
         _document_errors(schema)
         _document_storable_text(schema["paths"])
-        for name, component in schema["components"]["schemas"].items():
+        for name, component in components.items():
             if name != "ErrorBody":  # it may quote what was refused
                 _document_storable_text(component)
         app.openapi_schema = schema

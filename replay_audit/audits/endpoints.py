@@ -6,7 +6,7 @@ admins read. Another project's schedule is a 404, like any object of another pro
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, Query, Response, status
 
@@ -32,6 +32,7 @@ from replay_audit.auth.models import READER_ROLES, Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.config import Settings
 from replay_audit.input import UtcDatetime
+from replay_audit.json_value import JsonObject
 from replay_audit.replays.service import RunDefaults
 
 router = APIRouter(prefix="/v1/audits/schedules", tags=["audits"])
@@ -55,7 +56,7 @@ def _destinations(settings: Settings) -> DestinationPolicy:
     return DestinationPolicy.parse(settings.webhook_allowed_hosts)
 
 
-_NAME_TAKEN: dict[int | str, dict[str, Any]] = {
+_NAME_TAKEN: dict[int | str, JsonObject] = {
     409: {"description": "A schedule of this name exists in the project"}
 }
 

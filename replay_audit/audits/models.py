@@ -15,7 +15,6 @@ run shows it.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -29,6 +28,7 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.orm import Mapped, mapped_column
+from typing_extensions import TypedDict
 
 # The tables its foreign keys name (projects, replay_runs), in the metadata whoever imports this.
 import replay_audit.auth.models
@@ -36,6 +36,7 @@ import replay_audit.replays.models  # noqa: F401
 from replay_audit.audits.metrics import Flag, RunMetrics
 from replay_audit.db.base import Base, utcnow
 from replay_audit.db.types import ModelJSON
+from replay_audit.json_value import JsonObject
 
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -58,12 +59,12 @@ class AuditSchedule(Base):
     cron: Mapped[str] = mapped_column(String(100))
     status: Mapped[str] = mapped_column(String(16), default="active")
     #: `schemas.Selection` as JSON: tags, model, configuration, window.
-    selection: Mapped[dict[str, Any]] = mapped_column(JSON)
+    selection: Mapped[JsonObject] = mapped_column(JSON)
     sample_size: Mapped[int] = mapped_column(Integer)
     policy: Mapped[str] = mapped_column(String(32))
     seed: Mapped[int] = mapped_column(BigInteger)
     #: `schemas.ScheduleReplay` as JSON: targets, compare, mode, ...
-    replay: Mapped[dict[str, Any]] = mapped_column(JSON)
+    replay: Mapped[JsonObject] = mapped_column(JSON)
     ear_drop_points: Mapped[float] = mapped_column(Float)
     webhook_url: Mapped[str | None] = mapped_column(String(2000), nullable=True)
     #: The key that signs the webhook's deliveries (HMAC-SHA256), set with the webhook. Stored
@@ -114,6 +115,17 @@ class AuditRun(Base):
     evaluated_at: Mapped[datetime | None] = mapped_column(nullable=True)
 
 
+class Attempt(TypedDict):
+    """A webhook delivery attempt as `AuditAlert.attempt_log` stores it: when (ISO 8601), and
+    the answer's status code or `error`, one of `webhook.ERROR_CLASSES` (never the receiver's
+    answer)."""
+
+    at: str
+    ok: bool
+    status_code: int | None
+    error: str | None
+
+
 class AuditAlert(Base):
     __tablename__ = "audit_alerts"
     __table_args__ = (
@@ -127,12 +139,11 @@ class AuditAlert(Base):
         ForeignKey("audit_runs.id", ondelete="CASCADE"), unique=True
     )
     url: Mapped[str] = mapped_column(String(2000))
-    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    payload: Mapped[JsonObject] = mapped_column(JSON)
     status: Mapped[str] = mapped_column(String(16), default="pending", index=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
-    #: [{"at", "ok", "status_code" | null, "error" | null}] one entry per attempt: `error` is
-    #: one of `webhook.ERROR_CLASSES`, never the receiver's answer.
-    attempt_log: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    #: One entry per attempt.
+    attempt_log: Mapped[list[Attempt]] = mapped_column(JSON, default=list)
     #: The last attempt's error class (`webhook.ERROR_CLASSES`).
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

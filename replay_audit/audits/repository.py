@@ -9,11 +9,13 @@ from typing import Any
 from sqlalchemy import and_, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
+from typing_extensions import TypedDict
 
-from replay_audit.audits.metrics import RunMetrics
-from replay_audit.audits.models import AuditAlert, AuditRun, AuditSchedule
+from replay_audit.audits.metrics import Flag, RunMetrics
+from replay_audit.audits.models import Attempt, AuditAlert, AuditRun, AuditSchedule
 from replay_audit.audits.sampling import Candidate, min_logged_margin
 from replay_audit.auth.models import Project
+from replay_audit.json_value import JsonObject
 from replay_audit.replays.models import ReplayRun
 from replay_audit.traces import repository as traces_repository
 from replay_audit.traces.models import NumericalConfigRow, Trace
@@ -95,7 +97,23 @@ def latest_scheduled_due(session: Session, schedule_ids: Sequence[int]) -> dict[
 # --- audit runs ------------------------------------------------------------------------------
 
 
-def claim_run(session: Session, values: dict[str, Any]) -> int | None:
+class RunValues(TypedDict):
+    """A new audit run's row."""
+
+    public_id: str
+    schedule_id: int
+    due_at: datetime
+    trigger: str
+    status: str
+    window_start: datetime
+    window_end: datetime
+    n_candidates: int
+    n_sampled: int
+    flags: list[Flag]
+    created_at: datetime
+
+
+def claim_run(session: Session, values: RunValues) -> int | None:
     """Insert an audit run unless its (schedule, due time) has one: the new row's id, or None.
 
     The unique key decides, not a lock held by this process: on PostgreSQL a concurrent
@@ -285,7 +303,20 @@ def min_margins(session: Session, trace_ids: Sequence[int]) -> dict[int, float |
 # --- alerts ----------------------------------------------------------------------------------
 
 
-def add_alert(session: Session, values: dict[str, Any]) -> int | None:
+class AlertValues(TypedDict):
+    """A new alert's row."""
+
+    public_id: str
+    audit_run_id: int
+    url: str
+    payload: JsonObject
+    status: str
+    attempts: int
+    attempt_log: list[Attempt]
+    created_at: datetime
+
+
+def add_alert(session: Session, values: AlertValues) -> int | None:
     """Insert the run's alert unless it has one: the new id, or None."""
     stmt = (
         _insert(session)(AuditAlert)

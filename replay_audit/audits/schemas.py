@@ -41,14 +41,17 @@ from replay_audit.audits.sampling import Policy
 from replay_audit.audits.schedule import NIGHTLY, validate_cron
 from replay_audit.audits.webhook import ErrorClass
 from replay_audit.exceptions import FieldError
-from replay_audit.formats import Mode
-from replay_audit.input import InputModel, Lax
-from replay_audit.replays.domain import (
-    DEFAULT_CONTROL_FRACTION,
-    DEFAULT_CONTROL_SEED,
-    MAX_SCAN_FLAG_ULPS,
-    SCAN_FLAG_OFF,
+from replay_audit.formats import (
+    CONTROL_FRACTION,
+    CONTROL_SEED,
+    SCAN_FLAG_ULPS,
+    TOP_K,
+    BodyDType,
+    Compare,
+    CompareWith,
+    Mode,
 )
+from replay_audit.input import InputModel, Lax, option_field
 from replay_audit.replays.schemas import (
     MAX_REPLAY_TRACES,
     TARGETS_RULE,
@@ -56,7 +59,7 @@ from replay_audit.replays.schemas import (
     TargetIndex,
     TargetSpec,
 )
-from replay_audit.traces.schemas import BodyDTypeName, Name, Tag
+from replay_audit.traces.schemas import Name, Tag
 from replay_audit.traces.selection import TraceSelection
 
 ScheduleStatus = Literal["active", "paused"]
@@ -85,7 +88,7 @@ class Selection(InputModel):
     weights_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     #: A numerical configuration's public id.
     config_id: str | None = Field(default=None, max_length=40)
-    dtype: BodyDTypeName | None = None
+    dtype: BodyDType | None = None
     window_hours: float = Field(default=24.0, gt=0, le=MAX_WINDOW_HOURS, allow_inf_nan=False)
 
     def window(self, due_at: datetime) -> tuple[datetime, datetime]:
@@ -117,16 +120,14 @@ class ScheduleReplay(InputModel):
     #: None: each run by the large-run rule on the traces it samples (scan-then-decode from
     #: `REPLAY_AUDIT_LARGE_RUN_TRACES` sampled traces up, decode below).
     mode: Mode | None = None
-    control_fraction: float = Field(default=DEFAULT_CONTROL_FRACTION, ge=0, le=1)
-    control_seed: int = Field(default=DEFAULT_CONTROL_SEED, ge=0, le=2**53)
+    control_fraction: float = option_field(CONTROL_FRACTION)
+    control_seed: int = option_field(CONTROL_SEED)
     #: ReplayCreate's: the near-tie flag of scan-then-decode runs (None: the deployment's).
-    scan_flag_ulps: float | None = Field(
-        default=None, ge=SCAN_FLAG_OFF, le=MAX_SCAN_FLAG_ULPS, allow_inf_nan=False
-    )
-    compare: Literal["logged", "pairwise"] = "logged"
+    scan_flag_ulps: float | None = option_field(SCAN_FLAG_ULPS, default=None)
+    compare: Compare = "logged"
     pairs: list[Annotated[tuple[TargetIndex, TargetIndex], Lax]] | None = None
-    compare_with: Literal["self"] | None = None
-    top_k: int = Field(default=5, ge=2, le=20)
+    compare_with: CompareWith | None = None
+    top_k: int = option_field(TOP_K)
 
     @model_validator(mode="after")
     def _check(self) -> ScheduleReplay:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import Any, Final, cast
+from typing import Final, cast
 from urllib.parse import urlsplit
 
 from sqlalchemy.orm import Session
@@ -43,6 +43,7 @@ from replay_audit.db.base import utcnow
 from replay_audit.db.ids import new_public_id
 from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import Conflict, FieldError, NotFound, ReplayAuditError
+from replay_audit.json_value import JsonObject
 from replay_audit.queue import Capabilities, JobQueue, JobSpec, Runner
 from replay_audit.replays import service as replay_service
 from replay_audit.replays import statistics as replay_statistics
@@ -487,7 +488,7 @@ def _payload(
     schedule: AuditSchedule,
     run: AuditRun,
     replay_public_id: str | None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """The webhook's JSON body: each flag whole (kind, comparison index and label, the test
     with its counts, p-value and alpha, the message) and the run's headline numbers."""
     m = run.metrics or RunMetrics()

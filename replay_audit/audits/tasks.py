@@ -30,6 +30,7 @@ from replay_audit.db.base import utcnow
 from replay_audit.db.partition import ensure_partitions
 from replay_audit.db.retention import prune
 from replay_audit.db.unit_of_work import session_scope
+from replay_audit.json_value import JsonObject
 from replay_audit.queue import JobSpec, Runner, build_job_queue, build_runner
 from replay_audit.queue.runner import InProcessRunner
 from replay_audit.replays.reconcile import reconcile
@@ -222,7 +223,7 @@ class DeliveryFailed(Exception):
 
 def _post(
     url: str,
-    payload: dict[str, object],
+    payload: JsonObject,
     alert_id: str,
     secret: str | None,
     settings: Settings,

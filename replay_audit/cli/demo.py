@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from replay_audit.cli.root import app
+from replay_audit.json_value import JsonObject, JsonValue, as_object, as_str
 
 if TYPE_CHECKING:
     from replay_audit.replays.schemas import ReplayRead
@@ -116,10 +117,14 @@ def _serving(settings: Any, port: int) -> Iterator[tuple[threading.Thread, str]]
         thread.join(timeout=10)
 
 
-def _pct(p: ProportionRead) -> str:
-    if p.estimate is None:
+def _pct(p: ProportionRead | None) -> str:
+    if p is None or p.estimate is None:
         return "-"
     return f"{100 * p.estimate:.0f}% [{100 * p.low:.0f}, {100 * p.high:.0f}]"
+
+
+def _points(x: float | None) -> str:
+    return "?" if x is None else f"{100 * x:+.1f}"
 
 
 _SHORT = {"agreed": "agr", "head_reachable": "head", "kv_dependent": "kv", "body_dominated": "body"}
@@ -158,25 +163,23 @@ def _print_run(console: Any, run: ReplayRead, title: str) -> None:
             cats or "-",
         )
     console.print(table)
-    for lift in stats.lifts if stats else []:
-        if lift.lift is None or lift.low is None or lift.high is None:
-            continue  # no trace where both are ok
+    for lift in stats.lifts if stats is not None else []:
         line = (
             f"  EAR lift of [{lift.label_b}] over [{lift.label_a}]: "
-            f"{100 * lift.lift:+.1f} pp [{100 * lift.low:+.1f}, {100 * lift.high:+.1f}]"
+            f"{_points(lift.lift)} pp [{_points(lift.low)}, {_points(lift.high)}]"
             f"; fixed {lift.fixed}, broke {lift.broke}, McNemar p = {lift.mcnemar_p:.3g}"
         )
         console.print(escape(line))  # the brackets are text, not rich markup
 
 
-def _requests(ids: list[str]) -> dict[str, dict[str, Any]]:
-    c = {"kind": "C", "tau": 1e-3}
+def _requests(ids: list[str]) -> dict[str, JsonObject]:
+    c: JsonObject = {"kind": "C", "tau": 1e-3}
     return {
         # Each target against the logged BF16 tokens, plus a self-replay in the logged
         # configuration, which must reproduce exactly.
         "logged": {
             "name": "demo: replay vs logged BF16 (FP16, FP16 + C, self)",
-            "trace_ids": ids,
+            "trace_ids": list[JsonValue](ids),
             "targets": [
                 {"dtype": "fp16", "label": "FP16"},
                 {"dtype": "fp16", "intervention": c, "label": "FP16 + C"},
@@ -186,7 +189,7 @@ def _requests(ids: list[str]) -> dict[str, dict[str, Any]]:
         # The paper's both-arms protocol: would C have prevented the divergence?
         "both_arms": {
             "name": "demo: both arms, BF16 vs FP16 with and without C",
-            "trace_ids": ids,
+            "trace_ids": list[JsonValue](ids),
             "targets": [
                 {"dtype": "bf16", "label": "BF16"},
                 {"dtype": "fp16", "label": "FP16"},
@@ -222,6 +225,7 @@ def demo(
 
     from replay_audit.cli.database import ready_database
     from replay_audit.config import BUNDLED_MODEL_DIR, get_settings
+    from replay_audit.replays.schemas import ReplayRead
 
     console = Console()
     settings = get_settings()
@@ -242,7 +246,7 @@ def demo(
         items = [
             (external_id(d.get("id"), max_new_tokens), d["prompt"]) for d in map(json.loads, lines)
         ]
-        traces: list[dict[str, Any]] = []
+        traces: list[JsonObject] = []
         bar = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
         with Progress(*bar, console=console) as progress:
             task = progress.add_task("generate (BF16, transformers generate())", total=len(items))
@@ -276,7 +280,7 @@ def demo(
                 r = client.post("/v1/replays", json=request)
                 r.raise_for_status()
                 run_ids[name] = r.json()["id"]
-            finished: dict[str, dict[str, Any]] = {}
+            finished: dict[str, JsonObject] = {}
             with Progress(*bar, console=console) as progress:
                 titles = {
                     "logged": "replay vs logged: FP16, FP16 + C, self",
@@ -285,19 +289,17 @@ def demo(
                 tasks = {k: progress.add_task(t, total=None) for k, t in titles.items()}
                 while len(finished) < len(run_ids):
                     for name, run_id in run_ids.items():
-                        run = client.get(f"/v1/replays/{run_id}").json()
-                        p = run["progress"]
-                        done = p["done"] + p["failed"]
-                        progress.update(tasks[name], total=p["total"], completed=done)
-                        if run["status"] in ("done", "failed"):
+                        run = as_object(client.get(f"/v1/replays/{run_id}").json())
+                        read = ReplayRead.model_validate(run)
+                        p = read.progress
+                        progress.update(tasks[name], total=p.total, completed=p.done + p.failed)
+                        if read.status in ("done", "failed"):
                             finished[name] = run
                     time.sleep(0.2)
 
-        from replay_audit.replays.schemas import ReplayRead
-
-        read = {k: ReplayRead.model_validate(v) for k, v in finished.items()}
-        _print_run(console, read["logged"], "BF16-logged traces replayed (arm A: logged tokens)")
-        _print_run(console, read["both_arms"], "Both arms run here (the paper's protocol)")
+        reads = {k: ReplayRead.model_validate(v) for k, v in finished.items()}
+        _print_run(console, reads["logged"], "BF16-logged traces replayed (arm A: logged tokens)")
+        _print_run(console, reads["both_arms"], "Both arms run here (the paper's protocol)")
         runs = f"/ui/runs/{run_ids['logged']} and /ui/runs/{run_ids['both_arms']}"
         if keep_serving:
             where = f"{base} (serving until Ctrl-C)"
@@ -315,5 +317,5 @@ def demo(
             console.print("serving; Ctrl-C to stop")
             with contextlib.suppress(KeyboardInterrupt):
                 thread.join()
-    if any(run["status"] != "done" for run in finished.values()):
+    if any(as_str(run["status"]) != "done" for run in finished.values()):
         raise typer.Exit(1)

@@ -14,20 +14,22 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from replay_audit.cli.root import app
-from replay_audit.formats import CACHE_KINDS
-from replay_audit.replays.domain import (
-    DEFAULT_CONTROL_FRACTION,
-    DEFAULT_CONTROL_SEED,
-    MAX_SCAN_FLAG_ULPS,
+from replay_audit.cli.root import app, option
+from replay_audit.formats import (
+    BODY_DTYPES,
+    CACHE_KINDS,
+    CONTROL_FRACTION,
+    CONTROL_SEED,
+    HEAD_DTYPES,
+    INTERVENTION_KINDS,
+    MODES,
+    SCAN_FLAG_ULPS,
+    TOP_K,
 )
 
 if TYPE_CHECKING:
     from replay_audit.engine import Target
     from replay_audit.stats.report import ComparisonReport, EstimateRead, ScreeningReport
-
-_DTYPES = ("fp32", "bf16", "fp16")
-_HEAD_DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 
 
 def _fail(message: str) -> NoReturn:
@@ -115,7 +117,7 @@ def generate(
     """Log greedy generations with transformers' own generate(), as POST /v1/traces JSON."""
     from replay_audit.engine.hashing import NoWeightsError, safetensors_files
 
-    _choice(dtype, _DTYPES, "--dtype")
+    _choice(dtype, BODY_DTYPES, "--dtype")
     try:
         safetensors_files(model)  # a typo fails here, not as a hub error after torch loads
     except NoWeightsError as e:
@@ -185,30 +187,12 @@ def replay(
             "REPLAY_AUDIT_LARGE_RUN_TRACES traces, decode below)."
         ),
     ] = None,
-    control_fraction: Annotated[
-        float,
-        typer.Option(
-            min=0.0,
-            max=1.0,
-            help="scan_then_decode: share of the traces the scan does not flag that are "
-            "decoded anyway (the control sample that estimates the scan's miss rate).",
-        ),
-    ] = DEFAULT_CONTROL_FRACTION,
-    control_seed: Annotated[
-        int, typer.Option(min=0, help="Seed of the control sample.")
-    ] = DEFAULT_CONTROL_SEED,
-    scan_flag_ulps: Annotated[
-        float | None,
-        typer.Option(
-            max=MAX_SCAN_FLAG_ULPS,
-            help="scan_then_decode: also decode a trace the scan agrees with when some step's "
-            "top-2 margin along the logged path is at most this many ulps (a near-tie); "
-            "negative: off. Default: REPLAY_AUDIT_SCAN_FLAG_ULPS.",
-        ),
-    ] = None,
+    control_fraction: Annotated[float, option(CONTROL_FRACTION)] = CONTROL_FRACTION.default,
+    control_seed: Annotated[int, option(CONTROL_SEED)] = CONTROL_SEED.default,
+    scan_flag_ulps: Annotated[float | None, option(SCAN_FLAG_ULPS)] = None,
     batch_size: Annotated[int, typer.Option(min=1)] = 1,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
-    top_k: Annotated[int, typer.Option(min=2, max=20, help="Top-k kept per step.")] = 5,
+    top_k: Annotated[int, option(TOP_K)] = TOP_K.default,
     extractor: Annotated[str | None, typer.Option(help="Answer extractor, e.g. gsm8k.")] = None,
     kv_cache: Annotated[
         str | None,
@@ -268,10 +252,10 @@ def replay(
     from replay_audit.stats.report import ComparisonInput, run_statistics
     from replay_audit.traces.schemas import TraceCreate
 
-    _choice(dtype, _DTYPES, "--dtype")
-    _choice(lm_head_dtype, _HEAD_DTYPES, "--lm-head-dtype")
-    _choice(intervention, ("none", "A", "B", "C"), "--intervention")
-    _choice(mode, ("decode", "scan", "scan_then_decode"), "--mode")
+    _choice(dtype, BODY_DTYPES, "--dtype")
+    _choice(lm_head_dtype, HEAD_DTYPES, "--lm-head-dtype")
+    _choice(intervention, INTERVENTION_KINDS, "--intervention")
+    _choice(mode, MODES, "--mode")
     if scan_flag_ulps is not None and not math.isfinite(scan_flag_ulps):
         _fail("--scan-flag-ulps must be a finite number")
     flag = Settings().scan_flag_ulps if scan_flag_ulps is None else scan_flag_ulps

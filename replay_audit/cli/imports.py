@@ -20,8 +20,9 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from replay_audit.cli.root import app
+from replay_audit.formats import IMPORT_FORMATS
+from replay_audit.json_value import JsonObject, JsonValue
 
-_FORMATS = ("openai", "sglang", "hf", "lm-eval")
 _LIST_KEYS = frozenset({"tags", "decoding.eos_token_ids"})
 _MAX_SHOWN_ERRORS = 20
 
@@ -31,7 +32,7 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(code=2)
 
 
-def _set_dotted(target: dict[str, Any], key: str, value: Any, where: str) -> None:
+def _set_dotted(target: JsonObject, key: str, value: JsonValue, where: str) -> None:
     parts = key.split(".")
     if not all(parts):
         _fail(f"{where}: {key!r} is not a key")
@@ -44,16 +45,16 @@ def _set_dotted(target: dict[str, Any], key: str, value: Any, where: str) -> Non
     node[parts[-1]] = value
 
 
-def _flatten(data: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+def _flatten(data: Mapping[str, JsonValue], prefix: str = "") -> Iterator[tuple[str, JsonValue]]:
     for key, value in data.items():
         name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and name != "extras":
+        if isinstance(value, dict) and name != "extras":
             yield from _flatten(value, f"{name}.")
         else:
             yield name, value
 
 
-def _read_config_file(path: Path) -> dict[str, Any]:
+def _read_config_file(path: Path) -> JsonObject:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
@@ -69,15 +70,26 @@ def _read_config_file(path: Path) -> dict[str, Any]:
             data = json.loads(text)
     except Exception as e:  # yaml and json raise their own error types
         _fail(f"{path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {e}")
-    if not isinstance(data, Mapping):
+    if not isinstance(data, dict):
         _fail(f"{path}: expected a mapping of configuration keys")
-    out: dict[str, Any] = {}
+    out: JsonObject = {}
     for key, value in _flatten(data):
         _set_dotted(out, key, value, str(path))
     return out
 
 
-def _model_facts(model_dir: Path) -> dict[str, Any]:
+def _json_file(path: Path) -> JsonObject:
+    """A checkpoint's JSON file ({} when it has none)."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        _fail(f"{path}: not readable JSON ({e})")
+    return data if isinstance(data, dict) else {}
+
+
+def _model_facts(model_dir: Path) -> JsonObject:
     """What the checkpoint says: weights_sha256, vocab_size, name, eos ids."""
     from replay_audit.engine.hashing import NoWeightsError, weights_sha256
 
@@ -85,31 +97,27 @@ def _model_facts(model_dir: Path) -> dict[str, Any]:
         sha = weights_sha256(model_dir)
     except NoWeightsError as e:
         _fail(e.message)
-    facts: dict[str, Any] = {"model": {"name": model_dir.name, "weights_sha256": sha}}
-    config: dict[str, Any] = {}
-    for name in ("config.json", "generation_config.json"):
-        f = model_dir / name
-        if f.is_file():
-            try:
-                config[name] = json.loads(f.read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError) as e:
-                _fail(f"{f}: not readable JSON ({e})")
-    vocab = config.get("config.json", {}).get("vocab_size")
+    model: JsonObject = {"name": model_dir.name, "weights_sha256": sha}
+    facts: JsonObject = {"model": model}
+    config = _json_file(model_dir / "config.json")
+    generation = _json_file(model_dir / "generation_config.json")
+    vocab = config.get("vocab_size")
     if isinstance(vocab, int):
-        facts["model"]["vocab_size"] = vocab
-    eos = config.get("generation_config.json", {}).get("eos_token_id")
+        model["vocab_size"] = vocab
+    eos = generation.get("eos_token_id")
     if eos is None:
-        eos = config.get("config.json", {}).get("eos_token_id")
+        eos = config.get("eos_token_id")
     if eos is not None:
         facts["decoding"] = {"eos_token_ids": eos if isinstance(eos, list) else [eos]}
     return facts
 
 
-def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+def _merge(base: JsonObject, over: Mapping[str, JsonValue]) -> JsonObject:
     out = dict(base)
     for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict) and key != "extras":
-            out[key] = _merge(out[key], value)
+        mine = out.get(key)
+        if isinstance(value, dict) and isinstance(mine, dict) and key != "extras":
+            out[key] = _merge(mine, value)
         else:
             out[key] = value
     return out
@@ -122,16 +130,16 @@ def build_context(model: Path | None, config_file: Path | None, flags: list[str]
 
     from replay_audit.imports.schemas import ImportContext
 
-    values: dict[str, Any] = _model_facts(model) if model is not None else {}
+    values = _model_facts(model) if model is not None else {}
     if config_file is not None:
         values = _merge(values, _read_config_file(config_file))
-    given: dict[str, Any] = {}
+    given: JsonObject = {}
     for flag in flags:
         key, sep, raw = flag.partition("=")
         if not sep:
             _fail(f"--config {flag!r}: expected key=value")
         key = key.strip()
-        value: Any = raw
+        value: JsonValue = raw
         if key in _LIST_KEYS:
             value = [v.strip() for v in raw.split(",") if v.strip()]
         elif raw.lower() in ("null", "none", ""):
@@ -186,7 +194,7 @@ class _NotJson:
         self.message = message
 
 
-def _lm_eval_results(path: Path, results: Path | None) -> dict[str, Any]:
+def _lm_eval_results(path: Path, results: Path | None) -> JsonObject:
     if results is None:
         date = path.stem.rpartition("_")[2]
         candidate = path.with_name(f"results_{date}.json")
@@ -313,8 +321,8 @@ def import_(
     ] = None,
 ) -> None:
     """Import logged responses as traces (docs/import.md says what each source needs)."""
-    if format not in _FORMATS:
-        _fail(f"--format must be one of {', '.join(_FORMATS)}; got {format!r}")
+    if format not in IMPORT_FORMATS:
+        _fail(f"--format must be one of {', '.join(IMPORT_FORMATS)}; got {format!r}")
     if (out is None) == (post is None):
         _fail("give one of --out FILE or --post URL")
     if post is not None and not key:

@@ -19,6 +19,8 @@ import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 from typer.models import CommandFunctionType
 
+from replay_audit.formats import RunOption
+
 
 def _reason(error: Any) -> str:
     """A validation error's message without pydantic's "Value error, " before a validator's
@@ -139,6 +141,12 @@ class _App(CommandGroup):
                     raise
                 typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
                 sys.exit(2)
+
+
+def option(run_option: RunOption[Any], **kwargs: Any) -> Any:
+    """The typer option of a run option: its bounds and help (the same as the API's)."""
+    low = run_option.ge if run_option.ge is not None else run_option.gt
+    return typer.Option(min=low, max=run_option.le, help=run_option.help, **kwargs)
 
 
 app = _App(

@@ -5,12 +5,24 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from replay_audit.cli.engine import _fail, _progress, _read_jsonl, _threads
-from replay_audit.cli.root import app
+from replay_audit.cli.root import app, option
+from replay_audit.diff.margin import DEFAULT_TAU
+from replay_audit.formats import (
+    BODY_DTYPES,
+    COVER,
+    DEFAULT_PAIR,
+    DEVICES,
+    MAX_NEW_TOKENS,
+    body_dtype,
+)
+
+if TYPE_CHECKING:
+    from replay_audit.screening.outputs import PromptRow
 
 
 def _knobs(values: list[str] | None) -> list[str]:
@@ -32,8 +44,10 @@ def screen(
         Path, typer.Option(help='JSONL of {"id", "prompt"} (or "prompt_token_ids").')
     ],
     out: Annotated[Path, typer.Option(help="Directory for report.json, report.html, state/.")],
-    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
-    max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    device: Annotated[
+        str | None, typer.Option(help=f"{' or '.join(DEVICES)} (default: cuda if any).")
+    ] = None,
+    max_new_tokens: Annotated[int, option(MAX_NEW_TOKENS)] = MAX_NEW_TOKENS.default,
     knobs: Annotated[
         list[str] | None,
         typer.Option(help="Knobs to sweep (repeatable or comma-separated; default: all)."),
@@ -42,19 +56,16 @@ def screen(
     reference_dtype: Annotated[
         str | None, typer.Option(help="Reference body dtype (default: the checkpoint's).")
     ] = None,
-    pair: Annotated[str, typer.Option(help="Head-vs-body pair, A,B.")] = "bf16,fp16",
-    tau: Annotated[float, typer.Option(help="Gate threshold τ (absolute).")] = 1e-3,
-    tau_ulps: Annotated[float | None, typer.Option(help="Gate threshold in ulps.")] = None,
-    cover: Annotated[
-        float, typer.Option(min=0.01, max=1.0, help="Share of flips the τ calibration covers.")
-    ] = 0.9,
+    pair: Annotated[str, typer.Option(help="Head-vs-body pair, A,B.")] = ",".join(DEFAULT_PAIR),
+    tau: Annotated[float, typer.Option(min=0.0, help="Gate threshold τ (absolute).")] = DEFAULT_TAU,
+    tau_ulps: Annotated[float | None, typer.Option(min=0.0, help="Gate threshold in ulps.")] = None,
+    cover: Annotated[float, option(COVER)] = COVER.default,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
 ) -> None:
     """Sweep the numerical knobs one at a time, measure CV(TD), the hidden-state gap, the
     categories and the both-arms C lift, and recommend an action (report.json, report.html)."""
     from replay_audit.engine.hashing import NoWeightsError, weights_sha256
     from replay_audit.exceptions import ReplayAuditError
-    from replay_audit.formats import BODY_DTYPES
     from replay_audit.screening.analysis import build_report
     from replay_audit.screening.plan import ScreenConfig, build_plan
     from replay_audit.screening.runner import DirectoryStore, run_screening
@@ -62,18 +73,25 @@ def screen(
     from replay_audit.ui.screening_view import standalone_html
 
     chosen = _knobs(knobs)
-    arms = tuple(x.strip() for x in pair.split(","))
-    if len(arms) != 2 or any(a not in BODY_DTYPES for a in arms):
+    names = pair.split(",")
+    arm_a = body_dtype(names[0].strip()) if len(names) == 2 else None
+    arm_b = body_dtype(names[-1].strip()) if len(names) == 2 else None
+    if arm_a is None or arm_b is None:
         _fail(f"--pair must be two of {', '.join(BODY_DTYPES)}, comma-separated; got {pair!r}")
-    if reference_dtype is not None and reference_dtype not in BODY_DTYPES:
+    reference = body_dtype(reference_dtype) if reference_dtype is not None else None
+    if reference_dtype is not None and reference is None:
         _fail(f"--reference-dtype must be one of {', '.join(BODY_DTYPES)}")
-    rows: list[dict[str, Any]] = []
+    if not cover > 0:
+        _fail("--cover must be above 0")
+    rows: list[PromptRow] = []
     for n, row in _read_jsonl(prompts):
-        if not isinstance(row.get("prompt"), str) and not isinstance(
-            row.get("prompt_token_ids"), list
-        ):
+        text, ids = row.get("prompt"), row.get("prompt_token_ids")
+        if isinstance(ids, list) and all(isinstance(x, int) for x in ids):
+            rows.append({"id": str(row.get("id", len(rows))), "prompt_token_ids": ids})
+        elif isinstance(text, str):
+            rows.append({"id": str(row.get("id", len(rows))), "prompt": text})
+        else:
             _fail(f"{prompts}:{n}: needs a string 'prompt' or a list 'prompt_token_ids'")
-        rows.append(row)
     rows = rows[:limit] if limit else rows
     if not rows:
         _fail(f"{prompts} holds no prompt")
@@ -86,13 +104,13 @@ def screen(
     set_torch_threads(_threads(threads))
     try:
         platform = probe(device)
-        ref = ScreenConfig(reference_dtype or checkpoint_dtype(model))
+        ref = ScreenConfig(reference or checkpoint_dtype(model))
         backend = TorchBackend(model, device)
         plan = build_plan(
             platform,
             reference=ref,
             knobs=chosen,
-            pair=(arms[0], arms[1]),
+            pair=(arm_a, arm_b),
             tau=tau,
             tau_ulps=tau_ulps,
             max_new_tokens=max_new_tokens,

@@ -25,7 +25,7 @@ NAMING_CONVENTION: Final = {
 #: `info` of a constraint or index that exists on one database only (the Alembic environment
 #: leaves it out of the comparison on the other): partitioned PostgreSQL tables cannot hold unique
 #: keys without the partition key, and SQLite needs a unique index under a foreign key's target.
-SQLITE_ONLY: Final[dict[str, Any]] = {"dialects": ("sqlite",)}
+SQLITE_ONLY: Final[dict[str, tuple[str, ...]]] = {"dialects": ("sqlite",)}
 
 
 class UTCDateTime(TypeDecorator[datetime]):

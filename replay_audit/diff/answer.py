@@ -15,7 +15,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+
+from replay_audit.json_value import JsonObject
 
 Extractor = Callable[[str], "str | None"]
 
@@ -89,7 +90,7 @@ class SemanticAgreement:
     def neither_answered(self) -> bool:
         return self.answer_a is None and self.answer_b is None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The stored JSON (`detail.semantic`, the API's `semantic`)."""
         return {
             "extractor": self.extractor,

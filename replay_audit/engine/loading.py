@@ -14,14 +14,12 @@ import torch
 
 from replay_audit.engine.protocol import Environment, ExtraValue, GpuName
 from replay_audit.exceptions import EngineError, UnsupportedFormat
+from replay_audit.formats import BODY_DTYPES, DEFAULT_ATTN_KERNEL, FORMATS, SDPA_BACKENDS
 
+#: The body dtypes as torch's.
 TORCH_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
+    d: getattr(torch, FORMATS[d].torch_name) for d in BODY_DTYPES
 }
-#: The attention kernel when none is asked for (transformers' own default).
-DEFAULT_ATTN_KERNEL = "sdpa"
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -81,17 +79,11 @@ def configure_numerics(*, deterministic: bool, tf32: bool) -> None:
 
 def enable_sdpa_backends(only: str | None) -> None:
     """Let torch's SDPA use all its CUDA backends (`only` None, torch's default), or only one of
-    "math", "flash", "efficient", "cudnn". Process-wide, like the TF32 flag."""
-    cuda: Any = torch.backends.cuda
-    setters = {
-        "math": cuda.enable_math_sdp,
-        "flash": cuda.enable_flash_sdp,
-        "efficient": cuda.enable_mem_efficient_sdp,
-        "cudnn": getattr(cuda, "enable_cudnn_sdp", None),
-    }
-    if only is not None and only not in setters:
+    `formats.SDPA_BACKENDS`. Process-wide, like the TF32 flag."""
+    if only is not None and only not in SDPA_BACKENDS:
         raise UnsupportedFormat(f"unknown SDPA backend {only!r}")
-    for name, setter in setters.items():
+    for name, backend in SDPA_BACKENDS.items():
+        setter = getattr(torch.backends.cuda, backend.enable_switch, None)
         if setter is not None:
             setter(only is None or name == only)
 

@@ -13,13 +13,14 @@ import torch
 
 from replay_audit.engine.loading import resolve_device
 from replay_audit.engine.numerics import fp8_supported
+from replay_audit.formats import CPU_SDPA_BACKENDS, SDPA_BACKENDS, BodyDType, Device
 
 
 @dataclass(frozen=True)
 class PlatformFacts:
     """The device a screening runs on and what it supports (plain values, no torch types)."""
 
-    device: str  # "cpu" or "cuda"
+    device: Device
     gpu_name: str | None
     sm: str | None
     #: Why an FP8-E4M3 lm_head cannot run here (None: it can).
@@ -47,17 +48,6 @@ def probe_platform(device: str | None = None) -> PlatformFacts:
     )
 
 
-#: torch's SDPA backends by the screening's names (`ScreenConfig.sdpa_backend`).
-_SDPA_BACKENDS = {
-    "math": "MATH",
-    "flash": "FLASH_ATTENTION",
-    "efficient": "EFFICIENT_ATTENTION",
-    "cudnn": "CUDNN_ATTENTION",
-}
-#: The backends torch's SDPA has on a CPU (the others are CUDA kernels).
-CPU_SDPA_BACKENDS = ("math", "flash")
-
-
 @dataclass(frozen=True)
 class AttentionShape:
     """What an SDPA backend is asked to accept: the model's heads and the compute dtype."""
@@ -65,7 +55,7 @@ class AttentionShape:
     heads: int
     kv_heads: int
     head_dim: int
-    dtype: str  # "fp32" | "bf16" | "fp16"
+    dtype: BodyDType
     #: Whether the model's attention gets an explicit mask (the compiled path's static cache,
     #: batch emulation with padding) besides the piecewise path's mask-free calls at batch 1.
     masked: bool = False
@@ -86,7 +76,7 @@ def sdpa_refusal(backend: str, shape: AttentionShape, device: str | None = None)
 
     from replay_audit.engine.loading import TORCH_DTYPES
 
-    if backend not in _SDPA_BACKENDS:
+    if backend not in SDPA_BACKENDS:
         return f"unknown SDPA backend {backend!r}"
     dev = resolve_device(device)
     if dev.type != "cuda" and backend not in CPU_SDPA_BACKENDS:
@@ -95,7 +85,7 @@ def sdpa_refusal(backend: str, shape: AttentionShape, device: str | None = None)
             f" {' and '.join(CPU_SDPA_BACKENDS)} on a {dev.type})"
         )
     dtype = TORCH_DTYPES[shape.dtype]
-    kernel = getattr(SDPBackend, _SDPA_BACKENDS[backend])
+    kernel = getattr(SDPBackend, SDPA_BACKENDS[backend].torch_backend)
     for case, call in _attention_calls(shape, dev, dtype):
         why = _refusal(kernel, sdpa_kernel, call)
         if why is not None:

@@ -8,7 +8,7 @@ content, so a gateway may forward the same responses again.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import Response
@@ -17,14 +17,16 @@ from replay_audit.api.deps import DBSession, RawBody, require_role
 from replay_audit.api.parsing import gc_paused, parse_model
 from replay_audit.auth.models import Role
 from replay_audit.auth.schemas import Principal
+from replay_audit.formats import ImportFormat
 from replay_audit.imports import service
-from replay_audit.imports.schemas import ImportBatchResult, ImportFormat, ImportRequest
+from replay_audit.imports.schemas import ImportBatchResult, ImportRequest
+from replay_audit.json_value import JsonObject
 
 router = APIRouter(tags=["traces"])
 
 Submitter = Annotated[Principal, Depends(require_role(Role.submitter, Role.admin))]
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
+_ERRORS: dict[int | str, JsonObject] = {
     400: {"description": "Malformed JSON (`field`: `body`)"},
     401: {"description": "Missing or invalid API key"},
     403: {"description": "The key's role may not do this"},

@@ -24,26 +24,22 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final
 
 from pydantic import ValidationError
 
 from replay_audit.diff.pieces import Piece, to_json
 from replay_audit.exceptions import FieldError
-from replay_audit.formats import EXTRA_TOP_K_VALUES, TopKValues
+from replay_audit.formats import EXTRA_TOP_K_VALUES, ImportFormat, StopReason, Strategy, TopKValues
 from replay_audit.imports.schemas import (
     EXTRA_FORMAT,
     EXTRA_LOGPROBS_MODE,
     EXTRA_UNKNOWN,
     UNKNOWN,
     ImportContext,
-    ImportFormat,
     LogprobsMode,
 )
 from replay_audit.traces.schemas import ExtraValue, TraceCreate, TraceFieldError
-
-StopReason = Literal["eos", "length", "stop_string", "other"]
-Strategy = Literal["greedy", "sample", "beam", "other"]
 
 #: A logprob at or below this is a clamped -inf (vLLM writes max(logprob, -9999.0)): absent.
 ABSENT_LOGPROB: Final = -9999.0

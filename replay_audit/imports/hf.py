@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from replay_audit.formats import StopReason
 from replay_audit.imports import _json as j
-from replay_audit.imports.generation import Generation, StopReason, build_trace
+from replay_audit.imports.generation import Generation, build_trace
 from replay_audit.imports.schemas import ImportContext, LogprobsMode
 from replay_audit.traces.schemas import TraceCreate
 

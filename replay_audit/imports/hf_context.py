@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from replay_audit.exceptions import FieldError
+from replay_audit.formats import body_dtype
 from replay_audit.imports.schemas import ImportContext
+from replay_audit.json_value import JsonObject, JsonValue
 
 
 def context_from_model(
@@ -23,14 +25,13 @@ def context_from_model(
 
     from replay_audit.engine.hashing import weights_sha256
 
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    dtype = names.get(model.dtype)
+    dtype = body_dtype(model.dtype)
     if dtype is None:
         raise FieldError(
             f"dtype: model dtype {model.dtype} is not fp32, bf16 or fp16", field="dtype"
         )
     device = next(model.parameters()).device
-    gpu = None
+    gpu: JsonObject | None = None
     kind = "cpu"
     if device.type == "cuda":
         kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
@@ -41,8 +42,10 @@ def context_from_model(
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
         eos = getattr(model.config, "eos_token_id", None)
-    eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-    values: dict[str, Any] = {
+    eos_ids: list[JsonValue] = (
+        [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    )
+    values: JsonObject = {
         "model": {
             "name": Path(model_dir).name if model_dir is not None else None,
             "weights_sha256": weights_sha256(model_dir) if model_dir is not None else None,

@@ -30,22 +30,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final, Protocol
 
 from replay_audit.engine.pieces import PieceReader
+from replay_audit.formats import LOGGED_DEVICES, body_dtype
 from replay_audit.imports import _json as j
 from replay_audit.imports.generation import Generation
+from replay_audit.json_value import JsonObject
 
 #: `config.extras["tokenization"]` of every lm-eval trace.
 TOKENIZATION: Final = "re-tokenised from lm-eval text with the checkpoint tokenizer"
-
-_DTYPES: Final = {
-    "torch.float32": "fp32",
-    "float32": "fp32",
-    "float": "fp32",
-    "torch.bfloat16": "bf16",
-    "bfloat16": "bf16",
-    "torch.float16": "fp16",
-    "float16": "fp16",
-    "half": "fp16",
-}
 
 
 class Tokenizer(Protocol):
@@ -73,16 +64,16 @@ def _model_args(value: Any) -> dict[str, str]:
     return {}
 
 
-def context_from_results(results: Mapping[str, Any]) -> dict[str, Any]:
+def context_from_results(results: Mapping[str, Any]) -> JsonObject:
     """What an lm-eval results JSON says of the run, as `ImportContext` keys: the model's
     dtype as loaded (`config.model_dtype`), the batch size and device asked for, the
     transformers version. Nothing that the file does not state."""
     config = results.get("config")
     config = config if isinstance(config, Mapping) else {}
-    out: dict[str, Any] = {}
-    dtype = _DTYPES.get(str(config.get("model_dtype", "")))
+    out: JsonObject = {}
+    dtype = body_dtype(config.get("model_dtype", ""))
     if dtype is None:
-        dtype = _DTYPES.get(_model_args(config.get("model_args")).get("dtype", ""))
+        dtype = body_dtype(_model_args(config.get("model_args")).get("dtype", ""))
     if dtype is not None:
         out["dtype"] = dtype
     batch = config.get("batch_size")
@@ -93,13 +84,14 @@ def context_from_results(results: Mapping[str, Any]) -> dict[str, Any]:
     device = config.get("device")
     if isinstance(device, str) and device:
         kind = device.split(":")[0]
-        if kind in ("cpu", "cuda", "mps", "xpu"):
+        if kind in LOGGED_DEVICES:
             out["device"] = kind
     version = results.get("transformers_version")
     if config.get("model") == "hf":  # lm-eval's HFLM: transformers' generate()
-        out["engine"] = {"name": "transformers"}
+        engine: JsonObject = {"name": "transformers"}
         if isinstance(version, str) and version and version != "N/A":
-            out["engine"]["version"] = version
+            engine["version"] = version
+        out["engine"] = engine
     return out
 
 

@@ -28,8 +28,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from replay_audit.diff.pieces import Piece, piece_of, piece_of_text
+from replay_audit.formats import StopReason, Strategy
 from replay_audit.imports import _json as j
-from replay_audit.imports.generation import Generation, StopReason, Strategy
+from replay_audit.imports.generation import Generation
 
 
 def split_item(item: Any, path: str) -> tuple[Mapping[str, Any] | None, Mapping[str, Any], str]:
@@ -142,10 +143,7 @@ def _piece(token: Any, raw_bytes: Any) -> Piece | None:
     string (OpenAI's legacy "bytes:\\xe2\\x80" spelling read as those bytes); None for a
     "token_id:" string without bytes (no text) or anything else."""
     # An empty list is a piece too: a special token that decodes to nothing (eos).
-    if (
-        isinstance(raw_bytes, list)
-        and all(type(b) is int and 0 <= b <= 255 for b in raw_bytes)
-    ):
+    if isinstance(raw_bytes, list) and all(type(b) is int and 0 <= b <= 255 for b in raw_bytes):
         raw = bytes(raw_bytes)
         # With "token_id:" tokens vLLM's `bytes` are the token's own; bytes spelling the
         # placeholder itself say nothing.
@@ -299,8 +297,11 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
                     echo if isinstance(echo, bool) else None,
                 )
                 tokens = list(j.seq(logprobs.get("tokens") or [], f"{cpath}.logprobs.tokens"))
-                pieces = _pieces([_piece(t, None) for t in tokens[len(tokens) - n_output:]]
-                                 if explicit is not None and len(tokens) >= n_output else [])
+                pieces = _pieces(
+                    [_piece(t, None) for t in tokens[len(tokens) - n_output :]]
+                    if explicit is not None and len(tokens) >= n_output
+                    else []
+                )
             output = _output_ids(explicit, ids_from_tokens, cpath, f"{cpath}.logprobs.tokens")
             text = None if echoed else choice.get("text")
             steps_field = "logprobs.top_logprobs"

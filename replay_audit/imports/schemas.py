@@ -11,45 +11,43 @@ recorded as unknown in the trace (`config.extras["unknown"]`), never filled with
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Final, Literal
+from typing import Any, Final, Literal, get_args
 
-from pydantic import ConfigDict, Field, StringConstraints
+from pydantic import ConfigDict, Field
 
 from replay_audit.config import MAX_BATCH_TRACES
+from replay_audit.formats import BodyDType, HeadDType, LoggedDevice, Strategy, WeightDType
 from replay_audit.input import InputModel
 from replay_audit.traces.schemas import (
-    BodyDTypeName,
+    MAX_EXTRAS,
+    AttnKernelName,
+    BatchSize,
+    ComputeCapability,
+    ExtraKey,
     ExtraValue,
-    HeadDTypeName,
     IngestResult,
     Name,
     Sha256,
     Tag,
     TokenId,
-    WeightDTypeName,
+    TpDegree,
+    Version,
 )
-
-#: The sources `replay-audit import` and `POST /v1/traces:import` read.
-ImportFormat = Literal["openai", "sglang", "hf", "lm-eval"]
-IMPORT_FORMATS: Final[tuple[ImportFormat, ...]] = ("openai", "sglang", "hf", "lm-eval")
 
 #: What the numbers a server returns as "logprobs" are (vLLM's `--logprobs-mode` names):
 #: `raw_logprobs` log_softmax of the model's logits (vLLM's default), `raw_logits` the logits
 #: themselves, `processed_*` the same after the sampler's processing (temperature, penalties,
 #: bias, top-k/top-p masks). Only the raw ones give the logged arm's margins.
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
-LOGPROBS_MODES: Final[tuple[LogprobsMode, ...]] = (
-    "raw_logprobs",
-    "raw_logits",
-    "processed_logprobs",
-    "processed_logits",
-)
+LOGPROBS_MODES: Final[tuple[LogprobsMode, ...]] = get_args(LogprobsMode)
 
 #: The `config.extras` keys an import writes (a user's own extras keep any other key).
 EXTRA_FORMAT: Final = "import_format"
 EXTRA_LOGPROBS_MODE: Final = "logprobs_mode"
 EXTRA_UNKNOWN: Final = "unknown"
 EXTRA_TOKENIZATION: Final = "tokenization"
+#: Keys of `config.extras` kept for the import's own (`EXTRA_*`, `formats.EXTRA_TOP_K_VALUES`).
+IMPORT_EXTRAS: Final = 10
 #: The value of a configuration field nobody gave (strings), and of `logprobs_mode`.
 UNKNOWN: Final = "unknown"
 
@@ -73,19 +71,19 @@ class ModelInput(_Input):
 
 class GpuInput(_Input):
     name: Name
-    sm: Annotated[str, StringConstraints(pattern=r"^\d{1,2}\.\d{1,2}$")]
+    sm: ComputeCapability
 
 
 class EngineInput(_Input):
     name: Name | None = None
-    version: str | None = Field(default=None, max_length=100)
+    version: Version | None = None
 
 
 class DecodingInput(_Input):
     """How the generations were decoded, where the responses do not say it (a response never
     carries its request's sampling parameters; an item's `request`, when given, does)."""
 
-    strategy: Literal["greedy", "sample", "beam", "other"] | None = None
+    strategy: Strategy | None = None
     max_new_tokens: int | None = Field(default=None, ge=1)
     eos_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
 
@@ -94,22 +92,23 @@ class ImportContext(_Input):
     """Everything an import needs that the logged responses do not carry. None = not known."""
 
     model: ModelInput = ModelInput()
-    dtype: BodyDTypeName | None = None
-    lm_head_dtype: HeadDTypeName | None = None
-    weight_dtype: WeightDTypeName | None = None
-    device: Literal["cpu", "cuda", "rocm", "mps", "xpu", "other"] | None = None
+    dtype: BodyDType | None = None
+    lm_head_dtype: HeadDType | None = None
+    weight_dtype: WeightDType | None = None
+    device: LoggedDevice | None = None
     gpu: GpuInput | None = None
-    attn_kernel: Annotated[str, StringConstraints(pattern=r"^[a-z0-9_\-]{1,64}$")] | None = None
-    batch_size: int | None = Field(default=None, ge=1, le=1_000_000)
-    tp_degree: int | None = Field(default=None, ge=1, le=1024)
+    attn_kernel: AttnKernelName | None = None
+    batch_size: BatchSize | None = None
+    tp_degree: TpDegree | None = None
     engine: EngineInput = EngineInput()
-    torch_version: str | None = Field(default=None, max_length=100)
-    cuda_version: str | None = Field(default=None, max_length=100)
-    cublas_version: str | None = Field(default=None, max_length=100)
+    torch_version: Version | None = None
+    cuda_version: Version | None = None
+    cublas_version: Version | None = None
     deterministic: bool | None = None
     tf32: bool | None = None
-    extras: dict[Annotated[str, StringConstraints(max_length=100)], ExtraValue] = Field(
-        default_factory=dict, max_length=90
+    #: Fewer than a trace's: the import adds its own (`EXTRA_*`).
+    extras: dict[ExtraKey, ExtraValue] = Field(
+        default_factory=dict, max_length=MAX_EXTRAS - IMPORT_EXTRAS
     )
     #: The server's `--logprobs-mode` (vLLM) or its equivalent; None = unknown, and then the
     #: logged logprobs give no margin.

@@ -14,10 +14,11 @@ from sqlalchemy.orm import Session
 
 from replay_audit.config import MAX_BATCH_TRACES
 from replay_audit.exceptions import FieldError, PayloadTooLarge, ReplayAuditError
+from replay_audit.formats import ImportFormat
 from replay_audit.imports.generation import Generation, build_trace, check_context
 from replay_audit.imports.hf import parse_hf
 from replay_audit.imports.openai_compat import parse_openai
-from replay_audit.imports.schemas import ImportContext, ImportFormat, ImportResult
+from replay_audit.imports.schemas import ImportContext, ImportResult
 from replay_audit.imports.sglang import parse_sglang
 from replay_audit.traces import service as traces_service
 from replay_audit.traces.schemas import TraceCreate

@@ -28,8 +28,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from replay_audit.diff.pieces import Piece, piece_of_text
+from replay_audit.formats import StopReason
 from replay_audit.imports import _json as j
-from replay_audit.imports.generation import Generation, StopReason
+from replay_audit.imports.generation import Generation
 from replay_audit.imports.openai_compat import request_strategy
 
 

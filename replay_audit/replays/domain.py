@@ -34,16 +34,22 @@ from replay_audit.diff.margin import DEFAULT_TAU
 from replay_audit.diff.pieces import Piece, PieceJson, from_json
 from replay_audit.engine.protocol import DEFAULT_B_TOP_K, Intervention, Target
 from replay_audit.formats import (
+    CONTROL_FRACTION,
+    CONTROL_SEED,
     EXTRA_TOP_K_VALUES,
+    SCAN_FLAG_ULPS,
     ArmKey,
     Category,
     Device,
     MarginSource,
     Mode,
     Screen,
+    StopReason,
     TopKValues,
     logged_by_another_engine,
 )
+from replay_audit.formats import MAX_SCAN_FLAG_ULPS as MAX_SCAN_FLAG_ULPS
+from replay_audit.formats import SCAN_FLAG_OFF as SCAN_FLAG_OFF
 from replay_audit.traces.selection import is_greedy
 
 #: A "large run": a run selecting at least this many traces and naming no `mode` is replayed
@@ -52,24 +58,10 @@ from replay_audit.traces.selection import is_greedy
 #: wide; below it, decoding everything costs minutes, not hours. `REPLAY_AUDIT_LARGE_RUN_TRACES`
 #: changes it per deployment.
 LARGE_RUN_TRACES: Final = 1000
-#: Share of the traces the scan does not flag that a scan-then-decode run decodes anyway.
-DEFAULT_CONTROL_FRACTION: Final = 0.05
-#: Seed of the control sample when a request names none.
-DEFAULT_CONTROL_SEED: Final = 0
-#: Near-tie flag of a scan-then-decode run when neither the request nor the deployment
-#: (`REPLAY_AUDIT_SCAN_FLAG_ULPS`) names one: a trace whose scan agrees everywhere is still
-#: decoded when some step's top-2 margin along the logged path is at most this many ulps of the
-#: arm's format. 0: exact ties only, where the scan's choice was the tie-break's and any
-#: rounding of the decode's own KV path can take the other token. Wider flags catch more
-#: KV-dependent flips but cost fast: the rule looks at every step, so the share of traces it
-#: decodes grows with their length (on the bundled model's 24-token traces in BF16, 31% at 0
-#: ulps and 75% at 1 ulp). On an H100 with a trained model (BENCHMARKS.md) 0 ulps took the
-#: scan's recall of decode divergences from 94.9% to 100% (fp16 -> bf16).
-DEFAULT_SCAN_FLAG_ULPS: Final = 0.0
-#: A near-tie flag that turns near-tie flagging off: only a scan's mismatch flags a trace.
-SCAN_FLAG_OFF: Final = -1.0
-#: The largest near-tie flag a request may name (beyond it nearly every trace is decoded).
-MAX_SCAN_FLAG_ULPS: Final = 1024.0
+# The run options' defaults and limits (defined with the vocabulary).
+DEFAULT_CONTROL_FRACTION: Final = CONTROL_FRACTION.default
+DEFAULT_CONTROL_SEED: Final = CONTROL_SEED.default
+DEFAULT_SCAN_FLAG_ULPS: Final = SCAN_FLAG_ULPS.default
 
 
 def resolve_mode(requested: Mode | None, n_traces: int, large_run_traces: int) -> Mode:
@@ -346,9 +338,6 @@ def c_against_logged(c: Comparison, targets: Sequence[RunTarget]) -> bool:
     about zero by construction (the both-arms protocol, `compare: "pairwise"`, measures it)."""
     target = targets[c.b].target
     return c.against_logged and target is not None and target.intervention.kind == "C"
-
-
-StopReason = Literal["eos", "length", "stop_string", "other"]
 
 
 @dataclass(frozen=True, eq=False)

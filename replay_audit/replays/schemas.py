@@ -33,28 +33,34 @@ from replay_audit.diff.margin import DEFAULT_TAU
 from replay_audit.engine.protocol import DEFAULT_B_TOP_K, Intervention, Target
 from replay_audit.formats import (
     CATEGORIES,
+    CONTROL_FRACTION,
+    CONTROL_SEED,
     MODES,
+    SCAN_FLAG_ULPS,
+    TOP_K,
+    BodyDType,
     Category,
+    Compare,
+    CompareWith,
+    Device,
+    HeadDType,
     InterventionKind,
     MarginSource,
     Mode,
+    ResultStatus,
     RunStatus,
     Screen,
 )
-from replay_audit.input import InputModel, Lax, UtcDatetime
+from replay_audit.input import InputModel, Lax, UtcDatetime, option_field
 from replay_audit.replays.domain import (
-    DEFAULT_CONTROL_FRACTION,
-    DEFAULT_CONTROL_SEED,
     DEFAULT_SCAN_FLAG_ULPS,
-    MAX_SCAN_FLAG_ULPS,
-    SCAN_FLAG_OFF,
     ControlSample,
     KernelSource,
     RunTarget,
 )
 from replay_audit.replays.models import MAX_RUN_NAME
 from replay_audit.stats.report import RunStatistics
-from replay_audit.traces.schemas import BodyDTypeName, HeadDTypeName, Tag
+from replay_audit.traces.schemas import AttnKernelName, Tag
 from replay_audit.traces.selection import TraceSelection
 
 #: Largest number of traces one replay run may select (422 above it).
@@ -76,7 +82,7 @@ class InterventionSpec(InputModel):
     """The gate is `tau` or `tau_ulps`, never both (a 422 naming them, as the CLI refuses
     `--tau` with `--tau-ulps`); neither: the paper's absolute 1e-3."""
 
-    kind: Literal["none", "A", "B", "C"] = "none"
+    kind: InterventionKind = "none"
     #: Absolute gate threshold on the top-two margin (null: the paper's 1e-3, unless tau_ulps).
     #: 0 = ungated.
     tau: float | None = Field(default=None, allow_inf_nan=False)
@@ -105,14 +111,14 @@ class InterventionSpec(InputModel):
 
 
 class TargetSpec(InputModel):
-    dtype: BodyDTypeName
-    lm_head_dtype: HeadDTypeName | None = None
-    attn_kernel: Annotated[str, Field(pattern=r"^[a-z0-9_\-]{1,64}$")] | None = None
+    dtype: BodyDType
+    lm_head_dtype: HeadDType | None = None
+    attn_kernel: AttnKernelName | None = None
     batch_size: int = Field(default=1, ge=1, le=64)
     intervention: InterventionSpec = InterventionSpec()
     #: Where to run it: "cuda" sends it to the gpu queue, "cpu" to the cpu queue; None = gpu
     #: queue under RQ, the in-process runner otherwise.
-    device: Literal["cpu", "cuda"] | None = None
+    device: Device | None = None
     label: str | None = Field(default=None, max_length=100)
 
     def to_domain(self) -> RunTarget:
@@ -137,7 +143,7 @@ class TraceFilter(InputModel):
     model_name: str | None = None
     weights_sha256: str | None = None
     config_id: str | None = None
-    dtype: BodyDTypeName | None = None
+    dtype: BodyDType | None = None
     tag: str | None = None
     tags: list[Tag] | None = Field(default=None, max_length=16)
     created_after: UtcDatetime | None = None
@@ -216,24 +222,22 @@ class ReplayCreate(InputModel):
     mode: Mode | None = None
     #: scan_then_decode: the share of the traces the scan does not flag that are decoded
     #: anyway (the control sample that estimates the scan's miss rate), and its seed.
-    control_fraction: float = Field(default=DEFAULT_CONTROL_FRACTION, ge=0, le=1)
-    control_seed: int = Field(default=DEFAULT_CONTROL_SEED, ge=0, le=2**53)
+    control_fraction: float = option_field(CONTROL_FRACTION)
+    control_seed: int = option_field(CONTROL_SEED)
     #: scan_then_decode: a trace whose scan agrees with the logged output is still decoded
     #: (screen `near_tie`) when some step's top-2 margin along the logged path is at most this
     #: many ulps of the arm's format; negative: off (mismatches only). None: the deployment's
     #: `REPLAY_AUDIT_SCAN_FLAG_ULPS`; the run records the value it used.
-    scan_flag_ulps: float | None = Field(
-        default=None, ge=SCAN_FLAG_OFF, le=MAX_SCAN_FLAG_ULPS, allow_inf_nan=False
-    )
-    compare: Literal["logged", "pairwise"] = "logged"
+    scan_flag_ulps: float | None = option_field(SCAN_FLAG_ULPS, default=None)
+    compare: Compare = "logged"
     pairs: list[Annotated[tuple[TargetIndex, TargetIndex], Lax]] | None = None
-    compare_with: Literal["self"] | None = None
+    compare_with: CompareWith | None = None
     #: A name for people (lists and page titles show it, with the id); not unique.
     name: RunName | None = None
     #: A client-chosen key: the same key in a project returns the existing run (no duplicate).
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
     #: Top-k recorded per replayed step (kept with the result for the trace page).
-    top_k: int = Field(default=5, ge=2, le=20)
+    top_k: int = option_field(TOP_K)
     #: "auto": when the selection holds traces logged by another engine (vLLM, SGLang,
     #: unknown), the run also replays each trace in its own logged configuration (a self
     #: target, compared with the logged tokens) and reports the engine reproduction rate;
@@ -427,7 +431,7 @@ class ReplayResultRead(_Frozen):
     run_id: str
     trace_id: str
     comparison: int
-    status: Literal["ok", "failed"]
+    status: ResultStatus
     error: str | None
     exact_match: bool | None
     first_divergence_step: int | None

@@ -11,13 +11,13 @@ from replay_audit.api.deps import DBSession, require_role
 from replay_audit.auth.models import READER_ROLES
 from replay_audit.auth.schemas import Principal
 from replay_audit.exceptions import FieldError
+from replay_audit.formats import BodyDType
 from replay_audit.input import UtcDatetime
 from replay_audit.replays.models import ReplayRun
 from replay_audit.reports import browsing, export, statistics
 from replay_audit.reports.export import ExportFormat
 from replay_audit.reports.filters import RunFilter
 from replay_audit.reports.schemas import RunList, RunReport
-from replay_audit.traces.schemas import BodyDTypeName
 
 router = APIRouter(prefix="/v1/replays", tags=["reports"])
 
@@ -41,7 +41,7 @@ def list_runs(
         str | None, Query(description="some trace of the run has this model.name")
     ] = None,
     dtype: Annotated[
-        BodyDTypeName | None, Query(description="some target of the run has this body dtype")
+        BodyDType | None, Query(description="some target of the run has this body dtype")
     ] = None,
     created_after: Annotated[UtcDatetime | None, Query(description="created at or after")] = None,
     created_before: Annotated[UtcDatetime | None, Query(description="created before")] = None,

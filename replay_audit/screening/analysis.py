@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from replay_audit.diff import judge, length_difference
-from replay_audit.formats import CATEGORIES, Category
+from replay_audit.formats import CATEGORIES, Category, HeadDType
 from replay_audit.screening.density import (
     coefficient_of_variation,
     covering_tau,
@@ -219,7 +219,7 @@ def tau_calibration(
 ) -> list[TauCalibrationRead]:
     """Flip margins per arm-B head format (comparisons without intervention), the τ covering
     `plan.cover` of them and its trigger-rate cost on that format's runs."""
-    flips: dict[str, tuple[list[float], list[float]]] = {}
+    flips: dict[HeadDType, tuple[list[float], list[float]]] = {}
     for spec in plan.comparisons():
         if spec.b.intervention != "none" or spec.name not in figures:
             continue

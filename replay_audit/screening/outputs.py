@@ -11,15 +11,33 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import TypedDict
 
 from replay_audit.diff.margin import Margin
+from replay_audit.json_value import (
+    JsonObject,
+    JsonValue,
+    as_int,
+    as_list,
+    as_object,
+    as_optional_float,
+    as_str,
+)
 
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
+
+
+class PromptRow(TypedDict, total=False):
+    """A prompt as given (a line of the CLI's JSONL, an item of the API's `prompts`): its text
+    or its token ids (the ids win where both are given), and an id (default: its index)."""
+
+    id: str
+    prompt: str
+    prompt_token_ids: list[int]
 
 
 @dataclass(frozen=True)
@@ -52,9 +70,9 @@ class PromptDecode:
             abs=float(self.margins[t]), ulps=float(self.margins_ulps[t]), top1=float(self.top1[t])
         )
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {
-            "output_ids": list(self.output_ids),
+            "output_ids": list[JsonValue](self.output_ids),
             "margins": _floats(self.margins),
             "margins_ulps": _floats(self.margins_ulps),
             "top1": _floats(self.top1),
@@ -62,13 +80,13 @@ class PromptDecode:
         }
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> PromptDecode:
+    def from_json(cls, d: JsonObject) -> PromptDecode:
         return cls(
-            output_ids=tuple(int(x) for x in d["output_ids"]),
+            output_ids=tuple(as_int(x) for x in as_list(d["output_ids"])),
             margins=_array(d["margins"]),
             margins_ulps=_array(d["margins_ulps"]),
             top1=_array(d["top1"]),
-            gate_fired=np.asarray(d["gate_fired"], dtype=bool),
+            gate_fired=np.asarray(as_list(d["gate_fired"]), dtype=bool),
         )
 
 
@@ -77,10 +95,10 @@ class RunOutput:
     """A run's decodes, one per prompt in prompt order, and the environment it ran in."""
 
     run_key: str
-    environment: dict[str, Any]
+    environment: JsonObject
     decodes: tuple[PromptDecode, ...]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {
             "run_key": self.run_key,
             "environment": self.environment,
@@ -88,11 +106,11 @@ class RunOutput:
         }
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> RunOutput:
+    def from_json(cls, d: JsonObject) -> RunOutput:
         return cls(
-            run_key=str(d["run_key"]),
-            environment=dict(d["environment"]),
-            decodes=tuple(PromptDecode.from_json(x) for x in d["decodes"]),
+            run_key=as_str(d["run_key"]),
+            environment=dict(as_object(d["environment"])),
+            decodes=tuple(PromptDecode.from_json(as_object(x)) for x in as_list(d["decodes"])),
         )
 
 
@@ -119,28 +137,28 @@ class Probe:
     def single_step_disagrees(self) -> bool:
         return self.token_a != self.token_b
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {
             "prompt": self.prompt,
             "t_star": self.t_star,
             "token_a": self.token_a,
             "token_b": self.token_b,
             "dh_t_star": _finite(self.dh_t_star),
-            "gated_steps": list(self.gated_steps),
+            "gated_steps": list[JsonValue](self.gated_steps),
             "dh_gated": [_finite(x) for x in self.dh_gated],
         }
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Probe:
-        dh = d.get("dh_t_star")
+    def from_json(cls, d: JsonObject) -> Probe:
+        dh_gated = (as_optional_float(x) for x in as_list(d["dh_gated"]))
         return cls(
-            prompt=int(d["prompt"]),
-            t_star=int(d["t_star"]),
-            token_a=int(d["token_a"]),
-            token_b=int(d["token_b"]),
-            dh_t_star=None if dh is None else float(dh),
-            gated_steps=tuple(int(x) for x in d["gated_steps"]),
-            dh_gated=tuple(math.nan if x is None else float(x) for x in d["dh_gated"]),
+            prompt=as_int(d["prompt"]),
+            t_star=as_int(d["t_star"]),
+            token_a=as_int(d["token_a"]),
+            token_b=as_int(d["token_b"]),
+            dh_t_star=as_optional_float(d.get("dh_t_star")),
+            gated_steps=tuple(as_int(x) for x in as_list(d["gated_steps"])),
+            dh_gated=tuple(math.nan if x is None else x for x in dh_gated),
         )
 
 
@@ -169,9 +187,10 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _floats(a: npt.ArrayLike) -> list[float | None]:
+def _floats(a: npt.ArrayLike) -> list[JsonValue]:
     return [float(x) if math.isfinite(x) else None for x in np.asarray(a, np.float64).tolist()]
 
 
-def _array(xs: Sequence[float | None]) -> FloatArray:
-    return np.asarray([math.nan if x is None else float(x) for x in xs], dtype=np.float64)
+def _array(xs: JsonValue) -> FloatArray:
+    values = (as_optional_float(x) for x in as_list(xs))
+    return np.asarray([math.nan if x is None else x for x in values], dtype=np.float64)

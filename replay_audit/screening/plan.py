@@ -16,24 +16,31 @@ import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Final, Literal
+from typing import Final, Literal, get_args
 
 from replay_audit.diff.margin import DEFAULT_TAU, GateRule
 from replay_audit.engine.protocol import Intervention, Target
-from replay_audit.formats import BODY_DTYPES, CACHE_KINDS, HEAD_DTYPES, CacheKind
+from replay_audit.formats import (
+    ATTN_KERNELS,
+    BODY_DTYPES,
+    CACHE_KINDS,
+    COVER,
+    CPU_SDPA_BACKENDS,
+    DEFAULT_ATTN_KERNEL,
+    DEFAULT_PAIR,
+    HEAD_DTYPES,
+    MAX_NEW_TOKENS,
+    SDPA_BACKENDS,
+    TOP_K,
+    BodyDType,
+    CacheKind,
+    Device,
+    HeadDType,
+    SdpaBackendName,
+)
+from replay_audit.json_value import JsonObject, JsonValue
 
 #: The knobs of the sweep, in report order (`--knobs` names).
-KNOB_NAMES: Final = (
-    "body_dtype",
-    "lm_head",
-    "weight_storage",
-    "attn_kernel",
-    "deterministic",
-    "tf32",
-    "batch_size",
-    "kv_cache",
-    "fp8_linear",
-)
 KnobName = Literal[
     "body_dtype",
     "lm_head",
@@ -45,20 +52,10 @@ KnobName = Literal[
     "kv_cache",
     "fp8_linear",
 ]
-#: Attention kernels the sweep tries (transformers' names).
-ATTN_KERNELS: Final = ("eager", "sdpa", "flash_attention_2")
-#: The backends of torch's SDPA a CUDA run can be limited to (`torch.backends.cuda.enable_*_sdp`);
-#: None lets torch choose, as by default.
-SDPA_BACKENDS: Final = ("math", "flash", "efficient", "cudnn")
-#: The SDPA backends torch has on a CPU (the flags `torch.backends.cuda.enable_*_sdp` govern
-#: the CPU's choice too).
-CPU_SDPA_BACKENDS: Final = ("math", "flash")
+KNOB_NAMES: Final[tuple[KnobName, ...]] = get_args(KnobName)
 BATCH_SIZES: Final = (1, 2, 4, 8)
-#: The paper's main pair for the head-vs-body analysis and the C lift (BF16 vs FP16).
-DEFAULT_PAIR: Final = ("bf16", "fp16")
-#: The share of flips the τ calibration covers by default.
-DEFAULT_COVER: Final = 0.9
-DEFAULT_MAX_NEW_TOKENS: Final = 64
+#: A screening's runs decode with no intervention (the gate still evaluated) or gated C.
+ScreenIntervention = Literal["none", "C"]
 
 
 @dataclass(frozen=True)
@@ -67,21 +64,21 @@ class ScreenConfig:
     `weight_dtype` None: stored as computed (`dtype`); `fp8_linear`: every linear layer of the
     body in FP8 (the paper's end-to-end FP8 boundary case)."""
 
-    dtype: str
-    lm_head_dtype: str | None = None
-    weight_dtype: str | None = None
-    attn_kernel: str = "sdpa"
+    dtype: BodyDType
+    lm_head_dtype: HeadDType | None = None
+    weight_dtype: BodyDType | None = None
+    attn_kernel: str = DEFAULT_ATTN_KERNEL
     batch_size: int = 1
     deterministic: bool = True
     tf32: bool = False
     kv_cache: CacheKind = "piecewise"
     fp8_linear: bool = False
     #: Limit `sdpa` to one of its CUDA backends (None: torch chooses).
-    sdpa_backend: str | None = None
+    sdpa_backend: SdpaBackendName | None = None
 
     def __post_init__(self) -> None:
         if self.sdpa_backend is not None and self.sdpa_backend not in SDPA_BACKENDS:
-            raise ValueError(f"sdpa_backend must be one of {SDPA_BACKENDS}")
+            raise ValueError(f"sdpa_backend must be one of {tuple(SDPA_BACKENDS)}")
         if self.dtype not in BODY_DTYPES:
             raise ValueError(f"body dtype must be one of {BODY_DTYPES}, got {self.dtype!r}")
         if self.lm_head_dtype is not None and self.lm_head_dtype not in HEAD_DTYPES:
@@ -94,11 +91,11 @@ class ScreenConfig:
             raise ValueError("batch_size must be at least 1")
 
     @property
-    def head_dtype(self) -> str:
+    def head_dtype(self) -> HeadDType:
         return self.lm_head_dtype or self.dtype
 
     @property
-    def stored_dtype(self) -> str:
+    def stored_dtype(self) -> BodyDType:
         return self.weight_dtype or self.dtype
 
     @property
@@ -130,12 +127,9 @@ class ScreenConfig:
             intervention or Intervention(),
         )
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> ScreenConfig:
-        return cls(**d)
+    def to_json(self) -> JsonObject:
+        out: JsonObject = asdict(self)
+        return out
 
 
 @dataclass(frozen=True)
@@ -143,14 +137,11 @@ class Platform:
     """Where the screening runs and what it supports. `fp8_unavailable`: why an FP8 lm_head
     cannot run here (None: it can)."""
 
-    device: Literal["cpu", "cuda"]
+    device: Device
     gpu_name: str | None = None
     sm: str | None = None
     fp8_unavailable: str | None = None
     flash_attn_installed: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 #: probe(config): why `config` cannot run here, found by trying it on the device (None: it
@@ -218,14 +209,16 @@ def _value_configs(name: KnobName, ref: ScreenConfig) -> list[tuple[str, ScreenC
     elif name == "lm_head":
         out = [
             (f"head {h}", replace(ref, lm_head_dtype=h))
-            for h in ("fp32", "bf16", "fp16", "fp8_e4m3")
+            for h in HEAD_DTYPES
+            if h != "fp8_e5m2"  # the engine has none (`unavailable_reason`)
         ]
     elif name == "weight_storage":
         # The paper's storage-vs-compute ablation: weights rounded to 16 bits, every product in
         # FP32 (also the LayerCast-style body-scope baseline).
         out = [
             (f"{w}-stored, fp32 compute", replace(ref, dtype="fp32", weight_dtype=w))
-            for w in ("bf16", "fp16")
+            for w in BODY_DTYPES
+            if w != "fp32"
         ]
     elif name == "attn_kernel":
         out = [(k, replace(ref, attn_kernel=k, sdpa_backend=None)) for k in ATTN_KERNELS]
@@ -281,7 +274,7 @@ class Run:
     its firings are the would-fire steps) or "C" (gated FP32 lm_head recompute)."""
 
     config: ScreenConfig
-    intervention: Literal["none", "C"] = "none"
+    intervention: ScreenIntervention = "none"
 
     @property
     def key(self) -> str:
@@ -309,16 +302,16 @@ class SweepPlan:
     platform: Platform
     tau: float = DEFAULT_TAU
     tau_ulps: float | None = None
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    top_k: int = 5
-    cover: float = DEFAULT_COVER
-    extra: dict[str, Any] = field(default_factory=dict)
+    max_new_tokens: int = MAX_NEW_TOKENS.default
+    top_k: int = TOP_K.default
+    cover: float = COVER.default
+    extra: JsonObject = field(default_factory=dict)
 
     @property
     def gate(self) -> GateRule:
         return GateRule(tau=self.tau, tau_ulps=self.tau_ulps)
 
-    def intervention(self, kind: Literal["none", "C"]) -> Intervention:
+    def intervention(self, kind: ScreenIntervention) -> Intervention:
         return Intervention(kind=kind, tau=self.tau, tau_ulps=self.tau_ulps)
 
     def comparisons(self) -> list[ComparisonSpec]:
@@ -366,13 +359,13 @@ class SweepPlan:
     def fingerprint(self, prompts: Sequence[Sequence[int]]) -> str:
         """What the stored outputs depend on: resuming with another plan or prompt set starts
         over."""
-        body = {
-            "runs": [r.key for r in self.runs()],
+        body: JsonObject = {
+            "runs": list[JsonValue](r.key for r in self.runs()),
             "tau": self.tau,
             "tau_ulps": self.tau_ulps,
             "max_new_tokens": self.max_new_tokens,
             "top_k": self.top_k,
-            "prompts": [list(p) for p in prompts],
+            "prompts": [list[JsonValue](p) for p in prompts],
             # Outputs of another device are not this platform's.
             "platform": [self.platform.device, self.platform.gpu_name, self.platform.sm],
             "extra": self.extra,
@@ -385,12 +378,12 @@ def build_plan(
     *,
     reference: ScreenConfig,
     knobs: Sequence[str] = KNOB_NAMES,
-    pair: tuple[str, str] = DEFAULT_PAIR,
+    pair: tuple[BodyDType, BodyDType] = DEFAULT_PAIR,
     tau: float = DEFAULT_TAU,
     tau_ulps: float | None = None,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    top_k: int = 5,
-    cover: float = DEFAULT_COVER,
+    max_new_tokens: int = MAX_NEW_TOKENS.default,
+    top_k: int = TOP_K.default,
+    cover: float = COVER.default,
     probe: AvailabilityProbe | None = None,
 ) -> SweepPlan:
     """The one-knob-at-a-time plan from `reference`. ValueError on an unknown knob.

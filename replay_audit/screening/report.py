@@ -3,10 +3,10 @@ Pure: pydantic for the typed output, as `stats/report.py`, whose types it reuses
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict
 
+from replay_audit.formats import Device
+from replay_audit.json_value import JsonObject
 from replay_audit.stats.report import ComparisonReport, LiftReport
 from replay_audit.stats.summary import Distribution, LogHistogram
 
@@ -16,7 +16,7 @@ class _Frozen(BaseModel):
 
 
 class PlatformRead(_Frozen):
-    device: str
+    device: Device
     gpu_name: str | None
     sm: str | None
     fp8_unavailable: str | None
@@ -28,13 +28,13 @@ class KnobValueResult(_Frozen):
     platform cannot run it: `reason`); failed (it should have run and did not: `reason`)."""
 
     label: str
-    config: dict[str, Any]
+    config: JsonObject
     status: str
     reason: str | None
     comparison: ComparisonReport | None
     #: Median Δh at t* over the divergent prompts (None: none diverged or not measured).
     median_dh_t_star: float | None
-    environment: dict[str, Any] | None
+    environment: JsonObject | None
 
 
 class KnobResult(_Frozen):
@@ -140,8 +140,8 @@ class ScreeningReport(_Frozen):
     model: str
     weights_sha256: str | None
     platform: PlatformRead
-    reference: dict[str, Any]
-    pair: list[dict[str, Any]]
+    reference: JsonObject
+    pair: list[JsonObject]
     tau: float
     tau_ulps: float | None
     max_new_tokens: int
@@ -155,4 +155,4 @@ class ScreeningReport(_Frozen):
     margins: list[MarginDistributionRead]
     tau_calibration: list[TauCalibrationRead]
     tier: TierRead
-    environments: dict[str, dict[str, Any]]
+    environments: dict[str, JsonObject]

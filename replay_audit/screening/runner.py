@@ -17,6 +17,7 @@ import numpy as np
 
 from replay_audit.engine.protocol import Engine, HiddenStates, Intervention
 from replay_audit.exceptions import EngineError, ReplayAuditError, UnsupportedFormat
+from replay_audit.json_value import JsonObject
 from replay_audit.screening.outputs import (
     Probe,
     PromptDecode,
@@ -224,7 +225,9 @@ def decode_run(
         tick(f"decode {run.key}")
     # The engine's numerical environment, and every knob of the screening's configuration
     # (some, such as the SDPA backend, are process settings the engine does not report).
-    environment = {**engine.environment(), "screening_config": run.config.to_json()}
+    # Stored as JSON: taken through it here, so the output is what a resumed screening reads.
+    recorded = {**engine.environment(), "screening_config": run.config.to_json()}
+    environment: JsonObject = json.loads(json.dumps(recorded))
     return RunOutput(run.key, environment, tuple(decodes))
 
 

@@ -13,20 +13,19 @@ from typing import Any
 
 from replay_audit.engine.protocol import Engine
 from replay_audit.exceptions import EngineError
-from replay_audit.screening.outputs import ScreenPrompt
+from replay_audit.formats import BodyDType, body_dtype
+from replay_audit.screening.outputs import PromptRow, ScreenPrompt
 from replay_audit.screening.plan import Platform, ScreenConfig
 
-_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
-
-def checkpoint_dtype(model_dir: Path) -> str:
+def checkpoint_dtype(model_dir: Path) -> BodyDType:
     """The checkpoint's own dtype (config.json `dtype` or `torch_dtype`), fp32 when unsaid."""
     try:
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise EngineError(f"cannot read {model_dir / 'config.json'}: {e}") from e
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return _DTYPE_NAMES.get(str(name), "fp32")
+    return body_dtype(name) or "fp32"
 
 
 def probe(device: str | None) -> Platform:
@@ -122,14 +121,14 @@ class TorchBackend:
             self._eos = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
         return self._eos
 
-    def prompts(self, rows: Sequence[dict[str, Any]]) -> list[ScreenPrompt]:
+    def prompts(self, rows: Sequence[PromptRow]) -> list[ScreenPrompt]:
         """Screening prompts from rows with `id` and `prompt` (text) or `prompt_token_ids`."""
         out = []
         for i, row in enumerate(rows):
             pid = str(row.get("id", i))
             ids = row.get("prompt_token_ids")
             if ids is None:
-                ids = [int(x) for x in self._tok()(str(row["prompt"]))["input_ids"]]
+                ids = [int(x) for x in self._tok()(row["prompt"])["input_ids"]]
             if not ids:
                 raise EngineError(f"prompt {pid} encodes to no tokens")
             out.append(ScreenPrompt(pid, tuple(int(x) for x in ids)))

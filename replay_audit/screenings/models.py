@@ -9,7 +9,6 @@ screening_outputs   what the job has produced so far (each prompt's decode in ea
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -26,6 +25,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 # The table its foreign keys name (projects), in the metadata whoever imports this.
 import replay_audit.auth.models  # noqa: F401
 from replay_audit.db.base import Base, utcnow
+from replay_audit.json_value import JsonObject
 
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -45,12 +45,12 @@ class Screening(Base):
     status: Mapped[str] = mapped_column(String(16), default="queued")
     model_sha256: Mapped[str] = mapped_column(String(64))
     #: The request as accepted (canonical JSON of ScreeningCreate).
-    request: Mapped[dict[str, Any]] = mapped_column(JSON)
+    request: Mapped[JsonObject] = mapped_column(JSON)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: The `screening.report.ScreeningReport` JSON, stored when the screening finishes.
-    report: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    report: Mapped[JsonObject | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
     started_at: Mapped[datetime | None] = mapped_column(nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
@@ -66,4 +66,4 @@ class ScreeningOutput(Base):
         ForeignKey("screenings.id", ondelete="CASCADE"), index=True
     )
     key: Mapped[str] = mapped_column(String(300))
-    value: Mapped[dict[str, Any]] = mapped_column(JSON)
+    value: Mapped[JsonObject] = mapped_column(JSON)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from replay_audit.json_value import JsonObject
 from replay_audit.screenings.models import Screening, ScreeningOutput
 
 
@@ -43,7 +42,7 @@ def recent(session: Session, project_id: int, limit: int) -> list[Screening]:
     )
 
 
-def get_output(session: Session, screening_id: int, key: str) -> dict[str, Any] | None:
+def get_output(session: Session, screening_id: int, key: str) -> JsonObject | None:
     return session.scalar(
         select(ScreeningOutput.value).where(
             ScreeningOutput.screening_id == screening_id, ScreeningOutput.key == key
@@ -51,7 +50,7 @@ def get_output(session: Session, screening_id: int, key: str) -> dict[str, Any] 
     )
 
 
-def put_output(session: Session, screening_id: int, key: str, value: dict[str, Any]) -> None:
+def put_output(session: Session, screening_id: int, key: str, value: JsonObject) -> None:
     """Insert or replace one stored output (a run, a probe, the plan's fingerprint)."""
     row = session.scalar(
         select(ScreeningOutput).where(
@@ -64,7 +63,7 @@ def put_output(session: Session, screening_id: int, key: str, value: dict[str, A
         row.value = value
 
 
-def outputs_with_prefix(session: Session, screening_id: int, prefix: str) -> list[dict[str, Any]]:
+def outputs_with_prefix(session: Session, screening_id: int, prefix: str) -> list[JsonObject]:
     """The stored outputs whose key starts with `prefix` (a run's per-prompt decodes)."""
     return list(
         session.scalars(

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Final
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from replay_audit.formats import BodyDType, RunStatus
-from replay_audit.input import InputModel, Lax
-from replay_audit.screening.plan import DEFAULT_COVER, DEFAULT_MAX_NEW_TOKENS, KnobName
+from replay_audit.diff.margin import DEFAULT_TAU
+from replay_audit.formats import COVER, DEFAULT_PAIR, MAX_NEW_TOKENS, BodyDType, Device, RunStatus
+from replay_audit.input import InputModel, Lax, option_field
+from replay_audit.json_value import JsonObject
+from replay_audit.screening.outputs import PromptRow
+from replay_audit.screening.plan import KnobName
 from replay_audit.screening.report import ScreeningReport
 
 #: At most this many prompts per screening (every one is decoded in every run).
 MAX_SCREENING_PROMPTS: Final = 256
-MAX_SCREENING_TOKENS: Final = 512
 _SHA256: Final = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -35,6 +37,17 @@ class ScreeningPrompt(InputModel):
             raise ValueError("give exactly one of prompt or prompt_token_ids")
         return self
 
+    def row(self) -> PromptRow:
+        """The prompt as the screening's backend reads it."""
+        out = PromptRow()
+        if self.id is not None:
+            out["id"] = self.id
+        if self.prompt is not None:
+            out["prompt"] = self.prompt
+        if self.prompt_token_ids is not None:
+            out["prompt_token_ids"] = self.prompt_token_ids
+        return out
+
 
 class ScreeningCreate(InputModel):
     """A screening of the checkpoint whose weights hash is `model_sha256` (found by a worker in
@@ -44,13 +57,13 @@ class ScreeningCreate(InputModel):
     prompts: list[ScreeningPrompt] = Field(min_length=1, max_length=MAX_SCREENING_PROMPTS)
     #: Knobs to sweep (default: all).
     knobs: list[KnobName] | None = Field(default=None, min_length=1)
-    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=MAX_SCREENING_TOKENS)
-    device: Literal["cpu", "cuda"] | None = None
+    max_new_tokens: int = option_field(MAX_NEW_TOKENS)
+    device: Device | None = None
     reference_dtype: BodyDType | None = None
-    pair: Annotated[tuple[BodyDType, BodyDType], Lax] = ("bf16", "fp16")
-    tau: float = Field(default=1e-3, ge=0, allow_inf_nan=False)
+    pair: Annotated[tuple[BodyDType, BodyDType], Lax] = DEFAULT_PAIR
+    tau: float = Field(default=DEFAULT_TAU, ge=0, allow_inf_nan=False)
     tau_ulps: float | None = Field(default=None, ge=0, allow_inf_nan=False)
-    cover: float = Field(default=DEFAULT_COVER, gt=0, le=1)
+    cover: float = option_field(COVER)
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
 
     @field_validator("model_sha256")
@@ -86,6 +99,6 @@ class ScreeningRead(_Frozen):
     started_at: datetime | None
     finished_at: datetime | None
     error: str | None
-    request: dict[str, Any]
+    request: JsonObject
     #: The report, once the screening is done.
     report: ScreeningReport | None

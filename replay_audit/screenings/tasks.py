@@ -18,14 +18,17 @@ from typing import Any, Protocol
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.exceptions import ReplayAuditError
+from replay_audit.formats import BodyDType
+from replay_audit.json_value import JsonObject
 from replay_audit.replays.checkpoint import ModelNotFound, find_checkpoint
 from replay_audit.replays.tasks import worker_context
 from replay_audit.screening.analysis import build_report
-from replay_audit.screening.outputs import ScreenPrompt
+from replay_audit.screening.outputs import PromptRow, ScreenPrompt
 from replay_audit.screening.plan import KNOB_NAMES, Platform, ScreenConfig, build_plan
 from replay_audit.screening.runner import Backend, run_screening
 from replay_audit.screenings import repository
 from replay_audit.screenings.models import Screening
+from replay_audit.screenings.schemas import ScreeningCreate
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +41,13 @@ class WorkerBackend(Backend, Protocol):
 
     def platform(self) -> Platform: ...
 
-    def reference_dtype(self) -> str: ...
+    def reference_dtype(self) -> BodyDType: ...
 
     def availability(self, config: ScreenConfig) -> str | None:
         """Why `config` cannot run on this device, found by trying it (the plan's probe)."""
         ...
 
-    def prompts(self, rows: Sequence[dict[str, Any]]) -> list[ScreenPrompt]: ...
+    def prompts(self, rows: Sequence[PromptRow]) -> list[ScreenPrompt]: ...
 
 
 BackendFactory = Callable[[Path, str | None], WorkerBackend]
@@ -77,12 +80,12 @@ class _TorchWorkerBackend:
 
         return probe(self._device)
 
-    def reference_dtype(self) -> str:
+    def reference_dtype(self) -> BodyDType:
         from replay_audit.screening.worker import checkpoint_dtype
 
         return checkpoint_dtype(self._dir)
 
-    def prompts(self, rows: Sequence[dict[str, Any]]) -> list[ScreenPrompt]:
+    def prompts(self, rows: Sequence[PromptRow]) -> list[ScreenPrompt]:
         return self._backend.prompts(rows)
 
 
@@ -107,15 +110,15 @@ class DbStore:
         self.url = url
         self.screening_id = screening_id
 
-    def get(self, key: str) -> dict[str, Any] | None:
+    def get(self, key: str) -> JsonObject | None:
         with session_scope(self.url) as s:
             return repository.get_output(s, self.screening_id, key)
 
-    def scan(self, prefix: str) -> list[dict[str, Any]]:
+    def scan(self, prefix: str) -> list[JsonObject]:
         with session_scope(self.url) as s:
             return repository.outputs_with_prefix(s, self.screening_id, prefix)
 
-    def put(self, key: str, value: dict[str, Any]) -> None:
+    def put(self, key: str, value: JsonObject) -> None:
         with session_scope(self.url) as s:
             repository.put_output(s, self.screening_id, key, value)
             row = s.get(Screening, self.screening_id)
@@ -145,30 +148,29 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
         row.attempts += 1
         row.status = "running"
         row.started_at = row.started_at or utcnow()
-        request = dict(row.request)
+        request = ScreeningCreate.model_validate(row.request)
         sha = row.model_sha256
     try:
         model_dir = find_checkpoint(sha, ctx.settings.model_dirs, ctx.pool)
     except ModelNotFound as e:
         _fail(url, screening_id, str(e))
         return
-    device = request.get("device")
     factory = _factory.get() or _TorchWorkerBackend
     try:
-        backend = factory(model_dir, device)
+        backend = factory(model_dir, request.device)
         platform = backend.platform()
         plan = build_plan(
             platform,
-            reference=ScreenConfig(request.get("reference_dtype") or backend.reference_dtype()),
-            knobs=request.get("knobs") or KNOB_NAMES,
-            pair=(request["pair"][0], request["pair"][1]),
-            tau=float(request["tau"]),
-            tau_ulps=request.get("tau_ulps"),
-            max_new_tokens=int(request["max_new_tokens"]),
-            cover=float(request["cover"]),
+            reference=ScreenConfig(request.reference_dtype or backend.reference_dtype()),
+            knobs=request.knobs or KNOB_NAMES,
+            pair=request.pair,
+            tau=request.tau,
+            tau_ulps=request.tau_ulps,
+            max_new_tokens=request.max_new_tokens,
+            cover=request.cover,
             probe=backend.availability,
         )
-        prompts = backend.prompts(request["prompts"])
+        prompts = backend.prompts([p.row() for p in request.prompts])
         outputs = run_screening(plan, prompts, backend, DbStore(url, screening_id))
         report = build_report(plan, prompts, outputs, model=model_dir.name, weights_sha256=sha)
     except ReplayAuditError as e:

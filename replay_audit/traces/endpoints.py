@@ -9,7 +9,7 @@ logged prompts or outputs. They do learn the id of a trace they re-post, which t
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import Response
@@ -20,12 +20,12 @@ from replay_audit.auth.models import READER_ROLES, Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.config import MAX_BATCH_TRACES
 from replay_audit.exceptions import FieldError
+from replay_audit.formats import BodyDType, HeadDType
 from replay_audit.input import UtcDatetime
+from replay_audit.json_value import JsonObject
 from replay_audit.traces import service
 from replay_audit.traces.fast_validation import validate_trace_fast
 from replay_audit.traces.schemas import (
-    BodyDTypeName,
-    HeadDTypeName,
     IngestResult,
     TraceBatchResult,
     TraceCreate,
@@ -39,7 +39,7 @@ router = APIRouter(tags=["traces"])
 Submitter = Annotated[Principal, Depends(require_role(Role.submitter, Role.admin))]
 Reader = Annotated[Principal, Depends(require_role(*READER_ROLES))]
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
+_ERRORS: dict[int | str, JsonObject] = {
     400: {"description": "Malformed JSON (`field`: `body`)"},
     401: {"description": "Missing or invalid API key"},
     403: {"description": "The key's role may not do this"},
@@ -48,9 +48,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _json_body(schema: str) -> dict[str, Any]:
+def _json_body(schema: str) -> JsonObject:
     # The body is read raw (size limit, fast parse); this documents it in the OpenAPI schema.
-    ref = {"$ref": f"#/components/schemas/{schema}"}
+    ref: JsonObject = {"$ref": f"#/components/schemas/{schema}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
@@ -140,9 +140,9 @@ def list_traces(
     ] = None,
     weights_sha256: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
     config_id: Annotated[str | None, Query()] = None,
-    dtype: Annotated[BodyDTypeName | None, Query(description="config.dtype")] = None,
+    dtype: Annotated[BodyDType | None, Query(description="config.dtype")] = None,
     lm_head_dtype: Annotated[
-        HeadDTypeName | None,
+        HeadDType | None,
         Query(description="effective config.lm_head_dtype (the body dtype when unset)"),
     ] = None,
     attn_kernel: Annotated[str | None, Query(description="config.attn_kernel")] = None,

@@ -15,7 +15,6 @@ SQLite has no partitions and keeps its original keys (the objects marked `SQLITE
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -33,6 +32,7 @@ from sqlalchemy.orm import Mapped, mapped_column, relationship
 from replay_audit.auth.models import Project
 from replay_audit.db.base import SQLITE_ONLY, Base, utcnow
 from replay_audit.db.types import Float32Array, Int32Array, PackedFloat32Array, PackedInt32Array
+from replay_audit.json_value import JsonObject
 
 #: 64-bit keys on PostgreSQL; SQLite autoincrements only an INTEGER PRIMARY KEY (its rowid).
 BigIntPK = BigInteger().with_variant(Integer(), "sqlite")
@@ -91,7 +91,7 @@ class Trace(Base):
     model_revision: Mapped[str | None] = mapped_column(String(200))
     weights_sha256: Mapped[str] = mapped_column(String(64))
     vocab_size: Mapped[int] = mapped_column()
-    decoding: Mapped[dict[str, Any]] = mapped_column(JSON)
+    decoding: Mapped[JsonObject] = mapped_column(JSON)
     prompt_token_ids: Mapped[Int32Array] = mapped_column(PackedInt32Array())
     output_token_ids: Mapped[Int32Array] = mapped_column(PackedInt32Array())
     n_prompt_tokens: Mapped[int] = mapped_column()

@@ -10,13 +10,16 @@ trace's key goes in first and the trace only if its key did.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import Any, TypeVarTuple
 
 import orjson
 from sqlalchemy import JSON, ColumnElement, Select, Table, exists, not_, or_, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, contains_eager, defer
+from typing_extensions import TypedDict
 
+from replay_audit.json_value import JsonObject
 from replay_audit.traces.models import NumericalConfigRow, Trace, TraceKey, TraceTag
 from replay_audit.traces.selection import GREEDY, TraceSelection
 
@@ -36,6 +39,68 @@ _ARRAY_COLUMNS = (
 _IN_CHUNK = 5000
 
 
+# The rows the inserts take, in database form (packed bytes, aware datetimes).
+
+
+class ConfigValues(TypedDict):
+    public_id: str
+    content_sha256: str
+    config_json: str
+    dtype: str
+    lm_head_dtype: str
+    attn_kernel: str
+    device: str
+    gpu_name: str | None
+    gpu_sm: str | None
+    batch_size: int
+    created_at: datetime
+
+
+class TraceKeyValues(TypedDict):
+    public_id: str
+    project_id: int
+    content_sha256: str
+    external_id: str | None
+    created_at: datetime
+
+
+class TraceContent(TypedDict):
+    """A trace's own columns (what its content hash covers, and the counts)."""
+
+    model_name: str
+    model_revision: str | None
+    weights_sha256: str
+    vocab_size: int
+    decoding: JsonObject
+    prompt_token_ids: bytes
+    output_token_ids: bytes
+    n_prompt_tokens: int
+    n_output_tokens: int
+    top_k: int | None
+    top_k_ids: bytes | None
+    top_k_logits: bytes | None
+    prompt_text: str | None
+    output_text: str | None
+    output_token_pieces: list[str | list[int]] | None
+    tags: list[str]
+    external_id: str | None
+    reference_answer: str | None
+
+
+class TraceValues(TraceContent):
+    public_id: str
+    project_id: int
+    config_id: int
+    content_sha256: str
+    created_at: datetime
+
+
+class TraceTagValues(TypedDict):
+    trace_id: int
+    trace_created_at: datetime
+    tag: str
+
+
 def _insert(session: Session, table: Table) -> Any:
     if session.get_bind().dialect.name == "postgresql":
         return postgresql.insert(table)
@@ -47,7 +112,7 @@ def _chunks(values: Sequence[Any], size: int = _IN_CHUNK) -> Iterable[Sequence[A
         yield values[start : start + size]
 
 
-def ensure_configs(session: Session, rows: Mapping[str, dict[str, Any]]) -> dict[str, int]:
+def ensure_configs(session: Session, rows: Mapping[str, ConfigValues]) -> dict[str, int]:
     """Store the configurations not stored yet (`rows` keyed by content_sha256) and return the
     database id of every one of them."""
     if not rows:
@@ -70,7 +135,7 @@ def ensure_configs(session: Session, rows: Mapping[str, dict[str, Any]]) -> dict
 def _insert_do_nothing(
     session: Session,
     table: Table,
-    rows: Sequence[dict[str, Any]],
+    rows: Sequence[Mapping[str, object]],
     returning: Sequence[str] = (),
 ) -> list[tuple[Any, ...]]:
     """INSERT `rows` (already in database form: packed bytes, aware datetimes) ... ON CONFLICT
@@ -120,7 +185,7 @@ def _insert_do_nothing(
         cursor.close()
 
 
-def insert_trace_keys(session: Session, rows: Sequence[dict[str, Any]]) -> set[str]:
+def insert_trace_keys(session: Session, rows: Sequence[TraceKeyValues]) -> set[str]:
     """Insert trace keys (public_id, project_id, content_sha256, external_id, created_at),
     skipping any whose content or external_id the project already holds (or whose public id
     is taken). Returns the content_sha256 of the keys actually inserted: exactly the traces to
@@ -129,12 +194,12 @@ def insert_trace_keys(session: Session, rows: Sequence[dict[str, Any]]) -> set[s
     assert isinstance(table, Table)
     # Sorted by content: two batches holding the same traces in different orders (a client
     # retrying concurrently) take the unique-index locks in one order and cannot deadlock.
-    ordered = sorted(rows, key=lambda row: str(row["content_sha256"]))
+    ordered = sorted(rows, key=lambda row: row["content_sha256"])
     inserted = _insert_do_nothing(session, table, ordered, returning=("content_sha256",))
     return {sha for (sha,) in inserted}
 
 
-def insert_traces(session: Session, rows: Sequence[dict[str, Any]]) -> dict[str, tuple[int, str]]:
+def insert_traces(session: Session, rows: Sequence[TraceValues]) -> dict[str, tuple[int, str]]:
     """Insert trace rows whose keys `insert_trace_keys` just inserted. Returns content_sha256
     -> (id, public_id) of the rows inserted."""
     table = Trace.__table__
@@ -145,7 +210,7 @@ def insert_traces(session: Session, rows: Sequence[dict[str, Any]]) -> dict[str,
     return {sha: (id_, public_id) for id_, public_id, sha in inserted}
 
 
-def insert_trace_tags(session: Session, rows: Sequence[dict[str, Any]]) -> None:
+def insert_trace_tags(session: Session, rows: Sequence[TraceTagValues]) -> None:
     """Insert (trace_id, trace_created_at, tag) rows."""
     if not rows:
         return

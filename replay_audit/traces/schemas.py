@@ -12,7 +12,7 @@ from collections.abc import Sequence, Sized
 from datetime import datetime
 from functools import cached_property
 from itertools import chain
-from typing import Annotated, Any, Final, Literal, NamedTuple
+from typing import Annotated, Any, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -29,16 +29,35 @@ from pydantic import (
 
 from replay_audit.config import MAX_BATCH_TRACES, MAX_TOP_K, MAX_TRACE_TOKENS
 from replay_audit.diff.pieces import MAX_PIECE_LENGTH, from_json, to_json
-from replay_audit.formats import BODY_DTYPES, HEAD_DTYPES
+from replay_audit.formats import (
+    ATTN_KERNEL_PATTERN,
+    BodyDType,
+    HeadDType,
+    LoggedDevice,
+    StopReason,
+    Strategy,
+    WeightDType,
+)
 from replay_audit.input import InputModel, refuse_unstorable
+from replay_audit.json_value import JsonObject
 
-BodyDTypeName = Literal["fp32", "bf16", "fp16"]
-HeadDTypeName = Literal["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"]
-WeightDTypeName = Literal["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+# The constraints of a numerical configuration's fields, shared by `NumericalConfig` and the
+# import's partial one (`imports.schemas.ImportContext`).
+Version = Annotated[str, StringConstraints(max_length=100)]
+#: A logged attention kernel: any transformers-style name (`formats.ATTN_KERNELS` are the ones
+#: this engine runs).
+AttnKernelName = Annotated[str, StringConstraints(pattern=ATTN_KERNEL_PATTERN)]
+BatchSize = Annotated[int, Field(ge=1, le=1_000_000)]
+TpDegree = Annotated[int, Field(ge=1, le=1024)]
+#: Compute capability, "major.minor" (e.g. "8.6", "9.0").
+ComputeCapability = Annotated[str, StringConstraints(pattern=r"^\d{1,2}\.\d{1,2}$")]
+ExtraKey = Annotated[str, StringConstraints(max_length=100)]
+#: Most keys of `config.extras`.
+MAX_EXTRAS: Final = 100
 
 #: Numbers in `config.extras` are below 2^63 in magnitude: an integer there fits a signed
 #: 64-bit integer, which JSON libraries and databases hold exactly (orjson serialises nothing
@@ -92,10 +111,6 @@ TokenPiece = (
 )
 
 
-assert set(BODY_DTYPES) == set(BodyDTypeName.__args__)  # type: ignore[attr-defined]
-assert set(HEAD_DTYPES) == set(HeadDTypeName.__args__)  # type: ignore[attr-defined]
-
-
 def _canonical_pieces(pieces: list[str | list[int]]) -> list[str | list[int]]:
     return to_json(from_json(pieces))
 
@@ -122,37 +137,34 @@ class ModelRef(TraceInput):
 
 class GpuInfo(TraceInput):
     name: Name
-    #: Compute capability, "major.minor" (e.g. "8.6", "9.0").
-    sm: Annotated[str, StringConstraints(pattern=r"^\d{1,2}\.\d{1,2}$")]
+    sm: ComputeCapability
 
 
 class EngineInfo(TraceInput):
     name: Name
-    version: str | None = Field(default=None, max_length=100)
+    version: Version | None = None
 
 
 class NumericalConfig(TraceInput):
     """Everything that changes the numbers. Stored once per distinct content (its hash)."""
 
-    dtype: BodyDTypeName
+    dtype: BodyDType
     #: None means the same as `dtype`.
-    lm_head_dtype: HeadDTypeName | None = None
+    lm_head_dtype: HeadDType | None = None
     #: Storage dtype of the weights (e.g. bf16 weights computed in fp32); None = `dtype`.
-    weight_dtype: WeightDTypeName | None = None
-    device: Literal["cpu", "cuda", "rocm", "mps", "xpu", "other"] = "cpu"
+    weight_dtype: WeightDType | None = None
+    device: LoggedDevice = "cpu"
     gpu: GpuInfo | None = None
-    attn_kernel: Annotated[str, StringConstraints(pattern=r"^[a-z0-9_\-]{1,64}$")] = "eager"
-    batch_size: int = Field(default=1, ge=1, le=1_000_000)
-    tp_degree: int = Field(default=1, ge=1, le=1024)
+    attn_kernel: AttnKernelName = "eager"
+    batch_size: BatchSize = 1
+    tp_degree: TpDegree = 1
     engine: EngineInfo = EngineInfo(name="transformers")
-    torch_version: str | None = Field(default=None, max_length=100)
-    cuda_version: str | None = Field(default=None, max_length=100)
-    cublas_version: str | None = Field(default=None, max_length=100)
+    torch_version: Version | None = None
+    cuda_version: Version | None = None
+    cublas_version: Version | None = None
     deterministic: bool | None = None
     tf32: bool | None = None
-    extras: dict[Annotated[str, StringConstraints(max_length=100)], ExtraValue] = Field(
-        default_factory=dict, max_length=100
-    )
+    extras: dict[ExtraKey, ExtraValue] = Field(default_factory=dict, max_length=MAX_EXTRAS)
 
     @property
     def head_dtype(self) -> str:
@@ -167,10 +179,10 @@ class NumericalConfig(TraceInput):
 
 class Decoding(TraceInput):
     #: Only greedy traces can be replayed; others are stored but refused by replays.
-    strategy: Literal["greedy", "sample", "beam", "other"] = "greedy"
+    strategy: Strategy = "greedy"
     max_new_tokens: int | None = Field(default=None, ge=1, le=MAX_TRACE_TOKENS)
     eos_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
-    stop_reason: Literal["eos", "length", "stop_string", "other"] | None = None
+    stop_reason: StopReason | None = None
 
 
 class PackedTopK(NamedTuple):
@@ -239,9 +251,9 @@ class TraceCreate(TraceInput):
     output_text: str | None = Field(default=None, max_length=1_000_000)
     #: One piece per output token (its text, or its bytes), from a producer that had the
     #: tokenizer; byte lists that are valid text are stored as that text.
-    output_token_pieces: (
-        Annotated[list[TokenPiece], AfterValidator(_canonical_pieces)] | None
-    ) = Field(default=None, max_length=MAX_TRACE_TOKENS)
+    output_token_pieces: Annotated[list[TokenPiece], AfterValidator(_canonical_pieces)] | None = (
+        Field(default=None, max_length=MAX_TRACE_TOKENS)
+    )
     top_k: TopK | None = None
     tags: list[Tag] = Field(default_factory=list, max_length=64)
     reference_answer: str | None = Field(default=None, max_length=100_000)
@@ -359,10 +371,11 @@ class IngestResult(_Frozen):
     status: int
     id: str | None = None
     created: bool | None = None
-    error: dict[str, Any] | None = None
+    #: The error body of a refused item (`api.errors.ErrorBody`).
+    error: JsonObject | None = None
 
 
-def _any_item(schema: dict[str, Any]) -> None:
+def _any_item(schema: JsonObject) -> None:
     schema["items"] = {
         "anyOf": [schema["items"], {}],
         "description": "a TraceCreate; an item that is not gets its own 4xx result",

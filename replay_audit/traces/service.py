@@ -20,7 +20,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Final
+from typing import Final
 
 import numpy as np
 import orjson
@@ -30,8 +30,10 @@ from replay_audit.db.base import utcnow
 from replay_audit.db.ids import new_public_id
 from replay_audit.db.types import INT32_LE
 from replay_audit.exceptions import Conflict, FieldError, NotFound, ReplayAuditError
+from replay_audit.json_value import JsonObject
 from replay_audit.traces import repository
 from replay_audit.traces.models import Trace
+from replay_audit.traces.repository import ConfigValues, TraceContent, TraceValues
 from replay_audit.traces.schemas import (
     IngestResult,
     ModelRef,
@@ -78,7 +80,7 @@ class _Prepared:
     trace: TraceCreate
     config_sha256: str
     content_sha256: str
-    row: dict[str, Any]
+    row: TraceContent
 
 
 def _pack_ids(ids: Sequence[int]) -> bytes:
@@ -88,7 +90,7 @@ def _pack_ids(ids: Sequence[int]) -> bytes:
 def _prepare(index: int, trace: TraceCreate, config_sha256: str) -> _Prepared:
     prompt = _pack_ids(trace.prompt_token_ids)
     output = _pack_ids(trace.output_token_ids)
-    decoding = trace.decoding.model_dump(mode="json")
+    decoding: JsonObject = trace.decoding.model_dump(mode="json")
     top_k = trace.top_k.packed if trace.top_k is not None else None
     header: dict[str, object] = {
         "external_id": trace.external_id,
@@ -111,7 +113,7 @@ def _prepare(index: int, trace: TraceCreate, config_sha256: str) -> _Prepared:
     for array in arrays:
         digest.update(struct.pack("<q", len(array)))
         digest.update(array)
-    row = {
+    row: TraceContent = {
         "model_name": trace.model.name,
         "model_revision": trace.model.revision,
         "weights_sha256": trace.model.weights_sha256,
@@ -134,9 +136,7 @@ def _prepare(index: int, trace: TraceCreate, config_sha256: str) -> _Prepared:
     return _Prepared(index, trace, config_sha256, digest.hexdigest(), row)
 
 
-def _config_row(
-    config: NumericalConfig, config_json: str, sha: str, now: datetime
-) -> dict[str, Any]:
+def _config_row(config: NumericalConfig, config_json: str, sha: str, now: datetime) -> ConfigValues:
     return {
         "public_id": config_public_id(sha),
         "content_sha256": sha,
@@ -188,7 +188,7 @@ def _ingest(
 ) -> list[IngestResult | ReplayAuditError]:
     results: list[IngestResult | ReplayAuditError | None] = [None] * len(items)
     now = utcnow()
-    configs: dict[str, dict[str, Any]] = {}
+    configs: dict[str, ConfigValues] = {}
     prepared: list[_Prepared] = []
     for index, item in enumerate(items):
         if isinstance(item, ReplayAuditError):
@@ -206,7 +206,7 @@ def _ingest(
         public_ids = iter(sorted(new_public_id(TRACE_ID_PREFIX, ms) for _ in prepared))
         first: dict[str, _Prepared] = {}
         external_ids: set[str] = set()
-        rows = []
+        rows: list[TraceValues] = []
         for p in prepared:
             if p.content_sha256 in first:
                 continue  # a repeat within this call: answered with the first one's id below
@@ -218,8 +218,8 @@ def _ingest(
                 external_ids.add(p.trace.external_id)
             first[p.content_sha256] = p
             rows.append(
-                p.row
-                | {
+                {
+                    **p.row,
                     "public_id": next(public_ids),
                     "project_id": project_id,
                     "config_id": config_ids[p.config_sha256],

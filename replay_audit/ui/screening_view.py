@@ -4,9 +4,8 @@ the self-contained file the CLI writes (the stylesheet inlined, no external asse
 
 from __future__ import annotations
 
-from typing import Any
-
 from markupsafe import Markup
+from typing_extensions import TypedDict
 
 from replay_audit.screening.report import ScreeningReport
 from replay_audit.stats.report import ProportionRead
@@ -25,7 +24,24 @@ def _td_histogram(values: list[float]) -> Histogram | None:
     return histogram(values, [i / 20 for i in range(21)]) if values else None
 
 
-def charts(report: ScreeningReport) -> dict[str, Any]:
+class Charts(TypedDict):
+    """The page's charts as SVG markup (None: nothing to draw)."""
+
+    sweep_chart: Markup | None
+    category_chart: Markup
+    lift_chart: Markup | None
+    margin_charts: list[Markup]
+    td_chart: Markup | None
+    pair_margin_chart: Markup
+
+
+class Context(Charts):
+    """What the screening templates render."""
+
+    report: ScreeningReport
+
+
+def charts(report: ScreeningReport) -> Charts:
     """Every chart of the page, as SVG markup."""
     sweep: dict[str, ProportionRead] = {}
     for k in report.knobs:
@@ -63,7 +79,7 @@ def charts(report: ScreeningReport) -> dict[str, Any]:
     }
 
 
-def context(report: ScreeningReport) -> dict[str, Any]:
+def context(report: ScreeningReport) -> Context:
     return {"report": report, **charts(report)}
 
 
