@@ -26,6 +26,7 @@ from replay_audit.formats import (
     SCAN_FLAG_ULPS,
     TOP_K,
 )
+from replay_audit.json_value import JsonObject, as_str
 
 if TYPE_CHECKING:
     from replay_audit.engine import Target
@@ -52,7 +53,7 @@ def _threads(threads: int | None) -> int | None:
     return get_settings().torch_threads
 
 
-def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def _read_jsonl(path: Path) -> Iterator[tuple[int, JsonObject]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as e:
@@ -149,7 +150,7 @@ def generate(
         for row in rows:
             pid = row.get("id")
             trace = gen.trace(
-                row["prompt"],
+                as_str(row["prompt"]),
                 max_new_tokens=max_new_tokens,
                 top_k=top_k,
                 external_id=None if pid is None else str(pid),
@@ -308,7 +309,7 @@ def replay(
         settings.large_run_traces,
     )
     names = [tr.external_id or f"line {n}" for n, tr, _ in parsed]
-    done: dict[str, dict[str, Any]] = {}
+    done: dict[str, JsonObject] = {}
     if resume:
         done = _results_written(out, names, target, run_mode)
     rows = [
@@ -411,7 +412,7 @@ def replay(
 
 def _results_written(
     out: Path, names: list[str], target: Any, mode: str
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, JsonObject]:
     """`--resume`: the results an earlier run wrote to `out`, by trace name (external_id, or
     `line N`). Refuses a file of another target or mode, or of traces not in the input (its
     statistics would mix them); a last line cut short (the process killed mid-write) is
@@ -425,13 +426,19 @@ def _results_written(
     if text and not text.endswith("\n"):
         text = text[: text.rfind("\n") + 1]
         out.write_text(text, encoding="utf-8")
-    def key(t: Mapping[str, Any]) -> tuple[object, ...]:
+    def key(t: Mapping[str, object]) -> tuple[object, ...]:
         return (t.get("dtype"), t.get("lm_head_dtype") or t.get("dtype"), t.get("intervention"))
 
+    def target_b(row: JsonObject) -> JsonObject:
+        arms, b = row.get("arms"), None
+        b = arms.get("b") if isinstance(arms, dict) else None
+        target = b.get("target") if isinstance(b, dict) else None
+        return target if isinstance(target, dict) else {}
+
     want = key(target.to_dict())
-    done: dict[str, dict[str, Any]] = {}
+    done: dict[str, JsonObject] = {}
     for n, row in _read_jsonl(out):
-        got = key(((row.get("arms") or {}).get("b") or {}).get("target") or {})
+        got = key(target_b(row))
         if got != want or row.get("mode") != mode:
             _fail(
                 f"{out}:{n}: a result of another target or mode ({got}, {row.get('mode')}); "

@@ -87,7 +87,8 @@ def screen(
     for n, row in _read_jsonl(prompts):
         text, ids = row.get("prompt"), row.get("prompt_token_ids")
         if isinstance(ids, list) and all(isinstance(x, int) for x in ids):
-            rows.append({"id": str(row.get("id", len(rows))), "prompt_token_ids": ids})
+            token_ids = [x for x in ids if isinstance(x, int)]
+            rows.append({"id": str(row.get("id", len(rows))), "prompt_token_ids": token_ids})
         elif isinstance(text, str):
             rows.append({"id": str(row.get("id", len(rows))), "prompt": text})
         else:

@@ -50,6 +50,7 @@ from replay_audit.formats import (
 )
 from replay_audit.formats import MAX_SCAN_FLAG_ULPS as MAX_SCAN_FLAG_ULPS
 from replay_audit.formats import SCAN_FLAG_OFF as SCAN_FLAG_OFF
+from replay_audit.json_value import JsonObject
 from replay_audit.traces.selection import is_greedy
 
 #: A "large run": a run selecting at least this many traces and naming no `mode` is replayed
@@ -150,7 +151,7 @@ class RunTarget:
             parts.append(f"bs {t.batch_size}")
         return " / ".join(parts) + intervention_suffix(t.intervention)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """The stored form (the run's `targets` column, as the API returns it)."""
         if self.target is None:
             return {"self": True, "label": self.label or "self (logged configuration)"}
@@ -309,7 +310,7 @@ class Comparison:
     def against_logged(self) -> bool:
         return self.a == "logged"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"index": self.index, "a": self.a, "b": self.b}
 
     @classmethod
@@ -472,7 +473,7 @@ class ArmMargin:
     def is_tie(self) -> bool:
         return self.abs == 0.0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"abs": _finite(self.abs), "ulps": _finite(self.ulps), "source": self.source}
 
     @classmethod

@@ -13,7 +13,6 @@ duplicates a result and never leaves one half-written.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -35,6 +34,7 @@ import replay_audit.auth.models
 import replay_audit.traces.models  # noqa: F401
 from replay_audit.db.base import Base, utcnow
 from replay_audit.db.types import Int32Array, PackedInt32Array
+from replay_audit.json_value import JsonObject, as_float, as_int
 from replay_audit.replays.domain import (
     DEFAULT_CONTROL_FRACTION,
     DEFAULT_CONTROL_SEED,
@@ -67,18 +67,18 @@ class ReplayRun(Base):
     mode: Mapped[str] = mapped_column(String(32))
     compare: Mapped[str] = mapped_column(String(16))
     #: The request as accepted (canonical JSON of ReplayCreate).
-    request: Mapped[dict[str, Any]] = mapped_column(JSON)
+    request: Mapped[JsonObject] = mapped_column(JSON)
     #: Resolved targets (index = position); a `self` target has {"self": true}.
-    targets: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    targets: Mapped[list[JsonObject]] = mapped_column(JSON)
     #: [{"index", "a", "b"}]; a = "logged" or a target index, b = a target index.
-    comparisons: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    comparisons: Mapped[list[JsonObject]] = mapped_column(JSON)
     n_traces: Mapped[int] = mapped_column(Integer)
     n_items: Mapped[int] = mapped_column(Integer)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
     schedule_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: The run's statistics (`stats.report.RunStatistics` JSON), stored when the run finishes.
-    aggregate: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    aggregate: Mapped[JsonObject | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
     started_at: Mapped[datetime | None] = mapped_column(nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
@@ -107,10 +107,10 @@ class ReplayRun(Base):
         seed = self.request.get("control_seed")
         flag = self.request.get("scan_flag_ulps")
         return ControlSample(
-            DEFAULT_CONTROL_FRACTION if fraction is None else float(fraction),
-            DEFAULT_CONTROL_SEED if seed is None else int(seed),
+            DEFAULT_CONTROL_FRACTION if fraction is None else as_float(fraction),
+            DEFAULT_CONTROL_SEED if seed is None else as_int(seed),
             # A run stored before near-tie flagging had none: off.
-            SCAN_FLAG_OFF if flag is None else float(flag),
+            SCAN_FLAG_OFF if flag is None else as_float(flag),
         )
 
 
@@ -201,7 +201,7 @@ class ReplayResult(Base):
     resolved_b: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: Everything else of the outcome (`replays.results`): per arm its environment, target,
     #: margin track and text; the single-step re-run; the semantic answers.
-    detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    detail: Mapped[JsonObject] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     #: What a scan-then-decode run did with the trace (`formats.Screen`: flagged, control,
     #: scanned), NULL in the other modes; a scanned result has exact_match and category NULL.

@@ -40,7 +40,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import numpy as np
 
@@ -598,7 +598,7 @@ def _arm_outcome(
     )
 
 
-def _environment(engine: Engine, scan_batched: bool, step_batched: bool) -> dict[str, Any]:
+def _environment(engine: Engine, scan_batched: bool, step_batched: bool) -> dict[str, object]:
     """`engine.environment()` as it held for one result: without the batch extras of a batched
     scan or of batched re-runs the result's trace was not part of (the engine keeps its last
     batch's, whatever it ran since)."""

@@ -23,6 +23,7 @@ import numpy.typing as npt
 from replay_audit.db.base import utcnow
 from replay_audit.diff.pieces import to_json
 from replay_audit.formats import Category, MarginSource, ResultStatus, Screen
+from replay_audit.json_value import JsonObject
 from replay_audit.replays.domain import ArmOutcome, ReplayOutcome, SingleStep
 from replay_audit.replays.schemas import ReplayResultRead
 from replay_audit.stats.report import ResultFigures
@@ -44,9 +45,9 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def _arm_detail(arm: ArmOutcome) -> dict[str, Any]:
+def _arm_detail(arm: ArmOutcome) -> JsonObject:
     """What the detail JSON keeps of an arm (its output lives in a token column)."""
-    detail: dict[str, Any] = _plain(
+    detail: JsonObject = _plain(
         {
             "target": arm.target.to_dict() if arm.target is not None else None,
             "gate_fired_at_divergence": arm.gate_fired_at_divergence,
@@ -63,15 +64,15 @@ def _arm_detail(arm: ArmOutcome) -> dict[str, Any]:
         }
     )
     if arm.pieces is not None:
-        detail["pieces"] = to_json(arm.pieces)
+        detail["pieces"] = _plain(to_json(arm.pieces))
     return detail
 
 
-def _single_step_json(s: SingleStep | None) -> dict[str, Any] | None:
+def _single_step_json(s: SingleStep | None) -> JsonObject | None:
     if s is None:
         return None
 
-    def choice(c: Any) -> dict[str, Any] | None:
+    def choice(c: Any) -> JsonObject | None:
         if c is None:
             return None
         m = c.margin.to_json() if c.margin is not None else None
@@ -192,7 +193,7 @@ def _arm_json(
     gate_triggers: int | None,
     steps: int | None,
     mean_gap: float | None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """An arm as `ArmRead` JSON."""
     triggers = gate_triggers if gate_triggers is not None else d.get("gate_triggers")
     n = steps if steps is not None else d.get("steps")
@@ -220,7 +221,7 @@ def result_json(
     run_public_id: str,
     *,
     engine_reproduced: bool | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """A stored result as the API's JSON (`ReplayResultRead`; times as datetimes), built
     without a model: the export streams it for every row. `row` is a `ReplayResult` or a row of
     the same columns; `engine_reproduced` is the outcome of the run's engine-reproduction check

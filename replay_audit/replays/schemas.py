@@ -52,6 +52,7 @@ from replay_audit.formats import (
     Screen,
 )
 from replay_audit.input import InputModel, Lax, UtcDatetime, option_field
+from replay_audit.json_value import JsonObject
 from replay_audit.replays.domain import (
     DEFAULT_SCAN_FLAG_ULPS,
     ControlSample,
@@ -165,14 +166,14 @@ class TraceFilter(InputModel):
 
 #: JSON Schema of the rule "at least one target, or the self-replay" (`compare_with: "self"`),
 #: which the model validator enforces: the OpenAPI document states it too.
-TARGETS_RULE: dict[str, Any] = {
+TARGETS_RULE: JsonObject = {
     "anyOf": [
         {"required": ["targets"], "properties": {"targets": {"minItems": 1}}},
         {"required": ["compare_with"], "properties": {"compare_with": {"const": "self"}}},
     ]
 }
 #: JSON Schema of "exactly one of trace_ids (a list) and filter (an object)".
-SELECTION_RULE: dict[str, Any] = {
+SELECTION_RULE: JsonObject = {
     "oneOf": [
         {"required": ["trace_ids"], "properties": {"trace_ids": {"type": "array"}}},
         {"required": ["filter"], "properties": {"filter": {"type": "object"}}},
@@ -289,9 +290,9 @@ class ReplayRead(_Frozen):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
-    request: dict[str, Any]
-    targets: list[dict[str, Any]]
-    comparisons: list[dict[str, Any]]
+    request: JsonObject
+    targets: list[JsonObject]
+    comparisons: list[JsonObject]
     n_traces: int
     #: The mode the run replays in (a request naming none gets it by the large-run rule).
     mode: Mode | None = None
@@ -307,7 +308,7 @@ class ReplayRead(_Frozen):
     #: many results ran it (the computation each arm ran, resolved once against each trace).
     ran: list[RanRead] = []
     #: Deprecated: the same figures under the key names of earlier releases.
-    aggregate: dict[str, Any] | None
+    aggregate: JsonObject | None
     schedule_id: str | None = None
 
 
@@ -399,7 +400,7 @@ class ArmRead(_Frozen):
 
     #: The configuration the arm stands for (the run's target with the kernel that ran, or
     #: the trace's logged configuration).
-    target: dict[str, Any] | None
+    target: JsonObject | None
     #: What ran for the arm here (null: the logged tokens, not run here).
     resolved: ResolvedArmRead | None = None
     #: Whether the comparison's gate fires at t* on this arm's margin (null: no divergence, or
@@ -414,7 +415,7 @@ class ArmRead(_Frozen):
     gate_fired_steps: list[int] | None
     #: Per-step margins (6 significant digits; a display track).
     margins: list[float | None] | None
-    environment: dict[str, Any] | None
+    environment: JsonObject | None
     text: str | None
     #: Each output token's piece: its text, or its bytes (integers 0..255) where they are not
     #: text alone. For arm A against the logged tokens, the logged tokens' pieces read by the

@@ -10,7 +10,7 @@ import base64
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from sqlalchemy.orm import Session
 
@@ -19,6 +19,7 @@ from replay_audit.db.base import utcnow
 from replay_audit.db.ids import new_public_id
 from replay_audit.exceptions import FieldError, NotFound
 from replay_audit.formats import Mode
+from replay_audit.json_value import JsonObject
 from replay_audit.queue import Capabilities, JobQueue
 from replay_audit.replays import repository, statistics
 from replay_audit.replays.domain import (
@@ -137,10 +138,10 @@ def _queue(targets: Sequence[RunTarget], default: str) -> str:
     return "cpu" if queues == {"cpu"} or (not queues and default == "cpu") else "gpu"
 
 
-def _recorded(request: ReplayCreate, mode: str, scan_flag_ulps: float) -> dict[str, Any]:
+def _recorded(request: ReplayCreate, mode: str, scan_flag_ulps: float) -> JsonObject:
     """The request as the run stores it, with the near-tie flag a scan-then-decode run uses
     (the deployment's where the request names none), so every worker applies the same one."""
-    stored: dict[str, Any] = request.model_dump(mode="json")
+    stored: JsonObject = request.model_dump(mode="json")
     if mode == "scan_then_decode" and stored.get("scan_flag_ulps") is None:
         stored["scan_flag_ulps"] = scan_flag_ulps
     return stored

@@ -38,6 +38,7 @@ from replay_audit.db.unit_of_work import session_scope
 from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import ScanRun
 from replay_audit.exceptions import ReplayAuditError
+from replay_audit.json_value import as_int
 from replay_audit.queue import stop_requested
 from replay_audit.replays import repository, service
 from replay_audit.replays.checkpoint import ModelNotFound, find_checkpoint
@@ -167,7 +168,7 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
         control = run.control_sample
         options = ReplayOptions(
             mode=run.mode,  # type: ignore[arg-type]  # a stored run's mode is one of MODES
-            top_k=int(run.request.get("top_k", 5)),
+            top_k=as_int(run.request.get("top_k", 5)),
             flag_ulps=control.flag_ulps if control is not None else SCAN_FLAG_OFF,
             token_budget=ctx.settings.scan_token_budget,
         )

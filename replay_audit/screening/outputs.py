@@ -22,9 +22,7 @@ from replay_audit.json_value import (
     JsonValue,
     as_int,
     as_list,
-    as_object,
     as_optional_float,
-    as_str,
 )
 
 FloatArray = npt.NDArray[np.float64]
@@ -97,21 +95,6 @@ class RunOutput:
     run_key: str
     environment: JsonObject
     decodes: tuple[PromptDecode, ...]
-
-    def to_json(self) -> JsonObject:
-        return {
-            "run_key": self.run_key,
-            "environment": self.environment,
-            "decodes": [d.to_json() for d in self.decodes],
-        }
-
-    @classmethod
-    def from_json(cls, d: JsonObject) -> RunOutput:
-        return cls(
-            run_key=as_str(d["run_key"]),
-            environment=dict(as_object(d["environment"])),
-            decodes=tuple(PromptDecode.from_json(as_object(x)) for x in as_list(d["decodes"])),
-        )
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,13 @@ import glob
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 import numpy as np
 
 from replay_audit.engine.protocol import Engine, HiddenStates, Intervention
 from replay_audit.exceptions import EngineError, ReplayAuditError, UnsupportedFormat
-from replay_audit.json_value import JsonObject
+from replay_audit.json_value import JsonObject, as_int, as_object
 from replay_audit.screening.outputs import (
     Probe,
     PromptDecode,
@@ -55,11 +55,11 @@ class Backend(Protocol):
 class Store(Protocol):
     """Where a screening keeps what it has produced, as JSON objects by key."""
 
-    def get(self, key: str) -> dict[str, Any] | None: ...
+    def get(self, key: str) -> JsonObject | None: ...
 
-    def put(self, key: str, value: dict[str, Any]) -> None: ...
+    def put(self, key: str, value: JsonObject) -> None: ...
 
-    def scan(self, prefix: str) -> list[dict[str, Any]]:
+    def scan(self, prefix: str) -> list[JsonObject]:
         """Every stored value whose key starts with `prefix` (in no particular order)."""
         ...
 
@@ -74,17 +74,17 @@ class DirectoryStore:
     def _path(self, key: str) -> Path:
         return self.root / (key.replace("/", "__").replace(":", "--") + ".json")
 
-    def get(self, key: str) -> dict[str, Any] | None:
+    def get(self, key: str) -> JsonObject | None:
         p = self._path(key)
         return self.get_file(p) if p.is_file() else None
 
-    def put(self, key: str, value: dict[str, Any]) -> None:
+    def put(self, key: str, value: JsonObject) -> None:
         p = self._path(key)
         tmp = p.with_suffix(".tmp")
         tmp.write_text(json.dumps(value, allow_nan=False), encoding="utf-8")
         tmp.replace(p)
 
-    def scan(self, prefix: str) -> list[dict[str, Any]]:
+    def scan(self, prefix: str) -> list[JsonObject]:
         # File names encode keys lossily ("/" and "__" alike): callers check what they read.
         stem = self._path(prefix).name.removesuffix(".json")
         out = []
@@ -95,7 +95,7 @@ class DirectoryStore:
         return out
 
     @staticmethod
-    def get_file(p: Path) -> dict[str, Any] | None:
+    def get_file(p: Path) -> JsonObject | None:
         try:
             value = json.loads(p.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
@@ -106,16 +106,16 @@ class DirectoryStore:
 class MemoryStore:
     """A `Store` in a dict (tests, and the service's job before it writes its row)."""
 
-    def __init__(self, values: dict[str, dict[str, Any]] | None = None) -> None:
-        self.values: dict[str, dict[str, Any]] = dict(values or {})
+    def __init__(self, values: dict[str, JsonObject] | None = None) -> None:
+        self.values: dict[str, JsonObject] = dict(values or {})
 
-    def get(self, key: str) -> dict[str, Any] | None:
+    def get(self, key: str) -> JsonObject | None:
         return self.values.get(key)
 
-    def put(self, key: str, value: dict[str, Any]) -> None:
+    def put(self, key: str, value: JsonObject) -> None:
         self.values[key] = value
 
-    def scan(self, prefix: str) -> list[dict[str, Any]]:
+    def scan(self, prefix: str) -> list[JsonObject]:
         return [v for k, v in self.values.items() if k.startswith(prefix)]
 
 
@@ -151,7 +151,7 @@ def stored_decodes(store: Store, run: Run) -> dict[int, PromptDecode]:
     out: dict[int, PromptDecode] = {}
     for v in store.scan(_decode_prefix(run)):
         if v.get("run_key") == run.key:  # a directory's file names may match another run's
-            out[int(v["prompt"])] = PromptDecode.from_json(v["decode"])
+            out[as_int(v["prompt"])] = PromptDecode.from_json(as_object(v["decode"]))
     return out
 
 
@@ -159,12 +159,11 @@ def _stored_run(store: Store, run: Run, n_prompts: int) -> RunOutput | None:
     d = store.get(_run_key(run))
     if d is None:
         return None
-    if "decodes" in d:  # stored whole (before decodes were stored per prompt)
-        return RunOutput.from_json(d)
     decodes = stored_decodes(store, run)
     if sorted(decodes) != list(range(n_prompts)):
         return None
-    return RunOutput(run.key, dict(d["environment"]), tuple(decodes[i] for i in range(n_prompts)))
+    decoded = tuple(decodes[i] for i in range(n_prompts))
+    return RunOutput(run.key, as_object(d["environment"]), decoded)
 
 
 def _probe_key(spec: ComparisonSpec) -> str:
@@ -182,7 +181,8 @@ def load_outputs(plan: SweepPlan, store: Store, n_prompts: int) -> ScreenOutputs
     for spec in plan.comparisons():
         d = store.get(_probe_key(spec))
         if d is not None:
-            out.probes[spec.name] = {int(k): Probe.from_json(v) for k, v in d["probes"].items()}
+            probes = as_object(d["probes"]).items()
+            out.probes[spec.name] = {int(k): Probe.from_json(as_object(v)) for k, v in probes}
     u = store.get("unavailable")
     if u is not None:
         out.unavailable = {str(k): str(v) for k, v in u.items()}

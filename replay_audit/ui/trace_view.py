@@ -309,8 +309,9 @@ def build(
                     text_b=_shown_at(arm_b.pieces, t),
                 )
             )
-    iv = ((rb.target or {}).get("intervention")) or {}
-    tau = iv.get("tau") if iv.get("tau_ulps") is None else None
+    # The gate that ran for arm B (its absolute τ; none drawn for a gate in ulps).
+    iv = rb.resolved.intervention if rb.resolved is not None else None
+    tau = iv.tau if iv is not None and iv.tau_ulps is None else None
     top_k = None
     if comp.a == "logged" and t_star is not None and trace.top_k and trace.top_k_ids is not None:
         k = trace.top_k
