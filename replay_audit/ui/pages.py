@@ -35,7 +35,7 @@ from replay_audit.replays.domain import (
     is_treatment,
     logging_engine,
 )
-from replay_audit.replays.service import results_per_s
+from replay_audit.replays.service import ran, results_per_s
 from replay_audit.reports import browsing, statistics
 from replay_audit.reports.endpoints import export_response
 from replay_audit.reports.filters import ResultFilter, RunFilter
@@ -387,6 +387,10 @@ def run_page(
             comparison_label(c, run.run_targets)
             for c in run.run_comparisons
             if c_against_logged(c, run.run_targets)
+        ],
+        ran=[
+            (comparison_label(run.run_comparisons[r.comparison], run.run_targets), r)
+            for r in ran(session, run)
         ],
         results=results,
         result_filter=rf,

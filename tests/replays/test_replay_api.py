@@ -14,6 +14,7 @@ from replay_audit.db.unit_of_work import session_scope
 from replay_audit.replays.models import ReplayJob, ReplayResult
 from replay_audit.replays.reconcile import reconcile
 from tests.replays.conftest import HoldingRunner, all_results, ingest
+from tests.ui.conftest import sign_in
 
 pytestmark = pytest.mark.usefixtures("worker_env")
 
@@ -349,6 +350,7 @@ def test_a_pairwise_target_without_a_kernel_runs_the_logged_one_and_every_surfac
     client: TestClient,
     runner: HoldingRunner,
     headers: Callable[..., dict[str, str]],
+    api_key: Callable[..., str],
     logged_trace: Callable[..., dict[str, Any]],
 ) -> None:
     """Traces logged with `eager`, a pairwise run whose targets name no kernel: both arms run
@@ -373,3 +375,12 @@ def test_a_pairwise_target_without_a_kernel_runs_the_logged_one_and_every_surfac
     (ran,) = run["ran"]
     assert ran["results"] == 4 and ran["a"]["attn_kernel"] == ran["b"]["attn_kernel"] == "eager"
     assert ran["label_a"] == "bf16 / eager / cpu" and ran["label_b"] == "fp16 / eager / cpu"
+    # The run page: the targets say the kernel was left to each trace, and what ran says eager.
+    client.cookies.clear()
+    assert sign_in(client, api_key("auditor")).status_code == 303
+    page = client.get(f"/ui/runs/{run_id}").text
+    ran_table = page[page.index('id="ran"') : page.index("</table>", page.index('id="ran"'))]
+    assert "bf16 / eager / cpu" in ran_table and "fp16 / eager / cpu" in ran_table
+    assert "(kernel: logged)" in ran_table and "engine default" not in ran_table
+    targets = page[page.index('id="targets"') : page.index("</table>", page.index('id="targets"'))]
+    assert "each trace&#39;s logged kernel" in targets or "each trace's logged kernel" in targets
