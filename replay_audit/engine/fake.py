@@ -1,4 +1,4 @@
-"""A fake engine for fast tests of code that only needs engine results (the replayer, the
+"""A fake engine for fast tests of code that only needs engine results (the replay pipeline, the
 workers, the API's job functions). Torch-free.
 
 The fake is a deterministic "model" given as a Python function: `next_token(context)` returns

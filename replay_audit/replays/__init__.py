@@ -10,7 +10,7 @@ results      the one mapping outcome -> row and row -> ReplayResultRead
 statistics   a run's statistics through the one builder (`replay_audit.stats.report`)
 endpoints    `/v1/replays`
 tasks        the job a worker runs (imports the engine at run time; never the API process)
-replayer     one trace x comparison through the engine protocol and the pure diff
+pipeline     the one replay pipeline: arms resolved, run through the engine, one outcome rule
 checkpoint   a trace's checkpoint found by weights_sha256
 reconcile    re-enqueue what the database says is unfinished
 """

@@ -83,7 +83,7 @@ class ControlSample:
 
     fraction: float = DEFAULT_CONTROL_FRACTION
     seed: int = DEFAULT_CONTROL_SEED
-    #: The run's near-tie flag (`replayer.replay_trace`'s `flag_ulps`): traces it flags are
+    #: The run's near-tie flag (`pipeline.ReplayOptions.flag_ulps`): traces it flags are
     #: decoded for that reason and are not in the sample; negative: off (mismatches only).
     flag_ulps: float = DEFAULT_SCAN_FLAG_ULPS
 

@@ -48,7 +48,7 @@ def _extractor(name: str) -> Callable[[str], str | None] | None:
 def comparison_mode(run: ReplayRun, index: int) -> Mode:
     """The mode comparison `index`'s results were produced in: the run's for a comparison
     against the logged tokens; a pairwise comparison decodes both arms in every mode
-    (`replayer.compare_arms`). What SAR can count (`stats.report.SAR_NOTES`)."""
+    (`pipeline.compare_arms`). What SAR can count (`stats.report.SAR_NOTES`)."""
     if Comparison.from_json(run.comparisons[index]).against_logged:
         return cast(Mode, run.mode)
     return "decode"

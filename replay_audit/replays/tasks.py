@@ -18,7 +18,7 @@ in-process runner's first job builds one from the environment, which its thread 
 In the scan modes the job first scans all its traces that still need a result, several per
 forward (`Engine.scan_batch`: length buckets packed up to `Settings.scan_token_budget` tokens),
 one batch per engine and intervention, then finishes its traces a window at a time
-(`replayer.replay_traces`: a scan-then-decode trace the scan flags, by a mismatch or a near-tie,
+(`pipeline.replay_items`: a scan-then-decode trace the scan flags, by a mismatch or a near-tie,
 or one in the control sample, is decoded; the single-step re-runs at t* of the window's
 divergent traces run as batched forwards), writing the window's results in one transaction. A
 job logs how many traces it did and how fast (traces/s, and the scan's alone).
