@@ -13,6 +13,11 @@ intervention), NULL for the logged tokens and for rows written before this revis
 recorded). Columns, not detail JSON: the run page counts what ran per comparison with a GROUP BY,
 which PostgreSQL cannot do over a JSON document holding a `\\u0000` escape.
 
+The statistics stored with finished runs (`replay_runs.aggregate`) are cleared: they were
+written with the names of earlier releases beside the current ones, and `replay-audit db
+upgrade` (and `serve`) store every finished run's statistics again from its rows, in the one
+layout (`replays/statistics.store_missing`).
+
 Revision ID: 0012
 Revises: 0011
 """
@@ -111,6 +116,8 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("resolved_a", sa.Text(), nullable=True))
         batch_op.add_column(sa.Column("resolved_b", sa.Text(), nullable=True))
     conn = op.get_bind()
+    runs = sa.table("replay_runs", sa.column("aggregate", sa.JSON))
+    conn.execute(runs.update().values(aggregate=sa.null()))
     results = sa.table(
         "replay_results",
         sa.column("id", sa.BigInteger),

@@ -307,8 +307,6 @@ class ReplayRead(_Frozen):
     #: What ran, per comparison: each distinct pair of resolved arms among its results and how
     #: many results ran it (the computation each arm ran, resolved once against each trace).
     ran: list[RanRead] = []
-    #: Deprecated: the same figures under the key names of earlier releases.
-    aggregate: JsonObject | None
     schedule_id: str | None = None
 
 

@@ -42,7 +42,6 @@ from replay_audit.replays.schemas import (
     ReplayRead,
     TraceFilter,
 )
-from replay_audit.stats.report import legacy_aggregate
 from replay_audit.traces import repository as traces_repository
 from replay_audit.traces.models import Trace
 from replay_audit.traces.selection import is_greedy
@@ -370,7 +369,6 @@ def to_read(
         error=run.error,
         ran=[] if status_only else ran(session, run),
         statistics=stats,
-        aggregate=legacy_aggregate(stats) if stats is not None and run.finished_at else None,
         schedule_id=run.schedule_id,
     )
 

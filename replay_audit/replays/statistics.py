@@ -208,8 +208,8 @@ def lift_between(
 
 
 def store_missing(session: Session) -> int:
-    """Store the statistics of finished runs that have none (runs finished before migration
-    0005, which cleared the earlier aggregate shape); how many. `db upgrade` and `serve` call
+    """Store the statistics of finished runs that have none (migrations 0005 and 0012 cleared
+    the stored statistics of earlier layouts); how many. `db upgrade` and `serve` call
     it after migrating, so lists that read stored statistics show those runs' figures too."""
     runs = repository.finished_runs_without_statistics(session)
     for run in runs:

@@ -50,7 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, computed_field
+from pydantic import BaseModel, ConfigDict
 
 from replay_audit.formats import CATEGORIES, ArmKey, Mode
 from replay_audit.stats.equivalence import TostResult, tost_noninferiority
@@ -212,48 +212,6 @@ class MarginReport(_Frozen):
     histogram_b: LogHistogram | None
     histogram_a_ulps: LogHistogram | None
     histogram_b_ulps: LogHistogram | None
-
-    # Deprecated names of earlier releases (arm A was called "logged" even when it was a
-    # target run here): kept in the JSON for this release, see docs/api.md.
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def logged(self) -> Distribution | None:
-        return self.a
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def logged_ulps(self) -> Distribution | None:
-        return self.a_ulps
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def replay(self) -> Distribution | None:
-        return self.b
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def replay_ulps(self) -> Distribution | None:
-        return self.b_ulps
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def histogram_logged(self) -> LogHistogram | None:
-        return self.histogram_a
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def histogram_replay(self) -> LogHistogram | None:
-        return self.histogram_b
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def histogram_logged_ulps(self) -> LogHistogram | None:
-        return self.histogram_a_ulps
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def histogram_replay_ulps(self) -> LogHistogram | None:
-        return self.histogram_b_ulps
 
 
 class EstimateRead(_Frozen):
@@ -912,38 +870,3 @@ def run_statistics(
         engine_reproduction=reproduction,
     )
 
-
-#: What the `aggregate` of earlier releases kept of each comparison, lift and margin block.
-_LEGACY_COMPARISON: Final = (
-    *("index", "a", "b", "n", "ok", "failed", "ear", "sar", "steps", "gate_triggers"),
-    *("trigger_rate", "mean_gap", "first_divergence_step", "length_difference"),
-)
-_LEGACY_MARGINS: Final = ("replay", "replay_ulps", "logged", "logged_ulps", "ties")
-_LEGACY_LIFT: Final = (
-    *("comparison_a", "comparison_b", "n", "lift", "low", "high", "confidence", "fixed"),
-    *("broke", "mcnemar_p"),
-)
-
-
-def legacy_aggregate(stats: RunStatistics) -> dict[str, object]:
-    """The `aggregate` of earlier releases: a view of `stats` under older key names
-    (deprecated: read `statistics`)."""
-    data = stats.model_dump(mode="json")
-    comparisons = [
-        {k: c[k] for k in _LEGACY_COMPARISON}
-        | {
-            "margin_at_divergence": {k: c["margin_at_divergence"][k] for k in _LEGACY_MARGINS},
-            "categories": {k: v["successes"] for k, v in c["categories"].items()},
-        }
-        for c in data["comparisons"]
-    ]
-    renamed = {"comparison_a": "baseline", "comparison_b": "treated"}
-    lifts = [
-        {renamed.get(k, k): lf[k] for k in _LEGACY_LIFT}
-        | {
-            f"{kind}_trace_ids": [t["id"] for t in lf[f"{kind}_traces"]]
-            for kind in ("fixed", "broke")
-        }
-        for lf in data["lifts"]
-    ]
-    return {"comparisons": comparisons, "lifts": lifts}

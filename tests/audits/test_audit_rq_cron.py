@@ -175,4 +175,4 @@ def test_rq_cron_and_a_worker_run_the_nightly_audit(
         rr = client.get(f"/v1/replays/{replay['replay_run_id']}", headers=h).json()
         assert rr["schedule_id"] == sid and rr["progress"]["failed"] == 0
         point = client.get(f"/v1/audits/schedules/{sid}/trend", headers=h).json()["points"][-1]
-        assert point["ear"] == rr["aggregate"]["comparisons"][0]["ear"]["estimate"]
+        assert point["ear"] == rr["statistics"]["comparisons"][0]["ear"]["estimate"]

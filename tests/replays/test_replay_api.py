@@ -79,18 +79,18 @@ def test_paired_replay_end_to_end(
         assert x["category"] == "head_reachable"
         assert x["cascade_length"] == len(logged) - t
 
-    agg = run["aggregate"]
+    agg = run["statistics"]
     comps = {c["index"]: c for c in agg["comparisons"]}
     n_exact = sum(1 for x in baseline if x["exact_match"])
     assert comps[0]["ear"]["successes"] == n_exact and comps[0]["ear"]["n"] == 12
     assert comps[0]["ear"]["low"] <= n_exact / 12 <= comps[0]["ear"]["high"]
-    assert comps[0]["categories"]["head_reachable"] == 12 - n_exact
+    assert comps[0]["categories"]["head_reachable"]["successes"] == 12 - n_exact
     assert comps[2]["ear"]["successes"] == 12
-    lifts = {lift["treated"]: lift for lift in agg["lifts"]}
+    lifts = {lift["comparison_b"]: lift for lift in agg["lifts"]}
     assert set(lifts) == {1}  # the self-replay is a reproducibility check, not a treatment
     assert lifts[1]["fixed"] == 12 - n_exact and lifts[1]["broke"] == 0
     assert lifts[1]["lift"] == pytest.approx((12 - n_exact) / 12)
-    assert sorted(lifts[1]["fixed_trace_ids"]) == sorted(
+    assert sorted(t["id"] for t in lifts[1]["fixed_traces"]) == sorted(
         x["trace_id"] for x in baseline if not x["exact_match"]
     )
 
@@ -153,7 +153,7 @@ def test_pairwise_both_arms(
     run = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
     assert run["status"] == "done"
     assert [(c["a"], c["b"]) for c in run["comparisons"]] == [(0, 1), (2, 3)]
-    comps = {c["index"]: c for c in run["aggregate"]["comparisons"]}
+    comps = {c["index"]: c for c in run["statistics"]["comparisons"]}
     # Both arms repaired by C agree everywhere in this model; unrepaired they do not.
     assert comps[1]["ear"]["successes"] == 6
     assert comps[0]["ear"]["successes"] < 6

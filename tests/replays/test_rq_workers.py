@@ -150,7 +150,7 @@ def test_burst_workers_complete_a_paired_run(
     assert _results(pg) == (40, 40)
     client, h = api
     items = client.get(f"/v1/replays/{run_id}/results?limit=500", headers=h).json()["items"]
-    for c in run["aggregate"]["comparisons"]:
+    for c in run["statistics"]["comparisons"]:
         mine = [i for i in items if i["comparison"] == c["index"]]
         assert c["ear"]["successes"] == sum(1 for i in mine if i["exact_match"])
         assert c["gate_triggers"] == sum(i["gate_triggers"] for i in mine)

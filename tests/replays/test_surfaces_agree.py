@@ -11,10 +11,10 @@ or without `compare_with: "self"`, in any mode), or BF16, FP16, BF16 + C, FP16 +
 pairwise (both arms run here). Two hand-made runs with every feature are examples besides.
 
 Once a run is finished, each comparison's figures and each lift are recomputed here from the
-export CSV and the results pages, and must be the same on `GET /v1/replays/{id}` (`statistics`
-and the deprecated `aggregate`), on `/report` and on the web UI's run page (as the page formats
-them). The CLI's `--summary-json` is checked against the API in its own test. SQLite and
-PostgreSQL (the `db_url` fixture).
+export CSV and the results pages, and must be the same on `GET /v1/replays/{id}`
+(`statistics`), on `/report` and on the web UI's run page (as the page formats them). The CLI's
+`--summary-json` is checked against the API in its own test. SQLite and PostgreSQL (the
+`db_url` fixture).
 """
 
 from __future__ import annotations
@@ -670,26 +670,6 @@ def same(actual: Any, expected: Any, where: str = "") -> None:
         assert actual == expected, (where, actual, expected)
 
 
-def legacy(e: dict[str, Any]) -> dict[str, Any]:
-    """A comparison's expected figures under the `aggregate`'s key names."""
-    m = e["margin_at_divergence"]
-    keys = ("n", "ok", "failed", "ear", "sar", "steps", "gate_triggers", "trigger_rate")
-    return {
-        **{k: e[k] for k in keys},
-        "mean_gap": e["mean_gap"],
-        "first_divergence_step": e["first_divergence_step"],
-        "length_difference": e["length_difference"],
-        "margin_at_divergence": {
-            "replay": m["b"],
-            "replay_ulps": m["b_ulps"],
-            "logged": m["a"],
-            "logged_ulps": m["a_ulps"],
-            "ties": m["ties"],
-        },
-        "categories": {k: v["successes"] for k, v in e["categories"].items()},
-    }
-
-
 # -- the web UI, as the run page formats the figures -------------------------------------------
 
 
@@ -850,7 +830,8 @@ def test_every_surface_shows_the_same_figures(
     plan_of = dict(zip(trace_ids, case.plans, strict=True))
     run = replay(client, runner, admin, case.request(trace_ids))
     run_id = run["id"]
-    stats, aggregate = run["statistics"], run["aggregate"]
+    stats = run["statistics"]
+    assert "aggregate" not in run  # one statistics object, no deprecated twin
     report = client.get(f"/v1/replays/{run_id}/report", headers=admin).json()
     rows = _csv(client, run_id, admin)
     items = all_results(client, run_id, admin, limit=7)
@@ -876,17 +857,13 @@ def test_every_surface_shows_the_same_figures(
     treatments = [i for i, (_, b) in enumerate(arms) if i != 0 and b != "self"]
     lifts = [expected_lift(rows_of[0], rows_of[i], i) for i in treatments]
 
-    # The run's statistics, /report and the deprecated aggregate against the recomputed figures.
+    # The run's statistics and /report against the recomputed figures.
     assert report["comparisons"] == stats["comparisons"]
     assert report["lifts"] == stats["lifts"] and report["accuracy"] == stats["accuracy"]
     labels = [c["label"] for c in stats["comparisons"]]
-    for c, old, e, (a, b) in zip(
-        stats["comparisons"], aggregate["comparisons"], expected, arms, strict=True
-    ):
+    for c, e, (a, b) in zip(stats["comparisons"], expected, arms, strict=True):
         check_plans(plan_of, (a, b), rows_of[c["index"]], case.mode)
         same(c, e, f"statistics.comparisons[{c['index']}]")
-        same(old, legacy(e), f"aggregate.comparisons[{c['index']}]")
-        assert (old["index"], old["a"], old["b"]) == (c["index"], c["a"], c["b"])
         hist = c["t_star_histogram"]
         t_stars = [r.t_star for r in rows_of[c["index"]] if r.ok and r.exact is False]
         if t_stars:
@@ -923,16 +900,12 @@ def test_every_surface_shows_the_same_figures(
     assert run["progress"]["failed"] == sum(c["failed"] for c in stats["comparisons"])
 
     assert [lf["comparison_b"] for lf in stats["lifts"]] == treatments
-    for lf, old, e in zip(stats["lifts"], aggregate["lifts"], lifts, strict=True):
+    for lf, e in zip(stats["lifts"], lifts, strict=True):
         exp = {k: v for k, v in e.items() if not k.endswith("_ids")}
         same(lf, exp | {"run_a": run_id, "run_b": run_id}, f"lift {e['comparison_b']}")
         assert {t["id"] for t in lf["fixed_traces"]} == e["fixed_ids"]
         assert {t["id"] for t in lf["broke_traces"]} == e["broke_ids"]
         assert len(lf["fixed_traces"]) == e["fixed"] and len(lf["broke_traces"]) == e["broke"]
-        old_keys = ("n", "lift", "low", "high", "fixed", "broke", "mcnemar_p")
-        same(old, {"baseline": 0, "treated": e["comparison_b"], **{k: e[k] for k in old_keys}})
-        assert set(old["fixed_trace_ids"]) == e["fixed_ids"]
-        assert set(old["broke_trace_ids"]) == e["broke_ids"]
 
     # The web UI's run page prints the same numbers.
     page = signed_in.get(f"/ui/runs/{run_id}")
@@ -1107,7 +1080,6 @@ def test_sar_is_mode_aware_and_the_cli_shows_the_api_figures(
         assert c["sar"]["n"] == len(trace_ids) and c["sar_note"] is None
     report = client.get(f"/v1/replays/{run['id']}/report", headers=admin).json()
     assert report["comparisons"][0] == c
-    assert run["aggregate"]["comparisons"][0]["sar"] == c["sar"]
 
     page = signed_in.get(f"/ui/runs/{run['id']}").text
     cell = _text(_section(page, r'<tr id="comparison-0">.*?<td class="sar">(.*?)</td>'))
@@ -1262,13 +1234,6 @@ def test_no_lift_for_a_self_comparison_and_report_lifts_are_the_stored_ones(
         with session_scope(db_url) as s:
             stored = s.scalar(select(ReplayRun.aggregate).where(ReplayRun.public_id == run["id"]))
         assert stored is not None and report["lifts"] == stored["lifts"] == stats["lifts"]
-        old = [
-            (lf["treated"], lf["lift"], lf["fixed"], lf["broke"])
-            for lf in run["aggregate"]["lifts"]
-        ]
-        assert old == [
-            (lf["comparison_b"], lf["lift"], lf["fixed"], lf["broke"]) for lf in stored["lifts"]
-        ]
         listed = ("fixed_traces", "broke_traces", "fixed_more", "broke_more")
         other = client.get(f"/v1/replays/{run['id']}/report?list_limit=1", headers=admin).json()
         assert [{k: v for k, v in lf.items() if k not in listed} for lf in other["lifts"]] == [
