@@ -23,7 +23,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Final, Literal
 
 import numpy as np
@@ -223,19 +223,8 @@ class ResolvedArm:
         return " / ".join(parts) + intervention_suffix(self.intervention)
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "dtype": self.dtype,
-            "lm_head_dtype": self.lm_head_dtype,
-            "weight_dtype": self.weight_dtype,
-            "attn_kernel": self.attn_kernel,
-            "kernel_source": self.kernel_source,
-            "batch_size": self.batch_size,
-            "tp_degree": self.tp_degree,
-            "device": self.device,
-            "gpu": self.gpu,
-            "engine_path": self.engine_path,
-            "intervention": self.intervention.to_dict(),
-        }
+        """The stored form (a result's `resolved_a`/`resolved_b`, the API's `arms.*.resolved`)."""
+        return asdict(self)
 
     @classmethod
     def from_environment(
@@ -264,19 +253,8 @@ class ResolvedArm:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ResolvedArm:
-        return cls(
-            dtype=str(d["dtype"]),
-            lm_head_dtype=str(d["lm_head_dtype"]),
-            weight_dtype=d.get("weight_dtype"),
-            attn_kernel=str(d["attn_kernel"]),
-            kernel_source=d["kernel_source"],
-            batch_size=int(d["batch_size"]),
-            tp_degree=int(d["tp_degree"]),
-            device=str(d["device"]),
-            gpu=d.get("gpu"),
-            engine_path=d.get("engine_path"),
-            intervention=intervention_from_json(d.get("intervention") or {}),
-        )
+        """The inverse of `to_json`."""
+        return cls(**{**d, "intervention": intervention_from_json(d.get("intervention") or {})})
 
 
 def intervention_suffix(iv: Intervention) -> str:

@@ -670,9 +670,11 @@ def _scanned_only(item: ReplayItem, b: Arm, steps: Steps, batched: bool) -> Repl
 # -- one item -----------------------------------------------------------------------------------
 
 
-def replay_one(item: ReplayItem, pool: EnginePool, options: ReplayOptions) -> ReplayOutcome:
-    """`replay_items` of one item, its failure raised."""
-    (result,) = replay_items([item], pool, options)
+def replay_one(
+    item: ReplayItem, pool: EnginePool, options: ReplayOptions, scan: ScanRun | None = None
+) -> ReplayOutcome:
+    """`replay_items` of one item (`scan`: its scan already run), its failure raised."""
+    (result,) = replay_items([item], pool, options, scans=[scan])
     if isinstance(result, Exception):
         raise result
     return result
@@ -698,10 +700,7 @@ def replay_trace(
     `UnsupportedFormat` when the target cannot run here."""
     item = ReplayItem(trace, RunTarget(target), Path(model_dir), None, control, extractor)
     options = ReplayOptions(mode, top_k, flag_ulps, check_weights=check_weights)
-    (result,) = replay_items([item], pool, options, scans=[scan])
-    if isinstance(result, Exception):
-        raise result
-    return result
+    return replay_one(item, pool, options, scan)
 
 
 def compare_arms(

@@ -56,7 +56,7 @@ from replay_audit.json_value import JsonObject
 from replay_audit.replays.domain import (
     DEFAULT_SCAN_FLAG_ULPS,
     ControlSample,
-    KernelSource,
+    ResolvedArm,
     RunTarget,
 )
 from replay_audit.replays.models import MAX_RUN_NAME
@@ -325,38 +325,13 @@ class MarginsRead(_Frozen):
     b: ArmMarginRead
 
 
-class InterventionRead(_Frozen):
-    kind: InterventionKind
-    tau: float
-    tau_ulps: float | None
-    top_k: int
-
-
-class ResolvedArmRead(_Frozen):
-    """What ran for an arm, resolved once against the trace (`domain.ResolvedArm`)."""
-
-    dtype: str
-    lm_head_dtype: str
-    weight_dtype: str | None
-    attn_kernel: str
-    #: requested (the target named it), logged (the trace's logged kernel: the target named
-    #: none) or engine_default (neither could run here).
-    kernel_source: KernelSource
-    batch_size: int
-    tp_degree: int
-    device: str
-    gpu: str | None
-    engine_path: str | None
-    intervention: InterventionRead
-
-
 class RanRead(_Frozen):
     """Results of one comparison that ran one pair of resolved arms."""
 
     comparison: int
     #: Arm A's computation (null: the logged tokens, or not recorded), and arm B's.
-    a: ResolvedArmRead | None
-    b: ResolvedArmRead | None
+    a: ResolvedArm | None
+    b: ResolvedArm | None
     #: `ResolvedArm.label()` of each (`logged tokens` for arm A against the logged tokens).
     label_a: str
     label_b: str
@@ -400,7 +375,7 @@ class ArmRead(_Frozen):
     #: the trace's logged configuration).
     target: JsonObject | None
     #: What ran for the arm here (null: the logged tokens, not run here).
-    resolved: ResolvedArmRead | None = None
+    resolved: ResolvedArm | None = None
     #: Whether the comparison's gate fires at t* on this arm's margin (null: no divergence, or
     #: the margin is unknown).
     gate_fired_at_divergence: bool | None = None
