@@ -15,7 +15,7 @@ from typing import Final
 from sqlalchemy.orm import Session
 
 from replay_audit.config import Settings
-from replay_audit.db.base import utcnow
+from replay_audit.db.base import read_model, utcnow
 from replay_audit.db.ids import new_public_id
 from replay_audit.exceptions import FieldError, NotFound
 from replay_audit.formats import Mode
@@ -349,27 +349,18 @@ def to_read(
     request = run.request
     if status_only:
         request = {k: v for k, v in request.items() if k != "trace_ids"}
-    return ReplayRead(
+    return read_model(
+        ReplayRead,
+        run,
         id=run.public_id,
         project=project,
-        name=run.name,
-        status=run.status,
-        created_at=run.created_at,
-        started_at=run.started_at,
-        finished_at=run.finished_at,
         request=request,
-        targets=run.targets,
-        comparisons=run.comparisons,
-        n_traces=run.n_traces,
-        mode=run.mode,
         progress=Progress(
             total=run.n_items, done=ok, failed=failed, pending=run.n_items - ok - failed
         ),
         results_per_s=rate,
-        error=run.error,
         ran=[] if status_only else ran(session, run),
         statistics=stats,
-        schedule_id=run.schedule_id,
     )
 
 
