@@ -34,7 +34,6 @@ from replay_audit.screening.report import (
     KnobValueResult,
     MarginDistributionRead,
     PairResult,
-    PlatformRead,
     ScreeningReport,
     TauCalibrationRead,
     TriggerDensityRead,
@@ -405,17 +404,10 @@ def build_report(
         body_remedy_ear=body_remedy_ear,
         batch_divergence=batch_divergence,
     )
-    p = plan.platform
     return ScreeningReport(
         model=model,
         weights_sha256=weights_sha256,
-        platform=PlatformRead(
-            device=p.device,
-            gpu_name=p.gpu_name,
-            sm=p.sm,
-            fp8_unavailable=p.fp8_unavailable,
-            flash_attn_installed=p.flash_attn_installed,
-        ),
+        platform=plan.platform,
         reference=plan.reference.to_json(),
         pair=[plan.pair[0].to_json(), plan.pair[1].to_json()],
         tau=plan.tau,
