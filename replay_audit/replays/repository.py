@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 import orjson
 from sqlalchemy import Text, and_, cast, false, func, or_, select, true, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 from sqlalchemy.sql.expression import ColumnElement, Select
 
 from replay_audit.db.base import utcnow
+from replay_audit.db.engine import dialect_insert
 from replay_audit.formats import logged_by_another_engine
 from replay_audit.replays.domain import LoggedTrace, logging_engine
 from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
@@ -21,10 +21,6 @@ from replay_audit.stats.report import AnswerFigures, PairedOutcome, ResultFigure
 from replay_audit.traces.models import NumericalConfigRow, Trace
 
 R = ReplayResult
-
-
-def _insert(session: Session) -> Any:
-    return (postgresql if session.get_bind().dialect.name == "postgresql" else sqlite).insert
 
 
 def logged_trace(trace: Trace) -> LoggedTrace:
@@ -154,7 +150,7 @@ def insert_results_of(
         for r in rows
     ]
     if values:
-        stmt = _insert(session)(ReplayResult).on_conflict_do_nothing(
+        stmt = dialect_insert(session)(ReplayResult).on_conflict_do_nothing(
             index_elements=["run_id", "trace_id", "trace_created_at", "comparison"]
         )
         session.execute(stmt, values)
