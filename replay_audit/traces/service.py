@@ -316,12 +316,7 @@ def to_read(trace: Trace) -> TraceRead:
             "content_sha256": trace.content_sha256,
             "created_at": trace.created_at,
             "external_id": trace.external_id,
-            "model": {
-                "name": trace.model_name,
-                "revision": trace.model_revision,
-                "weights_sha256": trace.weights_sha256,
-                "vocab_size": trace.vocab_size,
-            },
+            "model": _model_ref(trace),
             "config": orjson.loads(trace.config.config_json),
             "decoding": trace.decoding,
             "prompt_token_ids": trace.prompt_token_ids.tolist(),
