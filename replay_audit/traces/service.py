@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 
 from replay_audit.db.base import utcnow
 from replay_audit.db.ids import new_public_id
-from replay_audit.db.types import INT32_LE
+from replay_audit.db.types import pack_int32
 from replay_audit.exceptions import Conflict, FieldError, NotFound, ReplayAuditError
 from replay_audit.json_value import JsonObject
 from replay_audit.traces import repository
@@ -83,13 +83,9 @@ class _Prepared:
     row: TraceContent
 
 
-def _pack_ids(ids: Sequence[int]) -> bytes:
-    return np.asarray(ids, dtype=INT32_LE).tobytes()
-
-
 def _prepare(index: int, trace: TraceCreate, config_sha256: str) -> _Prepared:
-    prompt = _pack_ids(trace.prompt_token_ids)
-    output = _pack_ids(trace.output_token_ids)
+    prompt = pack_int32(trace.prompt_token_ids)
+    output = pack_int32(trace.output_token_ids)
     decoding: JsonObject = trace.decoding.model_dump(mode="json")
     top_k = trace.top_k.packed if trace.top_k is not None else None
     header: dict[str, object] = {
