@@ -338,11 +338,11 @@ def to_read(
     session: Session, run: ReplayRun, project: str, *, status_only: bool = False
 ) -> ReplayRead:
     """Status, progress and the run's statistics (stored, or computed over the results so far
-    while it runs), with the deprecated `aggregate` view of the same figures.
+    while it runs).
 
-    `status_only` (a submitter's view): no `statistics` or `aggregate` (their lifts list the
-    traces each treatment fixed and broke) and `request` without its `trace_ids`; what is left
-    says how far the run is, not what it found."""
+    `status_only` (a submitter's view): no `statistics` (its lifts list the traces each
+    treatment fixed and broke) and `request` without its `trace_ids`; what is left says how
+    far the run is, not what it found."""
     ok, failed = repository.progress(session, run)
     stats = statistics.of_run(session, run) if ok + failed and not status_only else None
     rate = results_per_s(run, ok + failed)
