@@ -276,22 +276,17 @@ def select_where(stmt: Select[*_Ts], project_id: int, selection: TraceSelection)
     """
     s = selection
     where: list[ColumnElement[bool]] = [Trace.project_id == project_id]
-    if s.model_name is not None:
-        where.append(Trace.model_name == s.model_name)
-    if s.weights_sha256 is not None:
-        where.append(Trace.weights_sha256 == s.weights_sha256)
-    if s.config_id is not None:
-        where.append(NumericalConfigRow.public_id == s.config_id)
-    if s.dtype is not None:
-        where.append(NumericalConfigRow.dtype == s.dtype)
-    if s.lm_head_dtype is not None:
-        where.append(NumericalConfigRow.lm_head_dtype == s.lm_head_dtype)
-    if s.attn_kernel is not None:
-        where.append(NumericalConfigRow.attn_kernel == s.attn_kernel)
-    if s.external_id is not None:
-        where.append(Trace.external_id == s.external_id)
-    if s.public_id is not None:
-        where.append(Trace.public_id == s.public_id)
+    equal = {  # the selection's fields that name one value of a column
+        Trace.model_name: s.model_name,
+        Trace.weights_sha256: s.weights_sha256,
+        NumericalConfigRow.public_id: s.config_id,
+        NumericalConfigRow.dtype: s.dtype,
+        NumericalConfigRow.lm_head_dtype: s.lm_head_dtype,
+        NumericalConfigRow.attn_kernel: s.attn_kernel,
+        Trace.external_id: s.external_id,
+        Trace.public_id: s.public_id,
+    }
+    where += [column == value for column, value in equal.items() if value is not None]
     for tag in s.tags:
         where.append(
             exists().where(
