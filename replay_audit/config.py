@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 PACKAGE_DIR: Final = Path(__file__).resolve().parent
@@ -130,14 +130,18 @@ class Settings(BaseSettings):
             )
         return v
 
-    @field_validator("webhook_allowed_hosts", mode="before")
+    @field_validator("webhook_allowed_hosts", "model_dirs", mode="before")
     @classmethod
-    def _split_hosts(cls, v: object) -> object:
-        if isinstance(v, str):
-            if v.lstrip().startswith("["):
-                return json.loads(v)
-            return [h.strip() for h in v.split(",") if h.strip()]
-        return v
+    def _split(cls, v: object, info: ValidationInfo) -> object:
+        """A list given as a JSON list, or as text: hosts comma-separated, directories
+        colon-separated (as PATH)."""
+        if not isinstance(v, str):
+            return v
+        if v.lstrip().startswith("["):
+            return json.loads(v)
+        if info.field_name == "model_dirs":
+            return [p for p in v.split(":") if p]
+        return [h.strip() for h in v.split(",") if h.strip()]
 
     @field_validator("webhook_allowed_hosts")
     @classmethod
@@ -151,15 +155,6 @@ class Settings(BaseSettings):
                     raise ValueError(
                         f"{entry!r} is not a host name, an address or a network"
                     ) from None
-        return v
-
-    @field_validator("model_dirs", mode="before")
-    @classmethod
-    def _split_dirs(cls, v: object) -> object:
-        if isinstance(v, str):
-            if v.lstrip().startswith("["):
-                return json.loads(v)
-            return [p for p in v.split(":") if p]
         return v
 
 

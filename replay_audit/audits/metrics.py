@@ -114,14 +114,6 @@ class DriftTest(_Stored):
     p_value: float
     alpha: float
 
-    @property
-    def latest_rate(self) -> float | None:
-        return self.latest_successes / self.latest_n if self.latest_n else None
-
-    @property
-    def baseline_rate(self) -> float | None:
-        return self.baseline_successes / self.baseline_n if self.baseline_n else None
-
 
 class Flag(_Stored):
     """One drift flag of a run. `message` says why it fired, in words; `test` in numbers."""

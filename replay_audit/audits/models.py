@@ -35,10 +35,8 @@ import replay_audit.auth.models
 import replay_audit.replays.models  # noqa: F401
 from replay_audit.audits.metrics import Flag, RunMetrics
 from replay_audit.db.base import Base, utcnow
-from replay_audit.db.types import ModelJSON
+from replay_audit.db.types import BigId, ModelJSON
 from replay_audit.json_value import JsonObject
-
-BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 
 class AuditSchedule(Base):

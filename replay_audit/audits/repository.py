@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import and_, func, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 from typing_extensions import TypedDict
 
@@ -15,6 +13,7 @@ from replay_audit.audits.metrics import Flag, RunMetrics
 from replay_audit.audits.models import Attempt, AuditAlert, AuditRun, AuditSchedule
 from replay_audit.audits.sampling import Candidate, min_logged_margin
 from replay_audit.auth.models import Project
+from replay_audit.db.engine import dialect_insert
 from replay_audit.json_value import JsonObject
 from replay_audit.replays.models import ReplayRun
 from replay_audit.traces import repository as traces_repository
@@ -23,10 +22,6 @@ from replay_audit.traces.selection import TraceSelection
 
 #: Trace rows whose logits are read per query (low_margin_first).
 MARGIN_CHUNK = 500
-
-
-def _insert(session: Session) -> Any:
-    return (postgresql if session.get_bind().dialect.name == "postgresql" else sqlite).insert
 
 
 def _is_postgres(session: Session) -> bool:
@@ -119,7 +114,7 @@ def claim_run(session: Session, values: RunValues) -> int | None:
     The unique key decides, not a lock held by this process: on PostgreSQL a concurrent
     claimer blocks on the index entry until the first commits, then inserts nothing."""
     stmt = (
-        _insert(session)(AuditRun)
+        dialect_insert(session)(AuditRun)
         .values(**values)
         .on_conflict_do_nothing(index_elements=["schedule_id", "due_at"])
         .returning(AuditRun.id)
@@ -319,7 +314,7 @@ class AlertValues(TypedDict):
 def add_alert(session: Session, values: AlertValues) -> int | None:
     """Insert the run's alert unless it has one: the new id, or None."""
     stmt = (
-        _insert(session)(AuditAlert)
+        dialect_insert(session)(AuditAlert)
         .values(**values)
         .on_conflict_do_nothing(index_elements=["audit_run_id"])
         .returning(AuditAlert.id)

@@ -32,7 +32,6 @@ import numpy.typing as npt
 from replay_audit.diff.margin import step_numerics
 
 Policy = Literal["uniform", "stratified", "low_margin_first"]
-POLICIES: Final[tuple[Policy, ...]] = ("uniform", "stratified", "low_margin_first")
 
 #: Added to the min margin before inverting it: a tie (margin 0) weighs 1 / MARGIN_FLOOR, and
 #: margins below the paper's gate threshold (1e-3) all count as "about to flip".

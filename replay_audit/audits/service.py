@@ -39,7 +39,7 @@ from replay_audit.audits.schemas import (
     TrendPoint,
 )
 from replay_audit.audits.webhook import DestinationPolicy
-from replay_audit.db.base import utcnow
+from replay_audit.db.base import read_model, utcnow
 from replay_audit.db.ids import new_public_id
 from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import Conflict, FieldError, NotFound, ReplayAuditError
@@ -205,22 +205,14 @@ def delete_schedule(session: Session, schedule: AuditSchedule) -> None:
 def run_to_read(
     run: AuditRun, schedule_public_id: str, replay: tuple[str, str] | None
 ) -> AuditRunRead:
-    return AuditRunRead(
+    return read_model(
+        AuditRunRead,
+        run,
         id=run.public_id,
         schedule_id=schedule_public_id,
-        due_at=run.due_at,
-        trigger=run.trigger,
-        status=run.status,
         replay_run_id=None if replay is None else replay[0],
         replay_status=None if replay is None else replay[1],
-        window_start=run.window_start,
-        window_end=run.window_end,
-        n_candidates=run.n_candidates,
-        n_sampled=run.n_sampled,
         flags=list(run.flags or []),
-        error=run.error,
-        created_at=run.created_at,
-        evaluated_at=run.evaluated_at,
     )
 
 
@@ -242,22 +234,14 @@ def to_reads(
     for s in schedules:
         lr = last.get(s.id)
         out.append(
-            ScheduleRead(
+            read_model(
+                ScheduleRead,
+                s,
                 id=s.public_id,
                 project=names.get(s.project_id, ""),
-                name=s.name,
-                cron=s.cron,
-                status=s.status,
                 selection=Selection.model_validate(s.selection),
-                sample_size=s.sample_size,
-                policy=s.policy,
-                seed=s.seed,
                 replay=ScheduleReplay.model_validate(s.replay, context=STORED),
-                ear_drop_points=s.ear_drop_points,
                 webhook_url=s.webhook_url if reveal_webhook else mask_url(s.webhook_url),
-                active_since=s.active_since,
-                created_at=s.created_at,
-                updated_at=s.updated_at,
                 next_due_at=next_due(s.cron, now) if s.status == "active" else None,
                 last_run=None
                 if lr is None
@@ -583,16 +567,13 @@ def evaluate_audit_run(
 
 
 def alert_to_read(alert: AuditAlert, run_public_id: str, *, reveal_url: bool) -> AlertRead:
-    return AlertRead(
+    return read_model(
+        AlertRead,
+        alert,
         id=alert.public_id,
         audit_run_id=run_public_id,
         url=alert.url if reveal_url else (mask_url(alert.url) or ""),
-        status=alert.status,
-        attempts=alert.attempts,
         attempt_log=[AttemptRead.model_validate(a) for a in alert.attempt_log or []],
-        last_error=alert.last_error,
-        created_at=alert.created_at,
-        delivered_at=alert.delivered_at,
     )
 
 
@@ -607,23 +588,17 @@ def trend(session: Session, schedule: AuditSchedule, *, limit: int = 90) -> Tren
     ):
         m = run.metrics or RunMetrics()
         flags = list(run.flags or [])
+        figures = {  # the run's metrics of the point's field names
+            f: getattr(m, f) for f in RunMetrics.model_fields if f in TrendPoint.model_fields
+        }
         points.append(
-            TrendPoint(
+            read_model(
+                TrendPoint,
+                run,
+                **figures,
                 audit_run_id=run.public_id,
-                due_at=run.due_at,
                 date=run.due_at.astimezone(UTC).date().isoformat(),
-                trigger=run.trigger,
-                status=run.status,
                 replay_run_id=replay_id,
-                n_sampled=run.n_sampled,
-                ear=m.ear,
-                ear_low=m.ear_low,
-                ear_high=m.ear_high,
-                c_lift=m.c_lift,
-                trigger_rate=m.trigger_rate,
-                categories=m.categories,
-                self_agreement=m.self_agreement,
-                comparisons=m.comparisons,
                 flags=flags,
                 flagged=bool(flags),
             )

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from replay_audit.cli.database import fail
 from replay_audit.cli.root import CommandGroup, app
 
 if TYPE_CHECKING:
@@ -29,11 +30,6 @@ if TYPE_CHECKING:
 
 audit_app = CommandGroup(help="Scheduled re-audits: schedules, runs, trends.", no_args_is_help=True)
 app.add_typer(audit_app, name="audit")
-
-
-def _fail(message: str) -> NoReturn:
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-    raise typer.Exit(code=2)
 
 
 def _pct(x: float | None) -> str:
@@ -91,7 +87,7 @@ def _start(schedule_id: str, action: str, limit: int, runner: Runner) -> tuple[l
         with session_scope(settings.database_url) as s:
             schedule = repository.find_schedule(s, schedule_id)
             if schedule is None:
-                _fail(f"no audit schedule {schedule_id!r}")
+                fail(f"no audit schedule {schedule_id!r}")
             if action == "run-now":
                 run, created = service.run_now(s, schedule, queue=queue, defaults=defaults)
                 runs, left = [run], 0
@@ -103,7 +99,7 @@ def _start(schedule_id: str, action: str, limit: int, runner: Runner) -> tuple[l
                 )
             ids = [r.id for r in runs]
     except ReplayAuditError as e:
-        _fail(e.message)
+        fail(e.message)
     return ids, left
 
 
@@ -181,7 +177,7 @@ def list_schedules(
         if project is not None:
             p = get_project(s, project)
             if p is None:
-                _fail(f"no project {project!r}")
+                fail(f"no project {project!r}")
             project_id = p.id
         reads = service.to_reads(s, repository.list_schedules(s, project_id), reveal_webhook=False)
     table = Table(title="audit schedules (times in UTC)")
@@ -256,7 +252,7 @@ def trend(
     with session_scope(_settings().database_url) as s:
         sched = repository.find_schedule(s, schedule)
         if sched is None:
-            _fail(f"no audit schedule {schedule!r}")
+            fail(f"no audit schedule {schedule!r}")
         points = service.trend(s, sched, limit=limit).points
     table = Table(title=f"trend of {schedule}")
     for col in ("due (UTC)", "status", "n", "EAR", "C lift", "trigger rate", "self", "flags"):

@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
 
+from replay_audit.cli.database import fail
 from replay_audit.cli.root import app
 from replay_audit.formats import IMPORT_FORMATS
 from replay_audit.json_value import JsonObject, JsonValue
@@ -27,20 +28,15 @@ _LIST_KEYS = frozenset({"tags", "decoding.eos_token_ids"})
 _MAX_SHOWN_ERRORS = 20
 
 
-def _fail(message: str) -> NoReturn:
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-    raise typer.Exit(code=2)
-
-
 def _set_dotted(target: JsonObject, key: str, value: JsonValue, where: str) -> None:
     parts = key.split(".")
     if not all(parts):
-        _fail(f"{where}: {key!r} is not a key")
+        fail(f"{where}: {key!r} is not a key")
     node = target
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            _fail(f"{where}: {key!r}: {part!r} is not a group of keys")
+            fail(f"{where}: {key!r}: {part!r} is not a group of keys")
         node = child
     node[parts[-1]] = value
 
@@ -58,20 +54,20 @@ def _read_config_file(path: Path) -> JsonObject:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
-        _fail(f"cannot read {path}: {e.strerror}")
+        fail(f"cannot read {path}: {e.strerror}")
     try:
         if path.suffix in (".yaml", ".yml"):
             try:
                 import yaml  # type: ignore[import-untyped]
             except ImportError:
-                _fail(f"{path}: reading YAML needs PyYAML (pip install pyyaml), or use JSON")
+                fail(f"{path}: reading YAML needs PyYAML (pip install pyyaml), or use JSON")
             data = yaml.safe_load(text)
         else:
             data = json.loads(text)
     except Exception as e:  # yaml and json raise their own error types
-        _fail(f"{path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {e}")
+        fail(f"{path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {e}")
     if not isinstance(data, dict):
-        _fail(f"{path}: expected a mapping of configuration keys")
+        fail(f"{path}: expected a mapping of configuration keys")
     out: JsonObject = {}
     for key, value in _flatten(data):
         _set_dotted(out, key, value, str(path))
@@ -85,7 +81,7 @@ def _json_file(path: Path) -> JsonObject:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
-        _fail(f"{path}: not readable JSON ({e})")
+        fail(f"{path}: not readable JSON ({e})")
     return data if isinstance(data, dict) else {}
 
 
@@ -96,7 +92,7 @@ def _model_facts(model_dir: Path) -> JsonObject:
     try:
         sha = weights_sha256(model_dir)
     except NoWeightsError as e:
-        _fail(e.message)
+        fail(e.message)
     model: JsonObject = {"name": model_dir.name, "weights_sha256": sha}
     facts: JsonObject = {"model": model}
     config = _json_file(model_dir / "config.json")
@@ -137,7 +133,7 @@ def build_context(model: Path | None, config_file: Path | None, flags: list[str]
     for flag in flags:
         key, sep, raw = flag.partition("=")
         if not sep:
-            _fail(f"--config {flag!r}: expected key=value")
+            fail(f"--config {flag!r}: expected key=value")
         key = key.strip()
         value: JsonValue = raw
         if key in _LIST_KEYS:
@@ -151,7 +147,7 @@ def build_context(model: Path | None, config_file: Path | None, flags: list[str]
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
-        _fail(f"configuration key {where}: {err['msg']}")
+        fail(f"configuration key {where}: {err['msg']}")
 
 
 def _read_items(fmt: str, path: Path) -> Iterator[tuple[str, Any]]:
@@ -162,13 +158,13 @@ def _read_items(fmt: str, path: Path) -> Iterator[tuple[str, Any]]:
         try:
             data = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
-            _fail(f"{path}: cannot load it as tensors ({type(e).__name__}: {e})")
+            fail(f"{path}: cannot load it as tensors ({type(e).__name__}: {e})")
         yield str(path), dict(data) if isinstance(data, Mapping) else data
         return
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        _fail(f"cannot read {path}: {e}")
+        fail(f"cannot read {path}: {e}")
     if path.suffix == ".jsonl":
         for n, line in enumerate(text.splitlines(), start=1):
             if line.strip():
@@ -204,7 +200,7 @@ def _lm_eval_results(path: Path, results: Path | None) -> JsonObject:
     try:
         data = json.loads(results.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
-        _fail(f"{results}: not a readable lm-eval results JSON ({e})")
+        fail(f"{results}: not a readable lm-eval results JSON ({e})")
     return data if isinstance(data, dict) else {}
 
 
@@ -241,7 +237,7 @@ class _Importer:
                 results = _lm_eval_results(path, self.results_file)
                 task = self.task or task_from_filename(path.name)
                 if task is None:
-                    _fail(f"{path}: not named samples_<task>_<date>.jsonl; give --task")
+                    fail(f"{path}: not named samples_<task>_<date>.jsonl; give --task")
                 # The run's own record (dtype as loaded, batch size, device) under the flags.
                 merged = _merge(
                     context_from_results(results), context.model_dump(exclude_unset=True)
@@ -250,7 +246,7 @@ class _Importer:
                 try:
                     check_context(context)
                 except ReplayAuditError as e:
-                    _fail(f"{path}: {e.message} (its results JSON does not say it either)")
+                    fail(f"{path}: {e.message} (its results JSON does not say it either)")
             for where, item in _read_items(self.fmt, path):
                 if isinstance(item, _NotJson):
                     self.report(where, f"not JSON ({item.message})")
@@ -322,16 +318,16 @@ def import_(
 ) -> None:
     """Import logged responses as traces (docs/import.md says what each source needs)."""
     if format not in IMPORT_FORMATS:
-        _fail(f"--format must be one of {', '.join(IMPORT_FORMATS)}; got {format!r}")
+        fail(f"--format must be one of {', '.join(IMPORT_FORMATS)}; got {format!r}")
     if (out is None) == (post is None):
-        _fail("give one of --out FILE or --post URL")
+        fail("give one of --out FILE or --post URL")
     if post is not None and not key:
-        _fail("--post needs --key (or REPLAY_AUDIT_API_KEY)")
+        fail("--post needs --key (or REPLAY_AUDIT_API_KEY)")
     for f in files:
         if not f.is_file():
-            _fail(f"{f}: no such file")
+            fail(f"{f}: no such file")
     if format == "lm-eval" and model is None:
-        _fail(
+        fail(
             "--format lm-eval needs --model DIR: the samples carry text, re-tokenised with "
             "the checkpoint's tokenizer"
         )
@@ -343,7 +339,7 @@ def import_(
         try:
             check_context(context)
         except ReplayAuditError as e:
-            _fail(e.message)
+            fail(e.message)
     tokenizer = None
     if format == "lm-eval":
         assert model is not None
@@ -351,7 +347,7 @@ def import_(
 
         tokenizer = load_tokenizer(model)
         if tokenizer is None:
-            _fail(f"{model} has no tokenizer")
+            fail(f"{model} has no tokenizer")
     importer = _Importer(format, context, tokenizer, task, results)
     written = 0
     with _progress() as bar:
@@ -377,7 +373,7 @@ def import_(
                     on_batch=lambda r: bar.advance(progress, len(r)),
                 )
             except SendError as e:
-                _fail(str(e))
+                fail(str(e))
             for error in stats.errors[:_MAX_SHOWN_ERRORS]:
                 typer.secho(
                     f"server: {error.get('field', '')}: {error.get('detail', error)}",

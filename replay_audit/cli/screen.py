@@ -69,7 +69,7 @@ def screen(
     from replay_audit.screening.analysis import build_report
     from replay_audit.screening.plan import ScreenConfig, build_plan
     from replay_audit.screening.runner import DirectoryStore, run_screening
-    from replay_audit.screening.worker import TorchBackend, checkpoint_dtype, probe
+    from replay_audit.screening.worker import TorchBackend
     from replay_audit.ui.screening_view import standalone_html
 
     chosen = _knobs(knobs)
@@ -104,12 +104,10 @@ def screen(
 
     set_torch_threads(_threads(threads))
     try:
-        platform = probe(device)
-        ref = ScreenConfig(reference or checkpoint_dtype(model))
         backend = TorchBackend(model, device)
         plan = build_plan(
-            platform,
-            reference=ref,
+            backend.platform(),
+            reference=ScreenConfig(reference or backend.reference_dtype()),
             knobs=chosen,
             pair=(arm_a, arm_b),
             tau=tau,

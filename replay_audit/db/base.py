@@ -7,8 +7,9 @@ can drop and alter them by name on both SQLite (batch mode) and PostgreSQL.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, TypeVar
 
+from pydantic import BaseModel
 from sqlalchemy import DateTime, MetaData, TypeDecorator
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase
@@ -58,6 +59,15 @@ class UTCDateTime(TypeDecorator[datetime]):
 def utcnow() -> datetime:
     """The current time, timezone-aware in UTC (the only kind stored)."""
     return datetime.now(UTC)
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def read_model(model: type[_M], row: object, **values: Any) -> _M:
+    """`model` (a read schema) from `values` and, for each of its other fields, `row`'s
+    attribute of the same name: the fields a schema copies from its row are named once, in it."""
+    return model(**{f: getattr(row, f) for f in model.model_fields if f not in values}, **values)
 
 
 class Base(DeclarativeBase):

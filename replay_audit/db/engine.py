@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -35,6 +36,11 @@ def _sqlite_file(url: URL) -> Path | None:
     if not database or database == ":memory:" or database.startswith("file:"):
         return None
     return Path(database)
+
+
+def dialect_insert(session: Session) -> Any:
+    """The session's dialect's `insert` (PostgreSQL's or SQLite's): both have ON CONFLICT."""
+    return (postgresql if session.get_bind().dialect.name == "postgresql" else sqlite).insert
 
 
 def create_db_engine(database_url: str, **kwargs: Any) -> Engine:

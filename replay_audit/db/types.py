@@ -14,11 +14,14 @@ from typing import Any, Final, TypeVar
 import numpy as np
 import numpy.typing as npt
 from pydantic import TypeAdapter
-from sqlalchemy import JSON, LargeBinary, TypeDecorator
+from sqlalchemy import JSON, BigInteger, Integer, LargeBinary, TypeDecorator
 from sqlalchemy.engine import Dialect
 
 INT32_LE: Final = np.dtype("<i4")
 FLOAT32_LE: Final = np.dtype("<f4")
+
+#: 64-bit keys on PostgreSQL; SQLite autoincrements only an INTEGER PRIMARY KEY (its rowid).
+BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 Int32Array = npt.NDArray[np.int32]
 Float32Array = npt.NDArray[np.float32]

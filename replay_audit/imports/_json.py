@@ -36,10 +36,6 @@ def seq(value: Any, path: str) -> Sequence[Any]:
     return value
 
 
-def opt(value: Mapping[str, Any], key: str) -> Any:
-    return value.get(key)
-
-
 def token_id(value: Any, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _INT32:
         raise fail(path, f"expected a token id (an integer in [0, 2**31)), got {value!r}")

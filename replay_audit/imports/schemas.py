@@ -11,7 +11,7 @@ recorded as unknown in the trace (`config.extras["unknown"]`), never filled with
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal, get_args
+from typing import Any, Final, Literal
 
 from pydantic import ConfigDict, Field
 
@@ -39,7 +39,6 @@ from replay_audit.traces.schemas import (
 #: themselves, `processed_*` the same after the sampler's processing (temperature, penalties,
 #: bias, top-k/top-p masks). Only the raw ones give the logged arm's margins.
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
-LOGPROBS_MODES: Final[tuple[LogprobsMode, ...]] = get_args(LogprobsMode)
 
 #: The `config.extras` keys an import writes (a user's own extras keep any other key).
 EXTRA_FORMAT: Final = "import_format"

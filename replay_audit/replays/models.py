@@ -16,7 +16,6 @@ from datetime import datetime
 
 from sqlalchemy import (
     JSON,
-    BigInteger,
     Boolean,
     CheckConstraint,
     Float,
@@ -33,7 +32,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 import replay_audit.auth.models
 import replay_audit.traces.models  # noqa: F401
 from replay_audit.db.base import Base, utcnow
-from replay_audit.db.types import Int32Array, PackedInt32Array
+from replay_audit.db.types import BigId, Int32Array, PackedInt32Array
 from replay_audit.json_value import JsonObject, as_float, as_int
 from replay_audit.replays.domain import (
     DEFAULT_CONTROL_FRACTION,
@@ -44,7 +43,6 @@ from replay_audit.replays.domain import (
     RunTarget,
 )
 
-BigId = BigInteger().with_variant(Integer(), "sqlite")
 #: Longest run name, in characters (migration 0007's column).
 MAX_RUN_NAME = 200
 

@@ -8,10 +8,11 @@ from typing import Any
 import numpy as np
 import orjson
 from sqlalchemy import Text, and_, cast, false, func, or_, select, true, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
+from sqlalchemy.sql.expression import ColumnElement, Select
 
 from replay_audit.db.base import utcnow
+from replay_audit.db.engine import dialect_insert
 from replay_audit.formats import logged_by_another_engine
 from replay_audit.replays.domain import LoggedTrace, logging_engine
 from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
@@ -20,10 +21,6 @@ from replay_audit.stats.report import AnswerFigures, PairedOutcome, ResultFigure
 from replay_audit.traces.models import NumericalConfigRow, Trace
 
 R = ReplayResult
-
-
-def _insert(session: Session) -> Any:
-    return (postgresql if session.get_bind().dialect.name == "postgresql" else sqlite).insert
 
 
 def logged_trace(trace: Trace) -> LoggedTrace:
@@ -153,7 +150,7 @@ def insert_results_of(
         for r in rows
     ]
     if values:
-        stmt = _insert(session)(ReplayResult).on_conflict_do_nothing(
+        stmt = dialect_insert(session)(ReplayResult).on_conflict_do_nothing(
             index_elements=["run_id", "trace_id", "trace_created_at", "comparison"]
         )
         session.execute(stmt, values)
@@ -292,7 +289,7 @@ def exact_matches(
     """Exact-match flags of the ok results of one comparison for `trace_ids`."""
     if not trace_ids:
         return {}
-    stmt = select(R.trace_id, _exact(R)).where(
+    stmt = select(R.trace_id, exact_of(R)).where(
         R.run_id == run_id,
         R.comparison == comparison,
         R.status == "ok",
@@ -315,24 +312,36 @@ def paired_outcomes(
     """Exact-match flags of (run_a, comparison_a) and (run_b, comparison_b) on the traces where
     both are ok and established (a trace a scan-then-decode run only scanned is neither exact
     nor not), by trace id: one indexed join, three small values per trace."""
+    a, b, base = pair_join(run_a, comparison_a, run_b, comparison_b)
+    stmt = base.add_columns(a.trace_id, exact_of(a), exact_of(b)).order_by(a.trace_id)
+    return [PairedOutcome(int(t), bool(x), bool(y)) for t, x, y in session.execute(stmt)]
+
+
+def pair_join(
+    run_a: int, comparison_a: int, run_b: int, comparison_b: int
+) -> tuple[Any, Any, Select[Any]]:
+    """Results a of (run_a, comparison_a) joined to results b of (run_b, comparison_b) of the
+    same trace, both ok and established; the caller adds the columns it reads."""
     a, b = aliased(ReplayResult), aliased(ReplayResult)
-    stmt = (
-        select(a.trace_id, _exact(a), _exact(b))
+    base = (
+        select()
+        .select_from(a)
         .join(b, and_(b.trace_id == a.trace_id, b.run_id == run_b, b.comparison == comparison_b))
         .where(
             a.run_id == run_a,
             a.comparison == comparison_a,
             a.status == "ok",
             b.status == "ok",
+            # Established on both sides: not a trace a scan-then-decode run only scanned.
             a.exact_match.is_not(None),
             b.exact_match.is_not(None),
         )
-        .order_by(a.trace_id)
     )
-    return [PairedOutcome(int(t), bool(x), bool(y)) for t, x, y in session.execute(stmt)]
+    return a, b, base
 
 
-def _exact(alias: Any) -> Any:
+def exact_of(alias: Any) -> ColumnElement[bool]:
+    """The result's exact match as a boolean (NULL, a trace only scanned, is False)."""
     return func.coalesce(alias.exact_match, false()) == true()
 
 

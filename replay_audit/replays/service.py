@@ -15,7 +15,7 @@ from typing import Final
 from sqlalchemy.orm import Session
 
 from replay_audit.config import Settings
-from replay_audit.db.base import utcnow
+from replay_audit.db.base import read_model, utcnow
 from replay_audit.db.ids import new_public_id
 from replay_audit.exceptions import FieldError, NotFound
 from replay_audit.formats import Mode
@@ -338,38 +338,29 @@ def to_read(
     session: Session, run: ReplayRun, project: str, *, status_only: bool = False
 ) -> ReplayRead:
     """Status, progress and the run's statistics (stored, or computed over the results so far
-    while it runs), with the deprecated `aggregate` view of the same figures.
+    while it runs).
 
-    `status_only` (a submitter's view): no `statistics` or `aggregate` (their lifts list the
-    traces each treatment fixed and broke) and `request` without its `trace_ids`; what is left
-    says how far the run is, not what it found."""
+    `status_only` (a submitter's view): no `statistics` (its lifts list the traces each
+    treatment fixed and broke) and `request` without its `trace_ids`; what is left says how
+    far the run is, not what it found."""
     ok, failed = repository.progress(session, run)
     stats = statistics.of_run(session, run) if ok + failed and not status_only else None
     rate = results_per_s(run, ok + failed)
     request = run.request
     if status_only:
         request = {k: v for k, v in request.items() if k != "trace_ids"}
-    return ReplayRead(
+    return read_model(
+        ReplayRead,
+        run,
         id=run.public_id,
         project=project,
-        name=run.name,
-        status=run.status,
-        created_at=run.created_at,
-        started_at=run.started_at,
-        finished_at=run.finished_at,
         request=request,
-        targets=run.targets,
-        comparisons=run.comparisons,
-        n_traces=run.n_traces,
-        mode=run.mode,
         progress=Progress(
             total=run.n_items, done=ok, failed=failed, pending=run.n_items - ok - failed
         ),
         results_per_s=rate,
-        error=run.error,
         ran=[] if status_only else ran(session, run),
         statistics=stats,
-        schedule_id=run.schedule_id,
     )
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
+from replay_audit.db.base import read_model
 from replay_audit.exceptions import FieldError, NotFound
 from replay_audit.replays import service as replays_service
 from replay_audit.replays import statistics
@@ -96,16 +97,8 @@ def run_list(
     page = list_runs(session, project_id, f, before=before, limit=limit)
     return RunList(
         items=[
-            RunSummaryRead(
-                id=s.run.public_id,
-                name=s.run.name,
-                status=s.run.status,
-                created_at=s.run.created_at,
-                finished_at=s.run.finished_at,
-                n_traces=s.run.n_traces,
-                models=s.models,
-                targets=s.targets,
-                schedule_id=s.run.schedule_id,
+            read_model(
+                RunSummaryRead, s.run, id=s.run.public_id, models=s.models, targets=s.targets
             )
             for s in page.items
         ],

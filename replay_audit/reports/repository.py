@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import (
     ColumnElement,
-    Select,
     and_,
     case,
     exists,
@@ -24,9 +23,10 @@ from sqlalchemy import (
     text,
     true,
 )
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy.orm import Session
 
 from replay_audit.replays.models import ReplayResult, ReplayRun
+from replay_audit.replays.repository import exact_of, pair_join
 from replay_audit.reports.filters import ResultFilter, RunFilter
 from replay_audit.traces.models import Trace
 
@@ -120,31 +120,6 @@ def project_model_names(session: Session, project_id: int) -> list[str]:
 # -- pairs of comparisons ---------------------------------------------------------------------
 
 
-def _pair_join(
-    run_a: int, comparison_a: int, run_b: int, comparison_b: int
-) -> tuple[Any, Any, Select[Any]]:
-    a, b = aliased(ReplayResult), aliased(ReplayResult)
-    base = (
-        select()
-        .select_from(a)
-        .join(b, and_(b.trace_id == a.trace_id, b.run_id == run_b, b.comparison == comparison_b))
-        .where(
-            a.run_id == run_a,
-            a.comparison == comparison_a,
-            a.status == "ok",
-            b.status == "ok",
-            # Established on both sides: not a trace a scan-then-decode run only scanned.
-            a.exact_match.is_not(None),
-            b.exact_match.is_not(None),
-        )
-    )
-    return a, b, base
-
-
-def _exact_of(alias: Any) -> ColumnElement[bool]:
-    return func.coalesce(alias.exact_match, false()) == true()
-
-
 @dataclass(frozen=True)
 class FlipRow:
     trace_id: int
@@ -164,8 +139,8 @@ def flipped_traces(
     limit: int,
 ) -> list[FlipRow]:
     """Traces exact in b but not in a (`fixed`), or exact in a but not in b, by trace id."""
-    a, b, base = _pair_join(run_a, comparison_a, run_b, comparison_b)
-    ea, eb = _exact_of(a), _exact_of(b)
+    a, b, base = pair_join(run_a, comparison_a, run_b, comparison_b)
+    ea, eb = exact_of(a), exact_of(b)
     stmt = (
         base.add_columns(Trace.id, Trace.public_id, Trace.external_id)
         .join(Trace, Trace.id == a.trace_id)

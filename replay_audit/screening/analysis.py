@@ -34,7 +34,6 @@ from replay_audit.screening.report import (
     KnobValueResult,
     MarginDistributionRead,
     PairResult,
-    PlatformRead,
     ScreeningReport,
     TauCalibrationRead,
     TriggerDensityRead,
@@ -47,15 +46,15 @@ from replay_audit.stats.report import (
     ResultFigures,
     run_statistics,
 )
-from replay_audit.stats.summary import Distribution, LogHistogram, distribution, log_histogram
+from replay_audit.stats.summary import (
+    Distribution,
+    LogHistogram,
+    finite_distribution,
+    log_histogram,
+)
 
 #: Bins per decade of the margin histograms (as the run reports').
 BINS_PER_DECADE = 2
-
-
-def _dist(values: Sequence[float]) -> Distribution | None:
-    xs = [float(v) for v in values if math.isfinite(v)]
-    return distribution(xs) if xs else None
 
 
 def _prompt_figures(
@@ -206,7 +205,7 @@ def margin_distributions(plan: SweepPlan, out: ScreenOutputs) -> list[MarginDist
                 tie_share=ties / finite.size if finite.size else None,
                 histogram=_log_hist(m, axis),
                 histogram_ulps=_log_hist(u, axis_ulps),
-                distribution=_dist(finite.tolist()),
+                distribution=finite_distribution(finite.tolist()),
             )
         )
     return reads
@@ -249,8 +248,8 @@ def tau_calibration(
             TauCalibrationRead(
                 format=fmt,
                 flips=len(abs_),
-                flip_margin=_dist(abs_),
-                flip_margin_ulps=_dist(ulps),
+                flip_margin=finite_distribution(abs_),
+                flip_margin_ulps=finite_distribution(ulps),
                 cover=plan.cover,
                 tau=tau,
                 tau_ulps=tau_u,
@@ -271,11 +270,11 @@ def _hidden_gap(figs: list[ResultFigures], probes: dict[int, Probe]) -> HiddenGa
     by_cat: dict[str, Distribution | None] = {}
     for c in CATEGORIES[1:]:
         vals = [probes[f.trace_id].dh_t_star for f in div if f.category == c]
-        by_cat[c] = _dist([v for v in vals if v is not None])
+        by_cat[c] = finite_distribution([v for v in vals if v is not None])
     return HiddenGapRead(
         prompts=len(div),
-        t_star=_dist([v for v in at_t if v is not None]),
-        gated=_dist(gated),
+        t_star=finite_distribution([v for v in at_t if v is not None]),
+        gated=finite_distribution(gated),
         gated_steps=len(gated),
         by_category=by_cat,
     )
@@ -405,17 +404,10 @@ def build_report(
         body_remedy_ear=body_remedy_ear,
         batch_divergence=batch_divergence,
     )
-    p = plan.platform
     return ScreeningReport(
         model=model,
         weights_sha256=weights_sha256,
-        platform=PlatformRead(
-            device=p.device,
-            gpu_name=p.gpu_name,
-            sm=p.sm,
-            fp8_unavailable=p.fp8_unavailable,
-            flash_attn_installed=p.flash_attn_installed,
-        ),
+        platform=plan.platform,
         reference=plan.reference.to_json(),
         pair=[plan.pair[0].to_json(), plan.pair[1].to_json()],
         tau=plan.tau,

@@ -1,26 +1,19 @@
 """The screening report's typed form (JSON, HTML, API and the stored row all read this).
-Pure: pydantic for the typed output, as `stats/report.py`, whose types it reuses."""
+Pure: pydantic for the typed output, as `stats/report.py`, whose types it reuses; the plan's
+frozen `Platform` dataclass is the report's `platform` itself, its schema derived by pydantic."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from replay_audit.formats import Device
 from replay_audit.json_value import JsonObject
+from replay_audit.screening.plan import Platform
 from replay_audit.stats.report import ComparisonReport, LiftReport
 from replay_audit.stats.summary import Distribution, LogHistogram
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True)
-
-
-class PlatformRead(_Frozen):
-    device: Device
-    gpu_name: str | None
-    sm: str | None
-    fp8_unavailable: str | None
-    flash_attn_installed: bool
 
 
 class KnobValueResult(_Frozen):
@@ -139,7 +132,7 @@ class TierRead(_Frozen):
 class ScreeningReport(_Frozen):
     model: str
     weights_sha256: str | None
-    platform: PlatformRead
+    platform: Platform
     reference: JsonObject
     pair: list[JsonObject]
     tau: float

@@ -121,6 +121,13 @@ class TorchBackend:
             self._eos = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
         return self._eos
 
+    def platform(self) -> Platform:
+        return probe(self.device)
+
+    def reference_dtype(self) -> BodyDType:
+        """The checkpoint's own dtype (the reference a request naming none gets)."""
+        return checkpoint_dtype(self.model_dir)
+
     def prompts(self, rows: Sequence[PromptRow]) -> list[ScreenPrompt]:
         """Screening prompts from rows with `id` and `prompt` (text) or `prompt_token_ids`."""
         out = []

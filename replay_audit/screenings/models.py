@@ -12,7 +12,6 @@ from datetime import datetime
 
 from sqlalchemy import (
     JSON,
-    BigInteger,
     CheckConstraint,
     ForeignKey,
     Integer,
@@ -25,9 +24,8 @@ from sqlalchemy.orm import Mapped, mapped_column
 # The table its foreign keys name (projects), in the metadata whoever imports this.
 import replay_audit.auth.models  # noqa: F401
 from replay_audit.db.base import Base, utcnow
+from replay_audit.db.types import BigId
 from replay_audit.json_value import JsonObject
-
-BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 
 class Screening(Base):

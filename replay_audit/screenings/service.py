@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
+from replay_audit.db.base import read_model
 from replay_audit.db.ids import new_public_id
 from replay_audit.exceptions import FieldError, NotFound
 from replay_audit.queue import JobQueue, JobSpec
@@ -73,16 +74,11 @@ def report_of(screening: Screening) -> ScreeningReport | None:
 
 
 def to_read(screening: Screening, project: str) -> ScreeningRead:
-    return ScreeningRead(
+    return read_model(
+        ScreeningRead,
+        screening,
         id=screening.public_id,
         project=project,
-        status=screening.status,
-        model_sha256=screening.model_sha256,
-        created_at=screening.created_at,
-        started_at=screening.started_at,
-        finished_at=screening.finished_at,
-        error=screening.error,
-        request=screening.request,
         report=report_of(screening),
     )
 

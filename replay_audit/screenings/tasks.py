@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
@@ -53,40 +53,11 @@ class WorkerBackend(Backend, Protocol):
 BackendFactory = Callable[[Path, str | None], WorkerBackend]
 
 
-class _TorchWorkerBackend:
-    """`screening.worker.TorchBackend` with the platform and the checkpoint's dtype."""
+def _torch_backend(model_dir: Path, device: str | None) -> WorkerBackend:
+    """`screening.worker.TorchBackend`, imported here: only a worker running the job needs it."""
+    from replay_audit.screening.worker import TorchBackend
 
-    def __init__(self, model_dir: Path, device: str | None) -> None:
-        from replay_audit.screening.worker import TorchBackend
-
-        self._backend = TorchBackend(model_dir, device)
-        self._device = device
-        self._dir = model_dir
-
-    def load(self, config: ScreenConfig) -> Any:
-        return self._backend.load(config)
-
-    def activate(self, config: ScreenConfig) -> None:
-        self._backend.activate(config)
-
-    def availability(self, config: ScreenConfig) -> str | None:
-        return self._backend.availability(config)
-
-    def eos_ids(self) -> list[int]:
-        return self._backend.eos_ids()
-
-    def platform(self) -> Platform:
-        from replay_audit.screening.worker import probe
-
-        return probe(self._device)
-
-    def reference_dtype(self) -> BodyDType:
-        from replay_audit.screening.worker import checkpoint_dtype
-
-        return checkpoint_dtype(self._dir)
-
-    def prompts(self, rows: Sequence[PromptRow]) -> list[ScreenPrompt]:
-        return self._backend.prompts(rows)
+    return TorchBackend(model_dir, device)
 
 
 #: The backend factory of the screening jobs run in the current context (a thread's, or an
@@ -155,7 +126,7 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
     except ModelNotFound as e:
         _fail(url, screening_id, str(e))
         return
-    factory = _factory.get() or _TorchWorkerBackend
+    factory = _factory.get() or _torch_backend
     try:
         backend = factory(model_dir, request.device)
         platform = backend.platform()

@@ -61,7 +61,7 @@ from replay_audit.stats.summary import (
     Distribution,
     Histogram,
     LogHistogram,
-    distribution,
+    finite_distribution,
     histogram,
     log_histogram,
 )
@@ -425,11 +425,6 @@ def _finite(values: Sequence[float | int | None]) -> list[float]:
     return [float(v) for v in values if v is not None and math.isfinite(float(v))]
 
 
-def _dist(values: Sequence[float | int | None]) -> Distribution | None:
-    xs = _finite(values)
-    return distribution(xs) if xs else None
-
-
 def _t_star_histogram(values: Sequence[int | None]) -> Histogram | None:
     xs = _finite(values)
     if not xs:
@@ -609,20 +604,20 @@ def comparison_report(
         gate_triggers_a=triggers_a,
         trigger_rate_a=triggers_a / steps_a if steps_a and triggers_a is not None else None,
         categories={k: _prop(v, len(established)) for k, v in categories.items()},
-        first_divergence_step=_dist([f.first_divergence_step for f in diverged]),
+        first_divergence_step=finite_distribution([f.first_divergence_step for f in diverged]),
         t_star_histogram=_t_star_histogram([f.first_divergence_step for f in diverged]),
         margin_at_divergence=MarginReport(
-            a=_dist(m.a),
-            a_ulps=_dist(m.a_ulps),
-            b=_dist(m.b),
-            b_ulps=_dist(m.b_ulps),
+            a=finite_distribution(m.a),
+            a_ulps=finite_distribution(m.a_ulps),
+            b=finite_distribution(m.b),
+            b_ulps=finite_distribution(m.b_ulps),
             ties=sum(1 for f in diverged if f.margin_a == 0.0 or f.margin_b == 0.0),
             histogram_a=_log_hist(m.a, abs_axis),
             histogram_b=_log_hist(m.b, abs_axis),
             histogram_a_ulps=_log_hist(m.a_ulps, ulps_axis),
             histogram_b_ulps=_log_hist(m.b_ulps, ulps_axis),
         ),
-        length_difference=_dist([f.length_difference for f in diverged]),
+        length_difference=finite_distribution([f.length_difference for f in diverged]),
         screening=screening_report(c),
     )
 

@@ -91,6 +91,13 @@ def distribution(values: Values) -> Distribution:
     )
 
 
+def finite_distribution(values: Sequence[float | int | None]) -> Distribution | None:
+    """`distribution` of the finite values (None, NaN and infinities left out); None when
+    there are none."""
+    xs = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    return distribution(xs) if xs else None
+
+
 def histogram(
     values: Values,
     bins: int | Sequence[float] = 10,

@@ -18,11 +18,9 @@ from datetime import datetime
 
 from sqlalchemy import (
     JSON,
-    BigInteger,
     ForeignKey,
     ForeignKeyConstraint,
     Index,
-    Integer,
     String,
     Text,
     UniqueConstraint,
@@ -31,11 +29,14 @@ from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from replay_audit.auth.models import Project
 from replay_audit.db.base import SQLITE_ONLY, Base, utcnow
-from replay_audit.db.types import Float32Array, Int32Array, PackedFloat32Array, PackedInt32Array
+from replay_audit.db.types import (
+    BigId,
+    Float32Array,
+    Int32Array,
+    PackedFloat32Array,
+    PackedInt32Array,
+)
 from replay_audit.json_value import JsonObject
-
-#: 64-bit keys on PostgreSQL; SQLite autoincrements only an INTEGER PRIMARY KEY (its rowid).
-BigIntPK = BigInteger().with_variant(Integer(), "sqlite")
 
 
 class NumericalConfigRow(Base):
@@ -83,7 +84,7 @@ class Trace(Base):
         Index(None, "project_id", "external_id"),
     )
 
-    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
     public_id: Mapped[str] = mapped_column(String(40))
     project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
     config_id: Mapped[int] = mapped_column(ForeignKey("numerical_configs.id"), index=True)
@@ -133,7 +134,7 @@ class TraceTag(Base):
         Index(None, "tag", "trace_id"),
     )
 
-    trace_id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
+    trace_id: Mapped[int] = mapped_column(BigId, primary_key=True)
     tag: Mapped[str] = mapped_column(String(64), primary_key=True)
     #: The trace's `created_at`: the partition key, and half of the key to the trace.
     trace_created_at: Mapped[datetime] = mapped_column()

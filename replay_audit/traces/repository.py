@@ -15,10 +15,11 @@ from typing import Any, TypeVarTuple
 
 import orjson
 from sqlalchemy import JSON, ColumnElement, Select, Table, exists, not_, or_, select, text
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session, contains_eager, defer
 from typing_extensions import TypedDict
 
+from replay_audit.db.engine import dialect_insert
 from replay_audit.json_value import JsonObject
 from replay_audit.traces.models import NumericalConfigRow, Trace, TraceKey, TraceTag
 from replay_audit.traces.selection import GREEDY, TraceSelection
@@ -101,12 +102,6 @@ class TraceTagValues(TypedDict):
     tag: str
 
 
-def _insert(session: Session, table: Table) -> Any:
-    if session.get_bind().dialect.name == "postgresql":
-        return postgresql.insert(table)
-    return sqlite.insert(table)
-
-
 def _chunks(values: Sequence[Any], size: int = _IN_CHUNK) -> Iterable[Sequence[Any]]:
     for start in range(0, len(values), size):
         yield values[start : start + size]
@@ -122,7 +117,7 @@ def ensure_configs(session: Session, rows: Mapping[str, ConfigValues]) -> dict[s
     # Sorted: concurrent transactions then take the unique-index locks in one order and cannot
     # deadlock on each other.
     ordered = [rows[sha] for sha in sorted(rows)]
-    session.execute(_insert(session, table).on_conflict_do_nothing(), ordered)
+    session.execute(dialect_insert(session)(table).on_conflict_do_nothing(), ordered)
     ids: dict[str, int] = {}
     for chunk in _chunks(list(rows)):
         stmt = select(NumericalConfigRow.content_sha256, NumericalConfigRow.id).where(
@@ -281,22 +276,17 @@ def select_where(stmt: Select[*_Ts], project_id: int, selection: TraceSelection)
     """
     s = selection
     where: list[ColumnElement[bool]] = [Trace.project_id == project_id]
-    if s.model_name is not None:
-        where.append(Trace.model_name == s.model_name)
-    if s.weights_sha256 is not None:
-        where.append(Trace.weights_sha256 == s.weights_sha256)
-    if s.config_id is not None:
-        where.append(NumericalConfigRow.public_id == s.config_id)
-    if s.dtype is not None:
-        where.append(NumericalConfigRow.dtype == s.dtype)
-    if s.lm_head_dtype is not None:
-        where.append(NumericalConfigRow.lm_head_dtype == s.lm_head_dtype)
-    if s.attn_kernel is not None:
-        where.append(NumericalConfigRow.attn_kernel == s.attn_kernel)
-    if s.external_id is not None:
-        where.append(Trace.external_id == s.external_id)
-    if s.public_id is not None:
-        where.append(Trace.public_id == s.public_id)
+    equal = {  # the selection's fields that name one value of a column
+        Trace.model_name: s.model_name,
+        Trace.weights_sha256: s.weights_sha256,
+        NumericalConfigRow.public_id: s.config_id,
+        NumericalConfigRow.dtype: s.dtype,
+        NumericalConfigRow.lm_head_dtype: s.lm_head_dtype,
+        NumericalConfigRow.attn_kernel: s.attn_kernel,
+        Trace.external_id: s.external_id,
+        Trace.public_id: s.public_id,
+    }
+    where += [column == value for column, value in equal.items() if value is not None]
     for tag in s.tags:
         where.append(
             exists().where(

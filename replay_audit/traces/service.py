@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 
 from replay_audit.db.base import utcnow
 from replay_audit.db.ids import new_public_id
-from replay_audit.db.types import INT32_LE
+from replay_audit.db.types import pack_int32
 from replay_audit.exceptions import Conflict, FieldError, NotFound, ReplayAuditError
 from replay_audit.json_value import JsonObject
 from replay_audit.traces import repository
@@ -83,13 +83,9 @@ class _Prepared:
     row: TraceContent
 
 
-def _pack_ids(ids: Sequence[int]) -> bytes:
-    return np.asarray(ids, dtype=INT32_LE).tobytes()
-
-
 def _prepare(index: int, trace: TraceCreate, config_sha256: str) -> _Prepared:
-    prompt = _pack_ids(trace.prompt_token_ids)
-    output = _pack_ids(trace.output_token_ids)
+    prompt = pack_int32(trace.prompt_token_ids)
+    output = pack_int32(trace.output_token_ids)
     decoding: JsonObject = trace.decoding.model_dump(mode="json")
     top_k = trace.top_k.packed if trace.top_k is not None else None
     header: dict[str, object] = {
@@ -316,12 +312,7 @@ def to_read(trace: Trace) -> TraceRead:
             "content_sha256": trace.content_sha256,
             "created_at": trace.created_at,
             "external_id": trace.external_id,
-            "model": {
-                "name": trace.model_name,
-                "revision": trace.model_revision,
-                "weights_sha256": trace.weights_sha256,
-                "vocab_size": trace.vocab_size,
-            },
+            "model": _model_ref(trace),
             "config": orjson.loads(trace.config.config_json),
             "decoding": trace.decoding,
             "prompt_token_ids": trace.prompt_token_ids.tolist(),

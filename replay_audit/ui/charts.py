@@ -59,6 +59,15 @@ def _line(x1: float, y1: float, x2: float, y2: float, cls: str) -> str:
     return f'<line x1="{_num(x1)}" y1="{_num(y1)}" x2="{_num(x2)}" y2="{_num(y2)}" class="{cls}"/>'
 
 
+def _legend(entries: Sequence[tuple[str, str]], x1: float, y: float) -> list[str]:
+    """(css key, text) entries right-aligned at `x1`, in order from left to right."""
+    out, x = [], x1
+    for key, text in reversed(entries):
+        out.append(_text(x, y, text, f"legend legend-{key}", "end"))
+        x -= 8 * len(text) + 18
+    return out
+
+
 def _nice_max(value: int) -> int:
     if value <= 5:
         return max(value, 1)
@@ -344,8 +353,5 @@ def margin_track_chart(
         body.append(_text(sx(t), zero_band + 18, t))
     body.append(_text((x0 + x1) / 2, zero_band + 32, "step"))
     legend = [("logged", names["logged"]), ("replay", names["replay"]), ("gate", "gate fired")]
-    x = x1
-    for key, text in reversed(legend):
-        body.append(_text(x, height - 4, text, f"legend legend-{key}", "end"))
-        x -= 8 * len(text) + 18
+    body += _legend(legend, x1, height - 4)
     return _svg(height, body, label)

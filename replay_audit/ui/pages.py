@@ -118,6 +118,13 @@ def _base(request: Request) -> str:
     return str(request.scope.get("root_path", ""))
 
 
+def _cookie_scope(request: Request) -> dict[str, Any]:
+    """Every UI cookie's attributes: the UI's path, no script access, same-site, and secure
+    where the request came over HTTPS."""
+    secure = request.url.scheme == "https"
+    return {"path": _base(request) or "/", "httponly": True, "samesite": "lax", "secure": secure}
+
+
 def _safe_next(request: Request, target: str | None) -> str:
     """Where to go after signing in: only a path of this UI (never another site)."""
     base = _base(request)
@@ -171,13 +178,7 @@ def _sign_in_page(
         status_code,
     )
     response.set_cookie(
-        ui_session.SIGN_IN_COOKIE_NAME,
-        token,
-        max_age=3600,
-        path=_base(request) or "/",
-        httponly=True,
-        samesite="lax",
-        secure=request.url.scheme == "https",
+        ui_session.SIGN_IN_COOKIE_NAME, token, max_age=3600, **_cookie_scope(request)
     )
     return response
 
@@ -207,10 +208,7 @@ def sign_in(request: Request, session: DBSession, form: Form) -> Response:
         ui_session.COOKIE_NAME,
         ui_session.issue(_secret(request), lookup, settings.session_max_age_s),
         max_age=settings.session_max_age_s,
-        path=_base(request) or "/",
-        httponly=True,
-        samesite="lax",
-        secure=request.url.scheme == "https",
+        **_cookie_scope(request),
     )
     response.delete_cookie(ui_session.SIGN_IN_COOKIE_NAME, path=_base(request) or "/")
     return response
@@ -222,13 +220,7 @@ def sign_out(request: Request, form: Form) -> Response:
     if s is not None and not ui_session.check_csrf(_secret(request), s, form.get("csrf_token")):
         raise BadRequest("invalid sign-out form; reload the page and try again")
     response = RedirectResponse(f"{_base(request)}/sign-in", status_code=303)
-    response.delete_cookie(
-        ui_session.COOKIE_NAME,
-        path=_base(request) or "/",
-        httponly=True,
-        samesite="lax",
-        secure=request.url.scheme == "https",
-    )
+    response.delete_cookie(ui_session.COOKIE_NAME, **_cookie_scope(request))
     return response
 
 

@@ -12,6 +12,7 @@ from markupsafe import Markup
 
 from replay_audit.diff.margin import step_numerics
 from replay_audit.diff.pieces import Piece, from_json, joined, shown
+from replay_audit.json_value import JsonObject
 from replay_audit.replays.domain import arm_label, c_against_logged, comparison_label
 from replay_audit.replays.models import ReplayResult, ReplayRun
 from replay_audit.replays.results import result_read
@@ -191,7 +192,20 @@ def _at(values: list[Any] | None, t: int) -> Any:
     return values[t] if values is not None and 0 <= t < len(values) else None
 
 
-def _run_here(arm: Arm, read: ArmRead) -> Arm:
+def _run_here(name: str, label: str, target: JsonObject, read: ArmRead) -> Arm:
+    """Arm `name` as replayed here: its tokens, margins, gate and environment from `read`."""
+    n_tokens = len(read.output_token_ids or [])
+    arm = Arm(
+        name=name,
+        label=label,
+        tokens=[],
+        n_tokens=n_tokens,
+        text=read.text,
+        margins=read.margins,
+        requested={"target": target, "engine": read.target},
+        environment=read.environment,
+        pieces=_pieces(read.token_pieces, n_tokens),
+    )
     arm.gate_fired_steps = list(read.gate_fired_steps or [])
     arm.gate_triggers = read.gate_triggers
     arm.steps = read.steps
@@ -254,34 +268,8 @@ def build(
         )
     else:
         a_ids = ra.output_token_ids or []
-        arm_a = _run_here(
-            Arm(
-                name="a",
-                label=arm_label(comp.a, targets),
-                tokens=[],
-                n_tokens=len(a_ids),
-                text=ra.text,
-                margins=ra.margins,
-                requested={"target": run.targets[comp.a], "engine": ra.target},
-                environment=ra.environment,
-                pieces=_pieces(ra.token_pieces, len(a_ids)),
-            ),
-            ra,
-        )
-    arm_b = _run_here(
-        Arm(
-            name="b",
-            label=arm_label(comp.b, targets),
-            tokens=[],
-            n_tokens=len(b_ids),
-            text=rb.text,
-            margins=rb.margins,
-            requested={"target": run.targets[comp.b], "engine": rb.target},
-            environment=rb.environment,
-            pieces=_pieces(rb.token_pieces, len(b_ids)),
-        ),
-        rb,
-    )
+        arm_a = _run_here("a", arm_label(comp.a, targets), run.targets[comp.a], ra)
+    arm_b = _run_here("b", arm_label(comp.b, targets), run.targets[comp.b], rb)
     margins = ((arm_a.label, arm_a.margins), (arm_b.label, arm_b.margins))
     for arm, ids in ((arm_a, a_ids), (arm_b, b_ids)):
         arm.tokens = _tokens(ids, arm.pieces, t_star, start, margins)

@@ -19,7 +19,7 @@ from markupsafe import Markup, escape
 
 from replay_audit.audits.schemas import TrendPoint
 from replay_audit.formats import CATEGORIES
-from replay_audit.ui.charts import MB, ML, MR, MT, WIDTH, _line, _num, _rect, _svg, _text
+from replay_audit.ui.charts import MB, ML, MR, MT, WIDTH, _legend, _line, _num, _rect, _svg, _text
 
 
 def _x(i: int, n: int) -> float:
@@ -128,10 +128,7 @@ def trend_chart(points: Sequence[TrendPoint], height: int = 272) -> Markup:
     body.append(_line(x0, base, x1, base, "axis"))
     body += _time_ticks(points, base + 16)
     legend = [("replay", "EAR (95% CI)"), ("logged", "C lift"), ("gate", "flagged")]
-    x = x1
-    for key, text in reversed(legend):
-        body.append(_text(x, height - 4, text, f"legend legend-{key}", "end"))
-        x -= 8 * len(text) + 18
+    body += _legend(legend, x1, height - 4)
     return _svg(height, body, label)
 
 
