@@ -10,6 +10,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 from replay_audit.engine.hashing import safetensors_files, weights_sha256
 from replay_audit.engine.protocol import Engine, Target
@@ -44,9 +45,7 @@ class EnginePool:
         self._loader = loader
         self._threads = threads
         self._leave_free = leave_free
-        self._device = device
-        self._cache = cache
-        self._max_cache_len = max_cache_len
+        self._options = LoadOptions(device=device, cache=cache, max_cache_len=max_cache_len)
         self._max = max_engines
         self._engines: OrderedDict[_PoolKey, Engine] = OrderedDict()
         self._hashes: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}
@@ -74,9 +73,7 @@ class EnginePool:
     def _load(self, d: Path, target: Target) -> Engine:
         if self._loader is not None:
             return self._loader(d, target)
-        return load_engine(
-            d, target, device=self._device, cache=self._cache, max_cache_len=self._max_cache_len
-        )
+        return load_engine(d, target, **self._options)
 
     def weights_sha256(self, model_dir: str | Path) -> str:
         """`weights_sha256` of the checkpoint, cached while its files keep name, size and
@@ -99,41 +96,27 @@ class EnginePool:
             self._engines.clear()
 
 
-def load_engine(
-    model_dir: str | Path,
-    target: Target,
-    *,
-    device: str | None = None,
-    deterministic: bool = True,
-    tf32: bool = False,
-    cache: CacheKind | None = None,
-    max_cache_len: int = 4096,
-    weight_dtype: str | None = None,
-    fp8_linear: bool = False,
-) -> Engine:
-    """Load a local Hugging Face checkpoint (no network) in `target`'s format as a torch engine.
+class LoadOptions(TypedDict, total=False):
+    """`TorchEngine.load`'s options. `device` None picks CUDA when available, else the CPU.
+    `deterministic` and `tf32` are process-wide torch flags the engine sets explicitly and
+    reports in `environment()`. `cache`, the decode path (`formats.CacheKind`): "piecewise"
+    (None) is bitwise equal to `generate()`; "compiled" preallocates the KV cache for up to
+    `max_cache_len` tokens and captures the step: faster, not bitwise equal. `weight_dtype`:
+    the storage dtype when it differs from `target.dtype` (the storage-vs-compute ablation).
+    `fp8_linear`: every linear layer of the body in FP8-E4M3 (CUDA, SM >= 8.9)."""
 
-    `device` None picks CUDA when available, else the CPU. The deterministic-algorithms and TF32
-    flags are process-wide torch settings: the engine sets them explicitly here and reports them
-    in `environment()`. `cache`, the decode path (`formats.CacheKind`): "piecewise" (None: the
-    default) grows the KV cache as transformers' `generate()` does, with the rest of each step
-    in CUDA graphs, bitwise equal to it; "compiled" preallocates it for up to `max_cache_len`
-    tokens (longer decodes take the piecewise path) and compiles and captures the step: faster,
-    not bitwise equal. `weight_dtype`: the dtype the weights are stored in when it differs from
-    `target.dtype`, the compute dtype (loaded in the one, cast to the other: the
-    storage-vs-compute ablation). `fp8_linear`: every linear layer of the body in FP8-E4M3 (the
-    paper's end-to-end FP8 boundary case; CUDA, SM >= 8.9).
-    """
+    device: str | None
+    deterministic: bool
+    tf32: bool
+    cache: CacheKind | None
+    max_cache_len: int
+    weight_dtype: str | None
+    fp8_linear: bool
+
+
+def load_engine(model_dir: str | Path, target: Target, **options: Unpack[LoadOptions]) -> Engine:
+    """Load a local Hugging Face checkpoint (no network) in `target`'s format as a torch engine
+    (`TorchEngine.load`, imported only now)."""
     from replay_audit.engine.torch_engine import TorchEngine
 
-    return TorchEngine.load(
-        Path(model_dir),
-        target,
-        device=device,
-        deterministic=deterministic,
-        tf32=tf32,
-        cache=cache,
-        max_cache_len=max_cache_len,
-        weight_dtype=weight_dtype,
-        fp8_linear=fp8_linear,
-    )
+    return TorchEngine.load(Path(model_dir), target, **options)
