@@ -226,7 +226,7 @@ class TopK(TraceInput):
         for rows in (self.ids, self.logits):
             t = _first_length_not(rows, k)
             if t is not None:
-                raise _field_error(
+                raise TraceFieldError(
                     f"top_k[{t}]", f"every step must carry exactly k={k} ids and logits"
                 )
         count = n_steps * k
@@ -274,14 +274,14 @@ class TraceCreate(TraceInput):
             # max() runs in C; find the offender only when there is one.
             if ids and max(ids) >= vocab:
                 bad = next(t for t in ids if t >= vocab)
-                raise _field_error(field, f"token id {bad} is outside the vocabulary ({vocab})")
+                raise TraceFieldError(field, f"token id {bad} is outside the vocabulary ({vocab})")
         if self.decoding.eos_token_ids and max(self.decoding.eos_token_ids) >= vocab:
-            raise _field_error("decoding.eos_token_ids", "eos id outside the vocabulary")
+            raise TraceFieldError("decoding.eos_token_ids", "eos id outside the vocabulary")
         if self.top_k is not None:
             _check_top_k(self.top_k, len(self.output_token_ids), vocab)
         pieces = self.output_token_pieces
         if pieces is not None and len(pieces) != len(self.output_token_ids):
-            raise _field_error(
+            raise TraceFieldError(
                 "output_token_pieces",
                 f"has {len(pieces)} pieces; output has {len(self.output_token_ids)} tokens "
                 "(one piece per output token)",
@@ -301,20 +301,18 @@ class TraceTooLarge(TraceFieldError):
     """The trace has more than MAX_TRACE_TOKENS tokens (the API answers 413)."""
 
 
-def _field_error(field: str, message: str) -> TraceFieldError:
-    return TraceFieldError(field, message)
-
-
 def _check_top_k(top_k: TopK, n_steps: int, vocab: int) -> None:
     # Vectorised (numpy over the packed arrays): a Python loop per step cost more than the rest
     # of ingest together. Errors still name the field and the first offending step.
     if len(top_k.ids) != n_steps:
-        raise _field_error("top_k.ids", f"has {len(top_k.ids)} steps; output has {n_steps}")
+        raise TraceFieldError("top_k.ids", f"has {len(top_k.ids)} steps; output has {n_steps}")
     if len(top_k.logits) != n_steps:
-        raise _field_error("top_k.logits", f"has {len(top_k.logits)} steps; output has {n_steps}")
+        raise TraceFieldError(
+            "top_k.logits", f"has {len(top_k.logits)} steps; output has {n_steps}"
+        )
     k = len(top_k.ids[0])
     if not 1 <= k <= MAX_TOP_K:
-        raise _field_error("top_k.ids", f"k must be between 1 and {MAX_TOP_K}, got {k}")
+        raise TraceFieldError("top_k.ids", f"k must be between 1 and {MAX_TOP_K}, got {k}")
     ids, logits = top_k.packed.arrays()
     # One whole-array test each for the common (valid) case; rows are located only on failure.
     with np.errstate(invalid="ignore"):
@@ -326,16 +324,16 @@ def _check_top_k(top_k: TopK, n_steps: int, vocab: int) -> None:
             return
     bad_id = np.flatnonzero((ids >= vocab).any(axis=1))
     if bad_id.size:
-        raise _field_error(f"top_k.ids[{int(bad_id[0])}]", "token id outside the vocabulary")
+        raise TraceFieldError(f"top_k.ids[{int(bad_id[0])}]", "token id outside the vocabulary")
     bad_value = np.flatnonzero(~np.isfinite(logits).all(axis=1))
     if bad_value.size:
-        raise _field_error(
+        raise TraceFieldError(
             f"top_k.logits[{int(bad_value[0])}]",
             "logits must be finite (no NaN or inf), also once converted to float32",
         )
     unsorted = np.flatnonzero((logits[:, :-1] < logits[:, 1:]).any(axis=1))
     if unsorted.size:
-        raise _field_error(
+        raise TraceFieldError(
             f"top_k.logits[{int(unsorted[0])}]", "top-k logits must be sorted descending"
         )
 
