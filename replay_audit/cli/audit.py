@@ -24,6 +24,7 @@ from replay_audit.cli.database import fail
 from replay_audit.cli.root import CommandGroup, app
 
 if TYPE_CHECKING:
+    from replay_audit.audits.metrics import CLift
     from replay_audit.audits.models import AuditRun
     from replay_audit.config import Settings
     from replay_audit.queue import Runner
@@ -34,6 +35,12 @@ app.add_typer(audit_app, name="audit")
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _lift(c_lift: CLift | None) -> str:
+    """A trend point's C lift, in percentage points."""
+    lift = None if c_lift is None else c_lift.lift
+    return "-" if lift is None else f"{100 * lift:+.1f} pp"
 
 
 def _when(t: datetime | None) -> str:
@@ -149,11 +156,10 @@ def _print_runs(ids: list[int]) -> None:
         runs: list[AuditRun] = [r for r in (s.get(AuditRun, i) for i in ids) if r is not None]
         for r in runs:
             m = r.metrics or RunMetrics()
-            lift = None if m.c_lift is None else m.c_lift.lift
             typer.echo(
                 f"{r.public_id}  due {_when(r.due_at)}  {r.trigger}  {r.status}  "
                 f"sampled {r.n_sampled}/{r.n_candidates}  EAR {_pct(m.ear)}  "
-                f"C lift {'-' if lift is None else f'{100 * lift:+.1f} pp'}  "
+                f"C lift {_lift(m.c_lift)}  "
                 f"self {_pct(m.self_agreement)}" + (f"  error: {r.error}" if r.error else "")
             )
             for f in r.flags or []:
@@ -187,14 +193,7 @@ def list_schedules(
     for r in reads:
         last = "-" if r.last_run is None else f"{_when(r.last_run.due_at)} {r.last_run.status}"
         table.add_row(
-            r.id,
-            r.project,
-            r.name,
-            r.cron,
-            r.status,
-            _when(r.next_due_at),
-            last,
-            str(r.missed),
+            r.id, r.project, r.name, r.cron, r.status, _when(r.next_due_at), last, str(r.missed)
         )
     _console().print(table)
     if not reads:
@@ -258,13 +257,12 @@ def trend(
     for col in ("due (UTC)", "status", "n", "EAR", "C lift", "trigger rate", "self", "flags"):
         table.add_column(col)
     for p in points:
-        lift = None if p.c_lift is None else p.c_lift.lift
         table.add_row(
             _when(p.due_at),
             p.status,
             str(p.n_sampled),
             _pct(p.ear),
-            "-" if lift is None else f"{100 * lift:+.1f} pp",
+            _lift(p.c_lift),
             _pct(p.trigger_rate),
             _pct(p.self_agreement),
             ", ".join(f"{f.kind} ({f.label or f.comparison})" for f in p.flags) or "-",
