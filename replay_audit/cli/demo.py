@@ -151,17 +151,12 @@ def _print_run(console: Any, run: ReplayRead, title: str) -> None:
     for col in ("comparison", "EAR [95% CI]", "gate trigger rate", "t* med", "categories"):
         table.add_column(col, overflow="fold")
     for c in stats.comparisons if stats else []:
-        t_star = c.first_divergence_step
+        t = c.first_divergence_step
+        t_star = "-" if t is None else f"{t.median:.0f}"
         cats = " ".join(
             f"{_SHORT[k]} {v.successes}" for k, v in c.categories.items() if v.successes
         )
-        table.add_row(
-            escape(c.label),
-            _pct(c.ear),
-            _gate(c),
-            "-" if t_star is None else f"{t_star.median:.0f}",
-            cats or "-",
-        )
+        table.add_row(escape(c.label), _pct(c.ear), _gate(c), t_star, cats or "-")
     console.print(table)
     for lift in stats.lifts if stats is not None else []:
         line = (
