@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Final
+from typing import Annotated, Final, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -39,14 +39,7 @@ class ScreeningPrompt(InputModel):
 
     def row(self) -> PromptRow:
         """The prompt as the screening's backend reads it."""
-        out = PromptRow()
-        if self.id is not None:
-            out["id"] = self.id
-        if self.prompt is not None:
-            out["prompt"] = self.prompt
-        if self.prompt_token_ids is not None:
-            out["prompt_token_ids"] = self.prompt_token_ids
-        return out
+        return cast(PromptRow, self.model_dump(exclude_none=True))
 
 
 class ScreeningCreate(InputModel):
