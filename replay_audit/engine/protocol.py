@@ -290,7 +290,6 @@ class Engine(Protocol):
 
     def environment(self) -> Environment:
         """The numerical environment actually in use, with `NumericalConfig`'s keys."""
-        ...
 
     def decode(
         self,
@@ -305,7 +304,6 @@ class Engine(Protocol):
         """Greedy decode with a KV cache from prompt ‖ forced_prefix, up to `max_new_tokens`
         output tokens in all (forced prefix included), stopping after an eos id.
         `intervention` None means the target's."""
-        ...
 
     def scan(
         self,
@@ -315,7 +313,6 @@ class Engine(Protocol):
         top_k: int = 5,
     ) -> ScanRun:
         """One teacher-forced forward over prompt ‖ output: every output position's choice."""
-        ...
 
     def scan_batch(
         self,
@@ -330,7 +327,6 @@ class Engine(Protocol):
         tokens, padding included (`replay_audit.engine.batch`). Each result is what `scan`
         gives for the trace alone wherever the kernels do not depend on the batch's shape; the
         shapes used are recorded in `environment()["extras"]`."""
-        ...
 
     def step(
         self,
@@ -342,7 +338,6 @@ class Engine(Protocol):
         """From-scratch forward over prompt ‖ prefix: the arm's choice for the next step, with
         `intervention` applied where its gate fires (the single-step re-run runs the arm's
         whole computation; there is no default: the caller names the arm's)."""
-        ...
 
     def step_batch(
         self,
@@ -357,16 +352,13 @@ class Engine(Protocol):
         hidden state alone. Each result is what `step` gives for the context alone wherever the
         body's kernels do not depend on the number of rows (on CPU, bit for bit); the shapes
         used are recorded in `environment()["extras"]` (`step_batch_shapes`)."""
-        ...
 
     def detokenize(self, ids: Sequence[int]) -> str | None:
         """The text of `ids`, or None when the checkpoint has no tokenizer."""
-        ...
 
     def token_pieces(self, ids: Sequence[int]) -> tuple[Piece, ...] | None:
         """Each token's piece (`diff.pieces`: its text, or its bytes when they are not text
         alone), or None when the checkpoint has no tokenizer."""
-        ...
 
 
 @runtime_checkable
@@ -379,7 +371,6 @@ class HiddenStates(Protocol):
     ) -> npt.NDArray[np.float32]:
         """(len(output_ids) + 1, d) float32: row t is the final normed hidden state that predicts
         output step t in a from-scratch forward over prompt ‖ output_ids."""
-        ...
 
 
 def steps_from_numerics(
