@@ -214,7 +214,8 @@ N = TypeVar("N", int, float)
 @dataclass(frozen=True)
 class RunOption(Generic[N]):
     """A numeric run option: its default, its inclusive bounds (`gt`: an exclusive lower one;
-    None: unbounded) and what it means (the OpenAPI description and the CLI help)."""
+    None: unbounded) and what it means (the OpenAPI description and the CLI help: its
+    documentation here too)."""
 
     default: N
     help: str
@@ -223,9 +224,7 @@ class RunOption(Generic[N]):
     gt: N | None = None
 
 
-#: Top-k recorded per replayed step (kept with the result for the trace page).
 TOP_K: Final = RunOption(5, "Top-k kept per replayed step.", ge=2, le=20)
-#: Share of the traces the scan does not flag that a scan-then-decode run decodes anyway.
 CONTROL_FRACTION: Final = RunOption(
     0.05,
     "scan_then_decode: share of the traces the scan does not flag that are decoded anyway "
@@ -236,7 +235,6 @@ CONTROL_FRACTION: Final = RunOption(
 #: The near-tie flag that turns near-tie flagging off, and the largest one a request may name.
 SCAN_FLAG_OFF: Final = -1.0
 MAX_SCAN_FLAG_ULPS: Final = 1024.0
-#: Seed of the control sample when a request names none.
 CONTROL_SEED: Final = RunOption(0, "Seed of the control sample.", ge=0, le=2**53)
 #: Near-tie flag of a scan-then-decode run when neither the request nor the deployment
 #: (`REPLAY_AUDIT_SCAN_FLAG_ULPS`) names one: a trace whose scan agrees everywhere is still
@@ -257,9 +255,7 @@ SCAN_FLAG_ULPS: Final = RunOption(
     ge=SCAN_FLAG_OFF,
     le=MAX_SCAN_FLAG_ULPS,
 )
-#: A screening's decode budget per prompt.
 MAX_NEW_TOKENS: Final = RunOption(64, "Tokens decoded per prompt.", ge=1, le=512)
-#: The share of flips a screening's τ calibration covers.
 COVER: Final = RunOption(0.9, "Share of flips the τ calibration covers.", gt=0.0, le=1.0)
 #: The paper's main pair for a screening's head-vs-body analysis and C lift (BF16 vs FP16).
 DEFAULT_PAIR: Final[tuple[BodyDType, BodyDType]] = ("bf16", "fp16")

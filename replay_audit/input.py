@@ -143,11 +143,7 @@ def option_field(option: RunOption[Any], *, default: Any = ..., **kwargs: Any) -
     float option takes finite numbers only."""
     if isinstance(option.default, float):
         kwargs.setdefault("allow_inf_nan", False)
+    default = option.default if default is ... else default
     return Field(
-        default=option.default if default is ... else default,
-        ge=option.ge,
-        le=option.le,
-        gt=option.gt,
-        description=option.help,
-        **kwargs,
+        default=default, ge=option.ge, le=option.le, gt=option.gt, description=option.help, **kwargs
     )

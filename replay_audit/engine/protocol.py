@@ -204,15 +204,9 @@ class Steps:
 
     @staticmethod
     def empty(k: int) -> Steps:
-        return Steps(
-            np.zeros(0, np.int64),
-            np.zeros(0, np.int64),
-            np.zeros((0, k), np.int64),
-            np.zeros((0, k), np.float32),
-            np.zeros(0, np.float64),
-            np.zeros(0, np.float64),
-            np.zeros(0, bool),
-        )
+        ids, values = np.zeros(0, np.int64), np.zeros(0, np.float64)
+        top_k = (np.zeros((0, k), np.int64), np.zeros((0, k), np.float32))
+        return Steps(ids, ids, *top_k, values, values, np.zeros(0, bool))
 
 
 _STEP_FIELDS = tuple(f.name for f in fields(Steps))

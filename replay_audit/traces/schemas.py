@@ -339,8 +339,6 @@ def _check_top_k(top_k: TopK, n_steps: int, vocab: int) -> None:
 
 
 class TraceRead(TraceCreate):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     id: str
     project: str
     config_id: str
