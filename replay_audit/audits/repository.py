@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from datetime import datetime
+from typing import TypeVar
 
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
@@ -22,10 +23,15 @@ from replay_audit.traces.selection import TraceSelection
 
 #: Trace rows whose logits are read per query (low_margin_first).
 MARGIN_CHUNK = 500
+_Row = TypeVar("_Row", AuditRun, AuditAlert)
 
 
-def _is_postgres(session: Session) -> bool:
-    return session.get_bind().dialect.name == "postgresql"
+def _locked(session: Session, model: type[_Row], row_id: int) -> _Row | None:
+    """The row reloaded, and on PostgreSQL locked for update until the transaction ends."""
+    stmt = select(model).where(model.id == row_id)
+    if session.get_bind().dialect.name == "postgresql":
+        stmt = stmt.with_for_update()
+    return session.scalar(stmt.execution_options(populate_existing=True))
 
 
 # --- schedules -------------------------------------------------------------------------------
@@ -135,10 +141,7 @@ def get_run(session: Session, schedule_id: int, public_id: str) -> AuditRun | No
 
 
 def lock_run(session: Session, run_id: int) -> AuditRun | None:
-    stmt = select(AuditRun).where(AuditRun.id == run_id)
-    if _is_postgres(session):
-        stmt = stmt.with_for_update()
-    return session.scalar(stmt.execution_options(populate_existing=True))
+    return _locked(session, AuditRun, run_id)
 
 
 def runs_with_replay(
@@ -323,10 +326,7 @@ def add_alert(session: Session, values: AlertValues) -> int | None:
 
 
 def lock_alert(session: Session, alert_id: int) -> AuditAlert | None:
-    stmt = select(AuditAlert).where(AuditAlert.id == alert_id)
-    if _is_postgres(session):
-        stmt = stmt.with_for_update()
-    return session.scalar(stmt.execution_options(populate_existing=True))
+    return _locked(session, AuditAlert, alert_id)
 
 
 def alert_webhook_secret(session: Session, alert_id: int) -> str | None:

@@ -81,10 +81,6 @@ def _flush() -> None:
             stream.flush()
 
 
-def _exit_code(signum: int) -> int:
-    return 0 if signum == signal.SIGTERM else 128 + signum
-
-
 @contextmanager
 def stopping_threads_on_exit() -> Iterator[None]:
     """Run a command with SIGINT/SIGTERM raising `Interrupted`, and its threads stopped on the
@@ -119,7 +115,7 @@ def stopping_threads_on_exit() -> Iterator[None]:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if received:
-            code = _exit_code(received[0])
+            code = 0 if received[0] == signal.SIGTERM else 128 + received[0]  # module docstring
         if not clean:
             print("error: a worker thread did not stop in time; leaving it", file=sys.stderr)
             _flush()
