@@ -74,8 +74,7 @@ def screen(
 
     chosen = _knobs(knobs)
     names = pair.split(",")
-    arm_a = body_dtype(names[0].strip()) if len(names) == 2 else None
-    arm_b = body_dtype(names[-1].strip()) if len(names) == 2 else None
+    arm_a, arm_b = (body_dtype(n.strip()) for n in names) if len(names) == 2 else (None, None)
     if arm_a is None or arm_b is None:
         _fail(f"--pair must be two of {', '.join(BODY_DTYPES)}, comma-separated; got {pair!r}")
     reference = body_dtype(reference_dtype) if reference_dtype is not None else None

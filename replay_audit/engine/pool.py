@@ -23,11 +23,10 @@ _PoolKey = tuple[str, tuple[str, str, str | None, int]]
 class EnginePool:
     """Engines keyed by (checkpoint directory, `Target.format_key()`), built on first use.
 
-    Without a `loader`, engines come from `replay_audit.engine.load_engine(dir, target,
-    device=device, cache=cache, max_cache_len=max_cache_len)`. `max_engines` bounds how many
-    stay loaded (least recently used goes first); None keeps all. `threads` and `leave_free`
-    set torch's CPU threads in each thread that takes an engine (`engine.loading.
-    set_torch_threads`: None and 0 leave torch's default).
+    Without a `loader`, engines come from `load_engine` with `device`, `cache` and
+    `max_cache_len`. `max_engines` bounds how many stay loaded (least recently used goes
+    first); None keeps all. `threads` and `leave_free` set torch's CPU threads in each thread
+    that takes an engine (`engine.loading.set_torch_threads`: None and 0 leave torch's default).
     Thread-safe: the in-process job runner calls it from threads.
     """
 

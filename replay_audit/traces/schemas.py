@@ -263,11 +263,8 @@ class TraceCreate(TraceInput):
         vocab = self.model.vocab_size
         n_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
         if n_tokens > MAX_TRACE_TOKENS:
-            field = (
-                "prompt_token_ids"
-                if len(self.prompt_token_ids) > MAX_TRACE_TOKENS
-                else "output_token_ids"
-            )
+            prompt_too_long = len(self.prompt_token_ids) > MAX_TRACE_TOKENS
+            field = "prompt_token_ids" if prompt_too_long else "output_token_ids"
             raise TraceTooLarge(field, f"trace has {n_tokens} tokens; at most {MAX_TRACE_TOKENS}")
         for field in ("prompt_token_ids", "output_token_ids"):
             ids = getattr(self, field)
