@@ -76,11 +76,8 @@ def project_names(session: Session, project_ids: Iterable[int]) -> dict[int, str
 
 def active_schedules(session: Session) -> list[AuditSchedule]:
     """Every project's active schedules (what a tick looks at)."""
-    return list(
-        session.scalars(
-            select(AuditSchedule).where(AuditSchedule.status == "active").order_by(AuditSchedule.id)
-        )
-    )
+    stmt = select(AuditSchedule).where(AuditSchedule.status == "active").order_by(AuditSchedule.id)
+    return list(session.scalars(stmt))
 
 
 def latest_scheduled_due(session: Session, schedule_ids: Sequence[int]) -> dict[int, datetime]:
@@ -201,38 +198,27 @@ def replay_refs(session: Session, replay_run_ids: Iterable[int]) -> dict[int, tu
 def due_times_with_runs(
     session: Session, schedule_id: int, start: datetime, end: datetime
 ) -> set[datetime]:
-    return set(
-        session.scalars(
-            select(AuditRun.due_at).where(
-                AuditRun.schedule_id == schedule_id,
-                AuditRun.due_at >= start,
-                AuditRun.due_at <= end,
-            )
-        )
+    stmt = select(AuditRun.due_at).where(
+        AuditRun.schedule_id == schedule_id, AuditRun.due_at.between(start, end)
     )
+    return set(session.scalars(stmt))
 
 
 def runs_to_evaluate(session: Session) -> list[int]:
     """Audit runs whose replay run has finished but that carry no trend point yet."""
-    return list(
-        session.scalars(
-            select(AuditRun.id)
-            .join(ReplayRun, ReplayRun.id == AuditRun.replay_run_id)
-            .where(AuditRun.status == "running", ReplayRun.status.in_(("done", "failed")))
-            .order_by(AuditRun.due_at)
-        )
+    stmt = (
+        select(AuditRun.id)
+        .join(ReplayRun, ReplayRun.id == AuditRun.replay_run_id)
+        .where(AuditRun.status == "running", ReplayRun.status.in_(("done", "failed")))
+        .order_by(AuditRun.due_at)
     )
+    return list(session.scalars(stmt))
 
 
 def orphaned_runs(session: Session) -> list[int]:
     """Audit runs still 'running' whose replay run is gone."""
-    return list(
-        session.scalars(
-            select(AuditRun.id).where(
-                AuditRun.status == "running", AuditRun.replay_run_id.is_(None)
-            )
-        )
-    )
+    stmt = select(AuditRun.id).where(AuditRun.status == "running", AuditRun.replay_run_id.is_(None))
+    return list(session.scalars(stmt))
 
 
 def history_metrics(session: Session, schedule_id: int, before: datetime) -> list[RunMetrics]:
@@ -341,11 +327,8 @@ def alert_webhook_secret(session: Session, alert_id: int) -> str | None:
 
 
 def pending_alerts(session: Session) -> list[int]:
-    return list(
-        session.scalars(
-            select(AuditAlert.id).where(AuditAlert.status == "pending").order_by(AuditAlert.id)
-        )
-    )
+    stmt = select(AuditAlert.id).where(AuditAlert.status == "pending").order_by(AuditAlert.id)
+    return list(session.scalars(stmt))
 
 
 def alerts_of_schedule(
