@@ -236,17 +236,12 @@ CONTROL_FRACTION: Final = RunOption(
 SCAN_FLAG_OFF: Final = -1.0
 MAX_SCAN_FLAG_ULPS: Final = 1024.0
 CONTROL_SEED: Final = RunOption(0, "Seed of the control sample.", ge=0, le=2**53)
-#: Near-tie flag of a scan-then-decode run when neither the request nor the deployment
-#: (`REPLAY_AUDIT_SCAN_FLAG_ULPS`) names one: a trace whose scan agrees everywhere is still
-#: decoded when some step's top-2 margin along the logged path is at most this many ulps of the
-#: arm's format. 0: exact ties only, where the scan's choice was the tie-break's and any
+#: Why 0 ulps (exact ties only) by default: there the scan's choice was the tie-break's and any
 #: rounding of the decode's own KV path can take the other token. Wider flags catch more
 #: KV-dependent flips but cost fast: the rule looks at every step, so the share of traces it
 #: decodes grows with their length (on the bundled model's 24-token traces in BF16, 31% at 0
-#: ulps and 75% at 1 ulp). On an H100 with a trained model (BENCHMARKS.md) 0 ulps took the
-#: scan's recall of decode divergences from 94.9% to 100% (fp16 -> bf16). `SCAN_FLAG_OFF`
-#: turns near-tie flagging off (only a scan's mismatch flags a trace); beyond
-#: `MAX_SCAN_FLAG_ULPS` nearly every trace is decoded.
+#: ulps and 75% at 1 ulp; near `MAX_SCAN_FLAG_ULPS`, nearly all). On an H100 with a trained
+#: model (BENCHMARKS.md) 0 ulps took the scan's recall of decode divergences from 94.9% to 100%.
 SCAN_FLAG_ULPS: Final = RunOption(
     0.0,
     "scan_then_decode: also decode a trace the scan agrees with when some step's top-2 margin "

@@ -223,20 +223,13 @@ def orphaned_runs(session: Session) -> list[int]:
 
 def history_metrics(session: Session, schedule_id: int, before: datetime) -> list[RunMetrics]:
     """Trend points of the schedule's evaluated runs due before `before`, oldest first."""
-    return [
-        m
-        for m in session.scalars(
-            select(AuditRun.metrics)
-            .where(
-                AuditRun.schedule_id == schedule_id,
-                AuditRun.status == "done",
-                AuditRun.due_at < before,
-                AuditRun.metrics.is_not(None),
-            )
-            .order_by(AuditRun.due_at)
-        )
-        if m is not None
-    ]
+    stmt = select(AuditRun.metrics).where(
+        AuditRun.schedule_id == schedule_id,
+        AuditRun.status == "done",
+        AuditRun.due_at < before,
+        AuditRun.metrics.is_not(None),
+    )
+    return [m for m in session.scalars(stmt.order_by(AuditRun.due_at)) if m is not None]
 
 
 # --- candidates ------------------------------------------------------------------------------
