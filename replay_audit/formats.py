@@ -54,10 +54,6 @@ class Format:
     def body_ok(self) -> bool:
         return self.name in BODY_DTYPES
 
-    @property
-    def eps(self) -> float:
-        return 2.0 ** (1 - self.precision)
-
 
 FORMATS: Final[dict[str, Format]] = {
     f.name: f

@@ -159,9 +159,7 @@ def runs_with_replay(
     )
     if before is not None:
         stmt = stmt.where(AuditRun.due_at < before)
-    rows: list[tuple[AuditRun, str | None, str | None]] = [
-        (r, pid, st) for r, pid, st in session.execute(stmt).all()
-    ]
+    rows: list[tuple[AuditRun, str | None, str | None]] = list(session.execute(stmt).tuples())
     return rows if newest_first else rows[::-1]
 
 
