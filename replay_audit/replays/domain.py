@@ -490,10 +490,6 @@ class ArmOutcome:
     pieces: tuple[Piece, ...] | None = None
 
     @property
-    def run_here(self) -> bool:
-        return self.steps is not None
-
-    @property
     def trigger_rate(self) -> float | None:
         if self.steps is None or self.gate_triggers is None or self.steps == 0:
             return None

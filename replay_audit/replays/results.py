@@ -283,30 +283,20 @@ def result_read(
     return ReplayResultRead.model_validate(data)
 
 
+#: The result columns the statistics read as they are stored (`figures`).
+_FIGURE_COLUMNS = tuple(
+    f for f in ResultFigures._fields if f not in ("trace_public_id", "external_id")
+)
+
+
 def figures(row: Any, trace_public_id: str, external_id: str | None) -> ResultFigures:
     """The statistics' view of a result row (an ORM row or a row of the same columns)."""
+    values = {f: getattr(row, f) for f in _FIGURE_COLUMNS}
+    exact = values["exact_match"]
     return ResultFigures(
-        trace_id=int(row.trace_id),
+        **values | {"exact_match": None if exact is None else bool(exact)},
         trace_public_id=trace_public_id,
         external_id=external_id,
-        status=str(row.status),
-        exact_match=None if row.exact_match is None else bool(row.exact_match),
-        first_divergence_step=row.first_divergence_step,
-        category=row.category,
-        margin_a=row.margin_a,
-        margin_a_ulps=row.margin_a_ulps,
-        margin_b=row.margin_b,
-        margin_b_ulps=row.margin_b_ulps,
-        gate_triggers=row.gate_triggers,
-        n_steps=row.n_steps,
-        mean_gap=row.mean_gap,
-        gate_triggers_a=row.gate_triggers_a,
-        n_steps_a=row.n_steps_a,
-        length_difference=row.length_difference,
-        answer_extractor=row.answer_extractor,
-        answer_a=row.answer_a,
-        answer_b=row.answer_b,
-        screen=row.screen,
     )
 
 
