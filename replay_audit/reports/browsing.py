@@ -19,7 +19,7 @@ from replay_audit.replays.models import ReplayResult, ReplayRun
 from replay_audit.replays.statistics import check_comparison
 from replay_audit.reports import repository
 from replay_audit.reports.filters import ResultFilter, RunFilter
-from replay_audit.reports.repository import ReplayCounts, ResultRow
+from replay_audit.reports.repository import ReplayCounts, ResultSummary
 from replay_audit.reports.schemas import RunList, RunSummaryRead
 from replay_audit.stats.report import ProportionRead
 from replay_audit.traces import service as traces_service
@@ -108,7 +108,7 @@ def run_list(
 
 @dataclass(frozen=True)
 class ResultsPage:
-    items: list[ResultRow]
+    items: list[ResultSummary]
     next_after: int | None
 
 
@@ -202,7 +202,7 @@ class TraceReplay:
     run: ReplayRun
     comparison: int
     label: str
-    result: ResultRow
+    result: ResultSummary
 
 
 @dataclass(frozen=True)

@@ -156,7 +156,7 @@ def flipped_traces(
 # -- result rows -------------------------------------------------------------------------------
 
 
-class ResultRow(NamedTuple):
+class ResultSummary(NamedTuple):
     """A result's summary columns (no token arrays, no detail JSON): what lists show, and its
     trace's ids and tags where the list shows them. Fields in `_SUMMARY_COLUMNS`' order."""
 
@@ -182,7 +182,7 @@ class ResultRow(NamedTuple):
     tags: list[str] | None = None
 
 
-#: The columns of `ResultRow`, but the trace's.
+#: The columns of `ResultSummary`, but the trace's.
 _SUMMARY_COLUMNS = (
     R.id,
     R.comparison,
@@ -206,7 +206,7 @@ _SUMMARY_COLUMNS = (
 
 def results_page(
     session: Session, run_id: int, f: ResultFilter, *, after_id: int | None, limit: int
-) -> list[ResultRow]:
+) -> list[ResultSummary]:
     """Summary rows of a run's results with their trace's ids and tags, in result id order."""
     stmt = (
         select(*_SUMMARY_COLUMNS, Trace.public_id, Trace.external_id, Trace.tags)
@@ -227,7 +227,7 @@ def results_page(
         stmt = stmt.where(R.status == "failed")
     if after_id is not None:
         stmt = stmt.where(R.id > after_id)
-    return [ResultRow._make(row) for row in session.execute(stmt)]
+    return [ResultSummary._make(row) for row in session.execute(stmt)]
 
 
 def get_trace(session: Session, project_id: int, public_id: str) -> Trace | None:
@@ -349,7 +349,7 @@ def replay_counts(session: Session, trace_ids: Sequence[int]) -> dict[int, Repla
 
 def trace_replays(
     session: Session, project_id: int, trace_id: int, *, before_id: int | None, limit: int
-) -> list[tuple[ResultRow, ReplayRun]]:
+) -> list[tuple[ResultSummary, ReplayRun]]:
     """The results of one trace in every run of the project, newest first (by result id), with
     their run: summary columns only (no token arrays, no detail JSON)."""
     stmt = (
@@ -363,7 +363,7 @@ def trace_replays(
         stmt = stmt.where(R.id < before_id)
     # No trace columns: the trace is the one asked for.
     return [
-        (ResultRow._make([*row[:-1], None, None, None]), row.ReplayRun)
+        (ResultSummary._make([*row[:-1], None, None, None]), row.ReplayRun)
         for row in session.execute(stmt)
     ]
 
