@@ -644,20 +644,28 @@ def _near_tie(trace: LoggedTrace, steps: Steps, flag_ulps: float) -> int | None:
 def _scanned_only(item: ReplayItem, b: Arm, steps: Steps, batched: bool) -> ReplayOutcome:
     """A trace a scan-then-decode run only scanned: the scan agreed with the logged output at
     every step, and no decode says whether the replay does. Not an exact match, not agreed:
-    unknown (`exact_match` and `category` None), with the scan's steps as arm B's."""
-    logged = item.trace.output_token_ids.tolist()
+    unknown (`exact_match` and `category` None), with the scan's steps as arm B's. Built here,
+    not by `_outcome`: most traces of a large run end here, and nothing of a decode (answers,
+    the logged tokens' pieces) is computed for them."""
+    trace = item.trace
+    logged = trace.output_token_ids.tolist()
     run_b = _ArmRun(b, logged, steps, "scan", batched)
-    r = _Replayed(item, "scan_then_decode", _ArmRun(None, logged, None), run_b, None, "scanned")
-    outcome = _outcome(r, {})
-    b_scanned = replace(outcome.b, output_token_ids=None)
-    return replace(
-        outcome,
+    r = _Replayed(item, "scan_then_decode", _ArmRun(None, logged, None), run_b, None)
+    arm_b = replace(_arm_outcome(r, "b", None, None), output_token_ids=None)
+    return ReplayOutcome(
+        mode="scan_then_decode",
         exact_match=None,
+        first_divergence_step=None,
         category=None,
+        tie=False,
         cascade_length=None,
         length_difference=None,
-        b=b_scanned,
-        semantic=None,
+        a=ArmOutcome(
+            target=trace.config, output_token_ids=None, margin=None, text=trace.output_text
+        ),
+        b=arm_b,
+        external_id=trace.external_id,
+        screen="scanned",
     )
 
 
