@@ -22,11 +22,11 @@ from replay_audit.formats import (
 )
 
 if TYPE_CHECKING:
-    from replay_audit.screening.outputs import PromptRow
+    from replay_audit.screenings.sweep.outputs import PromptRow
 
 
 def _knobs(values: list[str] | None) -> list[str]:
-    from replay_audit.screening.plan import KNOB_NAMES
+    from replay_audit.screenings.sweep.plan import KNOB_NAMES
 
     if not values:
         return list(KNOB_NAMES)
@@ -66,10 +66,10 @@ def screen(
     categories and the both-arms C lift, and recommend an action (report.json, report.html)."""
     from replay_audit.engine.hashing import NoWeightsError, weights_sha256
     from replay_audit.exceptions import ReplayAuditError
-    from replay_audit.screening.analysis import build_report
-    from replay_audit.screening.plan import ScreenConfig, build_plan
-    from replay_audit.screening.runner import DirectoryStore, run_screening
-    from replay_audit.screening.worker import TorchBackend
+    from replay_audit.screenings.sweep.analysis import build_report
+    from replay_audit.screenings.sweep.plan import ScreenConfig, build_plan
+    from replay_audit.screenings.sweep.runner import DirectoryStore, run_screening
+    from replay_audit.screenings.sweep.worker import TorchBackend
     from replay_audit.ui.screening_view import standalone_html
 
     chosen = _knobs(knobs)

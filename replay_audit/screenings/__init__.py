@@ -1,5 +1,5 @@
 """Screenings as a service: `POST /v1/screenings` stores a request and queues a job; a worker
-with the checkpoint runs the screening (`replay_audit.screening`) and stores its report.
+with the checkpoint runs the screening (`replay_audit.screenings.sweep`) and stores its report.
 
     models      the `screenings` row and the `screening_outputs` it resumes from
     schemas     request and response bodies

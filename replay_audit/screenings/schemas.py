@@ -12,9 +12,9 @@ from replay_audit.diff.margin import DEFAULT_TAU
 from replay_audit.formats import COVER, DEFAULT_PAIR, MAX_NEW_TOKENS, BodyDType, Device, RunStatus
 from replay_audit.input import InputModel, Lax, option_field
 from replay_audit.json_value import JsonObject
-from replay_audit.screening.outputs import PromptRow
-from replay_audit.screening.plan import KnobName
-from replay_audit.screening.report import ScreeningReport
+from replay_audit.screenings.sweep.outputs import PromptRow
+from replay_audit.screenings.sweep.plan import KnobName
+from replay_audit.screenings.sweep.report import ScreeningReport
 
 #: At most this many prompts per screening (every one is decoded in every run).
 MAX_SCREENING_PROMPTS: Final = 256

@@ -10,10 +10,10 @@ from replay_audit.db.ids import new_public_id
 from replay_audit.exceptions import FieldError, NotFound
 from replay_audit.queue import JobQueue, JobSpec
 from replay_audit.replays.service import target_refusal
-from replay_audit.screening.report import ScreeningReport
 from replay_audit.screenings import repository
 from replay_audit.screenings.models import Screening
 from replay_audit.screenings.schemas import ScreeningCreate, ScreeningRead
+from replay_audit.screenings.sweep.report import ScreeningReport
 
 #: The job's dotted path: resolved on the worker, so the API process never imports torch.
 JOB = "replay_audit.screenings.tasks.run_screening_job"

@@ -22,13 +22,13 @@ from replay_audit.formats import BodyDType
 from replay_audit.json_value import JsonObject
 from replay_audit.replays.checkpoint import ModelNotFound, find_checkpoint
 from replay_audit.replays.tasks import worker_context
-from replay_audit.screening.analysis import build_report
-from replay_audit.screening.outputs import PromptRow, ScreenPrompt
-from replay_audit.screening.plan import KNOB_NAMES, Platform, ScreenConfig, build_plan
-from replay_audit.screening.runner import Backend, run_screening
 from replay_audit.screenings import repository
 from replay_audit.screenings.models import Screening
 from replay_audit.screenings.schemas import ScreeningCreate
+from replay_audit.screenings.sweep.analysis import build_report
+from replay_audit.screenings.sweep.outputs import PromptRow, ScreenPrompt
+from replay_audit.screenings.sweep.plan import KNOB_NAMES, Platform, ScreenConfig, build_plan
+from replay_audit.screenings.sweep.runner import Backend, run_screening
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ BackendFactory = Callable[[Path, str | None], WorkerBackend]
 
 def _torch_backend(model_dir: Path, device: str | None) -> WorkerBackend:
     """`screening.worker.TorchBackend`, imported here: only a worker running the job needs it."""
-    from replay_audit.screening.worker import TorchBackend
+    from replay_audit.screenings.sweep.worker import TorchBackend
 
     return TorchBackend(model_dir, device)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from markupsafe import Markup
 from typing_extensions import TypedDict
 
-from replay_audit.screening.report import ScreeningReport
+from replay_audit.screenings.sweep.report import ScreeningReport
 from replay_audit.stats.report import ProportionRead
 from replay_audit.stats.summary import Histogram, histogram
 from replay_audit.ui.charts import (

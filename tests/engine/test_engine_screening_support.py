@@ -88,8 +88,8 @@ def test_fp8_linear_layers_need_a_recent_gpu(tiny_dir: Path) -> None:
 
 def test_sdpa_probe_on_this_cpu(real_dir: Path) -> None:
     from replay_audit.engine.platform import AttentionShape, sdpa_refusal
-    from replay_audit.screening.plan import ScreenConfig
-    from replay_audit.screening.worker import TorchBackend
+    from replay_audit.screenings.sweep.plan import ScreenConfig
+    from replay_audit.screenings.sweep.worker import TorchBackend
 
     backend = TorchBackend(real_dir, "cpu")
     assert backend._heads() == (4, 2, 32)  # grouped-query: the calls pass enable_gqa
@@ -126,10 +126,10 @@ def test_sdpa_refusal_reports_torchs_own_reasons() -> None:
 
 
 def test_a_screening_runs_sdpa_math_and_flash_on_this_cpu(tiny_dir: Path) -> None:
-    from replay_audit.screening.outputs import ScreenPrompt
-    from replay_audit.screening.plan import Platform, ScreenConfig, build_plan
-    from replay_audit.screening.runner import MemoryStore, run_screening
-    from replay_audit.screening.worker import TorchBackend
+    from replay_audit.screenings.sweep.outputs import ScreenPrompt
+    from replay_audit.screenings.sweep.plan import Platform, ScreenConfig, build_plan
+    from replay_audit.screenings.sweep.runner import MemoryStore, run_screening
+    from replay_audit.screenings.sweep.worker import TorchBackend
 
     backend = TorchBackend(tiny_dir, "cpu")
     plan = build_plan(

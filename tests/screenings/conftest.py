@@ -1,6 +1,6 @@
 """Fixtures for the screening service: a runner that holds jobs until the test runs them (by
 their dotted path, as a worker does), worker settings on the test database, and the fake
-screening backend of tests/screening/fake_screen.py."""
+screening backend of tests/screenings/sweep/fake_screen.py."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ import pytest
 from fastapi.testclient import TestClient
 
 from replay_audit.engine import FakeEngine
-from replay_audit.screening.outputs import ScreenPrompt
-from replay_audit.screening.plan import Platform, ScreenConfig
 from replay_audit.screenings import tasks
+from replay_audit.screenings.sweep.outputs import ScreenPrompt
+from replay_audit.screenings.sweep.plan import Platform, ScreenConfig
 from tests.replays.conftest import (  # noqa: F401  (fixtures)
     HoldingRunner,
     fake_model_dir,
     worker_env,
 )
-from tests.screening.fake_screen import FakeBackend
+from tests.screenings.sweep.fake_screen import FakeBackend
 
 #: Keeps jobs until `run_all()`, then runs each by its dotted path.
 JobRunner = HoldingRunner

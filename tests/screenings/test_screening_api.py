@@ -1,5 +1,6 @@
 """`/v1/screenings`: a screening queued over HTTP, run by its job (fake engines whose effects
-are known, tests/screening/fake_screen.py), its report read back; bad input answered 4xx naming
+are known, tests/screenings/sweep/fake_screen.py),
+its report read back; bad input answered 4xx naming
 the field; project and role isolation; idempotency; a job that cannot find the checkpoint says
 why."""
 
@@ -13,8 +14,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from replay_audit.engine.hashing import weights_sha256
-from tests.screening.fake_screen import HEAD, N_PROMPTS, STEPS
 from tests.screenings.conftest import FakeWorkerBackend, JobRunner
+from tests.screenings.sweep.fake_screen import HEAD, N_PROMPTS, STEPS
 from tests.ui.conftest import settings as settings  # fixture: the session secret
 from tests.ui.conftest import ui_client  # noqa: F401  (fixture)
 
@@ -192,10 +193,10 @@ def test_a_stopped_screening_job_resumes_at_the_first_undecoded_prompt(
     from sqlalchemy import select
 
     from replay_audit.db.unit_of_work import session_scope
-    from replay_audit.screening.plan import ScreenConfig
     from replay_audit.screenings import tasks
     from replay_audit.screenings.models import ScreeningOutput
-    from tests.screening.test_resume import CountingBackend, Stopped
+    from replay_audit.screenings.sweep.plan import ScreenConfig
+    from tests.screenings.sweep.test_resume import CountingBackend, Stopped
 
     @dataclasses.dataclass
     class Counting(CountingBackend, FakeWorkerBackend):

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 from replay_audit.engine.fake import FakeEngine
 from replay_audit.exceptions import UnsupportedFormat
-from replay_audit.screening.outputs import ScreenPrompt
-from replay_audit.screening.plan import ScreenConfig
+from replay_audit.screenings.sweep.outputs import ScreenPrompt
+from replay_audit.screenings.sweep.plan import ScreenConfig
 
 PROMPT_LEN = 3
 TINY = 1e-4

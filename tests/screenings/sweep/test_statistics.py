@@ -9,15 +9,15 @@ import statistics
 import numpy as np
 import pytest
 
-from replay_audit.screening.analysis import build_report
-from replay_audit.screening.density import (
+from replay_audit.screenings.sweep.analysis import build_report
+from replay_audit.screenings.sweep.density import (
     coefficient_of_variation,
     covering_tau,
     trigger_density,
 )
-from replay_audit.screening.plan import Platform, ScreenConfig, build_plan
-from replay_audit.screening.runner import MemoryStore, run_screening
-from tests.screening.fake_screen import HEAD, N_PROMPTS, STEPS, FakeBackend, prompts
+from replay_audit.screenings.sweep.plan import Platform, ScreenConfig, build_plan
+from replay_audit.screenings.sweep.runner import MemoryStore, run_screening
+from tests.screenings.sweep.fake_screen import HEAD, N_PROMPTS, STEPS, FakeBackend, prompts
 
 Z95 = 1.959963984540054
 

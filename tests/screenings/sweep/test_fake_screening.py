@@ -1,5 +1,5 @@
 """A screening over fake engines whose knob effects are known by construction
-(`tests/screening/fake_screen.py`): the report's numbers and the chosen tier, exactly."""
+(`tests/screenings/sweep/fake_screen.py`): the report's numbers and the chosen tier, exactly."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from replay_audit.screening.analysis import build_report
-from replay_audit.screening.plan import Platform, ScreenConfig, build_plan
-from replay_audit.screening.report import ScreeningReport
-from replay_audit.screening.runner import MemoryStore, run_screening
-from tests.screening.fake_screen import (
+from replay_audit.screenings.sweep.analysis import build_report
+from replay_audit.screenings.sweep.plan import Platform, ScreenConfig, build_plan
+from replay_audit.screenings.sweep.report import ScreeningReport
+from replay_audit.screenings.sweep.runner import MemoryStore, run_screening
+from tests.screenings.sweep.fake_screen import (
     BATCH,
     BODY,
     HEAD,

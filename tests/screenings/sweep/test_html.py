@@ -9,11 +9,11 @@ from pathlib import Path
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
-from replay_audit.screening.analysis import build_report
-from replay_audit.screening.plan import Platform, ScreenConfig, build_plan
-from replay_audit.screening.runner import MemoryStore, run_screening
+from replay_audit.screenings.sweep.analysis import build_report
+from replay_audit.screenings.sweep.plan import Platform, ScreenConfig, build_plan
+from replay_audit.screenings.sweep.runner import MemoryStore, run_screening
 from replay_audit.ui.screening_view import standalone_html
-from tests.screening.fake_screen import STEPS, FakeBackend, prompts
+from tests.screenings.sweep.fake_screen import STEPS, FakeBackend, prompts
 from tests.ui.chromium import OUTPUT_DIR, browser, console_errors  # noqa: F401  (the fixture)
 
 

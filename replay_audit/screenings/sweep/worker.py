@@ -14,8 +14,8 @@ from typing import Any
 from replay_audit.engine.protocol import Engine
 from replay_audit.exceptions import EngineError
 from replay_audit.formats import BodyDType, body_dtype
-from replay_audit.screening.outputs import PromptRow, ScreenPrompt
-from replay_audit.screening.plan import Platform, ScreenConfig
+from replay_audit.screenings.sweep.outputs import PromptRow, ScreenPrompt
+from replay_audit.screenings.sweep.plan import Platform, ScreenConfig
 
 
 def checkpoint_dtype(model_dir: Path) -> BodyDType:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from replay_audit.screening.report import CategoryLift, TauCalibrationRead, TierRead
+from replay_audit.screenings.sweep.report import CategoryLift, TauCalibrationRead, TierRead
 from replay_audit.stats.report import ComparisonReport, LiftReport
 
 LARGE_LIFT: Final = 0.15

@@ -18,7 +18,7 @@ import numpy as np
 from replay_audit.engine.protocol import Engine, HiddenStates, Intervention
 from replay_audit.exceptions import EngineError, ReplayAuditError, UnsupportedFormat
 from replay_audit.json_value import JsonObject, as_int, as_object
-from replay_audit.screening.outputs import (
+from replay_audit.screenings.sweep.outputs import (
     Probe,
     PromptDecode,
     RunOutput,
@@ -26,7 +26,7 @@ from replay_audit.screening.outputs import (
     first_divergence_of,
     hidden_gap,
 )
-from replay_audit.screening.plan import ComparisonSpec, Run, ScreenConfig, SweepPlan
+from replay_audit.screenings.sweep.plan import ComparisonSpec, Run, ScreenConfig, SweepPlan
 
 #: What an engine raises when a configuration loads but cannot run (a kernel with no
 #: implementation for these shapes or dtypes, out of memory): that knob value fails, the

@@ -15,19 +15,19 @@ import numpy as np
 
 from replay_audit.diff import judge, length_difference
 from replay_audit.formats import CATEGORIES, Category, HeadDType
-from replay_audit.screening.density import (
+from replay_audit.screenings.sweep.density import (
     coefficient_of_variation,
     covering_tau,
     trigger_density,
 )
-from replay_audit.screening.outputs import (
+from replay_audit.screenings.sweep.outputs import (
     Probe,
     RunOutput,
     ScreenPrompt,
     first_divergence_of,
 )
-from replay_audit.screening.plan import ComparisonSpec, Run, SweepPlan
-from replay_audit.screening.report import (
+from replay_audit.screenings.sweep.plan import ComparisonSpec, Run, SweepPlan
+from replay_audit.screenings.sweep.report import (
     CategoryLift,
     HiddenGapRead,
     KnobResult,
@@ -38,8 +38,8 @@ from replay_audit.screening.report import (
     TauCalibrationRead,
     TriggerDensityRead,
 )
-from replay_audit.screening.runner import ScreenOutputs
-from replay_audit.screening.tier import choose_tier
+from replay_audit.screenings.sweep.runner import ScreenOutputs
+from replay_audit.screenings.sweep.tier import choose_tier
 from replay_audit.stats.report import (
     ComparisonInput,
     ComparisonReport,

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from replay_audit.engine.fake import FakeEngine
-from replay_audit.screening.analysis import build_report
-from replay_audit.screening.plan import Platform, ScreenConfig, SweepPlan, build_plan
-from replay_audit.screening.report import ScreeningReport
-from replay_audit.screening.runner import DirectoryStore, MemoryStore, Store, run_screening
-from tests.screening.fake_screen import N_PROMPTS, STEPS, FakeBackend, prompts
+from replay_audit.screenings.sweep.analysis import build_report
+from replay_audit.screenings.sweep.plan import Platform, ScreenConfig, SweepPlan, build_plan
+from replay_audit.screenings.sweep.report import ScreeningReport
+from replay_audit.screenings.sweep.runner import DirectoryStore, MemoryStore, Store, run_screening
+from tests.screenings.sweep.fake_screen import N_PROMPTS, STEPS, FakeBackend, prompts
 
 KNOBS = ("body_dtype", "batch_size")
 FP16 = ScreenConfig("fp16")

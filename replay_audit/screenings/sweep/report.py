@@ -7,7 +7,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from replay_audit.json_value import JsonObject
-from replay_audit.screening.plan import Platform
+from replay_audit.screenings.sweep.plan import Platform
 from replay_audit.stats.report import ComparisonReport, LiftReport
 from replay_audit.stats.summary import Distribution, LogHistogram
 

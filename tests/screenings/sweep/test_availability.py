@@ -5,11 +5,11 @@ time is "failed", with its message, and the sweep goes on."""
 
 from __future__ import annotations
 
-from replay_audit.screening.analysis import build_report
-from replay_audit.screening.plan import Platform, ScreenConfig, build_plan
-from replay_audit.screening.report import ScreeningReport
-from replay_audit.screening.runner import MemoryStore, run_screening
-from tests.screening.fake_screen import STEPS, FakeBackend, prompts
+from replay_audit.screenings.sweep.analysis import build_report
+from replay_audit.screenings.sweep.plan import Platform, ScreenConfig, build_plan
+from replay_audit.screenings.sweep.report import ScreeningReport
+from replay_audit.screenings.sweep.runner import MemoryStore, run_screening
+from tests.screenings.sweep.fake_screen import STEPS, FakeBackend, prompts
 
 GPU = Platform(device="cuda", gpu_name="fake H100", sm="9.0", fp8_unavailable="no fp8 here")
 REF = ScreenConfig("fp32")
