@@ -16,15 +16,15 @@ import typer
 
 from replay_audit.cli.root import app, option
 from replay_audit.formats import (
-    BODY_DTYPES,
-    CACHE_KINDS,
     CONTROL_FRACTION,
     CONTROL_SEED,
-    HEAD_DTYPES,
-    INTERVENTION_KINDS,
-    MODES,
     SCAN_FLAG_ULPS,
     TOP_K,
+    BodyDType,
+    CacheKind,
+    HeadDType,
+    InterventionKind,
+    Mode,
 )
 from replay_audit.json_value import JsonObject, as_str
 
@@ -37,11 +37,6 @@ def _fail(message: str) -> NoReturn:
     """A clear message on stderr and exit code 2 (no traceback)."""
     typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
     raise typer.Exit(code=2)
-
-
-def _choice(value: str | None, allowed: tuple[str, ...], option: str) -> None:
-    if value is not None and value not in allowed:
-        _fail(f"{option} must be one of {', '.join(allowed)}; got {value!r}")
 
 
 def _threads(threads: int | None) -> int | None:
@@ -102,7 +97,7 @@ def generate(
     model: Annotated[Path, typer.Option(help="Local Hugging Face checkpoint directory.")],
     prompts: Annotated[Path, typer.Option(help='JSONL of {"id": ..., "prompt": ...}.')],
     out: Annotated[Path, typer.Option(help="Where to write the traces (JSONL).")],
-    dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16.")] = "bf16",
+    dtype: Annotated[BodyDType, typer.Option()] = "bf16",
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
     top_k: Annotated[int, typer.Option(min=1, max=20, help="Top-k logged per step.")] = 5,
     attn_kernel: Annotated[str | None, typer.Option(help="eager, sdpa, ...")] = None,
@@ -118,7 +113,6 @@ def generate(
     """Log greedy generations with transformers' own generate(), as POST /v1/traces JSON."""
     from replay_audit.engine.hashing import NoWeightsError, safetensors_files
 
-    _choice(dtype, BODY_DTYPES, "--dtype")
     try:
         safetensors_files(model)  # a typo fails here, not as a hub error after torch loads
     except NoWeightsError as e:
@@ -171,21 +165,19 @@ def generate(
 def replay(
     traces: Annotated[Path, typer.Argument(help="JSONL of traces (POST /v1/traces JSON).")],
     model: Annotated[Path, typer.Option(help="Local Hugging Face checkpoint directory.")],
-    dtype: Annotated[str, typer.Option(help="Body dtype to replay in: fp32, bf16, fp16.")],
+    dtype: Annotated[BodyDType, typer.Option(help="Body dtype to replay in.")],
     out: Annotated[Path, typer.Option(help="Where to write one result per trace (JSONL).")],
-    lm_head_dtype: Annotated[
-        str | None, typer.Option(help="lm_head format (default: dtype).")
-    ] = None,
+    lm_head_dtype: Annotated[HeadDType | None, typer.Option(help="Default: dtype.")] = None,
     attn_kernel: Annotated[str | None, typer.Option(help="Default: each trace's own.")] = None,
-    intervention: Annotated[str, typer.Option(help="none, A, B or C.")] = "none",
+    intervention: Annotated[InterventionKind, typer.Option()] = "none",
     tau: Annotated[float | None, typer.Option(help="Gate threshold (default 1e-3).")] = None,
     tau_ulps: Annotated[float | None, typer.Option(help="Gate threshold in ulps.")] = None,
     top_k_b: Annotated[int, typer.Option(min=1, help="K of intervention B.")] = 8,
     mode: Annotated[
-        str | None,
+        Mode | None,
         typer.Option(
-            help="decode, scan or scan_then_decode (default: scan_then_decode from "
-            "REPLAY_AUDIT_LARGE_RUN_TRACES traces, decode below)."
+            help="Default: scan_then_decode from REPLAY_AUDIT_LARGE_RUN_TRACES traces, "
+            "decode below."
         ),
     ] = None,
     control_fraction: Annotated[float, option(CONTROL_FRACTION)] = CONTROL_FRACTION.default,
@@ -196,7 +188,7 @@ def replay(
     top_k: Annotated[int, option(TOP_K)] = TOP_K.default,
     extractor: Annotated[str | None, typer.Option(help="Answer extractor, e.g. gsm8k.")] = None,
     kv_cache: Annotated[
-        str | None,
+        CacheKind | None,
         typer.Option(
             help="The decode path: piecewise (the default: bitwise as generate(), CUDA graphs "
             "around the attention on a GPU) or compiled (torch.compile + CUDA graph: faster, "
@@ -253,19 +245,14 @@ def replay(
     from replay_audit.stats.report import ComparisonInput, run_statistics
     from replay_audit.traces.schemas import TraceCreate
 
-    _choice(dtype, BODY_DTYPES, "--dtype")
-    _choice(lm_head_dtype, HEAD_DTYPES, "--lm-head-dtype")
-    _choice(intervention, INTERVENTION_KINDS, "--intervention")
-    _choice(mode, MODES, "--mode")
     if scan_flag_ulps is not None and not math.isfinite(scan_flag_ulps):
         _fail("--scan-flag-ulps must be a finite number")
     flag = Settings().scan_flag_ulps if scan_flag_ulps is None else scan_flag_ulps
     sample = ControlSample(control_fraction, control_seed, flag)
-    _choice(kv_cache, CACHE_KINDS, "--kv-cache")
     if tau is not None and tau_ulps is not None:
         _fail("give --tau or --tau-ulps, not both")
     iv = Intervention(
-        kind=intervention,  # type: ignore[arg-type]
+        kind=intervention,
         tau=1e-3 if tau is None else tau,
         tau_ulps=tau_ulps,
         top_k=top_k_b,
@@ -289,7 +276,7 @@ def replay(
         parsed.append((n, tr, logged))
     if not parsed:
         _fail(f"{traces} holds no trace")
-    pool = EnginePool(device=device, cache=kv_cache, threads=_threads(threads))  # type: ignore[arg-type]
+    pool = EnginePool(device=device, cache=kv_cache, threads=_threads(threads))
     try:
         sha = pool.weights_sha256(model)
     except NoWeightsError as e:
@@ -303,11 +290,7 @@ def replay(
             )
 
     settings = Settings()
-    run_mode = resolve_mode(
-        mode,  # type: ignore[arg-type]  # checked by _choice
-        len(parsed),
-        settings.large_run_traces,
-    )
+    run_mode = resolve_mode(mode, len(parsed), settings.large_run_traces)
     names = [tr.external_id or f"line {n}" for n, tr, _ in parsed]
     done: dict[str, JsonObject] = {}
     if resume:

@@ -54,7 +54,7 @@ def _type_name(param: TyperArgument | TyperOption, ctx: Any) -> str:
     label = label.removesuffix(" range")  # the range itself is printed beside it
     if label.startswith("list[") and label.endswith("]"):  # a repeatable option or argument
         label = label[5:-1]
-    return _TYPE_NAMES.get(label, label.upper())
+    return _TYPE_NAMES.get(label, label if "|" in label else label.upper())  # choices as typed
 
 
 class _Argument(TyperArgument):

@@ -6,9 +6,12 @@ the service.
 
 from __future__ import annotations
 
+import base64
 import os
 import time
 from typing import Final
+
+from replay_audit.exceptions import FieldError
 
 _CROCKFORD: Final = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 ULID_LENGTH: Final = 26
@@ -37,3 +40,20 @@ def ulid_timestamp_ms(ulid: str) -> int:
     for ch in body:
         value = value * 32 + _CROCKFORD.index(ch)
     return value
+
+
+def encode_cursor(kind: str, row_id: int) -> str:
+    """An opaque page cursor: `kind:row_id`, URL-safe base64 without padding."""
+    return base64.urlsafe_b64encode(f"{kind}:{row_id}".encode()).decode().rstrip("=")
+
+
+def decode_cursor(kind: str, cursor: str) -> int:
+    """The row id of a cursor `encode_cursor(kind, ...)` made; `FieldError` on `cursor` else."""
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        got, _, value = raw.partition(":")
+        if got != kind or not value.isdigit():
+            raise ValueError
+        return int(value)
+    except (ValueError, UnicodeDecodeError):
+        raise FieldError("malformed cursor", field="cursor") from None

@@ -141,15 +141,7 @@ class RunTarget:
             return self.label
         if self.target is None:
             return "self"
-        t = self.target
-        parts = [t.dtype]
-        if t.lm_head_dtype:
-            parts.append(f"head {t.lm_head_dtype}")
-        if t.attn_kernel:
-            parts.append(t.attn_kernel)
-        if t.batch_size != 1:
-            parts.append(f"bs {t.batch_size}")
-        return " / ".join(parts) + intervention_suffix(t.intervention)
+        return config_label(self.target)
 
     def to_json(self) -> JsonObject:
         """The stored form (the run's `targets` column, as the API returns it)."""
@@ -211,16 +203,7 @@ class ResolvedArm:
 
     def label(self) -> str:
         """A short human name of what ran, e.g. `bf16 / eager / cpu + C(τ=0.05)`."""
-        parts = [self.dtype]
-        if self.lm_head_dtype != self.dtype:
-            parts.append(f"head {self.lm_head_dtype}")
-        parts.append(self.attn_kernel)
-        if self.batch_size != 1:
-            parts.append(f"bs {self.batch_size}")
-        if self.tp_degree != 1:
-            parts.append(f"tp {self.tp_degree}")
-        parts.append(self.gpu or self.device)
-        return " / ".join(parts) + intervention_suffix(self.intervention)
+        return config_label(self.target, self.tp_degree, self.gpu or self.device)
 
     def to_json(self) -> dict[str, object]:
         """The stored form (a result's `resolved_a`/`resolved_b`, the API's `arms.*.resolved`)."""
@@ -255,6 +238,15 @@ class ResolvedArm:
     def from_json(cls, d: Mapping[str, Any]) -> ResolvedArm:
         """The inverse of `to_json`."""
         return cls(**{**d, "intervention": intervention_from_json(d.get("intervention") or {})})
+
+
+def config_label(t: Target, tp_degree: int = 1, where: str | None = None) -> str:
+    """`fp16 / head fp32 / eager / bs 8 / tp 2 / cpu + C(τ=0.05)`: what is set and not the
+    default (a head format other than the body's, a batch size or TP degree above 1)."""
+    head = t.lm_head_dtype and f"head {t.lm_head_dtype}"
+    parts = [t.dtype, head, t.attn_kernel, t.batch_size != 1 and f"bs {t.batch_size}"]
+    parts += [tp_degree != 1 and f"tp {tp_degree}", where]
+    return " / ".join(p for p in parts if p) + intervention_suffix(t.intervention)
 
 
 def intervention_suffix(iv: Intervention) -> str:

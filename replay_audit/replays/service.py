@@ -6,7 +6,6 @@ never looks for rows that are not there yet, and a rolled-back request enqueues 
 
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from replay_audit.config import Settings
 from replay_audit.db.base import read_model, utcnow
-from replay_audit.db.ids import new_public_id
+from replay_audit.db.ids import decode_cursor, encode_cursor, new_public_id
 from replay_audit.exceptions import FieldError, NotFound
 from replay_audit.formats import Mode
 from replay_audit.json_value import JsonObject
@@ -366,26 +365,23 @@ def to_read(
 
 def ran(session: Session, run: ReplayRun) -> list[RanRead]:
     """What ran in `run`, per comparison (`repository.resolved_arms`), with labels."""
-    out = []
-    for comparison, a, b, n in repository.resolved_arms(session, run.id):
-        arm_a = ResolvedArm.from_json(json.loads(a)) if a is not None else None
-        arm_b = ResolvedArm.from_json(json.loads(b)) if b is not None else None
-        against_logged = run.run_comparisons[comparison].against_logged
-        out.append(
-            RanRead(
-                comparison=comparison,
-                a=json.loads(a) if a is not None else None,
-                b=json.loads(b) if b is not None else None,
-                label_a=_ran_label(arm_a, "logged tokens" if against_logged else "not recorded"),
-                label_b=_ran_label(arm_b, "not recorded"),
-                results=n,
-            )
+
+    none = "not recorded"
+
+    def label(arm: str | None, none: str) -> str:
+        return ResolvedArm.from_json(json.loads(arm)).label() if arm is not None else none
+
+    return [
+        RanRead(
+            comparison=c,
+            a=json.loads(a) if a is not None else None,
+            b=json.loads(b) if b is not None else None,
+            label_a=label(a, "logged tokens" if run.run_comparisons[c].against_logged else none),
+            label_b=label(b, none),
+            results=n,
         )
-    return out
-
-
-def _ran_label(arm: ResolvedArm | None, none: str) -> str:
-    return arm.label() if arm is not None else none
+        for c, a, b, n in repository.resolved_arms(session, run.id)
+    ]
 
 
 def results_per_s(run: ReplayRun, results: int) -> float | None:
@@ -397,23 +393,8 @@ def results_per_s(run: ReplayRun, results: int) -> float | None:
     return results / elapsed if elapsed > 0 else None
 
 
-def _encode_cursor(last_id: int) -> str:
-    return base64.urlsafe_b64encode(f"r:{last_id}".encode()).decode().rstrip("=")
-
-
-def _decode_cursor(cursor: str) -> int:
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
-        kind, _, value = raw.partition(":")
-        if kind != "r":
-            raise ValueError
-        return int(value)
-    except (ValueError, UnicodeDecodeError):
-        raise FieldError("malformed cursor", field="cursor") from None
-
-
 def results_page(session: Session, run: ReplayRun, *, cursor: str | None, limit: int) -> Page:
-    after = _decode_cursor(cursor) if cursor else None
+    after = decode_cursor("r", cursor) if cursor else None
     rows = repository.results_page(session, run, after=after, limit=limit + 1)
     more = len(rows) > limit
     rows = rows[:limit]
@@ -423,5 +404,5 @@ def results_page(session: Session, run: ReplayRun, *, cursor: str | None, limit:
             result_read(r, pid, run.public_id, engine_reproduced=reproduced.get(r.trace_id))
             for r, pid in rows
         ],
-        next_cursor=_encode_cursor(rows[-1][0].id) if more and rows else None,
+        next_cursor=encode_cursor("r", rows[-1][0].id) if more and rows else None,
     )

@@ -5,13 +5,13 @@ run (its history). Reads only; the figures shown come from the runs' statistics.
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
 from replay_audit.db.base import read_model
-from replay_audit.exceptions import FieldError, NotFound
+from replay_audit.db.ids import decode_cursor, encode_cursor
+from replay_audit.exceptions import NotFound
 from replay_audit.replays import service as replays_service
 from replay_audit.replays import statistics
 from replay_audit.replays.domain import comparison_label
@@ -74,26 +74,11 @@ def list_runs(
     return RunsPage(items=items, next_before=runs[-1].id if more and runs else None)
 
 
-def _encode_run_cursor(run_id: int) -> str:
-    return base64.urlsafe_b64encode(f"run:{run_id}".encode()).decode().rstrip("=")
-
-
-def _decode_run_cursor(cursor: str) -> int:
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
-        kind, _, value = raw.partition(":")
-        if kind != "run" or not value.isdigit():
-            raise ValueError
-        return int(value)
-    except (ValueError, UnicodeDecodeError):
-        raise FieldError("malformed cursor", field="cursor") from None
-
-
 def run_list(
     session: Session, project_id: int, f: RunFilter, *, cursor: str | None, limit: int
 ) -> RunList:
     """`GET /v1/replays`: one page of the project's runs, newest first, with `next_cursor`."""
-    before = _decode_run_cursor(cursor) if cursor is not None else None
+    before = decode_cursor("run", cursor) if cursor is not None else None
     page = list_runs(session, project_id, f, before=before, limit=limit)
     return RunList(
         items=[
@@ -102,7 +87,7 @@ def run_list(
             )
             for s in page.items
         ],
-        next_cursor=_encode_run_cursor(page.next_before) if page.next_before else None,
+        next_cursor=encode_cursor("run", page.next_before) if page.next_before else None,
     )
 
 
