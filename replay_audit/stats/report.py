@@ -46,7 +46,7 @@ Definitions (DESIGN.md):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
@@ -434,23 +434,30 @@ def _t_star_histogram(values: Sequence[int | None]) -> Histogram | None:
     return histogram(xs, [float(i * width) for i in range(n_bins + 1)])
 
 
-def _decades(groups: Sequence[Sequence[float]]) -> tuple[int, int] | None:
-    """One log axis for every margin histogram of a run (so they can be compared by eye)."""
-    positive = [v for g in groups for v in g if v > 0]
+def log_axis(groups: Iterable[Iterable[float]]) -> tuple[int, int] | None:
+    """One log axis (whole decades) for several margin histograms, so they compare by eye:
+    every finite positive value of every group falls inside it."""
+    positive = [float(v) for g in groups for v in g if v > 0 and math.isfinite(v)]
     if not positive:
         return None
-    lo = math.floor(math.log10(min(positive)))
-    hi = max(math.ceil(math.log10(max(positive))), lo + 1)
+    low, high = min(positive), max(positive)
+    lo = math.floor(math.log10(low))
+    hi = max(math.ceil(math.log10(high)), lo + 1)
+    while 10.0**lo > low:  # log10 rounding at the ends
+        lo -= 1
+    while 10.0**hi < high:
+        hi += 1
     return lo, hi
 
 
-def _log_hist(values: Sequence[float], decades: tuple[int, int] | None) -> LogHistogram | None:
-    xs = [v for v in values if v >= 0]
+def margin_histogram(values: Iterable[float], axis: tuple[int, int] | None) -> LogHistogram | None:
+    """The finite non-negative `values` on `axis` (`log_axis`); zeros counted apart."""
+    xs = [float(v) for v in values if math.isfinite(v) and v >= 0]
     if not xs:
         return None
-    if decades is None:  # only zeros: no bins, the zero count alone
+    if axis is None:  # only zeros: no bins, the zero count alone
         return LogHistogram(edges=(), counts=(), zeros=len(xs), below=0, above=0)
-    return log_histogram(xs, decades=decades, bins_per_decade=MARGIN_BINS_PER_DECADE)
+    return log_histogram(xs, decades=axis, bins_per_decade=MARGIN_BINS_PER_DECADE)
 
 
 @dataclass(frozen=True)
@@ -612,10 +619,10 @@ def comparison_report(
             b=finite_distribution(m.b),
             b_ulps=finite_distribution(m.b_ulps),
             ties=sum(1 for f in diverged if f.margin_a == 0.0 or f.margin_b == 0.0),
-            histogram_a=_log_hist(m.a, abs_axis),
-            histogram_b=_log_hist(m.b, abs_axis),
-            histogram_a_ulps=_log_hist(m.a_ulps, ulps_axis),
-            histogram_b_ulps=_log_hist(m.b_ulps, ulps_axis),
+            histogram_a=margin_histogram(m.a, abs_axis),
+            histogram_b=margin_histogram(m.b, abs_axis),
+            histogram_a_ulps=margin_histogram(m.a_ulps, ulps_axis),
+            histogram_b_ulps=margin_histogram(m.b_ulps, ulps_axis),
         ),
         length_difference=finite_distribution([f.length_difference for f in diverged]),
         screening=screening_report(c),
@@ -838,8 +845,8 @@ def run_statistics(
     lift of every treatment over comparison 0 and, with `engine_check`, the engine reproduction
     rate and each comparison's divergences not attributable to the format."""
     margins = [_margins(c.figures) for c in comparisons]
-    abs_axis = _decades([g for m in margins for g in (m.a, m.b)])
-    ulps_axis = _decades([g for m in margins for g in (m.a_ulps, m.b_ulps)])
+    abs_axis = log_axis(g for m in margins for g in (m.a, m.b))
+    ulps_axis = log_axis(g for m in margins for g in (m.a_ulps, m.b_ulps))
     reports = [comparison_report(c, abs_axis=abs_axis, ulps_axis=ulps_axis) for c in comparisons]
     reproduction = None
     if engine_check is not None:
@@ -864,4 +871,3 @@ def run_statistics(
         accuracy=accuracy,
         engine_reproduction=reproduction,
     )
-

@@ -44,17 +44,14 @@ from replay_audit.stats.report import (
     ComparisonInput,
     ComparisonReport,
     ResultFigures,
+    log_axis,
+    margin_histogram,
     run_statistics,
 )
 from replay_audit.stats.summary import (
     Distribution,
-    LogHistogram,
     finite_distribution,
-    log_histogram,
 )
-
-#: Bins per decade of the margin histograms (as the run reports').
-BINS_PER_DECADE = 2
 
 
 def _prompt_figures(
@@ -163,34 +160,12 @@ def trigger_densities(plan: SweepPlan, out: ScreenOutputs) -> list[TriggerDensit
     return reads
 
 
-def _decades(groups: Sequence[np.ndarray]) -> tuple[int, int] | None:
-    positive = [float(v) for g in groups for v in g if v > 0 and math.isfinite(v)]
-    if not positive:
-        return None
-    lo = math.floor(math.log10(min(positive)))
-    hi = max(math.ceil(math.log10(max(positive))), lo + 1)
-    while 10.0**lo > min(positive):
-        lo -= 1
-    while 10.0**hi < max(positive):
-        hi += 1
-    return lo, hi
-
-
-def _log_hist(values: np.ndarray, decades: tuple[int, int] | None) -> LogHistogram | None:
-    xs = values[np.isfinite(values) & (values >= 0)]
-    if xs.size == 0:
-        return None
-    if decades is None:
-        return LogHistogram(edges=(), counts=(), zeros=int(xs.size), below=0, above=0)
-    return log_histogram(xs.tolist(), decades=decades, bins_per_decade=BINS_PER_DECADE)
-
-
 def margin_distributions(plan: SweepPlan, out: ScreenOutputs) -> list[MarginDistributionRead]:
     """Every decoded step's margin per run without intervention, on one shared log axis."""
     runs = _none_runs(plan, out)
     margins = [np.concatenate([d.margins for d in o.decodes] or [np.zeros(0)]) for _, o in runs]
     ulps = [np.concatenate([d.margins_ulps for d in o.decodes] or [np.zeros(0)]) for _, o in runs]
-    axis, axis_ulps = _decades(margins), _decades(ulps)
+    axis, axis_ulps = log_axis(margins), log_axis(ulps)
     reads = []
     for (run, _), m, u in zip(runs, margins, ulps, strict=True):
         finite = m[np.isfinite(m)]
@@ -203,8 +178,8 @@ def margin_distributions(plan: SweepPlan, out: ScreenOutputs) -> list[MarginDist
                 steps=int(finite.size),
                 ties=ties,
                 tie_share=ties / finite.size if finite.size else None,
-                histogram=_log_hist(m, axis),
-                histogram_ulps=_log_hist(u, axis_ulps),
+                histogram=margin_histogram(m, axis),
+                histogram_ulps=margin_histogram(u, axis_ulps),
                 distribution=finite_distribution(finite.tolist()),
             )
         )
