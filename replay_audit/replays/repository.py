@@ -16,7 +16,7 @@ from replay_audit.db.engine import dialect_insert
 from replay_audit.formats import logged_by_another_engine
 from replay_audit.replays.domain import LoggedTrace, logging_engine
 from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
-from replay_audit.replays.results import ResultRow, figures
+from replay_audit.replays.results import FIGURE_COLUMNS, ResultRow, figures
 from replay_audit.stats.report import AnswerFigures, PairedOutcome, ResultFigures, TraceRef
 from replay_audit.traces.models import NumericalConfigRow, Trace
 
@@ -204,40 +204,18 @@ def first_failure(session: Session, run_id: int) -> str | None:
     )
 
 
-#: The result columns the statistics read (`stats.report.ResultFigures`), plus the trace's ids.
-_FIGURE_COLUMNS = (
-    R.comparison,
-    R.trace_id,
-    R.status,
-    R.exact_match,
-    R.first_divergence_step,
-    R.category,
-    R.margin_a,
-    R.margin_a_ulps,
-    R.margin_b,
-    R.margin_b_ulps,
-    R.gate_triggers,
-    R.n_steps,
-    R.mean_gap,
-    R.gate_triggers_a,
-    R.n_steps_a,
-    R.length_difference,
-    R.answer_extractor,
-    R.answer_a,
-    R.answer_b,
-    R.screen,
-    Trace.public_id,
-    Trace.external_id,
-)
-
-
 def result_figures(
     session: Session, run_id: int, comparison: int | None = None
 ) -> dict[int, list[ResultFigures]]:
     """Per comparison, the figures of every result of the run (or of one comparison), in trace
     order: one indexed scan of small columns (no detail JSON, no token arrays)."""
     stmt = (
-        select(*_FIGURE_COLUMNS)
+        select(
+            R.comparison,
+            *(getattr(R, f) for f in FIGURE_COLUMNS),  # what `figures` reads
+            Trace.public_id,
+            Trace.external_id,
+        )
         .join(Trace, Trace.id == R.trace_id)
         .where(R.run_id == run_id)
         .order_by(R.comparison, R.trace_id)

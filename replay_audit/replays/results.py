@@ -46,13 +46,12 @@ def _plain(x: Any) -> Any:
 
 
 def _arm_detail(arm: ArmOutcome) -> JsonObject:
-    """What the detail JSON keeps of an arm (its output lives in a token column)."""
+    """What the detail JSON keeps of an arm (its output, gate triggers and steps live in
+    columns)."""
     detail: JsonObject = _plain(
         {
             "target": arm.target.to_dict() if arm.target is not None else None,
             "gate_fired_at_divergence": arm.gate_fired_at_divergence,
-            "gate_triggers": arm.gate_triggers,
-            "steps": arm.steps,
             "mean_gap": arm.mean_gap,
             "changed_steps": arm.changed_steps,
             "margins": list(arm.margins) if arm.margins is not None else None,
@@ -195,16 +194,14 @@ def _arm_json(
     mean_gap: float | None,
 ) -> JsonObject:
     """An arm as `ArmRead` JSON."""
-    triggers = gate_triggers if gate_triggers is not None else d.get("gate_triggers")
-    n = steps if steps is not None else d.get("steps")
     return {
         "target": d.get("target"),
         "resolved": json.loads(resolved) if resolved is not None else None,
         "gate_fired_at_divergence": d.get("gate_fired_at_divergence"),
         "output_token_ids": output.tolist() if output is not None else None,
-        "gate_triggers": triggers,
-        "steps": n,
-        "trigger_rate": triggers / n if triggers is not None and n else None,
+        "gate_triggers": gate_triggers,
+        "steps": steps,
+        "trigger_rate": gate_triggers / steps if gate_triggers is not None and steps else None,
         "mean_gap": mean_gap if mean_gap is not None else d.get("mean_gap"),
         "changed_steps": d.get("changed_steps"),
         "gate_fired_steps": d.get("gate_fired_steps"),
@@ -284,14 +281,14 @@ def result_read(
 
 
 #: The result columns the statistics read as they are stored (`figures`).
-_FIGURE_COLUMNS = tuple(
+FIGURE_COLUMNS = tuple(
     f for f in ResultFigures._fields if f not in ("trace_public_id", "external_id")
 )
 
 
 def figures(row: Any, trace_public_id: str, external_id: str | None) -> ResultFigures:
     """The statistics' view of a result row (an ORM row or a row of the same columns)."""
-    values = {f: getattr(row, f) for f in _FIGURE_COLUMNS}
+    values = {f: getattr(row, f) for f in FIGURE_COLUMNS}
     exact = values["exact_match"]
     return ResultFigures(
         **values | {"exact_match": None if exact is None else bool(exact)},

@@ -182,26 +182,8 @@ class ResultSummary(NamedTuple):
     tags: list[str] | None = None
 
 
-#: The columns of `ResultSummary`, but the trace's.
-_SUMMARY_COLUMNS = (
-    R.id,
-    R.comparison,
-    R.status,
-    R.error,
-    R.exact_match,
-    R.first_divergence_step,
-    R.category,
-    R.margin_a,
-    R.margin_a_ulps,
-    R.margin_b,
-    R.margin_b_ulps,
-    R.length_difference,
-    R.gate_triggers,
-    R.n_steps,
-    R.gate_triggers_a,
-    R.n_steps_a,
-    R.screen,
-)
+#: The columns of `ResultSummary`, but the trace's (its last three fields).
+_SUMMARY_COLUMNS = tuple(getattr(R, f) for f in ResultSummary._fields[:-3])
 
 
 def results_page(
