@@ -70,20 +70,58 @@ def serve(
     scheduler = start_inprocess_scheduler(settings, runner=runner)
     if scheduler is not None:
         own(scheduler.stop)
+    _prepare_metrics(settings, workers)
+    from replay_audit.api.metrics import serve_metrics
+    from replay_audit.api.server import run_processes, uvicorn_logging
+    from replay_audit.telemetry.log import configure_logging
+
+    if settings.log_format == "json":
+        configure_logging("json")
+    stop_metrics = serve_metrics(settings)  # REPLAY_AUDIT_API_METRICS_PORT: its own listener
+    if stop_metrics is not None:
+        own(lambda timeout_s: stop_metrics() or True)
     if runner is not None:
-        uvicorn.run(create_app(settings, runner=runner), host=host, port=port, log_level=log_level)
+        uvicorn.run(
+            create_app(settings, runner=runner),
+            host=host,
+            port=port,
+            log_level=log_level,
+            **uvicorn_logging(settings.log_format),
+        )
     else:
         # Separate processes build their own app from the same environment, on a listening
         # socket bound as TCP so their connections get TCP_NODELAY (api/server.py says why).
-        from replay_audit.api.server import run_processes
-
         run_processes(
-            "replay_audit.api.app:create_app",
+            "replay_audit.api.server:served_app",
             host=host,
             port=port,
             workers=workers,
             log_level=log_level,
+            log_format=settings.log_format,
         )
+
+
+def _prepare_metrics(settings: Any, workers: int) -> None:
+    """Several API processes count into files of one directory (prometheus-client's
+    multiprocess mode), which a scrape of any of them adds up: PROMETHEUS_MULTIPROC_DIR, or a
+    new temporary one. Emptied first: an earlier run's files would add to this one's."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from replay_audit.telemetry.metric import (
+        MULTIPROC_ENV,
+        clear_multiprocess_dir,
+        multiprocess_dir,
+    )
+
+    path = multiprocess_dir()
+    if path is None and workers > 1 and settings.metrics_enabled:
+        # Set before the processes start: each reads it when it imports prometheus-client.
+        path = Path(tempfile.mkdtemp(prefix="replay-audit-metrics-"))
+        os.environ[MULTIPROC_ENV] = str(path)
+    if path is not None:
+        clear_multiprocess_dir(path)
 
 
 @db_app.command("upgrade")
