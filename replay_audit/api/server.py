@@ -11,15 +11,13 @@ expects, and they get TCP_NODELAY like the single-process server's.
 from __future__ import annotations
 
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from fastapi import FastAPI
 from uvicorn.supervisors import Multiprocess
 
-from replay_audit.api.app import create_app
-from replay_audit.config import get_settings
-from replay_audit.telemetry.log import configure_logging
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 
 class TcpConfig(uvicorn.Config):
@@ -38,7 +36,15 @@ class TcpConfig(uvicorn.Config):
 
 def served_app() -> FastAPI:
     """The app of one of `serve --workers N`'s processes, from the environment, its log lines
-    as REPLAY_AUDIT_LOG_FORMAT says (uvicorn set up its own before this, in the process)."""
+    as REPLAY_AUDIT_LOG_FORMAT says (uvicorn set up its own before this, in the process).
+
+    The app is imported here, not with the module: each process unpickles `TcpConfig` (and
+    imports this module) before it starts answering uvicorn's health pings, and a process
+    silent for 5 s is killed and replaced."""
+    from replay_audit.api.app import create_app
+    from replay_audit.config import get_settings
+    from replay_audit.telemetry.log import configure_logging
+
     settings = get_settings()
     if settings.log_format == "json":
         configure_logging("json")

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from replay_audit.cli.root import CommandGroup, app
+
+if TYPE_CHECKING:
+    from replay_audit.config import Settings
 
 db_app = CommandGroup(help="Database migrations.", no_args_is_help=True)
 keys_app = CommandGroup(help="API keys.", no_args_is_help=True)
@@ -44,13 +47,15 @@ def serve(
     """
     import uvicorn
 
+    from replay_audit.config import get_settings
+
+    settings = get_settings()
+    _prepare_metrics(settings, workers)  # before anything imports prometheus-client
     from replay_audit.api.app import create_app
     from replay_audit.auth.service import DEFAULT_PROJECT, bootstrap_admin_key
     from replay_audit.cli.database import ready_database
-    from replay_audit.config import get_settings
     from replay_audit.db.unit_of_work import session_scope
 
-    settings = get_settings()
     ready_database(settings, migrate=migrate)
     with session_scope(settings.database_url) as session:
         key = bootstrap_admin_key(session)
@@ -70,7 +75,6 @@ def serve(
     scheduler = start_inprocess_scheduler(settings, runner=runner)
     if scheduler is not None:
         own(scheduler.stop)
-    _prepare_metrics(settings, workers)
     from replay_audit.api.metrics import serve_metrics
     from replay_audit.api.server import run_processes, uvicorn_logging
     from replay_audit.telemetry.log import configure_logging
@@ -101,7 +105,7 @@ def serve(
         )
 
 
-def _prepare_metrics(settings: Any, workers: int) -> None:
+def _prepare_metrics(settings: Settings, workers: int) -> None:
     """Several API processes count into files of one directory (prometheus-client's
     multiprocess mode), which a scrape of any of them adds up: PROMETHEUS_MULTIPROC_DIR, or a
     new temporary one. Emptied first: an earlier run's files would add to this one's."""
@@ -109,7 +113,7 @@ def _prepare_metrics(settings: Any, workers: int) -> None:
     import tempfile
     from pathlib import Path
 
-    from replay_audit.telemetry.metric import (
+    from replay_audit.telemetry.multiprocess import (
         MULTIPROC_ENV,
         clear_multiprocess_dir,
         multiprocess_dir,

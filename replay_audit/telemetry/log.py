@@ -92,8 +92,10 @@ _TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
 def configure_logging(log_format: LogFormat, level: int = logging.INFO) -> None:
-    """Send the process's log lines to stderr, as text or JSON lines; uvicorn's own loggers
-    (server, access log) go the same way. Called once by each process's entry point."""
+    """Send the process's log lines to stderr, as text or JSON lines; uvicorn's server log goes
+    the same way (its access log is left as uvicorn was told: `serve` turns it off with JSON
+    lines, where the app's own access line carries the request id). Called once by each
+    process's entry point."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         JsonFormatter() if log_format == "json" else logging.Formatter(_TEXT_FORMAT)
@@ -101,7 +103,7 @@ def configure_logging(log_format: LogFormat, level: int = logging.INFO) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+    for name in ("uvicorn", "uvicorn.error"):
         uvicorn_logger = logging.getLogger(name)
         uvicorn_logger.handlers.clear()
         uvicorn_logger.propagate = True

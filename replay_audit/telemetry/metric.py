@@ -14,12 +14,10 @@ label or a value.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Final
 
 from prometheus_client import (
@@ -35,8 +33,8 @@ from prometheus_client import (
 )
 from prometheus_client.registry import Collector
 
-#: The environment variable of prometheus-client's multiprocess mode (a directory).
-MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
+from replay_audit.telemetry.multiprocess import multiprocess_dir
+
 #: The exposition format's content type.
 CONTENT_TYPE: Final = CONTENT_TYPE_LATEST
 
@@ -141,20 +139,6 @@ def observe_job(kind: str, gpu_kind: str) -> Iterator[JobAttempt]:
         (JOBS_FAILED if attempt.failed else JOBS_FINISHED).labels(**labels).inc()
     finally:
         JOB_DURATION.labels(**labels).observe(time.perf_counter() - started)
-
-
-def multiprocess_dir() -> Path | None:
-    """The multiprocess directory this process writes its values to, if any."""
-    value = os.environ.get(MULTIPROC_ENV)
-    return Path(value) if value else None
-
-
-def clear_multiprocess_dir(path: Path) -> None:
-    """Empty (creating it if need be) a multiprocess directory before its processes start: the
-    files of an earlier run would add up with this one's."""
-    path.mkdir(parents=True, exist_ok=True)
-    for stale in path.glob("*.db"):
-        stale.unlink()
 
 
 def scrape_registry(extra: Iterable[Collector] = ()) -> CollectorRegistry:
