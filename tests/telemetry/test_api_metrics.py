@@ -3,14 +3,17 @@ in-process runner, the committed tiny-llama checkpoint (a real replay, on the CP
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from replay_audit.api.app import create_app
+from replay_audit.api.metrics import serve_metrics
 from replay_audit.auth.service import create_api_key
 from replay_audit.config import BUNDLED_MODEL_DIR, Settings
 from replay_audit.db.unit_of_work import session_scope
@@ -187,3 +190,18 @@ def test_readyz_reports_each_component(make_client: Any) -> None:
         "database": "ok",
         "queue": "ok",
     }
+
+
+def test_serve_can_answer_metrics_on_an_internal_port_instead(settings: Settings) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    assert serve_metrics(settings) is None  # not asked for: /metrics is on the API's port
+    stop = serve_metrics(settings.model_copy(update={"api_metrics_port": port}))
+    assert stop is not None
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    finally:
+        stop()
+    assert "replay_audit_http_requests_total" in text
+    assert "replay_audit_audit_last_run_timestamp_seconds" in text  # read from the database
