@@ -205,3 +205,24 @@ def test_serve_can_answer_metrics_on_an_internal_port_instead(settings: Settings
         stop()
     assert "replay_audit_http_requests_total" in text
     assert "replay_audit_audit_last_run_timestamp_seconds" in text  # read from the database
+
+
+def test_a_5xx_page_of_the_ui_names_the_request(settings: Settings) -> None:
+    from starlette.routing import Mount
+
+    app = create_app(settings)
+    [ui] = [r.app for r in app.routes if isinstance(r, Mount) and r.path == "/ui"]
+
+    def boom() -> None:
+        raise RuntimeError("a bug")
+
+    ui.add_api_route("/boom", boom)  # type: ignore[attr-defined]
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.get("/ui/boom", headers={"X-Request-ID": "ui-req-500"})
+        assert r.status_code == 500
+        assert 'id="error-request-id"' in r.text and "ui-req-500" in r.text
+        assert "a bug" not in r.text
+        # A 4xx page does not need it.
+        missing = client.get("/ui/nothing-here")
+        assert missing.status_code == 404 and 'id="error-message"' in missing.text
+        assert "error-request-id" not in missing.text
