@@ -117,6 +117,8 @@ def job_kind(func: str) -> str:
 
 @dataclass
 class JobAttempt:
+    """One job attempt being observed (`observe_job`)."""
+
     #: Set by a runner that learns of the failure otherwise than by an exception (RQ's
     #: `perform_job` returns False).
     failed: bool = False
@@ -144,7 +146,8 @@ def observe_job(kind: str, gpu_kind: str) -> Iterator[JobAttempt]:
 def scrape_registry(extra: Iterable[Collector] = ()) -> CollectorRegistry:
     """A registry of what a scrape of this process shows: in multiprocess mode every process's
     values (read from their files), else this process's; then the `extra` collectors, which
-    read their values at scrape time (queues, audits). Built per exposition, never kept."""
+    read their values at scrape time (queues, audits). A new registry per call: nothing
+    process-wide is added to."""
     registry = CollectorRegistry(auto_describe=False)
     path = multiprocess_dir()
     if path is None:
