@@ -113,6 +113,23 @@ class Settings(BaseSettings):
     #: scheduler's tick prunes what is older (`replay-audit prune` does it by hand). On
     #: PostgreSQL whole weekly partitions go, so a trace stays up to 7 days longer.
     retention_days: int | None = Field(default=None, gt=0)
+    #: Log lines of `serve`, `worker` and `scheduler`: "text", or "json" (one object a line,
+    #: with the request id, project, replay run id and job id where there is one).
+    log_format: Literal["text", "json"] = "text"
+    #: Prometheus metrics (docs/operations.md): the API's `/metrics` and each worker's metrics
+    #: port. Off: neither is served (nothing is counted for anyone to read).
+    metrics_enabled: bool = True
+    #: Interface of the separate metrics listeners: a worker's, and the API's when
+    #: `api_metrics_port` is set. In a container, 0.0.0.0 (reachable on its network only).
+    metrics_host: str = "127.0.0.1"
+    #: Set: `serve` answers /metrics on metrics_host:api_metrics_port (one listener for all its
+    #: processes) and not on the API's own port. Unset: `GET /metrics` on the API's port.
+    api_metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    #: The port of `replay-audit worker`'s metrics (`--metrics-port` overrides it; 0: none).
+    #: Each worker on one host needs its own.
+    worker_metrics_port: int = Field(default=9101, ge=0, le=65535)
+    #: Live RQ workers `/readyz` needs (any GPU kind); 0: workers are reported, not required.
+    ready_min_workers: int = Field(default=0, ge=0)
 
     @field_validator("database_url")
     @classmethod

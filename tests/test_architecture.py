@@ -8,6 +8,10 @@ pyproject.toml, run by `lint-imports`):
   scheduler, a worker context, a cache, a registry) in a global, whether built at import or on
   first use. The app, the worker or the command that needs one builds it and owns it; state a
   worker binds for its jobs lives in a `ContextVar` (per thread, or per in-process runner).
+  One exception, by prometheus-client's model: its metric objects are module globals,
+  registered at import, one per process (in multiprocess mode two objects of one metric in a
+  process would overwrite each other's files). They are all in `replay_audit.telemetry.metric`,
+  and nowhere else (checked below).
 """
 
 from __future__ import annotations
@@ -233,3 +237,25 @@ def test_the_state_check_sees_state() -> None:
         f"{PACKAGE}.example._cache: an empty dict",
         f"{PACKAGE}.example._current: a test_the_state_check_sees_state.<locals>.Mutable",
     ]
+
+
+def test_prometheus_metrics_are_defined_in_one_module() -> None:
+    """The singleton exception above stays in `telemetry.metric`: a metric object anywhere else
+    is a second registry entry waiting to collide."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    found = [
+        f"{module.__name__}.{name}"
+        for module in _modules()
+        if module.__name__ != f"{PACKAGE}.telemetry.metric"
+        for name, value in vars(module).items()
+        if isinstance(value, MetricWrapperBase) and not _reexported(module, name)
+    ]
+    assert not found, "Prometheus metrics outside telemetry.metric:\n" + "\n".join(found)
+
+
+def _reexported(module: types.ModuleType, name: str) -> bool:
+    """`module` imported the metric `name` from telemetry.metric (using it, not defining it)."""
+    from replay_audit.telemetry import metric
+
+    return getattr(metric, name, None) is getattr(module, name)

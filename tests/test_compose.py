@@ -67,3 +67,40 @@ def test_docker_compose_config_accepts_it(tmp_path: Path) -> None:
         ["docker-compose", "config", "-q"], cwd=tmp_path, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_prometheus_scrapes_the_api_and_workers_and_grafana_has_the_dashboard() -> None:
+    services = _services()
+    assert {"prometheus", "grafana"} <= set(services)
+    mounts = [str(v) for s in ("prometheus", "grafana") for v in services[s]["volumes"]]  # type: ignore[attr-defined]
+    for mount in mounts:
+        source = mount.split(":")[0]
+        assert not source.startswith("./") or (ROOT / source).exists(), mount
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    targets = {
+        t for job in config["scrape_configs"] for c in job["static_configs"] for t in c["targets"]
+    }
+    api_env = services["api"]["environment"]
+    assert isinstance(api_env, dict)
+    assert f"api:{api_env['REPLAY_AUDIT_API_METRICS_PORT']}" in targets
+    workers = [n for n, s in services.items() if list(s.get("command", []))[1:2] == ["worker"]]  # type: ignore[call-overload]
+    assert workers and {f"{w}:9101" for w in workers} <= targets
+
+
+def test_every_dashboard_panel_reads_a_metric_the_service_exports() -> None:
+    import json
+    import re
+
+    from replay_audit.telemetry import metric
+
+    exported = {m._name for m in vars(metric).values() if hasattr(m, "_name")}
+    exported |= set(
+        re.findall(r'"(replay_audit_\w+)"', (ROOT / "replay_audit/api/metrics.py").read_text())
+    )
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/replay-audit.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) > 15
+    for expr in exprs:
+        for name in re.findall(r"replay_audit_\w+", expr):
+            base = re.sub(r"_(bucket|count|sum|total)$", "", name)
+            assert name in exported or base in exported, (name, expr)

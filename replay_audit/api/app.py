@@ -23,6 +23,9 @@ from replay_audit.api.deps import refuse_unstorable_parameters
 from replay_audit.api.docs import install_docs
 from replay_audit.api.errors import ErrorBody, InternalErrorMiddleware, install_error_handlers
 from replay_audit.api.health import router as health_router
+from replay_audit.api.metrics import collectors
+from replay_audit.api.metrics import router as metrics_router
+from replay_audit.api.observe import ObserveMiddleware
 from replay_audit.config import Settings, get_settings
 from replay_audit.db.engine import get_engine, get_sessionmaker
 from replay_audit.imports.schemas import ImportRequest
@@ -163,7 +166,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 def create_app(settings: Settings | None = None, *, runner: Runner | None = None) -> FastAPI:
     """A configured app: database from `settings.database_url` (engines are shared per URL),
-    the `/v1` routers, `/healthz`, one error handler for the domain errors.
+    the `/v1` routers, `/healthz` and `/readyz`, `/metrics` (unless off or served on its own
+    port), one error handler for the domain errors, a request id on every answer.
 
     Jobs go to `runner` (the caller's: `serve` shares one with its scheduler, and stops it), or
     to one the app builds from the settings and owns: its in-process thread, if any, stops
@@ -189,9 +193,16 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     app.state.own_runner = own_runner
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
-    app.add_middleware(InternalErrorMiddleware)  # added last: the outermost of ours
+    app.add_middleware(InternalErrorMiddleware)
+    # Added last, the outermost: its request id is bound before anything can fail, and it
+    # sees every answer (a 500 of InternalErrorMiddleware included).
+    metrics_here = settings.metrics_enabled and settings.api_metrics_port is None
+    app.add_middleware(ObserveMiddleware, metrics=settings.metrics_enabled)
+    app.state.metric_collectors = collectors(settings)
     for router in _routers():
         app.include_router(router)
+    if metrics_here:
+        app.include_router(metrics_router)
     from replay_audit.ui import mount_ui
 
     mount_ui(app)  # the auditors' HTML pages under /ui (their own error pages)

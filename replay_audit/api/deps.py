@@ -28,12 +28,15 @@ from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import UnitOfWork, unit_of_work
 from replay_audit.exceptions import (
     FieldError,
+    NotAuthenticated,
     PayloadTooLarge,
     PermissionDenied,
     QueueUnavailable,
 )
 from replay_audit.input import find_unstorable
 from replay_audit.queue import JobQueue
+from replay_audit.telemetry.log import note
+from replay_audit.telemetry.metric import AUTH_FAILURES
 
 _READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -100,8 +103,16 @@ def get_principal(
     session: DBSession,
     x_api_key: Annotated[str | None, Header(alias="X-API-Key")] = None,
 ) -> Principal:
-    """The caller, from the `X-API-Key` header (401 if missing, unknown or revoked)."""
-    return auth_service.authenticate(session, x_api_key)
+    """The caller, from the `X-API-Key` header (401 if missing, unknown or revoked). Its
+    project goes on the request's log lines; a refusal is counted
+    (`replay_audit_auth_failures_total`)."""
+    try:
+        principal = auth_service.authenticate(session, x_api_key)
+    except NotAuthenticated:
+        AUTH_FAILURES.labels("missing" if not x_api_key else "invalid").inc()
+        raise
+    note(project=principal.project)
+    return principal
 
 
 CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
@@ -117,6 +128,7 @@ def require_role(*roles: Role) -> Callable[[Principal], Principal]:
 
     def dependency(principal: CurrentPrincipal) -> Principal:
         if principal.role not in allowed:
+            AUTH_FAILURES.labels("forbidden").inc()
             raise PermissionDenied(
                 f"role {principal.role.value!r} may not do this; needs one of "
                 + ", ".join(sorted(r.value for r in allowed))

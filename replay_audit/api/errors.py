@@ -11,6 +11,9 @@
   answered by `InternalErrorMiddleware`, not by Starlette's outermost handler, which re-raises
   to the server after answering: uvicorn then closes the connection, and a keep-alive client
   loses the next request too.
+
+Every 5xx body carries the request's `request_id` (the `X-Request-ID` answer header,
+`api.observe`), so a report of one finds its log lines.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from replay_audit.exceptions import (
     ReplayAuditError,
 )
 from replay_audit.input import UnstorableText
+from replay_audit.telemetry.log import current
 from replay_audit.traces.schemas import TraceFieldError, TraceTooLarge
 
 logger = logging.getLogger(__name__)
@@ -52,6 +56,9 @@ class ErrorBody(BaseModel):
     detail: str
     #: The input at fault, when there is one: `config.dtype`, `top_k.logits[3]`, `body`.
     field: str | None = None
+    #: The request's id (its `X-Request-ID` answer header), in 5xx bodies: the log lines of
+    #: the failure carry it.
+    request_id: str | None = None
 
 
 #: Leading `loc` parts that say where a value came from, not which field it is.
@@ -115,7 +122,10 @@ def _message(error: Any, field: str) -> str:
 
 
 def error_response(error: ReplayAuditError) -> JSONResponse:
-    return JSONResponse(error.to_dict(), status_code=error.status_code)
+    body = error.to_dict()
+    if error.status_code >= 500:
+        body["request_id"] = current("request_id")
+    return JSONResponse(body, status_code=error.status_code)
 
 
 async def _domain_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -170,6 +180,8 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         error = BadRequest(f"unreadable request body: {exc.detail}", field="body")
     else:  # no route raises other statuses this way; keep their status, same body shape
         body = {"error": "HTTPError", "detail": str(exc.detail)}
+        if exc.status_code >= 500:
+            body["request_id"] = current("request_id") or ""
         return JSONResponse(body, status_code=exc.status_code, headers=headers)
     return JSONResponse(error.to_dict(), status_code=error.status_code, headers=headers)
 
@@ -186,8 +198,13 @@ def database_unavailable(exc: Exception) -> DatabaseUnavailable:
     )
 
 
-#: The body of every 500 (nothing about the cause leaves the server).
-INTERNAL_ERROR: dict[str, object] = {"error": "InternalError", "detail": "internal server error"}
+def internal_error() -> dict[str, object]:
+    """The body of every 500: nothing about the cause leaves the server, but the request id."""
+    return {
+        "error": "InternalError",
+        "detail": "internal server error",
+        "request_id": current("request_id"),
+    }
 
 
 class InternalErrorMiddleware:
@@ -225,7 +242,7 @@ class InternalErrorMiddleware:
             if started and not complete:
                 raise
             if not started:
-                await JSONResponse(INTERNAL_ERROR, status_code=500)(scope, receive, send)
+                await JSONResponse(internal_error(), status_code=500)(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:

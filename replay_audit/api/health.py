@@ -1,17 +1,56 @@
-"""`GET /healthz`: the process answers, and so do the database and the job queue (compose
-health checks)."""
+"""`GET /healthz` and `GET /readyz` (no key needed).
+
+- `/healthz`, liveness for compose health checks: the process answers, and so do the database
+  and the job queue.
+- `/readyz`, readiness per component: the database, the queue, and the live workers per GPU
+  kind (RQ's worker registry; under the in-process runner, this process). 503 when a required
+  component is down: the database, the queue, or fewer live workers than
+  `REPLAY_AUDIT_READY_MIN_WORKERS` (0 unless set: workers are reported, not required).
+"""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 
+from replay_audit.config import Settings
 from replay_audit.exceptions import QueueUnavailable
 from replay_audit.queue import JobQueue
+from replay_audit.queue.runner import RQRunner
+from replay_audit.queue.state import live_workers
+from replay_audit.telemetry.log import current
 
 router = APIRouter(tags=["health"])
+
+
+def _database(request: Request) -> str:
+    engine: Engine = request.app.state.engine
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+    except SQLAlchemyError as exc:
+        return type(exc).__name__
+    return "ok"
+
+
+def _queue(request: Request) -> str:
+    queue: JobQueue = request.app.state.queue
+    try:
+        queue.check()
+    except QueueUnavailable as exc:
+        return exc.message
+    return "ok"
+
+
+def _answer(body: dict[str, object], failed: bool) -> JSONResponse:
+    if not failed:
+        return JSONResponse(body)
+    body["status"] = "unavailable"
+    body["request_id"] = current("request_id")
+    return JSONResponse(body, status_code=503)
 
 
 @router.get("/healthz", responses={503: {"description": "The database does not answer"}})
@@ -19,19 +58,33 @@ def healthz(request: Request) -> JSONResponse:
     """200 `{"status": "ok", "database": "ok", "queue": "ok"}` when a `SELECT 1` succeeds and
     the job queue takes work (Redis answers a ping under the RQ runner); 503 naming what failed
     otherwise. No key needed."""
-    engine: Engine = request.app.state.engine
+    body: dict[str, object] = {"status": "ok", "database": _database(request)}
+    body["queue"] = _queue(request)
+    return _answer(body, body["database"] != "ok" or body["queue"] != "ok")
+
+
+@router.get(
+    "/readyz",
+    responses={503: {"description": "A required component (database, queue, workers) is down"}},
+)
+def readyz(request: Request) -> JSONResponse:
+    """200 `{"status": "ok", "database": "ok", "queue": "ok", "workers": {"<gpu kind>": n}}`
+    when the service can take and run work; 503 naming what is down otherwise. `workers`
+    counts the live workers per GPU kind (`cpu`, or the GPU's name); under the in-process
+    runner, this process (`cpu` or `cuda`). No key needed."""
+    settings: Settings = request.app.state.settings
     queue: JobQueue = request.app.state.queue
-    body = {"status": "ok", "database": "ok", "queue": "ok"}
-    try:
-        with engine.connect() as connection:
-            connection.execute(text("SELECT 1"))
-    except SQLAlchemyError as exc:
-        body["database"] = type(exc).__name__
-    try:
-        queue.check()
-    except QueueUnavailable as exc:
-        body["queue"] = exc.message
-    if body["database"] != "ok" or body["queue"] != "ok":
-        body["status"] = "unavailable"
-        return JSONResponse(body, status_code=503)
-    return JSONResponse(body)
+    body: dict[str, object] = {"status": "ok", "database": _database(request)}
+    body["queue"] = _queue(request)
+    workers: dict[str, int] = {}
+    if isinstance(queue.runner, RQRunner):
+        if body["queue"] == "ok":
+            try:
+                workers = live_workers(queue.runner.connection, queue.runner.prefix)
+            except RedisError as exc:
+                body["queue"] = f"the job queue (Redis) is unreachable: {exc}"
+    else:
+        workers = {"cuda" if queue.capabilities.cuda else "cpu": 1}
+    body["workers"] = workers
+    short = sum(workers.values()) < settings.ready_min_workers
+    return _answer(body, body["database"] != "ok" or body["queue"] != "ok" or short)

@@ -11,9 +11,13 @@ expects, and they get TCP_NODELAY like the single-process server's.
 from __future__ import annotations
 
 import socket
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from uvicorn.supervisors import Multiprocess
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 
 class TcpConfig(uvicorn.Config):
@@ -30,10 +34,44 @@ class TcpConfig(uvicorn.Config):
         return sock
 
 
-def run_processes(app: str, *, host: str, port: int, workers: int, log_level: str) -> None:
+def served_app() -> FastAPI:
+    """The app of one of `serve --workers N`'s processes, from the environment, its log lines
+    as REPLAY_AUDIT_LOG_FORMAT says (uvicorn set up its own before this, in the process).
+
+    The app is imported here, not with the module: each process unpickles `TcpConfig` (and
+    imports this module) before it starts answering uvicorn's health pings, and a process
+    silent for 5 s is killed and replaced."""
+    from replay_audit.api.app import create_app
+    from replay_audit.config import get_settings
+    from replay_audit.telemetry.log import configure_logging
+
+    settings = get_settings()
+    if settings.log_format == "json":
+        configure_logging("json")
+    return create_app(settings)
+
+
+def uvicorn_logging(log_format: str) -> dict[str, Any]:
+    """uvicorn's logging options: its own text setup, or none with JSON lines (ours, on the
+    root logger), and then no access log of its own (the app's access lines carry the
+    request id: `api.observe`)."""
+    if log_format == "json":
+        return {"log_config": None, "access_log": False}
+    return {}
+
+
+def run_processes(
+    app: str, *, host: str, port: int, workers: int, log_level: str, log_format: str = "text"
+) -> None:
     """Serve the app factory `app` ("module:function") from `workers` processes."""
     config = TcpConfig(
-        app, factory=True, host=host, port=port, workers=workers, log_level=log_level
+        app,
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        log_level=log_level,
+        **uvicorn_logging(log_format),
     )
     sock = config.bind_socket()
     # The children get the socket pickled (multiprocessing keeps its family, type and proto).

@@ -49,6 +49,7 @@ from replay_audit.replays import service as replay_service
 from replay_audit.replays import statistics as replay_statistics
 from replay_audit.replays.models import MAX_RUN_NAME, ReplayRun
 from replay_audit.replays.service import RunDefaults
+from replay_audit.telemetry.metric import DRIFT_ALERTS
 
 #: How far back missed runs are looked for.
 MISSED_LOOKBACK: Final = timedelta(days=31)
@@ -540,6 +541,8 @@ def evaluate_audit_run(
         run.status = "done"
     run.evaluated_at = now
     session.flush()
+    if run.flags:
+        after_commit(session, DRIFT_ALERTS.inc)
     if run.flags and schedule.webhook_url:
         public_id = new_public_id("al")
         project = repository.project_names(session, [schedule.project_id]).get(
@@ -641,3 +644,12 @@ def alerts(
         alert_to_read(a, pid, reveal_url=reveal_url)
         for a, pid in repository.alerts_of_schedule(session, schedule.id, limit=limit)
     ]
+
+
+def last_run_times(session: Session) -> dict[str, datetime]:
+    """Per active schedule (by public id) that has run, the due time of its newest run: what
+    `replay_audit_audit_last_run_timestamp_seconds` shows, so an operator sees whether last
+    night's audit ran."""
+    schedules = repository.active_schedules(session)
+    runs = repository.last_runs(session, [s.id for s in schedules])
+    return {s.public_id: runs[s.id].due_at for s in schedules if s.id in runs}

@@ -36,6 +36,7 @@ from replay_audit.queue.runner import InProcessRunner
 from replay_audit.replays.reconcile import reconcile
 from replay_audit.replays.service import RunDefaults
 from replay_audit.screenings.reconcile import reconcile_screenings
+from replay_audit.telemetry.metric import WEBHOOK_DELIVERIES
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +267,7 @@ def deliver_alert(alert_id: int, database_url: str | None = None) -> str:
         secret = repository.alert_webhook_secret(s, alert_id)
     started = datetime.now(UTC)
     attempt = _post(target, payload, public_id, secret, settings)
+    WEBHOOK_DELIVERIES.labels(attempt.error or "delivered").inc()
     max_attempts = len(settings.webhook_retry_intervals_s) + 1
     with session_scope(url) as s:
         alert = repository.lock_alert(s, alert_id)

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from replay_audit.cli.root import CommandGroup, app
+
+if TYPE_CHECKING:
+    from replay_audit.config import Settings
 
 db_app = CommandGroup(help="Database migrations.", no_args_is_help=True)
 keys_app = CommandGroup(help="API keys.", no_args_is_help=True)
@@ -44,13 +47,15 @@ def serve(
     """
     import uvicorn
 
+    from replay_audit.config import get_settings
+
+    settings = get_settings()
+    _prepare_metrics(settings, workers)  # before anything imports prometheus-client
     from replay_audit.api.app import create_app
     from replay_audit.auth.service import DEFAULT_PROJECT, bootstrap_admin_key
     from replay_audit.cli.database import ready_database
-    from replay_audit.config import get_settings
     from replay_audit.db.unit_of_work import session_scope
 
-    settings = get_settings()
     ready_database(settings, migrate=migrate)
     with session_scope(settings.database_url) as session:
         key = bootstrap_admin_key(session)
@@ -70,20 +75,57 @@ def serve(
     scheduler = start_inprocess_scheduler(settings, runner=runner)
     if scheduler is not None:
         own(scheduler.stop)
+    from replay_audit.api.metrics import serve_metrics
+    from replay_audit.api.server import run_processes, uvicorn_logging
+    from replay_audit.telemetry.log import configure_logging
+
+    if settings.log_format == "json":
+        configure_logging("json")
+    stop_metrics = serve_metrics(settings)  # REPLAY_AUDIT_API_METRICS_PORT: its own listener
+    if stop_metrics is not None:
+        own(lambda timeout_s: stop_metrics() or True)
     if runner is not None:
-        uvicorn.run(create_app(settings, runner=runner), host=host, port=port, log_level=log_level)
+        uvicorn.run(
+            create_app(settings, runner=runner),
+            host=host,
+            port=port,
+            log_level=log_level,
+            **uvicorn_logging(settings.log_format),
+        )
     else:
         # Separate processes build their own app from the same environment, on a listening
         # socket bound as TCP so their connections get TCP_NODELAY (api/server.py says why).
-        from replay_audit.api.server import run_processes
-
         run_processes(
-            "replay_audit.api.app:create_app",
+            "replay_audit.api.server:served_app",
             host=host,
             port=port,
             workers=workers,
             log_level=log_level,
+            log_format=settings.log_format,
         )
+
+
+def _prepare_metrics(settings: Settings, workers: int) -> None:
+    """Several API processes count into files of one directory (prometheus-client's
+    multiprocess mode), which a scrape of any of them adds up: PROMETHEUS_MULTIPROC_DIR, or a
+    new temporary one. Emptied first: an earlier run's files would add to this one's."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from replay_audit.telemetry.multiprocess import (
+        MULTIPROC_ENV,
+        clear_multiprocess_dir,
+        multiprocess_dir,
+    )
+
+    path = multiprocess_dir()
+    if path is None and workers > 1 and settings.metrics_enabled:
+        # Set before the processes start: each reads it when it imports prometheus-client.
+        path = Path(tempfile.mkdtemp(prefix="replay-audit-metrics-"))
+        os.environ[MULTIPROC_ENV] = str(path)
+    if path is not None:
+        clear_multiprocess_dir(path)
 
 
 @db_app.command("upgrade")

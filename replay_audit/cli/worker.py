@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -29,6 +29,13 @@ def worker(
         str | None, typer.Option(help="cpu, cuda or cuda:N (default: CUDA when available).")
     ] = None,
     name: Annotated[str | None, typer.Option(help="Worker name shown by `rq info`.")] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            help="Port of this worker's Prometheus metrics on REPLAY_AUDIT_METRICS_HOST "
+            "(default REPLAY_AUDIT_WORKER_METRICS_PORT, 9101; 0: none). One per worker of a host."
+        ),
+    ] = None,
     kv_cache: Annotated[
         str | None,
         typer.Option(
@@ -44,26 +51,31 @@ def worker(
     process, so each checkpoint is loaded once and stays loaded (forking after CUDA
     initialisation is unsafe, and reloading per job would dominate the time)."""
     from redis import Redis
-    from rq import Queue, SimpleWorker
+    from rq import Queue
 
     from replay_audit.cli.database import ready_database
     from replay_audit.config import get_settings
     from replay_audit.engine.pool import EnginePool
     from replay_audit.queue import rq_name
+    from replay_audit.queue.state import forget_worker, record_worker_kind
     from replay_audit.replays.tasks import MAX_ENGINES, WorkerContext, install_worker_context
+    from replay_audit.telemetry.log import configure_logging
+    from replay_audit.telemetry.metric import MODEL_LOADS, start_metrics_server
 
     settings = get_settings()
     if kv_cache is not None and kv_cache not in CACHE_KINDS:
         raise typer.BadParameter(", ".join(CACHE_KINDS), param_hint="--kv-cache")
     ready_database(settings)  # every job opens it: an unusable one fails here, once
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(settings.log_format)
+    gpu_kind, cuda_device = _gpu_kind(device)
     pool = EnginePool(
         max_engines=MAX_ENGINES,
         device=device,
         cache=kv_cache,
         threads=settings.torch_threads,
+        on_load=MODEL_LOADS.inc,
     )
-    install_worker_context(WorkerContext(settings, pool))
+    install_worker_context(WorkerContext(settings, pool, gpu_kind))
     if settings.default_queue not in queue:
         # Said once, where a CPU-only deployment looks: its runs would wait on `gpu` forever.
         logging.getLogger(__name__).warning(
@@ -74,11 +86,61 @@ def worker(
             " --queue ".join(queue),
             queue[0],
         )
+    port = settings.worker_metrics_port if metrics_port is None else metrics_port
+    if settings.metrics_enabled and port:
+        start_metrics_server(settings.metrics_host, port)  # a daemon thread, ends with us
+        logging.getLogger(__name__).info(
+            "metrics on http://%s:%d/metrics", settings.metrics_host, port
+        )
     connection = Redis.from_url(settings.redis_url)
     queues = [Queue(rq_name(settings, q), connection=connection) for q in queue]
-    w = SimpleWorker(queues, connection=connection, name=name)
-    # with_scheduler: RQ's Retry intervals need a scheduler to move retries back to the queue.
-    w.work(burst=burst, with_scheduler=True)
+    w = _worker_class(gpu_kind, cuda_device)(queues, connection=connection, name=name)
+    record_worker_kind(connection, settings.queue_prefix, w.name, gpu_kind)
+    try:
+        # with_scheduler: RQ's Retry intervals need a scheduler to move retries back.
+        w.work(burst=burst, with_scheduler=True)
+    finally:
+        forget_worker(connection, settings.queue_prefix, w.name)
+
+
+def _gpu_kind(device: str | None) -> tuple[str, str | None]:
+    """The worker's `gpu_kind` label (its GPU's name, or `cpu`) and its CUDA device, if any."""
+    if device == "cpu":
+        return "cpu", None
+    import torch
+
+    if device is None and not torch.cuda.is_available():
+        return "cpu", None
+    cuda = torch.device(device or "cuda")
+    if cuda.type != "cuda":
+        return "cpu", None
+    index = cuda.index if cuda.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_name(index), f"cuda:{index}"
+
+
+def _worker_class(gpu_kind: str, cuda_device: str | None) -> type[Any]:
+    """RQ's SimpleWorker, each job counted and timed (`telemetry.metric.observe_job`), its log
+    lines carrying its job id, and the GPU's memory read after it."""
+    from rq import SimpleWorker
+
+    from replay_audit.telemetry.log import bound
+    from replay_audit.telemetry.metric import GPU_MEMORY, job_kind, observe_job
+
+    class ObservedWorker(SimpleWorker):
+        def perform_job(self, job: Any, queue: Any, execution: Any) -> bool:
+            kind = job_kind(job.func_name)
+            with bound(job_id=job.id), observe_job(kind, gpu_kind) as attempt:
+                ok = bool(super().perform_job(job, queue, execution))
+                attempt.failed = not ok
+            if cuda_device is not None:
+                import torch
+
+                allocated = torch.cuda.memory_allocated(cuda_device)
+                GPU_MEMORY.labels(gpu_kind, "allocated").set(allocated)
+                GPU_MEMORY.labels(gpu_kind, "reserved").set(torch.cuda.memory_reserved(cuda_device))
+            return ok
+
+    return ObservedWorker
 
 
 @app.command()
@@ -137,10 +199,11 @@ def scheduler(
     from replay_audit.cli.shutdown import own
     from replay_audit.config import get_settings
     from replay_audit.queue import build_runner, stop_runner
+    from replay_audit.telemetry.log import configure_logging
 
     settings = get_settings()
     ready_database(settings)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(settings.log_format)
     runner = build_runner(settings)
     alerts = build_alert_runner(settings)
     own(lambda timeout_s: stop_runner(runner, timeout_s))

@@ -27,7 +27,8 @@ class EnginePool:
     `max_cache_len`. `max_engines` bounds how many stay loaded (least recently used goes
     first); None keeps all. `threads` and `leave_free` set torch's CPU threads in each thread
     that takes an engine (`engine.loading.set_torch_threads`: None and 0 leave torch's default).
-    Thread-safe: the in-process job runner calls it from threads.
+    `on_load` is called after each engine is loaded. Thread-safe: the in-process job runner
+    calls it from threads.
     """
 
     def __init__(
@@ -40,8 +41,10 @@ class EnginePool:
         max_cache_len: int = 4096,
         threads: int | None = None,
         leave_free: int = 0,
+        on_load: Callable[[], object] | None = None,
     ) -> None:
         self._loader = loader
+        self._on_load = on_load
         self._threads = threads
         self._leave_free = leave_free
         self._options = LoadOptions(device=device, cache=cache, max_cache_len=max_cache_len)
@@ -71,8 +74,12 @@ class EnginePool:
 
     def _load(self, d: Path, target: Target) -> Engine:
         if self._loader is not None:
-            return self._loader(d, target)
-        return load_engine(d, target, **self._options)
+            engine = self._loader(d, target)
+        else:
+            engine = load_engine(d, target, **self._options)
+        if self._on_load is not None:
+            self._on_load()  # a worker counts its loads (replay_audit_model_loads_total)
+        return engine
 
     def weights_sha256(self, model_dir: str | Path) -> str:
         """`weights_sha256` of the checkpoint, cached while its files keep name, size and

@@ -18,6 +18,8 @@ from sqlalchemy.orm import Session
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import QueueUnavailable
+from replay_audit.telemetry.log import bound
+from replay_audit.telemetry.metric import job_kind, observe_job
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +102,7 @@ class InProcessRunner:
     stays with this runner, and goes with it.
     """
 
-    def __init__(self, *, retry_scale: float = 1.0) -> None:
+    def __init__(self, *, retry_scale: float = 1.0, gpu_kind: str = "cpu") -> None:
         # None wakes the thread to see the stop event.
         self._queue: stdlib_queue.Queue[JobSpec | None] = stdlib_queue.Queue()
         self._pending: set[str] = set()
@@ -109,6 +111,8 @@ class InProcessRunner:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._context = contextvars.copy_context()
+        #: The jobs' `gpu_kind` label in the metrics (this host's device).
+        self.gpu_kind = gpu_kind
 
     def enqueue(self, spec: JobSpec) -> None:
         with self._lock:
@@ -176,9 +180,11 @@ class InProcessRunner:
 
     def _run_with_retries(self, spec: JobSpec) -> None:
         fn = resolve(spec.func)
+        kind = job_kind(spec.func)
         for attempt in range(len(spec.retry_intervals_s) + 1):
             try:
-                fn(*spec.args)
+                with bound(job_id=spec.job_id), observe_job(kind, self.gpu_kind):
+                    fn(*spec.args)
                 return
             except Exception:
                 log.exception("job %s failed (attempt %d)", spec.job_id, attempt + 1)
@@ -259,6 +265,12 @@ def _has_cuda_device() -> bool:
     return Path("/proc/driver/nvidia/version").exists()
 
 
+def host_gpu_kind() -> str:
+    """The `gpu_kind` label of jobs run beside the API (the in-process runner): `cuda` on a
+    host with an NVIDIA GPU, else `cpu`. A worker names its GPU (`replay-audit worker`)."""
+    return "cuda" if _has_cuda_device() else "cpu"
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """Where this deployment's jobs run: the runner (`rq`: GPU and CPU workers elsewhere;
@@ -318,7 +330,7 @@ def build_runner(settings: Settings) -> Runner:
     handing it on (`serve` gives its runner to the app and to the scheduler)."""
     if settings.runner == "rq":
         return RQRunner(settings.redis_url, prefix=settings.queue_prefix)
-    return InProcessRunner()
+    return InProcessRunner(gpu_kind=host_gpu_kind())
 
 
 def stop_runner(runner: Runner, timeout_s: float | None = None) -> bool:

@@ -39,7 +39,7 @@ from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import ScanRun
 from replay_audit.exceptions import ReplayAuditError
 from replay_audit.json_value import as_int
-from replay_audit.queue import stop_requested
+from replay_audit.queue import host_gpu_kind, stop_requested
 from replay_audit.replays import repository, service
 from replay_audit.replays.checkpoint import ModelNotFound, find_checkpoint
 from replay_audit.replays.domain import (
@@ -47,11 +47,14 @@ from replay_audit.replays.domain import (
     Comparison,
     ControlSample,
     LoggedTrace,
+    ReplayOutcome,
     RunTarget,
 )
 from replay_audit.replays.models import ReplayJob, ReplayRun
 from replay_audit.replays.pipeline import ReplayItem, ReplayOptions, replay_items, scan_items
 from replay_audit.replays.results import ResultRow, failed_values, result_values
+from replay_audit.telemetry.log import bound
+from replay_audit.telemetry.metric import MODEL_LOADS, REPLAY_TOKENS, REPLAY_TRACES
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,8 @@ class WorkerContext:
 
     settings: Settings
     pool: EnginePool
+    #: The `gpu_kind` label of the worker's metrics: its GPU's name, or `cpu`.
+    gpu_kind: str = "cpu"
 
     @classmethod
     def from_environment(cls) -> WorkerContext:
@@ -85,8 +90,9 @@ class WorkerContext:
             max_engines=MAX_ENGINES,
             threads=settings.torch_threads,
             leave_free=1 if beside_api else 0,
+            on_load=MODEL_LOADS.inc,
         )
-        return cls(settings, pool)
+        return cls(settings, pool, host_gpu_kind())
 
 
 #: The worker context of the jobs run in the current context (a thread's, or an in-process
@@ -175,6 +181,13 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
         spec = _RunSpec(run.id, options, run.run_targets, run.run_comparisons, control)
         trace_ids = list(job.trace_ids)
 
+    with bound(run_id=spec.run_id):
+        _run_job(job_id, spec, trace_ids, url, ctx)
+
+
+def _run_job(
+    job_id: int, spec: _RunSpec, trace_ids: list[int], url: str, ctx: WorkerContext
+) -> None:
     started = time.perf_counter()
     counts = _JobCounts()
     scanning = spec.options.mode in ("scan", "scan_then_decode")
@@ -294,6 +307,13 @@ def _scan_all(pending: Sequence[_Pending], spec: _RunSpec, ctx: WorkerContext) -
     runs = iter(scans.runs)
     for p in pending:
         p.scans = [next(runs) if isinstance(i, ReplayItem) else None for i in p.items]
+    tokens = sum(
+        len(item.trace.output_token_ids)
+        for (_, item), run in zip(flat, scans.runs, strict=True)
+        if run is not None
+    )
+    REPLAY_TRACES.labels("scanned", ctx.gpu_kind).inc(scans.scanned)
+    REPLAY_TOKENS.labels("scanned", ctx.gpu_kind).inc(tokens)
     return _JobCounts(scanned=scans.scanned, scan_s=scans.seconds, forwards=scans.forwards)
 
 
@@ -314,6 +334,8 @@ def _replay(
                 rows.append(item)
                 continue
             result = next(results)
+            if not isinstance(result, Exception):
+                _count_decode(result, ctx.gpu_kind)
             rows.append(
                 _failed_row(c, result, p.trace_id)
                 if isinstance(result, Exception)
@@ -321,6 +343,18 @@ def _replay(
             )
         out.append((p, rows))
     return out
+
+
+def _count_decode(outcome: ReplayOutcome, gpu_kind: str) -> None:
+    """A decoded item in the metrics, with the tokens its arms decoded here (an item a scan
+    settled was counted by `_scan_all`)."""
+    if outcome.mode == "scan" or outcome.screen == "scanned":
+        return
+    arms = (outcome.a, outcome.b)
+    REPLAY_TRACES.labels("decoded", gpu_kind).inc()
+    REPLAY_TOKENS.labels("decoded", gpu_kind).inc(
+        sum(arm.steps or 0 for arm in arms if arm.resolved is not None)
+    )
 
 
 def _failed_row(c: int, error: Exception, trace_id: int) -> ResultRow:

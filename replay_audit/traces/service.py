@@ -29,8 +29,10 @@ from sqlalchemy.orm import Session
 from replay_audit.db.base import utcnow
 from replay_audit.db.ids import new_public_id
 from replay_audit.db.types import pack_int32
+from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import Conflict, FieldError, NotFound, ReplayAuditError
 from replay_audit.json_value import JsonObject
+from replay_audit.telemetry.metric import BATCH_ITEMS, TRACES_INGESTED
 from replay_audit.traces import repository
 from replay_audit.traces.models import Trace
 from replay_audit.traces.repository import ConfigValues, TraceContent, TraceValues
@@ -159,6 +161,7 @@ def ingest_trace(session: Session, project_id: int, trace: TraceCreate) -> Inges
     result = _ingest(session, project_id, [trace])[0]
     if isinstance(result, ReplayAuditError):
         raise result
+    _count(session, [result], batch=False)
     return result
 
 
@@ -173,10 +176,27 @@ def ingest_traces(
     external_id is taken by different content is 409 naming `external_id`. Configurations are
     deduplicated, and each table gets one INSERT round trip. Never commits.
     """
-    return [
+    results = [
         _error_result(index, r) if isinstance(r, ReplayAuditError) else r
         for index, r in enumerate(_ingest(session, project_id, items))
     ]
+    _count(session, results, batch=True)
+    return results
+
+
+def _count(session: Session, results: Sequence[IngestResult], *, batch: bool) -> None:
+    """Count what was stored once it is committed (`replay_audit_traces_ingested_total`, and a
+    batch's items by status: `replay_audit_trace_batch_items_total`)."""
+    statuses = [r.status for r in results]
+
+    def count() -> None:
+        TRACES_INGESTED.labels("created").inc(statuses.count(201))
+        TRACES_INGESTED.labels("existing").inc(statuses.count(200))
+        if batch:
+            for status in set(statuses):
+                BATCH_ITEMS.labels(str(status)).inc(statuses.count(status))
+
+    after_commit(session, count)
 
 
 def _ingest(

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from replay_audit.api.deps import refuse_unstorable_parameters
 from replay_audit.api.errors import database_unavailable, error_from_validation
 from replay_audit.exceptions import ReplayAuditError
+from replay_audit.telemetry.log import current
 from replay_audit.ui.audit_pages import router as audit_router
 from replay_audit.ui.pages import SignInRequired, router
 from replay_audit.ui.screening_pages import router as screening_router
@@ -30,7 +31,15 @@ def _error_page(request: Request, status: int, title: str, message: str) -> Resp
     return render(
         request,
         "ui/error.html",
-        {"status": status, "title": title, "message": message, "principal": None, "csrf_token": ""},
+        {
+            "status": status,
+            "title": title,
+            "message": message,
+            "principal": None,
+            "csrf_token": "",
+            # A 5xx page names the request (the X-Request-ID header): its log lines carry it.
+            "request_id": current("request_id") if status >= 500 else None,
+        },
         status,
     )
 

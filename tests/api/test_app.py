@@ -20,7 +20,12 @@ def test_an_unexpected_error_is_a_500_without_a_traceback(settings: Settings) ->
 
     answer = TestClient(app, raise_server_exceptions=False).get("/boom")
     assert answer.status_code == 500
-    assert answer.json() == {"error": "InternalError", "detail": "internal server error"}
+    # Nothing of the cause; the request id, which the server's log lines of it carry.
+    assert answer.json() == {
+        "error": "InternalError",
+        "detail": "internal server error",
+        "request_id": answer.headers["X-Request-ID"],
+    }
     assert "secret" not in answer.text and "Traceback" not in answer.text
 
 

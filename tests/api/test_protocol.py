@@ -41,7 +41,9 @@ def test_the_connection_stays_open_after_a_500(served: tuple[str, int]) -> None:
         failed = connection.getresponse()
         assert failed.status == 500
         assert json.loads(failed.read()) == {
-            "error": "InternalError", "detail": "internal server error"
+            "error": "InternalError",
+            "detail": "internal server error",
+            "request_id": failed.getheader("X-Request-ID"),
         }
         assert (failed.getheader("connection") or "").lower() != "close"
         connection.request("GET", "/healthz")  # the same connection, kept alive

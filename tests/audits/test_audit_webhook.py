@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -519,3 +520,39 @@ def _sign_in_auditor(client: TestClient, headers: Callable[..., dict[str, str]])
         follow_redirects=False,
     )
     assert r.status_code == 303 and ui_session.COOKIE_NAME in client.cookies, r.text
+
+
+def test_drift_alerts_deliveries_and_each_schedules_last_run_are_in_the_metrics(
+    client: TestClient,
+    runner: HoldingRunner,
+    make_schedule: MakeSchedule,
+    logged_trace: Callable[..., dict[str, Any]],
+    db_url: str,
+    webhook_settings: Settings,
+    serve_hook: Callable[[Hook], str],
+) -> None:
+    from tests.telemetry.scrape import samples, value
+
+    before = samples(client.get("/metrics").text)
+    sid = _flagged_run(
+        client, runner, make_schedule, logged_trace, db_url, serve_hook(Hook([500, 204]))
+    )
+    alerts = InProcessRunner(retry_scale=0.05)
+    assert run_tick(webhook_settings, runner=runner, alert_runner=alerts).flagged == 1
+    assert alerts.join(timeout_s=30)
+    text = client.get("/metrics").text
+    after = samples(text)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("replay_audit_drift_alerts_total") == 1
+    assert moved("replay_audit_webhook_deliveries_total", outcome="http_5xx") == 1
+    assert moved("replay_audit_webhook_deliveries_total", outcome="delivered") == 1
+    with session_scope(db_url) as s:
+        run = s.scalar(select(AuditRun).where(AuditRun.trigger == "manual"))
+        assert run is not None
+        due = run.due_at.replace(tzinfo=UTC) if run.due_at.tzinfo is None else run.due_at
+    last = "replay_audit_audit_last_run_timestamp_seconds"
+    assert value(after, last, schedule=sid) == due.timestamp()
+    assert "acme" not in text  # the schedule by its id, never the project's name

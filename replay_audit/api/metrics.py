@@ -1,0 +1,129 @@
+"""`GET /metrics`: the Prometheus exposition of the API processes (docs/operations.md).
+
+No key needed, like `/healthz`; nothing in it names a project or carries trace content or key
+material (`telemetry.metric` says which labels exist). Off with `REPLAY_AUDIT_METRICS_ENABLED=
+false`; with `REPLAY_AUDIT_API_METRICS_PORT` set, `serve` answers it on that port of
+`REPLAY_AUDIT_METRICS_HOST` instead (`serve_metrics`), and the API's own port has no `/metrics`.
+
+Besides the counters the processes keep (adding up across processes in multiprocess mode), a
+scrape reads two things at that moment: the RQ queues (depth, running jobs, oldest job's age,
+live workers per GPU kind) and each audit schedule's last run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from datetime import UTC
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from redis import Redis
+from redis.exceptions import RedisError
+from sqlalchemy.exc import SQLAlchemyError
+
+from replay_audit.audits.service import AUDIT_QUEUE, last_run_times
+from replay_audit.config import Settings
+from replay_audit.db.unit_of_work import session_scope
+from replay_audit.queue.runner import REDIS_TIMEOUT_S
+from replay_audit.queue.state import live_workers, queue_states
+from replay_audit.telemetry.metric import CONTENT_TYPE, exposition, start_metrics_server
+
+log = logging.getLogger(__name__)
+
+router = APIRouter()
+
+#: The queues a deployment's jobs go to.
+QUEUES = ("gpu", "cpu", AUDIT_QUEUE)
+
+
+@router.get("/metrics", include_in_schema=False)
+def metrics(request: Request) -> Response:
+    """The Prometheus text exposition (no key needed)."""
+    collectors: list[Collector] = request.app.state.metric_collectors
+    return Response(exposition(collectors), media_type=CONTENT_TYPE)
+
+
+class QueueCollector:
+    """Each RQ queue's depth, running jobs and oldest waiting job's age, and the live workers
+    per GPU kind, read from Redis at scrape time (nothing under the in-process runner)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.enabled = settings.runner == "rq"
+        self.redis_url = settings.redis_url
+        self.prefix = settings.queue_prefix
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        if not self.enabled:
+            return
+        depth = GaugeMetricFamily(
+            "replay_audit_queue_depth", "Jobs waiting in the queue.", labels=["queue"]
+        )
+        running = GaugeMetricFamily(
+            "replay_audit_queue_running_jobs", "Jobs a worker is running.", labels=["queue"]
+        )
+        oldest = GaugeMetricFamily(
+            "replay_audit_queue_oldest_job_age_seconds",
+            "Seconds the oldest waiting job has waited (0: none waits).",
+            labels=["queue"],
+        )
+        workers = GaugeMetricFamily(
+            "replay_audit_workers_live", "Live RQ workers, by GPU kind.", labels=["gpu_kind"]
+        )
+        connection = Redis.from_url(
+            self.redis_url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
+        )
+        try:
+            for q in queue_states(connection, self.prefix, QUEUES):
+                depth.add_metric([q.name], q.depth)
+                running.add_metric([q.name], q.running)
+                oldest.add_metric([q.name], q.oldest_age_s or 0.0)
+            for kind, n in sorted(live_workers(connection, self.prefix).items()):
+                workers.add_metric([kind], n)
+        except RedisError as e:  # the scrape goes on; /readyz says Redis is down
+            log.warning("metrics: the queue state is unavailable: %s", e)
+            return
+        finally:
+            connection.close()
+        yield from (depth, running, oldest, workers)
+
+
+class AuditCollector:
+    """The due time of each active audit schedule's newest run, read at scrape time."""
+
+    def __init__(self, database_url: str) -> None:
+        self.database_url = database_url
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "replay_audit_audit_last_run_timestamp_seconds",
+            "Unix time the newest run of each audit schedule was due (schedule: its id).",
+            labels=["schedule"],
+        )
+        try:
+            with session_scope(self.database_url) as session:
+                times = last_run_times(session)
+        except SQLAlchemyError as e:
+            log.warning("metrics: the audit schedules are unavailable: %s", e)
+            return
+        for schedule, due in sorted(times.items()):
+            due = due if due.tzinfo else due.replace(tzinfo=UTC)
+            family.add_metric([schedule], due.timestamp())
+        yield family
+
+
+def collectors(settings: Settings) -> list[Collector]:
+    """What a scrape of the API reads at that moment, besides the processes' counters."""
+    return [QueueCollector(settings), AuditCollector(settings.database_url)]
+
+
+def serve_metrics(settings: Settings) -> Callable[[], None] | None:
+    """`serve`'s separate metrics listener (REPLAY_AUDIT_API_METRICS_PORT), started in its own
+    process: with several API processes it reads all of their files. None when not asked for;
+    else the function that stops it."""
+    if not settings.metrics_enabled or settings.api_metrics_port is None:
+        return None
+    return start_metrics_server(
+        settings.metrics_host, settings.api_metrics_port, collectors(settings)
+    )
