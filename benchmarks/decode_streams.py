@@ -136,6 +136,8 @@ def main() -> None:
     ap.add_argument("--profile-streams", type=int, default=4, help="0: no profile")
     ap.add_argument("--host-profile", action="store_true", help="top host ops, alone vs thread")
     ap.add_argument("--start-at", type=float, default=None, help="one process of K: start time")
+    ap.add_argument("--seed", type=int, default=0, help="the prompts' random seed")
+    ap.add_argument("--no-cudnn-sdp", action="store_true", help="SDPA without cuDNN attention")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -148,7 +150,9 @@ def main() -> None:
     # The engine's decode does this per step; K threads would race on the process-wide flag
     # (it changes no value: `PiecewiseDecoder.step`).
     torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
-    rng = random.Random(0)
+    if args.no_cudnn_sdp:  # for generate() too: the whole process
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    rng = random.Random(args.seed)
     kmax = max(args.streams)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(kmax)]
     if args.start_at is not None:
@@ -177,7 +181,9 @@ def main() -> None:
                 pad_token_id=0,
             )[0, args.prompt_len :].tolist()
         run = {"start": t0, "end": end, "tokens": args.tokens * args.repeats}
-        print(json.dumps(run | {"same_as_generate": tokens == generated}))
+        differ = [i for i, (a, b) in enumerate(zip(tokens, generated, strict=True)) if a != b]
+        first = differ[0] if differ else None
+        print(json.dumps(run | {"same_as_generate": tokens == generated, "first_differs": first}))
         return
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(dev),

@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 # The same K as K processes (one decode each, separate host interpreters: no shared GIL) under
 # CUDA MPS where the image has it (kernels of several processes run together), else time-sliced.
 MPS=""
-if command -v nvidia-cuda-mps-control >/dev/null; then
+if [ -z "$NO_MPS" ] && command -v nvidia-cuda-mps-control >/dev/null; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
   nvidia-cuda-mps-control -d && MPS=1
@@ -28,7 +28,7 @@ for K in ${PROCS:-2 4 8}; do
   at=$(python3 -c "import time; print(time.time() + ${WARM_S:-60})")
   for i in $(seq $K); do
     python3 benchmarks/decode_streams.py --tinyllama --device cuda --tokens ${TOKENS:-256} \
-        --repeats 2 --start-at $at > "/tmp/proc_${K}_$i.json" 2>/dev/null &
+        --repeats 2 --start-at $at --seed $i $PROC_ARGS > "/tmp/proc_${K}_$i.json" 2>/dev/null &
   done
   wait
   python3 - /tmp $K "${MPS:-0}" <<'PY'
@@ -36,7 +36,8 @@ import json, sys, glob
 runs = [json.loads(open(f).read().strip().splitlines()[-1]) for f in glob.glob(f"{sys.argv[1]}/proc_{sys.argv[2]}_*.json")]
 span = max(r["end"] for r in runs) - min(r["start"] for r in runs)
 same = sum(r["same_as_generate"] for r in runs)
-print(f"processes K={sys.argv[2]} mps={sys.argv[3]}: {sum(r['tokens'] for r in runs) / span:.1f} tok/s aggregate ({len(runs)} ran, {same} token-identical to generate())")
+first = sorted(r["first_differs"] for r in runs if r["first_differs"] is not None)
+print(f"processes K={sys.argv[2]} mps={sys.argv[3]}: {sum(r['tokens'] for r in runs) / span:.1f} tok/s aggregate ({len(runs)} ran, {same} token-identical to generate(); first differing step of the others: {first})")
 PY
 done
 [ -n "$MPS" ] && echo quit | nvidia-cuda-mps-control
