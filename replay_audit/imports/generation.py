@@ -24,7 +24,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from pydantic import ValidationError
 
@@ -39,12 +39,19 @@ from replay_audit.imports.schemas import (
     ImportContext,
     LogprobsMode,
 )
+from replay_audit.imports.tokenization import DROPPED, TokenIdsSource, Vocabulary, resolve
 from replay_audit.traces.schemas import ExtraValue, TraceCreate, TraceFieldError
 
 #: A logprob at or below this is a clamped -inf (vLLM writes max(logprob, -9999.0)): absent.
 ABSENT_LOGPROB: Final = -9999.0
 #: The most top-k entries kept per step (the trace schema's limit).
 MAX_KEPT_TOP_K: Final = 20
+
+#: `config.extras` keys of the import's provenance records.
+EXTRA_TOKEN_IDS_SOURCE: Final = "token_ids_source"
+EXTRA_TOP_K_SOURCE: Final = "top_k_source"
+EXTRA_LOGPROBS_MODE_SOURCE: Final = "logprobs_mode_source"
+EXTRA_PROCESSORS: Final = "logits_processors"
 
 #: The configuration fields that are named in `extras["unknown"]` when nobody gave them.
 _OPTIONAL_FIELDS: Final = (
@@ -76,9 +83,13 @@ class Generation:
     """
 
     field: str
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
+    #: None where the source logged no ids: `tokenization.resolve` fills them from the text.
+    prompt_token_ids: Sequence[int] | None
+    output_token_ids: Sequence[int] | None
     steps: Sequence[Sequence[tuple[int, float]]] | None = None
+    #: Per-step (piece, value) pairs of a top-k keyed by token text (mapped to ids by
+    #: `tokenization.resolve` where each piece is exactly one token).
+    text_steps: Sequence[Sequence[tuple[Piece, float]]] | None = None
     steps_field: str = "logprobs"
     stop_reason: StopReason | None = None
     #: The stop token id the server matched (added to the trace's eos ids).
@@ -101,6 +112,21 @@ class Generation:
     extras: Mapping[str, ExtraValue] = dataclasses.field(default_factory=dict)
     #: Each output token's piece (`diff.pieces`), where the source gives token strings.
     output_token_pieces: Sequence[Piece] | None = None
+    #: The chat request's messages (the prompt is their rendering by the chat template).
+    prompt_messages: Sequence[Mapping[str, Any]] | None = None
+    #: Where the prompt's ids belong in the item (default `{field}.prompt_token_ids`).
+    prompt_field: str | None = None
+    #: Whether the server added special tokens (BOS) when it encoded `prompt_text`.
+    add_special_tokens: bool = True
+    #: Where the ids came from: `logged`, `pieces` (output ids of the logged token pieces)
+    #: or `retokenized` (the text encoded by the checkpoint's tokenizer).
+    token_ids_source: TokenIdsSource = "logged"
+    #: Where a kept top-k's ids came from (what `resolve` did with text keys).
+    top_k_source: str = "logged ids"
+    #: The request's logits processors (penalties, biases, constraints): name -> value.
+    processors: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: The batch size the source states (a list answer, a generate() call's rows).
+    batch_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -188,14 +214,22 @@ def _top_k_values(mode: LogprobsMode | None) -> TopKValues | None:
     return None  # processed or unknown: no logged margin
 
 
-def _resolve_mode(gen: Generation, context: ImportContext) -> LogprobsMode | None:
+def _resolve_mode(gen: Generation, context: ImportContext) -> tuple[LogprobsMode | None, str]:
+    """The logprobs mode and who said it: the source, the context, or the engine's default
+    (vLLM's `--logprobs-mode` is raw_logprobs unless the server was started otherwise)."""
     if gen.logprobs_mode is not None and context.logprobs_mode not in (None, gen.logprobs_mode):
         raise FieldError(
             f"logprobs_mode: the source's values are {gen.logprobs_mode}, but the context says "
             f"{context.logprobs_mode}",
             field="logprobs_mode",
         )
-    return gen.logprobs_mode or context.logprobs_mode
+    if gen.logprobs_mode is not None:
+        return gen.logprobs_mode, "source"
+    if context.logprobs_mode is not None:
+        return context.logprobs_mode, "context"
+    if (context.engine.name or gen.engine_name) == "vllm":
+        return "raw_logprobs", "engine_default"
+    return None, "unknown"
 
 
 def check_context(context: ImportContext) -> None:
@@ -224,6 +258,7 @@ def _config(
     *,
     strategy_known: bool,
     values_kind: TopKValues | None,
+    provenance: Mapping[str, ExtraValue],
 ) -> dict[str, object]:
     check_context(context)
     given = context.model_dump(exclude_unset=True, exclude_none=True)
@@ -232,7 +267,9 @@ def _config(
         head, _, tail = name.partition(".")
         value = given.get(head)
         present = value is not None and (not tail or value.get(tail) is not None)
-        if name == "engine.name" and gen.engine_name is not None:
+        if (name == "engine.name" and gen.engine_name is not None) or (
+            name == "batch_size" and gen.batch_size is not None
+        ):
             present = True
         if name in ("gpu", "cuda_version", "cublas_version") and context.device in ("cpu", "mps"):
             present = True  # not applicable
@@ -246,6 +283,7 @@ def _config(
         **context.extras,
         EXTRA_FORMAT: fmt,
         EXTRA_LOGPROBS_MODE: mode or UNKNOWN,
+        **provenance,
     }
     if unknown:
         extras[EXTRA_UNKNOWN] = ",".join(unknown)
@@ -259,8 +297,9 @@ def _config(
         "device": context.device or "other",
         "gpu": context.gpu.model_dump() if context.gpu is not None else None,
         "attn_kernel": context.attn_kernel or UNKNOWN,
-        "batch_size": context.batch_size or 1,
-        "tp_degree": context.tp_degree or 1,
+        # Unknown stays null (and listed): a default here would read as a fact.
+        "batch_size": context.batch_size or gen.batch_size,
+        "tp_degree": context.tp_degree,
         "engine": {"name": engine_name, "version": context.engine.version},
         "torch_version": context.torch_version,
         "cuda_version": context.cuda_version,
@@ -287,23 +326,38 @@ def _model(gen: Generation, context: ImportContext) -> dict[str, object]:
     }
 
 
-def build_trace(gen: Generation, context: ImportContext, fmt: ImportFormat) -> TraceCreate:
+def build_trace(
+    gen: Generation,
+    context: ImportContext,
+    fmt: ImportFormat,
+    vocabulary: Vocabulary | None = None,
+) -> TraceCreate:
     """The trace for `gen` in `context` (see the module docstring for what is decided here).
-    Raises FieldError naming the field: a context field the trace needs, or a part of the
-    generation that the trace schema refuses."""
-    mode = _resolve_mode(gen, context)
+    Ids the source did not log are read from its text with `vocabulary`, the checkpoint's
+    tokenizer (`tokenization.resolve`). Raises FieldError naming the field: a context field
+    the trace needs, a text that does not round-trip, or a part of the generation that the
+    trace schema refuses."""
+    gen = resolve(gen, vocabulary, context.decoding.eos_token_ids or ())
+    mode, mode_source = _resolve_mode(gen, context)
     strategy = gen.strategy or context.decoding.strategy
     values_kind = _top_k_values(mode)
     top_k = (
         logged_top_k(
             gen.steps,
-            gen.output_token_ids,
+            gen.output_token_ids or (),
             field=f"{gen.field}.{gen.steps_field}",
             greedy=strategy == "greedy" and mode in ("raw_logits", "raw_logprobs"),
         )
         if values_kind is not None
         else None
     )
+    provenance: dict[str, ExtraValue] = {
+        EXTRA_LOGPROBS_MODE_SOURCE: mode_source,
+        EXTRA_TOKEN_IDS_SOURCE: gen.token_ids_source,
+        EXTRA_TOP_K_SOURCE: _top_k_source(gen, top_k, mode),
+    }
+    if gen.processors:
+        provenance[EXTRA_PROCESSORS] = ",".join(f"{k}={v}" for k, v in gen.processors.items())
     config = _config(
         gen,
         context,
@@ -311,6 +365,7 @@ def build_trace(gen: Generation, context: ImportContext, fmt: ImportFormat) -> T
         mode,
         strategy_known=strategy is not None,
         values_kind=values_kind,
+        provenance=provenance,
     )
     eos = list(context.decoding.eos_token_ids or [])
     if gen.stop_token_id is not None and gen.stop_token_id not in eos:
@@ -326,8 +381,8 @@ def build_trace(gen: Generation, context: ImportContext, fmt: ImportFormat) -> T
             "eos_token_ids": eos,
             "stop_reason": gen.stop_reason,
         },
-        "prompt_token_ids": list(gen.prompt_token_ids),
-        "output_token_ids": list(gen.output_token_ids),
+        "prompt_token_ids": list(gen.prompt_token_ids or ()),
+        "output_token_ids": list(gen.output_token_ids or ()),
         "prompt_text": _printable(gen.prompt_text),
         "output_text": _printable(gen.output_text),
         "output_token_pieces": (
@@ -341,6 +396,30 @@ def build_trace(gen: Generation, context: ImportContext, fmt: ImportFormat) -> T
         return TraceCreate.model_validate(body)
     except ValidationError as exc:
         raise _trace_error(exc, gen.field) from None
+
+
+def _top_k_source(gen: Generation, top_k: LoggedTopK | None, mode: LogprobsMode | None) -> str:
+    """Where the kept top-k came from, or why the logged one was not kept (`DROPPED`)."""
+    if top_k is not None:
+        return gen.top_k_source
+    if gen.top_k_source.startswith(DROPPED):
+        return gen.top_k_source
+    if gen.steps is None:
+        return "none logged"
+    if _top_k_values(mode) is None:
+        return (
+            f"{DROPPED}the logprobs mode is {mode or 'unknown'}: no logit margin "
+            "(give --config logprobs_mode=raw_logprobs if the server's values are raw)"
+        )
+    return f"{DROPPED}fewer than two logged values at some step"
+
+
+def dropped_top_k(trace: TraceCreate) -> str | None:
+    """Why a trace's logged top-k was not kept, or None (kept, or none was logged)."""
+    source = trace.config.extras.get(EXTRA_TOP_K_SOURCE)
+    if isinstance(source, str) and source.startswith(DROPPED):
+        return source[len(DROPPED) :]
+    return None
 
 
 def _printable(text: str | None) -> str | None:

@@ -67,3 +67,26 @@ def context_from_model(
     }
     values.update(overrides)
     return ImportContext.model_validate(values)
+
+
+def load_generate_output(path: str | Path) -> dict[str, Any]:
+    """A `generate(..., return_dict_in_generate=True)` output saved with `torch.save(out, path)`
+    (or a dict of its tensors), as a dict for `hf.parse_hf`. Loaded with `weights_only=True` and
+    an allow-list of transformers' decoder-only output classes and the KV-cache classes such an
+    output holds: never unrestricted pickle. Raises what `torch.load` raises on anything else."""
+    import torch
+    from transformers import cache_utils
+    from transformers.generation import utils
+
+    bases = tuple(
+        c for c in (cache_utils.Cache, getattr(cache_utils, "CacheLayerMixin", None)) if c
+    )
+    allowed: list[Any] = [utils.GenerateDecoderOnlyOutput, utils.GenerateBeamDecoderOnlyOutput]
+    allowed += [
+        c for c in vars(cache_utils).values() if isinstance(c, type) and issubclass(c, bases)
+    ]
+    with torch.serialization.safe_globals(allowed):
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(data, dict):  # ModelOutput is an OrderedDict: a plain dict of its fields
+        raise TypeError(f"expected a generate() output or a dict, got {type(data).__name__}")
+    return {k: v for k, v in data.items() if k not in ("past_key_values", "cache")}

@@ -189,7 +189,7 @@ def test_bad_lines_are_reported_with_file_and_line_and_skipped(
         ],
     )
     assert r.exit_code == 1
-    assert f"{path}:3: item.prompt_token_ids: no prompt token ids" in r.output
+    assert f"{path}:3: item.prompt_token_ids: not logged" in r.output
     assert f"{path}:4: not JSON" in r.output
     assert "2 items failed" in r.output and len(_read(out)) == 3
 
