@@ -100,7 +100,13 @@ def hash_model(
 @app.command()
 def generate(
     model: Annotated[Path, typer.Option(help="Local Hugging Face checkpoint directory.")],
-    prompts: Annotated[Path, typer.Option(help='JSONL of {"id": ..., "prompt": ...}.')],
+    prompts: Annotated[
+        Path,
+        typer.Option(
+            help='JSONL of {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]} '
+            "(chat: rendered with the checkpoint's chat template)."
+        ),
+    ],
     out: Annotated[Path, typer.Option(help="Where to write the traces (JSONL).")],
     dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16.")] = "bf16",
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
@@ -125,8 +131,20 @@ def generate(
         _fail(e.message)
     rows = []
     for n, row in _read_jsonl(prompts):
-        if not isinstance(row.get("prompt"), str):
-            _fail(f"{prompts}:{n}: prompt: a string is required")
+        messages = row.get("messages")
+        if "messages" in row:
+            strings = ("role", "content")
+            if (
+                not isinstance(messages, list)
+                or not messages
+                or not all(
+                    isinstance(m, dict) and all(isinstance(m.get(k), str) for k in strings)
+                    for m in messages
+                )
+            ):
+                _fail(f"{prompts}:{n}: messages: a list of {{role, content}} strings is required")
+        elif not isinstance(row.get("prompt"), str):
+            _fail(f"{prompts}:{n}: prompt: a string (or messages: a list) is required")
         rows.append(row)
     rows = rows[:limit] if limit else rows
     from replay_audit.engine.generate import TraceGenerator
@@ -144,13 +162,16 @@ def generate(
         )
     except ReplayAuditError as e:
         _fail(e.message)
+    if any("messages" in r for r in rows) and not getattr(gen.tokenizer, "chat_template", None):
+        _fail(f"{prompts} has chat messages, but {model}'s tokenizer has no chat template")
     n = 0
     with out.open("w", encoding="utf-8") as f, _progress() as bar:
         task = bar.add_task("generate", total=len(rows))
         for row in rows:
             pid = row.get("id")
+            messages = row.get("messages")
             trace = gen.trace(
-                as_str(row["prompt"]),
+                as_str(row["prompt"]) if messages is None else messages,  # type: ignore[arg-type]
                 max_new_tokens=max_new_tokens,
                 top_k=top_k,
                 external_id=None if pid is None else str(pid),
