@@ -384,6 +384,7 @@ def build_trace(
         "prompt_token_ids": list(gen.prompt_token_ids or ()),
         "output_token_ids": list(gen.output_token_ids or ()),
         "prompt_text": _printable(gen.prompt_text),
+        "prompt_messages": _text_messages(gen.prompt_messages),
         "output_text": _printable(gen.output_text),
         "output_token_pieces": (
             to_json(gen.output_token_pieces) if gen.output_token_pieces is not None else None
@@ -420,6 +421,19 @@ def dropped_top_k(trace: TraceCreate) -> str | None:
     if isinstance(source, str) and source.startswith(DROPPED):
         return source[len(DROPPED) :]
     return None
+
+
+def _text_messages(messages: Sequence[Mapping[str, Any]] | None) -> list[object] | None:
+    """A chat prompt's messages as the trace keeps them ({role, content}), where each is text
+    (tool calls and content parts are only in the rendered prompt)."""
+    if not messages or not all(
+        isinstance(m, Mapping)
+        and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        return None
+    return [{"role": m["role"], "content": _printable(m["content"])} for m in messages]
 
 
 def _printable(text: str | None) -> str | None:

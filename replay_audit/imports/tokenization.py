@@ -141,7 +141,7 @@ def _text_top_k(
 ) -> tuple[list[list[tuple[int, float]]] | None, str]:
     assert gen.text_steps is not None
     if vocab is None:
-        return None, f"{DROPPED}the top-k is keyed by token text; its ids {_NEEDS_TOKENIZER}"
+        return None, f"{DROPPED}the top-k is keyed by token text; mapping it {_NEEDS_TOKENIZER}"
     steps, cut = [], ""
     for t, step in enumerate(gen.text_steps):
         row: list[tuple[int, float]] = []
