@@ -158,7 +158,9 @@ def _read_items(fmt: str, path: Path) -> Iterator[tuple[str, Any]]:
         try:
             yield str(path), load_generate_output(path)
         except Exception as e:  # torch.load raises many kinds: this file fails, not the import
-            yield str(path), _Unreadable(f"not a generate() output loadable safely ({e})"[:600])
+            # torch's weights-only refusal is long; its "WeightsUnpickler error" line says why.
+            lines = [x for x in str(e).splitlines() if "WeightsUnpickler" in x] or [str(e)]
+            yield str(path), _Unreadable(f"not a generate() output loadable safely ({lines[0]})")
         return
     try:
         text = path.read_text(encoding="utf-8")
