@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import random
 import threading
@@ -200,15 +201,20 @@ def post_traces(
     return stats
 
 
+#: The API key's environment variable, as the CLI (`import --post`) and the README spell it.
+API_KEY_ENV: Final = "REPLAY_AUDIT_API_KEY"
+
+
 class Client:
     """Buffered, batched, idempotent trace logging from a serving process (module docstring).
+    The key is `key`, else `$REPLAY_AUDIT_API_KEY`.
 
     Thread-safe: any number of threads may call `log`. `stats` counts the outcomes."""
 
     def __init__(
         self,
         url: str,
-        key: str,
+        key: str | None = None,
         *,
         batch_size: int = DEFAULT_BATCH_SIZE,
         max_buffer: int = DEFAULT_MAX_BUFFER,
@@ -217,6 +223,9 @@ class Client:
         close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
+        key = key or os.environ.get(API_KEY_ENV)
+        if not key:
+            raise ValueError(f"no API key: give key= or set {API_KEY_ENV}")
         self.stats = ClientStats()
         self._batch_size = max(1, min(batch_size, MAX_BATCH_TRACES))
         self._flush_interval_s = flush_interval_s

@@ -263,3 +263,29 @@ def test_ten_thousand_traces_from_eight_threads_through_a_server_restart_stored_
     assert stats.retries >= 1
     assert _count_traces(server.db_url) == (N_TRACES, N_TRACES)
     assert elapsed < 180
+
+
+def test_one_api_key_variable_for_the_client_the_cli_and_the_readme(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from replay_audit.client import API_KEY_ENV
+
+    seen: list[str] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers["X-API-Key"])
+        return httpx.Response(207, json={"results": [{"index": 0, "status": 201, "id": "tr_1"}]})
+
+    monkeypatch.setenv(API_KEY_ENV, "ra_from_env")
+    with Client("http://audit", transport=httpx.MockTransport(server)) as client:
+        client.log(_traces(1)[0])
+    assert seen == ["ra_from_env"]
+    monkeypatch.delenv(API_KEY_ENV)
+    with pytest.raises(ValueError, match=API_KEY_ENV):
+        Client("http://audit")
+    root = Path(__file__).parents[1]
+    cli = (root / "replay_audit" / "cli" / "imports.py").read_text()
+    assert f'envvar="{API_KEY_ENV}"' in cli
+    for doc in ("README.md", "docs/import.md"):
+        text = (root / doc).read_text()
+        assert f"${API_KEY_ENV}" in text and "REPLAY_AUDIT_KEY" not in text, doc
