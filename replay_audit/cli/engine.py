@@ -270,6 +270,7 @@ def replay(
         figures_from_json,
         result_read,
         result_values,
+        token_ids_source,
     )
     from replay_audit.stats.report import ComparisonInput, run_statistics
     from replay_audit.traces.schemas import TraceCreate
@@ -383,7 +384,8 @@ def replay(
                     raise r
                 # The same mappings as a stored result: the row, then the API's view of it.
                 stored = ReplayResult(trace_id=i, **result_values(0, r))
-                read = result_read(stored, name, "offline")
+                ids_source = token_ids_source(tr.config.model_dump())
+                read = result_read(stored, name, "offline", token_ids_source=ids_source)
                 line = read.model_dump(mode="json", exclude={"run_id", "created_at"})
                 text = json.dumps(line, allow_nan=False) + "\n"
                 with signals_deferred():  # a Ctrl-C lands after the line and its count

@@ -30,7 +30,15 @@ from pydantic import ValidationError
 
 from replay_audit.diff.pieces import Piece, to_json
 from replay_audit.exceptions import FieldError
-from replay_audit.formats import EXTRA_TOP_K_VALUES, ImportFormat, StopReason, Strategy, TopKValues
+from replay_audit.formats import (
+    EXTRA_TOKEN_IDS_SOURCE,
+    EXTRA_TOP_K_VALUES,
+    ImportFormat,
+    StopReason,
+    Strategy,
+    TokenIdsSource,
+    TopKValues,
+)
 from replay_audit.imports.schemas import (
     EXTRA_FORMAT,
     EXTRA_LOGPROBS_MODE,
@@ -39,7 +47,7 @@ from replay_audit.imports.schemas import (
     ImportContext,
     LogprobsMode,
 )
-from replay_audit.imports.tokenization import DROPPED, TokenIdsSource, Vocabulary, resolve
+from replay_audit.imports.tokenization import DROPPED, Vocabulary, resolve
 from replay_audit.traces.schemas import ExtraValue, TraceCreate, TraceFieldError
 
 #: A logprob at or below this is a clamped -inf (vLLM writes max(logprob, -9999.0)): absent.
@@ -48,7 +56,6 @@ ABSENT_LOGPROB: Final = -9999.0
 MAX_KEPT_TOP_K: Final = 20
 
 #: `config.extras` keys of the import's provenance records.
-EXTRA_TOKEN_IDS_SOURCE: Final = "token_ids_source"
 EXTRA_TOP_K_SOURCE: Final = "top_k_source"
 EXTRA_LOGPROBS_MODE_SOURCE: Final = "logprobs_mode_source"
 EXTRA_PROCESSORS: Final = "logits_processors"

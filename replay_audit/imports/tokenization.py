@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final
 
 from replay_audit.diff.pieces import Piece, piece_bytes, shown
 from replay_audit.engine.pieces import PieceReader
+from replay_audit.formats import TokenIdsSource
 from replay_audit.imports import _json as j
 
 if TYPE_CHECKING:
     from replay_audit.imports.generation import Generation
 
-TokenIdsSource = Literal["logged", "pieces", "retokenized"]
 #: A `top_k_source` that says the logged top-k was not kept, and why.
 DROPPED: Final = "dropped: "
 _NEEDS_TOKENIZER: Final = "needs the checkpoint's tokenizer: import with the CLI and --model DIR"

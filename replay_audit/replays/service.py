@@ -32,7 +32,7 @@ from replay_audit.replays.domain import (
 )
 from replay_audit.replays.models import ReplayJob, ReplayRun
 from replay_audit.replays.reconcile import job_spec
-from replay_audit.replays.results import failed_values, result_read
+from replay_audit.replays.results import failed_values, result_read, token_ids_source
 from replay_audit.replays.schemas import (
     MAX_REPLAY_TRACES,
     Page,
@@ -417,10 +417,18 @@ def results_page(session: Session, run: ReplayRun, *, cursor: str | None, limit:
     rows = repository.results_page(session, run, after=after, limit=limit + 1)
     more = len(rows) > limit
     rows = rows[:limit]
-    reproduced = statistics.engine_reproduced(session, run, [r.trace_id for r, _ in rows])
+    trace_ids = [r.trace_id for r, _ in rows]
+    reproduced = statistics.engine_reproduced(session, run, trace_ids)
+    configs = repository.trace_configs(session, trace_ids)
     return Page(
         items=[
-            result_read(r, pid, run.public_id, engine_reproduced=reproduced.get(r.trace_id))
+            result_read(
+                r,
+                pid,
+                run.public_id,
+                engine_reproduced=reproduced.get(r.trace_id),
+                token_ids_source=token_ids_source(configs[r.trace_id]),
+            )
             for r, pid in rows
         ],
         next_cursor=_encode_cursor(rows[-1][0].id) if more and rows else None,

@@ -38,7 +38,7 @@ def test_the_extras_keys_named_are_the_ones_written() -> None:
         formats.EXTRA_TOP_K_VALUES,
         schemas.EXTRA_UNKNOWN,
         schemas.EXTRA_TOKENIZATION,
-        generation.EXTRA_TOKEN_IDS_SOURCE,
+        formats.EXTRA_TOKEN_IDS_SOURCE,
         generation.EXTRA_TOP_K_SOURCE,
         generation.EXTRA_LOGPROBS_MODE_SOURCE,
         generation.EXTRA_PROCESSORS,

@@ -460,3 +460,9 @@ def test_each_engines_default_layout_imports_and_its_replay_reproduces_it(
         "lm-eval:gsm8k:1:1767571200.0",
     ]
     assert all(row["first_divergence_step"] == 0 for row in rows if not row["exact_match"])
+    # Every result says where its trace's ids came from (None: logged).
+    sources = {row["trace_id"]: row["token_ids_source"] for row in rows}
+    assert sources["chatcmpl-" + "b2" * 16] == "retokenized"  # the prompt; output: pieces
+    assert sources["chatcmpl-" + "a1" * 16] is None and sources["0"] is None
+    assert sources["lm-eval:gsm8k:0:1767571200.0"] == "retokenized"
+    assert sources["0f3c2a9e4b1d4c8e9a0b1c2d3e4f5a6b"] == "retokenized"  # SGLang's prompt

@@ -384,3 +384,23 @@ def test_a_pairwise_target_without_a_kernel_runs_the_logged_one_and_every_surfac
     assert "(kernel: logged)" in ran_table and "engine default" not in ran_table
     targets = page[page.index('id="targets"') : page.index("</table>", page.index('id="targets"'))]
     assert "each trace&#39;s logged kernel" in targets or "each trace's logged kernel" in targets
+
+
+def test_each_result_says_where_its_traces_ids_came_from(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+) -> None:
+    """A trace imported from text (`config.extras.token_ids_source`) says so on each of its
+    results: a divergence there may be a re-tokenisation's split, not the format."""
+    h = headers("admin")
+    retokenized = logged_trace(PROMPTS[0])
+    retokenized["config"]["extras"] = {"token_ids_source": "retokenized"}
+    ids = ingest(client, h, [retokenized, logged_trace(PROMPTS[1])])
+    r = client.post("/v1/replays", json={"trace_ids": ids, "targets": [FP16]}, headers=h)
+    assert r.status_code == 201, r.text
+    runner.run_all()
+    results = all_results(client, r.json()["id"], h)
+    by_trace = {x["trace_id"]: x["token_ids_source"] for x in results}
+    assert by_trace == {ids[0]: "retokenized", ids[1]: None}
