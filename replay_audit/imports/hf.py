@@ -5,7 +5,9 @@ context=...)` turns the output of one `generate()` call (a batch of prompts) int
 `replay_audit.imports.hf_context.context_from_model(model, model_dir)` reads the numerical
 configuration of the running process (dtype, device, GPU, attention kernel, versions, flags) so
 that nothing has to be typed by hand.
-`parse_hf` reads the same output saved to a file (the CLI's `--format hf`).
+`parse_hf` reads the same output saved to a file (the CLI's `--format hf`: `torch.save(out)`,
+loaded safely by `hf_context.load_generate_output`); without `input_ids` the prompt is what
+precedes one `logits` row per new token, its left padding the leading `pad_token_id`s.
 
 Names as in transformers' `GenerateDecoderOnlyOutput` (src/transformers/generation/utils.py):
 `sequences` (batch, prompt + new tokens: the prompt is included for decoder-only models),

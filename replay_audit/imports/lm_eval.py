@@ -21,7 +21,9 @@ response with the checkpoint's own tokenizer, and every trace says so
 (`config.extras["tokenization"]`). A re-tokenised response need not be the token sequence
 the model generated (a stop string cut mid-token, a non-canonical tokenization): a replay may
 then diverge for reasons that are not numerical, and the import cannot tell. Loglikelihood
-samples (multiple choice) are scores, not generations, and give no trace.
+samples (multiple choice) are scores, not generations, and give no trace. A task with several
+filters (gsm8k: `strict-match`, `flexible-extract`, `lm_eval/tasks/gsm8k/gsm8k.yaml`) writes a
+line per doc and filter with the same `resps`: `merge_filters` makes them one generation.
 """
 
 from __future__ import annotations

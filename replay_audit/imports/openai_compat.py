@@ -1,4 +1,5 @@
-"""OpenAI-compatible chat and completions responses, as vLLM returns them. Pure.
+"""OpenAI-compatible chat and completions responses (vLLM, SGLang, the OpenAI API), and vLLM's
+offline `RequestOutput` dumped as JSON. Pure.
 
 Field names, checked against the sources (vllm-project/vllm):
 - `vllm/entrypoints/openai/chat_completion/protocol.py`: `ChatCompletionResponse.prompt_token_ids`
@@ -11,11 +12,25 @@ Field names, checked against the sources (vllm-project/vllm):
 - `vllm/entrypoints/openai/chat_completion/serving.py` and `completion/serving.py`: logprobs are
   written as `max(logprob, -9999.0)`; with `return_tokens_as_token_ids` every token string is
   `format_token_id_placeholder(id)` = "token_id:{id}"; completions' `top_logprobs` maps token
-  strings to logprobs, so two tokens that decode alike collide: ids are read from "token_id:"
-  keys only; with `echo` the completions logprobs start with the prompt's.
+  strings to logprobs, so two tokens that decode alike collide; with `echo` the completions
+  logprobs start with the prompt's.
 - `vllm/config/model.py`: `LogprobsMode` = raw_logits | raw_logprobs | processed_logits |
   processed_logprobs (`--logprobs-mode`, default raw_logprobs): not in the response; the import
-  context says it.
+  context says it, else a vLLM source is taken at its default (`generation`).
+- `vllm/outputs.py`: `RequestOutput(request_id, prompt, prompt_token_ids, prompt_logprobs,
+  outputs, finished, ...)`, `CompletionOutput(index, text, token_ids, cumulative_logprob,
+  logprobs, finish_reason, stop_reason, ...)`; `vllm/logprobs.py`: `Logprob(logprob, rank,
+  decoded_token)`, one `{token id: Logprob}` per step.
+- `vllm/sampling_params.py` and SGLang's `sampling/sampling_params.py`: temperature below
+  `_SAMPLING_EPS` = 1e-5 is greedy (`decoding_recipe`).
+- sgl-project/sglang `python/sglang/srt/entrypoints/openai/protocol.py`:
+  `ChatCompletionResponseChoice.prompt_token_ids`, `.token_ids`, `.matched_stop` per choice.
+- openai/openai-python `src/openai/types/chat/chat_completion.py`, `..._token_logprob.py`: the
+  OpenAI API's layout (no ids; `bytes` beside each token).
+
+Ids a response does not carry (no `return_token_ids`; the OpenAI API) and top-k keyed by text
+are left to `tokenization.resolve`, which reads them with the checkpoint's tokenizer: the
+output's pieces, the prompt's text or chat messages are kept for it.
 
 An item is a response object, or `{"request": ..., "response": ...}` with the request that
 produced it (its sampling parameters say whether decoding was greedy; a response never does).

@@ -16,6 +16,9 @@ Field names, checked against the sources (sgl-project/sglang):
   `logprob_start_len` (-1 by default: input logprobs of the last prompt token only),
   `top_logprobs_num`.
 
+Without `return_prompt_token_ids` (SGLang's default `logprob_start_len=-1` logs the last prompt
+token only) the prompt is the request's `text`, re-tokenised by `tokenization.resolve`.
+
 What the logprobs are depends on the server (the sampler's all-greedy path returns
 log_softmax of the logits; otherwise they are taken after temperature scaling unless the server
 runs with `SGLANG_RETURN_ORIGINAL_LOGPROB`): the import context's `logprobs_mode` says it.
