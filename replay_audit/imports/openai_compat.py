@@ -213,13 +213,13 @@ TextSteps = list[list[tuple[Piece, float]]]
 
 
 def _row(
-    entries: Sequence[tuple[Any, Any]], where: str
+    entries: Sequence[tuple[Any, Any, Any]], where: str
 ) -> tuple[list[tuple[int, float]] | None, list[tuple[Piece, float]] | None]:
-    """One step's (id, value) pairs when every key is a "token_id:" string, else its (piece,
-    value) pairs (text keys: `tokenization.resolve` maps them to ids); (None, None) when a key
-    is neither."""
+    """One step's (id, value) pairs from its (token, bytes, value) entries when every token is
+    a "token_id:" string, else its (piece, value) pairs (text keys: `tokenization.resolve`
+    maps them to ids); (None, None) when a token is neither."""
     ids, texts = [], []
-    for n, (key, raw_bytes, value) in enumerate((k, b, v) for (k, b), v in entries):
+    for n, (key, raw_bytes, value) in enumerate(entries):
         number = j.number(value, f"{where}[{n}]")
         tid, piece = j.parse_token_id_string(key), _piece(key, raw_bytes)
         if tid is not None:
@@ -250,9 +250,7 @@ def _chat_steps(
             j.obj(x, f"{where}[{i}]")
             for i, x in enumerate(j.seq(entry.get("top_logprobs") or [], where))
         ]
-        ids, text = _row(
-            [((x.get("token"), x.get("bytes")), x.get("logprob")) for x in tops], where
-        )
+        ids, text = _row([(x.get("token"), x.get("bytes"), x.get("logprob")) for x in tops], where)
         steps = None if steps is None or ids is None else [*steps, ids]
         texts = None if texts is None or text is None else [*texts, text]
     return _ids_from_tokens(tokens), steps, (None if steps is not None else texts), _pieces(pieces)
@@ -290,7 +288,7 @@ def _completion_steps(
         ids, text = (
             (None, None)
             if top is None
-            else _row([((k, None), v) for k, v in j.obj(top, where).items()], where)
+            else _row([(k, None, v) for k, v in j.obj(top, where).items()], where)
         )
         steps = None if steps is None or ids is None else [*steps, ids]
         texts = None if texts is None or text is None else [*texts, text]
