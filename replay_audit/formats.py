@@ -268,6 +268,9 @@ EXTRA_TOP_K_VALUES: Final = "top_k_values"
 #: replays as a divergence). Every replay result of the trace says it.
 TokenIdsSource = Literal["logged", "pieces", "retokenized"]
 EXTRA_TOKEN_IDS_SOURCE: Final = "token_ids_source"
+#: The logits processors an imported request ran with (`repetition_penalty=1.2,...`): a greedy
+#: request with any is strategy `other`, as replays decode plain greedy; this says why.
+EXTRA_PROCESSORS: Final = "logits_processors"
 
 #: The engines (a trace's `config.engine.name`) whose traces this project's engine replays in
 #: the same software: transformers' modules (`replay-audit generate`, `generate()` logs, and the

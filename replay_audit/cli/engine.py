@@ -20,6 +20,7 @@ from replay_audit.formats import (
     CACHE_KINDS,
     CONTROL_FRACTION,
     CONTROL_SEED,
+    EXTRA_PROCESSORS,
     HEAD_DTYPES,
     INTERVENTION_KINDS,
     MODES,
@@ -307,7 +308,9 @@ def replay(
         try:
             check_replayable(logged)
         except ReplayAuditError as e:
-            _fail(f"{traces}:{n}: {e.field}: {e.message}")
+            processors = tr.config.extras.get(EXTRA_PROCESSORS)
+            why = f" (logits processors: {processors})" if processors else ""
+            _fail(f"{traces}:{n}: {e.field}: {e.message}{why}")
         parsed.append((n, tr, logged))
     if not parsed:
         _fail(f"{traces} holds no trace")

@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from replay_audit.diff.pieces import Piece, to_json
 from replay_audit.exceptions import FieldError
 from replay_audit.formats import (
+    EXTRA_PROCESSORS,
     EXTRA_TOKEN_IDS_SOURCE,
     EXTRA_TOP_K_VALUES,
     ImportFormat,
@@ -58,7 +59,6 @@ MAX_KEPT_TOP_K: Final = 20
 #: `config.extras` keys of the import's provenance records.
 EXTRA_TOP_K_SOURCE: Final = "top_k_source"
 EXTRA_LOGPROBS_MODE_SOURCE: Final = "logprobs_mode_source"
-EXTRA_PROCESSORS: Final = "logits_processors"
 
 #: The configuration fields that are named in `extras["unknown"]` when nobody gave them.
 _OPTIONAL_FIELDS: Final = (

@@ -18,7 +18,7 @@ from replay_audit.config import Settings
 from replay_audit.db.base import read_model, utcnow
 from replay_audit.db.ids import new_public_id
 from replay_audit.exceptions import FieldError, NotFound
-from replay_audit.formats import Mode
+from replay_audit.formats import EXTRA_PROCESSORS, Mode
 from replay_audit.json_value import JsonObject
 from replay_audit.queue import Capabilities, JobQueue
 from replay_audit.replays import repository, statistics
@@ -70,7 +70,7 @@ def _select_traces(session: Session, project_id: int, request: ReplayCreate) -> 
         if unknown:
             shown = ", ".join(unknown[:10]) + (" ..." if len(unknown) > 10 else "")
             raise FieldError(f"unknown trace ids: {shown}", field="trace_ids")
-        not_greedy = [i for i in wanted if not is_greedy(rows[i].decoding)]
+        not_greedy = [_not_greedy(rows[i]) for i in wanted if not is_greedy(rows[i].decoding)]
         if not_greedy:
             raise FieldError(
                 "only greedy traces can be replayed; not greedy: " + ", ".join(not_greedy[:10]),
@@ -79,6 +79,14 @@ def _select_traces(session: Session, project_id: int, request: ReplayCreate) -> 
         return [rows[i] for i in wanted]
     assert request.filter is not None
     return _filtered(session, project_id, request.filter)
+
+
+def _not_greedy(trace: Trace) -> str:
+    """A trace's id, with the logits processors that made its greedy request not plain greedy
+    (a replay decodes plain greedy: it does not apply them)."""
+    extras = json.loads(trace.config.config_json).get("extras") or {}
+    processors = extras.get(EXTRA_PROCESSORS)
+    return f"{trace.public_id} (logits processors: {processors})" if processors else trace.public_id
 
 
 def _filtered(session: Session, project_id: int, f: TraceFilter) -> list[Trace]:

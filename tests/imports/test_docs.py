@@ -41,7 +41,7 @@ def test_the_extras_keys_named_are_the_ones_written() -> None:
         formats.EXTRA_TOKEN_IDS_SOURCE,
         generation.EXTRA_TOP_K_SOURCE,
         generation.EXTRA_LOGPROBS_MODE_SOURCE,
-        generation.EXTRA_PROCESSORS,
+        formats.EXTRA_PROCESSORS,
         "filters",
     ):
         assert f"`{key}`" in DOC or f"extras.{key}" in DOC, key

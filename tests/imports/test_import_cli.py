@@ -466,3 +466,26 @@ def test_each_engines_default_layout_imports_and_its_replay_reproduces_it(
     assert sources["chatcmpl-" + "a1" * 16] is None and sources["0"] is None
     assert sources["lm-eval:gsm8k:0:1767571200.0"] == "retokenized"
     assert sources["0f3c2a9e4b1d4c8e9a0b1c2d3e4f5a6b"] == "retokenized"  # SGLang's prompt
+
+
+def test_a_penalised_greedy_request_is_imported_as_other_and_its_replay_says_why(
+    chat_checkpoint: Path, tmp_path: Path
+) -> None:
+    item = load_fixture("vllm_chat_text_top_k.json")
+    item["request"].update(temperature=0, repetition_penalty=1.2, logit_bias={"201": -5})
+    path = _write_jsonl(tmp_path / "r.jsonl", [item])
+    out = tmp_path / "t.jsonl"
+    model = ["--model", str(chat_checkpoint), "--config", "dtype=fp32"]
+    r = runner.invoke(app, ["import", "--format", "openai", str(path), *model, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    [trace] = _read(out)
+    assert trace.decoding.strategy == "other"
+    processors = 'repetition_penalty=1.2,logit_bias={"201":-5}'
+    assert trace.config.extras["logits_processors"] == processors
+    results = tmp_path / "results.jsonl"
+    r = runner.invoke(
+        app, ["replay", str(out), *model[:2], "--dtype", "fp32", "--out", str(results)]
+    )
+    assert r.exit_code == 2
+    assert f"{out}:1: decoding.strategy: only greedy" in r.output
+    assert f"(logits processors: {processors})" in r.output
