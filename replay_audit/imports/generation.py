@@ -1,21 +1,25 @@
 """One logged generation as read from a source, and the trace it becomes. Pure.
 
 Each source module (`openai`, `sglang`, `hf`, `lm_eval`) turns its input into `Generation`s and
-knows nothing of traces; `build_trace` applies the `ImportContext` and is the one place where
+knows nothing of traces; `build_trace` applies the `ImportContext` (after
+`tokenization.resolve` read the ids a source logged only as text) and is the one place where
 the numerical configuration, the logged margins and the unknowns of an imported trace are
 decided:
 
-- The configuration is what the context (and the source, where it says it) gives; a field
-  nobody gave keeps a neutral value (`attn_kernel`/`engine.name` "unknown", device "other",
-  the schema's default for numbers) and is named in `config.extras["unknown"]`. `dtype` and the
-  model reference cannot be unknown: a trace without them could not be replayed, so the import
-  refuses with the field named.
+- The configuration is what the context (and the source, where it says it: the engine a
+  response shows, a batch) gives; a field nobody gave keeps a neutral value
+  (`attn_kernel`/`engine.name` "unknown", device "other", null batch size and TP degree) and is
+  named in `config.extras["unknown"]`. `dtype` and the model reference cannot be unknown: a
+  trace without them could not be replayed, so the import refuses with the field named.
 - Logged margins. The per-step values are stored as the trace's top-k only when they are raw
   (logits, or raw logprobs whose top-1 minus top-2 is the logit margin) and when every step has
-  at least two of them; `config.extras["top_k_values"]` says which. Processed logprobs and an
-  unknown logprobs mode give no top-k, so a replay reconstructs the logged arm's margins rather
-  than mixing sources. Values at or below -9999 are a server's stand-in for -inf (vLLM clamps
-  to it for JSON): absent.
+  at least two of them; `config.extras["top_k_values"]` says which, `logprobs_mode_source`
+  who said the mode (a vLLM source without one: vLLM's default, raw_logprobs). Processed
+  logprobs and an unknown logprobs mode give no top-k, so a replay reconstructs the logged
+  arm's margins rather than mixing sources; `config.extras["top_k_source"]` says where a kept
+  top-k came from, or why a logged one was dropped (`dropped_top_k`: the CLI prints it, the
+  API answers it). Values at or below -9999 are a server's stand-in for -inf (vLLM clamps to
+  it for JSON): absent.
 """
 
 from __future__ import annotations
