@@ -42,6 +42,7 @@ from replay_audit.imports.generation import build_trace
 from replay_audit.imports.openai_compat import parse_openai
 from replay_audit.imports.schemas import ImportContext
 from replay_audit.imports.sglang import parse_sglang
+from replay_audit.imports.tokenization import Vocabulary
 from replay_audit.json_value import JsonObject, as_list, as_object
 from replay_audit.traces.schemas import TraceCreate
 
@@ -343,22 +344,33 @@ class Client:
 
 
 def from_openai_response(
-    response: Any, context: ImportContext, *, request: Mapping[str, Any] | None = None
+    response: Any,
+    context: ImportContext,
+    *,
+    request: Mapping[str, Any] | None = None,
+    vocabulary: Vocabulary | None = None,
 ) -> list[TraceCreate]:
-    """The traces of one OpenAI-compatible response from vLLM (an `openai` package object,
-    e.g. `ChatCompletion`, or its JSON dict), one per choice. Pass the request's parameters
-    (`temperature`, `max_tokens`, ...) as `request`: a response does not say whether it was
-    greedy. Raises FieldError naming what is missing (e.g. token ids: ask vLLM for
-    `return_token_ids`)."""
+    """The traces of one OpenAI-compatible response (vLLM, SGLang, the OpenAI API: an `openai`
+    package object, e.g. `ChatCompletion`, or its JSON dict), one per choice. Pass the
+    request's parameters (`temperature`, `max_tokens`, `messages`, ...) as `request`: a
+    response does not say whether it was greedy. With `vocabulary` (`Vocabulary(tokenizer)`
+    of the checkpoint, built once), ids and a text-keyed top-k the response lacks are read from
+    its text (docs/import.md). Raises FieldError naming what is missing (e.g. token ids
+    without a vocabulary: ask vLLM for `return_token_ids`)."""
     body = response.model_dump() if hasattr(response, "model_dump") else response
     item = {"request": dict(request), "response": body} if request is not None else body
-    return [build_trace(g, context, "openai") for g in parse_openai(item, "item")]
+    return [build_trace(g, context, "openai", vocabulary) for g in parse_openai(item, "item")]
 
 
 def from_sglang_response(
-    response: Any, context: ImportContext, *, request: Mapping[str, Any] | None = None
+    response: Any,
+    context: ImportContext,
+    *,
+    request: Mapping[str, Any] | None = None,
+    vocabulary: Vocabulary | None = None,
 ) -> list[TraceCreate]:
     """The traces of one SGLang `/generate` answer (its JSON; a batch answer gives one per
-    prompt). Pass the request (its `sampling_params` say whether decoding was greedy)."""
+    prompt). Pass the request (its `sampling_params` say whether decoding was greedy; its
+    `text` is the prompt re-tokenised with `vocabulary` where the answer has no prompt ids)."""
     item = {"request": dict(request), "response": response} if request is not None else response
-    return [build_trace(g, context, "sglang") for g in parse_sglang(item, "item")]
+    return [build_trace(g, context, "sglang", vocabulary) for g in parse_sglang(item, "item")]

@@ -28,7 +28,7 @@ from replay_audit.db.unit_of_work import session_scope
 from replay_audit.traces.models import Trace
 from replay_audit.traces.schemas import TraceCreate
 from tests.factories import make_trace
-from tests.imports.conftest import load_fixture, make_context
+from tests.imports.conftest import load_fixture, make_chat_checkpoint, make_context
 
 
 class ScriptedServer:
@@ -150,6 +150,27 @@ def test_from_openai_response_takes_the_openai_packages_objects() -> None:
     assert trace == same
     assert trace.output_token_ids == [278, 6635, 3290, 2] and trace.top_k is not None
     assert trace.decoding.strategy == "greedy"
+
+
+def test_from_openai_response_reads_a_default_vllm_response_with_a_vocabulary(
+    tmp_path: Path,
+) -> None:
+    """A response as vLLM answers by default (no ids, top-k keyed by text) with its request:
+    given the checkpoint's vocabulary, the client logs it with ids and its top-k."""
+    from replay_audit.engine.loading import load_tokenizer
+    from replay_audit.imports.tokenization import Vocabulary
+
+    item = load_fixture("vllm_chat_default.json")
+    response = ChatCompletion.model_validate(item["response"])
+    context = make_context(
+        dtype="fp32", model={"name": "m", "weights_sha256": "cd" * 32, "vocab_size": 4096}
+    )
+    vocabulary = Vocabulary(load_tokenizer(make_chat_checkpoint(tmp_path / "chat")))
+    request = item["request"]
+    [trace] = from_openai_response(response, context, request=request, vocabulary=vocabulary)
+    with_ids = load_fixture("vllm_chat_text_top_k.json")["response"]
+    assert trace.output_token_ids == with_ids["choices"][0]["token_ids"]
+    assert trace.prompt_token_ids == with_ids["prompt_token_ids"] and trace.top_k is not None
 
 
 # -- under load, against a real server ------------------------------------------------------
