@@ -137,11 +137,19 @@ def _output(
 
 
 def _text_top_k(
-    gen: Generation, vocab: Vocabulary | None
+    gen: Generation, vocab: Vocabulary | None, output: Sequence[int]
 ) -> tuple[list[list[tuple[int, float]]] | None, str]:
     assert gen.text_steps is not None
     if vocab is None:
         return None, f"{DROPPED}the top-k is keyed by token text; mapping it {_NEEDS_TOKENIZER}"
+    # The logged tokens' own pieces must map to their logged ids, or the server's texts are
+    # not this tokenizer's pieces (an older vLLM strips SentencePiece's leading space).
+    for t, (piece, logged) in enumerate(zip(gen.output_token_pieces or (), output, strict=False)):
+        if vocab.id_of(piece) not in (None, logged):
+            return None, (
+                f"{DROPPED}the text keys are not this tokenizer's pieces: step {t}'s token "
+                f"{shown(piece)!r} maps to {vocab.id_of(piece)}, logged as {logged}"
+            )
     steps, cut = [], ""
     for t, step in enumerate(gen.text_steps):
         row: list[tuple[int, float]] = []
@@ -182,7 +190,7 @@ def resolve(gen: Generation, vocab: Vocabulary | None, eos: Sequence[int] = ()) 
         if gen.output_token_pieces is None and vocab is not None:
             changes["output_token_pieces"] = vocab.pieces(output)
     if gen.text_steps is not None and gen.steps is None:
-        changes["steps"], changes["top_k_source"] = _text_top_k(gen, vocab)
+        changes["steps"], changes["top_k_source"] = _text_top_k(gen, vocab, output)
     order: tuple[TokenIdsSource, ...] = ("logged", "pieces", "retokenized")
     changes["token_ids_source"] = max(sources, key=order.index)
     return dataclasses.replace(gen, **changes)

@@ -245,3 +245,20 @@ def test_vllm_offline_request_outputs(vocabulary: Vocabulary) -> None:
         request = {"temperature": 0.0, "max_tokens": 12}
         [greedy] = traces_from_item("openai", {"request": request, "response": dumped}, CONTEXT)
         assert greedy.decoding.strategy == "greedy" and greedy.decoding.max_new_tokens == 12
+
+
+def test_text_keys_that_are_not_this_tokenizers_pieces_are_dropped_not_misread(
+    vocabulary: Vocabulary,
+) -> None:
+    """A logged token whose text maps to another id than the one logged (a server that writes
+    pieces otherwise, as an older vLLM strips SentencePiece's leading space) means the text
+    keys cannot be trusted to name ids: the top-k is dropped, saying which step disagreed."""
+    item = load_fixture("vllm_chat_text_top_k.json")
+    content = item["response"]["choices"][0]["logprobs"]["content"]
+    content[1]["token"], content[1]["bytes"] = "#", [35]  # logged: "\n", id 201
+    logged = item["response"]["choices"][0]["token_ids"]
+    assert vocabulary.id_of("#") not in (None, logged[1])
+    [trace] = traces_from_item("openai", item, CONTEXT, vocabulary=vocabulary)
+    assert trace.top_k is None and trace.output_token_ids == logged
+    source = str(trace.config.extras["top_k_source"])
+    assert source.startswith("dropped: the text keys are not this tokenizer's pieces: step 1")
