@@ -208,6 +208,16 @@ def test_sglang_generate_with_default_arguments(vocabulary: Vocabulary) -> None:
         assert "batch_size" not in str(trace.config.extras["unknown"])
     given = CONTEXT.model_copy(update={"logprobs_mode": "raw_logprobs"})
     assert traces_from_item("sglang", item, given, vocabulary=vocabulary)[0].top_k is not None
+    # No logprobs asked for at all: the answer's text, output_ids and meta_info only.
+    del item["request"]["return_logprob"], item["request"]["top_logprobs_num"]
+    for answer in item["response"]:
+        meta = answer["meta_info"]
+        for key in [k for k in meta if "logprobs" in k]:
+            del meta[key]
+    bare = traces_from_item("sglang", item, given, vocabulary=vocabulary)
+    assert [t.prompt_token_ids for t in bare] == [t.prompt_token_ids for t in traces]
+    assert [t.output_token_ids for t in bare] == [t.output_token_ids for t in traces]
+    assert all(t.top_k is None and t.config.extras["top_k_source"] == "none logged" for t in bare)
 
 
 def test_sglang_openai_chat_logs_the_prompt_ids_on_each_choice(vocabulary: Vocabulary) -> None:
