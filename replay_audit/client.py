@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import random
 import threading
@@ -41,6 +42,7 @@ from replay_audit.imports.generation import build_trace
 from replay_audit.imports.openai_compat import parse_openai
 from replay_audit.imports.schemas import ImportContext
 from replay_audit.imports.sglang import parse_sglang
+from replay_audit.imports.tokenization import Vocabulary
 from replay_audit.json_value import JsonObject, as_list, as_object
 from replay_audit.traces.schemas import TraceCreate
 
@@ -200,15 +202,20 @@ def post_traces(
     return stats
 
 
+#: The API key's environment variable, as the CLI (`import --post`) and the README spell it.
+API_KEY_ENV: Final = "REPLAY_AUDIT_API_KEY"
+
+
 class Client:
     """Buffered, batched, idempotent trace logging from a serving process (module docstring).
+    The key is `key`, else `$REPLAY_AUDIT_API_KEY`.
 
     Thread-safe: any number of threads may call `log`. `stats` counts the outcomes."""
 
     def __init__(
         self,
         url: str,
-        key: str,
+        key: str | None = None,
         *,
         batch_size: int = DEFAULT_BATCH_SIZE,
         max_buffer: int = DEFAULT_MAX_BUFFER,
@@ -217,6 +224,9 @@ class Client:
         close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
+        key = key or os.environ.get(API_KEY_ENV)
+        if not key:
+            raise ValueError(f"no API key: give key= or set {API_KEY_ENV}")
         self.stats = ClientStats()
         self._batch_size = max(1, min(batch_size, MAX_BATCH_TRACES))
         self._flush_interval_s = flush_interval_s
@@ -334,22 +344,33 @@ class Client:
 
 
 def from_openai_response(
-    response: Any, context: ImportContext, *, request: Mapping[str, Any] | None = None
+    response: Any,
+    context: ImportContext,
+    *,
+    request: Mapping[str, Any] | None = None,
+    vocabulary: Vocabulary | None = None,
 ) -> list[TraceCreate]:
-    """The traces of one OpenAI-compatible response from vLLM (an `openai` package object,
-    e.g. `ChatCompletion`, or its JSON dict), one per choice. Pass the request's parameters
-    (`temperature`, `max_tokens`, ...) as `request`: a response does not say whether it was
-    greedy. Raises FieldError naming what is missing (e.g. token ids: ask vLLM for
-    `return_token_ids`)."""
+    """The traces of one OpenAI-compatible response (vLLM, SGLang, the OpenAI API: an `openai`
+    package object, e.g. `ChatCompletion`, or its JSON dict), one per choice. Pass the
+    request's parameters (`temperature`, `max_tokens`, `messages`, ...) as `request`: a
+    response does not say whether it was greedy. With `vocabulary` (`Vocabulary(tokenizer)`
+    of the checkpoint, built once), ids and a text-keyed top-k the response lacks are read from
+    its text (docs/import.md). Raises FieldError naming what is missing (e.g. token ids
+    without a vocabulary: ask vLLM for `return_token_ids`)."""
     body = response.model_dump() if hasattr(response, "model_dump") else response
     item = {"request": dict(request), "response": body} if request is not None else body
-    return [build_trace(g, context, "openai") for g in parse_openai(item, "item")]
+    return [build_trace(g, context, "openai", vocabulary) for g in parse_openai(item, "item")]
 
 
 def from_sglang_response(
-    response: Any, context: ImportContext, *, request: Mapping[str, Any] | None = None
+    response: Any,
+    context: ImportContext,
+    *,
+    request: Mapping[str, Any] | None = None,
+    vocabulary: Vocabulary | None = None,
 ) -> list[TraceCreate]:
     """The traces of one SGLang `/generate` answer (its JSON; a batch answer gives one per
-    prompt). Pass the request (its `sampling_params` say whether decoding was greedy)."""
+    prompt). Pass the request (its `sampling_params` say whether decoding was greedy; its
+    `text` is the prompt re-tokenised with `vocabulary` where the answer has no prompt ids)."""
     item = {"request": dict(request), "response": response} if request is not None else response
-    return [build_trace(g, context, "sglang") for g in parse_sglang(item, "item")]
+    return [build_trace(g, context, "sglang", vocabulary) for g in parse_sglang(item, "item")]

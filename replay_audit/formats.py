@@ -262,6 +262,16 @@ ResultStatus = Literal["ok", "failed"]
 TopKValues = Literal["logits", "raw_logprobs"]
 EXTRA_TOP_K_VALUES: Final = "top_k_values"
 
+#: Where an imported trace's token ids come from (its `config.extras["token_ids_source"]`,
+#: absent: logged): logged by the source, read from its logged per-token pieces, or its text
+#: re-tokenised with the checkpoint's tokenizer (a non-canonical split of the logged text then
+#: replays as a divergence). Every replay result of the trace says it.
+TokenIdsSource = Literal["logged", "pieces", "retokenized"]
+EXTRA_TOKEN_IDS_SOURCE: Final = "token_ids_source"
+#: The logits processors an imported request ran with (`repetition_penalty=1.2,...`): a greedy
+#: request with any is strategy `other`, as replays decode plain greedy; this says why.
+EXTRA_PROCESSORS: Final = "logits_processors"
+
 #: The engines (a trace's `config.engine.name`) whose traces this project's engine replays in
 #: the same software: transformers' modules (`replay-audit generate`, `generate()` logs, and the
 #: engine's own name). A trace logged by any other engine (vLLM, SGLang, "unknown") can diverge

@@ -28,7 +28,7 @@ from replay_audit.db.unit_of_work import session_scope
 from replay_audit.traces.models import Trace
 from replay_audit.traces.schemas import TraceCreate
 from tests.factories import make_trace
-from tests.imports.conftest import load_fixture, make_context
+from tests.imports.conftest import load_fixture, make_chat_checkpoint, make_context
 
 
 class ScriptedServer:
@@ -152,6 +152,27 @@ def test_from_openai_response_takes_the_openai_packages_objects() -> None:
     assert trace.decoding.strategy == "greedy"
 
 
+def test_from_openai_response_reads_a_default_vllm_response_with_a_vocabulary(
+    tmp_path: Path,
+) -> None:
+    """A response as vLLM answers by default (no ids, top-k keyed by text) with its request:
+    given the checkpoint's vocabulary, the client logs it with ids and its top-k."""
+    from replay_audit.engine.loading import load_tokenizer
+    from replay_audit.imports.tokenization import Vocabulary
+
+    item = load_fixture("vllm_chat_default.json")
+    response = ChatCompletion.model_validate(item["response"])
+    context = make_context(
+        dtype="fp32", model={"name": "m", "weights_sha256": "cd" * 32, "vocab_size": 4096}
+    )
+    vocabulary = Vocabulary(load_tokenizer(make_chat_checkpoint(tmp_path / "chat")))
+    request = item["request"]
+    [trace] = from_openai_response(response, context, request=request, vocabulary=vocabulary)
+    with_ids = load_fixture("vllm_chat_text_top_k.json")["response"]
+    assert trace.output_token_ids == with_ids["choices"][0]["token_ids"]
+    assert trace.prompt_token_ids == with_ids["prompt_token_ids"] and trace.top_k is not None
+
+
 # -- under load, against a real server ------------------------------------------------------
 
 N_THREADS = 8
@@ -263,3 +284,29 @@ def test_ten_thousand_traces_from_eight_threads_through_a_server_restart_stored_
     assert stats.retries >= 1
     assert _count_traces(server.db_url) == (N_TRACES, N_TRACES)
     assert elapsed < 180
+
+
+def test_one_api_key_variable_for_the_client_the_cli_and_the_readme(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from replay_audit.client import API_KEY_ENV
+
+    seen: list[str] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers["X-API-Key"])
+        return httpx.Response(207, json={"results": [{"index": 0, "status": 201, "id": "tr_1"}]})
+
+    monkeypatch.setenv(API_KEY_ENV, "ra_from_env")
+    with Client("http://audit", transport=httpx.MockTransport(server)) as client:
+        client.log(_traces(1)[0])
+    assert seen == ["ra_from_env"]
+    monkeypatch.delenv(API_KEY_ENV)
+    with pytest.raises(ValueError, match=API_KEY_ENV):
+        Client("http://audit")
+    root = Path(__file__).parents[1]
+    cli = (root / "replay_audit" / "cli" / "imports.py").read_text()
+    assert f'envvar="{API_KEY_ENV}"' in cli
+    for doc in ("README.md", "docs/import.md"):
+        text = (root / doc).read_text()
+        assert f"${API_KEY_ENV}" in text and "REPLAY_AUDIT_KEY" not in text, doc

@@ -53,7 +53,7 @@ def test_post_a_trace_and_replay_it_as_written(tmp_path: Path) -> None:
     env = cli_env(database_url=f"sqlite:///{tmp_path / 'readme.db'}")
     env["PATH"] = f"{bin_dir}:{Path(sys.executable).parent}:{env['PATH']}"
     env["PYTHONPATH"] = str(ROOT)
-    env.pop("REPLAY_AUDIT_KEY", None)
+    env.pop("REPLAY_AUDIT_API_KEY", None)
 
     server = subprocess.Popen(
         cli_args("serve", "--port", str(port), "--log-level", "warning"),

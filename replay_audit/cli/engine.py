@@ -18,6 +18,7 @@ from replay_audit.cli.root import app, option
 from replay_audit.formats import (
     CONTROL_FRACTION,
     CONTROL_SEED,
+    EXTRA_PROCESSORS,
     SCAN_FLAG_ULPS,
     TOP_K,
     BodyDType,
@@ -95,7 +96,13 @@ def hash_model(
 @app.command()
 def generate(
     model: Annotated[Path, typer.Option(help="Local Hugging Face checkpoint directory.")],
-    prompts: Annotated[Path, typer.Option(help='JSONL of {"id": ..., "prompt": ...}.')],
+    prompts: Annotated[
+        Path,
+        typer.Option(
+            help='JSONL of {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]} '
+            "(chat: rendered with the checkpoint's chat template)."
+        ),
+    ],
     out: Annotated[Path, typer.Option(help="Where to write the traces (JSONL).")],
     dtype: Annotated[BodyDType, typer.Option()] = "bf16",
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
@@ -119,8 +126,20 @@ def generate(
         _fail(e.message)
     rows = []
     for n, row in _read_jsonl(prompts):
-        if not isinstance(row.get("prompt"), str):
-            _fail(f"{prompts}:{n}: prompt: a string is required")
+        messages = row.get("messages")
+        if "messages" in row:
+            strings = ("role", "content")
+            if (
+                not isinstance(messages, list)
+                or not messages
+                or not all(
+                    isinstance(m, dict) and all(isinstance(m.get(k), str) for k in strings)
+                    for m in messages
+                )
+            ):
+                _fail(f"{prompts}:{n}: messages: a list of {{role, content}} strings is required")
+        elif not isinstance(row.get("prompt"), str):
+            _fail(f"{prompts}:{n}: prompt: a string (or messages: a list) is required")
         rows.append(row)
     rows = rows[:limit] if limit else rows
     from replay_audit.engine.generate import TraceGenerator
@@ -138,13 +157,16 @@ def generate(
         )
     except ReplayAuditError as e:
         _fail(e.message)
+    if any("messages" in r for r in rows) and not getattr(gen.tokenizer, "chat_template", None):
+        _fail(f"{prompts} has chat messages, but {model}'s tokenizer has no chat template")
     n = 0
     with out.open("w", encoding="utf-8") as f, _progress() as bar:
         task = bar.add_task("generate", total=len(rows))
         for row in rows:
             pid = row.get("id")
+            messages = row.get("messages")
             trace = gen.trace(
-                as_str(row["prompt"]),
+                as_str(row["prompt"]) if messages is None else messages,  # type: ignore[arg-type]
                 max_new_tokens=max_new_tokens,
                 top_k=top_k,
                 external_id=None if pid is None else str(pid),
@@ -241,6 +263,7 @@ def replay(
         figures_from_json,
         result_read,
         result_values,
+        token_ids_source,
     )
     from replay_audit.stats.report import ComparisonInput, run_statistics
     from replay_audit.traces.schemas import TraceCreate
@@ -272,7 +295,9 @@ def replay(
         try:
             check_replayable(logged)
         except ReplayAuditError as e:
-            _fail(f"{traces}:{n}: {e.field}: {e.message}")
+            processors = tr.config.extras.get(EXTRA_PROCESSORS)
+            why = f" (logits processors: {processors})" if processors else ""
+            _fail(f"{traces}:{n}: {e.field}: {e.message}{why}")
         parsed.append((n, tr, logged))
     if not parsed:
         _fail(f"{traces} holds no trace")
@@ -345,7 +370,8 @@ def replay(
                     raise r
                 # The same mappings as a stored result: the row, then the API's view of it.
                 stored = ReplayResult(trace_id=i, **result_values(0, r))
-                read = result_read(stored, name, "offline")
+                ids_source = token_ids_source(tr.config.model_dump())
+                read = result_read(stored, name, "offline", token_ids_source=ids_source)
                 line = read.model_dump(mode="json", exclude={"run_id", "created_at"})
                 text = json.dumps(line, allow_nan=False) + "\n"
                 with signals_deferred():  # a Ctrl-C lands after the line and its count

@@ -13,7 +13,7 @@ skipped (exit status 1 at the end); a context the traces cannot do without stops
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -153,13 +153,14 @@ def build_context(model: Path | None, config_file: Path | None, flags: list[str]
 def _read_items(fmt: str, path: Path) -> Iterator[tuple[str, Any]]:
     """(location, item) of each logged item of `path`."""
     if fmt == "hf" and path.suffix in (".pt", ".pth"):
-        import torch
+        from replay_audit.imports.hf_context import load_generate_output
 
         try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            fail(f"{path}: cannot load it as tensors ({type(e).__name__}: {e})")
-        yield str(path), dict(data) if isinstance(data, Mapping) else data
+            yield str(path), load_generate_output(path)
+        except Exception as e:  # torch.load raises many kinds: this file fails, not the import
+            # torch's weights-only refusal is long; its "WeightsUnpickler error" line says why.
+            lines = [x for x in str(e).splitlines() if "WeightsUnpickler" in x] or [str(e)]
+            yield str(path), _Unreadable(f"not a generate() output loadable safely ({lines[0]})")
         return
     try:
         text = path.read_text(encoding="utf-8")
@@ -171,12 +172,12 @@ def _read_items(fmt: str, path: Path) -> Iterator[tuple[str, Any]]:
                 try:
                     yield f"{path}:{n}", json.loads(line)
                 except json.JSONDecodeError as e:
-                    yield f"{path}:{n}", _NotJson(e.msg)
+                    yield f"{path}:{n}", _Unreadable(f"not JSON ({e.msg})")
         return
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        yield f"{path}:{e.lineno}", _NotJson(e.msg)
+        yield f"{path}:{e.lineno}", _Unreadable(f"not JSON ({e.msg})")
         return
     if isinstance(data, list) and fmt in ("openai", "hf"):
         for i, item in enumerate(data):
@@ -185,7 +186,7 @@ def _read_items(fmt: str, path: Path) -> Iterator[tuple[str, Any]]:
         yield str(path), data
 
 
-class _NotJson:
+class _Unreadable:
     def __init__(self, message: str) -> None:
         self.message = message
 
@@ -210,9 +211,25 @@ class _Importer:
     def __init__(
         self, fmt: str, context: Any, tokenizer: Any, task: str | None, results_file: Path | None
     ) -> None:
+        from replay_audit.imports.tokenization import Vocabulary
+
         self.fmt, self.context, self.tokenizer = fmt, context, tokenizer
+        self.vocabulary = Vocabulary(tokenizer) if tokenizer is not None else None
         self.task, self.results_file = task, results_file
-        self.failed = self.skipped = self.empty = 0
+        self.failed = self.skipped = self.empty = self.dropped = 0
+
+    def checked(self, where: str, traces: Iterable[Any]) -> Iterator[Any]:
+        """The traces, each whose logged top-k was not kept warned of by name and counted."""
+        from replay_audit.imports.generation import dropped_top_k
+
+        for trace in traces:
+            reason = dropped_top_k(trace)
+            if reason is not None:
+                self.dropped += 1
+                if self.dropped <= _MAX_SHOWN_ERRORS:
+                    name = trace.external_id or where
+                    typer.secho(f"{where}: {name}: top-k not kept: {reason}", err=True, fg="yellow")
+            yield trace
 
     def report(self, where: str, message: str) -> None:
         self.failed += 1
@@ -225,6 +242,7 @@ class _Importer:
         from replay_audit.imports.lm_eval import (
             NotAGeneration,
             context_from_results,
+            merge_filters,
             parse_lm_eval_sample,
             task_from_filename,
         )
@@ -247,9 +265,12 @@ class _Importer:
                     check_context(context)
                 except ReplayAuditError as e:
                     fail(f"{path}: {e.message} (its results JSON does not say it either)")
-            for where, item in _read_items(self.fmt, path):
-                if isinstance(item, _NotJson):
-                    self.report(where, f"not JSON ({item.message})")
+            items: Iterable[tuple[str, Any]] = _read_items(self.fmt, path)
+            if self.fmt == "lm-eval":  # one line per (doc, filter): one generation each
+                items = merge_filters(list(items))
+            for where, item in items:
+                if isinstance(item, _Unreadable):
+                    self.report(where, item.message)
                     continue
                 try:
                     if self.fmt == "lm-eval":
@@ -266,11 +287,30 @@ class _Importer:
                         self.empty += len(empty)
                         yield from (build_trace(g, context, "lm-eval") for g in gens)
                     else:
-                        yield from traces_from_item(self.fmt, item, context)  # type: ignore[arg-type]
+                        if self.fmt == "hf" and isinstance(item, dict):
+                            item = self.hf_defaults(item)
+                        traces = traces_from_item(
+                            self.fmt,  # type: ignore[arg-type]
+                            item,
+                            context,
+                            vocabulary=self.vocabulary,
+                        )
+                        yield from self.checked(where, traces)
                 except NotAGeneration:
                     self.skipped += 1
                 except ReplayAuditError as e:
                     self.report(where, e.message)
+
+    def hf_defaults(self, item: dict[str, Any]) -> dict[str, Any]:
+        """A saved generate() output completed from the checkpoint: its eos ids (rows end at
+        the first) and pad id (left padding, where the call's mask was not saved)."""
+        eos = self.context.decoding.eos_token_ids
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return {
+            **({"eos_token_ids": eos} if eos else {}),
+            **({"pad_token_id": pad} if isinstance(pad, int) else {}),
+            **item,
+        }
 
 
 def _progress() -> Any:
@@ -290,7 +330,9 @@ def _progress() -> Any:
 @app.command("import")
 def import_(
     files: Annotated[list[Path], typer.Argument(help="Logged responses (.jsonl, .json, .pt).")],
-    format: Annotated[str, typer.Option("--format", help="openai, sglang, hf or lm-eval.")],
+    format: Annotated[
+        str, typer.Option("--format", help="openai (vllm is an alias), sglang, hf or lm-eval.")
+    ],
     out: Annotated[Path | None, typer.Option(help="Write the traces here (JSONL).")] = None,
     post: Annotated[
         str | None, typer.Option(help="Send the traces to this server (e.g. http://host:8000).")
@@ -317,6 +359,13 @@ def import_(
     ] = None,
 ) -> None:
     """Import logged responses as traces (docs/import.md says what each source needs)."""
+    if format == "vllm":
+        typer.echo(
+            "--format vllm: vLLM writes OpenAI-compatible responses (and its offline "
+            "RequestOutput), read by --format openai",
+            err=True,
+        )
+        format = "openai"
     if format not in IMPORT_FORMATS:
         fail(f"--format must be one of {', '.join(IMPORT_FORMATS)}; got {format!r}")
     if (out is None) == (post is None):
@@ -341,12 +390,11 @@ def import_(
         except ReplayAuditError as e:
             fail(e.message)
     tokenizer = None
-    if format == "lm-eval":
-        assert model is not None
+    if model is not None:  # reads ids from the text of logs that carry none
         from replay_audit.engine.loading import load_tokenizer
 
         tokenizer = load_tokenizer(model)
-        if tokenizer is None:
+        if tokenizer is None and format == "lm-eval":
             fail(f"{model} has no tokenizer")
     importer = _Importer(format, context, tokenizer, task, results)
     written = 0
@@ -393,6 +441,8 @@ def import_(
             f"; {importer.empty} empty responses skipped (cut at an `until` string "
             "or eos before any text: no tokens to replay)"
         )
+    if importer.dropped:
+        summary += f"; {importer.dropped} traces without their logged top-k (see above)"
     if importer.failed:
         summary += f"; {importer.failed} items failed (see above)"
     typer.echo(summary)

@@ -7,7 +7,7 @@ model's own, before any logits processor, exactly converted to float32 by transf
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +106,20 @@ class TraceGenerator:
             extras={"kv_cache": "dynamic", "producer": "replay-audit generate"},
         )
 
-    def encode(self, text: str) -> list[int]:
-        ids = [int(i) for i in self.tokenizer(text)["input_ids"]]
+    def render(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """A chat prompt as servers render it: the checkpoint's chat template, with the
+        generation prompt (its special tokens are in the text)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise EngineError(f"{self.model_dir}'s tokenizer has no chat template")
+        return str(
+            self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=True
+            )
+        )
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        ids = [int(i) for i in ids]
         if not ids:
             raise EngineError("the prompt encodes to no tokens")
         return ids
@@ -140,16 +152,20 @@ class TraceGenerator:
 
     def trace(
         self,
-        prompt: str,
+        prompt: str | Sequence[Mapping[str, str]],
         *,
         max_new_tokens: int,
         top_k: int = 5,
         external_id: str | None = None,
         tags: Sequence[str] = (),
     ) -> dict[str, Any]:
-        """One trace as `POST /v1/traces` JSON. The engine imports no HTTP schema: callers that
-        write or post it validate it with `traces.schemas.TraceCreate` at their edge."""
-        prompt_ids = self.encode(prompt)
+        """One trace as `POST /v1/traces` JSON, of a text prompt or of chat messages (rendered
+        by the chat template; the trace keeps the messages and the rendered text). The engine
+        imports no HTTP schema: callers that write or post it validate it with
+        `traces.schemas.TraceCreate` at their edge."""
+        messages = None if isinstance(prompt, str) else [dict(m) for m in prompt]
+        text = prompt if isinstance(prompt, str) else self.render(prompt)
+        prompt_ids = self.encode(text, add_special_tokens=messages is None)
         output_ids, logits = self.generate_ids(prompt_ids, max_new_tokens)
         ids, vals = sorted_top_k(logits, top_k)
         stop = "eos" if output_ids and output_ids[-1] in self.eos_ids else "length"
@@ -170,7 +186,8 @@ class TraceGenerator:
             },
             "prompt_token_ids": prompt_ids,
             "output_token_ids": output_ids,
-            "prompt_text": prompt,
+            "prompt_text": text,
+            "prompt_messages": messages,
             "output_text": printable_text(
                 self.tokenizer.decode(output_ids, skip_special_tokens=True)
             ),

@@ -1,21 +1,25 @@
 """One logged generation as read from a source, and the trace it becomes. Pure.
 
 Each source module (`openai`, `sglang`, `hf`, `lm_eval`) turns its input into `Generation`s and
-knows nothing of traces; `build_trace` applies the `ImportContext` and is the one place where
+knows nothing of traces; `build_trace` applies the `ImportContext` (after
+`tokenization.resolve` read the ids a source logged only as text) and is the one place where
 the numerical configuration, the logged margins and the unknowns of an imported trace are
 decided:
 
-- The configuration is what the context (and the source, where it says it) gives; a field
-  nobody gave keeps a neutral value (`attn_kernel`/`engine.name` "unknown", device "other",
-  the schema's default for numbers) and is named in `config.extras["unknown"]`. `dtype` and the
-  model reference cannot be unknown: a trace without them could not be replayed, so the import
-  refuses with the field named.
+- The configuration is what the context (and the source, where it says it: the engine a
+  response shows, a batch) gives; a field nobody gave keeps a neutral value
+  (`attn_kernel`/`engine.name` "unknown", device "other", null batch size and TP degree) and is
+  named in `config.extras["unknown"]`. `dtype` and the model reference cannot be unknown: a
+  trace without them could not be replayed, so the import refuses with the field named.
 - Logged margins. The per-step values are stored as the trace's top-k only when they are raw
   (logits, or raw logprobs whose top-1 minus top-2 is the logit margin) and when every step has
-  at least two of them; `config.extras["top_k_values"]` says which. Processed logprobs and an
-  unknown logprobs mode give no top-k, so a replay reconstructs the logged arm's margins rather
-  than mixing sources. Values at or below -9999 are a server's stand-in for -inf (vLLM clamps
-  to it for JSON): absent.
+  at least two of them; `config.extras["top_k_values"]` says which, `logprobs_mode_source`
+  who said the mode (a vLLM source without one: vLLM's default, raw_logprobs). Processed
+  logprobs and an unknown logprobs mode give no top-k, so a replay reconstructs the logged
+  arm's margins rather than mixing sources; `config.extras["top_k_source"]` says where a kept
+  top-k came from, or why a logged one was dropped (`dropped_top_k`: the CLI prints it, the
+  API answers it). Values at or below -9999 are a server's stand-in for -inf (vLLM clamps to
+  it for JSON): absent.
 """
 
 from __future__ import annotations
@@ -24,13 +28,22 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from pydantic import ValidationError
 
 from replay_audit.diff.pieces import Piece, to_json
 from replay_audit.exceptions import FieldError
-from replay_audit.formats import EXTRA_TOP_K_VALUES, ImportFormat, StopReason, Strategy, TopKValues
+from replay_audit.formats import (
+    EXTRA_PROCESSORS,
+    EXTRA_TOKEN_IDS_SOURCE,
+    EXTRA_TOP_K_VALUES,
+    ImportFormat,
+    StopReason,
+    Strategy,
+    TokenIdsSource,
+    TopKValues,
+)
 from replay_audit.imports.schemas import (
     EXTRA_FORMAT,
     EXTRA_LOGPROBS_MODE,
@@ -39,12 +52,17 @@ from replay_audit.imports.schemas import (
     ImportContext,
     LogprobsMode,
 )
+from replay_audit.imports.tokenization import DROPPED, Vocabulary, resolve
 from replay_audit.traces.schemas import ExtraValue, TraceCreate, TraceFieldError
 
 #: A logprob at or below this is a clamped -inf (vLLM writes max(logprob, -9999.0)): absent.
 ABSENT_LOGPROB: Final = -9999.0
 #: The most top-k entries kept per step (the trace schema's limit).
 MAX_KEPT_TOP_K: Final = 20
+
+#: `config.extras` keys of the import's provenance records.
+EXTRA_TOP_K_SOURCE: Final = "top_k_source"
+EXTRA_LOGPROBS_MODE_SOURCE: Final = "logprobs_mode_source"
 
 #: The configuration fields that are named in `extras["unknown"]` when nobody gave them.
 _OPTIONAL_FIELDS: Final = (
@@ -76,9 +94,13 @@ class Generation:
     """
 
     field: str
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
+    #: None where the source logged no ids: `tokenization.resolve` fills them from the text.
+    prompt_token_ids: Sequence[int] | None
+    output_token_ids: Sequence[int] | None
     steps: Sequence[Sequence[tuple[int, float]]] | None = None
+    #: Per-step (piece, value) pairs of a top-k keyed by token text (mapped to ids by
+    #: `tokenization.resolve` where each piece is exactly one token).
+    text_steps: Sequence[Sequence[tuple[Piece, float]]] | None = None
     steps_field: str = "logprobs"
     stop_reason: StopReason | None = None
     #: The stop token id the server matched (added to the trace's eos ids).
@@ -101,6 +123,21 @@ class Generation:
     extras: Mapping[str, ExtraValue] = dataclasses.field(default_factory=dict)
     #: Each output token's piece (`diff.pieces`), where the source gives token strings.
     output_token_pieces: Sequence[Piece] | None = None
+    #: The chat request's messages (the prompt is their rendering by the chat template).
+    prompt_messages: Sequence[Mapping[str, Any]] | None = None
+    #: Where the prompt's ids belong in the item (default `{field}.prompt_token_ids`).
+    prompt_field: str | None = None
+    #: Whether the server added special tokens (BOS) when it encoded `prompt_text`.
+    add_special_tokens: bool = True
+    #: Where the ids came from: `logged`, `pieces` (output ids of the logged token pieces)
+    #: or `retokenized` (the text encoded by the checkpoint's tokenizer).
+    token_ids_source: TokenIdsSource = "logged"
+    #: Where a kept top-k's ids came from (what `resolve` did with text keys).
+    top_k_source: str = "logged ids"
+    #: The request's logits processors (penalties, biases, constraints): name -> value.
+    processors: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: The batch size the source states (a list answer, a generate() call's rows).
+    batch_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -188,14 +225,22 @@ def _top_k_values(mode: LogprobsMode | None) -> TopKValues | None:
     return None  # processed or unknown: no logged margin
 
 
-def _resolve_mode(gen: Generation, context: ImportContext) -> LogprobsMode | None:
+def _resolve_mode(gen: Generation, context: ImportContext) -> tuple[LogprobsMode | None, str]:
+    """The logprobs mode and who said it: the source, the context, or the engine's default
+    (vLLM's `--logprobs-mode` is raw_logprobs unless the server was started otherwise)."""
     if gen.logprobs_mode is not None and context.logprobs_mode not in (None, gen.logprobs_mode):
         raise FieldError(
             f"logprobs_mode: the source's values are {gen.logprobs_mode}, but the context says "
             f"{context.logprobs_mode}",
             field="logprobs_mode",
         )
-    return gen.logprobs_mode or context.logprobs_mode
+    if gen.logprobs_mode is not None:
+        return gen.logprobs_mode, "source"
+    if context.logprobs_mode is not None:
+        return context.logprobs_mode, "context"
+    if (context.engine.name or gen.engine_name) == "vllm":
+        return "raw_logprobs", "engine_default"
+    return None, "unknown"
 
 
 def check_context(context: ImportContext) -> None:
@@ -224,6 +269,7 @@ def _config(
     *,
     strategy_known: bool,
     values_kind: TopKValues | None,
+    provenance: Mapping[str, ExtraValue],
 ) -> dict[str, object]:
     check_context(context)
     given = context.model_dump(exclude_unset=True, exclude_none=True)
@@ -232,7 +278,9 @@ def _config(
         head, _, tail = name.partition(".")
         value = given.get(head)
         present = value is not None and (not tail or value.get(tail) is not None)
-        if name == "engine.name" and gen.engine_name is not None:
+        if (name == "engine.name" and gen.engine_name is not None) or (
+            name == "batch_size" and gen.batch_size is not None
+        ):
             present = True
         if name in ("gpu", "cuda_version", "cublas_version") and context.device in ("cpu", "mps"):
             present = True  # not applicable
@@ -246,6 +294,7 @@ def _config(
         **context.extras,
         EXTRA_FORMAT: fmt,
         EXTRA_LOGPROBS_MODE: mode or UNKNOWN,
+        **provenance,
     }
     if unknown:
         extras[EXTRA_UNKNOWN] = ",".join(unknown)
@@ -259,8 +308,9 @@ def _config(
         "device": context.device or "other",
         "gpu": context.gpu.model_dump() if context.gpu is not None else None,
         "attn_kernel": context.attn_kernel or UNKNOWN,
-        "batch_size": context.batch_size or 1,
-        "tp_degree": context.tp_degree or 1,
+        # Unknown stays null (and listed): a default here would read as a fact.
+        "batch_size": context.batch_size or gen.batch_size,
+        "tp_degree": context.tp_degree,
         "engine": {"name": engine_name, "version": context.engine.version},
         "torch_version": context.torch_version,
         "cuda_version": context.cuda_version,
@@ -287,23 +337,38 @@ def _model(gen: Generation, context: ImportContext) -> dict[str, object]:
     }
 
 
-def build_trace(gen: Generation, context: ImportContext, fmt: ImportFormat) -> TraceCreate:
+def build_trace(
+    gen: Generation,
+    context: ImportContext,
+    fmt: ImportFormat,
+    vocabulary: Vocabulary | None = None,
+) -> TraceCreate:
     """The trace for `gen` in `context` (see the module docstring for what is decided here).
-    Raises FieldError naming the field: a context field the trace needs, or a part of the
-    generation that the trace schema refuses."""
-    mode = _resolve_mode(gen, context)
+    Ids the source did not log are read from its text with `vocabulary`, the checkpoint's
+    tokenizer (`tokenization.resolve`). Raises FieldError naming the field: a context field
+    the trace needs, a text that does not round-trip, or a part of the generation that the
+    trace schema refuses."""
+    gen = resolve(gen, vocabulary, context.decoding.eos_token_ids or ())
+    mode, mode_source = _resolve_mode(gen, context)
     strategy = gen.strategy or context.decoding.strategy
     values_kind = _top_k_values(mode)
     top_k = (
         logged_top_k(
             gen.steps,
-            gen.output_token_ids,
+            gen.output_token_ids or (),
             field=f"{gen.field}.{gen.steps_field}",
             greedy=strategy == "greedy" and mode in ("raw_logits", "raw_logprobs"),
         )
         if values_kind is not None
         else None
     )
+    provenance: dict[str, ExtraValue] = {
+        EXTRA_LOGPROBS_MODE_SOURCE: mode_source,
+        EXTRA_TOKEN_IDS_SOURCE: gen.token_ids_source,
+        EXTRA_TOP_K_SOURCE: _top_k_source(gen, top_k, mode),
+    }
+    if gen.processors:
+        provenance[EXTRA_PROCESSORS] = ",".join(f"{k}={v}" for k, v in gen.processors.items())
     config = _config(
         gen,
         context,
@@ -311,6 +376,7 @@ def build_trace(gen: Generation, context: ImportContext, fmt: ImportFormat) -> T
         mode,
         strategy_known=strategy is not None,
         values_kind=values_kind,
+        provenance=provenance,
     )
     eos = list(context.decoding.eos_token_ids or [])
     if gen.stop_token_id is not None and gen.stop_token_id not in eos:
@@ -326,9 +392,10 @@ def build_trace(gen: Generation, context: ImportContext, fmt: ImportFormat) -> T
             "eos_token_ids": eos,
             "stop_reason": gen.stop_reason,
         },
-        "prompt_token_ids": list(gen.prompt_token_ids),
-        "output_token_ids": list(gen.output_token_ids),
+        "prompt_token_ids": list(gen.prompt_token_ids or ()),
+        "output_token_ids": list(gen.output_token_ids or ()),
         "prompt_text": _printable(gen.prompt_text),
+        "prompt_messages": _text_messages(gen.prompt_messages),
         "output_text": _printable(gen.output_text),
         "output_token_pieces": (
             to_json(gen.output_token_pieces) if gen.output_token_pieces is not None else None
@@ -341,6 +408,43 @@ def build_trace(gen: Generation, context: ImportContext, fmt: ImportFormat) -> T
         return TraceCreate.model_validate(body)
     except ValidationError as exc:
         raise _trace_error(exc, gen.field) from None
+
+
+def _top_k_source(gen: Generation, top_k: LoggedTopK | None, mode: LogprobsMode | None) -> str:
+    """Where the kept top-k came from, or why the logged one was not kept (`DROPPED`)."""
+    if top_k is not None:
+        return gen.top_k_source
+    if gen.top_k_source.startswith(DROPPED):
+        return gen.top_k_source
+    if gen.steps is None:
+        return "none logged"
+    if _top_k_values(mode) is None:
+        return (
+            f"{DROPPED}the logprobs mode is {mode or 'unknown'}: no logit margin "
+            "(give --config logprobs_mode=raw_logprobs if the server's values are raw)"
+        )
+    return f"{DROPPED}fewer than two logged values at some step"
+
+
+def dropped_top_k(trace: TraceCreate) -> str | None:
+    """Why a trace's logged top-k was not kept, or None (kept, or none was logged)."""
+    source = trace.config.extras.get(EXTRA_TOP_K_SOURCE)
+    if isinstance(source, str) and source.startswith(DROPPED):
+        return source[len(DROPPED) :]
+    return None
+
+
+def _text_messages(messages: Sequence[Mapping[str, Any]] | None) -> list[object] | None:
+    """A chat prompt's messages as the trace keeps them ({role, content}), where each is text
+    (tool calls and content parts are only in the rendered prompt)."""
+    if not messages or not all(
+        isinstance(m, Mapping)
+        and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        return None
+    return [{"role": m["role"], "content": _printable(m["content"])} for m in messages]
 
 
 def _printable(text: str | None) -> str | None:

@@ -5,7 +5,9 @@ context=...)` turns the output of one `generate()` call (a batch of prompts) int
 `replay_audit.imports.hf_context.context_from_model(model, model_dir)` reads the numerical
 configuration of the running process (dtype, device, GPU, attention kernel, versions, flags) so
 that nothing has to be typed by hand.
-`parse_hf` reads the same output saved to a file (the CLI's `--format hf`).
+`parse_hf` reads the same output saved to a file (the CLI's `--format hf`: `torch.save(out)`,
+loaded safely by `hf_context.load_generate_output`); without `input_ids` the prompt is what
+precedes one `logits` row per new token, its left padding the leading `pad_token_id`s.
 
 Names as in transformers' `GenerateDecoderOnlyOutput` (src/transformers/generation/utils.py):
 `sequences` (batch, prompt + new tokens: the prompt is included for decoder-only models),
@@ -103,10 +105,19 @@ def generations_from_generate(
         n_prompt = prompts.shape[1]
     else:
         n_prompt_value = _field(output, "prompt_length")
+        values = _field(output, "logits")
+        values = _field(output, "scores") if values is None else values
+        if n_prompt_value is None and values is not None:
+            # One logits (or scores) row per new token: the rest of `sequences` is the prompt.
+            n_prompt_value = sequences.shape[1] - len(values)
         if not isinstance(n_prompt_value, int) or n_prompt_value < 1:
             raise j.fail(f"{path}.input_ids", "give the prompt ids (input_ids) or prompt_length")
         n_prompt = n_prompt_value
         prompts = sequences[:, :n_prompt]
+        pad = _field(output, "pad_token_id")
+        if attention_mask is None and isinstance(pad, int):
+            # Left padding, where the call's mask was not saved: the leading pad ids.
+            attention_mask = (np.cumsum(prompts != pad, axis=1) > 0).astype(np.int64)
     if sequences.shape[1] <= n_prompt:
         raise j.fail(f"{path}.sequences", f"no generated tokens after the {n_prompt} prompt ids")
     if np.any(sequences[:, :n_prompt] != prompts):
@@ -170,6 +181,7 @@ def generations_from_generate(
                 logprobs_mode=mode,
                 engine_name="transformers",
                 max_new_tokens=max_new_tokens,
+                batch_size=batch,  # the rows of one generate() call ran as one batch
             )
         )
     return out
@@ -205,11 +217,11 @@ def traces_from_generate(
         prompt_texts=prompt_texts,
         max_new_tokens=max_new_tokens or context.decoding.max_new_tokens,
     )
-    if context.batch_size is None:  # the rows of one call ran as one batch
-        context = context.model_copy(update={"batch_size": len(gens)})
     if tokenizer is not None:
         gens = [
-            _with_text(g, tokenizer.decode(list(g.output_token_ids), skip_special_tokens=True))
+            _with_text(
+                g, tokenizer.decode(list(g.output_token_ids or ()), skip_special_tokens=True)
+            )
             for g in gens
         ]
     return [build_trace(g, context, "hf") for g in gens]

@@ -67,3 +67,46 @@ def context_from_model(
     }
     values.update(overrides)
     return ImportContext.model_validate(values)
+
+
+class _DroppedCache:
+    """Stands in for the KV cache a saved generate() output holds (its tensors are not read)."""
+
+
+def load_generate_output(path: str | Path) -> dict[str, Any]:
+    """A `generate(..., return_dict_in_generate=True)` output saved with `torch.save(out, path)`
+    (or a dict of its tensors), as a dict for `hf.parse_hf`.
+
+    Loaded with `weights_only=True`, never unrestricted pickle: besides tensors and containers,
+    only the names of transformers' decoder-only output classes and KV-cache classes are
+    allowed, and they are not what runs. An output is rebuilt as a plain dict of its fields (the
+    class itself is an OrderedDict subclass, which the weights-only unpickler cannot fill), a
+    cache as an inert placeholder, dropped. Raises what `torch.load` raises on anything else."""
+    import collections
+    import dataclasses
+
+    import torch
+    from transformers import cache_utils
+    from transformers.generation import utils
+
+    allowed: list[Any] = []
+    for output in (utils.GenerateDecoderOnlyOutput, utils.GenerateBeamDecoderOnlyOutput):
+        names = [f.name for f in dataclasses.fields(output)]
+
+        def fields(*values: Any, names: list[str] = names) -> Any:
+            return collections.OrderedDict(zip(names, values, strict=False))
+
+        allowed.append((fields, f"{output.__module__}.{output.__name__}"))
+    bases = tuple(
+        c for c in (cache_utils.Cache, getattr(cache_utils, "CacheLayerMixin", None)) if c
+    )
+    allowed += [
+        (_DroppedCache, f"{cache_utils.__name__}.{name}")
+        for name, c in vars(cache_utils).items()
+        if isinstance(c, type) and issubclass(c, bases)
+    ]
+    with torch.serialization.safe_globals(allowed):
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(data, dict):
+        raise TypeError(f"expected a generate() output or a dict, got {type(data).__name__}")
+    return {k: v for k, v in data.items() if not isinstance(v, _DroppedCache)}

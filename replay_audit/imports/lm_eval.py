@@ -21,11 +21,14 @@ response with the checkpoint's own tokenizer, and every trace says so
 (`config.extras["tokenization"]`). A re-tokenised response need not be the token sequence
 the model generated (a stop string cut mid-token, a non-canonical tokenization): a replay may
 then diverge for reasons that are not numerical, and the import cannot tell. Loglikelihood
-samples (multiple choice) are scores, not generations, and give no trace.
+samples (multiple choice) are scores, not generations, and give no trace. A task with several
+filters (gsm8k: `strict-match`, `flexible-extract`, `lm_eval/tasks/gsm8k/gsm8k.yaml`) writes a
+line per doc and filter with the same `resps`: `merge_filters` makes them one generation.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, Protocol
 
@@ -164,6 +167,8 @@ def parse_lm_eval_sample(
     date = results.get("date")
     # The tokenizer is at hand: each output token's piece, where it is a transformers one.
     pieces = PieceReader(tokenizer) if hasattr(tokenizer, "convert_ids_to_tokens") else None
+    names = body.get("filters")
+    filters = {"filters": ",".join(map(str, names))} if isinstance(names, list) else {}
     out = []
     for i, (context, kwargs) in enumerate(requests):
         if not isinstance(kwargs, Mapping):
@@ -174,7 +179,12 @@ def parse_lm_eval_sample(
             raise j.fail(f"{path}.arguments.gen_args_{i}.arg_0", "expected the context text")
         max_gen = kwargs.get("max_gen_toks")
         max_gen = max_gen if isinstance(max_gen, int) and max_gen >= 1 else None
-        greedy = not kwargs.get("do_sample") and kwargs.get("temperature", 0.0) in (0, 0.0, None)
+        # HF decodes greedily with do_sample false whatever the temperature (lm-eval's HFLM
+        # sets it false itself for temperature 0).
+        do_sample = kwargs.get("do_sample")
+        greedy = do_sample is False or (
+            not do_sample and kwargs.get("temperature", 0.0) in (0, 0.0, None)
+        )
         prompt = _encode(tokenizer, context, add_bos)
         if isinstance(max_length, int) and max_gen is not None and max_length > max_gen:
             prompt = prompt[-(max_length - max_gen) :]
@@ -200,6 +210,7 @@ def parse_lm_eval_sample(
                     output_text=response,
                     external_id=f"lm-eval:{task}:{doc_id}{suffix}{run}",
                     strategy="greedy" if greedy else "sample",
+                    token_ids_source="retokenized",
                     max_new_tokens=max_gen,
                     reference_answer=None if target is None else str(target),
                     tags=("lm-eval", f"task={task}"),
@@ -208,10 +219,32 @@ def parse_lm_eval_sample(
                         "chat_template": (
                             "applied by lm-eval" if results.get("chat_template") else "none"
                         ),
+                        # The task's filters: answer extractors of this one generation.
+                        **filters,
                     },
                     output_token_pieces=pieces(output) if pieces is not None else None,
                 )
             )
+    return out
+
+
+def merge_filters(samples: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """One sample per doc and generation. lm-eval writes a line per (doc, filter) (gsm8k has
+    two filters) with the same `resps`: the filters extract answers from one generation, so
+    the lines are merged, their names kept in order as `filters`. Lines of one doc with other
+    responses, and anything that is not a sample, pass as they are."""
+    out: list[tuple[str, Any]] = []
+    first: dict[tuple[str, str], int] = {}
+    for where, sample in samples:
+        if not isinstance(sample, Mapping) or "filter" not in sample:
+            out.append((where, sample))
+            continue
+        key = (json.dumps(sample.get("doc_id")), json.dumps(sample.get("resps")))
+        if key in first:
+            out[first[key]][1]["filters"].append(sample["filter"])
+            continue
+        first[key] = len(out)
+        out.append((where, {**sample, "filters": [sample["filter"]]}))
     return out
 
 

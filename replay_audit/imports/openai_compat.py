@@ -1,4 +1,5 @@
-"""OpenAI-compatible chat and completions responses, as vLLM returns them. Pure.
+"""OpenAI-compatible chat and completions responses (vLLM, SGLang, the OpenAI API), and vLLM's
+offline `RequestOutput` dumped as JSON. Pure.
 
 Field names, checked against the sources (vllm-project/vllm):
 - `vllm/entrypoints/openai/chat_completion/protocol.py`: `ChatCompletionResponse.prompt_token_ids`
@@ -11,11 +12,25 @@ Field names, checked against the sources (vllm-project/vllm):
 - `vllm/entrypoints/openai/chat_completion/serving.py` and `completion/serving.py`: logprobs are
   written as `max(logprob, -9999.0)`; with `return_tokens_as_token_ids` every token string is
   `format_token_id_placeholder(id)` = "token_id:{id}"; completions' `top_logprobs` maps token
-  strings to logprobs, so two tokens that decode alike collide: ids are read from "token_id:"
-  keys only; with `echo` the completions logprobs start with the prompt's.
+  strings to logprobs, so two tokens that decode alike collide; with `echo` the completions
+  logprobs start with the prompt's.
 - `vllm/config/model.py`: `LogprobsMode` = raw_logits | raw_logprobs | processed_logits |
   processed_logprobs (`--logprobs-mode`, default raw_logprobs): not in the response; the import
-  context says it.
+  context says it, else a vLLM source is taken at its default (`generation`).
+- `vllm/outputs.py`: `RequestOutput(request_id, prompt, prompt_token_ids, prompt_logprobs,
+  outputs, finished, ...)`, `CompletionOutput(index, text, token_ids, cumulative_logprob,
+  logprobs, finish_reason, stop_reason, ...)`; `vllm/logprobs.py`: `Logprob(logprob, rank,
+  decoded_token)`, one `{token id: Logprob}` per step.
+- `vllm/sampling_params.py` and SGLang's `sampling/sampling_params.py`: temperature below
+  `_SAMPLING_EPS` = 1e-5 is greedy (`decoding_recipe`).
+- sgl-project/sglang `python/sglang/srt/entrypoints/openai/protocol.py`:
+  `ChatCompletionResponseChoice.prompt_token_ids`, `.token_ids`, `.matched_stop` per choice.
+- openai/openai-python `src/openai/types/chat/chat_completion.py`, `..._token_logprob.py`: the
+  OpenAI API's layout (no ids; `bytes` beside each token).
+
+Ids a response does not carry (no `return_token_ids`; the OpenAI API) and top-k keyed by text
+are left to `tokenization.resolve`, which reads them with the checkpoint's tokenizer: the
+output's pieces, the prompt's text or chat messages are kept for it.
 
 An item is a response object, or `{"request": ..., "response": ...}` with the request that
 produced it (its sampling parameters say whether decoding was greedy; a response never does).
@@ -23,9 +38,10 @@ produced it (its sampling parameters say whether decoding was greedy; a response
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from replay_audit.diff.pieces import Piece, piece_of, piece_of_text
 from replay_audit.formats import StopReason, Strategy
@@ -47,23 +63,60 @@ def split_item(item: Any, path: str) -> tuple[Mapping[str, Any] | None, Mapping[
     return None, body, path
 
 
-def request_strategy(request: Mapping[str, Any] | None) -> Strategy | None:
-    """Greedy when the request set temperature 0 or top_k 1 (vLLM's greedy sampling), beam for
-    beam search, sample for any other temperature; None when the request is not known or left
-    the temperature to the server's default."""
+#: Below this temperature vLLM (`SamplingParams.sampling_type`) and SGLang
+#: (`SamplingParams.__init__`) decode greedily (`_SAMPLING_EPS`).
+SAMPLING_EPS: Final = 1e-5
+#: Request fields that process the logits (vLLM's `SamplingParams` and OpenAI's request
+#: names, SGLang's `sampling_params`), with the value that leaves them off.
+_PROCESSORS: Final[dict[str, Any]] = {
+    "repetition_penalty": 1,
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "logit_bias": None,
+    "min_tokens": 0,
+    "min_new_tokens": 0,
+    "bad_words": None,
+    "no_repeat_ngram_size": 0,
+    "allowed_token_ids": None,
+    "logits_processors": None,
+    "response_format": {"type": "text"},
+    "structured_outputs": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "regex": None,
+    "json_schema": None,
+    "ebnf": None,
+    "structural_tag": None,
+}
+
+
+def decoding_recipe(request: Mapping[str, Any] | None) -> tuple[Strategy | None, dict[str, str]]:
+    """(strategy, logits processors) of a request, as the engine reads it. Greedy is the
+    engine's rule (temperature below 1e-5, or top_k 1); a greedy request with any logits
+    processor (penalties, a bias, min_tokens, bad words, constrained decoding) is `other`: a
+    replay decodes plain greedy, which is not what ran. Beam for beam search, sample for any
+    other temperature; None when the request is not known or left the temperature to the
+    server's default. Processors are named with their values (JSON, cut at 200 characters)."""
     if request is None:
-        return None
+        return None, {}
     params = request.get("sampling_params") if "sampling_params" in request else request
     if not isinstance(params, Mapping):
-        return None
+        return None, {}
+    processors = {
+        key: json.dumps(params[key], sort_keys=True, separators=(",", ":"))[:200]
+        for key, off in _PROCESSORS.items()
+        if params.get(key) not in (None, off, {}, [], "")
+    }
     if request.get("use_beam_search") or params.get("use_beam_search"):
-        return "beam"
+        return "beam", processors
     temperature, top_k = params.get("temperature"), params.get("top_k")
-    if temperature == 0 or top_k == 1:
-        return "greedy"
-    if isinstance(temperature, int | float) and not isinstance(temperature, bool):
-        return "sample"
-    return None
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        temperature = None
+    if top_k == 1 or (temperature is not None and temperature < SAMPLING_EPS):
+        return ("other" if processors else "greedy"), processors
+    return ("sample" if temperature is not None else None), processors
 
 
 def _max_tokens(request: Mapping[str, Any] | None) -> int | None:
@@ -102,37 +155,27 @@ def _ids_from_tokens(tokens: Sequence[Any]) -> list[int] | None:
     return None if any(i is None for i in ids) else [i for i in ids if i is not None]
 
 
-def _output_ids(
-    explicit: Any, from_tokens: list[int] | None, path: str, tokens_path: str
-) -> list[int]:
-    if explicit is not None:
-        ids = j.token_ids(explicit, f"{path}.token_ids")
-        if from_tokens is not None and from_tokens != ids:
-            raise j.fail(
-                f"{path}.token_ids",
-                f'disagrees with the ids of {tokens_path} (the "token_id:" tokens)',
-            )
-        return ids
-    if from_tokens is None:
+def _output_ids(explicit: Any, from_tokens: list[int] | None, path: str, tokens_path: str) -> Any:
+    """The choice's output ids: explicit (`token_ids`), else those of "token_id:" tokens, else
+    None (the tokenizer reads them from the pieces or the text: `tokenization.resolve`)."""
+    if explicit is None:
+        return from_tokens
+    ids = j.token_ids(explicit, f"{path}.token_ids")
+    if from_tokens is not None and from_tokens != ids:
         raise j.fail(
-            f"{path}.token_ids",
-            'no output token ids: ask the server for them (vLLM: "return_token_ids": true, '
-            'or "return_tokens_as_token_ids": true with logprobs)',
+            f"{path}.token_ids", f'disagrees with the ids of {tokens_path} (the "token_id:" tokens)'
         )
-    return from_tokens
+    return ids
 
 
-def _prompt_ids(value: Any, request: Mapping[str, Any] | None, field: str, path: str) -> list[int]:
+def _prompt_ids(value: Any, request: Mapping[str, Any] | None, field: str, path: str) -> Any:
+    """Logged prompt ids, or the request's id prompt, or None (re-tokenised from the text)."""
     if value is not None:
         return j.token_ids(value, field)
     prompt = request.get("prompt") if request is not None else None
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return j.token_ids(prompt, f"{path}.request.prompt")
-    raise j.fail(
-        field,
-        'no prompt token ids: ask the server for them (vLLM: "return_token_ids": true) or '
-        "send the request with the prompt as token ids",
-    )
+    return None
 
 
 _BYTES_ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")
@@ -165,31 +208,52 @@ def _pieces(pieces: Sequence[Piece | None]) -> list[Piece] | None:
     return [p for p in pieces if p is not None]
 
 
+Steps = list[list[tuple[int, float]]]
+TextSteps = list[list[tuple[Piece, float]]]
+
+
+def _row(
+    entries: Sequence[tuple[Any, Any, Any]], where: str
+) -> tuple[list[tuple[int, float]] | None, list[tuple[Piece, float]] | None]:
+    """One step's (id, value) pairs from its (token, bytes, value) entries when every token is
+    a "token_id:" string, else its (piece, value) pairs (text keys: `tokenization.resolve`
+    maps them to ids); (None, None) when a token is neither."""
+    ids, texts = [], []
+    for n, (key, raw_bytes, value) in enumerate(entries):
+        number = j.number(value, f"{where}[{n}]")
+        tid, piece = j.parse_token_id_string(key), _piece(key, raw_bytes)
+        if tid is not None:
+            ids.append((tid, number))
+        if piece is not None:
+            texts.append((piece, number))
+    if len(ids) == len(entries):
+        return ids, None
+    return None, (texts if len(texts) == len(entries) else None)
+
+
 def _chat_steps(
     content: Sequence[Any], path: str
-) -> tuple[list[int] | None, list[list[tuple[int, float]]] | None, list[Piece] | None]:
-    """(ids of the logged tokens, per-step (id, logprob) pairs, the tokens' pieces) of
-    `logprobs.content`; ids and pairs are None where the tokens are not "token_id:" strings,
-    pieces where they are (or a token has neither a string nor bytes)."""
+) -> tuple[list[int] | None, Steps | None, TextSteps | None, list[Piece] | None]:
+    """(ids of the logged tokens, per-step (id, logprob) pairs, per-step (piece, logprob)
+    pairs, the tokens' pieces) of `logprobs.content`: ids where the tokens are "token_id:"
+    strings, the top-k by id or by text as the keys are."""
     tokens: list[Any] = []
     pieces: list[Piece | None] = []
-    steps: list[list[tuple[int, float]]] | None = []
+    steps: Steps | None = []
+    texts: TextSteps | None = []
     for t, raw in enumerate(content):
         entry = j.obj(raw, f"{path}[{t}]")
         tokens.append(entry.get("token"))
         pieces.append(_piece(entry.get("token"), entry.get("bytes")))
-        tops = entry.get("top_logprobs") or []
-        row: list[tuple[int, float]] = []
-        for i, top in enumerate(j.seq(tops, f"{path}[{t}].top_logprobs")):
-            top = j.obj(top, f"{path}[{t}].top_logprobs[{i}]")
-            tid = j.parse_token_id_string(top.get("token"))
-            if tid is None:
-                steps = None  # the alternatives' ids are unknown: no logged top-k
-                break
-            row.append((tid, j.number(top.get("logprob"), f"{path}[{t}].top_logprobs[{i}]")))
-        if steps is not None:
-            steps.append(row)
-    return _ids_from_tokens(tokens), steps, _pieces(pieces)
+        where = f"{path}[{t}].top_logprobs"
+        tops = [
+            j.obj(x, f"{where}[{i}]")
+            for i, x in enumerate(j.seq(entry.get("top_logprobs") or [], where))
+        ]
+        ids, text = _row([(x.get("token"), x.get("bytes"), x.get("logprob")) for x in tops], where)
+        steps = None if steps is None or ids is None else [*steps, ids]
+        texts = None if texts is None or text is None else [*texts, text]
+    return _ids_from_tokens(tokens), steps, (None if steps is not None else texts), _pieces(pieces)
 
 
 def _completion_steps(
@@ -198,8 +262,9 @@ def _completion_steps(
     prompt: Sequence[int],
     n_output: int,
     echo: bool | None,
-) -> tuple[list[int] | None, list[list[tuple[int, float]]] | None, bool]:
-    """(ids of the tokens, per-step pairs, echoed) of a completions `logprobs`; the prompt's
+) -> tuple[list[int] | None, Steps | None, TextSteps | None, bool]:
+    """(ids of the tokens, per-step pairs by id, by text, echoed) of a completions `logprobs`;
+    the prompt's
     entries are dropped when the request echoed it (the request says so; without it, the
     entries start with the prompt's ids and the first has no logprobs, as only an echoed
     prompt's first token has none)."""
@@ -213,32 +278,49 @@ def _completion_steps(
         )
     if echo:
         tokens, tops = tokens[n_prompt:], tops[n_prompt:]
-    steps: list[list[tuple[int, float]]] | None = [] if tops else None
+    steps: Steps | None = [] if tops else None
+    texts: TextSteps | None = [] if tops else None
     offset = n_prompt if echo else 0
     for t, top in enumerate(tops):
         where = f"{path}.top_logprobs[{t + offset}]"
-        if top is None or steps is None:
-            steps = None
-            break
-        row = []
-        for key, value in j.obj(top, where).items():
-            tid = j.parse_token_id_string(key)
-            if tid is None:
-                # Keys are decoded strings: tokens that decode alike collide. Ids only.
-                steps = None
-                break
-            row.append((tid, j.number(value, f"{where}.{key}")))
-        if steps is not None:
-            steps.append(row)
-    return _ids_from_tokens(tokens) if tokens else None, steps, echo
+        # Keys are token strings: tokens that decode alike collide in one key, so text keys
+        # are kept only where each is exactly one token (`tokenization.resolve`).
+        ids, text = (
+            (None, None)
+            if top is None
+            else _row([(k, None, v) for k, v in j.obj(top, where).items()], where)
+        )
+        steps = None if steps is None or ids is None else [*steps, ids]
+        texts = None if texts is None or text is None else [*texts, text]
+    return (
+        _ids_from_tokens(tokens) if tokens else None,
+        steps,
+        None if steps is not None else texts,
+        echo,
+    )
+
+
+def _engine(response: Mapping[str, Any], choices: Sequence[Any]) -> str | None:
+    """The server a response shows: vLLM's fields (`prompt_logprobs`, a choice's
+    `stop_reason`) or SGLang's (a choice's `matched_stop`); None for any other."""
+    keys = {k for c in choices if isinstance(c, Mapping) for k in c}
+    if "prompt_logprobs" in response or "stop_reason" in keys:
+        return "vllm"
+    if "sglext" in response or "matched_stop" in keys:
+        return "sglang"
+    return None
 
 
 def parse_openai(item: Any, path: str = "item") -> list[Generation]:
-    """The generations of one OpenAI-compatible chat or completions response (one per choice).
+    """The generations of one OpenAI-compatible chat or completions response (one per choice),
+    or of one vLLM offline `RequestOutput` (`parse_request_output`).
 
-    Raises FieldError naming the field when the response lacks what a trace needs (token ids)
-    or is malformed."""
+    Ids the response does not carry are left None for `tokenization.resolve` (the prompt's
+    text or chat messages, the output's pieces or text are kept for it). Raises FieldError
+    naming the field when the response is malformed."""
     request, response, rpath = split_item(item, path)
+    if "choices" not in response and "outputs" in response:
+        return parse_request_output(request, response, rpath)
     choices = j.seq(response.get("choices"), f"{rpath}.choices")
     if not choices:
         raise j.fail(f"{rpath}.choices", "no choices")
@@ -249,8 +331,10 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
     )
     rid = j.opt_str(response.get("id"), f"{rpath}.id")
     model = j.opt_str(response.get("model"), f"{rpath}.model")
-    strategy = request_strategy(request)
+    strategy, processors = decoding_recipe(request)
+    engine = _engine(response, choices)
     max_tokens = _max_tokens(request)
+    messages = request.get("messages") if request is not None else None
     out = []
     for c, raw in enumerate(choices):
         cpath = f"{rpath}.choices[{c}]"
@@ -261,18 +345,21 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
         external_id = None
         if rid:
             external_id = rid if len(choices) == 1 else f"{rid}#{index if index is not None else c}"
+        texts: TextSteps | None = None
         if chat:
-            prompt = _prompt_ids(
-                response.get("prompt_token_ids"), request, f"{rpath}.prompt_token_ids", path
-            )
+            # vLLM logs the prompt's ids once per response, SGLang on each choice.
+            logged, where = response.get("prompt_token_ids"), f"{rpath}.prompt_token_ids"
+            if logged is None and choice.get("prompt_token_ids") is not None:
+                logged, where = choice["prompt_token_ids"], f"{cpath}.prompt_token_ids"
+            prompt = _prompt_ids(logged, request, where, path)
             content = None
             if logprobs is not None:
                 content = j.obj(logprobs, f"{cpath}.logprobs").get("content")
             lpath = f"{cpath}.logprobs.content"
-            ids_from_tokens, steps, pieces = (
+            ids_from_tokens, steps, texts, pieces = (
                 _chat_steps(j.seq(content, lpath), lpath)
                 if content is not None
-                else (None, None, None)
+                else (None, None, None, None)
             )
             message = choice.get("message")
             text = message.get("content") if isinstance(message, Mapping) else None
@@ -280,34 +367,34 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
             steps_field = "logprobs.content"
             prompt_text = j.opt_str(response.get("prompt_text"), f"{rpath}.prompt_text")
         else:
-            prompt = _prompt_ids(
-                choice.get("prompt_token_ids"), request, f"{cpath}.prompt_token_ids", path
-            )
+            where = f"{cpath}.prompt_token_ids"
+            prompt = _prompt_ids(choice.get("prompt_token_ids"), request, where, path)
             explicit = choice.get("token_ids")
             n_output = len(explicit) if isinstance(explicit, list) else 0
             ids_from_tokens, steps, echoed = (None, None, False)
             pieces = None
             if logprobs is not None:
                 echo = request.get("echo") if request is not None else None
-                ids_from_tokens, steps, echoed = _completion_steps(
+                if prompt is None and echo:
+                    raise j.fail(f"{cpath}.prompt_token_ids", "an echoed prompt without its ids")
+                ids_from_tokens, steps, texts, echoed = _completion_steps(
                     j.obj(logprobs, f"{cpath}.logprobs"),
                     f"{cpath}.logprobs",
-                    prompt,
+                    prompt or [],
                     n_output,
                     echo if isinstance(echo, bool) else None,
                 )
                 tokens = list(j.seq(logprobs.get("tokens") or [], f"{cpath}.logprobs.tokens"))
-                pieces = _pieces(
-                    [_piece(t, None) for t in tokens[len(tokens) - n_output :]]
-                    if explicit is not None and len(tokens) >= n_output
-                    else []
-                )
+                tokens = tokens[len(tokens) - n_output :] if explicit is not None else tokens
+                if explicit is None and echoed:
+                    tokens = tokens[len(prompt or []) :]
+                pieces = _pieces([_piece(t, None) for t in tokens])
             output = _output_ids(explicit, ids_from_tokens, cpath, f"{cpath}.logprobs.tokens")
             text = None if echoed else choice.get("text")
             steps_field = "logprobs.top_logprobs"
             raw_prompt = request.get("prompt") if request is not None else None
             prompt_text = raw_prompt if isinstance(raw_prompt, str) else None
-        if not output:
+        if output is not None and not output:
             raise j.fail(f"{cpath}.token_ids", "the choice generated no tokens")
         out.append(
             Generation(
@@ -315,18 +402,88 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
                 prompt_token_ids=prompt,
                 output_token_ids=output,
                 steps=steps,
+                text_steps=texts,
                 steps_field=steps_field,
                 stop_reason=stop_reason,
                 stop_token_id=stop_id,
                 prompt_text=prompt_text,
+                prompt_field=where,
+                prompt_messages=messages if chat and isinstance(messages, list) else None,
+                # A chat prompt is rendered with its special tokens in the text.
+                add_special_tokens=not chat,
                 output_text=text if isinstance(text, str) else None,
                 external_id=external_id,
                 served_model=model,
+                engine_name=engine,
                 strategy=strategy,
+                processors=processors,
                 max_new_tokens=max_tokens,
                 output_token_pieces=(
-                    pieces if pieces is not None and len(pieces) == len(output) else None
+                    pieces
+                    if pieces is not None and (output is None or len(pieces) == len(output))
+                    else None
                 ),
+            )
+        )
+    return out
+
+
+def parse_request_output(
+    request: Mapping[str, Any] | None, response: Mapping[str, Any], path: str
+) -> list[Generation]:
+    """The generations of a vLLM offline `RequestOutput` dumped as JSON (`vllm/outputs.py`:
+    `request_id, prompt, prompt_token_ids, outputs[]`; each `CompletionOutput` has `index, text,
+    token_ids, logprobs, finish_reason, stop_reason`, its `logprobs` one `{token id: Logprob}`
+    per step with `Logprob = {logprob, rank, decoded_token}`, the ids as JSON keys). The
+    request, when given, is the `SamplingParams`."""
+    outputs = j.seq(response.get("outputs"), f"{path}.outputs")
+    if not outputs:
+        raise j.fail(f"{path}.outputs", "no outputs")
+    prompt = _prompt_ids(response.get("prompt_token_ids"), None, f"{path}.prompt_token_ids", path)
+    rid = j.opt_str(response.get("request_id"), f"{path}.request_id")
+    strategy, processors = decoding_recipe(request)
+    out = []
+    for c, raw in enumerate(outputs):
+        opath = f"{path}.outputs[{c}]"
+        completion = j.obj(raw, opath)
+        stop_reason, stop_id = _stop(completion, opath)
+        output = j.token_ids(completion.get("token_ids"), f"{opath}.token_ids")
+        if not output:
+            raise j.fail(f"{opath}.token_ids", "the output generated no tokens")
+        steps: Steps | None = None
+        pieces: list[Piece | None] = []
+        if completion.get("logprobs") is not None:
+            steps = []
+            for t, step in enumerate(j.seq(completion["logprobs"], f"{opath}.logprobs")):
+                where = f"{opath}.logprobs[{t}]"
+                row = []
+                for key, entry in j.obj(step, where).items():
+                    tid = j.token_id(int(key) if str(key).isdigit() else key, f"{where}.{key}")
+                    logprob = j.obj(entry, f"{where}.{key}")
+                    row.append((tid, j.number(logprob.get("logprob"), f"{where}.{key}.logprob")))
+                    if t < len(output) and tid == output[t]:
+                        decoded = logprob.get("decoded_token")
+                        pieces.append(_piece(decoded, None) if isinstance(decoded, str) else None)
+                steps.append(row)
+        index = j.opt_int(completion.get("index"), f"{opath}.index")
+        text = completion.get("text")
+        out.append(
+            Generation(
+                field=opath,
+                prompt_token_ids=prompt,
+                output_token_ids=output,
+                steps=steps,
+                steps_field="logprobs",
+                stop_reason=stop_reason,
+                stop_token_id=stop_id,
+                prompt_text=j.opt_str(response.get("prompt"), f"{path}.prompt"),
+                output_text=text if isinstance(text, str) else None,
+                external_id=rid if len(outputs) == 1 or rid is None else f"{rid}#{index or c}",
+                engine_name="vllm",
+                strategy=strategy,
+                processors=processors,
+                max_new_tokens=_max_tokens(request),
+                output_token_pieces=_pieces(pieces) if len(pieces) == len(output) else None,
             )
         )
     return out

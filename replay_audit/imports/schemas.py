@@ -46,7 +46,7 @@ EXTRA_LOGPROBS_MODE: Final = "logprobs_mode"
 EXTRA_UNKNOWN: Final = "unknown"
 EXTRA_TOKENIZATION: Final = "tokenization"
 #: Keys of `config.extras` kept for the import's own (`EXTRA_*`, `formats.EXTRA_TOP_K_VALUES`).
-IMPORT_EXTRAS: Final = 10
+IMPORT_EXTRAS: Final = 14
 #: The value of a configuration field nobody gave (strings), and of `logprobs_mode`.
 UNKNOWN: Final = "unknown"
 
@@ -129,6 +129,8 @@ class ImportResult(IngestResult):
     `choice` the trace's within the item (a response with n > 1 choices gives several)."""
 
     choice: int | None = None
+    #: What the import could not keep of the item's logged evidence (its top-k), and why.
+    warning: str | None = None
 
 
 class ImportBatchResult(_Input):

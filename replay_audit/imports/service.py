@@ -15,11 +15,12 @@ from sqlalchemy.orm import Session
 from replay_audit.config import MAX_BATCH_TRACES
 from replay_audit.exceptions import FieldError, PayloadTooLarge, ReplayAuditError
 from replay_audit.formats import ImportFormat
-from replay_audit.imports.generation import Generation, build_trace, check_context
+from replay_audit.imports.generation import Generation, build_trace, check_context, dropped_top_k
 from replay_audit.imports.hf import parse_hf
 from replay_audit.imports.openai_compat import parse_openai
 from replay_audit.imports.schemas import ImportContext, ImportResult
 from replay_audit.imports.sglang import parse_sglang
+from replay_audit.imports.tokenization import Vocabulary
 from replay_audit.traces import service as traces_service
 from replay_audit.traces.schemas import TraceCreate
 
@@ -34,11 +35,16 @@ PARSERS: Final[dict[str, Parser]] = {
 
 
 def traces_from_item(
-    fmt: ImportFormat, item: Any, context: ImportContext, path: str = "item"
+    fmt: ImportFormat,
+    item: Any,
+    context: ImportContext,
+    path: str = "item",
+    vocabulary: Vocabulary | None = None,
 ) -> list[TraceCreate]:
-    """The traces of one logged item (a response; several traces for several choices).
-    Raises FieldError naming the field (relative to `path`)."""
-    return [build_trace(g, context, fmt) for g in _parser(fmt)(item, path)]
+    """The traces of one logged item (a response; several traces for several choices), with
+    the checkpoint's `vocabulary` for what the item logged only as text (the CLI's `--model`;
+    the API has none). Raises FieldError naming the field (relative to `path`)."""
+    return [build_trace(g, context, fmt, vocabulary) for g in _parser(fmt)(item, path)]
 
 
 def _parser(fmt: ImportFormat) -> Parser:
@@ -61,7 +67,8 @@ def import_items(
 ) -> list[ImportResult]:
     """Parse and store each item's traces; one result per trace (in item order, `index` the
     item's, `choice` the trace's within it), or one error result for an item that gives none.
-    Good items are stored even when others fail. Raises PayloadTooLarge past MAX_BATCH_TRACES
+    Good items are stored even when others fail; a trace whose logged top-k was not kept
+    says why in its result's `warning`. Raises PayloadTooLarge past MAX_BATCH_TRACES
     traces in all. Never commits."""
     _parser(fmt)
     check_context(context)
@@ -81,6 +88,11 @@ def import_items(
         )
     stored = traces_service.ingest_traces(session, project_id, [t for _, _, t in parsed])
     return [
-        ImportResult(**r.model_dump(exclude={"index"}), index=index, choice=choice)
-        for (index, choice, _), r in zip(parsed, stored, strict=True)
+        ImportResult(
+            **r.model_dump(exclude={"index"}),
+            index=index,
+            choice=choice,
+            warning=dropped_top_k(t) if isinstance(t, TraceCreate) else None,
+        )
+        for (index, choice, t), r in zip(parsed, stored, strict=True)
     ]

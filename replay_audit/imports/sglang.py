@@ -16,6 +16,9 @@ Field names, checked against the sources (sgl-project/sglang):
   `logprob_start_len` (-1 by default: input logprobs of the last prompt token only),
   `top_logprobs_num`.
 
+Without `return_prompt_token_ids` (SGLang's default `logprob_start_len=-1` logs the last prompt
+token only) the prompt is the request's `text`, re-tokenised by `tokenization.resolve`.
+
 What the logprobs are depends on the server (the sampler's all-greedy path returns
 log_softmax of the logits; otherwise they are taken after temperature scaling unless the server
 runs with `SGLANG_RETURN_ORIGINAL_LOGPROB`): the import context's `logprobs_mode` says it.
@@ -31,7 +34,7 @@ from replay_audit.diff.pieces import Piece, piece_of_text
 from replay_audit.formats import StopReason
 from replay_audit.imports import _json as j
 from replay_audit.imports.generation import Generation
-from replay_audit.imports.openai_compat import request_strategy
+from replay_audit.imports.openai_compat import decoding_recipe
 
 
 def _tuple(value: Any, path: str) -> tuple[float | None, int]:
@@ -65,7 +68,10 @@ def _prompt_ids(
     meta: Mapping[str, Any],
     request: Mapping[str, Any] | None,
     path: str,
-) -> list[int]:
+) -> list[int] | None:
+    """Logged prompt ids, the request's `input_ids`, complete input logprobs, or None: the
+    request's `text` is then re-tokenised (`tokenization.resolve`), as under SGLang's default
+    `logprob_start_len=-1`."""
     if body.get("prompt_token_ids") is not None:
         return j.token_ids(body["prompt_token_ids"], f"{path}.prompt_token_ids")
     input_ids = request.get("input_ids") if request is not None else None
@@ -76,15 +82,12 @@ def _prompt_ids(
     if isinstance(logged, list) and logged and len(logged) == n_prompt:
         lpath = f"{path}.meta_info.input_token_logprobs"
         return [_tuple(x, f"{lpath}[{i}]")[1] for i, x in enumerate(logged)]
-    raise j.fail(
-        f"{path}.prompt_token_ids",
-        'no prompt token ids: ask SGLang for them ("return_prompt_token_ids": true, or '
-        '"return_logprob": true with "logprob_start_len": 0) or send the request with '
-        "input_ids",
-    )
+    return None
 
 
-def _one(body: Mapping[str, Any], request: Mapping[str, Any] | None, path: str) -> Generation:
+def _one(
+    body: Mapping[str, Any], request: Mapping[str, Any] | None, path: str, batch: int | None
+) -> Generation:
     meta = j.obj(body.get("meta_info"), f"{path}.meta_info")
     mpath = f"{path}.meta_info"
     logged = meta.get("output_token_logprobs")
@@ -130,6 +133,7 @@ def _one(body: Mapping[str, Any], request: Mapping[str, Any] | None, path: str) 
             rows.append(pairs)
         steps = rows
     stop_reason, stop_id = _finish(meta, mpath)
+    strategy, processors = decoding_recipe(request)
     params = request.get("sampling_params") if request is not None else None
     max_new = params.get("max_new_tokens") if isinstance(params, Mapping) else None
     text = body.get("text")
@@ -147,7 +151,9 @@ def _one(body: Mapping[str, Any], request: Mapping[str, Any] | None, path: str) 
         external_id=j.opt_str(meta.get("id"), f"{mpath}.id"),
         engine_name="sglang",
         output_token_pieces=pieces if pieces is not None and len(pieces) == len(output) else None,
-        strategy=request_strategy(request),
+        strategy=strategy,
+        processors=processors,
+        batch_size=batch,
         max_new_tokens=max_new if isinstance(max_new, int) and max_new >= 1 else None,
     )
 
@@ -163,10 +169,11 @@ def parse_sglang(item: Any, path: str = "item") -> list[Generation]:
             request = j.obj(item["request"], f"{path}.request")
         answer, rpath = item["response"], f"{path}.response"
     if not isinstance(answer, list):
-        return [_one(j.obj(answer, rpath), request, rpath)]
+        return [_one(j.obj(answer, rpath), request, rpath, None)]
     bodies: Sequence[Any] = answer
+    # A list answer is one request's prompts, scheduled together: the batch it states.
     return [
-        _one(j.obj(b, f"{rpath}[{i}]"), _nth_request(request, i), f"{rpath}[{i}]")
+        _one(j.obj(b, f"{rpath}[{i}]"), _nth_request(request, i), f"{rpath}[{i}]", len(bodies))
         for i, b in enumerate(bodies)
     ]
 

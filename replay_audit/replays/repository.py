@@ -384,6 +384,18 @@ def results_page(
     return [(row[0], row[1]) for row in session.execute(stmt)]
 
 
+def trace_configs(session: Session, trace_ids: Sequence[int]) -> dict[int, Any]:
+    """Each trace's numerical configuration (as JSON), by trace id."""
+    if not trace_ids:
+        return {}
+    stmt = (
+        select(Trace.id, NumericalConfigRow.config_json)
+        .join(NumericalConfigRow, NumericalConfigRow.id == Trace.config_id)
+        .where(Trace.id.in_(set(trace_ids)))
+    )
+    return {tid: orjson.loads(config) for tid, config in session.execute(stmt)}
+
+
 def unfinished_jobs(session: Session) -> list[ReplayJob]:
     """Jobs the database says are not done (the reconciler's work list)."""
     return list(

@@ -22,7 +22,13 @@ import numpy.typing as npt
 
 from replay_audit.db.base import utcnow
 from replay_audit.diff.pieces import to_json
-from replay_audit.formats import Category, MarginSource, ResultStatus, Screen
+from replay_audit.formats import (
+    EXTRA_TOKEN_IDS_SOURCE,
+    Category,
+    MarginSource,
+    ResultStatus,
+    Screen,
+)
 from replay_audit.json_value import JsonObject
 from replay_audit.replays.domain import ArmOutcome, ReplayOutcome, SingleStep
 from replay_audit.replays.schemas import ReplayResultRead
@@ -218,11 +224,13 @@ def result_json(
     run_public_id: str,
     *,
     engine_reproduced: bool | None = None,
+    token_ids_source: str | None = None,
 ) -> JsonObject:
     """A stored result as the API's JSON (`ReplayResultRead`; times as datetimes), built
     without a model: the export streams it for every row. `row` is a `ReplayResult` or a row of
     the same columns; `engine_reproduced` is the outcome of the run's engine-reproduction check
-    on the trace (see `statistics.engine_reproduced`)."""
+    on the trace (see `statistics.engine_reproduced`), `token_ids_source` where the trace's
+    ids come from (`token_ids_source`)."""
     detail = dict(row.detail or {})
     arms = detail.get("arms") or {}
     ok = row.status == "ok"
@@ -263,6 +271,7 @@ def result_json(
         "single_step": detail.get("single_step"),
         "semantic": detail.get("semantic"),
         "engine_reproduced": engine_reproduced,
+        "token_ids_source": token_ids_source,
         "created_at": row.created_at or utcnow(),
     }
 
@@ -273,11 +282,26 @@ def result_read(
     run_public_id: str,
     *,
     engine_reproduced: bool | None = None,
+    token_ids_source: str | None = None,
 ) -> ReplayResultRead:
     """The API view of a stored result (also what the UI and the CLI show): `result_json`,
     validated into its model."""
-    data = result_json(row, trace_public_id, run_public_id, engine_reproduced=engine_reproduced)
+    data = result_json(
+        row,
+        trace_public_id,
+        run_public_id,
+        engine_reproduced=engine_reproduced,
+        token_ids_source=token_ids_source,
+    )
     return ReplayResultRead.model_validate(data)
+
+
+def token_ids_source(config: Mapping[str, Any]) -> str | None:
+    """Where a trace's ids come from, from its configuration (a `NumericalConfig` as JSON):
+    None where they were logged (every trace but an import's that read them from text)."""
+    extras = config.get("extras")
+    source = extras.get(EXTRA_TOKEN_IDS_SOURCE) if isinstance(extras, Mapping) else None
+    return None if source in (None, "logged") else str(source)
 
 
 #: The result columns the statistics read as they are stored (`figures`).

@@ -50,6 +50,7 @@ from replay_audit.formats import (
     ResultStatus,
     RunStatus,
     Screen,
+    TokenIdsSource,
 )
 from replay_audit.input import InputModel, Lax, UtcDatetime, option_field
 from replay_audit.json_value import JsonObject
@@ -430,6 +431,10 @@ class ReplayResultRead(_Frozen):
     #: (False: this result's divergence is not attributable to the format). None otherwise, or
     #: while the check has no result yet.
     engine_reproduced: bool | None = None
+    #: For an imported trace: where its token ids come from (`formats.TokenIdsSource`; a
+    #: `retokenized` trace's divergence may be a non-canonical split of the logged text). None
+    #: for a trace that logged its ids.
+    token_ids_source: TokenIdsSource | None = None
     created_at: datetime
 
 

@@ -17,7 +17,7 @@ from replay_audit.config import Settings
 from replay_audit.db.base import read_model, utcnow
 from replay_audit.db.ids import decode_cursor, encode_cursor, new_public_id
 from replay_audit.exceptions import FieldError, NotFound
-from replay_audit.formats import Mode
+from replay_audit.formats import EXTRA_PROCESSORS, Mode
 from replay_audit.json_value import JsonObject
 from replay_audit.queue import Capabilities, JobQueue
 from replay_audit.replays import repository, statistics
@@ -31,7 +31,7 @@ from replay_audit.replays.domain import (
 )
 from replay_audit.replays.models import ReplayJob, ReplayRun
 from replay_audit.replays.reconcile import job_spec
-from replay_audit.replays.results import failed_values, result_read
+from replay_audit.replays.results import failed_values, result_read, token_ids_source
 from replay_audit.replays.schemas import (
     MAX_REPLAY_TRACES,
     Page,
@@ -69,7 +69,7 @@ def _select_traces(session: Session, project_id: int, request: ReplayCreate) -> 
         if unknown:
             shown = ", ".join(unknown[:10]) + (" ..." if len(unknown) > 10 else "")
             raise FieldError(f"unknown trace ids: {shown}", field="trace_ids")
-        not_greedy = [i for i in wanted if not is_greedy(rows[i].decoding)]
+        not_greedy = [_not_greedy(rows[i]) for i in wanted if not is_greedy(rows[i].decoding)]
         if not_greedy:
             raise FieldError(
                 "only greedy traces can be replayed; not greedy: " + ", ".join(not_greedy[:10]),
@@ -78,6 +78,14 @@ def _select_traces(session: Session, project_id: int, request: ReplayCreate) -> 
         return [rows[i] for i in wanted]
     assert request.filter is not None
     return _filtered(session, project_id, request.filter)
+
+
+def _not_greedy(trace: Trace) -> str:
+    """A trace's id, with the logits processors that made its greedy request not plain greedy
+    (a replay decodes plain greedy: it does not apply them)."""
+    extras = json.loads(trace.config.config_json).get("extras") or {}
+    processors = extras.get(EXTRA_PROCESSORS)
+    return f"{trace.public_id} (logits processors: {processors})" if processors else trace.public_id
 
 
 def _filtered(session: Session, project_id: int, f: TraceFilter) -> list[Trace]:
@@ -398,10 +406,18 @@ def results_page(session: Session, run: ReplayRun, *, cursor: str | None, limit:
     rows = repository.results_page(session, run, after=after, limit=limit + 1)
     more = len(rows) > limit
     rows = rows[:limit]
-    reproduced = statistics.engine_reproduced(session, run, [r.trace_id for r, _ in rows])
+    trace_ids = [r.trace_id for r, _ in rows]
+    reproduced = statistics.engine_reproduced(session, run, trace_ids)
+    configs = repository.trace_configs(session, trace_ids)
     return Page(
         items=[
-            result_read(r, pid, run.public_id, engine_reproduced=reproduced.get(r.trace_id))
+            result_read(
+                r,
+                pid,
+                run.public_id,
+                engine_reproduced=reproduced.get(r.trace_id),
+                token_ids_source=token_ids_source(configs[r.trace_id]),
+            )
             for r, pid in rows
         ],
         next_cursor=encode_cursor("r", rows[-1][0].id) if more and rows else None,

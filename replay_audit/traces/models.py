@@ -57,7 +57,8 @@ class NumericalConfigRow(Base):
     device: Mapped[str] = mapped_column(String(16))
     gpu_name: Mapped[str | None] = mapped_column(String(200))
     gpu_sm: Mapped[str | None] = mapped_column(String(8))
-    batch_size: Mapped[int] = mapped_column()
+    #: NULL where the source did not say it (imports).
+    batch_size: Mapped[int | None] = mapped_column()
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -103,6 +104,8 @@ class Trace(Base):
     top_k_ids: Mapped[Int32Array | None] = mapped_column(PackedInt32Array())
     top_k_logits: Mapped[Float32Array | None] = mapped_column(PackedFloat32Array())
     prompt_text: Mapped[str | None] = mapped_column(Text)
+    #: A chat prompt's messages ([{role, content}]); None for a plain text prompt.
+    prompt_messages: Mapped[list[dict[str, str]] | None] = mapped_column(JSON, nullable=True)
     output_text: Mapped[str | None] = mapped_column(Text)
     #: Each output token's piece (`diff.pieces` stored form: a string, or a list of byte values
     #: where the token's bytes are not text alone); None when the producer had no tokenizer.

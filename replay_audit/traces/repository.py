@@ -32,6 +32,7 @@ _ARRAY_COLUMNS = (
     Trace.top_k_ids,
     Trace.top_k_logits,
     Trace.prompt_text,
+    Trace.prompt_messages,
     Trace.output_text,
     Trace.output_token_pieces,
     Trace.reference_answer,
@@ -53,7 +54,7 @@ class ConfigValues(TypedDict):
     device: str
     gpu_name: str | None
     gpu_sm: str | None
-    batch_size: int
+    batch_size: int | None
     created_at: datetime
 
 
@@ -81,6 +82,7 @@ class TraceContent(TypedDict):
     top_k_ids: bytes | None
     top_k_logits: bytes | None
     prompt_text: str | None
+    prompt_messages: list[dict[str, str]] | None
     output_text: str | None
     output_token_pieces: list[str | list[int]] | None
     tags: list[str]

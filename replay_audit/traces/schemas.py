@@ -156,8 +156,9 @@ class NumericalConfig(TraceInput):
     device: LoggedDevice = "cpu"
     gpu: GpuInfo | None = None
     attn_kernel: AttnKernelName = "eager"
-    batch_size: BatchSize = 1
-    tp_degree: TpDegree = 1
+    #: None = not known (an import whose source does not say it): never a guessed 1.
+    batch_size: BatchSize | None = 1
+    tp_degree: TpDegree | None = 1
     engine: EngineInfo = EngineInfo(name="transformers")
     torch_version: Version | None = None
     cuda_version: Version | None = None
@@ -240,6 +241,13 @@ class TopK(TraceInput):
         return PackedTopK(k, ids.tobytes(), logits32.tobytes())
 
 
+class ChatMessage(TraceInput):
+    """One message of a chat prompt (the prompt's ids are its rendering by the chat template)."""
+
+    role: Name
+    content: str = Field(max_length=1_000_000)
+
+
 class TraceCreate(TraceInput):
     external_id: str | None = Field(default=None, min_length=1, max_length=200)
     model: ModelRef
@@ -248,6 +256,8 @@ class TraceCreate(TraceInput):
     prompt_token_ids: list[TokenId] = Field(min_length=1)
     output_token_ids: list[TokenId] = Field(min_length=1)
     prompt_text: str | None = Field(default=None, max_length=1_000_000)
+    #: A chat prompt's messages; `prompt_text` is then their rendering by the chat template.
+    prompt_messages: list[ChatMessage] | None = Field(default=None, max_length=1000)
     output_text: str | None = Field(default=None, max_length=1_000_000)
     #: One piece per output token (its text, or its bytes), from a producer that had the
     #: tokenizer; byte lists that are valid text are stored as that text.

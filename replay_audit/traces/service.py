@@ -103,6 +103,10 @@ def _prepare(index: int, trace: TraceCreate, config_sha256: str) -> _Prepared:
     if trace.output_token_pieces is not None:
         # Only when given, so the content hash of a trace without pieces is what it was.
         header["output_token_pieces"] = trace.output_token_pieces
+    messages = None
+    if trace.prompt_messages is not None:  # likewise
+        messages = [m.model_dump() for m in trace.prompt_messages]
+        header["prompt_messages"] = messages
     digest = hashlib.sha256(_CONTENT_VERSION)
     digest.update(orjson.dumps(header, option=orjson.OPT_SORT_KEYS))
     arrays = [prompt, output]
@@ -125,6 +129,7 @@ def _prepare(index: int, trace: TraceCreate, config_sha256: str) -> _Prepared:
         "top_k_ids": top_k.ids if top_k is not None else None,
         "top_k_logits": top_k.logits if top_k is not None else None,
         "prompt_text": trace.prompt_text,
+        "prompt_messages": messages,
         "output_text": trace.output_text,
         "output_token_pieces": trace.output_token_pieces,
         "tags": trace.tags,
@@ -338,6 +343,7 @@ def to_read(trace: Trace) -> TraceRead:
             "prompt_token_ids": trace.prompt_token_ids.tolist(),
             "output_token_ids": trace.output_token_ids.tolist(),
             "prompt_text": trace.prompt_text,
+            "prompt_messages": trace.prompt_messages,
             "output_text": trace.output_text,
             "output_token_pieces": trace.output_token_pieces,
             "top_k": top_k,

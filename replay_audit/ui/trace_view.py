@@ -15,7 +15,7 @@ from replay_audit.diff.pieces import Piece, from_json, joined, shown
 from replay_audit.json_value import JsonObject
 from replay_audit.replays.domain import arm_label, c_against_logged, comparison_label
 from replay_audit.replays.models import ReplayResult, ReplayRun
-from replay_audit.replays.results import result_read
+from replay_audit.replays.results import result_read, token_ids_source
 from replay_audit.replays.schemas import ArmRead, MarginsRead, ReplayResultRead
 from replay_audit.stats.report import SAR_NOTES
 from replay_audit.traces.models import Trace
@@ -225,13 +225,19 @@ def build(
     """The trace page's model for `result` (one comparison of `trace` in `run`)."""
     targets = run.run_targets
     comp = run.run_comparisons[result.comparison]
-    read = result_read(result, trace.public_id, run.public_id, engine_reproduced=engine_reproduced)
+    logged_config = json.loads(trace.config.config_json)
+    read = result_read(
+        result,
+        trace.public_id,
+        run.public_id,
+        engine_reproduced=engine_reproduced,
+        token_ids_source=token_ids_source(logged_config),
+    )
     empty = ArmRead.model_validate(dict.fromkeys(ArmRead.model_fields))  # a failed result's
     ra, rb = (read.arms.a, read.arms.b) if read.arms is not None else (empty, empty)
     t_star = result.first_divergence_step
     start = max(0, t_star - MAX_TOKENS_SHOWN // 4) if t_star and t_star >= MAX_TOKENS_SHOWN else 0
     b_ids = rb.output_token_ids or []
-    logged_config = json.loads(trace.config.config_json)
     if comp.a == "logged":
         a_ids = trace.output_token_ids.tolist()
         a_margins = logged_margins(trace)

@@ -295,3 +295,50 @@ def test_replay_names_the_line_logged_with_other_weights(
          "--out", str(tmp_path / "r.jsonl")],
     )  # fmt: skip
     assert r.exit_code == 2 and f"{bad}:2: model.weights_sha256:" in r.output, r.output
+
+
+def test_generate_renders_chat_messages_with_the_checkpoints_chat_template(
+    tmp_path: Path,
+) -> None:
+    """A `{"messages": [...]}` line is rendered by the checkpoint's chat template (with the
+    generation prompt, no special tokens added on top); the trace keeps both."""
+    from transformers import AutoTokenizer
+
+    from tests.imports.conftest import make_chat_checkpoint
+
+    chat = make_chat_checkpoint(tmp_path / "tiny-llama-chat")
+    messages = [
+        {"role": "system", "content": "Write Python."},
+        {"role": "user", "content": "def f("},
+    ]
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text(
+        json.dumps({"id": "c", "messages": messages})
+        + "\n"
+        + json.dumps({"id": "t", "prompt": "def f("})
+        + "\n"
+    )
+    out = tmp_path / "traces.jsonl"
+    args = ["generate", "--model", str(chat), "--prompts", str(prompts), "--out", str(out)]
+    flags = ["--dtype", "fp32", "--max-new-tokens", "4", "--device", "cpu", "--threads", "1"]
+    r = runner.invoke(app, [*args, *flags])
+    assert r.exit_code == 0, r.output
+    chat_trace, text_trace = [
+        TraceCreate.model_validate_json(x) for x in out.read_text().splitlines()
+    ]
+    rendered = "<s><|system|>\nWrite Python.</s>\n<|user|>\ndef f(</s>\n<|assistant|>\n"
+    assert chat_trace.prompt_text == rendered
+    assert [m.model_dump() for m in chat_trace.prompt_messages or []] == messages
+    tokenizer = AutoTokenizer.from_pretrained(str(chat))
+    assert chat_trace.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    assert chat_trace.prompt_token_ids.count(0) == 1  # one BOS: the template's
+    assert text_trace.prompt_text == "def f(" and text_trace.prompt_messages is None
+
+    plain = tmp_path / "plain"  # the bundled tokenizer has no chat template
+    shutil.copytree(chat, plain)
+    (plain / "chat_template.jinja").unlink()
+    r = runner.invoke(
+        app,
+        ["generate", "--model", str(plain), "--prompts", str(prompts), "--out", str(out), *flags],
+    )
+    assert r.exit_code == 2 and "no chat template" in r.output, r.output

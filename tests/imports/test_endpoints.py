@@ -134,3 +134,27 @@ def test_the_endpoint_is_in_the_openapi_schema(client: TestClient) -> None:
     schema = client.get("/openapi.json").json()
     assert "/v1/traces:import" in schema["paths"]
     assert "ImportRequest" in schema["components"]["schemas"]
+
+
+def test_a_top_k_the_server_cannot_keep_is_named_in_the_items_result(
+    client: TestClient, headers: Headers
+) -> None:
+    """The API has no tokenizer: a vLLM chat response whose top-k is keyed by token text (the
+    default) is stored with its logged ids and without the top-k, and the answer says why;
+    the stored trace says it too, and a response stored with its top-k has no warning."""
+    items = [load_fixture("vllm_chat_text_top_k.json"), _items()[0]]
+    answer = client.post(
+        "/v1/traces:import?format=openai",
+        json={"context": CONTEXT, "items": items},
+        headers=headers("submitter"),
+    )
+    assert answer.status_code == 207, answer.text
+    text_keyed, with_ids = answer.json()["results"]
+    assert text_keyed["status"] == 201
+    assert text_keyed["warning"].startswith("the top-k is keyed by token text")
+    assert "warning" not in with_ids
+    stored = client.get(f"/v1/traces/{text_keyed['id']}", headers=headers("auditor")).json()
+    assert stored["top_k"] is None
+    assert stored["config"]["extras"]["top_k_source"].startswith("dropped: ")
+    assert stored["prompt_messages"] == [{"role": "user", "content": "def _convert_num(node):\n"}]
+    assert stored["config"]["batch_size"] is None and stored["config"]["tp_degree"] is None

@@ -149,7 +149,7 @@ def test_a_saved_output_imports_as_the_live_one(
     [
         (lambda s: s.update(sequences=[[1, 2]]), "item.sequences"),
         (lambda s: s.update(logits=s["logits"][:-1]), "item.logits"),
-        (lambda s: s.pop("prompt_length"), "item.input_ids"),
+        (lambda s: [s.pop("prompt_length"), s.pop("logits")], "item.input_ids"),
         (lambda s: s.update(sequences="x"), "item.sequences"),
     ],
 )

@@ -189,7 +189,7 @@ def test_bad_lines_are_reported_with_file_and_line_and_skipped(
         ],
     )
     assert r.exit_code == 1
-    assert f"{path}:3: item.prompt_token_ids: no prompt token ids" in r.output
+    assert f"{path}:3: item.prompt_token_ids: not logged" in r.output
     assert f"{path}:4: not JSON" in r.output
     assert "2 items failed" in r.output and len(_read(out)) == 3
 
@@ -255,3 +255,237 @@ def test_post_sends_batches_idempotently(
     wrong_key = [a if a != key else "wrong" for a in args]
     refused = runner.invoke(app, wrong_key)
     assert refused.exit_code == 2 and "401" in refused.output
+
+
+class NotAllowed:
+    """A class no allow-list names: a pickle holding it must not load (nor run anything)."""
+
+
+def _saved_generate(chat_checkpoint: Path, path: Path) -> tuple[Any, Any]:
+    """`torch.save` of a real `generate(..., return_dict_in_generate=True)` output of a
+    left-padded batch of two prompts (its KV cache included), and the tokenizer's encoding."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_checkpoint), padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(str(chat_checkpoint))
+    enc = tokenizer(["def f(x):\n", "import os\n\n\nclass A"], return_tensors="pt", padding=True)
+    out = model.generate(
+        **enc,
+        max_new_tokens=6,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.save(out, path)
+    return out, enc
+
+
+def test_a_saved_generate_output_loads_safely_and_a_bad_file_stops_nothing(
+    chat_checkpoint: Path, tmp_path: Path
+) -> None:
+    import torch
+
+    from replay_audit.imports.hf import traces_from_generate
+    from replay_audit.imports.schemas import ImportContext
+
+    good, evil = tmp_path / "gen.pt", tmp_path / "evil.pt"
+    out, enc = _saved_generate(chat_checkpoint, good)
+    assert type(out).__name__ == "GenerateDecoderOnlyOutput"
+    torch.save({"sequences": out.sequences, "x": NotAllowed()}, evil)
+    result = tmp_path / "t.jsonl"
+    r = runner.invoke(
+        app,
+        [
+            "import",
+            "--format",
+            "hf",
+            str(evil),
+            str(good),
+            "--model",
+            str(chat_checkpoint),
+            "--config",
+            "dtype=fp32",
+            "--config",
+            "decoding.strategy=greedy",
+            "--out",
+            str(result),
+        ],
+    )
+    assert r.exit_code == 1, r.output
+    assert f"{evil}: not a generate() output loadable safely" in r.output
+    assert "NotAllowed" in r.output  # torch's weights_only refusal names the global
+    traces = _read(result)
+    assert len(traces) == 2 and "wrote 2 traces" in r.output
+    context = ImportContext.model_validate(
+        {"model": traces[0].model.model_dump(), "dtype": "fp32", "decoding": {"eos_token_ids": [1]}}
+    )
+    live = traces_from_generate(
+        out, context=context, input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]
+    )
+    for saved, expected in zip(traces, live, strict=True):
+        assert saved.prompt_token_ids == expected.prompt_token_ids  # left padding dropped
+        assert saved.output_token_ids == expected.output_token_ids and saved.top_k == expected.top_k
+        assert saved.config.batch_size == 2 and saved.config.extras["top_k_source"] == "logged ids"
+    assert traces[0].prompt_token_ids[0] == 0 and 2 not in traces[0].prompt_token_ids
+
+
+def test_format_vllm_is_openai_and_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(load_fixture("vllm_chat_token_ids.json")))
+    out = tmp_path / "t.jsonl"
+    args = ["import", "--format", "vllm", str(path), "--out", str(out), "--config", "dtype=bf16"]
+    r = runner.invoke(app, [*args, *MODEL_FLAGS])
+    assert r.exit_code == 0, r.output
+    assert "read by --format openai" in r.output and len(_read(out)) == 1
+    assert _read(out)[0].config.extras["import_format"] == "openai"
+
+
+def test_lm_eval_filters_give_one_trace_per_doc_and_do_sample_false_is_greedy(
+    chat_checkpoint: Path, tmp_path: Path
+) -> None:
+    from tests.imports.conftest import FIXTURES
+
+    samples = FIXTURES / "samples_gsm8k_2026-01-05T00-00-00.000000.jsonl"
+    lines = [json.loads(x) for x in samples.read_text().splitlines()]
+    assert len(lines) == 4 and {x["filter"] for x in lines} == {"strict-match", "flexible-extract"}
+    for x in lines:  # HF decodes greedily with do_sample false, whatever the temperature
+        x["arguments"]["gen_args_0"]["arg_1"]["temperature"] = 0.7
+    copy = _write_jsonl(tmp_path / samples.name, lines)
+    (tmp_path / "results_2026-01-05T00-00-00.000000.json").write_text(
+        (FIXTURES / "results_2026-01-05T00-00-00.000000.json").read_text()
+    )
+    out = tmp_path / "t.jsonl"
+    r = runner.invoke(
+        app,
+        [
+            "import",
+            "--format",
+            "lm-eval",
+            str(copy),
+            "--model",
+            str(chat_checkpoint),
+            "--out",
+            str(out),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    traces = _read(out)
+    assert [t.external_id for t in traces] == [
+        "lm-eval:gsm8k:0:1767571200.0",
+        "lm-eval:gsm8k:1:1767571200.0",
+    ]
+    for t in traces:
+        assert t.config.extras["filters"] == "strict-match,flexible-extract"
+        assert t.decoding.strategy == "greedy" and t.config.batch_size == 1  # results JSON
+        assert t.config.extras["token_ids_source"] == "retokenized"
+
+
+@pytest.mark.slow
+def test_each_engines_default_layout_imports_and_its_replay_reproduces_it(
+    chat_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Done when (issue 21): each engine's default shape imports with ids (and top-k, or a
+    reason per item), and a replay of each imported set runs, here in the logged fp32
+    configuration (the chat checkpoint is the bundled model with a chat template)."""
+    from tests.imports.conftest import FIXTURES
+
+    _saved_generate(chat_checkpoint, tmp_path / "gen.pt")
+    imports = [
+        ("openai", FIXTURES / "vllm_chat_default.json", []),
+        ("openai", FIXTURES / "vllm_chat_text_top_k.json", []),
+        ("openai", FIXTURES / "openai_chat_logprobs.json", []),
+        ("sglang", FIXTURES / "sglang_generate_default.json", []),
+        ("vllm", FIXTURES / "vllm_offline_request_output.jsonl", ["decoding.strategy=greedy"]),
+        ("lm-eval", FIXTURES / "samples_gsm8k_2026-01-05T00-00-00.000000.jsonl", []),
+        ("hf", tmp_path / "gen.pt", ["decoding.strategy=greedy"]),
+    ]
+    every = tmp_path / "all.jsonl"
+    with every.open("w") as sink:
+        for n, (fmt, path, flags) in enumerate(imports):
+            out = tmp_path / f"{n}.jsonl"
+            config = [f for flag in ["dtype=fp32", *flags] for f in ("--config", flag)]
+            r = runner.invoke(
+                app,
+                [
+                    "import",
+                    "--format",
+                    fmt,
+                    str(path),
+                    "--model",
+                    str(chat_checkpoint),
+                    *config,
+                    "--out",
+                    str(out),
+                ],
+            )
+            assert r.exit_code == 0, (path, r.output)
+            traces = _read(out)
+            assert traces and all(t.decoding.strategy == "greedy" for t in traces), path
+            kept = [t.top_k is not None for t in traces]
+            if path.name.startswith(("openai", "sglang")):  # the mode unknown: said per trace
+                assert not any(kept) and "top-k not kept: the logprobs mode is" in r.output
+            else:  # lm-eval logs no logprobs
+                assert all(kept) != (fmt == "lm-eval"), path
+            sink.write(out.read_text())
+    results = tmp_path / "results.jsonl"
+    r = runner.invoke(
+        app,
+        [
+            "replay",
+            str(every),
+            "--model",
+            str(chat_checkpoint),
+            "--dtype",
+            "fp32",
+            "--out",
+            str(results),
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    assert len(rows) == len(every.read_text().splitlines()) == 12
+    assert all(row["status"] == "ok" for row in rows), rows
+    exact = {row["trace_id"]: row["exact_match"] for row in rows}
+    # lm-eval logs text: the model wrote "\n\n\n" as three tokens that the tokenizer merges, so
+    # the re-tokenised trace diverges at step 0, as a non-canonical split does. Every log with
+    # ids, or with pieces, reproduces exactly.
+    assert [k for k, v in exact.items() if not v] == [
+        "lm-eval:gsm8k:0:1767571200.0",
+        "lm-eval:gsm8k:1:1767571200.0",
+    ]
+    assert all(row["first_divergence_step"] == 0 for row in rows if not row["exact_match"])
+    # Every result says where its trace's ids came from (None: logged).
+    sources = {row["trace_id"]: row["token_ids_source"] for row in rows}
+    assert sources["chatcmpl-" + "b2" * 16] == "retokenized"  # the prompt; output: pieces
+    assert sources["chatcmpl-" + "a1" * 16] is None and sources["0"] is None
+    assert sources["lm-eval:gsm8k:0:1767571200.0"] == "retokenized"
+    assert sources["0f3c2a9e4b1d4c8e9a0b1c2d3e4f5a6b"] == "retokenized"  # SGLang's prompt
+
+
+def test_a_penalised_greedy_request_is_imported_as_other_and_its_replay_says_why(
+    chat_checkpoint: Path, tmp_path: Path
+) -> None:
+    item = load_fixture("vllm_chat_text_top_k.json")
+    item["request"].update(temperature=0, repetition_penalty=1.2, logit_bias={"201": -5})
+    path = _write_jsonl(tmp_path / "r.jsonl", [item])
+    out = tmp_path / "t.jsonl"
+    model = ["--model", str(chat_checkpoint), "--config", "dtype=fp32"]
+    r = runner.invoke(app, ["import", "--format", "openai", str(path), *model, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    [trace] = _read(out)
+    assert trace.decoding.strategy == "other"
+    processors = 'repetition_penalty=1.2,logit_bias={"201":-5}'
+    assert trace.config.extras["logits_processors"] == processors
+    results = tmp_path / "results.jsonl"
+    r = runner.invoke(
+        app, ["replay", str(out), *model[:2], "--dtype", "fp32", "--out", str(results)]
+    )
+    assert r.exit_code == 2
+    assert f"{out}:1: decoding.strategy: only greedy" in r.output
+    assert f"(logits processors: {processors})" in r.output

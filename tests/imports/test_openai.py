@@ -19,6 +19,8 @@ src/openai/types/completion.py, completion_choice.py), which is what users' code
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from openai.types import Completion
@@ -193,7 +195,6 @@ def test_chat_top_logprobs_without_ids_give_no_logged_margin(context: ImportCont
         ("raw_logits", "logits", True),
         ("processed_logprobs", "none", False),
         ("processed_logits", "none", False),
-        (None, "none", False),
     ],
 )
 def test_the_logprobs_mode_decides_the_margin_source(
@@ -202,7 +203,29 @@ def test_the_logprobs_mode_decides_the_margin_source(
     [trace] = traces_from_item("openai", chat_item(), make_context(logprobs_mode=mode))
     assert (trace.top_k is not None) is has_top_k
     assert trace.config.extras["top_k_values"] == values
-    assert trace.config.extras["logprobs_mode"] == (mode or "unknown")
+    assert trace.config.extras["logprobs_mode"] == mode
+    assert trace.config.extras["logprobs_mode_source"] == "context"
+    assert (trace.config.extras["top_k_source"] == "logged ids") is has_top_k
+
+
+def test_vllms_default_logprobs_mode_is_taken_for_vllm_sources_only() -> None:
+    """vLLM's `--logprobs-mode` defaults to raw_logprobs: a vLLM response (`prompt_logprobs`,
+    its choices' `stop_reason`) imported without the mode keeps its top-k, saying whence the
+    mode came; a response that shows no engine keeps none, and says why."""
+    [trace] = traces_from_item("openai", chat_item(), make_context(logprobs_mode=None))
+    assert trace.top_k is not None and trace.config.engine.name == "vllm"
+    extras = trace.config.extras
+    assert extras["logprobs_mode"] == "raw_logprobs" and extras["top_k_values"] == "raw_logprobs"
+    assert extras["logprobs_mode_source"] == "engine_default"
+    item = chat_item()
+    response: dict[str, Any] = item["response"]  # type: ignore[assignment]
+    del response["prompt_logprobs"]  # vLLM's fields gone: an OpenAI-shaped response
+    for choice in response["choices"]:
+        del choice["stop_reason"]
+    [other] = traces_from_item("openai", item, make_context(logprobs_mode=None))
+    assert other.top_k is None and other.config.engine.name == "unknown"
+    assert other.config.extras["logprobs_mode"] == "unknown"
+    assert str(other.config.extras["top_k_source"]).startswith("dropped: the logprobs mode is")
 
 
 def test_top_k_below_two_gives_no_logged_margin(context: ImportContext) -> None:
@@ -216,14 +239,17 @@ def test_top_k_below_two_gives_no_logged_margin(context: ImportContext) -> None:
 def test_unknown_configuration_is_recorded_as_unknown_never_guessed() -> None:
     [trace] = traces_from_item("openai", load_fixture("vllm_chat_token_ids.json"), make_context())
     c = trace.config
-    assert c.attn_kernel == "unknown" and c.engine.name == "unknown" and c.device == "other"
+    # The response shows vLLM (its choices' `stop_reason`); nothing else is guessed.
+    assert c.attn_kernel == "unknown" and c.engine.name == "vllm" and c.device == "other"
+    assert c.batch_size is None and c.tp_degree is None
     unknown = set(str(c.extras["unknown"]).split(","))
+    assert "engine.name" not in unknown
     assert {
         "attn_kernel",
         "batch_size",
+        "tp_degree",
         "device",
         "gpu",
-        "engine.name",
         "engine.version",
         "decoding.strategy",
         "deterministic",

@@ -258,9 +258,11 @@ def test_0006_gives_webhooks_a_secret_and_scrubs_stored_answers(empty_db_url: st
             )
         migration.upgrade(empty_db_url, "0006")
         with engine.connect() as c:
-            secrets = c.execute(
-                text("SELECT webhook_secret FROM audit_schedules ORDER BY id")
-            ).scalars().all()
+            secrets = (
+                c.execute(text("SELECT webhook_secret FROM audit_schedules ORDER BY id"))
+                .scalars()
+                .all()
+            )
             stored_log, last_error = c.execute(
                 text("SELECT attempt_log, last_error FROM audit_alerts")
             ).one()
@@ -367,9 +369,7 @@ def test_0010_keeps_every_row_and_files_it_under_its_traces_week(empty_db_url: s
                         "t": t,
                     },
                 )
-                c.execute(
-                    text("INSERT INTO trace_tags (trace_id, tag) VALUES (:i, 'x')"), {"i": i}
-                )
+                c.execute(text("INSERT INTO trace_tags (trace_id, tag) VALUES (:i, 'x')"), {"i": i})
             c.execute(
                 text(
                     "INSERT INTO replay_runs (id, public_id, project_id, status, mode, compare,"
@@ -387,9 +387,7 @@ def test_0010_keeps_every_row_and_files_it_under_its_traces_week(empty_db_url: s
             )
         migration.upgrade(empty_db_url)
         with engine.connect() as c:
-            keys = c.execute(
-                text("SELECT public_id, external_id FROM trace_keys ORDER BY 1")
-            ).all()
+            keys = c.execute(text("SELECT public_id, external_id FROM trace_keys ORDER BY 1")).all()
             moved = c.execute(
                 text(
                     "SELECT r.trace_created_at = t.created_at, t.created_at"
@@ -431,3 +429,54 @@ def test_0010_keeps_every_row_and_files_it_under_its_traces_week(empty_db_url: s
             "replay_results": "replay_results_p20260105",
         }
     assert after_downgrade == [2, 2, 1] and after_upgrade == 2
+
+
+def test_0014_lets_a_batch_size_be_unknown_and_keeps_the_traces(empty_db_url: str) -> None:
+    """After 0014 a configuration's batch size may be NULL (and a trace has chat messages);
+    down to 0012 the unknown batch sizes read 1 again and NOT NULL holds; traces survive both."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import IntegrityError
+
+    config = (
+        "INSERT INTO numerical_configs (id, public_id, content_sha256, config_json, dtype,"
+        " lm_head_dtype, attn_kernel, device, batch_size, created_at) VALUES"
+        " (:id, :p, :h, '{}', 'bf16', 'bf16', 'eager', 'cpu', :bs, '2026-01-05 00:00:00')"
+    )
+    migration.upgrade(empty_db_url, "0012")
+    engine = create_engine(empty_db_url)
+    try:
+        with engine.begin() as c:
+            c.execute(
+                text("INSERT INTO projects (id, name, created_at) VALUES (1, 'p', :t)"),
+                {"t": "2026-01-05 00:00:00"},
+            )
+            c.execute(text(config), {"id": 1, "p": "nc_1", "h": "a" * 64, "bs": 4})
+            c.execute(
+                text(
+                    "INSERT INTO traces (id, public_id, project_id, config_id, model_name,"
+                    " weights_sha256, vocab_size, decoding, prompt_token_ids, output_token_ids,"
+                    " n_prompt_tokens, n_output_tokens, tags, content_sha256, created_at) VALUES"
+                    " (1, 'tr_1', 1, 1, 'm', :h, 10, '{}', :b, :b, 1, 1, '[]', :h, :t)"
+                ),
+                {"h": "b" * 64, "b": b"\x01\x00\x00\x00", "t": "2026-01-05 00:00:00"},
+            )
+        migration.upgrade(empty_db_url)
+        with engine.begin() as c:
+            c.execute(text(config), {"id": 2, "p": "nc_2", "h": "c" * 64, "bs": None})
+            c.execute(
+                text("UPDATE traces SET prompt_messages = :m"),
+                {"m": '[{"role": "user", "content": "hi"}]'},
+            )
+        migration.downgrade(empty_db_url, "0012")
+        with engine.begin() as c:
+            rows = c.execute(text("SELECT id, batch_size FROM numerical_configs ORDER BY id"))
+            assert rows.all() == [(1, 4), (2, 1)]
+            assert c.execute(text("SELECT config_id FROM traces")).scalar() == 1
+        with pytest.raises(IntegrityError), engine.begin() as c:
+            c.execute(text(config), {"id": 3, "p": "nc_3", "h": "d" * 64, "bs": None})
+        engine.dispose()
+        assert "prompt_messages" not in {
+            col["name"] for col in inspect(engine).get_columns("traces")
+        }
+    finally:
+        engine.dispose()

@@ -224,6 +224,13 @@ def test_non_greedy_trace_is_refused(
     (trace_id,) = ingest(client, h, [sampled])
     r = client.post("/v1/replays", json={"trace_ids": [trace_id], "targets": [FP16]}, headers=h)
     assert r.status_code == 422 and "greedy" in r.text and trace_id in r.text
+    # An imported greedy request with a penalty is `other`, and the refusal says why.
+    penalised = logged_trace(PROMPTS[2], decoding={"strategy": "other", "max_new_tokens": 12})
+    penalised["config"]["extras"] = {"logits_processors": "repetition_penalty=1.2"}
+    (trace_id,) = ingest(client, h, [penalised])
+    r = client.post("/v1/replays", json={"trace_ids": [trace_id], "targets": [FP16]}, headers=h)
+    assert r.status_code == 422, r.text
+    assert f"{trace_id} (logits processors: repetition_penalty=1.2)" in r.json()["detail"]
 
 
 def test_roles_and_projects(
@@ -384,3 +391,23 @@ def test_a_pairwise_target_without_a_kernel_runs_the_logged_one_and_every_surfac
     assert "(kernel: logged)" in ran_table and "engine default" not in ran_table
     targets = page[page.index('id="targets"') : page.index("</table>", page.index('id="targets"'))]
     assert "each trace&#39;s logged kernel" in targets or "each trace's logged kernel" in targets
+
+
+def test_each_result_says_where_its_traces_ids_came_from(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+) -> None:
+    """A trace imported from text (`config.extras.token_ids_source`) says so on each of its
+    results: a divergence there may be a re-tokenisation's split, not the format."""
+    h = headers("admin")
+    retokenized = logged_trace(PROMPTS[0])
+    retokenized["config"]["extras"] = {"token_ids_source": "retokenized"}
+    ids = ingest(client, h, [retokenized, logged_trace(PROMPTS[1])])
+    r = client.post("/v1/replays", json={"trace_ids": ids, "targets": [FP16]}, headers=h)
+    assert r.status_code == 201, r.text
+    runner.run_all()
+    results = all_results(client, r.json()["id"], h)
+    by_trace = {x["trace_id"]: x["token_ids_source"] for x in results}
+    assert by_trace == {ids[0]: "retokenized", ids[1]: None}
