@@ -88,7 +88,8 @@ def rtn_checkpoint(src: str | Path, dst: str | Path, *, bits: int, group_size: i
         top = 2 ** (bits - 1) - 1
         scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / top
         q = torch.clamp(torch.round(x / scale), -top - 1, top) * scale
-        return q.reshape(rows, -1)[:, :cols].to(w.dtype)
+        out: torch.Tensor = q.reshape(rows, -1)[:, :cols].to(w.dtype)
+        return out
 
     return _rewritten(src, dst, lambda name, w: quantise(w) if _is_body_linear(name, w) else w)
 

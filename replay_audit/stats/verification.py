@@ -33,7 +33,7 @@ from replay_audit.diff.deficit import TIE_BAND_ULPS
 Statistic = Literal["mean_deficit_ulps", "outside_tie_band", "log_likelihood_ratio"]
 STATISTICS: Final[tuple[Statistic, ...]] = get_args(Statistic)
 #: The statistic verdicts use (measured best on the bundled model: docs/verify.md).
-VERDICT_STATISTIC: Final[Statistic] = "log_likelihood_ratio"
+VERDICT_STATISTIC: Final[Statistic] = "outside_tie_band"
 Verdict = Literal["consistent", "inconsistent", "insufficient"]
 
 #: Deficits above this many ulps count as this many in the mean deficit.
@@ -67,7 +67,7 @@ def bin_probabilities(traces: Sequence[Ulps]) -> list[float]:
     counts = np.full(len(BIN_EDGES) + 1, PSEUDO_COUNT)
     for u in traces:
         counts += np.bincount(deficit_bins(u), minlength=counts.size)
-    return (counts / counts.sum()).tolist()
+    return [float(x) for x in counts / counts.sum()]
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,11 @@ class TokenScorer:
 
     def score(self, traces: Sequence[Ulps], statistic: Statistic) -> float:
         """A group's score: the mean token score over all its tokens (NaN without tokens)."""
-        u = np.concatenate([np.asarray(t, dtype=np.float64) for t in traces]) if traces else []
+        u: Ulps = (
+            np.concatenate([np.asarray(t, dtype=np.float64) for t in traces])
+            if traces
+            else np.zeros(0)
+        )
         s = self.scores(u, statistic)
         return float(s.mean()) if s.size else float("nan")
 

@@ -8,8 +8,8 @@ decision must detect: a 4-bit RTN (group 128) copy of the checkpoint. Workers an
 from __future__ import annotations
 
 import tempfile
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
 
