@@ -187,14 +187,16 @@ def main() -> None:
                 }
             results.append(row)
     print(
-        f"# {args.model} claimed {dt}/sdpa on {device} ({platform.processor() or platform.machine()}), "
-        f"null {args.null_prompts} prompts x {len(cal.variations)} variations, eval {args.eval_prompts} "
-        f"prompts x {n} tokens, {time.time() - t0:.0f} s"
+        f"# {args.model} claimed {dt}/sdpa on {device} "
+        f"({platform.processor() or platform.machine()}), null {args.null_prompts} prompts x "
+        f"{len(cal.variations)} variations, eval {args.eval_prompts} prompts x {n} tokens, "
+        f"{time.time() - t0:.0f} s"
     )
     for stat in STATISTICS:
         print(f"\n{stat}{' (verdicts)' if stat == cal.statistic else ''}")
         print(
-            "| simulation | tokens | AUC @256 | tokens to decision | flagged @256 (benign: false-alarm rate) |"
+            "| simulation | tokens | AUC @256 | tokens to decision "
+            "| flagged @256 (benign: false-alarm rate) |"
         )
         print("| --- | --- | --- | --- | --- |")
         for r in results:
