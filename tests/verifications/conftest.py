@@ -19,7 +19,7 @@ from replay_audit.stats.verification import Calibration
 
 PROMPTS = Path(BUNDLED_MODEL_DIR).parent / "prompts.jsonl"
 #: Prompts of the null, and (the next ones) of the logged traces.
-NULL_PROMPTS, LOGGED_PROMPTS = 6, 10
+NULL_PROMPTS, LOGGED_PROMPTS = 8, 10
 BUDGETS = (16, 32, 64, 128, 256, 512)
 
 
