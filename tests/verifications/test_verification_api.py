@@ -24,6 +24,8 @@ from replay_audit.verifications import tasks
 from replay_audit.verifications.models import Verification, VerificationCalibration
 from tests.factories import make_trace
 from tests.replays.conftest import HoldingRunner
+from tests.ui.conftest import settings as settings  # fixture: the session secret
+from tests.ui.conftest import ui_client  # noqa: F401  (fixture)
 
 
 @pytest.fixture
@@ -85,6 +87,7 @@ def test_honest_traces_are_consistent_and_4bit_ones_inconsistent(
     logged: dict[str, list[dict[str, Any]]],
     calibrations: list[Calibration],
     headers: Callable[..., dict[str, str]],
+    ui_client: Callable[..., TestClient],  # noqa: F811
 ) -> None:
     _bind_null(measured, calibrations)
     admin = headers("admin")
@@ -102,7 +105,8 @@ def test_honest_traces_are_consistent_and_4bit_ones_inconsistent(
     assert len(measured) == 1
 
     # Both providers in one verification, a verdict per tag; the null is reused, not measured.
-    both = _verify(client, admin, job_runner, filter={"tags": []}, group_by="tag")["report"]
+    got = _verify(client, admin, job_runner, filter={"tags": []}, group_by="tag")
+    both = got["report"]
     verdicts = {g["group"].split(" ")[0]: g for g in both["groups"]}
     assert verdicts["honest"]["verdict"] == "consistent"
     rtn = verdicts["provider-x"]
@@ -112,6 +116,16 @@ def test_honest_traces_are_consistent_and_4bit_ones_inconsistent(
     assert both["verdict"] == "inconsistent" and both["calibrations"][0]["reused"] is True
     assert any(t["worst"] for t in both["traces"])
     assert len(measured) == 1
+    # The page: the score against the null as SVG, the worst tokens as text, linked from runs.
+    ui = ui_client("auditor")
+    page = ui.get(f"/ui/verifications/{got['id']}")
+    assert page.status_code == 200, page.text
+    assert "<svg" in page.text and "marker-score" in page.text and "<style" not in page.text
+    worst = next(t for t in both["traces"] if t["worst"])
+    step = worst["worst"][0]
+    assert f"step {step['step']}: logged {step['logged']}" in page.text
+    assert f"/verifications/{got['id']}" in ui.get("/ui/runs").text
+    assert ui_client("auditor", "beta").get(f"/ui/verifications/{got['id']}").status_code == 404
     url = client.app.state.settings.database_url  # type: ignore[attr-defined]
     with session_scope(url) as s:
         assert s.scalar(select(func.count()).select_from(VerificationCalibration)) == 1
