@@ -12,6 +12,7 @@ from replay_audit.auth.models import ApiKey, Project
 from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
 from replay_audit.screenings.models import Screening, ScreeningOutput
 from replay_audit.traces.models import NumericalConfigRow, Trace, TraceKey, TraceTag
+from replay_audit.verifications.models import Verification, VerificationCalibration
 
 __all__ = [
     "ApiKey",
@@ -28,4 +29,6 @@ __all__ = [
     "Trace",
     "TraceKey",
     "TraceTag",
+    "Verification",
+    "VerificationCalibration",
 ]

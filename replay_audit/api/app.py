@@ -42,6 +42,7 @@ def _routers() -> list[APIRouter]:
     from replay_audit.reports.endpoints import router as reports_router
     from replay_audit.screenings.endpoints import router as screenings_router
     from replay_audit.traces.endpoints import router as traces_router
+    from replay_audit.verifications.endpoints import router as verifications_router
 
     return [
         health_router,
@@ -50,6 +51,7 @@ def _routers() -> list[APIRouter]:
         replays_router,
         reports_router,
         screenings_router,
+        verifications_router,
         keys_router,
         audits_router,
     ]

@@ -14,6 +14,7 @@ from replay_audit.cli.root import CommandGroup, app
 # Registration order is the order in --help.
 from replay_audit.cli import service as _service  # noqa: F401
 from replay_audit.cli import engine as _engine  # noqa: F401
+from replay_audit.cli import verify as _verify  # noqa: F401
 from replay_audit.cli import screen as _screen  # noqa: F401
 from replay_audit.cli import imports as _imports  # noqa: F401
 from replay_audit.cli import worker as _worker  # noqa: F401

@@ -33,6 +33,7 @@ from replay_audit.engine.protocol import (
     Environment,
     ExtraValue,
     Intervention,
+    LoggedEvidence,
     ScanItem,
     ScanRun,
     StepInfo,
@@ -180,7 +181,21 @@ class FakeEngine:
             for t in range(len(output_ids))
         ]
         steps = Steps.concat(parts) if parts else Steps.empty(top_k)
-        return ScanRun(steps, np.asarray(steps.token_ids == np.asarray(output_ids), dtype=bool))
+        agrees = np.asarray(steps.token_ids == np.asarray(output_ids), dtype=bool)
+        return ScanRun(steps, agrees, self._evidence(steps, output_ids))
+
+    def _evidence(self, steps: Steps, output_ids: Sequence[int]) -> LoggedEvidence:
+        """The logged tokens' logits and ranks under the fake's logits (`_step`): a token of
+        the step's top-k has its listed logit and place; any other sits 1 below the last."""
+        logits = np.zeros(len(output_ids), np.float32)
+        ranks = np.zeros(len(output_ids), np.int64)
+        for t, token in enumerate(output_ids):
+            row = steps.top_k_ids[t].tolist()
+            place = row.index(token) if token in row else len(row)
+            last = float(steps.top_k_logits[t, -1]) - 1.0
+            logits[t] = steps.top_k_logits[t, place] if place < len(row) else last
+            ranks[t] = place
+        return LoggedEvidence(logits, ranks)
 
     def step(
         self,

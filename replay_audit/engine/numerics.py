@@ -209,6 +209,23 @@ def top_k_on_host(z32: torch.Tensor, k: int) -> HostTopK:
     return unpack_top_k(pack_top_k(z32, kk).cpu().numpy(), kk)
 
 
+def logged_evidence(z32: torch.Tensor, logged: torch.Tensor) -> npt.NDArray[np.float64]:
+    """The logit and rank of each step's logged token (`protocol.LoggedEvidence`), from float32
+    native logits z32 (M, V) and the logged ids (M,) on the same device: (M, 2) float64 on the
+    host, one copy. The rank counts the tokens argmax would choose first (a larger logit, or an
+    equal one with a smaller id), so rank 0 is exactly the scan's native choice. Elementwise
+    compares over the (M, V) logits, on the device: no loop over steps."""
+    ids = logged.reshape(-1, 1)
+    value = z32.gather(-1, ids)
+    vocab = torch.arange(z32.shape[-1], device=z32.device)
+    first = (z32 > value) | ((z32 == value) & (vocab < ids))
+    ranks = first.sum(dim=-1, dtype=torch.int64)
+    return np.asarray(
+        torch.stack([value[:, 0].double(), ranks.double()], dim=-1).cpu().numpy(),
+        dtype=np.float64,
+    )
+
+
 # -- the choice of token ----------------------------------------------------------------------
 
 #: Elements of the largest temporary one batched intervention makes (float64 bins of A, FP32

@@ -225,12 +225,35 @@ class DecodeRun:
 
 
 @dataclass(frozen=True, eq=False)
+class LoggedEvidence:
+    """What the scan's native logits say of each logged token (row t: output step t), the
+    evidence of a verification (`diff.deficit`):
+
+    logits  the logged token's native logit, exactly converted to float32
+    ranks   its rank among the whole vocabulary: how many tokens argmax would choose before
+            it (a larger logit, or an equal one with a smaller id); 0 = the scan's own choice
+    """
+
+    logits: npt.NDArray[np.float32]
+    ranks: IntArray
+
+    @staticmethod
+    def empty() -> LoggedEvidence:
+        return LoggedEvidence(np.zeros(0, np.float32), np.zeros(0, np.int64))
+
+    def slice(self, start: int, stop: int) -> LoggedEvidence:
+        return LoggedEvidence(self.logits[start:stop], self.ranks[start:stop])
+
+
+@dataclass(frozen=True, eq=False)
 class ScanRun:
     """A teacher-forced scan of a logged output: row t of `steps` is what this engine would
-    choose at output step t given prompt ‖ logged[:t]; `agrees[t]` compares it with logged[t]."""
+    choose at output step t given prompt ‖ logged[:t]; `agrees[t]` compares it with logged[t];
+    `evidence` (where the engine measured it) is the logged tokens' logits and ranks."""
 
     steps: Steps
     agrees: BoolArray
+    evidence: LoggedEvidence | None = None
 
     @property
     def first_disagreement(self) -> int | None:

@@ -71,3 +71,75 @@ def make_tiny_checkpoint(
     gen = {"eos_token_id": TINY_EOS_ID, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen))
     return out
+
+
+def rtn_checkpoint(src: str | Path, dst: str | Path, *, bits: int, group_size: int = 128) -> Path:
+    """A copy of the checkpoint in `src` whose body's linear weights are round-to-nearest
+    quantised (symmetric, `bits` bits, one scale per `group_size` inputs of a row) and stored
+    dequantised in float32 at `dst`: what a provider serving an RTN-quantised model computes.
+    Embeddings, norms and the lm_head stay as they are (as weight-only quantisers leave them).
+    The simulated quantised provider of `benchmarks/verify.py` and the verification tests."""
+    import torch
+
+    def quantise(w: torch.Tensor) -> torch.Tensor:
+        rows, cols = w.shape
+        pad = -cols % group_size
+        x = torch.nn.functional.pad(w.float(), (0, pad)).reshape(rows, -1, group_size)
+        top = 2 ** (bits - 1) - 1
+        scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / top
+        q = torch.clamp(torch.round(x / scale), -top - 1, top) * scale
+        out: torch.Tensor = q.reshape(rows, -1)[:, :cols].to(w.dtype)
+        return out
+
+    return _rewritten(src, dst, lambda name, w: quantise(w) if _is_body_linear(name, w) else w)
+
+
+def variant_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    noise: float = 0.0,
+    seed: int = 0,
+    config: dict[str, Any] | None = None,
+) -> Path:
+    """A copy of the checkpoint in `src` at `dst`, with gaussian noise of `noise` times each
+    body linear weight's standard deviation added (a swapped checkpoint of the same
+    architecture, as a fine-tune of it is) and `config` merged into its config.json (a planted
+    bug, such as another RoPE base)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def perturb(name: str, w: torch.Tensor) -> torch.Tensor:
+        if noise == 0.0 or not _is_body_linear(name, w):
+            return w
+        w32 = w.float()
+        return (w32 + noise * w32.std() * torch.randn(w32.shape, generator=gen)).to(w.dtype)
+
+    out = _rewritten(src, dst, perturb)
+    if config:
+        path = out / "config.json"
+        merged = {**json.loads(path.read_text(encoding="utf-8")), **config}
+        path.write_text(json.dumps(merged, indent=2), encoding="utf-8")
+    return out
+
+
+def _is_body_linear(name: str, w: Any) -> bool:
+    return bool(w.ndim == 2 and "embed" not in name and "lm_head" not in name)
+
+
+def _rewritten(src: str | Path, dst: str | Path, change: Any) -> Path:
+    """`src` copied to `dst` with every safetensors tensor passed through `change(name, w)`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, out = Path(src), Path(dst)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy2(f, out / f.name)
+    for f in sorted(source.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        save_file({k: change(k, v).contiguous() for k, v in tensors.items()}, str(out / f.name))
+    return out

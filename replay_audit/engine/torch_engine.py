@@ -49,6 +49,7 @@ from replay_audit.engine.numerics import (
     LmHead,
     decide,
     fp8_supported,
+    logged_evidence,
     quantize_body_linears,
     top_k_on_host,
 )
@@ -60,6 +61,7 @@ from replay_audit.engine.protocol import (
     Environment,
     ExtraValue,
     Intervention,
+    LoggedEvidence,
     ScanItem,
     ScanRun,
     StepInfo,
@@ -241,12 +243,13 @@ class TorchEngine:
         iv = intervention or self._target.intervention
         n_out = len(output_ids)
         if n_out == 0:
-            return ScanRun(Steps.empty(top_k), np.zeros(0, bool))
+            return ScanRun(Steps.empty(top_k), np.zeros(0, bool), LoggedEvidence.empty())
         context = [*prompt_ids, *output_ids[:-1]]
         # Position p's hidden state predicts token p + 1: output step t is at len(prompt) - 1 + t.
         hs = self.body.forward(context, None, 0)[0, len(prompt_ids) - 1 :]
-        steps = self._choose(hs, iv, top_k)
-        return ScanRun(steps, np.asarray(steps.token_ids == np.asarray(output_ids), dtype=bool))
+        steps, evidence = self._scan_steps(hs, output_ids, iv, top_k)
+        agrees = np.asarray(steps.token_ids == np.asarray(output_ids), dtype=bool)
+        return ScanRun(steps, agrees, evidence)
 
     @torch.inference_mode()
     def scan_batch(
@@ -273,13 +276,15 @@ class TorchEngine:
         for batch in plan:
             members = [items[i] for i in batch.indices]
             packed = pack_batch(members, batch.padded_length, self.scan_pad_id)
-            steps = self._scan_packed(packed, iv, top_k)
+            logged = np.concatenate([np.asarray(m.output_ids, dtype=np.int64) for m in members])
+            steps, evidence = self._scan_packed(packed, logged, iv, top_k)
             for r, (i, item) in enumerate(zip(batch.indices, members, strict=True)):
-                s = steps.slice(int(packed.row_steps[r]), int(packed.row_steps[r + 1]))
+                start, stop = int(packed.row_steps[r]), int(packed.row_steps[r + 1])
+                s = steps.slice(start, stop)
                 agrees = np.asarray(s.token_ids == np.asarray(item.output_ids), dtype=bool)
-                runs[i] = ScanRun(s, agrees)
+                runs[i] = ScanRun(s, agrees, evidence.slice(start, stop))
         self._scan_extras = scan_extras(plan, token_budget)
-        empty = ScanRun(Steps.empty(top_k), np.zeros(0, bool))
+        empty = ScanRun(Steps.empty(top_k), np.zeros(0, bool), LoggedEvidence.empty())
         return [run if run is not None else empty for run in runs]
 
     @torch.inference_mode()
@@ -350,15 +355,33 @@ class TorchEngine:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _scan_packed(self, packed: PackedBatch, iv: Intervention, top_k: int) -> Steps:
-        """One forward of a batched scan: the steps of all its rows, row after row."""
+    def _scan_packed(
+        self, packed: PackedBatch, logged: npt.NDArray[np.int64], iv: Intervention, top_k: int
+    ) -> tuple[Steps, LoggedEvidence]:
+        """One forward of a batched scan: the steps of all its rows, row after row, and the
+        evidence of their `logged` tokens (the rows' outputs, concatenated)."""
         ids = torch.from_numpy(packed.input_ids).to(self.device)
         # The causal mask alone keeps right padding unread (`batch`): no padding mask.
         hidden = self.body.forward_rows(ids)
         positions = torch.from_numpy(packed.output_positions).to(self.device)
         # Only the real output positions' hidden states go on: padding's are never read.
         hs = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
-        return self._choose(hs, iv, top_k)
+        return self._scan_steps(hs, logged, iv, top_k)
+
+    def _scan_steps(
+        self,
+        hs: torch.Tensor,
+        logged: Sequence[int] | npt.NDArray[np.int64],
+        iv: Intervention,
+        top_k: int,
+    ) -> tuple[Steps, LoggedEvidence]:
+        """`_choose` of a scan's steps, and from the same native logits the evidence of the
+        logged tokens (`numerics.logged_evidence`)."""
+        z32 = self.head.native_steps(hs)
+        steps = decide(self.head, top_k_on_host(z32, top_k), z32, hs, iv, top_k)
+        ids = torch.as_tensor(np.asarray(logged, dtype=np.int64), device=z32.device)
+        packed = logged_evidence(z32, ids)
+        return steps, LoggedEvidence(packed[:, 0].astype(np.float32), packed[:, 1].astype(np.int64))
 
     def _decoder(self, context: Sequence[int], total: int) -> Decoder:
         """The decoder for a decode of `context` and `total` tokens (context and new): a

@@ -9,6 +9,7 @@ Content-Security-Policy forbids inline styles), so the charts follow the page's 
     category_chart       category shares with their Wilson intervals
     lift_chart           lifts (EAR difference) with their bootstrap intervals, a zero line
     margin_track_chart   per-step margins of both arms on a log axis, gate firings, t*
+    null_chart           verification: each group's score against its benign null and threshold
 """
 
 from __future__ import annotations
@@ -355,3 +356,38 @@ def margin_track_chart(
     legend = [("logged", names["logged"]), ("replay", names["replay"]), ("gate", "gate fired")]
     body += _legend(legend, x1, height - 4)
     return _svg(height, body, label)
+
+
+def null_chart(groups: Sequence[tuple[str, list[float], float | None, float | None]]) -> Markup:
+    """Each group's score against its benign null: the null's 5-95% range as a bar (its median
+    a tick), the threshold a line, the group's score a marker; one row per (label, null
+    quantiles at 0, 0.05, ..., 1, threshold, score)."""
+    row, top = 34, MT + 6
+    height = top + row * max(len(groups), 1) + MB
+    values = [v for _, q, t, s in groups for v in (*q, t, s) if v is not None]
+    hi = max(values, default=1.0) * 1.1 or 1.0
+    x0, x1 = ML + 90, WIDTH - MR
+
+    def x(v: float) -> float:
+        return x0 + (x1 - x0) * min(max(v / hi, 0.0), 1.0)
+
+    body = [_line(x0, top, x0, height - MB, "axis")]
+    for i, (label, q, threshold, score) in enumerate(groups):
+        y = top + row * i + row / 2
+        body.append(_text(x0 - 8, y + 4, label[:18], anchor="end"))
+        if len(q) >= 20:
+            lo, mid, up = q[1], q[10], q[19]
+            body.append(
+                _rect(x(lo), y - 7, x(up) - x(lo), 14, "bar-null", f"null 5-95%: {lo:.4g}-{up:.4g}")
+            )
+            body.append(_line(x(mid), y - 9, x(mid), y + 9, "tick-null"))
+        if threshold is not None:
+            body.append(_line(x(threshold), y - 12, x(threshold), y + 12, "threshold"))
+        if score is not None:
+            body.append(
+                _rect(x(score) - 4, y - 4, 8, 8, "marker-score", f"{label}: score {score:.4g}")
+            )
+    body.append(_text(x0, height - MB + 16, "0"))
+    body.append(_text(x1, height - MB + 16, f"{hi:.3g}", anchor="end"))
+    body.append(_text((x0 + x1) / 2, height - 8, "score (bar: benign null 5-95%; line: threshold)"))
+    return _svg(height, body, "score against the benign null, per group")

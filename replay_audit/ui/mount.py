@@ -21,6 +21,7 @@ from replay_audit.ui.pages import SignInRequired, router
 from replay_audit.ui.screening_pages import router as screening_router
 from replay_audit.ui.templating import STATIC_DIR, render
 from replay_audit.ui.trace_pages import router as trace_router
+from replay_audit.ui.verification_pages import router as verification_router
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ def create_ui_app(parent: FastAPI) -> FastAPI:
     ui.include_router(router)
     ui.include_router(audit_router)
     ui.include_router(screening_router)
+    ui.include_router(verification_router)
     ui.include_router(trace_router)
     ui.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return ui

@@ -52,6 +52,7 @@ from replay_audit.ui.charts import (
     log_histogram_chart,
 )
 from replay_audit.ui.templating import render
+from replay_audit.verifications import service as verifications_service
 
 router = APIRouter(include_in_schema=False)
 
@@ -289,6 +290,7 @@ def runs_list(
         next_query=next_query,
         first_page=before is not None,
         screenings=screenings_service.recent_screenings(session, principal.project_id),
+        verifications=verifications_service.recent_verifications(session, principal.project_id),
     )
 
 

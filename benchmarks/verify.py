@@ -1,0 +1,218 @@
+"""Provider audit (issue 23): simulate providers from one reference checkpoint, verify their
+traces against it, print AUC, tokens to a decision and the false-alarm rate per simulation.
+
+    python benchmarks/verify.py --model replay_audit/assets/tiny-llama --device cpu \
+        --null-prompts 16 --eval-prompts 16 --max-new-tokens 48          # bundled model, CPU
+    python benchmarks/verify.py --model /path/to/checkpoint --device cuda \
+        --null-prompts 48 --eval-prompts 96 --max-new-tokens 512         # a real checkpoint
+
+The null (benign variations of the reference, `verifications.null.benign_null`) is measured on
+the first prompts; the simulations run on the next ones, so no prompt is in both. Each
+simulated provider claims the reference in its claimed configuration (`--dtype`, sdpa). For
+each, at each token budget, groups of that many tokens are drawn from its traces and from the
+held-out honest traces: AUC (simulation vs honest groups), power (share of its groups over the
+calibrated threshold); tokens to decision = the smallest budget with power >= 0.95; the
+false-alarm rate of a benign simulation is its power (it should be <= the nominal 1%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from replay_audit.engine import EnginePool, Intervention, Target
+from replay_audit.engine.testing import rtn_checkpoint, variant_checkpoint
+from replay_audit.screenings.sweep.outputs import ScreenPrompt
+from replay_audit.screenings.sweep.plan import ScreenConfig
+from replay_audit.screenings.sweep.worker import TorchBackend
+from replay_audit.stats.verification import STATISTICS, Calibration, auc, draw_group_scores
+from replay_audit.verifications.null import _scan, benign_null, generate
+
+PROMPTS = Path(__file__).resolve().parent.parent / "replay_audit" / "assets" / "prompts.jsonl"
+BUDGETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+Pairs = list[tuple[list[int], list[int]]]
+
+
+def sampled(
+    model_dir: Path,
+    prompts: list[ScreenPrompt],
+    dtype: str,
+    max_new: int,
+    device: str,
+    temperature: float = 0.3,
+    seed: int = 0,
+) -> Pairs:
+    """Temperature sampling with transformers' generate(): a provider that samples and logs
+    the result as greedy."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt).to(device).eval()
+    torch.manual_seed(seed)
+    out: Pairs = []
+    for p in prompts:
+        x = torch.tensor([list(p.token_ids)], device=device)
+        y = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new,
+        )
+        out.append((list(p.token_ids), [int(t) for t in y[0, x.shape[1] :].tolist()]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default="bf16", help="the claimed body dtype")
+    ap.add_argument("--prompts", type=Path, default=PROMPTS)
+    ap.add_argument("--null-prompts", type=int, default=16)
+    ap.add_argument("--eval-prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--draws", type=int, default=1000)
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args()
+
+    t0 = time.time()
+    rows = [
+        json.loads(x) for x in args.prompts.read_text(encoding="utf-8").splitlines() if x.strip()
+    ]
+    backend = TorchBackend(args.model, args.device)
+    device = backend.platform().device
+    prompts = backend.prompts(rows[: args.null_prompts + args.eval_prompts])  # type: ignore[arg-type]
+    null_p, eval_p = prompts[: args.null_prompts], prompts[args.null_prompts :]
+    pool = EnginePool(device=device)
+    claim = Target(args.dtype, None, "sdpa", 1, Intervention())
+    cal: Calibration = benign_null(
+        args.model,
+        claim,
+        null_p,
+        pool=pool,
+        device=device,
+        max_new_tokens=args.max_new_tokens,
+        budgets=BUDGETS,
+        draws=args.draws,
+    )
+    n = args.max_new_tokens
+    dt = args.dtype
+    other = "fp16" if dt != "fp16" else "bf16"
+
+    def gen(config: ScreenConfig, model_dir: Path | None = None) -> Callable[[], Pairs]:
+        return lambda: generate(backend, config, eval_p, n, model_dir)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        ckpt = {
+            "rtn8": lambda: rtn_checkpoint(args.model, root / "rtn8", bits=8),
+            "rtn4": lambda: rtn_checkpoint(args.model, root / "rtn4", bits=4),
+            "swapped": lambda: variant_checkpoint(args.model, root / "swap", noise=0.1, seed=1),
+            "rope": lambda: variant_checkpoint(
+                args.model,
+                root / "rope",
+                config={
+                    "rope_theta": 5000.0,
+                    "rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"},
+                },
+            ),
+        }
+        base = ScreenConfig(dt)  # type: ignore[arg-type]
+        sims: list[tuple[str, bool, Callable[[], Pairs] | str]] = [
+            ("honest (claimed config)", True, gen(base)),
+            (f"benign {other}", True, gen(ScreenConfig(other))),  # type: ignore[arg-type]
+            ("benign batch 8", True, gen(ScreenConfig(dt, batch_size=8))),  # type: ignore[arg-type]
+            ("benign eager attention", True, gen(ScreenConfig(dt, attn_kernel="eager"))),  # type: ignore[arg-type]
+            ("8-bit RTN g128", False, lambda: gen(base, ckpt["rtn8"]())()),
+            ("4-bit RTN g128", False, lambda: gen(base, ckpt["rtn4"]())()),
+            ("FP8 KV cache", False, "the engine has no FP8 KV cache"),
+            ("swapped checkpoint (10% noise)", False, lambda: gen(base, ckpt["swapped"]())()),
+            (
+                "temperature 0.3 logged as greedy",
+                False,
+                lambda: sampled(args.model, eval_p, dt, n, device),
+            ),
+            ("planted bug: RoPE base 5000", False, lambda: gen(base, ckpt["rope"]())()),
+        ]
+        if device == "cuda":
+            sims.append(("TP=2", True, "run on a two-GPU kind (not in this script yet)"))
+        honest: list[np.ndarray] | None = None
+        results = []
+        rng = np.random.default_rng(0)
+        for name, benign, run in sims:
+            if isinstance(run, str):
+                results.append({"simulation": name, "skipped": run})
+                continue
+            deficits = _scan(run(), claim, pool, args.model)
+            if honest is None:
+                honest = deficits
+            row: dict[str, Any] = {
+                "simulation": name,
+                "benign": benign,
+                "tokens": int(sum(len(u) for u in deficits)),
+            }
+            for stat in STATISTICS:
+                sc = [cal.scorer.scores(u, stat) for u in deficits]
+                hc = [cal.scorer.scores(u, stat) for u in honest]
+                per: dict[int, dict[str, float]] = {}
+                for b in cal.budgets[stat]:
+                    sim = draw_group_scores(sc, b.tokens, args.draws, rng)
+                    ref = draw_group_scores(hc, b.tokens, args.draws, rng)
+                    per[b.tokens] = {
+                        "auc": auc(ref, sim),
+                        "flagged": float((sim > b.threshold).mean()),
+                    }
+                decided = [k for k, v in per.items() if v["flagged"] >= 0.95]
+                row[stat] = {
+                    "auc_256": per[256]["auc"],
+                    "auc_max": max(v["auc"] for v in per.values()),
+                    "tokens_to_decision": decided[0] if decided else None,
+                    "flagged_256": per[256]["flagged"],
+                    "flagged_max": max(v["flagged"] for v in per.values()),
+                }
+            results.append(row)
+    print(
+        f"# {args.model} claimed {dt}/sdpa on {device} "
+        f"({platform.processor() or platform.machine()}), null {args.null_prompts} prompts x "
+        f"{len(cal.variations)} variations, eval {args.eval_prompts} prompts x {n} tokens, "
+        f"{time.time() - t0:.0f} s"
+    )
+    for stat in STATISTICS:
+        print(f"\n{stat}{' (verdicts)' if stat == cal.statistic else ''}")
+        print(
+            "| simulation | tokens | AUC @256 | tokens to decision "
+            "| flagged @256 (benign: false-alarm rate) |"
+        )
+        print("| --- | --- | --- | --- | --- |")
+        for r in results:
+            if "skipped" in r:
+                print(f"| {r['simulation']} | | | | not run: {r['skipped']} |")
+                continue
+            s = r[stat]
+            print(
+                f"| {r['simulation']} | {r['tokens']} | {s['auc_256']:.3f} | "
+                f"{s['tokens_to_decision'] or '> ' + str(BUDGETS[-1])} | {s['flagged_256']:.3f} |"
+            )
+    if args.json:
+        args.json.write_text(
+            json.dumps({"calibration": cal.to_json(), "results": results}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()

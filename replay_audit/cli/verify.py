@@ -1,0 +1,208 @@
+"""`replay-audit verify` and `replay-audit calibrate`: provider audit offline, no server.
+
+`calibrate` measures a checkpoint's benign null on this machine for one claimed configuration
+and writes it as JSON; `verify` scans logged traces in their claimed configuration and judges
+them against that JSON (or a null it measures first, for each claim the traces make).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from replay_audit.cli.demo import PROMPTS_FILE
+from replay_audit.cli.engine import _choice, _fail, _read_jsonl, _threads
+from replay_audit.cli.root import app
+from replay_audit.formats import BODY_DTYPES, HEAD_DTYPES
+
+if TYPE_CHECKING:
+    from replay_audit.engine import EnginePool
+    from replay_audit.stats.verification import Calibration
+
+
+def _measure(
+    model: Path,
+    claim: dict[str, Any],
+    prompts: Path,
+    n_prompts: int,
+    max_new: int,
+    pool: EnginePool,
+    device: str | None,
+    false_alarm_rate: float,
+) -> Calibration:
+    from replay_audit.engine import Intervention, Target
+    from replay_audit.screenings.sweep.worker import TorchBackend
+    from replay_audit.verifications.null import benign_null
+
+    rows = [row for _, row in _read_jsonl(prompts)][:n_prompts]
+    screen_prompts = TorchBackend(model, device).prompts(rows)  # type: ignore[arg-type]
+    target = Target(claim["dtype"], claim["lm_head_dtype"], claim["attn_kernel"], 1, Intervention())
+    return benign_null(
+        model,
+        target,
+        screen_prompts,
+        pool=pool,
+        device=device,
+        max_new_tokens=max_new,
+        false_alarm_rate=false_alarm_rate,
+    )
+
+
+@app.command()
+def calibrate(
+    model: Annotated[Path, typer.Option(help="Local Hugging Face checkpoint directory.")],
+    out: Annotated[Path, typer.Option(help="Where to write the calibration (JSON).")],
+    dtype: Annotated[str, typer.Option(help="The claimed body dtype.")] = "bf16",
+    lm_head_dtype: Annotated[str | None, typer.Option(help="Claimed head (default dtype).")] = None,
+    attn_kernel: Annotated[str, typer.Option(help="The claimed attention kernel.")] = "sdpa",
+    prompts: Annotated[Path, typer.Option(help='JSONL of {"id", "prompt"}.')] = PROMPTS_FILE,
+    null_prompts: Annotated[int, typer.Option(min=1, help="Prompts per variation.")] = 32,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    false_alarm_rate: Annotated[float, typer.Option(min=1e-4, max=0.5)] = 0.01,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
+) -> None:
+    """Measure the checkpoint's benign null on this platform for one claimed configuration."""
+    from replay_audit.engine import EnginePool
+
+    _choice(dtype, BODY_DTYPES, "--dtype")
+    _choice(lm_head_dtype, HEAD_DTYPES, "--lm-head-dtype")
+    pool = EnginePool(device=device, threads=_threads(threads))
+    claim = {"dtype": dtype, "lm_head_dtype": lm_head_dtype or dtype, "attn_kernel": attn_kernel}
+    cal = _measure(
+        model, claim, prompts, null_prompts, max_new_tokens, pool, device, false_alarm_rate
+    )
+    out.write_text(json.dumps([cal.to_json()], indent=1), encoding="utf-8")
+    typer.echo(
+        f"wrote the null of {dtype} on {cal.platform['device']} to {out}: "
+        f"{sum(v.tokens for v in cal.variations)} benign tokens, decision from "
+        f"{cal.tokens_needed()} tokens"
+    )
+
+
+@app.command()
+def verify(
+    traces: Annotated[Path, typer.Argument(help="JSONL of traces (POST /v1/traces JSON).")],
+    model: Annotated[Path, typer.Option(help="The claimed checkpoint (local directory).")],
+    calibration: Annotated[
+        Path | None,
+        typer.Option(help="Calibration JSON from `calibrate` (default: measure the null now)."),
+    ] = None,
+    save_calibration: Annotated[
+        Path | None, typer.Option(help="Write the calibrations used here (JSON).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    group_by: Annotated[str, typer.Option(help="none, tag or engine.")] = "none",
+    prompts: Annotated[Path, typer.Option(help="Prompts of a null measured now.")] = PROMPTS_FILE,
+    null_prompts: Annotated[int, typer.Option(min=1, help="Prompts per variation.")] = 32,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Null generation length.")] = 64,
+    false_alarm_rate: Annotated[float, typer.Option(min=1e-4, max=0.5)] = 0.01,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
+) -> None:
+    """Are these logged tokens consistent with the claimed checkpoint and configuration?
+
+    Exit code 0: consistent; 1: inconsistent; 3: insufficient evidence."""
+    from pydantic import ValidationError
+
+    from replay_audit.engine import EnginePool
+    from replay_audit.engine.hashing import NoWeightsError
+    from replay_audit.replays.domain import LoggedTrace
+    from replay_audit.stats.verification import Calibration
+    from replay_audit.traces.schemas import TraceCreate
+    from replay_audit.verifications.domain import report_json
+    from replay_audit.verifications.run import verify as run_verify
+
+    _choice(group_by, ("none", "tag", "engine"), "--group-by")
+    parsed: list[tuple[str, LoggedTrace, str]] = []
+    for n, row in _read_jsonl(traces):
+        try:
+            tr = TraceCreate.model_validate(row)
+        except ValidationError as e:
+            err = e.errors()[0]
+            _fail(
+                f"{traces}:{n}: not a valid trace: {'.'.join(map(str, err['loc']))}: {err['msg']}"
+            )
+        logged = LoggedTrace.from_json(tr.model_dump())
+        group = "all"
+        if group_by == "tag":
+            group = ",".join(sorted(tr.tags)) or "untagged"
+        elif group_by == "engine":
+            group = logged.engine_name
+        parsed.append((tr.external_id or f"line {n}", logged, group))
+    if not parsed:
+        _fail(f"{traces} holds no trace")
+    pool = EnginePool(device=device, threads=_threads(threads))
+    try:
+        sha = pool.weights_sha256(model)
+    except NoWeightsError as e:
+        _fail(e.message)
+    for name, logged, _ in parsed:
+        if logged.weights_sha256 != sha:
+            _fail(
+                f"trace {name} claims weights_sha256 {logged.weights_sha256}, but {model} has "
+                f"{sha}: verify against the checkpoint the traces claim"
+            )
+    given: list[Calibration] = []
+    if calibration is not None:
+        try:
+            data = json.loads(calibration.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            _fail(f"cannot read {calibration}: {e}")
+        given = [Calibration.from_json(c) for c in (data if isinstance(data, list) else [data])]
+
+    def calibration_for(claim: dict[str, Any]) -> Calibration:
+        for c in given:
+            if c.claim == claim and c.weights_sha256 == sha:
+                return c
+        if calibration is not None:
+            _fail(f"{calibration} has no null of {sha[:12]}... for the claim {claim}")
+        typer.echo(f"measuring the benign null of {claim} on this machine...", err=True)
+        return _measure(
+            model, claim, prompts, null_prompts, max_new_tokens, pool, device, false_alarm_rate
+        )
+
+    result = run_verify(
+        [p[1] for p in parsed],
+        model,
+        pool,
+        calibration_for,
+        names=[p[0] for p in parsed],
+        group_of=[p[2] for p in parsed],
+    )
+    if save_calibration is not None:
+        cals = [c.to_json() for c in result.calibrations]
+        save_calibration.write_text(json.dumps(cals, indent=1), encoding="utf-8")
+    report = report_json(result.groups, result.evidence)
+    if as_json:
+        typer.echo(json.dumps(report, allow_nan=False))
+    else:
+        _print(report)
+    raise typer.Exit(code={"consistent": 0, "inconsistent": 1}.get(report["verdict"], 3))
+
+
+def _print(report: dict[str, Any]) -> None:
+    typer.echo(f"verdict: {report['verdict']} ({report['tokens']} tokens)")
+    for g in report["groups"]:
+        typer.echo(
+            f"  {g['group']}: {g['verdict']}  {g['statistic']} {g['score']:.4g} vs threshold "
+            f"{g['threshold']:.4g} at {g['budget']} tokens (false-alarm rate "
+            f"{g['false_alarm_rate']:.0%}); {g['tokens']} tokens in {g['traces']} traces, "
+            f"{g['fraction_outside_tie_band']:.2%} outside the tie band"
+        )
+        if g["verdict"] == "inconsistent":
+            typer.echo(
+                f"    effect size {g['effect_size']:.4g}; closest benign configuration "
+                f"{g['closest_benign']} ({g['closest_benign_score']:.4g})"
+            )
+        if g["verdict"] == "insufficient":
+            typer.echo(
+                f"    {g['more_tokens']} more tokens needed (decision from {g['tokens_needed']})"
+            )
+        if g["sampled"]:
+            typer.echo(f"    {g['sampled']} sampled traces set apart (not verified)")
+        for note in g["notes"]:
+            typer.echo(f"    note: {note}")

@@ -1,0 +1,189 @@
+"""What a verification works on, torch-free: each trace's evidence (its deficits along the
+logged path), the claim it is scanned in, and the verdict of a group of them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from replay_audit.diff.deficit import TokenDeficits
+from replay_audit.engine.protocol import Intervention, Target
+from replay_audit.stats.verification import Calibration, GroupVerdict, verdict
+
+#: Worst tokens kept per trace for the report (largest deficits first).
+WORST_TOKENS: Final = 5
+#: Why sampled traces are set apart rather than verified.
+SAMPLED_NOTE: Final = (
+    "sampled traces are counted and set apart: this engine cannot reproduce a provider's "
+    "seeded sampler, so their tokens are not evidence about the claimed computation"
+)
+
+
+def claim_target(logged: Target) -> Target:
+    """The configuration a trace claims, as the scan runs it: the logged body and head
+    formats and attention kernel, one row, no intervention (the deficits are the native
+    logits')."""
+    return Target(logged.dtype, logged.lm_head_dtype, logged.attn_kernel, 1, Intervention())
+
+
+def claim_key(target: Target) -> dict[str, Any]:
+    """The claim a calibration is for: body and head formats and attention kernel."""
+    return {
+        "dtype": target.dtype,
+        "lm_head_dtype": target.head_dtype,
+        "attn_kernel": target.attn_kernel,
+    }
+
+
+@dataclass(frozen=True)
+class WorstToken:
+    """One of a trace's largest deficits: step, logged token, the reference's choice, deficit."""
+
+    step: int
+    logged: int
+    reference: int
+    deficit: float
+    deficit_ulps: float
+    rank: int
+
+
+@dataclass(frozen=True, eq=False)
+class TraceEvidence:
+    """One trace scanned in its claimed configuration: its deficits, or why it has none."""
+
+    trace_id: str | None
+    deficits: TokenDeficits | None
+    worst: tuple[WorstToken, ...] = ()
+    sampled: bool = False
+    error: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.deficits) if self.deficits is not None else 0
+
+
+def worst_tokens(
+    deficits: TokenDeficits, logged: Sequence[int], reference: Sequence[int], n: int = WORST_TOKENS
+) -> tuple[WorstToken, ...]:
+    """The `n` steps with the largest nonzero deficits, largest first."""
+    order = np.argsort(-deficits.deficit_ulps, kind="stable")[:n]
+    return tuple(
+        WorstToken(
+            step=int(t),
+            logged=int(logged[t]),
+            reference=int(reference[t]),
+            deficit=float(deficits.deficit[t]),
+            deficit_ulps=float(deficits.deficit_ulps[t]),
+            rank=int(deficits.rank[t]),
+        )
+        for t in order
+        if deficits.deficit_ulps[t] > 0
+    )
+
+
+@dataclass(frozen=True)
+class GroupReport:
+    """A group's verdict, with its traces counted: verified, sampled (set apart), failed."""
+
+    group: str
+    result: GroupVerdict
+    sampled: int
+    failed: int
+    notes: tuple[str, ...] = ()
+
+
+def judge_group(
+    group: str, evidence: Sequence[TraceEvidence], calibration: Calibration
+) -> GroupReport:
+    """The verdict on one group: its greedy traces' deficits against `calibration`; sampled
+    traces and traces that could not be scanned are counted, not judged."""
+    verified = [
+        e.deficits.deficit_ulps for e in evidence if e.deficits is not None and not e.sampled
+    ]
+    sampled = sum(e.sampled for e in evidence)
+    failed = sum(e.deficits is None and not e.sampled for e in evidence)
+    notes = [SAMPLED_NOTE] if sampled else []
+    notes += calibration.notes
+    return GroupReport(group, verdict(verified, calibration), sampled, failed, tuple(notes))
+
+
+def claim_label(claim: dict[str, Any]) -> str:
+    """e.g. `bf16 / head bf16 / sdpa`."""
+    return f"{claim['dtype']} / head {claim['lm_head_dtype']} / {claim['attn_kernel'] or 'default'}"
+
+
+def overall(groups: Sequence[GroupReport]) -> str:
+    """One verdict for several groups: inconsistent if any is, else insufficient if any is."""
+    verdicts = {g.result.verdict for g in groups}
+    for v in ("inconsistent", "insufficient"):
+        if v in verdicts:
+            return v
+    return "consistent" if verdicts else "insufficient"
+
+
+def _finite(x: float | None) -> float | None:
+    return None if x is None or not np.isfinite(x) else float(x)
+
+
+def group_json(g: GroupReport) -> dict[str, Any]:
+    r = g.result
+    return {
+        "group": g.group,
+        "verdict": r.verdict,
+        "statistic": r.statistic,
+        "score": _finite(r.score),
+        "threshold": _finite(r.threshold),
+        "false_alarm_rate": r.false_alarm_rate,
+        "tokens": r.tokens,
+        "traces": r.traces,
+        "budget": r.budget,
+        "effect_size": _finite(r.effect_size),
+        "fraction_outside_tie_band": _finite(r.fraction_outside_tie_band),
+        "mean_deficit_ulps": _finite(r.mean_deficit_ulps),
+        "closest_benign": r.closest_benign,
+        "closest_benign_score": _finite(r.closest_benign_score),
+        "tokens_needed": r.tokens_needed,
+        "more_tokens": r.more_tokens,
+        "null_quantiles": r.null_quantiles,
+        "sampled": g.sampled,
+        "failed": g.failed,
+        "notes": list(g.notes),
+    }
+
+
+def evidence_json(e: TraceEvidence) -> dict[str, Any]:
+    d = e.deficits
+    return {
+        "trace": e.trace_id,
+        "tokens": e.tokens,
+        "sampled": e.sampled,
+        "error": e.error,
+        "mismatches": int((d.deficit > 0).sum()) if d is not None else None,
+        "outside_tie_band": int((~d.in_tie_band).sum()) if d is not None else None,
+        "max_deficit_ulps": _finite(float(d.deficit_ulps.max()))
+        if d is not None and len(d)
+        else None,
+        "worst": [w.__dict__ for w in e.worst],
+    }
+
+
+def report_json(groups: Sequence[GroupReport], evidence: Sequence[TraceEvidence]) -> dict[str, Any]:
+    """A verification as JSON: the overall verdict, the deciding group's figures at the top
+    (the most suspicious: the largest score over threshold), every group, every trace's worst
+    tokens. What the CLI prints with --json and the service stores."""
+    out: dict[str, Any] = {"verdict": overall(groups)}
+    if groups:
+        top = max(
+            groups,
+            key=lambda g: (g.result.score - g.result.threshold) if g.result.tokens else -np.inf,
+        )
+        head = group_json(top)
+        out.update({k: head[k] for k in ("score", "threshold", "false_alarm_rate", "statistic")})
+    out["tokens"] = sum(g.result.tokens for g in groups)
+    out["sampled"] = sum(g.sampled for g in groups)
+    out["groups"] = [group_json(g) for g in groups]
+    out["traces"] = [evidence_json(e) for e in evidence]
+    return out

@@ -1,0 +1,92 @@
+"""All SQL of verifications. Never commits: the edge (request, job) does."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from replay_audit.traces import repository as traces_repository
+from replay_audit.traces.models import NumericalConfigRow, Trace
+from replay_audit.traces.selection import TraceSelection
+from replay_audit.verifications.models import Verification, VerificationCalibration
+
+
+def get_by_public_id(session: Session, project_id: int, public_id: str) -> Verification | None:
+    return session.scalar(
+        select(Verification).where(
+            Verification.project_id == project_id, Verification.public_id == public_id
+        )
+    )
+
+
+def get_by_idempotency_key(session: Session, project_id: int, key: str) -> Verification | None:
+    return session.scalar(
+        select(Verification).where(
+            Verification.project_id == project_id, Verification.idempotency_key == key
+        )
+    )
+
+
+def add(session: Session, verification: Verification) -> Verification:
+    session.add(verification)
+    session.flush()
+    return verification
+
+
+def recent(session: Session, project_id: int, limit: int) -> list[Verification]:
+    return list(
+        session.scalars(
+            select(Verification)
+            .where(Verification.project_id == project_id)
+            .order_by(Verification.created_at.desc(), Verification.id.desc())
+            .limit(limit)
+        )
+    )
+
+
+def selected_traces(
+    session: Session,
+    project_id: int,
+    selection: TraceSelection,
+    limit: int,
+    config_ids: Sequence[int] | None = None,
+) -> list[Trace]:
+    """Up to `limit` traces in `selection` (and of `config_ids` when given), oldest first, with
+    their configuration (no arrays)."""
+    stmt = traces_repository.select_traces(project_id, selection)
+    if config_ids is not None:
+        stmt = stmt.where(Trace.config_id.in_(list(config_ids)))
+    return list(session.scalars(stmt.order_by(None).order_by(Trace.id).limit(limit)))
+
+
+def traces_by_id(session: Session, trace_ids: Sequence[int]) -> dict[int, Trace]:
+    """The traces of `trace_ids` that still exist, in one query (configuration joined)."""
+    if not trace_ids:
+        return {}
+    return {t.id: t for t in session.scalars(select(Trace).where(Trace.id.in_(list(trace_ids))))}
+
+
+def configs(session: Session) -> list[tuple[int, str]]:
+    """Every numerical configuration's (id, config JSON): few, one per distinct configuration."""
+    rows = session.execute(select(NumericalConfigRow.id, NumericalConfigRow.config_json))
+    return [(i, j) for i, j in rows]
+
+
+def get_calibration(
+    session: Session, weights_sha256: str, platform_key: str, claim_key: str, rate: float
+) -> VerificationCalibration | None:
+    return session.scalar(
+        select(VerificationCalibration).where(
+            VerificationCalibration.weights_sha256 == weights_sha256,
+            VerificationCalibration.platform_key == platform_key,
+            VerificationCalibration.claim_key == claim_key,
+            VerificationCalibration.false_alarm_rate == rate,
+        )
+    )
+
+
+def add_calibration(session: Session, row: VerificationCalibration) -> None:
+    session.add(row)
+    session.flush()

@@ -1,0 +1,64 @@
+"""One verification of logged traces against a checkpoint, as the CLI and the worker's job run
+it: scan every trace in its claim (`scan.scan_evidence`), group the traces per (group, claim),
+take each claim's calibration (given, or measured here by `null.benign_null`), judge each
+group. Workers and the CLI only."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from replay_audit.engine.pool import EnginePool
+from replay_audit.replays.domain import LoggedTrace
+from replay_audit.stats.verification import Calibration
+from replay_audit.verifications.domain import (
+    GroupReport,
+    TraceEvidence,
+    claim_key,
+    claim_label,
+    claim_target,
+    judge_group,
+)
+from replay_audit.verifications.scan import scan_evidence
+
+#: The calibration of a claim (its `claim_key`), found or measured.
+CalibrationSource = Callable[[dict[str, Any]], Calibration]
+
+
+@dataclass(frozen=True)
+class Verification:
+    groups: list[GroupReport]
+    evidence: list[TraceEvidence]
+    calibrations: list[Calibration]
+
+
+def verify(
+    traces: Sequence[LoggedTrace],
+    model_dir: Path,
+    pool: EnginePool,
+    calibration_for: CalibrationSource,
+    *,
+    names: Sequence[str | None] | None = None,
+    group_of: Sequence[str] | None = None,
+) -> Verification:
+    """Each group's verdict (`group_of[i]`: trace i's group; one group "all" by default), split
+    by the configuration its traces claim: each claim has its own null."""
+    evidence = scan_evidence(traces, pool, model_dir, ids=names)
+    labels = list(group_of) if group_of is not None else ["all"] * len(traces)
+    members: dict[tuple[str, str], list[int]] = {}
+    claims: dict[str, dict[str, Any]] = {}
+    for i, trace in enumerate(traces):
+        claim = claim_key(claim_target(trace.config))
+        key = claim_label(claim)
+        claims[key] = claim
+        members.setdefault((labels[i], key), []).append(i)
+    cals: dict[str, Calibration] = {}
+    groups = []
+    for (label, key), idx in sorted(members.items()):
+        if key not in cals:
+            cals[key] = calibration_for(claims[key])
+        name = key if label == "all" else f"{label} · {key}"
+        groups.append(judge_group(name, [evidence[i] for i in idx], cals[key]))
+    return Verification(groups, evidence, list(cals.values()))

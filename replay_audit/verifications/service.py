@@ -1,0 +1,127 @@
+"""Verifications: create (resolve the selection, store, enqueue the job after commit), read.
+Services take a session and never commit."""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session
+
+from replay_audit.db.base import read_model
+from replay_audit.db.ids import new_public_id
+from replay_audit.exceptions import FieldError, NotFound
+from replay_audit.queue import JobQueue, JobSpec
+from replay_audit.replays.domain import logging_engine
+from replay_audit.replays.service import target_refusal
+from replay_audit.traces.models import Trace
+from replay_audit.verifications import repository
+from replay_audit.verifications.models import Verification
+from replay_audit.verifications.schemas import (
+    MAX_VERIFICATION_TRACES,
+    GroupBy,
+    VerificationCreate,
+    VerificationRead,
+)
+
+#: The job's dotted path: resolved on the worker, so the API process never imports torch.
+JOB = "replay_audit.verifications.tasks.run_verification_job"
+
+
+def job_spec(verification: Verification, timeout_s: int) -> JobSpec:
+    """The one way a verification job is named and enqueued."""
+    device = verification.request.get("device")
+    return JobSpec(
+        func=JOB,
+        args=(verification.id,),
+        job_id=f"verification-{verification.id}",
+        queue="cpu" if device == "cpu" else "gpu",
+        timeout_s=timeout_s,
+    )
+
+
+def group_of(trace: Trace, group_by: GroupBy) -> str:
+    """A trace's group: its tags, its logging engine, its configuration's id, or "all"."""
+    if group_by == "tag":
+        return ",".join(sorted(trace.tags)) or "untagged"
+    if group_by == "engine":
+        return logging_engine(trace.config.config_json)
+    if group_by == "config":
+        return trace.config.public_id
+    return "all"
+
+
+def _select(session: Session, project_id: int, request: VerificationCreate) -> list[Trace]:
+    f = request.filter
+    config_ids = None
+    if f.engine is not None:
+        config_ids = [i for i, j in repository.configs(session) if logging_engine(j) == f.engine]
+    traces = repository.selected_traces(
+        session, project_id, f.to_selection(), MAX_VERIFICATION_TRACES + 1, config_ids
+    )
+    if not traces:
+        raise FieldError("the filter selects no trace", field="filter")
+    if len(traces) > MAX_VERIFICATION_TRACES:
+        raise FieldError(
+            f"the filter selects more than {MAX_VERIFICATION_TRACES} traces; narrow it",
+            field="filter",
+        )
+    checkpoints = {t.weights_sha256 for t in traces}
+    if len(checkpoints) > 1:
+        raise FieldError(
+            f"the selected traces claim {len(checkpoints)} checkpoints; choose one with "
+            "filter.weights_sha256",
+            field="filter.weights_sha256",
+        )
+    return traces
+
+
+def create_verification(
+    session: Session, project_id: int, request: VerificationCreate, queue: JobQueue
+) -> tuple[Verification, bool]:
+    """Store a verification of the traces its filter selects (resolved now) and enqueue its
+    job after commit. Returns (verification, created): an `idempotency_key` already used in the
+    project returns the existing one."""
+    if request.idempotency_key is not None:
+        existing = repository.get_by_idempotency_key(session, project_id, request.idempotency_key)
+        if existing is not None:
+            return existing, False
+    refusal = target_refusal(queue.capabilities, lm_head_dtype=None, device=request.device)
+    if refusal is not None:
+        raise FieldError(refusal, field="device")
+    traces = _select(session, project_id, request)
+    queue.check()
+    verification = repository.add(
+        session,
+        Verification(
+            public_id=new_public_id("ver"),
+            project_id=project_id,
+            status="queued",
+            model_sha256=traces[0].weights_sha256,
+            request=request.model_dump(mode="json"),
+            selection={
+                "trace_ids": [t.id for t in traces],
+                "groups": [group_of(t, request.group_by) for t in traces],
+            },
+            idempotency_key=request.idempotency_key,
+        ),
+    )
+    queue.enqueue(session, [job_spec(verification, queue.job_timeout_s)])
+    return verification, True
+
+
+def get_verification(session: Session, project_id: int, public_id: str) -> Verification:
+    """The project's verification, or NotFound (another project's answers the same)."""
+    v = repository.get_by_public_id(session, project_id, public_id)
+    if v is None:
+        raise NotFound(f"no verification {public_id}")
+    return v
+
+
+def traces_of(verification: Verification) -> int:
+    return len(verification.selection["trace_ids"])  # type: ignore[arg-type]
+
+
+def to_read(verification: Verification, project: str) -> VerificationRead:
+    return read_model(VerificationRead, verification, id=verification.public_id, project=project)
+
+
+def recent_verifications(session: Session, project_id: int, limit: int = 20) -> list[Verification]:
+    return repository.recent(session, project_id, limit)

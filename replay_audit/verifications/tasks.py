@@ -1,0 +1,230 @@
+"""The verification job: what a worker executes for one `verifications` row.
+
+It reloads the traces the request selected, finds the checkpoint they claim
+(`REPLAY_AUDIT_MODEL_DIRS`), takes each claim's calibration from `verification_calibrations`
+(measuring the benign null on this worker's platform once, when there is none), runs
+`verifications.run.verify` and stores the report. Idempotent: a done or failed verification is
+left alone, a calibration is unique per (checkpoint, platform, claim, false-alarm rate), so a
+retry reuses what an earlier attempt measured. Workers only: it reaches the torch engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Final
+
+from sqlalchemy.exc import IntegrityError
+
+from replay_audit.config import BUNDLED_MODEL_DIR
+from replay_audit.db.base import utcnow
+from replay_audit.db.unit_of_work import session_scope
+from replay_audit.engine.pool import EnginePool
+from replay_audit.engine.protocol import Intervention, Target
+from replay_audit.exceptions import ReplayAuditError
+from replay_audit.replays.checkpoint import ModelNotFound, find_checkpoint
+from replay_audit.replays.repository import logged_trace
+from replay_audit.replays.tasks import worker_context
+from replay_audit.stats.verification import Calibration
+from replay_audit.verifications import repository
+from replay_audit.verifications.domain import report_json
+from replay_audit.verifications.models import Verification, VerificationCalibration
+from replay_audit.verifications.schemas import VerificationCreate
+
+log = logging.getLogger(__name__)
+
+#: A verification started this many times without finishing is failed for good.
+MAX_ATTEMPTS: Final = 3
+#: The null a worker measures: this many of the bundled prompts, generated this long.
+NULL_PROMPTS: Final = 32
+NULL_MAX_NEW_TOKENS: Final = 64
+
+#: measure(model_dir, claim, false_alarm_rate, pool, device) -> the claim's calibration here.
+Measure = Callable[[Path, dict[str, Any], float, EnginePool, str | None], Calibration]
+
+
+def _target(claim: dict[str, Any]) -> Target:
+    return Target(claim["dtype"], claim["lm_head_dtype"], claim["attn_kernel"], 1, Intervention())
+
+
+def measure_null(
+    model_dir: Path, claim: dict[str, Any], rate: float, pool: EnginePool, device: str | None
+) -> Calibration:
+    """The benign null of `claim` on this worker (`null.benign_null` on the bundled prompts)."""
+    from replay_audit.screenings.sweep.worker import TorchBackend
+    from replay_audit.verifications.null import benign_null
+
+    path = BUNDLED_MODEL_DIR.parent / "prompts.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    prompts = TorchBackend(model_dir, device).prompts(rows[:NULL_PROMPTS])
+    return benign_null(
+        model_dir,
+        _target(claim),
+        prompts,
+        pool=pool,
+        device=device,
+        max_new_tokens=NULL_MAX_NEW_TOKENS,
+        false_alarm_rate=rate,
+    )
+
+
+def scanning_platform(
+    model_dir: Path, claim: dict[str, Any], pool: EnginePool, device: str | None
+) -> dict[str, Any]:
+    """This worker's platform as a calibration names it (`null.platform_key`)."""
+    from replay_audit.screenings.sweep.worker import TorchBackend
+    from replay_audit.verifications.null import platform_key
+    from replay_audit.verifications.scan import claim_engine
+
+    env = claim_engine(pool, model_dir, _target(claim)).environment()
+    return platform_key(TorchBackend(model_dir, device).platform(), env["torch_version"])
+
+
+#: How the jobs run in the current context measure a null (a test binds a smaller one).
+_measure: ContextVar[Measure | None] = ContextVar("replay_audit_verification_null", default=None)
+
+
+def install_null_measure(measure: Measure | None) -> None:
+    """Measure nulls with `measure` in the current context from here on (None: `measure_null`)."""
+    _measure.set(measure)
+
+
+def _canonical(value: dict[str, Any]) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+class _Calibrations:
+    """Each claim's calibration: stored, or measured here and stored (once)."""
+
+    def __init__(self, url: str, sha: str, model_dir: Path, rate: float, device: str | None):
+        self.url, self.sha, self.model_dir, self.rate, self.device = (
+            url,
+            sha,
+            model_dir,
+            rate,
+            device,
+        )
+        self.pool = worker_context().pool
+        self.used: list[tuple[Calibration, bool, dict[str, Any]]] = []
+
+    def __call__(self, claim: dict[str, Any]) -> Calibration:
+        platform = scanning_platform(self.model_dir, claim, self.pool, self.device)
+        key = (self.sha, _canonical(platform), _canonical(claim), self.rate)
+        with session_scope(self.url) as s:
+            row = repository.get_calibration(s, *key)
+            stored = Calibration.from_json(row.calibration) if row is not None else None
+        if stored is None:
+            measure = _measure.get() or measure_null
+            cal = measure(self.model_dir, claim, self.rate, self.pool, self.device)
+            try:
+                with session_scope(self.url) as s:
+                    repository.add_calibration(
+                        s,
+                        VerificationCalibration(
+                            weights_sha256=self.sha,
+                            platform_key=key[1],
+                            claim_key=key[2],
+                            false_alarm_rate=self.rate,
+                            calibration=cal.to_json(),
+                        ),
+                    )
+            except IntegrityError:  # another job stored it first: same null, keep ours
+                pass
+        self.used.append((stored or cal, stored is not None, platform))
+        return stored or cal
+
+
+def calibration_json(cal: Calibration, reused: bool) -> dict[str, Any]:
+    """A calibration's figures as the report shows them."""
+    return {
+        "claim": cal.claim,
+        "platform": cal.platform,
+        "false_alarm_rate": cal.false_alarm_rate,
+        "statistic": cal.statistic,
+        "tokens_needed": cal.tokens_needed(),
+        "budgets": [asdict(b) for b in cal.budgets[cal.statistic]],
+        "variations": [
+            {"name": v.name, "traces": v.traces, "tokens": v.tokens} for v in cal.variations
+        ],
+        "alternative": asdict(cal.alternative) if cal.alternative is not None else None,
+        "notes": list(cal.notes),
+        "reused": reused,
+    }
+
+
+def _claimed_platforms(configs: Sequence[tuple[str, str | None]]) -> list[str]:
+    return sorted({dev + (f" ({gpu})" if gpu else "") for dev, gpu in configs})
+
+
+def _fail(url: str, verification_id: int, message: str) -> None:
+    with session_scope(url) as s:
+        row = s.get(Verification, verification_id)
+        if row is not None and row.status != "done":
+            row.status, row.error, row.finished_at = "failed", message, utcnow()
+
+
+def run_verification_job(verification_id: int, database_url: str | None = None) -> None:
+    """Run verification `verification_id` and store its report (a done one is left alone)."""
+    ctx = worker_context()
+    url = database_url or ctx.settings.database_url
+    with session_scope(url) as s:
+        row = s.get(Verification, verification_id)
+        if row is None or row.status in ("done", "failed"):
+            return
+        if row.attempts >= MAX_ATTEMPTS:
+            row.status, row.finished_at = "failed", utcnow()
+            row.error = f"gave up after {row.attempts} attempts (worker killed or crashing)"
+            return
+        row.attempts += 1
+        row.status = "running"
+        row.started_at = row.started_at or utcnow()
+        request = VerificationCreate.model_validate(row.request)
+        ids: list[int] = list(row.selection["trace_ids"])  # type: ignore[arg-type]
+        groups: list[str] = list(row.selection["groups"])  # type: ignore[arg-type]
+        sha = row.model_sha256
+    try:
+        model_dir = find_checkpoint(sha, ctx.settings.model_dirs, ctx.pool)
+    except ModelNotFound as e:
+        _fail(url, verification_id, str(e))
+        return
+    with session_scope(url) as s:
+        rows = repository.traces_by_id(s, ids)
+        kept = [(i, g) for i, g in zip(ids, groups, strict=True) if i in rows]
+        traces = [logged_trace(rows[i]) for i, _ in kept]
+        names: list[str | None] = [rows[i].public_id for i, _ in kept]
+        claimed = _claimed_platforms(
+            [(rows[i].config.device, rows[i].config.gpu_name) for i, _ in kept]
+        )
+    if not traces:
+        _fail(url, verification_id, "none of the selected traces exists any more (retention)")
+        return
+    from replay_audit.verifications.run import verify
+
+    calibrations = _Calibrations(url, sha, model_dir, request.false_alarm_rate, request.device)
+    try:
+        result = verify(
+            traces, model_dir, ctx.pool, calibrations, names=names, group_of=[g for _, g in kept]
+        )
+    except ReplayAuditError as e:
+        _fail(url, verification_id, e.message)
+        return
+    except (RuntimeError, ValueError, MemoryError, OSError) as e:  # engine-side failure
+        log.exception("verification %d failed", verification_id)
+        _fail(url, verification_id, f"{type(e).__name__}: {e}")
+        return
+    report = report_json(result.groups, result.evidence)
+    scanning = calibrations.used[0][2] if calibrations.used else None
+    report["scanning_platform"] = scanning
+    report["claimed_platforms"] = claimed
+    report["calibrations"] = [calibration_json(c, reused) for c, reused, _ in calibrations.used]
+    if len(kept) < len(ids):
+        report["missing_traces"] = len(ids) - len(kept)
+    with session_scope(url) as s:
+        row = s.get(Verification, verification_id)
+        if row is not None:
+            row.report = report
+            row.status, row.finished_at, row.error = "done", utcnow(), None

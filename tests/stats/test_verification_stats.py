@@ -1,0 +1,95 @@
+"""The verification's statistics, calibration and verdict (pure), on synthetic deficits."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from replay_audit.diff.deficit import TIE_BAND_ULPS, token_deficits
+from replay_audit.stats.verification import (
+    STATISTICS,
+    Calibration,
+    auc,
+    calibrate,
+    deficit_bins,
+    draw_group_scores,
+    verdict,
+)
+
+
+def _traces(rng: np.random.Generator, n: int, p_mismatch: float, big: bool) -> list[np.ndarray]:
+    """n traces of 40 tokens: deficits 0, else 1 ulp (benign) or 2..30 ulps (`big`)."""
+    out = []
+    for _ in range(n):
+        hit = rng.random(40) < p_mismatch
+        size = rng.integers(2, 31, 40) if big else np.ones(40)
+        out.append(np.where(hit, size, 0).astype(np.float64))
+    return out
+
+
+@pytest.fixture(scope="module")
+def calibration() -> Calibration:
+    rng = np.random.default_rng(0)
+    null = {"bf16": _traces(rng, 30, 0.01, False), "fp16": _traces(rng, 30, 0.02, False)}
+    alt = _traces(rng, 30, 0.08, True)
+    return calibrate(
+        null,
+        alt,
+        weights_sha256="x",
+        claim={"dtype": "bf16"},
+        platform={"device": "cpu"},
+        draws=300,
+    )
+
+
+def test_deficits_are_exact_in_ulps_and_banded() -> None:
+    d = token_deficits([16.0, 16.0, 16.0], [16.0, 15.875, 15.0], [0, 1, 4], "bf16")
+    assert d.deficit.tolist() == [0.0, 0.125, 1.0]
+    assert d.deficit_ulps.tolist() == [0.0, 1.0, 8.0]
+    assert d.in_tie_band.tolist() == [True, True, TIE_BAND_ULPS >= 8.0]
+
+
+def test_bins_separate_zero_rounding_and_large() -> None:
+    assert deficit_bins([0.0, 0.5, 1.0, 3.0, 10.0, 100.0]).tolist() == [0, 1, 1, 2, 3, 5]
+
+
+def test_group_draws_have_exactly_the_budget() -> None:
+    ones = [np.ones(7), np.ones(3)]
+    assert (draw_group_scores(ones, 50, 20, np.random.default_rng(1)) == 1.0).all()
+
+
+def test_thresholds_hold_the_false_alarm_rate_and_shrink_with_tokens(
+    calibration: Calibration,
+) -> None:
+    for stat in STATISTICS:
+        rows = calibration.budgets[stat]
+        assert all(r.false_alarm <= calibration.false_alarm_rate for r in rows)
+        assert rows[-1].threshold <= rows[0].threshold
+        powers = [r.power or 0.0 for r in rows]
+        assert powers[-1] >= powers[0] and powers[-1] > 0.95
+
+
+def test_verdicts(calibration: Calibration) -> None:
+    rng = np.random.default_rng(5)
+    needed = calibration.tokens_needed()
+    assert needed is not None
+    benign = verdict(_traces(rng, needed // 40 + 1, 0.015, False), calibration)
+    assert benign.verdict == "consistent"
+    tampered = verdict(_traces(rng, 20, 0.08, True), calibration)
+    assert tampered.verdict == "inconsistent" and tampered.effect_size > 0
+    assert tampered.closest_benign in {"bf16", "fp16"}
+    few = verdict(_traces(rng, 1, 0.0, False)[:1], calibration)
+    assert few.tokens < needed
+    assert few.verdict == "insufficient" and few.more_tokens == needed - few.tokens
+
+
+def test_calibration_round_trips_through_json(calibration: Calibration) -> None:
+    again = Calibration.from_json(json.loads(json.dumps(calibration.to_json())))
+    assert again == calibration
+
+
+def test_auc() -> None:
+    assert auc([0, 0, 1], [2, 3]) == 1.0
+    assert auc([1, 1], [1, 1]) == 0.5
