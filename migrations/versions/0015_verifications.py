@@ -1,7 +1,7 @@
 """Verifications (`POST /v1/verifications`) and the calibrations (benign nulls) they reuse.
 
 Revision ID: 0015
-Revises: 0012
+Revises: 0014
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0015"
-down_revision: str | Sequence[str] | None = "0012"
+down_revision: str | Sequence[str] | None = "0014"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
 from replay_audit.cli.demo import PROMPTS_FILE
-from replay_audit.cli.engine import _choice, _fail, _read_jsonl, _threads
+from replay_audit.cli.engine import _fail, _read_jsonl, _threads
 from replay_audit.cli.root import app
-from replay_audit.formats import BODY_DTYPES, HEAD_DTYPES
+from replay_audit.formats import BodyDType, HeadDType
 
 if TYPE_CHECKING:
     from replay_audit.engine import EnginePool
@@ -55,8 +55,8 @@ def _measure(
 def calibrate(
     model: Annotated[Path, typer.Option(help="Local Hugging Face checkpoint directory.")],
     out: Annotated[Path, typer.Option(help="Where to write the calibration (JSON).")],
-    dtype: Annotated[str, typer.Option(help="The claimed body dtype.")] = "bf16",
-    lm_head_dtype: Annotated[str | None, typer.Option(help="Claimed head (default dtype).")] = None,
+    dtype: Annotated[BodyDType, typer.Option(help="The claimed body dtype.")] = "bf16",
+    lm_head_dtype: Annotated[HeadDType | None, typer.Option(help="Default: dtype.")] = None,
     attn_kernel: Annotated[str, typer.Option(help="The claimed attention kernel.")] = "sdpa",
     prompts: Annotated[Path, typer.Option(help='JSONL of {"id", "prompt"}.')] = PROMPTS_FILE,
     null_prompts: Annotated[int, typer.Option(min=1, help="Prompts per variation.")] = 32,
@@ -68,8 +68,6 @@ def calibrate(
     """Measure the checkpoint's benign null on this platform for one claimed configuration."""
     from replay_audit.engine import EnginePool
 
-    _choice(dtype, BODY_DTYPES, "--dtype")
-    _choice(lm_head_dtype, HEAD_DTYPES, "--lm-head-dtype")
     pool = EnginePool(device=device, threads=_threads(threads))
     claim = {"dtype": dtype, "lm_head_dtype": lm_head_dtype or dtype, "attn_kernel": attn_kernel}
     cal = _measure(
@@ -95,7 +93,7 @@ def verify(
         Path | None, typer.Option(help="Write the calibrations used here (JSON).")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
-    group_by: Annotated[str, typer.Option(help="none, tag or engine.")] = "none",
+    group_by: Annotated[Literal["none", "tag", "engine"], typer.Option()] = "none",
     prompts: Annotated[Path, typer.Option(help="Prompts of a null measured now.")] = PROMPTS_FILE,
     null_prompts: Annotated[int, typer.Option(min=1, help="Prompts per variation.")] = 32,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Null generation length.")] = 64,
@@ -116,7 +114,6 @@ def verify(
     from replay_audit.verifications.domain import report_json
     from replay_audit.verifications.run import verify as run_verify
 
-    _choice(group_by, ("none", "tag", "engine"), "--group-by")
     parsed: list[tuple[str, LoggedTrace, str]] = []
     for n, row in _read_jsonl(traces):
         try:
