@@ -2,7 +2,7 @@
 
 Each source module (`openai`, `sglang`, `hf`, `lm_eval`) turns its input into `Generation`s and
 knows nothing of traces; `build_trace` applies the `ImportContext` (after
-`tokenization.resolve` read the ids a source logged only as text) and is the one place where
+`generation.resolve` read the ids a source logged only as text) and is the one place where
 the numerical configuration, the logged margins and the unknowns of an imported trace are
 decided:
 
@@ -32,7 +32,7 @@ from typing import Any, Final
 
 from pydantic import ValidationError
 
-from replay_audit.diff.pieces import Piece, to_json
+from replay_audit.diff.pieces import Piece, shown, to_json
 from replay_audit.exceptions import FieldError
 from replay_audit.formats import (
     EXTRA_PROCESSORS,
@@ -44,6 +44,7 @@ from replay_audit.formats import (
     TokenIdsSource,
     TopKValues,
 )
+from replay_audit.imports import _json as j
 from replay_audit.imports.schemas import (
     EXTRA_FORMAT,
     EXTRA_LOGPROBS_MODE,
@@ -52,7 +53,7 @@ from replay_audit.imports.schemas import (
     ImportContext,
     LogprobsMode,
 )
-from replay_audit.imports.tokenization import DROPPED, Vocabulary, resolve
+from replay_audit.imports.tokenization import DROPPED, Vocabulary
 from replay_audit.traces.schemas import ExtraValue, TraceCreate, TraceFieldError
 
 #: A logprob at or below this is a clamped -inf (vLLM writes max(logprob, -9999.0)): absent.
@@ -94,12 +95,12 @@ class Generation:
     """
 
     field: str
-    #: None where the source logged no ids: `tokenization.resolve` fills them from the text.
+    #: None where the source logged no ids: `generation.resolve` fills them from the text.
     prompt_token_ids: Sequence[int] | None
     output_token_ids: Sequence[int] | None
     steps: Sequence[Sequence[tuple[int, float]]] | None = None
     #: Per-step (piece, value) pairs of a top-k keyed by token text (mapped to ids by
-    #: `tokenization.resolve` where each piece is exactly one token).
+    #: `generation.resolve` where each piece is exactly one token).
     text_steps: Sequence[Sequence[tuple[Piece, float]]] | None = None
     steps_field: str = "logprobs"
     stop_reason: StopReason | None = None
@@ -345,7 +346,7 @@ def build_trace(
 ) -> TraceCreate:
     """The trace for `gen` in `context` (see the module docstring for what is decided here).
     Ids the source did not log are read from its text with `vocabulary`, the checkpoint's
-    tokenizer (`tokenization.resolve`). Raises FieldError naming the field: a context field
+    tokenizer (`generation.resolve`). Raises FieldError naming the field: a context field
     the trace needs, a text that does not round-trip, or a part of the generation that the
     trace schema refuses."""
     gen = resolve(gen, vocabulary, context.decoding.eos_token_ids or ())
@@ -462,3 +463,128 @@ def _trace_error(exc: ValidationError, where: str) -> FieldError:
         f"{where}: the trace would be invalid: {loc}: {first.get('msg', 'invalid')}",
         field=loc or where,
     )
+
+
+# -- ids a log lacks, read with the checkpoint's tokenizer (`tokenization`) -------------
+
+_NEEDS_TOKENIZER: Final = "needs the checkpoint's tokenizer: import with the CLI and --model DIR"
+#: How to have a server log the ids.
+_ASK: Final = (
+    'not logged (ask the server: vLLM "return_token_ids": true, SGLang '
+    '"return_prompt_token_ids": true)'
+)
+
+
+def _mismatch(decoded: str, logged: str) -> str:
+    at = next(
+        (i for i, (a, b) in enumerate(zip(decoded, logged, strict=False)) if a != b),
+        min(len(decoded), len(logged)),
+    )
+    return (
+        f"the ids decode to {decoded[at : at + 20]!r} where the log has "
+        f"{logged[at : at + 20]!r} (character {at})"
+    )
+
+
+def _prompt(gen: Generation, vocab: Vocabulary | None) -> tuple[list[int], str | None]:
+    field = gen.prompt_field or f"{gen.field}.prompt_token_ids"
+    text, add = gen.prompt_text, gen.add_special_tokens
+    if text is None and gen.prompt_messages is None:
+        raise j.fail(field, f"{_ASK}, and no prompt text or chat messages (give the request)")
+    if vocab is None:
+        raise j.fail(field, f"{_ASK}; re-tokenising the prompt {_NEEDS_TOKENIZER}")
+    if gen.prompt_messages is not None:
+        text, add = vocab.render(gen.prompt_messages, f"{gen.field}.request.messages"), False
+    assert text is not None
+    body = vocab.encode(text, add_special_tokens=False)
+    decoded = vocab.decode(body, skip_special_tokens=False)
+    if decoded != text:
+        raise j.fail(field, f"the prompt does not round-trip: {_mismatch(decoded, text)}")
+    return (vocab.encode(text, add_special_tokens=True) if add else body), text
+
+
+def _output(
+    gen: Generation, vocab: Vocabulary | None, eos: Sequence[int]
+) -> tuple[list[int], TokenIdsSource]:
+    field = f"{gen.field}.token_ids"
+    if vocab is None:
+        raise j.fail(field, f"{_ASK}; reading them from the text {_NEEDS_TOKENIZER}")
+    if gen.output_token_pieces is None:
+        if gen.output_text is None:
+            raise j.fail(field, "not logged, and neither are token pieces or the output text")
+        return vocab.encode(gen.output_text, add_special_tokens=False), "retokenized"
+    ids = []
+    last = len(gen.output_token_pieces) - 1
+    for t, piece in enumerate(gen.output_token_pieces):
+        token = vocab.id_of(piece)
+        if token is None and piece == "" and t == last and gen.stop_reason == "eos":
+            # vLLM writes the eos token that ended the choice as an empty piece.
+            token = gen.stop_token_id if gen.stop_token_id is not None else next(iter(eos), None)
+        if token is None:
+            raise j.fail(
+                f"{gen.field}.{gen.steps_field}[{t}]",
+                f"the logged piece {shown(piece)!r} is not exactly one token of the checkpoint's "
+                "tokenizer: no ids for this output",
+            )
+        ids.append(token)
+    return ids, "pieces"
+
+
+def _text_top_k(
+    gen: Generation, vocab: Vocabulary | None, output: Sequence[int]
+) -> tuple[list[list[tuple[int, float]]] | None, str]:
+    assert gen.text_steps is not None
+    if vocab is None:
+        return None, f"{DROPPED}the top-k is keyed by token text; mapping it {_NEEDS_TOKENIZER}"
+    # The logged tokens' own pieces must map to their logged ids, or the server's texts are
+    # not this tokenizer's pieces (an older vLLM strips SentencePiece's leading space).
+    for t, (piece, logged) in enumerate(zip(gen.output_token_pieces or (), output, strict=False)):
+        if vocab.id_of(piece) not in (None, logged):
+            return None, (
+                f"{DROPPED}the text keys are not this tokenizer's pieces: step {t}'s token "
+                f"{shown(piece)!r} maps to {vocab.id_of(piece)}, logged as {logged}"
+            )
+    steps, cut = [], ""
+    for t, step in enumerate(gen.text_steps):
+        row: list[tuple[int, float]] = []
+        for piece, value in sorted(step, key=lambda e: -e[1]):
+            token = vocab.id_of(piece)
+            if token is None or any(token == i for i, _ in row):
+                cut = cut or f" (cut at step {t}: {shown(piece)!r} is not exactly one token)"
+                break
+            row.append((token, value))
+        steps.append(row)
+    if min((len(r) for r in steps), default=0) < 2:
+        return None, f"{DROPPED}text keys that map to fewer than two tokens at some step{cut}"
+    return steps, f"text keys mapped to ids with the checkpoint's tokenizer{cut}"
+
+
+def resolve(gen: Generation, vocab: Vocabulary | None, eos: Sequence[int] = ()) -> Generation:
+    """`gen` with ids for what its source logged only as text (see the module docstring).
+    Raises FieldError naming the field when an id cannot be read, or when the ids do not decode
+    back to the logged text."""
+    changes: dict[str, Any] = {}
+    sources: list[TokenIdsSource] = [gen.token_ids_source]
+    if gen.prompt_token_ids is None:
+        changes["prompt_token_ids"], changes["prompt_text"] = _prompt(gen, vocab)
+        sources.append("retokenized")
+    output = gen.output_token_ids
+    if output is None:
+        output, source = _output(gen, vocab, eos)
+        changes["output_token_ids"] = output
+        sources.append(source)
+        if gen.output_text is not None:
+            assert vocab is not None
+            decoded = vocab.decode(output, skip_special_tokens=True)
+            if decoded != gen.output_text:
+                raise j.fail(
+                    f"{gen.field}.token_ids",
+                    f"the output does not round-trip: {_mismatch(decoded, gen.output_text)}",
+                )
+        if gen.output_token_pieces is None and vocab is not None:
+            changes["output_token_pieces"] = vocab.pieces(output)
+    if gen.text_steps is not None and gen.steps is None:
+        changes["steps"], changes["top_k_source"] = _text_top_k(gen, vocab, output)
+    order: tuple[TokenIdsSource, ...] = ("logged", "pieces", "retokenized")
+    changes["token_ids_source"] = max(sources, key=order.index)
+    return dataclasses.replace(gen, **changes)

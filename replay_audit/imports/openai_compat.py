@@ -29,7 +29,7 @@ Field names, checked against the sources (vllm-project/vllm):
   OpenAI API's layout (no ids; `bytes` beside each token).
 
 Ids a response does not carry (no `return_token_ids`; the OpenAI API) and top-k keyed by text
-are left to `tokenization.resolve`, which reads them with the checkpoint's tokenizer: the
+are left to `generation.resolve`, which reads them with the checkpoint's tokenizer: the
 output's pieces, the prompt's text or chat messages are kept for it.
 
 An item is a response object, or `{"request": ..., "response": ...}` with the request that
@@ -157,7 +157,7 @@ def _ids_from_tokens(tokens: Sequence[Any]) -> list[int] | None:
 
 def _output_ids(explicit: Any, from_tokens: list[int] | None, path: str, tokens_path: str) -> Any:
     """The choice's output ids: explicit (`token_ids`), else those of "token_id:" tokens, else
-    None (the tokenizer reads them from the pieces or the text: `tokenization.resolve`)."""
+    None (the tokenizer reads them from the pieces or the text: `generation.resolve`)."""
     if explicit is None:
         return from_tokens
     ids = j.token_ids(explicit, f"{path}.token_ids")
@@ -216,7 +216,7 @@ def _row(
     entries: Sequence[tuple[Any, Any, Any]], where: str
 ) -> tuple[list[tuple[int, float]] | None, list[tuple[Piece, float]] | None]:
     """One step's (id, value) pairs from its (token, bytes, value) entries when every token is
-    a "token_id:" string, else its (piece, value) pairs (text keys: `tokenization.resolve`
+    a "token_id:" string, else its (piece, value) pairs (text keys: `generation.resolve`
     maps them to ids); (None, None) when a token is neither."""
     ids, texts = [], []
     for n, (key, raw_bytes, value) in enumerate(entries):
@@ -284,7 +284,7 @@ def _completion_steps(
     for t, top in enumerate(tops):
         where = f"{path}.top_logprobs[{t + offset}]"
         # Keys are token strings: tokens that decode alike collide in one key, so text keys
-        # are kept only where each is exactly one token (`tokenization.resolve`).
+        # are kept only where each is exactly one token (`generation.resolve`).
         ids, text = (
             (None, None)
             if top is None
@@ -315,7 +315,7 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
     """The generations of one OpenAI-compatible chat or completions response (one per choice),
     or of one vLLM offline `RequestOutput` (`parse_request_output`).
 
-    Ids the response does not carry are left None for `tokenization.resolve` (the prompt's
+    Ids the response does not carry are left None for `generation.resolve` (the prompt's
     text or chat messages, the output's pieces or text are kept for it). Raises FieldError
     naming the field when the response is malformed."""
     request, response, rpath = split_item(item, path)

@@ -17,7 +17,7 @@ Field names, checked against the sources (sgl-project/sglang):
   `top_logprobs_num`.
 
 Without `return_prompt_token_ids` (SGLang's default `logprob_start_len=-1` logs the last prompt
-token only) the prompt is the request's `text`, re-tokenised by `tokenization.resolve`.
+token only) the prompt is the request's `text`, re-tokenised by `generation.resolve`.
 
 What the logprobs are depends on the server (the sampler's all-greedy path returns
 log_softmax of the logits; otherwise they are taken after temperature scaling unless the server
@@ -70,7 +70,7 @@ def _prompt_ids(
     path: str,
 ) -> list[int] | None:
     """Logged prompt ids, the request's `input_ids`, complete input logprobs, or None: the
-    request's `text` is then re-tokenised (`tokenization.resolve`), as under SGLang's default
+    request's `text` is then re-tokenised (`generation.resolve`), as under SGLang's default
     `logprob_start_len=-1`."""
     if body.get("prompt_token_ids") is not None:
         return j.token_ids(body["prompt_token_ids"], f"{path}.prompt_token_ids")
