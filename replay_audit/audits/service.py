@@ -42,7 +42,13 @@ from replay_audit.audits.webhook import DestinationPolicy
 from replay_audit.db.base import read_model, utcnow
 from replay_audit.db.ids import new_public_id
 from replay_audit.db.unit_of_work import after_commit
-from replay_audit.exceptions import Conflict, FieldError, NotFound, ReplayAuditError
+from replay_audit.exceptions import (
+    Conflict,
+    FieldError,
+    NotFound,
+    QueueUnavailable,
+    ReplayAuditError,
+)
 from replay_audit.json_value import JsonObject
 from replay_audit.queue import Capabilities, JobQueue, JobSpec, Runner
 from replay_audit.replays import service as replay_service
@@ -299,6 +305,8 @@ def start_audit_run(
     run happens to start, so a late or caught-up run samples what the punctual one would have.
     An empty window gives a run with status `no_traces`; a replay request the replay service
     refuses gives a run with status `failed` and the reason (neither is retried by later ticks).
+    A job queue that cannot take work raises `QueueUnavailable` (a 503): the caller's rollback
+    drops the claim, so the run is started again once the queue is back, never left failed.
     """
     due_at = due_at.astimezone(UTC)
     window_start, window_end = Selection.model_validate(schedule.selection).window(due_at)
@@ -348,6 +356,8 @@ def start_audit_run(
             defaults=defaults,
             schedule_id=schedule.public_id,
         )
+    except QueueUnavailable:
+        raise
     except ReplayAuditError as e:
         # Refused before anything was written (see replays.service.create_replay): keep the
         # claim, record why, and let the page show it.
