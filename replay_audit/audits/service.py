@@ -39,7 +39,7 @@ from replay_audit.audits.schemas import (
     TrendPoint,
 )
 from replay_audit.audits.webhook import DestinationPolicy
-from replay_audit.db.base import read_model, utcnow
+from replay_audit.db.base import flush_unique, read_model, utcnow
 from replay_audit.db.ids import new_public_id
 from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import (
@@ -101,6 +101,10 @@ def mask_url(url: str | None) -> str | None:
 # --- schedules -------------------------------------------------------------------------------
 
 
+def _name_taken(name: str | None) -> Conflict:
+    return Conflict(f"a schedule named {name!r} exists in this project", field="name")
+
+
 def create_schedule(
     session: Session,
     project_id: int,
@@ -121,7 +125,7 @@ def create_schedule(
     if webhook_url is not None:
         webhook.check_url(webhook_url, destinations)
     if repository.get_schedule_by_name(session, project_id, body.name) is not None:
-        raise Conflict(f"a schedule named {body.name!r} exists in this project", field="name")
+        raise _name_taken(body.name)
     now = now or utcnow()
     schedule = AuditSchedule(
         public_id=new_public_id("as"),
@@ -142,8 +146,8 @@ def create_schedule(
         created_at=now,
         updated_at=now,
     )
-    session.add(schedule)
-    session.flush()
+    if not flush_unique(session, schedule):  # a concurrent request took the name first
+        raise _name_taken(body.name)
     return schedule
 
 
@@ -184,7 +188,7 @@ def update_schedule(
         )
     if "name" in sent and body.name is not None and body.name != schedule.name:
         if repository.get_schedule_by_name(session, schedule.project_id, body.name) is not None:
-            raise Conflict(f"a schedule named {body.name!r} exists in this project", field="name")
+            raise _name_taken(body.name)
         schedule.name = body.name
     if "status" in sent and body.status is not None and body.status != schedule.status:
         if body.status == "paused":
@@ -197,7 +201,8 @@ def update_schedule(
     if "ear_drop_points" in sent and body.ear_drop_points is not None:
         schedule.ear_drop_points = body.ear_drop_points
     schedule.updated_at = now
-    session.flush()
+    if not flush_unique(session, schedule):  # a concurrent request took the new name first
+        raise _name_taken(body.name)
     return new_secret
 
 

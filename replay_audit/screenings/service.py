@@ -7,7 +7,7 @@ from sqlalchemy.orm import Session
 
 from replay_audit.db.base import read_model
 from replay_audit.db.ids import new_public_id
-from replay_audit.exceptions import FieldError, NotFound
+from replay_audit.exceptions import Conflict, FieldError, NotFound
 from replay_audit.queue import JobQueue, JobSpec
 from replay_audit.replays.service import target_refusal
 from replay_audit.screenings import repository
@@ -36,10 +36,10 @@ def create_screening(
 ) -> tuple[Screening, bool]:
     """Store a screening and enqueue its job after commit. Returns (screening, created): an
     `idempotency_key` already used in the project returns the existing one."""
-    if request.idempotency_key is not None:
-        existing = repository.get_by_idempotency_key(session, project_id, request.idempotency_key)
-        if existing is not None:
-            return existing, False
+    key = request.idempotency_key
+    existing = key and repository.get_by_idempotency_key(session, project_id, key)
+    if existing:
+        return existing, False
     refusal = target_refusal(queue.capabilities, lm_head_dtype=None, device=request.device)
     if refusal is not None:
         raise FieldError(refusal, field="device")
@@ -52,9 +52,16 @@ def create_screening(
             status="queued",
             model_sha256=request.model_sha256,
             request=request.model_dump(mode="json"),
-            idempotency_key=request.idempotency_key,
+            idempotency_key=key,
         ),
     )
+    if screening is None:  # a concurrent request with this idempotency_key stored it first
+        existing = key and repository.get_by_idempotency_key(session, project_id, key)
+        if not existing:
+            raise Conflict(
+                "a concurrent request is storing this screening; retry", field="idempotency_key"
+            )
+        return existing, False
     queue.enqueue(session, [job_spec(screening, queue.job_timeout_s)])
     return screening, True
 
