@@ -153,6 +153,24 @@ def test_a_worker_without_the_checkpoint_fails_the_screening_saying_why(
     assert fake_backend == []  # no engine was built for a checkpoint that is not there
 
 
+def test_the_worker_checks_the_prompts_again_and_fails_without_retrying(
+    client: TestClient,
+    job_runner: JobRunner,
+    fake_backend: list[FakeWorkerBackend],
+    fake_model_dir: Path,
+    headers: Callable[..., dict[str, str]],
+) -> None:
+    admin = headers("admin")
+    r = client.post("/v1/screenings", json=_body(weights_sha256(fake_model_dir)), headers=admin)
+    config = fake_model_dir / "config.json"  # the worker's copy has a smaller vocabulary
+    config.write_text(config.read_text().replace('"vocab_size": 97', '"vocab_size": 10'))
+    job_runner.run_all()
+    got = client.get(f"/v1/screenings/{r.json()['id']}", headers=admin).json()
+    assert got["status"] == "failed", got
+    assert "prompt p0: token id 50 is outside the vocabulary (0 to 9)" in got["error"]
+    assert fake_backend and not any(b.loads for b in fake_backend)  # no engine was loaded
+
+
 def test_the_ui_page_shows_the_report_and_the_runs_list_links_it(
     client: TestClient,
     job_runner: JobRunner,
