@@ -66,7 +66,7 @@ def read_results(
     session: DBSession,
     principal: Reader,
     cursor: Annotated[
-        str | None, Query(min_length=1, description="`next_cursor` of the previous page")
+        str | None, Query(pattern=service.CURSOR, description="`next_cursor` of the previous page")
     ] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> Page:

@@ -46,7 +46,8 @@ def list_runs(
     created_after: Annotated[UtcDatetime | None, Query(description="created at or after")] = None,
     created_before: Annotated[UtcDatetime | None, Query(description="created before")] = None,
     cursor: Annotated[
-        str | None, Query(min_length=1, description="`next_cursor` of the previous page")
+        str | None,
+        Query(pattern=browsing.RUN_CURSOR, description="`next_cursor` of the previous page"),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_RUNS_PAGE)] = 50,
 ) -> RunList:
@@ -66,8 +67,12 @@ def read_report(
     run_id: str,
     session: DBSession,
     principal: Reader,
-    a: Annotated[int | None, Query(ge=0, description="baseline comparison of the pair")] = None,
-    b: Annotated[int | None, Query(ge=0, description="treated comparison of the pair")] = None,
+    a: Annotated[
+        int | None, Query(ge=0, description="baseline comparison of the pair (needs `b`)")
+    ] = None,
+    b: Annotated[
+        int | None, Query(ge=0, description="treated comparison of the pair (needs `a`)")
+    ] = None,
     margin: Annotated[float, Query(ge=0, lt=1, description="TOST margin")] = (
         statistics.DEFAULT_TOST_MARGIN
     ),

@@ -81,13 +81,13 @@ def test_a_bad_item_gets_its_own_error_and_the_good_ones_are_stored(
             "/v1/traces:import?format=openai",
             {"context": {**CONTEXT, "dtype": None}, "items": []},
             422,
-            "dtype",
+            "context.dtype",
         ),
         (
             "/v1/traces:import?format=openai",
             {"context": {**CONTEXT, "model": {"vocab_size": 10}}, "items": []},
             422,
-            "model.weights_sha256",
+            "context.model.weights_sha256",
         ),
         (
             "/v1/traces:import?format=openai",
