@@ -63,14 +63,15 @@ def gc_paused() -> Iterator[None]:
         _gc_pause.exit()
 
 
-def parse_model(body: bytes, model: type[M]) -> M:
+def parse_model(body: bytes, model: type[M], *, strict: bool | None = None) -> M:
     """`model` validated from the JSON `body`; a domain error (400 malformed JSON, 413 too
-    large, 422 naming the field) otherwise."""
+    large, 422 naming the field) otherwise. `strict`: strict types in every nested model too,
+    lax ones included."""
     if not body:
         raise BadRequest("empty request body; expected JSON", field="body")
     try:
         with gc_paused():
-            return model.model_validate_json(body)
+            return model.model_validate_json(body, strict=strict)
     except ValidationError as exc:
         raise error_from_validation(exc.errors()) from None
 

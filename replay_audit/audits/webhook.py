@@ -8,8 +8,9 @@
 
 Destination policy. A webhook may reach public (globally routable, unicast) addresses only:
 loopback, private, link-local (cloud metadata at 169.254.169.254), carrier-grade NAT, multicast,
-unspecified and reserved ranges are refused, IPv4 inside IPv6 (mapped, 6to4, NAT64) judged by the
-IPv4 address, unless the operator's allowlist names the host or a network holding the address.
+unspecified and reserved ranges are refused, IPv4 inside IPv6 (mapped, compatible, translated,
+6to4, NAT64) judged by the IPv4 address, unless the operator's allowlist names the host or a
+network holding the address.
 Credentials in the URL are always refused (authenticate receivers by the signature). The check
 that counts is at delivery: the host name is resolved then, every address it resolves to must
 pass, and the connection goes to the address that was checked (so a DNS answer that changes

@@ -80,19 +80,20 @@ class CheckpointShape:
 
     @classmethod
     def read(cls, model_dir: Path) -> CheckpointShape:
-        """`ModelNotFound` when `config.json` lacks a vocabulary size or a context length."""
+        """`ModelNotFound` when `config.json` lacks a vocabulary size or a context length, or
+        `tokenizer.json` cannot be read."""
+        path = model_dir / "tokenizer.json"
         try:
             config = json.loads((model_dir / "config.json").read_text())
             config = config.get("text_config", config)  # a multimodal checkpoint's language model
             context = next(int(config[k]) for k in _CONTEXT_KEYS if k in config)
             vocab_size = int(config["vocab_size"])
-        except (OSError, ValueError, TypeError, KeyError, StopIteration, AttributeError):
+            tok = Tokenizer.from_file(str(path)) if path.is_file() else None
+        except Exception:  # tokenizers raises plain Exception; json, int and next their own
             raise ModelNotFound(
                 f"{model_dir.name}: no config.json with vocab_size and a context length "
-                f"({', '.join(_CONTEXT_KEYS)})"
+                f"({', '.join(_CONTEXT_KEYS)}), or a tokenizer.json that does not load"
             ) from None
-        path = model_dir / "tokenizer.json"
-        tok = Tokenizer.from_file(str(path)) if path.is_file() else None
         longest = max((len(p.encode()) for p in tok.get_vocab(True)), default=1) if tok else 1
         shrink = 4 if tok is not None and tok.normalizer is not None else 1
         return cls(model_dir, vocab_size, context, tok, max(1, longest * shrink))

@@ -95,6 +95,12 @@ def test_a_bad_item_gets_its_own_error_and_the_good_ones_are_stored(
             422,
             "context.dtype",
         ),
+        (  # strict over HTTP, as the document says (the CLI's context files are lax)
+            "/v1/traces:import?format=openai",
+            {"context": {**CONTEXT, "decoding": {"eos_token_ids": ["1"]}}, "items": []},
+            422,
+            "context.decoding.eos_token_ids[0]",
+        ),
         ("/v1/traces:import?format=openai", {"context": CONTEXT}, 422, "items"),
         ("/v1/traces:import?format=lm-eval", {"context": CONTEXT, "items": [{}]}, 422, "format"),
         ("/v1/traces:import?format=xml", {"context": CONTEXT, "items": []}, 422, "format"),

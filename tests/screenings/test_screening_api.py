@@ -330,6 +330,20 @@ def test_prompts_that_fit_are_accepted_and_the_budget_bounds_the_whole_request(
     assert client.post("/v1/screenings", json=body, headers=admin).status_code == 201
 
 
+@pytest.mark.parametrize("broken", ["config.json", "tokenizer.json"])
+def test_a_checkpoint_whose_shape_cannot_be_read_is_a_422_on_model_sha256(
+    client: TestClient,
+    job_runner: JobRunner,
+    fake_model_dir: Path,
+    headers: Callable[..., dict[str, str]],
+    broken: str,
+) -> None:
+    (fake_model_dir / broken).write_text("{not json")
+    r = client.post("/v1/screenings", json=_body(weights_sha256(fake_model_dir)), headers=headers())
+    assert r.status_code == 422 and r.json()["field"] == "model_sha256", r.text
+    assert "config.json" in r.json()["detail"] and job_runner.specs == []
+
+
 def test_a_screening_without_a_device_goes_to_the_default_queue(
     make_client: Callable[..., TestClient], headers: Callable[..., dict[str, str]]
 ) -> None:
