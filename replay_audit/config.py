@@ -79,6 +79,10 @@ class Settings(BaseSettings):
     #: Tokens (padding included) per forward of a worker's batched scans.
     #: (Default engine.protocol.DEFAULT_SCAN_TOKEN_BUDGET.)
     scan_token_budget: int = Field(default=16384, ge=1)
+    #: Most token positions one screening may decode: its prompts' tokens plus max_new_tokens
+    #: each, times the runs of its plan (a batch run counted per copy). A larger request is a
+    #: 422 naming `prompts` (docs/screening.md, "Bounded work").
+    screening_token_budget: int = Field(default=2_000_000, ge=1)
     #: Seconds before RQ kills a replay job (RQ's own default of 180 s is too short for a GPU).
     job_timeout_s: int = 3600
     #: Key that signs the web UI's session cookies (any long random string; every API process

@@ -31,6 +31,7 @@ from replay_audit.db.engine import get_engine, get_sessionmaker
 from replay_audit.imports.schemas import ImportRequest
 from replay_audit.json_value import JsonObject, JsonValue, as_object
 from replay_audit.queue import Runner, build_job_queue, build_runner, stop_runner
+from replay_audit.replays.checkpoint import CheckpointIndex
 from replay_audit.traces.schemas import TraceBatchCreate, TraceCreate
 
 
@@ -192,6 +193,7 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     app.state.sessionmaker = get_sessionmaker(settings.database_url)
     #: The job queue (in-process thread or RQ, and what it can run): built once, here.
     app.state.queue = build_job_queue(settings, runner or own_runner)
+    app.state.checkpoints = CheckpointIndex(settings.model_dirs)
     app.state.own_runner = own_runner
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)

@@ -35,6 +35,7 @@ from replay_audit.exceptions import (
 )
 from replay_audit.input import find_unstorable
 from replay_audit.queue import JobQueue
+from replay_audit.replays.checkpoint import CheckpointIndex
 from replay_audit.telemetry.log import note
 from replay_audit.telemetry.metric import AUTH_FAILURES
 
@@ -97,6 +98,15 @@ def get_queue(request: Request) -> JobQueue:
 
 
 Queue = Annotated[JobQueue, Depends(get_queue)]
+
+
+def get_checkpoints(request: Request) -> CheckpointIndex:
+    """The app's index of the checkpoints in its `REPLAY_AUDIT_MODEL_DIRS`."""
+    checkpoints: CheckpointIndex = request.app.state.checkpoints
+    return checkpoints
+
+
+Checkpoints = Annotated[CheckpointIndex, Depends(get_checkpoints)]
 
 
 def get_principal(

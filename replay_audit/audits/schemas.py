@@ -54,6 +54,7 @@ from replay_audit.formats import (
 from replay_audit.input import InputModel, Lax, option_field
 from replay_audit.replays.schemas import (
     MAX_REPLAY_TRACES,
+    PAIRS_RULE,
     TARGETS_RULE,
     ReplayCreate,
     TargetIndex,
@@ -114,7 +115,7 @@ class ScheduleReplay(InputModel):
     """What each run replays: ReplayCreate's fields without the trace selection (and its
     rules: at least one target or `compare_with: "self"`, ...)."""
 
-    model_config = ConfigDict(json_schema_extra=TARGETS_RULE)
+    model_config = ConfigDict(json_schema_extra={"allOf": [TARGETS_RULE, PAIRS_RULE]})
 
     targets: list[TargetSpec] = Field(default_factory=list)
     #: None: each run by the large-run rule on the traces it samples (scan-then-decode from
@@ -207,7 +208,8 @@ class ScheduleUpdate(InputModel):
     ear_drop_points: float | None = Field(default=None, gt=0, le=100, allow_inf_nan=False)
     #: null removes the webhook (and its secret).
     webhook_url: WebhookUrl | None = None
-    #: true: a new signing secret replaces the webhook's secret (shown in this answer only).
+    #: true: a new signing secret replaces the webhook's secret (shown in this answer only);
+    #: a 422 when the schedule has no webhook (stored, or `webhook_url` in this request).
     rotate_webhook_secret: bool = False
 
 

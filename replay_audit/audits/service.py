@@ -39,10 +39,16 @@ from replay_audit.audits.schemas import (
     TrendPoint,
 )
 from replay_audit.audits.webhook import DestinationPolicy
-from replay_audit.db.base import read_model, utcnow
+from replay_audit.db.base import flush_unique, read_model, utcnow
 from replay_audit.db.ids import new_public_id
 from replay_audit.db.unit_of_work import after_commit
-from replay_audit.exceptions import Conflict, FieldError, NotFound, ReplayAuditError
+from replay_audit.exceptions import (
+    Conflict,
+    FieldError,
+    NotFound,
+    QueueUnavailable,
+    ReplayAuditError,
+)
 from replay_audit.json_value import JsonObject
 from replay_audit.queue import Capabilities, JobQueue, JobSpec, Runner
 from replay_audit.replays import service as replay_service
@@ -96,6 +102,10 @@ def mask_url(url: str | None) -> str | None:
 # --- schedules -------------------------------------------------------------------------------
 
 
+def _name_taken(name: str | None) -> Conflict:
+    return Conflict(f"a schedule named {name!r} exists in this project", field="name")
+
+
 def create_schedule(
     session: Session,
     project_id: int,
@@ -116,7 +126,7 @@ def create_schedule(
     if webhook_url is not None:
         webhook.check_url(webhook_url, destinations)
     if repository.get_schedule_by_name(session, project_id, body.name) is not None:
-        raise Conflict(f"a schedule named {body.name!r} exists in this project", field="name")
+        raise _name_taken(body.name)
     now = now or utcnow()
     schedule = AuditSchedule(
         public_id=new_public_id("as"),
@@ -137,8 +147,8 @@ def create_schedule(
         created_at=now,
         updated_at=now,
     )
-    session.add(schedule)
-    session.flush()
+    if not flush_unique(session, schedule):  # a concurrent request took the name first
+        raise _name_taken(body.name)
     return schedule
 
 
@@ -179,7 +189,7 @@ def update_schedule(
         )
     if "name" in sent and body.name is not None and body.name != schedule.name:
         if repository.get_schedule_by_name(session, schedule.project_id, body.name) is not None:
-            raise Conflict(f"a schedule named {body.name!r} exists in this project", field="name")
+            raise _name_taken(body.name)
         schedule.name = body.name
     if "status" in sent and body.status is not None and body.status != schedule.status:
         if body.status == "paused":
@@ -192,7 +202,8 @@ def update_schedule(
     if "ear_drop_points" in sent and body.ear_drop_points is not None:
         schedule.ear_drop_points = body.ear_drop_points
     schedule.updated_at = now
-    session.flush()
+    if not flush_unique(session, schedule):  # a concurrent request took the new name first
+        raise _name_taken(body.name)
     return new_secret
 
 
@@ -300,6 +311,8 @@ def start_audit_run(
     run happens to start, so a late or caught-up run samples what the punctual one would have.
     An empty window gives a run with status `no_traces`; a replay request the replay service
     refuses gives a run with status `failed` and the reason (neither is retried by later ticks).
+    A job queue that cannot take work raises `QueueUnavailable` (a 503): the caller's rollback
+    drops the claim, so the run is started again once the queue is back, never left failed.
     """
     due_at = due_at.astimezone(UTC)
     window_start, window_end = Selection.model_validate(schedule.selection).window(due_at)
@@ -349,6 +362,8 @@ def start_audit_run(
             defaults=defaults,
             schedule_id=schedule.public_id,
         )
+    except QueueUnavailable:
+        raise
     except ReplayAuditError as e:
         # Refused before anything was written (see replays.service.create_replay): keep the
         # claim, record why, and let the page show it.

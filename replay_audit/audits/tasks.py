@@ -177,7 +177,11 @@ def run_tick(
                 s, runner, stale_after_s=stale_after_s, job_timeout_s=settings.job_timeout_s
             )
             again += reconcile_screenings(
-                s, runner, stale_after_s=stale_after_s, job_timeout_s=settings.job_timeout_s
+                s,
+                runner,
+                stale_after_s=stale_after_s,
+                job_timeout_s=settings.job_timeout_s,
+                default_queue=settings.default_queue,
             )
         report.jobs_reconciled = len(again)
     except Exception:

@@ -8,8 +8,9 @@
 
 Destination policy. A webhook may reach public (globally routable, unicast) addresses only:
 loopback, private, link-local (cloud metadata at 169.254.169.254), carrier-grade NAT, multicast,
-unspecified and reserved ranges are refused, IPv4 inside IPv6 (mapped, 6to4, NAT64) judged by the
-IPv4 address, unless the operator's allowlist names the host or a network holding the address.
+unspecified and reserved ranges are refused, IPv4 inside IPv6 (mapped, compatible, translated,
+6to4, NAT64) judged by the IPv4 address, unless the operator's allowlist names the host or a
+network holding the address.
 Credentials in the URL are always refused (authenticate receivers by the signature). The check
 that counts is at delivery: the host name is resolved then, every address it resolves to must
 pass, and the connection goes to the address that was checked (so a DNS answer that changes
@@ -76,7 +77,12 @@ _LOCAL_NAMES: Final = frozenset(
         "metadata.google.internal",
     }
 )
-_NAT64: Final = ipaddress.IPv6Network("64:ff9b::/96")
+#: IPv6 networks whose low 32 bits are an IPv4 address: IPv4-compatible (`::a.b.c.d`,
+#: deprecated but still routed to the IPv4 host by some stacks), IPv4-translated
+#: (`::ffff:0:a.b.c.d`) and NAT64 (`64:ff9b::a.b.c.d`).
+_IPV4_CARRIERS: Final = tuple(
+    ipaddress.IPv6Network(n) for n in ("::/96", "::ffff:0:0:0/96", "64:ff9b::/96")
+)
 #: A host that inet_aton reads as an IPv4 address (decimal, hex, octal, short forms).
 _LEGACY_IPV4: Final = re.compile(r"^(0x[0-9a-f]+|[0-9]+)(\.(0x[0-9a-f]+|[0-9]+)){0,3}$")
 
@@ -90,7 +96,8 @@ def _normal_host(host: str) -> str:
 
 
 def _embedded_ipv4(address: IPAddress) -> list[IPAddress]:
-    """The IPv4 addresses an IPv6 address carries (mapped, 6to4, NAT64), to be judged too."""
+    """The IPv4 addresses an IPv6 address carries (mapped, compatible, translated, 6to4,
+    NAT64), to be judged too."""
     if not isinstance(address, ipaddress.IPv6Address):
         return []
     inner: list[IPAddress] = []
@@ -98,7 +105,7 @@ def _embedded_ipv4(address: IPAddress) -> list[IPAddress]:
         inner.append(address.ipv4_mapped)
     if address.sixtofour is not None:
         inner.append(address.sixtofour)
-    if address in _NAT64:
+    if any(address in net for net in _IPV4_CARRIERS):
         inner.append(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
     return inner
 

@@ -172,7 +172,11 @@ def reconcile(
             session, runner, stale_after_s=stale_after_s, job_timeout_s=settings.job_timeout_s
         )
         again += reconcile_screenings(
-            session, runner, stale_after_s=stale_after_s, job_timeout_s=settings.job_timeout_s
+            session,
+            runner,
+            stale_after_s=stale_after_s,
+            job_timeout_s=settings.job_timeout_s,
+            default_queue=settings.default_queue,
         )
     typer.echo(f"re-enqueued {len(again)} job(s)" + (f": {again}" if again else ""))
     if again and isinstance(runner, InProcessRunner):

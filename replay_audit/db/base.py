@@ -12,7 +12,8 @@ from typing import Any, ClassVar, Final, TypeVar
 from pydantic import BaseModel
 from sqlalchemy import DateTime, MetaData, TypeDecorator
 from sqlalchemy.engine import Dialect
-from sqlalchemy.orm import DeclarativeBase
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import DeclarativeBase, Session
 
 NAMING_CONVENTION: Final = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -68,6 +69,23 @@ def read_model(model: type[_M], row: object, **values: Any) -> _M:
     """`model` (a read schema) from `values` and, for each of its other fields, `row`'s
     attribute of the same name: the fields a schema copies from its row are named once, in it."""
     return model(**{f: getattr(row, f) for f in model.model_fields if f not in values}, **values)
+
+
+def flush_unique(session: Session, *rows: object) -> bool:
+    """Add `rows` and flush them in a savepoint: False, with nothing written, when a unique
+    constraint refuses them because a concurrent request wrote the same key first (PostgreSQL
+    waits for that transaction to commit, then raises UniqueViolation). The caller answers with
+    the row that won, or a 409, never a 500. Pending changes made before the call are flushed
+    outside the savepoint: after False the session is usable only if there were none."""
+    try:
+        with session.begin_nested():
+            session.add_all(rows)
+    except IntegrityError as e:
+        code = getattr(e.orig, "sqlstate", None)  # psycopg; sqlite3 has only the message
+        if code != "23505" and "UNIQUE constraint failed" not in str(e.orig):
+            raise
+        return False
+    return True
 
 
 class Base(DeclarativeBase):

@@ -11,6 +11,7 @@ computes it in a shell whose collation is `C` (`LC_ALL=C`).
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 
 from replay_audit.exceptions import BadRequest
@@ -48,3 +49,23 @@ def weights_sha256(model_dir: str | Path) -> str:
     """The checkpoint's `weights_sha256` (module docstring: the rule)."""
     manifest = "".join(f"{file_sha256(p)}  {p.name}\n" for p in safetensors_files(model_dir))
     return hashlib.sha256(manifest.encode("utf-8")).hexdigest()
+
+
+class HashCache:
+    """`weights_sha256` of checkpoints, each cached while its files keep name, size and
+    modification time (only the first lookup reads the weights). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._hashes: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}
+        self._lock = threading.Lock()
+
+    def weights_sha256(self, model_dir: str | Path) -> str:
+        d = Path(model_dir).resolve()
+        stamp = tuple(
+            (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in safetensors_files(d)
+        )
+        with self._lock:
+            key = (str(d), stamp)
+            if key not in self._hashes:
+                self._hashes[key] = weights_sha256(d)
+            return self._hashes[key]

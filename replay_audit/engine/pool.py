@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypedDict, Unpack
 
-from replay_audit.engine.hashing import safetensors_files, weights_sha256
+from replay_audit.engine.hashing import HashCache
 from replay_audit.engine.protocol import Engine, Target
 from replay_audit.formats import CacheKind
 
@@ -50,7 +50,7 @@ class EnginePool:
         self._options = LoadOptions(device=device, cache=cache, max_cache_len=max_cache_len)
         self._max = max_engines
         self._engines: OrderedDict[_PoolKey, Engine] = OrderedDict()
-        self._hashes: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}
+        self._hashes = HashCache()
         self._lock = threading.RLock()
 
     def get(self, model_dir: str | Path, target: Target) -> Engine:
@@ -82,17 +82,8 @@ class EnginePool:
         return engine
 
     def weights_sha256(self, model_dir: str | Path) -> str:
-        """`weights_sha256` of the checkpoint, cached while its files keep name, size and
-        modification time."""
-        d = Path(model_dir).resolve()
-        stamp = tuple(
-            (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in safetensors_files(d)
-        )
-        with self._lock:
-            key = (str(d), stamp)
-            if key not in self._hashes:
-                self._hashes[key] = weights_sha256(d)
-            return self._hashes[key]
+        """`weights_sha256` of the checkpoint (`HashCache`)."""
+        return self._hashes.weights_sha256(model_dir)
 
     def __len__(self) -> int:
         return len(self._engines)

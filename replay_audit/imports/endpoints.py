@@ -61,7 +61,9 @@ def import_traces(
     answer 207 `{"results": [...]}` (see the module docstring). A context without `dtype`,
     `model.weights_sha256` or `model.vocab_size` is a 422 for the whole request."""
     with gc_paused():
-        request = parse_model(body, ImportRequest)
+        # Strict over HTTP, as every request body (the context's models are lax for the CLI's
+        # hand-written files): `"eos_token_ids": ["1"]` is a 422, as the document says.
+        request = parse_model(body, ImportRequest, strict=True)
         results = service.import_items(
             session, principal.project_id, format, request.context, request.items
         )

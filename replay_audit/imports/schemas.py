@@ -116,11 +116,28 @@ class ImportContext(_Input):
     tags: list[Tag] = Field(default_factory=list, max_length=32)
 
 
+class KnownModel(ModelInput):
+    """The model reference of an HTTP import: no response carries the weights hash or the
+    vocabulary size, so the request gives them."""
+
+    weights_sha256: Sha256
+    vocab_size: int = Field(ge=2, le=2**31 - 1)
+
+
+class KnownContext(ImportContext):
+    """The context of an HTTP import: what every trace needs and no response carries (the
+    dtype, the weights hash, the vocabulary size) is required, so the OpenAPI document says
+    so (the CLI's context may fill them from `--model DIR` and `--config`)."""
+
+    model: KnownModel
+    dtype: BodyDType
+
+
 class ImportRequest(_Input):
     """Body of `POST /v1/traces:import?format=...`: the context, then the raw logged items
     (each a response as the server returned it, or `{"request": ..., "response": ...}`)."""
 
-    context: ImportContext = ImportContext()
+    context: KnownContext
     items: list[Any] = Field(max_length=MAX_BATCH_TRACES)
 
 

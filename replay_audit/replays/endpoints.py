@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Query, Response, status
 from replay_audit.api.deps import AppSettings, DBSession, Queue, require_role
 from replay_audit.auth.models import READER_ROLES, Role
 from replay_audit.auth.schemas import Principal
+from replay_audit.db.ids import cursor_pattern
 from replay_audit.replays import service
 from replay_audit.replays.schemas import Page, ReplayCreate, ReplayCreated, ReplayRead
 
@@ -66,7 +67,8 @@ def read_results(
     session: DBSession,
     principal: Reader,
     cursor: Annotated[
-        str | None, Query(min_length=1, description="`next_cursor` of the previous page")
+        str | None,
+        Query(pattern=cursor_pattern("r"), description="`next_cursor` of the previous page"),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> Page:

@@ -11,7 +11,7 @@ from sqlalchemy import Text, and_, cast, false, func, or_, select, true, update
 from sqlalchemy.orm import Session, aliased
 from sqlalchemy.sql.expression import ColumnElement, Select
 
-from replay_audit.db.base import utcnow
+from replay_audit.db.base import flush_unique, utcnow
 from replay_audit.db.engine import dialect_insert
 from replay_audit.formats import logged_by_another_engine
 from replay_audit.replays.domain import LoggedTrace, logging_engine
@@ -59,10 +59,13 @@ def get_run_by_idempotency_key(session: Session, project_id: int, key: str) -> R
     )
 
 
-def add_run(session: Session, run: ReplayRun, chunks: Sequence[tuple[str, list[int]]]) -> list[int]:
-    """Insert the run and one job per (queue, trace ids) chunk; the job ids, in chunk order."""
-    session.add(run)
-    session.flush()
+def add_run(
+    session: Session, run: ReplayRun, chunks: Sequence[tuple[str, list[int]]]
+) -> list[int] | None:
+    """Insert the run and one job per (queue, trace ids) chunk; the job ids, in chunk order.
+    None, with nothing inserted, when a concurrent request took the run's idempotency_key."""
+    if not flush_unique(session, run):
+        return None
     jobs = [
         ReplayJob(run_id=run.id, chunk=i, queue=queue, trace_ids=ids)
         for i, (queue, ids) in enumerate(chunks)

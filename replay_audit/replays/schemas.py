@@ -180,6 +180,13 @@ SELECTION_RULE: JsonObject = {
         {"required": ["filter"], "properties": {"filter": {"type": "object"}}},
     ]
 }
+#: JSON Schema of "pairs (a list) only with compare: pairwise".
+PAIRS_RULE: JsonObject = {
+    "anyOf": [
+        {"required": ["compare"], "properties": {"compare": {"const": "pairwise"}}},
+        {"not": {"required": ["pairs"], "properties": {"pairs": {"type": "array"}}}},
+    ]
+}
 _CONTROL = re.compile("[\x00-\x1f\x7f]")
 
 
@@ -214,7 +221,9 @@ class ReplayCreate(InputModel):
     `compare_with: "self"`. `compare: "pairwise"` needs two targets or more (the self-replay
     counts), and each of `pairs` names two different ones; `pairs` is only given with it."""
 
-    model_config = ConfigDict(json_schema_extra={"allOf": [SELECTION_RULE, TARGETS_RULE]})
+    model_config = ConfigDict(
+        json_schema_extra={"allOf": [SELECTION_RULE, TARGETS_RULE, PAIRS_RULE]}
+    )
 
     trace_ids: list[str] | None = Field(default=None, min_length=1, max_length=MAX_REPLAY_TRACES)
     filter: TraceFilter | None = None

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from replay_audit.config import Settings
 from replay_audit.db.base import read_model, utcnow
 from replay_audit.db.ids import decode_cursor, encode_cursor, new_public_id
-from replay_audit.exceptions import FieldError, NotFound
+from replay_audit.exceptions import Conflict, FieldError, NotFound
 from replay_audit.formats import EXTRA_PROCESSORS, Mode
 from replay_audit.json_value import JsonObject
 from replay_audit.queue import Capabilities, JobQueue
@@ -185,12 +185,10 @@ def create_replay(
     scan-then-decode when it selects `defaults.large_run_traces` traces or more (a large run),
     decode otherwise.
     """
-    if request.idempotency_key is not None:
-        existing = repository.get_run_by_idempotency_key(
-            session, project_id, request.idempotency_key
-        )
-        if existing is not None:
-            return existing, False
+    key = request.idempotency_key
+    existing = key and repository.get_run_by_idempotency_key(session, project_id, key)
+    if existing:
+        return existing, False
 
     targets = _targets(request)
     check_targets(queue.capabilities, targets, field="targets")
@@ -232,6 +230,13 @@ def create_replay(
         schedule_id=schedule_id,
     )
     job_ids = repository.add_run(session, run, chunks)
+    if job_ids is None:  # a concurrent request with this idempotency_key stored its run first
+        existing = key and repository.get_run_by_idempotency_key(session, project_id, key)
+        if not existing:
+            raise Conflict(
+                "a concurrent request is storing this run; retry", field="idempotency_key"
+            )
+        return existing, False
     queue.enqueue(
         session, [job_spec(job_id, queue_name, queue.job_timeout_s) for job_id in job_ids]
     )

@@ -10,6 +10,7 @@ from fastapi.responses import StreamingResponse
 from replay_audit.api.deps import DBSession, require_role
 from replay_audit.auth.models import READER_ROLES
 from replay_audit.auth.schemas import Principal
+from replay_audit.db.ids import cursor_pattern
 from replay_audit.exceptions import FieldError
 from replay_audit.formats import BodyDType
 from replay_audit.input import UtcDatetime
@@ -46,7 +47,8 @@ def list_runs(
     created_after: Annotated[UtcDatetime | None, Query(description="created at or after")] = None,
     created_before: Annotated[UtcDatetime | None, Query(description="created before")] = None,
     cursor: Annotated[
-        str | None, Query(min_length=1, description="`next_cursor` of the previous page")
+        str | None,
+        Query(pattern=cursor_pattern("run"), description="`next_cursor` of the previous page"),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_RUNS_PAGE)] = 50,
 ) -> RunList:
@@ -66,8 +68,12 @@ def read_report(
     run_id: str,
     session: DBSession,
     principal: Reader,
-    a: Annotated[int | None, Query(ge=0, description="baseline comparison of the pair")] = None,
-    b: Annotated[int | None, Query(ge=0, description="treated comparison of the pair")] = None,
+    a: Annotated[
+        int | None, Query(ge=0, description="baseline comparison of the pair (needs `b`)")
+    ] = None,
+    b: Annotated[
+        int | None, Query(ge=0, description="treated comparison of the pair (needs `a`)")
+    ] = None,
     margin: Annotated[float, Query(ge=0, lt=1, description="TOST margin")] = (
         statistics.DEFAULT_TOST_MARGIN
     ),

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Response, status
 
-from replay_audit.api.deps import DBSession, Queue, require_role
+from replay_audit.api.deps import AppSettings, Checkpoints, DBSession, Queue, require_role
 from replay_audit.auth.models import READER_ROLES, Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.screenings import service
@@ -30,9 +30,16 @@ def create_screening(
     queue: Queue,
     principal: Writer,
     response: Response,
+    checkpoints: Checkpoints,
+    settings: AppSettings,
 ) -> ScreeningCreated:
-    """Screen a checkpoint on a worker's platform before deploying it (queued; poll it)."""
-    screening, created = service.create_screening(session, principal.project_id, body, queue)
+    """Screen a checkpoint on a worker's platform before deploying it (queued; poll it). The
+    checkpoint must be in the API's `REPLAY_AUDIT_MODEL_DIRS` too: its config.json and tokenizer
+    bound the work (422 naming the prompt past the context or the vocabulary, or `prompts` past
+    `REPLAY_AUDIT_SCREENING_TOKEN_BUDGET`)."""
+    screening, created = service.create_screening(
+        session, principal.project_id, body, queue, checkpoints, settings.screening_token_budget
+    )
     if not created:
         response.status_code = status.HTTP_200_OK
     return ScreeningCreated(id=screening.public_id, created=created)

@@ -19,7 +19,12 @@ log = logging.getLogger(__name__)
 
 
 def reconcile_screenings(
-    session: Session, runner: Runner, *, stale_after_s: float, job_timeout_s: int
+    session: Session,
+    runner: Runner,
+    *,
+    stale_after_s: float,
+    job_timeout_s: int,
+    default_queue: str = "gpu",
 ) -> list[int]:
     """Re-enqueue unfinished screenings that no runner holds or whose heartbeat is stale;
     return their ids."""
@@ -29,7 +34,7 @@ def reconcile_screenings(
         select(Screening).where(Screening.status.in_(("queued", "running"))).order_by(Screening.id)
     )
     for row in rows:
-        spec = job_spec(row, job_timeout_s)
+        spec = job_spec(row, job_timeout_s, default_queue)
         held = runner.is_queued(spec.job_id)
         stale = row.status == "running" and row.updated_at < stale_before
         if held and not stale:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from replay_audit.db.base import flush_unique
 from replay_audit.json_value import JsonObject
 from replay_audit.screenings.models import Screening, ScreeningOutput
 
@@ -25,10 +26,10 @@ def get_by_idempotency_key(session: Session, project_id: int, key: str) -> Scree
     )
 
 
-def add(session: Session, screening: Screening) -> Screening:
-    session.add(screening)
-    session.flush()
-    return screening
+def add(session: Session, screening: Screening) -> Screening | None:
+    """Insert the screening; None, with nothing inserted, when a concurrent request took its
+    idempotency_key."""
+    return screening if flush_unique(session, screening) else None
 
 
 def recent(session: Session, project_id: int, limit: int) -> list[Screening]:

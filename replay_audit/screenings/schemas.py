@@ -46,7 +46,8 @@ class ScreeningCreate(InputModel):
     """A screening of the checkpoint whose weights hash is `model_sha256` (found by a worker in
     its `REPLAY_AUDIT_MODEL_DIRS`), on `device`, over `prompts` (docs/screening.md)."""
 
-    model_sha256: str
+    #: The checkpoint's weights hash; the API must find it in `REPLAY_AUDIT_MODEL_DIRS` (422).
+    model_sha256: str = Field(json_schema_extra={"pattern": _SHA256.pattern})
     prompts: list[ScreeningPrompt] = Field(min_length=1, max_length=MAX_SCREENING_PROMPTS)
     #: Knobs to sweep (default: all).
     knobs: list[KnobName] | None = Field(default=None, min_length=1)

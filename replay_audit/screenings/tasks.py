@@ -17,10 +17,10 @@ from typing import Protocol
 
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
-from replay_audit.exceptions import ReplayAuditError
+from replay_audit.exceptions import EngineError, ReplayAuditError
 from replay_audit.formats import BodyDType
 from replay_audit.json_value import JsonObject
-from replay_audit.replays.checkpoint import ModelNotFound, find_checkpoint
+from replay_audit.replays.checkpoint import CheckpointShape, ModelNotFound, find_checkpoint
 from replay_audit.replays.tasks import worker_context
 from replay_audit.screenings import repository
 from replay_audit.screenings.models import Screening
@@ -32,8 +32,9 @@ from replay_audit.screenings.sweep.runner import Backend, run_screening
 
 log = logging.getLogger(__name__)
 
-#: A screening started this many times without finishing is failed for good.
-MAX_ATTEMPTS = 5
+#: A screening started this many times without finishing is failed for good: a worker killed
+#: or timed out twice on it (REPLAY_AUDIT_JOB_TIMEOUT_S each) will not fare better a third time.
+MAX_ATTEMPTS = 3
 
 
 class WorkerBackend(Backend, Protocol):
@@ -123,6 +124,7 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
         sha = row.model_sha256
     try:
         model_dir = find_checkpoint(sha, ctx.settings.model_dirs, ctx.pool)
+        shape = CheckpointShape.read(model_dir)
     except ModelNotFound as e:
         _fail(url, screening_id, str(e))
         return
@@ -142,12 +144,16 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
             probe=backend.availability,
         )
         prompts = backend.prompts([p.row() for p in request.prompts])
+        for prompt in prompts:  # the API checked; this tokenizer is the one that counts
+            refusal = shape.prompt_refusal(prompt.token_ids, request.max_new_tokens)
+            if refusal is not None:
+                raise EngineError(f"prompt {prompt.id}: {refusal}")
         outputs = run_screening(plan, prompts, backend, DbStore(url, screening_id))
         report = build_report(plan, prompts, outputs, model=model_dir.name, weights_sha256=sha)
     except ReplayAuditError as e:
         _fail(url, screening_id, e.message)
         return
-    except (RuntimeError, ValueError, MemoryError) as e:  # engine-side failure
+    except (RuntimeError, ValueError, LookupError, MemoryError) as e:  # engine-side failure
         log.exception("screening %d failed", screening_id)
         _fail(url, screening_id, f"{type(e).__name__}: {e}")
         return

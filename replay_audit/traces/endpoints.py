@@ -19,7 +19,6 @@ from replay_audit.api.parsing import gc_paused, parse_items, parse_model
 from replay_audit.auth.models import READER_ROLES, Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.config import MAX_BATCH_TRACES
-from replay_audit.exceptions import FieldError
 from replay_audit.formats import BodyDType, HeadDType
 from replay_audit.input import UtcDatetime
 from replay_audit.json_value import JsonObject
@@ -152,12 +151,12 @@ def list_traces(
     created_before: Annotated[UtcDatetime | None, Query(description=_BEFORE)] = None,
     greedy: Annotated[bool | None, Query(description=_GREEDY)] = None,
     cursor: Annotated[
-        str | None, Query(min_length=1, description="`next_cursor` of the previous page")
+        str | None, Query(pattern=service.CURSOR, description="`next_cursor` of the previous page")
     ] = None,
     limit: Annotated[int, Query(ge=1, le=service.MAX_PAGE_SIZE)] = 100,
 ) -> TracePage:
     if model is not None and model_name is not None and model != model_name:
-        raise FieldError("give model or model_name (one filter), not both", field="model_name")
+        return TracePage(items=[], next_cursor=None)  # both apply, and no trace has two names
     selection = TraceSelection(
         model_name=model_name if model_name is not None else model,
         weights_sha256=weights_sha256,

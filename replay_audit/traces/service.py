@@ -16,6 +16,7 @@ and the trace is stored only if its key went in, in the same transaction.
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -384,8 +385,12 @@ def _model_ref(trace: Trace) -> ModelRef:
     )
 
 
+#: The trace list's cursor: the last trace's id (a pattern the OpenAPI document states).
+CURSOR: Final = rf"^{TRACE_ID_PREFIX}_[0-9A-HJKMNP-TV-Z]{{26}}$"
+
+
 def _check_cursor(cursor: str) -> str:
-    if not cursor.startswith(f"{TRACE_ID_PREFIX}_") or len(cursor) != len(TRACE_ID_PREFIX) + 27:
+    if not re.fullmatch(CURSOR, cursor):
         raise FieldError("cursor: not a cursor returned by this endpoint", field="cursor")
     return cursor
 

@@ -57,6 +57,8 @@ from replay_audit.verifications import service as verifications_service
 router = APIRouter(include_in_schema=False)
 
 RUNS_PER_PAGE: Final = 25
+#: Largest row id (a BIGINT): a larger `before` cursor is a 422, never a database error.
+MAX_ROW_ID: Final = 2**63 - 1
 RESULTS_PER_PAGE: Final = 50
 FLIPS_PER_PAGE: Final = 200
 #: Largest sign-in form body read (a key is ~60 characters).
@@ -228,17 +230,25 @@ def sign_out(request: Request, form: Form) -> Response:
 # -- runs ------------------------------------------------------------------------------------
 
 
-def _day(value: str | None, field: str, *, end: bool = False) -> datetime | None:
+def _moment(value: str | None, field: str, *, end: bool = False) -> datetime | None:
+    """A date (YYYY-MM-DD: the whole day, so `to` a day includes it) or a time
+    (YYYY-MM-DDTHH:MM[:SS], as a datetime-local input sends it), in UTC. A value past either
+    end of the calendar once made UTC (`9999-12-31` as `to`, `0001-01-01T00:00+01:00`) is a
+    FieldError too."""
     if not value:
         return None
     try:
-        d = date.fromisoformat(value)
-    except ValueError:
+        if len(value) == len("YYYY-MM-DD"):
+            day = datetime.combine(date.fromisoformat(value), time.min, tzinfo=UTC)
+            return day + timedelta(days=1) if end else day
+        moment = datetime.fromisoformat(value)
+        return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    except (ValueError, OverflowError):
         raise FieldError(
-            f"{field}: expected a date YYYY-MM-DD, got {value!r}", field=field
+            f"{field}: expected a date YYYY-MM-DD or a time YYYY-MM-DDTHH:MM between years 1 "
+            f"and 9999, got {value!r}",
+            field=field,
         ) from None
-    moment = datetime.combine(d, time.min, tzinfo=UTC)
-    return moment + timedelta(days=1) if end else moment  # "to" a day includes that day
 
 
 def _blank(value: str | None) -> str | None:
@@ -254,7 +264,7 @@ def runs_list(
     dtype: str | None = None,
     created_from: Annotated[str | None, Query(alias="from")] = None,
     created_to: Annotated[str | None, Query(alias="to")] = None,
-    before: Annotated[int | None, Query(ge=1)] = None,
+    before: Annotated[int | None, Query(ge=1, le=MAX_ROW_ID)] = None,
     name: Annotated[str | None, Query(max_length=200)] = None,
 ) -> Response:
     model, dtype, name = _blank(model), _blank(dtype), _blank(name)
@@ -264,8 +274,8 @@ def runs_list(
         model_name=model,
         name=name,
         dtype=dtype,
-        created_after=_day(created_from, "from"),
-        created_before=_day(created_to, "to", end=True),
+        created_after=_moment(created_from, "from"),
+        created_before=_moment(created_to, "to", end=True),
     )
     page = browsing.list_runs(session, principal.project_id, f, before=before, limit=RUNS_PER_PAGE)
     filters = {

@@ -14,7 +14,6 @@ read. Another project's trace is a 404 page.
 from __future__ import annotations
 
 import urllib.parse
-from datetime import UTC, date, datetime, timedelta
 from typing import Annotated, Final
 
 from fastapi import APIRouter, Query, Request
@@ -24,7 +23,7 @@ from replay_audit.api.deps import DBSession
 from replay_audit.exceptions import FieldError
 from replay_audit.reports import browsing
 from replay_audit.traces.selection import TraceSelection
-from replay_audit.ui.pages import Viewer, _blank, _page
+from replay_audit.ui.pages import MAX_ROW_ID, Viewer, _blank, _moment, _page
 
 router = APIRouter(include_in_schema=False)
 
@@ -32,24 +31,6 @@ TRACES_PER_PAGE: Final = 50
 REPLAYS_PER_PAGE: Final = 100
 #: Longest value of a search field (a longer one cannot match: ids, tags and names are shorter).
 MAX_FIELD: Final = 200
-
-
-def _moment(value: str | None, field: str, *, end: bool = False) -> datetime | None:
-    """A date (YYYY-MM-DD: the whole day, so `to` a day includes it) or a time
-    (YYYY-MM-DDTHH:MM[:SS], as a datetime-local input sends it), in UTC."""
-    if not value:
-        return None
-    try:
-        if len(value) == len("YYYY-MM-DD"):
-            day = datetime.combine(date.fromisoformat(value), datetime.min.time(), tzinfo=UTC)
-            return day + timedelta(days=1) if end else day
-        moment = datetime.fromisoformat(value)
-    except ValueError:
-        raise FieldError(
-            f"{field}: expected a date YYYY-MM-DD or a time YYYY-MM-DDTHH:MM, got {value!r}",
-            field=field,
-        ) from None
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
 
 
 def _field(value: str | None, field: str) -> str | None:
@@ -112,7 +93,7 @@ def trace_history_page(
     trace_id: str,
     principal: Viewer,
     session: DBSession,
-    before: Annotated[int | None, Query(ge=1)] = None,
+    before: Annotated[int | None, Query(ge=1, le=MAX_ROW_ID)] = None,
 ) -> Response:
     history = browsing.trace_history(
         session, principal.project_id, trace_id, before=before, limit=REPLAYS_PER_PAGE

@@ -3,6 +3,7 @@ answer, and the constraints the server enforces (a client generated from it work
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -68,16 +69,20 @@ def _parameter(document: dict[str, Any], path: str, name: str) -> dict[str, Any]
     return parameter
 
 
-@pytest.mark.parametrize("path", ["/v1/traces", "/v1/replays/{run_id}/results"])
-def test_an_empty_cursor_is_refused_by_the_document_and_the_server(
+@pytest.mark.parametrize("path", ["/v1/traces", "/v1/replays/{run_id}/results", "/v1/replays"])
+def test_the_cursor_format_is_in_the_document_and_the_server_keeps_to_it(
     document: dict[str, Any], client: TestClient, headers: Headers, path: str
 ) -> None:
+    """Every cursor the server accepts matches the pattern the document states, so a fuzzer
+    never sends a schema-valid cursor the server refuses (issue 20)."""
     schema = _parameter(document, path, "cursor")["schema"]
-    branches = schema.get("anyOf", [schema])
-    assert all(b.get("minLength") == 1 for b in branches if b.get("type") == "string")
-    answer = client.get(path.replace("{run_id}", "run_x"), params={"cursor": ""},
-                        headers=headers("admin"))
-    assert answer.status_code == 422 and answer.json()["field"] == "cursor"
+    (branch,) = [b for b in schema.get("anyOf", [schema]) if b.get("type") == "string"]
+    pattern = branch["pattern"]
+    for cursor in ["", "garbage", "r:1", "run-1", "tr_" + "U" * 26]:
+        assert re.search(pattern, cursor) is None, (pattern, cursor)
+        answer = client.get(path.replace("{run_id}", "run_x"), params={"cursor": cursor},
+                            headers=headers("admin"))
+        assert answer.status_code == 422 and answer.json()["field"] == "cursor", answer.text
 
 
 def test_the_replay_request_states_its_rules(
@@ -88,12 +93,15 @@ def test_the_replay_request_states_its_rules(
     (selection,) = [part["oneOf"] for part in schema["allOf"] if "oneOf" in part]
     assert sorted(branch["required"][0] for branch in selection) == ["filter", "trace_ids"]
     # ...and at least one target, or the self-replay.
-    (targets,) = [part["anyOf"] for part in schema["allOf"] if "anyOf" in part]
+    targets, pairs = [part["anyOf"] for part in schema["allOf"] if "anyOf" in part]
     assert {"required": ["targets"], "properties": {"targets": {"minItems": 1}}} in targets
+    # ...and pairs only with compare: pairwise.
+    assert {"required": ["compare"], "properties": {"compare": {"const": "pairwise"}}} in pairs
     admin = headers("admin")
     for body in (
         {"targets": [{"dtype": "fp16"}]},
         {"trace_ids": ["tr_x"], "filter": {}, "targets": [{"dtype": "fp16"}]},
         {"trace_ids": ["tr_x"], "targets": []},
+        {"trace_ids": ["tr_x"], "targets": [{"dtype": "fp16"}], "pairs": [[0, 1]]},
     ):
         assert client.post("/v1/replays", json=body, headers=admin).status_code == 422, body

@@ -74,6 +74,23 @@ def test_replay_with_redis_unreachable_is_503_and_stores_nothing(
     assert health.json()["database"] == "ok" and "Redis" in health.json()["queue"]
 
 
+def test_audit_run_now_with_redis_unreachable_is_503_and_leaves_no_run(
+    make_client: Callable[..., TestClient], headers: Callable[..., dict[str, str]], db_url: str
+) -> None:
+    from replay_audit.audits.models import AuditRun
+    from replay_audit.db.unit_of_work import session_scope
+    from tests.audits.conftest import schedule_body
+
+    client = make_client(runner="rq", redis_url=f"redis://127.0.0.1:{_free_port()}/0")
+    h = headers("admin")
+    ingest(client, h, [_trace(i) | {"tags": ["production"]} for i in range(3)])
+    sid = client.post("/v1/audits/schedules", json=schedule_body(), headers=h).json()["id"]
+    r = client.post(f"/v1/audits/schedules/{sid}/runs", headers=h)
+    assert r.status_code == 503 and r.json()["error"] == "QueueUnavailable", r.text
+    with session_scope(db_url) as s:
+        assert s.query(AuditRun).count() == 0  # no run left failed: it starts once Redis is back
+
+
 class _QueueFailingAfterCommit:
     """A runner whose queue goes away between the check and the enqueue (the race the
     after-commit path exists for): ping succeeds, enqueue raises what RQRunner raises."""

@@ -357,7 +357,10 @@ INTERNAL_URLS = [
     "http://user:pass@10.0.0.1/",
     "http://169.254.169.254/latest/meta-data/",  # cloud metadata
     "http://[::1]/",
-    "http://[::ffff:127.0.0.1]/",
+    "http://[::ffff:127.0.0.1]/",  # IPv4-mapped
+    "http://[::127.0.0.1]:8080/",  # IPv4-compatible
+    "http://[::ffff:0:10.0.0.1]/",  # IPv4-translated
+    "http://[64:ff9b::192.168.0.1]/",  # NAT64
     "http://[fe80::1]/",
     "http://192.168.1.10/",
     "http://172.16.0.1/",

@@ -43,8 +43,9 @@ from starlette.staticfiles import StaticFiles
 
 from replay_audit.api.app import create_app
 from replay_audit.audits.models import AuditAlert, AuditRun, AuditSchedule
-from replay_audit.config import Settings
+from replay_audit.config import BUNDLED_MODEL_DIR, Settings
 from replay_audit.db.unit_of_work import session_scope
+from replay_audit.engine.hashing import weights_sha256
 from replay_audit.ui import session as ui_session
 from tests.audits.conftest import schedule_body
 from tests.factories import make_trace
@@ -319,7 +320,9 @@ def world(
 
 
 def _screening_body() -> dict[str, Any]:
-    return {"model_sha256": "d" * 64, "prompts": [{"prompt_token_ids": [1, 2, 3]}]}
+    """A screening of the bundled checkpoint: the API must find it to bound the work."""
+    sha = weights_sha256(BUNDLED_MODEL_DIR)
+    return {"model_sha256": sha, "prompts": [{"prompt_token_ids": [1, 2, 3]}]}
 
 
 # -- one request ---------------------------------------------------------------------------------

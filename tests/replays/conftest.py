@@ -11,6 +11,7 @@ repairs every such flip; the flip also reproduces from scratch (head_reachable).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,8 @@ def fake_model_dir(tmp_path: Path) -> Path:
     d = tmp_path / "fake-model"
     d.mkdir()
     (d / "model.safetensors").write_bytes(b"fake weights for the fake engine")
+    config = {"vocab_size": VOCAB, "max_position_embeddings": 1024}  # what bounds a screening
+    (d / "config.json").write_text(json.dumps(config))
     return d
 
 

@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from replay_audit.config import BUNDLED_MODEL_DIR
 from replay_audit.engine import FakeEngine
+from replay_audit.replays.checkpoint import CheckpointIndex
 from replay_audit.screenings import tasks
 from replay_audit.screenings.sweep.outputs import ScreenPrompt
 from replay_audit.screenings.sweep.plan import Platform, ScreenConfig
@@ -48,10 +50,12 @@ class FakeWorkerBackend(FakeBackend):
 
 
 @pytest.fixture
-def job_runner(client: TestClient) -> JobRunner:
+def job_runner(client: TestClient, fake_model_dir: Path) -> JobRunner:  # noqa: F811
+    """Holds the app's jobs; the app finds the fake checkpoint (and the bundled one)."""
     r = JobRunner()
     state = client.app.state  # type: ignore[attr-defined]
     state.queue = dataclasses.replace(state.queue, runner=r)
+    state.checkpoints = CheckpointIndex([fake_model_dir, BUNDLED_MODEL_DIR])
     return r
 
 

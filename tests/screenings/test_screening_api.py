@@ -6,6 +6,8 @@ why."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from replay_audit.config import BUNDLED_MODEL_DIR
 from replay_audit.engine.hashing import weights_sha256
 from tests.screenings.conftest import FakeWorkerBackend, JobRunner
 from tests.screenings.sweep.fake_screen import HEAD, N_PROMPTS, STEPS
@@ -115,10 +118,11 @@ def test_isolation_idempotency_and_a_missing_checkpoint(
     client: TestClient,
     job_runner: JobRunner,
     fake_backend: list[FakeWorkerBackend],
+    fake_model_dir: Path,
     headers: Callable[..., dict[str, str]],
 ) -> None:
     admin = headers("admin")
-    body = _body("c" * 64, idempotency_key="k1")
+    body = _body(weights_sha256(fake_model_dir), idempotency_key="k1")
     first = client.post("/v1/screenings", json=body, headers=admin)
     again = client.post("/v1/screenings", json=body, headers=admin)
     assert (first.status_code, again.status_code) == (201, 200)
@@ -127,10 +131,44 @@ def test_isolation_idempotency_and_a_missing_checkpoint(
     assert client.get(f"/v1/screenings/{sid}", headers=headers("admin", "beta")).status_code == 404
     assert client.get(f"/v1/screenings/{sid}", headers=headers("submitter")).status_code == 403
     assert client.get("/v1/screenings/sc_nope", headers=admin).status_code == 404
+    # A checkpoint the API cannot find is refused: nothing would bound its work.
+    r = client.post("/v1/screenings", json=_body("c" * 64), headers=admin)
+    assert r.status_code == 422 and r.json()["field"] == "model_sha256", r.text
+    assert "c" * 16 in r.json()["detail"] and len(job_runner.specs) == 1
+
+
+def test_a_worker_without_the_checkpoint_fails_the_screening_saying_why(
+    client: TestClient,
+    job_runner: JobRunner,
+    fake_backend: list[FakeWorkerBackend],
+    fake_model_dir: Path,
+    headers: Callable[..., dict[str, str]],
+) -> None:
+    admin = headers("admin")
+    r = client.post("/v1/screenings", json=_body(weights_sha256(fake_model_dir)), headers=admin)
+    (fake_model_dir / "model.safetensors").write_bytes(b"other weights")  # gone from the worker
     job_runner.run_all()
-    got = client.get(f"/v1/screenings/{sid}", headers=admin).json()
-    assert got["status"] == "failed" and "c" * 16 in got["error"]
+    got = client.get(f"/v1/screenings/{r.json()['id']}", headers=admin).json()
+    assert got["status"] == "failed" and "no checkpoint with weights_sha256" in got["error"]
     assert fake_backend == []  # no engine was built for a checkpoint that is not there
+
+
+def test_the_worker_checks_the_prompts_again_and_fails_without_retrying(
+    client: TestClient,
+    job_runner: JobRunner,
+    fake_backend: list[FakeWorkerBackend],
+    fake_model_dir: Path,
+    headers: Callable[..., dict[str, str]],
+) -> None:
+    admin = headers("admin")
+    r = client.post("/v1/screenings", json=_body(weights_sha256(fake_model_dir)), headers=admin)
+    config = fake_model_dir / "config.json"  # the worker's copy has a smaller vocabulary
+    config.write_text(config.read_text().replace('"vocab_size": 97', '"vocab_size": 10'))
+    job_runner.run_all()
+    got = client.get(f"/v1/screenings/{r.json()['id']}", headers=admin).json()
+    assert got["status"] == "failed", got
+    assert "prompt p0: token id 50 is outside the vocabulary (0 to 9)" in got["error"]
+    assert fake_backend and not any(b.loads for b in fake_backend)  # no engine was loaded
 
 
 def test_the_ui_page_shows_the_report_and_the_runs_list_links_it(
@@ -242,3 +280,79 @@ def test_a_stopped_screening_job_resumes_at_the_first_undecoded_prompt(
     assert not any(k == ScreenConfig("fp32").key for k, _ in again.decoded)
     assert got["report"]["tier"]["tier"] == 1
     assert got["report"]["head_vs_body"]["lift"]["lift"] == pytest.approx(len(HEAD) / N_PROMPTS)
+
+
+# -- bounded work (issue 20): the API reads the checkpoint's config.json and tokenizer.json --
+
+TINY = weights_sha256(BUNDLED_MODEL_DIR)  # vocab 4096, context 512
+
+
+@pytest.mark.parametrize(
+    ("prompt", "field", "says"),
+    [
+        ({"prompt": "a" * 100_000}, "prompts[1].prompt", "context of 512"),  # refused untokenized
+        ({"prompt": "hello world " * 300}, "prompts[1].prompt", "exceed the checkpoint's context"),
+        ({"prompt_token_ids": [4096, 99999]}, "prompts[1].prompt_token_ids", "token id 4096"),
+        ({"prompt_token_ids": [5] * 449}, "prompts[1].prompt_token_ids", "449 prompt tokens"),
+    ],
+)
+def test_a_prompt_past_the_context_or_the_vocabulary_is_a_422_naming_it(
+    client: TestClient,
+    job_runner: JobRunner,
+    headers: Callable[..., dict[str, str]],
+    prompt: dict[str, Any],
+    field: str,
+    says: str,
+) -> None:
+    body = {"model_sha256": TINY, "prompts": [{"prompt": "fine"}, prompt], "max_new_tokens": 64}
+    started = time.perf_counter()
+    r = client.post("/v1/screenings", json=body, headers=headers("admin"))
+    elapsed = time.perf_counter() - started
+    assert r.status_code == 422 and r.json()["field"] == field, r.text
+    assert says in r.json()["detail"] and job_runner.specs == []
+    assert elapsed < 5, elapsed  # 100k characters: refused in milliseconds, not tokenized
+
+
+def test_prompts_that_fit_are_accepted_and_the_budget_bounds_the_whole_request(
+    client: TestClient, job_runner: JobRunner, headers: Callable[..., dict[str, str]]
+) -> None:
+    admin = headers("admin")
+    fits = [{"prompt_token_ids": [5] * 448}, {"prompt": "hello world " * 50}]
+    body = {"model_sha256": TINY, "prompts": fits, "max_new_tokens": 64}
+    r = client.post("/v1/screenings", json=body, headers=admin)
+    assert r.status_code == 201, r.text
+    # 256 prompts of 448 tokens, every knob: far past REPLAY_AUDIT_SCREENING_TOKEN_BUDGET.
+    body["prompts"] = [{"prompt_token_ids": [5] * 448}] * 256
+    r = client.post("/v1/screenings", json=body, headers=admin)
+    assert r.status_code == 422 and r.json()["field"] == "prompts", r.text
+    assert "REPLAY_AUDIT_SCREENING_TOKEN_BUDGET" in r.json()["detail"]
+    body["knobs"] = ["tf32"]  # a smaller plan: the same prompts fit
+    assert client.post("/v1/screenings", json=body, headers=admin).status_code == 201
+
+
+@pytest.mark.parametrize("broken", ["config.json", "tokenizer.json"])
+def test_a_checkpoint_whose_shape_cannot_be_read_is_a_422_on_model_sha256(
+    client: TestClient,
+    job_runner: JobRunner,
+    fake_model_dir: Path,
+    headers: Callable[..., dict[str, str]],
+    broken: str,
+) -> None:
+    (fake_model_dir / broken).write_text("{not json")
+    r = client.post("/v1/screenings", json=_body(weights_sha256(fake_model_dir)), headers=headers())
+    assert r.status_code == 422 and r.json()["field"] == "model_sha256", r.text
+    assert "config.json" in r.json()["detail"] and job_runner.specs == []
+
+
+def test_a_screening_without_a_device_goes_to_the_default_queue(
+    make_client: Callable[..., TestClient], headers: Callable[..., dict[str, str]]
+) -> None:
+    queues = {}
+    for default in ("cpu", "gpu"):
+        client = make_client(default_queue=default)
+        runner = JobRunner()
+        client.app.state.queue = dataclasses.replace(client.app.state.queue, runner=runner)  # type: ignore[attr-defined]
+        body = {"model_sha256": TINY, "prompts": [{"prompt_token_ids": [5, 6]}]}
+        assert client.post("/v1/screenings", json=body, headers=headers()).status_code == 201
+        queues[default] = runner.specs[0].queue
+    assert queues == {"cpu": "cpu", "gpu": "gpu"}

@@ -220,6 +220,23 @@ def test_batch_item_with_nan_logit_names_the_step(client: TestClient, headers: H
     assert result["status"] == 422 and result["error"]["field"] == "top_k.logits[2]"
 
 
+def test_a_lone_surrogate_sinks_its_item_not_the_batch(
+    client: TestClient, headers: Headers, db_url: str
+) -> None:
+    """`\\ud800` escaped in the JSON (no UTF-8 can carry it raw): that item is a 422 naming the
+    field, and the good items around it are stored."""
+    import json
+
+    items = [make_trace(seed=31), make_trace(seed=32, tags=["\ud800"]), make_trace(seed=33)]
+    body = json.dumps({"traces": items}).encode()  # ensure_ascii writes the escape
+    answer = client.post("/v1/traces:batch", content=body, headers=headers("submitter"))
+    assert answer.status_code == 207, answer.text
+    results = answer.json()["results"]
+    assert [r["status"] for r in results] == [201, 422, 201]
+    assert results[1]["error"]["field"] == "tags[0]"
+    assert count_rows(db_url, Trace) == 2
+
+
 def _json_with_nan(trace: dict[str, object], step: int) -> str:
     import json
 

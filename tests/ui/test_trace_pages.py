@@ -184,14 +184,20 @@ def test_another_projects_trace_is_not_found_and_not_listed(
         ({"to": "2026-13-01"}, "to"),
         ({"id": "x" * 201}, "id"),
         ({"cursor": "not-a-cursor"}, "cursor"),
+        ({"to": "9999-12-31"}, "to"),  # a day past the calendar's last
+        ({"from": "0001-01-01T00:00+01:00"}, "from"),  # before year 1 in UTC
+        ({"before": str(2**63)}, "before"),  # past a BIGINT: on /ui/runs and a trace's page
     ],
 )
 def test_bad_search_input_is_a_4xx_naming_the_field(
     ui_client: Callable[..., TestClient], params: dict[str, str], field: str
 ) -> None:
-    r = ui_client().get("/ui/traces", params=params)
-    assert r.status_code == 422, r.text[:300]
-    assert field in r.text
+    client = ui_client()
+    paths = {"before": ["/ui/runs", "/ui/traces/tr_any"], "from": ["/ui/traces", "/ui/runs"]}
+    for path in paths.get(field, ["/ui/traces"]) + (["/ui/runs"] if field == "to" else []):
+        r = client.get(path, params=params)
+        assert r.status_code == 422, (path, r.text[:300])
+        assert field in r.text
 
 
 def test_unstorable_search_text_is_refused(ui_client: Callable[..., TestClient]) -> None:
