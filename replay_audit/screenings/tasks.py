@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from replay_audit.db.base import utcnow
+from replay_audit.db.job_row import claim_attempt, fail_row
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.exceptions import EngineError, ReplayAuditError
 from replay_audit.formats import BodyDType
@@ -98,35 +99,22 @@ class DbStore:
                 row.updated_at = utcnow()  # the heartbeat
 
 
-def _fail(url: str, screening_id: int, message: str) -> None:
-    with session_scope(url) as s:
-        row = s.get(Screening, screening_id)
-        if row is not None and row.status != "done":
-            row.status, row.error, row.finished_at = "failed", message, utcnow()
-
-
 def run_screening_job(screening_id: int, database_url: str | None = None) -> None:
     """Run (or resume) screening `screening_id` and store its report."""
     ctx = worker_context()
     url = database_url or ctx.settings.database_url
     with session_scope(url) as s:
         row = s.get(Screening, screening_id)
-        if row is None or row.status in ("done", "failed"):
+        if not claim_attempt(row, MAX_ATTEMPTS):
             return
-        if row.attempts >= MAX_ATTEMPTS:
-            row.status, row.finished_at = "failed", utcnow()
-            row.error = f"gave up after {row.attempts} attempts (worker killed or crashing)"
-            return
-        row.attempts += 1
-        row.status = "running"
-        row.started_at = row.started_at or utcnow()
+        assert row is not None  # claimed
         request = ScreeningCreate.model_validate(row.request)
         sha = row.model_sha256
     try:
         model_dir = find_checkpoint(sha, ctx.settings.model_dirs, ctx.pool)
         shape = CheckpointShape.read(model_dir)
     except ModelNotFound as e:
-        _fail(url, screening_id, str(e))
+        fail_row(url, Screening, screening_id, str(e))
         return
     factory = _factory.get() or _torch_backend
     try:
@@ -151,11 +139,11 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
         outputs = run_screening(plan, prompts, backend, DbStore(url, screening_id))
         report = build_report(plan, prompts, outputs, model=model_dir.name, weights_sha256=sha)
     except ReplayAuditError as e:
-        _fail(url, screening_id, e.message)
+        fail_row(url, Screening, screening_id, e.message)
         return
     except (RuntimeError, ValueError, LookupError, MemoryError) as e:  # engine-side failure
         log.exception("screening %d failed", screening_id)
-        _fail(url, screening_id, f"{type(e).__name__}: {e}")
+        fail_row(url, Screening, screening_id, f"{type(e).__name__}: {e}")
         return
     with session_scope(url) as s:
         row = s.get(Screening, screening_id)

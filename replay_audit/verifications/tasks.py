@@ -22,6 +22,7 @@ from sqlalchemy.exc import IntegrityError
 
 from replay_audit.config import BUNDLED_MODEL_DIR
 from replay_audit.db.base import utcnow
+from replay_audit.db.job_row import claim_attempt, fail_row
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import Intervention, Target
@@ -160,28 +161,15 @@ def _claimed_platforms(configs: Sequence[tuple[str, str | None]]) -> list[str]:
     return sorted({dev + (f" ({gpu})" if gpu else "") for dev, gpu in configs})
 
 
-def _fail(url: str, verification_id: int, message: str) -> None:
-    with session_scope(url) as s:
-        row = s.get(Verification, verification_id)
-        if row is not None and row.status != "done":
-            row.status, row.error, row.finished_at = "failed", message, utcnow()
-
-
 def run_verification_job(verification_id: int, database_url: str | None = None) -> None:
     """Run verification `verification_id` and store its report (a done one is left alone)."""
     ctx = worker_context()
     url = database_url or ctx.settings.database_url
     with session_scope(url) as s:
         row = s.get(Verification, verification_id)
-        if row is None or row.status in ("done", "failed"):
+        if not claim_attempt(row, MAX_ATTEMPTS):
             return
-        if row.attempts >= MAX_ATTEMPTS:
-            row.status, row.finished_at = "failed", utcnow()
-            row.error = f"gave up after {row.attempts} attempts (worker killed or crashing)"
-            return
-        row.attempts += 1
-        row.status = "running"
-        row.started_at = row.started_at or utcnow()
+        assert row is not None  # claimed
         request = VerificationCreate.model_validate(row.request)
         ids: list[int] = list(row.selection["trace_ids"])  # type: ignore[arg-type]
         groups: list[str] = list(row.selection["groups"])  # type: ignore[arg-type]
@@ -189,7 +177,7 @@ def run_verification_job(verification_id: int, database_url: str | None = None) 
     try:
         model_dir = find_checkpoint(sha, ctx.settings.model_dirs, ctx.pool)
     except ModelNotFound as e:
-        _fail(url, verification_id, str(e))
+        fail_row(url, Verification, verification_id, str(e))
         return
     with session_scope(url) as s:
         rows = repository.traces_by_id(s, ids)
@@ -200,7 +188,8 @@ def run_verification_job(verification_id: int, database_url: str | None = None) 
             [(rows[i].config.device, rows[i].config.gpu_name) for i, _ in kept]
         )
     if not traces:
-        _fail(url, verification_id, "none of the selected traces exists any more (retention)")
+        gone = "none of the selected traces exists any more (retention)"
+        fail_row(url, Verification, verification_id, gone)
         return
     from replay_audit.verifications.run import verify
 
@@ -210,11 +199,11 @@ def run_verification_job(verification_id: int, database_url: str | None = None) 
             traces, model_dir, ctx.pool, calibrations, names=names, group_of=[g for _, g in kept]
         )
     except ReplayAuditError as e:
-        _fail(url, verification_id, e.message)
+        fail_row(url, Verification, verification_id, e.message)
         return
     except (RuntimeError, ValueError, MemoryError, OSError) as e:  # engine-side failure
         log.exception("verification %d failed", verification_id)
-        _fail(url, verification_id, f"{type(e).__name__}: {e}")
+        fail_row(url, Verification, verification_id, f"{type(e).__name__}: {e}")
         return
     report = report_json(result.groups, result.evidence)
     scanning = calibrations.used[0][2] if calibrations.used else None
