@@ -25,14 +25,15 @@ from replay_audit.verifications.schemas import (
 JOB = "replay_audit.verifications.tasks.run_verification_job"
 
 
-def job_spec(verification: Verification, timeout_s: int) -> JobSpec:
-    """The one way a verification job is named and enqueued."""
-    device = verification.request.get("device")
+def job_spec(verification: Verification, timeout_s: int, default_queue: str) -> JobSpec:
+    """The one way a verification job is named and enqueued: one naming no `device` goes to
+    the deployment's default queue (`REPLAY_AUDIT_DEFAULT_QUEUE`), as replays and screenings."""
+    device = str(verification.request.get("device"))
     return JobSpec(
         func=JOB,
         args=(verification.id,),
         job_id=f"verification-{verification.id}",
-        queue="cpu" if device == "cpu" else "gpu",
+        queue={"cpu": "cpu", "cuda": "gpu"}.get(device, default_queue),
         timeout_s=timeout_s,
     )
 
@@ -103,7 +104,7 @@ def create_verification(
             idempotency_key=request.idempotency_key,
         ),
     )
-    queue.enqueue(session, [job_spec(verification, queue.job_timeout_s)])
+    queue.enqueue(session, [job_spec(verification, queue.job_timeout_s, queue.default_queue)])
     return verification, True
 
 

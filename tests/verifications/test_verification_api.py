@@ -204,3 +204,16 @@ def test_isolation_idempotency_and_a_missing_checkpoint(
     got = client.get(f"/v1/verifications/{vid}", headers=auditor).json()
     assert got["status"] == "failed" and "c" * 16 in got["error"], got
     assert measured == []  # no null was measured for a checkpoint that is not there
+
+
+@pytest.mark.parametrize(
+    ("device", "default", "queue"),
+    [(None, "cpu", "cpu"), (None, "gpu", "gpu"), ("cuda", "cpu", "gpu"), ("cpu", "gpu", "cpu")],
+)
+def test_a_verification_without_a_device_goes_to_the_default_queue(
+    device: str | None, default: str, queue: str
+) -> None:
+    from replay_audit.verifications.service import job_spec
+
+    row = Verification(id=7, request={"filter": {}, "device": device})
+    assert job_spec(row, 60, default).queue == queue
