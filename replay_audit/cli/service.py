@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from replay_audit.cli.root import CommandGroup, app
+from replay_audit.cli.words import counted
 
 if TYPE_CHECKING:
     from replay_audit.config import Settings
@@ -193,7 +194,7 @@ def db_partitions(
         weeks = partition.weeks(session)
     for name in created:
         typer.echo(f"created {name}")
-    typer.echo(f"{len(weeks)} weeks: " + ", ".join(f"{w:%Y-%m-%d}" for w in weeks))
+    typer.echo(f"{counted(len(weeks), 'week')}: " + ", ".join(f"{w:%Y-%m-%d}" for w in weeks))
 
 
 @app.command()
