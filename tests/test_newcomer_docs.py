@@ -26,3 +26,17 @@ def test_readme_sample_trace_uses_the_models_eos_and_bos() -> None:
     assert config["pad_token_id"] not in eos
     prompt = json.loads(re.search(r'"prompt_token_ids": (\[[^]]*\])', readme)[1])  # type: ignore[index]
     assert prompt[0] == config["bos_token_id"]
+
+
+def test_what_the_readme_writes_is_ignored_by_git() -> None:
+    """Following the README leaves no untracked file: every `--out` it names is ignored."""
+    import subprocess
+
+    outs = sorted(set(re.findall(r"--out ([^\s`]+)", (ROOT / "README.md").read_text())))
+    assert {"traces.jsonl", "results.jsonl", "screen/"} <= set(outs), outs
+    for out in outs:
+        probe = out + "report.json" if out.endswith("/") else out
+        r = subprocess.run(
+            ["git", "check-ignore", "-q", "--no-index", probe], cwd=ROOT, check=False
+        )
+        assert r.returncode == 0, f"{out} is not ignored by .gitignore"
