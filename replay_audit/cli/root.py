@@ -130,12 +130,12 @@ class _HelpTable(Table):
 def _whole_names() -> Iterator[None]:
     import typer.rich_utils as rich_utils
 
-    saved = rich_utils.Table
-    rich_utils.Table = _HelpTable  # type: ignore[misc]
+    saved = getattr(rich_utils, "Table")  # noqa: B009 (not exported: mypy)
+    setattr(rich_utils, "Table", _HelpTable)  # noqa: B010
     try:
         yield
     finally:
-        rich_utils.Table = saved  # type: ignore[misc]
+        setattr(rich_utils, "Table", saved)  # noqa: B010
 
 
 class _Command(TyperCommand):

@@ -78,7 +78,7 @@ def calibrate(
     typer.echo(
         f"wrote the null of {dtype} on {cal.platform['device']} to {out}: "
         f"{sum(v.tokens for v in cal.variations)} benign tokens, decision from "
-        f"{counted(cal.tokens_needed(), 'token')}"
+        f"{cal.tokens_needed()} tokens"
     )
 
 
