@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Final
 
 from fastapi import APIRouter, Depends, FastAPI
+from fastapi.responses import RedirectResponse
 from pydantic import BaseModel
 
 import replay_audit
@@ -167,6 +168,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         stop_runner(own, RUNNER_STOP_TIMEOUT_S)
 
 
+def _root() -> RedirectResponse:
+    """`GET /`, where uvicorn's banner points a newcomer: the UI (the API's docs are linked from
+    there and served at /docs), not a JSON 404."""
+    return RedirectResponse("/ui/", status_code=307)
+
+
 def create_app(settings: Settings | None = None, *, runner: Runner | None = None) -> FastAPI:
     """A configured app: database from `settings.database_url` (engines are shared per URL),
     the `/v1` routers, `/healthz` and `/readyz`, `/metrics` (unless off or served on its own
@@ -210,6 +217,7 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     from replay_audit.ui import mount_ui
 
     mount_ui(app)  # the auditors' HTML pages under /ui (their own error pages)
+    app.add_api_route("/", _root, methods=["GET"], include_in_schema=False)
     install_docs(app)
     _install_openapi(app)
     return app

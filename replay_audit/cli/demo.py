@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from replay_audit.cli.root import app
+from replay_audit.cli.words import counted
 from replay_audit.json_value import JsonObject, JsonValue, as_object, as_str
 
 if TYPE_CHECKING:
@@ -264,11 +265,14 @@ def demo(
             r.raise_for_status()
             refused = [item for item in r.json()["results"] if item.get("error")]
             if refused:
-                console.print(f"error: the API refused {len(refused)} traces: {refused[0]}")
+                console.print(
+                    f"error: the API refused {counted(len(refused), 'trace')}: {refused[0]}"
+                )
                 raise typer.Exit(2)
             ids = [item["id"] for item in r.json()["results"]]
             console.print(
-                f"ingested {len(ids)} traces over HTTP (POST /v1/traces:batch: {r.status_code})"
+                f"ingested {counted(len(ids), 'trace')} over HTTP "
+                f"(POST /v1/traces:batch: {r.status_code})"
             )
             run_ids = {}
             for name, request in _requests(ids).items():

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 from replay_audit.cli.root import app, option
+from replay_audit.cli.words import counted
 from replay_audit.formats import (
     CONTROL_FRACTION,
     CONTROL_SEED,
@@ -178,7 +179,7 @@ def generate(
             n += 1
             bar.advance(task)
     typer.echo(
-        f"wrote {n} traces to {out} ({dtype}, {gen.config['attn_kernel']}, "
+        f"wrote {counted(n, 'trace')} to {out} ({dtype}, {gen.config['attn_kernel']}, "
         f"{gen.config['device']}, weights_sha256 {gen.weights_sha256[:12]}...)"
     )
 
@@ -351,7 +352,8 @@ def replay(
         scans = dict(zip(todo, batched.runs, strict=True))
         rate = batched.scanned / batched.seconds if batched.seconds > 0 else 0.0
         typer.echo(
-            f"scanned {batched.scanned} traces in {batched.forwards} forward(s), "
+            f"scanned {counted(batched.scanned, 'trace')} in "
+            f"{counted(batched.forwards, 'forward')}, "
             f"{batched.seconds:.2f} s ({rate:.1f} traces/s)",
             err=True,
         )
@@ -410,18 +412,17 @@ def replay(
             summary_json.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
     if interrupted:
         typer.secho(
-            f"interrupted: {len(rows)} results written to {out} ({len(parsed) - len(rows)} "
-            f"of {len(parsed)} traces left; run again with --resume to replay them)",
+            f"interrupted: {counted(len(rows), 'result')} written to {out} "
+            f"({len(parsed) - len(rows)} of {counted(len(parsed), 'trace')} left; "
+            "run again with --resume to replay them)",
             err=True,
             fg=typer.colors.YELLOW,
         )
         raise typer.Exit(130)
-    typer.echo(f"wrote {len(rows)} results to {out}")
+    typer.echo(f"wrote {counted(len(rows), 'result')} to {out}")
 
 
-def _results_written(
-    out: Path, names: list[str], target: Any, mode: str
-) -> dict[str, JsonObject]:
+def _results_written(out: Path, names: list[str], target: Any, mode: str) -> dict[str, JsonObject]:
     """`--resume`: the results an earlier run wrote to `out`, by trace name (external_id, or
     `line N`). Refuses a file of another target or mode, or of traces not in the input (its
     statistics would mix them); a last line cut short (the process killed mid-write) is
@@ -435,6 +436,7 @@ def _results_written(
     if text and not text.endswith("\n"):
         text = text[: text.rfind("\n") + 1]
         out.write_text(text, encoding="utf-8")
+
     def key(t: Mapping[str, object]) -> tuple[object, ...]:
         return (t.get("dtype"), t.get("lm_head_dtype") or t.get("dtype"), t.get("intervention"))
 

@@ -21,6 +21,7 @@ import typer
 
 from replay_audit.cli.database import fail
 from replay_audit.cli.root import app
+from replay_audit.cli.words import counted
 from replay_audit.formats import IMPORT_FORMATS
 from replay_audit.json_value import JsonObject, JsonValue
 
@@ -407,7 +408,7 @@ def import_(
                     sink.write(trace.model_dump_json() + "\n")
                     written += 1
                     bar.advance(progress)
-            summary = f"wrote {written} traces to {out}"
+            summary = f"wrote {counted(written, 'trace')} to {out}"
         else:
             assert post is not None and key is not None
             from replay_audit.client import SendError, post_traces
@@ -431,7 +432,7 @@ def import_(
             importer.failed += stats.rejected
             written = stats.created + stats.duplicates
             summary = (
-                f"posted {written} traces to {post}: {stats.created} new, "
+                f"posted {counted(written, 'trace')} to {post}: {stats.created} new, "
                 f"{stats.duplicates} already stored, {stats.rejected} refused"
             )
     if importer.skipped:
@@ -442,9 +443,9 @@ def import_(
             "or eos before any text: no tokens to replay)"
         )
     if importer.dropped:
-        summary += f"; {importer.dropped} traces without their logged top-k (see above)"
+        summary += f"; {counted(importer.dropped, 'trace')} without their logged top-k (see above)"
     if importer.failed:
-        summary += f"; {importer.failed} items failed (see above)"
+        summary += f"; {counted(importer.failed, 'item')} failed (see above)"
     typer.echo(summary)
     if importer.failed:
         raise typer.Exit(code=1)

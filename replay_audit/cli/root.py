@@ -11,11 +11,15 @@ threads a command started before the process exits, on Ctrl-C and SIGTERM too
 
 from __future__ import annotations
 
+import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 import typer
+from rich.table import Table
+from rich.text import Text
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 from typer.models import CommandFunctionType
 
@@ -91,18 +95,78 @@ def _plain(params: list[Any]) -> list[Any]:
     return params
 
 
+def _unwrapped(text: str | None) -> str | None:
+    """A docstring's paragraphs as single lines, for the terminal to wrap: Typer keeps the
+    source's line breaks after the first paragraph, which at 80 columns makes ragged lines.
+    Indented lines (examples) and `\b` blocks keep their breaks."""
+    if not text:
+        return text
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(
+        p if p.startswith("\b") or any(line.startswith(" ") for line in p.splitlines())
+        else " ".join(line.strip() for line in p.splitlines())
+        for p in paragraphs
+    )
+
+
+class _HelpTable(Table):
+    """Typer's options table with the names never cut ("--control-fracti…" at 80 columns):
+    every column but the help text keeps its width, and the help text folds a word longer
+    than its column (an environment variable's name) instead of cutting it."""
+
+    def add_row(self, *renderables: Any, **kwargs: Any) -> None:
+        for cell in renderables[-1:]:  # the help text: Text, or Columns of Text
+            for text in getattr(cell, "renderables", [cell]):
+                if isinstance(text, Text):
+                    text.overflow = "fold"
+        super().add_row(*renderables, **kwargs)
+        *names, text = self.columns
+        for column in names[:-1]:  # the type column may wrap (a long range)
+            column.no_wrap = True
+        text.overflow = "fold"
+
+
+@contextmanager
+def _whole_names() -> Iterator[None]:
+    import typer.rich_utils as rich_utils
+
+    saved = getattr(rich_utils, "Table")  # noqa: B009 (not exported: mypy)
+    setattr(rich_utils, "Table", _HelpTable)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(rich_utils, "Table", saved)  # noqa: B010
+
+
 class _Command(TyperCommand):
-    """A command whose help reads as click's: `TEXT`, `PATH`, flags bare, `MODEL_DIR`."""
+    """A command whose help reads as click's: `TEXT`, `PATH`, flags bare, `MODEL_DIR`; its
+    docstring in paragraphs, its option names whole."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["help"] = _unwrapped(kwargs.get("help"))
+        super().__init__(*args, **kwargs)
 
     def get_params(self, ctx: Any) -> list[Any]:
         return _plain(super().get_params(ctx))
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        with _whole_names():
+            super().format_help(ctx, formatter)
 
 
 class _Group(TyperGroup):
     """A group of commands, with `_Command`'s help."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["help"] = _unwrapped(kwargs.get("help"))
+        super().__init__(*args, **kwargs)
+
     def get_params(self, ctx: Any) -> list[Any]:
         return _plain(super().get_params(ctx))
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        with _whole_names():
+            super().format_help(ctx, formatter)
 
 
 class CommandGroup(typer.Typer):

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from replay_audit.cli.root import CommandGroup, app
+from replay_audit.cli.words import counted
 
 if TYPE_CHECKING:
     from replay_audit.config import Settings
@@ -25,6 +26,27 @@ def _banner_for_key(key: str, project: str) -> str:
         f"It is shown this once; only its hash is stored.\n\n    {key}\n\n"
         f'Send it in the X-API-Key header (curl -H "X-API-Key: <key>" ...).\n{line}'
     )
+
+
+def _database_line(settings: Settings) -> str:
+    """Which database `serve` uses, and where that choice came from: a SQLite file is shown as
+    its absolute path, since the default one is relative to the current directory."""
+    from pathlib import Path
+
+    from sqlalchemy.engine import make_url
+
+    from replay_audit.cli.database import shown_url
+
+    url = make_url(settings.database_url)
+    shown = shown_url(settings.database_url)
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        shown += f" (file {Path(str(url.database)).resolve()})"
+    source = (
+        "REPLAY_AUDIT_DATABASE_URL"
+        if "database_url" in settings.model_fields_set
+        else "the default; set REPLAY_AUDIT_DATABASE_URL to choose another"
+    )
+    return f"database: {shown}, from {source}"
 
 
 @app.command()
@@ -60,8 +82,14 @@ def serve(
     with session_scope(settings.database_url) as session:
         key = bootstrap_admin_key(session)
         _store_missing_statistics(session)
+    typer.echo(_database_line(settings))
     if key is not None:
         typer.echo(_banner_for_key(key, DEFAULT_PROJECT))
+    else:
+        typer.echo(
+            "API keys: this database already has some; use the admin key printed when it was "
+            "first served, or create one with `replay-audit keys create`"
+        )
     from replay_audit.audits.scheduler import start_inprocess_scheduler
     from replay_audit.cli.shutdown import own
     from replay_audit.queue import build_runner, stop_runner
@@ -193,7 +221,7 @@ def db_partitions(
         weeks = partition.weeks(session)
     for name in created:
         typer.echo(f"created {name}")
-    typer.echo(f"{len(weeks)} weeks: " + ", ".join(f"{w:%Y-%m-%d}" for w in weeks))
+    typer.echo(f"{counted(len(weeks), 'week')}: " + ", ".join(f"{w:%Y-%m-%d}" for w in weeks))
 
 
 @app.command()

@@ -16,6 +16,7 @@ import typer
 from replay_audit.cli.demo import PROMPTS_FILE
 from replay_audit.cli.engine import _fail, _read_jsonl, _threads
 from replay_audit.cli.root import app
+from replay_audit.cli.words import counted
 from replay_audit.formats import BodyDType, HeadDType
 
 if TYPE_CHECKING:
@@ -182,12 +183,13 @@ def verify(
 
 
 def _print(report: dict[str, Any]) -> None:
-    typer.echo(f"verdict: {report['verdict']} ({report['tokens']} tokens)")
+    typer.echo(f"verdict: {report['verdict']} ({counted(report['tokens'], 'token')})")
     for g in report["groups"]:
         typer.echo(
             f"  {g['group']}: {g['verdict']}  {g['statistic']} {g['score']:.4g} vs threshold "
-            f"{g['threshold']:.4g} at {g['budget']} tokens (false-alarm rate "
-            f"{g['false_alarm_rate']:.0%}); {g['tokens']} tokens in {g['traces']} traces, "
+            f"{g['threshold']:.4g} at {counted(g['budget'], 'token')} (false-alarm rate "
+            f"{g['false_alarm_rate']:.0%}); {counted(g['tokens'], 'token')} in "
+            f"{counted(g['traces'], 'trace')}, "
             f"{g['fraction_outside_tie_band']:.2%} outside the tie band"
         )
         if g["verdict"] == "inconsistent":

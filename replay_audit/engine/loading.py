@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -186,6 +188,8 @@ def load_model(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
+    quiet_transformers()
+
     if dtype not in TORCH_DTYPES:
         raise UnsupportedFormat(f"body dtype must be one of {tuple(TORCH_DTYPES)}, got {dtype!r}")
     if not Path(model_dir).is_dir():
@@ -230,3 +234,33 @@ def load_tokenizer(model_dir: Path) -> Any:
     if (model_dir / "tokenizer.json").is_file():
         return fast(tokenizer_file=str(model_dir / "tokenizer.json"))
     return None
+
+
+#: transformers' notice that the engine's own use of `past_key_values` is deprecated: a message
+#: for the engine's authors, printed to every user on every run (issue 20).
+_PAST_KEY_VALUES_NOTICE: Final = r".*`?past_key_values`?.*deprecated"
+
+
+class _DropNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return re.match(_PAST_KEY_VALUES_NOTICE, record.getMessage(), re.S) is None
+
+
+def quiet_transformers() -> None:
+    """What transformers prints about the engine's own calls, silenced where the engine loads a
+    checkpoint (not at import): the "Loading weights" progress bars and the `past_key_values`
+    deprecation notice. Every other warning stays."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    warnings.filterwarnings("ignore", message=_PAST_KEY_VALUES_NOTICE, category=FutureWarning)
+    hf_logger = logging.getLogger("transformers")
+    for name in ("transformers", "transformers.utils.generic"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNotice) for f in logger.filters):
+            logger.addFilter(_DropNotice())
+    for handler in hf_logger.handlers:  # records of child loggers pass the handler's filters
+        if not any(isinstance(f, _DropNotice) for f in handler.filters):
+            handler.addFilter(_DropNotice())

@@ -83,6 +83,7 @@ _UI_LIST: Final[Row] = (OK, OK, DENIED, ANON, OK)
 #: method + path -> the outcome for (admin, auditor, submitter, no key, another project's admin).
 ROUTES: Final[dict[str, Row]] = {
     # Public: no key needed, nothing of any project in them.
+    "GET /": _ALL_PUBLIC,  # a redirect to /ui/
     "GET /healthz": _ALL_PUBLIC,
     "GET /readyz": _ALL_PUBLIC,
     "GET /metrics": _ALL_PUBLIC,

@@ -55,3 +55,28 @@ def test_help_names_arguments_and_types_as_words() -> None:
     r = runner.invoke(app, ["replay", "--help"], env={"COLUMNS": "200"})
     assert re.search(r"--model\s+PATH", r.output) and re.search(r"--tau\s+FLOAT", r.output)
     assert re.search(r"--top-k\s+INTEGER \[2<=x<=20\]", r.output), r.output
+
+
+@pytest.mark.parametrize("path", COMMANDS, ids=lambda p: " ".join(p) or "replay-audit")
+def test_help_at_80_columns_cuts_no_name(path: tuple[str, ...]) -> None:
+    """Issue 20: `--control-fracti…`, `REPLAY_AUDIT_TORC…` at 80 columns."""
+    r = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    assert r.exit_code == 0, r.output
+    assert "…" not in r.output, r.output
+    command = typer.main.get_command(app)
+    for name in path:
+        command = command.commands[name]  # type: ignore[attr-defined]
+    for param in command.params:
+        for opt in param.opts:
+            if opt.startswith("--"):
+                assert re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", r.output), opt
+
+
+def test_help_docstrings_are_paragraphs_not_source_lines() -> None:
+    """A docstring's hard wraps made ragged lines at 80 columns ("... stay in --out, \\n their
+    \\n summary ..."): each paragraph is wrapped by the terminal's width."""
+    r = runner.invoke(app, ["replay", "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    lines = [line.strip() for line in r.output.splitlines()]
+    assert "their" not in lines, r.output
+    wide = runner.invoke(app, ["replay", "--help"], env={"COLUMNS": "200"}, terminal_width=200)
+    assert re.search(r"stay in --out, their summary is printed", wide.output), wide.output

@@ -489,3 +489,25 @@ def test_a_penalised_greedy_request_is_imported_as_other_and_its_replay_says_why
     assert r.exit_code == 2
     assert f"{out}:1: decoding.strategy: only greedy" in r.output
     assert f"(logits processors: {processors})" in r.output
+
+
+def test_counts_of_one_read_in_the_singular(tmp_path: Path) -> None:
+    """Issue 20: "wrote 1 traces", "1 items failed"."""
+    path = tmp_path / "one.jsonl"
+    chat = {"request": {"temperature": 0}, "response": load_fixture("vllm_chat_token_ids.json")}
+    path.write_text(json.dumps(chat) + "\n{not json\n")
+    out = tmp_path / "o.jsonl"
+    r = runner.invoke(
+        app,
+        ["import", "--format", "openai", str(path), "--out", str(out), "--config", "dtype=bf16",
+         *MODEL_FLAGS],
+    )  # fmt: skip
+    assert r.exit_code == 1, r.output
+    assert "wrote 1 trace to" in r.output and "; 1 item failed" in r.output, r.output
+
+
+def test_counted() -> None:
+    from replay_audit.cli.words import counted
+
+    assert [counted(n, "trace") for n in (0, 1, 2)] == ["0 traces", "1 trace", "2 traces"]
+    assert counted(1, "forward") == "1 forward" and counted(3, "axis", "axes") == "3 axes"
