@@ -24,6 +24,10 @@ from replay_audit.stats.report import LiftReport, ProportionRead
 from replay_audit.stats.summary import Histogram, LogHistogram
 
 WIDTH = 640
+#: The width of a character of an 11 px label (system-ui), for laying labels out, and how far
+#: right a bar chart's labels may push its bars.
+CHAR_W = 6.4
+LABEL_MAX_X = 360
 #: Longest arm name in the margin track's legend (three entries share its one row).
 LEGEND_CHARS = 30
 #: Margins: left (axis labels), right, top, bottom (axis labels).
@@ -200,7 +204,11 @@ def category_chart(categories: dict[str, ProportionRead], height: int | None = N
     row_h = 26
     height = height or MT + row_h * len(rows) + 30
     body: list[str] = []
-    x0, x1 = 150, WIDTH - 110
+    # The bars start where the longest label ends (a screening's `knob: value` labels are long),
+    # up to LABEL_MAX_X; a label longer than that is cut at its end, never at its start.
+    longest = max((len(name) for name in categories), default=0)
+    x0, x1 = min(LABEL_MAX_X, max(150, 16 + round(CHAR_W * longest))), WIDTH - 110
+    fit = int((x0 - 16) / CHAR_W)
     for i in range(5):
         x = x0 + (x1 - x0) * i / 4
         body.append(_line(x, MT - 4, x, MT + row_h * len(rows), "grid"))
@@ -208,7 +216,9 @@ def category_chart(categories: dict[str, ProportionRead], height: int | None = N
     for i, (name, p) in enumerate(rows):
         y = MT + i * row_h
         share = p.estimate or 0.0
-        body.append(_text(x0 - 8, y + 16, name.replace("_", " "), anchor="end"))
+        label = name.replace("_", " ")
+        label = label if len(label) <= fit else label[: fit - 1] + "…"
+        body.append(_text(x0 - 8, y + 16, label, anchor="end"))
         body.append(
             _rect(
                 x0,

@@ -21,7 +21,7 @@ def _html() -> str:
     plan = build_plan(
         Platform(device="cpu"),
         reference=ScreenConfig("fp32"),
-        knobs=("body_dtype", "tf32", "batch_size"),
+        knobs=("body_dtype", "tf32", "batch_size", "weight_storage", "deterministic"),
         max_new_tokens=STEPS,
     )
     out = run_screening(plan, prompts(), FakeBackend(), MemoryStore())
@@ -48,6 +48,18 @@ def test_the_page_opens_in_chromium_without_console_errors(
     for section in ("sweep", "head-vs-body", "trigger-density", "margins", "tau-calibration"):
         assert browser.find_element(By.ID, section).is_displayed()
     assert len(browser.find_elements(By.CSS_SELECTOR, "svg.chart")) >= 5
+    # At 1280 px no chart text is cut at the chart's edge (the sweep's `knob: value` labels
+    # were cut at their start).
+    browser.set_window_size(1280, 1000)
+    clipped = browser.execute_script(
+        """return [...document.querySelectorAll('svg.chart text')].filter(t => {
+             const box = t.getBoundingClientRect(), svg = t.ownerSVGElement.getBoundingClientRect();
+             return t.textContent.trim() && (box.left < svg.left - 1 || box.right > svg.right + 1);
+           }).map(t => t.textContent)"""
+    )
+    assert clipped == []
+    sweep = browser.find_elements(By.CSS_SELECTOR, "#sweep svg.chart text")
+    assert any(": " in t.text for t in sweep)  # the sweep's labels, there to be checked
     rows = browser.find_elements(By.CSS_SELECTOR, "#knobs tr.knob-not_available")
     assert rows and "not available here" in rows[0].text
     assert console_errors(browser) == []
