@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import sys
+import threading
 import time
 from typing import Annotated, Any
 
@@ -57,7 +61,7 @@ def worker(
     from replay_audit.config import get_settings
     from replay_audit.engine.pool import EnginePool
     from replay_audit.queue import rq_name
-    from replay_audit.queue.state import forget_worker, record_worker_kind
+    from replay_audit.queue.state import forget_worker, keep_alive, record_worker_kind
     from replay_audit.replays.tasks import MAX_ENGINES, WorkerContext, install_worker_context
     from replay_audit.telemetry.log import configure_logging
     from replay_audit.telemetry.metric import MODEL_LOADS, start_metrics_server
@@ -96,11 +100,43 @@ def worker(
     queues = [Queue(rq_name(settings, q), connection=connection) for q in queue]
     w = _worker_class(gpu_kind, cuda_device)(queues, connection=connection, name=name)
     record_worker_kind(connection, settings.queue_prefix, w.name, gpu_kind)
+    stop_alive = threading.Event()
+    keep_alive(connection, settings.queue_prefix, w.name, stop_alive)
+    _children_die_with_us()
     try:
-        # with_scheduler: RQ's Retry intervals need a scheduler to move retries back.
+        # with_scheduler: RQ's Retry intervals need a scheduler to move retries back. RQ forks
+        # it: `_children_die_with_us` makes it stop when this process dies, even by SIGKILL.
         w.work(burst=burst, with_scheduler=True)
     finally:
+        stop_alive.set()
         forget_worker(connection, settings.queue_prefix, w.name)
+
+
+#: prctl(2)'s option: the signal a process gets when its parent dies.
+_PR_SET_PDEATHSIG = 1
+
+
+def _children_die_with_us() -> None:
+    """Every process this one forks from now on (RQ's scheduler) gets SIGTERM when this process
+    dies, however it dies: Linux's PR_SET_PDEATHSIG, set in the child right after the fork. A
+    scheduler left running would hold its queues' scheduler locks, and no other worker's
+    scheduler would move their retries back. Elsewhere than Linux, nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = [os.getpid()]
+
+    def before() -> None:
+        parent[0] = os.getpid()  # the forking process, whichever generation it is
+
+    def in_child() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent[0]:  # the parent died before the prctl took hold
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    os.register_at_fork(before=before, after_in_child=in_child)
 
 
 def _gpu_kind(device: str | None) -> tuple[str, str | None]:

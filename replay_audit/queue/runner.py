@@ -244,13 +244,21 @@ class RQRunner:
         )
 
     def is_queued(self, job_id: str) -> bool:
+        """Queued, deferred, scheduled for a retry, or started by a worker still alive."""
         from rq.exceptions import NoSuchJobError
         from rq.job import Job, JobStatus
 
+        from replay_audit.queue.state import worker_alive
+
         try:
-            status = Job.fetch(self.prefix + job_id, connection=self.connection).get_status()
+            job = Job.fetch(self.prefix + job_id, connection=self.connection)
+            status = job.get_status()
         except NoSuchJobError:
             return False
+        if status == JobStatus.STARTED and job.worker_name:
+            # A started job is held while its worker lives: one SIGKILLed mid-job leaves the job
+            # "started" in RQ for good, and its liveness key expires within ALIVE_TTL_S.
+            return worker_alive(self.connection, self.prefix, job.worker_name)
         return status in {
             JobStatus.QUEUED,
             JobStatus.STARTED,
