@@ -182,7 +182,11 @@ def _worker_class(gpu_kind: str, cuda_device: str | None) -> type[Any]:
 @app.command()
 def reconcile(
     stale_after_s: Annotated[
-        float, typer.Option(help="A running job silent this long is presumed dead.")
+        float,
+        typer.Option(
+            help="A running job silent this long is presumed stuck, its worker alive or not "
+            "(a dead worker's job is taken 15 s after its death: docs/operations.md)."
+        ),
     ] = 900.0,
 ) -> None:
     """Re-enqueue unfinished replay jobs that no runner holds.
