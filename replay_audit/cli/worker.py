@@ -25,7 +25,10 @@ def worker(
             "-q",
             help="Queue(s) to serve: gpu, cpu. Targets with device cuda go to gpu, cpu to cpu, "
             "and those naming no device to REPLAY_AUDIT_DEFAULT_QUEUE (gpu unless set): on a "
-            "deployment with CPU workers only, set it to cpu.",
+            "deployment with CPU workers only, set it to cpu. Screenings and verifications (long "
+            "jobs) wait on gpu-long and cpu-long: a worker serves the long queue of each queue "
+            "named, after every short one, so a replay run never waits behind them; name a "
+            "-long queue and it serves exactly the queues named.",
         ),
     ] = ["gpu"],  # noqa: B006 (typer reads the default, never mutates it)
     burst: Annotated[bool, typer.Option(help="Exit when the queues are empty.")] = False,
@@ -61,6 +64,7 @@ def worker(
     from replay_audit.config import get_settings
     from replay_audit.engine.pool import EnginePool
     from replay_audit.queue import rq_name
+    from replay_audit.queue.runner import served_queues
     from replay_audit.queue.state import forget_worker, keep_alive, record_worker_kind
     from replay_audit.replays.tasks import MAX_ENGINES, WorkerContext, install_worker_context
     from replay_audit.telemetry.log import configure_logging
@@ -97,7 +101,7 @@ def worker(
             "metrics on http://%s:%d/metrics", settings.metrics_host, port
         )
     connection = Redis.from_url(settings.redis_url)
-    queues = [Queue(rq_name(settings, q), connection=connection) for q in queue]
+    queues = [Queue(rq_name(settings, q), connection=connection) for q in served_queues(queue)]
     w = _worker_class(gpu_kind, cuda_device)(queues, connection=connection, name=name)
     record_worker_kind(connection, settings.queue_prefix, w.name, gpu_kind)
     stop_alive = threading.Event()

@@ -28,6 +28,27 @@ log = logging.getLogger(__name__)
 RETRY_INTERVALS_S: Final[tuple[int, ...]] = (5, 30, 120)
 
 
+#: What names the long queue of a device's queue (`gpu-long`, `cpu-long`): screenings and
+#: verifications, jobs of minutes to hours, wait there so that a worker serving both takes the
+#: short replay jobs of `gpu` first (RQ serves a worker's queues in order).
+LONG_SUFFIX: Final = "-long"
+
+
+def long_queue(name: str) -> str:
+    """The long queue of queue `name` (`gpu` -> `gpu-long`)."""
+    return name + LONG_SUFFIX
+
+
+def served_queues(named: Sequence[str]) -> list[str]:
+    """The queues a worker told `--queue named...` serves, in order: the named ones, then the
+    long queue of each device queue among them (`gpu` -> `gpu`, `gpu-long`), unless a long
+    queue is named, in which case exactly the named ones (a worker kept for long jobs alone)."""
+    named = list(dict.fromkeys(named))
+    if any(q.endswith(LONG_SUFFIX) for q in named):
+        return named
+    return named + [long_queue(q) for q in named if q in ("gpu", "cpu")]
+
+
 #: Seconds to connect to (or wait on) Redis before the queue counts as unreachable.
 REDIS_TIMEOUT_S: Final = 3.0
 

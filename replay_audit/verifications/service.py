@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 from replay_audit.db.base import read_model
 from replay_audit.db.ids import new_public_id
 from replay_audit.exceptions import FieldError, NotFound
-from replay_audit.queue import JobQueue, JobSpec
+from replay_audit.queue import JobQueue, JobSpec, long_queue
 from replay_audit.replays.domain import logging_engine
 from replay_audit.replays.service import target_refusal
 from replay_audit.traces.models import Trace
@@ -25,14 +25,17 @@ from replay_audit.verifications.schemas import (
 JOB = "replay_audit.verifications.tasks.run_verification_job"
 
 
-def job_spec(verification: Verification, timeout_s: int) -> JobSpec:
-    """The one way a verification job is named and enqueued."""
+def job_spec(verification: Verification, timeout_s: int, default_queue: str = "gpu") -> JobSpec:
+    """The one way a verification job is named and enqueued: on the long queue of its device's
+    queue (`gpu-long`: it replays many traces, and must not hold up short replay jobs), one
+    naming no device on the deployment's default queue's (`REPLAY_AUDIT_DEFAULT_QUEUE`)."""
     device = verification.request.get("device")
+    base = default_queue if device is None else "cpu" if device == "cpu" else "gpu"
     return JobSpec(
         func=JOB,
         args=(verification.id,),
         job_id=f"verification-{verification.id}",
-        queue="cpu" if device == "cpu" else "gpu",
+        queue=long_queue(base),
         timeout_s=timeout_s,
     )
 
@@ -103,7 +106,7 @@ def create_verification(
             idempotency_key=request.idempotency_key,
         ),
     )
-    queue.enqueue(session, [job_spec(verification, queue.job_timeout_s)])
+    queue.enqueue(session, [job_spec(verification, queue.job_timeout_s, queue.default_queue)])
     return verification, True
 
 

@@ -311,3 +311,47 @@ def test_a_cpu_only_deployment_serves_targets_without_a_device(
     assert unset.returncode == 0, unset.stderr[-3000:]
     assert "go to the 'gpu' queue (REPLAY_AUDIT_DEFAULT_QUEUE)" in unset.stderr
     assert "REPLAY_AUDIT_DEFAULT_QUEUE=cpu" in unset.stderr
+
+
+def test_a_worker_takes_short_replay_jobs_before_a_long_screening_queued_earlier(
+    traces: list[dict[str, Any]],
+    checkpoint: Path,
+    env: dict[str, str],
+    pg: str,
+    rq_redis: RedisNamespace,
+) -> None:
+    """A screening (a long job) waits on `gpu-long`; `worker --queue gpu` serves `gpu` first and
+    then `gpu-long`, so the replay run asked for after the screening is run before it, and the
+    screening still runs."""
+    from replay_audit.engine.hashing import weights_sha256
+
+    settings = Settings(  # type: ignore[call-arg]
+        _env_file=None, database_url=pg, model_dirs=[checkpoint], **rq_redis.settings()
+    )
+    with session_scope(pg) as s:
+        key = create_api_key(s, "acme", "admin").key
+    with TestClient(create_app(settings)) as client:
+        h = {"X-API-Key": key}
+        body = {
+            "model_sha256": weights_sha256(checkpoint),
+            "prompts": [{"id": "p0", "prompt_token_ids": [5, 6, 7]}],
+            "max_new_tokens": 4,
+        }
+        r = client.post("/v1/screenings", json=body, headers=h)
+        assert r.status_code == 201, r.text
+        screening_id = r.json()["id"]
+        run_id = _request((client, h), traces[:2])
+
+        args = [sys.executable, "-m", "replay_audit", "worker", "--queue", "gpu", "--device", "cpu"]
+        worker = subprocess.run(
+            [*args, "--burst"], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert worker.returncode == 0, worker.stderr[-3000:]
+        assert _run((client, h), run_id)["status"] == "done"
+        screening = client.get(f"/v1/screenings/{screening_id}", headers=h).json()
+        assert screening["status"] == "done", screening
+
+    # RQ logs each job as it takes it: every replay job before the screening.
+    taken = re.findall(r"(run_replay_job|run_screening_job)\(", worker.stderr)
+    assert "run_screening_job" in taken, worker.stderr[-3000:]
+    assert taken[0] == "run_replay_job" and taken[-1] == "run_screening_job", taken
