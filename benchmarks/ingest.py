@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/ingest.py [--server-url postgresql+psycopg://postgres@127.0.0.1:5432/test]
                                           [--batches 20] [--batch-size 500] [--concurrency 2]
-                                          [--singles 1000]
+                                          [--singles 1000] [--single-concurrency 1]
 
 What it does: creates a fresh database on the PostgreSQL server (dropped afterwards), applies
 the migrations, creates a submitter key, starts `replay-audit serve --workers N` as a subprocess
@@ -11,8 +11,9 @@ on 127.0.0.1 (the command docker-compose runs), then with an httpx client:
   1. batch ingest: `--batches` POST /v1/traces:batch of `--batch-size` distinct traces (256
      prompt + 256 output tokens, top-2 ids and float32 logits per step, vocab 32,000), sent by
      `--concurrency` client threads; reports traces/s over the wall time of the whole phase;
-  2. single POST latency: `--singles` sequential POST /v1/traces of one such trace each;
-     reports p50/p95/p99 of the client-side round trip.
+  2. single POST latency: `--singles` POST /v1/traces of one such trace each, sent by
+     `--single-concurrency` client threads (1: sequential); reports p50/p95/p99 of the
+     client-side round trip.
 
 Bodies are serialised before the clock starts (a real client pays for that on its own host).
 The target (DESIGN.md) is >= 2,000 traces/s and p99 < 50 ms on the 2-core CI machine.
@@ -198,6 +199,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=500)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--singles", type=int, default=1000)
+    parser.add_argument(
+        "--single-concurrency",
+        type=int,
+        default=1,
+        help="client threads sending the single POSTs (issue 20 measures 8)",
+    )
     parser.add_argument("--workers", type=int, default=1,
                         help="API processes (replay-audit serve --workers)")
     parser.add_argument("--seed", type=int, default=0)
@@ -214,7 +221,8 @@ def main() -> None:
         orjson.dumps({"traces": [make_trace(rng) for _ in range(args.batch_size)]})
         for _ in range(args.batches + 1)  # +1 warm-up
     ]
-    single_bodies = [orjson.dumps(make_trace(rng)) for _ in range(args.singles + 20)]
+    n_single = max(1, args.single_concurrency)
+    single_bodies = [orjson.dumps(make_trace(rng)) for _ in range(args.singles + 20 * n_single)]
     mb = sum(map(len, batch_bodies[1:])) / 1e6
     print(
         f"batch bodies: {mb:.1f} MB in total, "
@@ -267,15 +275,24 @@ def main() -> None:
         n_traces = args.batches * args.batch_size
         throughput = n_traces / elapsed
 
-        latencies: list[float] = []
-        with httpx.Client(base_url=base, headers=headers, timeout=timeout) as client:
-            for i, body in enumerate(single_bodies):
-                t0 = time.perf_counter()
-                answer = client.post("/v1/traces", content=body)
-                dt = time.perf_counter() - t0
-                assert answer.status_code == 201, answer.text
-                if i >= 20:  # the first few warm the connection and the server's caches
-                    latencies.append(dt * 1000)
+        def singles(bodies: list[bytes]) -> list[float]:
+            out = []
+            with httpx.Client(base_url=base, headers=headers, timeout=timeout) as client:
+                for i, body in enumerate(bodies):
+                    t0 = time.perf_counter()
+                    answer = client.post("/v1/traces", content=body)
+                    dt = time.perf_counter() - t0
+                    assert answer.status_code == 201, answer.text
+                    if i >= 20:  # the first few warm the connection and the server's caches
+                        out.append(dt * 1000)
+            return out
+
+        # Each client thread sends its share, after 20 of its own to warm up.
+        n = n_single
+        warm_up, measured = single_bodies[: 20 * n], single_bodies[20 * n :]
+        shares = [warm_up[20 * i : 20 * (i + 1)] + measured[i::n] for i in range(n)]
+        with ThreadPoolExecutor(n) as pool:
+            latencies = [ms for share in pool.map(singles, shares) for ms in share]
 
         result = {
             "batch_traces_per_s": round(throughput, 1),
@@ -295,6 +312,7 @@ def main() -> None:
                 "p95": round(percentile(latencies, 95), 2),
                 "p99": round(percentile(latencies, 99), 2),
                 "n": len(latencies),
+                "client_threads": n,
             },
             "cpu_count": os.cpu_count(),
         }

@@ -96,7 +96,7 @@ class Settings(BaseSettings):
     scheduler: Literal["auto", "inprocess", "off"] = "auto"
     #: Seconds between scheduler ticks (start due audits, evaluate finished ones, deliver alerts,
     #: reconcile the queue). Due times are whole minutes, so more than 60 makes runs late.
-    audit_tick_interval_s: float = Field(default=60.0, gt=0)
+    audit_tick_interval_s: float = Field(default=30.0, gt=0)
     #: Seconds one drift-alert webhook POST may take.
     webhook_timeout_s: float = Field(default=10.0, gt=0)
     #: Seconds between webhook delivery attempts (backoff); one attempt more than entries.

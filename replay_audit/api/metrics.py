@@ -26,7 +26,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from replay_audit.audits.service import AUDIT_QUEUE, last_run_times
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import session_scope
-from replay_audit.queue.runner import REDIS_TIMEOUT_S
+from replay_audit.queue.runner import REDIS_TIMEOUT_S, long_queue
 from replay_audit.queue.state import live_workers, queue_states
 from replay_audit.telemetry.metric import CONTENT_TYPE, exposition, start_metrics_server
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 
 #: The queues a deployment's jobs go to.
-QUEUES = ("gpu", "cpu", AUDIT_QUEUE)
+QUEUES = ("gpu", "cpu", long_queue("gpu"), long_queue("cpu"), AUDIT_QUEUE)
 
 
 @router.get("/metrics", include_in_schema=False)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import sys
+import threading
 import time
 from typing import Annotated, Any
 
@@ -21,7 +25,10 @@ def worker(
             "-q",
             help="Queue(s) to serve: gpu, cpu. Targets with device cuda go to gpu, cpu to cpu, "
             "and those naming no device to REPLAY_AUDIT_DEFAULT_QUEUE (gpu unless set): on a "
-            "deployment with CPU workers only, set it to cpu.",
+            "deployment with CPU workers only, set it to cpu. Screenings and verifications (long "
+            "jobs) wait on gpu-long and cpu-long: a worker serves the long queue of each queue "
+            "named, after every short one, so a replay run never waits behind them; name a "
+            "-long queue and it serves exactly the queues named.",
         ),
     ] = ["gpu"],  # noqa: B006 (typer reads the default, never mutates it)
     burst: Annotated[bool, typer.Option(help="Exit when the queues are empty.")] = False,
@@ -57,7 +64,8 @@ def worker(
     from replay_audit.config import get_settings
     from replay_audit.engine.pool import EnginePool
     from replay_audit.queue import rq_name
-    from replay_audit.queue.state import forget_worker, record_worker_kind
+    from replay_audit.queue.runner import served_queues
+    from replay_audit.queue.state import forget_worker, keep_alive, record_worker_kind
     from replay_audit.replays.tasks import MAX_ENGINES, WorkerContext, install_worker_context
     from replay_audit.telemetry.log import configure_logging
     from replay_audit.telemetry.metric import MODEL_LOADS, start_metrics_server
@@ -93,14 +101,46 @@ def worker(
             "metrics on http://%s:%d/metrics", settings.metrics_host, port
         )
     connection = Redis.from_url(settings.redis_url)
-    queues = [Queue(rq_name(settings, q), connection=connection) for q in queue]
+    queues = [Queue(rq_name(settings, q), connection=connection) for q in served_queues(queue)]
     w = _worker_class(gpu_kind, cuda_device)(queues, connection=connection, name=name)
     record_worker_kind(connection, settings.queue_prefix, w.name, gpu_kind)
+    stop_alive = threading.Event()
+    keep_alive(connection, settings.queue_prefix, w.name, stop_alive)
+    _children_die_with_us()
     try:
-        # with_scheduler: RQ's Retry intervals need a scheduler to move retries back.
+        # with_scheduler: RQ's Retry intervals need a scheduler to move retries back. RQ forks
+        # it: `_children_die_with_us` makes it stop when this process dies, even by SIGKILL.
         w.work(burst=burst, with_scheduler=True)
     finally:
+        stop_alive.set()
         forget_worker(connection, settings.queue_prefix, w.name)
+
+
+#: prctl(2)'s option: the signal a process gets when its parent dies.
+_PR_SET_PDEATHSIG = 1
+
+
+def _children_die_with_us() -> None:
+    """Every process this one forks from now on (RQ's scheduler) gets SIGTERM when this process
+    dies, however it dies: Linux's PR_SET_PDEATHSIG, set in the child right after the fork. A
+    scheduler left running would hold its queues' scheduler locks, and no other worker's
+    scheduler would move their retries back. Elsewhere than Linux, nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = [os.getpid()]
+
+    def before() -> None:
+        parent[0] = os.getpid()  # the forking process, whichever generation it is
+
+    def in_child() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent[0]:  # the parent died before the prctl took hold
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    os.register_at_fork(before=before, after_in_child=in_child)
 
 
 def _gpu_kind(device: str | None) -> tuple[str, str | None]:
@@ -146,7 +186,11 @@ def _worker_class(gpu_kind: str, cuda_device: str | None) -> type[Any]:
 @app.command()
 def reconcile(
     stale_after_s: Annotated[
-        float, typer.Option(help="A running job silent this long is presumed dead.")
+        float,
+        typer.Option(
+            help="A running job silent this long is presumed stuck, its worker alive or not "
+            "(a dead worker's job is taken 15 s after its death: docs/operations.md)."
+        ),
     ] = 900.0,
 ) -> None:
     """Re-enqueue unfinished replay jobs that no runner holds.

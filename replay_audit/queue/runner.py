@@ -28,6 +28,27 @@ log = logging.getLogger(__name__)
 RETRY_INTERVALS_S: Final[tuple[int, ...]] = (5, 30, 120)
 
 
+#: What names the long queue of a device's queue (`gpu-long`, `cpu-long`): screenings and
+#: verifications, jobs of minutes to hours, wait there so that a worker serving both takes the
+#: short replay jobs of `gpu` first (RQ serves a worker's queues in order).
+LONG_SUFFIX: Final = "-long"
+
+
+def long_queue(name: str) -> str:
+    """The long queue of queue `name` (`gpu` -> `gpu-long`)."""
+    return name + LONG_SUFFIX
+
+
+def served_queues(named: Sequence[str]) -> list[str]:
+    """The queues a worker told `--queue named...` serves, in order: the named ones, then the
+    long queue of each device queue among them (`gpu` -> `gpu`, `gpu-long`), unless a long
+    queue is named, in which case exactly the named ones (a worker kept for long jobs alone)."""
+    named = list(dict.fromkeys(named))
+    if any(q.endswith(LONG_SUFFIX) for q in named):
+        return named
+    return named + [long_queue(q) for q in named if q in ("gpu", "cpu")]
+
+
 #: Seconds to connect to (or wait on) Redis before the queue counts as unreachable.
 REDIS_TIMEOUT_S: Final = 3.0
 
@@ -244,13 +265,21 @@ class RQRunner:
         )
 
     def is_queued(self, job_id: str) -> bool:
+        """Queued, deferred, scheduled for a retry, or started by a worker still alive."""
         from rq.exceptions import NoSuchJobError
         from rq.job import Job, JobStatus
 
+        from replay_audit.queue.state import worker_alive
+
         try:
-            status = Job.fetch(self.prefix + job_id, connection=self.connection).get_status()
+            job = Job.fetch(self.prefix + job_id, connection=self.connection)
+            status = job.get_status()
         except NoSuchJobError:
             return False
+        if status == JobStatus.STARTED and job.worker_name:
+            # A started job is held while its worker lives: one SIGKILLed mid-job leaves the job
+            # "started" in RQ for good, and its liveness key expires within ALIVE_TTL_S.
+            return worker_alive(self.connection, self.prefix, job.worker_name)
         return status in {
             JobStatus.QUEUED,
             JobStatus.STARTED,

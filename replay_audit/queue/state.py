@@ -6,10 +6,19 @@ RQ knows a worker's queues but not its device, so `replay-audit worker` records 
 under `WORKER_KINDS` (a Redis hash: worker name -> GPU kind) when it starts and removes it when
 it stops. A worker is live while RQ's worker registry holds it (its heartbeat keeps it there);
 one killed without its goodbye leaves an entry in the hash that no live worker reads.
+
+Liveness: RQ's own worker key is no help in telling a dead worker from a busy one, since a
+SimpleWorker sends no heartbeat while a job runs (it sets its key's TTL to the job's timeout +
+60 s when the job starts). So `replay-audit worker` keeps its own key, `WORKER_ALIVE` + name,
+refreshed every `ALIVE_REFRESH_S` by a daemon thread with a TTL of `ALIVE_TTL_S`: it is gone
+at most `ALIVE_TTL_S` seconds after the process dies, however it died (SIGKILL, OOM killer,
+a lost host), and the reconciler then takes its started job as lost (`worker_alive`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +29,14 @@ from redis import Redis
 
 #: The Redis hash of worker name -> GPU kind (after the deployment's queue prefix).
 WORKER_KINDS: Final = "replay-audit:worker-gpu-kind"
+#: The key (after the deployment's queue prefix and before the worker's name) that says a
+#: `replay-audit worker` is alive.
+WORKER_ALIVE: Final = "replay-audit:worker-alive:"
+#: Seconds a worker's liveness key outlives its last refresh: how long after a worker's death
+#: its started job still counts as held.
+ALIVE_TTL_S: Final = 15
+#: Seconds between refreshes of the liveness key (well inside the TTL: a busy CPU may delay one).
+ALIVE_REFRESH_S: Final = 3.0
 #: The GPU kind of a live worker that recorded none (an `rq worker` started by hand).
 UNKNOWN_KIND: Final = "unknown"
 
@@ -76,3 +93,40 @@ def record_worker_kind(connection: Redis, prefix: str, worker_name: str, gpu_kin
 
 def forget_worker(connection: Redis, prefix: str, worker_name: str) -> None:
     connection.hdel(prefix + WORKER_KINDS, worker_name)
+
+
+def keep_alive(
+    connection: Redis, prefix: str, worker_name: str, stop: threading.Event
+) -> threading.Thread:
+    """Start a daemon thread that refreshes worker `worker_name`'s liveness key until `stop` is
+    set (then it deletes it) or the process dies (then it expires within `ALIVE_TTL_S`)."""
+    key = prefix + WORKER_ALIVE + worker_name
+
+    def loop() -> None:
+        from redis.exceptions import RedisError
+
+        while True:
+            # Redis down: the worker's own loop says so; the next refresh tries again.
+            with contextlib.suppress(RedisError):
+                connection.set(key, "1", ex=ALIVE_TTL_S)
+            if stop.wait(ALIVE_REFRESH_S):
+                break
+        with contextlib.suppress(RedisError):
+            connection.delete(key)
+
+    connection.set(key, "1", ex=ALIVE_TTL_S)  # before the first job is taken
+    thread = threading.Thread(target=loop, name="replay-audit-worker-alive", daemon=True)
+    thread.start()
+    return thread
+
+
+def worker_alive(connection: Redis, prefix: str, worker_name: str) -> bool:
+    """Whether worker `worker_name` is alive: its liveness key for a `replay-audit worker` (one
+    that recorded its GPU kind), RQ's worker registry for any other (`rq worker` by hand)."""
+    if connection.exists(prefix + WORKER_ALIVE + worker_name):
+        return True
+    if connection.hexists(prefix + WORKER_KINDS, worker_name):
+        return False  # ours, and its key expired: it died
+    from rq import Worker
+
+    return bool(connection.exists(Worker.redis_worker_namespace_prefix + worker_name))

@@ -4,7 +4,10 @@ Redis may be flushed or lost, a worker may be SIGKILLed mid-job (RQ then still s
 started), and the in-process runner forgets everything when its process stops. None of that
 loses work, because the rows say what is left: a job not done whose runner does not hold it, or
 whose heartbeat (`replay_jobs.updated_at`, touched after every trace) is older than
-`stale_after_s`, is enqueued again. Running a job twice is harmless (results are unique per
+`stale_after_s`, is enqueued again. Under RQ a started job is held only while its worker is alive
+(`queue.state.worker_alive`: a killed worker's job counts as lost `ALIVE_TTL_S`, 15 s, after its
+death); `stale_after_s` is the backstop for a worker alive but stuck (docs/operations.md,
+"Recovery"). Running a job twice is harmless (results are unique per
 trace x comparison), so erring towards re-enqueueing is safe.
 """
 

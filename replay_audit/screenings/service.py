@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from replay_audit.db.base import read_model
 from replay_audit.db.ids import new_public_id
 from replay_audit.exceptions import Conflict, FieldError, NotFound
-from replay_audit.queue import JobQueue, JobSpec
+from replay_audit.queue import JobQueue, JobSpec, long_queue
 from replay_audit.replays.checkpoint import CheckpointIndex, CheckpointShape, ModelNotFound
 from replay_audit.replays.service import target_refusal
 from replay_audit.screenings import repository
@@ -29,13 +29,15 @@ _EVERYTHING: Final = Platform("cuda", sm="9.0", flash_attn_installed=True)
 
 def job_spec(screening: Screening, timeout_s: int, default_queue: str) -> JobSpec:
     """The one way a screening job is named and enqueued: a screening naming no `device` goes
-    to the deployment's default queue (`REPLAY_AUDIT_DEFAULT_QUEUE`), as a replay does."""
+    to the deployment's default queue (`REPLAY_AUDIT_DEFAULT_QUEUE`), as a replay does; to its
+    long queue (`gpu-long`), since a screening may run for an hour and must not hold up the
+    short replay jobs waiting on `gpu`."""
     device = str(screening.request.get("device"))
     return JobSpec(
         func=JOB,
         args=(screening.id,),
         job_id=f"screening-{screening.id}",
-        queue={"cpu": "cpu", "cuda": "gpu"}.get(device, default_queue),
+        queue=long_queue({"cpu": "cpu", "cuda": "gpu"}.get(device, default_queue)),
         timeout_s=timeout_s,
     )
 

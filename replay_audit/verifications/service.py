@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 from replay_audit.db.base import read_model
 from replay_audit.db.ids import new_public_id
 from replay_audit.exceptions import FieldError, NotFound
-from replay_audit.queue import JobQueue, JobSpec
+from replay_audit.queue import JobQueue, JobSpec, long_queue
 from replay_audit.replays.domain import logging_engine
 from replay_audit.replays.service import target_refusal
 from replay_audit.traces.models import Trace
@@ -27,13 +27,15 @@ JOB = "replay_audit.verifications.tasks.run_verification_job"
 
 def job_spec(verification: Verification, timeout_s: int, default_queue: str) -> JobSpec:
     """The one way a verification job is named and enqueued: one naming no `device` goes to
-    the deployment's default queue (`REPLAY_AUDIT_DEFAULT_QUEUE`), as replays and screenings."""
+    the deployment's default queue (`REPLAY_AUDIT_DEFAULT_QUEUE`), as replays and screenings;
+    to its long queue (`gpu-long`: it scans many traces and must not hold up short replay
+    jobs)."""
     device = str(verification.request.get("device"))
     return JobSpec(
         func=JOB,
         args=(verification.id,),
         job_id=f"verification-{verification.id}",
-        queue={"cpu": "cpu", "cuda": "gpu"}.get(device, default_queue),
+        queue=long_queue({"cpu": "cpu", "cuda": "gpu"}.get(device, default_queue)),
         timeout_s=timeout_s,
     )
 

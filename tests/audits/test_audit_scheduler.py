@@ -170,7 +170,7 @@ def test_cli_list_run_now_trend_and_catch_up(
 
 def test_rq_cron_config_registers_the_tick_by_interval(monkeypatch: pytest.MonkeyPatch) -> None:
     """What `rq cron replay_audit.audits.cron_config` loads: the tick on the audit queue every
-    60 s by interval (not a cron expression, which RQ would read in local time)."""
+    30 s by interval (not a cron expression, which RQ would read in local time)."""
     from redis import Redis
     from rq.cron import CronScheduler
 
@@ -179,7 +179,7 @@ def test_rq_cron_config_registers_the_tick_by_interval(monkeypatch: pytest.Monke
     cron.load_config_from_file("replay_audit.audits.cron_config")
     [job] = cron.get_jobs()
     assert job.func_name == "replay_audit.audits.tasks.tick"
-    assert (job.queue_name, job.interval, job.cron) == ("audit", 60, None)
+    assert (job.queue_name, job.interval, job.cron) == ("audit", 30, None)
     assert job.name == "replay-audit-tick" and job.job_options["ttl"] >= 60
 
     # A deployment with REPLAY_AUDIT_QUEUE_PREFIX: the queue and the cron job carry it.

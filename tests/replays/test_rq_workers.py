@@ -25,6 +25,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from replay_audit.api.app import create_app
+from replay_audit.audits.tasks import RECONCILE_STALE_AFTER_S
 from replay_audit.auth.service import create_api_key
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import session_scope
@@ -194,6 +195,74 @@ def test_sigkilled_worker_is_recovered_exactly_once(
     assert _results(pg) == (total, total)
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux's /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                out.append(int(stat.parent.name))
+    return out
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a process that has not exited (a zombie has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in {"Z", "X"}
+
+
+def test_a_sigkilled_workers_job_is_finished_by_another_worker_within_a_minute(
+    api: tuple[TestClient, dict[str, str]],
+    traces: list[dict[str, Any]],
+    env: dict[str, str],
+    pg: str,
+    rq_redis: RedisNamespace,
+) -> None:
+    """The reconciler's default staleness (900 s) plays no part: the killed worker's liveness
+    key expires (ALIVE_TTL_S) and the next reconcile pass re-enqueues its job, which the other
+    worker finishes. The worker alone is SIGKILLed (not its process group, as a container's
+    death would): RQ's scheduler, forked beside it, must die with it."""
+    run_id = _request(api, traces[:24])
+    total = 2 * 24
+    first = _worker(env, burst=False)
+    second = None
+    try:
+        _wait(lambda: _results(pg)[0] > 0, 120, "the first result")
+        second = _worker(env, burst=False)  # idle: the first holds the run's job
+        scheduler = _children(first.pid)
+        assert scheduler, "RQ forks a scheduler process beside the worker"
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=10)
+        killed_at = time.monotonic()
+        assert _results(pg)[0] < total, "the worker should die mid-run"
+
+        _wait(lambda: not any(map(_running, scheduler)), 30, "the scheduler to die with its worker")
+        runner = RQRunner(rq_redis.url, prefix=rq_redis.prefix)
+        reconciled: list[int] = []
+        while _run(api, run_id)["status"] != "done":
+            assert time.monotonic() - killed_at < 60, (
+                f"run not finished a minute after the kill (re-enqueued: {reconciled})"
+            )
+            with session_scope(pg) as s:
+                reconciled += reconcile(
+                    s, runner, stale_after_s=RECONCILE_STALE_AFTER_S, job_timeout_s=600
+                )
+            time.sleep(2)
+        print(f"finished {time.monotonic() - killed_at:.1f} s after the kill")
+        assert reconciled, "the killed worker's job was re-enqueued"
+        assert _results(pg) == (total, total)
+    finally:
+        for p in (first, second):
+            if p is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+
+
 def test_redis_flush_mid_run_is_recovered(
     api: tuple[TestClient, dict[str, str]],
     traces: list[dict[str, Any]],
@@ -242,3 +311,47 @@ def test_a_cpu_only_deployment_serves_targets_without_a_device(
     assert unset.returncode == 0, unset.stderr[-3000:]
     assert "go to the 'gpu' queue (REPLAY_AUDIT_DEFAULT_QUEUE)" in unset.stderr
     assert "REPLAY_AUDIT_DEFAULT_QUEUE=cpu" in unset.stderr
+
+
+def test_a_worker_takes_short_replay_jobs_before_a_long_screening_queued_earlier(
+    traces: list[dict[str, Any]],
+    checkpoint: Path,
+    env: dict[str, str],
+    pg: str,
+    rq_redis: RedisNamespace,
+) -> None:
+    """A screening (a long job) waits on `gpu-long`; `worker --queue gpu` serves `gpu` first and
+    then `gpu-long`, so the replay run asked for after the screening is run before it, and the
+    screening still runs."""
+    from replay_audit.engine.hashing import weights_sha256
+
+    settings = Settings(  # type: ignore[call-arg]
+        _env_file=None, database_url=pg, model_dirs=[checkpoint], **rq_redis.settings()
+    )
+    with session_scope(pg) as s:
+        key = create_api_key(s, "acme", "admin").key
+    with TestClient(create_app(settings)) as client:
+        h = {"X-API-Key": key}
+        body = {
+            "model_sha256": weights_sha256(checkpoint),
+            "prompts": [{"id": "p0", "prompt_token_ids": [5, 6, 7]}],
+            "max_new_tokens": 4,
+        }
+        r = client.post("/v1/screenings", json=body, headers=h)
+        assert r.status_code == 201, r.text
+        screening_id = r.json()["id"]
+        run_id = _request((client, h), traces[:2])
+
+        args = [sys.executable, "-m", "replay_audit", "worker", "--queue", "gpu", "--device", "cpu"]
+        worker = subprocess.run(
+            [*args, "--burst"], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert worker.returncode == 0, worker.stderr[-3000:]
+        assert _run((client, h), run_id)["status"] == "done"
+        screening = client.get(f"/v1/screenings/{screening_id}", headers=h).json()
+        assert screening["status"] == "done", screening
+
+    # RQ logs each job as it takes it: every replay job before the screening.
+    taken = re.findall(r"(run_replay_job|run_screening_job)\(", worker.stderr)
+    assert "run_screening_job" in taken, worker.stderr[-3000:]
+    assert taken[0] == "run_replay_job" and taken[-1] == "run_screening_job", taken

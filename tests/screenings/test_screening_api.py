@@ -355,4 +355,4 @@ def test_a_screening_without_a_device_goes_to_the_default_queue(
         body = {"model_sha256": TINY, "prompts": [{"prompt_token_ids": [5, 6]}]}
         assert client.post("/v1/screenings", json=body, headers=headers()).status_code == 201
         queues[default] = runner.specs[0].queue
-    assert queues == {"cpu": "cpu", "gpu": "gpu"}
+    assert queues == {"cpu": "cpu-long", "gpu": "gpu-long"}

@@ -208,7 +208,12 @@ def test_isolation_idempotency_and_a_missing_checkpoint(
 
 @pytest.mark.parametrize(
     ("device", "default", "queue"),
-    [(None, "cpu", "cpu"), (None, "gpu", "gpu"), ("cuda", "cpu", "gpu"), ("cpu", "gpu", "cpu")],
+    [
+        (None, "cpu", "cpu-long"),
+        (None, "gpu", "gpu-long"),
+        ("cuda", "cpu", "gpu-long"),
+        ("cpu", "gpu", "cpu-long"),
+    ],
 )
 def test_a_verification_without_a_device_goes_to_the_default_queue(
     device: str | None, default: str, queue: str
