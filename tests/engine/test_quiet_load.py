@@ -3,7 +3,6 @@ deprecation notice (issue 20), and other transformers warnings still pass."""
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 
@@ -14,6 +13,8 @@ import logging, warnings
 from pathlib import Path
 from replay_audit.engine.loading import load_model
 import torch
+import transformers
+assert logging.getLogger("transformers").filters == []  # nothing at import
 load_model(Path({str(BUNDLED_MODEL_DIR)!r}), "fp32", None, torch.device("cpu"))
 log = logging.getLogger("transformers.utils.generic")
 log.warning("`past_key_values`/`cache_params` are deprecated. Use `cache` instead.")
@@ -31,4 +32,3 @@ def test_loading_prints_no_progress_bar_nor_the_deprecation_notice() -> None:
     assert "Loading weights" not in out and "it/s" not in out, out
     assert "past_key_values" not in out, out
     assert "a real transformers warning" in out and "another future change" in out, out
-    assert logging.getLogger("transformers").filters == []  # nothing at import, in this process
