@@ -251,6 +251,14 @@ class RedisNamespace:
                 job_id = key.decode().removeprefix("rq:job:")
                 keys.add(key)
                 keys.update(r.scan_iter(match=f"rq:*{job_id}*", count=1000))
+        # RQ's shared worker registry: the records of this namespace's workers (a killed one
+        # stays there until its TTL and would count as live in the next test).
+        from rq import Worker
+
+        for w in Worker.all(connection=r):
+            if any(q.startswith(self.prefix) for q in w.queue_names()):
+                keys.add(w.key.encode())
+                r.srem(Worker.redis_workers_keys, w.key)
         if keys:
             r.delete(*keys)
 

@@ -74,13 +74,16 @@ def queue_states(connection: Redis, prefix: str, names: Sequence[str]) -> list[Q
 
 
 def live_workers(connection: Redis, prefix: str) -> dict[str, int]:
-    """Live workers serving a queue of this deployment (its prefix), counted by GPU kind."""
+    """Live workers serving a queue of this deployment (its prefix), counted by GPU kind: a
+    `replay-audit worker` while its liveness key lives (`worker_alive`: RQ's own record of a
+    killed worker outlives it by the job timeout)."""
     from rq import Worker
 
     workers = [
         w
         for w in Worker.all(connection=connection)
         if any(q.startswith(prefix) for q in w.queue_names())
+        and worker_alive(connection, prefix, w.name)
     ]
     kinds = connection.hmget(prefix + WORKER_KINDS, [w.name for w in workers]) if workers else []
     return dict(Counter(k.decode() if isinstance(k, bytes) else UNKNOWN_KIND for k in kinds))

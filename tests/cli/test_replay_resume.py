@@ -14,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from replay_audit.cli import app
+from replay_audit.cli.words import counted
 from tests.cli.conftest import assert_no_traceback, cli_args, cli_env
 
 pytestmark = pytest.mark.slow
@@ -76,7 +77,7 @@ def test_ctrl_c_keeps_the_results_and_resume_finishes(
 
     written = _lines(out)
     assert 1 <= len(written) < N_TRACES  # stopped mid-file, every line whole
-    assert f"interrupted: {len(written)} results written to {out}" in stderr
+    assert f"interrupted: {counted(len(written), 'result')} written to {out}" in stderr
     assert "--resume" in stderr
     s = json.loads(summary.read_text())
     assert s["interrupted"] is True and s["n"] == len(written) and s["traces"] == N_TRACES
