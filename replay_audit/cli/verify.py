@@ -21,12 +21,12 @@ from replay_audit.formats import BodyDType, HeadDType
 
 if TYPE_CHECKING:
     from replay_audit.engine import EnginePool
-    from replay_audit.stats.verification import Calibration
+    from replay_audit.stats.verification import Calibration, Claim
 
 
 def _measure(
     model: Path,
-    claim: dict[str, Any],
+    claim: Claim,
     prompts: Path,
     n_prompts: int,
     max_new: int,
@@ -34,16 +34,15 @@ def _measure(
     device: str | None,
     false_alarm_rate: float,
 ) -> Calibration:
-    from replay_audit.engine import Intervention, Target
     from replay_audit.screenings.sweep.worker import TorchBackend
+    from replay_audit.verifications.domain import claimed_target
     from replay_audit.verifications.null import benign_null
 
     rows = [row for _, row in _read_jsonl(prompts)][:n_prompts]
     screen_prompts = TorchBackend(model, device).prompts(rows)  # type: ignore[arg-type]
-    target = Target(claim["dtype"], claim["lm_head_dtype"], claim["attn_kernel"], 1, Intervention())
     return benign_null(
         model,
-        target,
+        claimed_target(claim),
         screen_prompts,
         pool=pool,
         device=device,
@@ -68,9 +67,10 @@ def calibrate(
 ) -> None:
     """Measure the checkpoint's benign null on this platform for one claimed configuration."""
     from replay_audit.engine import EnginePool
+    from replay_audit.stats.verification import Claim
 
     pool = EnginePool(device=device, threads=_threads(threads))
-    claim = {"dtype": dtype, "lm_head_dtype": lm_head_dtype or dtype, "attn_kernel": attn_kernel}
+    claim = Claim(dtype=dtype, lm_head_dtype=lm_head_dtype or dtype, attn_kernel=attn_kernel)
     cal = _measure(
         model, claim, prompts, null_prompts, max_new_tokens, pool, device, false_alarm_rate
     )
@@ -152,7 +152,7 @@ def verify(
             _fail(f"cannot read {calibration}: {e}")
         given = [Calibration.from_json(c) for c in (data if isinstance(data, list) else [data])]
 
-    def calibration_for(claim: dict[str, Any]) -> Calibration:
+    def calibration_for(claim: Claim) -> Calibration:
         for c in given:
             if c.claim == claim and c.weights_sha256 == sha:
                 return c

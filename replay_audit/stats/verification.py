@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Final, Literal, get_args
+from typing import Any, Final, Literal, TypedDict, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -144,6 +144,24 @@ class Variation:
     scores: dict[str, float]
 
 
+class Claim(TypedDict):
+    """The configuration a calibration is for: body and head formats and attention kernel
+    (None: the engine's default)."""
+
+    dtype: str
+    lm_head_dtype: str
+    attn_kernel: str | None
+
+
+class PlatformKey(TypedDict):
+    """The scanning platform a calibration was measured on."""
+
+    device: str
+    gpu_name: str | None
+    sm: str | None
+    torch_version: str | None
+
+
 @dataclass(frozen=True)
 class Calibration:
     """A checkpoint's benign null on one scanning platform, for one claimed configuration:
@@ -151,8 +169,8 @@ class Calibration:
     CLI and in the database for the service."""
 
     weights_sha256: str
-    claim: dict[str, Any]
-    platform: dict[str, Any]
+    claim: Claim
+    platform: PlatformKey
     false_alarm_rate: float
     scorer: TokenScorer
     budgets: dict[str, list[BudgetCalibration]]
@@ -190,8 +208,17 @@ class Calibration:
 
         return cls(
             weights_sha256=str(data["weights_sha256"]),
-            claim=dict(data["claim"]),
-            platform=dict(data["platform"]),
+            claim=Claim(
+                dtype=str(data["claim"]["dtype"]),
+                lm_head_dtype=str(data["claim"]["lm_head_dtype"]),
+                attn_kernel=data["claim"]["attn_kernel"],
+            ),
+            platform=PlatformKey(
+                device=str(data["platform"]["device"]),
+                gpu_name=data["platform"].get("gpu_name"),
+                sm=data["platform"].get("sm"),
+                torch_version=data["platform"].get("torch_version"),
+            ),
             false_alarm_rate=float(data["false_alarm_rate"]),
             scorer=TokenScorer(
                 tuple(data["scorer"]["null_bins"]),
@@ -214,8 +241,8 @@ def calibrate(
     alternative: Sequence[Ulps],
     *,
     weights_sha256: str,
-    claim: dict[str, Any],
-    platform: dict[str, Any],
+    claim: Claim,
+    platform: PlatformKey,
     false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE,
     budgets: Sequence[int] = BUDGETS,
     draws: int = DRAWS,

@@ -11,7 +11,7 @@ import numpy as np
 
 from replay_audit.diff.deficit import TokenDeficits
 from replay_audit.engine.protocol import Intervention, Target
-from replay_audit.stats.verification import Calibration, GroupVerdict, verdict
+from replay_audit.stats.verification import Calibration, Claim, GroupVerdict, verdict
 
 #: Worst tokens kept per trace for the report (largest deficits first).
 WORST_TOKENS: Final = 5
@@ -29,13 +29,16 @@ def claim_target(logged: Target) -> Target:
     return Target(logged.dtype, logged.lm_head_dtype, logged.attn_kernel, 1, Intervention())
 
 
-def claim_key(target: Target) -> dict[str, Any]:
+def claim_key(target: Target) -> Claim:
     """The claim a calibration is for: body and head formats and attention kernel."""
-    return {
-        "dtype": target.dtype,
-        "lm_head_dtype": target.head_dtype,
-        "attn_kernel": target.attn_kernel,
-    }
+    return Claim(
+        dtype=target.dtype, lm_head_dtype=target.head_dtype, attn_kernel=target.attn_kernel
+    )
+
+
+def claimed_target(claim: Claim) -> Target:
+    """The configuration `claim` names, as the scan runs it (see `claim_target`)."""
+    return Target(claim["dtype"], claim["lm_head_dtype"], claim["attn_kernel"], 1, Intervention())
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ def judge_group(
     return GroupReport(group, verdict(verified, calibration), sampled, failed, tuple(notes))
 
 
-def claim_label(claim: dict[str, Any]) -> str:
+def claim_label(claim: Claim) -> str:
     """e.g. `bf16 / head bf16 / sdpa`."""
     return f"{claim['dtype']} / head {claim['lm_head_dtype']} / {claim['attn_kernel'] or 'default'}"
 

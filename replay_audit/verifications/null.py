@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from replay_audit.stats.verification import (
     DEFAULT_FALSE_ALARM_RATE,
     DRAWS,
     Calibration,
+    PlatformKey,
     calibrate,
 )
 from replay_audit.verifications.domain import claim_key
@@ -43,14 +44,14 @@ BENIGN_VARIATIONS: Final = (
 CUDA_VARIATIONS: Final = (ScreenConfig("bf16", batch_size=8), ScreenConfig("fp16", batch_size=8))
 
 
-def platform_key(platform: Platform, torch_version: str | None) -> dict[str, Any]:
+def platform_key(platform: Platform, torch_version: str | None) -> PlatformKey:
     """What names the scanning platform a null belongs to."""
-    return {
-        "device": platform.device,
-        "gpu_name": platform.gpu_name,
-        "sm": platform.sm,
-        "torch_version": torch_version,
-    }
+    return PlatformKey(
+        device=platform.device,
+        gpu_name=platform.gpu_name,
+        sm=platform.sm,
+        torch_version=torch_version,
+    )
 
 
 def generate(

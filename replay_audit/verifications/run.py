@@ -8,11 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from replay_audit.engine.pool import EnginePool
 from replay_audit.replays.domain import LoggedTrace
-from replay_audit.stats.verification import Calibration
+from replay_audit.stats.verification import Calibration, Claim
 from replay_audit.verifications.domain import (
     GroupReport,
     TraceEvidence,
@@ -24,7 +23,7 @@ from replay_audit.verifications.domain import (
 from replay_audit.verifications.scan import scan_evidence
 
 #: The calibration of a claim (its `claim_key`), found or measured.
-CalibrationSource = Callable[[dict[str, Any]], Calibration]
+CalibrationSource = Callable[[Claim], Calibration]
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ def verify(
     evidence = scan_evidence(traces, pool, model_dir, ids=names)
     labels = list(group_of) if group_of is not None else ["all"] * len(traces)
     members: dict[tuple[str, str], list[int]] = {}
-    claims: dict[str, dict[str, Any]] = {}
+    claims: dict[str, Claim] = {}
     for i, trace in enumerate(traces):
         claim = claim_key(claim_target(trace.config))
         key = claim_label(claim)

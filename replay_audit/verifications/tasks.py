@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import asdict
 from pathlib import Path
@@ -25,14 +25,13 @@ from replay_audit.db.base import utcnow
 from replay_audit.db.job_row import claim_attempt, fail_row
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.engine.pool import EnginePool
-from replay_audit.engine.protocol import Intervention, Target
 from replay_audit.exceptions import ReplayAuditError
 from replay_audit.replays.checkpoint import ModelNotFound, find_checkpoint
 from replay_audit.replays.repository import logged_trace
 from replay_audit.replays.tasks import worker_context
-from replay_audit.stats.verification import Calibration
+from replay_audit.stats.verification import Calibration, Claim, PlatformKey
 from replay_audit.verifications import repository
-from replay_audit.verifications.domain import report_json
+from replay_audit.verifications.domain import claimed_target, report_json
 from replay_audit.verifications.models import Verification, VerificationCalibration
 from replay_audit.verifications.schemas import VerificationCreate
 
@@ -45,15 +44,11 @@ NULL_PROMPTS: Final = 32
 NULL_MAX_NEW_TOKENS: Final = 64
 
 #: measure(model_dir, claim, false_alarm_rate, pool, device) -> the claim's calibration here.
-Measure = Callable[[Path, dict[str, Any], float, EnginePool, str | None], Calibration]
-
-
-def _target(claim: dict[str, Any]) -> Target:
-    return Target(claim["dtype"], claim["lm_head_dtype"], claim["attn_kernel"], 1, Intervention())
+Measure = Callable[[Path, Claim, float, EnginePool, str | None], Calibration]
 
 
 def measure_null(
-    model_dir: Path, claim: dict[str, Any], rate: float, pool: EnginePool, device: str | None
+    model_dir: Path, claim: Claim, rate: float, pool: EnginePool, device: str | None
 ) -> Calibration:
     """The benign null of `claim` on this worker (`null.benign_null` on the bundled prompts)."""
     from replay_audit.screenings.sweep.worker import TorchBackend
@@ -64,7 +59,7 @@ def measure_null(
     prompts = TorchBackend(model_dir, device).prompts(rows[:NULL_PROMPTS])
     return benign_null(
         model_dir,
-        _target(claim),
+        claimed_target(claim),
         prompts,
         pool=pool,
         device=device,
@@ -74,14 +69,14 @@ def measure_null(
 
 
 def scanning_platform(
-    model_dir: Path, claim: dict[str, Any], pool: EnginePool, device: str | None
-) -> dict[str, Any]:
+    model_dir: Path, claim: Claim, pool: EnginePool, device: str | None
+) -> PlatformKey:
     """This worker's platform as a calibration names it (`null.platform_key`)."""
     from replay_audit.screenings.sweep.worker import TorchBackend
     from replay_audit.verifications.null import platform_key
     from replay_audit.verifications.scan import claim_engine
 
-    env = claim_engine(pool, model_dir, _target(claim)).environment()
+    env = claim_engine(pool, model_dir, claimed_target(claim)).environment()
     return platform_key(TorchBackend(model_dir, device).platform(), env["torch_version"])
 
 
@@ -94,7 +89,7 @@ def install_null_measure(measure: Measure | None) -> None:
     _measure.set(measure)
 
 
-def _canonical(value: dict[str, Any]) -> str:
+def _canonical(value: Mapping[str, object]) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
@@ -110,9 +105,9 @@ class _Calibrations:
             device,
         )
         self.pool = worker_context().pool
-        self.used: list[tuple[Calibration, bool, dict[str, Any]]] = []
+        self.used: list[tuple[Calibration, bool, PlatformKey]] = []
 
-    def __call__(self, claim: dict[str, Any]) -> Calibration:
+    def __call__(self, claim: Claim) -> Calibration:
         platform = scanning_platform(self.model_dir, claim, self.pool, self.device)
         key = (self.sha, _canonical(platform), _canonical(claim), self.rate)
         with session_scope(self.url) as s:
