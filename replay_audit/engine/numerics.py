@@ -139,9 +139,13 @@ class LmHead:
 
     def native(self, h: torch.Tensor) -> torch.Tensor:
         """Native logits (M, V) of hidden states (M, d): one product (for FP8, one activation
-        scale over all M rows: a decode step's rows are copies of one)."""
+        scale over all M rows: a decode step's rows are copies of one).
+
+        The product runs on (M, 1, d), the shape transformers' `lm_head` sees in a decode step
+        (batch M, one position): on some CPUs a 2-D `F.linear` takes another FP16 kernel and
+        rounds differently from the 3-D one."""
         if self._fp8 is None:
-            return F.linear(h.to(self.weight.dtype), self.weight)
+            return F.linear(h.to(self.weight.dtype).unsqueeze(-2), self.weight).squeeze(-2)
         return fp8_matmul(h, *self._fp8, self._out_dtype)
 
     def native_steps(self, hs: torch.Tensor) -> torch.Tensor:
