@@ -47,6 +47,10 @@ REDIS_URL = os.environ.get("REPLAY_AUDIT_TEST_REDIS_URL", "redis://127.0.0.1:637
 
 ApiKeyFactory = Callable[..., str]
 
+# The workers tests start serve no metrics unless a test asks (`--metrics-port`): the suite runs
+# in several processes at once (pytest-xdist), and a host has one port 9101.
+os.environ.setdefault("REPLAY_AUDIT_WORKER_METRICS_PORT", "0")
+
 
 def postgres_server_url() -> str:
     return normalise_database_url(os.environ.get(PG_URL_ENV, DEFAULT_PG_URL))

@@ -60,7 +60,7 @@ def worker(
     from redis import Redis
     from rq import Queue
 
-    from replay_audit.cli.database import ready_database
+    from replay_audit.cli.database import fail, ready_database
     from replay_audit.config import get_settings
     from replay_audit.engine.pool import EnginePool
     from replay_audit.queue import rq_name
@@ -96,7 +96,13 @@ def worker(
         )
     port = settings.worker_metrics_port if metrics_port is None else metrics_port
     if settings.metrics_enabled and port:
-        start_metrics_server(settings.metrics_host, port)  # a daemon thread, ends with us
+        try:
+            start_metrics_server(settings.metrics_host, port)  # a daemon thread, ends with us
+        except OSError as e:
+            fail(
+                f"cannot serve metrics on {settings.metrics_host}:{port} ({e.strerror}): each "
+                "worker of a host needs its own --metrics-port (0: none)"
+            )
         logging.getLogger(__name__).info(
             "metrics on http://%s:%d/metrics", settings.metrics_host, port
         )
@@ -198,7 +204,7 @@ def reconcile(
     The database says they are unfinished, but no runner holds them (after a Redis flush, or a
     worker killed mid-job). With the embedded in-process runner the jobs run in this process,
     and the command waits for them (Ctrl-C stops them cleanly)."""
-    from replay_audit.cli.database import ready_database
+    from replay_audit.cli.database import fail, ready_database
     from replay_audit.cli.shutdown import own
     from replay_audit.config import get_settings
     from replay_audit.db.unit_of_work import session_scope

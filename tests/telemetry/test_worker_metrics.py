@@ -120,3 +120,26 @@ def test_a_worker_serves_its_jobs_and_tokens(
     assert ready["workers"] == {"cpu": 1} and ready["status"] == "ok"
     # The worker took its GPU kind back out of Redis as it stopped.
     assert not rq_redis.connection.hgetall(rq_redis.prefix + WORKER_KINDS)
+
+
+def test_a_second_worker_on_a_taken_metrics_port_says_so(
+    pg: str, rq_redis: RedisNamespace
+) -> None:
+    # Two workers of one host with the default port: the second must name the port, not the
+    # database (the CLI's catch-all once read EADDRINUSE as a database that cannot be opened).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {
+            **os.environ,
+            **rq_redis.env(),
+            "REPLAY_AUDIT_DATABASE_URL": pg,
+            "REPLAY_AUDIT_METRICS_HOST": "127.0.0.1",
+            "REPLAY_AUDIT_WORKER_METRICS_PORT": str(port),
+        }
+        args = [sys.executable, "-m", "replay_audit", "worker", "--burst", "--device", "cpu"]
+        proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in proc.stderr
+    assert "--metrics-port" in proc.stderr and "database" not in proc.stderr
