@@ -27,7 +27,7 @@ def worker(
             help="Queue(s) to serve: gpu, cpu. Targets with device cuda go to gpu, cpu to cpu, "
             "and those naming no device to REPLAY_AUDIT_DEFAULT_QUEUE (gpu unless set): on a "
             "deployment with CPU workers only, set it to cpu. A GPU worker serving gpu also "
-            "serves its own kind's queue first (gpu:<kind>, e.g. gpu:a10g: replays of traces "
+            "serves its own kind's queue first (gpu:KIND, e.g. gpu:a10g: replays of traces "
             "logged on that kind). Screenings and verifications (long "
             "jobs) wait on gpu-long and cpu-long: a worker serves the long queue of each queue "
             "named, after every short one, so a replay run never waits behind them; name a "
