@@ -216,6 +216,25 @@ class RunTarget:
         )
 
 
+def routing_conflict(targets: Sequence[RunTarget]) -> tuple[int, str] | None:
+    """The first target whose GPU kind cannot be met, and why (None: none): a run's targets
+    name one GPU kind or none (one worker runs every arm of a trace), and only on the GPU."""
+    first: tuple[int, str] | None = None
+    for i, t in enumerate(targets):
+        if t.gpu_kind is None:
+            continue
+        if t.device == "cpu":
+            return i, "a GPU kind with device cpu"
+        if first is not None and t.gpu_kind != first[1]:
+            return i, (
+                f"{t.gpu_kind!r}, but targets[{first[0]}] names {first[1]!r}: one worker runs "
+                "every arm of a trace, so a run's targets name one GPU kind (compare kinds "
+                "across runs)"
+            )
+        first = first or (i, t.gpu_kind)
+    return None
+
+
 #: Why a resolved arm runs the attention kernel it runs: the target named it; the target named
 #: none and the trace's logged kernel runs here; or neither could run here (the logged kernel is
 #: `unknown` or not available on this device) and the engine's default ran.

@@ -61,10 +61,11 @@ from replay_audit.replays.domain import (
     ControlSample,
     ResolvedArm,
     RunTarget,
+    routing_conflict,
 )
 from replay_audit.replays.models import MAX_RUN_NAME
 from replay_audit.stats.report import RunStatistics
-from replay_audit.traces.schemas import AttnKernelName, Tag, TpDegree
+from replay_audit.traces.schemas import AttnKernelName, Tag, TpDegree, TraceFieldError
 from replay_audit.traces.selection import TraceSelection
 
 #: Largest number of traces one replay run may select (422 above it).
@@ -301,6 +302,10 @@ class ReplayCreate(InputModel):
                     raise ValueError(f"pairs: ({a}, {b}) does not name two different targets")
         elif self.pairs is not None:
             raise ValueError("pairs: only meaningful with compare: 'pairwise'")
+        conflict = routing_conflict([t.to_domain() for t in self.targets])
+        if conflict is not None:
+            i, why = conflict
+            raise TraceFieldError(f"targets[{i}].gpu_kind", why)
         return self
 
 

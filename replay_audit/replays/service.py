@@ -167,27 +167,6 @@ def route_of(placement: LoggedPlacement, targets: Sequence[RunTarget], default: 
     return Route(device, kind, tp)
 
 
-def check_routing(targets: Sequence[RunTarget], *, field: str) -> None:
-    """A 422 naming the target whose GPU kind cannot be met: every target of a run names the
-    same kind or none (one worker runs all the arms of a trace), and only on the GPU."""
-    first: tuple[int, str] | None = None
-    for i, t in enumerate(targets):
-        if t.gpu_kind is None:
-            continue
-        if t.device == "cpu":
-            raise FieldError(
-                f"{field}[{i}].gpu_kind: a GPU kind with device cpu", field=f"{field}[{i}].gpu_kind"
-            )
-        if first is not None and t.gpu_kind != first[1]:
-            raise FieldError(
-                f"{field}[{i}].gpu_kind: {t.gpu_kind!r}, but {field}[{first[0]}] names "
-                f"{first[1]!r}: one worker runs every arm of a trace, so a run's targets name "
-                "one GPU kind (compare kinds across runs)",
-                field=f"{field}[{i}].gpu_kind",
-            )
-        first = first or (i, t.gpu_kind)
-
-
 def _recorded(request: ReplayCreate, mode: str, scan_flag_ulps: float) -> JsonObject:
     """The request as the run stores it, with the near-tie flag a scan-then-decode run uses
     (the deployment's where the request names none), so every worker applies the same one."""
@@ -236,7 +215,6 @@ def create_replay(
 
     targets = _targets(request)
     check_targets(queue.capabilities, targets, field="targets")
-    check_routing(targets, field="targets")
     queue.check()  # a 503 before anything is stored when the queue is down
 
     traces = _select_traces(session, project_id, request)

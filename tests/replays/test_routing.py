@@ -187,3 +187,18 @@ def test_a_tp2_trace_fails_saying_so_where_a_worker_took_it_anyway(
     [item] = all_results(client, run_id, h)
     assert item["status"] == "failed"
     assert "was logged at TP 2" in item["error"] and "tp_degree: 1" in item["error"]
+
+
+def test_an_audit_schedule_naming_two_gpu_kinds_is_refused_when_it_is_created(
+    client: TestClient, headers: Callable[..., dict[str, str]]
+) -> None:
+    """The rule is the request's, so a nightly schedule fails at creation, not every night."""
+    from tests.audits.conftest import schedule_body
+
+    targets = [{**FP16, "gpu_kind": "a10g"}, {**FP16, "gpu_kind": "NVIDIA L4"}]
+    body = schedule_body(replay={"targets": targets})
+    r = client.post("/v1/audits/schedules", json=body, headers=headers("admin"))
+    assert r.status_code == 422, r.text
+    assert "targets[1].gpu_kind" in r.text and "'l4'" in r.text
+    ok = schedule_body(replay={"targets": [{**FP16, "gpu_kind": "NVIDIA L4"}]})
+    assert client.post("/v1/audits/schedules", json=ok, headers=headers("admin")).status_code == 201
