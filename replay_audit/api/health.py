@@ -1,7 +1,7 @@
 """`GET /healthz` and `GET /readyz` (no key needed).
 
 - `/healthz`, liveness for compose health checks: the process answers, and so do the database
-  and the job queue.
+  and the job queue; it lists the live workers' GPU kinds (reported, not required).
 - `/readyz`, readiness per component: the database, the queue, and the live workers per GPU
   kind (RQ's worker registry; under the in-process runner, this process). 503 when a required
   component is down: the database, the queue, or fewer live workers than
@@ -9,6 +9,8 @@
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -53,13 +55,28 @@ def _answer(body: dict[str, object], failed: bool) -> JSONResponse:
     return JSONResponse(body, status_code=503)
 
 
+def _worker_kinds(queue: JobQueue) -> list[dict[str, object]]:
+    """The live workers' kinds, each with what its workers announced and how many there are
+    (empty where the queue cannot say)."""
+    counts = Counter(w.kind for w in queue.live_workers() or [])
+    return [
+        {"kind": k.kind, "gpu": k.gpu_name, "sm": k.sm, "devices": k.devices, "workers": n}
+        for k, n in sorted(counts.items(), key=lambda kn: (kn[0].kind, kn[0].devices))
+    ]
+
+
 @router.get("/healthz", responses={503: {"description": "The database does not answer"}})
 def healthz(request: Request) -> JSONResponse:
-    """200 `{"status": "ok", "database": "ok", "queue": "ok"}` when a `SELECT 1` succeeds and
-    the job queue takes work (Redis answers a ping under the RQ runner); 503 naming what failed
-    otherwise. No key needed."""
+    """200 `{"status": "ok", "database": "ok", "queue": "ok", "worker_kinds": [...]}` when a
+    `SELECT 1` succeeds and the job queue takes work (Redis answers a ping under the RQ
+    runner); 503 naming what failed otherwise. `worker_kinds` lists the live workers' kinds:
+    `{"kind": "a10g", "gpu": "NVIDIA A10G", "sm": "8.6", "devices": 1, "workers": 2}` (under
+    the in-process runner, this process); it is reported, never a reason for a 503. No key
+    needed."""
+    queue: JobQueue = request.app.state.queue
     body: dict[str, object] = {"status": "ok", "database": _database(request)}
     body["queue"] = _queue(request)
+    body["worker_kinds"] = _worker_kinds(queue) if body["queue"] == "ok" else []
     return _answer(body, body["database"] != "ok" or body["queue"] != "ok")
 
 

@@ -27,14 +27,15 @@ from replay_audit.audits.service import AUDIT_QUEUE, last_run_times
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.queue.runner import REDIS_TIMEOUT_S, long_queue
-from replay_audit.queue.state import live_workers, queue_states
+from replay_audit.queue.state import known_queues, live_workers, queue_states
 from replay_audit.telemetry.metric import CONTENT_TYPE, exposition, start_metrics_server
 
 log = logging.getLogger(__name__)
 
 router = APIRouter()
 
-#: The queues a deployment's jobs go to.
+#: The queues a deployment's jobs go to (with them, every per-kind queue RQ knows of:
+#: `queue.state.known_queues`).
 QUEUES = ("gpu", "cpu", long_queue("gpu"), long_queue("cpu"), AUDIT_QUEUE)
 
 
@@ -75,7 +76,8 @@ class QueueCollector:
             self.redis_url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
         )
         try:
-            for q in queue_states(connection, self.prefix, QUEUES):
+            names = known_queues(connection, self.prefix, QUEUES)
+            for q in queue_states(connection, self.prefix, names):
                 depth.add_metric([q.name], q.depth)
                 running.add_metric([q.name], q.running)
                 oldest.add_metric([q.name], q.oldest_age_s or 0.0)

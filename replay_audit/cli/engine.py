@@ -207,6 +207,15 @@ def replay(
     control_seed: Annotated[int, option(CONTROL_SEED)] = CONTROL_SEED.default,
     scan_flag_ulps: Annotated[float | None, option(SCAN_FLAG_ULPS)] = None,
     batch_size: Annotated[int, typer.Option(min=1)] = 1,
+    tp_degree: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="The tensor-parallel degree to replay at (default: each trace's logged one). "
+            "This command replays at TP 1: a trace logged at TP 2 fails saying so unless "
+            "--tp-degree 1 asks for TP 1, and its result then says the degrees differ.",
+        ),
+    ] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
     top_k: Annotated[int, option(TOP_K)] = TOP_K.default,
     extractor: Annotated[str | None, typer.Option(help="Answer extractor, e.g. gsm8k.")] = None,
@@ -339,7 +348,7 @@ def replay(
     items = {
         i: ReplayItem(
             parsed[i][2],
-            RunTarget(target),
+            RunTarget(target, tp_degree=tp_degree),
             model,
             control=screening and sample.includes(names[i]),
             extractor=extractor,
@@ -386,7 +395,9 @@ def replay(
     if rows:
         rows.sort(key=lambda x: x.trace_id)
         # One comparison, T0 against the logged tokens, labelled as a run's would be.
-        label = comparison_label(Comparison(0, "logged", 0), [RunTarget(target)])
+        label = comparison_label(
+            Comparison(0, "logged", 0), [RunTarget(target, tp_degree=tp_degree)]
+        )
         comparison = ComparisonInput(
             0,
             "logged",

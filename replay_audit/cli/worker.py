@@ -14,6 +14,7 @@ import typer
 
 from replay_audit.cli.root import app
 from replay_audit.formats import CACHE_KINDS
+from replay_audit.queue.route import WorkerKind
 
 
 @app.command()
@@ -25,7 +26,9 @@ def worker(
             "-q",
             help="Queue(s) to serve: gpu, cpu. Targets with device cuda go to gpu, cpu to cpu, "
             "and those naming no device to REPLAY_AUDIT_DEFAULT_QUEUE (gpu unless set): on a "
-            "deployment with CPU workers only, set it to cpu. Screenings and verifications (long "
+            "deployment with CPU workers only, set it to cpu. A GPU worker serving gpu also "
+            "serves its own kind's queue first (gpu:KIND, e.g. gpu:a10g: replays of traces "
+            "logged on that kind). Screenings and verifications (long "
             "jobs) wait on gpu-long and cpu-long: a worker serves the long queue of each queue "
             "named, after every short one, so a replay run never waits behind them; name a "
             "-long queue and it serves exactly the queues named.",
@@ -42,6 +45,18 @@ def worker(
             help="Port of this worker's Prometheus metrics on REPLAY_AUDIT_METRICS_HOST "
             "(default REPLAY_AUDIT_WORKER_METRICS_PORT, 9101; 0: none). One per worker of a host."
         ),
+    ] = None,
+    gpu_name: Annotated[
+        str | None,
+        typer.Option(
+            help="Announce this GPU name (and its kind: `NVIDIA A10G` -> a10g) instead of the "
+            "device's: routing tests on a CPU, or a GPU whose driver name should group with "
+            "another's. The results record the announced kind as the one that ran.",
+        ),
+    ] = None,
+    gpu_sm: Annotated[
+        str | None,
+        typer.Option(help="The compute capability announced with --gpu-name (e.g. 8.6)."),
     ] = None,
     kv_cache: Annotated[
         str | None,
@@ -65,7 +80,7 @@ def worker(
     from replay_audit.engine.pool import EnginePool
     from replay_audit.queue import rq_name
     from replay_audit.queue.runner import served_queues
-    from replay_audit.queue.state import forget_worker, keep_alive, record_worker_kind
+    from replay_audit.queue.state import announce_worker, forget_worker, keep_alive
     from replay_audit.replays.tasks import MAX_ENGINES, WorkerContext, install_worker_context
     from replay_audit.telemetry.log import configure_logging
     from replay_audit.telemetry.metric import MODEL_LOADS, start_metrics_server
@@ -75,7 +90,15 @@ def worker(
         raise typer.BadParameter(", ".join(CACHE_KINDS), param_hint="--kv-cache")
     ready_database(settings)  # every job opens it: an unusable one fails here, once
     configure_logging(settings.log_format)
-    gpu_kind, cuda_device = _gpu_kind(device)
+    if gpu_sm is not None and gpu_name is None:
+        raise typer.BadParameter("give --gpu-name with it", param_hint="--gpu-sm")
+    announced, cuda_device = _worker_kind(device)
+    if gpu_name is not None:
+        try:
+            announced = WorkerKind.gpu(gpu_name, gpu_sm, announced.devices)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--gpu-name") from e
+    gpu_kind = announced.kind
     pool = EnginePool(
         max_engines=MAX_ENGINES,
         device=device,
@@ -107,9 +130,13 @@ def worker(
             "metrics on http://%s:%d/metrics", settings.metrics_host, port
         )
     connection = Redis.from_url(settings.redis_url)
-    queues = [Queue(rq_name(settings, q), connection=connection) for q in served_queues(queue)]
+    served = served_queues(queue, announced)
+    queues = [Queue(rq_name(settings, q), connection=connection) for q in served]
     w = _worker_class(gpu_kind, cuda_device)(queues, connection=connection, name=name)
-    record_worker_kind(connection, settings.queue_prefix, w.name, gpu_kind)
+    announce_worker(connection, settings.queue_prefix, w.name, announced)
+    logging.getLogger(__name__).info(
+        "worker %s: %s; serves %s", w.name, announced.describe(), ", ".join(served)
+    )
     stop_alive = threading.Event()
     keep_alive(connection, settings.queue_prefix, w.name, stop_alive)
     _children_die_with_us()
@@ -149,19 +176,22 @@ def _children_die_with_us() -> None:
     os.register_at_fork(before=before, after_in_child=in_child)
 
 
-def _gpu_kind(device: str | None) -> tuple[str, str | None]:
-    """The worker's `gpu_kind` label (its GPU's name, or `cpu`) and its CUDA device, if any."""
+def _worker_kind(device: str | None) -> tuple[WorkerKind, str | None]:
+    """What the worker announces (its GPU's name, compute capability and kind, or `cpu`; the
+    one device it owns: a worker process per GPU) and its CUDA device, if any."""
     if device == "cpu":
-        return "cpu", None
+        return WorkerKind.cpu(), None
     import torch
 
     if device is None and not torch.cuda.is_available():
-        return "cpu", None
+        return WorkerKind.cpu(), None
     cuda = torch.device(device or "cuda")
     if cuda.type != "cuda":
-        return "cpu", None
+        return WorkerKind.cpu(), None
     index = cuda.index if cuda.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_name(index), f"cuda:{index}"
+    major, minor = torch.cuda.get_device_capability(index)
+    name = torch.cuda.get_device_name(index)
+    return WorkerKind.gpu(name, f"{major}.{minor}"), f"cuda:{index}"
 
 
 def _worker_class(gpu_kind: str, cuda_device: str | None) -> type[Any]:
@@ -204,7 +234,7 @@ def reconcile(
     The database says they are unfinished, but no runner holds them (after a Redis flush, or a
     worker killed mid-job). With the embedded in-process runner the jobs run in this process,
     and the command waits for them (Ctrl-C stops them cleanly)."""
-    from replay_audit.cli.database import fail, ready_database
+    from replay_audit.cli.database import ready_database
     from replay_audit.cli.shutdown import own
     from replay_audit.config import get_settings
     from replay_audit.db.unit_of_work import session_scope

@@ -18,6 +18,7 @@ import torch
 from replay_audit.diff.pieces import to_json
 from replay_audit.engine.hashing import weights_sha256
 from replay_audit.engine.loading import (
+    apply_sdpa_policy,
     configure_numerics,
     load_model,
     numerical_environment,
@@ -80,6 +81,7 @@ class TraceGenerator:
         configure_numerics(deterministic=deterministic, tf32=tf32)
         set_torch_threads(threads, leave_free=leave_free)
         self.device = resolve_device(device)
+        apply_sdpa_policy(self.device)  # the engine's SDPA backends: logged as replayed
         self.dtype = dtype
         # Hashed first: a path that is no checkpoint fails before a model loads.
         self.weights_sha256 = weights_sha256(self.model_dir)

@@ -79,15 +79,44 @@ def configure_numerics(*, deterministic: bool, tf32: bool) -> None:
         torch.backends.cudnn.allow_tf32 = tf32
 
 
+#: The SDPA backends the engine lets torch choose from (`only` None in `enable_sdpa_backends`):
+#: all of torch's but cuDNN attention. With cuDNN's (`aten::_cudnn_attention_forward`),
+#: transformers' `generate()` and the piecewise decode, which must be bitwise equal, were
+#: measured to diverge past about 250 tokens on an H100; without it every decode matched.
+FAITHFUL_SDPA_BACKENDS: Final[tuple[str, ...]] = tuple(n for n in SDPA_BACKENDS if n != "cudnn")
+
+
 def enable_sdpa_backends(only: str | None) -> None:
-    """Let torch's SDPA use all its CUDA backends (`only` None, torch's default), or only one of
-    `formats.SDPA_BACKENDS`. Process-wide, like the TF32 flag."""
+    """Let torch's SDPA use the engine's backends (`only` None: `FAITHFUL_SDPA_BACKENDS`, every
+    one but cuDNN's), or only one of `formats.SDPA_BACKENDS`. Process-wide, like the TF32
+    flag."""
     if only is not None and only not in SDPA_BACKENDS:
         raise UnsupportedFormat(f"unknown SDPA backend {only!r}")
     for name, backend in SDPA_BACKENDS.items():
         setter = getattr(torch.backends.cuda, backend.enable_switch, None)
         if setter is not None:
-            setter(only is None or name == only)
+            setter(name in FAITHFUL_SDPA_BACKENDS if only is None else name == only)
+
+
+def apply_sdpa_policy(device: torch.device) -> None:
+    """On a CUDA device, the engine's SDPA backends (`FAITHFUL_SDPA_BACKENDS`: no cuDNN
+    attention), set where an engine or a generator loads; nothing elsewhere (a CPU has no cuDNN
+    attention). Process-wide: `environment()` reads the switches back (`sdpa_backends`)."""
+    if device.type == "cuda":
+        enable_sdpa_backends(None)
+
+
+def sdpa_backends_enabled(device: torch.device) -> str:
+    """The SDPA backends torch may choose from on `device` now, read from its switches
+    (`flash,efficient,math` on CUDA under the engine's policy; a CPU's have `on_cpu`)."""
+    enabled = []
+    for name, backend in SDPA_BACKENDS.items():
+        reader = getattr(
+            torch.backends.cuda, backend.enable_switch.removeprefix("enable_") + "_enabled", None
+        )
+        if (device.type == "cuda" or backend.on_cpu) and reader is not None and reader():
+            enabled.append(name)
+    return ",".join(enabled)
 
 
 def tf32_enabled() -> bool:
@@ -164,6 +193,8 @@ def numerical_environment(
             "bf16_reduced_precision_reduction": bool(
                 cuda_matmul.allow_bf16_reduced_precision_reduction
             ),
+            # The backends SDPA chose from (`apply_sdpa_policy`), where SDPA is the kernel.
+            **({"sdpa_backends": sdpa_backends_enabled(device)} if attn_kernel == "sdpa" else {}),
             **(extras or {}),
         },
     }

@@ -40,6 +40,7 @@ from replay_audit.engine.batch import (
 from replay_audit.engine.decoder import Body, CompiledDecoder, Decoder, DynamicDecoder
 from replay_audit.engine.loading import (
     TORCH_DTYPES,
+    apply_sdpa_policy,
     configure_numerics,
     load_model,
     numerical_environment,
@@ -150,6 +151,7 @@ class TorchEngine:
         (`numerics.Fp8Linear`; a CUDA GPU of compute capability >= 8.9)."""
         configure_numerics(deterministic=deterministic, tf32=tf32)
         dev = resolve_device(device)
+        apply_sdpa_policy(dev)  # no cuDNN attention on CUDA: the decode stays = generate()
         if fp8_linear:
             ok, why = fp8_supported(dev, "fp8 linear layers")
             if not ok:

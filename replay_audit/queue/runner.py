@@ -8,7 +8,7 @@ import logging
 import queue as stdlib_queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol
@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import QueueUnavailable
+from replay_audit.queue.route import DEVICE_QUEUES, LiveWorker, WorkerKind, worker_routes
 from replay_audit.telemetry.log import bound
 from replay_audit.telemetry.metric import job_kind, observe_job
 
@@ -39,14 +40,23 @@ def long_queue(name: str) -> str:
     return name + LONG_SUFFIX
 
 
-def served_queues(named: Sequence[str]) -> list[str]:
-    """The queues a worker told `--queue named...` serves, in order: the named ones, then the
-    long queue of each device queue among them (`gpu` -> `gpu`, `gpu-long`), unless a long
-    queue is named, in which case exactly the named ones (a worker kept for long jobs alone)."""
+def served_queues(named: Sequence[str], worker: WorkerKind | None = None) -> list[str]:
+    """The queues a worker told `--queue named...` serves, in order: for each device queue
+    named, the queues of the routes it takes (`route.worker_routes`: its own GPU kind's, then
+    any kind's, each at every TP degree up to the devices it owns: `gpu` on an A10G worker ->
+    `gpu:a10g`, `gpu`), other named ones as named, then the long queue of each device queue
+    named; when a long queue is named, exactly the named ones (a worker kept for long jobs)."""
     named = list(dict.fromkeys(named))
     if any(q.endswith(LONG_SUFFIX) for q in named):
         return named
-    return named + [long_queue(q) for q in named if q in ("gpu", "cpu")]
+    worker = worker or WorkerKind.cpu()
+    out: list[str] = []
+    for q in named:
+        if q in DEVICE_QUEUES:
+            out += [r.queue for r in worker_routes(q, worker)]
+        else:
+            out.append(q)
+    return list(dict.fromkeys(out + [long_queue(q) for q in named if q in DEVICE_QUEUES]))
 
 
 #: Seconds to connect to (or wait on) Redis before the queue counts as unreachable.
@@ -127,6 +137,8 @@ class InProcessRunner:
         # None wakes the thread to see the stop event.
         self._queue: stdlib_queue.Queue[JobSpec | None] = stdlib_queue.Queue()
         self._pending: set[str] = set()
+        #: Jobs held without running: their route needs more devices than this process owns.
+        self._held: set[str] = set()
         self._lock = threading.Lock()
         self._retry_scale = retry_scale
         self._thread: threading.Thread | None = None
@@ -140,7 +152,13 @@ class InProcessRunner:
             if self._stop.is_set():
                 log.info("runner stopped: %s left to the reconciler", spec.job_id)
                 return
-            if spec.job_id in self._pending:
+            if spec.job_id in self._pending or spec.job_id in self._held:
+                return
+            if not self.worker().serves(spec.queue):
+                # A route this process cannot serve (a TP degree above its one device): the
+                # job waits, held, and the run says why (`JobQueue.live_workers`).
+                log.warning("job %s waits: this process cannot serve %s", spec.job_id, spec.queue)
+                self._held.add(spec.job_id)
                 return
             self._pending.add(spec.job_id)
             if self._thread is None or not self._thread.is_alive():
@@ -155,10 +173,15 @@ class InProcessRunner:
 
     def is_queued(self, job_id: str) -> bool:
         with self._lock:
-            return job_id in self._pending
+            return job_id in self._pending or job_id in self._held
 
     def ping(self) -> None:
         """A thread of this process always takes work."""
+
+    def worker(self) -> LiveWorker:
+        """This runner as a worker: its host's kind, one device, every route of TP 1 (one
+        process takes every GPU kind: the result's resolved arm says which ran)."""
+        return LiveWorker(WorkerKind(self.gpu_kind), None)
 
     def join(self, timeout_s: float | None = None) -> bool:
         """Wait until every enqueued job has finished (tests, the demo). False on timeout."""
@@ -184,6 +207,7 @@ class InProcessRunner:
                 return False
         with self._lock:
             self._pending.clear()  # never to run here: `join()` must not wait for them
+            self._held.clear()
         return True
 
     def _loop(self) -> None:
@@ -264,6 +288,18 @@ class RQRunner:
             failure_ttl=7 * 24 * 3600,
         )
 
+    def live_workers(self) -> list[LiveWorker]:
+        """This deployment's live workers, as they announced themselves (`QueueUnavailable`
+        when Redis does not answer)."""
+        from redis.exceptions import RedisError
+
+        from replay_audit.queue.state import announced_workers
+
+        try:
+            return announced_workers(self.connection, self.prefix)
+        except RedisError as e:
+            raise QueueUnavailable(f"the job queue (Redis) is unreachable: {e}") from e
+
     def is_queued(self, job_id: str) -> bool:
         """Queued, deferred, scheduled for a retry, or started by a worker still alive."""
         from rq.exceptions import NoSuchJobError
@@ -326,6 +362,26 @@ class JobQueue:
     def check(self) -> None:
         """`QueueUnavailable` when the queue cannot take work now (before anything is stored)."""
         self.runner.ping()
+
+    def live_workers(self) -> list[LiveWorker] | None:
+        """The workers that take this deployment's jobs now, as they announced themselves: RQ's
+        live workers, or this process for the in-process runner; None where the runner cannot
+        say (another runner, or Redis not answering)."""
+        if isinstance(self.runner, InProcessRunner):
+            return [self.runner.worker()]
+        if isinstance(self.runner, RQRunner):
+            try:
+                return self.runner.live_workers()
+            except QueueUnavailable:
+                return None
+        return None
+
+    def unserved(self, queues: Iterable[str]) -> tuple[list[str], list[LiveWorker]] | None:
+        """Which of `queues` no live worker serves, and the live workers (None: unknown)."""
+        workers = self.live_workers()
+        if workers is None:
+            return None
+        return [q for q in dict.fromkeys(queues) if not any(w.serves(q) for w in workers)], workers
 
     def enqueue(self, session: Session, specs: Sequence[JobSpec]) -> None:
         """Enqueue `specs` once `session`'s unit of work has committed (never on rollback). If

@@ -2,10 +2,11 @@
 `/readyz`: each queue's depth, running jobs and the age of its oldest waiting job, and the live
 workers per GPU kind.
 
-RQ knows a worker's queues but not its device, so `replay-audit worker` records its GPU kind
-under `WORKER_KINDS` (a Redis hash: worker name -> GPU kind) when it starts and removes it when
-it stops. A worker is live while RQ's worker registry holds it (its heartbeat keeps it there);
-one killed without its goodbye leaves an entry in the hash that no live worker reads.
+RQ knows a worker's queues but not its device, so `replay-audit worker` announces what it runs
+on under `WORKER_KINDS` (a Redis hash: worker name -> `route.WorkerKind` as JSON: GPU kind, GPU
+name, compute capability, devices) when it starts and removes it when it stops. A worker is
+live while RQ's worker registry holds it (its heartbeat keeps it there); one killed without its
+goodbye leaves an entry in the hash that no live worker reads.
 
 Liveness: RQ's own worker key is no help in telling a dead worker from a busy one, since a
 SimpleWorker sends no heartbeat while a job runs (it sets its key's TTL to the job's timeout +
@@ -27,7 +28,9 @@ from typing import Final
 
 from redis import Redis
 
-#: The Redis hash of worker name -> GPU kind (after the deployment's queue prefix).
+from replay_audit.queue.route import LiveWorker, WorkerKind
+
+#: The Redis hash of worker name -> its `WorkerKind` JSON (after the deployment's queue prefix).
 WORKER_KINDS: Final = "replay-audit:worker-gpu-kind"
 #: The key (after the deployment's queue prefix and before the worker's name) that says a
 #: `replay-audit worker` is alive.
@@ -73,10 +76,31 @@ def queue_states(connection: Redis, prefix: str, names: Sequence[str]) -> list[Q
     return out
 
 
+def known_queues(connection: Redis, prefix: str, names: Sequence[str]) -> list[str]:
+    """`names`, then every other queue of this deployment RQ knows (a queue is known from its
+    first job on: `gpu:a10g`, `gpu:tp2`), without the prefix."""
+    from rq import Queue
+
+    others = sorted(
+        q.name[len(prefix) :]
+        for q in Queue.all(connection=connection)
+        if q.name.startswith(prefix) and q.name[len(prefix) :] not in names
+    )
+    return [*names, *others]
+
+
 def live_workers(connection: Redis, prefix: str) -> dict[str, int]:
-    """Live workers serving a queue of this deployment (its prefix), counted by GPU kind: a
-    `replay-audit worker` while its liveness key lives (`worker_alive`: RQ's own record of a
-    killed worker outlives it by the job timeout)."""
+    """Live workers serving a queue of this deployment (its prefix), counted by GPU kind
+    (`announced_workers`)."""
+    return dict(Counter(w.kind.kind for w in announced_workers(connection, prefix)))
+
+
+def announced_workers(connection: Redis, prefix: str) -> list[LiveWorker]:
+    """Live workers serving a queue of this deployment (its prefix), each with what it
+    announced (`route.WorkerKind`; `unknown`, one device, for an `rq worker` started by hand)
+    and the queues it serves (without the prefix): a `replay-audit worker` while its liveness
+    key lives (`worker_alive`: RQ's own record of a killed worker outlives it by the job
+    timeout)."""
     from rq import Worker
 
     workers = [
@@ -86,12 +110,19 @@ def live_workers(connection: Redis, prefix: str) -> dict[str, int]:
         and worker_alive(connection, prefix, w.name)
     ]
     kinds = connection.hmget(prefix + WORKER_KINDS, [w.name for w in workers]) if workers else []
-    return dict(Counter(k.decode() if isinstance(k, bytes) else UNKNOWN_KIND for k in kinds))
+    return [
+        LiveWorker(
+            WorkerKind.from_json(k.decode()) if isinstance(k, bytes) else WorkerKind(UNKNOWN_KIND),
+            frozenset(q[len(prefix) :] for q in w.queue_names() if q.startswith(prefix)),
+        )
+        for w, k in zip(workers, kinds, strict=True)
+    ]
 
 
-def record_worker_kind(connection: Redis, prefix: str, worker_name: str, gpu_kind: str) -> None:
-    """Say which GPU kind worker `worker_name` runs on (`forget_worker` at its exit)."""
-    connection.hset(prefix + WORKER_KINDS, worker_name, gpu_kind)
+def announce_worker(connection: Redis, prefix: str, worker_name: str, kind: WorkerKind) -> None:
+    """Say what worker `worker_name` runs on: its GPU kind, name, compute capability and
+    device count (`forget_worker` at its exit)."""
+    connection.hset(prefix + WORKER_KINDS, worker_name, kind.to_json())
 
 
 def forget_worker(connection: Redis, prefix: str, worker_name: str) -> None:

@@ -51,6 +51,7 @@ from replay_audit.formats import (
 from replay_audit.formats import MAX_SCAN_FLAG_ULPS as MAX_SCAN_FLAG_ULPS
 from replay_audit.formats import SCAN_FLAG_OFF as SCAN_FLAG_OFF
 from replay_audit.json_value import JsonObject
+from replay_audit.queue.route import ANY_KIND
 from replay_audit.traces.selection import is_greedy
 
 #: A "large run": a run selecting at least this many traces and naming no `mode` is replayed
@@ -105,6 +106,33 @@ def logging_engine(config_json: str) -> str:
     return str(engine.get("name") or "unknown")
 
 
+def logged_tp_degree(config: Mapping[str, Any]) -> int | None:
+    """The TP degree a stored configuration was logged at (None: it does not say)."""
+    tp = config.get("tp_degree", 1)
+    return int(tp) if tp is not None else None
+
+
+def logged_gpu_name(config: Mapping[str, Any]) -> str | None:
+    """The GPU a stored configuration was logged on (`gpu.name`; None: a CPU, or not said)."""
+    gpu = config.get("gpu")
+    name = gpu.get("name") if isinstance(gpu, Mapping) else None
+    return str(name) if name else None
+
+
+@dataclass(frozen=True)
+class LoggedPlacement:
+    """Where a trace was logged: on which GPU (None: a CPU, or not logged) and at which
+    tensor-parallel degree (None: not logged). What routes its replay by default."""
+
+    gpu_name: str | None = None
+    tp_degree: int | None = 1
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any]) -> LoggedPlacement:
+        """The placement a stored configuration records."""
+        return cls(logged_gpu_name(config), logged_tp_degree(config))
+
+
 def arm_key(value: object) -> ArmKey:
     """An arm key from its stored JSON form ("logged" or an integer)."""
     return "logged" if value == "logged" else int(value)  # type: ignore[call-overload]
@@ -118,10 +146,22 @@ class RunTarget:
     target: Target | None
     device: Device | None = None
     label: str | None = None
+    #: The GPU kind to replay on (`queue.route.gpu_kind`, or `any`: any GPU); None: the
+    #: trace's logged GPU kind (`route_of`).
+    gpu_kind: str | None = None
+    #: The tensor-parallel degree to replay at; None: the trace's logged degree.
+    tp_degree: int | None = None
 
     @property
     def is_self(self) -> bool:
         return self.target is None
+
+    def tp_degree_for(self, trace: LoggedTrace) -> int:
+        """The TP degree this target replays `trace` at: the one it names, else the trace's
+        logged degree (1 where the trace does not say)."""
+        if self.tp_degree is not None:
+            return self.tp_degree
+        return trace.tp_degree or 1
 
     def resolve(self, logged: Target) -> Target:
         """The engine target for a trace whose logged configuration is `logged`. A self target
@@ -141,13 +181,20 @@ class RunTarget:
             return self.label
         if self.target is None:
             return "self"
-        return config_label(self.target)
+        where = self.gpu_kind and ("any GPU" if self.gpu_kind == ANY_KIND else self.gpu_kind)
+        return config_label(self.target, self.tp_degree or 1, where)
 
     def to_json(self) -> JsonObject:
         """The stored form (the run's `targets` column, as the API returns it)."""
         if self.target is None:
             return {"self": True, "label": self.label or "self (logged configuration)"}
-        return {**self.target.to_dict(), "device": self.device, "label": self.label}
+        return {
+            **self.target.to_dict(),
+            "device": self.device,
+            "gpu_kind": self.gpu_kind,
+            "tp_degree": self.tp_degree,
+            "label": self.label,
+        }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RunTarget:
@@ -164,7 +211,28 @@ class RunTarget:
             ),
             device=d.get("device"),
             label=d.get("label"),
+            gpu_kind=d.get("gpu_kind"),
+            tp_degree=d.get("tp_degree"),
         )
+
+
+def routing_conflict(targets: Sequence[RunTarget]) -> tuple[int, str] | None:
+    """The first target whose GPU kind cannot be met, and why (None: none): a run's targets
+    name one GPU kind or none (one worker runs every arm of a trace), and only on the GPU."""
+    first: tuple[int, str] | None = None
+    for i, t in enumerate(targets):
+        if t.gpu_kind is None:
+            continue
+        if t.device == "cpu":
+            return i, "a GPU kind with device cpu"
+        if first is not None and t.gpu_kind != first[1]:
+            return i, (
+                f"{t.gpu_kind!r}, but targets[{first[0]}] names {first[1]!r}: one worker runs "
+                "every arm of a trace, so a run's targets name one GPU kind (compare kinds "
+                "across runs)"
+            )
+        first = first or (i, t.gpu_kind)
+    return None
 
 
 #: Why a resolved arm runs the attention kernel it runs: the target named it; the target named
@@ -194,6 +262,17 @@ class ResolvedArm:
     #: records it.
     engine_path: str | None
     intervention: Intervention
+    #: The GPU kind the worker that ran it announced (`queue.route.WorkerKind`: `cpu` on a CPU
+    #: worker); None where not recorded (rows of earlier releases).
+    worker_kind: str | None = None
+    #: The trace's logged TP degree (None: the trace does not say): where it differs from
+    #: `tp_degree`, the request asked for another degree and this one ran.
+    logged_tp_degree: int | None = None
+
+    @property
+    def tp_differs(self) -> bool:
+        """Ran at a TP degree other than the logged one (asked for by the request)."""
+        return self.logged_tp_degree is not None and self.logged_tp_degree != self.tp_degree
 
     @property
     def target(self) -> Target:
@@ -202,8 +281,14 @@ class ResolvedArm:
         return Target(self.dtype, head, self.attn_kernel, self.batch_size, self.intervention)
 
     def label(self) -> str:
-        """A short human name of what ran, e.g. `bf16 / eager / cpu + C(τ=0.05)`."""
-        return config_label(self.target, self.tp_degree, self.gpu or self.device)
+        """A short human name of what ran, e.g. `bf16 / eager / cpu + C(τ=0.05)`, with the
+        logged TP degree where another ran (`tp 1 (logged tp 2)`) and the kind the worker
+        announced where its device does not say it (`cpu [worker a10g]`)."""
+        where = self.gpu or self.device
+        if self.gpu is None and self.worker_kind not in (None, self.device):
+            where = f"{where} [worker {self.worker_kind}]"
+        logged = self.logged_tp_degree if self.tp_differs else None
+        return config_label(self.target, self.tp_degree, where, logged_tp_degree=logged)
 
     def to_json(self) -> dict[str, object]:
         """The stored form (a result's `resolved_a`/`resolved_b`, the API's `arms.*.resolved`)."""
@@ -215,8 +300,12 @@ class ResolvedArm:
         environment: Mapping[str, Any],
         intervention: Intervention,
         kernel_source: KernelSource,
+        *,
+        worker_kind: str | None = None,
+        logged_tp_degree: int | None = None,
     ) -> ResolvedArm:
-        """The arm an engine runs, from its recorded environment (`Engine.environment()`)."""
+        """The arm an engine runs, from its recorded environment (`Engine.environment()`), on
+        a worker of kind `worker_kind`, for a trace logged at `logged_tp_degree`."""
         gpu = environment.get("gpu")
         extras = environment.get("extras") or {}
         path = extras.get("decoder") or extras.get("kv_cache")
@@ -232,6 +321,8 @@ class ResolvedArm:
             gpu=f"{gpu['name']} (sm {gpu['sm']})" if isinstance(gpu, Mapping) else None,
             engine_path=str(path) if path is not None else None,
             intervention=intervention,
+            worker_kind=worker_kind,
+            logged_tp_degree=logged_tp_degree,
         )
 
     @classmethod
@@ -240,12 +331,22 @@ class ResolvedArm:
         return cls(**{**d, "intervention": intervention_from_json(d.get("intervention") or {})})
 
 
-def config_label(t: Target, tp_degree: int = 1, where: str | None = None) -> str:
+def config_label(
+    t: Target,
+    tp_degree: int = 1,
+    where: str | None = None,
+    *,
+    logged_tp_degree: int | None = None,
+) -> str:
     """`fp16 / head fp32 / eager / bs 8 / tp 2 / cpu + C(τ=0.05)`: what is set and not the
-    default (a head format other than the body's, a batch size or TP degree above 1)."""
+    default (a head format other than the body's, a batch size or TP degree above 1, a TP
+    degree other than the logged one: `tp 1 (logged tp 2)`)."""
     head = t.lm_head_dtype and f"head {t.lm_head_dtype}"
+    tp = (tp_degree != 1 or logged_tp_degree is not None) and f"tp {tp_degree}"
+    if tp and logged_tp_degree is not None:
+        tp += f" (logged tp {logged_tp_degree})"
     parts = [t.dtype, head, t.attn_kernel, t.batch_size != 1 and f"bs {t.batch_size}"]
-    parts += [tp_degree != 1 and f"tp {tp_degree}", where]
+    parts += [tp, where]
     return " / ".join(p for p in parts if p) + intervention_suffix(t.intervention)
 
 
@@ -336,6 +437,10 @@ class LoggedTrace:
     engine_name: str = "transformers"
     #: Each logged output token's piece, when the producer stored them (`diff.pieces`).
     output_token_pieces: tuple[Piece, ...] | None = None
+    #: The tensor-parallel degree it was logged at (None: the log does not say).
+    tp_degree: int | None = 1
+    #: The GPU it was logged on (`config.gpu.name`; None: a CPU, or not logged).
+    gpu_name: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -382,6 +487,8 @@ class LoggedTrace:
             output_token_pieces=(
                 from_json(output_token_pieces) if output_token_pieces is not None else None
             ),
+            tp_degree=logged_tp_degree(config),
+            gpu_name=logged_gpu_name(config),
         )
 
     @property

@@ -52,12 +52,19 @@ def create_replay(
 
 
 @router.get("/{run_id}", response_model=ReplayRead)
-def read_replay(run_id: str, session: DBSession, principal: StatusReader) -> ReplayRead:
-    """Status, progress and, when done, the statistics. A submitter key gets status and
-    progress only: `statistics` and `aggregate` null, `request` without `trace_ids`."""
+def read_replay(
+    run_id: str, session: DBSession, principal: StatusReader, queue: Queue
+) -> ReplayRead:
+    """Status, progress and, when done, the statistics; `pending_reason` while jobs wait for a
+    GPU kind or TP degree no live worker serves. A submitter key gets status and progress
+    only: `statistics` and `aggregate` null, `request` without `trace_ids`."""
     run = service.get_replay(session, principal.project_id, run_id)
     return service.to_read(
-        session, run, principal.project, status_only=principal.role not in READER_ROLES
+        session,
+        run,
+        principal.project,
+        status_only=principal.role not in READER_ROLES,
+        queue=queue,
     )
 
 

@@ -124,7 +124,8 @@ class ReplayJob(Base):
         ForeignKey("replay_runs.id", ondelete="CASCADE"), index=True
     )
     chunk: Mapped[int] = mapped_column(Integer)
-    queue: Mapped[str] = mapped_column(String(32))
+    #: The queue of its route (`queue.route.Route.queue`: `gpu`, `gpu:a10g`, `gpu:a10g:tp2`).
+    queue: Mapped[str] = mapped_column(String(64))
     #: Internal trace ids (traces.id) this job replays, in order.
     trace_ids: Mapped[list[int]] = mapped_column(JSON)
     status: Mapped[str] = mapped_column(String(16), default="queued", index=True)

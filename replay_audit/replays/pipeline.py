@@ -71,7 +71,13 @@ from replay_audit.engine.protocol import (
     Steps,
     Target,
 )
-from replay_audit.exceptions import BadRequest, EngineError, ModelMismatch, ReplayAuditError
+from replay_audit.exceptions import (
+    BadRequest,
+    EngineError,
+    ModelMismatch,
+    ReplayAuditError,
+    UnsupportedFormat,
+)
 from replay_audit.formats import MODES, MarginSource, Mode, Screen
 from replay_audit.replays.domain import (
     SCAN_FLAG_OFF,
@@ -122,6 +128,9 @@ class ReplayOptions:
     #: Refuse a checkpoint whose weights are not the trace's (a caller that checked them all
     #: once, as the CLI does, turns it off).
     check_weights: bool = True
+    #: The GPU kind the worker running the items announced (`queue.route.WorkerKind`),
+    #: recorded with every resolved arm; None: not a worker (the offline CLI).
+    worker_kind: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -141,14 +150,21 @@ class Arm:
 
 
 def resolve_arm(
-    trace: LoggedTrace, run_target: RunTarget, pool: EnginePool, model_dir: Path
+    trace: LoggedTrace,
+    run_target: RunTarget,
+    pool: EnginePool,
+    model_dir: Path,
+    worker_kind: str | None = None,
 ) -> Arm:
     """`run_target` resolved against `trace`, once: a target that names no attention kernel
     runs the trace's logged kernel, or the engine's default where that cannot run here (an
     imported `unknown`, flash-attention on a CPU); `self` runs the logged configuration. The
-    engine is loaded (or taken from the pool) and its recorded environment gives the rest.
-    `ModelMismatch` when the vocabularies differ; `UnsupportedFormat`/`EngineError` when the
-    target cannot run here."""
+    engine is loaded (or taken from the pool) and its recorded environment gives the rest,
+    with `worker_kind` (the kind this worker announced). `ModelMismatch` when the
+    vocabularies differ; `UnsupportedFormat`/`EngineError` when the target cannot run here,
+    a TP degree other than the engine's included (a trace logged at TP 2 replays at TP 1 only
+    when the target asks for TP 1)."""
+    tp = run_target.tp_degree_for(trace)
     requested = run_target.resolve(trace.config)
     source: KernelSource = "requested" if requested.attn_kernel is not None else "logged"
     want = _with_kernel(requested, requested.attn_kernel or trace.config.attn_kernel)
@@ -163,7 +179,21 @@ def resolve_arm(
             f"checkpoint vocabulary is {engine.vocab_size}, the trace's {trace.vocab_size}",
             field="model.vocab_size",
         )
-    resolved = ResolvedArm.from_environment(engine.environment(), requested.intervention, source)
+    resolved = ResolvedArm.from_environment(
+        engine.environment(),
+        requested.intervention,
+        source,
+        worker_kind=worker_kind,
+        logged_tp_degree=trace.tp_degree,
+    )
+    if resolved.tp_degree != tp:
+        asked = "asks" if run_target.tp_degree is not None else "was logged at"
+        raise UnsupportedFormat(
+            f"the arm {asked} TP {tp}; this engine replays at TP {resolved.tp_degree}: a "
+            f"target's tp_degree: {resolved.tp_degree} replays it at TP {resolved.tp_degree} "
+            "(the result says so)",
+            field="tp_degree",
+        )
     return Arm(engine, resolved)
 
 
@@ -171,11 +201,13 @@ def _with_kernel(t: Target, kernel: str | None) -> Target:
     return Target(t.dtype, t.lm_head_dtype, kernel, t.batch_size, t.intervention)
 
 
-def _logged_arm(trace: LoggedTrace, pool: EnginePool, model_dir: Path) -> Arm | None:
+def _logged_arm(
+    trace: LoggedTrace, pool: EnginePool, model_dir: Path, worker_kind: str | None
+) -> Arm | None:
     """The logged configuration run here (arm A's single-step re-run and reconstructed margin
     against the logged tokens), or None where it cannot run here."""
     try:
-        return resolve_arm(trace, RunTarget(None), pool, model_dir)
+        return resolve_arm(trace, RunTarget(None), pool, model_dir, worker_kind)
     except ENGINE_FAILURES:
         return None
 
@@ -229,7 +261,7 @@ def scan_items(items: Sequence[ReplayItem], pool: EnginePool, options: ReplayOpt
         if not item.against_logged or not item.trace.greedy:
             continue
         try:
-            arm = resolve_arm(item.trace, item.b, pool, item.model_dir)
+            arm = resolve_arm(item.trace, item.b, pool, item.model_dir, options.worker_kind)
         except ENGINE_FAILURES:
             continue  # the item's replay reports it
         groups.setdefault((id(arm.engine), arm.intervention), (arm, []))[1].append(i)
@@ -345,9 +377,9 @@ def _run_arms(
     trace, top_k = item.trace, options.top_k
     prompt = trace.prompt_token_ids.tolist()
     budget, eos = trace.budget()
-    b = resolve_arm(trace, item.b, pool, item.model_dir)
+    b = resolve_arm(trace, item.b, pool, item.model_dir, options.worker_kind)
     if item.a is not None:  # the both-arms protocol: both decoded from the prompt
-        a = resolve_arm(trace, item.a, pool, item.model_dir)
+        a = resolve_arm(trace, item.a, pool, item.model_dir, options.worker_kind)
         ra = a.engine.decode(prompt, budget, eos, a.intervention, top_k)
         rb = b.engine.decode(prompt, budget, eos, b.intervention, top_k)
         run_a = _ArmRun(a, ra.output_token_ids, ra.steps)
@@ -391,7 +423,7 @@ def _run_arms(
     t_star = first_divergence(logged, run_b.ids)
     replayed = _Replayed(item, mode, run_a, run_b, t_star, screen)
     if t_star is not None:
-        replayed.logged_arm = _logged_arm(trace, pool, item.model_dir)
+        replayed.logged_arm = _logged_arm(trace, pool, item.model_dir, options.worker_kind)
     return replayed
 
 

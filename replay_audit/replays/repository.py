@@ -14,7 +14,7 @@ from sqlalchemy.sql.expression import ColumnElement, Select
 from replay_audit.db.base import flush_unique, utcnow
 from replay_audit.db.engine import dialect_insert
 from replay_audit.formats import logged_by_another_engine
-from replay_audit.replays.domain import LoggedTrace, logging_engine
+from replay_audit.replays.domain import LoggedPlacement, LoggedTrace, logging_engine
 from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
 from replay_audit.replays.results import FIGURE_COLUMNS, ResultRow, figures
 from replay_audit.stats.report import AnswerFigures, PairedOutcome, ResultFigures, TraceRef
@@ -262,6 +262,35 @@ def traces_of_other_engines(session: Session, trace_ids: Sequence[int]) -> dict[
             if logged_by_another_engine(engines[config_id]):
                 out[int(trace_id)] = engines[config_id]
     return out
+
+
+def logged_placements(session: Session, trace_ids: Sequence[int]) -> dict[int, LoggedPlacement]:
+    """Where each of `trace_ids` was logged (GPU, TP degree), by trace id: one query over the
+    traces' configuration ids, the (few) configurations parsed once each."""
+    out: dict[int, LoggedPlacement] = {}
+    ids = list(trace_ids)
+    for start in range(0, len(ids), 10_000):
+        rows = session.execute(
+            select(Trace.id, NumericalConfigRow.id, NumericalConfigRow.config_json)
+            .join(NumericalConfigRow, NumericalConfigRow.id == Trace.config_id)
+            .where(Trace.id.in_(ids[start : start + 10_000]))
+        )
+        placements: dict[int, LoggedPlacement] = {}
+        for trace_id, config_id, config_json in rows:
+            if config_id not in placements:
+                placements[config_id] = LoggedPlacement.of(orjson.loads(config_json))
+            out[int(trace_id)] = placements[config_id]
+    return out
+
+
+def unfinished_queues(session: Session, run_id: int) -> dict[str, int]:
+    """The queues of a run's unfinished jobs, with how many wait on each."""
+    rows = session.execute(
+        select(ReplayJob.queue, func.count())
+        .where(ReplayJob.run_id == run_id, ReplayJob.status != "done")
+        .group_by(ReplayJob.queue)
+    )
+    return {str(q): int(n) for q, n in rows}
 
 
 def exact_matches(

@@ -25,6 +25,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StringConstraints,
     ValidationInfo,
     model_validator,
 )
@@ -54,15 +55,17 @@ from replay_audit.formats import (
 )
 from replay_audit.input import InputModel, Lax, UtcDatetime, option_field
 from replay_audit.json_value import JsonObject
+from replay_audit.queue.route import ANY_KIND, gpu_kind
 from replay_audit.replays.domain import (
     DEFAULT_SCAN_FLAG_ULPS,
     ControlSample,
     ResolvedArm,
     RunTarget,
+    routing_conflict,
 )
 from replay_audit.replays.models import MAX_RUN_NAME
 from replay_audit.stats.report import RunStatistics
-from replay_audit.traces.schemas import AttnKernelName, Tag
+from replay_audit.traces.schemas import AttnKernelName, Tag, TpDegree, TraceFieldError
 from replay_audit.traces.selection import TraceSelection
 
 #: Largest number of traces one replay run may select (422 above it).
@@ -121,6 +124,14 @@ class TargetSpec(InputModel):
     #: Where to run it: "cuda" sends it to the gpu queue, "cpu" to the cpu queue; None = gpu
     #: queue under RQ, the in-process runner otherwise.
     device: Device | None = None
+    #: The GPU kind to replay on: a worker's kind (`a10g`) or GPU name (`NVIDIA A10G`), or
+    #: "any" (any GPU worker). None: the kind each trace was logged on (any GPU for a trace
+    #: logged without one). Every target of a run names the same kind or none.
+    gpu_kind: GpuKindName | None = None
+    #: The tensor-parallel degree to replay at. None: each trace's logged degree (a trace
+    #: logged at TP 2 waits for a worker owning 2 devices); another degree runs only when asked
+    #: here, and the result says so (`resolved.logged_tp_degree`).
+    tp_degree: TpDegree | None = None
     label: str | None = Field(default=None, max_length=100)
 
     def to_domain(self) -> RunTarget:
@@ -134,7 +145,21 @@ class TargetSpec(InputModel):
             ),
             device=self.device,
             label=self.label,
+            gpu_kind=self.gpu_kind,
+            tp_degree=self.tp_degree,
         )
+
+
+def _gpu_kind(value: str) -> str:
+    return value if value == ANY_KIND else gpu_kind(value)
+
+
+#: A GPU kind or GPU name (normalised to its kind: `NVIDIA A10G` -> `a10g`), or "any".
+GpuKindName = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][\w .()/-]*$"),
+    AfterValidator(_gpu_kind),
+]
 
 
 class TraceFilter(InputModel):
@@ -277,6 +302,10 @@ class ReplayCreate(InputModel):
                     raise ValueError(f"pairs: ({a}, {b}) does not name two different targets")
         elif self.pairs is not None:
             raise ValueError("pairs: only meaningful with compare: 'pairwise'")
+        conflict = routing_conflict([t.to_domain() for t in self.targets])
+        if conflict is not None:
+            i, why = conflict
+            raise TraceFieldError(f"targets[{i}].gpu_kind", why)
         return self
 
 
@@ -314,6 +343,10 @@ class ReplayRead(_Frozen):
     #: The run's statistics (the same object `/report` and the UI show): stored when the run
     #: finished, computed over the results so far while it runs.
     statistics: RunStatistics | None = None
+    #: Why jobs of the run wait with no worker to take them: the GPU kind or TP degree no live
+    #: worker serves, the live workers, and what the request could change. None: every
+    #: unfinished job has a live worker that serves it (or the run is finished).
+    pending_reason: str | None = None
     #: What ran, per comparison: each distinct pair of resolved arms among its results and how
     #: many results ran it (the computation each arm ran, resolved once against each trace).
     ran: list[RanRead] = []

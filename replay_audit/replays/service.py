@@ -6,8 +6,9 @@ never looks for rows that are not there yet, and a rolled-back request enqueues 
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -20,11 +21,13 @@ from replay_audit.exceptions import Conflict, FieldError, NotFound
 from replay_audit.formats import EXTRA_PROCESSORS, Mode
 from replay_audit.json_value import JsonObject
 from replay_audit.queue import Capabilities, JobQueue
+from replay_audit.queue.route import ANY_KIND, DeviceQueue, Route, gpu_kind, live_kinds
 from replay_audit.replays import repository, statistics
 from replay_audit.replays.domain import (
     DEFAULT_SCAN_FLAG_ULPS,
     LARGE_RUN_TRACES,
     Comparison,
+    LoggedPlacement,
     ResolvedArm,
     RunTarget,
     resolve_mode,
@@ -135,13 +138,33 @@ def _with_engine_check(
     return targets, comparisons
 
 
-def _queue(targets: Sequence[RunTarget], default: str) -> str:
+def _queue(targets: Sequence[RunTarget], default: str) -> DeviceQueue:
     """`cpu` when every target runs on the CPU (`device: cpu`, or no device where the
     deployment's default queue is `cpu`), else `gpu`."""
     queues = {
         {"cpu": "cpu", "cuda": "gpu"}.get(t.device or "", default) for t in targets if not t.is_self
     }
     return "cpu" if queues == {"cpu"} or (not queues and default == "cpu") else "gpu"
+
+
+def route_of(placement: LoggedPlacement, targets: Sequence[RunTarget], default: str) -> Route:
+    """Which workers may replay a trace logged at `placement` in `targets` (one job runs all of
+    a trace's arms, so one worker does): the device queue of the targets (`_queue`); on the
+    GPU, the kind a target names (`any`: any GPU), else the trace's logged GPU kind (any GPU
+    for a trace logged on a CPU or without its GPU); the largest TP degree of the arms, each
+    the target's, else the trace's logged degree (a worker must own that many devices)."""
+    device = _queue(targets, default)
+    kind = None
+    if device == "gpu":
+        named = next((t.gpu_kind for t in targets if not t.is_self and t.gpu_kind), None)
+        if named is not None:
+            kind = None if named == ANY_KIND else named
+        elif placement.gpu_name is not None:
+            with contextlib.suppress(ValueError):  # a logged name that names no kind: any GPU
+                kind = gpu_kind(placement.gpu_name)
+    logged_tp = placement.tp_degree or 1
+    tp = max((t.tp_degree or logged_tp) if not t.is_self else logged_tp for t in targets)
+    return Route(device, kind, tp)
 
 
 def _recorded(request: ReplayCreate, mode: str, scan_flag_ulps: float) -> JsonObject:
@@ -210,10 +233,14 @@ def create_replay(
         _comparisons(request, len(targets)),
         bool(repository.traces_of_other_engines(session, ids)),
     )
-    queue_name = _queue(targets, queue.default_queue)
     mode = resolve_mode(request.mode, len(traces), defaults.large_run_traces)
-    size = TRACES_PER_JOB_BY_MODE[mode]
-    chunks = [(queue_name, ids[i : i + size]) for i in range(0, len(ids), size)]
+    chunks = _chunks(
+        repository.logged_placements(session, ids),
+        ids,
+        targets,
+        queue.default_queue,
+        TRACES_PER_JOB_BY_MODE[mode],
+    )
     run = ReplayRun(
         public_id=new_public_id("rr"),
         project_id=project_id,
@@ -238,9 +265,33 @@ def create_replay(
             )
         return existing, False
     queue.enqueue(
-        session, [job_spec(job_id, queue_name, queue.job_timeout_s) for job_id in job_ids]
+        session,
+        [
+            job_spec(job_id, queue_name, queue.job_timeout_s)
+            for job_id, (queue_name, _) in zip(job_ids, chunks, strict=True)
+        ],
     )
     return run, True
+
+
+def _chunks(
+    placements: Mapping[int, LoggedPlacement],
+    ids: Sequence[int],
+    targets: Sequence[RunTarget],
+    default: str,
+    size: int,
+) -> list[tuple[str, list[int]]]:
+    """The run's jobs: its traces grouped by route (`route_of`), in order of first appearance,
+    each group cut in chunks of `size` traces; (queue name, trace ids) each."""
+    groups: dict[str, list[int]] = {}
+    for trace_id in ids:
+        route = route_of(placements.get(trace_id, LoggedPlacement()), targets, default)
+        groups.setdefault(route.queue, []).append(trace_id)
+    return [
+        (name, members[i : i + size])
+        for name, members in groups.items()
+        for i in range(0, len(members), size)
+    ]
 
 
 #: lm_head formats only a CUDA GPU can compute.
@@ -346,11 +397,49 @@ def get_replay(session: Session, project_id: int, public_id: str) -> ReplayRun:
     return run
 
 
+def pending_reason(session: Session, run: ReplayRun, queue: JobQueue | None) -> str | None:
+    """Why some of the run's jobs wait with no worker to take them: the route of each queue
+    that no live worker serves (a GPU kind without a live worker, a TP degree no live worker
+    owns the devices for), the live workers, and what the request could change. None when
+    every unfinished job has a worker that serves it, when the run is finished, or when the
+    queue cannot say (`JobQueue.live_workers`)."""
+    if queue is None or run.status in ("done", "failed"):
+        return None
+    waiting = repository.unfinished_queues(session, run.id)
+    answer = queue.unserved(waiting) if waiting else None
+    if not answer or not answer[0]:
+        return None
+    unserved, workers = answer
+    needs = []
+    for name in unserved:
+        route = Route.parse(name)
+        who = route.describe() if route is not None else f"a worker of queue {name!r}"
+        needs.append(f"{waiting[name]} job(s) need {who} (queue {name})")
+    hints = []
+    routes = [r for r in map(Route.parse, unserved) if r is not None]
+    if any(r.kind is not None for r in routes):
+        hints.append('a target\'s gpu_kind: "any" takes any GPU kind')
+    if any(r.tp_degree > 1 for r in routes):
+        hints.append("a target's tp_degree: 1 replays at TP 1 (the result says so)")
+    return (
+        "waiting for a worker: "
+        + "; ".join(needs)
+        + f"; no live worker serves them (live: {live_kinds(workers)})"
+        + (". Start one, or ask otherwise: " + "; ".join(hints) if hints else ". Start one")
+    )
+
+
 def to_read(
-    session: Session, run: ReplayRun, project: str, *, status_only: bool = False
+    session: Session,
+    run: ReplayRun,
+    project: str,
+    *,
+    status_only: bool = False,
+    queue: JobQueue | None = None,
 ) -> ReplayRead:
     """Status, progress and the run's statistics (stored, or computed over the results so far
-    while it runs).
+    while it runs), and why jobs wait where no live worker serves them (`pending_reason`:
+    `queue` None, not asked).
 
     `status_only` (a submitter's view): no `statistics` (its lifts list the traces each
     treatment fixed and broke) and `request` without its `trace_ids`; what is left says how
@@ -373,6 +462,7 @@ def to_read(
         results_per_s=rate,
         ran=[] if status_only else ran(session, run),
         statistics=stats,
+        pending_reason=pending_reason(session, run, queue),
     )
 
 

@@ -77,7 +77,8 @@ class WorkerContext:
 
     settings: Settings
     pool: EnginePool
-    #: The `gpu_kind` label of the worker's metrics: its GPU's name, or `cpu`.
+    #: The GPU kind the worker announced (`queue.route.WorkerKind.kind`: `a10g`, or `cpu`):
+    #: its metrics' `gpu_kind` label and each result's `resolved.worker_kind`.
     gpu_kind: str = "cpu"
 
     @classmethod
@@ -177,6 +178,7 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
             top_k=as_int(run.request.get("top_k", 5)),
             flag_ulps=control.flag_ulps if control is not None else SCAN_FLAG_OFF,
             token_budget=ctx.settings.scan_token_budget,
+            worker_kind=ctx.gpu_kind,
         )
         spec = _RunSpec(run.id, options, run.run_targets, run.run_comparisons, control)
         trace_ids = list(job.trace_ids)

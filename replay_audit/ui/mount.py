@@ -93,6 +93,7 @@ def create_ui_app(parent: FastAPI) -> FastAPI:
     ui.state.settings = parent.state.settings
     ui.state.engine = parent.state.engine
     ui.state.sessionmaker = parent.state.sessionmaker
+    ui.state.queue = parent.state.queue  # the run page says why jobs wait (`pending_reason`)
     ui.add_exception_handler(SignInRequired, _sign_in_required)
     ui.add_exception_handler(ReplayAuditError, _domain_error)
     ui.add_exception_handler(RequestValidationError, _validation_error)

@@ -35,7 +35,7 @@ from replay_audit.replays.domain import (
     is_treatment,
     logging_engine,
 )
-from replay_audit.replays.service import ran, results_per_s
+from replay_audit.replays.service import pending_reason, ran, results_per_s
 from replay_audit.reports import browsing, statistics
 from replay_audit.reports.endpoints import export_response
 from replay_audit.reports.filters import ResultFilter, RunFilter
@@ -405,6 +405,7 @@ def run_page(
         has_reference_answers=statistics.has_reference_answers(session, run),
         results_per_s=results_per_s(run, sum(c.n for c in report.comparisons)),
         screened=[c for c in report.comparisons if c.screening is not None],
+        pending_reason=pending_reason(session, run, request.app.state.queue),
     )
 
 

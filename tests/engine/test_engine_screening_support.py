@@ -58,6 +58,37 @@ def test_sdpa_backends_can_be_limited_and_restored() -> None:
     finally:
         enable_sdpa_backends(None)
     assert cuda.math_sdp_enabled() and cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled()
+    # Restored to the engine's backends: all but cuDNN attention (loading.FAITHFUL_SDPA_BACKENDS).
+    assert not cuda.cudnn_sdp_enabled()
+
+
+def test_the_engine_turns_cudnn_attention_off_on_cuda_only_and_records_the_backends(
+    tiny_dir: Path,
+) -> None:
+    from replay_audit.engine.loading import apply_sdpa_policy, sdpa_backends_enabled
+
+    cuda = torch.backends.cuda
+    try:
+        cuda.enable_cudnn_sdp(True)
+        apply_sdpa_policy(torch.device("cpu"))  # nothing off CUDA: a CPU has no cuDNN attention
+        assert cuda.cudnn_sdp_enabled()
+        apply_sdpa_policy(torch.device("cuda"))  # the switches exist without a GPU
+        assert not cuda.cudnn_sdp_enabled() and cuda.flash_sdp_enabled()
+        assert sdpa_backends_enabled(torch.device("cuda")).split(",") == [
+            "math",
+            "flash",
+            "efficient",
+        ]
+        # What a result records is read back from torch's switches, not assumed.
+        cuda.enable_math_sdp(False)
+        engine = load_engine(tiny_dir, Target("fp32", attn_kernel="sdpa"), device="cpu")
+        extras = engine.environment()["extras"]
+        assert extras["sdpa_backends"] == "flash"  # a CPU's backends that are on
+        eager = load_engine(tiny_dir, Target("fp32", attn_kernel="eager"), device="cpu")
+        assert "sdpa_backends" not in eager.environment()["extras"]  # SDPA did not run
+    finally:
+        cuda.enable_math_sdp(True)
+        cuda.enable_cudnn_sdp(True)
 
 
 def test_fp8_linear_layers_approximate_the_float_product() -> None:

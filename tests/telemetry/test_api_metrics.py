@@ -189,6 +189,8 @@ def test_readyz_reports_each_component(make_client: Any) -> None:
         "status": "ok",
         "database": "ok",
         "queue": "ok",
+        # The in-process runner: this process, one device, its host's kind.
+        "worker_kinds": [{"kind": "cpu", "gpu": None, "sm": None, "devices": 1, "workers": 1}],
     }
 
 
