@@ -204,7 +204,7 @@ def reconcile(
     The database says they are unfinished, but no runner holds them (after a Redis flush, or a
     worker killed mid-job). With the embedded in-process runner the jobs run in this process,
     and the command waits for them (Ctrl-C stops them cleanly)."""
-    from replay_audit.cli.database import fail, ready_database
+    from replay_audit.cli.database import ready_database
     from replay_audit.cli.shutdown import own
     from replay_audit.config import get_settings
     from replay_audit.db.unit_of_work import session_scope

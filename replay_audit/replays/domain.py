@@ -23,7 +23,8 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 from typing import Any, Final, Literal
 
 import numpy as np
@@ -32,7 +33,7 @@ import numpy.typing as npt
 from replay_audit.diff.answer import SemanticAgreement
 from replay_audit.diff.margin import DEFAULT_TAU
 from replay_audit.diff.pieces import Piece, PieceJson, from_json
-from replay_audit.engine.protocol import DEFAULT_B_TOP_K, Intervention, Target
+from replay_audit.engine.protocol import DEFAULT_B_TOP_K, Intervention, LogitsProcessors, Target
 from replay_audit.formats import (
     CONTROL_FRACTION,
     CONTROL_SEED,
@@ -194,6 +195,8 @@ class ResolvedArm:
     #: records it.
     engine_path: str | None
     intervention: Intervention
+    #: The trace's logits processors, applied to every step's logits (None: none ran).
+    logits_processors: LogitsProcessors | None = None
 
     @property
     def target(self) -> Target:
@@ -202,8 +205,12 @@ class ResolvedArm:
         return Target(self.dtype, head, self.attn_kernel, self.batch_size, self.intervention)
 
     def label(self) -> str:
-        """A short human name of what ran, e.g. `bf16 / eager / cpu + C(τ=0.05)`."""
-        return config_label(self.target, self.tp_degree, self.gpu or self.device)
+        """A short human name of what ran, e.g. `bf16 / eager / cpu + C(τ=0.05)`, with the
+        logits processors that ran (`+ repetition_penalty=1.3`)."""
+        label = config_label(self.target, self.tp_degree, self.gpu or self.device)
+        if self.logits_processors is not None:
+            label += f" + {self.logits_processors.label()}"
+        return label
 
     def to_json(self) -> dict[str, object]:
         """The stored form (a result's `resolved_a`/`resolved_b`, the API's `arms.*.resolved`)."""
@@ -215,8 +222,10 @@ class ResolvedArm:
         environment: Mapping[str, Any],
         intervention: Intervention,
         kernel_source: KernelSource,
+        logits_processors: LogitsProcessors | None = None,
     ) -> ResolvedArm:
-        """The arm an engine runs, from its recorded environment (`Engine.environment()`)."""
+        """The arm an engine runs, from its recorded environment (`Engine.environment()`), with
+        the trace's logits processors (None: none ran)."""
         gpu = environment.get("gpu")
         extras = environment.get("extras") or {}
         path = extras.get("decoder") or extras.get("kv_cache")
@@ -232,12 +241,19 @@ class ResolvedArm:
             gpu=f"{gpu['name']} (sm {gpu['sm']})" if isinstance(gpu, Mapping) else None,
             engine_path=str(path) if path is not None else None,
             intervention=intervention,
+            logits_processors=logits_processors,
         )
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ResolvedArm:
         """The inverse of `to_json`."""
-        return cls(**{**d, "intervention": intervention_from_json(d.get("intervention") or {})})
+        return cls(
+            **{
+                **d,
+                "intervention": intervention_from_json(d.get("intervention") or {}),
+                "logits_processors": LogitsProcessors.from_json(d.get("logits_processors")),
+            }
+        )
 
 
 def config_label(t: Target, tp_degree: int = 1, where: str | None = None) -> str:
@@ -336,10 +352,23 @@ class LoggedTrace:
     engine_name: str = "transformers"
     #: Each logged output token's piece, when the producer stored them (`diff.pieces`).
     output_token_pieces: tuple[Piece, ...] | None = None
+    #: The logits processors the generation ran with (`decoding.logits_processors`).
+    logits_processors: LogitsProcessors | None = None
 
     @property
     def greedy(self) -> bool:
         return is_greedy({"strategy": self.strategy})
+
+    @cached_property
+    def processors(self) -> LogitsProcessors | None:
+        """What every probe of an arm applies to this trace's logits: its logged processors,
+        with its eos ids (`budget`: what min_new_tokens holds back); None where none ran."""
+        p = self.logits_processors
+        if p is None or not p.active:
+            return None
+        # Only the processors that read eos ids get them (one resolved arm for a run's traces).
+        needs_eos = bool(p.min_new_tokens or p.bad_words_ids)
+        return replace(p, eos_token_ids=tuple(self.budget()[1]) if needs_eos else ())
 
     @classmethod
     def from_parts(
@@ -382,6 +411,7 @@ class LoggedTrace:
             output_token_pieces=(
                 from_json(output_token_pieces) if output_token_pieces is not None else None
             ),
+            logits_processors=LogitsProcessors.from_json(decoding.get("logits_processors")),
         )
 
     @property
