@@ -468,6 +468,13 @@ def replay(
             "interrupted": interrupted,
         }
         _print_summary(stats.comparisons[0], target)
+        processed = [lt.processors for _, _, lt in parsed if lt.processors is not None]
+        if processed:  # what ran besides the target: each result's resolved arm has them
+            labels = "; ".join(sorted({p.label() for p in processed}))
+            typer.echo(
+                f"{counted(len(processed), 'trace')} replayed with their logits processors "
+                f"({labels})"
+            )
         if summary_json is not None:
             summary_json.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
     if interrupted:
