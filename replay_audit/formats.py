@@ -281,6 +281,7 @@ def processors_not_applied(value: object) -> str:
         return ""
     return f" (logits processors a replay does not apply: {value})"
 
+
 #: The engines (a trace's `config.engine.name`) whose traces this project's engine replays in
 #: the same software: transformers' modules (`replay-audit generate`, `generate()` logs, and the
 #: engine's own name). A trace logged by any other engine (vLLM, SGLang, "unknown") can diverge

@@ -245,6 +245,38 @@ def test_a_penalised_request_is_never_stored_as_plain_greedy(vocabulary: Vocabul
     assert trace.config.extras["logits_processors"] == "frequency_penalty=0.3"
 
 
+def test_a_servers_default_processors_come_from_the_context(vocabulary: Vocabulary) -> None:
+    """vLLM takes a repetition penalty from the model's generation_config.json when a request
+    sets none: the context states it for every trace, and a request's own value wins. The CLI
+    reads it from dotted `--config` flags."""
+    from replay_audit.cli.imports import build_context
+
+    flags = ["decoding.logits_processors.repetition_penalty=1.05", "dtype=fp32"]
+    context = build_context(None, None, flags)
+    assert context.decoding.logits_processors.repetition_penalty == 1.05
+    context = make_context(
+        dtype="fp32",
+        logprobs_mode=None,
+        model={"name": "tiny-llama", "weights_sha256": "cd" * 32, "vocab_size": 4096},
+        decoding={
+            "eos_token_ids": [1],
+            "logits_processors": {"repetition_penalty": 1.05, "no_repeat_ngram_size": 4},
+        },
+    )
+    item = load_fixture("vllm_chat_text_top_k.json")
+    [trace] = traces_from_item("openai", item, context, vocabulary=vocabulary)
+    assert trace.decoding.strategy == "greedy"
+    assert trace.decoding.logits_processors is not None
+    assert trace.decoding.logits_processors.stored() == {
+        "repetition_penalty": 1.05,
+        "no_repeat_ngram_size": 4,
+    }
+    item["request"]["repetition_penalty"] = 1.2
+    [trace] = traces_from_item("openai", item, context, vocabulary=vocabulary)
+    assert trace.decoding.logits_processors is not None
+    assert trace.decoding.logits_processors.repetition_penalty == 1.2
+
+
 def test_sglang_generate_with_default_arguments(vocabulary: Vocabulary) -> None:
     """A batch of three prompts, `logprob_start_len` left at -1 (no prompt ids): each prompt
     re-tokenised from the request's text; the list answer states the batch size."""
