@@ -268,9 +268,19 @@ EXTRA_TOP_K_VALUES: Final = "top_k_values"
 #: replays as a divergence). Every replay result of the trace says it.
 TokenIdsSource = Literal["logged", "pieces", "retokenized"]
 EXTRA_TOKEN_IDS_SOURCE: Final = "token_ids_source"
-#: The logits processors an imported request ran with (`repetition_penalty=1.2,...`): a greedy
-#: request with any is strategy `other`, as replays decode plain greedy; this says why.
+#: The logits processors an imported request ran with that a replay does not apply
+#: (`frequency_penalty=0.5,...`): a greedy request with any is strategy `other`, and this says
+#: why. Those a replay applies are the trace's `decoding.logits_processors`.
 EXTRA_PROCESSORS: Final = "logits_processors"
+
+
+def processors_not_applied(value: object) -> str:
+    """` (logits processors a replay does not apply: frequency_penalty=0.5)` of a trace's
+    `EXTRA_PROCESSORS`, or "" where it has none: what a refusal of the trace adds."""
+    if not value:
+        return ""
+    return f" (logits processors a replay does not apply: {value})"
+
 
 #: The engines (a trace's `config.engine.name`) whose traces this project's engine replays in
 #: the same software: transformers' modules (`replay-audit generate`, `generate()` logs, and the

@@ -27,11 +27,13 @@ from replay_audit.formats import (
     HeadDType,
     InterventionKind,
     Mode,
+    processors_not_applied,
 )
 from replay_audit.json_value import JsonObject, as_str
 
 if TYPE_CHECKING:
     from replay_audit.engine import Target
+    from replay_audit.engine.protocol import LogitsProcessors
     from replay_audit.stats.report import ComparisonReport, EstimateRead, ScreeningReport
 
 
@@ -117,10 +119,32 @@ def generate(
         int | None,
         typer.Option(min=1, help="torch CPU threads (default: REPLAY_AUDIT_TORCH_THREADS)."),
     ] = None,
+    repetition_penalty: Annotated[
+        float | None, typer.Option(min=0.0, help="generate()'s repetition_penalty.")
+    ] = None,
+    no_repeat_ngram_size: Annotated[
+        int | None, typer.Option(min=0, help="generate()'s no_repeat_ngram_size.")
+    ] = None,
+    min_new_tokens: Annotated[
+        int | None, typer.Option(min=0, help="generate()'s min_new_tokens.")
+    ] = None,
+    logit_bias: Annotated[
+        list[str] | None,
+        typer.Option(help="ID=BIAS added to a token's logit (repeatable; a sequence_bias)."),
+    ] = None,
+    bad_words_ids: Annotated[
+        list[str] | None,
+        typer.Option(help="Comma-separated ids never generated in a row (repeatable)."),
+    ] = None,
 ) -> None:
-    """Log greedy generations with transformers' own generate(), as POST /v1/traces JSON."""
+    """Log greedy generations with transformers' own generate(), as POST /v1/traces JSON,
+    with its logits processors where asked (recorded in each trace's
+    `decoding.logits_processors`, which its replays apply)."""
     from replay_audit.engine.hashing import NoWeightsError, safetensors_files
 
+    processors = _generate_processors(
+        repetition_penalty, no_repeat_ngram_size, min_new_tokens, logit_bias, bad_words_ids
+    )
     try:
         safetensors_files(model)  # a typo fails here, not as a hub error after torch loads
     except NoWeightsError as e:
@@ -172,6 +196,7 @@ def generate(
                 top_k=top_k,
                 external_id=None if pid is None else str(pid),
                 tags=tag or [],
+                processors=processors,
             )
             # Exactly what POST /v1/traces accepts (validated here, at the CLI's edge).
             trace = TraceCreate.model_validate(trace).model_dump(mode="json")
@@ -181,6 +206,42 @@ def generate(
     typer.echo(
         f"wrote {counted(n, 'trace')} to {out} ({dtype}, {gen.config['attn_kernel']}, "
         f"{gen.config['device']}, weights_sha256 {gen.weights_sha256[:12]}...)"
+    )
+
+
+def _generate_processors(
+    repetition_penalty: float | None,
+    no_repeat_ngram_size: int | None,
+    min_new_tokens: int | None,
+    logit_bias: list[str] | None,
+    bad_words_ids: list[str] | None,
+) -> LogitsProcessors:
+    """`generate`'s logits processors from its flags (exit 2 naming a bad flag)."""
+    from replay_audit.engine.protocol import LogitsProcessors
+
+    if repetition_penalty is not None and repetition_penalty <= 0:
+        _fail("--repetition-penalty must be above 0")
+    bias: list[tuple[int, float]] = []
+    for item in logit_bias or []:
+        tid, sep, value = item.partition("=")
+        try:
+            bias.append((int(tid), float(value)))
+        except ValueError:
+            sep = ""
+        if not sep:
+            _fail(f"--logit-bias {item!r}: expected ID=BIAS, e.g. 50256=-100")
+    words: list[tuple[int, ...]] = []
+    for item in bad_words_ids or []:
+        try:
+            words.append(tuple(int(t) for t in item.split(",")))
+        except ValueError:
+            _fail(f"--bad-words-ids {item!r}: expected comma-separated token ids")
+    return LogitsProcessors(
+        repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        min_new_tokens=min_new_tokens,
+        logit_bias=tuple(sorted(dict(bias).items())),
+        bad_words_ids=tuple(words),
     )
 
 
@@ -305,8 +366,7 @@ def replay(
         try:
             check_replayable(logged)
         except ReplayAuditError as e:
-            processors = tr.config.extras.get(EXTRA_PROCESSORS)
-            why = f" (logits processors: {processors})" if processors else ""
+            why = processors_not_applied(tr.config.extras.get(EXTRA_PROCESSORS))
             _fail(f"{traces}:{n}: {e.field}: {e.message}{why}")
         parsed.append((n, tr, logged))
     if not parsed:
@@ -419,6 +479,13 @@ def replay(
             "interrupted": interrupted,
         }
         _print_summary(stats.comparisons[0], target)
+        processed = [lt.processors for _, _, lt in parsed if lt.processors is not None]
+        if processed:  # what ran besides the target: each result's resolved arm has them
+            labels = "; ".join(sorted({p.label() for p in processed}))
+            typer.echo(
+                f"{counted(len(processed), 'trace')} replayed with their logits processors "
+                f"({labels})"
+            )
         if summary_json is not None:
             summary_json.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
     if interrupted:

@@ -34,6 +34,7 @@ from replay_audit.engine.protocol import (
     ExtraValue,
     Intervention,
     LoggedEvidence,
+    LogitsProcessors,
     ScanItem,
     ScanRun,
     StepInfo,
@@ -41,11 +42,21 @@ from replay_audit.engine.protocol import (
     Target,
     steps_from_numerics,
 )
+from replay_audit.exceptions import UnsupportedFormat
 
 NextToken = Callable[[tuple[int, ...]], tuple[int, float]]
 Repair = Callable[[tuple[int, ...], int], int]
 #: The fake's "hidden state" for a context (the vector its head would read): any 1-d floats.
 Hidden = Callable[[tuple[int, ...]], Sequence[float]]
+
+
+def _refuse(processors: LogitsProcessors | None) -> None:
+    """The fake model has no logits to process: a trace whose generation ran logits processors
+    is refused (never replayed as plain greedy)."""
+    if processors is not None and processors.active:
+        raise UnsupportedFormat(
+            f"the fake engine applies no logits processors ({processors.label()})"
+        )
 
 
 def _default_next_token(context: tuple[int, ...]) -> tuple[int, float]:
@@ -127,8 +138,10 @@ class FakeEngine:
         top_k: int = 5,
         *,
         forced_prefix: Sequence[int] = (),
+        processors: LogitsProcessors | None = None,
     ) -> DecodeRun:
         self.calls.append("decode")
+        _refuse(processors)
         iv = intervention or self.target.intervention
         out = list(forced_prefix)
         parts: list[Steps] = []
@@ -149,8 +162,11 @@ class FakeEngine:
         output_ids: Sequence[int],
         intervention: Intervention | None = None,
         top_k: int = 5,
+        *,
+        processors: LogitsProcessors | None = None,
     ) -> ScanRun:
         self.calls.append("scan")
+        _refuse(processors)
         return self._scan(prompt_ids, output_ids, intervention, top_k)
 
     def scan_batch(
@@ -164,6 +180,8 @@ class FakeEngine:
         """Each item's `scan`, in order (the fake model has no batch to vary), with the batch
         shapes the torch engine's plan would use recorded in `environment()["extras"]`."""
         self.calls.append("scan_batch")
+        for it in items:
+            _refuse(it.processors)
         self._scan_extras = scan_extras(plan_scan(items, token_budget), token_budget)
         return [self._scan(it.prompt_ids, it.output_ids, intervention, top_k) for it in items]
 
@@ -203,8 +221,11 @@ class FakeEngine:
         prefix_ids: Sequence[int],
         intervention: Intervention,
         top_k: int = 5,
+        *,
+        processors: LogitsProcessors | None = None,
     ) -> StepInfo:
         self.calls.append("step")
+        _refuse(processors)
         fn = self.step_fn or self.next_token
         return StepInfo.from_steps(self._step((*prompt_ids, *prefix_ids), intervention, top_k, fn))
 
@@ -215,10 +236,13 @@ class FakeEngine:
         top_k: int = 5,
         *,
         token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
+        processors: LogitsProcessors | None = None,
+        prompt_lengths: Sequence[int] | None = None,
     ) -> list[StepInfo]:
         """Each context's `step` (the fake has no batch to vary), with the batch shapes the
         torch engine's plan would use recorded in `environment()["extras"]`."""
         self.calls.append("step_batch")
+        _refuse(processors)
         self._step_extras = step_extras(
             plan_steps([len(c) for c in contexts], token_budget), token_budget
         )

@@ -3,6 +3,9 @@
 Greedy, in one body dtype (the lm_head in the same dtype, as transformers runs it), with the
 numerical configuration read from the running process and each step's top-k raw logits (the
 model's own, before any logits processor, exactly converted to float32 by transformers).
+Optionally with logits processors (`LogitsProcessors`: generate()'s `repetition_penalty`,
+`no_repeat_ngram_size`, `min_new_tokens`, `sequence_bias` of one-token sequences for a logit
+bias, `bad_words_ids`), which the trace records in `decoding.logits_processors`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from replay_audit.engine.loading import (
 )
 from replay_audit.engine.numerics import top_k_on_host
 from replay_audit.engine.pieces import PieceReader
-from replay_audit.engine.protocol import Environment
+from replay_audit.engine.protocol import Environment, LogitsProcessors
 from replay_audit.exceptions import EngineError
 
 
@@ -47,6 +50,43 @@ def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]
+
+
+def generation_settings(processors: LogitsProcessors | None) -> dict[str, Any]:
+    """The `GenerationConfig` settings that make `generate()` run `processors` (a logit bias as
+    `sequence_bias` of one-token sequences). `EngineError` for vLLM's `bad_words` texts, which
+    generate() does not take (give `bad_words_ids`)."""
+    if processors is None or not processors.active:
+        return {}
+    if processors.bad_words:
+        raise EngineError("generate() takes bad_words_ids, not vLLM's bad_words texts")
+    out: dict[str, Any] = {}
+    if processors.repetition_penalty not in (None, 1.0):
+        out["repetition_penalty"] = float(processors.repetition_penalty or 1.0)
+    if processors.no_repeat_ngram_size:
+        out["no_repeat_ngram_size"] = processors.no_repeat_ngram_size
+    if processors.min_new_tokens:
+        out["min_new_tokens"] = processors.min_new_tokens
+    if processors.logit_bias:
+        out["sequence_bias"] = [[[t], float(b)] for t, b in processors.logit_bias]
+    if processors.bad_words_ids:
+        out["bad_words_ids"] = [list(w) for w in processors.bad_words_ids]
+    return out
+
+
+def processors_json(processors: LogitsProcessors | None) -> dict[str, Any] | None:
+    """`processors` as a trace's `decoding.logits_processors` (None: none ran)."""
+    if processors is None or not processors.active:
+        return None
+    out: dict[str, Any] = {}
+    for name in processors.names():
+        value = getattr(processors, name)
+        if name == "logit_bias":
+            value = {str(t): b for t, b in value}
+        elif name == "bad_words_ids":
+            value = [list(w) for w in value]
+        out[name] = value
+    return out
 
 
 def sorted_top_k(
@@ -128,9 +168,13 @@ class TraceGenerator:
 
     @torch.inference_mode()
     def generate_ids(
-        self, prompt_ids: Sequence[int], max_new_tokens: int
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        processors: LogitsProcessors | None = None,
     ) -> tuple[list[int], torch.Tensor]:
-        """transformers' greedy `generate()`: output ids and the per-step raw logits (T, V)."""
+        """transformers' greedy `generate()`, with `processors`' generation settings: output
+        ids and the per-step raw logits (T, V)."""
         from transformers import GenerationConfig
 
         config_cls: Any = GenerationConfig
@@ -144,6 +188,7 @@ class TraceGenerator:
             pad_token_id=self.eos_ids[0] if self.eos_ids else 0,
             output_logits=True,
             return_dict_in_generate=True,
+            **generation_settings(processors),
         )
         out = self.model.generate(
             input_ids=x, attention_mask=torch.ones_like(x), generation_config=gc
@@ -160,15 +205,17 @@ class TraceGenerator:
         top_k: int = 5,
         external_id: str | None = None,
         tags: Sequence[str] = (),
+        processors: LogitsProcessors | None = None,
     ) -> dict[str, Any]:
         """One trace as `POST /v1/traces` JSON, of a text prompt or of chat messages (rendered
-        by the chat template; the trace keeps the messages and the rendered text). The engine
-        imports no HTTP schema: callers that write or post it validate it with
+        by the chat template; the trace keeps the messages and the rendered text), generated
+        with `processors` (recorded in `decoding.logits_processors`). The engine imports no
+        HTTP schema: callers that write or post it validate it with
         `traces.schemas.TraceCreate` at their edge."""
         messages = None if isinstance(prompt, str) else [dict(m) for m in prompt]
         text = prompt if isinstance(prompt, str) else self.render(prompt)
         prompt_ids = self.encode(text, add_special_tokens=messages is None)
-        output_ids, logits = self.generate_ids(prompt_ids, max_new_tokens)
+        output_ids, logits = self.generate_ids(prompt_ids, max_new_tokens, processors)
         ids, vals = sorted_top_k(logits, top_k)
         stop = "eos" if output_ids and output_ids[-1] in self.eos_ids else "length"
         body = {
@@ -185,6 +232,7 @@ class TraceGenerator:
                 "max_new_tokens": max_new_tokens,
                 "eos_token_ids": self.eos_ids,
                 "stop_reason": stop,
+                "logits_processors": processors_json(processors),
             },
             "prompt_token_ids": prompt_ids,
             "output_token_ids": output_ids,

@@ -7,6 +7,8 @@ single-step re-runs choose their tokens here. The transformer body is transforme
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -238,6 +240,12 @@ def logged_evidence(z32: torch.Tensor, logged: torch.Tensor) -> npt.NDArray[np.f
 INTERVENTION_ELEMENTS = 2**26
 
 
+#: A trace's logits processors over some of M steps' logits: `process(scores, rows)` gives
+#: the processed float32 logits (G, V) of steps `rows` (G indices into the M steps; None: all
+#: of them) from their unprocessed ones (G, V) (`processors.StepProcessing`).
+Process = Callable[[torch.Tensor, npt.NDArray[np.int64] | None], torch.Tensor]
+
+
 def decide(
     head: LmHead,
     top: HostTopK,
@@ -245,11 +253,14 @@ def decide(
     hs: torch.Tensor,
     intervention: Intervention,
     k: int,
+    process: Process | None = None,
 ) -> Steps:
     """The tokens of M steps (one decode step, or a scan's steps) from their top-k: margin,
     ulps and gate by one call of `diff.step_numerics`, then the intervention at every gated
     step together (`intervene`, from the steps' float32 logits z32 (M, V) and hidden states
-    hs (M, d) on the device), a bounded chunk at a time."""
+    hs (M, d) on the device), a bounded chunk at a time. Where the trace's generation ran logits
+    processors, `top` and `z32` are the processed logits' and `process` applies the same
+    processors to what B and C recompute."""
     numerics = step_numerics(
         top.logits, top.ids, head_format=head.fmt, gate=intervention.gate, sort=False
     )
@@ -270,9 +281,23 @@ def decide(
         if rows.size != tokens.size:
             index = torch.from_numpy(rows).to(z32.device)
         tokens[rows] = intervene(
-            head, z32[index], hs[index], intervention, widths[start : start + chunk]
+            head,
+            z32[index],
+            hs[index],
+            intervention,
+            widths[start : start + chunk],
+            _rows_process(process, rows),
         )
     return replace(steps, token_ids=tokens)
+
+
+def _rows_process(
+    process: Process | None, rows: npt.NDArray[np.int64]
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`process` of the gated steps `rows` (their logits in that order), or None."""
+    if process is None:
+        return None
+    return lambda scores: process(scores, rows)
 
 
 def integer_argmax(values: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
@@ -291,6 +316,7 @@ def intervene(
     hs: torch.Tensor,
     intervention: Intervention,
     widths: npt.NDArray[np.float64],
+    process: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> npt.NDArray[np.int64]:
     """The tokens intervention A, B or C chooses at G gated steps, from their float32 logits
     z32 (G, V), hidden states hs (G, d) and bin widths τ (G,): A bins the native logits; B
@@ -298,9 +324,15 @@ def intervene(
     shared bin) and bins them; C recomputes the whole vocabulary in FP32. One FP32 product for
     all G steps, one copy of the chosen tokens to the host. A is elementwise, so it chooses
     the same at any G; B's and C's products may sum in another order at another row count
-    (MKL's one-row product on the CPU does)."""
+    (MKL's one-row product on the CPU does).
+
+    With the trace's logits processors (`process`, of these G steps' (G, V) logits), z32 is
+    already processed (A bins it, B takes its candidates from it), and what B and C recompute
+    in FP32 goes through the same processors before its argmax: B's K values are placed in a
+    row of -inf (every processor keeps -inf at -inf) and read back."""
     if intervention.kind == "C":
-        chosen = torch.argmax(head.fp32(hs), dim=-1)
+        z = head.fp32(hs)
+        chosen = torch.argmax(process(z) if process is not None else z, dim=-1)
     elif intervention.kind in ("A", "B"):
         w = torch.from_numpy(np.ascontiguousarray(widths, dtype=np.float64)).to(z32.device)
         if intervention.kind == "A":
@@ -309,6 +341,9 @@ def intervene(
             k = min(intervention.top_k, z32.shape[-1])
             cand = torch.sort(torch.topk(z32, k, dim=-1).indices, dim=-1).values
             vals = torch.bmm(head.weight[cand].float(), hs.float().unsqueeze(-1)).squeeze(-1)
+            if process is not None:
+                full = torch.full_like(z32, -math.inf).scatter(-1, cand, vals)
+                vals = process(full).gather(-1, cand)
             chosen = cand.gather(-1, integer_argmax(vals, w).unsqueeze(-1)).squeeze(-1)
     else:
         raise ValueError(f"no intervention {intervention.kind!r}")

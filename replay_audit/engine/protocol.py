@@ -76,6 +76,108 @@ class Intervention:
         return asdict(self)
 
 
+#: The logits processors this engine applies, by their request names: transformers' own
+#: classes run them (`engine.processors`). Any other processor of a logged request (frequency
+#: or presence penalties, allowed token ids, guided decoding...) makes a trace unreplayable.
+SUPPORTED_PROCESSORS: Final = (
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "min_new_tokens",
+    "logit_bias",
+    "bad_words_ids",
+    "bad_words",
+)
+
+
+@dataclass(frozen=True)
+class LogitsProcessors:
+    """The logits processors a trace's generation ran with, as an arm runs them: each step's
+    float32 native logits go through them (transformers' `LogitsProcessor` classes, in
+    `generate()`'s order), and the processed logits choose the token, give the top-k, the
+    margins and the gate, and are what interventions A, B and C work on (C recomputes the FP32
+    head, then applies them). Every probe of the arm (decode, scan, single-step re-run) runs
+    them. Part of the resolved arm, so every surface shows them.
+
+    repetition_penalty    transformers' `RepetitionPenaltyLogitsProcessor` over prompt and
+                          output (vLLM's `repetition_penalty`: the same rule); None or 1: off
+    no_repeat_ngram_size  `NoRepeatNGramLogitsProcessor` over prompt and output; None or 0: off
+    min_new_tokens        `MinNewTokensLengthLogitsProcessor`: `eos_token_ids` held back until
+                          this many tokens are out (vLLM's `min_tokens`); None or 0: off
+    logit_bias            (token id, bias) pairs added to the logits (vLLM's and OpenAI's
+                          `logit_bias`; transformers' `SequenceBiasLogitsProcessor` of
+                          one-token sequences), sorted by id
+    bad_words_ids         transformers' `bad_words_ids` (`NoBadWordsLogitsProcessor` over
+                          prompt and output, eos ids exempt as in `generate()`)
+    bad_words             vLLM's `bad_words`: texts, encoded by the checkpoint's tokenizer as
+                          vLLM encodes them (with and without a leading space) and matched
+                          against the output only, as vLLM does
+    eos_token_ids         the trace's eos and stop ids (what min_new_tokens holds back)
+    """
+
+    repetition_penalty: float | None = None
+    no_repeat_ngram_size: int | None = None
+    min_new_tokens: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    bad_words: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        p = self.repetition_penalty
+        if p is not None and not (p > 0 and p != float("inf")):
+            raise ValueError(f"repetition_penalty must be a positive number, got {p!r}")
+        for name in ("no_repeat_ngram_size", "min_new_tokens"):
+            n = getattr(self, name)
+            if n is not None and n < 0:
+                raise ValueError(f"{name} must be at least 0, got {n!r}")
+        if any(not seq for seq in self.bad_words_ids):
+            raise ValueError("bad_words_ids: every sequence needs at least one id")
+
+    @property
+    def active(self) -> bool:
+        """Whether any processor changes the logits."""
+        return bool(self.names())
+
+    def names(self) -> list[str]:
+        """The processors that run (in `SUPPORTED_PROCESSORS` order)."""
+        on = {
+            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
+            "no_repeat_ngram_size": bool(self.no_repeat_ngram_size),
+            "min_new_tokens": bool(self.min_new_tokens),
+            "logit_bias": bool(self.logit_bias),
+            "bad_words_ids": bool(self.bad_words_ids),
+            "bad_words": bool(self.bad_words),
+        }
+        return [name for name in SUPPORTED_PROCESSORS if on[name]]
+
+    def label(self) -> str:
+        """`repetition_penalty=1.3, no_repeat_ngram_size=3` (lists by their length)."""
+        parts = []
+        for name in self.names():
+            value = getattr(self, name)
+            shown = f"{len(value)} entries" if isinstance(value, tuple) else f"{value:g}"
+            parts.append(f"{name}={shown}")
+        return ", ".join(parts)
+
+    @classmethod
+    def from_json(cls, d: Any) -> LogitsProcessors | None:
+        """From a stored form: the trace's `decoding.logits_processors` (`logit_bias` keyed by
+        token id, as OpenAI's) or `asdict` of this class (pairs); None for None."""
+        if d is None:
+            return None
+        bias = d.get("logit_bias") or ()
+        pairs = bias.items() if isinstance(bias, dict) else bias
+        return cls(
+            repetition_penalty=d.get("repetition_penalty"),
+            no_repeat_ngram_size=d.get("no_repeat_ngram_size"),
+            min_new_tokens=d.get("min_new_tokens"),
+            logit_bias=tuple(sorted((int(k), float(v)) for k, v in pairs)),
+            bad_words_ids=tuple(tuple(int(t) for t in w) for w in d.get("bad_words_ids") or ()),
+            bad_words=tuple(str(w) for w in d.get("bad_words") or ()),
+            eos_token_ids=tuple(int(t) for t in d.get("eos_token_ids") or ()),
+        )
+
+
 @dataclass(frozen=True)
 class Target:
     """A numerical configuration to replay in: body dtype, lm_head dtype (None: the body's),
@@ -263,10 +365,12 @@ class ScanRun:
 
 @dataclass(frozen=True)
 class ScanItem:
-    """One trace to scan: its prompt and its logged output, as token ids."""
+    """One trace to scan: its prompt and its logged output, as token ids, and the logits
+    processors its generation ran with (None: none)."""
 
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
+    processors: LogitsProcessors | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -317,10 +421,11 @@ class Engine(Protocol):
         top_k: int = 5,
         *,
         forced_prefix: Sequence[int] = (),
+        processors: LogitsProcessors | None = None,
     ) -> DecodeRun:
         """Greedy decode with a KV cache from prompt ‖ forced_prefix, up to `max_new_tokens`
         output tokens in all (forced prefix included), stopping after an eos id.
-        `intervention` None means the target's."""
+        `intervention` None means the target's; `processors` process every step's logits."""
 
     def scan(
         self,
@@ -328,8 +433,11 @@ class Engine(Protocol):
         output_ids: Sequence[int],
         intervention: Intervention | None = None,
         top_k: int = 5,
+        *,
+        processors: LogitsProcessors | None = None,
     ) -> ScanRun:
-        """One teacher-forced forward over prompt ‖ output: every output position's choice."""
+        """One teacher-forced forward over prompt ‖ output: every output position's choice,
+        from its logits processed by `processors` over prompt ‖ output[:t]."""
 
     def scan_batch(
         self,
@@ -351,10 +459,13 @@ class Engine(Protocol):
         prefix_ids: Sequence[int],
         intervention: Intervention,
         top_k: int = 5,
+        *,
+        processors: LogitsProcessors | None = None,
     ) -> StepInfo:
         """From-scratch forward over prompt ‖ prefix: the arm's choice for the next step, with
-        `intervention` applied where its gate fires (the single-step re-run runs the arm's
-        whole computation; there is no default: the caller names the arm's)."""
+        its logits processed by `processors` and `intervention` applied where its gate fires
+        (the single-step re-run runs the arm's whole computation; there is no default: the
+        caller names the arm's)."""
 
     def step_batch(
         self,
@@ -363,12 +474,16 @@ class Engine(Protocol):
         top_k: int = 5,
         *,
         token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
+        processors: LogitsProcessors | None = None,
+        prompt_lengths: Sequence[int] | None = None,
     ) -> list[StepInfo]:
         """`step` over each context (prompt ‖ prefix), in order, several contexts of one
         length per forward, unpadded (`batch.plan_steps`), the lm_head over each row's last
         hidden state alone. Each result is what `step` gives for the context alone wherever the
         body's kernels do not depend on the number of rows (on CPU, bit for bit); the shapes
-        used are recorded in `environment()["extras"]` (`step_batch_shapes`)."""
+        used are recorded in `environment()["extras"]` (`step_batch_shapes`). `processors`
+        process every context's logits; they need each context's prompt length
+        (`prompt_lengths`, in order)."""
 
     def detokenize(self, ids: Sequence[int]) -> str | None:
         """The text of `ids`, or None when the checkpoint has no tokenizer."""

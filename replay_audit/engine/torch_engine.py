@@ -56,6 +56,8 @@ from replay_audit.engine.numerics import (
 )
 from replay_audit.engine.pieces import PieceReader
 from replay_audit.engine.piecewise import PiecewiseDecoder
+from replay_audit.engine.processors import Processing, Span, StepProcessing, sequence_tensor
+from replay_audit.engine.processors import build as build_processing
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
     DecodeRun,
@@ -63,6 +65,7 @@ from replay_audit.engine.protocol import (
     ExtraValue,
     Intervention,
     LoggedEvidence,
+    LogitsProcessors,
     ScanItem,
     ScanRun,
     StepInfo,
@@ -207,6 +210,7 @@ class TorchEngine:
         top_k: int = 5,
         *,
         forced_prefix: Sequence[int] = (),
+        processors: LogitsProcessors | None = None,
     ) -> DecodeRun:
         iv = intervention or self._target.intervention
         eos = set(eos_ids)
@@ -218,14 +222,28 @@ class TorchEngine:
         context = [*prompt_ids, *out]
         parts: list[Steps] = []
         stop = "length"
+        processing = self._processing(processors, len(prompt_ids))
+        sequence = None
+        if processing is not None:  # prompt ‖ output, written as tokens come
+            sequence = torch.zeros(
+                (1, len(prompt_ids) + max_new_tokens), dtype=torch.long, device=self.device
+            )
+            sequence[0, : len(context)] = torch.tensor(context, dtype=torch.long)
         with self._decoding:
             decoder = self._decoder(context, len(context) + max_new_tokens - start)
             step = decoder.prefill(context, top_k)
             while True:
-                chosen = decide(self.head, step.top, step.logits[None], step.hidden[:1], iv, top_k)
+                z32, top, process = step.logits[None], step.top, None
+                if processing is not None and sequence is not None:
+                    process = StepProcessing([Span(0, 1, processing, sequence, len(out))])
+                    z32 = process(z32)
+                    top = top_k_on_host(z32, top_k)
+                chosen = decide(self.head, top, z32, step.hidden[:1], iv, top_k, process)
                 parts.append(chosen)
                 token = int(chosen.token_ids[0])
                 out.append(token)
+                if sequence is not None and len(prompt_ids) + len(out) <= sequence.shape[1]:
+                    sequence[0, len(prompt_ids) + len(out) - 1] = token
                 if token in eos:
                     stop = "eos"
                     break
@@ -241,6 +259,8 @@ class TorchEngine:
         output_ids: Sequence[int],
         intervention: Intervention | None = None,
         top_k: int = 5,
+        *,
+        processors: LogitsProcessors | None = None,
     ) -> ScanRun:
         iv = intervention or self._target.intervention
         n_out = len(output_ids)
@@ -249,7 +269,8 @@ class TorchEngine:
         context = [*prompt_ids, *output_ids[:-1]]
         # Position p's hidden state predicts token p + 1: output step t is at len(prompt) - 1 + t.
         hs = self.body.forward(context, None, 0)[0, len(prompt_ids) - 1 :]
-        steps, evidence = self._scan_steps(hs, output_ids, iv, top_k)
+        process = self._scan_processing([(0, ScanItem(prompt_ids, output_ids, processors))])
+        steps, evidence = self._scan_steps(hs, output_ids, iv, top_k, process)
         agrees = np.asarray(steps.token_ids == np.asarray(output_ids), dtype=bool)
         return ScanRun(steps, agrees, evidence)
 
@@ -279,7 +300,10 @@ class TorchEngine:
             members = [items[i] for i in batch.indices]
             packed = pack_batch(members, batch.padded_length, self.scan_pad_id)
             logged = np.concatenate([np.asarray(m.output_ids, dtype=np.int64) for m in members])
-            steps, evidence = self._scan_packed(packed, logged, iv, top_k)
+            process = self._scan_processing(
+                [(int(packed.row_steps[r]), m) for r, m in enumerate(members)]
+            )
+            steps, evidence = self._scan_packed(packed, logged, iv, top_k, process)
             for r, (i, item) in enumerate(zip(batch.indices, members, strict=True)):
                 start, stop = int(packed.row_steps[r]), int(packed.row_steps[r + 1])
                 s = steps.slice(start, stop)
@@ -296,9 +320,13 @@ class TorchEngine:
         prefix_ids: Sequence[int],
         intervention: Intervention,
         top_k: int = 5,
+        *,
+        processors: LogitsProcessors | None = None,
     ) -> StepInfo:
-        h = self.body.forward([*prompt_ids, *prefix_ids], None, 0)[:, -1]
-        return StepInfo.from_steps(self._choose(h[:1], intervention, top_k))
+        context = [*prompt_ids, *prefix_ids]
+        h = self.body.forward(context, None, 0)[:, -1]
+        process = self._context_processing(processors, context, len(prompt_ids))
+        return StepInfo.from_steps(self._choose(h[:1], intervention, top_k, process))
 
     @torch.inference_mode()
     def step_batch(
@@ -308,6 +336,8 @@ class TorchEngine:
         top_k: int = 5,
         *,
         token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
+        processors: LogitsProcessors | None = None,
+        prompt_lengths: Sequence[int] | None = None,
     ) -> list[StepInfo]:
         """`step` of each context, the body batched: contexts of one length share a forward,
         unpadded (`batch.plan_steps`), then each row's last hidden state goes through the
@@ -315,9 +345,17 @@ class TorchEngine:
         sum in another order: on this CPU fp32 rows differ by an ulp). An engine whose target
         decodes among copies (`batch_size` > 1) runs `step` one context at a time: its step's
         batch is the copies. The shapes go into `environment()["extras"]`
-        (`step_batch_shapes`)."""
+        (`step_batch_shapes`). With `processors`, each context's logits go through them after
+        its own prompt (`prompt_lengths`)."""
+        active = processors is not None and processors.active
+        if active and (prompt_lengths is None or len(prompt_lengths) != len(contexts)):
+            raise ValueError("step_batch: logits processors need each context's prompt length")
+        lengths = list(prompt_lengths) if prompt_lengths is not None else [len(c) for c in contexts]
         if self.body.batch_size != 1:
-            return [self.step(c, [], intervention, top_k) for c in contexts]
+            return [
+                self.step(c[:n], c[n:], intervention, top_k, processors=processors)
+                for c, n in zip(contexts, lengths, strict=True)
+            ]
         plan = plan_steps([len(c) for c in contexts], token_budget)
         out: list[StepInfo | None] = [None] * len(contexts)
         for batch in plan:
@@ -326,15 +364,57 @@ class TorchEngine:
             )
             last = self.body.forward_rows(ids)[:, -1]
             for r, i in enumerate(batch.indices):
-                out[i] = StepInfo.from_steps(self._choose(last[r : r + 1], intervention, top_k))
+                process = self._context_processing(processors, contexts[i], lengths[i])
+                chosen = self._choose(last[r : r + 1], intervention, top_k, process)
+                out[i] = StepInfo.from_steps(chosen)
         self._step_extras = step_extras(plan, token_budget)
         return [x for x in out if x is not None]
 
-    def _choose(self, hs: torch.Tensor, intervention: Intervention, top_k: int) -> Steps:
-        """The lm_head, top-k, gate and intervention over M steps' final hidden states (M, d):
-        what a scan, a batched scan and a single-step re-run choose (a decode step: `decode`)."""
+    def _choose(
+        self,
+        hs: torch.Tensor,
+        intervention: Intervention,
+        top_k: int,
+        process: StepProcessing | None = None,
+    ) -> Steps:
+        """The lm_head, the logits processors, top-k, gate and intervention over M steps' final
+        hidden states (M, d): what a scan, a batched scan and a single-step re-run choose (a
+        decode step: `decode`)."""
         z32 = self.head.native_steps(hs)
-        return decide(self.head, top_k_on_host(z32, top_k), z32, hs, intervention, top_k)
+        if process is not None:
+            z32 = process(z32)
+        return decide(self.head, top_k_on_host(z32, top_k), z32, hs, intervention, top_k, process)
+
+    # -- logits processors ---------------------------------------------------------------------
+
+    def _processing(
+        self, processors: LogitsProcessors | None, prompt_length: int
+    ) -> Processing | None:
+        """The trace's processors built for its prompt, or None where none run."""
+        if processors is None or not processors.active:
+            return None
+        return build_processing(processors, prompt_length, self.tokenizer, self.vocab_size)
+
+    def _context_processing(
+        self, processors: LogitsProcessors | None, context: Sequence[int], prompt_length: int
+    ) -> StepProcessing | None:
+        """The processing of one step after `context` (a single-step re-run), or None."""
+        processing = self._processing(processors, prompt_length)
+        if processing is None:
+            return None
+        sequence = sequence_tensor(context, self.device)
+        return StepProcessing([Span(0, 1, processing, sequence, len(context) - prompt_length)])
+
+    def _scan_processing(self, members: Sequence[tuple[int, ScanItem]]) -> StepProcessing | None:
+        """The processing of a scan's rows: each (first row, item) whose item has processors
+        gets its output steps' rows, after prompt ‖ output[:t]; None where no item has any."""
+        spans = []
+        for start, item in members:
+            processing = self._processing(item.processors, len(item.prompt_ids))
+            if processing is not None:
+                sequence = sequence_tensor([*item.prompt_ids, *item.output_ids], self.device)
+                spans.append(Span(start, start + len(item.output_ids), processing, sequence))
+        return StepProcessing(spans) if spans else None
 
     @torch.inference_mode()
     def hidden_states(
@@ -358,7 +438,12 @@ class TorchEngine:
     # -- internals ----------------------------------------------------------------------------
 
     def _scan_packed(
-        self, packed: PackedBatch, logged: npt.NDArray[np.int64], iv: Intervention, top_k: int
+        self,
+        packed: PackedBatch,
+        logged: npt.NDArray[np.int64],
+        iv: Intervention,
+        top_k: int,
+        process: StepProcessing | None,
     ) -> tuple[Steps, LoggedEvidence]:
         """One forward of a batched scan: the steps of all its rows, row after row, and the
         evidence of their `logged` tokens (the rows' outputs, concatenated)."""
@@ -368,7 +453,7 @@ class TorchEngine:
         positions = torch.from_numpy(packed.output_positions).to(self.device)
         # Only the real output positions' hidden states go on: padding's are never read.
         hs = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
-        return self._scan_steps(hs, logged, iv, top_k)
+        return self._scan_steps(hs, logged, iv, top_k, process)
 
     def _scan_steps(
         self,
@@ -376,11 +461,14 @@ class TorchEngine:
         logged: Sequence[int] | npt.NDArray[np.int64],
         iv: Intervention,
         top_k: int,
+        process: StepProcessing | None = None,
     ) -> tuple[Steps, LoggedEvidence]:
-        """`_choose` of a scan's steps, and from the same native logits the evidence of the
-        logged tokens (`numerics.logged_evidence`)."""
+        """`_choose` of a scan's steps, and from the same (processed) logits the evidence of
+        the logged tokens (`numerics.logged_evidence`)."""
         z32 = self.head.native_steps(hs)
-        steps = decide(self.head, top_k_on_host(z32, top_k), z32, hs, iv, top_k)
+        if process is not None:
+            z32 = process(z32)
+        steps = decide(self.head, top_k_on_host(z32, top_k), z32, hs, iv, top_k, process)
         ids = torch.as_tensor(np.asarray(logged, dtype=np.int64), device=z32.device)
         packed = logged_evidence(z32, ids)
         return steps, LoggedEvidence(packed[:, 0].astype(np.float32), packed[:, 1].astype(np.int64))

@@ -45,6 +45,7 @@ from replay_audit.formats import (
     TopKValues,
 )
 from replay_audit.imports import _json as j
+from replay_audit.imports.processors import RequestProcessors
 from replay_audit.imports.schemas import (
     EXTRA_FORMAT,
     EXTRA_LOGPROBS_MODE,
@@ -54,6 +55,7 @@ from replay_audit.imports.schemas import (
     LogprobsMode,
 )
 from replay_audit.imports.tokenization import DROPPED, Vocabulary
+from replay_audit.json_value import JsonObject
 from replay_audit.traces.schemas import ExtraValue, TraceCreate, TraceFieldError
 
 #: A logprob at or below this is a clamped -inf (vLLM writes max(logprob, -9999.0)): absent.
@@ -135,8 +137,8 @@ class Generation:
     token_ids_source: TokenIdsSource = "logged"
     #: Where a kept top-k's ids came from (what `resolve` did with text keys).
     top_k_source: str = "logged ids"
-    #: The request's logits processors (penalties, biases, constraints): name -> value.
-    processors: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: The request's logits processors: those a replay applies, and the others by name.
+    processors: RequestProcessors = dataclasses.field(default_factory=RequestProcessors)
     #: The batch size the source states (a list answer, a generate() call's rows).
     batch_size: int | None = None
 
@@ -368,8 +370,8 @@ def build_trace(
         EXTRA_TOKEN_IDS_SOURCE: gen.token_ids_source,
         EXTRA_TOP_K_SOURCE: _top_k_source(gen, top_k, mode),
     }
-    if gen.processors:
-        provenance[EXTRA_PROCESSORS] = ",".join(f"{k}={v}" for k, v in gen.processors.items())
+    if gen.processors.not_replayed:
+        provenance[EXTRA_PROCESSORS] = gen.processors.named()
     config = _config(
         gen,
         context,
@@ -392,6 +394,7 @@ def build_trace(
             "max_new_tokens": gen.max_new_tokens or context.decoding.max_new_tokens,
             "eos_token_ids": eos,
             "stop_reason": gen.stop_reason,
+            "logits_processors": _logits_processors(gen, context),
         },
         "prompt_token_ids": list(gen.prompt_token_ids or ()),
         "output_token_ids": list(gen.output_token_ids or ()),
@@ -409,6 +412,16 @@ def build_trace(
         return TraceCreate.model_validate(body)
     except ValidationError as exc:
         raise _trace_error(exc, gen.field) from None
+
+
+def _logits_processors(gen: Generation, context: ImportContext) -> JsonObject | None:
+    """The trace's `decoding.logits_processors`: the import context's (a server's defaults, such
+    as a repetition penalty vLLM takes from the model's generation_config.json), then the
+    request's own."""
+    given = context.decoding.logits_processors
+    merged: JsonObject = {**(given.stored() if given is not None else {})}
+    merged.update(gen.processors.replayed or {})
+    return merged or None
 
 
 def _top_k_source(gen: Generation, top_k: LoggedTopK | None, mode: LogprobsMode | None) -> str:

@@ -33,9 +33,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final, Protocol
 
 from replay_audit.engine.pieces import PieceReader
-from replay_audit.formats import LOGGED_DEVICES, body_dtype
+from replay_audit.formats import LOGGED_DEVICES, Strategy, body_dtype
 from replay_audit.imports import _json as j
 from replay_audit.imports.generation import Generation
+from replay_audit.imports.processors import read_processors
 from replay_audit.json_value import JsonObject
 
 #: `config.extras["tokenization"]` of every lm-eval trace.
@@ -185,6 +186,11 @@ def parse_lm_eval_sample(
         greedy = do_sample is False or (
             not do_sample and kwargs.get("temperature", 0.0) in (0, 0.0, None)
         )
+        # The rest of gen_kwargs go to generate(): its logits processors ran too.
+        processors = read_processors(kwargs, clamp_logit_bias=False)
+        strategy: Strategy = "sample"
+        if greedy:
+            strategy = "other" if processors.not_replayed else "greedy"
         prompt = _encode(tokenizer, context, add_bos)
         if isinstance(max_length, int) and max_gen is not None and max_length > max_gen:
             prompt = prompt[-(max_length - max_gen) :]
@@ -209,7 +215,8 @@ def parse_lm_eval_sample(
                     prompt_text=context,
                     output_text=response,
                     external_id=f"lm-eval:{task}:{doc_id}{suffix}{run}",
-                    strategy="greedy" if greedy else "sample",
+                    strategy=strategy,
+                    processors=processors,
                     token_ids_source="retokenized",
                     max_new_tokens=max_gen,
                     reference_answer=None if target is None else str(target),

@@ -38,7 +38,6 @@ produced it (its sampling parameters say whether decoding was greedy; a response
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -47,6 +46,7 @@ from replay_audit.diff.pieces import Piece, piece_of, piece_of_text
 from replay_audit.formats import StopReason, Strategy
 from replay_audit.imports import _json as j
 from replay_audit.imports.generation import Generation
+from replay_audit.imports.processors import RequestProcessors, read_processors
 
 
 def split_item(item: Any, path: str) -> tuple[Mapping[str, Any] | None, Mapping[str, Any], str]:
@@ -66,56 +66,32 @@ def split_item(item: Any, path: str) -> tuple[Mapping[str, Any] | None, Mapping[
 #: Below this temperature vLLM (`SamplingParams.sampling_type`) and SGLang
 #: (`SamplingParams.__init__`) decode greedily (`_SAMPLING_EPS`).
 SAMPLING_EPS: Final = 1e-5
-#: Request fields that process the logits (vLLM's `SamplingParams` and OpenAI's request
-#: names, SGLang's `sampling_params`), with the value that leaves them off.
-_PROCESSORS: Final[dict[str, Any]] = {
-    "repetition_penalty": 1,
-    "frequency_penalty": 0,
-    "presence_penalty": 0,
-    "logit_bias": None,
-    "min_tokens": 0,
-    "min_new_tokens": 0,
-    "bad_words": None,
-    "no_repeat_ngram_size": 0,
-    "allowed_token_ids": None,
-    "logits_processors": None,
-    "response_format": {"type": "text"},
-    "structured_outputs": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
-    "regex": None,
-    "json_schema": None,
-    "ebnf": None,
-    "structural_tag": None,
-}
 
 
-def decoding_recipe(request: Mapping[str, Any] | None) -> tuple[Strategy | None, dict[str, str]]:
+def decoding_recipe(
+    request: Mapping[str, Any] | None, *, clamp_logit_bias: bool = True
+) -> tuple[Strategy | None, RequestProcessors]:
     """(strategy, logits processors) of a request, as the engine reads it. Greedy is the
-    engine's rule (temperature below 1e-5, or top_k 1); a greedy request with any logits
-    processor (penalties, a bias, min_tokens, bad words, constrained decoding) is `other`: a
-    replay decodes plain greedy, which is not what ran. Beam for beam search, sample for any
-    other temperature; None when the request is not known or left the temperature to the
-    server's default. Processors are named with their values (JSON, cut at 200 characters)."""
+    engine's rule (temperature below 1e-5, or top_k 1), with the logits processors a replay
+    applies (`imports.processors`: repetition penalty, no-repeat n-grams, min tokens, logit
+    bias, bad words); a greedy request with any other processor (frequency or presence
+    penalties, allowed token ids, constrained decoding) is `other`: a replay cannot run what
+    ran. Beam for beam search, sample for any other temperature; None when the request is not
+    known or left the temperature to the server's default. `clamp_logit_bias`: the server
+    clamps a logit bias to [-100, 100] (vLLM, OpenAI)."""
     if request is None:
-        return None, {}
+        return None, RequestProcessors()
     params = request.get("sampling_params") if "sampling_params" in request else request
     if not isinstance(params, Mapping):
-        return None, {}
-    processors = {
-        key: json.dumps(params[key], sort_keys=True, separators=(",", ":"))[:200]
-        for key, off in _PROCESSORS.items()
-        if params.get(key) not in (None, off, {}, [], "")
-    }
+        return None, RequestProcessors()
+    processors = read_processors(params, clamp_logit_bias=clamp_logit_bias)
     if request.get("use_beam_search") or params.get("use_beam_search"):
         return "beam", processors
     temperature, top_k = params.get("temperature"), params.get("top_k")
     if isinstance(temperature, bool) or not isinstance(temperature, int | float):
         temperature = None
     if top_k == 1 or (temperature is not None and temperature < SAMPLING_EPS):
-        return ("other" if processors else "greedy"), processors
+        return ("other" if processors.not_replayed else "greedy"), processors
     return ("sample" if temperature is not None else None), processors
 
 

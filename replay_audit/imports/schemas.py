@@ -26,6 +26,7 @@ from replay_audit.traces.schemas import (
     ExtraKey,
     ExtraValue,
     IngestResult,
+    LogitsProcessorsSpec,
     Name,
     Sha256,
     Tag,
@@ -78,6 +79,14 @@ class EngineInput(_Input):
     version: Version | None = None
 
 
+class ProcessorsInput(LogitsProcessorsSpec):
+    """`decoding.logits_processors` of an import context: the trace's fields, lax types (a
+    `--config` flag's value is text)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+    exact_integers = False
+
+
 class DecodingInput(_Input):
     """How the generations were decoded, where the responses do not say it (a response never
     carries its request's sampling parameters; an item's `request`, when given, does)."""
@@ -85,6 +94,10 @@ class DecodingInput(_Input):
     strategy: Strategy | None = None
     max_new_tokens: int | None = Field(default=None, ge=1)
     eos_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
+    #: Logits processors every request ran with that the requests do not show (a server's
+    #: defaults: vLLM takes `repetition_penalty` from the model's generation_config.json);
+    #: a request's own values win.
+    logits_processors: ProcessorsInput | None = None
 
 
 class ImportContext(_Input):

@@ -133,7 +133,8 @@ def _one(
             rows.append(pairs)
         steps = rows
     stop_reason, stop_id = _finish(meta, mpath)
-    strategy, processors = decoding_recipe(request)
+    # SGLang adds a logit bias as given (no clamp to OpenAI's range in its native API).
+    strategy, processors = decoding_recipe(request, clamp_logit_bias=False)
     params = request.get("sampling_params") if request is not None else None
     max_new = params.get("max_new_tokens") if isinstance(params, Mapping) else None
     text = body.get("text")

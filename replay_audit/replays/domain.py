@@ -23,7 +23,8 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 from typing import Any, Final, Literal
 
 import numpy as np
@@ -32,7 +33,7 @@ import numpy.typing as npt
 from replay_audit.diff.answer import SemanticAgreement
 from replay_audit.diff.margin import DEFAULT_TAU
 from replay_audit.diff.pieces import Piece, PieceJson, from_json
-from replay_audit.engine.protocol import DEFAULT_B_TOP_K, Intervention, Target
+from replay_audit.engine.protocol import DEFAULT_B_TOP_K, Intervention, LogitsProcessors, Target
 from replay_audit.formats import (
     CONTROL_FRACTION,
     CONTROL_SEED,
@@ -268,6 +269,8 @@ class ResolvedArm:
     #: The trace's logged TP degree (None: the trace does not say): where it differs from
     #: `tp_degree`, the request asked for another degree and this one ran.
     logged_tp_degree: int | None = None
+    #: The trace's logits processors, applied to every step's logits (None: none ran).
+    logits_processors: LogitsProcessors | None = None
 
     @property
     def tp_differs(self) -> bool:
@@ -282,13 +285,17 @@ class ResolvedArm:
 
     def label(self) -> str:
         """A short human name of what ran, e.g. `bf16 / eager / cpu + C(τ=0.05)`, with the
-        logged TP degree where another ran (`tp 1 (logged tp 2)`) and the kind the worker
-        announced where its device does not say it (`cpu [worker a10g]`)."""
+        logged TP degree where another ran (`tp 1 (logged tp 2)`), the kind the worker
+        announced where its device does not say it (`cpu [worker a10g]`) and the logits
+        processors that ran (`+ repetition_penalty=1.3`)."""
         where = self.gpu or self.device
         if self.gpu is None and self.worker_kind not in (None, self.device):
             where = f"{where} [worker {self.worker_kind}]"
         logged = self.logged_tp_degree if self.tp_differs else None
-        return config_label(self.target, self.tp_degree, where, logged_tp_degree=logged)
+        label = config_label(self.target, self.tp_degree, where, logged_tp_degree=logged)
+        if self.logits_processors is not None:
+            label += f" + {self.logits_processors.label()}"
+        return label
 
     def to_json(self) -> dict[str, object]:
         """The stored form (a result's `resolved_a`/`resolved_b`, the API's `arms.*.resolved`)."""
@@ -303,9 +310,11 @@ class ResolvedArm:
         *,
         worker_kind: str | None = None,
         logged_tp_degree: int | None = None,
+        logits_processors: LogitsProcessors | None = None,
     ) -> ResolvedArm:
         """The arm an engine runs, from its recorded environment (`Engine.environment()`), on
-        a worker of kind `worker_kind`, for a trace logged at `logged_tp_degree`."""
+        a worker of kind `worker_kind`, for a trace logged at `logged_tp_degree`, with the
+        trace's logits processors (None: none ran)."""
         gpu = environment.get("gpu")
         extras = environment.get("extras") or {}
         path = extras.get("decoder") or extras.get("kv_cache")
@@ -323,12 +332,19 @@ class ResolvedArm:
             intervention=intervention,
             worker_kind=worker_kind,
             logged_tp_degree=logged_tp_degree,
+            logits_processors=logits_processors,
         )
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ResolvedArm:
         """The inverse of `to_json`."""
-        return cls(**{**d, "intervention": intervention_from_json(d.get("intervention") or {})})
+        return cls(
+            **{
+                **d,
+                "intervention": intervention_from_json(d.get("intervention") or {}),
+                "logits_processors": LogitsProcessors.from_json(d.get("logits_processors")),
+            }
+        )
 
 
 def config_label(
@@ -441,10 +457,23 @@ class LoggedTrace:
     tp_degree: int | None = 1
     #: The GPU it was logged on (`config.gpu.name`; None: a CPU, or not logged).
     gpu_name: str | None = None
+    #: The logits processors the generation ran with (`decoding.logits_processors`).
+    logits_processors: LogitsProcessors | None = None
 
     @property
     def greedy(self) -> bool:
         return is_greedy({"strategy": self.strategy})
+
+    @cached_property
+    def processors(self) -> LogitsProcessors | None:
+        """What every probe of an arm applies to this trace's logits: its logged processors,
+        with its eos ids (`budget`: what min_new_tokens holds back); None where none ran."""
+        p = self.logits_processors
+        if p is None or not p.active:
+            return None
+        # Only the processors that read eos ids get them (one resolved arm for a run's traces).
+        needs_eos = bool(p.min_new_tokens or p.bad_words_ids)
+        return replace(p, eos_token_ids=tuple(self.budget()[1]) if needs_eos else ())
 
     @classmethod
     def from_parts(
@@ -489,6 +518,7 @@ class LoggedTrace:
             ),
             tp_degree=logged_tp_degree(config),
             gpu_name=logged_gpu_name(config),
+            logits_processors=LogitsProcessors.from_json(decoding.get("logits_processors")),
         )
 
     @property

@@ -30,6 +30,12 @@ arms from the prompt, the paper's both-arms protocol):
                       scanned (`screen="scanned"`, `exact_match` None).
 Arm A against the logged tokens: its margin at t* is the logged top-k's where logged, else it is
 reconstructed by re-running the logged format here (the outcome says which).
+
+Logits processors. A trace whose generation ran logits processors (`LoggedTrace.processors`:
+repetition penalty, no-repeat n-grams, min new tokens, logit bias, bad words) has them in every
+arm resolved against it (`ResolvedArm.logits_processors`), and every probe applies them: the
+decodes, the scans, the single-step re-runs. Its logged top-k holds the logits before them, so
+arm A's margin at t* is the re-run's (`reconstructed`) and the near-tie flag reads arm B's.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
     Engine,
     Intervention,
+    LogitsProcessors,
     ScanItem,
     ScanRun,
     StepInfo,
@@ -148,6 +155,11 @@ class Arm:
     def intervention(self) -> Intervention:
         return self.resolved.intervention
 
+    @property
+    def processors(self) -> LogitsProcessors | None:
+        """The trace's logits processors, which every probe of the arm applies."""
+        return self.resolved.logits_processors
+
 
 def resolve_arm(
     trace: LoggedTrace,
@@ -185,6 +197,7 @@ def resolve_arm(
         source,
         worker_kind=worker_kind,
         logged_tp_degree=trace.tp_degree,
+        logits_processors=trace.processors,
     )
     if resolved.tp_degree != tp:
         asked = "asks" if run_target.tp_degree is not None else "was logged at"
@@ -214,7 +227,8 @@ def _logged_arm(
 
 def check_replayable(trace: LoggedTrace) -> None:
     """Refuse, before any model loads, a trace no target can replay (`BadRequest` naming the
-    field): only greedy generations replay."""
+    field): only greedy generations replay (with the logits processors they ran, which every
+    probe applies; a request with any other processor is stored as `other`)."""
     if not trace.greedy:
         raise BadRequest(
             f"only greedy traces can be replayed; this one is {trace.strategy!r}",
@@ -270,7 +284,9 @@ def scan_items(items: Sequence[ReplayItem], pool: EnginePool, options: ReplayOpt
     for arm, members in groups.values():
         batch_items = [
             ScanItem(
-                items[i].trace.prompt_token_ids.tolist(), items[i].trace.output_token_ids.tolist()
+                items[i].trace.prompt_token_ids.tolist(),
+                items[i].trace.output_token_ids.tolist(),
+                items[i].trace.processors,
             )
             for i in members
         ]
@@ -380,8 +396,8 @@ def _run_arms(
     b = resolve_arm(trace, item.b, pool, item.model_dir, options.worker_kind)
     if item.a is not None:  # the both-arms protocol: both decoded from the prompt
         a = resolve_arm(trace, item.a, pool, item.model_dir, options.worker_kind)
-        ra = a.engine.decode(prompt, budget, eos, a.intervention, top_k)
-        rb = b.engine.decode(prompt, budget, eos, b.intervention, top_k)
+        ra = a.engine.decode(prompt, budget, eos, a.intervention, top_k, processors=a.processors)
+        rb = b.engine.decode(prompt, budget, eos, b.intervention, top_k, processors=b.processors)
         run_a = _ArmRun(a, ra.output_token_ids, ra.steps)
         run_b = _ArmRun(b, rb.output_token_ids, rb.steps)
         t_star = first_divergence(run_a.ids, run_b.ids)
@@ -391,13 +407,14 @@ def _run_arms(
     run_a = _ArmRun(None, logged, None)
     mode, iv = options.mode, b.intervention
     screen: Screen | None = None
+    processors = b.processors
     if mode == "decode":
-        rb = b.engine.decode(prompt, budget, eos, iv, top_k)
+        rb = b.engine.decode(prompt, budget, eos, iv, top_k, processors=processors)
         run_b = _ArmRun(b, rb.output_token_ids, rb.steps)
     else:
         batched = scan is not None
         if scan is None:
-            scan = b.engine.scan(prompt, logged, iv, top_k)
+            scan = b.engine.scan(prompt, logged, iv, top_k, processors=processors)
         s = scan.first_disagreement
         near = None
         if s is None and mode == "scan_then_decode":
@@ -405,7 +422,7 @@ def _run_arms(
         if s is None and mode == "scan_then_decode" and (near is not None or item.control):
             # A near-tie's flip may need the decode's own KV cache from the prompt on: decoded
             # in full, as the control sample is. A near-tie trace is not in the control sample.
-            rb = b.engine.decode(prompt, budget, eos, iv, top_k)
+            rb = b.engine.decode(prompt, budget, eos, iv, top_k, processors=processors)
             run_b = _ArmRun(b, rb.output_token_ids, rb.steps)
             screen = "near_tie" if near is not None else "control"
         elif s is None and mode == "scan_then_decode":
@@ -416,7 +433,9 @@ def _run_arms(
             ids = [*logged[:s], int(scan.steps.token_ids[s])]
             run_b = _ArmRun(b, ids, scan.steps.slice(0, s + 1), "scan", batched)
         else:
-            rb = b.engine.decode(prompt, budget, eos, iv, top_k, forced_prefix=logged[:s])
+            rb = b.engine.decode(
+                prompt, budget, eos, iv, top_k, forced_prefix=logged[:s], processors=processors
+            )
             steps = Steps.concat([scan.steps.slice(0, s), rb.steps])
             run_b = _ArmRun(b, rb.output_token_ids, steps, "decode", batched)
             screen = "flagged"
@@ -435,9 +454,10 @@ def _rerun_all(replayed: Sequence[_Replayed], options: ReplayOptions) -> dict[in
     """The from-scratch forwards every divergent item needs, over its context at t* (prompt ‖
     arm A's tokens before t*), each with its arm's whole computation, intervention included:
     arm B's and arm A's (where arm A runs here; against the logged tokens, the logged format's,
-    whose forward also gives arm A's reconstructed margin). Batched per (engine, intervention)."""
-    groups: dict[tuple[int, Intervention], tuple[Arm, list[tuple[_Replayed, str, list[int]]]]]
-    groups = {}
+    whose forward also gives arm A's reconstructed margin), each with the trace's logits
+    processors. Batched per (engine, intervention, processors)."""
+    _Key = tuple[int, Intervention, LogitsProcessors | None]
+    groups: dict[_Key, tuple[Arm, list[tuple[_Replayed, str, list[int]]]]] = {}
     for r in replayed:
         if r.t_star is None:
             continue
@@ -445,32 +465,43 @@ def _rerun_all(replayed: Sequence[_Replayed], options: ReplayOptions) -> dict[in
         for side in ("a", "b"):
             arm = r.rerun_arm(side)
             if arm is not None:
-                key = (id(arm.engine), arm.intervention)
+                key = (id(arm.engine), arm.intervention, arm.processors)
                 groups.setdefault(key, (arm, []))[1].append((r, side, context))
     out: dict[int, _Reruns] = {}
     for arm, members in groups.values():
         contexts = [c for _, _, c in members]
+        prompts = [len(r.item.trace.prompt_token_ids) for r, _, _ in members]
         infos: list[StepInfo | None]
         try:
             infos = list(
                 arm.engine.step_batch(
-                    contexts, arm.intervention, options.top_k, token_budget=options.token_budget
+                    contexts,
+                    arm.intervention,
+                    options.top_k,
+                    token_budget=options.token_budget,
+                    processors=arm.processors,
+                    prompt_lengths=prompts,
                 )
             )
             for r, side, _ in members:
                 r.batched.add(side)
         except ENGINE_FAILURES:
             log.exception("batched re-runs of %d steps failed; one at a time", len(contexts))
-            infos = [_step_or_none(arm, c, options.top_k) for c in contexts]
+            infos = [
+                _step_or_none(arm, c, n, options.top_k)
+                for c, n in zip(contexts, prompts, strict=True)
+            ]
         for (r, side, _), info in zip(members, infos, strict=True):
             if info is not None:
                 out.setdefault(id(r), {})[side] = info
     return out
 
 
-def _step_or_none(arm: Arm, context: list[int], top_k: int) -> StepInfo | None:
+def _step_or_none(arm: Arm, context: list[int], prompt: int, top_k: int) -> StepInfo | None:
     try:
-        return arm.engine.step(context, [], arm.intervention, top_k)
+        return arm.engine.step(
+            context[:prompt], context[prompt:], arm.intervention, top_k, processors=arm.processors
+        )
     except ENGINE_FAILURES:
         log.exception("single-step re-run failed")
         return None
@@ -547,7 +578,9 @@ def _margin_a(
     if t_star >= len(r.a.ids):
         return None, "unavailable"
     logits = trace.top_k_logits
-    if logits is not None and logits.shape[1] >= 2:
+    # A logged top-k holds the logits before the generation's processors (raw logits or raw
+    # logprobs), not what chose its token: with processors, the re-run's margin stands in.
+    if logits is not None and logits.shape[1] >= 2 and trace.processors is None:
         row = [float(x) for x in logits[t_star, :2]]
         fmt = trace.config.head_dtype
         if trace.top_k_values == "raw_logprobs":
@@ -664,7 +697,7 @@ def _near_tie(trace: LoggedTrace, steps: Steps, flag_ulps: float) -> int | None:
         return None
     found = [first_near_tie(steps.margins_ulps, flag_ulps)]
     logits = trace.top_k_logits
-    if logits is not None and logits.shape[1] >= 2:
+    if logits is not None and logits.shape[1] >= 2 and trace.processors is None:
         n = min(int(logits.shape[0]), len(steps))
         top1 = steps.top_k_logits[:n, 0] if trace.top_k_values == "raw_logprobs" else None
         logged_ulps = margins_ulps_from_top_k(logits[:n, :2], trace.config.head_dtype, top1)

@@ -18,7 +18,7 @@ from replay_audit.config import Settings
 from replay_audit.db.base import read_model, utcnow
 from replay_audit.db.ids import decode_cursor, encode_cursor, new_public_id
 from replay_audit.exceptions import Conflict, FieldError, NotFound
-from replay_audit.formats import EXTRA_PROCESSORS, Mode
+from replay_audit.formats import EXTRA_PROCESSORS, Mode, processors_not_applied
 from replay_audit.json_value import JsonObject
 from replay_audit.queue import Capabilities, JobQueue
 from replay_audit.queue.route import ANY_KIND, DeviceQueue, Route, gpu_kind, live_kinds
@@ -84,11 +84,11 @@ def _select_traces(session: Session, project_id: int, request: ReplayCreate) -> 
 
 
 def _not_greedy(trace: Trace) -> str:
-    """A trace's id, with the logits processors that made its greedy request not plain greedy
-    (a replay decodes plain greedy: it does not apply them)."""
+    """A trace's id, with the logits processors that made its greedy request unreplayable (a
+    replay applies repetition penalty, no-repeat n-grams, min tokens, logit bias and bad words,
+    and no other)."""
     extras = json.loads(trace.config.config_json).get("extras") or {}
-    processors = extras.get(EXTRA_PROCESSORS)
-    return f"{trace.public_id} (logits processors: {processors})" if processors else trace.public_id
+    return trace.public_id + processors_not_applied(extras.get(EXTRA_PROCESSORS))
 
 
 def _filtered(session: Session, project_id: int, f: TraceFilter) -> list[Trace]:

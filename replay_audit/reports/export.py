@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from replay_audit.db.unit_of_work import unit_of_work
 from replay_audit.replays.models import ReplayRun
-from replay_audit.replays.results import result_json
+from replay_audit.replays.results import result_json, token_ids_source
 from replay_audit.replays.statistics import comparison_mode
 from replay_audit.reports import repository
 
@@ -76,6 +76,9 @@ EXPORT_FIELDS: Final = (
     # produced in (a scan has no replay text: semantic_agree empty).
     "trigger_rate_a",
     "mode",
+    # Where the trace's token ids come from (`formats.TokenIdsSource`: pieces or retokenized
+    # for an import that read them from text; empty: logged).
+    "token_ids_source",
 )
 MEDIA_TYPES: Final[dict[str, str]] = {
     "csv": "text/csv; charset=utf-8",
@@ -91,9 +94,11 @@ def _arm(value: Any) -> str:
     return "logged" if value == "logged" else f"T{value}"
 
 
-def record(run: ReplayRun, row: Mapping[str, Any], *, full: bool) -> dict[str, Any]:
+def record(
+    run: ReplayRun, row: Mapping[str, Any], *, full: bool, ids_source: str | None = None
+) -> dict[str, Any]:
     """One exported result as typed JSON values (EXPORT_FIELDS, plus detail and token ids when
-    `full`)."""
+    `full`); `ids_source` is where its trace's ids come from (`results.token_ids_source`)."""
     index = int(row["comparison"])
     comp = run.comparisons[index]
     mode = comparison_mode(run, index)
@@ -144,16 +149,27 @@ def record(run: ReplayRun, row: Mapping[str, Any], *, full: bool) -> dict[str, A
         "margin_replay": row["margin_b"],
         "margin_replay_ulps": row["margin_b_ulps"],
         "screen": row["screen"],
+        "token_ids_source": ids_source,
     }
     for key in ("exact_match", "tie", "semantic_agree"):
         if out[key] is not None:
             out[key] = bool(out[key])
     if full:
         # The result as `GET /v1/replays/{id}/results` gives it.
-        result = result_json(row["result"], row["public_id"], run.public_id)
+        result = result_json(
+            row["result"], row["public_id"], run.public_id, token_ids_source=ids_source
+        )
         for key in ("margin_at_divergence", "single_step", "semantic", "arms"):
             out[key] = result[key]
     return out
+
+
+def _ids_source(sources: dict[int, str | None], row: Mapping[str, Any]) -> str | None:
+    """Where the row's trace's ids come from, read once per configuration."""
+    config_id = int(row["config_id"])
+    if config_id not in sources:
+        sources[config_id] = token_ids_source(orjson.loads(row["config_json"]))
+    return sources[config_id]
 
 
 def _cell(key: str, value: Any) -> str:
@@ -183,6 +199,7 @@ def stream(factory: sessionmaker[Session], run: ReplayRun, fmt: ExportFormat) ->
     if fmt == "csv":
         yield csv_line(EXPORT_FIELDS).encode()
     after = 0
+    sources: dict[int, str | None] = {}  # by configuration: a run's traces share a few
     while True:
         with unit_of_work(factory, read_only=True) as uow:
             rows = repository.export_batch(
@@ -191,7 +208,7 @@ def stream(factory: sessionmaker[Session], run: ReplayRun, fmt: ExportFormat) ->
         if not rows:
             return
         after = int(rows[-1]["id"])
-        records = (record(run, r, full=full) for r in rows)
+        records = (record(run, r, full=full, ids_source=_ids_source(sources, r)) for r in rows)
         if fmt == "csv":
             yield "".join(
                 csv_line([_cell(k, rec[k]) for k in EXPORT_FIELDS]) for rec in records

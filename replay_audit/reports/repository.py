@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 from replay_audit.replays.models import ReplayResult, ReplayRun
 from replay_audit.replays.repository import exact_of, pair_join
 from replay_audit.reports.filters import ResultFilter, RunFilter
-from replay_audit.traces.models import Trace
+from replay_audit.traces.models import NumericalConfigRow, Trace
 
 R = ReplayResult
 
@@ -256,8 +256,8 @@ def export_batch(
     session: Session, run_id: int, *, after_id: int, full: bool, limit: int
 ) -> list[dict[str, Any]]:
     """Up to `limit` results of a run with result id above `after_id`, in id order (keyset: one
-    indexed range scan per batch), with their trace's ids, model and tags. `full` adds the
-    detail JSON and the replayed token arrays."""
+    indexed range scan per batch), with their trace's ids, model, tags and configuration
+    (`config_id`, `config_json`). `full` adds the detail JSON and the replayed token arrays."""
     columns: list[Any] = [
         *_SUMMARY_COLUMNS,
         R.margin_a_source,
@@ -274,6 +274,9 @@ def export_batch(
         Trace.model_name,
         Trace.tags,
         Trace.reference_answer.is_not(None).label("has_reference_answer"),
+        # The trace's configuration, which says where its token ids come from (a few per run).
+        Trace.config_id,
+        NumericalConfigRow.config_json,
     ]
     if full:
         # The columns `replays.results.result_json` reads (a row, not an entity: no ORM
@@ -288,6 +291,7 @@ def export_batch(
     stmt = (
         select(*columns)
         .join(Trace, Trace.id == R.trace_id)
+        .join(NumericalConfigRow, NumericalConfigRow.id == Trace.config_id)
         .where(R.run_id == run_id, R.id > after_id)
         .order_by(R.id)
         .limit(limit)

@@ -178,12 +178,66 @@ class NumericalConfig(TraceInput):
         return self
 
 
+#: A token id as a JSON object key (OpenAI's and vLLM's `logit_bias`: `{"50256": -100}`).
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+#: Most entries of a logits processor's list or map (OpenAI allows 300 logit biases).
+MAX_PROCESSOR_ENTRIES: Final = 1000
+
+
+def _is_none(value: object) -> bool:
+    """`exclude_if` of a field written out only where given: what is stored, hashed and read
+    back is what was sent, and a trace without it is stored and hashed as before it existed."""
+    return value is None
+
+
+class LogitsProcessorsSpec(TraceInput):
+    """The logits processors a greedy generation ran with (absent: off). A replay applies them
+    at every step with transformers' own classes (`engine.protocol.LogitsProcessors` says how
+    each is read); a request that ran any other processor is stored with strategy `other` and
+    is not replayed. Only the processors given are written out."""
+
+    #: transformers' and vLLM's `repetition_penalty` (1: off), over prompt and output.
+    repetition_penalty: float | None = Field(
+        gt=0, allow_inf_nan=False, default=None, exclude_if=_is_none
+    )
+    #: transformers' `no_repeat_ngram_size` (0: off), over prompt and output.
+    no_repeat_ngram_size: int | None = Field(
+        ge=0, le=MAX_TRACE_TOKENS, default=None, exclude_if=_is_none
+    )
+    #: transformers' `min_new_tokens`, vLLM's `min_tokens`: the eos ids are held back until
+    #: this many tokens are out.
+    min_new_tokens: int | None = Field(ge=0, le=MAX_TRACE_TOKENS, default=None, exclude_if=_is_none)
+    #: Additive bias by token id, as OpenAI and vLLM take it (`{"50256": -100.0}`).
+    logit_bias: dict[TokenIdKey, FiniteFloat] | None = Field(
+        max_length=MAX_PROCESSOR_ENTRIES, default=None, exclude_if=_is_none
+    )
+    #: transformers' `bad_words_ids`: token id sequences never completed (prompt and output).
+    bad_words_ids: list[Annotated[list[TokenId], Field(min_length=1, max_length=64)]] | None = (
+        Field(max_length=MAX_PROCESSOR_ENTRIES, default=None, exclude_if=_is_none)
+    )
+    #: vLLM's `bad_words`: texts, encoded with the checkpoint's tokenizer as vLLM does.
+    bad_words: list[Annotated[str, StringConstraints(min_length=1, max_length=200)]] | None = Field(
+        max_length=MAX_PROCESSOR_ENTRIES, default=None, exclude_if=_is_none
+    )
+
+    def stored(self) -> JsonObject:
+        """The stored form: only the processors given."""
+        return self.model_dump(mode="json")
+
+
 class Decoding(TraceInput):
     #: Only greedy traces can be replayed; others are stored but refused by replays.
     strategy: Strategy = "greedy"
     max_new_tokens: int | None = Field(default=None, ge=1, le=MAX_TRACE_TOKENS)
     eos_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     stop_reason: StopReason | None = None
+    #: The logits processors the generation ran with (absent: none); a replay applies them.
+    logits_processors: LogitsProcessorsSpec | None = Field(default=None, exclude_if=_is_none)
+
+    def stored(self) -> JsonObject:
+        """The stored `decoding` JSON."""
+        return self.model_dump(mode="json")
 
 
 class PackedTopK(NamedTuple):
@@ -284,6 +338,8 @@ class TraceCreate(TraceInput):
                 raise TraceFieldError(field, f"token id {bad} is outside the vocabulary ({vocab})")
         if self.decoding.eos_token_ids and max(self.decoding.eos_token_ids) >= vocab:
             raise TraceFieldError("decoding.eos_token_ids", "eos id outside the vocabulary")
+        if self.decoding.logits_processors is not None:
+            _check_processors(self.decoding.logits_processors, vocab)
         if self.top_k is not None:
             _check_top_k(self.top_k, len(self.output_token_ids), vocab)
         pieces = self.output_token_pieces
@@ -294,6 +350,21 @@ class TraceCreate(TraceInput):
                 "(one piece per output token)",
             )
         return self
+
+
+def _check_processors(spec: LogitsProcessorsSpec, vocab: int) -> None:
+    field = "decoding.logits_processors"
+    for key in spec.logit_bias or {}:
+        if int(key) >= vocab:
+            raise TraceFieldError(
+                f"{field}.logit_bias", f"token id {key} is outside the vocabulary ({vocab})"
+            )
+    for i, seq in enumerate(spec.bad_words_ids or []):
+        if max(seq) >= vocab:
+            raise TraceFieldError(
+                f"{field}.bad_words_ids[{i}]",
+                f"token id {max(seq)} is outside the vocabulary ({vocab})",
+            )
 
 
 class TraceFieldError(ValueError):

@@ -32,7 +32,6 @@ from replay_audit.db.ids import new_public_id
 from replay_audit.db.types import pack_int32
 from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import Conflict, FieldError, NotFound, ReplayAuditError
-from replay_audit.json_value import JsonObject
 from replay_audit.telemetry.metric import BATCH_ITEMS, TRACES_INGESTED
 from replay_audit.traces import repository
 from replay_audit.traces.models import Trace
@@ -89,7 +88,7 @@ class _Prepared:
 def _prepare(index: int, trace: TraceCreate, config_sha256: str) -> _Prepared:
     prompt = pack_int32(trace.prompt_token_ids)
     output = pack_int32(trace.output_token_ids)
-    decoding: JsonObject = trace.decoding.model_dump(mode="json")
+    decoding = trace.decoding.stored()
     top_k = trace.top_k.packed if trace.top_k is not None else None
     header: dict[str, object] = {
         "external_id": trace.external_id,

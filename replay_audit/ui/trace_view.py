@@ -116,6 +116,13 @@ class TraceView:
     c_against_logged: bool = False
     #: Why the answers are not compared (a scan has no replay text), as the run's SAR says.
     answers_note: str | None = None
+    #: The trace's logits processors that every probe of the arms applied (None: none).
+    logits_processors: str | None = None
+
+    @property
+    def token_ids_source(self) -> str:
+        """Where the trace's token ids come from (`formats.TokenIdsSource`; logged if unsaid)."""
+        return self.read.token_ids_source or "logged"
 
 
 def logged_margins(trace: Trace) -> list[float | None] | None:
@@ -337,4 +344,11 @@ def build(
         margin_at_divergence=read.margin_at_divergence,
         c_against_logged=c_against_logged(comp, targets),
         answers_note=SAR_NOTES["scan"] if read.mode == "scan" else None,
+        logits_processors=_processors(rb),
     )
+
+
+def _processors(arm: ArmRead) -> str | None:
+    """The logits processors arm B ran (the trace's: both arms ran the same), as a label."""
+    p = arm.resolved.logits_processors if arm.resolved is not None else None
+    return p.label() if p is not None else None

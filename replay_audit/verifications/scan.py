@@ -56,8 +56,13 @@ def scan_evidence(
     for claim, members in by_claim.items():
         try:
             engine = claim_engine(pool, model_dir, claim)
+            # A trace's logits processors are part of the computation its tokens came from.
             items = [
-                ScanItem(traces[i].prompt_token_ids.tolist(), traces[i].output_token_ids.tolist())
+                ScanItem(
+                    traces[i].prompt_token_ids.tolist(),
+                    traces[i].output_token_ids.tolist(),
+                    traces[i].processors,
+                )
                 for i in members
             ]
             runs = engine.scan_batch(items, claim.intervention, 2, token_budget=token_budget)

@@ -342,3 +342,50 @@ def test_generate_renders_chat_messages_with_the_checkpoints_chat_template(
         ["generate", "--model", str(plain), "--prompts", str(prompts), "--out", str(out), *flags],
     )
     assert r.exit_code == 2 and "no chat template" in r.output, r.output
+
+
+def test_generate_with_logits_processors_replays_exactly_with_them(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    """`generate --repetition-penalty --no-repeat-ngram-size --logit-bias --bad-words-ids`
+    records the processors it ran in each trace; `replay` applies them (each result's resolved
+    arm says so, and the summary counts them), so the traces replay exactly. A bad flag exits 2
+    naming it."""
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["The quick brown fox", "def main():", "Once upon a time"]
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    out = tmp_path / "traces.jsonl"
+    base = ["generate", "--model", str(ckpt), "--prompts", str(prompts), "--out", str(out)]
+    flags = ["--dtype", "fp32", "--max-new-tokens", "16", "--device", "cpu", "--threads", "1"]
+    processors = [
+        "--repetition-penalty",
+        "1.3",
+        "--no-repeat-ngram-size",
+        "2",
+        "--logit-bias",
+        "65=2.5",
+        "--bad-words-ids",
+        "32,116",
+    ]
+    r = runner.invoke(app, [*base, *flags, *processors])
+    assert r.exit_code == 0, r.output
+    traces = [TraceCreate.model_validate_json(x) for x in out.read_text().splitlines()]
+    for tr in traces:
+        assert tr.decoding.logits_processors is not None
+        assert tr.decoding.logits_processors.stored() == {
+            "repetition_penalty": 1.3,
+            "no_repeat_ngram_size": 2,
+            "logit_bias": {"65": 2.5},
+            "bad_words_ids": [[32, 116]],
+        }
+    results = tmp_path / "results.jsonl"
+    replay = ["replay", str(out), "--model", str(ckpt), "--dtype", "fp32", "--out", str(results)]
+    r = runner.invoke(app, [*replay, "--device", "cpu", "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    assert len(rows) == 3 and all(x["exact_match"] for x in rows)
+    assert all(x["arms"]["b"]["resolved"]["logits_processors"]["logit_bias"] for x in rows)
+    assert "3 traces replayed with their logits processors (repetition_penalty=1.3" in r.output
+
+    r = runner.invoke(app, [*base, *flags, "--logit-bias", "65"])
+    assert r.exit_code == 2 and "--logit-bias '65': expected ID=BIAS" in r.output

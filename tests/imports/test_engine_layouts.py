@@ -146,50 +146,135 @@ def test_a_text_top_k_is_cut_at_its_first_entry_that_is_not_one_token(
 
 
 @pytest.mark.parametrize(
-    ("params", "strategy", "processors"),
+    ("params", "strategy", "replayed", "not_replayed"),
     [
-        ({"temperature": 0}, "greedy", {}),
-        ({"temperature": 1e-6}, "greedy", {}),  # vLLM and SGLang: below 1e-5 is greedy
-        ({"temperature": 1e-5}, "sample", {}),
-        ({"temperature": 0.7, "top_k": 1}, "greedy", {}),
-        ({"temperature": 0, "repetition_penalty": 1.0, "logit_bias": {}}, "greedy", {}),
-        ({"temperature": 0, "repetition_penalty": 1.1}, "other", {"repetition_penalty": "1.1"}),
-        ({"temperature": 0, "frequency_penalty": 0.5}, "other", {"frequency_penalty": "0.5"}),
-        ({"temperature": 0, "presence_penalty": -1}, "other", {"presence_penalty": "-1"}),
+        ({"temperature": 0}, "greedy", None, {}),
+        ({"temperature": 1e-6}, "greedy", None, {}),  # vLLM and SGLang: below 1e-5 is greedy
+        ({"temperature": 1e-5}, "sample", None, {}),
+        ({"temperature": 0.7, "top_k": 1}, "greedy", None, {}),
+        ({"temperature": 0, "repetition_penalty": 1.0, "logit_bias": {}}, "greedy", None, {}),
+        # What a replay applies: greedy, with the processors it runs.
+        ({"temperature": 0, "repetition_penalty": 1.1}, "greedy", {"repetition_penalty": 1.1}, {}),
         (
             {"temperature": 0, "logit_bias": {"50256": -100}},
-            "other",
-            {"logit_bias": '{"50256":-100}'},
+            "greedy",
+            {"logit_bias": {"50256": -100.0}},
+            {},
         ),
-        ({"temperature": 0, "min_tokens": 4}, "other", {"min_tokens": "4"}),
-        ({"temperature": 0, "bad_words": ["import"]}, "other", {"bad_words": '["import"]'}),
+        # vLLM clamps a bias to OpenAI's [-100, 100]: the clamped value is what ran.
+        ({"temperature": 0, "logit_bias": {"7": 250}}, "greedy", {"logit_bias": {"7": 100.0}}, {}),
+        ({"temperature": 0, "min_tokens": 4}, "greedy", {"min_new_tokens": 4}, {}),
+        ({"temperature": 0, "bad_words": ["import"]}, "greedy", {"bad_words": ["import"]}, {}),
+        (
+            {"sampling_params": {"temperature": 0, "min_new_tokens": 2}},
+            "greedy",
+            {"min_new_tokens": 2},
+            {},
+        ),
+        (
+            {"temperature": 0, "no_repeat_ngram_size": 3, "repetition_penalty": 1.3},
+            "greedy",
+            {"no_repeat_ngram_size": 3, "repetition_penalty": 1.3},
+            {},
+        ),
+        # What a replay does not apply: `other`, and named.
+        ({"temperature": 0, "frequency_penalty": 0.5}, "other", None, {"frequency_penalty": "0.5"}),
+        ({"temperature": 0, "presence_penalty": -1}, "other", None, {"presence_penalty": "-1"}),
+        (
+            {"temperature": 0, "repetition_penalty": 1.2, "presence_penalty": 0.5},
+            "other",
+            {"repetition_penalty": 1.2},
+            {"presence_penalty": "0.5"},
+        ),
         (
             {"temperature": 0, "response_format": {"type": "json_object"}},
             "other",
+            None,
             {"response_format": '{"type":"json_object"}'},
         ),
-        ({"temperature": 0, "response_format": {"type": "text"}}, "greedy", {}),
-        ({"temperature": 0, "guided_regex": "[0-9]+"}, "other", {"guided_regex": '"[0-9]+"'}),
+        ({"temperature": 0, "response_format": {"type": "text"}}, "greedy", None, {}),
         (
-            {"sampling_params": {"temperature": 0, "min_new_tokens": 2}},
+            {"temperature": 0, "guided_regex": "[0-9]+"},
             "other",
-            {"min_new_tokens": "2"},
+            None,
+            {"guided_regex": '"[0-9]+"'},
         ),
-        ({"max_tokens": 16}, None, {}),  # the server's default temperature: unknown
+        # A value of a shape no engine takes is not replayed either.
+        (
+            {"temperature": 0, "logit_bias": {"x": 1}},
+            "other",
+            None,
+            {"logit_bias": '{"x":1}'},
+        ),
+        ({"max_tokens": 16}, None, None, {}),  # the server's default temperature: unknown
+        (
+            {"temperature": 0.8, "repetition_penalty": 1.1},
+            "sample",
+            {"repetition_penalty": 1.1},
+            {},
+        ),
     ],
 )
 def test_greedy_is_judged_from_the_whole_recipe(
-    params: dict[str, Any], strategy: str | None, processors: dict[str, str]
+    params: dict[str, Any],
+    strategy: str | None,
+    replayed: dict[str, Any] | None,
+    not_replayed: dict[str, str],
 ) -> None:
-    assert decoding_recipe(params) == (strategy, processors)
+    got, processors = decoding_recipe(params)
+    assert (got, processors.replayed, processors.not_replayed) == (
+        strategy,
+        replayed,
+        not_replayed,
+    )
 
 
 def test_a_penalised_request_is_never_stored_as_plain_greedy(vocabulary: Vocabulary) -> None:
+    """A processor a replay applies is recorded on the trace (greedy, with its processors); one
+    it does not makes the trace `other`, naming it."""
     item = load_fixture("vllm_chat_text_top_k.json")
     item["request"]["repetition_penalty"] = 1.2
     [trace] = traces_from_item("openai", item, CONTEXT, vocabulary=vocabulary)
+    assert trace.decoding.strategy == "greedy"
+    assert trace.decoding.logits_processors is not None
+    assert trace.decoding.logits_processors.repetition_penalty == 1.2
+    assert "logits_processors" not in trace.config.extras
+    item["request"]["frequency_penalty"] = 0.3
+    [trace] = traces_from_item("openai", item, CONTEXT, vocabulary=vocabulary)
     assert trace.decoding.strategy == "other"
-    assert trace.config.extras["logits_processors"] == "repetition_penalty=1.2"
+    assert trace.config.extras["logits_processors"] == "frequency_penalty=0.3"
+
+
+def test_a_servers_default_processors_come_from_the_context(vocabulary: Vocabulary) -> None:
+    """vLLM takes a repetition penalty from the model's generation_config.json when a request
+    sets none: the context states it for every trace, and a request's own value wins. The CLI
+    reads it from dotted `--config` flags."""
+    from replay_audit.cli.imports import build_context
+
+    flags = ["decoding.logits_processors.repetition_penalty=1.05", "dtype=fp32"]
+    context = build_context(None, None, flags)
+    assert context.decoding.logits_processors.repetition_penalty == 1.05
+    context = make_context(
+        dtype="fp32",
+        logprobs_mode=None,
+        model={"name": "tiny-llama", "weights_sha256": "cd" * 32, "vocab_size": 4096},
+        decoding={
+            "eos_token_ids": [1],
+            "logits_processors": {"repetition_penalty": 1.05, "no_repeat_ngram_size": 4},
+        },
+    )
+    item = load_fixture("vllm_chat_text_top_k.json")
+    [trace] = traces_from_item("openai", item, context, vocabulary=vocabulary)
+    assert trace.decoding.strategy == "greedy"
+    assert trace.decoding.logits_processors is not None
+    assert trace.decoding.logits_processors.stored() == {
+        "repetition_penalty": 1.05,
+        "no_repeat_ngram_size": 4,
+    }
+    item["request"]["repetition_penalty"] = 1.2
+    [trace] = traces_from_item("openai", item, context, vocabulary=vocabulary)
+    assert trace.decoding.logits_processors is not None
+    assert trace.decoding.logits_processors.repetition_penalty == 1.2
 
 
 def test_sglang_generate_with_default_arguments(vocabulary: Vocabulary) -> None:

@@ -468,9 +468,12 @@ def test_each_engines_default_layout_imports_and_its_replay_reproduces_it(
     assert sources["0f3c2a9e4b1d4c8e9a0b1c2d3e4f5a6b"] == "retokenized"  # SGLang's prompt
 
 
-def test_a_penalised_greedy_request_is_imported_as_other_and_its_replay_says_why(
+def test_a_penalised_greedy_request_replays_with_its_processors_and_an_unsupported_one_is_refused(
     chat_checkpoint: Path, tmp_path: Path
 ) -> None:
+    """Issue 21: the processors a replay applies are imported with the trace and every result
+    says they ran; a processor it does not apply makes the trace `other`, and its replay is
+    refused naming the processor."""
     item = load_fixture("vllm_chat_text_top_k.json")
     item["request"].update(temperature=0, repetition_penalty=1.2, logit_bias={"201": -5})
     path = _write_jsonl(tmp_path / "r.jsonl", [item])
@@ -479,16 +482,31 @@ def test_a_penalised_greedy_request_is_imported_as_other_and_its_replay_says_why
     r = runner.invoke(app, ["import", "--format", "openai", str(path), *model, "--out", str(out)])
     assert r.exit_code == 0, r.output
     [trace] = _read(out)
-    assert trace.decoding.strategy == "other"
-    processors = 'repetition_penalty=1.2,logit_bias={"201":-5}'
-    assert trace.config.extras["logits_processors"] == processors
+    assert trace.decoding.strategy == "greedy"
+    assert trace.decoding.logits_processors is not None
+    assert trace.decoding.logits_processors.stored() == {
+        "repetition_penalty": 1.2,
+        "logit_bias": {"201": -5.0},
+    }
     results = tmp_path / "results.jsonl"
-    r = runner.invoke(
-        app, ["replay", str(out), *model[:2], "--dtype", "fp32", "--out", str(results)]
-    )
+    replay = ["replay", str(out), *model[:2], "--dtype", "fp32", "--out", str(results)]
+    r = runner.invoke(app, replay)
+    assert r.exit_code == 0, r.output
+    [row] = [json.loads(x) for x in results.read_text().splitlines()]
+    ran = row["arms"]["b"]["resolved"]["logits_processors"]
+    assert ran["repetition_penalty"] == 1.2 and ran["logit_bias"] == [[201, -5.0]]
+
+    item["request"].update(frequency_penalty=0.3)
+    path = _write_jsonl(tmp_path / "r2.jsonl", [item])
+    r = runner.invoke(app, ["import", "--format", "openai", str(path), *model, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    [trace] = _read(out)
+    assert trace.decoding.strategy == "other"
+    assert trace.config.extras["logits_processors"] == "frequency_penalty=0.3"
+    r = runner.invoke(app, replay)
     assert r.exit_code == 2
     assert f"{out}:1: decoding.strategy: only greedy" in r.output
-    assert f"(logits processors: {processors})" in r.output
+    assert "(logits processors a replay does not apply: frequency_penalty=0.3)" in r.output
 
 
 def test_counts_of_one_read_in_the_singular(tmp_path: Path) -> None:

@@ -224,13 +224,17 @@ def test_non_greedy_trace_is_refused(
     (trace_id,) = ingest(client, h, [sampled])
     r = client.post("/v1/replays", json={"trace_ids": [trace_id], "targets": [FP16]}, headers=h)
     assert r.status_code == 422 and "greedy" in r.text and trace_id in r.text
-    # An imported greedy request with a penalty is `other`, and the refusal says why.
+    # An imported greedy request with a processor a replay does not apply is `other`, and the
+    # refusal names it.
     penalised = logged_trace(PROMPTS[2], decoding={"strategy": "other", "max_new_tokens": 12})
-    penalised["config"]["extras"] = {"logits_processors": "repetition_penalty=1.2"}
+    penalised["config"]["extras"] = {"logits_processors": "frequency_penalty=0.5"}
     (trace_id,) = ingest(client, h, [penalised])
     r = client.post("/v1/replays", json={"trace_ids": [trace_id], "targets": [FP16]}, headers=h)
     assert r.status_code == 422, r.text
-    assert f"{trace_id} (logits processors: repetition_penalty=1.2)" in r.json()["detail"]
+    detail = r.json()["detail"]
+    assert (
+        f"{trace_id} (logits processors a replay does not apply: frequency_penalty=0.5)" in detail
+    )
 
 
 def test_roles_and_projects(

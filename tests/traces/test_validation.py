@@ -69,8 +69,42 @@ ITEM_CASES: list[tuple[str, Mutation, int, str]] = [
     ("prompt id >= vocab", _set("prompt_token_ids.3", DEFAULT_VOCAB), 422, "prompt_token_ids"),
     ("output id >= vocab", _set("output_token_ids.0", DEFAULT_VOCAB + 5), 422, "output_token_ids"),
     ("top-k id >= vocab", _set("top_k.ids.4.1", DEFAULT_VOCAB), 422, "top_k.ids[4]"),
-    ("eos id >= vocab", _set("decoding.eos_token_ids", [DEFAULT_VOCAB]), 422,
-     "decoding.eos_token_ids"),
+    (
+        "eos id >= vocab",
+        _set("decoding.eos_token_ids", [DEFAULT_VOCAB]),
+        422,
+        "decoding.eos_token_ids",
+    ),
+    (
+        "logit bias id >= vocab",
+        _set("decoding.logits_processors", {"logit_bias": {str(DEFAULT_VOCAB): 1.0}}),
+        422,
+        "decoding.logits_processors.logit_bias",
+    ),
+    (
+        "bad word id >= vocab",
+        _set("decoding.logits_processors", {"bad_words_ids": [[1], [2, DEFAULT_VOCAB]]}),
+        422,
+        "decoding.logits_processors.bad_words_ids[1]",
+    ),
+    (
+        "logit bias key not an id",
+        _set("decoding.logits_processors", {"logit_bias": {"x7": 1.0}}),
+        422,
+        "decoding.logits_processors.logit_bias",
+    ),
+    (
+        "repetition penalty 0",
+        _set("decoding.logits_processors", {"repetition_penalty": 0}),
+        422,
+        "decoding.logits_processors.repetition_penalty",
+    ),
+    (
+        "unknown processor",
+        _set("decoding.logits_processors", {"frequency_penalty": 0.5}),
+        422,
+        "decoding.logits_processors.frequency_penalty",
+    ),
     ("negative token id", _set("prompt_token_ids.0", -1), 422, "prompt_token_ids[0]"),
     ("top-k ids shorter than output", _drop_last_step("ids"), 422, "top_k.ids"),
     ("top-k logits shorter than output", _drop_last_step("logits"), 422, "top_k.logits"),
@@ -97,8 +131,7 @@ ITEM_CASES: list[tuple[str, Mutation, int, str]] = [
     ("logit numeric string", _set("top_k.logits.0.0", "99.0"), 422, "top_k.logits[0][0]"),
     ("vocab size a string", _set("model.vocab_size", "1000"), 422, "model.vocab_size"),
     ("batch size true", _set("config.batch_size", True), 422, "config.batch_size"),
-    ("deterministic a string", _set("config.deterministic", "true"), 422,
-     "config.deterministic"),
+    ("deterministic a string", _set("config.deterministic", "true"), 422, "config.deterministic"),
     ("extras NaN", _set("config.extras", {"x": float("nan")}), 422, "config.extras.x"),
     ("extras Infinity", _set("config.extras", {"x": float("-inf")}), 422, "config.extras.x"),
     ("extras list", _set("config.extras", {"x": [1]}), 422, "config.extras.x"),
@@ -106,8 +139,7 @@ ITEM_CASES: list[tuple[str, Mutation, int, str]] = [
     ("extras 2^64", _set("config.extras", {"big": 2**64}), 422, "config.extras.big"),
     ("extras 10^30", _set("config.extras", {"big": 10**30}), 422, "config.extras.big"),
     ("extras -2^63", _set("config.extras", {"big": -(2**63)}), 422, "config.extras.big"),
-    ("extras -2^63 - 1", _set("config.extras", {"big": -(2**63) - 1}), 422,
-     "config.extras.big"),
+    ("extras -2^63 - 1", _set("config.extras", {"big": -(2**63) - 1}), 422, "config.extras.big"),
     # Text a database cannot store.
     ("NUL in external_id", _set("external_id", "a\x00"), 422, "external_id"),
     ("NUL in model name", _set("model.name", "a\x00"), 422, "model.name"),
@@ -115,18 +147,37 @@ ITEM_CASES: list[tuple[str, Mutation, int, str]] = [
     ("NUL in an extras key", _set("config.extras", {"k\x00": 1}), 422, "config.extras"),
     ("NUL in an extras value", _set("config.extras", {"k": "\x00"}), 422, "config.extras.k"),
     # Token pieces: one per output token, each a string or a list of byte values.
-    ("fewer pieces than tokens", _set("output_token_pieces", ["a"] * 5), 422,
-     "output_token_pieces"),
-    ("more pieces than tokens", _set("output_token_pieces", ["a"] * 7), 422,
-     "output_token_pieces"),
-    ("piece byte above 255", _set("output_token_pieces", ["a", [256], "b", "c", "d", "e"]), 422,
-     "output_token_pieces[1]"),
-    ("piece a number", _set("output_token_pieces", ["a", "b", 7, "c", "d", "e"]), 422,
-     "output_token_pieces[2]"),
-    ("NUL in a piece", _set("output_token_pieces", ["a", "b", "c", "\x00", "d", "e"]), 422,
-     "output_token_pieces[3]"),
-    ("empty byte piece", _set("output_token_pieces", ["a", [], "b", "c", "d", "e"]), 422,
-     "output_token_pieces[1]"),
+    (
+        "fewer pieces than tokens",
+        _set("output_token_pieces", ["a"] * 5),
+        422,
+        "output_token_pieces",
+    ),
+    ("more pieces than tokens", _set("output_token_pieces", ["a"] * 7), 422, "output_token_pieces"),
+    (
+        "piece byte above 255",
+        _set("output_token_pieces", ["a", [256], "b", "c", "d", "e"]),
+        422,
+        "output_token_pieces[1]",
+    ),
+    (
+        "piece a number",
+        _set("output_token_pieces", ["a", "b", 7, "c", "d", "e"]),
+        422,
+        "output_token_pieces[2]",
+    ),
+    (
+        "NUL in a piece",
+        _set("output_token_pieces", ["a", "b", "c", "\x00", "d", "e"]),
+        422,
+        "output_token_pieces[3]",
+    ),
+    (
+        "empty byte piece",
+        _set("output_token_pieces", ["a", [], "b", "c", "d", "e"]),
+        422,
+        "output_token_pieces[1]",
+    ),
 ]
 
 
@@ -141,11 +192,17 @@ def _assert_nothing_stored(db_url: str) -> None:
     assert count_rows(db_url, NumericalConfigRow) == 0
 
 
-@pytest.mark.parametrize(("case", "mutation", "status", "field"), ITEM_CASES,
-                         ids=[c[0] for c in ITEM_CASES])
+@pytest.mark.parametrize(
+    ("case", "mutation", "status", "field"), ITEM_CASES, ids=[c[0] for c in ITEM_CASES]
+)
 def test_single_post_names_the_field(
-    client: TestClient, headers: Headers, db_url: str,
-    case: str, mutation: Mutation, status: int, field: str,
+    client: TestClient,
+    headers: Headers,
+    db_url: str,
+    case: str,
+    mutation: Mutation,
+    status: int,
+    field: str,
 ) -> None:
     # json.dumps, not httpx's json=: it writes the NaN/Infinity literals some clients send.
     body = json.dumps(_mutated(mutation)).encode()
@@ -157,11 +214,17 @@ def test_single_post_names_the_field(
     _assert_nothing_stored(db_url)
 
 
-@pytest.mark.parametrize(("case", "mutation", "status", "field"), ITEM_CASES,
-                         ids=[c[0] for c in ITEM_CASES])
+@pytest.mark.parametrize(
+    ("case", "mutation", "status", "field"), ITEM_CASES, ids=[c[0] for c in ITEM_CASES]
+)
 def test_batch_item_names_the_field(
-    client: TestClient, headers: Headers, db_url: str,
-    case: str, mutation: Mutation, status: int, field: str,
+    client: TestClient,
+    headers: Headers,
+    db_url: str,
+    case: str,
+    mutation: Mutation,
+    status: int,
+    field: str,
 ) -> None:
     body = json.dumps({"traces": [_mutated(mutation)]}).encode()
     answer = client.post("/v1/traces:batch", content=body, headers=headers("submitter"))
@@ -237,7 +300,8 @@ def test_any_endpoint_refuses_a_declared_body_over_the_limit(
 ) -> None:
     client = make_client(max_request_bytes=100)
     answer = client.post(
-        "/v1/keys", content=b'{"role": "auditor", "name": "' + b"x" * 200 + b'"}',
+        "/v1/keys",
+        content=b'{"role": "auditor", "name": "' + b"x" * 200 + b'"}',
         headers=headers("admin") | {"Content-Type": "application/json"},
     )
     assert answer.status_code == 413 and answer.json()["field"] == "body"
@@ -258,12 +322,18 @@ def test_a_batch_stores_its_good_items_beside_an_out_of_range_number(
 
 
 @pytest.mark.parametrize("path", ["/v1/traces", "/v1/traces:batch"])
-def test_extras_read_back_exactly_as_sent(
-    client: TestClient, headers: Headers, path: str
-) -> None:
+def test_extras_read_back_exactly_as_sent(client: TestClient, headers: Headers, path: str) -> None:
     extras = {
-        "none": None, "true": True, "zero": 0, "int_max": 2**63 - 1, "int_min": -(2**63) + 1,
-        "float": 0.1, "integral_float": 3.0, "tiny": 5e-324, "huge": 1.5e18, "text": "3",
+        "none": None,
+        "true": True,
+        "zero": 0,
+        "int_max": 2**63 - 1,
+        "int_min": -(2**63) + 1,
+        "float": 0.1,
+        "integral_float": 3.0,
+        "tiny": 5e-324,
+        "huge": 1.5e18,
+        "text": "3",
     }
     trace = make_trace(config={"extras": extras})
     body = {"traces": [trace]} if path.endswith("batch") else trace
