@@ -32,6 +32,7 @@ from replay_audit.engine.numerics import top_k_on_host
 from replay_audit.engine.pieces import PieceReader
 from replay_audit.engine.protocol import Environment, LogitsProcessors
 from replay_audit.exceptions import EngineError
+from replay_audit.json_value import JsonObject, JsonValue
 
 
 def printable_text(text: str) -> str:
@@ -52,7 +53,7 @@ def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]
 
 
-def generation_settings(processors: LogitsProcessors | None) -> dict[str, Any]:
+def generation_settings(processors: LogitsProcessors | None) -> dict[str, object]:
     """The `GenerationConfig` settings that make `generate()` run `processors` (a logit bias as
     `sequence_bias` of one-token sequences). `EngineError` for vLLM's `bad_words` texts, which
     generate() does not take (give `bad_words_ids`)."""
@@ -60,7 +61,7 @@ def generation_settings(processors: LogitsProcessors | None) -> dict[str, Any]:
         return {}
     if processors.bad_words:
         raise EngineError("generate() takes bad_words_ids, not vLLM's bad_words texts")
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     if processors.repetition_penalty not in (None, 1.0):
         out["repetition_penalty"] = float(processors.repetition_penalty or 1.0)
     if processors.no_repeat_ngram_size:
@@ -74,19 +75,19 @@ def generation_settings(processors: LogitsProcessors | None) -> dict[str, Any]:
     return out
 
 
-def processors_json(processors: LogitsProcessors | None) -> dict[str, Any] | None:
+def processors_json(processors: LogitsProcessors | None) -> JsonObject | None:
     """`processors` as a trace's `decoding.logits_processors` (None: none ran)."""
     if processors is None or not processors.active:
         return None
-    out: dict[str, Any] = {}
-    for name in processors.names():
-        value = getattr(processors, name)
-        if name == "logit_bias":
-            value = {str(t): b for t, b in value}
-        elif name == "bad_words_ids":
-            value = [list(w) for w in value]
-        out[name] = value
-    return out
+    values: dict[str, JsonValue] = {
+        "repetition_penalty": processors.repetition_penalty,
+        "no_repeat_ngram_size": processors.no_repeat_ngram_size,
+        "min_new_tokens": processors.min_new_tokens,
+        "logit_bias": {str(t): b for t, b in processors.logit_bias},
+        "bad_words_ids": [list(w) for w in processors.bad_words_ids],
+        "bad_words": list(processors.bad_words),
+    }
+    return {name: values[name] for name in processors.names()}
 
 
 def sorted_top_k(

@@ -25,7 +25,7 @@ from typing import Any, Final
 from replay_audit.json_value import JsonObject, JsonValue
 
 #: Request fields that process the logits, with the value that leaves them off.
-PROCESSOR_FIELDS: Final[dict[str, Any]] = {
+PROCESSOR_FIELDS: Final[dict[str, JsonValue]] = {
     "repetition_penalty": 1,
     "frequency_penalty": 0,
     "presence_penalty": 0,
