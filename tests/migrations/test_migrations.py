@@ -482,19 +482,19 @@ def test_0014_lets_a_batch_size_be_unknown_and_keeps_the_traces(empty_db_url: st
         engine.dispose()
 
 
-def test_0016_links_audit_runs_to_verifications_keeping_runs_and_alerts(
+def test_0017_links_audit_runs_to_verifications_keeping_runs_and_alerts(
     empty_db_url: str,
 ) -> None:
-    """0016 adds `audit_schedules.verify` and `audit_runs.verification_id` (a foreign key, SET
+    """0017 adds `audit_schedules.verify` and `audit_runs.verification_id` (a foreign key, SET
     NULL when the verification goes) without copying `audit_runs`: on SQLite, with foreign keys
-    on, a copy would drop the table and cascade to its alerts. Down to 0015 both columns go and
+    on, a copy would drop the table and cascade to its alerts. Down to 0016 both columns go and
     the runs and alerts stay."""
     from sqlalchemy import text
 
     from replay_audit.db.engine import create_db_engine
 
     t = {"t": "2026-01-05 00:00:00"}
-    migration.upgrade(empty_db_url, "0015")
+    migration.upgrade(empty_db_url, "0016")
     engine = create_db_engine(empty_db_url)  # foreign keys on, as the service runs SQLite
     try:
         with engine.begin() as c:
@@ -542,7 +542,7 @@ def test_0016_links_audit_runs_to_verifications_keeping_runs_and_alerts(
             assert c.execute(text("SELECT verification_id FROM audit_runs")).scalar() is None
             assert c.execute(text("SELECT count(*) FROM audit_runs")).scalar() == 1
         engine.dispose()
-        migration.downgrade(empty_db_url, "0015")
+        migration.downgrade(empty_db_url, "0016")
         with engine.begin() as c:
             assert c.execute(text("SELECT count(*) FROM audit_alerts")).scalar() == 1
             assert c.execute(text("SELECT count(*) FROM audit_runs")).scalar() == 1

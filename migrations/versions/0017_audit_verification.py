@@ -9,8 +9,8 @@ CASCADE). Every row's new column is NULL, so the constraint holds and nothing on
 as 0014 edits a NOT NULL. The downgrade takes the constraint out again so that SQLite's DROP
 COLUMN accepts the column.
 
-Revision ID: 0016
-Revises: 0015
+Revision ID: 0017
+Revises: 0016
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0016"
-down_revision: str | Sequence[str] | None = "0015"
+revision: str = "0017"
+down_revision: str | Sequence[str] | None = "0016"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
