@@ -1,5 +1,7 @@
 """Scheduled re-audits of production samples: schedules (cron in UTC), reproducible sampling,
-one ordinary replay run per schedule and due time, trends, drift flags and webhook alerts.
+one ordinary replay run per schedule and due time (and, for a schedule that verifies, one
+ordinary verification of the same sample), trends, drift and turned-inconsistent flags, webhook
+alerts.
 
     schedule.py     due times (UTC)              sampling.py   which traces (pure)
     drift.py        trend point, flags (pure)    models.py     tables

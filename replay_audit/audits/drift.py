@@ -35,6 +35,16 @@ probability at most alpha, so each rule raises a false alarm on at most alpha of
 comparison that has not drifted (pooling assumes the runs' rates do not vary from night to
 night beyond binomial noise; real night-to-night variation makes alarms more frequent).
 Comparisons are matched across runs by index: a schedule's targets cannot be edited.
+
+And one rule on the run's verification (a schedule with `verify`), per group:
+    group_inconsistent  the group's verdict is `inconsistent` now, and was not in the previous
+                        run whose verification finished (consistent, insufficient, or the
+                        group absent from it; or no such run). The verdict is the
+                        verification's: the group's score above its calibrated null's
+                        threshold at its token count, a false alarm on at most the
+                        verification's false-alarm rate of the runs of an honest group; a
+                        group that stays inconsistent is flagged once, when it turns.
+Groups are matched across runs by name (the group and its claimed configuration).
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ from replay_audit.audits.metrics import (
     DriftTest,
     Flag,
     RunMetrics,
+    VerificationMetrics,
 )
 from replay_audit.replays.domain import RunTarget
 from replay_audit.stats.fisher import fisher_exact
@@ -254,10 +265,62 @@ def _new_category(
     )
 
 
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def turned_inconsistent(
+    current: VerificationMetrics, previous: VerificationMetrics | None
+) -> list[Flag]:
+    """A `group_inconsistent` flag for each group of `current` that is inconsistent and was not
+    in `previous` (the last finished verification before it; None: there is none)."""
+    flags = []
+    for g in current.groups:
+        if g.verdict != "inconsistent":
+            continue
+        before = previous.group(g.group) if previous is not None else None
+        if before is not None and before.verdict == "inconsistent":
+            continue
+        was = (
+            f"{before.verdict} in the previous verified run"
+            if before is not None
+            else "absent from the previous verified run"
+            if previous is not None
+            else "the schedule's first verdict on it"
+        )
+        benign = f"; closest benign: {g.closest_benign}" if g.closest_benign else ""
+        rate = "" if g.false_alarm_rate is None else f", false-alarm rate {g.false_alarm_rate:g}"
+        flags.append(
+            Flag(
+                kind="group_inconsistent",
+                label=g.group,
+                group=g.group,
+                verdict=g,
+                previous_verdict=None if before is None else before.verdict,
+                message=(
+                    f"{g.group}: inconsistent with the claimed checkpoint, {g.statistic or 'score'}"
+                    f" {_num(g.score)} above the benign null's threshold {_num(g.threshold)} at "
+                    f"{g.tokens} tokens{rate}{benign} ({was})"
+                ),
+            )
+        )
+    return flags
+
+
+def previous_verification(history: Sequence[RunMetrics]) -> VerificationMetrics | None:
+    """The newest finished verification of `history` (oldest first): the one a group's verdict
+    now is compared with."""
+    for h in reversed(history):
+        if h.verification is not None and h.verification.status == "done":
+            return h.verification
+    return None
+
+
 def detect_drift(
     current: RunMetrics, history: Sequence[RunMetrics], rules: DriftRules
 ) -> list[Flag]:
-    """The drift flags of `current` given the schedule's earlier evaluated runs (oldest first)."""
+    """The flags of `current` given the schedule's earlier evaluated runs (oldest first): the
+    comparisons' drift flags, then the verified groups' (`turned_inconsistent`)."""
     flags: list[Flag] = []
     trailing = history[-TRAILING_RUNS:]
     seen: set[tuple[int, str]] = {
@@ -278,4 +341,6 @@ def detect_drift(
                     flag = _new_category(c, cat, k, past, rules)
                     if flag is not None:
                         flags.append(flag)
+    if current.verification is not None and current.verification.status == "done":
+        flags += turned_inconsistent(current.verification, previous_verification(history))
     return flags

@@ -9,7 +9,12 @@ endpoint, the schedule page and the webhook serve.
     RunMetrics         the run's point: comparisons and the headline numbers
     DriftTest          the test a flag rests on: counts of the latest run and of the pooled
                        baseline runs, p-value and alpha
-    Flag               one drift flag: kind, comparison (index and label), test, message
+    GroupMetrics       one group's verdict in the run's verification: score, threshold,
+                       false-alarm rate, tokens (the verification report's group, typed)
+    VerificationMetrics  the run's verification (a schedule with `verify`): its status and its
+                       groups' verdicts
+    Flag               one flag: kind, comparison (index and label) or group, the evidence
+                       (`test`, or the group's verdict), message
 
 Rows written before these models (the same keys as plain dicts, flags with kind-specific
 extra keys and no `test`) still read: every field added since has a default, unknown keys are
@@ -22,6 +27,8 @@ from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from replay_audit.stats.verification import Verdict
+
 #: Significance level of every drift rule's count test, i.e. its false-alarm rate
 #: (REPLAY_AUDIT_DRIFT_ALPHA).
 DEFAULT_ALPHA: Final = 0.01
@@ -29,8 +36,9 @@ DEFAULT_ALPHA: Final = 0.01
 #: (REPLAY_AUDIT_DRIFT_MIN_N).
 DEFAULT_MIN_N: Final = 10
 
-#: Flag kinds (docs/audits.md, "Trend and drift").
-FlagKind = Literal["ear_drop", "self_disagreement", "new_category"]
+#: Flag kinds (docs/audits.md, "Trend and drift" and "Verification"): the first three are a
+#: comparison's, `group_inconsistent` a verified group's.
+FlagKind = Literal["ear_drop", "self_disagreement", "new_category", "group_inconsistent"]
 #: The test a flag rests on:
 #:   fisher_exact_less     one-sided Fisher exact test, the latest rate below the baseline's
 #:   fisher_exact_greater  one-sided Fisher exact test, the latest rate above the baseline's
@@ -79,8 +87,52 @@ class CLift(_Stored):
     comparison: int | None = None
 
 
+class GroupMetrics(_Stored):
+    """One group's verdict in a run's verification (`verifications.domain.group_json`, typed):
+    its score against the threshold of its null at its token count, and the false-alarm rate
+    the threshold holds to."""
+
+    #: The group: its tag set, engine or configuration (`group_by`), and its claim.
+    group: str
+    verdict: Verdict
+    statistic: str | None = None
+    score: float | None = None
+    threshold: float | None = None
+    false_alarm_rate: float | None = None
+    tokens: int = 0
+    traces: int = 0
+    #: inconsistent: the score minus the null's mean; the benign variation nearest it.
+    effect_size: float | None = None
+    closest_benign: str | None = None
+    #: insufficient: the tokens a decision needs, and how many more.
+    tokens_needed: int | None = None
+    more_tokens: int | None = None
+    #: Traces counted but not verified: sampled, or not scanned.
+    sampled: int = 0
+    failed: int = 0
+
+
+VerificationStatus = Literal["done", "failed"]
+
+
+class VerificationMetrics(_Stored):
+    """The run's verification once finished: its id (`/v1/verifications/{id}`), status, the
+    overall verdict and each group's (`failed`: no verdicts, and why)."""
+
+    #: None: the verification was deleted.
+    id: str | None = None
+    status: VerificationStatus
+    verdict: Verdict | None = None
+    groups: list[GroupMetrics] = Field(default_factory=list)
+    error: str | None = None
+
+    def group(self, name: str) -> GroupMetrics | None:
+        return next((g for g in self.groups if g.group == name), None)
+
+
 class RunMetrics(_Stored):
-    """The trend point of one evaluated audit run (see `drift.run_metrics`)."""
+    """The trend point of one evaluated audit run (see `drift.run_metrics`), with its
+    verification's verdicts when the schedule verifies."""
 
     comparisons: list[ComparisonMetrics] = Field(default_factory=list)
     #: The baseline comparison's EAR and Wilson 95% interval.
@@ -93,6 +145,7 @@ class RunMetrics(_Stored):
     trigger_rate: float | None = None
     categories: dict[str, int] = Field(default_factory=dict)
     self_agreement: float | None = None
+    verification: VerificationMetrics | None = None
 
     def comparison(self, index: int) -> ComparisonMetrics | None:
         return next((c for c in self.comparisons if c.index == index), None)
@@ -116,13 +169,22 @@ class DriftTest(_Stored):
 
 
 class Flag(_Stored):
-    """One drift flag of a run. `message` says why it fired, in words; `test` in numbers."""
+    """One flag of a run. `message` says why it fired, in words; `test` (a comparison's flag)
+    or `verdict` (a group's) in numbers."""
 
     kind: FlagKind
-    comparison: int
-    #: The comparison's label (`fp16`, `FP16 + C`, `self (logged configuration)`).
+    #: The comparison's index; None for a group's flag.
+    comparison: int | None = None
+    #: The comparison's label (`fp16`, `FP16 + C`, `self (logged configuration)`), or the
+    #: group's name.
     label: str = ""
     test: DriftTest | None = None
+    #: group_inconsistent: the group, its verdict now (score, threshold, false-alarm rate,
+    #: tokens, effect size, closest benign variation), and its verdict in the previous run that
+    #: verified (None: absent from it, or no such run).
+    group: str | None = None
+    verdict: GroupMetrics | None = None
+    previous_verdict: Verdict | None = None
     #: new_category: the category.
     category: str | None = None
     #: ear_drop: baseline EAR minus latest EAR, percentage points, and the schedule's
@@ -135,5 +197,7 @@ class Flag(_Stored):
     def reason(self) -> str:
         """The message, led by the comparison's label (or index, for old rows without one)
         unless the message already names it."""
-        name = self.label or f"comparison {self.comparison}"
+        name = self.label or (
+            f"group {self.group}" if self.group is not None else f"comparison {self.comparison}"
+        )
         return self.message if self.message.startswith(name) else f"{name}: {self.message}"

@@ -1,15 +1,16 @@
 """Audit tables.
 
     audit_schedules   what to audit and when: cron (UTC), selection, sampling, replay targets,
-                      drift threshold, webhook
+                      verification (optional), drift threshold, webhook
     audit_runs        one per (schedule, due time), unique: the claim that makes a due time run
                       exactly once however many schedulers tick, and the run's trend point and
-                      drift flags once its replay run has finished
+                      flags once its replay run (and verification) has finished
     audit_alerts      one per flagged run with a webhook: the delivery and every attempt
 
 The replay run of an audit run is an ordinary `replay_runs` row (`schedule_id` = the schedule's
 public id, `idempotency_key` = `schedule:<id>:<due time>`), so everything that shows a replay
-run shows it.
+run shows it; so is its verification, an ordinary `verifications` row with the same
+idempotency key.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column
 from typing_extensions import TypedDict
 
-# The tables its foreign keys name (projects, replay_runs), in the metadata whoever imports this.
+# The tables its foreign keys name (projects, replay_runs, verifications), in the metadata whoever
+# imports this.
 import replay_audit.auth.models
-import replay_audit.replays.models  # noqa: F401
+import replay_audit.replays.models
+import replay_audit.verifications.models  # noqa: F401
 from replay_audit.audits.metrics import Flag, RunMetrics
 from replay_audit.db.base import Base, utcnow
 from replay_audit.db.types import BigId, ModelJSON
@@ -64,6 +67,8 @@ class AuditSchedule(Base):
     #: `schemas.ScheduleReplay` as JSON: targets, compare, mode, ...
     replay: Mapped[JsonObject] = mapped_column(JSON)
     ear_drop_points: Mapped[float] = mapped_column(Float)
+    #: `schemas.ScheduleVerify` as JSON (None: the runs are not verified).
+    verify: Mapped[JsonObject | None] = mapped_column(JSON, nullable=True)
     webhook_url: Mapped[str | None] = mapped_column(String(2000), nullable=True)
     #: The key that signs the webhook's deliveries (HMAC-SHA256), set with the webhook. Stored
     #: in clear because signing needs it (a hash could not sign); shown once, at creation or
@@ -99,6 +104,10 @@ class AuditRun(Base):
     replay_run_id: Mapped[int | None] = mapped_column(
         ForeignKey("replay_runs.id", ondelete="SET NULL"), nullable=True, index=True
     )
+    #: The verification of the run's sample (a schedule with `verify`).
+    verification_id: Mapped[int | None] = mapped_column(
+        BigId, ForeignKey("verifications.id", ondelete="SET NULL"), nullable=True, index=True
+    )
     #: The trace window [window_start, window_end) the sample was drawn from.
     window_start: Mapped[datetime] = mapped_column()
     window_end: Mapped[datetime] = mapped_column()
@@ -106,7 +115,8 @@ class AuditRun(Base):
     n_sampled: Mapped[int] = mapped_column(Integer, default=0)
     #: `drift.run_metrics` once the replay run finished (JSON).
     metrics: Mapped[RunMetrics | None] = mapped_column(ModelJSON(RunMetrics), nullable=True)
-    #: `drift.detect_drift`'s flags (JSON).
+    #: `drift.detect_drift`'s flags (JSON): the comparisons' drift and the groups turned
+    #: inconsistent.
     flags: Mapped[list[Flag]] = mapped_column(ModelJSON(list[Flag]), default=list)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

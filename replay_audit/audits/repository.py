@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import TypeVar
 
-from sqlalchemy import and_, func, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 from typing_extensions import TypedDict
 
@@ -20,6 +20,7 @@ from replay_audit.replays.models import ReplayRun
 from replay_audit.traces import repository as traces_repository
 from replay_audit.traces.models import NumericalConfigRow, Trace
 from replay_audit.traces.selection import TraceSelection
+from replay_audit.verifications.models import Verification
 
 #: Trace rows whose logits are read per query (low_margin_first).
 MARGIN_CHUNK = 500
@@ -193,6 +194,21 @@ def replay_refs(session: Session, replay_run_ids: Iterable[int]) -> dict[int, tu
     return {i: (pid, st) for i, pid, st in rows}
 
 
+def verification_refs(
+    session: Session, verification_ids: Iterable[int]
+) -> dict[int, tuple[str, str]]:
+    """Verification id -> (public id, status)."""
+    ids = set(verification_ids)
+    if not ids:
+        return {}
+    rows = session.execute(
+        select(Verification.id, Verification.public_id, Verification.status).where(
+            Verification.id.in_(ids)
+        )
+    ).all()
+    return {i: (pid, st) for i, pid, st in rows}
+
+
 def due_times_with_runs(
     session: Session, schedule_id: int, start: datetime, end: datetime
 ) -> set[datetime]:
@@ -203,11 +219,18 @@ def due_times_with_runs(
 
 
 def runs_to_evaluate(session: Session) -> list[int]:
-    """Audit runs whose replay run has finished but that carry no trend point yet."""
+    """Audit runs whose replay run, and verification if they have one, have finished but that
+    carry no trend point yet."""
+    finished = ("done", "failed")
     stmt = (
         select(AuditRun.id)
         .join(ReplayRun, ReplayRun.id == AuditRun.replay_run_id)
-        .where(AuditRun.status == "running", ReplayRun.status.in_(("done", "failed")))
+        .outerjoin(Verification, Verification.id == AuditRun.verification_id)
+        .where(
+            AuditRun.status == "running",
+            ReplayRun.status.in_(finished),
+            or_(AuditRun.verification_id.is_(None), Verification.status.in_(finished)),
+        )
         .order_by(AuditRun.due_at)
     )
     return list(session.scalars(stmt))

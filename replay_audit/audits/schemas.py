@@ -15,6 +15,14 @@ A schedule (admin creates, pauses, deletes; auditors read):
 `replay` takes ReplayCreate's fields but the trace selection (`trace_ids`/`filter`, which the
 schedule draws itself) and `idempotency_key` (which is the schedule's: `schedule:<id>:<due>`).
 Put the baseline target first: the trend's EAR and C lift read comparison order.
+
+`verify` (optional) also verifies each run's sample against the checkpoint its traces claim
+(docs/verify.md), one verdict per group, and flags a group that turns inconsistent:
+
+     "verify": {"group_by": "tag", "false_alarm_rate": 0.01, "device": null}
+
+It takes VerificationCreate's fields but the filter (the run's sample, by trace id) and
+`idempotency_key` (the schedule's, as the replay run's).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from pydantic import (
     model_validator,
 )
 
-from replay_audit.audits.metrics import CLift, ComparisonMetrics, Flag
+from replay_audit.audits.metrics import CLift, ComparisonMetrics, Flag, VerificationMetrics
 from replay_audit.audits.sampling import Policy
 from replay_audit.audits.schedule import NIGHTLY, validate_cron
 from replay_audit.audits.webhook import ErrorClass
@@ -49,6 +57,7 @@ from replay_audit.formats import (
     BodyDType,
     Compare,
     CompareWith,
+    Device,
     Mode,
 )
 from replay_audit.input import InputModel, Lax, option_field
@@ -62,6 +71,12 @@ from replay_audit.replays.schemas import (
 )
 from replay_audit.traces.schemas import Name, Tag
 from replay_audit.traces.selection import TraceSelection
+from replay_audit.verifications.schemas import (
+    MAX_VERIFICATION_TRACES,
+    GroupBy,
+    VerificationCreate,
+    VerificationFilter,
+)
 
 ScheduleStatus = Literal["active", "paused"]
 AuditRunStatus = Literal["running", "done", "no_traces", "failed"]
@@ -144,6 +159,38 @@ class ScheduleReplay(InputModel):
         )
 
 
+class ScheduleVerify(InputModel):
+    """Verify each run's sample too (docs/verify.md): VerificationCreate's fields but the
+    filter and the idempotency key, which are the run's."""
+
+    #: The groups a verdict is given to (and a flag raised for): the traces' tag sets, logging
+    #: engines or configurations, or all of them together; each split by its claimed
+    #: configuration, as a verification always is.
+    group_by: GroupBy = "tag"
+    false_alarm_rate: float = Field(default=0.01, ge=1e-4, le=0.5, allow_inf_nan=False)
+    #: Where the scan runs (None: the deployment's default queue).
+    device: Device | None = None
+
+    def to_request(self, trace_ids: list[str], idempotency_key: str) -> VerificationCreate:
+        """The verification of one run's sample."""
+        return VerificationCreate(
+            filter=VerificationFilter(trace_ids=trace_ids),
+            idempotency_key=idempotency_key,
+            **self.model_dump(),
+        )
+
+
+def check_verified_sample(sample_size: int | None, verify: ScheduleVerify | None) -> None:
+    """A schedule that verifies samples at most MAX_VERIFICATION_TRACES traces (a verification's
+    limit)."""
+    if verify is not None and sample_size is not None and sample_size > MAX_VERIFICATION_TRACES:
+        raise FieldError(
+            f"sample_size: a schedule that verifies samples at most {MAX_VERIFICATION_TRACES} "
+            "traces (a verification's limit)",
+            field="sample_size",
+        )
+
+
 _HTTP_URL: TypeAdapter[AnyHttpUrl] = TypeAdapter(AnyHttpUrl)
 
 
@@ -192,10 +239,20 @@ class ScheduleCreate(InputModel):
     #: Flag a run whose EAR falls more than this many percentage points below the trailing
     #: 7-run mean of the same comparison.
     ear_drop_points: float = Field(default=5.0, gt=0, le=100, allow_inf_nan=False)
+    #: Also verify each run's sample; a group that turns inconsistent is flagged.
+    verify: ScheduleVerify | None = None
     webhook_url: WebhookUrl | None = None
     status: ScheduleStatus = "active"
 
     _check_cron = field_validator("cron")(_cron)
+
+    @model_validator(mode="after")
+    def _verified_sample(self) -> ScheduleCreate:
+        try:
+            check_verified_sample(self.sample_size, self.verify)
+        except FieldError as e:
+            raise ValueError(e.message) from None
+        return self
 
 
 class ScheduleUpdate(InputModel):
@@ -221,6 +278,9 @@ class AuditRunRead(_Frozen):
     status: AuditRunStatus
     replay_run_id: str | None
     replay_status: str | None
+    #: The run's verification (a schedule with `verify`), and its status.
+    verification_id: str | None = None
+    verification_status: str | None = None
     window_start: datetime
     window_end: datetime
     n_candidates: int
@@ -243,6 +303,7 @@ class ScheduleRead(_Frozen):
     seed: int
     replay: ScheduleReplay
     ear_drop_points: float
+    verify: ScheduleVerify | None
     #: Shown whole to admins; others see only its scheme and host (a webhook URL is often a
     #: secret).
     webhook_url: str | None
@@ -314,6 +375,9 @@ class TrendPoint(_Frozen):
     categories: dict[str, int]
     self_agreement: float | None
     comparisons: list[ComparisonMetrics]
+    #: The run's verification and its groups' verdicts (null: the schedule does not verify,
+    #: or the run has not been evaluated).
+    verification: VerificationMetrics | None = None
     flags: list[Flag]
     flagged: bool
 

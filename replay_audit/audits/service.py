@@ -1,5 +1,6 @@
-"""Audit schedules: create, read, pause, delete; start a run for a due time; evaluate a finished
-run (trend point, drift flags, alert); missed runs and catch-up; the trend.
+"""Audit schedules: create, read, pause, delete; start a run for a due time (its replay run, and
+its verification when the schedule verifies); evaluate a finished run (trend point, drift and
+verification flags, alert); missed runs and catch-up; the trend.
 
 Services take a session and never commit. Replay jobs and alert deliveries are enqueued with
 `after_commit`, so nothing runs against rows that were rolled back.
@@ -22,7 +23,12 @@ from sqlalchemy.orm import Session
 
 from replay_audit.audits import repository, sampling, webhook
 from replay_audit.audits.drift import DriftRules, detect_drift, run_metrics
-from replay_audit.audits.metrics import DEFAULT_ALPHA, DEFAULT_MIN_N, RunMetrics
+from replay_audit.audits.metrics import (
+    DEFAULT_ALPHA,
+    DEFAULT_MIN_N,
+    RunMetrics,
+    VerificationMetrics,
+)
 from replay_audit.audits.models import AuditAlert, AuditRun, AuditSchedule
 from replay_audit.audits.schedule import due_times, latest_due, next_due
 from replay_audit.audits.schemas import (
@@ -34,9 +40,11 @@ from replay_audit.audits.schemas import (
     ScheduleRead,
     ScheduleReplay,
     ScheduleUpdate,
+    ScheduleVerify,
     Selection,
     Trend,
     TrendPoint,
+    check_verified_sample,
 )
 from replay_audit.audits.webhook import DestinationPolicy
 from replay_audit.db.base import flush_unique, read_model, utcnow
@@ -56,6 +64,9 @@ from replay_audit.replays import statistics as replay_statistics
 from replay_audit.replays.models import MAX_RUN_NAME, ReplayRun
 from replay_audit.replays.service import RunDefaults
 from replay_audit.telemetry.metric import DRIFT_ALERTS
+from replay_audit.traces.models import Trace
+from replay_audit.verifications import service as verification_service
+from replay_audit.verifications.models import Verification
 
 #: How far back missed runs are looked for.
 MISSED_LOOKBACK: Final = timedelta(days=31)
@@ -122,6 +133,12 @@ def create_schedule(
     replay_service.check_targets(
         capabilities, [t.to_domain() for t in body.replay.targets], field="replay.targets"
     )
+    if body.verify is not None:
+        refusal = replay_service.target_refusal(
+            capabilities, lm_head_dtype=None, device=body.verify.device
+        )
+        if refusal is not None:
+            raise FieldError(refusal, field="verify.device")
     webhook_url = None if body.webhook_url is None else str(body.webhook_url)
     if webhook_url is not None:
         webhook.check_url(webhook_url, destinations)
@@ -140,6 +157,7 @@ def create_schedule(
         seed=body.seed,
         replay=body.replay.model_dump(mode="json"),
         ear_drop_points=body.ear_drop_points,
+        verify=None if body.verify is None else body.verify.model_dump(mode="json"),
         webhook_url=webhook_url,
         webhook_secret=None if webhook_url is None else webhook.new_secret(),
         active_since=now,
@@ -198,6 +216,7 @@ def update_schedule(
             schedule.active_since, schedule.paused_at = now, None
         schedule.status = body.status
     if "sample_size" in sent and body.sample_size is not None:
+        check_verified_sample(body.sample_size, schedule_verify(schedule))
         schedule.sample_size = body.sample_size
     if "ear_drop_points" in sent and body.ear_drop_points is not None:
         schedule.ear_drop_points = body.ear_drop_points
@@ -214,8 +233,16 @@ def delete_schedule(session: Session, schedule: AuditSchedule) -> None:
     session.flush()
 
 
+def schedule_verify(schedule: AuditSchedule) -> ScheduleVerify | None:
+    """The schedule's verification options (None: its runs are not verified)."""
+    return None if schedule.verify is None else ScheduleVerify.model_validate(schedule.verify)
+
+
 def run_to_read(
-    run: AuditRun, schedule_public_id: str, replay: tuple[str, str] | None
+    run: AuditRun,
+    schedule_public_id: str,
+    replay: tuple[str, str] | None,
+    verification: tuple[str, str] | None = None,
 ) -> AuditRunRead:
     return read_model(
         AuditRunRead,
@@ -224,6 +251,8 @@ def run_to_read(
         schedule_id=schedule_public_id,
         replay_run_id=None if replay is None else replay[0],
         replay_status=None if replay is None else replay[1],
+        verification_id=None if verification is None else verification[0],
+        verification_status=None if verification is None else verification[1],
         flags=list(run.flags or []),
     )
 
@@ -242,6 +271,9 @@ def to_reads(
     refs = repository.replay_refs(
         session, [r.replay_run_id for r in last.values() if r.replay_run_id is not None]
     )
+    vrefs = repository.verification_refs(
+        session, [r.verification_id for r in last.values() if r.verification_id is not None]
+    )
     out = []
     for s in schedules:
         lr = last.get(s.id)
@@ -253,12 +285,16 @@ def to_reads(
                 project=names.get(s.project_id, ""),
                 selection=Selection.model_validate(s.selection),
                 replay=ScheduleReplay.model_validate(s.replay, context=STORED),
+                verify=schedule_verify(s),
                 webhook_url=s.webhook_url if reveal_webhook else mask_url(s.webhook_url),
                 next_due_at=next_due(s.cron, now) if s.status == "active" else None,
                 last_run=None
                 if lr is None
                 else run_to_read(
-                    lr, s.public_id, refs.get(lr.replay_run_id) if lr.replay_run_id else None
+                    lr,
+                    s.public_id,
+                    refs.get(lr.replay_run_id) if lr.replay_run_id else None,
+                    vrefs.get(lr.verification_id) if lr.verification_id else None,
                 ),
                 missed=len(missed_due_times(session, s, now=now)[0]),
             )
@@ -310,7 +346,10 @@ def start_audit_run(
     The window is [due_at - window_hours, due_at), relative to the due time and not to when the
     run happens to start, so a late or caught-up run samples what the punctual one would have.
     An empty window gives a run with status `no_traces`; a replay request the replay service
-    refuses gives a run with status `failed` and the reason (neither is retried by later ticks).
+    refuses, or a verification of the sample the verification service refuses (its traces
+    claim two checkpoints, say), gives a run with status `failed` and the reason, with nothing
+    created (neither is retried by later ticks). A schedule that verifies gets the sample's
+    verification beside the replay run, with the same idempotency key.
     A job queue that cannot take work raises `QueueUnavailable` (a 503): the caller's rollback
     drops the claim, so the run is started again once the queue is back, never left failed.
     """
@@ -348,12 +387,20 @@ def start_audit_run(
     if not chosen:
         run.status, run.evaluated_at = "no_traces", now
         return run, True
+    key = idempotency_key(schedule.public_id, due_at)
+    ids = [c.public_id for c in chosen]
     request = ScheduleReplay.model_validate(schedule.replay, context=STORED).to_request(
-        [c.public_id for c in chosen],
-        idempotency_key(schedule.public_id, due_at),
-        run_name(schedule.name, due_at),
+        ids, key, run_name(schedule.name, due_at)
     )
+    verify = schedule_verify(schedule)
+    verification = None if verify is None else verify.to_request(ids, key)
+    verified: list[Trace] | None = None
     try:
+        # Both requests are checked before either is stored: a refusal leaves nothing behind.
+        if verification is not None:
+            verified = verification_service.select_traces(
+                session, schedule.project_id, verification, queue.capabilities
+            )
         replay, _ = replay_service.create_replay(
             session,
             schedule.project_id,
@@ -365,11 +412,19 @@ def start_audit_run(
     except QueueUnavailable:
         raise
     except ReplayAuditError as e:
-        # Refused before anything was written (see replays.service.create_replay): keep the
-        # claim, record why, and let the page show it.
-        run.status, run.error, run.evaluated_at = "failed", e.message, now
+        # Refused before anything was written (see replays.service.create_replay and
+        # verifications.service.select_traces): keep the claim, record why, and let the page
+        # show it.
+        replay_refused = verification is None or verified is not None
+        run.status, run.evaluated_at = "failed", now
+        run.error = e.message if replay_refused else f"the sample's verification: {e.message}"
         return run, True
     run.replay_run_id = replay.id
+    if verification is not None:
+        v, _ = verification_service.create_verification(
+            session, schedule.project_id, verification, queue, traces=verified
+        )
+        run.verification_id = v.id
     session.flush()
     return run, True
 
@@ -490,8 +545,10 @@ def _payload(
     replay_public_id: str | None,
 ) -> JsonObject:
     """The webhook's JSON body: each flag whole (kind, comparison index and label, the test
-    with its counts, p-value and alpha, the message) and the run's headline numbers."""
+    with its counts, p-value and alpha; or the group and its verdict now and before; the
+    message), the run's headline numbers and its verification's verdicts."""
     m = run.metrics or RunMetrics()
+    v = m.verification
     return {
         "event": "replay_audit.audit.drift",
         "alert_id": alert_public_id,
@@ -502,6 +559,7 @@ def _payload(
             "due_at": run.due_at.astimezone(UTC).isoformat(),
             "trigger": run.trigger,
             "replay_run_id": replay_public_id,
+            "verification_id": None if v is None else v.id,
             "n_sampled": run.n_sampled,
         },
         "flags": [f.model_dump(mode="json", by_alias=True) for f in run.flags],
@@ -517,7 +575,30 @@ def _payload(
                 "self_agreement",
             },
         ),
+        "verification": None if v is None else v.model_dump(mode="json"),
     }
+
+
+def verification_metrics(verification: Verification | None) -> VerificationMetrics | None:
+    """What a run keeps of its finished verification: the verdict of each group (None while it
+    runs). A verification deleted since is a failed one."""
+    if verification is None:
+        return VerificationMetrics(status="failed", error="the verification was deleted")
+    if verification.status not in ("done", "failed"):
+        return None
+    report = verification.report
+    if verification.status == "failed" or report is None:
+        return VerificationMetrics(
+            id=verification.public_id, status="failed", error=verification.error
+        )
+    return VerificationMetrics.model_validate(
+        {
+            "id": verification.public_id,
+            "status": "done",
+            "verdict": report.get("verdict"),
+            "groups": report.get("groups") or [],
+        }
+    )
 
 
 def evaluate_audit_run(
@@ -530,10 +611,12 @@ def evaluate_audit_run(
     drift_alpha: float = DEFAULT_ALPHA,
     drift_min_n: int = DEFAULT_MIN_N,
 ) -> AuditRun | None:
-    """Give a run whose replay run has finished its trend point and drift flags (the rules of
-    `drift.py`, at significance level `drift_alpha`, with at least `drift_min_n` traces on each
-    side); create and (after commit) enqueue its webhook alert if flagged. None when there is
-    nothing to do (already evaluated by another scheduler, or the replay run is still going)."""
+    """Give a run whose replay run (and verification, when the schedule verifies) has finished
+    its trend point and flags: the drift rules of `drift.py`, at significance level
+    `drift_alpha`, with at least `drift_min_n` traces on each side, and the groups its
+    verification found turned inconsistent (`drift.turned_inconsistent`); create and (after
+    commit) enqueue its webhook alert if flagged. None when there is nothing to do (already
+    evaluated by another scheduler, or the replay run or the verification is still going)."""
     run = repository.lock_run(session, audit_run_id)
     if run is None or run.status != "running":
         return None
@@ -546,7 +629,18 @@ def evaluate_audit_run(
         return None
     schedule = session.get(AuditSchedule, run.schedule_id)
     assert schedule is not None  # FK
-    run.metrics = run_metrics(replay_statistics.of_run(session, replay), replay.run_targets)
+    verified = None
+    if schedule.verify is not None:
+        verification = (
+            session.get(Verification, run.verification_id)
+            if run.verification_id is not None
+            else None
+        )
+        verified = verification_metrics(verification)
+        if verified is None:
+            return None  # the verification is still going
+    metrics = run_metrics(replay_statistics.of_run(session, replay), replay.run_targets)
+    run.metrics = metrics.model_copy(update={"verification": verified})
     if replay.status == "failed":
         run.status, run.error, run.flags = "failed", replay.error, []
     else:
@@ -554,6 +648,8 @@ def evaluate_audit_run(
         rules = DriftRules(schedule.ear_drop_points, alpha=drift_alpha, min_n=drift_min_n)
         run.flags = detect_drift(run.metrics, history, rules)
         run.status = "done"
+        if verified is not None and verified.status == "failed":
+            run.error = f"the sample's verification failed: {verified.error or 'no reason given'}"
     run.evaluated_at = now
     session.flush()
     if run.flags:
@@ -606,7 +702,7 @@ def trend(session: Session, schedule: AuditSchedule, *, limit: int = 90) -> Tren
     ):
         m = run.metrics or RunMetrics()
         flags = list(run.flags or [])
-        figures = {  # the run's metrics of the point's field names
+        figures = {  # the run's metrics of the point's field names (its verification too)
             f: getattr(m, f) for f in RunMetrics.model_fields if f in TrendPoint.model_fields
         }
         points.append(
@@ -635,9 +731,21 @@ def list_schedules(session: Session, project_id: int) -> list[AuditSchedule]:
 def runs_to_read(
     session: Session, schedule: AuditSchedule, runs: list[AuditRun]
 ) -> list[AuditRunRead]:
-    """`runs` of `schedule` as the API shows them, with their replay runs' ids and statuses."""
+    """`runs` of `schedule` as the API shows them, with their replay runs' and verifications'
+    ids and statuses."""
     refs = repository.replay_refs(session, [r.replay_run_id for r in runs if r.replay_run_id])
-    return [run_to_read(r, schedule.public_id, refs.get(r.replay_run_id or -1)) for r in runs]
+    vrefs = repository.verification_refs(
+        session, [r.verification_id for r in runs if r.verification_id]
+    )
+    return [
+        run_to_read(
+            r,
+            schedule.public_id,
+            refs.get(r.replay_run_id or -1),
+            vrefs.get(r.verification_id or -1),
+        )
+        for r in runs
+    ]
 
 
 def runs_page(
@@ -645,8 +753,16 @@ def runs_page(
 ) -> list[AuditRunRead]:
     """The schedule's runs, newest due time first (`before`: older than this due time)."""
     rows = repository.runs_with_replay(session, schedule.id, limit=limit, before=before)
+    vrefs = repository.verification_refs(
+        session, [r.verification_id for r, _, _ in rows if r.verification_id]
+    )
     return [
-        run_to_read(r, schedule.public_id, None if pid is None else (pid, st or ""))
+        run_to_read(
+            r,
+            schedule.public_id,
+            None if pid is None else (pid, st or ""),
+            vrefs.get(r.verification_id or -1),
+        )
         for r, pid, st in rows
     ]
 

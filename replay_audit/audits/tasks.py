@@ -9,7 +9,7 @@ A tick, every step idempotent and safe to run from two schedulers at once:
      (schedule, due time) key decides who starts it);
   2. evaluate audit runs whose replay run has finished: trend point, drift flags, alert;
   3. re-enqueue alerts still pending that no runner holds (after a Redis flush or a restart);
-  4. reconcile replay jobs with the queue (`replay_audit.replays.reconcile`);
+  4. reconcile replay jobs, screenings and verifications with the queue (`reconcile_jobs`);
   5. storage: create the trace tables' partitions ahead (PostgreSQL, `db.partition`) and, when
      `retention_days` is set, prune what is older (`db.retention`).
 """
@@ -21,6 +21,8 @@ import logging
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Final
+
+from sqlalchemy.orm import Session
 
 import replay_audit
 from replay_audit.audits import repository, service, webhook
@@ -37,6 +39,7 @@ from replay_audit.replays.reconcile import reconcile
 from replay_audit.replays.service import RunDefaults
 from replay_audit.screenings.reconcile import reconcile_screenings
 from replay_audit.telemetry.metric import WEBHOOK_DELIVERIES
+from replay_audit.verifications.reconcile import reconcile_verifications
 
 log = logging.getLogger(__name__)
 
@@ -173,16 +176,7 @@ def run_tick(
 
     try:
         with session_scope(url) as s:
-            again = reconcile(
-                s, runner, stale_after_s=stale_after_s, job_timeout_s=settings.job_timeout_s
-            )
-            again += reconcile_screenings(
-                s,
-                runner,
-                stale_after_s=stale_after_s,
-                job_timeout_s=settings.job_timeout_s,
-                default_queue=settings.default_queue,
-            )
+            again = reconcile_jobs(s, runner, settings, stale_after_s=stale_after_s)
         report.jobs_reconciled = len(again)
     except Exception:
         log.exception("reconcile pass failed")
@@ -194,6 +188,28 @@ def run_tick(
         log.exception("storage maintenance failed")
         report.errors += 1
     return report
+
+
+def reconcile_jobs(
+    session: Session, runner: Runner, settings: Settings, *, stale_after_s: float
+) -> list[int]:
+    """Enqueue again every job the database says is unfinished and no runner holds: replay
+    jobs and screenings (also when their heartbeat is older than `stale_after_s`) and
+    verifications. What a tick and `replay-audit reconcile` run; the ids re-enqueued."""
+    again = reconcile(
+        session, runner, stale_after_s=stale_after_s, job_timeout_s=settings.job_timeout_s
+    )
+    again += reconcile_screenings(
+        session,
+        runner,
+        stale_after_s=stale_after_s,
+        job_timeout_s=settings.job_timeout_s,
+        default_queue=settings.default_queue,
+    )
+    again += reconcile_verifications(
+        session, runner, job_timeout_s=settings.job_timeout_s, default_queue=settings.default_queue
+    )
+    return again
 
 
 def maintain_storage(settings: Settings, url: str, now: datetime, report: TickReport) -> None:

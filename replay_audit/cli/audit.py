@@ -111,8 +111,8 @@ def _start(schedule_id: str, action: str, limit: int, runner: Runner) -> tuple[l
 
 
 def _finish(ids: list[int], wait: bool, timeout_s: float, runner: Runner) -> None:
-    """Wait for the runs' replays (in this process with the in-process runner), evaluate them
-    and print each trend point."""
+    """Wait for the runs' replays and verifications (in this process with the in-process
+    runner), evaluate them and print each trend point."""
     from replay_audit.audits import service
     from replay_audit.audits.models import AuditRun
     from replay_audit.audits.tasks import DeferredRunner
@@ -162,6 +162,10 @@ def _print_runs(ids: list[int]) -> None:
                 f"C lift {_lift(m.c_lift)}  "
                 f"self {_pct(m.self_agreement)}" + (f"  error: {r.error}" if r.error else "")
             )
+            v = m.verification
+            if v is not None and v.status == "done":
+                verdicts = ", ".join(f"{g.group}: {g.verdict}" for g in v.groups)
+                typer.echo(f"    verification {v.id}: {v.verdict} ({verdicts})")
             for f in r.flags or []:
                 typer.secho(f"    FLAG {f.kind}: {f.reason}", fg=typer.colors.YELLOW)
 

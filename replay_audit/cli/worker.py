@@ -229,35 +229,25 @@ def reconcile(
         ),
     ] = 900.0,
 ) -> None:
-    """Re-enqueue unfinished replay jobs that no runner holds.
+    """Re-enqueue unfinished replay jobs, screenings and verifications that no runner holds.
 
     The database says they are unfinished, but no runner holds them (after a Redis flush, or a
     worker killed mid-job). With the embedded in-process runner the jobs run in this process,
     and the command waits for them (Ctrl-C stops them cleanly)."""
+    from replay_audit.audits.tasks import reconcile_jobs
     from replay_audit.cli.database import ready_database
     from replay_audit.cli.shutdown import own
     from replay_audit.config import get_settings
     from replay_audit.db.unit_of_work import session_scope
     from replay_audit.queue import build_runner, stop_runner
     from replay_audit.queue.runner import InProcessRunner
-    from replay_audit.replays.reconcile import reconcile as run_reconcile
-    from replay_audit.screenings.reconcile import reconcile_screenings
 
     settings = get_settings()
     ready_database(settings)
     runner = build_runner(settings)
     own(lambda timeout_s: stop_runner(runner, timeout_s))
     with session_scope(settings.database_url) as session:
-        again = run_reconcile(
-            session, runner, stale_after_s=stale_after_s, job_timeout_s=settings.job_timeout_s
-        )
-        again += reconcile_screenings(
-            session,
-            runner,
-            stale_after_s=stale_after_s,
-            job_timeout_s=settings.job_timeout_s,
-            default_queue=settings.default_queue,
-        )
+        again = reconcile_jobs(session, runner, settings, stale_after_s=stale_after_s)
     typer.echo(f"re-enqueued {len(again)} job(s)" + (f": {again}" if again else ""))
     if again and isinstance(runner, InProcessRunner):
         runner.join()

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from replay_audit.db.base import flush_unique
 from replay_audit.traces import repository as traces_repository
 from replay_audit.traces.models import NumericalConfigRow, Trace
 from replay_audit.traces.selection import TraceSelection
@@ -29,10 +30,10 @@ def get_by_idempotency_key(session: Session, project_id: int, key: str) -> Verif
     )
 
 
-def add(session: Session, verification: Verification) -> Verification:
-    session.add(verification)
-    session.flush()
-    return verification
+def add(session: Session, verification: Verification) -> Verification | None:
+    """Insert the verification; None, with nothing inserted, when a concurrent request took its
+    idempotency_key."""
+    return verification if flush_unique(session, verification) else None
 
 
 def recent(session: Session, project_id: int, limit: int) -> list[Verification]:
@@ -52,13 +53,24 @@ def selected_traces(
     selection: TraceSelection,
     limit: int,
     config_ids: Sequence[int] | None = None,
+    public_ids: Sequence[str] | None = None,
 ) -> list[Trace]:
-    """Up to `limit` traces in `selection` (and of `config_ids` when given), oldest first, with
-    their configuration (no arrays)."""
+    """Up to `limit` traces in `selection` (and of `config_ids`, and among `public_ids`, when
+    given), oldest first, with their configuration (no arrays)."""
     stmt = traces_repository.select_traces(project_id, selection)
     if config_ids is not None:
         stmt = stmt.where(Trace.config_id.in_(list(config_ids)))
+    if public_ids is not None:
+        stmt = stmt.where(Trace.public_id.in_(list(public_ids)))
     return list(session.scalars(stmt.order_by(None).order_by(Trace.id).limit(limit)))
+
+
+def known_trace_ids(session: Session, project_id: int, public_ids: Sequence[str]) -> set[str]:
+    """Which of `public_ids` are traces of the project."""
+    stmt = select(Trace.public_id).where(
+        Trace.project_id == project_id, Trace.public_id.in_(list(set(public_ids)))
+    )
+    return set(session.scalars(stmt))
 
 
 def traces_by_id(session: Session, trace_ids: Sequence[int]) -> dict[int, Trace]:
@@ -72,6 +84,12 @@ def configs(session: Session) -> list[tuple[int, str]]:
     """Every numerical configuration's (id, config JSON): few, one per distinct configuration."""
     rows = session.execute(select(NumericalConfigRow.id, NumericalConfigRow.config_json))
     return [(i, j) for i, j in rows]
+
+
+def unfinished(session: Session) -> list[Verification]:
+    """Verifications the database says are not finished (the reconciler's work list)."""
+    stmt = select(Verification).where(Verification.status.in_(("queued", "running")))
+    return list(session.scalars(stmt.order_by(Verification.id)))
 
 
 def get_calibration(

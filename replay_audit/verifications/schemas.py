@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Final, Literal
+from typing import Annotated, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from replay_audit.formats import Device, RunStatus
 from replay_audit.input import InputModel, UtcDatetime
@@ -16,13 +16,19 @@ from replay_audit.traces.selection import TraceSelection
 #: At most this many traces per verification (422 above it): the job scans every one.
 MAX_VERIFICATION_TRACES: Final = 2_000
 GroupBy = Literal["none", "tag", "engine", "config"]
+#: A trace's public id (`tr_...`).
+TraceId = Annotated[str, StringConstraints(min_length=1, max_length=40)]
 
 
 class VerificationFilter(InputModel):
     """The stored traces to verify: every field given must hold (greedy and sampled traces
     alike: sampled ones are counted and set apart, not verified). `engine` is the logging
-    engine's name (`config.engine.name`)."""
+    engine's name (`config.engine.name`); `trace_ids` names the traces themselves (public ids,
+    each one a trace of the project: an audit schedule verifies the traces it sampled)."""
 
+    trace_ids: list[TraceId] | None = Field(
+        default=None, min_length=1, max_length=MAX_VERIFICATION_TRACES
+    )
     model_name: str | None = Field(default=None, max_length=200)
     weights_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     engine: str | None = Field(default=None, min_length=1, max_length=200)

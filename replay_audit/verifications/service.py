@@ -7,8 +7,8 @@ from sqlalchemy.orm import Session
 
 from replay_audit.db.base import read_model
 from replay_audit.db.ids import new_public_id
-from replay_audit.exceptions import FieldError, NotFound
-from replay_audit.queue import JobQueue, JobSpec, long_queue
+from replay_audit.exceptions import Conflict, FieldError, NotFound
+from replay_audit.queue import Capabilities, JobQueue, JobSpec, long_queue
 from replay_audit.replays.domain import logging_engine
 from replay_audit.replays.service import target_refusal
 from replay_audit.traces.models import Trace
@@ -51,14 +51,33 @@ def group_of(trace: Trace, group_by: GroupBy) -> str:
     return "all"
 
 
-def _select(session: Session, project_id: int, request: VerificationCreate) -> list[Trace]:
+def select_traces(
+    session: Session, project_id: int, request: VerificationCreate, capabilities: Capabilities
+) -> list[Trace]:
+    """The traces `request` verifies, oldest first, or FieldError saying why it cannot run here
+    (nothing is written): a device this deployment cannot run, a filter that selects no trace,
+    more than MAX_VERIFICATION_TRACES, trace ids that are not the project's, traces claiming
+    more than one checkpoint."""
+    refusal = target_refusal(capabilities, lm_head_dtype=None, device=request.device)
+    if refusal is not None:
+        raise FieldError(refusal, field="device")
     f = request.filter
     config_ids = None
     if f.engine is not None:
         config_ids = [i for i, j in repository.configs(session) if logging_engine(j) == f.engine]
     traces = repository.selected_traces(
-        session, project_id, f.to_selection(), MAX_VERIFICATION_TRACES + 1, config_ids
+        session, project_id, f.to_selection(), MAX_VERIFICATION_TRACES + 1, config_ids, f.trace_ids
     )
+    if f.trace_ids is not None:
+        unknown = sorted(
+            set(f.trace_ids) - repository.known_trace_ids(session, project_id, f.trace_ids)
+        )
+        if unknown:
+            shown = ", ".join(unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+            raise FieldError(
+                f"{len(unknown)} of trace_ids are not traces of this project: {shown}",
+                field="filter.trace_ids",
+            )
     if not traces:
         raise FieldError("the filter selects no trace", field="filter")
     if len(traces) > MAX_VERIFICATION_TRACES:
@@ -77,19 +96,24 @@ def _select(session: Session, project_id: int, request: VerificationCreate) -> l
 
 
 def create_verification(
-    session: Session, project_id: int, request: VerificationCreate, queue: JobQueue
+    session: Session,
+    project_id: int,
+    request: VerificationCreate,
+    queue: JobQueue,
+    *,
+    traces: list[Trace] | None = None,
 ) -> tuple[Verification, bool]:
-    """Store a verification of the traces its filter selects (resolved now) and enqueue its
-    job after commit. Returns (verification, created): an `idempotency_key` already used in the
-    project returns the existing one."""
-    if request.idempotency_key is not None:
-        existing = repository.get_by_idempotency_key(session, project_id, request.idempotency_key)
-        if existing is not None:
-            return existing, False
-    refusal = target_refusal(queue.capabilities, lm_head_dtype=None, device=request.device)
-    if refusal is not None:
-        raise FieldError(refusal, field="device")
-    traces = _select(session, project_id, request)
+    """Store a verification of the traces its filter selects (resolved now, or `traces`, what
+    `select_traces` gave for this request) and enqueue its job after commit. Returns
+    (verification, created): an `idempotency_key` already used in the project returns the
+    existing one, also when a concurrent request stored it first (a Conflict, 409, only if that
+    request's row cannot be read yet)."""
+    key = request.idempotency_key
+    existing = key and repository.get_by_idempotency_key(session, project_id, key)
+    if existing:
+        return existing, False
+    if traces is None:
+        traces = select_traces(session, project_id, request, queue.capabilities)
     queue.check()
     verification = repository.add(
         session,
@@ -103,9 +127,17 @@ def create_verification(
                 "trace_ids": [t.id for t in traces],
                 "groups": [group_of(t, request.group_by) for t in traces],
             },
-            idempotency_key=request.idempotency_key,
+            idempotency_key=key,
         ),
     )
+    if verification is None:  # a concurrent request with this idempotency_key stored it first
+        existing = key and repository.get_by_idempotency_key(session, project_id, key)
+        if not existing:
+            raise Conflict(
+                "a concurrent request is storing this verification; retry",
+                field="idempotency_key",
+            )
+        return existing, False
     queue.enqueue(session, [job_spec(verification, queue.job_timeout_s, queue.default_queue)])
     return verification, True
 

@@ -1,5 +1,6 @@
 """Concurrent duplicates of an idempotent POST get the documented answer, never a 500: the one
-stored replay run or screening (201 once, 200 for the rest), or 409 for a schedule's name. On
+stored replay run, screening or verification (201 once, 200 for the rest), or 409 for a
+schedule's name. On
 PostgreSQL the loser of the race waits on the unique index and gets UniqueViolation; on SQLite
 it gets "UNIQUE constraint failed" (issue 20). Each kind is raced twice: real concurrent
 requests released at once, and a deterministic race (the lookup before the insert misses the
@@ -27,6 +28,8 @@ from replay_audit.replays import repository as replays_repository
 from replay_audit.replays.models import ReplayRun
 from replay_audit.screenings import repository as screenings_repository
 from replay_audit.screenings.models import Screening
+from replay_audit.verifications import repository as verifications_repository
+from replay_audit.verifications.models import Verification
 from tests.audits.conftest import schedule_body
 from tests.replays.conftest import HoldingRunner, ingest
 
@@ -58,6 +61,12 @@ KINDS = {
     "screening": Kind(
         "/v1/screenings", Screening, 200, (screenings_repository, "get_by_idempotency_key")
     ),
+    "verification": Kind(
+        "/v1/verifications",
+        Verification,
+        200,
+        (verifications_repository, "get_by_idempotency_key"),
+    ),
     "schedule": Kind(
         "/v1/audits/schedules", AuditSchedule, 409, (audits_repository, "get_schedule_by_name")
     ),
@@ -71,6 +80,9 @@ def _body(kind: str, client: TestClient, h: dict[str, str]) -> dict[str, Any]:
     if kind == "screening":
         prompts = [{"prompt_token_ids": [5, 6, 7]}]
         return {"model_sha256": TINY_SHA, "prompts": prompts, "idempotency_key": "k"}
+    if kind == "verification":
+        ingest(client, h, [_trace(1), _trace(2)])
+        return {"filter": {"model_name": "m"}, "idempotency_key": "k"}
     return schedule_body()
 
 

@@ -317,3 +317,87 @@ def test_ear_drop_power_on_clear_drops() -> None:
         for _ in range(sims)
     )
     assert fired / sims >= 0.95
+
+
+# -- verified groups: the one rule of a schedule with `verify` -----------------------------------
+
+
+def _verified(*verdicts: tuple[str, str], status: str = "done") -> RunMetrics:
+    """A run's point whose verification gave each (group, verdict)."""
+    groups = [
+        {
+            "group": g,
+            "verdict": v,
+            "statistic": "outside_tie_band",
+            "score": 0.4 if v == "inconsistent" else 0.01,
+            "threshold": 0.05,
+            "false_alarm_rate": 0.01,
+            "tokens": 480,
+            "traces": 10,
+            "closest_benign": "fp16" if v == "inconsistent" else None,
+            "null_quantiles": [0.0, 0.01],  # a report key the point does not keep
+        }
+        for g, v in verdicts
+    ]
+    return RunMetrics.model_validate(
+        {"verification": {"id": "ver_x", "status": status, "groups": groups}}
+    )
+
+
+RULES = DriftRules(5.0)
+
+
+@pytest.mark.parametrize(
+    ("before", "flagged", "was"),
+    [
+        (None, True, "the schedule's first verdict on it"),
+        (("a", "consistent"), True, "consistent in the previous verified run"),
+        (("a", "insufficient"), True, "insufficient in the previous verified run"),
+        (("b", "inconsistent"), True, "absent from the previous verified run"),
+        (("a", "inconsistent"), False, None),
+    ],
+)
+def test_a_group_is_flagged_when_it_turns_inconsistent(
+    before: tuple[str, str] | None, flagged: bool, was: str | None
+) -> None:
+    history = [] if before is None else [_verified(before)]
+    flags = detect_drift(_verified(("a", "inconsistent"), ("c", "consistent")), history, RULES)
+    if not flagged:
+        assert flags == []
+        return
+    [flag] = flags
+    assert flag.kind == "group_inconsistent" and flag.group == flag.label == "a"
+    assert flag.comparison is None and flag.test is None
+    assert flag.verdict is not None and flag.verdict.score == 0.4
+    assert flag.verdict.threshold == 0.05 and flag.verdict.false_alarm_rate == 0.01
+    assert flag.previous_verdict == (before[1] if before and before[0] == "a" else None)
+    assert was is not None and flag.message.endswith(f"({was})")
+    assert flag.reason == flag.message and "0.4 above the benign null's threshold 0.05" in (
+        flag.message
+    )
+    # Stored and read back as JSON, as `audit_runs.flags` keeps it.
+    assert Flag.model_validate(flag.model_dump(mode="json")) == flag
+
+
+def test_the_previous_verdict_is_the_last_finished_verification() -> None:
+    """A night whose verification failed, or a run from before the schedule verified, is
+    skipped: the group still inconsistent since the last verdict is not flagged again."""
+    history = [
+        _verified(("a", "consistent")),
+        _verified(("a", "inconsistent")),
+        _verified(status="failed"),
+        RunMetrics(),
+    ]
+    assert detect_drift(_verified(("a", "inconsistent")), history, RULES) == []
+    # Consistent again, then inconsistent: flagged again.
+    history.append(_verified(("a", "consistent")))
+    [flag] = detect_drift(_verified(("a", "inconsistent")), history, RULES)
+    assert flag.previous_verdict == "consistent"
+    # A failed verification now gives no verdict to flag.
+    assert detect_drift(_verified(status="failed"), history, RULES) == []
+
+
+def test_a_point_stored_before_verification_reads_without_it() -> None:
+    point = RunMetrics.model_validate({"comparisons": [], "ear": 0.9})
+    assert point.verification is None
+    assert Flag.model_validate({"kind": "ear_drop", "comparison": 0}).group is None

@@ -480,3 +480,80 @@ def test_0014_lets_a_batch_size_be_unknown_and_keeps_the_traces(empty_db_url: st
         }
     finally:
         engine.dispose()
+
+
+def test_0017_links_audit_runs_to_verifications_keeping_runs_and_alerts(
+    empty_db_url: str,
+) -> None:
+    """0017 adds `audit_schedules.verify` and `audit_runs.verification_id` (a foreign key, SET
+    NULL when the verification goes) without copying `audit_runs`: on SQLite, with foreign keys
+    on, a copy would drop the table and cascade to its alerts. Down to 0016 both columns go and
+    the runs and alerts stay."""
+    from sqlalchemy import text
+
+    from replay_audit.db.engine import create_db_engine
+
+    t = {"t": "2026-01-05 00:00:00"}
+    migration.upgrade(empty_db_url, "0016")
+    engine = create_db_engine(empty_db_url)  # foreign keys on, as the service runs SQLite
+    try:
+        with engine.begin() as c:
+            c.execute(text("INSERT INTO projects (id, name, created_at) VALUES (1, 'p', :t)"), t)
+            c.execute(
+                text(
+                    "INSERT INTO audit_schedules (id, public_id, project_id, name, cron, status,"
+                    " selection, sample_size, policy, seed, replay, ear_drop_points,"
+                    " active_since, created_at, updated_at) VALUES (1, 'as_1', 1, 'n',"
+                    " '0 2 * * *', 'active', '{}', 8, 'uniform', 0, '{}', 5, :t, :t, :t)"
+                ),
+                t,
+            )
+            c.execute(
+                text(
+                    "INSERT INTO audit_runs (id, public_id, schedule_id, due_at, trigger, status,"
+                    " window_start, window_end, n_candidates, n_sampled, flags, created_at)"
+                    " VALUES (1, 'ar_1', 1, :t, 'manual', 'done', :t, :t, 8, 8, '[]', :t)"
+                ),
+                t,
+            )
+            c.execute(
+                text(
+                    "INSERT INTO audit_alerts (id, public_id, audit_run_id, url, payload, status,"
+                    " attempts, attempt_log, created_at) VALUES (1, 'al_1', 1,"
+                    " 'https://hooks.example.com/x', '{}', 'delivered', 1, '[]', :t)"
+                ),
+                t,
+            )
+            c.execute(
+                text(
+                    "INSERT INTO verifications (id, public_id, project_id, status, model_sha256,"
+                    " request, selection, attempts, created_at) VALUES (1, 'ver_1', 1, 'done',"
+                    " :h, '{}', '{}', 1, :t)"
+                ),
+                t | {"h": "a" * 64},
+            )
+        migration.upgrade(empty_db_url)
+        with engine.begin() as c:
+            assert c.execute(text("SELECT count(*) FROM audit_alerts")).scalar() == 1
+            c.execute(text('UPDATE audit_schedules SET verify = \'{"group_by": "tag"}\''))
+            c.execute(text("UPDATE audit_runs SET verification_id = 1"))
+        with engine.begin() as c:
+            c.execute(text("DELETE FROM verifications"))
+            assert c.execute(text("SELECT verification_id FROM audit_runs")).scalar() is None
+            assert c.execute(text("SELECT count(*) FROM audit_runs")).scalar() == 1
+        engine.dispose()
+        migration.downgrade(empty_db_url, "0016")
+        with engine.begin() as c:
+            assert c.execute(text("SELECT count(*) FROM audit_alerts")).scalar() == 1
+            assert c.execute(text("SELECT count(*) FROM audit_runs")).scalar() == 1
+        engine.dispose()
+        inspector = inspect(engine)
+        assert "verification_id" not in {c["name"] for c in inspector.get_columns("audit_runs")}
+        assert "verify" not in {c["name"] for c in inspector.get_columns("audit_schedules")}
+        assert inspector.get_foreign_keys("audit_runs") and all(
+            fk["referred_table"] != "verifications"
+            for fk in inspector.get_foreign_keys("audit_runs")
+        )
+        migration.upgrade(empty_db_url)  # and up again
+    finally:
+        engine.dispose()

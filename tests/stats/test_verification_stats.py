@@ -38,8 +38,8 @@ def calibration() -> Calibration:
         null,
         alt,
         weights_sha256="x",
-        claim={"dtype": "bf16"},
-        platform={"device": "cpu"},
+        claim={"dtype": "bf16", "lm_head_dtype": "bf16", "attn_kernel": "sdpa"},
+        platform={"device": "cpu", "gpu_name": None, "sm": None, "torch_version": None},
         draws=300,
     )
 

@@ -1,21 +1,28 @@
 """Fixtures of the verification tests on the bundled model: its benign null (small: a few
 prompts, three benign variations), and logged traces from it in BF16 and FP16 and from a 4-bit
-RTN (group 128) copy of it that claims to be it."""
+RTN (group 128) copy of it that claims to be it; for the tests over HTTP, the app's jobs held
+until run (`job_runner`), the worker context of the bundled checkpoint (`measured`), the
+session's null bound in place of measuring one (`bind_null`), and traces stored (`store`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 
-from replay_audit.config import BUNDLED_MODEL_DIR
+from replay_audit.config import BUNDLED_MODEL_DIR, Settings
 from replay_audit.engine import EnginePool, Intervention, Target
+from replay_audit.replays import tasks as replay_tasks
 from replay_audit.screenings.sweep.plan import ScreenConfig
 from replay_audit.screenings.sweep.worker import TorchBackend
 from replay_audit.stats.verification import Calibration
+from replay_audit.verifications import tasks
+from tests.replays.conftest import HoldingRunner
 
 PROMPTS = Path(BUNDLED_MODEL_DIR).parent / "prompts.jsonl"
 #: Prompts of the null, and (the next ones) of the logged traces.
@@ -94,3 +101,59 @@ def logged(verify_pool: EnginePool, rtn4_dir: Path) -> dict[str, list[dict[str, 
         "fp16": _generate(BUNDLED_MODEL_DIR, "fp16"),
         "rtn4": _generate(rtn4_dir, "bf16", claim_sha=sha),
     }
+
+
+@pytest.fixture
+def job_runner(client: TestClient) -> HoldingRunner:
+    """The app's jobs wait here until `run_all()`."""
+    r = HoldingRunner()
+    state = client.app.state  # type: ignore[attr-defined]
+    state.queue = dataclasses.replace(state.queue, runner=r)
+    return r
+
+
+@pytest.fixture
+def measured(
+    monkeypatch: pytest.MonkeyPatch, db_url: str, verify_pool: EnginePool
+) -> Iterator[list[dict[str, Any]]]:
+    """Jobs run on the bundled checkpoint with the real engine; a null they measure is the
+    session's (the list holds each claim measured)."""
+    monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", db_url)
+    monkeypatch.setenv("REPLAY_AUDIT_MODEL_DIRS", str(BUNDLED_MODEL_DIR))
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    replay_tasks.install_worker_context(replay_tasks.WorkerContext(settings, verify_pool))
+    claims: list[dict[str, Any]] = []
+    yield claims
+    replay_tasks.install_worker_context(None)
+    tasks.install_null_measure(None)
+
+
+def bind_null(claims: list[dict[str, Any]], calibrations: list[Calibration]) -> None:
+    """Jobs that need a null take the session's (`calibrations`), appending its claim to
+    `claims`, instead of measuring one."""
+
+    def measure(model_dir: Path, claim: dict[str, Any], rate: float, *_: Any) -> Calibration:
+        assert model_dir == BUNDLED_MODEL_DIR and rate == 0.01
+        claims.append(claim)
+        return next(c for c in calibrations if c.claim == claim)
+
+    tasks.install_null_measure(measure)
+
+
+def store(
+    client: TestClient,
+    admin: dict[str, str],
+    traces: list[dict[str, Any]],
+    tag: str,
+    *more_tags: str,
+    prefix: str | None = None,
+) -> list[str]:
+    """Store `traces` tagged `tag` (and `more_tags`), their external ids led by `prefix` (by
+    default the tag); their public ids."""
+    ids = []
+    for t in traces:
+        body = t | {"tags": [tag, *more_tags], "external_id": f"{prefix or tag}-{t['external_id']}"}
+        r = client.post("/v1/traces", json=body, headers=admin)
+        assert r.status_code in (200, 201), r.text
+        ids.append(str(r.json()["id"]))
+    return ids

@@ -2,23 +2,20 @@
 measured once per session by tests/verifications/conftest.py and stored by the first job that
 needs it): BF16-logged traces `consistent`, a 4-bit RTN copy's `inconsistent`, one verdict per
 tag group; bad input a 4xx naming the field; project and role isolation; idempotency; a job
-whose checkpoint is missing says why; the UI page."""
+whose checkpoint is missing says why; the UI page; a verification whose worker died is enqueued
+again by the reconciler, once."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from replay_audit.config import BUNDLED_MODEL_DIR, Settings
+from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import session_scope
-from replay_audit.engine import EnginePool
-from replay_audit.replays import tasks as replay_tasks
 from replay_audit.stats.verification import Calibration
 from replay_audit.verifications import tasks
 from replay_audit.verifications.models import Verification, VerificationCalibration
@@ -26,48 +23,7 @@ from tests.factories import make_trace
 from tests.replays.conftest import HoldingRunner
 from tests.ui.conftest import settings as settings  # fixture: the session secret
 from tests.ui.conftest import ui_client  # noqa: F401  (fixture)
-
-
-@pytest.fixture
-def job_runner(client: TestClient) -> HoldingRunner:
-    r = HoldingRunner()
-    state = client.app.state  # type: ignore[attr-defined]
-    state.queue = dataclasses.replace(state.queue, runner=r)
-    return r
-
-
-@pytest.fixture
-def measured(
-    monkeypatch: pytest.MonkeyPatch, db_url: str, verify_pool: EnginePool
-) -> Iterator[list[dict[str, Any]]]:
-    """Jobs run on the bundled checkpoint with the real engine; a null they measure is the
-    session's (the list holds each claim measured)."""
-    monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", db_url)
-    monkeypatch.setenv("REPLAY_AUDIT_MODEL_DIRS", str(BUNDLED_MODEL_DIR))
-    settings = Settings(_env_file=None)  # type: ignore[call-arg]
-    replay_tasks.install_worker_context(replay_tasks.WorkerContext(settings, verify_pool))
-    claims: list[dict[str, Any]] = []
-    yield claims
-    replay_tasks.install_worker_context(None)
-    tasks.install_null_measure(None)
-
-
-def _bind_null(claims: list[dict[str, Any]], calibrations: list[Calibration]) -> None:
-    def measure(model_dir: Path, claim: dict[str, Any], rate: float, *_: Any) -> Calibration:
-        assert model_dir == BUNDLED_MODEL_DIR and rate == 0.01
-        claims.append(claim)
-        return next(c for c in calibrations if c.claim == claim)
-
-    tasks.install_null_measure(measure)
-
-
-def _store(
-    client: TestClient, admin: dict[str, str], traces: list[dict[str, Any]], tag: str
-) -> None:
-    for t in traces:
-        body = t | {"tags": [tag], "external_id": f"{tag}-{t['external_id']}"}
-        r = client.post("/v1/traces", json=body, headers=admin)
-        assert r.status_code in (200, 201), r.text
+from tests.verifications.conftest import bind_null, store
 
 
 def _verify(client: TestClient, admin: dict[str, str], runner: HoldingRunner, **body: Any) -> Any:
@@ -89,10 +45,10 @@ def test_honest_traces_are_consistent_and_4bit_ones_inconsistent(
     headers: Callable[..., dict[str, str]],
     ui_client: Callable[..., TestClient],  # noqa: F811
 ) -> None:
-    _bind_null(measured, calibrations)
+    bind_null(measured, calibrations)
     admin = headers("admin")
-    _store(client, admin, logged["bf16"], "honest")
-    _store(client, admin, logged["rtn4"], "provider-x")
+    store(client, admin, logged["bf16"], "honest")
+    store(client, admin, logged["rtn4"], "provider-x")
     got = _verify(client, admin, job_runner, filter={"tag": "honest"})
     report = got["report"]
     assert report["verdict"] == "consistent", report["groups"]
@@ -147,6 +103,8 @@ def _body(**extra: Any) -> dict[str, Any]:
         (_body(group_by="provider"), "group_by"),
         (_body(false_alarm_rate=0), "false_alarm_rate"),
         ({"filter": {"weights_sha256": "xyz"}}, "weights_sha256"),
+        ({"filter": {"trace_ids": []}}, "trace_ids"),
+        ({"filter": {"trace_ids": ["tr_none_such"]}}, "filter.trace_ids"),
         ({"filter": {"created_after": "2030-01-01", "created_before": "2020-01-01"}}, "filter"),
         (_body(device="tpu"), "device"),
         (_body(surprise=1), "surprise"),
@@ -222,3 +180,80 @@ def test_a_verification_without_a_device_goes_to_the_default_queue(
 
     row = Verification(id=7, request={"filter": {}, "device": device})
     assert job_spec(row, 60, default).queue == queue
+
+
+@pytest.mark.slow
+def test_a_verification_whose_worker_died_is_enqueued_again_once(
+    client: TestClient,
+    job_runner: HoldingRunner,
+    measured: list[dict[str, Any]],
+    logged: dict[str, list[dict[str, Any]]],
+    calibrations: list[Calibration],
+    headers: Callable[..., dict[str, str]],
+    settings: Settings,
+) -> None:
+    """A worker took the job (one attempt claimed, the row running) and died: its runner holds
+    the job no more (under RQ: the worker's liveness key expired). The reconciler enqueues it
+    once (not again while it is held), the job runs a second attempt to the one report, the
+    null stored once; `replay-audit reconcile` takes one the same way."""
+    from replay_audit.audits.tasks import reconcile_jobs, run_tick
+    from replay_audit.db.job_row import claim_attempt
+    from replay_audit.verifications.reconcile import reconcile_verifications
+
+    bind_null(measured, calibrations)
+    admin = headers("admin")
+    store(client, admin, logged["bf16"], "honest")
+    url = client.app.state.settings.database_url  # type: ignore[attr-defined]
+
+    def died_mid_job(public_id: str) -> int:
+        """The worker's claim on the row, then its death: the runner lost the job."""
+        with session_scope(url) as s:
+            row = s.scalar(select(Verification).where(Verification.public_id == public_id))
+            assert row is not None and claim_attempt(row, tasks.MAX_ATTEMPTS)
+            vid = row.id
+        job_runner.specs.clear()
+        return vid
+
+    def read(vid: int) -> Verification:
+        with session_scope(url) as s:
+            row = s.get(Verification, vid)
+            assert row is not None
+            s.expunge(row)
+            return row
+
+    r = client.post("/v1/verifications", json={"filter": {"tag": "honest"}}, headers=admin)
+    vid = died_mid_job(r.json()["id"])
+    assert read(vid).status == "running" and read(vid).attempts == 1
+    with session_scope(url) as s:
+        assert reconcile_verifications(s, job_runner, job_timeout_s=60) == [vid]
+    with session_scope(url) as s:  # held now: not enqueued a second time
+        assert reconcile_verifications(s, job_runner, job_timeout_s=60) == []
+        assert reconcile_jobs(s, job_runner, settings, stale_after_s=0) == []
+    assert run_tick(settings, runner=job_runner, alert_runner=job_runner).jobs_reconciled == 0
+    assert [spec.job_id for spec in job_runner.specs] == [f"verification-{vid}"]
+    assert job_runner.run_all() == 1
+    row = read(vid)
+    assert (row.status, row.attempts, row.error) == ("done", 2, None), row.error
+    assert row.report is not None and row.report["verdict"] == "consistent"
+    with session_scope(url) as s:  # done: nothing to do
+        assert reconcile_verifications(s, job_runner, job_timeout_s=60) == []
+        assert s.scalar(select(func.count()).select_from(VerificationCalibration)) == 1
+    assert len(measured) == 1
+
+    # The command: with the embedded runner it runs the job in its process and waits for it
+    # (the null stored above is reused: this platform, this claim).
+    from typer.testing import CliRunner
+
+    from replay_audit.cli import app as cli
+
+    r = client.post(
+        "/v1/verifications", json={"filter": {"tag": "honest"}, "group_by": "tag"}, headers=admin
+    )
+    second = died_mid_job(r.json()["id"])
+    res = CliRunner().invoke(cli, ["reconcile"])
+    assert res.exit_code == 0, res.output
+    assert f"re-enqueued 1 job(s): [{second}]" in res.output and "done" in res.output
+    row = read(second)
+    assert (row.status, row.attempts) == ("done", 2), row.error
+    assert row.report is not None and row.report["calibrations"][0]["reused"] is True
+    assert len(measured) == 1 and job_runner.specs == []

@@ -1,0 +1,40 @@
+"""Verifications the database says are unfinished but no runner holds (a Redis flush, a worker
+killed mid-verification: under RQ its started job counts as held only while the worker's
+liveness key lives, `queue.state.worker_alive`) are enqueued again.
+
+A held verification is never enqueued a second time: the runner holds it (queued, waiting for a
+retry, or started by a live worker), and enqueuing it again would run it twice at once. A
+verification has no heartbeat to call stale: a job that hangs is ended by its own timeout
+(`REPLAY_AUDIT_JOB_TIMEOUT_S`), after which its runner retries it or lets it go, and a pass after
+that takes it. Running one again is harmless: the job starts one more attempt on the row
+(`db.job_row.claim_attempt`: a finished one is left alone, and after `tasks.MAX_ATTEMPTS` the
+row is failed saying so), reuses the calibrations an earlier attempt stored (unique per
+checkpoint, platform, claim and false-alarm rate) and writes the one report of the row.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy.orm import Session
+
+from replay_audit.queue import Runner
+from replay_audit.verifications import repository
+from replay_audit.verifications.service import job_spec
+
+log = logging.getLogger(__name__)
+
+
+def reconcile_verifications(
+    session: Session, runner: Runner, *, job_timeout_s: int, default_queue: str = "gpu"
+) -> list[int]:
+    """Re-enqueue unfinished verifications that no runner holds; return their ids."""
+    again = []
+    for row in repository.unfinished(session):
+        spec = job_spec(row, job_timeout_s, default_queue)
+        if runner.is_queued(spec.job_id):
+            continue
+        log.warning("re-enqueueing verification %d (%s, lost)", row.id, row.status)
+        runner.enqueue(spec)
+        again.append(row.id)
+    return again
