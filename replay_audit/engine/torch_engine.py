@@ -95,6 +95,7 @@ class TorchEngine:
         max_cache_len: int = 4096,
         weight_dtype: str | None = None,
     ) -> None:
+        apply_sdpa_policy(device)  # no cuDNN attention on CUDA: the decode stays = generate()
         self.model = model
         #: The dtype the weights were stored in before the cast to the compute dtype.
         self.weight_dtype = weight_dtype or target.dtype
@@ -154,7 +155,6 @@ class TorchEngine:
         (`numerics.Fp8Linear`; a CUDA GPU of compute capability >= 8.9)."""
         configure_numerics(deterministic=deterministic, tf32=tf32)
         dev = resolve_device(device)
-        apply_sdpa_policy(dev)  # no cuDNN attention on CUDA: the decode stays = generate()
         if fp8_linear:
             ok, why = fp8_supported(dev, "fp8 linear layers")
             if not ok:
