@@ -8,8 +8,9 @@ heads and columns, their row-parallel halves summed by an all-reduce, the lm_hea
 vocabulary and gathered) and keeps it loaded until the group drops it.
 
 Every probe runs the same computation on every rank. Rank 0 sends each rank the operation and
-its inputs (a module-level function and its arguments, pickled over a private socket), runs it
-itself, then reads each rank's answer: "ok" with a digest of its result, or its error. The
+its inputs (a module-level function and its arguments, pickled over a private socket); once
+every rank has read it (a rank that cannot, say so, and none runs it), all run it, rank 0
+included, and rank 0 reads each rank's answer: "ok" with a digest of its result, or its error. The
 collectives inside the operation (the all-reduces of the body, the lm_head's gather) keep the
 ranks in step; the digests check that every rank computed the same bits, so a result says what
 every rank computed, not what rank 0 hoped they did.
@@ -245,18 +246,35 @@ class TpGroup:
         return f"{what}#{next(self._keys)}"
 
     def run(self, op: Op, *args: object) -> Any:
-        """`op(state, *args)` on every rank, rank 0's result returned. Every rank must finish
-        with the same outcome: the same result (by digest) or an error. An error on every rank
-        (a format no rank can load) is raised as rank 0's, and the group stays usable; ranks that
-        disagree (one failed, or computed other bits) raise `EngineError`, and a rank that failed
-        alone or went silent leaves the group broken (`alive` False), since the ranks may no
-        longer be in step."""
+        """`op(state, *args)` on every rank, rank 0's result returned.
+
+        A rank that cannot read the operation (a module it cannot import) refuses it, and no
+        rank runs it (`EngineError`; the group stays usable). Then every rank must finish with
+        the same outcome: the same result (by digest) or an error. An error on every rank (a
+        format no rank can load) is raised as rank 0's, and the group stays usable; ranks that
+        disagree (one failed, or computed other bits) raise `EngineError`, and a rank that
+        failed alone or went silent leaves the group broken (`alive` False), since the ranks
+        may no longer be in step."""
         with self._lock:
             if not self.alive:
                 raise EngineError(f"the tensor-parallel group is not usable: {self._why_not()}")
             message = pickle.dumps((op, args), protocol=5)
             for conn in self._conns:
                 conn.send_bytes(message)
+            # Every rank has read the operation before any runs it: one that cannot (a module
+            # it cannot import) refuses it, and no rank waits in a collective for it.
+            taken = [self._answer(rank, conn) for rank, conn in enumerate(self._conns, start=1)]
+            refused = [(rank, what) for rank, (status, what) in taken if status != "taken"]
+            if refused:
+                for conn in self._conns:
+                    with contextlib.suppress(OSError):
+                        conn.send(False)
+                rank, what = refused[0]
+                raise EngineError(
+                    f"tensor-parallel rank {rank} could not take the operation: {what}"
+                )
+            for conn in self._conns:
+                conn.send(True)
             error: BaseException | None = None
             result: object = None
             try:
@@ -342,8 +360,11 @@ class TpGroup:
                 return rank, ("error", self._broken)
             status, detail = conn.recv()
         except (EOFError, OSError):
-            code = self._procs[rank - 1].poll()
-            self._broken = f"rank {rank} exited ({code})"
+            try:
+                code: int | None = self._procs[rank - 1].wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                code = None
+            self._broken = f"rank {rank} closed its channel (exit status {code})"
             return rank, ("error", self._broken)
         return rank, (str(status), str(detail))
 
@@ -472,9 +493,17 @@ def follow(conn: Connection, state: RankState) -> None:
             message = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        request = pickle.loads(message)  # rank 0's, over a private socket
-        if request is None:
-            return
+        try:
+            request = pickle.loads(message)  # rank 0's, over a private socket
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            request = ()
+        else:
+            if request is None:
+                return
+            conn.send(("taken", ""))
+        if not conn.recv():  # a rank could not take it: no rank runs it
+            continue
         op, args = request
         try:
             answer = ("ok", digest(op(state, *args)))
