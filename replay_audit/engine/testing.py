@@ -32,8 +32,7 @@ def make_tiny_checkpoint(
     peaked like a trained model's, with occasional close calls. A tensor-parallel degree must
     divide the head counts (4 and 2 by default: TP 2), `hidden_size` and the vocabulary."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -61,7 +60,18 @@ def make_tiny_checkpoint(
             q[q.abs() < 2.0**-14] = 0.0
             p.copy_(q)
     model.save_pretrained(out, safe_serialization=True)
+    write_byte_tokenizer(out)
+    return out
 
+
+def write_byte_tokenizer(path: str | Path) -> Path:
+    """Write the tiny checkpoints' byte-level tokenizer (256 byte tokens and `</s>` =
+    `TINY_EOS_ID`) and a greedy generation config ending at `</s>` to `path`: any text
+    round-trips, whatever the model's vocabulary (ids above 256 decode to nothing)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(path)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     byte_vocab = {ch: i for i, ch in enumerate(alphabet)}
     byte_vocab["</s>"] = TINY_EOS_ID
