@@ -13,12 +13,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypedDict, Unpack, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Unpack, runtime_checkable
 
 from replay_audit.engine.hashing import HashCache
-from replay_audit.engine.protocol import Engine, Target
+from replay_audit.engine.protocol import Engine, LoadOptions, Target
 from replay_audit.exceptions import UnsupportedFormat
 from replay_audit.formats import CacheKind
+
+__all__ = ["Closeable", "EnginePool", "LoadOptions", "Loader", "load_engine"]
 
 if TYPE_CHECKING:
     from replay_audit.engine.tensor_parallel import TpGroup
@@ -164,24 +166,6 @@ def _close(engine: Engine) -> None:
         engine.close()
 
 
-class LoadOptions(TypedDict, total=False):
-    """`TorchEngine.load`'s options. `device` None picks CUDA when available, else the CPU.
-    `deterministic` and `tf32` are process-wide torch flags the engine sets explicitly and
-    reports in `environment()`. `cache`, the decode path (`formats.CacheKind`): "piecewise"
-    (None) is bitwise equal to `generate()`; "compiled" preallocates the KV cache for up to
-    `max_cache_len` tokens and captures the step: faster, not bitwise equal. `weight_dtype`:
-    the storage dtype when it differs from `target.dtype` (the storage-vs-compute ablation).
-    `fp8_linear`: every linear layer of the body in FP8-E4M3 (CUDA, SM >= 8.9)."""
-
-    device: str | None
-    deterministic: bool
-    tf32: bool
-    cache: CacheKind | None
-    max_cache_len: int
-    weight_dtype: str | None
-    fp8_linear: bool
-
-
 def load_engine(
     model_dir: str | Path,
     target: Target,
@@ -193,7 +177,7 @@ def load_engine(
     (`TorchEngine.load`, imported only now), or, with a tensor-parallel group `tp`, on each of
     its ranks (`TensorParallelEngine.load`: TP at the group's degree)."""
     if tp is not None:
-        from replay_audit.engine.tensor_parallel import TensorParallelEngine
+        from replay_audit.engine.tp_engine import TensorParallelEngine
 
         return TensorParallelEngine.load(tp, Path(model_dir), target, **options)
     from replay_audit.engine.torch_engine import TorchEngine

@@ -16,8 +16,9 @@ ranks in step; the digests check that every rank computed the same bits, so a re
 every rank computed, not what rank 0 hoped they did.
 
     TpGroup                the processes and the process group; `run(op, *args)`
-    TensorParallelEngine   an `Engine` whose every probe (decode, scan, scan_batch, step,
-                           step_batch, hidden_states) is a `run` of the rank's own `TorchEngine`
+    TensorParallelEngine   (`tp_engine`) an `Engine` whose every probe (decode, scan, scan_batch,
+                           step, step_batch, hidden_states) is a `run` of each rank's own
+                           `TorchEngine`
 
 NVLink multicast stays off in every rank (`NVLS_OFF`): this process sets it before its
 communicator exists, and each rank gets it in its environment. A rank dies with its parent
@@ -41,38 +42,19 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Literal, Unpack
+from typing import Any, Final, Literal
 
-import numpy.typing as npt
-
-from replay_audit.diff.pieces import Piece
-from replay_audit.engine.protocol import (
-    DEFAULT_SCAN_TOKEN_BUDGET,
-    DecodeRun,
-    Environment,
-    Intervention,
-    ScanItem,
-    ScanRun,
-    StepInfo,
-    Target,
-)
 from replay_audit.exceptions import EngineError, UnsupportedFormat
-
-if TYPE_CHECKING:
-    import numpy as np
-
-    from replay_audit.engine.pool import LoadOptions
-    from replay_audit.engine.torch_engine import TorchEngine
 
 log = logging.getLogger(__name__)
 
 #: NVLink multicast (NVLS) off in every rank: set in this process before its NCCL communicator
-#: exists and in each rank's environment. Lent multi-GPU machines hang or fail with it on.
+#: exists and in each rank's environment (the issue's rule: a program using it can put a host's
+#: shared GPUs out of service).
 NVLS_OFF: Final[Mapping[str, str]] = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -281,6 +263,9 @@ class TpGroup:
                 result = op(self.state, *args)
             except Exception as exc:  # every rank answers first; then this is raised
                 error = exc
+            except BaseException:  # Ctrl-C mid-operation: the ranks' answers are not read
+                self._broken = "rank 0 was interrupted during an operation"
+                raise
             answers = [self._answer(rank, conn) for rank, conn in enumerate(self._conns, start=1)]
             failed = [(rank, what) for rank, (status, what) in answers if status == "error"]
             if error is not None:
@@ -318,7 +303,7 @@ class TpGroup:
                 if dist.is_initialized():
                     dist.destroy_process_group()
             gc.collect()
-            _empty_device_cache(self.device_type)
+            empty_device_cache(self.device_type)
 
     def __enter__(self) -> TpGroup:
         return self
@@ -463,7 +448,8 @@ def _start_rank(
     return proc, Connection(ours.detach())
 
 
-def _empty_device_cache(device_type: DeviceType) -> None:
+def empty_device_cache(device_type: DeviceType) -> None:
+    """Give the allocator's cached blocks back to the device (nothing on the CPU)."""
     if device_type == "cuda":
         import torch
 
@@ -474,8 +460,13 @@ def _empty_device_cache(device_type: DeviceType) -> None:
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """This process gets SIGKILL when its parent dies (Linux's PR_SET_PDEATHSIG; elsewhere
-    nothing), and exits now if the parent is already gone."""
+    """This process lives as long as its parent: it gets SIGKILL when the parent dies (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing), exits now if the parent is already gone, and ignores
+    SIGINT and SIGTERM (a Ctrl-C at a terminal, a supervisor signalling the whole process
+    group): rank 0 decides when the operation in progress ends, as a worker's warm shutdown
+    finishes its job, and stops its ranks itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -510,151 +501,3 @@ def follow(conn: Connection, state: RankState) -> None:
         except Exception as exc:
             answer = ("error", f"{type(exc).__name__}: {exc}")
         conn.send(answer)
-
-
-# -- operations (run on every rank) -----------------------------------------------------------
-
-
-def _load_engine(
-    state: RankState, key: str, model_dir: Path, target: Target, options: LoadOptions
-) -> None:
-    from replay_audit.engine.torch_engine import TorchEngine
-
-    state.objects[key] = TorchEngine.load(model_dir, target, tp=state.placement, **options)
-
-
-def _call(
-    state: RankState, key: str, method: str, args: Sequence[object], kwargs: Mapping[str, object]
-) -> object:
-    return getattr(state.objects[key], method)(*args, **kwargs)
-
-
-def _drop(state: RankState, key: str) -> None:
-    state.objects.pop(key, None)
-    gc.collect()
-    _empty_device_cache(state.placement.device_type)
-
-
-class TensorParallelEngine:
-    """An `Engine` (and `HiddenStates`) at TP degree k: every rank of `group` holds a
-    `TorchEngine` of the checkpoint loaded with transformers' tensor-parallel plan, and every
-    probe runs on all of them (`TpGroup.run`); rank 0's answers. What needs no computation
-    (the target, the environment, the tokenizer) is rank 0's engine's."""
-
-    def __init__(self, group: TpGroup, key: str, local: TorchEngine) -> None:
-        self.group = group
-        self.key = key
-        self.local = local
-
-    @classmethod
-    def load(
-        cls, group: TpGroup, model_dir: Path, target: Target, **options: Unpack[LoadOptions]
-    ) -> TensorParallelEngine:
-        """Load `model_dir` in `target`'s format on every rank of `group`."""
-        key = group.new_key(str(model_dir))
-        group.run(_load_engine, key, Path(model_dir), target, options)
-        local: TorchEngine = group.state.objects[key]
-        return cls(group, key, local)
-
-    def close(self) -> None:
-        """Every rank drops its engine (nothing where the group is no longer usable)."""
-        if self.group.alive:
-            self.group.run(_drop, self.key)
-        else:
-            self.group.state.objects.pop(self.key, None)
-
-    # -- the protocol -------------------------------------------------------------------------
-
-    @property
-    def target(self) -> Target:
-        return self.local.target
-
-    @property
-    def vocab_size(self) -> int:
-        return self.local.vocab_size
-
-    def environment(self) -> Environment:
-        return self.local.environment()
-
-    def decode(
-        self,
-        prompt_ids: Sequence[int],
-        max_new_tokens: int,
-        eos_ids: Sequence[int] = (),
-        intervention: Intervention | None = None,
-        top_k: int = 5,
-        *,
-        forced_prefix: Sequence[int] = (),
-    ) -> DecodeRun:
-        args = (list(prompt_ids), max_new_tokens, list(eos_ids), intervention, top_k)
-        run: DecodeRun = self._run("decode", args, {"forced_prefix": list(forced_prefix)})
-        return run
-
-    def scan(
-        self,
-        prompt_ids: Sequence[int],
-        output_ids: Sequence[int],
-        intervention: Intervention | None = None,
-        top_k: int = 5,
-    ) -> ScanRun:
-        run: ScanRun = self._run(
-            "scan", (list(prompt_ids), list(output_ids), intervention, top_k), {}
-        )
-        return run
-
-    def scan_batch(
-        self,
-        items: Sequence[ScanItem],
-        intervention: Intervention | None = None,
-        top_k: int = 5,
-        *,
-        token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
-    ) -> list[ScanRun]:
-        runs: list[ScanRun] = self._run(
-            "scan_batch", (list(items), intervention, top_k), {"token_budget": token_budget}
-        )
-        return runs
-
-    def step(
-        self,
-        prompt_ids: Sequence[int],
-        prefix_ids: Sequence[int],
-        intervention: Intervention,
-        top_k: int = 5,
-    ) -> StepInfo:
-        info: StepInfo = self._run(
-            "step", (list(prompt_ids), list(prefix_ids), intervention, top_k), {}
-        )
-        return info
-
-    def step_batch(
-        self,
-        contexts: Sequence[Sequence[int]],
-        intervention: Intervention,
-        top_k: int = 5,
-        *,
-        token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
-    ) -> list[StepInfo]:
-        infos: list[StepInfo] = self._run(
-            "step_batch",
-            ([list(c) for c in contexts], intervention, top_k),
-            {"token_budget": token_budget},
-        )
-        return infos
-
-    def hidden_states(
-        self, prompt_ids: Sequence[int], output_ids: Sequence[int]
-    ) -> npt.NDArray[np.float32]:
-        states: npt.NDArray[np.float32] = self._run(
-            "hidden_states", (list(prompt_ids), list(output_ids)), {}
-        )
-        return states
-
-    def detokenize(self, ids: Sequence[int]) -> str | None:
-        return self.local.detokenize(ids)
-
-    def token_pieces(self, ids: Sequence[int]) -> tuple[Piece, ...] | None:
-        return self.local.token_pieces(ids)
-
-    def _run(self, method: str, args: Sequence[object], kwargs: Mapping[str, object]) -> Any:
-        return self.group.run(_call, self.key, method, args, kwargs)

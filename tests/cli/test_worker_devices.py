@@ -6,6 +6,7 @@ replaced: this machine has none.)"""
 from __future__ import annotations
 
 import importlib.util
+import re
 from typing import Any
 
 import pytest
@@ -41,7 +42,7 @@ def test_a_gpu_worker_owns_cuda_0_to_n_of_one_kind(monkeypatch: pytest.MonkeyPat
     kind, cuda = _worker_kind(None, 2)
     assert kind == WorkerKind.gpu("NVIDIA A10G", "8.6", 2) and cuda == "cuda:0"
     assert "gpu:a10g:tp2" in served_queues(["gpu"], kind)
-    with pytest.raises(typer.BadParameter, match="owns cuda:0..1"):
+    with pytest.raises(typer.BadParameter, match=re.escape("owns cuda:0..1")):
         _worker_kind("cuda:1", 2)
     with pytest.raises(typer.BadParameter, match="sees 2 GPUs"):
         _worker_kind(None, 3)

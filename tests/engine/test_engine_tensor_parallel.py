@@ -186,7 +186,8 @@ def test_a_tp1_replay_of_tp2_traces_reports_each_divergence_with_its_category(
 def test_every_probe_runs_on_both_ranks_with_nvlink_multicast_off(
     tp2_traces: list[TraceCreate], tp_pool: EnginePool, tp_dir: Path
 ) -> None:
-    from replay_audit.engine.tensor_parallel import NVLS_OFF, TensorParallelEngine
+    from replay_audit.engine.tensor_parallel import NVLS_OFF
+    from replay_audit.engine.tp_engine import TensorParallelEngine
 
     engine = tp_pool.get(tp_dir, Target("bf16", attn_kernel="sdpa"), 2)
     assert isinstance(engine, TensorParallelEngine)
@@ -239,7 +240,7 @@ def test_intervention_c_recomputes_from_the_whole_lm_head(
 def test_a_rank_failing_alone_breaks_the_group_and_the_pool_starts_another(
     tp2_traces: list[TraceCreate], tp_pool: EnginePool, tp_dir: Path
 ) -> None:
-    from replay_audit.engine.tensor_parallel import TensorParallelEngine
+    from replay_audit.engine.tp_engine import TensorParallelEngine
 
     target = Target("bf16", attn_kernel="sdpa")
     before = tp_pool.get(tp_dir, target, 2)
