@@ -4,7 +4,8 @@ Torch-free: the loader (by default `load_engine`, here, re-exported as
 `replay_audit.engine.load_engine`) imports torch the first time an engine is actually built.
 An engine at TP degree k > 1 runs on a tensor-parallel group of k processes
 (`tensor_parallel.TpGroup`) that the pool starts on first use, keeps while it holds engines of
-that degree, and stops when it needs another degree, when it is cleared or when it is closed.
+that degree, and stops when it needs another degree, when its last engine is evicted, when it is
+cleared or when it is closed.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ class EnginePool:
                 if self._max is not None:
                     while len(self._engines) > self._max:
                         _close(self._engines.popitem(last=False)[1])
+                    if self._tp is not None and not any(k[2] > 1 for k in self._engines):
+                        self._drop_tp()  # its last engine went: its ranks hold nothing
             self._engines.move_to_end(key)
             return engine
 

@@ -265,6 +265,24 @@ def test_a_rank_failing_alone_breaks_the_group_and_the_pool_starts_another(
 
 
 @pytest.mark.slow
+def test_evicting_the_last_tp_engine_stops_its_ranks(
+    tp2_traces: list[TraceCreate], tp_dir: Path
+) -> None:
+    from replay_audit.engine.tp_engine import TensorParallelEngine
+
+    pool = EnginePool(device="cpu", threads=1, devices=2, max_engines=1)
+    try:
+        engine = pool.get(tp_dir, Target("bf16", attn_kernel="sdpa"), 2)
+        assert isinstance(engine, TensorParallelEngine)
+        pids = engine.group.pids
+        pool.get(tp_dir, Target("bf16", attn_kernel="sdpa"), 1)  # the TP-2 engine goes
+        _wait_gone(pids)
+        assert not engine.group.alive and len(pool) == 1
+    finally:
+        pool.close()
+
+
+@pytest.mark.slow
 def test_the_ranks_die_with_the_process_that_started_them(tmp_path: Path) -> None:
     """SIGKILL leaves no cleanup to run: the ranks go by PR_SET_PDEATHSIG (and their control
     socket closing), not by the parent's goodwill."""
