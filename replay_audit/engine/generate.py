@@ -12,6 +12,7 @@ the trace records `tp_degree: k` in its configuration.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,8 @@ class TraceGenerator:
             except BaseException:
                 self._group.close()
                 raise
-            self.model, self.tokenizer = self._group.state.objects[self._key]
+            loaded = self._group.state.get(self._key, _Loaded)
+            self.model, self.tokenizer = loaded.model, loaded.tokenizer
             self.device = self._group.state.placement.device
         else:
             configure_numerics(deterministic=deterministic, tf32=tf32)
@@ -261,6 +263,14 @@ def greedy_generate(
 # -- operations of a tensor-parallel group (`TpGroup.run`: run on every rank) -------------------
 
 
+@dataclass(frozen=True)
+class _Loaded:
+    """A rank's share of the checkpoint (transformers' model) and its tokenizer."""
+
+    model: Any
+    tokenizer: Any
+
+
 def _load_model(
     state: RankState,
     key: str,
@@ -274,14 +284,16 @@ def _load_model(
     configure_numerics(deterministic=deterministic, tf32=tf32)
     device = state.placement.device
     apply_sdpa_policy(device)
-    state.objects[key] = load_model(model_dir, dtype, attn_kernel, device, tp=state.placement)
+    state.objects[key] = _Loaded(
+        *load_model(model_dir, dtype, attn_kernel, device, tp=state.placement)
+    )
 
 
 def _generate(
     state: RankState, key: str, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int]
 ) -> tuple[list[int], npt.NDArray[np.float32]]:
     """`greedy_generate` on this rank; the logits on the host (what every rank compares)."""
-    model, _ = state.objects[key]
+    model = state.get(key, _Loaded).model
     seq, logits = greedy_generate(
         model, state.placement.device, prompt_ids, max_new_tokens, eos_ids
     )

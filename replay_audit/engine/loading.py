@@ -9,6 +9,7 @@ import ctypes
 import logging
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -271,7 +272,7 @@ def load_model(
     return model, load_tokenizer(model_dir)
 
 
-def _tp_loading(degree: int) -> dict[str, Any]:
+def _tp_loading(degree: int) -> Mapping[str, object]:
     """`from_pretrained`'s arguments for transformers' tensor-parallel loading over `degree`
     ranks with the model's own plan ("auto"): a `DistributedConfig` where transformers has one
     (5.x), else the `tp_plan` argument (4.x)."""

@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 from replay_audit.exceptions import EngineError, UnsupportedFormat
 
@@ -75,6 +75,7 @@ ENV_TIMEOUT_S: Final = "REPLAY_AUDIT_TP_TIMEOUT_S"
 _PR_SET_PDEATHSIG: Final = 1
 
 DeviceType = Literal["cpu", "cuda"]
+T = TypeVar("T")
 
 
 def backend_for(device_type: DeviceType) -> str:
@@ -110,7 +111,14 @@ class RankState:
     key rank 0 gave them)."""
 
     placement: TpPlacement
-    objects: dict[str, Any] = field(default_factory=dict)
+    objects: dict[str, object] = field(default_factory=dict)
+
+    def get(self, key: str, kind: type[T]) -> T:
+        """The object kept under `key`, which is a `kind`."""
+        obj = self.objects[key]
+        if not isinstance(obj, kind):
+            raise TypeError(f"{key} holds a {type(obj).__name__}, not a {kind.__name__}")
+        return obj
 
 
 def digest(result: object) -> str:

@@ -69,7 +69,7 @@ class TensorParallelEngine:
         """Load `model_dir` in `target`'s format on every rank of `group`."""
         key = group.new_key(str(model_dir))
         group.run(_load_engine, key, Path(model_dir), target, options)
-        local: TorchEngine = group.state.objects[key]
+        local = group.state.get(key, TorchEngine)
         return cls(group, key, local)
 
     def close(self) -> None:
