@@ -12,6 +12,6 @@ COPY replay_audit ./replay_audit
 COPY migrations ./migrations
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --no-cache-dir "$TORCH_SPEC" --index-url "$TORCH_INDEX_URL"; \
     else pip install --no-cache-dir "$TORCH_SPEC"; fi \
- && pip install --no-cache-dir -e '.[engine]'
+ && pip install --no-cache-dir -e '.[engine,tp]'
 EXPOSE 8000
 CMD ["replay-audit", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -37,6 +37,20 @@ def random_tinyllama(dtype: str, device: str | None, attn_kernel: str = "sdpa") 
     return model.to(TORCH_DTYPES[dtype]).eval()
 
 
+def save_random_tinyllama(path: Path, dtype: str, device: str | None) -> Path:
+    """`random_tinyllama` in `dtype` saved as a checkpoint directory (safetensors) with the
+    tiny checkpoints' byte-level tokenizer: what a loader that reads a directory (tensor-parallel
+    loading, `replay-audit generate`) needs. Kept where it already is."""
+    from replay_audit.engine.testing import write_byte_tokenizer
+
+    if not any(path.glob("*.safetensors")):
+        model = random_tinyllama(dtype, device)
+        model.save_pretrained(path, safe_serialization=True)
+        del model
+        write_byte_tokenizer(path)
+    return path
+
+
 def build_engine(
     model_dir: Path | None,
     target: Target,

@@ -6,6 +6,7 @@ stay fast and torch-free.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 from collections.abc import Iterator, Mapping
@@ -33,6 +34,7 @@ from replay_audit.json_value import JsonObject, as_str
 
 if TYPE_CHECKING:
     from replay_audit.engine import Target
+    from replay_audit.engine.generate import TraceGenerator
     from replay_audit.engine.protocol import LogitsProcessors
     from replay_audit.stats.report import ComparisonReport, EstimateRead, ScreeningReport
 
@@ -136,6 +138,16 @@ def generate(
         list[str] | None,
         typer.Option(help="Comma-separated ids never generated in a row (repeatable)."),
     ] = None,
+    tp: Annotated[
+        int,
+        typer.Option(
+            "--tp",
+            min=1,
+            help="Tensor-parallel degree: k > 1 starts k processes (GPUs cuda:0..k-1, or CPU "
+            "processes with gloo where there is no GPU), each loading the checkpoint with "
+            "transformers' tp_plan=auto; the traces record tp_degree k. Needs accelerate.",
+        ),
+    ] = 1,
 ) -> None:
     """Log greedy generations with transformers' own generate(), as POST /v1/traces JSON,
     with its logits processors where asked (recorded in each trace's
@@ -169,7 +181,6 @@ def generate(
     rows = rows[:limit] if limit else rows
     from replay_audit.engine.generate import TraceGenerator
     from replay_audit.exceptions import ReplayAuditError
-    from replay_audit.traces.schemas import TraceCreate
 
     try:
         gen = TraceGenerator(
@@ -179,11 +190,34 @@ def generate(
             device=device,
             model_name=model_name,
             threads=_threads(threads),
+            tp_degree=tp,
         )
     except ReplayAuditError as e:
         _fail(e.message)
-    if any("messages" in r for r in rows) and not getattr(gen.tokenizer, "chat_template", None):
-        _fail(f"{prompts} has chat messages, but {model}'s tokenizer has no chat template")
+    with gen:  # at --tp k, the ranks stop with it
+        if any("messages" in r for r in rows) and not getattr(gen.tokenizer, "chat_template", None):
+            _fail(f"{prompts} has chat messages, but {model}'s tokenizer has no chat template")
+        n = _write_traces(gen, rows, out, max_new_tokens, top_k, tag or [], processors)
+    tp_text = f", TP {tp}" if tp > 1 else ""
+    typer.echo(
+        f"wrote {counted(n, 'trace')} to {out} ({dtype}, {gen.config['attn_kernel']}, "
+        f"{gen.config['device']}{tp_text}, weights_sha256 {gen.weights_sha256[:12]}...)"
+    )
+
+
+def _write_traces(
+    gen: TraceGenerator,
+    rows: list[JsonObject],
+    out: Path,
+    max_new_tokens: int,
+    top_k: int,
+    tags: list[str],
+    processors: LogitsProcessors,
+) -> int:
+    """`generate`'s traces of `rows` (with `processors`), written to `out` as validated
+    `TraceCreate` JSON lines."""
+    from replay_audit.traces.schemas import TraceCreate
+
     n = 0
     with out.open("w", encoding="utf-8") as f, _progress() as bar:
         task = bar.add_task("generate", total=len(rows))
@@ -195,7 +229,7 @@ def generate(
                 max_new_tokens=max_new_tokens,
                 top_k=top_k,
                 external_id=None if pid is None else str(pid),
-                tags=tag or [],
+                tags=tags,
                 processors=processors,
             )
             # Exactly what POST /v1/traces accepts (validated here, at the CLI's edge).
@@ -203,10 +237,7 @@ def generate(
             f.write(json.dumps(trace, allow_nan=False) + "\n")
             n += 1
             bar.advance(task)
-    typer.echo(
-        f"wrote {counted(n, 'trace')} to {out} ({dtype}, {gen.config['attn_kernel']}, "
-        f"{gen.config['device']}, weights_sha256 {gen.weights_sha256[:12]}...)"
-    )
+    return n
 
 
 def _generate_processors(
@@ -273,8 +304,9 @@ def replay(
         typer.Option(
             min=1,
             help="The tensor-parallel degree to replay at (default: each trace's logged one). "
-            "This command replays at TP 1: a trace logged at TP 2 fails saying so unless "
-            "--tp-degree 1 asks for TP 1, and its result then says the degrees differ.",
+            "A degree k > 1 starts k processes (GPUs cuda:0..k-1, or CPU processes with gloo "
+            "where there is no GPU; needs accelerate); a result at another degree than the "
+            "trace's logged one says the degrees differ.",
         ),
     ] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
@@ -371,7 +403,11 @@ def replay(
         parsed.append((n, tr, logged))
     if not parsed:
         _fail(f"{traces} holds no trace")
-    pool = EnginePool(device=device, cache=kv_cache, threads=_threads(threads))
+    # The degrees asked or logged (arm A's single-step re-runs run the logged one): a pool
+    # owning that many devices starts a group of processes for the first TP > 1 engine.
+    devices = max([tp_degree or 1, *(logged.tp_degree or 1 for _, _, logged in parsed)])
+    pool = EnginePool(device=device, cache=kv_cache, threads=_threads(threads), devices=devices)
+    atexit.register(pool.close)  # a tensor-parallel group's ranks stop with the command
     try:
         sha = pool.weights_sha256(model)
     except NoWeightsError as e:

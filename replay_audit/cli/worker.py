@@ -14,7 +14,7 @@ import typer
 
 from replay_audit.cli.root import app
 from replay_audit.formats import CACHE_KINDS
-from replay_audit.queue.route import WorkerKind
+from replay_audit.queue.route import CPU_KIND, WorkerKind
 
 
 @app.command()
@@ -66,12 +66,24 @@ def worker(
             "graph: faster, may flip near-ties); recorded per result."
         ),
     ] = None,
+    devices: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Devices this worker owns, announced with its kind: it serves the TP queues "
+            "up to this degree (gpu:KIND:tp2, ...) and replays a TP k job on a group of k "
+            "processes it starts, one per GPU (cuda:0..k-1 of CUDA_VISIBLE_DEVICES, NCCL), or "
+            "on the CPU k processes (gloo; a host without CUDA). Needs accelerate when above 1.",
+        ),
+    ] = 1,
 ) -> None:
     """Run an RQ worker that replays traces (`REPLAY_AUDIT_RUNNER=rq`).
 
-    One process per GPU (`CUDA_VISIBLE_DEVICES`). It is a SimpleWorker: jobs run in this
-    process, so each checkpoint is loaded once and stays loaded (forking after CUDA
-    initialisation is unsafe, and reloading per job would dominate the time)."""
+    One process per GPU (`CUDA_VISIBLE_DEVICES`), or per group of GPUs for tensor-parallel
+    replays (--devices N: this process is rank 0 and starts ranks 1..k-1 for a TP k job, kept
+    while it replays at that degree). It is a SimpleWorker: jobs run in this process, so each
+    checkpoint is loaded once and stays loaded (forking after CUDA initialisation is unsafe,
+    and reloading per job would dominate the time)."""
     from redis import Redis
     from rq import Queue
 
@@ -92,7 +104,7 @@ def worker(
     configure_logging(settings.log_format)
     if gpu_sm is not None and gpu_name is None:
         raise typer.BadParameter("give --gpu-name with it", param_hint="--gpu-sm")
-    announced, cuda_device = _worker_kind(device)
+    announced, cuda_device = _worker_kind(device, devices)
     if gpu_name is not None:
         try:
             announced = WorkerKind.gpu(gpu_name, gpu_sm, announced.devices)
@@ -105,6 +117,7 @@ def worker(
         cache=kv_cache,
         threads=settings.torch_threads,
         on_load=MODEL_LOADS.inc,
+        devices=announced.devices,
     )
     install_worker_context(WorkerContext(settings, pool, gpu_kind))
     if settings.default_queue not in queue:
@@ -147,6 +160,7 @@ def worker(
     finally:
         stop_alive.set()
         forget_worker(connection, settings.queue_prefix, w.name)
+        pool.close()  # a tensor-parallel group's ranks stop with the worker
 
 
 #: prctl(2)'s option: the signal a process gets when its parent dies.
@@ -176,22 +190,63 @@ def _children_die_with_us() -> None:
     os.register_at_fork(before=before, after_in_child=in_child)
 
 
-def _worker_kind(device: str | None) -> tuple[WorkerKind, str | None]:
+def _worker_kind(device: str | None, devices: int = 1) -> tuple[WorkerKind, str | None]:
     """What the worker announces (its GPU's name, compute capability and kind, or `cpu`; the
-    one device it owns: a worker process per GPU) and its CUDA device, if any."""
+    devices it owns: `devices`, checked against what this host can run) and its CUDA device,
+    if any. A worker of N > 1 devices owns cuda:0..N-1 of its CUDA_VISIBLE_DEVICES, all of one
+    kind, or N processes on the CPU of a host without CUDA."""
+    if devices > 1:
+        import importlib.util
+
+        if importlib.util.find_spec("accelerate") is None:
+            raise typer.BadParameter(
+                "tensor parallel needs the accelerate package (transformers' tp_plan "
+                "loading): pip install 'replay-audit[tp]'",
+                param_hint="--devices",
+            )
     if device == "cpu":
-        return WorkerKind.cpu(), None
+        return _cpu_kind(devices), None
     import torch
 
     if device is None and not torch.cuda.is_available():
-        return WorkerKind.cpu(), None
+        return _cpu_kind(devices), None
     cuda = torch.device(device or "cuda")
     if cuda.type != "cuda":
-        return WorkerKind.cpu(), None
+        return _cpu_kind(devices), None
     index = cuda.index if cuda.index is not None else torch.cuda.current_device()
     major, minor = torch.cuda.get_device_capability(index)
     name = torch.cuda.get_device_name(index)
-    return WorkerKind.gpu(name, f"{major}.{minor}"), f"cuda:{index}"
+    if devices > 1:
+        seen = torch.cuda.device_count()
+        if index != 0 or seen < devices:
+            raise typer.BadParameter(
+                f"a worker of {devices} devices owns cuda:0..{devices - 1} (it sees {seen} "
+                f"GPU{'s' if seen != 1 else ''}, and was given {cuda}): give it its GPUs with "
+                "CUDA_VISIBLE_DEVICES",
+                param_hint="--devices",
+            )
+        names = {torch.cuda.get_device_name(i) for i in range(devices)}
+        if len(names) > 1:
+            raise typer.BadParameter(
+                f"a worker's GPUs are of one kind; cuda:0..{devices - 1} are {sorted(names)}",
+                param_hint="--devices",
+            )
+    return WorkerKind.gpu(name, f"{major}.{minor}", devices), f"cuda:{index}"
+
+
+def _cpu_kind(devices: int) -> WorkerKind:
+    """A CPU worker of `devices` processes (more than one only on a host without CUDA:
+    transformers' TP loading places every rank on the host's accelerator)."""
+    if devices > 1:
+        import torch
+
+        if torch.cuda.is_available():
+            raise typer.BadParameter(
+                "CPU tensor parallel runs only on a host without CUDA: give this worker GPUs "
+                "(--device cuda) or --devices 1",
+                param_hint="--devices",
+            )
+    return WorkerKind(CPU_KIND, devices=devices)
 
 
 def _worker_class(gpu_kind: str, cuda_device: str | None) -> type[Any]:

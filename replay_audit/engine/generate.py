@@ -6,11 +6,16 @@ model's own, before any logits processor, exactly converted to float32 by transf
 Optionally with logits processors (`LogitsProcessors`: generate()'s `repetition_penalty`,
 `no_repeat_ngram_size`, `min_new_tokens`, `sequence_bias` of one-token sequences for a logit
 bias, `bad_words_ids`), which the trace records in `decoding.logits_processors`.
+
+At a tensor-parallel degree k > 1 the checkpoint is loaded with transformers' tensor-parallel
+plan on each rank of a `tensor_parallel.TpGroup`, every rank runs the same `generate()`, and
+the trace records `tp_degree: k` in its configuration.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +36,7 @@ from replay_audit.engine.loading import (
 from replay_audit.engine.numerics import top_k_on_host
 from replay_audit.engine.pieces import PieceReader
 from replay_audit.engine.protocol import Environment, LogitsProcessors
+from replay_audit.engine.tensor_parallel import RankState, TpGroup
 from replay_audit.exceptions import EngineError
 from replay_audit.json_value import JsonObject, JsonValue
 
@@ -115,18 +121,37 @@ class TraceGenerator:
         tf32: bool = False,
         threads: int | None = None,
         leave_free: int = 0,
+        tp_degree: int = 1,
     ) -> None:
         """`threads`, `leave_free`: torch's CPU threads (`loading.set_torch_threads`), set here
-        for the thread that builds the generator and generates."""
+        for the thread that builds the generator and generates. `tp_degree` > 1: a group of that
+        many processes (GPUs cuda:0.., or CPU processes) is started, each loading the checkpoint
+        with transformers' tensor-parallel plan; `close()` stops it."""
         self.model_dir = Path(model_dir)
-        configure_numerics(deterministic=deterministic, tf32=tf32)
         set_torch_threads(threads, leave_free=leave_free)
-        self.device = resolve_device(device)
-        apply_sdpa_policy(self.device)  # the engine's SDPA backends: logged as replayed
         self.dtype = dtype
+        self.tp_degree = tp_degree
+        self._group: TpGroup | None = None
         # Hashed first: a path that is no checkpoint fails before a model loads.
         self.weights_sha256 = weights_sha256(self.model_dir)
-        self.model, self.tokenizer = load_model(self.model_dir, dtype, attn_kernel, self.device)
+        if tp_degree > 1:
+            self._group = TpGroup(tp_degree, device=device, threads=threads)
+            self._key = self._group.new_key(str(self.model_dir))
+            try:
+                self._group.run(
+                    _load_model, self._key, self.model_dir, dtype, attn_kernel, deterministic, tf32
+                )
+            except BaseException:
+                self._group.close()
+                raise
+            loaded = self._group.state.get(self._key, _Loaded)
+            self.model, self.tokenizer = loaded.model, loaded.tokenizer
+            self.device = self._group.state.placement.device
+        else:
+            configure_numerics(deterministic=deterministic, tf32=tf32)
+            self.device = resolve_device(device)
+            apply_sdpa_policy(self.device)  # the engine's SDPA backends: logged as replayed
+            self.model, self.tokenizer = load_model(self.model_dir, dtype, attn_kernel, self.device)
         if self.tokenizer is None:
             raise EngineError(f"{self.model_dir} has no tokenizer: cannot encode prompts")
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
@@ -134,9 +159,26 @@ class TraceGenerator:
         self.model_name = model_name or self.model_dir.name
         self.config = self._config()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel group, if there is one (nothing at TP 1)."""
+        if self._group is not None:
+            self._group.close()
+
+    def __enter__(self) -> TraceGenerator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _config(self) -> Environment:
         import transformers
 
+        extras: dict[str, str | int | float | bool | None] = {
+            "kv_cache": "dynamic",
+            "producer": "replay-audit generate",
+        }
+        if self._group is not None:
+            extras.update(tp_plan="auto", tp_backend=self._group.backend)
         return numerical_environment(
             dtype=self.dtype,
             lm_head_dtype=self.dtype,
@@ -146,7 +188,8 @@ class TraceGenerator:
             batch_size=1,
             engine_name="transformers",
             engine_version=transformers.__version__,
-            extras={"kv_cache": "dynamic", "producer": "replay-audit generate"},
+            tp_degree=self.tp_degree,
+            extras=extras,
         )
 
     def render(self, messages: Sequence[Mapping[str, str]]) -> str:
@@ -167,7 +210,6 @@ class TraceGenerator:
             raise EngineError("the prompt encodes to no tokens")
         return ids
 
-    @torch.inference_mode()
     def generate_ids(
         self,
         prompt_ids: Sequence[int],
@@ -175,28 +217,18 @@ class TraceGenerator:
         processors: LogitsProcessors | None = None,
     ) -> tuple[list[int], torch.Tensor]:
         """transformers' greedy `generate()`, with `processors`' generation settings: output
-        ids and the per-step raw logits (T, V)."""
-        from transformers import GenerationConfig
-
-        config_cls: Any = GenerationConfig
-
-        x = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
-        gc = config_cls(
-            do_sample=False,
-            num_beams=1,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=self.eos_ids or None,
-            pad_token_id=self.eos_ids[0] if self.eos_ids else 0,
-            output_logits=True,
-            return_dict_in_generate=True,
-            **generation_settings(processors),
+        ids and the per-step raw logits (T, V); at TP > 1 on every rank of the group
+        (`greedy_generate`)."""
+        settings = generation_settings(processors)
+        if self._group is None:
+            ids = self.eos_ids
+            return greedy_generate(
+                self.model, self.device, prompt_ids, max_new_tokens, ids, settings
+            )
+        seq, logits = self._group.run(
+            _generate, self._key, list(prompt_ids), max_new_tokens, self.eos_ids, settings
         )
-        out = self.model.generate(
-            input_ids=x, attention_mask=torch.ones_like(x), generation_config=gc
-        )
-        seq = [int(t) for t in out.sequences[0, x.shape[1] :].tolist()]
-        logits = torch.stack([step[0] for step in out.logits]).float()
-        return seq, logits
+        return seq, torch.from_numpy(logits)
 
     def trace(
         self,
@@ -249,6 +281,83 @@ class TraceGenerator:
         return body
 
 
+@torch.inference_mode()
+def greedy_generate(
+    model: Any,
+    device: torch.device,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    settings: Mapping[str, object] | None = None,
+) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy `generate()` of `model` with `settings` (`generation_settings`
+    of the logits processors): output ids and the per-step raw logits (T, V) float32."""
+    from transformers import GenerationConfig
+
+    config_cls: Any = GenerationConfig
+
+    x = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    gc = config_cls(
+        do_sample=False,
+        num_beams=1,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=list(eos_ids) or None,
+        pad_token_id=eos_ids[0] if eos_ids else 0,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **(settings or {}),
+    )
+    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=gc)
+    seq = [int(t) for t in out.sequences[0, x.shape[1] :].tolist()]
+    logits = torch.stack([step[0] for step in out.logits]).float()
+    return seq, logits
+
+
+# -- operations of a tensor-parallel group (`TpGroup.run`: run on every rank) -------------------
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """A rank's share of the checkpoint (transformers' model) and its tokenizer."""
+
+    model: Any
+    tokenizer: Any
+
+
+def _load_model(
+    state: RankState,
+    key: str,
+    model_dir: Path,
+    dtype: str,
+    attn_kernel: str | None,
+    deterministic: bool,
+    tf32: bool,
+) -> None:
+    """This rank's share of the checkpoint, with the generator's numerical flags."""
+    configure_numerics(deterministic=deterministic, tf32=tf32)
+    device = state.placement.device
+    apply_sdpa_policy(device)
+    state.objects[key] = _Loaded(
+        *load_model(model_dir, dtype, attn_kernel, device, tp=state.placement)
+    )
+
+
+def _generate(
+    state: RankState,
+    key: str,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    eos_ids: list[int],
+    settings: Mapping[str, object],
+) -> tuple[list[int], npt.NDArray[np.float32]]:
+    """`greedy_generate` on this rank; the logits on the host (what every rank compares)."""
+    model = state.get(key, _Loaded).model
+    seq, logits = greedy_generate(
+        model, state.placement.device, prompt_ids, max_new_tokens, eos_ids, settings
+    )
+    return seq, np.asarray(logits.cpu().numpy(), dtype=np.float32)
+
+
 def generate_traces(
     model_dir: str | Path,
     prompts: Iterable[tuple[str | None, str]],
@@ -262,9 +371,11 @@ def generate_traces(
     model_name: str | None = None,
     threads: int | None = None,
     leave_free: int = 0,
+    tp_degree: int = 1,
 ) -> Iterator[dict[str, Any]]:
-    """Traces of greedy generations, one per (prompt id, prompt text), as `TraceCreate` JSON."""
-    gen = TraceGenerator(
+    """Traces of greedy generations, one per (prompt id, prompt text), as `TraceCreate` JSON
+    (at `tp_degree` > 1, by a group of that many processes, stopped when the traces end)."""
+    with TraceGenerator(
         model_dir,
         dtype=dtype,
         attn_kernel=attn_kernel,
@@ -272,8 +383,9 @@ def generate_traces(
         model_name=model_name,
         threads=threads,
         leave_free=leave_free,
-    )
-    for pid, text in prompts:
-        yield gen.trace(
-            text, max_new_tokens=max_new_tokens, top_k=top_k, external_id=pid, tags=tags
-        )
+        tp_degree=tp_degree,
+    ) as gen:
+        for pid, text in prompts:
+            yield gen.trace(
+                text, max_new_tokens=max_new_tokens, top_k=top_k, external_id=pid, tags=tags
+            )

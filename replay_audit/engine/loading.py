@@ -9,14 +9,18 @@ import ctypes
 import logging
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
 from replay_audit.engine.protocol import Environment, ExtraValue, GpuName
 from replay_audit.exceptions import EngineError, UnsupportedFormat
 from replay_audit.formats import BODY_DTYPES, DEFAULT_ATTN_KERNEL, FORMATS, SDPA_BACKENDS
+
+if TYPE_CHECKING:
+    from replay_audit.engine.tensor_parallel import TpPlacement
 
 #: The body dtypes as torch's.
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -155,9 +159,11 @@ def numerical_environment(
     batch_size: int,
     engine_name: str,
     engine_version: str | None,
+    tp_degree: int = 1,
     extras: dict[str, ExtraValue] | None = None,
 ) -> Environment:
-    """The numerical configuration in use, with `NumericalConfig`'s keys, read from torch."""
+    """The numerical configuration in use, with `NumericalConfig`'s keys, read from torch.
+    `tp_degree`: the tensor-parallel degree the model runs at (`device` is rank 0's)."""
     import transformers
 
     gpu: GpuName | None = None
@@ -178,7 +184,7 @@ def numerical_environment(
         "gpu": gpu,
         "attn_kernel": attn_kernel,
         "batch_size": batch_size,
-        "tp_degree": 1,
+        "tp_degree": tp_degree,
         "engine": {"name": engine_name, "version": engine_version},
         "torch_version": torch.__version__,
         "cuda_version": torch.version.cuda if device.type == "cuda" else None,
@@ -207,6 +213,7 @@ def load_model(
     device: torch.device,
     *,
     weight_dtype: str | None = None,
+    tp: TpPlacement | None = None,
 ) -> tuple[Any, Any]:
     """The checkpoint as a transformers causal LM in `dtype` on `device`, in eval mode, and its
     tokenizer (None when the directory has none). Local files only.
@@ -215,7 +222,11 @@ def load_model(
     `weight_dtype`, then cast to `dtype`, so the weights carry `weight_dtype`'s rounding while
     every product runs in `dtype` (the paper's storage-vs-compute ablation: BF16-stored weights
     computed in FP32). The cast after loading also casts the buffers (RoPE's inverse
-    frequencies)."""
+    frequencies).
+
+    `tp`: this rank's place in a tensor-parallel group (`tensor_parallel.TpPlacement`; the
+    process group already joined): the checkpoint is loaded with transformers' tensor-parallel
+    plan (`tp_plan="auto"`), sharded over the group's ranks, on this rank's device."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
@@ -239,8 +250,13 @@ def load_model(
             dtype=TORCH_DTYPES[stored],
             attn_implementation=attn_kernel or DEFAULT_ATTN_KERNEL,
             local_files_only=True,
+            **(_tp_loading(tp.degree) if tp is not None else {}),
         )
     except (ImportError, ValueError) as exc:
+        if tp is not None:
+            raise UnsupportedFormat(
+                f"cannot load {model_dir} at TP {tp.degree} with attention {attn_kernel!r}: {exc}"
+            ) from exc
         # transformers refuses an attention kernel it cannot run here (e.g. flash_attention_2).
         raise UnsupportedFormat(
             f"cannot load {model_dir} with attention {attn_kernel!r}: {exc}"
@@ -249,9 +265,23 @@ def load_model(
         raise EngineError(f"cannot load a checkpoint from {model_dir}: {exc}") from exc
     if stored != dtype:
         model = model.to(TORCH_DTYPES[dtype])
-    model = model.to(device).eval()
+    if tp is None:  # transformers placed a sharded model on the rank's device
+        model = model.to(device)
+    model = model.eval()
     model.requires_grad_(False)
     return model, load_tokenizer(model_dir)
+
+
+def _tp_loading(degree: int) -> Mapping[str, object]:
+    """`from_pretrained`'s arguments for transformers' tensor-parallel loading over `degree`
+    ranks with the model's own plan ("auto"): a `DistributedConfig` where transformers has one
+    (5.x), else the `tp_plan` argument (4.x)."""
+    try:
+        from transformers.distributed.configuration_utils import DistributedConfig
+    except ImportError:
+        return {"tp_plan": "auto", "tp_size": degree}
+    config_cls: Any = DistributedConfig
+    return {"distributed_config": config_cls(tp_plan="auto", tp_size=degree)}
 
 
 def load_tokenizer(model_dir: Path) -> Any:

@@ -108,6 +108,41 @@ def quantize_body_linears(body: nn.Module, out_dtype: torch.dtype) -> int:
 # -- the lm_head ----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class VocabShard:
+    """One rank's rows of an lm_head split by vocabulary over `degree` ranks, as transformers'
+    tensor-parallel plan splits it (`colwise_gather_output`: rank r holds rows
+    [r * ceil(V / degree), ...), the last rank fewer), and the gather of every rank's logits
+    into the whole vocabulary's (an exact concatenation, as transformers' gather)."""
+
+    rank: int
+    degree: int
+    vocab: int
+
+    @property
+    def chunk(self) -> int:
+        return math.ceil(self.vocab / self.degree)
+
+    @property
+    def start(self) -> int:
+        return min(self.rank * self.chunk, self.vocab)
+
+    @property
+    def stop(self) -> int:
+        return min(self.start + self.chunk, self.vocab)
+
+    def gather(self, z: torch.Tensor) -> torch.Tensor:
+        """Every rank's logits (..., stop - start) joined into (..., V) on every rank."""
+        import torch.distributed as dist
+
+        z = z.contiguous()
+        if z.shape[-1] < self.chunk:
+            z = F.pad(z, (0, self.chunk - z.shape[-1]))
+        parts = [torch.empty_like(z) for _ in range(self.degree)]
+        dist.all_gather(parts, z)
+        return torch.cat(parts, dim=-1)[..., : self.vocab]
+
+
 class LmHead:
     """The lm_head of one arm: the native projection in the arm's head format, and the FP32
     recompute of interventions B and C from the same stored weight.
@@ -117,13 +152,30 @@ class LmHead:
     keeps the weight in the body format (BF16 in the paper) and multiplies with `fp8_matmul`
     into the body dtype. B and C upcast the stored weight on the fly (`weight.float()`): there
     is no persistent FP32 copy unless the head format is fp32.
+
+    `shard` (a tensor-parallel rank): `weight` is still the whole vocabulary's, but the native
+    logits are this rank's rows' product gathered from every rank (`VocabShard`), as
+    transformers' tensor-parallel lm_head computes them; B and C recompute from the whole
+    weight, on every rank alike.
     """
 
-    def __init__(self, weight: torch.Tensor, fmt: str, body_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        fmt: str,
+        body_dtype: torch.dtype,
+        *,
+        shard: VocabShard | None = None,
+    ) -> None:
         self.fmt = fmt
         w = weight.detach()
         self._fp8: tuple[torch.Tensor, torch.Tensor] | None = None
         self._out_dtype = body_dtype
+        self.shard = shard
+        if shard is not None and fmt not in TORCH_DTYPES:
+            raise UnsupportedFormat(
+                f"an {fmt} lm_head is not built for tensor parallel (a 16/32-bit head is)"
+            )
         if fmt in TORCH_DTYPES:
             self.weight = w if w.dtype == TORCH_DTYPES[fmt] else w.to(TORCH_DTYPES[fmt])
         elif fmt == "fp8_e4m3":
@@ -145,10 +197,14 @@ class LmHead:
 
         The product runs on (M, 1, d), the shape transformers' `lm_head` sees in a decode step
         (batch M, one position): on some CPUs a 2-D `F.linear` takes another FP16 kernel and
-        rounds differently from the 3-D one."""
-        if self._fp8 is None:
+        rounds differently from the 3-D one. Split by vocabulary (`shard`): this rank's rows'
+        product, then the gather of every rank's."""
+        if self._fp8 is not None:
+            return fp8_matmul(h, *self._fp8, self._out_dtype)
+        if self.shard is None:
             return F.linear(h.to(self.weight.dtype).unsqueeze(-2), self.weight).squeeze(-2)
-        return fp8_matmul(h, *self._fp8, self._out_dtype)
+        rows = self.weight[self.shard.start : self.shard.stop]
+        return self.shard.gather(F.linear(h.to(rows.dtype).unsqueeze(-2), rows).squeeze(-2))
 
     def native_steps(self, hs: torch.Tensor) -> torch.Tensor:
         """Float32 native logits (M, V) of M steps' hidden states (a scan's): as each step's

@@ -1,7 +1,11 @@
-"""Loaded engines, kept per process: a worker loads each (checkpoint, format) once.
+"""Loaded engines, kept per process: a worker loads each (checkpoint, format, TP degree) once.
 
 Torch-free: the loader (by default `load_engine`, here, re-exported as
 `replay_audit.engine.load_engine`) imports torch the first time an engine is actually built.
+An engine at TP degree k > 1 runs on a tensor-parallel group of k processes
+(`tensor_parallel.TpGroup`) that the pool starts on first use, keeps while it holds engines of
+that degree, and stops when it needs another degree, when its last engine is evicted, when it is
+cleared or when it is closed.
 """
 
 from __future__ import annotations
@@ -10,25 +14,44 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypedDict, Unpack
+from typing import TYPE_CHECKING, Protocol, Unpack, runtime_checkable
 
 from replay_audit.engine.hashing import HashCache
-from replay_audit.engine.protocol import Engine, Target
+from replay_audit.engine.protocol import Engine, LoadOptions, Target
+from replay_audit.exceptions import UnsupportedFormat
 from replay_audit.formats import CacheKind
 
+__all__ = ["Closeable", "EnginePool", "LoadOptions", "Loader", "load_engine"]
+
+if TYPE_CHECKING:
+    from replay_audit.engine.tensor_parallel import TpGroup
+
 Loader = Callable[[Path, Target], Engine]
-_PoolKey = tuple[str, tuple[str, str, str | None, int]]
+#: (checkpoint directory, `Target.format_key()`, TP degree).
+_PoolKey = tuple[str, tuple[str, str, str | None, int], int]
+
+
+@runtime_checkable
+class Closeable(Protocol):
+    """An engine that holds more than memory (a tensor-parallel engine's ranks' models)."""
+
+    def close(self) -> None: ...
 
 
 class EnginePool:
-    """Engines keyed by (checkpoint directory, `Target.format_key()`), built on first use.
+    """Engines keyed by (checkpoint directory, `Target.format_key()`, TP degree), built on first
+    use.
 
     Without a `loader`, engines come from `load_engine` with `device`, `cache` and
     `max_cache_len`. `max_engines` bounds how many stay loaded (least recently used goes
     first); None keeps all. `threads` and `leave_free` set torch's CPU threads in each thread
     that takes an engine (`engine.loading.set_torch_threads`: None and 0 leave torch's default).
-    `on_load` is called after each engine is loaded. Thread-safe: the in-process job runner
-    calls it from threads.
+    `on_load` is called after each engine is loaded. `devices`: how many devices this process
+    owns (GPUs cuda:0.., or CPU processes): the highest TP degree it loads engines at; an
+    engine at TP k > 1 runs on a group of k processes started from the thread that first asks
+    for one (its ranks die with that thread's process: start it from a thread that lives as
+    long as the pool, as a worker's main thread does). `close()` stops the group.
+    Thread-safe: the in-process job runner calls it from threads.
     """
 
     def __init__(
@@ -42,8 +65,14 @@ class EnginePool:
         threads: int | None = None,
         leave_free: int = 0,
         on_load: Callable[[], object] | None = None,
+        devices: int = 1,
     ) -> None:
+        if devices < 1:
+            raise ValueError("a pool owns at least one device")
         self._loader = loader
+        self.devices = devices
+        self._device = device
+        self._tp: TpGroup | None = None
         self._on_load = on_load
         self._threads = threads
         self._leave_free = leave_free
@@ -53,33 +82,67 @@ class EnginePool:
         self._hashes = HashCache()
         self._lock = threading.RLock()
 
-    def get(self, model_dir: str | Path, target: Target) -> Engine:
-        """The engine for this checkpoint in this numerical configuration (loaded once)."""
+    def get(self, model_dir: str | Path, target: Target, tp_degree: int = 1) -> Engine:
+        """The engine for this checkpoint in this numerical configuration at this
+        tensor-parallel degree (loaded once). `UnsupportedFormat` for a degree above the
+        pool's `devices`."""
+        if tp_degree > self.devices:
+            raise UnsupportedFormat(
+                f"TP {tp_degree} needs {tp_degree} devices; this process owns {self.devices}",
+                field="tp_degree",
+            )
         d = Path(model_dir).resolve()
-        key: _PoolKey = (str(d), target.format_key())
+        key: _PoolKey = (str(d), target.format_key(), tp_degree)
         if self._loader is None and (self._threads is not None or self._leave_free):
             from replay_audit.engine.loading import set_torch_threads
 
             set_torch_threads(self._threads, leave_free=self._leave_free)  # for this thread
         with self._lock:
+            if self._tp is not None and not self._tp.alive:
+                self._drop_tp()  # a broken group's engines cannot run: load them again
             engine = self._engines.get(key)
             if engine is None:
-                engine = self._load(d, target)
+                engine = self._load(d, target, tp_degree)
                 self._engines[key] = engine
                 if self._max is not None:
                     while len(self._engines) > self._max:
-                        self._engines.popitem(last=False)
+                        _close(self._engines.popitem(last=False)[1])
+                    if self._tp is not None and not any(k[2] > 1 for k in self._engines):
+                        self._drop_tp()  # its last engine went: its ranks hold nothing
             self._engines.move_to_end(key)
             return engine
 
-    def _load(self, d: Path, target: Target) -> Engine:
+    def _load(self, d: Path, target: Target, tp_degree: int) -> Engine:
         if self._loader is not None:
             engine = self._loader(d, target)
+        elif tp_degree > 1:
+            engine = load_engine(d, target, tp=self._tp_group(tp_degree), **self._options)
         else:
             engine = load_engine(d, target, **self._options)
         if self._on_load is not None:
             self._on_load()  # a worker counts its loads (replay_audit_model_loads_total)
         return engine
+
+    def _tp_group(self, degree: int) -> TpGroup:
+        """The pool's tensor-parallel group of `degree` ranks: the one it has, else a new one
+        (the group of another degree stopped first, with its engines: a process is in one
+        process group at a time)."""
+        from replay_audit.engine.tensor_parallel import TpGroup
+
+        if self._tp is not None and self._tp.degree != degree:
+            self._drop_tp()
+        if self._tp is None:
+            self._tp = TpGroup(degree, device=self._device, threads=self._threads)
+        return self._tp
+
+    def _drop_tp(self) -> None:
+        """Drop the engines of the tensor-parallel group and stop it."""
+        if self._tp is None:
+            return
+        for key in [k for k in self._engines if k[2] > 1]:
+            _close(self._engines.pop(key))
+        self._tp.close()
+        self._tp = None
 
     def weights_sha256(self, model_dir: str | Path) -> str:
         """`weights_sha256` of the checkpoint (`HashCache`)."""
@@ -89,31 +152,37 @@ class EnginePool:
         return len(self._engines)
 
     def clear(self) -> None:
+        """Drop every engine, and stop the tensor-parallel group if there is one."""
         with self._lock:
+            self._drop_tp()
+            for engine in self._engines.values():
+                _close(engine)
             self._engines.clear()
 
-
-class LoadOptions(TypedDict, total=False):
-    """`TorchEngine.load`'s options. `device` None picks CUDA when available, else the CPU.
-    `deterministic` and `tf32` are process-wide torch flags the engine sets explicitly and
-    reports in `environment()`. `cache`, the decode path (`formats.CacheKind`): "piecewise"
-    (None) is bitwise equal to `generate()`; "compiled" preallocates the KV cache for up to
-    `max_cache_len` tokens and captures the step: faster, not bitwise equal. `weight_dtype`:
-    the storage dtype when it differs from `target.dtype` (the storage-vs-compute ablation).
-    `fp8_linear`: every linear layer of the body in FP8-E4M3 (CUDA, SM >= 8.9)."""
-
-    device: str | None
-    deterministic: bool
-    tf32: bool
-    cache: CacheKind | None
-    max_cache_len: int
-    weight_dtype: str | None
-    fp8_linear: bool
+    def close(self) -> None:
+        """`clear`: what a worker calls when it exits, so no rank outlives it."""
+        self.clear()
 
 
-def load_engine(model_dir: str | Path, target: Target, **options: Unpack[LoadOptions]) -> Engine:
+def _close(engine: Engine) -> None:
+    if isinstance(engine, Closeable):
+        engine.close()
+
+
+def load_engine(
+    model_dir: str | Path,
+    target: Target,
+    *,
+    tp: TpGroup | None = None,
+    **options: Unpack[LoadOptions],
+) -> Engine:
     """Load a local Hugging Face checkpoint (no network) in `target`'s format as a torch engine
-    (`TorchEngine.load`, imported only now)."""
+    (`TorchEngine.load`, imported only now), or, with a tensor-parallel group `tp`, on each of
+    its ranks (`TensorParallelEngine.load`: TP at the group's degree)."""
+    if tp is not None:
+        from replay_audit.engine.tp_engine import TensorParallelEngine
+
+        return TensorParallelEngine.load(tp, Path(model_dir), target, **options)
     from replay_audit.engine.torch_engine import TorchEngine
 
     return TorchEngine.load(Path(model_dir), target, **options)

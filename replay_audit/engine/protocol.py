@@ -25,6 +25,7 @@ from replay_audit.formats import (
     BODY_DTYPES,
     HEAD_DTYPES,
     INTERVENTION_KINDS,
+    CacheKind,
     InterventionKind,
 )
 
@@ -221,6 +222,24 @@ class Target:
             batch_size=get("batch_size") or 1,
             intervention=intervention or Intervention(),
         )
+
+
+class LoadOptions(TypedDict, total=False):
+    """`TorchEngine.load`'s options. `device` None picks CUDA when available, else the CPU.
+    `deterministic` and `tf32` are process-wide torch flags the engine sets explicitly and
+    reports in `environment()`. `cache`, the decode path (`formats.CacheKind`): "piecewise"
+    (None) is bitwise equal to `generate()`; "compiled" preallocates the KV cache for up to
+    `max_cache_len` tokens and captures the step: faster, not bitwise equal. `weight_dtype`:
+    the storage dtype when it differs from `target.dtype` (the storage-vs-compute ablation).
+    `fp8_linear`: every linear layer of the body in FP8-E4M3 (CUDA, SM >= 8.9)."""
+
+    device: str | None
+    deterministic: bool
+    tf32: bool
+    cache: CacheKind | None
+    max_cache_len: int
+    weight_dtype: str | None
+    fp8_linear: bool
 
 
 #: A value of `Environment.extras`: what `NumericalConfig.extras` stores.

@@ -24,13 +24,15 @@ def make_tiny_checkpoint(
     num_layers: int = 2,
     seed: int = 0,
     head_scale: float = 8.0,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
 ) -> Path:
     """Write a random `LlamaForCausalLM` (float32 safetensors) and a byte-level tokenizer to
     `path`. `head_scale` multiplies the lm_head weights so the next-token distributions are
-    peaked like a trained model's, with occasional close calls."""
+    peaked like a trained model's, with occasional close calls. A tensor-parallel degree must
+    divide the head counts (4 and 2 by default: TP 2), `hidden_size` and the vocabulary."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -40,8 +42,8 @@ def make_tiny_checkpoint(
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
         max_position_embeddings=1024,
         initializer_range=0.05,
         tie_word_embeddings=False,
@@ -58,7 +60,18 @@ def make_tiny_checkpoint(
             q[q.abs() < 2.0**-14] = 0.0
             p.copy_(q)
     model.save_pretrained(out, safe_serialization=True)
+    write_byte_tokenizer(out)
+    return out
 
+
+def write_byte_tokenizer(path: str | Path) -> Path:
+    """Write the tiny checkpoints' byte-level tokenizer (256 byte tokens and `</s>` =
+    `TINY_EOS_ID`) and a greedy generation config ending at `</s>` to `path`: any text
+    round-trips, whatever the model's vocabulary (ids above 256 decode to nothing)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(path)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     byte_vocab = {ch: i for i, ch in enumerate(alphabet)}
     byte_vocab["</s>"] = TINY_EOS_ID

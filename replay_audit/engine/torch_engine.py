@@ -14,6 +14,12 @@ lm_head, the top-k and the choice of token are `numerics`' (the margin and the g
     scan                        one from-scratch forward per trace (`scan`), several traces per
                                 forward (`scan_batch`); the single-step re-runs are the same
                                 forward over a context.
+
+At a tensor-parallel degree k > 1 (`tp`: this rank's place in a `tensor_parallel.TpGroup`) the
+model is transformers' tensor-parallel one on this rank's device, every rank runs the same probe
+(`tensor_parallel.TensorParallelEngine` drives them), the native lm_head is split by vocabulary
+and gathered (`numerics.VocabShard`), and the decode runs transformers' dynamic cache: the
+piecewise pieces follow an unsharded model, and the compiled path is not built for TP.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -48,6 +54,7 @@ from replay_audit.engine.loading import (
 )
 from replay_audit.engine.numerics import (
     LmHead,
+    VocabShard,
     decide,
     fp8_supported,
     logged_evidence,
@@ -75,6 +82,9 @@ from replay_audit.engine.protocol import (
 from replay_audit.exceptions import UnsupportedFormat
 from replay_audit.formats import CacheKind
 
+if TYPE_CHECKING:
+    from replay_audit.engine.tensor_parallel import TpPlacement
+
 #: Compiled decoders' cache lengths are powers of two from this up to `max_cache_len`: a decode
 #: gets the smallest that holds it, so attention reads (and masks) as few unwritten positions
 #: as it can.
@@ -94,9 +104,12 @@ class TorchEngine:
         cache: CacheKind | None = None,
         max_cache_len: int = 4096,
         weight_dtype: str | None = None,
+        tp: TpPlacement | None = None,
     ) -> None:
         apply_sdpa_policy(device)  # no cuDNN attention on CUDA: the decode stays = generate()
         self.model = model
+        #: This rank's place in its tensor-parallel group (None: TP 1).
+        self.tp = tp
         #: The dtype the weights were stored in before the cast to the compute dtype.
         self.weight_dtype = weight_dtype or target.dtype
         #: Whether the body's linear layers compute in FP8 (`numerics.Fp8Linear`).
@@ -114,11 +127,16 @@ class TorchEngine:
         #: The piecewise decoder once built and checked; why it is not used, if it is not.
         self._piecewise: PiecewiseDecoder | None = None
         self._piecewise_error: str | None = None
+        if tp is not None:
+            self._piecewise_error = (
+                f"tensor parallel (TP {tp.degree}): the pieces follow an unsharded model, so "
+                "the decode runs transformers' dynamic cache"
+            )
         #: One decode at a time: the decoders (their buffers, caches and graphs) are the
         #: engine's, reused by every decode, and a pool hands one engine to every thread.
         self._decoding = threading.Lock()
         body_dtype = TORCH_DTYPES[target.dtype]
-        self.head = LmHead(model.get_output_embeddings().weight, target.head_dtype, body_dtype)
+        self.head = _lm_head(model, target.head_dtype, body_dtype, tp)
         kernel = str(getattr(model.config, "_attn_implementation", None) or "eager")
         # The target as it actually runs: the attention kernel in use, not the one asked for.
         self._target = Target(
@@ -146,21 +164,28 @@ class TorchEngine:
         max_cache_len: int = 4096,
         weight_dtype: str | None = None,
         fp8_linear: bool = False,
+        tp: TpPlacement | None = None,
     ) -> TorchEngine:
         """Set the numerical flags, then load `model_dir` in `target`'s format. `cache`: the
         decode path (`formats.CacheKind`; None: "piecewise", the faithful one; "compiled" for
         the fastest decode on CUDA, not token-identical to `generate()`).
         `weight_dtype`: the storage dtype when it differs from the compute dtype
         (`loading.load_model`). `fp8_linear`: every linear layer of the body in FP8-E4M3
-        (`numerics.Fp8Linear`; a CUDA GPU of compute capability >= 8.9)."""
+        (`numerics.Fp8Linear`; a CUDA GPU of compute capability >= 8.9).
+        `tp`: this rank's place in a tensor-parallel group whose process group it has joined
+        (the model is loaded with transformers' plan, on the rank's device; `device` is not
+        read): called on every rank alike (`tensor_parallel.TensorParallelEngine.load`)."""
+        if tp is not None and (fp8_linear or cache == "compiled"):
+            what = "fp8 linear layers" if fp8_linear else "the compiled decode"
+            raise UnsupportedFormat(f"{what} are not built for tensor parallel (TP {tp.degree})")
         configure_numerics(deterministic=deterministic, tf32=tf32)
-        dev = resolve_device(device)
+        dev = tp.device if tp is not None else resolve_device(device)
         if fp8_linear:
             ok, why = fp8_supported(dev, "fp8 linear layers")
             if not ok:
                 raise UnsupportedFormat(why)
         model, tokenizer = load_model(
-            model_dir, target.dtype, target.attn_kernel, dev, weight_dtype=weight_dtype
+            model_dir, target.dtype, target.attn_kernel, dev, weight_dtype=weight_dtype, tp=tp
         )
         if fp8_linear:
             quantize_body_linears(model.model, TORCH_DTYPES[target.dtype])
@@ -172,6 +197,7 @@ class TorchEngine:
             cache=cache,
             max_cache_len=max_cache_len,
             weight_dtype=weight_dtype,
+            tp=tp,
         )
         engine.fp8_linear = fp8_linear
         return engine
@@ -197,6 +223,7 @@ class TorchEngine:
             batch_size=t.batch_size,
             engine_name="replay-audit",
             engine_version=replay_audit.__version__,
+            tp_degree=self.tp.degree if self.tp is not None else 1,
             extras={**self._extras(), "torch_threads": torch.get_num_threads()},
         )
 
@@ -520,6 +547,8 @@ class TorchEngine:
         compiled path's cache lengths so far, its CUDA graph and whether it compiled; after a
         batched scan or batched re-runs, their batch shapes (`batch.scan_extras`)."""
         extras: dict[str, ExtraValue] = {**self._scan_extras, **self._step_extras}
+        if self.tp is not None:
+            extras.update(tp_plan="auto", tp_backend=self.tp.backend)
         if self.fp8_linear:
             extras["fp8_linear"] = True
         if self.cache_kind == "compiled":
@@ -546,3 +575,21 @@ class TorchEngine:
             if pw.capture_error is not None:
                 extras["capture_error"] = pw.capture_error[:200]
         return extras
+
+
+def _lm_head(model: Any, fmt: str, body_dtype: torch.dtype, tp: TpPlacement | None) -> LmHead:
+    """The engine's lm_head over the model's output embedding. At TP > 1 transformers split it
+    by vocabulary (a DTensor): the whole weight is gathered once here (every rank loads alike,
+    so the collective matches) for B and C, and the native product stays split (`VocabShard`)."""
+    weight = model.get_output_embeddings().weight
+    if tp is None:
+        return LmHead(weight, fmt, body_dtype)
+    local = weight.to_local() if hasattr(weight, "to_local") else weight
+    whole = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+    shard = VocabShard(tp.rank, tp.degree, int(whole.shape[0]))
+    if int(local.shape[0]) != shard.stop - shard.start:
+        raise UnsupportedFormat(
+            f"transformers split the lm_head {local.shape[0]} rows to rank {tp.rank}, not the "
+            f"{shard.stop - shard.start} the engine's gather expects"
+        )
+    return LmHead(whole, fmt, body_dtype, shard=shard)

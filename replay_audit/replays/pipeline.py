@@ -177,15 +177,23 @@ def resolve_arm(
     a TP degree other than the engine's included (a trace logged at TP 2 replays at TP 1 only
     when the target asks for TP 1)."""
     tp = run_target.tp_degree_for(trace)
+    asked = "asks" if run_target.tp_degree is not None else "was logged at"
+    if tp > pool.devices:
+        raise UnsupportedFormat(
+            f"the arm {asked} TP {tp}; this worker owns {pool.devices} device"
+            f"{'s' if pool.devices != 1 else ''}: a target's tp_degree: {pool.devices} replays "
+            f"it at TP {pool.devices} (the result says so)",
+            field="tp_degree",
+        )
     requested = run_target.resolve(trace.config)
     source: KernelSource = "requested" if requested.attn_kernel is not None else "logged"
     want = _with_kernel(requested, requested.attn_kernel or trace.config.attn_kernel)
     try:
-        engine = pool.get(model_dir, want)
+        engine = pool.get(model_dir, want, tp)
     except EngineError:
         if source == "requested" or want.attn_kernel is None:
             raise
-        engine, source = pool.get(model_dir, _with_kernel(want, None)), "engine_default"
+        engine, source = pool.get(model_dir, _with_kernel(want, None), tp), "engine_default"
     if engine.vocab_size != trace.vocab_size:
         raise ModelMismatch(
             f"checkpoint vocabulary is {engine.vocab_size}, the trace's {trace.vocab_size}",
@@ -200,7 +208,6 @@ def resolve_arm(
         logits_processors=trace.processors,
     )
     if resolved.tp_degree != tp:
-        asked = "asks" if run_target.tp_degree is not None else "was logged at"
         raise UnsupportedFormat(
             f"the arm {asked} TP {tp}; this engine replays at TP {resolved.tp_degree}: a "
             f"target's tp_degree: {resolved.tp_degree} replays it at TP {resolved.tp_degree} "

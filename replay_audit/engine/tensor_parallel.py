@@ -1,0 +1,511 @@
+"""Tensor-parallel execution: one process per rank, rank 0 driving, the others in lockstep.
+
+A `TpGroup` of degree k is this process (rank 0) and k - 1 rank processes it starts
+(`python -m replay_audit.engine.tp_rank`, one per device: cuda:r, or the CPU for tests), joined
+by torch.distributed (NCCL on CUDA, gloo on the CPU). Each rank loads the checkpoint with
+transformers' tensor-parallel loading (`tp_plan="auto"`: attention and MLP projections split by
+heads and columns, their row-parallel halves summed by an all-reduce, the lm_head split by
+vocabulary and gathered) and keeps it loaded until the group drops it.
+
+Every probe runs the same computation on every rank. Rank 0 sends each rank the operation and
+its inputs (a module-level function and its arguments, pickled over a private socket); once
+every rank has read it (a rank that cannot, say so, and none runs it), all run it, rank 0
+included, and rank 0 reads each rank's answer: "ok" with a digest of its result, or its error. The
+collectives inside the operation (the all-reduces of the body, the lm_head's gather) keep the
+ranks in step; the digests check that every rank computed the same bits, so a result says what
+every rank computed, not what rank 0 hoped they did.
+
+    TpGroup                the processes and the process group; `run(op, *args)`
+    TensorParallelEngine   (`tp_engine`) an `Engine` whose every probe (decode, scan, scan_batch,
+                           step, step_batch, hidden_states) is a `run` of each rank's own
+                           `TorchEngine`
+
+NVLink multicast stays off in every rank (`NVLS_OFF`): this process sets it before its
+communicator exists, and each rank gets it in its environment. A rank dies with its parent
+(Linux's PR_SET_PDEATHSIG, set by the rank itself) and exits when the control socket closes, so
+a killed worker leaves no rank behind.
+
+One process is in one default process group at a time, so a process has one `TpGroup` at a time
+(`EnginePool` keeps it, and replaces it when a job needs another degree).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import itertools
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any, Final, Literal, TypeVar
+
+from replay_audit.exceptions import EngineError, UnsupportedFormat
+
+log = logging.getLogger(__name__)
+
+#: NVLink multicast (NVLS) off in every rank: set in this process before its NCCL communicator
+#: exists and in each rank's environment (the issue's rule: a program using it can put a host's
+#: shared GPUs out of service).
+NVLS_OFF: Final[Mapping[str, str]] = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+#: Seconds a collective may wait for the other ranks before it fails (the process group's
+#: timeout), and rank 0 for a rank's answer beyond it.
+DEFAULT_TIMEOUT_S: Final = 600.0
+#: Seconds the ranks have to start (import torch and transformers) and join the group.
+START_TIMEOUT_S: Final = 300.0
+#: What the ranks' environment names (read by `tp_rank`).
+ENV_CONTROL_FD: Final = "REPLAY_AUDIT_TP_CONTROL_FD"
+ENV_PARENT_PID: Final = "REPLAY_AUDIT_TP_PARENT_PID"
+ENV_DEVICE: Final = "REPLAY_AUDIT_TP_DEVICE"
+ENV_THREADS: Final = "REPLAY_AUDIT_TP_THREADS"
+ENV_TIMEOUT_S: Final = "REPLAY_AUDIT_TP_TIMEOUT_S"
+#: prctl(2)'s option: the signal a process gets when its parent dies.
+_PR_SET_PDEATHSIG: Final = 1
+
+DeviceType = Literal["cpu", "cuda"]
+T = TypeVar("T")
+
+
+def backend_for(device_type: DeviceType) -> str:
+    """torch.distributed's backend for ranks on `device_type`: NCCL on CUDA, gloo on the CPU."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+@dataclass(frozen=True)
+class TpPlacement:
+    """Where one rank's model goes: its rank, the group's size (the TP degree) and the device
+    type (rank r on cuda:r, or the CPU). What `TorchEngine.load` and `load_model` take."""
+
+    rank: int
+    degree: int
+    device_type: DeviceType
+
+    @property
+    def device(self) -> Any:
+        import torch
+
+        if self.device_type == "cuda":
+            return torch.device("cuda", self.rank)
+        return torch.device("cpu")
+
+    @property
+    def backend(self) -> str:
+        return backend_for(self.device_type)
+
+
+@dataclass
+class RankState:
+    """What one rank holds: its placement, and what it loaded (engines and generators, by the
+    key rank 0 gave them)."""
+
+    placement: TpPlacement
+    objects: dict[str, object] = field(default_factory=dict)
+
+    def get(self, key: str, kind: type[T]) -> T:
+        """The object kept under `key`, which is a `kind`."""
+        obj = self.objects[key]
+        if not isinstance(obj, kind):
+            raise TypeError(f"{key} holds a {type(obj).__name__}, not a {kind.__name__}")
+        return obj
+
+
+def digest(result: object) -> str:
+    """A digest of an operation's result (its pickle: numpy arrays by their bytes), to check
+    that every rank computed the same."""
+    return hashlib.sha256(pickle.dumps(result, protocol=5)).hexdigest()
+
+
+#: An operation every rank runs: a module-level function (pickled by reference) of the rank's
+#: state and the arguments rank 0 sent.
+Op = Callable[..., object]
+
+
+class TpGroup:
+    """k processes joined by torch.distributed: this one (rank 0) and k - 1 it starts.
+
+    `degree` is k (at least 2); `device` "cuda" puts rank r on cuda:r (this process: cuda:0) and
+    joins them with NCCL, "cpu" runs every rank on the CPU with gloo; None: CUDA when available.
+    `threads`: torch's CPU threads in each started rank (None: this process's count).
+    `run(op, *args)` runs `op(state, *args)` on every rank and returns rank 0's result.
+    `close()` stops the ranks and leaves the process group (the group is then unusable)."""
+
+    def __init__(
+        self,
+        degree: int,
+        *,
+        device: str | None = None,
+        threads: int | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if degree < 2:
+            raise ValueError("a tensor-parallel group has at least two ranks")
+        device_type = _device_type(device)
+        _check_can_start(degree, device_type)
+        if dist.is_initialized():
+            raise EngineError(
+                "this process is already in a torch.distributed process group: one tensor-"
+                "parallel group per process (close the other first)"
+            )
+        self.degree = degree
+        self.device_type: DeviceType = device_type
+        self.timeout_s = timeout_s
+        self.state = RankState(TpPlacement(0, degree, device_type))
+        self._lock = threading.Lock()
+        self._keys = itertools.count()
+        self._broken: str | None = None
+        self._closed = False
+        os.environ.update(NVLS_OFF)  # this process's communicator reads them when it is made
+        if device_type == "cuda":
+            torch.cuda.set_device(0)
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1",
+            0,
+            degree,
+            is_master=True,
+            timeout=timedelta(seconds=start_timeout_s),
+            wait_for_workers=False,
+        )
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._conns: list[Connection] = []
+        try:
+            for rank in range(1, degree):
+                proc, conn = _start_rank(rank, degree, store.port, device_type, threads, timeout_s)
+                self._procs.append(proc)
+                self._conns.append(conn)
+            for rank, conn in enumerate(self._conns, start=1):
+                self._expect(rank, conn, "started", start_timeout_s)
+            dist.init_process_group(
+                backend_for(device_type),
+                store=store,
+                rank=0,
+                world_size=degree,
+                timeout=timedelta(seconds=timeout_s),
+                device_id=torch.device("cuda", 0) if device_type == "cuda" else None,
+            )
+            for rank, conn in enumerate(self._conns, start=1):
+                self._expect(rank, conn, "ready", start_timeout_s)
+        except BaseException:
+            self._stop_ranks()
+            with contextlib.suppress(Exception):
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            self._closed = True
+            raise
+        log.info(
+            "tensor-parallel group of %d ranks (%s, %s): rank pids %s",
+            degree,
+            device_type,
+            self.backend,
+            ", ".join(str(p.pid) for p in self._procs),
+        )
+
+    @property
+    def backend(self) -> str:
+        return backend_for(self.device_type)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the group can run operations (not closed, not broken, every rank running)."""
+        return (
+            not self._closed and self._broken is None and all(p.poll() is None for p in self._procs)
+        )
+
+    @property
+    def pids(self) -> list[int]:
+        """The started ranks' process ids (ranks 1..k-1)."""
+        return [p.pid for p in self._procs]
+
+    def new_key(self, what: str) -> str:
+        """A key no object of this group has had: what the ranks keep an object under."""
+        return f"{what}#{next(self._keys)}"
+
+    def run(self, op: Op, *args: object) -> Any:
+        """`op(state, *args)` on every rank, rank 0's result returned.
+
+        A rank that cannot read the operation (a module it cannot import) refuses it, and no
+        rank runs it (`EngineError`; the group stays usable). Then every rank must finish with
+        the same outcome: the same result (by digest) or an error. An error on every rank (a
+        format no rank can load) is raised as rank 0's, and the group stays usable; ranks that
+        disagree (one failed, or computed other bits) raise `EngineError`, and a rank that
+        failed alone or went silent leaves the group broken (`alive` False), since the ranks
+        may no longer be in step."""
+        with self._lock:
+            if not self.alive:
+                raise EngineError(f"the tensor-parallel group is not usable: {self._why_not()}")
+            message = pickle.dumps((op, args), protocol=5)
+            for conn in self._conns:
+                conn.send_bytes(message)
+            # Every rank has read the operation before any runs it: one that cannot (a module
+            # it cannot import) refuses it, and no rank waits in a collective for it.
+            taken = [self._answer(rank, conn) for rank, conn in enumerate(self._conns, start=1)]
+            refused = [(rank, what) for rank, (status, what) in taken if status != "taken"]
+            if refused:
+                for conn in self._conns:
+                    with contextlib.suppress(OSError):
+                        conn.send(False)
+                rank, what = refused[0]
+                raise EngineError(
+                    f"tensor-parallel rank {rank} could not take the operation: {what}"
+                )
+            for conn in self._conns:
+                conn.send(True)
+            error: BaseException | None = None
+            result: object = None
+            try:
+                result = op(self.state, *args)
+            except Exception as exc:  # every rank answers first; then this is raised
+                error = exc
+            except BaseException:  # Ctrl-C mid-operation: the ranks' answers are not read
+                self._broken = "rank 0 was interrupted during an operation"
+                raise
+            answers = [self._answer(rank, conn) for rank, conn in enumerate(self._conns, start=1)]
+            failed = [(rank, what) for rank, (status, what) in answers if status == "error"]
+            if error is not None:
+                if len(failed) != len(answers):
+                    ok = [r for r, (status, _) in answers if status == "ok"]
+                    self._broken = f"rank 0 failed ({error}) where ranks {ok} did not"
+                raise error
+            if failed:
+                rank, what = failed[0]
+                self._broken = f"rank {rank} failed: {what}"
+                raise EngineError(
+                    f"tensor-parallel rank {rank} failed where rank 0 did not: {what}"
+                )
+            mine = digest(result)
+            for rank, (_, theirs) in answers:
+                if theirs != mine:
+                    raise EngineError(
+                        f"tensor-parallel rank {rank} computed another result than rank 0 for "
+                        f"{getattr(op, '__name__', op)}: the ranks' numerics are not replicated"
+                    )
+            return result
+
+    def close(self) -> None:
+        """Stop the ranks (each leaves the process group and exits; one that does not within
+        30 s is killed) and leave the process group. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.state.objects.clear()
+            self._stop_ranks()
+            import torch.distributed as dist
+
+            with contextlib.suppress(Exception):
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            gc.collect()
+            empty_device_cache(self.device_type)
+
+    def __enter__(self) -> TpGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _why_not(self) -> str:
+        if self._closed:
+            return "closed"
+        if self._broken is not None:
+            return self._broken
+        dead = [(r, p.poll()) for r, p in enumerate(self._procs, start=1)]
+        return ", ".join(f"rank {r} exited with {c}" for r, c in dead if c is not None) or "?"
+
+    def _expect(self, rank: int, conn: Connection, what: str, timeout_s: float) -> None:
+        """Wait for rank `rank`'s `what` message while it starts."""
+        if not conn.poll(timeout_s):
+            raise EngineError(
+                f"tensor-parallel rank {rank} did not say {what!r} in {timeout_s:g} s"
+            )
+        try:
+            status, detail = conn.recv()
+        except EOFError:
+            code = self._procs[rank - 1].wait(timeout=30)
+            raise EngineError(
+                f"tensor-parallel rank {rank} exited with {code} while starting"
+            ) from None
+        if status != what:
+            raise EngineError(f"tensor-parallel rank {rank} could not start: {detail}")
+
+    def _answer(self, rank: int, conn: Connection) -> tuple[int, tuple[str, str]]:
+        """Rank `rank`'s answer to the operation just sent: ("ok", digest) or ("error", why)."""
+        try:
+            if not conn.poll(self.timeout_s + 60):
+                self._broken = f"rank {rank} gave no answer in {self.timeout_s + 60:g} s"
+                return rank, ("error", self._broken)
+            status, detail = conn.recv()
+        except (EOFError, OSError):
+            try:
+                code: int | None = self._procs[rank - 1].wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                code = None
+            self._broken = f"rank {rank} closed its channel (exit status {code})"
+            return rank, ("error", self._broken)
+        return rank, (str(status), str(detail))
+
+    def _stop_ranks(self) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.send_bytes(pickle.dumps(None))
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for conn in self._conns:
+            conn.close()
+
+
+def _device_type(device: str | None) -> DeviceType:
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda"):
+        raise UnsupportedFormat(f"tensor parallel runs on CUDA GPUs or the CPU, not {kind}")
+    if kind == "cuda" and torch.device(device).index not in (None, 0):
+        raise UnsupportedFormat(
+            f"a tensor-parallel group of this process takes cuda:0 onwards, not {device}: give "
+            "the worker its GPUs with CUDA_VISIBLE_DEVICES"
+        )
+    return "cuda" if kind == "cuda" else "cpu"
+
+
+def _check_can_start(degree: int, device_type: DeviceType) -> None:
+    """Refuse, before any process starts, a group this host cannot run: too few GPUs, CPU ranks
+    beside a GPU (transformers' TP loading takes the host's accelerator), or no accelerate
+    (which transformers' TP loading needs)."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("accelerate") is None:
+        raise UnsupportedFormat(
+            "tensor parallel needs the accelerate package (transformers' tp_plan loading): "
+            "pip install 'replay-audit[tp]'"
+        )
+    if device_type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n < degree:
+            raise UnsupportedFormat(f"TP {degree} needs {degree} GPUs; this process sees {n}")
+    elif torch.cuda.is_available():
+        raise UnsupportedFormat(
+            "tensor parallel on the CPU runs only on a host without CUDA (transformers' TP "
+            "loading places every rank on the host's accelerator)"
+        )
+
+
+def _start_rank(
+    rank: int,
+    degree: int,
+    port: int,
+    device_type: DeviceType,
+    threads: int | None,
+    timeout_s: float,
+) -> tuple[subprocess.Popen[bytes], Connection]:
+    """Start rank `rank` (`python -m replay_audit.engine.tp_rank`) with its half of a private
+    socket as the control channel, and return it with this process's half."""
+    import socket
+
+    import torch
+
+    ours, theirs = socket.socketpair()
+    env = {
+        **os.environ,
+        **NVLS_OFF,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(degree),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        ENV_CONTROL_FD: str(theirs.fileno()),
+        ENV_PARENT_PID: str(os.getpid()),
+        ENV_DEVICE: device_type,
+        ENV_THREADS: str(threads if threads is not None else torch.get_num_threads()),
+        ENV_TIMEOUT_S: repr(timeout_s),
+    }
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "replay_audit.engine.tp_rank"],
+            env=env,
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+        )
+    finally:
+        theirs.close()  # the rank holds it now: its exit closes the channel
+    return proc, Connection(ours.detach())
+
+
+def empty_device_cache(device_type: DeviceType) -> None:
+    """Give the allocator's cached blocks back to the device (nothing on the CPU)."""
+    if device_type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+# -- a rank's side ------------------------------------------------------------------------------
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """This process lives as long as its parent: it gets SIGKILL when the parent dies (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing), exits now if the parent is already gone, and ignores
+    SIGINT and SIGTERM (a Ctrl-C at a terminal, a supervisor signalling the whole process
+    group): rank 0 decides when the operation in progress ends, as a worker's warm shutdown
+    finishes its job, and stops its ranks itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def follow(conn: Connection, state: RankState) -> None:
+    """A started rank's loop: run each operation rank 0 sends, answer ("ok", digest) or
+    ("error", why), until rank 0 says stop (None) or the channel closes."""
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        try:
+            request = pickle.loads(message)  # rank 0's, over a private socket
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            request = ()
+        else:
+            if request is None:
+                return
+            conn.send(("taken", ""))
+        if not conn.recv():  # a rank could not take it: no rank runs it
+            continue
+        op, args = request
+        try:
+            answer = ("ok", digest(op(state, *args)))
+        except Exception as exc:
+            answer = ("error", f"{type(exc).__name__}: {exc}")
+        conn.send(answer)

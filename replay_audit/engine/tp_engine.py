@@ -1,0 +1,190 @@
+"""`TensorParallelEngine`: an `Engine` at TP degree k over a `tensor_parallel.TpGroup`. Every
+rank holds a `TorchEngine` of the checkpoint loaded with transformers' tensor-parallel plan
+(`TorchEngine.load(tp=...)`), and every probe is one operation of the group: each rank runs it
+on its own engine, and rank 0's result is returned once every rank's digest matches it."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Unpack
+
+import numpy as np
+import numpy.typing as npt
+
+from replay_audit.diff.pieces import Piece
+from replay_audit.engine.protocol import (
+    DEFAULT_SCAN_TOKEN_BUDGET,
+    DecodeRun,
+    Environment,
+    Intervention,
+    LoadOptions,
+    LogitsProcessors,
+    ScanItem,
+    ScanRun,
+    StepInfo,
+    Target,
+)
+from replay_audit.engine.tensor_parallel import RankState, TpGroup, empty_device_cache
+from replay_audit.engine.torch_engine import TorchEngine
+
+# -- operations (run on every rank) -----------------------------------------------------------
+
+
+def _load_engine(
+    state: RankState, key: str, model_dir: Path, target: Target, options: LoadOptions
+) -> None:
+    from replay_audit.engine.torch_engine import TorchEngine
+
+    state.objects[key] = TorchEngine.load(model_dir, target, tp=state.placement, **options)
+
+
+def _call(
+    state: RankState, key: str, method: str, args: Sequence[object], kwargs: Mapping[str, object]
+) -> object:
+    return getattr(state.objects[key], method)(*args, **kwargs)
+
+
+def _drop(state: RankState, key: str) -> None:
+    state.objects.pop(key, None)
+    gc.collect()
+    empty_device_cache(state.placement.device_type)
+
+
+class TensorParallelEngine:
+    """An `Engine` (and `HiddenStates`) at TP degree k: every rank of `group` holds a
+    `TorchEngine` of the checkpoint loaded with transformers' tensor-parallel plan, and every
+    probe runs on all of them (`TpGroup.run`); rank 0's answers. What needs no computation
+    (the target, the environment, the tokenizer) is rank 0's engine's."""
+
+    def __init__(self, group: TpGroup, key: str, local: TorchEngine) -> None:
+        self.group = group
+        self.key = key
+        self.local = local
+
+    @classmethod
+    def load(
+        cls, group: TpGroup, model_dir: Path, target: Target, **options: Unpack[LoadOptions]
+    ) -> TensorParallelEngine:
+        """Load `model_dir` in `target`'s format on every rank of `group`."""
+        key = group.new_key(str(model_dir))
+        group.run(_load_engine, key, Path(model_dir), target, options)
+        local = group.state.get(key, TorchEngine)
+        return cls(group, key, local)
+
+    def close(self) -> None:
+        """Every rank drops its engine (nothing where the group is no longer usable)."""
+        if self.group.alive:
+            self.group.run(_drop, self.key)
+        else:
+            self.group.state.objects.pop(self.key, None)
+
+    # -- the protocol -------------------------------------------------------------------------
+
+    @property
+    def target(self) -> Target:
+        return self.local.target
+
+    @property
+    def vocab_size(self) -> int:
+        return self.local.vocab_size
+
+    def environment(self) -> Environment:
+        return self.local.environment()
+
+    def decode(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        eos_ids: Sequence[int] = (),
+        intervention: Intervention | None = None,
+        top_k: int = 5,
+        *,
+        forced_prefix: Sequence[int] = (),
+        processors: LogitsProcessors | None = None,
+    ) -> DecodeRun:
+        args = (list(prompt_ids), max_new_tokens, list(eos_ids), intervention, top_k)
+        kwargs = {"forced_prefix": list(forced_prefix), "processors": processors}
+        run: DecodeRun = self._run("decode", args, kwargs)
+        return run
+
+    def scan(
+        self,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        intervention: Intervention | None = None,
+        top_k: int = 5,
+        *,
+        processors: LogitsProcessors | None = None,
+    ) -> ScanRun:
+        run: ScanRun = self._run(
+            "scan",
+            (list(prompt_ids), list(output_ids), intervention, top_k),
+            {"processors": processors},
+        )
+        return run
+
+    def scan_batch(
+        self,
+        items: Sequence[ScanItem],
+        intervention: Intervention | None = None,
+        top_k: int = 5,
+        *,
+        token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
+    ) -> list[ScanRun]:
+        runs: list[ScanRun] = self._run(
+            "scan_batch", (list(items), intervention, top_k), {"token_budget": token_budget}
+        )
+        return runs
+
+    def step(
+        self,
+        prompt_ids: Sequence[int],
+        prefix_ids: Sequence[int],
+        intervention: Intervention,
+        top_k: int = 5,
+        *,
+        processors: LogitsProcessors | None = None,
+    ) -> StepInfo:
+        info: StepInfo = self._run(
+            "step",
+            (list(prompt_ids), list(prefix_ids), intervention, top_k),
+            {"processors": processors},
+        )
+        return info
+
+    def step_batch(
+        self,
+        contexts: Sequence[Sequence[int]],
+        intervention: Intervention,
+        top_k: int = 5,
+        *,
+        token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
+        processors: LogitsProcessors | None = None,
+        prompt_lengths: Sequence[int] | None = None,
+    ) -> list[StepInfo]:
+        lengths = None if prompt_lengths is None else list(prompt_lengths)
+        infos: list[StepInfo] = self._run(
+            "step_batch",
+            ([list(c) for c in contexts], intervention, top_k),
+            {"token_budget": token_budget, "processors": processors, "prompt_lengths": lengths},
+        )
+        return infos
+
+    def hidden_states(
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int]
+    ) -> npt.NDArray[np.float32]:
+        states: npt.NDArray[np.float32] = self._run(
+            "hidden_states", (list(prompt_ids), list(output_ids)), {}
+        )
+        return states
+
+    def detokenize(self, ids: Sequence[int]) -> str | None:
+        return self.local.detokenize(ids)
+
+    def token_pieces(self, ids: Sequence[int]) -> tuple[Piece, ...] | None:
+        return self.local.token_pieces(ids)
+
+    def _run(self, method: str, args: Sequence[object], kwargs: Mapping[str, object]) -> Any:
+        return self.group.run(_call, self.key, method, args, kwargs)
