@@ -180,9 +180,10 @@ def postgres_cpu(database: str) -> dict[int, float]:
         try:
             if (entry / "comm").read_text().strip() != "postgres":
                 continue
-            # A backend's title is "postgres: USER DATABASE HOST(PORT) STATE".
+            # A backend's title is "postgres: [CLUSTER:] USER DATABASE HOST(PORT) STATE".
             title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().split()
-            if len(title) > 3 and "(" in title[3] and title[2] == database:
+            host = next((i for i, word in enumerate(title) if "(" in word), None)
+            if host is not None and host >= 2 and title[host - 1] == database:
                 times[int(entry.name)] = cpu_seconds(int(entry.name))
         except OSError:
             continue

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import gc
 import os
 import pstats
 import socket
@@ -46,6 +47,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from ingest import create_database, drop_database, make_trace  # noqa: E402
 
 from replay_audit.api.app import create_app  # noqa: E402
+from replay_audit.api.server import freeze_startup_objects  # noqa: E402
 from replay_audit.auth.service import create_api_key  # noqa: E402
 from replay_audit.config import Settings, normalise_database_url  # noqa: E402
 from replay_audit.db import migration  # noqa: E402
@@ -125,6 +127,31 @@ for w in workers: w.join()
 """
 
 
+class GcTimes:
+    """The cyclic garbage collector's runs from now on, by generation: count, total and
+    longest milliseconds (each run stops every thread of the process)."""
+
+    def __init__(self) -> None:
+        self.runs: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.runs[info["generation"]].append(1e3 * (time.perf_counter() - self._started))
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def __str__(self) -> str:
+        return ", ".join(
+            f"gen{g}: {len(r)} runs, {sum(r):.1f} ms, longest {max(r, default=0):.1f} ms"
+            for g, r in self.runs.items()
+        )
+
+
 class ThreadProfiles:
     """cProfile in every thread started from now on (cProfile sees one thread only)."""
 
@@ -174,9 +201,11 @@ def serve_and_send(
             files.append(file.name)
         command = [sys.executable, "-c", _CLIENT, str(port), key]
         subprocess.run([*command, files[0], str(threads)], check=True)
+        collections = GcTimes()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         subprocess.run([*command, files[1], str(threads)], check=True)
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        collections.stop()
     server.should_exit = True
     thread.join()
     n = len(bodies)
@@ -184,6 +213,7 @@ def serve_and_send(
         f"{n} POSTs over HTTP from {threads} client threads: server CPU {1e3 * cpu / n:.2f} ms, "
         f"wall {1e3 * wall / n:.2f} ms per POST (load average {os.getloadavg()[0]:.2f})"
     )
+    print(f"garbage collections: {collections}")
     if profiles is not None:
         stats = profiles.stats()
         stats.sort_stats("cumulative").print_stats(40)
@@ -208,6 +238,11 @@ def main() -> None:
         "another process instead (the CPU is then the whole server's)",
     )
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--no-freeze",
+        action="store_true",
+        help="leave the startup objects to the garbage collector (`serve` freezes them)",
+    )
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument(
         "--without",
@@ -226,6 +261,8 @@ def main() -> None:
         with session_scope(database_url) as session:
             key = create_api_key(session, "bench", "submitter").key
         app = create_app(Settings(_env_file=None, database_url=database_url))  # type: ignore[call-arg]
+        if not args.no_freeze:
+            freeze_startup_objects()  # as `serve` does
         if args.http:
             warm, measured = bodies[:WARM_UP], bodies[WARM_UP:]
             serve_and_send(app, warm, measured, key, args.http, args.profile)
