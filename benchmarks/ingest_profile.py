@@ -113,17 +113,27 @@ while at < len(data):
     size = int.from_bytes(data[at : at + 4], "little")
     bodies.append(data[at + 4 : at + 4 + size])
     at += 4 + size
+import gc, time
+gc.freeze()
+times = []
+start = time.perf_counter()
 def send(share):
     connection = http.client.HTTPConnection("127.0.0.1", port)
     for body in share:
         headers = {"X-API-Key": key, "Content-Type": "application/json"}
+        t0 = time.perf_counter()
         connection.request("POST", "/v1/traces", body, headers)
         answer = connection.getresponse()
         answer.read()
+        times.append((1e3 * (time.perf_counter() - t0), t0 - start))
         assert answer.status == 201, answer.status
 workers = [threading.Thread(target=send, args=(bodies[i::threads],)) for i in range(threads)]
 for w in workers: w.start()
 for w in workers: w.join()
+ms = sorted(t for t, _ in times)
+pick = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]
+slow = [(round(t, 1), round(at, 2)) for t, at in sorted(times, reverse=True)[:5]]
+print(f"client: p50 {pick(0.5):.1f} ms, p99 {pick(0.99):.1f} ms, slowest (ms, at s) {slow}")
 """
 
 
