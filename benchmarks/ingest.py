@@ -13,7 +13,8 @@ on 127.0.0.1 (the command docker-compose runs), then with an httpx client:
      `--concurrency` client threads; reports traces/s over the wall time of the whole phase;
   2. single POST latency: `--singles` POST /v1/traces of one such trace each, sent by
      `--single-concurrency` client threads (1: sequential); reports p50/p95/p99 of the
-     client-side round trip.
+     client-side round trip, the CPU per POST of the API, of the PostgreSQL backends of this
+     database and of this client, and the slowest 1% with the second each started.
 
 Bodies are serialised before the clock starts (a real client pays for that on its own host).
 The target (DESIGN.md) is >= 2,000 traces/s and p99 < 50 ms on the 2-core CI machine.
