@@ -13,7 +13,8 @@ on 127.0.0.1 (the command docker-compose runs), then with an httpx client:
      `--concurrency` client threads; reports traces/s over the wall time of the whole phase;
   2. single POST latency: `--singles` POST /v1/traces of one such trace each, sent by
      `--single-concurrency` client threads (1: sequential); reports p50/p95/p99 of the
-     client-side round trip.
+     client-side round trip, the CPU per POST of the API, of the PostgreSQL backends of this
+     database and of this client, and the slowest 1% with the second each started.
 
 Bodies are serialised before the clock starts (a real client pays for that on its own host).
 The target (DESIGN.md) is >= 2,000 traces/s and p99 < 50 ms on the 2-core CI machine.
@@ -22,6 +23,7 @@ The target (DESIGN.md) is >= 2,000 traces/s and p99 < 50 ms on the 2-core CI mac
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -169,18 +171,31 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
-def postgres_cpu_seconds() -> float:
-    """CPU time of every postgres process we may read (the server's backends and workers)."""
-    total = 0.0
+def postgres_cpu(database: str) -> dict[int, float]:
+    """CPU time, by process id, of the PostgreSQL backends connected to `database`: not those
+    of other databases (other test runs on the same server), nor the server's shared processes
+    (WAL writer, checkpointer), which work for every database."""
+    times: dict[int, float] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if (entry / "comm").read_text().strip() == "postgres":
-                total += cpu_seconds(int(entry.name))
+            if (entry / "comm").read_text().strip() != "postgres":
+                continue
+            # A backend's title is "postgres: [CLUSTER:] USER DATABASE HOST(PORT) STATE".
+            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().split()
+            host = next((i for i, word in enumerate(title) if "(" in word), None)
+            if host is not None and host >= 2 and title[host - 1] == database:
+                times[int(entry.name)] = cpu_seconds(int(entry.name))
         except OSError:
             continue
-    return total
+    return times
+
+
+def postgres_cpu_since(database: str, before: dict[int, float]) -> float:
+    """PostgreSQL CPU seconds spent since `before` (`postgres_cpu()`) by the processes alive
+    now: a backend that exited in between is left out (a sum of totals would go negative)."""
+    return sum(t - before.get(pid, 0.0) for pid, t in postgres_cpu(database).items())
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -205,8 +220,9 @@ def main() -> None:
         default=1,
         help="client threads sending the single POSTs (issue 20 measures 8)",
     )
-    parser.add_argument("--workers", type=int, default=1,
-                        help="API processes (replay-audit serve --workers)")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="API processes (replay-audit serve --workers)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -236,6 +252,7 @@ def main() -> None:
         migration.upgrade(database_url)
         with session_scope(database_url) as session:
             key = create_api_key(session, "bench", "submitter").key
+        database = str(make_url(database_url).database)
         port = free_port()
         proc = start_server(database_url, port, args.workers)
         base = f"http://127.0.0.1:{port}"
@@ -256,7 +273,7 @@ def main() -> None:
             httpx.Client(base_url=base, headers=headers, timeout=timeout)
             for _ in range(args.concurrency)
         ]
-        server_cpu0, pg_cpu0 = tree_cpu_seconds(proc.pid), postgres_cpu_seconds()
+        server_cpu0, pg_cpu0 = tree_cpu_seconds(proc.pid), postgres_cpu(database)
         client_cpu0 = time.process_time()
         start = time.perf_counter()
         with ThreadPoolExecutor(args.concurrency) as pool:
@@ -268,12 +285,14 @@ def main() -> None:
             )
         elapsed = time.perf_counter() - start
         server_cpu = tree_cpu_seconds(proc.pid) - server_cpu0
-        pg_cpu = postgres_cpu_seconds() - pg_cpu0
+        pg_cpu = postgres_cpu_since(database, pg_cpu0)
         client_cpu = time.process_time() - client_cpu0
         for c in clients:
             c.close()
         n_traces = args.batches * args.batch_size
         throughput = n_traces / elapsed
+
+        slowest: list[tuple[float, float]] = []  # (ms, when the request started)
 
         def singles(bodies: list[bytes]) -> list[float]:
             out = []
@@ -285,14 +304,36 @@ def main() -> None:
                     assert answer.status_code == 201, answer.text
                     if i >= 20:  # the first few warm the connection and the server's caches
                         out.append(dt * 1000)
+                        slowest.append((dt * 1000, t0))
             return out
 
+        # The client's own garbage collector stays out of the figures: a full collection of
+        # this process (its bodies, numpy, httpx...) stops all client threads at once, and
+        # their requests' clocks with them. A real client runs on its own host.
+        gc.collect()
+        gc.freeze()
         # Each client thread sends its share, after 20 of its own to warm up.
         n = n_single
         warm_up, measured = single_bodies[: 20 * n], single_bodies[20 * n :]
         shares = [warm_up[20 * i : 20 * (i + 1)] + measured[i::n] for i in range(n)]
+        server_cpu0, pg_cpu0 = tree_cpu_seconds(proc.pid), postgres_cpu(database)
+        client_cpu0 = time.process_time()
+        single_start = time.perf_counter()
         with ThreadPoolExecutor(n) as pool:
             latencies = [ms for share in pool.map(singles, shares) for ms in share]
+        single_elapsed = time.perf_counter() - single_start
+        # Slow requests that overlap in time point at a pause of the server (or the machine)
+        # rather than at requests that are slow on their own.
+        slow = sorted(slowest, reverse=True)[: max(1, len(slowest) // 100)]
+        slow_at = [(round(ms, 1), round(t - single_start, 3)) for ms, t in slow]
+        n_posts = len(single_bodies)
+        # CPU per single POST (warm-up included in both the time and the count): what each
+        # request costs the machine's two cores, whatever else runs on them.
+        single_cpu = {
+            "api": 1e3 * (tree_cpu_seconds(proc.pid) - server_cpu0) / n_posts,
+            "postgres": 1e3 * postgres_cpu_since(database, pg_cpu0) / n_posts,
+            "client": 1e3 * (time.process_time() - client_cpu0) / n_posts,
+        }
 
         result = {
             "batch_traces_per_s": round(throughput, 1),
@@ -313,6 +354,9 @@ def main() -> None:
                 "p99": round(percentile(latencies, 99), 2),
                 "n": len(latencies),
                 "client_threads": n,
+                "posts_per_s": round(n_posts / single_elapsed, 1),
+                "slowest_1pct_ms_at_s": slow_at,
+                "cpu_ms_per_post": {k: round(v, 2) for k, v in single_cpu.items()},
             },
             "cpu_count": os.cpu_count(),
         }
@@ -329,7 +373,10 @@ def main() -> None:
         s = result["single_post_ms"]
         print(
             f"single POST latency over {s['n']} requests: "  # type: ignore[index]
-            f"p50 {s['p50']} ms, p95 {s['p95']} ms, p99 {s['p99']} ms"
+            f"p50 {s['p50']} ms, p95 {s['p95']} ms, p99 {s['p99']} ms; "
+            f"CPU per POST: API {single_cpu['api']:.2f} ms, "
+            f"PostgreSQL {single_cpu['postgres']:.2f} ms, client {single_cpu['client']:.2f} ms "
+            f"(load average {os.getloadavg()[0]:.2f})"
         )  # type: ignore[index]
         print(json.dumps(result))
     finally:

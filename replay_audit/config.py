@@ -66,6 +66,11 @@ class Settings(BaseSettings):
     #: a core: max(1, cores - 1).
     torch_threads: int | None = Field(default=None, ge=1)
     max_request_bytes: int = 256 * 1024 * 1024
+    #: Seconds an API process remembers a key that passed the check, so that a client's
+    #: requests cost no query for their key. A revoked key is refused at once by the process
+    #: that revoked it and within this many seconds by the others; 0: every request reads the
+    #: key row.
+    api_key_cache_s: float = Field(default=5.0, ge=0, le=300)
     #: A replay run (or an audit run) selecting at least this many traces and naming no `mode`
     #: is replayed scan-then-decode (see `replays.domain.LARGE_RUN_TRACES`).
     large_run_traces: int = Field(default=1000, ge=1)  # replays.domain.LARGE_RUN_TRACES

@@ -27,6 +27,7 @@ from replay_audit.api.health import router as health_router
 from replay_audit.api.metrics import collectors
 from replay_audit.api.metrics import router as metrics_router
 from replay_audit.api.observe import ObserveMiddleware
+from replay_audit.auth.service import PrincipalCache
 from replay_audit.config import Settings, get_settings
 from replay_audit.db.engine import get_engine, get_sessionmaker
 from replay_audit.imports.schemas import ImportRequest
@@ -201,6 +202,7 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     #: The job queue (in-process thread or RQ, and what it can run): built once, here.
     app.state.queue = build_job_queue(settings, runner or own_runner)
     app.state.checkpoints = CheckpointIndex(settings.model_dirs)
+    app.state.principals = PrincipalCache(settings.api_key_cache_s)
     app.state.own_runner = own_runner
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)

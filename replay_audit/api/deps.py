@@ -15,17 +15,21 @@ durable, and a failed commit is an error answer, not a lie. Any exception rolls 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Annotated
 
+import anyio
 from fastapi import Depends, Header, Request
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from replay_audit.auth import service as auth_service
 from replay_audit.auth.models import Role
 from replay_audit.auth.schemas import Principal
+from replay_audit.auth.service import PrincipalCache
 from replay_audit.config import Settings
-from replay_audit.db.unit_of_work import UnitOfWork, unit_of_work
+from replay_audit.db.unit_of_work import UnitOfWork, end_unit, open_unit
 from replay_audit.exceptions import (
     FieldError,
     NotAuthenticated,
@@ -42,7 +46,7 @@ from replay_audit.telemetry.metric import AUTH_FAILURES
 _READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
-def refuse_unstorable_parameters(request: Request) -> None:
+async def refuse_unstorable_parameters(request: Request) -> None:
     """422 naming the parameter when a path or query parameter holds a character no database
     can store in text (NUL, a lone surrogate: `replay_audit.input`). Installed once on the app
     (and the UI app), so it runs before every route's own dependencies: no such value reaches
@@ -57,19 +61,33 @@ def refuse_unstorable_parameters(request: Request) -> None:
             )
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     """The settings the app was created with."""
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_uow(request: Request) -> Iterator[UnitOfWork]:
+async def get_uow(request: Request) -> AsyncIterator[UnitOfWork]:
     """The request's unit of work (see the module docstring). When the job queue failed to take
     work after the commit, the answer is that 503: what was stored stays, and the reconciler
-    enqueues it once the queue is back."""
+    enqueues it once the queue is back.
+
+    What touches the database runs in the threadpool, as sync endpoints do; the rest here, on
+    the event loop: a writer's session connects at its first statement, in the endpoint, so a
+    POST costs the one hop of its endpoint and one for the commit."""
     factory = request.app.state.sessionmaker
-    with unit_of_work(factory, read_only=request.method in _READ_METHODS) as uow:
+    if request.method in _READ_METHODS:
+        uow = await run_in_threadpool(partial(open_unit, factory, read_only=True))
+    else:
+        uow = open_unit(factory)
+    try:
         yield uow
+    except BaseException as e:
+        with anyio.CancelScope(shield=True):  # a cancelled request still gives back its session
+            await run_in_threadpool(end_unit, uow, e)
+        raise
+    with anyio.CancelScope(shield=True):
+        await run_in_threadpool(end_unit, uow, None)
     for error in uow.callback_errors:
         if isinstance(error, QueueUnavailable):
             raise QueueUnavailable(
@@ -82,7 +100,7 @@ def get_uow(request: Request) -> Iterator[UnitOfWork]:
 UoW = Annotated[UnitOfWork, Depends(get_uow, scope="function")]
 
 
-def get_session(uow: UoW) -> Session:
+async def get_session(uow: UoW) -> Session:
     """The request's session (services take this; they never commit it)."""
     return uow.session
 
@@ -91,7 +109,7 @@ DBSession = Annotated[Session, Depends(get_session)]
 AppSettings = Annotated[Settings, Depends(get_settings)]
 
 
-def get_queue(request: Request) -> JobQueue:
+async def get_queue(request: Request) -> JobQueue:
     """The app's job queue, built once by `create_app` from its settings."""
     queue: JobQueue = request.app.state.queue
     return queue
@@ -100,7 +118,7 @@ def get_queue(request: Request) -> JobQueue:
 Queue = Annotated[JobQueue, Depends(get_queue)]
 
 
-def get_checkpoints(request: Request) -> CheckpointIndex:
+async def get_checkpoints(request: Request) -> CheckpointIndex:
     """The app's index of the checkpoints in its `REPLAY_AUDIT_MODEL_DIRS`."""
     checkpoints: CheckpointIndex = request.app.state.checkpoints
     return checkpoints
@@ -109,18 +127,34 @@ def get_checkpoints(request: Request) -> CheckpointIndex:
 Checkpoints = Annotated[CheckpointIndex, Depends(get_checkpoints)]
 
 
-def get_principal(
+async def get_principal_cache(request: Request) -> PrincipalCache:
+    """The app's cache of recently authenticated keys (`auth.service.PrincipalCache`)."""
+    cache: PrincipalCache = request.app.state.principals
+    return cache
+
+
+Principals = Annotated[PrincipalCache, Depends(get_principal_cache)]
+
+
+async def get_principal(
+    request: Request,
     session: DBSession,
     x_api_key: Annotated[str | None, Header(alias="X-API-Key")] = None,
 ) -> Principal:
-    """The caller, from the `X-API-Key` header (401 if missing, unknown or revoked). Its
-    project goes on the request's log lines; a refusal is counted
-    (`replay_audit_auth_failures_total`)."""
-    try:
-        principal = auth_service.authenticate(session, x_api_key)
-    except NotAuthenticated:
-        AUTH_FAILURES.labels("missing" if not x_api_key else "invalid").inc()
-        raise
+    """The caller, from the `X-API-Key` header (401 if missing, unknown or revoked; a key
+    that passed within `Settings.api_key_cache_s` needs no query, nor a thread). Its project
+    goes on the request's log lines; a refusal is counted (`replay_audit_auth_failures_total`).
+    """
+    cache: PrincipalCache = request.app.state.principals
+    principal = auth_service.cached_principal(cache, x_api_key)
+    if principal is None:
+        try:
+            principal = await run_in_threadpool(
+                auth_service.authenticate, session, x_api_key, cache
+            )
+        except NotAuthenticated:
+            AUTH_FAILURES.labels("missing" if not x_api_key else "invalid").inc()
+            raise
     note(project=principal.project)
     return principal
 
@@ -128,7 +162,7 @@ def get_principal(
 CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
 
 
-def require_role(*roles: Role) -> Callable[[Principal], Principal]:
+def require_role(*roles: Role) -> Callable[[Principal], Awaitable[Principal]]:
     """A dependency that returns the caller if their role is one of `roles`, else 403.
 
     A key only ever sees its own project: endpoints filter by `principal.project_id` and answer
@@ -136,7 +170,7 @@ def require_role(*roles: Role) -> Callable[[Principal], Principal]:
     """
     allowed = frozenset(roles)
 
-    def dependency(principal: CurrentPrincipal) -> Principal:
+    async def dependency(principal: CurrentPrincipal) -> Principal:
         if principal.role not in allowed:
             AUTH_FAILURES.labels("forbidden").inc()
             raise PermissionDenied(
@@ -151,7 +185,7 @@ def require_role(*roles: Role) -> Callable[[Principal], Principal]:
 async def read_body(request: Request) -> bytes:
     """The raw request body, refused with 413 past `max_request_bytes`: first by the declared
     Content-Length, then while streaming (a client may lie or send chunked)."""
-    limit = get_settings(request).max_request_bytes
+    limit = (await get_settings(request)).max_request_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body over {limit} bytes", field="body")

@@ -10,6 +10,7 @@ expects, and they get TCP_NODELAY like the single-process server's.
 
 from __future__ import annotations
 
+import gc
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,19 @@ class TcpConfig(uvicorn.Config):
         return sock
 
 
+def freeze_startup_objects() -> None:
+    """Hide every object alive now (modules, the app, its schemas and routes: most of the
+    process) from the cyclic garbage collector, once the app is built and before it answers.
+
+    A full collection otherwise walks all of them: 120 ms during which the process answers
+    nothing, about every 500 single POSTs (objects of requests in flight are promoted to the
+    oldest generation and trigger it), which made the p99 of concurrent ingest (issue 20).
+    With them frozen it walks what came after: 5-8 ms. Reference counting still frees
+    everything that is not in a cycle, frozen or not."""
+    gc.collect()
+    gc.freeze()
+
+
 def served_app() -> FastAPI:
     """The app of one of `serve --workers N`'s processes, from the environment, its log lines
     as REPLAY_AUDIT_LOG_FORMAT says (uvicorn set up its own before this, in the process).
@@ -48,7 +62,9 @@ def served_app() -> FastAPI:
     settings = get_settings()
     if settings.log_format == "json":
         configure_logging("json")
-    return create_app(settings)
+    app = create_app(settings)
+    freeze_startup_objects()
+    return app
 
 
 def uvicorn_logging(log_format: str) -> dict[str, Any]:

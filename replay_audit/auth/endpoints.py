@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends
 
-from replay_audit.api.deps import DBSession, require_role
+from replay_audit.api.deps import DBSession, Principals, require_role
 from replay_audit.auth import service
 from replay_audit.auth.models import Role
 from replay_audit.auth.schemas import ApiKeyCreate, ApiKeyCreated, ApiKeyList, ApiKeyRead, Principal
@@ -30,6 +30,7 @@ def list_keys(principal: Admin, session: DBSession) -> ApiKeyList:
 
 
 @router.delete("/v1/keys/{key_id}", response_model=ApiKeyRead)
-def revoke_key(key_id: str, principal: Admin, session: DBSession) -> ApiKeyRead:
-    """Revoke a key of the caller's project (idempotent). It stops working at once."""
-    return service.revoke_api_key(session, principal.project_id, key_id)
+def revoke_key(key_id: str, principal: Admin, session: DBSession, cache: Principals) -> ApiKeyRead:
+    """Revoke a key of the caller's project (idempotent). It stops working at once in the API
+    process that answers, and within `REPLAY_AUDIT_API_KEY_CACHE_S` (5 s) in the others."""
+    return service.revoke_api_key(session, principal.project_id, key_id, cache)

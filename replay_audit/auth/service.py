@@ -4,6 +4,10 @@ A key reads `ra_<lookup>_<secret>`: `lookup` (12 hex characters, not secret) fin
 and the sha256 of the whole key, compared with `hmac.compare_digest`, proves it. The secret has
 256 bits of entropy, so a plain sha256 is as good as a slow password hash here, and keeps the
 check cheap on every request. The key is shown once, at creation, and never stored.
+
+The API keeps the keys that passed for a few seconds (`PrincipalCache`), so a client's steady
+stream of requests costs no query for its key: a revocation takes effect at once in the API
+process that made it, and within `Settings.api_key_cache_s` (5 s) in the others.
 """
 
 from __future__ import annotations
@@ -11,6 +15,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -20,6 +27,7 @@ from replay_audit.auth import repository
 from replay_audit.auth.models import ApiKey, Role
 from replay_audit.auth.schemas import ApiKeyRead, Principal
 from replay_audit.db.base import utcnow
+from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import FieldError, NotAuthenticated, NotFound
 
 KEY_PREFIX: Final = "ra"
@@ -92,8 +100,62 @@ def create_api_key(
     return CreatedKey(key=key, api_key=api_key)
 
 
-def authenticate(session: Session, key: str | None) -> Principal:
-    """The principal behind `key`; NotAuthenticated if it is missing, unknown or revoked."""
+class PrincipalCache:
+    """The principals of keys that authenticated in the last `ttl_s` seconds, in this process:
+    a request whose key is here needs no query (`Settings.api_key_cache_s`; 0 keeps nothing).
+
+    Only keys that passed the check are kept, by the sha256 of the whole key (the secret never
+    is). Revoking a key through this process forgets it at once (`forget`, after the commit);
+    another process of the deployment keeps accepting it for at most `ttl_s` seconds more.
+    """
+
+    #: Most keys kept; past it the cache starts over (a deployment has far fewer live keys).
+    MAX_KEYS: Final = 10_000
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, tuple[Principal, float]] = {}
+
+    def get(self, key_sha256: str) -> Principal | None:
+        entry = self._entries.get(key_sha256)
+        if entry is None:
+            return None
+        principal, expires_at = entry
+        if self._clock() >= expires_at:
+            with self._lock:
+                self._entries.pop(key_sha256, None)
+            return None
+        return principal
+
+    def put(self, key_sha256: str, principal: Principal) -> None:
+        if self.ttl_s <= 0:
+            return
+        with self._lock:
+            if len(self._entries) >= self.MAX_KEYS:
+                self._entries.clear()
+            self._entries[key_sha256] = (principal, self._clock() + self.ttl_s)
+
+    def forget(self, api_key_id: int) -> None:
+        """Drop the key with this id (it was revoked)."""
+        with self._lock:
+            for digest, (principal, _) in list(self._entries.items()):
+                if principal.api_key_id == api_key_id:
+                    del self._entries[digest]
+
+
+def cached_principal(cache: PrincipalCache, key: str | None) -> Principal | None:
+    """The principal of `key` if it authenticated within the cache's lifetime, else None
+    (then `authenticate`). No query."""
+    return cache.get(_hash_key(key)) if key else None
+
+
+def authenticate(
+    session: Session, key: str | None, cache: PrincipalCache | None = None
+) -> Principal:
+    """The principal behind `key`; NotAuthenticated if it is missing, unknown or revoked.
+    With `cache`, a key that passes is kept there."""
     if not key:
         raise NotAuthenticated("missing API key (header X-API-Key)")
     prefix, _, rest = key.partition("_")
@@ -103,15 +165,19 @@ def authenticate(session: Session, key: str | None) -> Principal:
         api_key = repository.find_api_key_by_lookup(session, lookup)
     # Compare even when no row matched, so a miss costs the same as a wrong secret.
     expected = api_key.key_sha256 if api_key is not None else _DUMMY_HASH
-    matches = hmac.compare_digest(expected, _hash_key(key))
+    digest = _hash_key(key)
+    matches = hmac.compare_digest(expected, digest)
     if api_key is None or not matches or api_key.revoked_at is not None:
         raise NotAuthenticated("invalid or revoked API key")
-    return Principal(
+    principal = Principal(
         api_key_id=api_key.id,
         project_id=api_key.project_id,
         project=api_key.project.name,
         role=Role(api_key.role),
     )
+    if cache is not None:
+        cache.put(digest, principal)
+    return principal
 
 
 def list_api_keys(session: Session, project_id: int) -> list[ApiKeyRead]:
@@ -119,8 +185,11 @@ def list_api_keys(session: Session, project_id: int) -> list[ApiKeyRead]:
     return [to_read(k) for k in repository.list_api_keys(session, project_id)]
 
 
-def revoke_api_key(session: Session, project_id: int, key_id: str) -> ApiKeyRead:
-    """Revoke the project's key `key_id` (idempotent); NotFound for another project's key."""
+def revoke_api_key(
+    session: Session, project_id: int, key_id: str, cache: PrincipalCache | None = None
+) -> ApiKeyRead:
+    """Revoke the project's key `key_id` (idempotent); NotFound for another project's key.
+    `cache` forgets the key once the revocation is committed."""
     lookup = key_id.removeprefix("key_")
     api_key = repository.find_api_key_by_lookup(session, lookup)
     if api_key is None or api_key.project_id != project_id:
@@ -128,6 +197,9 @@ def revoke_api_key(session: Session, project_id: int, key_id: str) -> ApiKeyRead
     if api_key.revoked_at is None:
         api_key.revoked_at = utcnow()
         session.flush()
+    if cache is not None:
+        api_key_id = api_key.id
+        after_commit(session, lambda: cache.forget(api_key_id))
     return to_read(api_key)
 
 

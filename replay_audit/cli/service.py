@@ -104,7 +104,7 @@ def serve(
     if scheduler is not None:
         own(scheduler.stop)
     from replay_audit.api.metrics import serve_metrics
-    from replay_audit.api.server import run_processes, uvicorn_logging
+    from replay_audit.api.server import freeze_startup_objects, run_processes, uvicorn_logging
     from replay_audit.telemetry.log import configure_logging
 
     if settings.log_format == "json":
@@ -113,8 +113,10 @@ def serve(
     if stop_metrics is not None:
         own(lambda timeout_s: stop_metrics() or True)
     if runner is not None:
+        served = create_app(settings, runner=runner)
+        freeze_startup_objects()
         uvicorn.run(
-            create_app(settings, runner=runner),
+            served,
             host=host,
             port=port,
             log_level=log_level,

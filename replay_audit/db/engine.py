@@ -7,22 +7,27 @@ of failing, and SQLAlchemy (not the sqlite3 module) emitting BEGIN. Write transa
 write can never deadlock on a lock upgrade (SQLITE_BUSY that no timeout can fix). Read-only units
 of work (`read_only=True`) start with a plain deferred BEGIN and run concurrently with the writer.
 
-PostgreSQL goes through psycopg 3 (`postgresql+psycopg://`, which `Settings` normalises to).
+PostgreSQL goes through psycopg 3 (`postgresql+psycopg://`, which `Settings` normalises to). A
+pooled connection is pinged before use when it sat idle a second or more (`_ping_when_idle`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any, Final
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, exc
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 #: Execution option marking a connection's transaction as read-only (SQLite: deferred BEGIN).
 READ_ONLY_OPTION: Final = "replay_audit_read_only"
+#: Seconds a pooled PostgreSQL connection may sit idle and still be used without a ping.
+PING_IDLE_S: Final = 1.0
+_IDLE_SINCE: Final = "replay_audit_idle_since"
 #: Milliseconds a SQLite writer waits for the lock before "database is locked".
 SQLITE_BUSY_TIMEOUT_MS: Final = 30_000
 
@@ -50,8 +55,9 @@ def create_db_engine(database_url: str, **kwargs: Any) -> Engine:
     """
     url = make_url(database_url)
     if url.get_backend_name() != "sqlite":
-        kwargs.setdefault("pool_pre_ping", True)
-        return create_engine(url, **kwargs)
+        engine = create_engine(url, **kwargs)
+        _ping_when_idle(engine)
+        return engine
 
     path = _sqlite_file(url)
     if path is not None:
@@ -82,6 +88,30 @@ def create_db_engine(database_url: str, **kwargs: Any) -> Engine:
         connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
     return engine
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """SQLAlchemy's `pool_pre_ping`, for a connection that sat in the pool at least
+    `PING_IDLE_S`: one back from a request a moment ago is taken as it is. The ping is a round
+    trip of its own before every request's first statement (a quarter of a single POST's);
+    where a connection died in between anyway (the server restarted within the second), the
+    request fails as in an outage (503), and that error invalidates the pool."""
+
+    @event.listens_for(engine, "checkin")
+    def _checked_in(_dbapi_connection: Any, record: Any) -> None:
+        # `record.info` lives as long as the DBAPI connection: a new one is pinged first.
+        record.info[_IDLE_SINCE] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checked_out(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.get(_IDLE_SINCE)
+        if since is not None and time.monotonic() - since < PING_IDLE_S:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except engine.dialect.loaded_dbapi.Error as e:
+            # The pool throws this connection away and checks out another (up to 3 tries).
+            raise exc.DisconnectionError(f"the pooled connection is dead: {e}") from e
 
 
 _lock = threading.Lock()

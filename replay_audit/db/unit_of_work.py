@@ -77,6 +77,26 @@ def after_commit(session: Session, callback: AfterCommit) -> None:
     uow.after_commit.append(callback)
 
 
+def open_unit(factory: sessionmaker[Session], *, read_only: bool = False) -> UnitOfWork:
+    """A new unit of work; end it with `end_unit`. Without `read_only` this does no I/O (the
+    session connects at its first statement). `unit_of_work()` is the usual way in."""
+    session = factory()
+    if read_only:
+        session.connection(execution_options={READ_ONLY_OPTION: True})
+    return UnitOfWork(session)
+
+
+def end_unit(uow: UnitOfWork, error: BaseException | None) -> None:
+    """Commit `uow` (`error` None) or roll it back, then close its session."""
+    try:
+        if error is None:
+            uow.commit()
+        else:
+            uow.rollback()
+    finally:
+        uow.session.close()
+
+
 @contextmanager
 def unit_of_work(
     factory: sessionmaker[Session], *, read_only: bool = False
@@ -86,19 +106,13 @@ def unit_of_work(
     `read_only=True` is a hint for SQLite (a deferred BEGIN that does not take the write lock);
     it is still committed normally, which for a reader just ends the transaction.
     """
-    session = factory()
-    if read_only:
-        session.connection(execution_options={READ_ONLY_OPTION: True})
-    uow = UnitOfWork(session)
+    uow = open_unit(factory, read_only=read_only)
     try:
         yield uow
-    except BaseException:
-        uow.rollback()
+    except BaseException as e:
+        end_unit(uow, e)
         raise
-    else:
-        uow.commit()
-    finally:
-        session.close()
+    end_unit(uow, None)
 
 
 @contextmanager

@@ -9,13 +9,15 @@ trace's key goes in first and the trace only if its key did.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from datetime import datetime
-from typing import Any, TypeVarTuple
+from typing import Any, Final, NamedTuple, TypeVarTuple
 
 import orjson
 from sqlalchemy import JSON, ColumnElement, Select, Table, exists, not_, or_, select, text
 from sqlalchemy.dialects import sqlite
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session, contains_eager, defer
 from typing_extensions import TypedDict
 
@@ -230,6 +232,92 @@ def insert_trace_tags(session: Session, rows: Sequence[TraceTagValues]) -> None:
     table = TraceTag.__table__
     assert isinstance(table, Table)
     _insert_do_nothing(session, table, rows)
+
+
+class OneTraceInsert(NamedTuple):
+    """What `insert_one_trace` did. `config_id` is None when the configuration is not stored
+    yet (then nothing was inserted); `trace` is (id, public_id) when the trace went in, None
+    when its key was taken (a repeat, an external_id in use, a concurrent twin)."""
+
+    config_id: int | None
+    trace: tuple[int, str] | None
+
+
+def _json_columns(table: object) -> frozenset[str]:
+    assert isinstance(table, Table)
+    return frozenset(c.name for c in table.c if isinstance(c.type, JSON))
+
+
+_TRACE_JSON_COLUMNS: Final = _json_columns(Trace.__table__)
+
+
+def _typed(dialect: Dialect, table: object, columns: Sequence[str]) -> str:
+    """`CAST(%(c)s AS <type>), ...`: the parameters of an INSERT ... SELECT, typed (in a select
+    list PostgreSQL would take an untyped NULL for text)."""
+    assert isinstance(table, Table)
+    types = {c: table.c[c].type.compile(dialect=dialect) for c in columns}
+    return ", ".join(f"CAST(%({c})s AS {types[c]})" for c in columns)
+
+
+@functools.cache
+def _one_trace_sql(dialect: Dialect) -> str:
+    key_columns = list(TraceKeyValues.__annotations__)
+    columns = [name for name in TraceValues.__annotations__ if name != "config_id"]
+    # One statement, so one round trip. The configuration is looked up, not inserted: the
+    # statement's snapshot could not see a twin committed while an INSERT waited on it, so a
+    # new configuration goes through `ensure_configs` (the caller's general path). The key
+    # goes in first and the trace only if its key did (`ON CONFLICT DO NOTHING` on the keys'
+    # unique constraints: a repeat or a race inserts nothing); tags ride along. Data-modifying
+    # WITH clauses run to completion even where nothing reads them.
+    sql = f"""
+        WITH config AS (
+            SELECT id FROM numerical_configs WHERE content_sha256 = %(config_sha256)s
+        ), trace_key AS (
+            INSERT INTO trace_keys ({", ".join(key_columns)})
+            SELECT {_typed(dialect, TraceKey.__table__, key_columns)} FROM config
+            ON CONFLICT DO NOTHING
+            RETURNING public_id
+        ), trace AS (
+            INSERT INTO traces ({", ".join(columns)}, config_id)
+            SELECT {_typed(dialect, Trace.__table__, columns)}, config.id FROM trace_key, config
+            RETURNING id, public_id, created_at
+        ), tag AS (
+            INSERT INTO trace_tags (trace_id, trace_created_at, tag)
+            SELECT DISTINCT trace.id, trace.created_at, tag
+            FROM trace, json_array_elements_text(CAST(%(tags)s AS json)) AS tag
+            ON CONFLICT DO NOTHING
+        )
+        SELECT (SELECT id FROM config), trace.id, trace.public_id
+        FROM (SELECT 1) AS one LEFT JOIN trace ON true
+    """
+    return " ".join(sql.split())
+
+
+def insert_one_trace(
+    session: Session, config_sha256: str, row: TraceContent, key: TraceKeyValues
+) -> OneTraceInsert | None:
+    """Store one trace, its key and its tags in one statement, when its configuration
+    (`config_sha256`) is already stored: what a single POST needs in the common case, in one
+    round trip (PostgreSQL; None on SQLite, where the caller takes the general path:
+    `ensure_configs`, `insert_trace_keys`, `insert_traces`, `insert_trace_tags`).
+
+    `key` holds the trace's public_id, project_id, content_sha256, external_id and created_at;
+    the trace gets the same. Nothing is inserted when the configuration is missing or the key
+    is taken; `OneTraceInsert` says which."""
+    if session.get_bind().dialect.name != "postgresql":
+        return None
+    params: dict[str, object] = {**row, **key, "config_sha256": config_sha256}
+    for name in _TRACE_JSON_COLUMNS:  # as `_insert_do_nothing` sends them
+        params[name] = orjson.dumps(params[name]).decode()
+    driver_connection = session.connection().connection.driver_connection
+    assert driver_connection is not None
+    with driver_connection.cursor() as cursor:
+        cursor.execute(_one_trace_sql(session.get_bind().dialect), params)
+        answer = cursor.fetchone()
+    assert answer is not None  # the statement always answers one row
+    config_id, trace_id, public_id = answer
+    trace = (trace_id, public_id) if trace_id is not None else None
+    return OneTraceInsert(config_id, trace)
 
 
 def public_ids_by_content(

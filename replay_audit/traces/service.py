@@ -35,7 +35,12 @@ from replay_audit.exceptions import Conflict, FieldError, NotFound, ReplayAuditE
 from replay_audit.telemetry.metric import BATCH_ITEMS, TRACES_INGESTED
 from replay_audit.traces import repository
 from replay_audit.traces.models import Trace
-from replay_audit.traces.repository import ConfigValues, TraceContent, TraceValues
+from replay_audit.traces.repository import (
+    ConfigValues,
+    TraceContent,
+    TraceKeyValues,
+    TraceValues,
+)
 from replay_audit.traces.schemas import (
     IngestResult,
     ModelRef,
@@ -162,8 +167,32 @@ def _error_result(index: int, error: ReplayAuditError) -> IngestResult:
 def ingest_trace(session: Session, project_id: int, trace: TraceCreate) -> IngestResult:
     """Store one trace: 201 `created: true`, or 200 `created: false` with the id of the trace
     with the same content. Raises Conflict (409, field `external_id`) when the external_id is
-    taken by different content. Never commits."""
-    result = _ingest(session, project_id, [trace])[0]
+    taken by different content. Never commits.
+
+    A new trace in a stored configuration takes one statement on PostgreSQL
+    (`repository.insert_one_trace`); anything else (a new configuration, a repeat, a taken
+    external_id, SQLite) the general path of `ingest_traces`."""
+    now = utcnow()
+    config_json, config_sha = canonical_config(trace.config)
+    p = _prepare(0, trace, config_sha)
+    key: TraceKeyValues = {
+        "public_id": new_public_id(TRACE_ID_PREFIX, int(now.timestamp() * 1000)),
+        "project_id": project_id,
+        "content_sha256": p.content_sha256,
+        "external_id": trace.external_id,
+        "created_at": now,
+    }
+    one = repository.insert_one_trace(session, config_sha, p.row, key)
+    results: list[IngestResult | ReplayAuditError | None] = [None]
+    if one is not None and one.trace is not None:
+        results[0] = IngestResult(index=0, status=201, id=one.trace[1], created=True)
+    elif one is not None and one.config_id is not None:
+        _resolve(session, project_id, [p], {}, {}, results)  # its key was taken
+    else:
+        config = _config_row(trace.config, config_json, config_sha, now)
+        _store(session, project_id, now, {config_sha: config}, [p], results)
+    result = results[0]
+    assert result is not None
     if isinstance(result, ReplayAuditError):
         raise result
     _count(session, [result], batch=False)
@@ -221,60 +250,72 @@ def _ingest(
         prepared.append(_prepare(index, item, config_sha))
 
     if prepared:
-        config_ids = repository.ensure_configs(session, configs)
-        # One timestamp per call; sorted ULIDs keep the ids in request order.
-        ms = int(now.timestamp() * 1000)
-        public_ids = iter(sorted(new_public_id(TRACE_ID_PREFIX, ms) for _ in prepared))
-        first: dict[str, _Prepared] = {}
-        external_ids: set[str] = set()
-        rows: list[TraceValues] = []
-        for p in prepared:
-            if p.content_sha256 in first:
-                continue  # a repeat within this call: answered with the first one's id below
-            if p.trace.external_id is not None:
-                if p.trace.external_id in external_ids:
-                    # Taken by an earlier item of this call with other content: that one wins
-                    # (rows are inserted in hash order, not request order), this one gets 409.
-                    continue
-                external_ids.add(p.trace.external_id)
-            first[p.content_sha256] = p
-            rows.append(
-                {
-                    **p.row,
-                    "public_id": next(public_ids),
-                    "project_id": project_id,
-                    "config_id": config_ids[p.config_sha256],
-                    "content_sha256": p.content_sha256,
-                    "created_at": now,
-                }
-            )
-        keyed = repository.insert_trace_keys(
-            session,
-            [
-                {
-                    "public_id": row["public_id"],
-                    "project_id": project_id,
-                    "content_sha256": row["content_sha256"],
-                    "external_id": row["external_id"],
-                    "created_at": now,
-                }
-                for row in rows
-            ],
-        )
-        inserted = repository.insert_traces(
-            session, [row for row in rows if row["content_sha256"] in keyed]
-        )
-        repository.insert_trace_tags(
-            session,
-            [
-                {"trace_id": inserted[sha][0], "trace_created_at": now, "tag": tag}
-                for sha, p in first.items()
-                if sha in inserted
-                for tag in dict.fromkeys(p.trace.tags)
-            ],
-        )
-        _resolve(session, project_id, prepared, first, inserted, results)
+        _store(session, project_id, now, configs, prepared, results)
     return [r for r in results if r is not None]
+
+
+def _store(
+    session: Session,
+    project_id: int,
+    now: datetime,
+    configs: dict[str, ConfigValues],
+    prepared: list[_Prepared],
+    results: list[IngestResult | ReplayAuditError | None],
+) -> None:
+    """Store `prepared` (and their `configs`), answering each in `results` at its index."""
+    config_ids = repository.ensure_configs(session, configs)
+    # One timestamp per call; sorted ULIDs keep the ids in request order.
+    ms = int(now.timestamp() * 1000)
+    public_ids = iter(sorted(new_public_id(TRACE_ID_PREFIX, ms) for _ in prepared))
+    first: dict[str, _Prepared] = {}
+    external_ids: set[str] = set()
+    rows: list[TraceValues] = []
+    for p in prepared:
+        if p.content_sha256 in first:
+            continue  # a repeat within this call: answered with the first one's id below
+        if p.trace.external_id is not None:
+            if p.trace.external_id in external_ids:
+                # Taken by an earlier item of this call with other content: that one wins
+                # (rows are inserted in hash order, not request order), this one gets 409.
+                continue
+            external_ids.add(p.trace.external_id)
+        first[p.content_sha256] = p
+        rows.append(
+            {
+                **p.row,
+                "public_id": next(public_ids),
+                "project_id": project_id,
+                "config_id": config_ids[p.config_sha256],
+                "content_sha256": p.content_sha256,
+                "created_at": now,
+            }
+        )
+    keyed = repository.insert_trace_keys(
+        session,
+        [
+            {
+                "public_id": row["public_id"],
+                "project_id": project_id,
+                "content_sha256": row["content_sha256"],
+                "external_id": row["external_id"],
+                "created_at": now,
+            }
+            for row in rows
+        ],
+    )
+    inserted = repository.insert_traces(
+        session, [row for row in rows if row["content_sha256"] in keyed]
+    )
+    repository.insert_trace_tags(
+        session,
+        [
+            {"trace_id": inserted[sha][0], "trace_created_at": now, "tag": tag}
+            for sha, p in first.items()
+            if sha in inserted
+            for tag in dict.fromkeys(p.trace.tags)
+        ],
+    )
+    _resolve(session, project_id, prepared, first, inserted, results)
 
 
 def _resolve(

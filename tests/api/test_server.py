@@ -6,11 +6,15 @@ which cost every single POST a delayed ACK (~40 ms) with `serve --workers 2`."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
+from pathlib import Path
 
+import pytest
 import uvicorn
 
-from replay_audit.api.server import TcpConfig
+from replay_audit.api.server import TcpConfig, served_app
+from replay_audit.queue import stop_runner
 
 
 def _nodelay_of_accepted(sock: socket.socket) -> int:
@@ -48,3 +52,24 @@ def test_uvicorns_own_multi_process_socket_does_not() -> None:
     # What `uvicorn.run(..., workers=2)` binds: if uvicorn fixes this, TcpConfig can go.
     theirs = uvicorn.Config("x:y", host="127.0.0.1", port=0).bind_socket()
     assert _nodelay_of_accepted(theirs) == 0
+
+
+def test_a_served_app_hides_its_startup_objects_from_the_garbage_collector(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Each process of `serve` freezes what exists once its app is built (`gc.freeze`): a full
+    collection then walks only what came after (5-8 ms instead of 120 ms of a frozen process,
+    every few hundred POSTs: the p99 of concurrent ingest, issue 20)."""
+    monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", f"sqlite:///{tmp_path / 'db.sqlite'}")
+    monkeypatch.setenv("REPLAY_AUDIT_SESSION_SECRET_FILE", str(tmp_path / "secret"))
+    gc.unfreeze()
+    try:
+        app = served_app()
+        assert app.state.settings.database_url.startswith("sqlite")
+        # The app and its routes are out of the collector's sight, among all the rest.
+        assert gc.get_freeze_count() > 10_000
+        tracked = gc.get_objects()
+        assert not any(o is app or o is app.router.routes for o in tracked)
+        stop_runner(app.state.own_runner)
+    finally:
+        gc.unfreeze()

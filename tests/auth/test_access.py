@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from replay_audit.auth.models import ApiKey
+from replay_audit.auth.service import PrincipalCache, revoke_api_key
 from replay_audit.db.unit_of_work import session_scope
 from tests.factories import make_trace
 
@@ -31,9 +32,7 @@ ENDPOINTS = [
 ]
 
 
-def _call(
-    client: TestClient, endpoint: str, h: dict[str, str], ids: dict[str, str]
-) -> Any:
+def _call(client: TestClient, endpoint: str, h: dict[str, str], ids: dict[str, str]) -> Any:
     method, path = endpoint.split(" ")
     path = path.format(**ids)
     bodies: dict[str, Any] = {
@@ -65,11 +64,9 @@ def test_missing_or_unknown_key_is_401(
     assert answer.json()["error"] == "NotAuthenticated"
 
 
-def test_right_lookup_wrong_secret_is_401(
-    client: TestClient, api_key: ApiKeyFactory
-) -> None:
+def test_right_lookup_wrong_secret_is_401(client: TestClient, api_key: ApiKeyFactory) -> None:
     key = api_key("admin")
-    forged = key[: -4] + ("AAAA" if not key.endswith("AAAA") else "BBBB")
+    forged = key[:-4] + ("AAAA" if not key.endswith("AAAA") else "BBBB")
     assert client.get("/v1/traces", headers={"X-API-Key": forged}).status_code == 401
     assert client.get("/v1/traces", headers={"X-API-Key": key}).status_code == 200
 
@@ -130,3 +127,50 @@ def test_keys_api_create_list_revoke(client: TestClient, headers: Headers) -> No
 def test_keys_api_rejects_unknown_role(client: TestClient, headers: Headers) -> None:
     answer = client.post("/v1/keys", json={"role": "root"}, headers=headers("admin"))
     assert answer.status_code == 422 and answer.json()["field"] == "role"
+
+
+@pytest.mark.parametrize("cache_s", [5.0, 0.0])
+def test_a_key_revoked_by_another_process_is_refused_within_the_cache_lifetime(
+    make_client: Callable[..., TestClient], api_key: ApiKeyFactory, db_url: str, cache_s: float
+) -> None:
+    """An API process remembers a key that passed for `api_key_cache_s` seconds (no query for
+    it meanwhile): a revocation made elsewhere (another API process, the CLI) is honoured once
+    that has passed; with 0 at once. The process that revokes forgets the key at once
+    (`test_keys_api_create_list_revoke`)."""
+    client = make_client(api_key_cache_s=cache_s)
+    now = [1000.0]
+    client.app.state.principals = PrincipalCache(cache_s, clock=lambda: now[0])  # type: ignore[attr-defined]
+    key = api_key("submitter")
+    h = {"X-API-Key": key}
+    assert client.post("/v1/traces", json=make_trace(), headers=h).status_code == 201
+    with session_scope(db_url) as session:
+        lookup = key.split("_")[1]
+        project_id = session.execute(select(ApiKey.project_id)).scalar_one()
+        revoke_api_key(session, project_id, f"key_{lookup}")  # not through this app
+
+    now[0] += cache_s - 0.1
+    within = client.post("/v1/traces", json=make_trace(), headers=h).status_code
+    assert within == (201 if cache_s else 401)
+    now[0] += 0.2
+    assert client.post("/v1/traces", json=make_trace(), headers=h).status_code == 401
+
+
+def test_only_keys_that_pass_are_remembered(client: TestClient, api_key: ApiKeyFactory) -> None:
+    key = api_key("submitter")
+    wrong = key[:-4] + ("aaaa" if not key.endswith("aaaa") else "bbbb")
+    cache: PrincipalCache = client.app.state.principals  # type: ignore[attr-defined]
+    assert (
+        client.post("/v1/traces", json=make_trace(), headers={"X-API-Key": wrong}).status_code
+        == 401
+    )
+    assert cache_size(cache) == 0
+    assert (
+        client.post("/v1/traces", json=make_trace(), headers={"X-API-Key": key}).status_code == 201
+    )
+    assert cache_size(cache) == 1
+    # The key itself is not what the cache holds: its sha256 is.
+    assert key not in repr(vars(cache))
+
+
+def cache_size(cache: PrincipalCache) -> int:
+    return len(vars(cache)["_entries"])

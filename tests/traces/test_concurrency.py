@@ -1,5 +1,4 @@
-"""Idempotency under concurrent retries: enforced by the unique constraints, on both databases.
-"""
+"""Idempotency under concurrent retries: enforced by the unique constraints, on both databases."""
 
 from __future__ import annotations
 
@@ -9,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
@@ -40,26 +40,46 @@ def _post_concurrently(
         return list(pool.map(post, bodies))
 
 
+#: Whether the racing traces' configuration is stored before the race: then, on PostgreSQL,
+#: each POST is the one statement of `repository.insert_one_trace`, else the general path.
+CONFIG_STORED = pytest.mark.parametrize("config_stored", [False, True])
+
+
+def _store_configuration(app: FastAPI, key: str, config_stored: bool) -> int:
+    """Store a trace of the factories' configuration first when asked; the traces stored."""
+    if not config_stored:
+        return 0
+    answer = TestClient(app).post("/v1/traces", json=make_trace(), headers={"X-API-Key": key})
+    assert answer.status_code == 201
+    return 1
+
+
+@CONFIG_STORED
 def test_concurrent_duplicate_posts_store_one_trace(
-    app: FastAPI, api_key: ApiKeyFactory, db_url: str
+    app: FastAPI, api_key: ApiKeyFactory, db_url: str, config_stored: bool
 ) -> None:
+    key = api_key("submitter")
+    before = _store_configuration(app, key, config_stored)
     trace = make_trace(seed=99, n_prompt=64, n_output=64)
-    answers = _post_concurrently(app, api_key("submitter"), [trace] * THREADS)
+    answers = _post_concurrently(app, key, [trace] * THREADS)
     statuses = sorted(a.status_code for a in answers)
     assert statuses == [200] * (THREADS - 1) + [201], [a.text for a in answers]
     assert len({a.json()["id"] for a in answers}) == 1
-    assert count_rows(db_url, Trace) == 1
+    assert count_rows(db_url, Trace) == before + 1
 
 
+@CONFIG_STORED
 def test_concurrent_posts_racing_for_one_external_id(
-    app: FastAPI, api_key: ApiKeyFactory, db_url: str
+    app: FastAPI, api_key: ApiKeyFactory, db_url: str, config_stored: bool
 ) -> None:
+    key = api_key("submitter")
+    before = _store_configuration(app, key, config_stored)
     bodies = [make_trace(external_id="shared") for _ in range(THREADS)]
-    answers = _post_concurrently(app, api_key("submitter"), bodies)
+    answers = _post_concurrently(app, key, bodies)
     statuses = sorted(a.status_code for a in answers)
     assert statuses == [201] + [409] * (THREADS - 1), [a.text for a in answers]
     assert all(a.json()["field"] == "external_id" for a in answers if a.status_code == 409)
-    assert count_rows(db_url, Trace) == 1
+    assert count_rows(db_url, Trace) == before + 1
 
 
 def _principal(db_url: str, key: str) -> Principal:
@@ -107,20 +127,26 @@ class _Abort(Exception):
     pass
 
 
+@CONFIG_STORED
 def test_post_waits_for_an_uncommitted_duplicate_then_returns_its_id(
-    app: FastAPI, api_key: ApiKeyFactory, db_url: str
+    app: FastAPI, api_key: ApiKeyFactory, db_url: str, config_stored: bool
 ) -> None:
-    answer, held_id = _race_with_open_transaction(app, db_url, api_key("admin"), commit=True)
+    key = api_key("admin")
+    before = _store_configuration(app, key, config_stored)
+    answer, held_id = _race_with_open_transaction(app, db_url, key, commit=True)
     assert answer.status_code == 200 and answer.json()["id"] == held_id
-    assert count_rows(db_url, Trace) == 1
+    assert count_rows(db_url, Trace) == before + 1
 
 
+@CONFIG_STORED
 def test_post_after_a_rolled_back_duplicate_creates_the_trace(
-    app: FastAPI, api_key: ApiKeyFactory, db_url: str
+    app: FastAPI, api_key: ApiKeyFactory, db_url: str, config_stored: bool
 ) -> None:
-    answer, held_id = _race_with_open_transaction(app, db_url, api_key("admin"), commit=False)
+    key = api_key("admin")
+    before = _store_configuration(app, key, config_stored)
+    answer, held_id = _race_with_open_transaction(app, db_url, key, commit=False)
     assert answer.status_code == 201 and answer.json()["id"] != held_id
-    assert count_rows(db_url, Trace) == 1
+    assert count_rows(db_url, Trace) == before + 1
 
 
 def test_concurrent_batches_of_the_same_traces_in_other_orders(

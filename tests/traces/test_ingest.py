@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,7 +12,9 @@ from sqlalchemy import func, select
 
 from replay_audit.config import MAX_BATCH_TRACES
 from replay_audit.db.unit_of_work import session_scope
+from replay_audit.traces import repository
 from replay_audit.traces.models import NumericalConfigRow, Trace, TraceTag
+from replay_audit.traces.repository import OneTraceInsert
 from tests.factories import make_batch, make_config, make_trace
 
 Headers = Callable[..., dict[str, str]]
@@ -53,8 +56,15 @@ def test_post_then_read_back_every_field_exactly(client: TestClient, headers: He
     # Returned values are the float32 values exactly (a float64 holding a float32).
     assert np.array_equal(got64, sent32.astype(np.float64))
     assert np.array_equal(got64.astype(np.float32).astype(np.float64), got64)
-    for field in ("model", "decoding", "tags", "external_id", "reference_answer",
-                  "prompt_text", "output_text"):
+    for field in (
+        "model",
+        "decoding",
+        "tags",
+        "external_id",
+        "reference_answer",
+        "prompt_text",
+        "output_text",
+    ):
         assert got[field] == trace[field], field
     assert {k: got["config"][k] for k in trace["config"]} == trace["config"]
     assert got["id"] == body["id"] and got["project"] == "acme"
@@ -211,9 +221,7 @@ def test_empty_batch_is_207_with_no_results(client: TestClient, headers: Headers
 
 def test_batch_item_with_nan_logit_names_the_step(client: TestClient, headers: Headers) -> None:
     trace = make_trace(n_output=4)
-    body = (
-        '{"traces": [' + _json_with_nan(trace, step=2) + "]}"
-    ).encode()
+    body = ('{"traces": [' + _json_with_nan(trace, step=2) + "]}").encode()
     answer = client.post("/v1/traces:batch", content=body, headers=headers("submitter"))
     assert answer.status_code == 207
     (result,) = answer.json()["results"]
@@ -279,3 +287,62 @@ def test_token_pieces_are_stored_canonical_and_are_content(
     assert other["created"] is True and other["id"] != first["id"]
     got = client.get(f"/v1/traces/{other['id']}", headers=reader).json()
     assert got["output_token_pieces"] is None
+
+
+@pytest.mark.parametrize("top_k", [2, None])
+def test_one_statement_path_stores_what_the_general_path_stores(
+    client: TestClient,
+    headers: Headers,
+    db_url: str,
+    is_postgres: bool,
+    top_k: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On PostgreSQL a single POST whose configuration is already stored is one statement
+    (`repository.insert_one_trace`); the first trace of a configuration, a batch, and SQLite
+    take the general path. The same trace sent to two projects, once each way, is stored the
+    same: every column of the row but its ids and time, and its tags (once each)."""
+    trace = make_trace(seed=31, n_output=4, top_k=top_k, tags=["b", "a", "b"])
+    trace["output_token_pieces"] = [" caf", [195], [169], "!"]
+    trace["prompt_messages"] = [{"role": "user", "content": "hi"}]
+    tried: list[OneTraceInsert | None] = []
+    insert_one_trace = repository.insert_one_trace
+
+    def spy(*args: Any) -> OneTraceInsert | None:
+        tried.append(outcome := insert_one_trace(*args))
+        return outcome
+
+    monkeypatch.setattr(repository, "insert_one_trace", spy)
+    general = client.post("/v1/traces", json=trace, headers=headers("submitter", "one"))
+    one_statement = client.post("/v1/traces", json=trace, headers=headers("submitter", "two"))
+    assert general.status_code == one_statement.status_code == 201
+    if is_postgres:  # no configuration yet, then the trace in one statement
+        done = [(o.config_id is not None, o.trace is not None) for o in tried if o is not None]
+        assert done == [(False, False), (True, True)]
+    else:
+        assert tried == [None, None]
+
+    with session_scope(db_url) as session:
+        rows = {
+            row.public_id: row
+            for row in session.execute(select(Trace).order_by(Trace.public_id)).scalars()
+        }
+        tags = {
+            public_id: sorted(
+                session.execute(select(TraceTag.tag).where(TraceTag.trace_id == row.id)).scalars()
+            )
+            for public_id, row in rows.items()
+        }
+        columns = [c.key for c in Trace.__mapper__.column_attrs]
+        a, b = rows[general.json()["id"]], rows[one_statement.json()["id"]]
+        different = {c for c in columns if _column_value(a, c) != _column_value(b, c)}
+        assert different == {"id", "public_id", "project_id"} | (
+            {"created_at"} if a.created_at != b.created_at else set()
+        )
+        assert b.prompt_messages == trace["prompt_messages"] and b.tags == ["b", "a", "b"]
+    assert tags == {a.public_id: ["a", "b"], b.public_id: ["a", "b"]}
+
+
+def _column_value(row: Trace, column: str) -> object:
+    value = getattr(row, column)
+    return value.tobytes() if isinstance(value, np.ndarray) else value
