@@ -6,7 +6,7 @@
 # replayed at TP 1 through the replay pipeline; the fraction of outputs TP 2 flips against TP 1,
 # and the TP-1 replay's divergences with their categories. JSON and logs in $OUT.
 # Defaults TRACES=48, TOKENS=128, cut at BENCH_TIMEOUT=460 s (under 8 minutes in all);
-# DEGREES="2 4" on a four-GPU kind. Not yet run on GPUs: the CPU (gloo) run of tp.py is checked.
+# DEGREES="2 4" on a four-GPU kind. Run on 2x H200 on 2026-11-26 (BENCHMARKS.md).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1

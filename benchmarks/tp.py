@@ -112,6 +112,52 @@ def summary(results: list[ReplayOutcome], seconds: float) -> dict[str, Any]:
     }
 
 
+def _in_child(fn: Any, *args: Any) -> Any:
+    """`fn(*args)` in a fresh spawned process (its own torch.distributed world)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return ex.submit(fn, *args).result()
+
+
+def _generate_json(model: Path, args: argparse.Namespace, k: int) -> tuple[list[Any], float]:
+    traces, seconds = generate(model, args, k)
+    return [t.model_dump(mode="json") for t in traces], seconds
+
+
+def _replay_rows(
+    model: Path, args: argparse.Namespace, k: int, traces_json: list[Any]
+) -> dict[str, Any]:
+    traces = [TraceCreate.model_validate(t) for t in traces_json]
+    pool = EnginePool(device=args.device, threads=args.threads, devices=k)
+    row: dict[str, Any] = {}
+    results, seconds = replay(traces, RunTarget(None), pool, model)
+    row[f"self_replay_at_tp{k}"] = summary(results, seconds)
+    at_1 = RunTarget(Target(args.dtype, attn_kernel="sdpa"), tp_degree=1)
+    results, seconds = replay(traces, at_1, pool, model)
+    row["replay_at_tp1"] = summary(results, seconds)
+    pool.close()
+    return row
+
+
+def _degree_row(
+    model: Path, args: argparse.Namespace, k: int, base: list[TraceCreate]
+) -> dict[str, Any]:
+    """TP k against TP 1: its generation in one child process, its replays in another."""
+    traces_json, gen_s = _in_child(_generate_json, model, args, k)
+    traces = [TraceCreate.model_validate(t) for t in traces_json]
+    flips = [a.output_token_ids != b.output_token_ids for a, b in zip(base, traces, strict=True)]
+    row: dict[str, Any] = {
+        "generate_s": round(gen_s, 2),
+        "outputs_flipped_vs_tp1": sum(flips),
+        "flip_fraction_vs_tp1": round(sum(flips) / len(flips), 4),
+    }
+    row.update(_in_child(_replay_rows, model, args, k, traces_json))
+    print(f"tp {k}: {json.dumps(row)}", file=sys.stderr, flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", type=Path, help="a checkpoint (default: random TinyLlama shape)")
@@ -144,26 +190,13 @@ def main() -> None:
     pool = EnginePool(device=args.device, threads=args.threads, devices=max(args.degrees))
     results, seconds = replay(base, RunTarget(None), pool, model)
     out["tp1_self_replay"] = summary(results, seconds)
-    pool.close()  # one process group at a time: the generator's comes next
+    pool.close()
     for k in args.degrees:
-        traces, gen_s = generate(model, args, k)
-        flips = [
-            a.output_token_ids != b.output_token_ids for a, b in zip(base, traces, strict=True)
-        ]
-        row: dict[str, Any] = {
-            "generate_s": round(gen_s, 2),
-            "outputs_flipped_vs_tp1": sum(flips),
-            "flip_fraction_vs_tp1": round(sum(flips) / len(flips), 4),
-        }
-        pool = EnginePool(device=args.device, threads=args.threads, devices=k)
-        results, seconds = replay(traces, RunTarget(None), pool, model)
-        row[f"self_replay_at_tp{k}"] = summary(results, seconds)
-        at_1 = RunTarget(Target(args.dtype, attn_kernel="sdpa"), tp_degree=1)
-        results, seconds = replay(traces, at_1, pool, model)
-        row["replay_at_tp1"] = summary(results, seconds)
-        pool.close()
-        out[f"tp{k}"] = row
-        print(f"tp {k}: {json.dumps(row)}", file=sys.stderr, flush=True)
+        # Each degree in a process of its own: a second NCCL process group in one process (the
+        # generator's, then the replay pool's) segfaulted in transformers' device-mesh setup
+        # (torch 2.11 + cu130, 2x H200), so the generator's group lives in one child process and
+        # the pool's in another.
+        out[f"tp{k}"] = _degree_row(model, args, k, base)
     out["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(out, indent=2))
 
