@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
@@ -244,10 +244,17 @@ def resolved_arms(session: Session, run_id: int) -> list[tuple[int, str | None, 
     return [(int(c), a, b, int(n)) for c, a, b, n in session.execute(stmt).all()]
 
 
-def traces_of_other_engines(session: Session, trace_ids: Sequence[int]) -> dict[int, str]:
-    """Of `trace_ids`, those logged by another engine than this project's, with its name: one
-    query over the traces' configuration ids, the (few) configurations parsed once each."""
-    out: dict[int, str] = {}
+#: What `_parsed_configs` makes of a stored configuration.
+_Parsed = TypeVar("_Parsed")
+
+
+def _parsed_configs(
+    session: Session, trace_ids: Sequence[int], parse: Callable[[str], _Parsed]
+) -> dict[int, _Parsed]:
+    """Each of `trace_ids`' stored configuration through `parse`, by trace id: one query per
+    10,000 traces, each of the (few) configurations parsed once."""
+    out: dict[int, _Parsed] = {}
+    parsed: dict[int, _Parsed] = {}
     ids = list(trace_ids)
     for start in range(0, len(ids), 10_000):
         rows = session.execute(
@@ -255,32 +262,22 @@ def traces_of_other_engines(session: Session, trace_ids: Sequence[int]) -> dict[
             .join(NumericalConfigRow, NumericalConfigRow.id == Trace.config_id)
             .where(Trace.id.in_(ids[start : start + 10_000]))
         )
-        engines: dict[int, str] = {}
         for trace_id, config_id, config_json in rows:
-            if config_id not in engines:
-                engines[config_id] = logging_engine(config_json)
-            if logged_by_another_engine(engines[config_id]):
-                out[int(trace_id)] = engines[config_id]
+            if config_id not in parsed:
+                parsed[config_id] = parse(config_json)
+            out[int(trace_id)] = parsed[config_id]
     return out
+
+
+def traces_of_other_engines(session: Session, trace_ids: Sequence[int]) -> dict[int, str]:
+    """Of `trace_ids`, those logged by another engine than this project's, with its name."""
+    engines = _parsed_configs(session, trace_ids, logging_engine)
+    return {t: e for t, e in engines.items() if logged_by_another_engine(e)}
 
 
 def logged_placements(session: Session, trace_ids: Sequence[int]) -> dict[int, LoggedPlacement]:
-    """Where each of `trace_ids` was logged (GPU, TP degree), by trace id: one query over the
-    traces' configuration ids, the (few) configurations parsed once each."""
-    out: dict[int, LoggedPlacement] = {}
-    ids = list(trace_ids)
-    for start in range(0, len(ids), 10_000):
-        rows = session.execute(
-            select(Trace.id, NumericalConfigRow.id, NumericalConfigRow.config_json)
-            .join(NumericalConfigRow, NumericalConfigRow.id == Trace.config_id)
-            .where(Trace.id.in_(ids[start : start + 10_000]))
-        )
-        placements: dict[int, LoggedPlacement] = {}
-        for trace_id, config_id, config_json in rows:
-            if config_id not in placements:
-                placements[config_id] = LoggedPlacement.of(orjson.loads(config_json))
-            out[int(trace_id)] = placements[config_id]
-    return out
+    """Where each of `trace_ids` was logged (GPU, TP degree), by trace id."""
+    return _parsed_configs(session, trace_ids, lambda c: LoggedPlacement.of(orjson.loads(c)))
 
 
 def unfinished_queues(session: Session, run_id: int) -> dict[str, int]:
