@@ -12,9 +12,11 @@ on 127.0.0.1 (the command docker-compose runs), then with an httpx client:
      prompt + 256 output tokens, top-2 ids and float32 logits per step, vocab 32,000), sent by
      `--concurrency` client threads; reports traces/s over the wall time of the whole phase;
   2. single POST latency: `--singles` POST /v1/traces of one such trace each, sent by
-     `--single-concurrency` client threads (1: sequential); reports p50/p95/p99 of the
-     client-side round trip, the CPU per POST of the API, of the PostgreSQL backends of this
-     database and of this client, and the slowest 1% with the second each started.
+     `--single-concurrency` clients (1: sequential), each a process of its own with one
+     kept-alive http.client connection (`--client threads`: threads of this process); reports
+     p50/p95/p99 of the client-side round trip, the CPU per POST of the API, of the PostgreSQL
+     backends of this database and of the clients, and the slowest 1% with the second each
+     started.
 
 Bodies are serialised before the clock starts (a real client pays for that on its own host).
 The target (DESIGN.md) is >= 2,000 traces/s and p99 < 50 ms on the 2-core CI machine.
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import http.client
 import json
+import multiprocessing
 import os
 import random
 import secrets
@@ -33,6 +37,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +207,29 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.array(values), q))
 
 
+def _single_posts(
+    port: int, headers: dict[str, str], bodies: list[bytes]
+) -> tuple[list[tuple[float, float]], float]:
+    """One client: POST /v1/traces of each body over one kept-alive connection (the standard
+    library's http.client, the lightest client there is, so the two cores go to the service).
+    Returns (milliseconds, start) per POST after the first 20, and this client's CPU seconds
+    (its process's, when it is a process of its own)."""
+    cpu0 = time.process_time()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    out = []
+    for i, body in enumerate(bodies):
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/traces", body=body, headers=headers)
+        answer = conn.getresponse()
+        payload = answer.read()
+        dt = time.perf_counter() - t0
+        assert answer.status == 201, payload[:500]
+        if i >= 20:  # the first few warm the connection and the server's caches
+            out.append((dt * 1000, t0))
+    conn.close()
+    return out, time.process_time() - cpu0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -218,7 +246,13 @@ def main() -> None:
         "--single-concurrency",
         type=int,
         default=1,
-        help="client threads sending the single POSTs (issue 20 measures 8)",
+        help="clients sending the single POSTs (issue 20 measures 8)",
+    )
+    parser.add_argument(
+        "--client",
+        choices=("processes", "threads"),
+        default="processes",
+        help="each single-POST client a process of its own (default) or a thread of this one",
     )
     parser.add_argument(
         "--workers", type=int, default=1, help="API processes (replay-audit serve --workers)"
@@ -292,39 +326,36 @@ def main() -> None:
         n_traces = args.batches * args.batch_size
         throughput = n_traces / elapsed
 
-        slowest: list[tuple[float, float]] = []  # (ms, when the request started)
-
-        def singles(bodies: list[bytes]) -> list[float]:
-            out = []
-            with httpx.Client(base_url=base, headers=headers, timeout=timeout) as client:
-                for i, body in enumerate(bodies):
-                    t0 = time.perf_counter()
-                    answer = client.post("/v1/traces", content=body)
-                    dt = time.perf_counter() - t0
-                    assert answer.status_code == 201, answer.text
-                    if i >= 20:  # the first few warm the connection and the server's caches
-                        out.append(dt * 1000)
-                        slowest.append((dt * 1000, t0))
-            return out
-
-        # The client's own garbage collector stays out of the figures: a full collection of
-        # this process (its bodies, numpy, httpx...) stops all client threads at once, and
-        # their requests' clocks with them. A real client runs on its own host.
-        gc.collect()
-        gc.freeze()
-        # Each client thread sends its share, after 20 of its own to warm up.
+        # Each client sends its share, after 20 of its own to warm up.
         n = n_single
         warm_up, measured = single_bodies[: 20 * n], single_bodies[20 * n :]
         shares = [warm_up[20 * i : 20 * (i + 1)] + measured[i::n] for i in range(n)]
+        send_one = partial(_single_posts, port, headers)
         server_cpu0, pg_cpu0 = tree_cpu_seconds(proc.pid), postgres_cpu(database)
-        client_cpu0 = time.process_time()
         single_start = time.perf_counter()
-        with ThreadPoolExecutor(n) as pool:
-            latencies = [ms for share in pool.map(singles, shares) for ms in share]
+        if args.client == "processes":
+            # Each client is a process of its own (its own interpreter and GIL), as clients on
+            # their own hosts are; forked after the bodies are built, so they share them.
+            with multiprocessing.get_context("fork").Pool(n) as procs:
+                answers = procs.map(send_one, shares)
+        else:
+            # Threads of this process: they share one GIL, whose waits land in their clocks.
+            # The client's own garbage collector stays out of the figures: a full collection
+            # stops all client threads at once, and their requests' clocks with them.
+            gc.collect()
+            gc.freeze()
+            cpu0 = time.process_time()
+            with ThreadPoolExecutor(n) as pool:
+                answers = list(pool.map(send_one, shares))
+            answers[0] = (answers[0][0], time.process_time() - cpu0)
+            answers[1:] = [(a, 0.0) for a, _ in answers[1:]]
         single_elapsed = time.perf_counter() - single_start
+        timed = [sample for samples, _ in answers for sample in samples]
+        latencies = [ms for ms, _ in timed]
+        client_cpu_s = sum(cpu for _, cpu in answers)
         # Slow requests that overlap in time point at a pause of the server (or the machine)
         # rather than at requests that are slow on their own.
-        slow = sorted(slowest, reverse=True)[: max(1, len(slowest) // 100)]
+        slow = sorted(timed, reverse=True)[: max(1, len(timed) // 100)]
         slow_at = [(round(ms, 1), round(t - single_start, 3)) for ms, t in slow]
         n_posts = len(single_bodies)
         # CPU per single POST (warm-up included in both the time and the count): what each
@@ -332,7 +363,7 @@ def main() -> None:
         single_cpu = {
             "api": 1e3 * (tree_cpu_seconds(proc.pid) - server_cpu0) / n_posts,
             "postgres": 1e3 * postgres_cpu_since(database, pg_cpu0) / n_posts,
-            "client": 1e3 * (time.process_time() - client_cpu0) / n_posts,
+            "client": 1e3 * client_cpu_s / n_posts,
         }
 
         result = {
@@ -353,7 +384,8 @@ def main() -> None:
                 "p95": round(percentile(latencies, 95), 2),
                 "p99": round(percentile(latencies, 99), 2),
                 "n": len(latencies),
-                "client_threads": n,
+                "clients": n,
+                "client": args.client,
                 "posts_per_s": round(n_posts / single_elapsed, 1),
                 "slowest_1pct_ms_at_s": slow_at,
                 "cpu_ms_per_post": {k: round(v, 2) for k, v in single_cpu.items()},
