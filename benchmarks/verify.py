@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -75,6 +76,66 @@ def sampled(
     return out
 
 
+def fp8_kv(
+    model_dir: Path, prompts: list[ScreenPrompt], dtype: str, max_new: int, device: str
+) -> Pairs:
+    """A provider with an FP8 (e4m3) KV cache: transformers' greedy generate() in `dtype`
+    whose attention reads keys and values rounded to float8_e4m3fn with scale 1 (vLLM's
+    `kv_cache_dtype="fp8"` without calibrated scales). Rounding the whole cache at each read
+    equals storing each entry rounded once (the rounding is elementwise and idempotent), and
+    the current token's key and value are rounded too, as a cache written before attention."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from replay_audit.engine.generate import eos_token_ids, greedy_generate
+    from replay_audit.engine.loading import apply_sdpa_policy, load_model, resolve_device
+
+    def fp8(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float8_e4m3fn).to(t.dtype)
+
+    def sdpa_fp8_kv(module: Any, query: Any, key: Any, value: Any, mask: Any, **kw: Any) -> Any:
+        return sdpa_attention_forward(module, query, fp8(key), fp8(value), mask, **kw)
+
+    AttentionInterface.register("sdpa_fp8_kv", sdpa_fp8_kv)
+    dev = resolve_device(device)
+    apply_sdpa_policy(dev)
+    model, tokenizer = load_model(model_dir, dtype, "sdpa", dev)
+    model.config._attn_implementation = "sdpa_fp8_kv"
+    model.set_attn_implementation("sdpa_fp8_kv")
+    eos = eos_token_ids(model, tokenizer)
+    out: Pairs = []
+    for p in prompts:
+        ids, _ = greedy_generate(model, dev, p.token_ids, max_new, eos)
+        out.append((list(p.token_ids), ids))
+    return out
+
+
+def _tp_pairs(
+    model_dir: Path, prompts: list[list[int]], dtype: str, max_new: int, k: int, device: str
+) -> Pairs:
+    from replay_audit.engine.generate import TraceGenerator
+
+    with TraceGenerator(
+        model_dir, dtype=dtype, attn_kernel="sdpa", device=device, tp_degree=k
+    ) as g:
+        return [(p, g.generate_ids(p, max_new)[0]) for p in prompts]
+
+
+def tensor_parallel(
+    model_dir: Path, prompts: list[ScreenPrompt], dtype: str, max_new: int, k: int, device: str
+) -> Pairs:
+    """A provider serving at TP `k`: transformers' tensor-parallel plan over `k` GPUs (NCCL;
+    gloo processes on a CPU), greedy generate() on every rank (`replay-audit generate --tp k`),
+    in a spawned process of its own (its own torch.distributed world, see benchmarks/tp.py)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ids = [list(p.token_ids) for p in prompts]
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return ex.submit(_tp_pairs, model_dir, ids, dtype, max_new, k, device).result()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -88,6 +149,12 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--draws", type=int, default=1000)
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="the benign TP degree simulated (default 2 where 2 GPUs are visible; 0: none)",
+    )
     args = ap.parse_args()
 
     t0 = time.time()
@@ -109,6 +176,11 @@ def main() -> None:
         max_new_tokens=args.max_new_tokens,
         budgets=BUDGETS,
         draws=args.draws,
+    )
+    print(
+        f"null: {len(cal.variations)} variations in {time.time() - t0:.0f} s ({cal.notes})",
+        file=sys.stderr,
+        flush=True,
     )
     n = args.max_new_tokens
     dt = args.dtype
@@ -140,7 +212,11 @@ def main() -> None:
             ("benign eager attention", True, gen(ScreenConfig(dt, attn_kernel="eager"))),  # type: ignore[arg-type]
             ("8-bit RTN g128", False, lambda: gen(base, ckpt["rtn8"]())()),
             ("4-bit RTN g128", False, lambda: gen(base, ckpt["rtn4"]())()),
-            ("FP8 KV cache", False, "the engine has no FP8 KV cache"),
+            (
+                "FP8 KV cache (e4m3, scale 1)",
+                False,
+                lambda: fp8_kv(args.model, eval_p, dt, n, device),
+            ),
             ("swapped checkpoint (10% noise)", False, lambda: gen(base, ckpt["swapped"]())()),
             (
                 "temperature 0.3 logged as greedy",
@@ -149,8 +225,22 @@ def main() -> None:
             ),
             ("planted bug: RoPE base 5000", False, lambda: gen(base, ckpt["rope"]())()),
         ]
-        if device == "cuda":
-            sims.append(("TP=2", True, "run on a two-GPU kind (not in this script yet)"))
+        tp = args.tp
+        if tp is None:
+            import torch
+
+            tp = 2 if device == "cuda" and torch.cuda.device_count() >= 2 else 0
+        if tp > 1:
+            sims.insert(
+                4,
+                (
+                    f"benign TP={tp}",
+                    True,
+                    lambda: tensor_parallel(args.model, eval_p, dt, n, tp, device),
+                ),
+            )
+        elif device == "cuda":
+            sims.insert(4, ("benign TP=2", True, "needs two GPUs (a two-GPU kind)"))
         honest: list[np.ndarray] | None = None
         results = []
         rng = np.random.default_rng(0)
@@ -186,6 +276,13 @@ def main() -> None:
                     "flagged_max": max(v["flagged"] for v in per.values()),
                 }
             results.append(row)
+            print(
+                f"{name}: {json.dumps(row)} at {time.time() - t0:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            if args.json:  # as it goes: a run cut by its time limit keeps what it measured
+                args.json.write_text(json.dumps({"results": results}, indent=1))
     print(
         f"# {args.model} claimed {dt}/sdpa on {device} "
         f"({platform.processor() or platform.machine()}), null {args.null_prompts} prompts x "
