@@ -44,7 +44,7 @@ verify() {
     local t0=$SECONDS
     timeout "${VERIFY_TIMEOUT:-540}" python3 benchmarks/verify.py --model "$M" --device cuda \
         --prompts "$M/prompts.jsonl" --null-prompts "${NULL:-16}" --eval-prompts "${EVAL:-32}" \
-        --max-new-tokens "${TOKENS:-128}" --draws "${DRAWS:-300}" --json "$OUT/verify.json" \
+        --max-new-tokens "${TOKENS:-128}" --draws "${DRAWS:-300}" --json "$OUT/verify.json" ${ONLY:+--only $ONLY} \
         > "$OUT/verify.md" 2> "$OUT/verify.log"
     echo "verify.py exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/wall.txt"
     grep -v -i warn "$OUT/verify.log" | tail -n 20; cat "$OUT/verify.md"

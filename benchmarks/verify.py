@@ -150,6 +150,12 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=1000)
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="run only the simulations whose names start with these (the honest one always)",
+    )
+    ap.add_argument(
         "--tp",
         type=int,
         default=None,
@@ -244,6 +250,8 @@ def main() -> None:
         honest: list[np.ndarray] | None = None
         results = []
         rng = np.random.default_rng(0)
+        if args.only:
+            sims = [x for i, x in enumerate(sims) if i == 0 or x[0].startswith(tuple(args.only))]
         for name, benign, run in sims:
             if isinstance(run, str):
                 results.append({"simulation": name, "skipped": run})
@@ -274,6 +282,7 @@ def main() -> None:
                     "tokens_to_decision": decided[0] if decided else None,
                     "flagged_256": per[256]["flagged"],
                     "flagged_max": max(v["flagged"] for v in per.values()),
+                    "per_budget": {str(k): v for k, v in per.items()},
                 }
             results.append(row)
             print(

@@ -248,7 +248,8 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor_ratio: float = 
     """Linear warmup to ``peak``, then cosine decay to ``floor_ratio * peak`` at the last step."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
+    # Held at the floor past `total` (a --minutes run can outlast its estimated schedule).
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return peak * (floor_ratio + (1 - floor_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
