@@ -20,6 +20,22 @@ and on CUDA the fraction of `--peak-flops` (default: an H100 SXM's dense bf16, 9
 logged outputs are the model's own greedy continuations in the logged format (transformers'
 batched `generate()`, which is fast enough for N traces; `--logged random`: uniform random
 tokens, for quick runs: the scan's cost does not depend on them).
+
+With `--batch N --profile`: no bs=1 comparison; after `--profile-warmup` batches, the median
+wall time of `--profile-timed` plain batches, then `--profile-batches` batches under
+`torch.profiler` (CPU and CUDA activity): the share of the time by kernel class (body GEMMs,
+the lm_head GEMM, attention, norms/elementwise/RoPE, copies/casts, the rest), the GPU's idle
+share of the wall time, achieved TFLOP/s of the GEMMs and of the whole step, the FLOPs per
+traced token counted from the model's shape and the share of `--peak-flops` they reach, and
+the 15 kernels that take the most time (`benchmarks/_scan_profile.py` says how each is
+classified). A table on stderr, the JSON on stdout; `--profile-trace t.json.gz` keeps the
+profiler's chrome trace. On the CPU the classes are the `aten::` ops' self time and the GPU
+figures are null (a smoke test):
+
+    python benchmarks/scan.py --model replay_audit/assets/tiny-llama --device cpu --batch 4 \
+        --tokens 64 --logged random --profile
+    python benchmarks/scan.py --tinyllama --device cuda --dtype bf16 --batch 64 --tokens 512 \
+        --token-budget 32768 --logged random --profile     # benchmarks/gpu_scan_profile.sh
 """
 
 from __future__ import annotations
@@ -62,7 +78,20 @@ def main() -> None:
     ap.add_argument("--peak-flops", type=float, default=H100_BF16_PEAK)
     ap.add_argument("--logged", choices=["greedy", "random"], default="greedy")
     ap.add_argument("--intervention", choices=list(INTERVENTION_KINDS), default="none")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="with --batch: the batched scan under torch.profiler (benchmarks/_scan_profile.py)",
+    )
+    ap.add_argument("--profile-warmup", type=int, default=2, help="batches before timing")
+    ap.add_argument("--profile-timed", type=int, default=5, help="batches timed unprofiled")
+    ap.add_argument("--profile-batches", type=int, default=3, help="batches profiled")
+    ap.add_argument(
+        "--profile-trace", type=Path, default=None, help="keep the chrome trace (.json[.gz])"
+    )
     args = ap.parse_args()
+    if args.profile and args.batch is None:
+        raise SystemExit("--profile profiles the batched scan: give --batch N")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.batch is not None:
@@ -173,6 +202,35 @@ def batched(args: argparse.Namespace) -> None:
 
     def run_batch() -> Any:
         return replay.scan_batch(items, iv, token_budget=budget)
+
+    if args.profile:
+        from _scan_profile import print_table, profile_scan
+
+        result = profile_scan(
+            replay,
+            items,
+            run_batch,
+            budget=budget,
+            warmup=args.profile_warmup,
+            timed=args.profile_timed,
+            profiled=args.profile_batches,
+            peak_flops=args.peak_flops,
+            trace_out=args.profile_trace,
+        )
+        result |= {
+            "model": "random TinyLlama-1.1B shape" if args.tinyllama else str(args.model),
+            "replay_dtype": args.dtype,
+            "attn_kernel": replay.target.attn_kernel,
+            "intervention": args.intervention,
+            "trace_tokens": tokens,
+            "prompt_tokens": p_len,
+            "logged": args.logged,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        }
+        print_table(result)
+        print(json.dumps(result, indent=2))
+        return
 
     def run_single() -> Any:
         return [replay.scan(it.prompt_ids, it.output_ids, iv) for it in items]

@@ -28,7 +28,11 @@ Larger, on a GPU (the screening's 12 x 768 model, `benchmarks/gpu_screen.sh`)::
 
 ``--corpus DIR`` trains on another directory of Python files than the standard library. On CUDA,
 ``--amp bf16`` trains under BF16 autocast (weights and optimizer state stay FP32, as in
-mixed-precision pretraining; the checkpoint is saved in FP32).
+mixed-precision pretraining; the checkpoint is saved in FP32 unless ``--save-dtype bf16``), and
+the final losses are measured under it too. ``--seq-len`` sets the training windows (256) and
+``--max-positions`` the checkpoint's ``max_position_embeddings`` (512): a model that must read
+traces of 512 tokens and more (``benchmarks/e2e_audit.py``'s 1B Llama) trains on 512-token
+windows with room for longer ones.
 
 See docs/model.md.
 """
@@ -168,14 +172,16 @@ def train_tokenizer(files: list[CorpusFile]) -> Tokenizer:
     return tokenizer
 
 
-def wrap_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
+def wrap_tokenizer(
+    tokenizer: Tokenizer, max_positions: int = MAX_POSITIONS
+) -> PreTrainedTokenizerFast:
     """The transformers view of the tokenizer, as AutoTokenizer.from_pretrained will load it."""
     return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer,
         bos_token=SPECIAL_TOKENS[BOS_ID],
         eos_token=SPECIAL_TOKENS[EOS_ID],
         pad_token=SPECIAL_TOKENS[PAD_ID],
-        model_max_length=MAX_POSITIONS,
+        model_max_length=max_positions,
         clean_up_tokenization_spaces=False,
     )
 
@@ -190,13 +196,15 @@ def token_stream(tokenizer: Tokenizer, files: list[CorpusFile]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def eval_windows(stream: torch.Tensor, max_windows: int | None = None) -> torch.Tensor:
-    """Non-overlapping (SEQ_LEN + 1)-token windows of a stream, for a reproducible loss."""
-    n = (stream.numel() - 1) // SEQ_LEN
+def eval_windows(
+    stream: torch.Tensor, max_windows: int | None = None, seq_len: int = SEQ_LEN
+) -> torch.Tensor:
+    """Non-overlapping (seq_len + 1)-token windows of a stream, for a reproducible loss."""
+    n = (stream.numel() - 1) // seq_len
     if max_windows is not None:
         n = min(n, max_windows)
-    starts = torch.arange(n) * SEQ_LEN
-    return torch.stack([stream[s : s + SEQ_LEN + 1] for s in starts.tolist()])
+    starts = torch.arange(n) * seq_len
+    return torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()])
 
 
 @torch.no_grad()
@@ -217,7 +225,12 @@ def mean_loss(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int = 
 
 
 def build_model(
-    hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int
+    hidden: int,
+    layers: int,
+    intermediate: int,
+    heads: int,
+    kv_heads: int,
+    max_positions: int = MAX_POSITIONS,
 ) -> LlamaForCausalLM:
     """A freshly initialised fp32 Llama with an untied lm_head (interventions recompute it)."""
     config = LlamaConfig(
@@ -228,7 +241,7 @@ def build_model(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=hidden // heads,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-5,  # RoPE: the default, theta 10,000
         hidden_act="silu",
         initializer_range=0.02,
@@ -371,7 +384,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--corpus", type=Path, default=None, help="directory of *.py files (default: the stdlib)"
     )
     parser.add_argument("--log-every", type=int, default=100)
+    parser.add_argument(
+        "--seq-len", type=int, default=SEQ_LEN, help="tokens of a training window (256)"
+    )
+    parser.add_argument(
+        "--max-positions",
+        type=int,
+        default=MAX_POSITIONS,
+        help="the checkpoint's max_position_embeddings and the tokenizer's model_max_length",
+    )
+    parser.add_argument(
+        "--save-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="dtype of the saved weights (training keeps FP32 master weights either way)",
+    )
     args = parser.parse_args(argv)
+    if args.seq_len > args.max_positions:
+        parser.error("--seq-len must not exceed --max-positions")
     if args.steps is None and args.minutes is None:
         args.steps = DEFAULT_STEPS
     return args
@@ -409,7 +439,10 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens ({time.perf_counter() - t_start:.1f}s)"
     )
 
-    model = build_model(args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads)
+    seq_len = args.seq_len
+    model = build_model(
+        args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads, args.max_positions
+    )
     torch.nn.Module.to(model, device)
     autocast = torch.autocast(
         device_type=device.type, dtype=torch.bfloat16, enabled=args.amp == "bf16"
@@ -418,12 +451,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {n_params:,} parameters")
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     generator = torch.Generator().manual_seed(args.seed)
-    held_windows = eval_windows(held_stream)
+    held_windows = eval_windows(held_stream, seq_len=seq_len)
     # A fixed sample of training windows, for a train loss comparable with the held-out one.
     train_eval_starts = torch.randint(
-        0, train_stream.numel() - SEQ_LEN - 1, (held_windows.shape[0],), generator=generator
+        0, train_stream.numel() - seq_len - 1, (held_windows.shape[0],), generator=generator
     )
-    train_windows = torch.stack([train_stream[s : s + SEQ_LEN + 1] for s in train_eval_starts])
+    train_windows = torch.stack([train_stream[s : s + seq_len + 1] for s in train_eval_starts])
 
     total_steps = args.steps if args.steps is not None else 10**9
     deadline = None if args.minutes is None else time.perf_counter() + 60 * args.minutes
@@ -444,9 +477,9 @@ def main(argv: list[str] | None = None) -> int:
         for group in optimizer.param_groups:
             group["lr"] = lr
         starts = torch.randint(
-            0, train_stream.numel() - SEQ_LEN - 1, (args.batch_size,), generator=generator
+            0, train_stream.numel() - seq_len - 1, (args.batch_size,), generator=generator
         )
-        batch = torch.stack([train_stream[s : s + SEQ_LEN + 1] for s in starts]).to(device)
+        batch = torch.stack([train_stream[s : s + seq_len + 1] for s in starts]).to(device)
         with autocast:
             logits = model(input_ids=batch[:, :-1]).logits
         loss = F.cross_entropy(
@@ -470,8 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     steps_done = step
     train_seconds = time.perf_counter() - t_train
 
-    train_loss = mean_loss(model, train_windows.to(device))
-    held_loss = mean_loss(model, held_windows.to(device))
+    with autocast:
+        train_loss = mean_loss(model, train_windows.to(device))
+        held_loss = mean_loss(model, held_windows.to(device))
     print(
         f"done: {steps_done} steps in {train_seconds:.0f}s; train loss {train_loss:.4f}, "
         f"held-out loss {held_loss:.4f} (uniform {math.log(VOCAB_SIZE):.4f})"
@@ -487,8 +521,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     model.config._attn_implementation = "eager"
     torch.nn.Module.to(model, "cpu")
+    if args.save_dtype == "bf16":
+        torch.nn.Module.to(model, torch.bfloat16)
     model.save_pretrained(out)
-    wrap_tokenizer(tokenizer).save_pretrained(out)
+    wrap_tokenizer(tokenizer, args.max_positions).save_pretrained(out)
     # transformers 5 writes its own class name; the generic name loads in 4.x and 5.x alike.
     config_path = out / "tokenizer_config.json"
     tokenizer_config = json.loads(config_path.read_text(encoding="utf-8"))
