@@ -621,7 +621,7 @@ def _audit(
 
 _JOB = re.compile(
     r"replay job (\d+) \(run (\d+), (\w+)\): (\d+) traces, (\d+) results in ([\d.]+) s"
-    r" \([\d.]+ traces/s\)(?:; scanned (\d+) in (\d+) forward\(s\), ([\d.]+) s)?"
+    r" \([\d.]+ traces/s\)(?:; scanned (\d+) in (\d+) forwards?, ([\d.]+) s)?"
 )
 
 

@@ -40,6 +40,7 @@ from replay_audit.replays.service import RunDefaults
 from replay_audit.screenings.reconcile import reconcile_screenings
 from replay_audit.telemetry.metric import WEBHOOK_DELIVERIES
 from replay_audit.verifications.reconcile import reconcile_verifications
+from replay_audit.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +68,15 @@ class TickReport:
     def summary(self) -> str:
         """One line for the log: what was due, started, evaluated, flagged, alerted, mended."""
         return (
-            f"audit tick: {self.due} schedule(s) due, {self.started} run(s) started, "
+            f"audit tick: {counted(self.due, 'schedule')} due, "
+            f"{counted(self.started, 'run')} started, "
             f"{self.evaluated} evaluated ({self.flagged} flagged for drift), "
-            f"{self.alerts_enqueued} alert delivery(ies) enqueued, "
-            f"{self.jobs_reconciled} job(s) reconciled, {self.partitions_created} partition(s) "
-            f"created, {self.traces_pruned} trace(s) pruned, {self.screenings_pruned} screening(s) "
-            f"pruned, {self.errors} error(s)"
+            f"{counted(self.alerts_enqueued, 'alert delivery', 'alert deliveries')} enqueued, "
+            f"{counted(self.jobs_reconciled, 'job')} reconciled, "
+            f"{counted(self.partitions_created, 'partition')} created, "
+            f"{counted(self.traces_pruned, 'trace')} pruned, "
+            f"{counted(self.screenings_pruned, 'screening')} pruned, "
+            f"{counted(self.errors, 'error')}"
         )
 
 

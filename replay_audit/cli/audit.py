@@ -22,6 +22,7 @@ import typer
 
 from replay_audit.cli.database import fail
 from replay_audit.cli.root import CommandGroup, app
+from replay_audit.words import counted
 
 if TYPE_CHECKING:
     from replay_audit.audits.metrics import CLift
@@ -237,7 +238,7 @@ def catch_up(
         return
     _finish(ids, wait, timeout_s, runner)
     if left:
-        typer.echo(f"{left} missed run(s) left; run catch-up again")
+        typer.echo(f"{counted(left, 'missed run')} left; run catch-up again")
 
 
 @audit_app.command("trend")

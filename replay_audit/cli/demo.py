@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from replay_audit.cli.root import app
-from replay_audit.cli.words import counted
 from replay_audit.json_value import JsonObject, JsonValue, as_object, as_str
+from replay_audit.words import counted
 
 if TYPE_CHECKING:
     from replay_audit.replays.schemas import ReplayRead

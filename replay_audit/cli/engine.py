@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 from replay_audit.cli.root import app, option
-from replay_audit.cli.words import counted
 from replay_audit.formats import (
     CONTROL_FRACTION,
     CONTROL_SEED,
@@ -31,6 +30,7 @@ from replay_audit.formats import (
     processors_not_applied,
 )
 from replay_audit.json_value import JsonObject, as_str
+from replay_audit.words import counted
 
 if TYPE_CHECKING:
     from replay_audit.engine import Target

@@ -21,9 +21,9 @@ import typer
 
 from replay_audit.cli.database import fail
 from replay_audit.cli.root import app
-from replay_audit.cli.words import counted
 from replay_audit.formats import IMPORT_FORMATS
 from replay_audit.json_value import JsonObject, JsonValue
+from replay_audit.words import counted
 
 _LIST_KEYS = frozenset({"tags", "decoding.eos_token_ids"})
 _MAX_SHOWN_ERRORS = 20

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from replay_audit.cli.root import CommandGroup, app
-from replay_audit.cli.words import counted
+from replay_audit.words import counted
 
 if TYPE_CHECKING:
     from replay_audit.config import Settings
@@ -183,7 +183,7 @@ def _store_missing_statistics(session: Any) -> None:
 
     n = store_missing(session)
     if n:
-        typer.echo(f"stored the statistics of {n} finished replay run(s)")
+        typer.echo(f"stored the statistics of {counted(n, 'finished replay run')}")
 
 
 @db_app.command("current")

@@ -16,8 +16,8 @@ import typer
 from replay_audit.cli.demo import PROMPTS_FILE
 from replay_audit.cli.engine import _fail, _read_jsonl, _threads
 from replay_audit.cli.root import app
-from replay_audit.cli.words import counted
 from replay_audit.formats import BodyDType, HeadDType
+from replay_audit.words import counted
 
 if TYPE_CHECKING:
     from replay_audit.engine import EnginePool

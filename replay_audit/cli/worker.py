@@ -15,6 +15,7 @@ import typer
 from replay_audit.cli.root import app
 from replay_audit.formats import CACHE_KINDS
 from replay_audit.queue.route import CPU_KIND, WorkerKind
+from replay_audit.words import counted
 
 
 @app.command()
@@ -303,7 +304,7 @@ def reconcile(
     own(lambda timeout_s: stop_runner(runner, timeout_s))
     with session_scope(settings.database_url) as session:
         again = reconcile_jobs(session, runner, settings, stale_after_s=stale_after_s)
-    typer.echo(f"re-enqueued {len(again)} job(s)" + (f": {again}" if again else ""))
+    typer.echo(f"re-enqueued {counted(len(again), 'job')}" + (f": {again}" if again else ""))
     if again and isinstance(runner, InProcessRunner):
         runner.join()
         typer.echo("done")

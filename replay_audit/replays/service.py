@@ -47,6 +47,7 @@ from replay_audit.replays.schemas import (
 from replay_audit.traces import repository as traces_repository
 from replay_audit.traces.models import Trace
 from replay_audit.traces.selection import is_greedy
+from replay_audit.words import counted
 
 #: Traces per job of a decode run: small enough that a killed job loses little, large enough
 #: that a GPU worker keeps its model busy between queue round trips.
@@ -414,7 +415,8 @@ def pending_reason(session: Session, run: ReplayRun, queue: JobQueue | None) -> 
     for name in unserved:
         route = Route.parse(name)
         who = route.describe() if route is not None else f"a worker of queue {name!r}"
-        needs.append(f"{waiting[name]} job(s) need {who} (queue {name})")
+        n = waiting[name]
+        needs.append(f"{counted(n, 'job')} need{'s' if n == 1 else ''} {who} (queue {name})")
     hints = []
     routes = [r for r in map(Route.parse, unserved) if r is not None]
     if any(r.kind is not None for r in routes):

@@ -55,6 +55,7 @@ from replay_audit.replays.pipeline import ReplayItem, ReplayOptions, replay_item
 from replay_audit.replays.results import ResultRow, failed_values, result_values
 from replay_audit.telemetry.log import bound
 from replay_audit.telemetry.metric import MODEL_LOADS, REPLAY_TOKENS, REPLAY_TRACES
+from replay_audit.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -241,8 +242,8 @@ def _log_job(
     if counts.scanned:
         scan_rate = counts.scanned / counts.scan_s if counts.scan_s > 0 else 0.0
         scan = (
-            f"; scanned {counts.scanned} in {counts.forwards} forward(s), {counts.scan_s:.2f} s "
-            f"({scan_rate:.1f} traces/s)"
+            f"; scanned {counts.scanned} in {counted(counts.forwards, 'forward')}, "
+            f"{counts.scan_s:.2f} s ({scan_rate:.1f} traces/s)"
         )
     done = f"; run at {progress[0]}/{progress[1]} results" if progress is not None else ""
     log.info(

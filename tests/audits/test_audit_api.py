@@ -196,7 +196,7 @@ def test_tick_starts_each_due_time_exactly_once(
 
     first = tick(utc(2030, 1, 15, 1, 59))  # 14 Jan 02:00 is due (empty window)
     assert (first.due, first.started) == (1, 1)
-    assert "1 schedule(s) due, 1 run(s) started" in first.summary()
+    assert "1 schedule due, 1 run started" in first.summary()
     assert tick(utc(2030, 1, 15, 2, 0, 1)).started == 1  # 15 Jan 02:00: the traces' night
     for later in (utc(2030, 1, 15, 2, 0, 30), utc(2030, 1, 15, 2, 5), utc(2030, 1, 15, 23)):
         quiet = tick(later)

@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from replay_audit.cli import app
-from replay_audit.cli.words import counted
+from replay_audit.words import counted
 from tests.cli.conftest import assert_no_traceback, cli_args, cli_env
 
 pytestmark = pytest.mark.slow

@@ -525,7 +525,7 @@ def test_counts_of_one_read_in_the_singular(tmp_path: Path) -> None:
 
 
 def test_counted() -> None:
-    from replay_audit.cli.words import counted
+    from replay_audit.words import counted
 
     assert [counted(n, "trace") for n in (0, 1, 2)] == ["0 traces", "1 trace", "2 traces"]
     assert counted(1, "forward") == "1 forward" and counted(3, "axis", "axes") == "3 axes"

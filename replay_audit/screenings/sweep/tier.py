@@ -20,6 +20,7 @@ from typing import Final
 
 from replay_audit.screenings.sweep.report import CategoryLift, TauCalibrationRead, TierRead
 from replay_audit.stats.report import ComparisonReport, LiftReport
+from replay_audit.words import counted
 
 LARGE_LIFT: Final = 0.15
 #: A calibrated τ that gates more steps than this is not recommended (the paper's gated C
@@ -154,7 +155,8 @@ def choose_tier(
         )
     if kv is not None and kv.n:
         caveats.append(
-            f"{kv.n} divergence(s) are KV-dependent: the gate fires but the flip needs the "
+            f"{counted(kv.n, 'divergence')} {'is' if kv.n == 1 else 'are'} KV-dependent: the "
+            "gate fires but the flip needs the "
             "precision-specific KV cache, so C may not reach them."
         )
     return TierRead(

@@ -1,5 +1,5 @@
-"""Counts in the CLI's messages read as English: "1 trace", "2 traces" (issue 20: "wrote 1
-traces", "1 items failed")."""
+"""Counts in messages (the CLI's, log lines, a run's pending reason, report text) read as
+English: "1 trace", "2 traces" (issue 20: "wrote 1 traces", "1 items failed")."""
 
 from __future__ import annotations
 
