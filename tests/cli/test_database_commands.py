@@ -77,7 +77,7 @@ def test_every_database_command_in_a_fresh_process(
     assert f"current: {migration.head_revision()}" in _ok(["db", "current"], fresh_url, tmp_path)
     created = _ok(["keys", "create", "--project", "acme", "--role", "admin"], fresh_url, tmp_path)
     (key,) = KEY.findall(created)
-    assert "re-enqueued 0 job(s)" in _ok(["reconcile"], fresh_url, tmp_path)
+    assert "re-enqueued 0 jobs" in _ok(["reconcile"], fresh_url, tmp_path)
 
     sid = _schedule(fresh_url, key)
     assert sid in _ok(["audit", "list"], fresh_url, tmp_path)

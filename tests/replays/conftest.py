@@ -19,11 +19,15 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from replay_audit.api.app import create_app
+from replay_audit.auth.service import create_api_key
 from replay_audit.config import Settings
+from replay_audit.db.unit_of_work import session_scope
 from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
 from replay_audit.queue import JobSpec
 from replay_audit.queue.runner import resolve
 from replay_audit.replays import tasks as jobs
+from tests.conftest import RedisNamespace, empty_all_tables
 
 VOCAB = 97
 CLOSE_MARGIN = 5e-4
@@ -173,3 +177,23 @@ def all_results(
         cursor = page["next_cursor"]
         if cursor is None:
             return items
+
+
+# -- a run on PostgreSQL, Redis and real `replay-audit worker` processes (tests/rq_workers.py) --
+
+
+@pytest.fixture
+def pg(postgres_database_url: str) -> Iterator[str]:
+    """The test's PostgreSQL database, emptied after the test."""
+    yield postgres_database_url
+    empty_all_tables(postgres_database_url)
+
+
+@pytest.fixture
+def api(pg: str, rq_redis: RedisNamespace) -> Iterator[tuple[TestClient, dict[str, str]]]:
+    """The app on `pg` and this test's Redis namespace, with an admin key's headers."""
+    settings = Settings(_env_file=None, database_url=pg, **rq_redis.settings())  # type: ignore[call-arg]
+    with session_scope(pg) as s:
+        key = create_api_key(s, "acme", "admin").key
+    with TestClient(create_app(settings)) as client:
+        yield client, {"X-API-Key": key}

@@ -13,21 +13,15 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from replay_audit.api.app import create_app
-from replay_audit.auth.service import create_api_key
-from replay_audit.config import Settings
-from replay_audit.db.unit_of_work import session_scope
-from tests.conftest import RedisNamespace, empty_all_tables
+from tests.conftest import RedisNamespace
 from tests.replays.conftest import all_results
+from tests.rq_workers import start_worker, wait_until, worker_env
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow]
 
@@ -56,44 +50,11 @@ def _logged_on(trace: dict[str, Any], gpu: dict[str, str], tp_degree: int = 1) -
     return {**trace, "config": config, "external_id": f"{trace['external_id']}-{gpu['name']}"}
 
 
-@pytest.fixture
-def pg(postgres_database_url: str) -> Iterator[str]:
-    yield postgres_database_url
-    empty_all_tables(postgres_database_url)
-
-
-@pytest.fixture
-def api(pg: str, rq_redis: RedisNamespace) -> Iterator[tuple[TestClient, dict[str, str]]]:
-    settings = Settings(_env_file=None, database_url=pg, **rq_redis.settings())  # type: ignore[call-arg]
-    with session_scope(pg) as s:
-        key = create_api_key(s, "acme", "admin").key
-    with TestClient(create_app(settings)) as client:
-        yield client, {"X-API-Key": key}
-
-
 def _worker(
     pg: str, checkpoint: Path, redis: RedisNamespace, gpu: dict[str, str], *, burst: bool
 ) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        **redis.env(),
-        "REPLAY_AUDIT_DATABASE_URL": pg,
-        "REPLAY_AUDIT_RUNNER": "rq",
-        "REPLAY_AUDIT_MODEL_DIRS": str(checkpoint),
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-    args = [sys.executable, "-m", "replay_audit", "worker", "--queue", "gpu", "--device", "cpu"]
-    args += ["--gpu-name", gpu["name"], "--gpu-sm", gpu["sm"]]
-    return subprocess.Popen(args + (["--burst"] if burst else []), env=env, start_new_session=True)
-
-
-def _wait(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
+    env = worker_env(pg, checkpoint, redis)
+    return start_worker(env, "--gpu-name", gpu["name"], "--gpu-sm", gpu["sm"], burst=burst)
 
 
 def test_jobs_land_on_their_kinds_workers_and_a_missing_kind_or_degree_says_so(
@@ -134,8 +95,8 @@ def test_jobs_land_on_their_kinds_workers_and_a_missing_kind_or_degree_says_so(
 
     a10g = _worker(pg, checkpoint, rq_redis, A10G, burst=False)
     try:
-        _wait(lambda: run(at_tp1)["status"] == "done", 240, "the TP-1 run on the A10G worker")
-        _wait(lambda: run(by_kind)["progress"]["done"] == 3, 240, "the A10G traces")
+        wait_until(lambda: run(at_tp1)["status"] == "done", 240, "the TP-1 run on the A10G worker")
+        wait_until(lambda: run(by_kind)["progress"]["done"] == 3, 240, "the A10G traces")
         assert a10g.poll() is None, "the A10G worker exited"
         waiting = run(by_kind)
         assert waiting["status"] == "running" and waiting["progress"]["pending"] == 3

@@ -16,20 +16,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from replay_audit.api.app import create_app
-from replay_audit.auth.service import create_api_key
-from replay_audit.config import Settings
-from replay_audit.db.unit_of_work import session_scope
-from tests.conftest import RedisNamespace, empty_all_tables
+from tests.conftest import RedisNamespace
 from tests.replays.conftest import all_results
+from tests.rq_workers import start_worker, wait_until, worker_env
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow]
 
@@ -77,29 +72,6 @@ def _logged_on_a10g(trace: dict[str, Any]) -> dict[str, Any]:
     return {**trace, "config": {**trace["config"], "device": "cuda", "gpu": A10G}}
 
 
-@pytest.fixture
-def pg(postgres_database_url: str) -> Iterator[str]:
-    yield postgres_database_url
-    empty_all_tables(postgres_database_url)
-
-
-@pytest.fixture
-def api(pg: str, rq_redis: RedisNamespace) -> Iterator[tuple[TestClient, dict[str, str]]]:
-    settings = Settings(_env_file=None, database_url=pg, **rq_redis.settings())  # type: ignore[call-arg]
-    with session_scope(pg) as s:
-        key = create_api_key(s, "acme", "admin").key
-    with TestClient(create_app(settings)) as client:
-        yield client, {"X-API-Key": key}
-
-
-def _wait(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 def _ranks_of(parent: int) -> list[int]:
     """The tensor-parallel ranks that process `parent` started (their environment names it)."""
     mark = f"REPLAY_AUDIT_TP_PARENT_PID={parent}".encode()
@@ -140,18 +112,13 @@ def test_a_two_device_worker_replays_tp2_traces_at_tp2_exactly_and_at_tp1_when_a
     at_tp1 = post(targets=[{"dtype": "bf16", "tp_degree": 1}])
     assert "owning 2 devices" in run(at_tp2)["pending_reason"]
 
-    env = _env(
-        **rq_redis.env(),
-        REPLAY_AUDIT_DATABASE_URL=pg,
-        REPLAY_AUDIT_RUNNER="rq",
-        REPLAY_AUDIT_MODEL_DIRS=str(checkpoint),
+    worker = start_worker(
+        worker_env(pg, checkpoint, rq_redis),
+        *("--gpu-name", A10G["name"], "--gpu-sm", A10G["sm"], "--devices", "2"),
     )
-    args = [sys.executable, "-m", "replay_audit", "worker", "--queue", "gpu", "--device", "cpu"]
-    args += ["--gpu-name", A10G["name"], "--gpu-sm", A10G["sm"], "--devices", "2"]
-    worker = subprocess.Popen(args, env=env, start_new_session=True)
     try:
-        _wait(lambda: run(at_tp2)["status"] == "done", 300, "the TP-2 run")
-        _wait(lambda: run(at_tp1)["status"] == "done", 300, "the TP-1 run")
+        wait_until(lambda: run(at_tp2)["status"] == "done", 300, "the TP-2 run")
+        wait_until(lambda: run(at_tp1)["status"] == "done", 300, "the TP-1 run")
         health = client.get("/healthz").json()
         assert health["worker_kinds"] == [
             {"kind": "a10g", "gpu": "NVIDIA A10G", "sm": "8.6", "devices": 2, "workers": 1}
@@ -160,7 +127,7 @@ def test_a_two_device_worker_replays_tp2_traces_at_tp2_exactly_and_at_tp1_when_a
         assert len(ranks) == 1, "the worker keeps its rank between jobs"
         worker.send_signal(signal.SIGTERM)  # the worker alone: it stops its ranks itself
         assert worker.wait(timeout=120) == 0
-        _wait(lambda: not _ranks_of(worker.pid), 30, "the ranks to stop with the worker")
+        wait_until(lambda: not _ranks_of(worker.pid), 30, "the ranks to stop with the worker")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(worker.pid, signal.SIGKILL)

@@ -252,7 +252,7 @@ def test_a_verification_whose_worker_died_is_enqueued_again_once(
     second = died_mid_job(r.json()["id"])
     res = CliRunner().invoke(cli, ["reconcile"])
     assert res.exit_code == 0, res.output
-    assert f"re-enqueued 1 job(s): [{second}]" in res.output and "done" in res.output
+    assert f"re-enqueued 1 job: [{second}]" in res.output and "done" in res.output
     row = read(second)
     assert (row.status, row.attempts) == ("done", 2), row.error
     assert row.report is not None and row.report["calibrations"][0]["reused"] is True
