@@ -25,11 +25,13 @@ if TYPE_CHECKING:
     from replay_audit.screenings.sweep.outputs import PromptRow
 
 
-def _knobs(values: list[str] | None) -> list[str]:
+def _knobs(values: list[str] | None) -> list[str] | None:
+    """The knobs named (None: none named, every knob; `build_plan` runs `tp` on a CPU only
+    when named)."""
     from replay_audit.screenings.sweep.plan import KNOB_NAMES
 
     if not values:
-        return list(KNOB_NAMES)
+        return None
     out = [k.strip() for v in values for k in v.split(",") if k.strip()]
     bad = [k for k in out if k not in KNOB_NAMES]
     if bad:
@@ -50,8 +52,19 @@ def screen(
     max_new_tokens: Annotated[int, option(MAX_NEW_TOKENS)] = MAX_NEW_TOKENS.default,
     knobs: Annotated[
         list[str] | None,
-        typer.Option(help="Knobs to sweep (repeatable or comma-separated; default: all)."),
+        typer.Option(
+            help="Knobs to sweep (repeatable or comma-separated; default: all, but tp runs on"
+            " a CPU only when named)."
+        ),
     ] = None,
+    tp_degree: Annotated[
+        int,
+        typer.Option(
+            min=2,
+            help="The TP degree the tp knob screens: needs that many CUDA GPUs (gloo processes"
+            " on a CPU). One degree per screening.",
+        ),
+    ] = 2,
     limit: Annotated[int | None, typer.Option(min=1, help="Only the first N prompts.")] = None,
     reference_dtype: Annotated[
         str | None, typer.Option(help="Reference body dtype (default: the checkpoint's).")
@@ -102,8 +115,8 @@ def screen(
     from replay_audit.engine.loading import set_torch_threads
 
     set_torch_threads(_threads(threads))
+    backend = TorchBackend(model, device)
     try:
-        backend = TorchBackend(model, device)
         plan = build_plan(
             backend.platform(),
             reference=ScreenConfig(reference or backend.reference_dtype()),
@@ -114,6 +127,7 @@ def screen(
             max_new_tokens=max_new_tokens,
             cover=cover,
             probe=backend.availability,
+            tp_degree=tp_degree,
         )
         screen_prompts = backend.prompts(rows)
         out.mkdir(parents=True, exist_ok=True)
@@ -127,6 +141,8 @@ def screen(
             outputs = run_screening(plan, screen_prompts, backend, store, progress=progress)
     except ReplayAuditError as e:
         _fail(e.message)
+    finally:
+        backend.close()  # its TP group's ranks, if the tp knob ran
     report = build_report(plan, screen_prompts, outputs, model=model.name, weights_sha256=sha)
     (out / "report.json").write_text(
         json.dumps(report.model_dump(mode="json"), indent=2, allow_nan=False) + "\n",

@@ -19,6 +19,12 @@ from replay_audit.cli.root import app
 from replay_audit.formats import BodyDType, HeadDType
 from replay_audit.words import counted
 
+#: `--devices`: what the null's engine pool owns.
+DEVICES_HELP = (
+    "CUDA GPUs the null may span: 2 or more adds the benign TP-2 variation (else the "
+    "calibration's notes say TP was not covered)."
+)
+
 if TYPE_CHECKING:
     from replay_audit.engine import EnginePool
     from replay_audit.stats.verification import Calibration, Claim
@@ -64,12 +70,13 @@ def calibrate(
     false_alarm_rate: Annotated[float, typer.Option(min=1e-4, max=0.5)] = 0.01,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
+    devices: Annotated[int, typer.Option(min=1, help=DEVICES_HELP)] = 1,
 ) -> None:
     """Measure the checkpoint's benign null on this platform for one claimed configuration."""
     from replay_audit.engine import EnginePool
     from replay_audit.stats.verification import Claim
 
-    pool = EnginePool(device=device, threads=_threads(threads))
+    pool = EnginePool(device=device, threads=_threads(threads), devices=devices)
     claim = Claim(dtype=dtype, lm_head_dtype=lm_head_dtype or dtype, attn_kernel=attn_kernel)
     cal = _measure(
         model, claim, prompts, null_prompts, max_new_tokens, pool, device, false_alarm_rate
@@ -101,6 +108,7 @@ def verify(
     false_alarm_rate: Annotated[float, typer.Option(min=1e-4, max=0.5)] = 0.01,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
+    devices: Annotated[int, typer.Option(min=1, help=DEVICES_HELP)] = 1,
 ) -> None:
     """Are these logged tokens consistent with the claimed checkpoint and configuration?
 
@@ -133,7 +141,7 @@ def verify(
         parsed.append((tr.external_id or f"line {n}", logged, group))
     if not parsed:
         _fail(f"{traces} holds no trace")
-    pool = EnginePool(device=device, threads=_threads(threads))
+    pool = EnginePool(device=device, threads=_threads(threads), devices=devices)
     try:
         sha = pool.weights_sha256(model)
     except NoWeightsError as e:

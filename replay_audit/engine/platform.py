@@ -27,6 +27,8 @@ class PlatformFacts:
     fp8_unavailable: str | None
     flash_attn_installed: bool
     torch_version: str
+    #: CUDA GPUs this process sees (0 on the CPU): what a tensor-parallel group may span.
+    cuda_devices: int = 0
 
 
 def probe_platform(device: str | None = None) -> PlatformFacts:
@@ -45,6 +47,7 @@ def probe_platform(device: str | None = None) -> PlatformFacts:
         fp8_unavailable=None if ok else why,
         flash_attn_installed=importlib.util.find_spec("flash_attn") is not None,
         torch_version=torch.__version__,
+        cuda_devices=torch.cuda.device_count() if dev.type == "cuda" else 0,
     )
 
 

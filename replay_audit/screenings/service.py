@@ -16,7 +16,12 @@ from replay_audit.replays.service import target_refusal
 from replay_audit.screenings import repository
 from replay_audit.screenings.models import Screening
 from replay_audit.screenings.schemas import ScreeningCreate, ScreeningRead
-from replay_audit.screenings.sweep.plan import KNOB_NAMES, Platform, ScreenConfig, build_plan
+from replay_audit.screenings.sweep.plan import (
+    DEFAULT_TP_DEGREE,
+    Platform,
+    ScreenConfig,
+    build_plan,
+)
 from replay_audit.screenings.sweep.report import ScreeningReport
 
 #: The job's dotted path: resolved on the worker, so the API process never imports torch.
@@ -24,7 +29,9 @@ JOB = "replay_audit.screenings.tasks.run_screening_job"
 
 
 #: Where the plan's size is counted: every knob value available (an upper bound of the runs).
-_EVERYTHING: Final = Platform("cuda", sm="9.0", flash_attn_installed=True)
+_EVERYTHING: Final = Platform(
+    "cuda", sm="9.0", flash_attn_installed=True, devices=DEFAULT_TP_DEGREE
+)
 
 
 def job_spec(screening: Screening, timeout_s: int, default_queue: str) -> JobSpec:
@@ -54,7 +61,7 @@ def check_work(request: ScreeningCreate, shape: CheckpointShape, token_budget: i
     plan = build_plan(
         _EVERYTHING,
         reference=ScreenConfig(request.reference_dtype or "fp32"),
-        knobs=request.knobs or KNOB_NAMES,
+        knobs=request.knobs,
         pair=request.pair,
     )
     copies = sum(r.config.batch_size for r in plan.runs())

@@ -28,7 +28,7 @@ from replay_audit.screenings.models import Screening
 from replay_audit.screenings.schemas import ScreeningCreate
 from replay_audit.screenings.sweep.analysis import build_report
 from replay_audit.screenings.sweep.outputs import PromptRow, ScreenPrompt
-from replay_audit.screenings.sweep.plan import KNOB_NAMES, Platform, ScreenConfig, build_plan
+from replay_audit.screenings.sweep.plan import Platform, ScreenConfig, build_plan
 from replay_audit.screenings.sweep.runner import Backend, run_screening
 
 log = logging.getLogger(__name__)
@@ -56,10 +56,11 @@ BackendFactory = Callable[[Path, str | None], WorkerBackend]
 
 
 def _torch_backend(model_dir: Path, device: str | None) -> WorkerBackend:
-    """`screening.worker.TorchBackend`, imported here: only a worker running the job needs it."""
+    """`screening.worker.TorchBackend`, imported here: only a worker running the job needs it.
+    Its TP configurations run on the worker's pool (the worker's one TP group)."""
     from replay_audit.screenings.sweep.worker import TorchBackend
 
-    return TorchBackend(model_dir, device)
+    return TorchBackend(model_dir, device, pool=worker_context().pool)
 
 
 #: The backend factory of the screening jobs run in the current context (a thread's, or an
@@ -123,7 +124,7 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
         plan = build_plan(
             platform,
             reference=ScreenConfig(request.reference_dtype or backend.reference_dtype()),
-            knobs=request.knobs or KNOB_NAMES,
+            knobs=request.knobs,
             pair=request.pair,
             tau=request.tau,
             tau_ulps=request.tau_ulps,

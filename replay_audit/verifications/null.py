@@ -1,6 +1,7 @@
 """The benign null of a checkpoint on this scanning platform: traces generated from the
-checkpoint under benign numerical variations (formats, attention kernels, batch sizes: the
-screening sweep's configurations, loaded and run by its torch backend), scanned in the claimed
+checkpoint under benign numerical variations (formats, attention kernels, batch sizes, TP 2
+where two CUDA GPUs are owned: the screening sweep's configurations, loaded and run by its torch
+backend on the caller's engine pool), scanned in the claimed
 configuration here, and calibrated (`stats.verification.calibrate`) against the alternative a
 decision must detect: a 4-bit RTN (group 128) copy of the checkpoint. Workers and the CLI only
 (the torch backend loads engines)."""
@@ -42,6 +43,9 @@ BENIGN_VARIATIONS: Final = (
     ScreenConfig("bf16", batch_size=4),
 )
 CUDA_VARIATIONS: Final = (ScreenConfig("bf16", batch_size=8), ScreenConfig("fp16", batch_size=8))
+#: The tensor-parallel variation: a CUDA variation where the pool owns two GPUs (on its TP group);
+#: elsewhere the calibration's notes say TP was not covered.
+TP_VARIATION: Final = ScreenConfig("bf16", tp_degree=2)
 
 
 def platform_key(platform: Platform, torch_version: str | None) -> PlatformKey:
@@ -116,17 +120,18 @@ def benign_null(
     copy's generations in `claim` are the alternative."""
     from replay_audit.engine.testing import rtn_checkpoint
 
-    backend = TorchBackend(model_dir, device)
+    backend = TorchBackend(model_dir, device, pool=pool)
     platform = backend.platform()
     chosen = list(variations or BENIGN_VARIATIONS)
-    if variations is None and platform.device == "cuda":
-        chosen += CUDA_VARIATIONS
+    if variations is None:
+        chosen += [*(CUDA_VARIATIONS if platform.device == "cuda" else ()), TP_VARIATION]
     notes: list[str] = []
     null: dict[str, list[np.ndarray]] = {}
     for config in chosen:
         why = unavailable_reason(config, platform)
         if why is not None:
-            notes.append(f"benign variation {config.key} not run here: {why}")
+            tp = f" (TP {config.tp_degree} not covered)" if config.tp_degree > 1 else ""
+            notes.append(f"benign variation {config.key} not run here{tp}: {why}")
             continue
         pairs = generate(backend, config, prompts, max_new_tokens)
         null[config.key] = _scan(pairs, claim, pool, model_dir)

@@ -342,6 +342,7 @@ def build_report(
                 if knob.name == "batch_size" and cmp.ear.successes < cmp.ear.n:
                     batch_divergence = True
             run_out = out.runs.get(v.config.key)
+            ran = run_out.environment.get("tp_degree") if run_out is not None else None
             values.append(
                 KnobValueResult(
                     label=v.label,
@@ -351,6 +352,7 @@ def build_report(
                     comparison=cmp,
                     median_dh_t_star=dh,
                     environment=run_out.environment if run_out is not None else None,
+                    tp_degree=ran if isinstance(ran, int) else v.config.tp_degree,
                 )
             )
         knobs.append(KnobResult(name=knob.name, title=knob.title, values=values))

@@ -2,7 +2,8 @@
 head-vs-body pair, and which configurations this platform cannot run (with the reason). Pure.
 
     ScreenConfig   one numerical configuration: the engine `Target`'s fields plus the load-time
-                   settings a knob may change (weight storage, deterministic, TF32, KV cache).
+                   settings a knob may change (weight storage, deterministic, TF32, KV cache,
+                   tensor-parallel degree).
     KnobValue      one value of a knob: its configuration, or why it is not available here.
     Knob           a knob and its values (the reference's own value is not repeated).
     Platform       the device the screening runs on and what it supports.
@@ -51,9 +52,14 @@ KnobName = Literal[
     "batch_size",
     "kv_cache",
     "fp8_linear",
+    "tp",
 ]
 KNOB_NAMES: Final[tuple[KnobName, ...]] = get_args(KnobName)
 BATCH_SIZES: Final = (1, 2, 4, 8)
+#: The degree the `tp` knob screens unless told otherwise. One degree per screening: a process
+#: keeps one tensor-parallel group (a second NCCL group in one process crashes transformers'
+#: device-mesh setup, BENCHMARKS.md "Tensor-parallel replay").
+DEFAULT_TP_DEGREE: Final = 2
 #: A screening's runs decode with no intervention (the gate still evaluated) or gated C.
 ScreenIntervention = Literal["none", "C"]
 
@@ -75,6 +81,8 @@ class ScreenConfig:
     fp8_linear: bool = False
     #: Limit `sdpa` to one of its CUDA backends (None: torch chooses).
     sdpa_backend: SdpaBackendName | None = None
+    #: Tensor-parallel degree: k > 1 runs on the engine pool's group of k ranks.
+    tp_degree: int = 1
 
     def __post_init__(self) -> None:
         if self.sdpa_backend is not None and self.sdpa_backend not in SDPA_BACKENDS:
@@ -89,6 +97,8 @@ class ScreenConfig:
             raise ValueError(f"kv_cache must be one of {CACHE_KINDS}")
         if self.batch_size < 1:
             raise ValueError("batch_size must be at least 1")
+        if self.tp_degree < 1:
+            raise ValueError("tp_degree must be at least 1")
 
     @property
     def head_dtype(self) -> HeadDType:
@@ -100,7 +110,8 @@ class ScreenConfig:
 
     @property
     def key(self) -> str:
-        """A stable name, used as the file name of its outputs."""
+        """A stable name, used as the file name of its outputs (TP 1 unsaid: the keys of
+        screenings stored before the TP knob stay theirs)."""
         parts = [
             self.dtype,
             f"head-{self.head_dtype}",
@@ -115,6 +126,8 @@ class ScreenConfig:
             parts.append("fp8lin")
         if self.sdpa_backend is not None:
             parts.append(f"sdpa-{self.sdpa_backend}")
+        if self.tp_degree > 1:
+            parts.append(f"tp{self.tp_degree}")
         return "_".join(parts)
 
     def target(self, intervention: Intervention | None = None) -> Target:
@@ -135,13 +148,15 @@ class ScreenConfig:
 @dataclass(frozen=True)
 class Platform:
     """Where the screening runs and what it supports. `fp8_unavailable`: why an FP8 lm_head
-    cannot run here (None: it can)."""
+    cannot run here (None: it can). `devices`: how many CUDA GPUs a tensor-parallel group may
+    span here (1 on a CPU, whose TP group is gloo processes on the same cores)."""
 
     device: Device
     gpu_name: str | None = None
     sm: str | None = None
     fp8_unavailable: str | None = None
     flash_attn_installed: bool = False
+    devices: int = 1
 
 
 #: probe(config): why `config` cannot run here, found by trying it on the device (None: it
@@ -150,9 +165,21 @@ class Platform:
 AvailabilityProbe = Callable[[ScreenConfig], str | None]
 
 
-def unavailable_reason(config: ScreenConfig, platform: Platform) -> str | None:
+def unavailable_reason(
+    config: ScreenConfig, platform: Platform, *, cpu_tp: bool = False
+) -> str | None:
     """Why `config` cannot run on `platform` (None: it can), from the platform's facts alone.
-    A knob that cannot run is reported as "not available here", never as a failure."""
+    A knob that cannot run is reported as "not available here", never as a failure.
+    `cpu_tp`: TP k > 1 runs on a CPU as k gloo processes (a check of the TP path, not a
+    production numeric), so only where the user asked for it by name."""
+    k = config.tp_degree
+    if k > 1 and platform.device == "cuda" and platform.devices < k:
+        return f"TP {k} needs {k} CUDA GPUs; this process owns {platform.devices}"
+    if k > 1 and platform.device != "cuda" and not cpu_tp:
+        return (
+            f"TP {k} on a CPU runs as {k} gloo processes: a check of the tensor-parallel path, "
+            "not a production numeric, run only when asked for by name (--knobs tp)"
+        )
     if config.lm_head_dtype == "fp8_e5m2":
         return "the engine has no fp8_e5m2 lm_head (only fp8_e4m3)"
     if config.lm_head_dtype == "fp8_e4m3" and platform.fp8_unavailable:
@@ -201,7 +228,9 @@ class Knob:
     values: tuple[KnobValue, ...]
 
 
-def _value_configs(name: KnobName, ref: ScreenConfig) -> list[tuple[str, ScreenConfig]]:
+def _value_configs(
+    name: KnobName, ref: ScreenConfig, tp_degree: int
+) -> list[tuple[str, ScreenConfig]]:
     """(label, configuration) of each value of knob `name`, the reference's own value left out."""
     out: list[tuple[str, ScreenConfig]] = []
     if name == "body_dtype":
@@ -238,13 +267,15 @@ def _value_configs(name: KnobName, ref: ScreenConfig) -> list[tuple[str, ScreenC
         out = [(f"{k} cache", replace(ref, kv_cache=k)) for k in CACHE_KINDS]
     elif name == "fp8_linear":
         out = [("end-to-end fp8 linear", replace(ref, fp8_linear=True))]
+    elif name == "tp":
+        out = [(f"TP {tp_degree}", replace(ref, tp_degree=tp_degree))]
     return [(label, c) for label, c in out if _normal(c) != _normal(ref)]
 
 
 def _availability(
-    config: ScreenConfig, platform: Platform, probe: AvailabilityProbe | None
+    config: ScreenConfig, platform: Platform, probe: AvailabilityProbe | None, cpu_tp: bool
 ) -> str | None:
-    reason = unavailable_reason(config, platform)
+    reason = unavailable_reason(config, platform, cpu_tp=cpu_tp)
     if reason is None and probe is not None:
         reason = probe(config)
     return reason
@@ -265,6 +296,7 @@ _TITLES: Final[dict[str, str]] = {
     "batch_size": "Batch size (batch-shape emulation)",
     "kv_cache": "KV cache",
     "fp8_linear": "End-to-end FP8 linear layers",
+    "tp": "Tensor-parallel degree",
 }
 
 
@@ -377,7 +409,7 @@ def build_plan(
     platform: Platform,
     *,
     reference: ScreenConfig,
-    knobs: Sequence[str] = KNOB_NAMES,
+    knobs: Sequence[str] | None = None,
     pair: tuple[BodyDType, BodyDType] = DEFAULT_PAIR,
     tau: float = DEFAULT_TAU,
     tau_ulps: float | None = None,
@@ -385,12 +417,20 @@ def build_plan(
     top_k: int = TOP_K.default,
     cover: float = COVER.default,
     probe: AvailabilityProbe | None = None,
+    tp_degree: int = DEFAULT_TP_DEGREE,
 ) -> SweepPlan:
     """The one-knob-at-a-time plan from `reference`. ValueError on an unknown knob.
 
+    `knobs` None: every knob, the `tp` knob included but on a CPU not run (see
+    `unavailable_reason`); naming `tp` runs it on a CPU too. `tp_degree`: the one degree the
+    `tp` knob screens (a process keeps one TP group).
     A value is "not available here" when the platform's facts say so (`unavailable_reason`) or,
     failing that, when `probe` (tried on the device before anything runs) gives a reason: a
     kernel that turns the model's inputs down is not a failure of the knob."""
+    if tp_degree < 2:
+        raise ValueError("the tp knob's degree must be at least 2")
+    cpu_tp = knobs is not None and "tp" in knobs
+    knobs = KNOB_NAMES if knobs is None else knobs
     unknown = [k for k in knobs if k not in KNOB_NAMES]
     if unknown:
         raise ValueError(f"unknown knob {unknown[0]!r}; known: {', '.join(KNOB_NAMES)}")
@@ -402,8 +442,8 @@ def build_plan(
             continue
         n: KnobName = name
         values = tuple(
-            KnobValue(label, c, _availability(c, platform, probe))
-            for label, c in _value_configs(n, reference)
+            KnobValue(label, c, _availability(c, platform, probe, cpu_tp))
+            for label, c in _value_configs(n, reference, tp_degree)
         )
         built.append(Knob(n, _TITLES[name], values))
     pa = replace(reference, dtype=pair[0], lm_head_dtype=None, weight_dtype=None)

@@ -28,6 +28,9 @@ class KnobValueResult(_Frozen):
     #: Median Δh at t* over the divergent prompts (None: none diverged or not measured).
     median_dh_t_star: float | None
     environment: JsonObject | None
+    #: The tensor-parallel degree that ran (the engine's environment; the configuration's
+    #: where nothing ran).
+    tp_degree: int = 1
 
 
 class KnobResult(_Frozen):

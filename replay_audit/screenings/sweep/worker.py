@@ -1,7 +1,8 @@
 """The torch backend of a screening: loads the checkpoint in a `ScreenConfig` with the engine's
-own loader, sets each configuration's process-wide flags before its engine is used, tokenizes
-prompts, and reads the platform. Imports torch (through the engine) on first use: workers and
-the CLI only.
+own loader (a configuration at TP k > 1 through the engine pool, as a replay at TP k: the
+`TensorParallelEngine` on the pool's group of k ranks), sets each configuration's process-wide
+flags before its engine is used, tokenizes prompts, and reads the platform. Imports torch
+(through the engine) on first use: workers and the CLI only.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import Engine
-from replay_audit.exceptions import EngineError
+from replay_audit.exceptions import EngineError, UnsupportedFormat
 from replay_audit.formats import BodyDType, body_dtype
 from replay_audit.screenings.sweep.outputs import PromptRow, ScreenPrompt
 from replay_audit.screenings.sweep.plan import Platform, ScreenConfig
@@ -28,31 +30,51 @@ def checkpoint_dtype(model_dir: Path) -> BodyDType:
     return body_dtype(name) or "fp32"
 
 
-def probe(device: str | None) -> Platform:
-    """The platform of `device` (None: CUDA when available)."""
+def probe(device: str | None, owned: int | None = None) -> Platform:
+    """The platform of `device` (None: CUDA when available); its `devices` are the CUDA GPUs
+    seen, at most `owned` (a worker's pool's devices) when given."""
     from replay_audit.engine.platform import probe_platform
 
     f = probe_platform(device)
+    gpus = min(f.cuda_devices, owned) if owned is not None else f.cuda_devices
     return Platform(
         device="cuda" if f.device == "cuda" else "cpu",
         gpu_name=f.gpu_name,
         sm=f.sm,
         fp8_unavailable=f.fp8_unavailable,
         flash_attn_installed=f.flash_attn_installed,
+        devices=max(gpus, 1),
     )
 
 
 class TorchBackend:
-    """A screening `Backend` over a local checkpoint."""
+    """A screening `Backend` over a local checkpoint.
 
-    def __init__(self, model_dir: Path, device: str | None, *, max_cache_len: int = 4096) -> None:
+    A configuration at TP k > 1 loads through `pool` (a worker's, whose group is the one its
+    replays use), else through a pool of k devices the backend starts on first use and keeps
+    until `close()`. One TP degree per backend: a process keeps one TP group (a second NCCL
+    group in one process crashes transformers' device-mesh setup, BENCHMARKS.md)."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        device: str | None,
+        *,
+        max_cache_len: int = 4096,
+        pool: EnginePool | None = None,
+    ) -> None:
         self.model_dir = model_dir
         self.device = device
         self.max_cache_len = max_cache_len
+        self._pool = pool
+        self._owns_pool = pool is None
+        self._tp_degree: int | None = None
         self._tokenizer: Any = None
         self._eos: list[int] | None = None
 
     def load(self, config: ScreenConfig) -> Engine:
+        if config.tp_degree > 1:
+            return self._load_tp(config)
         from replay_audit.engine import load_engine
 
         return load_engine(
@@ -66,6 +88,39 @@ class TorchBackend:
             weight_dtype=config.weight_dtype,
             fp8_linear=config.fp8_linear,
         )
+
+    def _load_tp(self, config: ScreenConfig) -> Engine:
+        """`config` as the replay pipeline's TP engine: `EnginePool.get` at its degree. The pool
+        loads the target's format with its own settings (deterministic, no TF32, weights stored
+        as computed, its cache), so a configuration that changes one of those is refused."""
+        k = config.tp_degree
+        plain = ScreenConfig(
+            config.dtype,
+            config.lm_head_dtype,
+            attn_kernel=config.attn_kernel,
+            batch_size=config.batch_size,
+            tp_degree=k,
+        )
+        if config != plain:
+            raise UnsupportedFormat(
+                f"TP {k} is screened with the reference's load settings only (the engine "
+                "pool's: deterministic, no TF32, weights as computed, its KV cache)"
+            )
+        if self._tp_degree not in (None, k):
+            raise UnsupportedFormat(
+                f"TP {self._tp_degree} ran in this process: one TP degree per screening (a "
+                "second process group in one process crashes transformers' device-mesh setup)"
+            )
+        if self._pool is None:
+            self._pool = EnginePool(device=self.device, max_cache_len=self.max_cache_len, devices=k)
+        self._tp_degree = k
+        return self._pool.get(self.model_dir, config.target(), k)
+
+    def close(self) -> None:
+        """Stop the TP group of the pool this backend started (a worker's pool is its own)."""
+        if self._owns_pool and self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def availability(self, config: ScreenConfig) -> str | None:
         """Why `config` cannot run on this device, found by trying it (None: it can): the SDPA
@@ -122,7 +177,8 @@ class TorchBackend:
         return self._eos
 
     def platform(self) -> Platform:
-        return probe(self.device)
+        owned = None if self._owns_pool or self._pool is None else self._pool.devices
+        return probe(self.device, owned)
 
     def reference_dtype(self) -> BodyDType:
         """The checkpoint's own dtype (the reference a request naming none gets)."""
