@@ -163,8 +163,8 @@ def test_scheduler_logs_every_tick(tmp_path: Path) -> None:
     assert_no_traceback(None, out.text)
     assert "audit scheduler: a tick every 0.2 s" in out.text
     assert re.search(
-        r"audit tick: 0 schedule\(s\) due, 0 run\(s\) started, 0 evaluated \(0 flagged for "
-        r"drift\), 0 alert delivery\(ies\) enqueued, 0 job\(s\) reconciled, 0 partition\(s\) "
-        r"created, 0 trace\(s\) pruned, 0 screening\(s\) pruned, 0 error\(s\)",
+        r"audit tick: 0 schedules due, 0 runs started, 0 evaluated \(0 flagged for "
+        r"drift\), 0 alert deliveries enqueued, 0 jobs reconciled, 0 partitions "
+        r"created, 0 traces pruned, 0 screenings pruned, 0 errors",
         out.text,
     ), out.text
