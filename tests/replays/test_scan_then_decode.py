@@ -504,7 +504,8 @@ def test_a_decode_window_keeps_t_star_and_cuts_only_the_continuation(
             assert w["window_cut"] is False and out_w == out_f and len(out_f) == LENGTH
             continue
         t_star = w["first_divergence_step"]
-        assert t_star == FLIP_STEP and w["screen"] == ("flagged" if kind_of[trace_id] == "head" else "control")
+        screen = "flagged" if kind_of[trace_id] == "head" else "control"
+        assert t_star == FLIP_STEP and w["screen"] == screen
         assert w["window_cut"] is True
         assert len(out_w) == t_star + 1 + 1 < len(out_f) == LENGTH
         assert out_w == out_f[: len(out_w)]
