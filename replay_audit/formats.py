@@ -246,6 +246,19 @@ SCAN_FLAG_ULPS: Final = RunOption(
     ge=SCAN_FLAG_OFF,
     le=MAX_SCAN_FLAG_ULPS,
 )
+#: The widest decode window: a trace's most output tokens (`config.MAX_TRACE_TOKENS`).
+MAX_DECODE_WINDOW: Final = 65_536
+#: Its fields default to None (decoded to eos or the budget, as without the option); 0 stops
+#: right after the token at t*.
+DECODE_WINDOW: Final = RunOption(
+    0,
+    "decode and scan_then_decode: a decode compared with the logged tokens stops this many "
+    "tokens after its first divergence t* (its output is then a prefix: no cascade, length "
+    "difference or answers for it; t*, margins and categories unchanged). Default: none, "
+    "decoded to eos or max_new_tokens.",
+    ge=0,
+    le=MAX_DECODE_WINDOW,
+)
 MAX_NEW_TOKENS: Final = RunOption(64, "Tokens decoded per prompt.", ge=1, le=512)
 COVER: Final = RunOption(0.9, "Share of flips the τ calibration covers.", gt=0.0, le=1.0)
 #: The paper's main pair for a screening's head-vs-body analysis and C lift (BF16 vs FP16).

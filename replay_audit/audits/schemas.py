@@ -52,6 +52,7 @@ from replay_audit.exceptions import FieldError
 from replay_audit.formats import (
     CONTROL_FRACTION,
     CONTROL_SEED,
+    DECODE_WINDOW,
     SCAN_FLAG_ULPS,
     TOP_K,
     BodyDType,
@@ -140,6 +141,8 @@ class ScheduleReplay(InputModel):
     control_seed: int = option_field(CONTROL_SEED)
     #: ReplayCreate's: the near-tie flag of scan-then-decode runs (None: the deployment's).
     scan_flag_ulps: float | None = option_field(SCAN_FLAG_ULPS, default=None)
+    #: ReplayCreate's: decodes stop this many tokens after t* (None: to eos or the budget).
+    decode_window: int | None = option_field(DECODE_WINDOW, default=None)
     compare: Compare = "logged"
     pairs: list[Annotated[tuple[TargetIndex, TargetIndex], Lax]] | None = None
     compare_with: CompareWith | None = None

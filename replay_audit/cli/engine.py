@@ -19,6 +19,7 @@ from replay_audit.cli.root import app, option
 from replay_audit.formats import (
     CONTROL_FRACTION,
     CONTROL_SEED,
+    DECODE_WINDOW,
     EXTRA_PROCESSORS,
     SCAN_FLAG_ULPS,
     TOP_K,
@@ -298,6 +299,7 @@ def replay(
     control_fraction: Annotated[float, option(CONTROL_FRACTION)] = CONTROL_FRACTION.default,
     control_seed: Annotated[int, option(CONTROL_SEED)] = CONTROL_SEED.default,
     scan_flag_ulps: Annotated[float | None, option(SCAN_FLAG_ULPS)] = None,
+    decode_window: Annotated[int | None, option(DECODE_WINDOW)] = None,
     batch_size: Annotated[int, typer.Option(min=1)] = 1,
     tp_degree: Annotated[
         int | None,
@@ -373,6 +375,8 @@ def replay(
 
     if scan_flag_ulps is not None and not math.isfinite(scan_flag_ulps):
         _fail("--scan-flag-ulps must be a finite number")
+    if decode_window is not None and mode == "scan":
+        _fail("--decode-window: mode scan decodes nothing to cut")
     flag = Settings().scan_flag_ulps if scan_flag_ulps is None else scan_flag_ulps
     sample = ControlSample(control_fraction, control_seed, flag)
     if tau is not None and tau_ulps is not None:
@@ -440,6 +444,7 @@ def replay(
         sample.flag_ulps if screening else SCAN_FLAG_OFF,
         settings.scan_token_budget,
         check_weights=False,  # checked above, once for all traces
+        decode_window=decode_window,
     )
     items = {
         i: ReplayItem(
@@ -505,6 +510,7 @@ def replay(
             control_seed=sample.seed if screening else None,
             scan_flag_ulps=sample.flag_ulps if screening else None,
             mode=run_mode,
+            decode_window=decode_window,
         )
         stats = run_statistics("offline", [comparison])
         summary = {
@@ -635,6 +641,14 @@ def _print_summary(c: ComparisonReport, target: Target) -> None:
     ]
     rows += [(f"category {k}", str(v.successes)) for k, v in c.categories.items()]
     rows.append(("answer agreement (SAR)", _sar_text(c)))
+    if c.decode_window is not None:
+        rows.append(
+            (
+                "decode window",
+                f"t* + {c.decode_window}: {c.window_cut} of {c.ok} results cut there "
+                "(no SAR or length difference for them)",
+            )
+        )
     if c.screening is not None:
         rows += _screening_rows(c.screening)
     for k, v in rows:

@@ -11,6 +11,7 @@ from replay_audit.engine.hashing import weights_sha256
 from replay_audit.engine.pool import EnginePool, load_engine
 from replay_audit.engine.protocol import (
     DecodeRun,
+    DecodeWindow,
     Engine,
     Environment,
     Intervention,
@@ -23,6 +24,7 @@ from replay_audit.engine.protocol import (
 
 __all__ = [
     "DecodeRun",
+    "DecodeWindow",
     "Engine",
     "EnginePool",
     "Environment",

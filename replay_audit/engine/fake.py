@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -30,6 +29,8 @@ from replay_audit.engine.batch import (
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
     DecodeRun,
+    DecodeStop,
+    DecodeWindow,
     Environment,
     ExtraValue,
     Intervention,
@@ -139,20 +140,27 @@ class FakeEngine:
         *,
         forced_prefix: Sequence[int] = (),
         processors: LogitsProcessors | None = None,
+        window: DecodeWindow | None = None,
     ) -> DecodeRun:
         self.calls.append("decode")
         _refuse(processors)
         iv = intervention or self.target.intervention
         out = list(forced_prefix)
         parts: list[Steps] = []
-        stop: Any = "length"
+        stop: DecodeStop = "length"
+        differs = window.first_difference(out, None) if window is not None else None
         while len(out) < max_new_tokens:
+            if window is not None and window.reached(differs, len(out)):
+                stop = "window"
+                break
             step = self._step((*prompt_ids, *out), iv, top_k, self.next_token)
             parts.append(step)
             out.append(int(step.token_ids[0]))
             if out[-1] in eos_ids:
                 stop = "eos"
                 break
+            if window is not None:
+                differs = window.first_difference(out, differs, len(out) - 1)
         steps = Steps.concat(parts) if parts else Steps.empty(top_k)
         return DecodeRun(out, steps, len(forced_prefix), stop)
 

@@ -333,16 +333,57 @@ class Steps:
 _STEP_FIELDS = tuple(f.name for f in fields(Steps))
 
 
+@dataclass(frozen=True)
+class DecodeWindow:
+    """Where a decode may stop early: `tokens` tokens after its first output token that
+    differs from `reference` (the logged output; a token past the reference's end differs).
+    Everything up to and including that first difference (t*, its margins, its re-runs)
+    is what the whole decode gives; only the continuation after t* + `tokens` is not computed.
+
+    The decode stays the whole decode's computation: its cache and decode path are sized for
+    `max_new_tokens` as without a window, so the output cut here is bitwise the whole
+    decode's prefix (a smaller cache could choose another kernel or path)."""
+
+    reference: tuple[int, ...]
+    tokens: int
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0:
+            raise ValueError("a decode window is 0 tokens or more")
+
+    def first_difference(self, out: Sequence[int], known: int | None, start: int = 0) -> int | None:
+        """The first step of `out` that differs from the reference, given `known`, the answer
+        for `out[:start]` (checks only the steps from `start`)."""
+        if known is not None:
+            return known
+        ref = self.reference
+        for t in range(start, len(out)):
+            if t >= len(ref) or out[t] != ref[t]:
+                return t
+        return None
+
+    def reached(self, first_difference: int | None, n_out: int) -> bool:
+        """Whether an output of `n_out` tokens whose first difference is at that step holds
+        the difference and `tokens` tokens after it."""
+        return first_difference is not None and n_out >= first_difference + 1 + self.tokens
+
+
+#: Why a decode stopped: an eos id, `max_new_tokens`, or its `DecodeWindow` (the output is a
+#: prefix of the whole decode's).
+DecodeStop = Literal["eos", "length", "window"]
+
+
 @dataclass(frozen=True, eq=False)
 class DecodeRun:
     """A greedy decode. `output_token_ids` is the whole output, forced prefix included;
     `steps` covers only the decoded steps, which start at output step `start_step`
-    (= the forced prefix's length)."""
+    (= the forced prefix's length). `stop_reason` "window": the decode stopped at its
+    window, and its output is a prefix of the whole decode's."""
 
     output_token_ids: list[int]
     steps: Steps
     start_step: int
-    stop_reason: Literal["eos", "length"]
+    stop_reason: DecodeStop
 
 
 @dataclass(frozen=True, eq=False)
@@ -441,10 +482,13 @@ class Engine(Protocol):
         *,
         forced_prefix: Sequence[int] = (),
         processors: LogitsProcessors | None = None,
+        window: DecodeWindow | None = None,
     ) -> DecodeRun:
         """Greedy decode with a KV cache from prompt ‖ forced_prefix, up to `max_new_tokens`
-        output tokens in all (forced prefix included), stopping after an eos id.
-        `intervention` None means the target's; `processors` process every step's logits."""
+        output tokens in all (forced prefix included), stopping after an eos id, or where
+        `window` is reached (the rest of the computation unchanged: the output is the whole
+        decode's prefix). `intervention` None means the target's; `processors` process every
+        step's logits."""
 
     def scan(
         self,

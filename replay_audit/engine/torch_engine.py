@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -68,6 +68,8 @@ from replay_audit.engine.processors import build as build_processing
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
     DecodeRun,
+    DecodeStop,
+    DecodeWindow,
     Environment,
     ExtraValue,
     Intervention,
@@ -238,14 +240,19 @@ class TorchEngine:
         *,
         forced_prefix: Sequence[int] = (),
         processors: LogitsProcessors | None = None,
+        window: DecodeWindow | None = None,
     ) -> DecodeRun:
         iv = intervention or self._target.intervention
         eos = set(eos_ids)
         out = [int(x) for x in forced_prefix]
         start = len(out)
+        differs = window.first_difference(out, None) if window is not None else None
+        stop: DecodeStop
         if start >= max_new_tokens or (out and out[-1] in eos):
-            stop: Literal["eos", "length"] = "eos" if out and out[-1] in eos else "length"
+            stop = "eos" if out and out[-1] in eos else "length"
             return DecodeRun(out, Steps.empty(top_k), start, stop)
+        if window is not None and window.reached(differs, start):
+            return DecodeRun(out, Steps.empty(top_k), start, "window")
         context = [*prompt_ids, *out]
         parts: list[Steps] = []
         stop = "length"
@@ -276,6 +283,11 @@ class TorchEngine:
                     break
                 if len(out) >= max_new_tokens:
                     break
+                if window is not None:
+                    differs = window.first_difference(out, differs, len(out) - 1)
+                    if window.reached(differs, len(out)):
+                        stop = "window"
+                        break
                 step = decoder.step(token)
         return DecodeRun(out, Steps.concat(parts), start, stop)
 

@@ -17,6 +17,7 @@ from replay_audit.diff.pieces import Piece
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
     DecodeRun,
+    DecodeWindow,
     Environment,
     Intervention,
     LoadOptions,
@@ -103,9 +104,10 @@ class TensorParallelEngine:
         *,
         forced_prefix: Sequence[int] = (),
         processors: LogitsProcessors | None = None,
+        window: DecodeWindow | None = None,
     ) -> DecodeRun:
         args = (list(prompt_ids), max_new_tokens, list(eos_ids), intervention, top_k)
-        kwargs = {"forced_prefix": list(forced_prefix), "processors": processors}
+        kwargs = {"forced_prefix": list(forced_prefix), "processors": processors, "window": window}
         run: DecodeRun = self._run("decode", args, kwargs)
         return run
 

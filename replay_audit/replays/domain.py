@@ -665,6 +665,9 @@ class ReplayOutcome:
     external_id: str | None = None
     #: What a scan-then-decode run did with the trace (None in the other modes).
     screen: Screen | None = None
+    #: Arm B's decode stopped at the run's `decode_window` tokens after t*: its output is a
+    #: prefix of the whole continuation (no cascade length, length difference or answers).
+    window_cut: bool = False
 
     @property
     def gate_triggers(self) -> int:

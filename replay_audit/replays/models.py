@@ -63,6 +63,9 @@ class ReplayRun(Base):
     name: Mapped[str | None] = mapped_column(String(MAX_RUN_NAME), nullable=True)
     status: Mapped[str] = mapped_column(String(16), default="queued")
     mode: Mapped[str] = mapped_column(String(32))
+    #: Decodes compared with the logged tokens stop this many tokens after t* (the request's
+    #: `decode_window`, migration 0018); NULL: decoded to eos or the budget.
+    decode_window: Mapped[int | None] = mapped_column(Integer, nullable=True)
     compare: Mapped[str] = mapped_column(String(16))
     #: The request as accepted (canonical JSON of ReplayCreate).
     request: Mapped[JsonObject] = mapped_column(JSON)
@@ -205,3 +208,7 @@ class ReplayResult(Base):
     #: What a scan-then-decode run did with the trace (`formats.Screen`: flagged, control,
     #: scanned), NULL in the other modes; a scanned result has exact_match and category NULL.
     screen: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    #: The decode stopped at the run's `decode_window` tokens after t*: `output_b` is a prefix
+    #: of the whole continuation, and what reads past t* (cascade, length difference, answers)
+    #: is NULL. NULL or false: decoded to eos or the budget.
+    window_cut: Mapped[bool | None] = mapped_column(Boolean, nullable=True)

@@ -28,6 +28,13 @@ arms from the prompt, the paper's both-arms protocol):
                       along the logged path is at most `flag_ulps` ulps (a near-tie, where a
                       flip that needs the decode's own KV cache hides), and otherwise only
                       scanned (`screen="scanned"`, `exact_match` None).
+The decode window (`ReplayOptions.decode_window`, W): every decode compared with the logged
+tokens (decode mode, and scan-then-decode's flagged, near-tie and control decodes) stops W
+tokens after its first difference from them (`engine.DecodeWindow`), the decode otherwise
+unchanged (from the prompt where it was, its cache sized for the whole budget): t*, the margins
+there, the re-runs, the category and EAR are the whole decode's; the output is its prefix up to
+t* + W (`window_cut`), so nothing that reads the continuation (cascade length, length
+difference, answers) is computed for it. Comparisons of two targets decode in full.
 Arm A against the logged tokens: its margin at t* is the logged top-k's where logged, else it is
 reconstructed by re-running the logged format here (the outcome says which).
 
@@ -69,6 +76,8 @@ from replay_audit.engine.batch import plan_scan
 from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
+    DecodeRun,
+    DecodeWindow,
     Engine,
     Intervention,
     LogitsProcessors,
@@ -138,10 +147,21 @@ class ReplayOptions:
     #: The GPU kind the worker running the items announced (`queue.route.WorkerKind`),
     #: recorded with every resolved arm; None: not a worker (the offline CLI).
     worker_kind: str | None = None
+    #: Decodes compared with the logged tokens stop this many tokens after t* (see the module
+    #: docstring); None: to eos or the budget.
+    decode_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise BadRequest(f"mode must be one of {MODES}, got {self.mode!r}", field="mode")
+        if self.decode_window is not None and self.decode_window < 0:
+            raise BadRequest("decode_window must be 0 or more", field="decode_window")
+
+    def window(self, logged: Sequence[int]) -> DecodeWindow | None:
+        """The decode window of a decode compared with `logged` (None: decode to the end)."""
+        if self.decode_window is None:
+            return None
+        return DecodeWindow(tuple(logged), self.decode_window)
 
 
 @dataclass(frozen=True)
@@ -336,6 +356,8 @@ class _ArmRun:
     #: Where its margins come from: its own decode or scan.
     source: MarginSource = "decode"
     scan_batched: bool = False
+    #: Its decode stopped at the run's decode window (its output is a prefix).
+    window_cut: bool = False
 
 
 @dataclass(eq=False)
@@ -415,9 +437,10 @@ def _run_arms(
     mode, iv = options.mode, b.intervention
     screen: Screen | None = None
     processors = b.processors
+    window = options.window(logged)
     if mode == "decode":
-        rb = b.engine.decode(prompt, budget, eos, iv, top_k, processors=processors)
-        run_b = _ArmRun(b, rb.output_token_ids, rb.steps)
+        rb = b.engine.decode(prompt, budget, eos, iv, top_k, processors=processors, window=window)
+        run_b = _decoded(b, rb)
     else:
         batched = scan is not None
         if scan is None:
@@ -429,8 +452,10 @@ def _run_arms(
         if s is None and mode == "scan_then_decode" and (near is not None or item.control):
             # A near-tie's flip may need the decode's own KV cache from the prompt on: decoded
             # in full, as the control sample is. A near-tie trace is not in the control sample.
-            rb = b.engine.decode(prompt, budget, eos, iv, top_k, processors=processors)
-            run_b = _ArmRun(b, rb.output_token_ids, rb.steps)
+            rb = b.engine.decode(
+                prompt, budget, eos, iv, top_k, processors=processors, window=window
+            )
+            run_b = _decoded(b, rb)
             screen = "near_tie" if near is not None else "control"
         elif s is None and mode == "scan_then_decode":
             return _scanned_only(item, b, scan.steps, batched)
@@ -441,16 +466,29 @@ def _run_arms(
             run_b = _ArmRun(b, ids, scan.steps.slice(0, s + 1), "scan", batched)
         else:
             rb = b.engine.decode(
-                prompt, budget, eos, iv, top_k, forced_prefix=logged[:s], processors=processors
+                prompt,
+                budget,
+                eos,
+                iv,
+                top_k,
+                forced_prefix=logged[:s],
+                processors=processors,
+                window=window,
             )
             steps = Steps.concat([scan.steps.slice(0, s), rb.steps])
-            run_b = _ArmRun(b, rb.output_token_ids, steps, "decode", batched)
+            cut = rb.stop_reason == "window"
+            run_b = _ArmRun(b, rb.output_token_ids, steps, "decode", batched, cut)
             screen = "flagged"
     t_star = first_divergence(logged, run_b.ids)
     replayed = _Replayed(item, mode, run_a, run_b, t_star, screen)
     if t_star is not None:
         replayed.logged_arm = _logged_arm(trace, pool, item.model_dir, options.worker_kind)
     return replayed
+
+
+def _decoded(arm: Arm, run: DecodeRun) -> _ArmRun:
+    """Arm B as a decode from the prompt ran it."""
+    return _ArmRun(arm, run.output_token_ids, run.steps, window_cut=run.stop_reason == "window")
 
 
 #: The re-runs of one item at t*, by side ("a", "b").
@@ -537,7 +575,8 @@ def _outcome(r: _Replayed, reruns: _Reruns) -> ReplayOutcome:
             rerun_a=single.a.token if single.a is not None else None,
             rerun_b=single.b.token,
         )
-    decoded_fully = r.mode != "scan" or t_star is None
+    # A scan, or a decode cut at its window, has no continuation after t* to measure.
+    decoded_fully = (r.mode != "scan" or t_star is None) and not r.b.window_cut
     arm_b = _arm_outcome(r, "b", margin_b, verdict.gate_fired_b if verdict else None)
     arm_a = _arm_outcome(r, "a", margin_a, verdict.gate_fired_a if verdict else None)
     return ReplayOutcome(
@@ -554,6 +593,7 @@ def _outcome(r: _Replayed, reruns: _Reruns) -> ReplayOutcome:
         semantic=_semantic(r, arm_a, arm_b) if decoded_fully else None,
         external_id=trace.external_id,
         screen=r.screen,
+        window_cut=r.b.window_cut,
     )
 
 

@@ -120,6 +120,7 @@ class ResultRow(TypedDict, total=False):
     resolved_b: str | None
     detail: Required[dict[str, object]]
     screen: Screen | None
+    window_cut: bool
 
 
 def _finite(x: float | None) -> float | None:
@@ -168,6 +169,7 @@ def result_values(comparison: int, outcome: ReplayOutcome) -> ResultRow:
         "resolved_b": _resolved(b),
         "detail": detail,
         "screen": outcome.screen,
+        "window_cut": outcome.window_cut,
     }
 
 
@@ -267,6 +269,7 @@ def result_json(
         "length_difference": row.length_difference,
         "mode": detail.get("mode"),
         "screen": row.screen,
+        "window_cut": bool(row.window_cut),
         "arms": {"a": arm_a, "b": arm_b} if ok else None,
         "single_step": detail.get("single_step"),
         "semantic": detail.get("semantic"),
@@ -351,4 +354,6 @@ def figures_from_json(
         answer_extractor=semantic.get("extractor"),
         answer_a=semantic.get("answer_a"),
         answer_b=semantic.get("answer_b"),
+        screen=data.get("screen"),
+        window_cut=data.get("window_cut"),
     )

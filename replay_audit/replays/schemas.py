@@ -36,6 +36,7 @@ from replay_audit.formats import (
     CATEGORIES,
     CONTROL_FRACTION,
     CONTROL_SEED,
+    DECODE_WINDOW,
     MODES,
     SCAN_FLAG_ULPS,
     TOP_K,
@@ -265,6 +266,12 @@ class ReplayCreate(InputModel):
     #: many ulps of the arm's format; negative: off (mismatches only). None: the deployment's
     #: `REPLAY_AUDIT_SCAN_FLAG_ULPS`; the run records the value it used.
     scan_flag_ulps: float | None = option_field(SCAN_FLAG_ULPS, default=None)
+    #: decode and scan_then_decode: a decode compared with the logged tokens stops this many
+    #: tokens after t* (the result says so: `window_cut`, its output a prefix); t*, the
+    #: margins, the category and the interventions' verdicts are the whole decode's. None: to
+    #: eos or the budget. Not with mode scan (no decode) or compare pairwise (no logged output
+    #: to find t* against while decoding).
+    decode_window: int | None = option_field(DECODE_WINDOW, default=None)
     compare: Compare = "logged"
     pairs: list[Annotated[tuple[TargetIndex, TargetIndex], Lax]] | None = None
     compare_with: CompareWith | None = None
@@ -302,11 +309,26 @@ class ReplayCreate(InputModel):
                     raise ValueError(f"pairs: ({a}, {b}) does not name two different targets")
         elif self.pairs is not None:
             raise ValueError("pairs: only meaningful with compare: 'pairwise'")
+        check_decode_window(self.decode_window, self.mode, self.compare)
         conflict = routing_conflict([t.to_domain() for t in self.targets])
         if conflict is not None:
             i, why = conflict
             raise TraceFieldError(f"targets[{i}].gpu_kind", why)
         return self
+
+
+def check_decode_window(window: int | None, mode: Mode | None, compare: Compare) -> None:
+    """A 422 naming `decode_window` where a window would cut nothing: a scan decodes nothing,
+    and a pairwise comparison has no logged output to find t* against while it decodes."""
+    if window is None:
+        return
+    if mode == "scan":
+        raise TraceFieldError("decode_window", "mode scan decodes nothing to cut")
+    if compare == "pairwise":
+        raise TraceFieldError(
+            "decode_window",
+            "compare pairwise decodes both arms in full (no logged output to stop after)",
+        )
 
 
 class ReplayCreated(_Frozen):
@@ -335,6 +357,9 @@ class ReplayRead(_Frozen):
     n_traces: int
     #: The mode the run replays in (a request naming none gets it by the large-run rule).
     mode: Mode | None = None
+    #: Decodes compared with the logged tokens stop this many tokens after t* (results so cut
+    #: say `window_cut`); None: decoded to eos or the budget.
+    decode_window: int | None = None
     progress: Progress
     #: Throughput: results (trace x comparison) written per second since the run started, until
     #: it finished or now (None before the first result).
@@ -465,6 +490,11 @@ class ReplayResultRead(_Frozen):
     #: scan_then_decode: flagged (decoded from the scan's first disagreement), control (not
     #: flagged, decoded in full) or scanned (only scanned: `exact_match` and `category` null).
     screen: Screen | None = None
+    #: Arm B's decode stopped at the run's `decode_window` tokens after t*: its
+    #: `output_token_ids` and text are a prefix of the whole continuation (t*, the margins,
+    #: the category are the whole decode's), and `cascade_length`, `length_difference` and
+    #: the answers are null. False: decoded to eos or the budget.
+    window_cut: bool = False
     arms: ArmsRead | None = None
     single_step: SingleStepRead | None = None
     semantic: SemanticRead | None = None

@@ -248,6 +248,7 @@ def create_replay(
         name=request.name,
         status="queued",
         mode=mode,
+        decode_window=request.decode_window,
         compare=request.compare,
         request=_recorded(request, mode, defaults.scan_flag_ulps),
         targets=[t.to_json() for t in targets],

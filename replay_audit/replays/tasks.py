@@ -180,6 +180,7 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
             flag_ulps=control.flag_ulps if control is not None else SCAN_FLAG_OFF,
             token_budget=ctx.settings.scan_token_budget,
             worker_kind=ctx.gpu_kind,
+            decode_window=run.decode_window,
         )
         spec = _RunSpec(run.id, options, run.run_targets, run.run_comparisons, control)
         trace_ids = list(job.trace_ids)

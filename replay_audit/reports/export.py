@@ -79,6 +79,9 @@ EXPORT_FIELDS: Final = (
     # Where the trace's token ids come from (`formats.TokenIdsSource`: pieces or retokenized
     # for an import that read them from text; empty: logged).
     "token_ids_source",
+    # The decode stopped at the run's decode window after t*: the replay output is a prefix
+    # (cascade_length, length_difference and semantic_agree empty).
+    "window_cut",
 )
 MEDIA_TYPES: Final[dict[str, str]] = {
     "csv": "text/csv; charset=utf-8",
@@ -150,6 +153,7 @@ def record(
         "margin_replay_ulps": row["margin_b_ulps"],
         "screen": row["screen"],
         "token_ids_source": ids_source,
+        "window_cut": bool(row["window_cut"]),
     }
     for key in ("exact_match", "tie", "semantic_agree"):
         if out[key] is not None:

@@ -177,6 +177,8 @@ class ResultSummary(NamedTuple):
     gate_triggers_a: int | None
     n_steps_a: int | None
     screen: str | None
+    #: Decoded only to t* + the run's decode window (a prefix: no length difference).
+    window_cut: bool | None
     public_id: str | None = None
     external_id: str | None = None
     tags: list[str] | None = None

@@ -37,6 +37,12 @@ Definitions (DESIGN.md):
                    all scanned traces (flagged ones decoded, unflagged ones at 1 - p), its
                    interval the same way. The flagged stratum is decoded in full: no sampling
                    error of its own.
+    decode window  (a run with `decode_window` W) a result whose decode stopped W tokens after
+                   t* (`window_cut`) counts in EAR, t*, the margins and categories (all fixed
+                   at t*) and in the trigger rate and mean gap (per step, over the steps that
+                   ran), never in SAR, task accuracy or the length difference, which read the
+                   continuation: their `n` counts the results decoded to the end, and
+                   `window_cut` / `sar_note` say how many were left out.
     lift           EAR(treated) - EAR(baseline) paired on the traces where both are ok (and
                    established: decoded, in scan-then-decode): seeded
                    paired bootstrap interval, exact McNemar p, the traces fixed and broke.
@@ -114,6 +120,9 @@ class ResultFigures(NamedTuple):
     answer_b: str | None
     #: scan-then-decode: flagged, control or scanned (`formats.Screen`); None in other modes.
     screen: str | None = None
+    #: Its decode stopped at the run's decode window after t* (its output is a prefix): it
+    #: counts in every figure at t*, and in none that reads the continuation.
+    window_cut: bool | None = None
 
     @property
     def ok(self) -> bool:
@@ -151,6 +160,8 @@ class ComparisonInput:
     scan_flag_ulps: float | None = None
     #: The mode the results were produced in (what SAR can count: see SAR_NOTES).
     mode: Mode = "decode"
+    #: The run's decode window, as recorded (None: decoded to eos or the budget).
+    decode_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -307,6 +318,12 @@ class ComparisonReport(_Frozen):
     not_attributable: int | None = None
     #: Scan-then-decode only: decoded vs scanned, the control sample and the miss rate.
     screening: ScreeningReport | None = None
+    #: The run's decode window (None: every decode ran to eos or the budget) and the ok results
+    #: whose decode stopped at it (`window_cut`): they count in EAR, t*, the margins and the
+    #: categories, and in no figure that reads the continuation (SAR and the answers, the
+    #: length difference): those figures' `n` is the results decoded to the end.
+    decode_window: int | None = None
+    window_cut: int = 0
 
 
 class TraceRef(_Frozen):
@@ -582,13 +599,23 @@ def comparison_report(
     triggers_a = sum(int(f.gate_triggers_a or 0) for f in arm_a) if arm_a else None
     # A scan has no replay text (its agreed traces' "answers" are the logged text's twice);
     # scan-then-decode answers only the decoded ones.
-    answered = [f for f in established if f.answer_extractor is not None]
+    # A window-cut result's text is a prefix: none of its answers counts.
+    answered = [f for f in established if f.answer_extractor is not None and not f.window_cut]
     if c.mode == "scan":
         answered = []
     agree = sum(1 for f in answered if f.answer_a == f.answer_b)
     neither = sum(1 for f in answered if f.answer_a is None and f.answer_b is None)
     categories = {k: sum(1 for f in established if f.category == k) for k in CATEGORIES}
     m = _margins(figures)
+    # A window-cut result's continuation is a prefix: nor is its length difference counted.
+    cut = sum(1 for f in ok if f.window_cut)
+    sar_note = SAR_NOTES.get(c.mode)
+    if cut:
+        why = (
+            f"{cut} result{'s' if cut != 1 else ''} decoded only to t* + {c.decode_window} "
+            "not counted (a prefix of the replay text)"
+        )
+        sar_note = f"{sar_note}; {why}" if sar_note else why
     return ComparisonReport(
         index=c.index,
         a=c.a,
@@ -601,7 +628,7 @@ def comparison_report(
         failed=len(figures) - len(ok),
         ear=_prop(sum(1 for f in established if f.exact_match), len(established)),
         sar=_prop(agree, len(answered)) if answered else None,
-        sar_note=SAR_NOTES.get(c.mode),
+        sar_note=sar_note,
         sar_neither_answered=neither,
         steps=steps,
         gate_triggers=triggers,
@@ -624,8 +651,12 @@ def comparison_report(
             histogram_a_ulps=margin_histogram(m.a_ulps, ulps_axis),
             histogram_b_ulps=margin_histogram(m.b_ulps, ulps_axis),
         ),
-        length_difference=finite_distribution([f.length_difference for f in diverged]),
+        length_difference=finite_distribution(
+            [f.length_difference for f in diverged if not f.window_cut]
+        ),
         screening=screening_report(c),
+        decode_window=c.decode_window,
+        window_cut=cut,
     )
 
 

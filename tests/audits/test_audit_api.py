@@ -117,6 +117,11 @@ def test_create_read_and_roles(client: TestClient, headers: Headers) -> None:
             "scan_flag_ulps",
         ),
         ({"replay": {"targets": [{"dtype": "fp16"}], "scan_flag_ulps": 1e308}}, "scan_flag_ulps"),
+        ({"replay": {"targets": [{"dtype": "fp16"}], "decode_window": -1}}, "decode_window"),
+        (
+            {"replay": {"targets": [{"dtype": "fp16"}], "mode": "scan", "decode_window": 8}},
+            "decode_window",
+        ),
     ],
 )
 def test_invalid_schedules_are_422(

@@ -139,6 +139,8 @@ def test_replay_in_fp16_with_c_and_scan_mode(ckpt: Path, traces: Path, tmp_path:
             "scan_then_decode",
             "--control-fraction",
             "1",
+            "--decode-window",
+            "0",
             "--summary-json",
             str(tmp_path / "summary.json"),
             "--kv-cache",
@@ -151,13 +153,21 @@ def test_replay_in_fp16_with_c_and_scan_mode(ckpt: Path, traces: Path, tmp_path:
     )
     assert r.exit_code == 0, r.output
     # Every unflagged trace is in a control sample of fraction 1: all decoded, none only scanned.
-    screening = json.loads((tmp_path / "summary.json").read_text())["screening"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    screening = summary["screening"]
     assert screening["scanned"] == 4 and screening["scanned_only"] == 0
     decoded = screening["flagged"] + screening["near_tie"] + screening["control"]
     assert screening["decoded"] == decoded == 4
     assert screening["decoded_by_reason"]["near_tie"] == screening["near_tie"]
-    assert "estimated miss rate" in r.output
+    assert "estimated miss rate" in r.output and "decode window" in r.output
+    cut = 0
     for x in map(json.loads, out.read_text().splitlines()):
+        # --decode-window 0: a decode that diverged stops at the token at t* (unless it ended
+        # there anyway): the logged prefix and that token, nothing after.
+        if x["window_cut"]:
+            cut += 1
+            assert len(x["arms"]["b"]["output_token_ids"]) == x["first_divergence_step"] + 1
+            assert x["cascade_length"] is None and x["length_difference"] is None
         assert x["screen"] in ("flagged", "near_tie", "control") and x["exact_match"] is not None
         b = x["arms"]["b"]
         assert x["mode"] == "scan_then_decode" and b["resolved"]["intervention"]["kind"] == "C"
@@ -166,6 +176,7 @@ def test_replay_in_fp16_with_c_and_scan_mode(ckpt: Path, traces: Path, tmp_path:
         assert b["environment"]["dtype"] == "fp16"
         assert b["environment"]["extras"]["kv_cache"] == "static"
         assert b["environment"]["extras"]["decoder"] == "compiled"
+    assert (summary["decode_window"], summary["window_cut"]) == (0, cut)
 
 
 def test_replay_refuses_other_weights(ckpt: Path, traces: Path, tmp_path: Path) -> None:
@@ -201,6 +212,8 @@ def test_replay_refuses_other_weights(ckpt: Path, traces: Path, tmp_path: Path) 
         # the dynamic and static decode paths are gone: piecewise is the faithful one
         (["--dtype", "fp16", "--kv-cache", "static"], "Invalid value for '--kv-cache'"),
         (["--dtype", "fp16", "--kv-cache", "dynamic"], "Invalid value for '--kv-cache'"),
+        (["--dtype", "fp16", "--decode-window", "-1"], "Invalid value for '--decode-window'"),
+        (["--dtype", "fp16", "--mode", "scan", "--decode-window", "2"], "decodes nothing"),
     ],
 )
 def test_replay_rejects_bad_options(

@@ -249,3 +249,51 @@ def test_an_intervention_only_comparison_labels_its_flips_head_reachable(
     assert diverged >= 3, "C at τ = 0.05 changes some BF16 greedy outputs"
     assert head_reachable >= 0.8 * diverged, (head_reachable, diverged)
     assert reproduced == head_reachable
+
+
+@pytest.mark.parametrize("mode", ["scan_then_decode", "decode"])
+def test_a_decode_window_keeps_t_star_and_gives_the_whole_decodes_prefix(
+    pool: EnginePool, real_dir: Path, real_prompts: list[tuple[str, str]], mode: str
+) -> None:
+    """The committed model's fp32 traces replayed in bf16, with and without a decode window of
+    3: every trace gets the same t*, margins, single-step re-runs, category and screen (half
+    of them in the control sample, decoded from the prompt), and each decode that diverged
+    stops 3 tokens after t*, bitwise the whole decode's prefix (or ends at eos or the budget
+    first, then whole)."""
+    model = Model(real_dir, tuple(real_prompts[:24]), 48)
+    traces = [_logged(tr) for tr in _trace_set(model, "fp32")]
+    items = [
+        ReplayItem(t, RunTarget(Target("bf16")), real_dir, control=i % 2 == 0)
+        for i, t in enumerate(traces)
+    ]
+
+    def run(window: int | None) -> list[ReplayOutcome]:
+        options = ReplayOptions(
+            mode,  # type: ignore[arg-type]
+            flag_ulps=0.0,
+            check_weights=False,
+            decode_window=window,
+        )
+        out = replay_items(items, pool, options)
+        assert all(isinstance(r, ReplayOutcome) for r in out), out
+        return out  # type: ignore[return-value]
+
+    whole, windowed = run(None), run(3)
+    cut = 0
+    for w, f in zip(windowed, whole, strict=True):
+        key = (w.first_divergence_step, w.category, w.tie, w.screen, w.exact_match)
+        assert key == (f.first_divergence_step, f.category, f.tie, f.screen, f.exact_match)
+        assert (w.a.margin, w.b.margin, w.single_step) == (f.a.margin, f.b.margin, f.single_step)
+        assert not f.window_cut
+        if f.b.output_token_ids is None:  # only scanned
+            continue
+        out_w, out_f = list(w.b.output_token_ids or ()), list(f.b.output_token_ids)
+        if not w.window_cut:
+            assert out_w == out_f and w.cascade_length == f.cascade_length
+            continue
+        cut += 1
+        t_star = w.first_divergence_step
+        assert t_star is not None and len(out_w) == t_star + 1 + 3 < len(out_f)
+        assert out_w == out_f[: len(out_w)]
+        assert w.cascade_length is None and w.length_difference is None and w.semantic is None
+    assert cut >= 3, "the prompt set diverges in bf16 well before its end"

@@ -17,6 +17,7 @@ drawn from the traces neither rule flags, still estimates those misses without b
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -458,3 +459,104 @@ def test_the_miss_rate_interval_covers_the_truth_in_about_95_percent_of_runs() -
         ear_covered += ear.low <= exact / 2000 <= ear.high  # type: ignore[operator]
     assert covered / runs >= 0.9, covered
     assert ear_covered / runs >= 0.9, ear_covered
+
+
+@pytest.mark.usefixtures("engines")
+def test_a_decode_window_keeps_t_star_and_cuts_only_the_continuation(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    api_key: Callable[..., str],
+    fake_model_dir: Path,
+) -> None:
+    """The same traces scanned then decoded with and without `decode_window: 1`: flagged
+    (head) and control (kv, decoded from the prompt) divergences get the same t*, margins,
+    single-step re-runs and categories; their outputs stop one token after t*, exactly the
+    whole decode's prefix, and say so; the exact ones decode to the end as before."""
+    h = headers("admin")
+    kinds: list[Kind] = ["head"] * 6 + ["kv"] * 4 + ["none"] * 10
+    random.Random(7).shuffle(kinds)
+    ids = seed(client, h, kinds, fake_model_dir, salt=17)
+    common = {"mode": "scan_then_decode", "control_fraction": 1.0, "scan_flag_ulps": -1}
+    full = _run(client, runner, h, ids, **common)
+    cut = _run(client, runner, h, ids, decode_window=1, **common)
+    assert full["decode_window"] is None
+    assert cut["decode_window"] == 1 and cut["request"]["decode_window"] == 1  # type: ignore[index]
+    whole = {x["trace_id"]: x for x in all_results(client, str(full["id"]), h)}
+    windowed = {x["trace_id"]: x for x in all_results(client, str(cut["id"]), h)}
+    assert whole.keys() == windowed.keys() == set(ids)
+    same = (
+        "screen",
+        "exact_match",
+        "first_divergence_step",
+        "margin_at_divergence",
+        "category",
+        "tie",
+        "single_step",
+    )
+    kind_of = dict(zip(ids, kinds, strict=True))
+    for trace_id, w in windowed.items():
+        f = whole[trace_id]
+        assert {k: w[k] for k in same} == {k: f[k] for k in same}, trace_id
+        out_w, out_f = w["arms"]["b"]["output_token_ids"], f["arms"]["b"]["output_token_ids"]
+        assert f["window_cut"] is False
+        if kind_of[trace_id] == "none":  # no divergence: decoded to the end, nothing cut
+            assert w["window_cut"] is False and out_w == out_f and len(out_f) == LENGTH
+            continue
+        t_star = w["first_divergence_step"]
+        screen = "flagged" if kind_of[trace_id] == "head" else "control"
+        assert t_star == FLIP_STEP and w["screen"] == screen
+        assert w["window_cut"] is True
+        assert len(out_w) == t_star + 1 + 1 < len(out_f) == LENGTH
+        assert out_w == out_f[: len(out_w)]
+        # What reads the continuation is not given for a prefix.
+        assert f["cascade_length"] is not None and f["length_difference"] is not None
+        assert w["cascade_length"] is None and w["length_difference"] is None
+
+    c_full = full["statistics"]["comparisons"][0]  # type: ignore[index]
+    c_cut = cut["statistics"]["comparisons"][0]  # type: ignore[index]
+    for key in ("ear", "categories", "first_divergence_step", "margin_at_divergence"):
+        assert c_cut[key] == c_full[key], key
+    assert (c_full["window_cut"], c_full["decode_window"]) == (0, None)
+    assert (c_cut["window_cut"], c_cut["decode_window"]) == (10, 1)
+    assert c_full["length_difference"]["n"] == 10 and c_cut["length_difference"] is None
+
+    export = client.get(f"/v1/replays/{cut['id']}/export?format=jsonl", headers=h)
+    assert export.status_code == 200
+    rows = [json.loads(line) for line in export.text.splitlines()]
+    assert sum(r["window_cut"] for r in rows) == 10
+
+    assert sign_in(client, api_key("auditor")).status_code == 303
+    page = client.get(f"/ui/runs/{cut['id']}")
+    assert page.status_code == 200 and 'id="decode-window">t* + 1:' in page.text
+    assert "10 results decoded only to t* + 1 not counted" in page.text
+    assert page.text.count('class="muted window-cut"') == 10
+    plain = client.get(f"/ui/runs/{full['id']}")
+    assert "none: decoded to eos or the budget" in plain.text and "window-cut" not in plain.text
+    flagged = next(i for i in ids if kind_of[i] == "head")
+    trace_page = client.get(f"/ui/runs/{cut['id']}/traces/{flagged}")
+    assert trace_page.status_code == 200 and 'id="window-cut"' in trace_page.text
+    assert "t* + 1 only" in trace_page.text
+
+
+@pytest.mark.usefixtures("engines", "runner")
+def test_a_bad_decode_window_is_a_422_naming_the_field(
+    client: TestClient, headers: Callable[..., dict[str, str]], fake_model_dir: Path
+) -> None:
+    h = headers("admin")
+    ids = seed(client, h, ["none"] * 2, fake_model_dir, salt=18)
+    body = {"trace_ids": ids, "targets": [{"dtype": "fp16"}], "mode": "scan_then_decode"}
+    for bad in (-1, 65_537, "3", 1.5, True):
+        r = client.post("/v1/replays", json={**body, "decode_window": bad}, headers=h)
+        assert r.status_code == 422 and r.json()["field"] == "decode_window", (bad, r.text)
+    # A window where nothing would be cut: a scan decodes nothing, a pairwise run has no
+    # logged output to stop after.
+    for extra in (
+        {"mode": "scan"},
+        {"compare": "pairwise", "targets": [{"dtype": "fp16"}, {"dtype": "bf16"}]},
+    ):
+        r = client.post("/v1/replays", json={**body, **extra, "decode_window": 4}, headers=h)
+        assert r.status_code == 422 and r.json()["field"] == "decode_window", (extra, r.text)
+    for ok in (0, 65_536, None):
+        r = client.post("/v1/replays", json={**body, "decode_window": ok}, headers=h)
+        assert r.status_code == 201, (ok, r.text)
