@@ -218,7 +218,10 @@ def test_an_intervention_only_comparison_labels_its_flips_head_reachable(
     prefix, KV cache and body are the logged arm's, so a flip is the head's. The single-step
     re-run runs each arm's whole computation, C included: wherever the flip reproduces from
     scratch (checked here independently: one forward over prompt ‖ logged[:t*] with C, one
-    without), the category is head_reachable, and that is most of the diverged traces."""
+    without), the category is head_reachable, and only there. How many flips reproduce from
+    scratch is the CPU's numerics (the decode's incremental KV cache against one forward: 4 of
+    6 on the 2026-11-26 CI machine, where an earlier one gave at least 80%); the rule is what
+    is asserted."""
     model = Model(real_dir, tuple(real_prompts[:24]), 48)
     traces = [_logged(tr) for tr in _trace_set(model, "bf16")]
     c = Intervention(kind, tau=0.05)  # type: ignore[arg-type]
@@ -247,7 +250,7 @@ def test_an_intervention_only_comparison_labels_its_flips_head_reachable(
             assert r.category == "head_reachable", (t.external_id, s)
         head_reachable += r.category == "head_reachable"
     assert diverged >= 3, "C at τ = 0.05 changes some BF16 greedy outputs"
-    assert head_reachable >= 0.8 * diverged, (head_reachable, diverged)
+    assert head_reachable >= 1, "some of C's flips are the head's alone"
     assert reproduced == head_reachable
 
 
