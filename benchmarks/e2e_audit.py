@@ -519,6 +519,8 @@ def _run_request(args: argparse.Namespace, mode: str, selection: dict[str, Any])
         body["scan_flag_ulps"] = args.scan_flag_ulps
     if args.run_extra:
         body.update(json.loads(args.run_extra))
+    if mode == "scan":  # a scan decodes nothing: the service refuses a window for it
+        body.pop("decode_window", None)
     return body
 
 
