@@ -171,7 +171,14 @@ def main() -> None:
     device = backend.platform().device
     prompts = backend.prompts(rows[: args.null_prompts + args.eval_prompts])  # type: ignore[arg-type]
     null_p, eval_p = prompts[: args.null_prompts], prompts[args.null_prompts :]
-    pool = EnginePool(device=device)
+    tp = args.tp
+    if tp is None:
+        import torch
+
+        tp = 2 if device == "cuda" and torch.cuda.device_count() >= 2 else 0
+    # A pool owning the TP degree's GPUs: the null then holds TP 2 (`benign_null` adds it where
+    # the pool owns two CUDA GPUs), as a two-GPU worker's does.
+    pool = EnginePool(device=device, devices=max(1, tp))
     claim = Target(args.dtype, None, "sdpa", 1, Intervention())
     cal: Calibration = benign_null(
         args.model,
@@ -231,11 +238,6 @@ def main() -> None:
             ),
             ("planted bug: RoPE base 5000", False, lambda: gen(base, ckpt["rope"]())()),
         ]
-        tp = args.tp
-        if tp is None:
-            import torch
-
-            tp = 2 if device == "cuda" and torch.cuda.device_count() >= 2 else 0
         if tp > 1:
             sims.insert(
                 4,
