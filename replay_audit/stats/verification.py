@@ -154,12 +154,15 @@ class Claim(TypedDict):
 
 
 class PlatformKey(TypedDict):
-    """The scanning platform a calibration was measured on."""
+    """The scanning platform a calibration was measured on. `devices`: the CUDA GPUs the
+    measuring worker owned (1 on a CPU): a null measured with two holds the TP-2 variation, one
+    measured with one does not, so they are different nulls."""
 
     device: str
     gpu_name: str | None
     sm: str | None
     torch_version: str | None
+    devices: int
 
 
 @dataclass(frozen=True)
@@ -218,6 +221,7 @@ class Calibration:
                 gpu_name=data["platform"].get("gpu_name"),
                 sm=data["platform"].get("sm"),
                 torch_version=data["platform"].get("torch_version"),
+                devices=int(data["platform"].get("devices", 1)),
             ),
             false_alarm_rate=float(data["false_alarm_rate"]),
             scorer=TokenScorer(

@@ -49,12 +49,14 @@ TP_VARIATION: Final = ScreenConfig("bf16", tp_degree=2)
 
 
 def platform_key(platform: Platform, torch_version: str | None) -> PlatformKey:
-    """What names the scanning platform a null belongs to."""
+    """What names the scanning platform a null belongs to (the CUDA GPUs owned with it: they
+    decide whether the null holds TP 2)."""
     return PlatformKey(
         device=platform.device,
         gpu_name=platform.gpu_name,
         sm=platform.sm,
         torch_version=torch_version,
+        devices=platform.devices if platform.device == "cuda" else 1,
     )
 
 

@@ -71,13 +71,14 @@ def measure_null(
 def scanning_platform(
     model_dir: Path, claim: Claim, pool: EnginePool, device: str | None
 ) -> PlatformKey:
-    """This worker's platform as a calibration names it (`null.platform_key`)."""
+    """This worker's platform as a calibration names it (`null.platform_key`), its GPUs
+    counted as its pool owns them (as `benign_null` counts them)."""
     from replay_audit.screenings.sweep.worker import TorchBackend
     from replay_audit.verifications.null import platform_key
     from replay_audit.verifications.scan import claim_engine
 
     env = claim_engine(pool, model_dir, claimed_target(claim)).environment()
-    return platform_key(TorchBackend(model_dir, device).platform(), env["torch_version"])
+    return platform_key(TorchBackend(model_dir, device, pool=pool).platform(), env["torch_version"])
 
 
 #: How the jobs run in the current context measure a null (a test binds a smaller one).

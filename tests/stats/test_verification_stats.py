@@ -39,7 +39,13 @@ def calibration() -> Calibration:
         alt,
         weights_sha256="x",
         claim={"dtype": "bf16", "lm_head_dtype": "bf16", "attn_kernel": "sdpa"},
-        platform={"device": "cpu", "gpu_name": None, "sm": None, "torch_version": None},
+        platform={
+            "device": "cpu",
+            "gpu_name": None,
+            "sm": None,
+            "torch_version": None,
+            "devices": 1,
+        },
         draws=300,
     )
 

@@ -33,3 +33,35 @@ def test_a_null_measured_on_a_cpu_notes_that_tp_was_not_covered(
     # Every other default variation ran; TP was not among them.
     assert {v.name for v in cal.variations} == {c.key for c in BENIGN_VARIATIONS}
     assert f"x {len(BENIGN_VARIATIONS)} benign variations" in cal.notes[-1]
+
+
+def test_nulls_measured_with_one_and_with_two_gpus_are_different_calibrations() -> None:
+    """The calibration's platform key counts the CUDA GPUs the measuring pool owned: a null
+    measured with two holds TP 2 and one measured with one does not, so a worker never reuses
+    the other's. A CPU's is 1 (its nulls never hold TP). Calibrations stored before the count
+    read back as 1."""
+    from dataclasses import replace
+
+    from replay_audit.screenings.sweep.plan import Platform
+    from replay_audit.stats.verification import Calibration
+    from replay_audit.verifications.null import platform_key
+
+    h100 = Platform("cuda", "NVIDIA H100 80GB HBM3", "9.0", devices=1)
+    one, two = platform_key(h100, "2.11"), platform_key(replace(h100, devices=2), "2.11")
+    assert one["devices"] == 1 and two["devices"] == 2 and one != two
+    assert platform_key(Platform("cpu", devices=2), "2.13")["devices"] == 1
+
+    stored = {
+        "weights_sha256": "0" * 64,
+        "claim": {"dtype": "bf16", "lm_head_dtype": "bf16", "attn_kernel": "sdpa"},
+        "platform": {"device": "cuda", "gpu_name": "NVIDIA H100 80GB HBM3", "sm": "9.0"},
+        "false_alarm_rate": 0.01,
+        "scorer": {"null_bins": [1.0], "alt_bins": [1.0], "tie_band_ulps": 4.0},
+        "variations": [],
+        "alternative": None,
+        "statistic": "outside_tie_band",
+        "budgets": {},
+        "version": 1,
+        "notes": [],
+    }
+    assert Calibration.from_json(stored).platform["devices"] == 1
