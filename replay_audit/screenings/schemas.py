@@ -12,8 +12,9 @@ from replay_audit.diff.margin import DEFAULT_TAU
 from replay_audit.formats import COVER, DEFAULT_PAIR, MAX_NEW_TOKENS, BodyDType, Device, RunStatus
 from replay_audit.input import InputModel, Lax, option_field
 from replay_audit.json_value import JsonObject
+from replay_audit.queue.route import MAX_TP_DEGREE
 from replay_audit.screenings.sweep.outputs import PromptRow
-from replay_audit.screenings.sweep.plan import KnobName
+from replay_audit.screenings.sweep.plan import DEFAULT_TP_DEGREE, KnobName
 from replay_audit.screenings.sweep.report import ScreeningReport
 
 #: At most this many prompts per screening (every one is decoded in every run).
@@ -51,6 +52,8 @@ class ScreeningCreate(InputModel):
     prompts: list[ScreeningPrompt] = Field(min_length=1, max_length=MAX_SCREENING_PROMPTS)
     #: Knobs to sweep (default: all).
     knobs: list[KnobName] | None = Field(default=None, min_length=1)
+    #: The one TP degree the `tp` knob screens (it runs where the worker owns that many GPUs).
+    tp_degree: int = Field(default=DEFAULT_TP_DEGREE, ge=2, le=MAX_TP_DEGREE)
     max_new_tokens: int = option_field(MAX_NEW_TOKENS)
     device: Device | None = None
     reference_dtype: BodyDType | None = None

@@ -62,6 +62,7 @@ def check_work(request: ScreeningCreate, shape: CheckpointShape, token_budget: i
         _EVERYTHING,
         reference=ScreenConfig(request.reference_dtype or "fp32"),
         knobs=request.knobs,
+        tp_degree=request.tp_degree,
         pair=request.pair,
     )
     copies = sum(r.config.batch_size for r in plan.runs())

@@ -125,6 +125,7 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
             platform,
             reference=ScreenConfig(request.reference_dtype or backend.reference_dtype()),
             knobs=request.knobs,
+            tp_degree=request.tp_degree,
             pair=request.pair,
             tau=request.tau,
             tau_ulps=request.tau_ulps,

@@ -64,6 +64,30 @@ def test_a_screening_runs_and_its_report_is_read_back(
     assert sum(len(b.loads) for b in fake_backend) == loads
 
 
+def test_the_tp_knob_screens_the_degree_the_request_names(
+    client: TestClient,
+    job_runner: JobRunner,
+    fake_backend: list[FakeWorkerBackend],
+    fake_model_dir: Path,
+    headers: Callable[..., dict[str, str]],
+) -> None:
+    """`tp_degree` reaches the plan: the `tp` knob's one value loads the reference at that
+    degree (named, so it runs on the worker's CPU), and the report labels it so."""
+    admin = headers("admin")
+    body = _body(weights_sha256(fake_model_dir), knobs=["tp"], tp_degree=3)
+    r = client.post("/v1/screenings", json=body, headers=admin)
+    assert r.status_code == 201, r.text
+    assert job_runner.run_all() == 1
+    got = client.get(f"/v1/screenings/{r.json()['id']}", headers=admin).json()
+    assert got["status"] == "done", got["error"]
+    assert got["request"]["tp_degree"] == 3
+    loaded = [key for b in fake_backend for key in b.loads]  # configuration keys
+    assert any(k.endswith("_tp3") for k in loaded), loaded
+    assert not any("_tp2" in k for k in loaded), loaded
+    (knob,) = got["report"]["knobs"]
+    assert [v["label"] for v in knob["values"]] == ["TP 3"], knob
+
+
 def job_runner_id(client: TestClient, public_id: str) -> int:
     from sqlalchemy import select
 
@@ -89,6 +113,9 @@ def job_runner_id(client: TestClient, public_id: str) -> int:
         ({"tau": -1}, "tau"),
         ({"cover": 0}, "cover"),
         ({"device": "tpu"}, "device"),
+        ({"tp_degree": 1}, "tp_degree"),
+        ({"tp_degree": 1025}, "tp_degree"),
+        ({"tp_degree": "2"}, "tp_degree"),
         ({"surprise": 1}, "surprise"),
     ],
 )
