@@ -3,9 +3,9 @@
 Torch-free: the loader (by default `load_engine`, here, re-exported as
 `replay_audit.engine.load_engine`) imports torch the first time an engine is actually built.
 An engine at TP degree k > 1 runs on a tensor-parallel group of k processes
-(`tensor_parallel.TpGroup`) that the pool starts on first use, keeps while it holds engines of
-that degree, and stops when it needs another degree, when its last engine is evicted, when it is
-cleared or when it is closed.
+(`tensor_parallel.TpGroup`) that the pool starts on first use and keeps for its life (an evicted
+TP engine's ranks drop its model, the group stays for the next TP job), and stops when it needs
+another degree, when the group broke, when the pool is cleared or when it is closed.
 """
 
 from __future__ import annotations
@@ -105,10 +105,11 @@ class EnginePool:
                 engine = self._load(d, target, tp_degree)
                 self._engines[key] = engine
                 if self._max is not None:
+                    # An evicted TP engine's ranks drop its model; the group itself stays for
+                    # the next TP job: a second NCCL group in one process segfaulted in
+                    # transformers' device-mesh setup (BENCHMARKS.md, "Tensor-parallel replay").
                     while len(self._engines) > self._max:
                         _close(self._engines.popitem(last=False)[1])
-                    if self._tp is not None and not any(k[2] > 1 for k in self._engines):
-                        self._drop_tp()  # its last engine went: its ranks hold nothing
             self._engines.move_to_end(key)
             return engine
 

@@ -265,9 +265,12 @@ def test_a_rank_failing_alone_breaks_the_group_and_the_pool_starts_another(
 
 
 @pytest.mark.slow
-def test_evicting_the_last_tp_engine_stops_its_ranks(
+def test_evicting_the_last_tp_engine_keeps_its_group_for_the_next_tp_job(
     tp2_traces: list[TraceCreate], tp_dir: Path
 ) -> None:
+    """The evicted engine's ranks drop its model, but the group (its processes, its process
+    group) stays: the next TP engine loads on the same ranks, never on a second group built in
+    this process (which segfaulted under NCCL), and decodes exactly; `close()` stops it."""
     from replay_audit.engine.tp_engine import TensorParallelEngine
 
     pool = EnginePool(device="cpu", threads=1, devices=2, max_engines=1)
@@ -276,10 +279,17 @@ def test_evicting_the_last_tp_engine_stops_its_ranks(
         assert isinstance(engine, TensorParallelEngine)
         pids = engine.group.pids
         pool.get(tp_dir, Target("bf16", attn_kernel="sdpa"), 1)  # the TP-2 engine goes
-        _wait_gone(pids)
-        assert not engine.group.alive and len(pool) == 1
+        assert engine.key not in engine.group.state.objects, "its ranks dropped its model"
+        assert engine.group.alive and engine.group.pids == pids and len(pool) == 1
+        again = pool.get(tp_dir, Target("bf16", attn_kernel="sdpa"), 2)
+        assert isinstance(again, TensorParallelEngine) and again.group is engine.group
+        tr = tp2_traces[0]
+        assert again.decode(tr.prompt_token_ids, MAX_NEW_TOKENS, [256]).output_token_ids == (
+            tr.output_token_ids
+        )
     finally:
         pool.close()
+    _wait_gone(pids)
 
 
 @pytest.mark.slow
