@@ -182,6 +182,34 @@ def test_a_tp1_replay_of_tp2_traces_reports_each_divergence_with_its_category(
         assert r.single_step is not None and r.single_step.a is not None
 
 
+def test_a_decode_window_at_tp2_cuts_the_whole_tp2_decode_after_its_first_difference(
+    tp2_traces: list[TraceCreate], tp_pool: EnginePool, tp_dir: Path
+) -> None:
+    """The window is passed to every rank: against a reference it departs from (the TP-1
+    decode of the same prompt), the TP-2 decode stops `tokens` after its first difference, its
+    output bitwise the whole TP-2 decode's prefix, and says it was cut."""
+    from replay_audit.engine.protocol import DecodeWindow
+
+    tp2 = tp_pool.get(tp_dir, Target("bf16", attn_kernel="sdpa"), 2)
+    tp1 = tp_pool.get(tp_dir, Target("bf16", attn_kernel="sdpa"), 1)
+    cut = 0
+    for tr in tp2_traces:
+        prompt = tr.prompt_token_ids
+        whole = tp2.decode(prompt, MAX_NEW_TOKENS, [256]).output_token_ids
+        reference = tp1.decode(prompt, MAX_NEW_TOKENS, [256]).output_token_ids
+        t = _first_mismatch(reference, whole)
+        window = DecodeWindow(tuple(reference), 2)
+        run = tp2.decode(prompt, MAX_NEW_TOKENS, [256], window=window)
+        if t is None or t + 3 > len(whole):  # no difference, or the end comes first
+            assert run.output_token_ids == whole and run.stop_reason != "window"
+            continue
+        assert run.output_token_ids == whole[: t + 3]
+        if t + 3 < len(whole):
+            cut += 1
+            assert run.stop_reason == "window"
+    assert cut >= 1, "some TP-2 decodes depart from TP 1 early enough to be cut"
+
+
 @pytest.mark.slow
 def test_every_probe_runs_on_both_ranks_with_nvlink_multicast_off(
     tp2_traces: list[TraceCreate], tp_pool: EnginePool, tp_dir: Path
