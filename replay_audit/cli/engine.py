@@ -31,6 +31,7 @@ from replay_audit.formats import (
     processors_not_applied,
 )
 from replay_audit.json_value import JsonObject, as_str
+from replay_audit.queue.route import MAX_TP_DEGREE
 from replay_audit.words import counted
 
 if TYPE_CHECKING:
@@ -144,6 +145,7 @@ def generate(
         typer.Option(
             "--tp",
             min=1,
+            max=MAX_TP_DEGREE,
             help="Tensor-parallel degree: k > 1 starts k processes (GPUs cuda:0..k-1, or CPU "
             "processes with gloo where there is no GPU), each loading the checkpoint with "
             "transformers' tp_plan=auto; the traces record tp_degree k. Needs accelerate.",
@@ -305,6 +307,7 @@ def replay(
         int | None,
         typer.Option(
             min=1,
+            max=MAX_TP_DEGREE,
             help="The tensor-parallel degree to replay at (default: each trace's logged one). "
             "A degree k > 1 starts k processes (GPUs cuda:0..k-1, or CPU processes with gloo "
             "where there is no GPU; needs accelerate); a result at another degree than the "

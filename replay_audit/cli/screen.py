@@ -20,6 +20,7 @@ from replay_audit.formats import (
     MAX_NEW_TOKENS,
     body_dtype,
 )
+from replay_audit.queue.route import MAX_TP_DEGREE
 
 if TYPE_CHECKING:
     from replay_audit.screenings.sweep.outputs import PromptRow
@@ -61,6 +62,7 @@ def screen(
         int,
         typer.Option(
             min=2,
+            max=MAX_TP_DEGREE,
             help="The TP degree the tp knob screens: needs that many CUDA GPUs (gloo processes"
             " on a CPU). One degree per screening.",
         ),

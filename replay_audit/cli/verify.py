@@ -17,6 +17,7 @@ from replay_audit.cli.demo import PROMPTS_FILE
 from replay_audit.cli.engine import _fail, _read_jsonl, _threads
 from replay_audit.cli.root import app
 from replay_audit.formats import BodyDType, HeadDType
+from replay_audit.queue.route import MAX_TP_DEGREE
 from replay_audit.words import counted
 
 #: `--devices`: what the null's engine pool owns.
@@ -70,7 +71,7 @@ def calibrate(
     false_alarm_rate: Annotated[float, typer.Option(min=1e-4, max=0.5)] = 0.01,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
-    devices: Annotated[int, typer.Option(min=1, help=DEVICES_HELP)] = 1,
+    devices: Annotated[int, typer.Option(min=1, max=MAX_TP_DEGREE, help=DEVICES_HELP)] = 1,
 ) -> None:
     """Measure the checkpoint's benign null on this platform for one claimed configuration."""
     from replay_audit.engine import EnginePool
@@ -108,7 +109,7 @@ def verify(
     false_alarm_rate: Annotated[float, typer.Option(min=1e-4, max=0.5)] = 0.01,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
-    devices: Annotated[int, typer.Option(min=1, help=DEVICES_HELP)] = 1,
+    devices: Annotated[int, typer.Option(min=1, max=MAX_TP_DEGREE, help=DEVICES_HELP)] = 1,
 ) -> None:
     """Are these logged tokens consistent with the claimed checkpoint and configuration?
 

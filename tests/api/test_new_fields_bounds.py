@@ -1,5 +1,6 @@
 """The fields this release added (a target's `gpu_kind` and `tp_degree`, a verification's
-`filter.trace_ids`, a trace's `decoding.logits_processors`, a schedule's `verify`) refuse huge
+`filter.trace_ids`, a trace's `decoding.logits_processors`, a schedule's `verify`, a run's
+`decode_window`, a screening's `tp_degree`) refuse NUL, huge
 numbers, oversize values and wrong types with a 422 naming the field, on both databases, before
 any work starts."""
 
@@ -93,3 +94,20 @@ def test_a_bad_schedule_verify_is_422_naming_it(
         r = client.post("/v1/audits/schedules", json=body, headers=headers("admin"))
         assert r.status_code == 422, r.text[:300]
         assert "verify" in r.text
+
+
+@pytest.mark.parametrize("bad", [HUGE, -1, "\u0000", "4", 1.5, True, [4]])
+def test_a_bad_decode_window_or_screening_tp_degree_is_422_naming_it(
+    client: TestClient, headers: Callable[..., dict[str, str]], bad: object
+) -> None:
+    run = {"trace_ids": ["tr_1"], "targets": [{"dtype": "fp16"}], "decode_window": bad}
+    r = client.post("/v1/replays", json=run, headers=headers("admin"))
+    assert r.status_code == 422 and r.json()["field"] == "decode_window", r.text[:300]
+    screening = {
+        "model_sha256": "a" * 64,
+        "prompts": [{"prompt_token_ids": [1, 2]}],
+        "knobs": ["tp"],
+        "tp_degree": bad,
+    }
+    r = client.post("/v1/screenings", json=screening, headers=headers("admin"))
+    assert r.status_code == 422 and r.json()["field"] == "tp_degree", r.text[:300]

@@ -213,6 +213,12 @@ def test_replay_refuses_other_weights(ckpt: Path, traces: Path, tmp_path: Path) 
         (["--dtype", "fp16", "--kv-cache", "static"], "Invalid value for '--kv-cache'"),
         (["--dtype", "fp16", "--kv-cache", "dynamic"], "Invalid value for '--kv-cache'"),
         (["--dtype", "fp16", "--decode-window", "-1"], "Invalid value for '--decode-window'"),
+        (
+            ["--dtype", "fp16", "--decode-window", str(10**20)],
+            "Invalid value for '--decode-window'",
+        ),
+        (["--dtype", "fp16", "--tp-degree", str(10**20)], "Invalid value for '--tp-degree'"),
+        (["--dtype", "fp16", "--tp-degree", "two"], "Invalid value for '--tp-degree'"),
         (["--dtype", "fp16", "--mode", "scan", "--decode-window", "2"], "decodes nothing"),
     ],
 )

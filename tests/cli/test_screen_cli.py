@@ -76,6 +76,9 @@ def test_screen_refuses_bad_options(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "unknown knob 'warp_drive'" in r.output
     r = _screen(tmp_path / "x", "--pair", "bf16")
     assert r.exit_code == 2 and "--pair" in r.output
+    for degree in ("1", str(10**20), "two"):
+        r = _screen(tmp_path / "x", "--tp-degree", degree)
+        assert r.exit_code == 2 and "Invalid value for '--tp-degree'" in r.output, r.output
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     r = runner.invoke(
