@@ -14,12 +14,29 @@ from replay_audit.config import BUNDLED_MODEL_DIR
 from replay_audit.engine import EnginePool, Target
 from replay_audit.engine.protocol import Engine
 
+#: Short prompts of the tiny random checkpoint's tests (its byte tokenizer takes any text).
+TINY_PROMPTS = [
+    "The quick brown fox",
+    "def main():",
+    "import os\nimport sys\n",
+    "Once upon a time",
+    "for i in range(10):",
+    "class Foo(object):",
+    "1 + 1 = ",
+    "SELECT * FROM",
+    "Hello, world",
+    "# Copyright",
+    "return self.",
+    "if __name__ ==",
+]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread() -> Iterator[None]:
     """The CI machine has 2 cores shared with other jobs: torch's default thread pool then
     oversubscribes and a 2 ms decode step takes 50 ms."""
     import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

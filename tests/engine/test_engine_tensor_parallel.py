@@ -26,21 +26,8 @@ from replay_audit.replays.domain import LoggedTrace, ReplayOutcome, RunTarget
 from replay_audit.replays.pipeline import ReplayItem, ReplayOptions, replay_items
 from replay_audit.traces.schemas import TraceCreate
 from tests.engine import tp_ops
+from tests.engine.conftest import TINY_PROMPTS as PROMPTS
 
-PROMPTS = [
-    "The quick brown fox",
-    "def main():",
-    "import os\nimport sys\n",
-    "Once upon a time",
-    "for i in range(10):",
-    "class Foo(object):",
-    "1 + 1 = ",
-    "SELECT * FROM",
-    "Hello, world",
-    "# Copyright",
-    "return self.",
-    "if __name__ ==",
-]
 MAX_NEW_TOKENS = 32
 CATEGORIES = ("head_reachable", "kv_dependent", "body_dominated")
 

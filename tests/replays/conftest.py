@@ -197,3 +197,15 @@ def api(pg: str, rq_redis: RedisNamespace) -> Iterator[tuple[TestClient, dict[st
         key = create_api_key(s, "acme", "admin").key
     with TestClient(create_app(settings)) as client:
         yield client, {"X-API-Key": key}
+
+
+def run_to_done(
+    client: TestClient, h: dict[str, str], runner: HoldingRunner, body: dict[str, Any]
+) -> dict[str, Any]:
+    """POST /v1/replays with `body`, run its jobs, and the run read back, done."""
+    r = client.post("/v1/replays", json=body, headers=h)
+    assert r.status_code == 201, r.text
+    runner.run_all()
+    run: dict[str, Any] = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
+    assert run["status"] == "done", run
+    return run

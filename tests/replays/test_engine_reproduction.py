@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.replays.conftest import HoldingRunner, all_results, ingest
+from tests.replays.conftest import HoldingRunner, all_results, ingest, run_to_done
 from tests.ui.conftest import sign_in
 
 pytestmark = pytest.mark.usefixtures("worker_env")
@@ -36,17 +36,6 @@ def _foreign(trace: dict[str, Any], *, change_at: int | None = None) -> dict[str
     return out
 
 
-def _run(
-    client: TestClient, h: dict[str, str], runner: HoldingRunner, body: dict[str, Any]
-) -> dict[str, Any]:
-    r = client.post("/v1/replays", json=body, headers=h)
-    assert r.status_code == 201, r.text
-    runner.run_all()
-    run = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
-    assert run["status"] == "done", run
-    return run
-
-
 def test_a_run_over_other_engines_traces_checks_the_engine_first(
     client: TestClient,
     runner: HoldingRunner,
@@ -61,7 +50,7 @@ def test_a_run_over_other_engines_traces_checks_the_engine_first(
     ids = ingest(client, h, own + reproduced + changed)
     own_ids, reproduced_ids, changed_ids = ids[:3], ids[3:6], ids[6:]
 
-    run = _run(client, h, runner, {"trace_ids": ids, "targets": [FP16]})
+    run = run_to_done(client, h, runner, {"trace_ids": ids, "targets": [FP16]})
     # The run added the check: a self target, compared with the logged tokens.
     assert len(run["targets"]) == 2 and run["targets"][1]["self"] is True
     assert run["comparisons"][1] == {"index": 1, "a": "logged", "b": 1}
@@ -119,16 +108,18 @@ def test_no_check_for_own_traces_and_none_when_turned_off(
 ) -> None:
     h = headers("admin")
     own = ingest(client, h, [logged_trace(p) for p in PROMPTS[:2]])
-    run = _run(client, h, runner, {"trace_ids": own, "targets": [FP16]})
+    run = run_to_done(client, h, runner, {"trace_ids": own, "targets": [FP16]})
     assert len(run["targets"]) == 1 and run["statistics"]["engine_reproduction"] is None
     assert run["statistics"]["comparisons"][0]["not_attributable"] is None
 
     foreign = ingest(client, h, [_foreign(logged_trace(p)) for p in PROMPTS[2:4]])
-    off = _run(client, h, runner, {"trace_ids": foreign, "targets": [FP16], "engine_check": "off"})
+    off = run_to_done(
+        client, h, runner, {"trace_ids": foreign, "targets": [FP16], "engine_check": "off"}
+    )
     assert len(off["targets"]) == 1 and off["statistics"]["engine_reproduction"] is None
 
     # A run that asked for the self-replay itself gets no second one: that is the check.
-    pairwise = _run(
+    pairwise = run_to_done(
         client,
         h,
         runner,

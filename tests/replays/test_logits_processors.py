@@ -26,7 +26,7 @@ from replay_audit.config import BUNDLED_MODEL_DIR, Settings
 from replay_audit.engine import EnginePool
 from replay_audit.engine.protocol import LogitsProcessors
 from replay_audit.replays import tasks as jobs
-from tests.replays.conftest import HoldingRunner, all_results, ingest
+from tests.replays.conftest import HoldingRunner, all_results, ingest, run_to_done
 from tests.ui.conftest import sign_in
 
 N_PROMPTS = 6
@@ -86,17 +86,6 @@ def _without_processors(trace: dict[str, Any], ids_source: str) -> dict[str, Any
     return out
 
 
-def _run(
-    client: TestClient, h: dict[str, str], runner: HoldingRunner, body: dict[str, Any]
-) -> dict[str, Any]:
-    r = client.post("/v1/replays", json=body, headers=h)
-    assert r.status_code == 201, r.text
-    runner.run_all()
-    run = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
-    assert run["status"] == "done", run
-    return run
-
-
 @pytest.mark.usefixtures("torch_worker")
 def test_processed_traces_self_replay_exactly_and_plain_greedy_would_not(
     client: TestClient,
@@ -114,7 +103,9 @@ def test_processed_traces_self_replay_exactly_and_plain_greedy_would_not(
 
     processed_runs = {}
     for mode in ("decode", "scan"):
-        run = _run(client, h, runner, {"trace_ids": ids, "compare_with": "self", "mode": mode})
+        run = run_to_done(
+            client, h, runner, {"trace_ids": ids, "compare_with": "self", "mode": mode}
+        )
         processed_runs[mode] = run["id"]
         results = all_results(client, run["id"], h)
         assert len(results) == len(ids)
@@ -139,7 +130,7 @@ def test_processed_traces_self_replay_exactly_and_plain_greedy_would_not(
     sources = ["retokenized", "pieces"]
     plain = [_without_processors(t, sources[i % 2]) for i, t in enumerate(logged)]
     plain_ids = ingest(client, h, plain)
-    run = _run(client, h, runner, {"trace_ids": plain_ids, "compare_with": "self"})
+    run = run_to_done(client, h, runner, {"trace_ids": plain_ids, "compare_with": "self"})
     results = all_results(client, run["id"], h)
     diverged = [x for x in results if not x["exact_match"]]
     assert len(diverged) >= len(plain_ids) // 2, len(diverged)

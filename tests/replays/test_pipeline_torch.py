@@ -25,21 +25,7 @@ from replay_audit.replays.results import figures as results_figures
 from replay_audit.replays.results import result_values
 from replay_audit.stats.report import ComparisonInput, run_statistics
 from replay_audit.traces.schemas import TraceCreate
-
-TINY_PROMPTS = [
-    "The quick brown fox",
-    "def main():",
-    "import os\nimport sys\n",
-    "Once upon a time",
-    "for i in range(10):",
-    "class Foo(object):",
-    "1 + 1 = ",
-    "SELECT * FROM",
-    "Hello, world",
-    "# Copyright",
-    "return self.",
-    "if __name__ ==",
-]
+from tests.engine.conftest import TINY_PROMPTS
 
 
 @dataclass(frozen=True)
