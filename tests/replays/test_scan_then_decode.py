@@ -30,6 +30,7 @@ from replay_audit.config import Settings, get_settings
 from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
 from replay_audit.replays import tasks as jobs
 from replay_audit.replays.domain import ControlSample, resolve_mode
+from replay_audit.stats.proportion import wilson_interval
 from replay_audit.stats.report import ComparisonInput, ResultFigures, screening_report
 from tests.replays.conftest import HoldingRunner, all_results, ingest
 from tests.ui.conftest import SESSION_SECRET, sign_in
@@ -211,14 +212,20 @@ def test_the_control_sample_finds_what_the_scan_misses(
     # EAR counts decoded results only: the scanned-only ones are neither exact nor divergent.
     assert c["ear"]["n"] == s["decoded"]
     assert c["ear"]["successes"] == len(control) - len(missed)
-    # The scan misses the 12 kv flips of 36 decode divergences: the interval covers 1/3.
-    rate = s["miss_rate"]
-    assert rate["low"] <= 12 / 36 <= rate["high"]
-    assert rate["estimate"] is not None and 0 < rate["estimate"] < 1
-    true_ear = 44 / 80
-    assert s["ear"]["low"] <= true_ear <= s["ear"]["high"]
-    misses = s["estimated_misses"]
-    assert misses["low"] <= 12 <= misses["high"]
+    # The scan misses 12 kv flips of 36 decode divergences. What the run can know of that is
+    # its control sample: the figures are its Wilson interval carried to the unflagged 56.
+    # (Whether such intervals cover the truth is a property over many samples, tested below;
+    # this one sample depends on the database's ids, so its interval may miss, 5% of the time.)
+    assert_carried_from_sample(
+        s,
+        missed=len(missed),
+        control=len(control),
+        unflagged=56,
+        flagged_diverged=24,
+        flagged_exact=0,
+        scanned=80,
+    )
+    assert s["miss_rate"]["estimate"] is not None and 0 < s["miss_rate"]["estimate"] < 1
 
     # The run page shows the split.
     assert sign_in(client, api_key("auditor")).status_code == 303
@@ -230,6 +237,40 @@ def test_the_control_sample_finds_what_the_scan_misses(
     scanned = next(i for i, x in items.items() if x["screen"] == "scanned")
     trace_page = client.get(f"/ui/runs/{run['id']}/traces/{scanned}")
     assert trace_page.status_code == 200 and 'id="only-scanned"' in trace_page.text
+
+
+def assert_carried_from_sample(
+    s: dict[str, dict[str, float]],
+    *,
+    missed: int,
+    control: int,
+    unflagged: int,
+    flagged_diverged: int,
+    flagged_exact: int,
+    scanned: int,
+) -> None:
+    """The screening block's estimates are the control sample's Wilson interval (`missed` of
+    `control`) carried to the `unflagged` traces: misses, the share of all decode divergences
+    they are, and the EAR of all scanned traces (whose high end comes from the rate's low)."""
+    w = wilson_interval(missed, control)
+    p = missed / control
+
+    def rate(q: float) -> float:
+        return unflagged * q / (flagged_diverged + unflagged * q)
+
+    def ear(q: float) -> float:
+        return (flagged_exact + unflagged * (1 - q)) / scanned
+
+    got = {
+        k: (s[k]["low"], s[k]["estimate"], s[k]["high"])
+        for k in ("estimated_misses", "miss_rate", "ear")
+    }
+    want = {
+        "estimated_misses": (unflagged * w.low, unflagged * p, unflagged * w.high),
+        "miss_rate": (rate(w.low), rate(p), rate(w.high)),
+        "ear": (ear(w.high), ear(p), ear(w.low)),
+    }
+    assert got == {k: pytest.approx(v, rel=1e-12) for k, v in want.items()}
 
 
 def _run(
@@ -292,10 +333,17 @@ def test_near_tie_flagging_decodes_the_kv_flips_the_scan_cannot_see(
     # A wide margin at t*: the gate (1e-3) does not fire there, so the body is blamed.
     assert s["misses_by_category"]["body_dominated"] == len(missed)
     assert s["false_flags"] == 0 and s["flagged_diverged"] == 12
-    # The truth: 8 kv_far misses of 30 decode divergences; 50 exact of 80.
-    assert s["miss_rate"]["low"] <= 8 / 30 <= s["miss_rate"]["high"]
-    assert s["estimated_misses"]["low"] <= 8 <= s["estimated_misses"]["high"]
-    assert s["ear"]["low"] <= 50 / 80 <= s["ear"]["high"]
+    # The truth is 8 kv_far misses of 30 decode divergences; the run reports its control
+    # sample's interval carried to the 52 traces neither rule flags.
+    assert_carried_from_sample(
+        s,
+        missed=len(missed),
+        control=len(control),
+        unflagged=52,
+        flagged_diverged=22,
+        flagged_exact=6,
+        scanned=80,
+    )
     assert sign_in(client, api_key("auditor")).status_code == 303
     page = client.get(f"/ui/runs/{run['id']}")
     assert "16 by a near-tie (margin at most 1.0 ulps), 10 of them diverged" in page.text
