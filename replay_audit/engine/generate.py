@@ -29,6 +29,7 @@ from replay_audit.engine.loading import (
     apply_sdpa_policy,
     configure_numerics,
     load_model,
+    load_tokenizer,
     numerical_environment,
     resolve_device,
     set_torch_threads,
@@ -36,7 +37,7 @@ from replay_audit.engine.loading import (
 from replay_audit.engine.numerics import top_k_on_host
 from replay_audit.engine.pieces import PieceReader
 from replay_audit.engine.protocol import Environment, LogitsProcessors
-from replay_audit.engine.tensor_parallel import RankState, TpGroup
+from replay_audit.engine.tensor_parallel import RankState, TpGroup, check_shards
 from replay_audit.exceptions import EngineError
 from replay_audit.json_value import JsonObject, JsonValue
 
@@ -132,32 +133,36 @@ class TraceGenerator:
         self.dtype = dtype
         self.tp_degree = tp_degree
         self._group: TpGroup | None = None
+        self._model: Any = None  # at TP 1; at TP k each rank holds its share
         # Hashed first: a path that is no checkpoint fails before a model loads.
         self.weights_sha256 = weights_sha256(self.model_dir)
         if tp_degree > 1:
+            check_shards(self.model_dir, tp_degree)
             self._group = TpGroup(tp_degree, device=device, threads=threads)
             self._key = self._group.new_key(str(self.model_dir))
             try:
-                self._group.run(
+                facts: _Facts = self._group.run(
                     _load_model, self._key, self.model_dir, dtype, attn_kernel, deterministic, tf32
                 )
             except BaseException:
                 self._group.close()
                 raise
-            loaded = self._group.state.get(self._key, _Loaded)
-            self.model, self.tokenizer = loaded.model, loaded.tokenizer
-            self.device = self._group.state.placement.device
+            self.tokenizer = load_tokenizer(self.model_dir)  # the ranks' own files
         else:
             configure_numerics(deterministic=deterministic, tf32=tf32)
             self.device = resolve_device(device)
             apply_sdpa_policy(self.device)  # the engine's SDPA backends: logged as replayed
-            self.model, self.tokenizer = load_model(self.model_dir, dtype, attn_kernel, self.device)
+            self._model, self.tokenizer = load_model(
+                self.model_dir, dtype, attn_kernel, self.device
+            )
+            facts = _facts(self._model, self.tokenizer, self.device, dtype, 1, None)
         if self.tokenizer is None:
+            self.close()
             raise EngineError(f"{self.model_dir} has no tokenizer: cannot encode prompts")
-        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
+        #: What the traces record, read where the model runs (rank 0's process at TP k).
+        self.config, self.vocab_size, self.eos_ids = facts.config, facts.vocab_size, facts.eos_ids
         self.pieces = PieceReader(self.tokenizer)
         self.model_name = model_name or self.model_dir.name
-        self.config = self._config()
 
     def close(self) -> None:
         """Stop the tensor-parallel group, if there is one (nothing at TP 1)."""
@@ -169,28 +174,6 @@ class TraceGenerator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _config(self) -> Environment:
-        import transformers
-
-        extras: dict[str, str | int | float | bool | None] = {
-            "kv_cache": "dynamic",
-            "producer": "replay-audit generate",
-        }
-        if self._group is not None:
-            extras.update(tp_plan="auto", tp_backend=self._group.backend)
-        return numerical_environment(
-            dtype=self.dtype,
-            lm_head_dtype=self.dtype,
-            weight_dtype=self.dtype,
-            device=self.device,
-            attn_kernel=str(self.model.config._attn_implementation),
-            batch_size=1,
-            engine_name="transformers",
-            engine_version=transformers.__version__,
-            tp_degree=self.tp_degree,
-            extras=extras,
-        )
 
     def render(self, messages: Sequence[Mapping[str, str]]) -> str:
         """A chat prompt as servers render it: the checkpoint's chat template, with the
@@ -223,7 +206,7 @@ class TraceGenerator:
         if self._group is None:
             ids = self.eos_ids
             return greedy_generate(
-                self.model, self.device, prompt_ids, max_new_tokens, ids, settings
+                self._model, self.device, prompt_ids, max_new_tokens, ids, settings
             )
         seq, logits = self._group.run(
             _generate, self._key, list(prompt_ids), max_new_tokens, self.eos_ids, settings
@@ -257,7 +240,7 @@ class TraceGenerator:
                 "name": self.model_name,
                 "revision": None,
                 "weights_sha256": self.weights_sha256,
-                "vocab_size": int(self.model.config.vocab_size),
+                "vocab_size": self.vocab_size,
             },
             "config": self.config,
             "decoding": {
@@ -324,6 +307,47 @@ class _Loaded:
     tokenizer: Any
 
 
+@dataclass(frozen=True)
+class _Facts:
+    """What a generator's traces record of its loaded checkpoint, read where the model runs:
+    the numerical configuration, the vocabulary size and the eos ids."""
+
+    config: Environment
+    vocab_size: int
+    eos_ids: list[int]
+
+
+def _facts(
+    model: Any,
+    tokenizer: Any,
+    device: torch.device,
+    dtype: str,
+    tp_degree: int,
+    tp_backend: str | None,
+) -> _Facts:
+    import transformers
+
+    extras: dict[str, str | int | float | bool | None] = {
+        "kv_cache": "dynamic",
+        "producer": "replay-audit generate",
+    }
+    if tp_backend is not None:
+        extras.update(tp_plan="auto", tp_backend=tp_backend)
+    config = numerical_environment(
+        dtype=dtype,
+        lm_head_dtype=dtype,
+        weight_dtype=dtype,
+        device=device,
+        attn_kernel=str(model.config._attn_implementation),
+        batch_size=1,
+        engine_name="transformers",
+        engine_version=transformers.__version__,
+        tp_degree=tp_degree,
+        extras=extras,
+    )
+    return _Facts(config, int(model.config.vocab_size), eos_token_ids(model, tokenizer))
+
+
 def _load_model(
     state: RankState,
     key: str,
@@ -332,14 +356,15 @@ def _load_model(
     attn_kernel: str | None,
     deterministic: bool,
     tf32: bool,
-) -> None:
-    """This rank's share of the checkpoint, with the generator's numerical flags."""
+) -> _Facts:
+    """This rank's share of the checkpoint, with the generator's numerical flags; what the
+    traces record of it."""
     configure_numerics(deterministic=deterministic, tf32=tf32)
-    device = state.placement.device
-    apply_sdpa_policy(device)
-    state.objects[key] = _Loaded(
-        *load_model(model_dir, dtype, attn_kernel, device, tp=state.placement)
-    )
+    place = state.placement
+    apply_sdpa_policy(place.device)
+    loaded = _Loaded(*load_model(model_dir, dtype, attn_kernel, place.device, tp=place))
+    state.objects[key] = loaded
+    return _facts(loaded.model, loaded.tokenizer, place.device, dtype, place.degree, place.backend)
 
 
 def _generate(

@@ -106,8 +106,7 @@ class EnginePool:
                 self._engines[key] = engine
                 if self._max is not None:
                     # An evicted TP engine's ranks drop its model; the group itself stays for
-                    # the next TP job: a second NCCL group in one process segfaulted in
-                    # transformers' device-mesh setup (BENCHMARKS.md, "Tensor-parallel replay").
+                    # the next TP job (starting k ranks costs an import of torch each).
                     while len(self._engines) > self._max:
                         _close(self._engines.popitem(last=False)[1])
             self._engines.move_to_end(key)
@@ -117,6 +116,9 @@ class EnginePool:
         if self._loader is not None:
             engine = self._loader(d, target)
         elif tp_degree > 1:
+            from replay_audit.engine.tensor_parallel import check_shards
+
+            check_shards(d, tp_degree)  # before the group of another degree is stopped
             engine = load_engine(d, target, tp=self._tp_group(tp_degree), **self._options)
         else:
             engine = load_engine(d, target, **self._options)
@@ -126,8 +128,9 @@ class EnginePool:
 
     def _tp_group(self, degree: int) -> TpGroup:
         """The pool's tensor-parallel group of `degree` ranks: the one it has, else a new one
-        (the group of another degree stopped first, with its engines: a process is in one
-        process group at a time)."""
+        (the group of another degree stopped first, with its engines: the groups would share
+        the pool's devices). Every rank is a process of its own, so a new group is new
+        processes, never a second process group in one process."""
         from replay_audit.engine.tensor_parallel import TpGroup
 
         if self._tp is not None and self._tp.degree != degree:

@@ -1,40 +1,40 @@
-"""Tensor-parallel execution: one process per rank, rank 0 driving, the others in lockstep.
+"""Tensor-parallel execution: one process per rank, every rank a child of this process.
 
-A `TpGroup` of degree k is this process (rank 0) and k - 1 rank processes it starts
-(`python -m replay_audit.engine.tp_rank`, one per device: cuda:r, or the CPU for tests), joined
-by torch.distributed (NCCL on CUDA, gloo on the CPU). Each rank loads the checkpoint with
-transformers' tensor-parallel loading (`tp_plan="auto"`: attention and MLP projections split by
-heads and columns, their row-parallel halves summed by an all-reduce, the lm_head split by
-vocabulary and gathered) and keeps it loaded until the group drops it.
+A `TpGroup` of degree k is k rank processes this process starts (`python -m
+replay_audit.engine.tp_rank`, rank r on cuda:r, or on the CPU for tests), joined by
+torch.distributed (NCCL on CUDA, gloo on the CPU) through a store this process serves. Each rank
+loads the checkpoint with transformers' tensor-parallel loading (`tp_plan="auto"`: attention and
+MLP projections split by heads and columns, their row-parallel halves summed by an all-reduce,
+the lm_head split by vocabulary and gathered) and keeps it loaded until the group drops it.
 
-Every probe runs the same computation on every rank. Rank 0 sends each rank the operation and
-its inputs (a module-level function and its arguments, pickled over a private socket); once
-every rank has read it (a rank that cannot, say so, and none runs it), all run it, rank 0
-included, and rank 0 reads each rank's answer: "ok" with a digest of its result, or its error. The
-collectives inside the operation (the all-reduces of the body, the lm_head's gather) keep the
-ranks in step; the digests check that every rank computed the same bits, so a result says what
-every rank computed, not what rank 0 hoped they did.
+This process drives and joins no process group itself: closing a group stops its processes, and
+the next group, of any degree, is k new processes. (A process that closed one NCCL group and
+made another segfaulted in transformers' device-mesh setup on 2x H200; no process here ever
+does that, so a worker changes its TP degree by stopping one group and starting another.)
 
-    TpGroup                the processes and the process group; `run(op, *args)`
-    TensorParallelEngine   (`tp_engine`) an `Engine` whose every probe (decode, scan, scan_batch,
-                           step, step_batch, hidden_states) is a `run` of each rank's own
-                           `TorchEngine`
+Every probe runs the same computation on every rank. This process sends each rank the
+operation and its inputs (a module-level function and its arguments, pickled over a private
+socket); once every rank has read it (a rank that cannot, says so, and none runs it), all run
+it, and each answers "ok" with a digest of its result, or its error; rank 0 sends its result
+too. The collectives inside the operation (the all-reduces of the body, the lm_head's gather)
+keep the ranks in step; the digests check that every rank computed the same bits, so a result
+says what every rank computed, not what rank 0 hoped they did.
 
-NVLink multicast stays off in every rank (`NVLS_OFF`): this process sets it before its
-communicator exists, and each rank gets it in its environment. A rank dies with its parent
-(Linux's PR_SET_PDEATHSIG, set by the rank itself) and exits when the control socket closes, so
-a killed worker leaves no rank behind.
+    TpGroup                the processes and their store; `run(op, *args)`
+    TensorParallelEngine   (`tp_engine`) an `Engine` whose every call (probes, environment,
+                           tokenizer) is a `run` of each rank's own `TorchEngine`
 
-One process is in one default process group at a time, so a process has one `TpGroup` at a time
-(`EnginePool` keeps it, and replaces it when a job needs another degree).
+NVLink multicast stays off in every rank (`NVLS_OFF`, in each rank's environment). A rank dies
+with its parent (Linux's PR_SET_PDEATHSIG, set by the rank itself) and exits when the control
+socket closes, so a killed worker leaves no rank behind.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import hashlib
 import itertools
+import json
 import logging
 import os
 import pickle
@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
 from replay_audit.exceptions import EngineError, UnsupportedFormat
@@ -61,7 +62,7 @@ NVLS_OFF: Final[Mapping[str, str]] = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 #: Seconds a collective may wait for the other ranks before it fails (the process group's
-#: timeout), and rank 0 for a rank's answer beyond it.
+#: timeout), and the driving process for a rank's answer beyond it.
 DEFAULT_TIMEOUT_S: Final = 600.0
 #: Seconds the ranks have to start (import torch and transformers) and join the group.
 START_TIMEOUT_S: Final = 300.0
@@ -108,7 +109,7 @@ class TpPlacement:
 @dataclass
 class RankState:
     """What one rank holds: its placement, and what it loaded (engines and generators, by the
-    key rank 0 gave them)."""
+    key the driving process gave them)."""
 
     placement: TpPlacement
     objects: dict[str, object] = field(default_factory=dict)
@@ -121,25 +122,20 @@ class RankState:
         return obj
 
 
-def digest(result: object) -> str:
-    """A digest of an operation's result (its pickle: numpy arrays by their bytes), to check
-    that every rank computed the same."""
-    return hashlib.sha256(pickle.dumps(result, protocol=5)).hexdigest()
-
-
 #: An operation every rank runs: a module-level function (pickled by reference) of the rank's
-#: state and the arguments rank 0 sent.
+#: state and the arguments the driving process sent.
 Op = Callable[..., object]
 
 
 class TpGroup:
-    """k processes joined by torch.distributed: this one (rank 0) and k - 1 it starts.
+    """k rank processes joined by torch.distributed, all started by this process, which drives
+    them and is no rank itself.
 
-    `degree` is k (at least 2); `device` "cuda" puts rank r on cuda:r (this process: cuda:0) and
-    joins them with NCCL, "cpu" runs every rank on the CPU with gloo; None: CUDA when available.
-    `threads`: torch's CPU threads in each started rank (None: this process's count).
-    `run(op, *args)` runs `op(state, *args)` on every rank and returns rank 0's result.
-    `close()` stops the ranks and leaves the process group (the group is then unusable)."""
+    `degree` is k (at least 2); `device` "cuda" puts rank r on cuda:r and joins them with NCCL,
+    "cpu" runs every rank on the CPU with gloo; None: CUDA when available. `threads`: torch's
+    CPU threads in each rank (None: this process's count). `run(op, *args)` runs
+    `op(state, *args)` on every rank and returns rank 0's result. `close()` stops the ranks (the
+    group is then unusable); a process may then start another group, of any degree."""
 
     def __init__(
         self,
@@ -150,33 +146,24 @@ class TpGroup:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         start_timeout_s: float = START_TIMEOUT_S,
     ) -> None:
-        import torch
         import torch.distributed as dist
 
         if degree < 2:
             raise ValueError("a tensor-parallel group has at least two ranks")
         device_type = _device_type(device)
         _check_can_start(degree, device_type)
-        if dist.is_initialized():
-            raise EngineError(
-                "this process is already in a torch.distributed process group: one tensor-"
-                "parallel group per process (close the other first)"
-            )
         self.degree = degree
         self.device_type: DeviceType = device_type
         self.timeout_s = timeout_s
-        self.state = RankState(TpPlacement(0, degree, device_type))
         self._lock = threading.Lock()
         self._keys = itertools.count()
         self._broken: str | None = None
         self._closed = False
-        os.environ.update(NVLS_OFF)  # this process's communicator reads them when it is made
-        if device_type == "cuda":
-            torch.cuda.set_device(0)
-        store = dist.TCPStore(  # type: ignore[attr-defined]
+        # The ranks' rendezvous: served here for the group's life, joined by every rank.
+        self._store = dist.TCPStore(  # type: ignore[attr-defined]
             "127.0.0.1",
             0,
-            degree,
+            degree + 1,
             is_master=True,
             timeout=timedelta(seconds=start_timeout_s),
             wait_for_workers=False,
@@ -184,27 +171,17 @@ class TpGroup:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._conns: list[Connection] = []
         try:
-            for rank in range(1, degree):
-                proc, conn = _start_rank(rank, degree, store.port, device_type, threads, timeout_s)
+            for rank in range(degree):
+                proc, conn = _start_rank(
+                    rank, degree, self._store.port, device_type, threads, timeout_s
+                )
                 self._procs.append(proc)
                 self._conns.append(conn)
-            for rank, conn in enumerate(self._conns, start=1):
-                self._expect(rank, conn, "started", start_timeout_s)
-            dist.init_process_group(
-                backend_for(device_type),
-                store=store,
-                rank=0,
-                world_size=degree,
-                timeout=timedelta(seconds=timeout_s),
-                device_id=torch.device("cuda", 0) if device_type == "cuda" else None,
-            )
-            for rank, conn in enumerate(self._conns, start=1):
-                self._expect(rank, conn, "ready", start_timeout_s)
+            for what in ("started", "ready"):
+                for rank, conn in enumerate(self._conns):
+                    self._expect(rank, conn, what, start_timeout_s)
         except BaseException:
             self._stop_ranks()
-            with contextlib.suppress(Exception):
-                if dist.is_initialized():
-                    dist.destroy_process_group()
             self._closed = True
             raise
         log.info(
@@ -228,7 +205,7 @@ class TpGroup:
 
     @property
     def pids(self) -> list[int]:
-        """The started ranks' process ids (ranks 1..k-1)."""
+        """The ranks' process ids (rank 0 first)."""
         return [p.pid for p in self._procs]
 
     def new_key(self, what: str) -> str:
@@ -253,65 +230,48 @@ class TpGroup:
                 conn.send_bytes(message)
             # Every rank has read the operation before any runs it: one that cannot (a module
             # it cannot import) refuses it, and no rank waits in a collective for it.
-            taken = [self._answer(rank, conn) for rank, conn in enumerate(self._conns, start=1)]
-            refused = [(rank, what) for rank, (status, what) in taken if status != "taken"]
+            taken = [self._answer(rank, conn) for rank, conn in enumerate(self._conns)]
+            refused = [(rank, a.detail) for rank, a in enumerate(taken) if a.status != "taken"]
+            go = not refused
+            for conn in self._conns:
+                with contextlib.suppress(OSError):
+                    conn.send(go)
             if refused:
-                for conn in self._conns:
-                    with contextlib.suppress(OSError):
-                        conn.send(False)
                 rank, what = refused[0]
                 raise EngineError(
                     f"tensor-parallel rank {rank} could not take the operation: {what}"
                 )
-            for conn in self._conns:
-                conn.send(True)
-            error: BaseException | None = None
-            result: object = None
             try:
-                result = op(self.state, *args)
-            except Exception as exc:  # every rank answers first; then this is raised
-                error = exc
+                answers = [self._answer(rank, conn) for rank, conn in enumerate(self._conns)]
             except BaseException:  # Ctrl-C mid-operation: the ranks' answers are not read
-                self._broken = "rank 0 was interrupted during an operation"
+                self._broken = "interrupted while the ranks ran an operation"
                 raise
-            answers = [self._answer(rank, conn) for rank, conn in enumerate(self._conns, start=1)]
-            failed = [(rank, what) for rank, (status, what) in answers if status == "error"]
-            if error is not None:
-                if len(failed) != len(answers):
-                    ok = [r for r, (status, _) in answers if status == "ok"]
-                    self._broken = f"rank 0 failed ({error}) where ranks {ok} did not"
-                raise error
+            failed = [(rank, a) for rank, a in enumerate(answers) if a.status != "ok"]
+            if failed and len(failed) == len(answers):
+                raise answers[0].error()  # every rank failed alike: rank 0's error
             if failed:
-                rank, what = failed[0]
-                self._broken = f"rank {rank} failed: {what}"
-                raise EngineError(
-                    f"tensor-parallel rank {rank} failed where rank 0 did not: {what}"
-                )
-            mine = digest(result)
-            for rank, (_, theirs) in answers:
-                if theirs != mine:
+                rank, answer = failed[0]
+                ok = [r for r, a in enumerate(answers) if a.status == "ok"]
+                self._broken = f"rank {rank} failed ({answer.detail}) where ranks {ok} did not"
+                raise EngineError(f"tensor-parallel {self._broken}")
+            mine = answers[0].detail
+            for rank, answer in enumerate(answers[1:], start=1):
+                if answer.detail != mine:
                     raise EngineError(
                         f"tensor-parallel rank {rank} computed another result than rank 0 for "
                         f"{getattr(op, '__name__', op)}: the ranks' numerics are not replicated"
                     )
-            return result
+            return pickle.loads(answers[0].payload)  # rank 0's, over a private socket
 
     def close(self) -> None:
         """Stop the ranks (each leaves the process group and exits; one that does not within
-        30 s is killed) and leave the process group. Idempotent."""
+        30 s is killed) and the store. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self.state.objects.clear()
             self._stop_ranks()
-            import torch.distributed as dist
-
-            with contextlib.suppress(Exception):
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-            gc.collect()
-            empty_device_cache(self.device_type)
+            del self._store
 
     def __enter__(self) -> TpGroup:
         return self
@@ -326,7 +286,7 @@ class TpGroup:
             return "closed"
         if self._broken is not None:
             return self._broken
-        dead = [(r, p.poll()) for r, p in enumerate(self._procs, start=1)]
+        dead = [(r, p.poll()) for r, p in enumerate(self._procs)]
         return ", ".join(f"rank {r} exited with {c}" for r, c in dead if c is not None) or "?"
 
     def _expect(self, rank: int, conn: Connection, what: str, timeout_s: float) -> None:
@@ -338,28 +298,31 @@ class TpGroup:
         try:
             status, detail = conn.recv()
         except EOFError:
-            code = self._procs[rank - 1].wait(timeout=30)
+            code = self._procs[rank].wait(timeout=30)
             raise EngineError(
                 f"tensor-parallel rank {rank} exited with {code} while starting"
             ) from None
         if status != what:
             raise EngineError(f"tensor-parallel rank {rank} could not start: {detail}")
 
-    def _answer(self, rank: int, conn: Connection) -> tuple[int, tuple[str, str]]:
-        """Rank `rank`'s answer to the operation just sent: ("ok", digest) or ("error", why)."""
+    def _answer(self, rank: int, conn: Connection) -> Answer:
+        """Rank `rank`'s answer to the operation just sent (an error where it gave none)."""
         try:
             if not conn.poll(self.timeout_s + 60):
                 self._broken = f"rank {rank} gave no answer in {self.timeout_s + 60:g} s"
-                return rank, ("error", self._broken)
-            status, detail = conn.recv()
+                return Answer("error", self._broken)
+            answer = conn.recv()  # a rank's, over a private socket
         except (EOFError, OSError):
             try:
-                code: int | None = self._procs[rank - 1].wait(timeout=10)
+                code: int | None = self._procs[rank].wait(timeout=10)
             except subprocess.TimeoutExpired:
                 code = None
             self._broken = f"rank {rank} closed its channel (exit status {code})"
-            return rank, ("error", self._broken)
-        return rank, (str(status), str(detail))
+            return Answer("error", self._broken)
+        if not isinstance(answer, Answer):
+            self._broken = f"rank {rank} answered {type(answer).__name__}"
+            return Answer("error", self._broken)
+        return answer
 
     def _stop_ranks(self) -> None:
         for conn in self._conns:
@@ -373,6 +336,58 @@ class TpGroup:
                 proc.wait()
         for conn in self._conns:
             conn.close()
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A rank's answer: "taken" (it read the operation), "refused" (it could not), "ok" (its
+    result's digest in `detail`) or "error" (why in `detail`); `payload` is rank 0's pickled
+    result, or the pickled exception a rank raised where it pickles."""
+
+    status: Literal["taken", "refused", "ok", "error"]
+    detail: str
+    payload: bytes = b""
+
+    def error(self) -> Exception:
+        """The exception this "error" answer carries (an `EngineError` of its text where the
+        rank's own could not travel)."""
+        with contextlib.suppress(Exception):
+            exc = pickle.loads(self.payload)  # a rank's, over a private socket
+            if isinstance(exc, Exception):
+                return exc
+        return EngineError(self.detail)
+
+    @classmethod
+    def of_error(cls, exc: Exception) -> Answer:
+        detail = f"{type(exc).__name__}: {exc}"
+        try:
+            payload = pickle.dumps(exc, protocol=5)
+            pickle.loads(payload)  # an exception whose arguments do not rebuild it stays here
+        except Exception:
+            payload = b""
+        return cls("error", detail, payload)
+
+
+def check_shards(model_dir: Path, degree: int) -> None:
+    """Refuse TP `degree` for a checkpoint whose attention heads or KV heads it does not divide
+    (its `config.json`), before any process starts: transformers' plan would split heads
+    across ranks and compute something no server runs, where vLLM refuses such a degree
+    ("Total number of attention heads must be divisible by tensor parallel size")."""
+    if degree < 2:
+        return
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # no readable config: the load says what is wrong
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads", heads)
+    for name, n in (("attention heads", heads), ("KV heads", kv_heads)):
+        if isinstance(n, int) and n % degree:
+            raise UnsupportedFormat(
+                f"TP {degree} does not divide the checkpoint's {n} {name}: a tensor-parallel "
+                "degree must divide them",
+                field="tp_degree",
+            )
 
 
 def _device_type(device: str | None) -> DeviceType:
@@ -471,8 +486,8 @@ def die_with_parent(parent_pid: int) -> None:
     """This process lives as long as its parent: it gets SIGKILL when the parent dies (Linux's
     PR_SET_PDEATHSIG; elsewhere nothing), exits now if the parent is already gone, and ignores
     SIGINT and SIGTERM (a Ctrl-C at a terminal, a supervisor signalling the whole process
-    group): rank 0 decides when the operation in progress ends, as a worker's warm shutdown
-    finishes its job, and stops its ranks itself."""
+    group): the driving process decides when the operation in progress ends, as a worker's warm
+    shutdown finishes its job, and stops its ranks itself."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
@@ -485,27 +500,34 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def follow(conn: Connection, state: RankState) -> None:
-    """A started rank's loop: run each operation rank 0 sends, answer ("ok", digest) or
-    ("error", why), until rank 0 says stop (None) or the channel closes."""
+    """A rank's loop: take each operation the driving process sends, run it once every rank has
+    taken it, and answer (`Answer`: rank 0 with its result), until told to stop (None) or the
+    channel closes."""
     while True:
         try:
             message = conn.recv_bytes()
         except (EOFError, OSError):
             return
         try:
-            request = pickle.loads(message)  # rank 0's, over a private socket
+            request = pickle.loads(message)  # the driving process's, over a private socket
         except Exception as exc:
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            conn.send(Answer("refused", f"{type(exc).__name__}: {exc}"))
             request = ()
         else:
             if request is None:
                 return
-            conn.send(("taken", ""))
+            conn.send(Answer("taken", ""))
         if not conn.recv():  # a rank could not take it: no rank runs it
             continue
         op, args = request
         try:
-            answer = ("ok", digest(op(state, *args)))
+            result = op(state, *args)
+            payload = pickle.dumps(result, protocol=5)
+            answer = Answer(
+                "ok",
+                hashlib.sha256(payload).hexdigest(),
+                payload if state.placement.rank == 0 else b"",
+            )
         except Exception as exc:
-            answer = ("error", f"{type(exc).__name__}: {exc}")
+            answer = Answer.of_error(exc)
         conn.send(answer)

@@ -1,7 +1,9 @@
 """`TensorParallelEngine`: an `Engine` at TP degree k over a `tensor_parallel.TpGroup`. Every
 rank holds a `TorchEngine` of the checkpoint loaded with transformers' tensor-parallel plan
-(`TorchEngine.load(tp=...)`), and every probe is one operation of the group: each rank runs it
-on its own engine, and rank 0's result is returned once every rank's digest matches it."""
+(`TorchEngine.load(tp=...)`), and every call is one operation of the group: each rank runs it
+on its own engine, and rank 0's result is returned once every rank's digest matches it. This
+process holds no model: what it says of the engine (its target, its environment, its tokens'
+texts) is what the ranks answer."""
 
 from __future__ import annotations
 
@@ -35,10 +37,11 @@ from replay_audit.engine.torch_engine import TorchEngine
 
 def _load_engine(
     state: RankState, key: str, model_dir: Path, target: Target, options: LoadOptions
-) -> None:
-    from replay_audit.engine.torch_engine import TorchEngine
-
-    state.objects[key] = TorchEngine.load(model_dir, target, tp=state.placement, **options)
+) -> tuple[Target, int]:
+    """Load the rank's engine; its target as loaded and its vocabulary size."""
+    engine = TorchEngine.load(model_dir, target, tp=state.placement, **options)
+    state.objects[key] = engine
+    return engine.target, engine.vocab_size
 
 
 def _call(
@@ -56,13 +59,14 @@ def _drop(state: RankState, key: str) -> None:
 class TensorParallelEngine:
     """An `Engine` (and `HiddenStates`) at TP degree k: every rank of `group` holds a
     `TorchEngine` of the checkpoint loaded with transformers' tensor-parallel plan, and every
-    probe runs on all of them (`TpGroup.run`); rank 0's answers. What needs no computation
-    (the target, the environment, the tokenizer) is rank 0's engine's."""
+    call runs on all of them (`TpGroup.run`); rank 0's answers. The target and vocabulary size
+    are the ranks' as they loaded."""
 
-    def __init__(self, group: TpGroup, key: str, local: TorchEngine) -> None:
+    def __init__(self, group: TpGroup, key: str, target: Target, vocab_size: int) -> None:
         self.group = group
         self.key = key
-        self.local = local
+        self.target = target
+        self.vocab_size = vocab_size
 
     @classmethod
     def load(
@@ -70,29 +74,20 @@ class TensorParallelEngine:
     ) -> TensorParallelEngine:
         """Load `model_dir` in `target`'s format on every rank of `group`."""
         key = group.new_key(str(model_dir))
-        group.run(_load_engine, key, Path(model_dir), target, options)
-        local = group.state.get(key, TorchEngine)
-        return cls(group, key, local)
+        loaded, vocab_size = group.run(_load_engine, key, Path(model_dir), target, options)
+        return cls(group, key, loaded, vocab_size)
 
     def close(self) -> None:
-        """Every rank drops its engine (nothing where the group is no longer usable)."""
+        """Every rank drops its engine (nothing where the group is no longer usable: its ranks
+        are stopped with it)."""
         if self.group.alive:
             self.group.run(_drop, self.key)
-        else:
-            self.group.state.objects.pop(self.key, None)
 
     # -- the protocol -------------------------------------------------------------------------
 
-    @property
-    def target(self) -> Target:
-        return self.local.target
-
-    @property
-    def vocab_size(self) -> int:
-        return self.local.vocab_size
-
     def environment(self) -> Environment:
-        return self.local.environment()
+        environment: Environment = self._run("environment", (), {})
+        return environment
 
     def decode(
         self,
@@ -183,10 +178,12 @@ class TensorParallelEngine:
         return states
 
     def detokenize(self, ids: Sequence[int]) -> str | None:
-        return self.local.detokenize(ids)
+        text: str | None = self._run("detokenize", (list(ids),), {})
+        return text
 
     def token_pieces(self, ids: Sequence[int]) -> tuple[Piece, ...] | None:
-        return self.local.token_pieces(ids)
+        pieces: tuple[Piece, ...] | None = self._run("token_pieces", (list(ids),), {})
+        return pieces
 
     def _run(self, method: str, args: Sequence[object], kwargs: Mapping[str, object]) -> Any:
         return self.group.run(_call, self.key, method, args, kwargs)

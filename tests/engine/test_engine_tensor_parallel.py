@@ -108,6 +108,23 @@ def test_a_degree_above_the_devices_owned_is_refused_before_anything_loads(
     assert len(pool) == 0
 
 
+def test_a_degree_that_does_not_divide_the_heads_is_refused_before_any_rank_starts(
+    tp_dir: Path,
+) -> None:
+    """transformers would load TP 3 of 4 heads, splitting heads across ranks: a computation no
+    server runs (vLLM refuses the degree). The pool and the generator refuse it first."""
+    from replay_audit.engine.generate import TraceGenerator
+
+    pool = EnginePool(device="cpu", devices=3)
+    with pytest.raises(
+        UnsupportedFormat, match="TP 3 does not divide the checkpoint's 4 attention"
+    ):
+        pool.get(tp_dir, Target("bf16"), 3)
+    assert len(pool) == 0 and pool._tp is None  # no group was started
+    with pytest.raises(UnsupportedFormat, match="TP 3 does not divide"):
+        TraceGenerator(tp_dir, device="cpu", tp_degree=3)
+
+
 @pytest.mark.slow
 def test_traces_generated_at_tp2_record_their_degree(tp2_traces: list[TraceCreate]) -> None:
     for tr in tp2_traces:
@@ -223,7 +240,7 @@ def test_every_probe_runs_on_both_ranks_with_nvlink_multicast_off(
     assert group.alive  # the ranks are still in step
     # An operation a rank cannot read (its argument's class lives in a module only this
     # process imported) is refused before any rank runs it: the group goes on.
-    with pytest.raises(EngineError, match="rank 1 could not take the operation"):
+    with pytest.raises(EngineError, match="rank 0 could not take the operation"):
         group.run(tp_ops.takes, _OnlyHere())
     assert group.alive and group.run(tp_ops.takes, 1) == 0
     assert group.run(tp_ops.environment_of, sorted(NVLS_OFF)) == dict(NVLS_OFF)
@@ -261,7 +278,9 @@ def test_a_rank_failing_alone_breaks_the_group_and_the_pool_starts_another(
     before = tp_pool.get(tp_dir, target, 2)
     assert isinstance(before, TensorParallelEngine)
     old = before.group
-    with pytest.raises(EngineError, match="rank 1 failed where rank 0 did not"):
+    with pytest.raises(
+        EngineError, match=r"rank 1 failed \(RuntimeError: rank 1 alone\) where ranks \[0\] did not"
+    ):
         old.run(tp_ops.fail_on_rank_1)
     assert not old.alive
     with pytest.raises(EngineError, match="not usable: rank 1 failed"):
@@ -284,8 +303,8 @@ def test_evicting_the_last_tp_engine_keeps_its_group_for_the_next_tp_job(
     tp2_traces: list[TraceCreate], tp_dir: Path
 ) -> None:
     """The evicted engine's ranks drop its model, but the group (its processes, its process
-    group) stays: the next TP engine loads on the same ranks, never on a second group built in
-    this process (which segfaulted under NCCL), and decodes exactly; `close()` stops it."""
+    group) stays: the next TP engine loads on the same ranks without starting processes again,
+    and decodes exactly; `close()` stops it."""
     from replay_audit.engine.tp_engine import TensorParallelEngine
 
     pool = EnginePool(device="cpu", threads=1, devices=2, max_engines=1)
@@ -294,7 +313,7 @@ def test_evicting_the_last_tp_engine_keeps_its_group_for_the_next_tp_job(
         assert isinstance(engine, TensorParallelEngine)
         pids = engine.group.pids
         pool.get(tp_dir, Target("bf16", attn_kernel="sdpa"), 1)  # the TP-2 engine goes
-        assert engine.key not in engine.group.state.objects, "its ranks dropped its model"
+        assert engine.key not in engine.group.run(tp_ops.keys_of), "its ranks dropped its model"
         assert engine.group.alive and engine.group.pids == pids and len(pool) == 1
         again = pool.get(tp_dir, Target("bf16", attn_kernel="sdpa"), 2)
         assert isinstance(again, TensorParallelEngine) and again.group is engine.group
@@ -305,6 +324,52 @@ def test_evicting_the_last_tp_engine_keeps_its_group_for_the_next_tp_job(
     finally:
         pool.close()
     _wait_gone(pids)
+
+
+@pytest.mark.slow
+def test_a_pool_changes_its_tp_degree_on_new_rank_processes(
+    tmp_path: Path, tp2_traces: list[TraceCreate], tp_dir: Path
+) -> None:
+    """A worker owning three devices takes a TP-2 job, a TP-3 job, then TP 2 again. Each change
+    stops the group and starts another of new processes; this process is in no process group
+    at any time (a second NCCL group in one process segfaulted on 2x H200), every rank is in
+    its group's, and TP 2 decodes exactly again after the change."""
+    import torch.distributed as dist
+
+    from replay_audit.engine.testing import make_tiny_checkpoint
+    from replay_audit.engine.tp_engine import TensorParallelEngine
+
+    # Head counts, width, MLP and vocabulary divisible by 2 and by 3.
+    tp3_dir = make_tiny_checkpoint(
+        tmp_path / "tp3",
+        vocab_size=288,
+        hidden_size=96,
+        num_attention_heads=6,
+        num_key_value_heads=6,
+    )
+    target = Target("bf16", attn_kernel="sdpa")
+    tr = tp2_traces[0]
+    pool = EnginePool(device="cpu", threads=1, devices=3)
+    groups: list[tuple[int, list[int]]] = []
+    try:
+        for model_dir, degree in ((tp_dir, 2), (tp3_dir, 3), (tp_dir, 2)):
+            engine = pool.get(model_dir, target, degree)
+            assert isinstance(engine, TensorParallelEngine) and engine.group.degree == degree
+            ranks = engine.group.run(tp_ops.in_process_group)
+            assert ranks == (True, degree)  # rank 0's; every rank's digest matched it
+            assert not dist.is_initialized(), "the driving process joined no process group"
+            out = engine.decode(tr.prompt_token_ids, MAX_NEW_TOKENS, [256]).output_token_ids
+            if model_dir == tp_dir:
+                assert out == tr.output_token_ids
+            groups.append((degree, engine.group.pids))
+            assert len(engine.group.pids) == degree
+            assert len(pool) == 1, "the other degree's engines went with its group"
+        for _, pids in groups[:-1]:
+            _wait_gone(pids)  # each change stopped the group before
+        assert not set(groups[0][1]) & set(groups[2][1]), "TP 2 again: new processes"
+    finally:
+        pool.close()
+    _wait_gone(groups[-1][1])
 
 
 @pytest.mark.slow

@@ -28,3 +28,15 @@ def fail_on_rank_1(state: RankState) -> None:
 def takes(state: RankState, value: object) -> int:
     """Runs on every rank that could read its argument."""
     return 0
+
+
+def keys_of(state: RankState) -> list[str]:
+    """The keys of what this rank holds."""
+    return sorted(state.objects)
+
+
+def in_process_group(state: RankState) -> tuple[bool, int]:
+    """Whether this rank is in a process group, and its world size."""
+    import torch.distributed as dist
+
+    return dist.is_initialized(), dist.get_world_size()

@@ -124,7 +124,7 @@ def test_a_two_device_worker_replays_tp2_traces_at_tp2_exactly_and_at_tp1_when_a
             {"kind": "a10g", "gpu": "NVIDIA A10G", "sm": "8.6", "devices": 2, "workers": 1}
         ]
         ranks = _ranks_of(worker.pid)
-        assert len(ranks) == 1, "the worker keeps its rank between jobs"
+        assert len(ranks) == 2, "the worker keeps its two ranks between jobs"
         worker.send_signal(signal.SIGTERM)  # the worker alone: it stops its ranks itself
         assert worker.wait(timeout=120) == 0
         wait_until(lambda: not _ranks_of(worker.pid), 30, "the ranks to stop with the worker")

@@ -56,9 +56,7 @@ KnobName = Literal[
 ]
 KNOB_NAMES: Final[tuple[KnobName, ...]] = get_args(KnobName)
 BATCH_SIZES: Final = (1, 2, 4, 8)
-#: The degree the `tp` knob screens unless told otherwise. One degree per screening: a process
-#: keeps one tensor-parallel group (a second NCCL group in one process crashes transformers'
-#: device-mesh setup, BENCHMARKS.md "Tensor-parallel replay").
+#: The degree the `tp` knob screens unless told otherwise (one degree per screening).
 DEFAULT_TP_DEGREE: Final = 2
 #: A screening's runs decode with no intervention (the gate still evaluated) or gated C.
 ScreenIntervention = Literal["none", "C"]

@@ -14,6 +14,7 @@ from typing import Any
 
 from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import Engine
+from replay_audit.engine.tensor_parallel import check_shards
 from replay_audit.exceptions import EngineError, UnsupportedFormat
 from replay_audit.formats import BodyDType, body_dtype
 from replay_audit.screenings.sweep.outputs import PromptRow, ScreenPrompt
@@ -52,8 +53,7 @@ class TorchBackend:
 
     A configuration at TP k > 1 loads through `pool` (a worker's, whose group is the one its
     replays use), else through a pool of k devices the backend starts on first use and keeps
-    until `close()`. One TP degree per backend: a process keeps one TP group (a second NCCL
-    group in one process crashes transformers' device-mesh setup, BENCHMARKS.md)."""
+    until `close()` (another degree replaces it)."""
 
     def __init__(
         self,
@@ -68,7 +68,6 @@ class TorchBackend:
         self.max_cache_len = max_cache_len
         self._pool = pool
         self._owns_pool = pool is None
-        self._tp_degree: int | None = None
         self._tokenizer: Any = None
         self._eos: list[int] | None = None
 
@@ -106,15 +105,14 @@ class TorchBackend:
                 f"TP {k} is screened with the reference's load settings only (the engine "
                 "pool's: deterministic, no TF32, weights as computed, its KV cache)"
             )
-        if self._tp_degree not in (None, k):
-            raise UnsupportedFormat(
-                f"TP {self._tp_degree} ran in this process: one TP degree per screening (a "
-                "second process group in one process crashes transformers' device-mesh setup)"
+        check_shards(self.model_dir, k)  # before another degree's group is stopped
+        pool = self._pool
+        if pool is None or (self._owns_pool and pool.devices != k):
+            self.close()  # another degree's group, if any, stops first: its ranks own the devices
+            pool = self._pool = EnginePool(
+                device=self.device, max_cache_len=self.max_cache_len, devices=k
             )
-        if self._pool is None:
-            self._pool = EnginePool(device=self.device, max_cache_len=self.max_cache_len, devices=k)
-        self._tp_degree = k
-        return self._pool.get(self.model_dir, config.target(), k)
+        return pool.get(self.model_dir, config.target(), k)
 
     def close(self) -> None:
         """Stop the TP group of the pool this backend started (a worker's pool is its own)."""

@@ -81,6 +81,9 @@ def test_a_named_tp_knob_on_a_cpu_decodes_with_the_tp_engine(backend: TorchBacke
     assert (value.status, value.tp_degree) == ("measured", 2)
     assert value.comparison is not None and value.comparison.ear.n == len(prompts)
     assert "ran at TP 2" in standalone_html(report)
-    # One TP degree per process: a second group would crash NCCL's device-mesh setup.
-    with pytest.raises(UnsupportedFormat, match="one TP degree per screening"):
+    # A degree that does not divide the heads (4) is refused before any rank starts, and the
+    # group that ran stays loaded.
+    ranks = engine.group.pids  # type: ignore[attr-defined]
+    with pytest.raises(UnsupportedFormat, match="TP 3 does not divide the checkpoint's 4"):
         backend.load(ScreenConfig("bf16", tp_degree=3))
+    assert backend.load(tp2) is engine and engine.group.pids == ranks  # type: ignore[attr-defined]
