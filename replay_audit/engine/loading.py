@@ -163,7 +163,7 @@ def numerical_environment(
     extras: dict[str, ExtraValue] | None = None,
 ) -> Environment:
     """The numerical configuration in use, with `NumericalConfig`'s keys, read from torch.
-    `tp_degree`: the tensor-parallel degree the model runs at (`device` is rank 0's)."""
+    `tp_degree`: the tensor-parallel degree the model runs at (`device` is the rank's)."""
     import transformers
 
     gpu: GpuName | None = None
