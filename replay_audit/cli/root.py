@@ -103,7 +103,8 @@ def _unwrapped(text: str | None) -> str | None:
         return text
     paragraphs = inspect.cleandoc(text).split("\n\n")
     return "\n\n".join(
-        p if p.startswith("\b") or any(line.startswith(" ") for line in p.splitlines())
+        p
+        if p.startswith("\b") or any(line.startswith(" ") for line in p.splitlines())
         else " ".join(line.strip() for line in p.splitlines())
         for p in paragraphs
     )

@@ -119,7 +119,7 @@ def verify(
     from replay_audit.engine import EnginePool
     from replay_audit.engine.hashing import NoWeightsError
     from replay_audit.replays.domain import LoggedTrace
-    from replay_audit.stats.verification import Calibration
+    from replay_audit.stats.verification import CALIBRATION_VERSION, Calibration
     from replay_audit.traces.schemas import TraceCreate
     from replay_audit.verifications.domain import report_json
     from replay_audit.verifications.run import verify as run_verify
@@ -160,6 +160,13 @@ def verify(
         except (OSError, json.JSONDecodeError) as e:
             _fail(f"cannot read {calibration}: {e}")
         given = [Calibration.from_json(c) for c in (data if isinstance(data, list) else [data])]
+        if any(c.version < CALIBRATION_VERSION for c in given):
+            typer.echo(
+                f"note: {calibration} holds a calibration of an older method (thresholds from "
+                "the benign variations' pooled traces, which a noisier variation can trip); "
+                "measure it again with --save-calibration",
+                err=True,
+            )
 
     def calibration_for(claim: Claim) -> Calibration:
         for c in given:

@@ -13,10 +13,14 @@ deficit in ulps (`diff.deficit`), so a group of n tokens has one score whatever 
                           calibration's alternative (a 4-bit RTN copy of the checkpoint)
 
 `VERDICT_STATISTIC` is the one a verdict uses (docs/verify.md says why). The calibration draws
-groups of exactly n tokens from the null's traces (whole traces at random, the last one cut),
-`DRAWS` times per budget, and puts the threshold at the (1 - false-alarm rate) quantile; the
-same draws from the alternative's traces give the power curve, and the smallest budget whose
-power reaches `POWER` is the tokens a decision needs.
+groups of exactly n tokens from each benign variation's traces alone (whole traces at random,
+the last one cut), `DRAWS` times per budget and variation, and puts the threshold at the highest
+of the variations' (1 - false-alarm rate) quantiles: a provider's group comes from one
+configuration, so the promise holds for each benign configuration of the null, not for a mix of
+them (a mix averages a noisier variation's shift away: groups drawn from pooled traces let an
+eager-attention provider trip the finer statistics on 10-13% of its groups at 1%). The same
+draws from the alternative's traces give the power curve, and the smallest budget whose power
+reaches `POWER` is the tokens a decision needs.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ POWER: Final = 0.95
 DEFAULT_FALSE_ALARM_RATE: Final = 0.01
 #: Null-score quantiles stored per budget (the verification's picture draws them).
 QUANTILES: Final = tuple(np.round(np.linspace(0.0, 1.0, 21), 2).tolist())
+#: The calibration method: 2 sets thresholds per benign variation (1 drew from pooled traces,
+#: and a stored calibration of version 1 is measured again).
+CALIBRATION_VERSION: Final = 2
 
 Ulps = npt.NDArray[np.float64]
 
@@ -121,9 +128,11 @@ def draw_group_scores(
 
 @dataclass(frozen=True)
 class BudgetCalibration:
-    """One statistic at one token budget: the threshold, the null's mean and quantiles, the
-    share of null draws above the threshold (the measured false-alarm rate) and the power
-    against the alternative."""
+    """One statistic at one token budget: the threshold, the null's mean and quantiles (over
+    every variation's draws), the highest share of one variation's draws above the threshold
+    (the measured false-alarm rate), the power against the alternative, and the variation whose
+    quantile set the threshold (None in calibrations of version 1, which drew from the pooled
+    traces)."""
 
     tokens: int
     threshold: float
@@ -131,6 +140,7 @@ class BudgetCalibration:
     null_quantiles: list[float]
     false_alarm: float
     power: float | None
+    set_by: str | None = None
 
 
 @dataclass(frozen=True)
@@ -180,7 +190,7 @@ class Calibration:
     variations: list[Variation]
     alternative: Variation | None = None
     statistic: Statistic = VERDICT_STATISTIC
-    version: int = 1
+    version: int = CALIBRATION_VERSION
     notes: list[str] = field(default_factory=list)
 
     def at(self, tokens: int, statistic: Statistic | None = None) -> BudgetCalibration:
@@ -255,7 +265,8 @@ def calibrate(
 ) -> Calibration:
     """The calibration from the null's per-token deficits in ulps (variation name -> one array
     per trace) and the alternative's: each statistic's threshold per budget at
-    `false_alarm_rate`, with its measured false-alarm rate and power."""
+    `false_alarm_rate` for every variation (groups drawn from one variation's traces at a
+    time), with its measured false-alarm rate, power, and the variation that set it."""
     if not 0.0 < false_alarm_rate < 1.0:
         raise ValueError("the false-alarm rate is between 0 and 1")
     pooled = [u for traces in null.values() for u in traces]
@@ -263,12 +274,27 @@ def calibrate(
     rng = np.random.default_rng(seed)
     table: dict[str, list[BudgetCalibration]] = {}
     for statistic in STATISTICS:
-        null_scores = [scorer.scores(u, statistic) for u in pooled]
+        per_variation = {
+            name: [scorer.scores(u, statistic) for u in traces if len(u)]
+            for name, traces in null.items()
+        }
+        per_variation = {name: scores for name, scores in per_variation.items() if scores}
+        if not per_variation:
+            raise ValueError("a null needs at least one trace with tokens")
         alt_scores = [scorer.scores(u, statistic) for u in alternative]
         rows = []
         for n in budgets:
-            drawn = draw_group_scores(null_scores, n, draws, rng)
-            threshold = float(np.quantile(drawn, 1.0 - false_alarm_rate, method="higher"))
+            drawn = {
+                name: draw_group_scores(scores, n, draws, rng)
+                for name, scores in per_variation.items()
+            }
+            quantiles = {
+                name: float(np.quantile(d, 1.0 - false_alarm_rate, method="higher"))
+                for name, d in drawn.items()
+            }
+            set_by = max(quantiles, key=lambda name: quantiles[name])
+            threshold = quantiles[set_by]
+            every = np.concatenate(list(drawn.values()))
             power = None
             if alt_scores:
                 power = float((draw_group_scores(alt_scores, n, draws, rng) > threshold).mean())
@@ -276,10 +302,11 @@ def calibrate(
                 BudgetCalibration(
                     tokens=n,
                     threshold=threshold,
-                    null_mean=float(drawn.mean()),
-                    null_quantiles=[float(q) for q in np.quantile(drawn, QUANTILES)],
-                    false_alarm=float((drawn > threshold).mean()),
+                    null_mean=float(every.mean()),
+                    null_quantiles=[float(q) for q in np.quantile(every, QUANTILES)],
+                    false_alarm=max(float((d > threshold).mean()) for d in drawn.values()),
                     power=power,
+                    set_by=set_by,
                 )
             )
         table[statistic] = rows

@@ -8,6 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from replay_audit.db.base import flush_unique
+from replay_audit.json_value import JsonObject
 from replay_audit.traces import repository as traces_repository
 from replay_audit.traces.models import NumericalConfigRow, Trace
 from replay_audit.traces.selection import TraceSelection
@@ -103,6 +104,21 @@ def get_calibration(
             VerificationCalibration.false_alarm_rate == rate,
         )
     )
+
+
+def replace_calibration(
+    session: Session,
+    weights_sha256: str,
+    platform_key: str,
+    claim_key: str,
+    rate: float,
+    calibration: JsonObject,
+) -> None:
+    """Store `calibration` in place of the row of that key (a stale method's)."""
+    row = get_calibration(session, weights_sha256, platform_key, claim_key, rate)
+    if row is not None:
+        row.calibration = calibration
+        session.flush()
 
 
 def add_calibration(session: Session, row: VerificationCalibration) -> None:

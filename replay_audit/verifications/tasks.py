@@ -29,7 +29,7 @@ from replay_audit.exceptions import ReplayAuditError
 from replay_audit.replays.checkpoint import ModelNotFound, find_checkpoint
 from replay_audit.replays.repository import logged_trace
 from replay_audit.replays.tasks import worker_context
-from replay_audit.stats.verification import Calibration, Claim, PlatformKey
+from replay_audit.stats.verification import CALIBRATION_VERSION, Calibration, Claim, PlatformKey
 from replay_audit.verifications import repository
 from replay_audit.verifications.domain import claimed_target, report_json
 from replay_audit.verifications.models import Verification, VerificationCalibration
@@ -114,21 +114,26 @@ class _Calibrations:
         with session_scope(self.url) as s:
             row = repository.get_calibration(s, *key)
             stored = Calibration.from_json(row.calibration) if row is not None else None
-        if stored is None:
+        stale = stored is not None and stored.version < CALIBRATION_VERSION
+        if stored is None or stale:  # a stale one (an older method's thresholds) is replaced
+            stored = None
             measure = _measure.get() or measure_null
             cal = measure(self.model_dir, claim, self.rate, self.pool, self.device)
             try:
                 with session_scope(self.url) as s:
-                    repository.add_calibration(
-                        s,
-                        VerificationCalibration(
-                            weights_sha256=self.sha,
-                            platform_key=key[1],
-                            claim_key=key[2],
-                            false_alarm_rate=self.rate,
-                            calibration=cal.to_json(),
-                        ),
-                    )
+                    if stale:
+                        repository.replace_calibration(s, *key, cal.to_json())
+                    else:
+                        repository.add_calibration(
+                            s,
+                            VerificationCalibration(
+                                weights_sha256=self.sha,
+                                platform_key=key[1],
+                                claim_key=key[2],
+                                false_alarm_rate=self.rate,
+                                calibration=cal.to_json(),
+                            ),
+                        )
             except IntegrityError:  # another job stored it first: same null, keep ours
                 pass
         self.used.append((stored or cal, stored is not None, platform))

@@ -36,6 +36,35 @@ def _verify(client: TestClient, admin: dict[str, str], runner: HoldingRunner, **
 
 
 @pytest.mark.slow
+def test_a_stored_calibration_of_an_older_method_is_measured_again(
+    client: TestClient,
+    job_runner: HoldingRunner,
+    measured: list[dict[str, Any]],
+    logged: dict[str, list[dict[str, Any]]],
+    calibrations: list[Calibration],
+    headers: Callable[..., dict[str, str]],
+) -> None:
+    """A null stored by method 1 (thresholds from the variations' pooled traces) is not reused:
+    the job measures it again and stores the new one in its place."""
+    bind_null(measured, calibrations)
+    admin = headers("admin")
+    store(client, admin, logged["bf16"], "honest")
+    first = _verify(client, admin, job_runner, filter={"tag": "honest"})["report"]
+    assert first["calibrations"][0]["reused"] is False and len(measured) == 1
+    url = client.app.state.settings.database_url  # type: ignore[attr-defined]
+    with session_scope(url) as s:
+        row = s.scalars(select(VerificationCalibration)).one()
+        row.calibration = {**row.calibration, "version": 1}
+    again = _verify(client, admin, job_runner, filter={"tag": "honest"})["report"]
+    assert again["calibrations"][0]["reused"] is False and len(measured) == 2
+    with session_scope(url) as s:
+        (stored,) = s.scalars(select(VerificationCalibration)).all()
+        assert Calibration.from_json(stored.calibration).version == 2
+    third = _verify(client, admin, job_runner, filter={"tag": "honest"})["report"]
+    assert third["calibrations"][0]["reused"] is True and len(measured) == 2
+
+
+@pytest.mark.slow
 def test_honest_traces_are_consistent_and_4bit_ones_inconsistent(
     client: TestClient,
     job_runner: HoldingRunner,

@@ -8,6 +8,7 @@ again."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -63,7 +64,9 @@ def _night(
     tick: Callable[[], TickReport],
 ) -> dict[str, Any]:
     """Run the schedule now, run its jobs (the replay run and the verification), tick: the
-    evaluated run as the API shows it."""
+    evaluated run as the API shows it. Each night starts in a whole second of its own: run-now
+    rounds "now" up to the second, and two calls within one second are one run."""
+    time.sleep(1.001 - time.time() % 1.0)
     r = client.post(f"/v1/audits/schedules/{sid}/runs", headers=admin)
     assert r.status_code == 201, r.text
     run = r.json()["run"]
