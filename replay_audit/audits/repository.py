@@ -160,7 +160,9 @@ def runs_with_replay(
     )
     if before is not None:
         stmt = stmt.where(AuditRun.due_at < before)
-    rows: list[tuple[AuditRun, str | None, str | None]] = list(session.execute(stmt).tuples())
+    rows: list[tuple[AuditRun, str | None, str | None]] = [
+        (run, public_id, status) for run, public_id, status in session.execute(stmt)
+    ]
     return rows if newest_first else rows[::-1]
 
 
