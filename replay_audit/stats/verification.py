@@ -14,7 +14,8 @@ deficit in ulps (`diff.deficit`), so a group of n tokens has one score whatever 
 
 `VERDICT_STATISTIC` is the one a verdict uses (docs/verify.md says why). The calibration draws
 groups of exactly n tokens from each benign variation's traces alone (whole traces at random,
-the last one cut), `DRAWS` times per budget and variation, and puts the threshold at the highest
+the last one cut, from a bootstrap resample of the traces: `draw_group_scores`), `DRAWS` times
+per budget and variation, and puts the threshold at the highest
 of the variations' (1 - false-alarm rate) quantiles: a provider's group comes from one
 configuration, so the promise holds for each benign configuration of the null, not for a mix of
 them (a mix averages a noisier variation's shift away: groups drawn from pooled traces let an
@@ -56,8 +57,9 @@ POWER: Final = 0.95
 DEFAULT_FALSE_ALARM_RATE: Final = 0.01
 #: Null-score quantiles stored per budget (the verification's picture draws them).
 QUANTILES: Final = tuple(np.round(np.linspace(0.0, 1.0, 21), 2).tolist())
-#: The calibration method: 2 sets thresholds per benign variation (1 drew from pooled traces,
-#: and a stored calibration of version 1 is measured again).
+#: The calibration method: 2 sets thresholds per benign variation, from groups drawn from
+#: bootstrap resamples of its traces (1 drew groups from the pooled traces themselves); a
+#: stored calibration of an older version is measured again.
 CALIBRATION_VERSION: Final = 2
 
 Ulps = npt.NDArray[np.float64]
@@ -109,16 +111,23 @@ class TokenScorer:
 def draw_group_scores(
     token_scores: Sequence[Ulps], budget: int, draws: int, rng: np.random.Generator
 ) -> Ulps:
-    """Scores of `draws` groups of exactly `budget` tokens, each made of whole traces drawn
-    at random (with replacement) from `token_scores` (per trace), the last one cut."""
+    """Scores of `draws` groups of exactly `budget` tokens, each made of whole traces drawn at
+    random (with replacement), the last one cut, from a bootstrap resample of `token_scores`
+    (per trace): as many traces drawn with replacement, anew for each group. So the groups'
+    spread holds the uncertainty of the traces' own mean, and is the spread of groups of other
+    prompts, not only of these: a group much larger than the traces' tokens, drawn from the
+    traces themselves, would score their mean almost exactly, and a null of a few traces would
+    promise a false-alarm rate its next prompts break."""
     sums = [np.concatenate([[0.0], np.cumsum(s)]) for s in token_scores if len(s)]
     if not sums:
         raise ValueError("a null needs at least one trace with tokens")
+    k = len(sums)
     out = np.empty(draws)
     for d in range(draws):
+        population = rng.integers(k, size=k)
         left, total = budget, 0.0
         while left > 0:
-            c = sums[int(rng.integers(len(sums)))]
+            c = sums[int(population[rng.integers(k)])]
             take = min(left, c.size - 1)
             total += c[take]
             left -= take
