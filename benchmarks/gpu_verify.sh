@@ -11,8 +11,11 @@
 #   bash benchmarks/gpu_verify.sh all      # both
 #
 # Settings: NULL (prompts of the null, 16), EVAL (prompts of each simulation, 32), TOKENS (new
-# tokens per prompt, 128), DRAWS (groups per budget, 300), VERIFY_TIMEOUT (540 s). Results:
-# $OUT/verify.json (written as each simulation ends), verify.log, train.log, wall.txt.
+# tokens per prompt, 128), DRAWS (groups per budget, 300), VERIFY_TIMEOUT (540 s), ONLY (the
+# simulations to run), REUSE_NULL=1 (take the null an earlier verify step measured on this warm
+# machine, and show its simulations in the tables too: a null and simulations too long for one
+# command, measured over several). Results: $OUT/verify.json (written as each simulation
+# ends), verify.log, train.log, wall.txt; each step's JSON is kept in $M/verify-runs/.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -41,12 +44,17 @@ train() {
 
 verify() {
     [ -f "$M/model.safetensors" ] || { echo "no model at $M: run the train step first"; return 1; }
-    local t0=$SECONDS
+    local t0=$SECONDS runs="$M/verify-runs" reuse=()
+    mkdir -p "$runs"
+    if [ "${REUSE_NULL:-0}" = 1 ]; then
+        reuse=(--null "$(ls "$runs"/*.json | head -n 1)" --with-results "$runs"/*.json)
+    fi
     timeout "${VERIFY_TIMEOUT:-540}" python3 benchmarks/verify.py --model "$M" --device cuda \
         --prompts "$M/prompts.jsonl" --null-prompts "${NULL:-16}" --eval-prompts "${EVAL:-32}" \
-        --max-new-tokens "${TOKENS:-128}" --draws "${DRAWS:-300}" --json "$OUT/verify.json" ${ONLY:+--only $ONLY} \
-        > "$OUT/verify.md" 2> "$OUT/verify.log"
+        --max-new-tokens "${TOKENS:-128}" --draws "${DRAWS:-300}" --json "$OUT/verify.json" \
+        ${ONLY:+--only $ONLY} "${reuse[@]}" > "$OUT/verify.md" 2> "$OUT/verify.log"
     echo "verify.py exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/wall.txt"
+    [ -f "$OUT/verify.json" ] && cp "$OUT/verify.json" "$runs/$(date +%s).json"
     grep -v -i warn "$OUT/verify.log" | tail -n 20; cat "$OUT/verify.md"
 }
 

@@ -190,6 +190,22 @@ def main() -> None:
         default=None,
         help="the benign TP degree simulated (default 2 where 2 GPUs are visible; 0: none)",
     )
+    ap.add_argument(
+        "--null",
+        type=Path,
+        default=None,
+        help="take the null from this earlier run's --json (same model, prompts and claim) "
+        "instead of measuring it: a null too long for one device call measured once, the "
+        "simulations in later calls",
+    )
+    ap.add_argument(
+        "--with-results",
+        type=Path,
+        nargs="+",
+        default=(),
+        help="earlier runs' --json files (on the same null): their simulations join the tables "
+        "(one run here replaces an earlier one of the same name)",
+    )
     args = ap.parse_args()
 
     t0 = time.time()
@@ -209,21 +225,26 @@ def main() -> None:
     # the pool owns two CUDA GPUs), as a two-GPU worker's does.
     pool = EnginePool(device=device, devices=max(1, tp))
     claim = Target(args.dtype, None, "sdpa", 1, Intervention())
-    cal: Calibration = benign_null(
-        args.model,
-        claim,
-        null_p,
-        pool=pool,
-        device=device,
-        max_new_tokens=args.max_new_tokens,
-        budgets=BUDGETS,
-        draws=args.draws,
-    )
+    if args.null is not None:
+        cal = Calibration.from_json(json.loads(args.null.read_text())["calibration"])
+    else:
+        cal = benign_null(
+            args.model,
+            claim,
+            null_p,
+            pool=pool,
+            device=device,
+            max_new_tokens=args.max_new_tokens,
+            budgets=BUDGETS,
+            draws=args.draws,
+        )
     print(
         f"null: {len(cal.variations)} variations in {time.time() - t0:.0f} s ({cal.notes})",
         file=sys.stderr,
         flush=True,
     )
+    if args.json:  # at once: a later call can take the null (--null)
+        args.json.write_text(json.dumps({"calibration": cal.to_json(), "results": []}, indent=1))
     n = args.max_new_tokens
     dt = args.dtype
     other = "fp16" if dt != "fp16" else "bf16"
@@ -322,7 +343,17 @@ def main() -> None:
                 flush=True,
             )
             if args.json:  # as it goes: a run cut by its time limit keeps what it measured
-                args.json.write_text(json.dumps({"results": results}, indent=1))
+                args.json.write_text(
+                    json.dumps({"calibration": cal.to_json(), "results": results}, indent=1)
+                )
+    here = {r["simulation"] for r in results}
+    earlier = [
+        r
+        for f in args.with_results
+        for r in json.loads(f.read_text())["results"]
+        if r["simulation"] not in here
+    ]
+    results = [*earlier, *results]
     print(
         f"# {args.model} claimed {dt}/sdpa on {device} "
         f"({platform.processor() or platform.machine()}), null {args.null_prompts} prompts x "
