@@ -133,7 +133,8 @@ class TraceGenerator:
         self.dtype = dtype
         self.tp_degree = tp_degree
         self._group: TpGroup | None = None
-        self._model: Any = None  # at TP 1; at TP k each rank holds its share
+        #: The loaded transformers model at TP 1 (None at TP k: each rank holds its share).
+        self.model: Any = None
         # Hashed first: a path that is no checkpoint fails before a model loads.
         self.weights_sha256 = weights_sha256(self.model_dir)
         if tp_degree > 1:
@@ -152,10 +153,8 @@ class TraceGenerator:
             configure_numerics(deterministic=deterministic, tf32=tf32)
             self.device = resolve_device(device)
             apply_sdpa_policy(self.device)  # the engine's SDPA backends: logged as replayed
-            self._model, self.tokenizer = load_model(
-                self.model_dir, dtype, attn_kernel, self.device
-            )
-            facts = _facts(self._model, self.tokenizer, self.device, dtype, 1, None)
+            self.model, self.tokenizer = load_model(self.model_dir, dtype, attn_kernel, self.device)
+            facts = _facts(self.model, self.tokenizer, self.device, dtype, 1, None)
         if self.tokenizer is None:
             self.close()
             raise EngineError(f"{self.model_dir} has no tokenizer: cannot encode prompts")
@@ -206,7 +205,7 @@ class TraceGenerator:
         if self._group is None:
             ids = self.eos_ids
             return greedy_generate(
-                self._model, self.device, prompt_ids, max_new_tokens, ids, settings
+                self.model, self.device, prompt_ids, max_new_tokens, ids, settings
             )
         seq, logits = self._group.run(
             _generate, self._key, list(prompt_ids), max_new_tokens, self.eos_ids, settings
