@@ -67,6 +67,8 @@ class TensorParallelEngine:
         self.key = key
         self.target = target
         self.vocab_size = vocab_size
+        #: The ranks' environment as of the last probe (a probe's batch extras change it).
+        self._environment: Environment | None = None
 
     @classmethod
     def load(
@@ -86,8 +88,11 @@ class TensorParallelEngine:
     # -- the protocol -------------------------------------------------------------------------
 
     def environment(self) -> Environment:
-        environment: Environment = self._run("environment", (), {})
-        return environment
+        """The ranks' `environment()`, asked again only after a probe (a run's results read it
+        once per result)."""
+        if self._environment is None:
+            self._environment = self.group.run(_call, self.key, "environment", (), {})
+        return self._environment
 
     def decode(
         self,
@@ -186,4 +191,6 @@ class TensorParallelEngine:
         return pieces
 
     def _run(self, method: str, args: Sequence[object], kwargs: Mapping[str, object]) -> Any:
+        if method not in ("detokenize", "token_pieces"):
+            self._environment = None  # a probe may change what the environment says
         return self.group.run(_call, self.key, method, args, kwargs)

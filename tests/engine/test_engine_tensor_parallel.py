@@ -232,7 +232,12 @@ def test_every_probe_runs_on_both_ranks_with_nvlink_multicast_off(
     assert bool(engine.scan(prompt, out).agrees.all())
     assert all(bool(s.agrees.all()) for s in engine.scan_batch([ScanItem(prompt, out)] * 3))
     step = engine.step(prompt, out[:3], iv)
+    before = engine.environment()
+    assert engine.environment() is before  # asked of the ranks once per probe, not per result
     assert step.token == engine.step_batch([prompt + out[:3]], iv)[0].token
+    after = engine.environment()  # the ranks' again: the batched re-run's shapes are in it
+    assert after is not before and "step_batch_shapes" in after["extras"]
+    assert after["tp_degree"] == 2 and after["extras"]["tp_backend"] == "gloo"
     assert engine.hidden_states(prompt, out).shape == (len(out) + 1, 64)
     # A result that differs between the ranks is refused, not taken from rank 0 alone.
     with pytest.raises(EngineError, match="rank 1 computed another result"):
