@@ -42,9 +42,11 @@ to <work>/traces.jsonl; what was done to <work>/prepare.json.
 the end unless --keep-database; --backend embedded: a SQLite file in --work and the in-process
 runner, the service's embedded default), its migrations, a submitter key (ingest, runs, status)
 and an auditor key (reports). Then `replay-audit serve` (--api-workers processes; one with the
-embedded runner) and, with pg, one `replay-audit worker` process on --device (RQ, Redis at
---redis-url under a fresh queue prefix); the process that replays (the worker, or the embedded
-server) runs under `benchmarks/_stack_sampler.py`, which records its Python stacks at --hz.
+embedded runner) and, with pg, --workers `replay-audit worker` processes on --device (worker i
+on GPU i; RQ, Redis at --redis-url under a fresh queue prefix); the process that replays (the
+first worker, or the embedded server) runs under `benchmarks/_stack_sampler.py`, which records
+its Python stacks at --hz. With several workers the warm-up posts one run a worker, and the job
+lines are summed over their logs.
 Phases, each timed:
 
 1. ingest: --traces traces, the unique ones repeated in order under distinct external ids
@@ -627,13 +629,17 @@ _JOB = re.compile(
 )
 
 
-def job_lines(log: Path, start: float, end: float) -> dict[str, Any]:
-    """The worker's job lines (JSON log) whose time is in [start, end]: jobs, traces, the job
-    seconds, the batched scan's traces and seconds, and what is left for the rest."""
+def job_lines(logs: list[Path], start: float, end: float) -> dict[str, Any]:
+    """The workers' job lines (JSON logs) whose time is in [start, end]: jobs, traces, the job
+    seconds (summed over the workers), the batched scan's traces and seconds, and what is left
+    for the rest."""
     jobs = traces = scanned = forwards = 0
     job_s = scan_s = 0.0
     per_job: list[float] = []
-    for line in log.read_text(errors="replace").splitlines():
+    lines = [
+        x for log in logs if log.exists() for x in log.read_text(errors="replace").splitlines()
+    ]
+    for line in lines:
         if not line.startswith("{"):
             continue
         try:
@@ -709,6 +715,7 @@ def audit(args: argparse.Namespace, prepared: dict[str, Any] | None = None) -> d
         "target_dtype": args.target_dtype,
         "logged_dtype": unique[0]["config"]["dtype"],
         "api_workers": args.api_workers if args.backend == "pg" else 1,
+        "replay_workers": args.workers if args.backend == "pg" else 1,
         "clients": args.clients,
         "deadline_s": args.deadline_s,
         "phases": {},
@@ -748,9 +755,13 @@ def audit(args: argparse.Namespace, prepared: dict[str, Any] | None = None) -> d
         db = (work / f"e2e-{tag}.db").resolve()
         database_url = f"sqlite:///{db}"
         env |= {"REPLAY_AUDIT_DATABASE_URL": database_url, "REPLAY_AUDIT_RUNNER": "inprocess"}
-    api = worker = None
+    api = None
+    workers: list[subprocess.Popen[bytes]] = []
     profile = out_dir / "worker_profile.json"
-    api_log, worker_log = out_dir / "api.log", out_dir / "worker.log"
+    api_log = out_dir / "api.log"
+    worker_logs = [
+        out_dir / ("worker.log" if i == 0 else f"worker-{i}.log") for i in range(args.workers)
+    ]
     windows: dict[str, tuple[float, float]] = {}
     try:
         migration.upgrade(database_url)
@@ -766,16 +777,14 @@ def audit(args: argparse.Namespace, prepared: dict[str, Any] | None = None) -> d
         if args.backend == "pg":
             api = _start([*serve, "--workers", str(args.api_workers)], env, api_log)
             queue = "cpu" if args.device == "cpu" else "gpu"
-            argv = ["worker", "--queue", queue, "--device", args.device, "--name", f"e2e-{tag}"]
-            worker = _start(
-                [*argv, "--metrics-port", "0"],
-                env,
-                worker_log,
-                profile,
-            )
+            for i, log in enumerate(worker_logs):  # worker i on GPU i; the first one sampled
+                argv = ["worker", "--queue", queue, "--device", args.device]
+                argv += ["--name", f"e2e-{tag}-{i}", "--metrics-port", "0"]
+                gpu = {"CUDA_VISIBLE_DEVICES": str(i)} if args.device == "cuda" else {}
+                workers.append(_start(argv, env | gpu, log, profile if i == 0 else None))
         else:
             api = _start([*serve, "--workers", "1"], env, api_log, profile)
-            worker_log = api_log
+            worker_logs = [api_log]
         _wait_healthy(base, api, api_log)
         result["phases"]["start_service_s"] = round(_now() - t, 2)
 
@@ -803,18 +812,23 @@ def audit(args: argparse.Namespace, prepared: dict[str, Any] | None = None) -> d
         with httpx.Client(
             base_url=base, headers={"X-API-Key": keys["submitter"]}, timeout=600.0
         ) as c:
-            answer = c.post("/v1/replays", json=warm)
-            if answer.status_code not in (200, 201):
-                raise RuntimeError(f"warm-up POST: {answer.status_code} {answer.text[:800]}")
-            wid = answer.json()["id"]
+            # One warm-up run a worker, posted together: each idle worker takes one job and
+            # loads the checkpoint before anything is timed.
+            wids = []
+            for w in range(max(1, len(workers))):
+                answer = c.post("/v1/replays", json=warm | {"name": f"{warm['name']} {w}"})
+                if answer.status_code not in (200, 201):
+                    raise RuntimeError(f"warm-up POST: {answer.status_code} {answer.text[:800]}")
+                wids.append(answer.json()["id"])
             status = "queued"
             while not deadline.passed():
-                view = c.get(f"/v1/replays/{wid}").json()
-                status = view["status"]
-                if status in ("done", "failed"):
+                states = [c.get(f"/v1/replays/{wid}").json()["status"] for wid in wids]
+                status = "failed" if "failed" in states else max(states, key=states.count)
+                if all(x in ("done", "failed") for x in states):
                     break
-                if worker is not None and worker.poll() is not None:
-                    raise RuntimeError(f"the worker exited; see {worker_log}")
+                for proc, log in zip(workers, worker_logs, strict=True):
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"a worker exited; see {log}")
                 time.sleep(0.5)
         windows["warm-up"] = (t0, time.time())
         result["phases"]["warmup"] = {
@@ -842,7 +856,7 @@ def audit(args: argparse.Namespace, prepared: dict[str, Any] | None = None) -> d
                 a["drained"] = _drain(args.redis_url, f"e2e{tag}")
             label = f"audit {mode}"
             windows[label] = (a["start_time"], a["end_time"])
-            a["worker_jobs"] = job_lines(worker_log, a["start_time"], a["end_time"] + 5)
+            a["worker_jobs"] = job_lines(worker_logs, a["start_time"], a["end_time"] + 5)
             done = a["results_done"]
             per_trace_ingest = ingest_s / max(1, len(ids))
             if a["complete"]:
@@ -870,11 +884,12 @@ def audit(args: argparse.Namespace, prepared: dict[str, Any] | None = None) -> d
             )
             _write(result_path, result)
     finally:
-        if worker is not None:
-            result["worker_peak_rss_mib"] = _peak_rss_mib(worker.pid)
+        if workers:
+            result["worker_peak_rss_mib"] = max(_peak_rss_mib(w.pid) or 0 for w in workers)
         if api is not None:
             result["api_peak_rss_mib"] = _peak_rss_mib(api.pid)
-        _stop(worker, "worker")
+        for w in workers:
+            _stop(w, "worker")
         _stop(api, "api")
         if args.backend == "pg":  # this run's RQ keys (its jobs, queues, results)
             try:
@@ -982,6 +997,12 @@ def main() -> None:
     g.add_argument("--scan-token-budget", type=int, default=None)
     g.add_argument("--warmup-traces", type=int, default=4)
     g.add_argument("--api-workers", type=int, default=2)
+    g.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="pg: replay worker processes (on CUDA, worker i on GPU i: the several-GPU ratio)",
+    )
     g.add_argument("--clients", type=int, default=4)
     g.add_argument("--poll-s", type=float, default=0.5)
     g.add_argument("--hz", type=float, default=50.0, help="stack samples a second")

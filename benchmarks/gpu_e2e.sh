@@ -23,7 +23,9 @@
 #
 # BACKEND=embedded audits on the service's embedded default instead (SQLite, the in-process
 # runner in the one API process; no PostgreSQL or Redis started). Other settings: TARGET
-# (fp16), CONTROL (the runs' control_fraction; unset: the service's default), FLAG_ULPS
+# (fp16), GPUS (replay workers, one a GPU: 1; on a two- or four-GPU kind, GPUS=2 or 4 against
+# GPUS=1 on the same warm machine gives the several-GPU ratio), CONTROL (the runs'
+# control_fraction; unset: the service's default), FLAG_ULPS
 # (scan_flag_ulps; unset: the service's default), EXTRA (JSON merged into every
 # POST /v1/replays), TOP_K (logged top-k logits, 0), CLIENTS (ingest threads, 8).
 #
@@ -105,7 +107,7 @@ audit() {
         --run-size "${RUN_SIZE:-2000}" --modes ${MODES:-scan auto} \
         --target-dtype "${TARGET:-fp16}" ${CONTROL:+--control-fraction "$CONTROL"} \
         ${FLAG_ULPS:+--scan-flag-ulps "$FLAG_ULPS"} ${EXTRA:+--run-extra "$EXTRA"} \
-        --api-workers "${API_WORKERS:-4}" --clients "${CLIENTS:-8}" \
+        --api-workers "${API_WORKERS:-4}" --clients "${CLIENTS:-8}" --workers "${GPUS:-1}" \
         --deadline-s "$deadline" --out "$OUT" > /dev/null 2> "$OUT/e2e.log"
     local rc=$?
     echo "audit: exit $rc, $((SECONDS - t0)) s (deadline $deadline s)"
