@@ -133,8 +133,6 @@ class TraceGenerator:
         self.dtype = dtype
         self.tp_degree = tp_degree
         self._group: TpGroup | None = None
-        #: The loaded transformers model at TP 1 (None at TP k: each rank holds its share).
-        self.model: Any = None
         # Hashed first: a path that is no checkpoint fails before a model loads.
         self.weights_sha256 = weights_sha256(self.model_dir)
         if tp_degree > 1:
@@ -149,12 +147,15 @@ class TraceGenerator:
                 self._group.close()
                 raise
             self.tokenizer = load_tokenizer(self.model_dir)  # the ranks' own files
+            #: The loaded transformers model at TP 1 (None at TP k: each rank holds its share).
+            self.model = None
         else:
             configure_numerics(deterministic=deterministic, tf32=tf32)
             self.device = resolve_device(device)
             apply_sdpa_policy(self.device)  # the engine's SDPA backends: logged as replayed
-            self.model, self.tokenizer = load_model(self.model_dir, dtype, attn_kernel, self.device)
-            facts = _facts(self.model, self.tokenizer, self.device, dtype, 1, None)
+            loaded = _Loaded(*load_model(self.model_dir, dtype, attn_kernel, self.device))
+            self.model, self.tokenizer = loaded.model, loaded.tokenizer
+            facts = _facts(loaded, self.device, dtype, 1, None)
         if self.tokenizer is None:
             self.close()
             raise EngineError(f"{self.model_dir} has no tokenizer: cannot encode prompts")
@@ -317,8 +318,7 @@ class _Facts:
 
 
 def _facts(
-    model: Any,
-    tokenizer: Any,
+    loaded: _Loaded,
     device: torch.device,
     dtype: str,
     tp_degree: int,
@@ -337,14 +337,15 @@ def _facts(
         lm_head_dtype=dtype,
         weight_dtype=dtype,
         device=device,
-        attn_kernel=str(model.config._attn_implementation),
+        attn_kernel=str(loaded.model.config._attn_implementation),
         batch_size=1,
         engine_name="transformers",
         engine_version=transformers.__version__,
         tp_degree=tp_degree,
         extras=extras,
     )
-    return _Facts(config, int(model.config.vocab_size), eos_token_ids(model, tokenizer))
+    model = loaded.model
+    return _Facts(config, int(model.config.vocab_size), eos_token_ids(model, loaded.tokenizer))
 
 
 def _load_model(
@@ -363,7 +364,7 @@ def _load_model(
     apply_sdpa_policy(place.device)
     loaded = _Loaded(*load_model(model_dir, dtype, attn_kernel, place.device, tp=place))
     state.objects[key] = loaded
-    return _facts(loaded.model, loaded.tokenizer, place.device, dtype, place.degree, place.backend)
+    return _facts(loaded, place.device, dtype, place.degree, place.backend)
 
 
 def _generate(
