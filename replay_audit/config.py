@@ -33,6 +33,12 @@ MAX_TOP_K: Final = 20
 #: The session secret `.env.example` ships: refused, so a copied example cannot sign sessions
 #: with a key everyone has.
 SESSION_SECRET_PLACEHOLDER: Final = "change-me-to-a-long-random-string"
+#: The benign null of a verification (worker settings and the CLI): prompts, and new tokens a
+#: prompt, by default and at most.
+DEFAULT_NULL_PROMPTS: Final = 64
+DEFAULT_NULL_MAX_NEW_TOKENS: Final = 128
+MAX_NULL_PROMPTS: Final = 100_000
+MAX_NULL_MAX_NEW_TOKENS: Final = 8192
 
 
 def normalise_database_url(url: str) -> str:
@@ -88,6 +94,16 @@ class Settings(BaseSettings):
     #: each, times the runs of its plan (a batch run counted per copy). A larger request is a
     #: 422 naming `prompts` (docs/screening.md, "Bounded work").
     screening_token_budget: int = Field(default=2_000_000, ge=1)
+    #: The benign null a worker measures for a verification (once per checkpoint, platform and
+    #: claim, then stored): its prompts (the first of `verify_null_prompts_file`, JSON lines
+    #: with a "prompt" each; default the bundled 64) and new tokens a prompt. A null of few
+    #: prompts promises a false-alarm rate its next prompts break (docs/verify.md); a stored
+    #: null of another shape is measured again.
+    verify_null_prompts: int = Field(default=DEFAULT_NULL_PROMPTS, ge=2, le=MAX_NULL_PROMPTS)
+    verify_null_max_new_tokens: int = Field(
+        default=DEFAULT_NULL_MAX_NEW_TOKENS, ge=1, le=MAX_NULL_MAX_NEW_TOKENS
+    )
+    verify_null_prompts_file: Path | None = None
     #: Seconds before RQ kills a replay job (RQ's own default of 180 s is too short for a GPU).
     job_timeout_s: int = 3600
     #: Key that signs the web UI's session cookies (any long random string; every API process

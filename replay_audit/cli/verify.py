@@ -16,9 +16,18 @@ import typer
 from replay_audit.cli.demo import PROMPTS_FILE
 from replay_audit.cli.engine import _fail, _read_jsonl, _threads
 from replay_audit.cli.root import app
+from replay_audit.config import (
+    DEFAULT_NULL_MAX_NEW_TOKENS,
+    DEFAULT_NULL_PROMPTS,
+    MAX_NULL_MAX_NEW_TOKENS,
+    MAX_NULL_PROMPTS,
+)
 from replay_audit.formats import BodyDType, HeadDType
 from replay_audit.queue.route import MAX_TP_DEGREE
 from replay_audit.words import counted
+
+#: The null's prompts: a null of few promises a false-alarm rate its next prompts break.
+NULL_HELP = "Prompts per variation (more: a promise the null can keep; docs/verify.md)."
 
 #: `--devices`: what the null's engine pool owns.
 DEVICES_HELP = (
@@ -66,8 +75,12 @@ def calibrate(
     lm_head_dtype: Annotated[HeadDType | None, typer.Option(help="Default: dtype.")] = None,
     attn_kernel: Annotated[str, typer.Option(help="The claimed attention kernel.")] = "sdpa",
     prompts: Annotated[Path, typer.Option(help='JSONL of {"id", "prompt"}.')] = PROMPTS_FILE,
-    null_prompts: Annotated[int, typer.Option(min=1, help="Prompts per variation.")] = 32,
-    max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    null_prompts: Annotated[int, typer.Option(min=2, max=MAX_NULL_PROMPTS, help=NULL_HELP)] = (
+        DEFAULT_NULL_PROMPTS
+    ),
+    max_new_tokens: Annotated[
+        int, typer.Option(min=1, max=MAX_NULL_MAX_NEW_TOKENS, help="Null generation length.")
+    ] = DEFAULT_NULL_MAX_NEW_TOKENS,
     false_alarm_rate: Annotated[float, typer.Option(min=1e-4, max=0.5)] = 0.01,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
@@ -104,8 +117,12 @@ def verify(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     group_by: Annotated[Literal["none", "tag", "engine"], typer.Option()] = "none",
     prompts: Annotated[Path, typer.Option(help="Prompts of a null measured now.")] = PROMPTS_FILE,
-    null_prompts: Annotated[int, typer.Option(min=1, help="Prompts per variation.")] = 32,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Null generation length.")] = 64,
+    null_prompts: Annotated[int, typer.Option(min=2, max=MAX_NULL_PROMPTS, help=NULL_HELP)] = (
+        DEFAULT_NULL_PROMPTS
+    ),
+    max_new_tokens: Annotated[
+        int, typer.Option(min=1, max=MAX_NULL_MAX_NEW_TOKENS, help="Null generation length.")
+    ] = DEFAULT_NULL_MAX_NEW_TOKENS,
     false_alarm_rate: Annotated[float, typer.Option(min=1e-4, max=0.5)] = 0.01,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,

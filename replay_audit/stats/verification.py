@@ -201,6 +201,9 @@ class Calibration:
     statistic: Statistic = VERDICT_STATISTIC
     version: int = CALIBRATION_VERSION
     notes: list[str] = field(default_factory=list)
+    #: The null's prompts and new tokens a prompt (None: not recorded, before they were).
+    null_prompts: int | None = None
+    null_max_new_tokens: int | None = None
 
     def at(self, tokens: int, statistic: Statistic | None = None) -> BudgetCalibration:
         """The calibration of the largest budget <= tokens (the smallest for fewer tokens):
@@ -256,6 +259,8 @@ class Calibration:
             statistic=data.get("statistic", VERDICT_STATISTIC),
             version=int(data.get("version", 1)),
             notes=list(data.get("notes", [])),
+            null_prompts=data.get("null_prompts"),
+            null_max_new_tokens=data.get("null_max_new_tokens"),
         )
 
 

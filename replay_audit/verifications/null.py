@@ -163,4 +163,4 @@ def benign_null(
         + (f" ({platform.gpu_name})" if platform.gpu_name else "")
         + f" from {len(prompts)} prompts x {len(null)} benign variations"
     )
-    return replace(cal, notes=notes)
+    return replace(cal, notes=notes, null_prompts=len(prompts), null_max_new_tokens=max_new_tokens)

@@ -14,18 +14,18 @@ import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from sqlalchemy.exc import IntegrityError
 
-from replay_audit.config import BUNDLED_MODEL_DIR
+from replay_audit.config import BUNDLED_MODEL_DIR, Settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.job_row import claim_attempt, fail_row
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.engine.pool import EnginePool
-from replay_audit.exceptions import ReplayAuditError
+from replay_audit.exceptions import EngineError, ReplayAuditError
 from replay_audit.replays.checkpoint import ModelNotFound, find_checkpoint
 from replay_audit.replays.repository import logged_trace
 from replay_audit.replays.tasks import worker_context
@@ -39,31 +39,72 @@ log = logging.getLogger(__name__)
 
 #: A verification started this many times without finishing is failed for good.
 MAX_ATTEMPTS: Final = 3
-#: The null a worker measures: this many of the bundled prompts, generated this long.
-NULL_PROMPTS: Final = 32
-NULL_MAX_NEW_TOKENS: Final = 64
 
-#: measure(model_dir, claim, false_alarm_rate, pool, device) -> the claim's calibration here.
-Measure = Callable[[Path, Claim, float, EnginePool, str | None], Calibration]
+
+@dataclass(frozen=True)
+class NullShape:
+    """The null a worker measures (`Settings.verify_null_*`): these prompts' texts, generated
+    this long."""
+
+    prompts: tuple[str, ...]
+    max_new_tokens: int
+
+    @classmethod
+    def of(cls, settings: Settings) -> NullShape:
+        """`EngineError` naming the setting where its prompts file cannot give prompts."""
+        path = settings.verify_null_prompts_file or BUNDLED_MODEL_DIR.parent / "prompts.jsonl"
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+            rows = [json.loads(line) for line in lines if line.strip()]
+            texts = tuple(str(r["prompt"]) for r in rows[: settings.verify_null_prompts])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise EngineError(
+                f"REPLAY_AUDIT_VERIFY_NULL_PROMPTS_FILE ({path}): no JSON lines with a "
+                f'"prompt" each: {type(e).__name__}: {e}'
+            ) from e
+        if len(texts) < 2:
+            raise EngineError(
+                f"REPLAY_AUDIT_VERIFY_NULL_PROMPTS_FILE ({path}) holds {len(texts)} prompts: a "
+                "null needs at least 2"
+            )
+        return cls(texts, settings.verify_null_max_new_tokens)
+
+    def measured(self, cal: Calibration) -> bool:
+        """Whether `cal` is a null of this shape (one of another, or unrecorded, is not)."""
+        return (cal.null_prompts, cal.null_max_new_tokens) == (
+            len(self.prompts),
+            self.max_new_tokens,
+        )
+
+
+#: measure(model_dir, claim, false_alarm_rate, pool, device, shape) -> the claim's calibration.
+Measure = Callable[[Path, Claim, float, EnginePool, str | None, NullShape], Calibration]
 
 
 def measure_null(
-    model_dir: Path, claim: Claim, rate: float, pool: EnginePool, device: str | None
+    model_dir: Path,
+    claim: Claim,
+    rate: float,
+    pool: EnginePool,
+    device: str | None,
+    shape: NullShape,
 ) -> Calibration:
-    """The benign null of `claim` on this worker (`null.benign_null` on the bundled prompts)."""
+    """The benign null of `claim` on this worker (`null.benign_null` on `shape`'s prompts)."""
+    from replay_audit.screenings.sweep.outputs import PromptRow
     from replay_audit.screenings.sweep.worker import TorchBackend
     from replay_audit.verifications.null import benign_null
 
-    path = BUNDLED_MODEL_DIR.parent / "prompts.jsonl"
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-    prompts = TorchBackend(model_dir, device).prompts(rows[:NULL_PROMPTS])
+    rows: list[PromptRow] = [
+        {"id": f"null-{i}", "prompt": text} for i, text in enumerate(shape.prompts)
+    ]
+    prompts = TorchBackend(model_dir, device).prompts(rows)
     return benign_null(
         model_dir,
         claimed_target(claim),
         prompts,
         pool=pool,
         device=device,
-        max_new_tokens=NULL_MAX_NEW_TOKENS,
+        max_new_tokens=shape.max_new_tokens,
         false_alarm_rate=rate,
     )
 
@@ -106,6 +147,7 @@ class _Calibrations:
             device,
         )
         self.pool = worker_context().pool
+        self.shape = NullShape.of(worker_context().settings)
         self.used: list[tuple[Calibration, bool, PlatformKey]] = []
 
     def __call__(self, claim: Claim) -> Calibration:
@@ -114,11 +156,14 @@ class _Calibrations:
         with session_scope(self.url) as s:
             row = repository.get_calibration(s, *key)
             stored = Calibration.from_json(row.calibration) if row is not None else None
-        stale = stored is not None and stored.version < CALIBRATION_VERSION
-        if stored is None or stale:  # a stale one (an older method's thresholds) is replaced
+        # A stale one (an older method's thresholds, or a null of another shape) is replaced.
+        stale = stored is not None and (
+            stored.version < CALIBRATION_VERSION or not self.shape.measured(stored)
+        )
+        if stored is None or stale:
             stored = None
             measure = _measure.get() or measure_null
-            cal = measure(self.model_dir, claim, self.rate, self.pool, self.device)
+            cal = measure(self.model_dir, claim, self.rate, self.pool, self.device, self.shape)
             try:
                 with session_scope(self.url) as s:
                     if stale:
@@ -194,8 +239,8 @@ def run_verification_job(verification_id: int, database_url: str | None = None) 
         return
     from replay_audit.verifications.run import verify
 
-    calibrations = _Calibrations(url, sha, model_dir, request.false_alarm_rate, request.device)
     try:
+        calibrations = _Calibrations(url, sha, model_dir, request.false_alarm_rate, request.device)
         result = verify(
             traces, model_dir, ctx.pool, calibrations, names=names, group_of=[g for _, g in kept]
         )

@@ -27,6 +27,7 @@ from tests.replays.conftest import HoldingRunner
 PROMPTS = Path(BUNDLED_MODEL_DIR).parent / "prompts.jsonl"
 #: Prompts of the null, and (the next ones) of the logged traces.
 NULL_PROMPTS, LOGGED_PROMPTS = 8, 10
+NULL_MAX_NEW_TOKENS = 48
 BUDGETS = (16, 32, 64, 128, 256, 512)
 
 
@@ -70,7 +71,7 @@ def calibrations(verify_pool: EnginePool) -> list[Calibration]:
             prompts,
             pool=verify_pool,
             device="cpu",
-            max_new_tokens=48,
+            max_new_tokens=NULL_MAX_NEW_TOKENS,
             variations=variations,
             budgets=BUDGETS,
             draws=300,
@@ -120,6 +121,10 @@ def measured(
     session's (the list holds each claim measured)."""
     monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", db_url)
     monkeypatch.setenv("REPLAY_AUDIT_MODEL_DIRS", str(BUNDLED_MODEL_DIR))
+    # The shape of the session's null (`calibrations`): a stored null of another is measured
+    # again.
+    monkeypatch.setenv("REPLAY_AUDIT_VERIFY_NULL_PROMPTS", str(NULL_PROMPTS))
+    monkeypatch.setenv("REPLAY_AUDIT_VERIFY_NULL_MAX_NEW_TOKENS", str(NULL_MAX_NEW_TOKENS))
     settings = Settings(_env_file=None)  # type: ignore[call-arg]
     replay_tasks.install_worker_context(replay_tasks.WorkerContext(settings, verify_pool))
     claims: list[dict[str, Any]] = []

@@ -8,6 +8,7 @@ again by the reconciler, once."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from sqlalchemy import func, select
 
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import session_scope
+from replay_audit.replays import tasks as replay_tasks
 from replay_audit.stats.verification import Calibration
 from replay_audit.verifications import tasks
 from replay_audit.verifications.models import Verification, VerificationCalibration
@@ -36,7 +38,7 @@ def _verify(client: TestClient, admin: dict[str, str], runner: HoldingRunner, **
 
 
 @pytest.mark.slow
-def test_a_stored_calibration_of_an_older_method_is_measured_again(
+def test_a_stored_calibration_of_an_older_method_or_another_shape_is_measured_again(
     client: TestClient,
     job_runner: HoldingRunner,
     measured: list[dict[str, Any]],
@@ -44,8 +46,9 @@ def test_a_stored_calibration_of_an_older_method_is_measured_again(
     calibrations: list[Calibration],
     headers: Callable[..., dict[str, str]],
 ) -> None:
-    """A null stored by method 1 (thresholds from the variations' pooled traces) is not reused:
-    the job measures it again and stores the new one in its place."""
+    """A null stored by method 1 (thresholds from the variations' pooled traces), or of another
+    shape than the worker's settings ask, is not reused: the job measures it again and stores
+    the new one in its place."""
     bind_null(measured, calibrations)
     admin = headers("admin")
     store(client, admin, logged["bf16"], "honest")
@@ -62,6 +65,24 @@ def test_a_stored_calibration_of_an_older_method_is_measured_again(
         assert Calibration.from_json(stored.calibration).version == 2
     third = _verify(client, admin, job_runner, filter={"tag": "honest"})["report"]
     assert third["calibrations"][0]["reused"] is True and len(measured) == 2
+
+    # A worker set for a null of another shape measures it again; one whose prompts file gives
+    # no prompts fails the verification, naming the setting.
+    def worker_settings(**env: str) -> None:
+        ctx = replay_tasks.worker_context()
+        settings = ctx.settings.model_copy(update=env)
+        replay_tasks.install_worker_context(replay_tasks.WorkerContext(settings, ctx.pool))
+
+    worker_settings(verify_null_prompts=6)  # type: ignore[arg-type]
+    fourth = _verify(client, admin, job_runner, filter={"tag": "honest"})["report"]
+    assert fourth["calibrations"][0]["reused"] is False and len(measured) == 3
+    worker_settings(verify_null_prompts_file=Path("/nonexistent/prompts.jsonl"))  # type: ignore[arg-type]
+    r = client.post("/v1/verifications", json={"filter": {"tag": "honest"}}, headers=admin)
+    assert r.status_code == 201, r.text
+    assert job_runner.run_all() == 1
+    failed = client.get(f"/v1/verifications/{r.json()['id']}", headers=admin).json()
+    assert failed["status"] == "failed"
+    assert "REPLAY_AUDIT_VERIFY_NULL_PROMPTS_FILE (/nonexistent/prompts.jsonl)" in failed["error"]
 
 
 @pytest.mark.slow

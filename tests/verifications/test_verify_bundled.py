@@ -75,3 +75,26 @@ def test_the_cli_verifies_offline_as_json(
         )
         assert len(out["groups"]) == len(providers)  # one group per claimed configuration
         assert (out["score"] > out["threshold"]) == (verdict == "inconsistent")
+
+
+@pytest.mark.parametrize("command", ["calibrate", "verify"])
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--null-prompts", "1"),  # a null needs at least 2 prompts
+        ("--null-prompts", str(10**12)),
+        ("--null-prompts", "many"),
+        ("--max-new-tokens", "0"),
+        ("--max-new-tokens", str(10**12)),
+        ("--max-new-tokens", "long"),
+    ],
+)
+def test_the_null_options_are_bounded(
+    tmp_path: Path, command: str, option: str, value: str
+) -> None:
+    """Refused before anything loads, naming the option."""
+    traces = tmp_path / "t.jsonl"
+    traces.write_text("")
+    args = [command, *([str(traces)] if command == "verify" else [])]
+    res = CliRunner().invoke(app, [*args, "--model", str(BUNDLED_MODEL_DIR), option, value])
+    assert res.exit_code == 2 and f"Invalid value for '{option}'" in res.output, res.output
