@@ -17,10 +17,7 @@
 # TOKENS decode steps at ~15 ms each on the dynamic-cache path, plus loads and one compile.
 # Every step's wall time goes to $OUT/screen_wall.txt.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+. benchmarks/_gpu_train.sh
 M=.models/py-12x768
 REFERENCE=${REFERENCE:-}
 S=.models/screen-py-12x768${REFERENCE:+-ref-$REFERENCE}
@@ -30,15 +27,9 @@ step=${1:-all}
 } 2>&1 | tee "$OUT/env.txt"
 
 train() {
-    if [ -f "$M/model.safetensors" ] && [ -f "$M/prompts.jsonl" ]; then
-        echo "reusing $M"; return 0
-    fi
-    local t0=$SECONDS
-    python3 scripts/train_tiny_model.py --device cuda --amp bf16 --threads 8 \
-        --layers 12 --hidden 768 --intermediate 2048 --heads 12 --kv-heads 4 \
-        --batch-size 32 --lr 1e-3 --warmup 200 --log-every 200 --minutes "${MINUTES:-3}" \
-        --out "$M" --prompts-out "$M/prompts.jsonl" 2>&1 | tee "$OUT/train.log" | tail -25
-    echo "train: $((SECONDS - t0)) s" | tee -a "$OUT/screen_wall.txt"
+    train_model "$M" screen_wall.txt --layers 12 --hidden 768 --intermediate 2048 --heads 12 \
+        --kv-heads 4 --batch-size 32 --lr 1e-3 --warmup 200 --log-every 200 \
+        --minutes "${MINUTES:-3}"
 }
 
 screen() {

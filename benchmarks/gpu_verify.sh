@@ -17,13 +17,10 @@
 # command, measured over several). Results: $OUT/verify.json (written as each simulation
 # ends), verify.log, train.log, wall.txt; each step's JSON is kept in $M/verify-runs/.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+. benchmarks/_gpu_train.sh
 # NVLink multicast off here and in every rank of the TP=2 provider (KINDS.md says why).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=.models/py-24x2048
 step=${1:-all}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -31,15 +28,9 @@ step=${1:-all}
 } 2>&1 | tee "$OUT/env.txt"
 
 train() {
-    if [ -f "$M/model.safetensors" ] && [ -f "$M/prompts.jsonl" ]; then
-        echo "reusing $M"; return 0
-    fi
-    local t0=$SECONDS
-    python3 scripts/train_tiny_model.py --device cuda --amp bf16 --threads 8 \
-        --layers 24 --hidden 2048 --intermediate 5632 --heads 32 --kv-heads 4 \
-        --batch-size 32 --lr 3e-4 --warmup 50 --log-every 50 --minutes "${MINUTES:-2.5}" \
-        --out "$M" --prompts-out "$M/prompts.jsonl" 2>&1 | tee "$OUT/train.log" | tail -25
-    echo "train: $((SECONDS - t0)) s" | tee -a "$OUT/wall.txt"
+    train_model "$M" wall.txt --layers 24 --hidden 2048 --intermediate 5632 --heads 32 \
+        --kv-heads 4 --batch-size 32 --lr 3e-4 --warmup 50 --log-every 50 \
+        --minutes "${MINUTES:-2.5}"
 }
 
 verify() {
