@@ -136,6 +136,22 @@ def tensor_parallel(
         return ex.submit(_tp_pairs, model_dir, ids, dtype, max_new, k, device).result()
 
 
+def stdlib_prompts(model: Path, n: int) -> list[dict[str, str]]:
+    """`n` function beginnings of this Python's standard library (held-out files first, then
+    the rest, three a file at most), cut by the checkpoint's tokenizer as
+    `scripts/train_tiny_model.py` cuts the bundled prompts."""
+    from tokenizers import Tokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import train_tiny_model as corpus  # type: ignore[import-not-found]
+
+    corpus.N_PROMPTS, corpus.PROMPTS_PER_FILE = n, 3
+    stdlib = corpus.load_corpus()
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    rows: list[dict[str, str]] = corpus.extract_prompts(tokenizer, stdlib.held_out + stdlib.train)
+    return rows
+
+
 def _targets(results: list[dict[str, Any]], stat: str) -> str:
     """The issue's three figures for one statistic: the tokens 4-bit RTN and the FP8 KV cache
     need to a decision (AUC at 4-bit's), and the worst benign simulation's flagged share at each
@@ -173,6 +189,13 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="bf16", help="the claimed body dtype")
     ap.add_argument("--prompts", type=Path, default=PROMPTS)
+    ap.add_argument(
+        "--stdlib-prompts",
+        type=int,
+        default=None,
+        help="instead of --prompts: this many function beginnings of the Python standard "
+        "library, cut as the bundled prompts are (more than the bundled 64)",
+    )
     ap.add_argument("--null-prompts", type=int, default=16)
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=48)
@@ -209,9 +232,11 @@ def main() -> None:
     args = ap.parse_args()
 
     t0 = time.time()
-    rows = [
-        json.loads(x) for x in args.prompts.read_text(encoding="utf-8").splitlines() if x.strip()
-    ]
+    if args.stdlib_prompts is not None:
+        rows = stdlib_prompts(args.model, args.stdlib_prompts)
+    else:
+        text = args.prompts.read_text(encoding="utf-8")
+        rows = [json.loads(x) for x in text.splitlines() if x.strip()]
     backend = TorchBackend(args.model, args.device)
     device = backend.platform().device
     prompts = backend.prompts(rows[: args.null_prompts + args.eval_prompts])  # type: ignore[arg-type]
