@@ -221,8 +221,8 @@ def _worker_kind(device: str | None, devices: int = 1) -> tuple[WorkerKind, str 
         seen = torch.cuda.device_count()
         if index != 0 or seen < devices:
             raise typer.BadParameter(
-                f"a worker of {devices} devices owns cuda:0..{devices - 1} (it sees {seen} "
-                f"GPU{'s' if seen != 1 else ''}, and was given {cuda}): give it its GPUs with "
+                f"a worker of {devices} devices owns cuda:0..{devices - 1} (it sees "
+                f"{counted(seen, 'GPU')}, and was given {cuda}): give it its GPUs with "
                 "CUDA_VISIBLE_DEVICES",
                 param_hint="--devices",
             )

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from replay_audit.words import counted
+
 #: The device queues, whose names a route builds on.
 DeviceQueue = Literal["gpu", "cpu"]
 DEVICE_QUEUES: Final[tuple[DeviceQueue, ...]] = ("gpu", "cpu")
@@ -82,7 +84,7 @@ class WorkerKind:
     def describe(self) -> str:
         """`a10g (NVIDIA A10G, sm 8.6), 1 device`, `cpu, 1 device`."""
         gpu = f" ({self.gpu_name}, sm {self.sm or '?'})" if self.gpu_name else ""
-        return f"{self.kind}{gpu}, {self.devices} device{'s' if self.devices != 1 else ''}"
+        return f"{self.kind}{gpu}, {counted(self.devices, 'device')}"
 
     def to_json(self) -> str:
         return json.dumps(

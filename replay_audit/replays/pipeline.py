@@ -107,6 +107,7 @@ from replay_audit.replays.domain import (
     SingleStep,
     SingleStepChoice,
 )
+from replay_audit.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -200,8 +201,8 @@ def resolve_arm(
     asked = "asks" if run_target.tp_degree is not None else "was logged at"
     if tp > pool.devices:
         raise UnsupportedFormat(
-            f"the arm {asked} TP {tp}; this worker owns {pool.devices} device"
-            f"{'s' if pool.devices != 1 else ''}: a target's tp_degree: {pool.devices} replays "
+            f"the arm {asked} TP {tp}; this worker owns {counted(pool.devices, 'device')}: a "
+            f"target's tp_degree: {pool.devices} replays "
             f"it at TP {pool.devices} (the result says so)",
             field="tp_degree",
         )

@@ -71,6 +71,7 @@ from replay_audit.stats.summary import (
     histogram,
     log_histogram,
 )
+from replay_audit.words import counted
 
 #: Resamples of the paired bootstrap behind each lift interval (seeded: reproducible).
 BOOTSTRAP_RESAMPLES: Final = 10_000
@@ -612,7 +613,7 @@ def comparison_report(
     sar_note = SAR_NOTES.get(c.mode)
     if cut:
         why = (
-            f"{cut} result{'s' if cut != 1 else ''} decoded only to t* + {c.decode_window} "
+            f"{counted(cut, 'result')} decoded only to t* + {c.decode_window} "
             "not counted (a prefix of the replay text)"
         )
         sar_note = f"{sar_note}; {why}" if sar_note else why
