@@ -23,7 +23,7 @@
 #
 # BACKEND=embedded audits on the service's embedded default instead (SQLite, the in-process
 # runner in the one API process; no PostgreSQL or Redis started). Other settings: TARGET
-# (fp16), GPUS (replay workers, one a GPU: 1; on a two- or four-GPU kind, GPUS=2 or 4 against
+# (fp16), MODEL (a checkpoint already on the machine, such as gpu_verify.sh's: no training), GPUS (replay workers, one a GPU: 1; on a two- or four-GPU kind, GPUS=2 or 4 against
 # GPUS=1 on the same warm machine gives the several-GPU ratio), CONTROL (the runs'
 # control_fraction; unset: the service's default), FLAG_ULPS
 # (scan_flag_ulps; unset: the service's default), EXTRA (JSON merged into every
@@ -54,7 +54,7 @@ prepare() {
     fi
     local t0=$SECONDS
     timeout "${PREPARE_TIMEOUT:-540}" python3 benchmarks/e2e_audit.py prepare --work "$W" \
-        --device cuda --minutes "${MINUTES:-2}" --unique "${UNIQUE:-512}" \
+        --device cuda ${MODEL:+--model "$MODEL"} --minutes "${MINUTES:-2}" --unique "${UNIQUE:-512}" \
         --top-k "${TOP_K:-0}" --out "$OUT" > /dev/null 2> "$OUT/prepare.log"
     local rc=$?
     echo "prepare: exit $rc, $((SECONDS - t0)) s"
@@ -101,7 +101,7 @@ audit() {
     local t0=$SECONDS
     # shellcheck disable=SC2086
     timeout $(( deadline + 75 )) python3 benchmarks/e2e_audit.py audit --work "$W" \
-        --device cuda --backend "$backend" \
+        --device cuda ${MODEL:+--model "$MODEL"} --backend "$backend" \
         --database-url postgresql+psycopg://postgres@127.0.0.1:55432/postgres \
         --redis-url redis://127.0.0.1:56379/0 --traces "${TRACES:-20000}" \
         --run-size "${RUN_SIZE:-2000}" --modes ${MODES:-scan auto} \

@@ -8,8 +8,9 @@ traces replay exactly at TP k, and what a TP-1 replay of them reports (t*, categ
 For each degree k: the prompts are generated at TP 1 and at TP k with transformers' own
 `generate()` (`TraceGenerator`, as `replay-audit generate --tp k`: every rank runs it), the TP-k
 traces are replayed in their logged configuration at TP k (the self-replay: `compare_with:
-self`), then at TP 1 (a target asking `tp_degree: 1`), through the service's replay pipeline
-(`replays.pipeline.replay_items`, decode mode, the pool of a worker owning k devices). The
+self`), then at TP 1 (a target asking `tp_degree: 1`), then at TP k again in the same pool,
+through the service's replay pipeline (`replays.pipeline.replay_items`, decode mode, the pool of
+a worker owning k devices). The
 model is a random TinyLlama-1.1B-shaped Llama (saved once to --model-dir) unless --model names
 a checkpoint. Prints one JSON object; measured, never asserted.
 """
@@ -137,6 +138,9 @@ def _replay_rows(
     at_1 = RunTarget(Target(args.dtype, attn_kernel="sdpa"), tp_degree=1)
     results, seconds = replay(traces, at_1, pool, model)
     row["replay_at_tp1"] = summary(results, seconds)
+    # Back to TP k in the same pool, after the TP-1 arm ran: the group serves again, bitwise.
+    results, seconds = replay(traces, RunTarget(None), pool, model)
+    row[f"self_replay_again_at_tp{k}"] = summary(results, seconds)
     pool.close()
     return row
 
@@ -144,8 +148,10 @@ def _replay_rows(
 def _degree_row(
     model: Path, args: argparse.Namespace, k: int, base: list[TraceCreate]
 ) -> dict[str, Any]:
-    """TP k against TP 1: its generation in one child process, its replays in another."""
-    traces_json, gen_s = _in_child(_generate_json, model, args, k)
+    """TP k against TP 1: its generation, then its replays (each in a child process of its
+    own with --children)."""
+    in_child = _in_child if args.children else (lambda fn, *a: fn(*a))
+    traces_json, gen_s = in_child(_generate_json, model, args, k)
     traces = [TraceCreate.model_validate(t) for t in traces_json]
     flips = [a.output_token_ids != b.output_token_ids for a, b in zip(base, traces, strict=True)]
     row: dict[str, Any] = {
@@ -153,7 +159,7 @@ def _degree_row(
         "outputs_flipped_vs_tp1": sum(flips),
         "flip_fraction_vs_tp1": round(sum(flips) / len(flips), 4),
     }
-    row.update(_in_child(_replay_rows, model, args, k, traces_json))
+    row.update(in_child(_replay_rows, model, args, k, traces_json))
     print(f"tp {k}: {json.dumps(row)}", file=sys.stderr, flush=True)
     return row
 
@@ -168,6 +174,11 @@ def main() -> None:
     ap.add_argument("--traces", type=int, default=48)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--children",
+        action="store_true",
+        help="generate and replay each degree in a spawned process of its own",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -192,10 +203,10 @@ def main() -> None:
     out["tp1_self_replay"] = summary(results, seconds)
     pool.close()
     for k in args.degrees:
-        # Each degree in a process of its own: a second NCCL process group in one process (the
-        # generator's, then the replay pool's) segfaulted in transformers' device-mesh setup
-        # (torch 2.11 + cu130, 2x H200), so the generator's group lives in one child process and
-        # the pool's in another.
+        # The generator's ranks and the pool's are child processes (`TpGroup`), so this
+        # process joins no process group and one process can use both: a second NCCL group in
+        # one process segfaulted in transformers' device-mesh setup (torch 2.11 + cu130, 2x
+        # H200) before every rank was a child. --children keeps the old isolation.
         out[f"tp{k}"] = _degree_row(model, args, k, base)
     out["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(out, indent=2))

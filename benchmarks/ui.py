@@ -63,9 +63,7 @@ SHA = "ab" * 32
 CATEGORY_WEIGHTS = {"head_reachable": 0.7, "kv_dependent": 0.1, "body_dominated": 0.2}
 
 
-def make_trace(
-    rng: np.random.Generator, i: int, steps: int, reference: bool = True
-) -> TraceCreate:
+def make_trace(rng: np.random.Generator, i: int, steps: int, reference: bool = True) -> TraceCreate:
     output = rng.integers(0, VOCAB, steps)
     top1 = rng.uniform(5.0, 25.0, steps).astype(np.float32)
     second = (output + 1) % VOCAB
@@ -170,9 +168,7 @@ def seed(url: str, n: int, steps: int, reference: bool) -> tuple[str, str]:
         project_id = create_api_key(s, "bench", "admin").api_key.project_id
     public_ids: list[str] = []
     for start in range(0, n, 1000):
-        batch = [
-            make_trace(rng, i, steps, reference) for i in range(start, min(n, start + 1000))
-        ]
+        batch = [make_trace(rng, i, steps, reference) for i in range(start, min(n, start + 1000))]
         with session_scope(url) as s:
             results = traces_service.ingest_traces(s, project_id, batch)
             assert all(r.status == 201 for r in results), results[:3]
@@ -264,8 +260,9 @@ def main() -> None:
     client = TestClient(create_app(settings))
     page = client.get("/ui/sign-in")
     token = page.text.split('name="form_token" value="')[1].split('"')[0]
-    r = client.post("/ui/sign-in", data={"api_key": key, "form_token": token},
-                    follow_redirects=False)
+    r = client.post(
+        "/ui/sign-in", data={"api_key": key, "form_token": token}, follow_redirects=False
+    )
     assert r.status_code == 303, r.text
     # A trace that diverged in comparison 0 (found in SQL: a report would warm the memo).
     with session_scope(url) as s:

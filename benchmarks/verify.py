@@ -325,6 +325,7 @@ def main() -> None:
         elif device == "cuda":
             sims.insert(4, ("benign TP=2", True, "needs two GPUs (a two-GPU kind)"))
         honest: list[np.ndarray] | None = None
+        honest_outputs: list[list[int]] | None = None
         results = []
         rng = np.random.default_rng(0)
         if args.only:
@@ -333,13 +334,22 @@ def main() -> None:
             if isinstance(run, str):
                 results.append({"simulation": name, "skipped": run})
                 continue
-            deficits = _scan(run(), claim, pool, args.model)
-            if honest is None:
-                honest = deficits
+            pairs = run()
+            deficits = _scan(pairs, claim, pool, args.model)
+            outputs = [out for _, out in pairs]
+            if honest is None or honest_outputs is None:
+                honest, honest_outputs = deficits, outputs
             row: dict[str, Any] = {
                 "simulation": name,
                 "benign": benign,
                 "tokens": int(sum(len(u) for u in deficits)),
+                # the share of the prompts whose greedy output this provider changed against
+                # the honest one (the same prompts): how often the variation flips a token
+                "outputs_differing": round(
+                    sum(a != b for a, b in zip(outputs, honest_outputs, strict=True))
+                    / max(1, len(outputs)),
+                    4,
+                ),
             }
             for stat in STATISTICS:
                 sc = [cal.scorer.scores(u, stat) for u in deficits]
@@ -388,17 +398,19 @@ def main() -> None:
     for stat in STATISTICS:
         print(f"\n{stat}{' (verdicts)' if stat == cal.statistic else ''}")
         print(
-            "| simulation | tokens | AUC @256 | tokens to decision "
-            "| flagged @256 (benign: false-alarm rate) | flagged, worst budget |"
+            "| simulation | tokens | outputs differing from honest | AUC @256 "
+            "| tokens to decision | flagged @256 (benign: false-alarm rate) "
+            "| flagged, worst budget |"
         )
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for r in results:
             if "skipped" in r:
-                print(f"| {r['simulation']} | | | | not run: {r['skipped']} | |")
+                print(f"| {r['simulation']} | | | | | not run: {r['skipped']} | |")
                 continue
             s = r[stat]
             print(
-                f"| {r['simulation']} | {r['tokens']} | {s['auc_256']:.3f} | "
+                f"| {r['simulation']} | {r['tokens']} | {r.get('outputs_differing', '')} "
+                f"| {s['auc_256']:.3f} | "
                 f"{s['tokens_to_decision'] or '> ' + str(BUDGETS[-1])} | {s['flagged_256']:.3f} "
                 f"| {s['flagged_max']:.3f} |"
             )
