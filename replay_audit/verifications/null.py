@@ -8,7 +8,9 @@ decision must detect: a 4-bit RTN (group 128) copy of the checkpoint. Workers an
 
 from __future__ import annotations
 
+import logging
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +34,8 @@ from replay_audit.stats.verification import (
 )
 from replay_audit.verifications.domain import claim_key
 from replay_audit.verifications.scan import claim_engine, deficit_arrays, scan_evidence
+
+log = logging.getLogger(__name__)
 
 #: The benign variations generated everywhere; a CUDA device adds `CUDA_VARIATIONS`.
 BENIGN_VARIATIONS: Final = (
@@ -135,8 +139,17 @@ def benign_null(
             tp = f" (TP {config.tp_degree} not covered)" if config.tp_degree > 1 else ""
             notes.append(f"benign variation {config.key} not run here{tp}: {why}")
             continue
+        start = time.perf_counter()
         pairs = generate(backend, config, prompts, max_new_tokens)
+        generated = time.perf_counter()
         null[config.key] = _scan(pairs, claim, pool, model_dir)
+        log.info(
+            "benign null: %s, %d prompts generated in %.1f s, scanned in %.1f s",
+            config.key,
+            len(pairs),
+            generated - start,
+            time.perf_counter() - generated,
+        )
     claimed = ScreenConfig(
         claim.dtype,  # type: ignore[arg-type]
         attn_kernel=claim.attn_kernel or "sdpa",
