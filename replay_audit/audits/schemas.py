@@ -33,7 +33,6 @@ from typing import Annotated, Literal
 from pydantic import (
     AfterValidator,
     AnyHttpUrl,
-    BaseModel,
     ConfigDict,
     Field,
     StringConstraints,
@@ -62,6 +61,7 @@ from replay_audit.formats import (
     Mode,
 )
 from replay_audit.input import InputModel, Lax, option_field
+from replay_audit.output import OutputModel
 from replay_audit.replays.schemas import (
     MAX_REPLAY_TRACES,
     PAIRS_RULE,
@@ -88,12 +88,6 @@ AlertStatus = Literal["pending", "delivered", "failed"]
 MAX_WINDOW_HOURS = 24 * 90
 #: Most runs one catch-up request starts.
 MAX_CATCH_UP = 100
-
-
-class _Frozen(BaseModel):
-    """A response model: what the service built, not validated input."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class Selection(InputModel):
@@ -273,7 +267,7 @@ class ScheduleUpdate(InputModel):
     rotate_webhook_secret: bool = False
 
 
-class AuditRunRead(_Frozen):
+class AuditRunRead(OutputModel):
     id: str
     schedule_id: str
     due_at: datetime
@@ -294,7 +288,7 @@ class AuditRunRead(_Frozen):
     evaluated_at: datetime | None
 
 
-class ScheduleRead(_Frozen):
+class ScheduleRead(OutputModel):
     id: str
     project: str
     name: str
@@ -328,16 +322,16 @@ class ScheduleWritten(ScheduleRead):
     webhook_secret: str | None = None
 
 
-class ScheduleList(_Frozen):
+class ScheduleList(OutputModel):
     items: list[ScheduleRead]
 
 
-class AuditRunCreated(_Frozen):
+class AuditRunCreated(OutputModel):
     run: AuditRunRead
     created: bool
 
 
-class AuditRunList(_Frozen):
+class AuditRunList(OutputModel):
     items: list[AuditRunRead]
 
 
@@ -346,13 +340,13 @@ class CatchUpRequest(InputModel):
     limit: int = Field(default=MAX_CATCH_UP, ge=1, le=MAX_CATCH_UP)
 
 
-class CatchUpResult(_Frozen):
+class CatchUpResult(OutputModel):
     started: list[AuditRunRead]
     #: Missed due times left (beyond `limit`).
     remaining: int
 
 
-class Missed(_Frozen):
+class Missed(OutputModel):
     schedule_id: str
     #: Due times in [since, now - grace] with no run, oldest first.
     due_at: list[datetime]
@@ -360,7 +354,7 @@ class Missed(_Frozen):
     truncated: bool
 
 
-class TrendPoint(_Frozen):
+class TrendPoint(OutputModel):
     """One run of a schedule on the trend chart (null where the run has no such number)."""
 
     audit_run_id: str
@@ -385,12 +379,12 @@ class TrendPoint(_Frozen):
     flagged: bool
 
 
-class Trend(_Frozen):
+class Trend(OutputModel):
     schedule_id: str
     points: list[TrendPoint]
 
 
-class AttemptRead(_Frozen):
+class AttemptRead(OutputModel):
     """One delivery attempt: its answer's status code (null without an answer) and an error
     class (null when delivered); never what the receiver answered."""
 
@@ -400,7 +394,7 @@ class AttemptRead(_Frozen):
     error: ErrorClass | None
 
 
-class AlertRead(_Frozen):
+class AlertRead(OutputModel):
     id: str
     audit_run_id: str
     url: str
@@ -413,5 +407,5 @@ class AlertRead(_Frozen):
     delivered_at: datetime | None
 
 
-class AlertList(_Frozen):
+class AlertList(OutputModel):
     items: list[AlertRead]

@@ -22,7 +22,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     ConfigDict,
     Field,
     StringConstraints,
@@ -56,6 +55,7 @@ from replay_audit.formats import (
 )
 from replay_audit.input import InputModel, Lax, UtcDatetime, option_field
 from replay_audit.json_value import JsonObject
+from replay_audit.output import OutputModel
 from replay_audit.queue.route import ANY_KIND, gpu_kind
 from replay_audit.replays.domain import (
     DEFAULT_SCAN_FLAG_ULPS,
@@ -76,12 +76,6 @@ MAX_TARGETS = 8
 
 assert set(MODES) == set(Mode.__args__)  # type: ignore[attr-defined]
 assert set(CATEGORIES) == set(Category.__args__)  # type: ignore[attr-defined]
-
-
-class _Frozen(BaseModel):
-    """A response model: what the service built, not validated input."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class InterventionSpec(InputModel):
@@ -331,19 +325,19 @@ def check_decode_window(window: int | None, mode: Mode | None, compare: Compare)
         )
 
 
-class ReplayCreated(_Frozen):
+class ReplayCreated(OutputModel):
     id: str
     created: bool
 
 
-class Progress(_Frozen):
+class Progress(OutputModel):
     total: int
     done: int
     failed: int
     pending: int
 
 
-class ReplayRead(_Frozen):
+class ReplayRead(OutputModel):
     id: str
     project: str
     name: str | None = None
@@ -374,11 +368,11 @@ class ReplayRead(_Frozen):
     pending_reason: str | None = None
     #: What ran, per comparison: each distinct pair of resolved arms among its results and how
     #: many results ran it (the computation each arm ran, resolved once against each trace).
-    ran: list[RanRead] = []
+    ran: list[RanRead] = Field(default_factory=list)
     schedule_id: str | None = None
 
 
-class ArmMarginRead(_Frozen):
+class ArmMarginRead(OutputModel):
     """An arm's top-2 margin at t*: absolute, in ulps of its lm_head format, and its source."""
 
     abs: float | None
@@ -386,14 +380,14 @@ class ArmMarginRead(_Frozen):
     source: MarginSource | None
 
 
-class MarginsRead(_Frozen):
+class MarginsRead(OutputModel):
     """Both arms' margins at t*."""
 
     a: ArmMarginRead
     b: ArmMarginRead
 
 
-class RanRead(_Frozen):
+class RanRead(OutputModel):
     """Results of one comparison that ran one pair of resolved arms."""
 
     comparison: int
@@ -406,7 +400,7 @@ class RanRead(_Frozen):
     results: int
 
 
-class SingleStepChoiceRead(_Frozen):
+class SingleStepChoiceRead(OutputModel):
     token: int
     margin: ArmMarginRead | None
     #: rerun: a from-scratch forward here with the arm's whole computation; logged_token: the
@@ -414,7 +408,7 @@ class SingleStepChoiceRead(_Frozen):
     source: Literal["rerun", "logged_token"]
 
 
-class SingleStepRead(_Frozen):
+class SingleStepRead(OutputModel):
     """The from-scratch re-runs at t* in both arms: does the flip reproduce?"""
 
     step: int
@@ -423,7 +417,7 @@ class SingleStepRead(_Frozen):
     disagree: bool | None
 
 
-class SemanticRead(_Frozen):
+class SemanticRead(OutputModel):
     """The answers extracted from both arms' texts, and whether they agree."""
 
     extractor: str
@@ -435,7 +429,7 @@ class SemanticRead(_Frozen):
     correct_b: bool | None
 
 
-class ArmRead(_Frozen):
+class ArmRead(OutputModel):
     """One arm of a result. For arm A of a comparison against the logged tokens, what was not
     run here (output, steps, gate firings) is null."""
 
@@ -464,12 +458,12 @@ class ArmRead(_Frozen):
     token_pieces: list[str | list[int]] | None = None
 
 
-class ArmsRead(_Frozen):
+class ArmsRead(OutputModel):
     a: ArmRead
     b: ArmRead
 
 
-class ReplayResultRead(_Frozen):
+class ReplayResultRead(OutputModel):
     run_id: str
     trace_id: str
     comparison: int
@@ -510,6 +504,6 @@ class ReplayResultRead(_Frozen):
     created_at: datetime
 
 
-class Page(_Frozen):
+class Page(OutputModel):
     items: list[ReplayResultRead]
     next_cursor: str | None

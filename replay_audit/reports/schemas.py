@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict
-
+from replay_audit.output import StoredModel
 from replay_audit.stats.report import (
     AccuracyReport,
     ComparisonReport,
@@ -21,11 +20,7 @@ from replay_audit.stats.report import (
 )
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-
-class RunReport(_Frozen):
+class RunReport(StoredModel):
     """A run's statistics. `partial`: the run is not finished; numbers cover the results
     stored so far."""
 
@@ -44,7 +39,7 @@ class RunReport(_Frozen):
     engine_reproduction: EngineReproduction | None = None
 
 
-class RunComparisonReport(_Frozen):
+class RunComparisonReport(StoredModel):
     """Two runs side by side, and one comparison of each paired by trace."""
 
     run_a: RunReport
@@ -53,7 +48,7 @@ class RunComparisonReport(_Frozen):
     common_traces: int
 
 
-class RunSummaryRead(_Frozen):
+class RunSummaryRead(StoredModel):
     """One run of `GET /v1/replays`: what the runs list shows."""
 
     id: str
@@ -70,7 +65,7 @@ class RunSummaryRead(_Frozen):
     schedule_id: str | None
 
 
-class RunList(_Frozen):
+class RunList(StoredModel):
     """One page of `GET /v1/replays`, newest first; pass `next_cursor` back as `cursor`."""
 
     items: list[RunSummaryRead]

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import re
-from datetime import datetime
 from typing import Annotated, Final, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from replay_audit.diff.margin import DEFAULT_TAU
-from replay_audit.formats import COVER, DEFAULT_PAIR, MAX_NEW_TOKENS, BodyDType, Device, RunStatus
+from replay_audit.formats import COVER, DEFAULT_PAIR, MAX_NEW_TOKENS, BodyDType, Device
 from replay_audit.input import InputModel, Lax, option_field
-from replay_audit.json_value import JsonObject
+from replay_audit.output import JobRead, StoredModel
 from replay_audit.queue.route import MAX_TP_DEGREE
 from replay_audit.screenings.sweep.outputs import PromptRow
 from replay_audit.screenings.sweep.plan import DEFAULT_TP_DEGREE, KnobName
@@ -78,24 +77,11 @@ class ScreeningCreate(InputModel):
         return v
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-
-class ScreeningCreated(_Frozen):
+class ScreeningCreated(StoredModel):
     id: str
     created: bool
 
 
-class ScreeningRead(_Frozen):
-    id: str
-    project: str
-    status: RunStatus
-    model_sha256: str
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
-    error: str | None
-    request: JsonObject
+class ScreeningRead(JobRead):
     #: The report, once the screening is done.
     report: ScreeningReport | None

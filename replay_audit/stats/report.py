@@ -56,9 +56,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import Field
 
 from replay_audit.formats import CATEGORIES, ArmKey, Mode
+from replay_audit.output import StoredModel
 from replay_audit.stats.equivalence import TostResult, tost_noninferiority
 from replay_audit.stats.mcnemar import mcnemar_exact
 from replay_audit.stats.paired import correctness_flips, paired_bootstrap_lift
@@ -189,11 +190,7 @@ class AnswerFigures(NamedTuple):
 # -- output ------------------------------------------------------------------------------------
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-
-class ProportionRead(_Frozen):
+class ProportionRead(StoredModel):
     """successes / n with its Wilson 95% interval; `estimate` is None when n == 0. (Flat, where
     `stats.Proportion` nests its interval: the JSON shape every surface has always read.)"""
 
@@ -211,7 +208,7 @@ class ProportionRead(_Frozen):
         )
 
 
-class MarginReport(_Frozen):
+class MarginReport(StoredModel):
     """The margin at t* of the divergent results, per arm, absolute and in ulps."""
 
     a: Distribution | None
@@ -226,7 +223,7 @@ class MarginReport(_Frozen):
     histogram_b_ulps: LogHistogram | None
 
 
-class EstimateRead(_Frozen):
+class EstimateRead(StoredModel):
     """An estimate with its 95% interval (None where nothing was measured)."""
 
     estimate: float | None
@@ -234,7 +231,7 @@ class EstimateRead(_Frozen):
     high: float | None
 
 
-class ScreeningReport(_Frozen):
+class ScreeningReport(StoredModel):
     """What a scan-then-decode comparison scanned and decoded, and what its control sample says
     the scan misses (see the module docstring)."""
 
@@ -252,7 +249,7 @@ class ScreeningReport(_Frozen):
     #: Decoded: flagged + near_tie + control.
     decoded: int
     #: Why each decoded trace was decoded: {"mismatch", "near_tie", "control"} -> count.
-    decoded_by_reason: dict[str, int] = {}
+    decoded_by_reason: dict[str, int] = Field(default_factory=dict)
     #: Only scanned (flagged by neither rule, not in the control sample): counted in no EAR.
     scanned_only: int
     #: The control sample: unflagged traces decoded in full, and the recorded fraction and seed.
@@ -277,7 +274,7 @@ class ScreeningReport(_Frozen):
     ear: EstimateRead
 
 
-class ComparisonReport(_Frozen):
+class ComparisonReport(StoredModel):
     """One comparison of the run (arm a vs arm b over the run's traces)."""
 
     index: int
@@ -327,12 +324,12 @@ class ComparisonReport(_Frozen):
     window_cut: int = 0
 
 
-class TraceRef(_Frozen):
+class TraceRef(StoredModel):
     id: str
     external_id: str | None
 
 
-class LiftReport(_Frozen):
+class LiftReport(StoredModel):
     """EAR(b) - EAR(a) paired by trace, on the traces where both results are ok.
 
     `fixed`: exact in b only; `broke`: exact in a only (agreeing at baseline, diverging with the
@@ -363,7 +360,7 @@ class LiftReport(_Frozen):
     broke_more: bool
 
 
-class FlipsRead(_Frozen):
+class FlipsRead(StoredModel):
     """Correctness flips between two arms on the traces both answered: gained (wrong at
     baseline, right treated), lost (right at baseline, wrong treated)."""
 
@@ -373,13 +370,13 @@ class FlipsRead(_Frozen):
     flip_rate: float | None
 
 
-class ArmAccuracy(_Frozen):
+class ArmAccuracy(StoredModel):
     arm: ArmKey
     label: str
     accuracy: ProportionRead
 
 
-class AccuracyPair(_Frozen):
+class AccuracyPair(StoredModel):
     baseline: ArmKey
     treated: ArmKey
     label_baseline: str
@@ -390,7 +387,7 @@ class AccuracyPair(_Frozen):
     tost: TostResult | None
 
 
-class AccuracyReport(_Frozen):
+class AccuracyReport(StoredModel):
     """Task accuracy per arm against the traces' reference answers (answers extracted by the
     named extractor), flips and non-inferiority of every arm against the first."""
 
@@ -402,7 +399,7 @@ class AccuracyReport(_Frozen):
     alpha: float
 
 
-class EngineReproduction(_Frozen):
+class EngineReproduction(StoredModel):
     """Traces logged by another engine (vLLM, SGLang, unknown), replayed here in their own logged
     configuration: the share this engine reproduced token for token. A trace it does not
     reproduce can diverge in a format comparison because of the engine (kernels, attention,
@@ -421,7 +418,7 @@ class EngineReproduction(_Frozen):
     not_reproduced_more: bool
 
 
-class RunStatistics(_Frozen):
+class RunStatistics(StoredModel):
     """A run's statistics: each comparison, each treatment's lift over comparison 0, and task
     accuracy at the default TOST margin where traces carry reference answers."""
 

@@ -18,8 +18,6 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    ConfigDict,
     Field,
     PlainValidator,
     StringConstraints,
@@ -40,6 +38,7 @@ from replay_audit.formats import (
 )
 from replay_audit.input import InputModel, refuse_unstorable
 from replay_audit.json_value import JsonObject
+from replay_audit.output import OutputModel
 
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
@@ -120,12 +119,6 @@ class TraceInput(InputModel):
     `3.0` is refused, not stored as 3: what is stored reads back as sent)."""
 
     exact_integers = True
-
-
-class _Frozen(BaseModel):
-    """A response model: what the service built, not validated input."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class ModelRef(TraceInput):
@@ -424,7 +417,7 @@ class TraceRead(TraceCreate):
     created_at: datetime
 
 
-class TraceSummary(_Frozen):
+class TraceSummary(OutputModel):
     """One row of `GET /v1/traces`: no token arrays."""
 
     id: str
@@ -438,7 +431,7 @@ class TraceSummary(_Frozen):
     created_at: datetime
 
 
-class IngestResult(_Frozen):
+class IngestResult(OutputModel):
     """One item of a batch answer (and the body of a single POST)."""
 
     index: int | None = None
@@ -465,13 +458,13 @@ class TraceBatchCreate(TraceInput):
     traces: list[TraceCreate] = Field(max_length=MAX_BATCH_TRACES, json_schema_extra=_any_item)
 
 
-class TraceBatchResult(_Frozen):
+class TraceBatchResult(OutputModel):
     """Answer of `POST /v1/traces:batch` (HTTP 207): one result per item, in request order."""
 
     results: list[IngestResult]
 
 
-class TracePage(_Frozen):
+class TracePage(OutputModel):
     """One page of `GET /v1/traces`, newest first; pass `next_cursor` back as `cursor`."""
 
     items: list[TraceSummary]

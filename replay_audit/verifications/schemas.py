@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import Field, StringConstraints, model_validator
 
-from replay_audit.formats import Device, RunStatus
+from replay_audit.formats import Device
 from replay_audit.input import InputModel, UtcDatetime
 from replay_audit.json_value import JsonObject
+from replay_audit.output import JobRead, StoredModel
 from replay_audit.traces.schemas import Tag
 from replay_audit.traces.selection import TraceSelection
 
@@ -69,26 +69,13 @@ class VerificationCreate(InputModel):
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-
-class VerificationCreated(_Frozen):
+class VerificationCreated(StoredModel):
     id: str
     created: bool
     traces: int
 
 
-class VerificationRead(_Frozen):
-    id: str
-    project: str
-    status: RunStatus
-    model_sha256: str
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
-    error: str | None
-    request: JsonObject
+class VerificationRead(JobRead):
     #: The report once done: `verdict`, each group's verdict, score, threshold,
     #: false_alarm_rate, tokens, tokens_needed, closest_benign, sampled traces set apart; every
     #: trace's worst tokens; the calibrations used; the scanning vs the claimed platforms.

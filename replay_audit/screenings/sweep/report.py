@@ -4,19 +4,14 @@ frozen `Platform` dataclass is the report's `platform` itself, its schema derive
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
-
 from replay_audit.json_value import JsonObject
+from replay_audit.output import StoredModel
 from replay_audit.screenings.sweep.plan import Platform
 from replay_audit.stats.report import ComparisonReport, LiftReport
 from replay_audit.stats.summary import Distribution, LogHistogram
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-
-class KnobValueResult(_Frozen):
+class KnobValueResult(StoredModel):
     """One value of a knob against the reference. status: measured; not_available (the
     platform cannot run it: `reason`); failed (it should have run and did not: `reason`)."""
 
@@ -33,13 +28,13 @@ class KnobValueResult(_Frozen):
     tp_degree: int = 1
 
 
-class KnobResult(_Frozen):
+class KnobResult(StoredModel):
     name: str
     title: str
     values: list[KnobValueResult]
 
 
-class CategoryLift(_Frozen):
+class CategoryLift(StoredModel):
     """A category of the pair's divergent prompts (baseline), and what both-arms C did to it:
     `fixed` prompts agree exactly with C in both arms."""
 
@@ -48,7 +43,7 @@ class CategoryLift(_Frozen):
     fixed: int
 
 
-class HiddenGapRead(_Frozen):
+class HiddenGapRead(StoredModel):
     """Δh = ||h_A - h_B|| / ||h_A|| of the pair's divergent prompts: at t*, and at the gated
     steps along the shared prefix (steps s <= t* where either arm's gate fired). h comes from a
     from-scratch forward (no KV cache) over prompt ‖ y<t* in each arm, not from the decodes:
@@ -61,7 +56,7 @@ class HiddenGapRead(_Frozen):
     by_category: dict[str, Distribution | None]
 
 
-class PairResult(_Frozen):
+class PairResult(StoredModel):
     """The head-vs-body analysis of the pair (BF16 vs FP16 by default)."""
 
     label: str
@@ -72,7 +67,7 @@ class PairResult(_Frozen):
     hidden_gap: HiddenGapRead
 
 
-class TriggerDensityRead(_Frozen):
+class TriggerDensityRead(StoredModel):
     """Per-prompt trigger density TD_i (share of prompt i's decoded steps whose margin is below
     τ) of one run, and CV(TD) = population standard deviation / mean over the prompts."""
 
@@ -85,7 +80,7 @@ class TriggerDensityRead(_Frozen):
     cv: float | None
 
 
-class MarginDistributionRead(_Frozen):
+class MarginDistributionRead(StoredModel):
     """Every decoded step's top-2 margin in one run (log histograms; exact ties apart)."""
 
     run: str
@@ -99,7 +94,7 @@ class MarginDistributionRead(_Frozen):
     distribution: Distribution | None
 
 
-class TauCalibrationRead(_Frozen):
+class TauCalibrationRead(StoredModel):
     """The flip margins (min of the two arms' margins at t*) of divergent comparisons whose arm
     B has lm_head format `format`, and the τ that covers `cover` of them: absolute and in ulps,
     each with the trigger rate it would cost on the runs of that format (pooled steps)."""
@@ -116,7 +111,7 @@ class TauCalibrationRead(_Frozen):
     trigger_rate_ulps: float | None
 
 
-class TierRead(_Frozen):
+class TierRead(StoredModel):
     """The paper's tier from the pair's both-arms C lift and its paired interval, and the
     recommended action, with the evidence and its uncertainty."""
 
@@ -132,7 +127,7 @@ class TierRead(_Frozen):
     caveats: list[str]
 
 
-class ScreeningReport(_Frozen):
+class ScreeningReport(StoredModel):
     model: str
     weights_sha256: str | None
     platform: Platform
