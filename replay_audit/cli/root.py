@@ -139,35 +139,28 @@ def _whole_names() -> Iterator[None]:
         setattr(rich_utils, "Table", saved)  # noqa: B010
 
 
-class _Command(TyperCommand):
-    """A command whose help reads as click's: `TEXT`, `PATH`, flags bare, `MODEL_DIR`; its
-    docstring in paragraphs, its option names whole."""
+class _PlainHelp:
+    """Help that reads as click's: `TEXT`, `PATH`, flags bare, `MODEL_DIR`; the docstring in
+    paragraphs, option names whole. Mixed into a typer command or group."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs["help"] = _unwrapped(kwargs.get("help"))
         super().__init__(*args, **kwargs)
 
     def get_params(self, ctx: Any) -> list[Any]:
-        return _plain(super().get_params(ctx))
+        return _plain(super().get_params(ctx))  # type: ignore[misc]
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
         with _whole_names():
-            super().format_help(ctx, formatter)
+            super().format_help(ctx, formatter)  # type: ignore[misc]
 
 
-class _Group(TyperGroup):
-    """A group of commands, with `_Command`'s help."""
+class _Command(_PlainHelp, TyperCommand):
+    """A command with plain help."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs["help"] = _unwrapped(kwargs.get("help"))
-        super().__init__(*args, **kwargs)
 
-    def get_params(self, ctx: Any) -> list[Any]:
-        return _plain(super().get_params(ctx))
-
-    def format_help(self, ctx: Any, formatter: Any) -> None:
-        with _whole_names():
-            super().format_help(ctx, formatter)
+class _Group(_PlainHelp, TyperGroup):
+    """A group of commands with plain help."""
 
 
 class CommandGroup(typer.Typer):
