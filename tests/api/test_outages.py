@@ -31,6 +31,7 @@ from replay_audit.queue import JobSpec
 from replay_audit.replays.models import ReplayRun
 from replay_audit.ui import audit_pages as ui_audit_pages
 from replay_audit.ui import pages as ui_pages
+from tests.conftest import empty_all_tables
 from tests.replays.conftest import ingest
 
 
@@ -208,6 +209,9 @@ def proxied_postgres(postgres_database_url: str) -> Iterator[tuple[str, TcpProxy
     finally:
         proxy.stop()
         dispose_engines()
+        # The session's database is every later test's too: its key and traces go with it (a
+        # test counting the keys it made found this one).
+        empty_all_tables(postgres_database_url)
 
 
 @pytest.mark.postgres

@@ -30,7 +30,9 @@ def test_keys_create_prints_a_working_key_once(cli_env: str, client: TestClient)
     assert answer.status_code == 201
     assert client.get("/v1/traces", headers={"X-API-Key": key}).status_code == 403
     with session_scope(cli_env) as session:
-        (row,) = session.execute(select(ApiKey)).scalars().all()
+        rows = session.execute(select(ApiKey)).scalars().all()
+        assert len(rows) == 1, [(r.name, r.project.name, r.role, r.created_at) for r in rows]
+        (row,) = rows
         assert row.role == "submitter" and row.project.name == "cli"
         assert key not in (row.key_sha256, row.lookup)
 
