@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import platform
+import random
 import sys
 import tempfile
 import time
@@ -197,6 +198,16 @@ def main() -> None:
         help="instead of --prompts: this many function beginnings of the Python standard "
         "library, cut as the bundled prompts are (more than the bundled 64)",
     )
+    ap.add_argument(
+        "--shuffle-prompts",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="shuffle the prompts (with this seed) before the null takes the first ones: the "
+        "null's prompts and the simulations' then come from one distribution (--stdlib-prompts "
+        "lists held-out files first, so unshuffled the null holds them and the simulations the "
+        "training files')",
+    )
     ap.add_argument("--null-prompts", type=int, default=16)
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=48)
@@ -243,6 +254,8 @@ def main() -> None:
     else:
         text = args.prompts.read_text(encoding="utf-8")
         rows = [json.loads(x) for x in text.splitlines() if x.strip()]
+    if args.shuffle_prompts is not None:
+        random.Random(args.shuffle_prompts).shuffle(rows)
     backend = TorchBackend(args.model, args.device)
     device = backend.platform().device
     prompts = backend.prompts(rows[: args.null_prompts + args.eval_prompts])  # type: ignore[arg-type]
