@@ -11,7 +11,10 @@ expects, and they get TCP_NODELAY like the single-process server's.
 from __future__ import annotations
 
 import gc
+import os
 import socket
+import subprocess
+import sys
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -79,7 +82,9 @@ def uvicorn_logging(log_format: str) -> dict[str, Any]:
 def run_processes(
     app: str, *, host: str, port: int, workers: int, log_level: str, log_format: str = "text"
 ) -> None:
-    """Serve the app factory `app` ("module:function") from `workers` processes."""
+    """Serve the app factory `app` ("module:function") from `workers` processes, once one
+    process like them has built it (`check_app_builds`)."""
+    check_app_builds(app)
     config = TcpConfig(
         app,
         factory=True,
@@ -92,3 +97,18 @@ def run_processes(
     sock = config.bind_socket()
     # The children get the socket pickled (multiprocessing keeps its family, type and proto).
     Multiprocess(config, sockets=[sock]).run()
+
+
+def check_app_builds(app: str) -> None:
+    """Build the app factory `app` once in a process started as the workers are (a fresh
+    interpreter, this environment), and stop with its error if it cannot: uvicorn's supervisor
+    replaces a worker that dies while it starts, forever, so a broken install (a package the
+    app needs missing) otherwise serves nothing and says so only in a log of tracebacks."""
+    module, factory = app.split(":")
+    code = f"import importlib; importlib.import_module({module!r}).{factory}()"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=os.environ, capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
+        raise SystemExit(f"the API cannot start: {lines[-1]}")

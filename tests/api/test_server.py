@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import uvicorn
 
-from replay_audit.api.server import TcpConfig, served_app
+from replay_audit.api.server import TcpConfig, check_app_builds, run_processes, served_app
 from replay_audit.queue import stop_runner
 
 
@@ -73,3 +73,30 @@ def test_a_served_app_hides_its_startup_objects_from_the_garbage_collector(
         stop_runner(app.state.own_runner)
     finally:
         gc.unfreeze()
+
+
+def broken_app() -> None:
+    """An app factory that fails as one does when a package it needs is missing."""
+    raise AssertionError("Package 'fastapi_offline' could not be found.")
+
+
+def test_a_served_app_that_cannot_build_stops_serve_with_its_error() -> None:
+    # uvicorn's supervisor would restart such workers forever; run_processes stops first.
+    with pytest.raises(SystemExit) as stopped:
+        run_processes(
+            "tests.api.test_server:broken_app",
+            host="127.0.0.1",
+            port=0,
+            workers=2,
+            log_level="warning",
+        )
+    assert str(stopped.value) == (
+        "the API cannot start: AssertionError: Package 'fastapi_offline' could not be found."
+    )
+
+
+def test_the_real_app_builds_in_a_fresh_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", f"sqlite:///{tmp_path / 'db.sqlite'}")
+    check_app_builds("replay_audit.api.server:served_app")  # returns: it built
