@@ -32,6 +32,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 import replay_audit.auth.models
 import replay_audit.traces.models  # noqa: F401
 from replay_audit.db.base import Base, utcnow
+from replay_audit.db.jobs import JobRow
 from replay_audit.db.types import BigId, Int32Array, PackedInt32Array
 from replay_audit.json_value import JsonObject, as_float, as_int
 from replay_audit.replays.domain import (
@@ -47,42 +48,25 @@ from replay_audit.replays.domain import (
 MAX_RUN_NAME = 200
 
 
-class ReplayRun(Base):
+class ReplayRun(JobRow, Base):
     __tablename__ = "replay_runs"
-    __table_args__ = (
-        UniqueConstraint("project_id", "idempotency_key"),
-        CheckConstraint("status IN ('queued', 'running', 'done', 'failed')", name="status"),
-    )
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True)
-    public_id: Mapped[str] = mapped_column(String(40), unique=True)
-    project_id: Mapped[int] = mapped_column(
-        ForeignKey("projects.id", ondelete="CASCADE"), index=True
-    )
     #: A name people give the run (free text, not unique); lists and titles show it, with the id.
     name: Mapped[str | None] = mapped_column(String(MAX_RUN_NAME), nullable=True)
-    status: Mapped[str] = mapped_column(String(16), default="queued")
     mode: Mapped[str] = mapped_column(String(32))
     #: Decodes compared with the logged tokens stop this many tokens after t* (the request's
     #: `decode_window`, migration 0018); NULL: decoded to eos or the budget.
     decode_window: Mapped[int | None] = mapped_column(Integer, nullable=True)
     compare: Mapped[str] = mapped_column(String(16))
-    #: The request as accepted (canonical JSON of ReplayCreate).
-    request: Mapped[JsonObject] = mapped_column(JSON)
     #: Resolved targets (index = position); a `self` target has {"self": true}.
     targets: Mapped[list[JsonObject]] = mapped_column(JSON)
     #: [{"index", "a", "b"}]; a = "logged" or a target index, b = a target index.
     comparisons: Mapped[list[JsonObject]] = mapped_column(JSON)
     n_traces: Mapped[int] = mapped_column(Integer)
     n_items: Mapped[int] = mapped_column(Integer)
-    idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
     schedule_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: The run's statistics (`stats.report.RunStatistics` JSON), stored when the run finishes.
     aggregate: Mapped[JsonObject | None] = mapped_column(JSON, nullable=True)
-    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
-    started_at: Mapped[datetime | None] = mapped_column(nullable=True)
-    finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
 
     @property
     def display_name(self) -> str:

@@ -12,12 +12,9 @@ from datetime import datetime
 
 from sqlalchemy import (
     JSON,
-    CheckConstraint,
     Float,
-    ForeignKey,
     Integer,
     String,
-    Text,
     UniqueConstraint,
 )
 from sqlalchemy.orm import Mapped, mapped_column
@@ -25,37 +22,21 @@ from sqlalchemy.orm import Mapped, mapped_column
 # The table its foreign keys name (projects), in the metadata whoever imports this.
 import replay_audit.auth.models  # noqa: F401
 from replay_audit.db.base import Base, utcnow
+from replay_audit.db.jobs import JobRow
 from replay_audit.db.types import BigId
 from replay_audit.json_value import JsonObject
 
 
-class Verification(Base):
+class Verification(JobRow, Base):
     __tablename__ = "verifications"
-    __table_args__ = (
-        UniqueConstraint("project_id", "idempotency_key"),
-        CheckConstraint("status IN ('queued', 'running', 'done', 'failed')", name="status"),
-    )
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True)
-    public_id: Mapped[str] = mapped_column(String(40), unique=True)
-    project_id: Mapped[int] = mapped_column(
-        ForeignKey("projects.id", ondelete="CASCADE"), index=True
-    )
-    status: Mapped[str] = mapped_column(String(16), default="queued")
     #: The checkpoint every selected trace claims.
     model_sha256: Mapped[str] = mapped_column(String(64))
-    #: The request as accepted (canonical JSON of VerificationCreate).
-    request: Mapped[JsonObject] = mapped_column(JSON)
     #: The selection resolved at creation: the traces' ids, oldest first, and each one's group.
     selection: Mapped[JsonObject] = mapped_column(JSON)
-    idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: `verifications.domain.report_json` with the calibrations and platforms, when done.
     report: Mapped[JsonObject | None] = mapped_column(JSON, nullable=True)
-    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
-    started_at: Mapped[datetime | None] = mapped_column(nullable=True)
-    finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
 
 
 class VerificationCalibration(Base):
