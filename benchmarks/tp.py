@@ -10,9 +10,9 @@ For each degree k: the prompts are generated at TP 1 and at TP k with transforme
 traces are replayed in their logged configuration at TP k (the self-replay: `compare_with:
 self`), then at TP 1 (a target asking `tp_degree: 1`), then at TP k again in the same pool,
 through the service's replay pipeline (`replays.pipeline.replay_items`, decode mode, the pool of
-a worker owning k devices). The
-model is a random TinyLlama-1.1B-shaped Llama (saved once to --model-dir) unless --model names
-a checkpoint. Prints one JSON object; measured, never asserted.
+a worker owning k devices). The model is a random TinyLlama-1.1B-shaped Llama (saved once to
+--model-dir) unless --model names a checkpoint. Prints one JSON object; measured, never
+asserted.
 """
 
 from __future__ import annotations

@@ -343,8 +343,8 @@ def main() -> None:
             )
         elif device == "cuda":
             sims.insert(4, ("benign TP=2", True, "needs two GPUs (a two-GPU kind)"))
-        honest: list[np.ndarray] | None = None
-        honest_outputs: list[list[int]] | None = None
+        # The honest simulation's deficits and outputs (it runs first).
+        honest: tuple[list[np.ndarray], list[list[int]]] | None = None
         results = []
         rng = np.random.default_rng(0)
         if args.only:
@@ -356,8 +356,8 @@ def main() -> None:
             pairs = run()
             deficits = _scan(pairs, claim, pool, args.model)
             outputs = [out for _, out in pairs]
-            if honest is None or honest_outputs is None:
-                honest, honest_outputs = deficits, outputs
+            if honest is None:
+                honest = deficits, outputs
             row: dict[str, Any] = {
                 "simulation": name,
                 "benign": benign,
@@ -365,14 +365,14 @@ def main() -> None:
                 # the share of the prompts whose greedy output this provider changed against
                 # the honest one (the same prompts): how often the variation flips a token
                 "outputs_differing": round(
-                    sum(a != b for a, b in zip(outputs, honest_outputs, strict=True))
+                    sum(a != b for a, b in zip(outputs, honest[1], strict=True))
                     / max(1, len(outputs)),
                     4,
                 ),
             }
             for stat in STATISTICS:
                 sc = [cal.scorer.scores(u, stat) for u in deficits]
-                hc = [cal.scorer.scores(u, stat) for u in honest]
+                hc = [cal.scorer.scores(u, stat) for u in honest[0]]
                 per: dict[int, dict[str, float]] = {}
                 for b in cal.budgets[stat]:
                     sim = draw_group_scores(sc, b.tokens, args.draws, rng)

@@ -11,7 +11,6 @@ expects, and they get TCP_NODELAY like the single-process server's.
 from __future__ import annotations
 
 import gc
-import os
 import socket
 import subprocess
 import sys
@@ -106,9 +105,7 @@ def check_app_builds(app: str) -> None:
     app needs missing) otherwise serves nothing and says so only in a log of tracebacks."""
     module, factory = app.split(":")
     code = f"import importlib; importlib.import_module({module!r}).{factory}()"
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=os.environ, capture_output=True, text=True, check=False
-    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
         raise SystemExit(f"the API cannot start: {lines[-1]}")

@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from replay_audit.diff.margin import DEFAULT_TAU
 from replay_audit.formats import COVER, DEFAULT_PAIR, MAX_NEW_TOKENS, BodyDType, Device
 from replay_audit.input import InputModel, Lax, option_field
-from replay_audit.output import JobRead, StoredModel
+from replay_audit.output import JobRead, OutputModel
 from replay_audit.queue.route import MAX_TP_DEGREE
 from replay_audit.screenings.sweep.outputs import PromptRow
 from replay_audit.screenings.sweep.plan import DEFAULT_TP_DEGREE, KnobName
@@ -77,7 +77,7 @@ class ScreeningCreate(InputModel):
         return v
 
 
-class ScreeningCreated(StoredModel):
+class ScreeningCreated(OutputModel):
     id: str
     created: bool
 

@@ -9,7 +9,7 @@ from pydantic import Field, StringConstraints, model_validator
 from replay_audit.formats import Device
 from replay_audit.input import InputModel, UtcDatetime
 from replay_audit.json_value import JsonObject
-from replay_audit.output import JobRead, StoredModel
+from replay_audit.output import JobRead, OutputModel
 from replay_audit.traces.schemas import Tag
 from replay_audit.traces.selection import TraceSelection
 
@@ -69,7 +69,7 @@ class VerificationCreate(InputModel):
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
 
 
-class VerificationCreated(StoredModel):
+class VerificationCreated(OutputModel):
     id: str
     created: bool
     traces: int
