@@ -13,7 +13,9 @@
 # Call `wait` again the moment it returns, until it prints "campaign: done": the machine goes
 # back after 30 s idle, and the job with it. STEPS (in order, default all): train (gpu_verify.sh
 # train, MINUTES 2), null (gpu_verify.sh verify ONLY=none, NULL 16, EVAL 16, TOKENS 128), sims
-# (the simulated providers on that null: every one, VERIFY_TIMEOUT 1500), tp (gpu_tp.sh on the
+# (the simulated providers on that null: every one, VERIFY_TIMEOUT 1500), stats
+# (benchmarks/verify_statistics.py with TP 2 in the null: the candidate statistics on one set of
+# evidence, NULL 16, EVAL 32; not in the default STEPS: ~15 min of its own), tp (gpu_tp.sh on the
 # checkpoint, TRACES 48, TOKENS 128), e2e1 and e2e2 (gpu_e2e.sh on the checkpoint, scan-only
 # audits of E2E_TRACES (4,000) with one GPU, then two: the several-GPU ratio). Each step's files
 # go to /tmp/campaign/STEP/, its lines to /tmp/campaign/campaign.log.
@@ -27,6 +29,10 @@ step_cmd() {
             TOKENS=${TOKENS:-128} ONLY=none bash benchmarks/gpu_verify.sh verify ;;
         sims) VERIFY_TIMEOUT=${VERIFY_TIMEOUT:-1500} REUSE_NULL=1 NULL=${NULL:-16} \
             EVAL=${EVAL:-16} TOKENS=${TOKENS:-128} bash benchmarks/gpu_verify.sh verify ;;
+        stats) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+            timeout "${STATS_TIMEOUT:-1500}" python3 benchmarks/verify_statistics.py --model $M \
+            --device cuda --null-prompts "${NULL:-16}" --eval-prompts "${EVAL:-32}" \
+            --max-new-tokens "${TOKENS:-128}" --tp-null --save "$OUT/evidence.pkl" ;;
         tp) MODEL=$M TRACES=${TP_TRACES:-48} TOKENS=${TOKENS:-128} BENCH_TIMEOUT=1200 \
             bash benchmarks/gpu_tp.sh ;;
         e2e1 | e2e2) MODEL=$M PREPARE_TIMEOUT=300 bash benchmarks/gpu_e2e.sh prepare &&
