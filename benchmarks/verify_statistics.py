@@ -28,13 +28,20 @@ from pathlib import Path
 
 import numpy as np
 
+from replay_audit.diff.deficit import token_deficits
 from replay_audit.engine import EnginePool, Intervention, Target
 from replay_audit.engine.protocol import ScanItem
 from replay_audit.engine.testing import rtn_checkpoint, variant_checkpoint
 from replay_audit.formats import ulp_array
 from replay_audit.screenings.sweep.plan import ScreenConfig
 from replay_audit.screenings.sweep.worker import TorchBackend
-from replay_audit.stats.verification import BIN_EDGES, CLIP_ULPS, auc, draw_group_scores
+from replay_audit.stats.verification import (
+    Statistic,
+    TokenScorer,
+    auc,
+    bin_probabilities,
+    draw_group_scores,
+)
 from replay_audit.verifications.null import BENIGN_VARIATIONS, CUDA_VARIATIONS, generate
 from replay_audit.verifications.scan import claim_engine
 
@@ -47,7 +54,8 @@ BENIGN = ("honest", "fp16", "batch 8", "eager", "TP=2")
 
 
 def evidence(pool: EnginePool, model: Path, pairs: Pairs) -> Evidence:
-    """The claimed BF16/sdpa scan of `pairs`: each logged token's deficit and the top-2 margin."""
+    """The claimed BF16/sdpa scan of `pairs`: each logged token's deficit (`diff.deficit`, as
+    the service computes it) and the reference's top-2 margin, in ulps at the top-1 value."""
     claim = Target("bf16", None, "sdpa", 1, Intervention())
     engine = claim_engine(pool, model, claim)
     head = engine.environment()["lm_head_dtype"]
@@ -56,9 +64,8 @@ def evidence(pool: EnginePool, model: Path, pairs: Pairs) -> Evidence:
     for run in runs:
         assert run.evidence is not None
         top = np.asarray(run.steps.top_k_logits, dtype=np.float64)
-        ulp = ulp_array(top[:, 0], head)
-        deficit = np.maximum(top[:, 0] - np.asarray(run.evidence.logits, np.float64), 0.0)
-        out.append((deficit / ulp, (top[:, 0] - top[:, 1]) / ulp))
+        d = token_deficits(top[:, 0], run.evidence.logits, run.evidence.ranks, head)
+        out.append((d.deficit_ulps, (top[:, 0] - top[:, 1]) / ulp_array(top[:, 0], head)))
     return out
 
 
@@ -110,40 +117,34 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, Evidence]]:
 
 
 def statistics(data: dict[str, dict[str, Evidence]]) -> dict[str, Callable[..., tuple]]:
-    """name -> (deficits, margins) -> (numerator, denominator) per token."""
-    edges = np.asarray(BIN_EDGES)
+    """name -> (deficits, margins) -> (numerator, denominator) per token: the service's three
+    statistics (`TokenScorer`, the likelihood ratio's bins from this null and a 4-bit RTN copy's
+    traces on its prompts, as `benign_null` measures them), then the candidates."""
+    scorer = TokenScorer(
+        tuple(bin_probabilities([d for v in data["null"].values() for d, _ in v])),
+        tuple(bin_probabilities([d for d, _ in data["alt"]["4-bit RTN"]])),
+    )
 
-    def probs(traces: Evidence) -> np.ndarray:
-        c = np.full(edges.size + 1, 0.5)  # stats.verification.PSEUDO_COUNT
-        for d, _ in traces:
-            c += np.bincount(np.searchsorted(edges, d, side="left"), minlength=c.size)
-        return c / c.sum()
+    def service(stat: Statistic) -> Callable[..., tuple]:
+        return lambda d, m: (scorer.scores(d, stat), np.ones_like(d))
 
-    null = [t for v in data["null"].values() for t in v]
-    llr = np.log(probs(data["alt"]["4-bit RTN"])) - np.log(probs(null))
-
-    def per_tie(num: Callable[[np.ndarray], np.ndarray], tau: float) -> Callable[..., tuple]:
-        return lambda d, m: (num(d), (m <= tau).astype(float))
-
-    def one(d: np.ndarray) -> np.ndarray:
-        return np.ones_like(d)
-
-    def flips(d: np.ndarray) -> np.ndarray:
-        return (d > 0).astype(float)
-
-    def clipped(d: np.ndarray) -> np.ndarray:
-        return np.minimum(d, CLIP_ULPS)
+    def per_tie(stat: Statistic | None, tau: float) -> Callable[..., tuple]:
+        """flips (stat None) or `stat`'s token scores, over the tokens within tau ulps."""
+        return lambda d, m: (
+            (d > 0).astype(float) if stat is None else scorer.scores(d, stat),
+            (m <= tau).astype(float),
+        )
 
     return {
-        "mean deficit": lambda d, m: (clipped(d), one(d)),
-        "outside the tie band": lambda d, m: ((d > 4.0).astype(float), one(d)),
-        "likelihood ratio": lambda d, m: (llr[np.searchsorted(edges, d, side="left")], one(d)),
-        "flip rate": lambda d, m: (flips(d), one(d)),
-        "flips per near-tie (1 ulp)": per_tie(flips, 1.0),
-        "flips per near-tie (4 ulps)": per_tie(flips, 4.0),
-        "flips per near-tie (16 ulps)": per_tie(flips, 16.0),
-        "deficit per near-tie (4 ulps)": per_tie(clipped, 4.0),
-        "deficit per near-tie (16 ulps)": per_tie(clipped, 16.0),
+        "mean deficit": service("mean_deficit_ulps"),
+        "outside the tie band": service("outside_tie_band"),
+        "likelihood ratio": service("log_likelihood_ratio"),
+        "flip rate": lambda d, m: ((d > 0).astype(float), np.ones_like(d)),
+        "flips per near-tie (1 ulp)": per_tie(None, 1.0),
+        "flips per near-tie (4 ulps)": per_tie(None, 4.0),
+        "flips per near-tie (16 ulps)": per_tie(None, 16.0),
+        "deficit per near-tie (4 ulps)": per_tie("mean_deficit_ulps", 4.0),
+        "deficit per near-tie (16 ulps)": per_tie("mean_deficit_ulps", 16.0),
     }
 
 
