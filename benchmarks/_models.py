@@ -3,12 +3,13 @@ random weights built on the device (no download)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from replay_audit.engine.loading import TORCH_DTYPES, configure_numerics, resolve_device
+from replay_audit.engine.loading import TORCH_DTYPES, resolve_device
 from replay_audit.engine.protocol import Target
 from replay_audit.engine.torch_engine import TorchEngine
 
@@ -60,18 +61,20 @@ def build_engine(
     model: Any = None,
 ) -> TorchEngine:
     """An engine over `model_dir`, or over an already-built `model` (shared between engines).
-    `cache`: the decode path, "piecewise" (None) or "compiled"; or "dynamic", the piecewise
-    path's fallback and reference (transformers' `DynamicCache` loop, as where its check fails),
-    timed as the baseline the piecewise path speeds up."""
-    configure_numerics(deterministic=True, tf32=False)
-    path: Any = None if cache == "dynamic" else cache
+    `cache`: the decode path, "piecewise" (None) or "compiled"; or "generate", the piecewise
+    path's reference and fallback (transformers' own `generate()`, as where its check fails),
+    timed as the baseline the piecewise path speeds up. No process-wide switch is set here:
+    the engine runs under what the target names (`loading.ProcessNumerics`)."""
+    path: Any = None if cache == "generate" else cache
     if model is None:
         assert model_dir is not None
         engine = TorchEngine.load(model_dir, target, device=device, cache=path)
     else:
-        engine = TorchEngine(model, None, target, resolve_device(device), cache=path)
-    if cache == "dynamic":
-        engine._piecewise_error = "benchmark: the dynamic path, timed as the baseline"
+        if path is not None:
+            target = replace(target, kv_cache=path)
+        engine = TorchEngine(model, None, target, resolve_device(device))
+    if cache == "generate":
+        engine._piecewise_error = "benchmark: generate() itself, timed as the baseline"
     return engine
 
 

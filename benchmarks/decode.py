@@ -1,17 +1,20 @@
 """Decode speed at batch size 1: our KV-cache loop on each decode path (piecewise, the faithful
-default: the dynamic cache with the rest of each step in CUDA graphs; compiled: static cache +
-torch.compile'd step in the CUDA graph) and on the piecewise path's dynamic fallback, each with
-and without gated Intervention C, against transformers' `generate()` and a plain transformers
+default: generate()'s prefill and cache with the rest of each step in CUDA graphs; compiled:
+static cache + torch.compile'd step in the CUDA graph) and on the piecewise path's reference
+and fallback, transformers' own `generate()` driven by the engine ("generate"), each with and
+without gated Intervention C, against a user's plain `generate()` and a plain transformers
 KV-cache loop, all in one run; optionally the HBM bound measured in the same run, and the
-faithful path's identity with `generate()`.
+faithful path's identity with plain `generate()`. Nothing process-wide is set: every path runs
+under torch's default switches (all SDPA backends, cuDNN attention included), as plain
+`generate()` does, unless `--deterministic`.
 
     python benchmarks/decode.py --model replay_audit/assets/tiny-llama --device cpu --threads 1
     python benchmarks/decode.py --tinyllama --device cuda --tokens 256 \\
-        --variants hf_generate hf_kv_loop dynamic piecewise compiled --hbm \\
+        --variants hf_generate hf_kv_loop generate piecewise compiled --hbm \\
         --identity bf16 fp16 --out decode.json          # benchmarks/gpu_decode_fast.sh
 
 Speed: each engine variant runs once untimed first (for the piecewise and compiled paths at
-the timed length: checks, captures, compiles happen there; for the slow dynamic and
+the timed length: checks, captures, compiles happen there; for the slow generate() and
 transformers paths 16 tokens), then its plain and (for the `--gated` variants) gated-C decodes
 are timed alternately `--repeats` times (`--dynamic-repeats` for the slow ones); medians.
 
@@ -24,18 +27,19 @@ the TinyLlama shape).
 
 `--identity DTYPE...`: in each body dtype (after the speeds, or before with `--identity-first`),
 `--identity-prompts` random prompts of 8 to 96 tokens, `--identity-tokens` new tokens each:
-transformers' `generate()` (greedy, eos as the model's generation config says, raw logits)
-against the piecewise decoder, token for token and each step's float32 logits with
-`torch.equal`, and against the dynamic decoder (hidden states and logits, the first
+a user's plain `generate()` (greedy, eos as the model's generation config says, raw logits,
+torch's default backends) against the piecewise decoder, token for token and each step's
+float32 logits with `torch.equal`, and against the engine's own `generate()` path (the first
 `--identity-dynamic-tokens` steps); plus the engine's own piecewise decode (its first-decode
-check included) against `generate()`'s tokens. A random-weight model has near-ties everywhere,
+check included) against plain `generate()`'s tokens, and the SDPA backends plain `generate()`
+ran. A random-weight model has near-ties everywhere,
 so any difference in bits shows up as a flipped token quickly.
 
 Every measurement is guarded: an exception is recorded (`{"error": ...}`) and the run goes on;
 `--out` is rewritten after each one, so a run cut short keeps what it measured. `--budget-s`
 skips what would start after that many seconds. Defaults: 256 tokens, 3 repeats, 16 identity
-prompts of 48 tokens (24 against the dynamic path); `--quick`: 128 tokens, 2 repeats, 4
-identity prompts of 32 tokens (8 against the dynamic path).
+prompts of 48 tokens (24 against the generate() path); `--quick`: 128 tokens, 2 repeats, 4
+identity prompts of 32 tokens (8 against the generate() path).
 """
 
 from __future__ import annotations
@@ -60,8 +64,8 @@ from _models import build_engine, random_tinyllama, sync
 
 from replay_audit.engine.protocol import Intervention, Target
 
-#: The decode paths, and "dynamic": the piecewise path's fallback (`_models.build_engine`).
-ENGINE_VARIANTS = ("dynamic", "piecewise", "compiled")
+#: The decode paths, and "generate": the piecewise path's fallback (`_models.build_engine`).
+ENGINE_VARIANTS = ("generate", "piecewise", "compiled")
 HF_VARIANTS = ("hf_kv_loop", "hf_generate")
 #: Variants whose first call is worth the timed length (a check, a capture or a compile).
 CAPTURED = ("piecewise", "compiled")
@@ -167,12 +171,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None, help="default 256 (--quick: 128)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=None, help="default 3 (--quick: 2)")
-    ap.add_argument("--dynamic-repeats", type=int, default=None, help="default: --repeats")
+    ap.add_argument(
+        "--dynamic-repeats", type=int, default=None, help="the slow paths'; default: --repeats"
+    )
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
         "--variants",
         nargs="+",
-        default=["dynamic", "piecewise", *HF_VARIANTS],
+        default=["generate", "piecewise", *HF_VARIANTS],
         choices=[*ENGINE_VARIANTS, *HF_VARIANTS],
     )
     ap.add_argument(
@@ -184,7 +190,12 @@ def main() -> None:
     )
     ap.add_argument("--max-cache-len", type=int, default=4096, help="compiled: largest cache")
     ap.add_argument("--tau", type=float, default=1e-3, help="gated C's threshold")
-    ap.add_argument("--no-deterministic", action="store_true")
+    ap.add_argument(
+        "--deterministic", action="store_true", help="deterministic algorithms (not plain's)"
+    )
+    ap.add_argument(
+        "--sdpa-backend", default=None, help="limit SDPA to one backend (every path, plain too)"
+    )
     ap.add_argument("--profile", default=None, help="an engine variant: its top CUDA kernels")
     ap.add_argument("--hbm", action="store_true", help="measure the HBM bound in this run")
     ap.add_argument("--hbm-gib", type=float, default=None, help="default 2 on CUDA, 0.25 else")
@@ -215,12 +226,19 @@ def main() -> None:
 
     report = Report(args.out, args.budget_s)
     results = report.data
-    target = Target(args.dtype, attn_kernel=args.attn_kernel)
+    target = Target(
+        args.dtype,
+        attn_kernel=args.attn_kernel,
+        deterministic=args.deterministic or None,
+        sdpa_backend=args.sdpa_backend,
+    )
+    # Plain generate() and the plain loop run under the same switches as the engine's probes.
+    from replay_audit.engine.loading import ProcessNumerics
+
+    plain_switches = ProcessNumerics(args.deterministic or None, None, args.sdpa_backend)
     model = random_tinyllama(args.dtype, args.device, args.attn_kernel) if args.tinyllama else None
-    first = build_engine(args.model, target, args.device, model=model, cache="dynamic")
+    first = build_engine(args.model, target, args.device, model=model, cache="generate")
     model = first.model
-    if args.no_deterministic:
-        torch.use_deterministic_algorithms(False)
     device = first.device
     import transformers
 
@@ -243,7 +261,9 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "quick": quick,
             "reference_bound_tokens_per_s": args.reference_bound,
-            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "deterministic": bool(args.deterministic),
+            "sdpa_backends": first.environment()["extras"].get("sdpa_backends"),
+            "sdpa_backend": args.sdpa_backend,
         }
     )
     report.save()
@@ -255,7 +275,7 @@ def main() -> None:
     table: list[tuple[str, float, float | None, float | None, float | None]] = []
 
     def engine_speed(name: str) -> dict[str, Any]:
-        if name == "dynamic":
+        if name == "generate":
             engine = first
         else:
             engine = build_engine(None, target, args.device, cache=name, model=model)
@@ -338,6 +358,10 @@ def main() -> None:
         return out
 
     def hf_speed(name: str) -> dict[str, Any]:
+        with plain_switches.applied():
+            return _hf_speed(name)
+
+    def _hf_speed(name: str) -> dict[str, Any]:
         fn = hf_loop if name == "hf_kv_loop" else hf_generate
         fn(min(n, 16))
         runs = [once(functools.partial(fn, n), device) for _ in range(slow_repeats)]
@@ -374,7 +398,7 @@ def main() -> None:
         for k in args.variants
         if isinstance(results.get(k), dict) and "output_token_ids" in results[k]
     }
-    for base in ("hf_generate", "dynamic"):
+    for base in ("hf_generate", "generate"):
         if base in outputs:
             results["same_tokens_as_" + base] = {
                 k: v == outputs[base] for k, v in outputs.items() if k != base
@@ -425,21 +449,28 @@ def identity(
     tokens: int,
     dynamic_tokens: int,
 ) -> dict[str, Any]:
-    """The piecewise decode against `generate()` and the dynamic decoder in `dtype` (module
-    docstring). `model` is reused when it is in `dtype`, else one is built (`--tinyllama`) or
-    loaded (`--model`)."""
-    from transformers import GenerationConfig
+    """The engine's decode paths against a user's plain `generate()` in `dtype` (module
+    docstring): per prompt, tokens and every step's float32 logits of the piecewise decoder
+    (its check included) and, for the first `dynamic_tokens` steps, of the engine's own
+    `generate()` path, with `torch.equal`; the SDPA backends each ran. `model` is reused when
+    it is in `dtype`, else one is built (`--tinyllama`) or loaded (`--model`)."""
+    from replay_audit.engine import attention
+    from replay_audit.engine.decoder import StepOutput
+    from replay_audit.engine.loading import TORCH_DTYPES, ProcessNumerics
 
-    from replay_audit.engine.decoder import DynamicDecoder
-    from replay_audit.engine.loading import TORCH_DTYPES
-    from replay_audit.engine.piecewise import PiecewiseDecoder
-
-    target = Target(dtype, attn_kernel=args.attn_kernel)
+    switches = ProcessNumerics(args.deterministic or None, None, args.sdpa_backend)
+    target = Target(
+        dtype,
+        attn_kernel=args.attn_kernel,
+        deterministic=switches.deterministic,
+        sdpa_backend=switches.sdpa_backend,
+    )
     if model is not None and next(model.parameters()).dtype != TORCH_DTYPES[dtype]:
         model = None
     if model is None and args.tinyllama:
         model = random_tinyllama(dtype, args.device, args.attn_kernel)
     engine = build_engine(args.model, target, args.device, model=model, cache="piecewise")
+    reference = build_engine(None, target, args.device, model=engine.model, cache="generate")
     model = engine.model
     device = engine.device
     eos_cfg = model.generation_config.eos_token_id
@@ -451,44 +482,59 @@ def identity(
         [rng.randrange(3, vocab) for _ in range(rng.choice((8, 16, 24, 32, 48, 64, 96)))]
         for _ in range(prompts_n)
     ]
-    config_cls: Any = GenerationConfig
-    gen_config = config_cls(
-        do_sample=False,
-        num_beams=1,
-        max_new_tokens=tokens,
-        eos_token_id=eos,
-        pad_token_id=eos[0],
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    piecewise = PiecewiseDecoder(engine.body, engine.head)
+
+    def steps(e: Any, p: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+        out: list[int] = []
+        logits: list[torch.Tensor] = []
+
+        def choose(s: StepOutput) -> tuple[int, bool]:
+            logits.append(s.logits.clone())
+            out.append(int(s.top.native[0]))
+            return out[-1], out[-1] in eos or len(out) == n
+
+        with torch.inference_mode(), e._probe():
+            e._decoder(p, len(p) + n, None).run(p, n, choose, 5)
+        return out, logits
+
     rows: list[dict[str, Any]] = []
+    plain_backends = attention.Observed()
     for p in prompts:
         row: dict[str, Any] = {"prompt_len": len(p)}
-        with torch.inference_mode():
+        with torch.inference_mode(), switches.applied(), attention.observe() as seen:
             x = torch.tensor([p], device=device)
-            g = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gen_config)
-            gen_tokens = [int(t) for t in g.sequences[0, len(p) :].tolist()]
-            gen_logits = [z[0].float() for z in g.logits]
-            dynamic = DynamicDecoder(engine.body, engine.head)
-            a, d = piecewise.prefill(p, 5), dynamic.prefill(p, 5)
-            ours: list[int] = []
-            row.update(first_logit_mismatch=None, first_dynamic_mismatch=None)
-            for t in range(len(gen_tokens)):
-                if t > 0:
-                    a = piecewise.step(ours[-1])
-                    if t <= dynamic_tokens:
-                        d = dynamic.step(ours[-1])
-                if t <= dynamic_tokens and row["first_dynamic_mismatch"] is None:
-                    same = torch.equal(a.logits, d.logits) and torch.equal(a.hidden, d.hidden)
-                    if not same:
-                        row["first_dynamic_mismatch"] = t
-                if row["first_logit_mismatch"] is None and not torch.equal(a.logits, gen_logits[t]):
-                    row["first_logit_mismatch"] = t
-                    row["max_abs_logit_diff"] = float((a.logits - gen_logits[t]).abs().max())
-                ours.append(int(a.top.native[0]))
-                if ours[-1] in eos:
-                    break
+            g = model.generate(  # a user's plain call: default settings, raw logits kept
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=tokens,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        plain_backends.merge(seen)
+        gen_tokens = [int(t) for t in g.sequences[0, len(p) :].tolist()]
+        end = next((i + 1 for i, t in enumerate(gen_tokens) if t in eos), len(gen_tokens))
+        gen_tokens = gen_tokens[:end]
+        gen_logits = [z[0].float() for z in g.logits[:end]]
+        ours, logits = steps(engine, p, tokens)
+        _, ref_logits = steps(reference, p, dynamic_tokens)
+        first = next(
+            (
+                t
+                for t, (a, b) in enumerate(zip(logits, gen_logits, strict=False))
+                if not torch.equal(a, b)
+            ),
+            None,
+        )
+        first_ref = next(
+            (
+                t
+                for t, (a, b) in enumerate(zip(ref_logits, gen_logits, strict=False))
+                if not torch.equal(a, b)
+            ),
+            None,
+        )
         mismatch = next(
             (i for i, (u, v) in enumerate(zip(ours, gen_tokens, strict=False)) if u != v), None
         )
@@ -496,22 +542,27 @@ def identity(
             tokens=len(gen_tokens),
             token_identical=ours == gen_tokens,
             first_token_mismatch=mismatch,
-            logits_bitwise_vs_generate=row["first_logit_mismatch"] is None,
-            logits_bitwise_vs_dynamic=row["first_dynamic_mismatch"] is None,
+            first_logit_mismatch=first,
+            logits_bitwise_vs_generate=first is None and len(logits) == len(gen_logits),
+            engine_generate_path_bitwise=first_ref is None,
             engine_decode_identical=engine.decode(p, tokens, eos).output_token_ids == gen_tokens,
         )
+        if first is not None:
+            row["max_abs_logit_diff"] = float((logits[first] - gen_logits[first]).abs().max())
         rows.append(row)
     summary = {
         "prompts": len(rows),
         "tokens_per_prompt": tokens,
-        "dynamic_steps_compared": dynamic_tokens,
+        "generate_path_steps_compared": dynamic_tokens,
         "token_identical": sum(r["token_identical"] for r in rows),
         "logits_bitwise_vs_generate": sum(r["logits_bitwise_vs_generate"] for r in rows),
-        "logits_bitwise_vs_dynamic": sum(r["logits_bitwise_vs_dynamic"] for r in rows),
+        "engine_generate_path_bitwise": sum(r["engine_generate_path_bitwise"] for r in rows),
         "engine_decode_identical": sum(r["engine_decode_identical"] for r in rows),
-        "captured_graphs": len(piecewise.graphs),
-        "capture_error": piecewise.capture_error,
+        "plain_generate_attention_backends": plain_backends.backends(),
     }
+    pw = engine._piecewise
+    if pw is not None:
+        summary.update(captured_graphs=len(pw.graphs), capture_error=pw.capture_error)
     return {"summary": summary, "extras": engine.environment()["extras"], "prompts": rows}
 
 

@@ -1,23 +1,28 @@
-"""Greedy decoding with a KV cache, as gpt-fast splits it: `prefill(context)` runs the body over
-the whole context once, `step(token)` runs it over one token. Both return the last position's
-hidden states, its native float32 logits and their host-side top-k (`StepOutput`); choosing the
-token from them is the engine's (`numerics.decide`), the same whichever decoder ran.
+"""Greedy decoding with a KV cache. A decoder runs a decode: each step's last hidden states,
+float32 native logits and host-side top-k (`StepOutput`) go to a `Choose` callback, which
+returns the token the arm takes there (the engine's `numerics.decide`, the same whichever
+decoder ran) and whether to stop after it.
 
 The decoders of the one `Decoder` interface:
 
-    DynamicDecoder    transformers' growing `DynamicCache`: token-identical to `generate()`.
-                      The faithful path's reference and fallback (`piecewise.py` is the same
-                      decode with the rest of each step in CUDA graphs).
+    GenerateDecoder   transformers' own `generate()`, called as a user calls it: the logging
+                      stack's computation itself (its attention calls, its `DynamicCache`, its
+                      lm_head over the last position), the batch as logged (copies of the
+                      row, or the logged left-padded layout). The reference of the faithful
+                      path and its fallback; the single-step re-runs are its one-token runs.
+    PiecewiseDecoder  (`piecewise.py`) the same decode with the rest of each step in CUDA
+                      graphs, checked against `GenerateDecoder` call for call and bit for bit.
     CompiledDecoder   the opt-in fast path: a preallocated `StaticCache` written by position,
                       the step compiled by `torch.compile` and, on CUDA, captured in one CUDA
                       graph. Not bitwise equal to `generate()`.
 
-Each gets what it runs explicitly: the `Body` (transformers' body, batch size, device) and the
-`LmHead`.
+Each gets what it runs explicitly: the `Body` (transformers' model, batch size, device) and
+the `LmHead`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,6 +37,7 @@ from replay_audit.engine.numerics import (
     top_k_size,
     unpack_top_k,
 )
+from replay_audit.engine.protocol import BatchLayout
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,42 +104,151 @@ def captured_step_output(
     return StepOutput(hidden, z32, unpack_top_k(packed.cpu().numpy(), kk))
 
 
+#: What a decode does with a step: the token the arm takes (row 0's, or the row of interest's)
+#: and whether the decode stops after it (eos, the budget, a decode window).
+Choose = Callable[[StepOutput], tuple[int, bool]]
+
+
 class Decoder(Protocol):
-    """A KV-cache decode: one `prefill`, then one `step` per token."""
+    """A KV-cache decode from `context` (an empty cache): every step to `choose`, at most
+    `max_new_tokens` of them."""
 
-    def prefill(self, context: Sequence[int], top_k: int) -> StepOutput:
-        """Start a decode from `context` (an empty cache); the next token's logits."""
-        ...
+    def run(
+        self,
+        context: Sequence[int],
+        max_new_tokens: int,
+        choose: Choose,
+        top_k: int,
+        layout: BatchLayout | None = None,
+    ) -> None: ...
 
-    def step(self, token: int) -> StepOutput:
-        """Append `token` at the next position; the logits of the token after it."""
-        ...
+
+def run_steps(
+    prefill: Callable[[], StepOutput],
+    step: Callable[[int], StepOutput],
+    max_new_tokens: int,
+    choose: Choose,
+) -> None:
+    """A decode as a prefill and one step per token (the piecewise and compiled decoders)."""
+    out = prefill()
+    for n in range(1, max_new_tokens + 1):
+        token, stop = choose(out)
+        if stop or n == max_new_tokens:
+            return
+        out = step(token)
 
 
-class DynamicDecoder:
-    """transformers' `DynamicCache`, grown by each step and new for each decode: the loop is
-    token-identical to transformers' `generate()` in the same format."""
+def batch_rows(
+    context: Sequence[int], batch_size: int, layout: BatchLayout | None, pad_id: int
+) -> tuple[list[list[int]], list[list[int]], int]:
+    """The rows `generate()` gets for a decode of `context` (prompt and any forced prefix) at
+    `batch_size`: (ids, attention mask, the row of interest). Without a layout: `batch_size`
+    copies of it, unpadded. With one (the logged batch): its rows, each as long as its logged
+    prompt plus what `context` adds to this trace's, left-padded to the longest; the other rows
+    are filler taken from `context` (their tokens change none of this row's numbers)."""
+    if layout is None or layout.size != batch_size:
+        return [list(context)] * batch_size, [[1] * len(context)] * batch_size, 0
+    extra = len(context) - layout.prompt_lengths[layout.row]
+    if extra < 0:
+        raise ValueError("the context is shorter than the trace's logged prompt")
+    lengths = [n + extra for n in layout.prompt_lengths]
+    width = max(lengths)
+    ids, mask = [], []
+    for j, n in enumerate(lengths):
+        filler = (list(context) * math.ceil(n / len(context)))[:n]
+        ids.append([pad_id] * (width - n) + (list(context) if j == layout.row else filler))
+        mask.append([0] * (width - n) + [1] * n)
+    return ids, mask, layout.row
 
-    def __init__(self, body: Body, head: LmHead) -> None:
+
+class GenerateDecoder:
+    """A decode by transformers' own `generate()` (greedy, one beam), called as a user calls
+    it on the arm's batch (`batch_rows`): its prefill, its `DynamicCache`, its attention calls,
+    its lm_head over the last position and the float32 logits it takes from it. The engine
+    reads each step through a logits processor placed after any of generate()'s own (the raw
+    float32 logits of the row of interest; its hidden states from a hook on the lm_head's
+    input) and hands generate() the token `choose` takes, by setting every other logit to
+    -inf; a stopping criterion ends it where `choose` says. None of it changes a number the
+    model computes. The engine's own `LmHead` gives the logits instead where the arm's head
+    format is not the model's (`own_head` False)."""
+
+    def __init__(self, body: Body, head: LmHead, *, own_head: bool, pad_id: int) -> None:
         self.body = body
         self.head = head
+        self.own_head = own_head
+        self.pad_id = pad_id
+        #: The last decode's cache (`keep_cache`): what the piecewise decoder continues from.
         self.cache: Any = None
-        self._position = 0
-        self._top_k = 0
 
-    def prefill(self, context: Sequence[int], top_k: int) -> StepOutput:
-        from transformers import DynamicCache
+    def run(
+        self,
+        context: Sequence[int],
+        max_new_tokens: int,
+        choose: Choose,
+        top_k: int,
+        layout: BatchLayout | None = None,
+        *,
+        keep_cache: bool = False,
+    ) -> None:
+        def row_choice(hidden: torch.Tensor, logits: torch.Tensor, row: int) -> tuple[int, bool]:
+            z32 = logits[row]
+            return choose(StepOutput(hidden[row : row + 1], z32, top_k_on_host(z32, top_k)))
 
-        self.cache = DynamicCache(config=self.body.model.config)
-        self._top_k = top_k
-        h = self.body.forward(context, self.cache, 0)[:, -1]
-        self._position = len(context)
-        return head_step(self.head, h, top_k)
+        ids, mask, row = batch_rows(context, self.body.batch_size, layout, self.pad_id)
+        self.run_rows(ids, mask, row, max_new_tokens, row_choice, keep_cache=keep_cache)
 
-    def step(self, token: int) -> StepOutput:
-        h = self.body.forward([token], self.cache, self._position)[:, -1]
-        self._position += 1
-        return head_step(self.head, h, self._top_k)
+    def run_rows(
+        self,
+        ids: list[list[int]],
+        mask: list[list[int]],
+        row: int,
+        max_new_tokens: int,
+        choose: Callable[[torch.Tensor, torch.Tensor, int], tuple[int, bool]],
+        *,
+        keep_cache: bool = False,
+    ) -> None:
+        """`generate()` over these rows; each step's hidden states (B, d) and float32 logits
+        (B, V) handed to `choose(hidden, logits, row)`, every row given the token it takes."""
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+        model, dev = self.body.model, self.body.device
+        x = torch.tensor(ids, dtype=torch.long, device=dev)
+        state: dict[str, Any] = {"stop": False}
+
+        def capture(_module: Any, args: tuple[Any, ...]) -> None:
+            state["hidden"] = args[0]
+
+        def processor(_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            hidden = state["hidden"][:, -1]
+            logits = scores if self.own_head else self.head.native(hidden).float()
+            token, stop = choose(hidden, logits, row)
+            state["stop"] = stop
+            forced = torch.full_like(scores, -math.inf)
+            forced[:, token] = 0.0
+            return forced
+
+        def criterion(_ids: torch.Tensor, _scores: torch.Tensor, **_: Any) -> torch.Tensor:
+            return torch.full((x.shape[0],), bool(state["stop"]), device=dev)
+
+        config: Any = GenerationConfig(  # type: ignore[no-untyped-call]
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=self.pad_id,
+            return_dict_in_generate=keep_cache,
+        )
+        hook = model.get_output_embeddings().register_forward_pre_hook(capture)
+        try:
+            out = model.generate(
+                input_ids=x,
+                attention_mask=torch.tensor(mask, dtype=torch.long, device=dev),
+                generation_config=config,
+                logits_processor=LogitsProcessorList([processor]),
+                stopping_criteria=StoppingCriteriaList([criterion]),
+            )
+        finally:
+            hook.remove()
+        self.cache = out.past_key_values if keep_cache else None
 
 
 class CompiledDecoder:
@@ -176,6 +291,18 @@ class CompiledDecoder:
         # The decode in progress: the next position to write and the k asked for.
         self._next_position = 0
         self._top_k = 0
+
+    def run(
+        self,
+        context: Sequence[int],
+        max_new_tokens: int,
+        choose: Choose,
+        top_k: int,
+        layout: BatchLayout | None = None,
+    ) -> None:
+        """A decode of copies of `context` (`layout` is not followed: the engine runs a logged
+        layout's decodes with `GenerateDecoder`)."""
+        run_steps(lambda: self.prefill(context, top_k), self.step, max_new_tokens, choose)
 
     def prefill(self, context: Sequence[int], top_k: int) -> StepOutput:
         self.cache.reset()

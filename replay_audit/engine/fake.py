@@ -28,6 +28,7 @@ from replay_audit.engine.batch import (
 )
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
+    BatchLayout,
     DecodeRun,
     DecodeStop,
     DecodeWindow,
@@ -101,8 +102,9 @@ class FakeEngine:
             "torch_version": None,
             "cuda_version": None,
             "cublas_version": None,
-            "deterministic": True,
-            "tf32": False,
+            "cudnn_version": None,
+            "deterministic": bool(self.target.deterministic),
+            "tf32": bool(self.target.tf32),
             "extras": {**self._scan_extras, **self._step_extras},
         }
 
@@ -141,6 +143,7 @@ class FakeEngine:
         forced_prefix: Sequence[int] = (),
         processors: LogitsProcessors | None = None,
         window: DecodeWindow | None = None,
+        layout: BatchLayout | None = None,
     ) -> DecodeRun:
         self.calls.append("decode")
         _refuse(processors)
@@ -231,6 +234,7 @@ class FakeEngine:
         top_k: int = 5,
         *,
         processors: LogitsProcessors | None = None,
+        layout: BatchLayout | None = None,
     ) -> StepInfo:
         self.calls.append("step")
         _refuse(processors)
@@ -246,6 +250,7 @@ class FakeEngine:
         token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
         processors: LogitsProcessors | None = None,
         prompt_lengths: Sequence[int] | None = None,
+        layouts: Sequence[BatchLayout | None] | None = None,
     ) -> list[StepInfo]:
         """Each context's `step` (the fake has no batch to vary), with the batch shapes the
         torch engine's plan would use recorded in `environment()["extras"]`."""

@@ -1,8 +1,13 @@
 """Log traces with transformers' own `generate()`: the reference producer of trace JSON.
 
-Greedy, in one body dtype (the lm_head in the same dtype, as transformers runs it), with the
-numerical configuration read from the running process and each step's top-k raw logits (the
-model's own, before any logits processor, exactly converted to float32 by transformers).
+Greedy, in one body dtype (the lm_head in the same dtype, as transformers runs it), exactly as
+a user's plain `model.generate(input_ids, attention_mask=..., do_sample=False)` runs: nothing
+process-wide is set (no attention backend, no deterministic or TF32 switch the caller did not
+ask for), prompts batched as a user batches them (left-padded to the longest, with the
+attention mask), each trace recording its batch layout (`decoding.batch`), the numerical
+configuration read from the running process, the SDPA backends torch picked for the call
+(`extras.attention_backends`) and each step's top-k raw logits (the model's own, before any
+logits processor, exactly converted to float32 by transformers).
 Optionally with logits processors (`LogitsProcessors`: generate()'s `repetition_penalty`,
 `no_repeat_ngram_size`, `min_new_tokens`, `sequence_bias` of one-token sequences for a logit
 bias, `bad_words_ids`), which the trace records in `decoding.logits_processors`.
@@ -17,17 +22,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from replay_audit.diff.pieces import to_json
+from replay_audit.engine import attention
 from replay_audit.engine.hashing import weights_sha256
 from replay_audit.engine.loading import (
-    apply_sdpa_policy,
-    configure_numerics,
+    ProcessNumerics,
     load_model,
     load_tokenizer,
     numerical_environment,
@@ -108,7 +113,7 @@ def sorted_top_k(
 
 
 class TraceGenerator:
-    """A checkpoint loaded once in one dtype, producing traces prompt by prompt."""
+    """A checkpoint loaded once in one dtype, producing traces a batch of prompts at a time."""
 
     def __init__(
         self,
@@ -118,20 +123,23 @@ class TraceGenerator:
         attn_kernel: str | None = None,
         device: str | None = None,
         model_name: str | None = None,
-        deterministic: bool = True,
-        tf32: bool = False,
+        deterministic: bool | None = None,
+        tf32: bool | None = None,
         threads: int | None = None,
         leave_free: int = 0,
         tp_degree: int = 1,
     ) -> None:
-        """`threads`, `leave_free`: torch's CPU threads (`loading.set_torch_threads`), set here
-        for the thread that builds the generator and generates. `tp_degree` > 1: a group of that
-        many processes (GPUs cuda:0.., or CPU processes) is started, each loading the checkpoint
-        with transformers' tensor-parallel plan; `close()` stops it."""
+        """`deterministic`, `tf32`: torch's switches during the generations (None: as this
+        process has them, which is what plain `generate()` runs under); the traces record
+        them. `threads`, `leave_free`: torch's CPU threads (`loading.set_torch_threads`), set
+        here for the thread that builds the generator and generates. `tp_degree` > 1: a group
+        of that many processes (GPUs cuda:0.., or CPU processes) is started, each loading the
+        checkpoint with transformers' tensor-parallel plan; `close()` stops it."""
         self.model_dir = Path(model_dir)
         set_torch_threads(threads, leave_free=leave_free)
         self.dtype = dtype
         self.tp_degree = tp_degree
+        self.numerics = ProcessNumerics(deterministic, tf32)
         self._group: TpGroup | None = None
         # Hashed first: a path that is no checkpoint fails before a model loads.
         self.weights_sha256 = weights_sha256(self.model_dir)
@@ -141,7 +149,7 @@ class TraceGenerator:
             self._key = self._group.new_key(str(self.model_dir))
             try:
                 facts: _Facts = self._group.run(
-                    _load_model, self._key, self.model_dir, dtype, attn_kernel, deterministic, tf32
+                    _load_model, self._key, self.model_dir, dtype, attn_kernel, self.numerics
                 )
             except BaseException:
                 self._group.close()
@@ -150,17 +158,16 @@ class TraceGenerator:
             #: The loaded transformers model at TP 1 (None at TP k: each rank holds its share).
             self.model = None
         else:
-            configure_numerics(deterministic=deterministic, tf32=tf32)
             self.device = resolve_device(device)
-            apply_sdpa_policy(self.device)  # the engine's SDPA backends: logged as replayed
             loaded = _Loaded(*load_model(self.model_dir, dtype, attn_kernel, self.device))
             self.model, self.tokenizer = loaded.model, loaded.tokenizer
-            facts = _facts(loaded, self.device, dtype, 1, None)
+            facts = _facts(loaded, self.device, dtype, 1, None, self.numerics)
         if self.tokenizer is None:
             self.close()
             raise EngineError(f"{self.model_dir} has no tokenizer: cannot encode prompts")
         #: What the traces record, read where the model runs (rank 0's process at TP k).
         self.config, self.vocab_size, self.eos_ids = facts.config, facts.vocab_size, facts.eos_ids
+        self.pad_id = facts.pad_id
         self.pieces = PieceReader(self.tokenizer)
         self.model_name = model_name or self.model_dir.name
 
@@ -193,25 +200,41 @@ class TraceGenerator:
             raise EngineError("the prompt encodes to no tokens")
         return ids
 
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        processors: LogitsProcessors | None = None,
+    ) -> Generated:
+        """transformers' greedy `generate()` of these prompts in one batch (left-padded), with
+        `processors`' generation settings: each row's output ids and per-step raw logits, and
+        the SDPA backends the call ran (`greedy_generate`); at TP > 1 on every rank."""
+        settings = generation_settings(processors)
+        rows = [list(p) for p in prompts]
+        if self._group is None:
+            with self.numerics.applied():
+                return greedy_generate(
+                    self.model,
+                    self.device,
+                    rows,
+                    max_new_tokens,
+                    self.eos_ids,
+                    settings,
+                    pad_id=self.pad_id,
+                )
+        outputs, backends = self._group.run(
+            _generate, self._key, rows, max_new_tokens, self.eos_ids, settings, self.pad_id
+        )
+        return Generated([(ids, torch.from_numpy(z)) for ids, z in outputs], backends)
+
     def generate_ids(
         self,
         prompt_ids: Sequence[int],
         max_new_tokens: int,
         processors: LogitsProcessors | None = None,
     ) -> tuple[list[int], torch.Tensor]:
-        """transformers' greedy `generate()`, with `processors`' generation settings: output
-        ids and the per-step raw logits (T, V); at TP > 1 on every rank of the group
-        (`greedy_generate`)."""
-        settings = generation_settings(processors)
-        if self._group is None:
-            ids = self.eos_ids
-            return greedy_generate(
-                self.model, self.device, prompt_ids, max_new_tokens, ids, settings
-            )
-        seq, logits = self._group.run(
-            _generate, self._key, list(prompt_ids), max_new_tokens, self.eos_ids, settings
-        )
-        return seq, torch.from_numpy(logits)
+        """`generate_batch` of one prompt: its output ids and per-step raw logits (T, V)."""
+        return self.generate_batch([prompt_ids], max_new_tokens, processors).rows[0]
 
     def trace(
         self,
@@ -223,77 +246,150 @@ class TraceGenerator:
         tags: Sequence[str] = (),
         processors: LogitsProcessors | None = None,
     ) -> dict[str, Any]:
-        """One trace as `POST /v1/traces` JSON, of a text prompt or of chat messages (rendered
-        by the chat template; the trace keeps the messages and the rendered text), generated
-        with `processors` (recorded in `decoding.logits_processors`). The engine imports no
-        HTTP schema: callers that write or post it validate it with
-        `traces.schemas.TraceCreate` at their edge."""
-        messages = None if isinstance(prompt, str) else [dict(m) for m in prompt]
-        text = prompt if isinstance(prompt, str) else self.render(prompt)
-        prompt_ids = self.encode(text, add_special_tokens=messages is None)
-        output_ids, logits = self.generate_ids(prompt_ids, max_new_tokens, processors)
-        ids, vals = sorted_top_k(logits, top_k)
-        stop = "eos" if output_ids and output_ids[-1] in self.eos_ids else "length"
-        body = {
-            "external_id": external_id,
-            "model": {
-                "name": self.model_name,
-                "revision": None,
-                "weights_sha256": self.weights_sha256,
-                "vocab_size": self.vocab_size,
+        """`trace_batch` of one prompt (a batch of one)."""
+        return self.trace_batch(
+            [(external_id, prompt)],
+            max_new_tokens=max_new_tokens,
+            top_k=top_k,
+            tags=tags,
+            processors=processors,
+        )[0]
+
+    def trace_batch(
+        self,
+        prompts: Sequence[tuple[str | None, str | Sequence[Mapping[str, str]]]],
+        *,
+        max_new_tokens: int,
+        top_k: int = 5,
+        tags: Sequence[str] = (),
+        processors: LogitsProcessors | None = None,
+    ) -> list[dict[str, Any]]:
+        """The traces of (external id, prompt) pairs generated in one `generate()` call, as
+        `POST /v1/traces` JSON: text prompts, or chat messages (rendered by the chat template;
+        the trace keeps the messages and the rendered text), each with its row's place in the
+        batch (`decoding.batch`: every row's prompt length and its own row, left-padded) and
+        the batch size in its configuration. The engine imports no HTTP schema: callers that
+        write or post it validate it with `traces.schemas.TraceCreate` at their edge."""
+        texts, messages, ids = [], [], []
+        for _, prompt in prompts:
+            chat = None if isinstance(prompt, str) else [dict(m) for m in prompt]
+            text = prompt if isinstance(prompt, str) else self.render(prompt)
+            texts.append(text)
+            messages.append(chat)
+            ids.append(self.encode(text, add_special_tokens=chat is None))
+        generated = self.generate_batch(ids, max_new_tokens, processors)
+        config = {
+            **self.config,
+            "batch_size": len(prompts),
+            "extras": {
+                **self.config["extras"],
+                **(
+                    {"attention_backends": generated.backends}
+                    if generated.backends is not None
+                    else {}
+                ),
             },
-            "config": self.config,
-            "decoding": {
-                "strategy": "greedy",
-                "max_new_tokens": max_new_tokens,
-                "eos_token_ids": self.eos_ids,
-                "stop_reason": stop,
-                "logits_processors": processors_json(processors),
-            },
-            "prompt_token_ids": prompt_ids,
-            "output_token_ids": output_ids,
-            "prompt_text": text,
-            "prompt_messages": messages,
-            "output_text": printable_text(
-                self.tokenizer.decode(output_ids, skip_special_tokens=True)
-            ),
-            "output_token_pieces": to_json(self.pieces(output_ids)),
-            "top_k": {"ids": ids.tolist(), "logits": [[float(x) for x in r] for r in vals]},
-            "tags": list(tags),
         }
-        return body
+        lengths = [len(p) for p in ids]
+        out = []
+        for row, ((external_id, _), (output_ids, logits)) in enumerate(
+            zip(prompts, generated.rows, strict=True)
+        ):
+            top_ids, top_vals = sorted_top_k(logits, top_k)
+            stop = "eos" if output_ids and output_ids[-1] in self.eos_ids else "length"
+            out.append(
+                {
+                    "external_id": external_id,
+                    "model": {
+                        "name": self.model_name,
+                        "revision": None,
+                        "weights_sha256": self.weights_sha256,
+                        "vocab_size": self.vocab_size,
+                    },
+                    "config": config,
+                    "decoding": {
+                        "strategy": "greedy",
+                        "max_new_tokens": max_new_tokens,
+                        "eos_token_ids": self.eos_ids,
+                        "stop_reason": stop,
+                        "logits_processors": processors_json(processors),
+                        **(
+                            {"batch": {"prompt_lengths": lengths, "row": row}}
+                            if len(ids) > 1
+                            else {}
+                        ),
+                    },
+                    "prompt_token_ids": ids[row],
+                    "output_token_ids": output_ids,
+                    "prompt_text": texts[row],
+                    "prompt_messages": messages[row],
+                    "output_text": printable_text(
+                        self.tokenizer.decode(output_ids, skip_special_tokens=True)
+                    ),
+                    "output_token_pieces": to_json(self.pieces(output_ids)),
+                    "top_k": {
+                        "ids": top_ids.tolist(),
+                        "logits": [[float(x) for x in r] for r in top_vals],
+                    },
+                    "tags": list(tags),
+                }
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One `generate()` call: each row's output ids (to its first eos) and per-step raw
+    logits (T, V) float32, and the SDPA backends the call ran (None: no SDPA call)."""
+
+    rows: list[tuple[list[int], torch.Tensor]]
+    backends: str | None
 
 
 @torch.inference_mode()
 def greedy_generate(
     model: Any,
     device: torch.device,
-    prompt_ids: Sequence[int],
+    prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     eos_ids: Sequence[int],
     settings: Mapping[str, object] | None = None,
-) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy `generate()` of `model` with `settings` (`generation_settings`
-    of the logits processors): output ids and the per-step raw logits (T, V) float32."""
+    *,
+    pad_id: int = 0,
+) -> Generated:
+    """transformers' greedy `generate()` of `model` over `prompts` as one batch, left-padded
+    with `pad_id` under an attention mask (as a user's padded batch), with `settings`
+    (`generation_settings` of the logits processors)."""
     from transformers import GenerationConfig
 
     config_cls: Any = GenerationConfig
-
-    x = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    width = max(len(p) for p in prompts)
+    x = torch.tensor(
+        [[pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device
+    )
+    mask = torch.tensor(
+        [[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device
+    )
     gc = config_cls(
         do_sample=False,
         num_beams=1,
         max_new_tokens=max_new_tokens,
         eos_token_id=list(eos_ids) or None,
-        pad_token_id=eos_ids[0] if eos_ids else 0,
+        pad_token_id=pad_id,
         output_logits=True,
         return_dict_in_generate=True,
         **(settings or {}),
     )
-    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=gc)
-    seq = [int(t) for t in out.sequences[0, x.shape[1] :].tolist()]
-    logits = torch.stack([step[0] for step in out.logits]).float()
-    return seq, logits
+    with attention.observe() as seen:
+        out = model.generate(input_ids=x, attention_mask=mask, generation_config=gc)
+    logits = torch.stack(list(out.logits), dim=1).float()  # (B, T, V)
+    eos = set(eos_ids)
+    rows = []
+    for b in range(len(prompts)):
+        new = [int(t) for t in out.sequences[b, width:].tolist()]
+        end = next((t + 1 for t, token in enumerate(new) if token in eos), len(new))
+        rows.append((new[:end], logits[b, :end]))
+    return Generated(rows, seen.backends())
 
 
 # -- operations of a tensor-parallel group (`TpGroup.run`: run on every rank) -------------------
@@ -307,14 +403,22 @@ class _Loaded:
     tokenizer: Any
 
 
+class _RankGenerator(NamedTuple):
+    """A rank's loaded share and the switches its generations run under."""
+
+    loaded: _Loaded
+    numerics: ProcessNumerics
+
+
 @dataclass(frozen=True)
 class _Facts:
     """What a generator's traces record of its loaded checkpoint, read where the model runs:
-    the numerical configuration, the vocabulary size and the eos ids."""
+    the numerical configuration, the vocabulary size, the eos ids and the padding id."""
 
     config: Environment
     vocab_size: int
     eos_ids: list[int]
+    pad_id: int
 
 
 def _facts(
@@ -323,6 +427,7 @@ def _facts(
     dtype: str,
     tp_degree: int,
     tp_backend: str | None,
+    numerics: ProcessNumerics,
 ) -> _Facts:
     import transformers
 
@@ -342,10 +447,14 @@ def _facts(
         engine_name="transformers",
         engine_version=transformers.__version__,
         tp_degree=tp_degree,
+        numerics=numerics,
         extras=extras,
     )
     model = loaded.model
-    return _Facts(config, int(model.config.vocab_size), eos_token_ids(model, loaded.tokenizer))
+    eos = eos_token_ids(model, loaded.tokenizer)
+    pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    pad_id = int(pad) if isinstance(pad, int) else (eos[0] if eos else 0)
+    return _Facts(config, int(model.config.vocab_size), eos, pad_id)
 
 
 def _load_model(
@@ -354,33 +463,38 @@ def _load_model(
     model_dir: Path,
     dtype: str,
     attn_kernel: str | None,
-    deterministic: bool,
-    tf32: bool,
+    numerics: ProcessNumerics,
 ) -> _Facts:
-    """This rank's share of the checkpoint, with the generator's numerical flags; what the
-    traces record of it."""
-    configure_numerics(deterministic=deterministic, tf32=tf32)
+    """This rank's share of the checkpoint; what the traces record of it."""
     place = state.placement
-    apply_sdpa_policy(place.device)
     loaded = _Loaded(*load_model(model_dir, dtype, attn_kernel, place.device, tp=place))
-    state.objects[key] = loaded
-    return _facts(loaded, place.device, dtype, place.degree, place.backend)
+    state.objects[key] = _RankGenerator(loaded, numerics)
+    return _facts(loaded, place.device, dtype, place.degree, place.backend, numerics)
 
 
 def _generate(
     state: RankState,
     key: str,
-    prompt_ids: list[int],
+    prompts: list[list[int]],
     max_new_tokens: int,
     eos_ids: list[int],
     settings: Mapping[str, object],
-) -> tuple[list[int], npt.NDArray[np.float32]]:
+    pad_id: int,
+) -> tuple[list[tuple[list[int], npt.NDArray[np.float32]]], str | None]:
     """`greedy_generate` on this rank; the logits on the host (what every rank compares)."""
-    model = state.get(key, _Loaded).model
-    seq, logits = greedy_generate(
-        model, state.placement.device, prompt_ids, max_new_tokens, eos_ids, settings
-    )
-    return seq, np.asarray(logits.cpu().numpy(), dtype=np.float32)
+    loaded, numerics = state.get(key, _RankGenerator)
+    with numerics.applied():
+        g = greedy_generate(
+            loaded.model,
+            state.placement.device,
+            prompts,
+            max_new_tokens,
+            eos_ids,
+            settings,
+            pad_id=pad_id,
+        )
+    rows = [(ids, np.asarray(z.cpu().numpy(), dtype=np.float32)) for ids, z in g.rows]
+    return rows, g.backends
 
 
 def generate_traces(
@@ -397,9 +511,11 @@ def generate_traces(
     threads: int | None = None,
     leave_free: int = 0,
     tp_degree: int = 1,
+    batch_size: int = 1,
 ) -> Iterator[dict[str, Any]]:
-    """Traces of greedy generations, one per (prompt id, prompt text), as `TraceCreate` JSON
-    (at `tp_degree` > 1, by a group of that many processes, stopped when the traces end)."""
+    """Traces of greedy generations, one per (prompt id, prompt text), as `TraceCreate` JSON,
+    `batch_size` prompts per `generate()` call (at `tp_degree` > 1, by a group of that many
+    processes, stopped when the traces end)."""
     with TraceGenerator(
         model_dir,
         dtype=dtype,
@@ -410,7 +526,13 @@ def generate_traces(
         leave_free=leave_free,
         tp_degree=tp_degree,
     ) as gen:
+        batch: list[tuple[str | None, str | Sequence[Mapping[str, str]]]] = []
         for pid, text in prompts:
-            yield gen.trace(
-                text, max_new_tokens=max_new_tokens, top_k=top_k, external_id=pid, tags=tags
-            )
+            batch.append((pid, text))
+            if len(batch) == batch_size:
+                yield from gen.trace_batch(
+                    batch, max_new_tokens=max_new_tokens, top_k=top_k, tags=tags
+                )
+                batch = []
+        if batch:
+            yield from gen.trace_batch(batch, max_new_tokens=max_new_tokens, top_k=top_k, tags=tags)

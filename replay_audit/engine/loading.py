@@ -9,7 +9,9 @@ import ctypes
 import logging
 import os
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -17,7 +19,13 @@ import torch
 
 from replay_audit.engine.protocol import Environment, ExtraValue, GpuName
 from replay_audit.exceptions import EngineError, UnsupportedFormat
-from replay_audit.formats import BODY_DTYPES, DEFAULT_ATTN_KERNEL, FORMATS, SDPA_BACKENDS
+from replay_audit.formats import (
+    BODY_DTYPES,
+    DEFAULT_ATTN_KERNEL,
+    FORMATS,
+    SDPA_BACKENDS,
+    SdpaBackendName,
+)
 
 if TYPE_CHECKING:
     from replay_audit.engine.tensor_parallel import TpPlacement
@@ -62,65 +70,107 @@ def set_torch_threads(threads: int | None = None, *, leave_free: int = 0) -> int
     return torch.get_num_threads()
 
 
-def configure_numerics(*, deterministic: bool, tf32: bool) -> None:
-    """Set torch's process-wide numerical flags explicitly (never at import time).
+@dataclass(frozen=True)
+class ProcessNumerics:
+    """The process-wide torch switches an arm runs under, each as the logging stack had it.
+    None: as this process has it (torch's default, unless the deployment changed it): the
+    engine never sets a switch the arm does not name. `sdpa_backend` limits SDPA to one of
+    `formats.SDPA_BACKENDS` (None: torch chooses among all it has)."""
 
-    Deterministic algorithms are requested with `warn_only` so an op without a deterministic
-    implementation warns instead of failing a replay; cuBLAS needs its workspace setting before
-    its first use for deterministic results.
-    """
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(deterministic, warn_only=True)
-    torch.backends.cudnn.deterministic = deterministic
-    torch.backends.cudnn.benchmark = False
-    matmul: Any = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):
-        matmul.fp32_precision = "tf32" if tf32 else "ieee"
-        torch.backends.cudnn.conv.fp32_precision = "tf32" if tf32 else "ieee"  # type: ignore[attr-defined]
-    else:  # older torch
-        matmul.allow_tf32 = tf32
-        torch.backends.cudnn.allow_tf32 = tf32
+    deterministic: bool | None = None
+    tf32: bool | None = None
+    sdpa_backend: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.sdpa_backend is not None and self.sdpa_backend not in SDPA_BACKENDS:
+            raise UnsupportedFormat(f"unknown SDPA backend {self.sdpa_backend!r}")
 
-#: The SDPA backends the engine lets torch choose from (`only` None in `enable_sdpa_backends`):
-#: all of torch's but cuDNN attention. With cuDNN's (`aten::_cudnn_attention_forward`),
-#: transformers' `generate()` and the piecewise decode, which must be bitwise equal, were
-#: measured to diverge past about 250 tokens on an H100; without it every decode matched.
-FAITHFUL_SDPA_BACKENDS: Final[tuple[str, ...]] = tuple(n for n in SDPA_BACKENDS if n != "cudnn")
-
-
-def enable_sdpa_backends(only: str | None) -> None:
-    """Let torch's SDPA use the engine's backends (`only` None: `FAITHFUL_SDPA_BACKENDS`, every
-    one but cuDNN's), or only one of `formats.SDPA_BACKENDS`. Process-wide, like the TF32
-    flag."""
-    if only is not None and only not in SDPA_BACKENDS:
-        raise UnsupportedFormat(f"unknown SDPA backend {only!r}")
-    for name, backend in SDPA_BACKENDS.items():
-        setter = getattr(torch.backends.cuda, backend.enable_switch, None)
-        if setter is not None:
-            setter(name in FAITHFUL_SDPA_BACKENDS if only is None else name == only)
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """Run the block under these switches, then put back what the process had. One block
+        at a time per process (the switches are the process's): probes of other arms, in
+        other threads, wait for it."""
+        with _SWITCHES:
+            saved = _Switches.read()
+            saved.with_numerics(self).write()
+            try:
+                yield
+            finally:
+                saved.write()
 
 
-def apply_sdpa_policy(device: torch.device) -> None:
-    """On a CUDA device, the engine's SDPA backends (`FAITHFUL_SDPA_BACKENDS`: no cuDNN
-    attention), set where an engine or a generator loads; nothing elsewhere (a CPU has no cuDNN
-    attention). Process-wide: `environment()` reads the switches back (`sdpa_backends`)."""
-    if device.type == "cuda":
-        enable_sdpa_backends(None)
+#: One arm's switches at a time in this process (`ProcessNumerics.applied`).
+_SWITCHES = threading.RLock()
+
+
+@dataclass(frozen=True)
+class _Switches:
+    """torch's process-wide numerical switches as they are."""
+
+    deterministic: bool
+    warn_only: bool
+    cudnn_deterministic: bool
+    tf32: bool
+    sdpa: tuple[tuple[SdpaBackendName, bool], ...]
+
+    @classmethod
+    def read(cls) -> _Switches:
+        return cls(
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+            bool(torch.backends.cudnn.deterministic),
+            tf32_enabled(),
+            tuple((name, _sdpa_enabled(name)) for name in SDPA_BACKENDS),
+        )
+
+    def with_numerics(self, n: ProcessNumerics) -> _Switches:
+        sdpa = self.sdpa
+        if n.sdpa_backend is not None:
+            sdpa = tuple((name, name == n.sdpa_backend) for name, _ in self.sdpa)
+        det = self.deterministic if n.deterministic is None else n.deterministic
+        return _Switches(
+            det,
+            # Deterministic algorithms warn where an op has none, rather than failing a replay.
+            self.warn_only if n.deterministic is None else True,
+            self.cudnn_deterministic if n.deterministic is None else n.deterministic,
+            self.tf32 if n.tf32 is None else n.tf32,
+            sdpa,
+        )
+
+    def write(self) -> None:
+        """Set the switches that differ from the process's now (none: nothing is touched)."""
+        now = _Switches.read()
+        if (now.deterministic, now.warn_only) != (self.deterministic, self.warn_only):
+            torch.use_deterministic_algorithms(self.deterministic, warn_only=self.warn_only)
+        if now.cudnn_deterministic != self.cudnn_deterministic:
+            torch.backends.cudnn.deterministic = self.cudnn_deterministic
+        if now.tf32 != self.tf32:
+            matmul: Any = torch.backends.cuda.matmul
+            if hasattr(matmul, "fp32_precision"):
+                matmul.fp32_precision = "tf32" if self.tf32 else "ieee"
+            else:  # older torch
+                matmul.allow_tf32 = self.tf32
+        for (name, on), (_, was) in zip(self.sdpa, now.sdpa, strict=True):
+            setter = getattr(torch.backends.cuda, SDPA_BACKENDS[name].enable_switch, None)
+            if on != was and setter is not None:
+                setter(on)
+
+
+def _sdpa_enabled(name: SdpaBackendName) -> bool:
+    reader = getattr(
+        torch.backends.cuda, SDPA_BACKENDS[name].enable_switch.removeprefix("enable_") + "_enabled"
+    )
+    return bool(reader())
 
 
 def sdpa_backends_enabled(device: torch.device) -> str:
-    """The SDPA backends torch may choose from on `device` now, read from its switches
-    (`flash,efficient,math` on CUDA under the engine's policy; a CPU's have `on_cpu`)."""
-    enabled = []
-    for name, backend in SDPA_BACKENDS.items():
-        reader = getattr(
-            torch.backends.cuda, backend.enable_switch.removeprefix("enable_") + "_enabled", None
-        )
-        if (device.type == "cuda" or backend.on_cpu) and reader is not None and reader():
-            enabled.append(name)
-    return ",".join(enabled)
+    """The SDPA backends torch may choose from on `device` now, read from its switches (all
+    four on CUDA by torch's default; a CPU's are those it has)."""
+    return ",".join(
+        name
+        for name, backend in SDPA_BACKENDS.items()
+        if (device.type == "cuda" or backend.on_cpu) and _sdpa_enabled(name)
+    )
 
 
 def tf32_enabled() -> bool:
@@ -160,15 +210,21 @@ def numerical_environment(
     engine_name: str,
     engine_version: str | None,
     tp_degree: int = 1,
+    numerics: ProcessNumerics | None = None,
     extras: dict[str, ExtraValue] | None = None,
 ) -> Environment:
-    """The numerical configuration in use, with `NumericalConfig`'s keys, read from torch.
-    `tp_degree`: the tensor-parallel degree the model runs at (`device` is the rank's)."""
+    """The numerical configuration in use, with `NumericalConfig`'s keys, read from torch:
+    the process's switches as `numerics` sets them for the arm (what it leaves unset: as they
+    are now), the library versions loaded, and `CUBLAS_WORKSPACE_CONFIG` as the process has it
+    (cuBLAS reads it once; the engine never sets it). `tp_degree`: the tensor-parallel degree
+    the model runs at (`device` is the rank's)."""
     import transformers
 
+    n = numerics or ProcessNumerics()
     gpu: GpuName | None = None
     kind = "cpu"
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
         idx = device.index if device.index is not None else torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(idx)
@@ -176,6 +232,14 @@ def numerical_environment(
     elif device.type in ("mps", "xpu"):
         kind = device.type
     cuda_matmul = torch.backends.cuda.matmul
+    cudnn = torch.backends.cudnn.version() if cuda else None  # type: ignore[no-untyped-call]
+    sdpa: dict[str, ExtraValue] = {}
+    if attn_kernel == "sdpa":
+        # The backends SDPA may choose from; which ran is `attention_backends` (observed).
+        allowed = n.sdpa_backend or sdpa_backends_enabled(device)
+        sdpa = {"sdpa_backends": allowed}
+        if n.sdpa_backend is not None:
+            sdpa["sdpa_backend"] = n.sdpa_backend
     return {
         "dtype": dtype,
         "lm_head_dtype": lm_head_dtype,
@@ -187,10 +251,15 @@ def numerical_environment(
         "tp_degree": tp_degree,
         "engine": {"name": engine_name, "version": engine_version},
         "torch_version": torch.__version__,
-        "cuda_version": torch.version.cuda if device.type == "cuda" else None,
-        "cublas_version": cublas_version() if device.type == "cuda" else None,
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "tf32": tf32_enabled() if device.type == "cuda" else False,
+        "cuda_version": torch.version.cuda if cuda else None,
+        "cublas_version": cublas_version() if cuda else None,
+        "cudnn_version": str(cudnn) if cudnn is not None else None,
+        "deterministic": (
+            torch.are_deterministic_algorithms_enabled()
+            if n.deterministic is None
+            else n.deterministic
+        ),
+        "tf32": (tf32_enabled() if n.tf32 is None else n.tf32) if cuda else False,
         "extras": {
             "transformers_version": transformers.__version__,
             "fp16_reduced_precision_reduction": bool(
@@ -199,11 +268,16 @@ def numerical_environment(
             "bf16_reduced_precision_reduction": bool(
                 cuda_matmul.allow_bf16_reduced_precision_reduction
             ),
-            # The backends SDPA chose from (`apply_sdpa_policy`), where SDPA is the kernel.
-            **({"sdpa_backends": sdpa_backends_enabled(device)} if attn_kernel == "sdpa" else {}),
+            **({"cublas_workspace_config": _workspace()} if cuda else {}),
+            **sdpa,
             **(extras or {}),
         },
     }
+
+
+def _workspace() -> str:
+    """`CUBLAS_WORKSPACE_CONFIG` as this process has it ("default": unset, cuBLAS's own)."""
+    return os.environ.get("CUBLAS_WORKSPACE_CONFIG") or "default"
 
 
 def load_model(

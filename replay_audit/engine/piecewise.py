@@ -1,7 +1,7 @@
 """The faithful fast decode: piecewise CUDA graphs around an eager attention over the exact
-cache length (vLLM's piecewise graphs), on transformers' own Llama modules and its growing
-`DynamicCache`. Token-identical to `generate()` because its logits are the dynamic path's, bit
-for bit.
+cache (vLLM's piecewise graphs), on transformers' own Llama modules, continuing the cache of
+transformers' own `generate()` prefill. Token-identical to `generate()` because every kernel it
+launches is one `generate()` launches, with the same arguments.
 
 Why not one graph: a decode step's attention reads a key length that grows by one each step. A
 preallocated cache (`CompiledDecoder`'s) gives it a fixed length with the unwritten positions
@@ -10,36 +10,32 @@ flips near-ties). Everything else in a step has the same shapes at every step (b
 token), so the step is cut at each attention:
 
     piece 0      the embedding, RoPE's cos/sin, layer 0's input norm, q/k/v projections, RoPE
-                 (k and v stacked into one tensor, for one copy into the cache)
-    attention i  the new k/v written at the next position of layer i's cache, and the attention
-                 over the exact cache length (keys[..., :n, :]), eagerly
+                 (k and v stacked into one tensor)
+    attention i  the new k/v appended to layer i's cache, and the attention over it, eagerly
     piece i      layer i-1's o_proj, residual, post-attention norm, MLP, residual; then layer
                  i's input norm, q/k/v and RoPE
-    piece L      layer L-1's rest, the final norm, the native lm_head, its float32 logits and
-                 their top-k packed for one device-to-host copy
+    piece L      layer L-1's rest, the final norm, the native lm_head over the last position,
+                 its float32 logits and their top-k packed for one device-to-host copy
 
-The cache. Where the model's attention is SDPA and its decode mask is None (no padding: what
-`create_causal_mask` gives one query token), the keys and values live in one preallocated
-buffer per layer, written in place at the next position, and the attention reads a view of the
-first n positions: the values `DynamicCache`'s `torch.cat` would hold, without reallocating the
-whole cache every step, and without building the (None) mask every step. The SDPA call is the
-one transformers' `sdpa_attention_forward` makes for one query token without a mask (the same
-arguments: `enable_gqa` where transformers passes it, `is_causal=False`, the module's scale),
-made directly: the step is host-bound, and that function's Python costs as much as the kernel.
-Any other attention (eager, or SDPA with a mask) runs transformers' own attention function on
-a `DynamicCache`, with the mask `create_causal_mask` builds at each step.
+The prefill is `generate()`'s own (`GenerateDecoder`, one token, its `DynamicCache` kept). The
+cache then grows as `DynamicCache` grows it: `torch.cat` of the cache and the new key/value,
+so the attention reads tensors of the very shapes, strides and values `generate()`'s attention
+reads. The attention call itself is learned, not written here: `check` runs `generate()` for a
+few steps, observes its SDPA calls (`attention.observe`), and where its decode steps call SDPA
+without a mask, every layer with the same options, the decoder calls SDPA directly with those
+options (the step is host-bound, and transformers' attention function costs as much Python as
+the kernel); otherwise it runs transformers' own attention function on the `DynamicCache`,
+with the mask `create_causal_mask` builds at each step.
 
-Each piece calls the modules and functions transformers' forward calls (the layer's own norms,
-projections and MLP, its modeling module's `apply_rotary_pos_emb`, the configured attention
-function), in the same order, on tensors of the same shapes, dtypes and strides, with the same
-process-wide flags (deterministic algorithms stay on; only the NaN-filling of fresh buffers is
-off during a step, which changes no value). A CUDA graph replays the kernels its
-capture launched, with the same arguments; cuBLAS chooses its kernel from the shapes, the
-alignment and the workspace size, which `CUBLAS_WORKSPACE_CONFIG` sets alike for the capture
-stream and the eager one. So the logits equal the dynamic path's bit for bit; `check` verifies
-it on the engine's first decode (a dynamic decode alongside, every step's hidden state and
-logits compared with `torch.equal`), and the engine decodes dynamically where it does not hold.
-On the CPU, or where capture fails, the same pieces run without graphs.
+`check` then decodes the same steps here and compares, step by step, every hidden state and
+logit bitwise and every SDPA call argument for argument (shapes, strides, dtype, options and the
+backend torch picks for them). The calls of later steps differ from the checked ones only by
+the key length, in the same layout, so torch picks for them what it picks for `generate()`'s.
+The engine decodes with `GenerateDecoder` where the check fails or the model is not one the
+pieces follow. No process-wide switch is set: the decoder runs under whatever the arm runs
+under (`loading.ProcessNumerics`); only torch's NaN-filling of fresh buffers (with
+deterministic algorithms on) is off during a step, which changes no value. On the CPU, or
+where capture fails, the same pieces run without graphs.
 """
 
 from __future__ import annotations
@@ -52,8 +48,16 @@ from typing import Any
 import torch
 import torch.utils.deterministic
 
-from replay_audit.engine.decoder import Body, DynamicDecoder, StepOutput, captured_step_output
+from replay_audit.engine import attention
+from replay_audit.engine.decoder import (
+    Body,
+    Choose,
+    GenerateDecoder,
+    StepOutput,
+    captured_step_output,
+)
 from replay_audit.engine.numerics import LmHead, pack_top_k, top_k_size
+from replay_audit.engine.protocol import BatchLayout
 
 #: The transformers classes whose forward the pieces follow, by class name (Llama's layout:
 #: pre-norm attention and MLP with residuals, no sliding window). Other models decode
@@ -66,10 +70,8 @@ SUPPORTED_MODULES = {
 }
 #: RoPE types whose frequencies change with the sequence length on the host (not capturable).
 DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
-#: Decode steps `check` compares with the dynamic path.
+#: Decode steps `check` compares with `generate()`.
 CHECK_STEPS = 4
-#: Positions a buffered cache holds at least beyond its prefill (it doubles when full).
-CACHE_HEADROOM = 256
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -108,20 +110,23 @@ def unsupported_reason(model: Any) -> str | None:
 class PiecewiseDecoder:
     """A KV-cache decode whose step runs as `len(layers) + 1` pieces (module docstring): on
     CUDA each piece captured once in a CUDA graph (one memory pool, one side stream), the
-    attention between them eager over the exact `DynamicCache`. Its prefill is the dynamic
-    path's (`DynamicDecoder`), its steps' logits are the dynamic path's bit for bit.
+    attention between them eager over the exact cache. Its prefill is `generate()`'s
+    (`reference`), its steps' logits are `generate()`'s bit for bit once `check` passed.
 
     One decoder per engine: the graphs hold the body's batch shape and the pieces' buffers,
     never the cache, which is new for each decode. `graphs=False` runs the pieces uncaptured
     (what the CPU does); on a capture failure it does the same and `capture_error` says why.
     """
 
-    def __init__(self, body: Body, head: LmHead, *, graphs: bool | None = None) -> None:
+    def __init__(
+        self, body: Body, head: LmHead, reference: GenerateDecoder, *, graphs: bool | None = None
+    ) -> None:
         reason = unsupported_reason(body.model)
         if reason is not None:
             raise ValueError(f"piecewise decode: {reason}")
         self.body = body
         self.head = head
+        self.reference = reference
         model = body.model.model
         self.config = model.config
         self.embed = model.embed_tokens
@@ -139,10 +144,9 @@ class PiecewiseDecoder:
                 self.config._attn_implementation, modeling.eager_attention_forward
             )
         )
-        #: Whether the attention is transformers' SDPA, which the buffered step calls directly
-        #: (module docstring), and the extra SDPA arguments it passes for one query token
-        #: without a mask (None: a layout the direct call does not follow).
-        self._sdpa_kwargs = _direct_sdpa_kwargs(self._attention, attn)
+        #: SDPA's options as `generate()`'s decode steps pass them, learned by `check` (None:
+        #: the steps run transformers' attention function on the `DynamicCache`).
+        self.direct: dict[str, Any] | None = None
         b, dev = body.batch_size, body.device
         dtype = self.embed.weight.dtype
         width = attn.o_proj.in_features
@@ -170,71 +174,53 @@ class PiecewiseDecoder:
         #: "bitwise" once `check` found every compared step equal; otherwise why not (None:
         #: not checked yet).
         self.check_result: str | None = None
-        self._dynamic = DynamicDecoder(body, head)
-        #: The decode in progress: its `DynamicCache` (unbuffered) or its buffers, one per
-        #: layer (2, batch, kv heads, capacity, head dim), the next position, the k asked for.
+        #: The decode in progress: `generate()`'s `DynamicCache` (transformers' attention) or
+        #: each layer's keys and values taken from it (the direct call), the next position,
+        #: the k asked for.
         self.cache: Any = None
-        self.buffers: list[torch.Tensor] = []
+        self.kv: list[list[torch.Tensor]] = []
         self._position = 0
         self._top_k = 0
-        #: Whether the decode in progress keeps its cache in `buffers` (module docstring).
-        self.buffered = False
+        #: Every layer's SDPA call observed, not only layer 0's (what `check` compares).
+        self._observe_all = False
 
     # -- the Decoder interface ------------------------------------------------------------
 
-    def prefill(self, context: Sequence[int], top_k: int) -> StepOutput:
-        """The dynamic path's prefill (a new `DynamicCache`, one forward of the context); then,
-        where the steps' attention is SDPA without a mask, its keys and values copied into the
-        decoder's buffers (module docstring)."""
+    def run(
+        self,
+        context: Sequence[int],
+        max_new_tokens: int,
+        choose: Choose,
+        top_k: int,
+        layout: BatchLayout | None = None,
+    ) -> None:
+        """`generate()`'s prefill (its first token through `choose`), then the pieces' steps.
+        `layout` is not followed (the engine decodes a logged layout with `GenerateDecoder`)."""
         self._top_k = top_k
-        out = self._dynamic.prefill(context, top_k)
-        self.cache = self._dynamic.cache
-        self._position = len(context)
-        self.buffered = self._sdpa_kwargs is not None and self._step_mask() is None
-        if self.buffered:
-            self._fill_buffers()
-        return out
+        first: list[tuple[int, bool]] = []
 
-    def _step_mask(self) -> Any:
-        """The mask of the next step's attention, as the model's forward makes it from the
-        cache before the step's update (None for SDPA without padding; an additive mask for
-        eager)."""
-        b = self.body.batch_size
-        self.position.fill_(self._position)
-        return self._mask(
-            config=self.config,
-            inputs_embeds=self.attn_out[0].expand(b, -1, -1),
-            attention_mask=None,
-            past_key_values=self.cache,
-            position_ids=self.position.expand(b, -1),
-        )
+        def choose_first(out: StepOutput) -> tuple[int, bool]:
+            first.append(choose(out))
+            return first[-1]
 
-    def _fill_buffers(self) -> None:
-        """Copy the prefill's `DynamicCache` into the buffers (grown to hold it and
-        `CACHE_HEADROOM` more positions), and let the `DynamicCache` go."""
-        n = self._position
-        self._ensure_capacity(n + CACHE_HEADROOM)
-        for buf, layer in zip(self.buffers, self.cache.layers, strict=True):
-            buf[0, :, :, :n].copy_(layer.keys)
-            buf[1, :, :, :n].copy_(layer.values)
-        self.cache = None
+        self.reference.run(context, 1, choose_first, top_k, keep_cache=True)
+        token, stop = first[0]
+        self._start(self.reference.cache, len(context))
+        self.reference.cache = None
+        for _ in range(1, max_new_tokens):
+            if stop:
+                break
+            token, stop = choose(self.step(token))
+        self.cache, self.kv = None, []
 
-    def _ensure_capacity(self, n: int) -> None:
-        """Buffers of at least `n` positions (doubling; what they hold is kept)."""
-        have = self.buffers[0].shape[3] if self.buffers else 0
-        if n <= have:
-            return
-        cap = max(have, CACHE_HEADROOM)
-        while cap < n:
-            cap *= 2
-        attn = self.layers[0].self_attn
-        kv_heads = self.config.num_key_value_heads
-        shape = (2, self.body.batch_size, kv_heads, cap, attn.head_dim)
-        dtype, dev = self.attn_out[0].dtype, self.body.device
-        old = self.buffers
-        self.buffers = [torch.zeros(shape, dtype=dtype, device=dev) for _ in self.layers]
-        for new, buf in zip(self.buffers, old, strict=False):
-            new[:, :, :, :have].copy_(buf)
+    def _start(self, cache: Any, position: int) -> None:
+        """Continue from `generate()`'s cache after a prefill of `position` tokens."""
+        self._position = position
+        if self.direct is not None:
+            self.kv = [[layer.keys, layer.values] for layer in cache.layers]
+            self.cache = None
+        else:
+            self.cache = cache
 
     def step(self, token: int) -> StepOutput:
         """One token at the next position: the pieces (graph replays or eager) with the eager
@@ -247,54 +233,41 @@ class PiecewiseDecoder:
         fill = deterministic.fill_uninitialized_memory
         deterministic.fill_uninitialized_memory = False
         try:
-            return self._step(token)
+            self.token.fill_(token)
+            self.position.fill_(self._position)
+            self._run(0)
+            if self.direct is not None:
+                self._direct_attention(self.direct)
+            else:
+                self._cache_attention()
+            self._position += 1
         finally:
             deterministic.fill_uninitialized_memory = fill
-
-    def _step(self, token: int) -> StepOutput:
-        self.token.fill_(token)
-        self.position.fill_(self._position)
-        if self.buffered:
-            self._ensure_capacity(self._position + 1)
-            self._run(0)
-            self._buffered_attention()
-        else:
-            self._run(0)
-            self._dynamic_attention()
-        self._position += 1
         assert self._last is not None
         return captured_step_output(*self._last, self._top_k)
 
-    def _buffered_attention(self) -> None:
-        """Each layer's attention between the pieces, on the buffers: the new key/value
-        written at the next position, SDPA over the first n positions (as transformers'
-        `sdpa_attention_forward` calls it for one query token without a mask)."""
-        n = self._position + 1
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        kwargs = self._sdpa_kwargs or {}
-        for i, ((_, _, scaling, out_buffer), kv) in enumerate(
-            zip(self._attention_args, self.buffers, strict=True)
+    def _direct_attention(self, options: dict[str, Any]) -> None:
+        """Each layer's attention between the pieces: the new key/value appended to its cache
+        (`torch.cat`, as `DynamicCache.update`), SDPA over it with `generate()`'s options.
+        Layer 0's call is observed (`attention.observe`: the backend torch picks at this
+        length); the others, of the same shapes, go straight to torch."""
+        observed = torch.nn.functional.scaled_dot_product_attention
+        plain = observed if self._observe_all else attention.unobserved()
+        for i, ((_, _, _, out_buffer), kv) in enumerate(
+            zip(self._attention_args, self.kv, strict=True)
         ):
             assert self._qkv is not None
             q, new = self._qkv
-            kv[:, :, :, n - 1 : n].copy_(new)
-            view = kv[:, :, :, :n]
-            out = sdpa(
-                q,
-                view[0],
-                view[1],
-                attn_mask=None,
-                dropout_p=0.0,
-                scale=scaling,
-                is_causal=False,
-                **kwargs,
-            )
+            kv[0] = torch.cat([kv[0], new[0]], dim=-2)
+            kv[1] = torch.cat([kv[1], new[1]], dim=-2)
+            sdpa = observed if i == 0 else plain
+            out = sdpa(q, kv[0], kv[1], **options)
             # transformers' (batch, heads, 1, dim) -> transpose(1, 2).contiguous() -> reshape
             # (batch, 1, heads * dim): for one query token, the same element order.
             out_buffer.copy_(out.reshape(out_buffer.shape))
             self._run(i + 1)
 
-    def _dynamic_attention(self) -> None:
+    def _cache_attention(self) -> None:
         """Each layer's attention between the pieces on the `DynamicCache`: its update
         (torch.cat) and transformers' attention function with the step's mask."""
         positions = self.position.expand(self.body.batch_size, -1)
@@ -327,18 +300,47 @@ class PiecewiseDecoder:
     # -- the check ------------------------------------------------------------------------
 
     def check(self, context: Sequence[int], steps: int = CHECK_STEPS) -> bool:
-        """Decode `steps` greedy steps from `context` with this decoder and with a dynamic one,
-        and compare every step's hidden state and float32 logits bitwise; `check_result` says
-        "bitwise" or where they first differ. The caches are the decoders' own."""
-        reference = DynamicDecoder(self.body, self.head)
-        a, b = self.prefill(context, 2), reference.prefill(context, 2)
-        for t in range(steps):
-            token = int(b.top.native[0])
-            a, b = self.step(token), reference.step(token)
-            if not (torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)):
+        """Decode `steps` greedy steps after the prefill of `context` with `generate()` and
+        here (fed `generate()`'s tokens), and compare every step's hidden state and float32
+        logits bitwise and every SDPA call of the steps argument for argument; learn the
+        direct call's options from `generate()`'s calls first. `check_result` says "bitwise"
+        or where they first differ."""
+        ref: list[StepOutput] = []
+
+        def follow(out: StepOutput) -> tuple[int, bool]:
+            ref.append(_copy(out))
+            return int(out.top.native[0]), False
+
+        with attention.observe(keep_calls=True) as seen:
+            self.reference.run(context, steps + 1, follow, 2)
+        ref_calls = [c for c in seen.calls if c.phase == "decode"]
+        self.direct = direct_options(ref_calls, len(self.layers))
+        tokens = iter([int(o.top.native[0]) for o in ref])
+        outs: list[StepOutput] = []
+
+        def replay(out: StepOutput) -> tuple[int, bool]:
+            outs.append(_copy(out))  # a step's tensors are the graphs' buffers: kept as they are
+            return next(tokens), False
+
+        self._observe_all = True
+        try:
+            with attention.observe(keep_calls=True) as mine:
+                self.run(context, steps + 1, replay, 2)
+        finally:
+            self._observe_all = False
+        calls = [c for c in mine.calls if c.phase == "decode"]
+        for t, (a, b) in enumerate(zip(outs, ref, strict=True)):
+            step = slice((t - 1) * len(self.layers), t * len(self.layers)) if t else None
+            if step is not None and calls[step] != ref_calls[step]:
+                self.check_result = (
+                    f"step {t} calls SDPA otherwise than generate(): "
+                    f"{_first_difference(calls[step], ref_calls[step])}"
+                )
+                return False
+            if not (torch.equal(a.logits, b.logits) and torch.equal(a.hidden[:1], b.hidden[:1])):
                 diff = (a.logits - b.logits).abs().max().item()
                 self.check_result = (
-                    f"step {t + 1} differs from the dynamic path (max |logit diff| {diff:.3g})"
+                    f"step {t} differs from generate() (max |logit diff| {diff:.3g})"
                 )
                 return False
         self.check_result = "bitwise"
@@ -459,19 +461,30 @@ class PiecewiseDecoder:
         return graphs, outputs
 
 
-def _direct_sdpa_kwargs(attention: Callable[..., Any], attn: Any) -> dict[str, bool] | None:
-    """The keyword arguments transformers' `sdpa_attention_forward` adds to its SDPA call for
-    one query token without a mask on this attention module (`enable_gqa` where it passes it),
-    or None where `attention` is not that function or takes another route (it repeats or packs
-    the key/value heads), which the buffered step does not follow."""
-    if getattr(attention, "__name__", "") != "sdpa_attention_forward":
+def _copy(out: StepOutput) -> StepOutput:
+    return StepOutput(out.hidden.clone(), out.logits.clone(), out.top)
+
+
+def direct_options(calls: Sequence[attention.SdpaCall], layers: int) -> dict[str, Any] | None:
+    """SDPA's options as `generate()`'s decode steps pass them (`calls`: every layer's, step
+    after step), where the direct call can follow them: every call without a mask and with the
+    same options, one per layer per step; else None."""
+    if not calls or len(calls) % layers or any(c.mask is not None for c in calls):
         return None
-    module = sys.modules.get(getattr(attention, "__module__", ""))
-    groups = int(getattr(attn, "num_key_value_groups", 1))
-    if groups <= 1:
-        return {}
-    use_gqa = getattr(module, "use_gqa_in_sdpa", None)
-    if use_gqa is None:
+    if len({c.options for c in calls}) != 1:
         return None
-    probe = torch.zeros((1, 1, 1, attn.head_dim))
-    return {"enable_gqa": True} if use_gqa(None, probe, probe) else None
+    return {"attn_mask": None, **calls[0].arguments()}
+
+
+def _first_difference(a: Sequence[attention.SdpaCall], b: Sequence[attention.SdpaCall]) -> str:
+    """Which layer's call differs, and in which arguments (here; in generate())."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            fields = ("query", "key", "value", "mask", "options", "backend")
+            parts = [
+                f"{f} {getattr(x, f)} here, {getattr(y, f)} in generate()"
+                for f in fields
+                if getattr(x, f) != getattr(y, f)
+            ]
+            return f"layer {i}: " + "; ".join(parts)
+    return f"{len(a)} calls here, {len(b)} in generate()"

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 Loader = Callable[[Path, Target], Engine]
 #: (checkpoint directory, `Target.format_key()`, TP degree).
-_PoolKey = tuple[str, tuple[str, str, str | None, int], int]
+_PoolKey = tuple[str, Target, int]
 
 
 @runtime_checkable

@@ -13,7 +13,7 @@ until `replay_audit.engine.load_engine` builds a real engine.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Final, Literal, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
@@ -23,8 +23,10 @@ from replay_audit.diff.margin import DEFAULT_TAU, GateRule, Margin, StepNumerics
 from replay_audit.diff.pieces import Piece
 from replay_audit.formats import (
     BODY_DTYPES,
+    CACHE_KINDS,
     HEAD_DTYPES,
     INTERVENTION_KINDS,
+    SDPA_BACKENDS,
     CacheKind,
     InterventionKind,
 )
@@ -181,22 +183,49 @@ class LogitsProcessors:
 
 @dataclass(frozen=True)
 class Target:
-    """A numerical configuration to replay in: body dtype, lm_head dtype (None: the body's),
-    attention kernel (None: the engine's default, `sdpa`), batch size (the row of interest is
-    decoded among `batch_size - 1` identical copies, so the kernels see that batch shape), and
-    the intervention applied at gated steps."""
+    """A numerical configuration to replay in: everything an engine is loaded with and every
+    process-wide switch its probes run under.
+
+    dtype          body dtype (`formats.BODY_DTYPES`)
+    lm_head_dtype  the lm_head's format (None: the body's)
+    attn_kernel    transformers' attention implementation (None: the engine's default, sdpa)
+    batch_size     the row of interest decodes in a batch of this many rows (copies of it, or
+                   the logged batch's layout where the trace records it)
+    intervention   applied at gated steps (per probe: not part of `format_key`)
+    weight_dtype   the dtype the weights are stored in before the cast to `dtype` (None: loaded
+                   in `dtype`): the storage-vs-compute ablation
+    deterministic  torch's deterministic algorithms during the probes (None: as the process
+                   has them; the engine sets no switch the arm does not name)
+    tf32           TF32 matrix products during the probes (None: as the process has them)
+    sdpa_backend   SDPA limited to one backend (`formats.SDPA_BACKENDS`; None: torch chooses)
+    kv_cache       the decode path (`formats.CacheKind`; None: the engine pool's default, the
+                   faithful one)
+    fp8_linear     every linear layer of the body in FP8-E4M3 (CUDA, SM >= 8.9)
+    """
 
     dtype: str
     lm_head_dtype: str | None = None
     attn_kernel: str | None = None
     batch_size: int = 1
     intervention: Intervention = Intervention()
+    weight_dtype: str | None = None
+    deterministic: bool | None = None
+    tf32: bool | None = None
+    sdpa_backend: str | None = None
+    kv_cache: CacheKind | None = None
+    fp8_linear: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in BODY_DTYPES:
             raise ValueError(f"body dtype must be one of {BODY_DTYPES}, got {self.dtype!r}")
         if self.lm_head_dtype is not None and self.lm_head_dtype not in HEAD_DTYPES:
             raise ValueError(f"lm_head dtype must be one of {HEAD_DTYPES}")
+        if self.weight_dtype is not None and self.weight_dtype not in BODY_DTYPES:
+            raise ValueError(f"weight dtype must be one of {BODY_DTYPES}")
+        if self.sdpa_backend is not None and self.sdpa_backend not in SDPA_BACKENDS:
+            raise ValueError(f"sdpa_backend must be one of {tuple(SDPA_BACKENDS)}")
+        if self.kv_cache is not None and self.kv_cache not in CACHE_KINDS:
+            raise ValueError(f"kv_cache must be one of {CACHE_KINDS}")
         if self.batch_size < 1:
             raise ValueError("batch_size must be at least 1")
 
@@ -204,42 +233,53 @@ class Target:
     def head_dtype(self) -> str:
         return self.lm_head_dtype or self.dtype
 
-    def format_key(self) -> tuple[str, str, str | None, int]:
-        """What a loaded engine depends on (the intervention is per call, not per engine)."""
-        return (self.dtype, self.head_dtype, self.attn_kernel, self.batch_size)
+    def format_key(self) -> Target:
+        """What a loaded engine depends on: all of it but the intervention (per call)."""
+        return replace(self, intervention=Intervention())
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_config(cls, config: Any, *, intervention: Intervention | None = None) -> Target:
-        """The target that reproduces a logged `NumericalConfig` (or its dict)."""
-        get = config.get if isinstance(config, dict) else lambda k: getattr(config, k)
+        """The target that reproduces a logged `NumericalConfig` (or its dict): its formats,
+        kernel and batch, and the switches it records (deterministic, TF32, an SDPA backend
+        it pinned in `extras.sdpa_backend`); what it does not record stays None."""
+
+        def get(key: str) -> Any:
+            return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+        extras = get("extras") or {}
+        dtype = str(get("dtype"))
+        weight = get("weight_dtype")
         return cls(
-            dtype=str(get("dtype")),
+            dtype=dtype,
             lm_head_dtype=get("lm_head_dtype"),
             attn_kernel=get("attn_kernel"),
             batch_size=get("batch_size") or 1,
             intervention=intervention or Intervention(),
+            weight_dtype=weight if weight in BODY_DTYPES and weight != dtype else None,
+            deterministic=get("deterministic"),
+            tf32=get("tf32"),
+            sdpa_backend=_pinned_backend(extras.get("sdpa_backend")),
         )
 
 
+def _pinned_backend(value: object) -> str | None:
+    """An SDPA backend a logged configuration pinned (`extras.sdpa_backend`), if it names one."""
+    return value if isinstance(value, str) and value in SDPA_BACKENDS else None
+
+
 class LoadOptions(TypedDict, total=False):
-    """`TorchEngine.load`'s options. `device` None picks CUDA when available, else the CPU.
-    `deterministic` and `tf32` are process-wide torch flags the engine sets explicitly and
-    reports in `environment()`. `cache`, the decode path (`formats.CacheKind`): "piecewise"
-    (None) is bitwise equal to `generate()`; "compiled" preallocates the KV cache for up to
-    `max_cache_len` tokens and captures the step: faster, not bitwise equal. `weight_dtype`:
-    the storage dtype when it differs from `target.dtype` (the storage-vs-compute ablation).
-    `fp8_linear`: every linear layer of the body in FP8-E4M3 (CUDA, SM >= 8.9)."""
+    """What an engine pool loads every engine with, besides its `Target`: the device (None:
+    CUDA when available, else the CPU), the decode path of targets that name none (`cache`,
+    `formats.CacheKind`: "piecewise" (None) is bitwise equal to `generate()`; "compiled"
+    preallocates the KV cache and captures the step: faster, not bitwise equal) and the
+    compiled path's longest cache."""
 
     device: str | None
-    deterministic: bool
-    tf32: bool
     cache: CacheKind | None
     max_cache_len: int
-    weight_dtype: str | None
-    fp8_linear: bool
 
 
 #: A value of `Environment.extras`: what `NumericalConfig.extras` stores.
@@ -275,6 +315,7 @@ class Environment(TypedDict):
     torch_version: str | None
     cuda_version: str | None
     cublas_version: str | None
+    cudnn_version: str | None
     deterministic: bool
     tf32: bool
     extras: dict[str, ExtraValue]
@@ -366,6 +407,33 @@ class DecodeWindow:
         """Whether an output of `n_out` tokens whose first difference is at that step holds
         the difference and `tokens` tokens after it."""
         return first_difference is not None and n_out >= first_difference + 1 + self.tokens
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where a trace's row sat in the batch its `generate()` call ran: every row's prompt
+    length before padding and this trace's row; the rows were left-padded to the longest (as
+    `generate()` needs them). A row's numbers depend on the batch's shape and on its own
+    padding and mask, not on the other rows' tokens: an arm replays the row among filler rows
+    of those lengths."""
+
+    prompt_lengths: tuple[int, ...]
+    row: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.row < len(self.prompt_lengths):
+            raise ValueError("a batch layout's row is one of its rows")
+        if min(self.prompt_lengths, default=0) < 1:
+            raise ValueError("every row of a batch has a prompt")
+
+    @property
+    def size(self) -> int:
+        return len(self.prompt_lengths)
+
+    @property
+    def padded(self) -> bool:
+        """Whether any row was padded (the batch ran with an attention mask)."""
+        return len(set(self.prompt_lengths)) > 1
 
 
 #: Why a decode stopped: an eos id, `max_new_tokens`, or its `DecodeWindow` (the output is a
@@ -483,12 +551,13 @@ class Engine(Protocol):
         forced_prefix: Sequence[int] = (),
         processors: LogitsProcessors | None = None,
         window: DecodeWindow | None = None,
+        layout: BatchLayout | None = None,
     ) -> DecodeRun:
         """Greedy decode with a KV cache from prompt ‖ forced_prefix, up to `max_new_tokens`
         output tokens in all (forced prefix included), stopping after an eos id, or where
         `window` is reached (the rest of the computation unchanged: the output is the whole
         decode's prefix). `intervention` None means the target's; `processors` process every
-        step's logits."""
+        step's logits; `layout`: the logged batch the row ran in (None: copies of the row)."""
 
     def scan(
         self,
@@ -524,11 +593,12 @@ class Engine(Protocol):
         top_k: int = 5,
         *,
         processors: LogitsProcessors | None = None,
+        layout: BatchLayout | None = None,
     ) -> StepInfo:
         """From-scratch forward over prompt ‖ prefix: the arm's choice for the next step, with
         its logits processed by `processors` and `intervention` applied where its gate fires
-        (the single-step re-run runs the arm's whole computation; there is no default: the
-        caller names the arm's)."""
+        (the single-step re-run runs the arm's whole computation, its batch `layout` included;
+        there is no default: the caller names the arm's)."""
 
     def step_batch(
         self,
@@ -539,14 +609,16 @@ class Engine(Protocol):
         token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
         processors: LogitsProcessors | None = None,
         prompt_lengths: Sequence[int] | None = None,
+        layouts: Sequence[BatchLayout | None] | None = None,
     ) -> list[StepInfo]:
-        """`step` over each context (prompt ‖ prefix), in order, several contexts of one
-        length per forward, unpadded (`batch.plan_steps`), the lm_head over each row's last
-        hidden state alone. Each result is what `step` gives for the context alone wherever the
-        body's kernels do not depend on the number of rows (on CPU, bit for bit); the shapes
-        used are recorded in `environment()["extras"]` (`step_batch_shapes`). `processors`
-        process every context's logits; they need each context's prompt length
-        (`prompt_lengths`, in order)."""
+        """`step` over each context (prompt ‖ prefix, with its `layouts` entry), in order,
+        several contexts of one length per forward, unpadded (`batch.plan_steps`), the lm_head
+        over each row's last hidden state alone. Each result is what `step` gives for the
+        context alone wherever the body's kernels do not depend on the number of rows (on CPU,
+        bit for bit); a context with a padded layout runs alone. The shapes used are recorded
+        in `environment()["extras"]` (`step_batch_shapes`). `processors` process every
+        context's logits; they need each context's prompt length (`prompt_lengths`, in
+        order)."""
 
     def detokenize(self, ids: Sequence[int]) -> str | None:
         """The text of `ids`, or None when the checkpoint has no tokenizer."""

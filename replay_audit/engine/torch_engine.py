@@ -1,31 +1,36 @@
 """The torch engine: a local Hugging Face checkpoint in one numerical configuration.
 
-The transformer body is transformers' own (`model.model(...)`, its final norm included); the
-lm_head, the top-k and the choice of token are `numerics`' (the margin and the gate are
-`diff.step_numerics`'). Three paths run the body:
+The transformer body is transformers' own; the lm_head, the top-k and the choice of token are
+`numerics`' (the margin and the gate are `diff.step_numerics`'). Every probe runs under the
+arm's process-wide switches (`loading.ProcessNumerics`: only those the arm names, put back
+after) and records the SDPA backends torch picked (`attention.observe`). The paths:
 
-    decode, faithful (default)  `piecewise.PiecewiseDecoder`: transformers' growing cache with
-                                the rest of each step in CUDA graphs (uncaptured off CUDA),
-                                checked bitwise against `decoder.DynamicDecoder` on the engine's
-                                first decode; that dynamic decode runs where the check fails or
-                                the model is not one the pieces follow.
+    decode, faithful (default)  `piecewise.PiecewiseDecoder`: transformers' own `generate()`
+                                prefill, then its steps with the rest of each step in CUDA
+                                graphs (uncaptured off CUDA), checked call for call and bit
+                                for bit against `decoder.GenerateDecoder` on the engine's first
+                                decode; `generate()` itself decodes where the check fails, the
+                                model is not one the pieces follow, or the batch is a logged
+                                left-padded layout.
     decode, compiled (opt-in)   `decoder.CompiledDecoder`: static cache, torch.compile, one CUDA
                                 graph per step; faster, not bitwise equal to `generate()`.
+    single-step re-runs         `generate()` of one token from the context (`step`); contexts
+                                of one length together, one row each (`step_batch`).
     scan                        one from-scratch forward per trace (`scan`), several traces per
-                                forward (`scan_batch`); the single-step re-runs are the same
-                                forward over a context.
+                                forward (`scan_batch`).
 
 At a tensor-parallel degree k > 1 (`tp`: this rank's place in a `tensor_parallel.TpGroup`) the
 model is transformers' tensor-parallel one on this rank's device, every rank runs the same probe
 (`tensor_parallel.TensorParallelEngine` drives them), the native lm_head is split by vocabulary
-and gathered (`numerics.VocabShard`), and the decode runs transformers' dynamic cache: the
-piecewise pieces follow an unsharded model, and the compiled path is not built for TP.
+and gathered (`numerics.VocabShard`), and the decode is `generate()`'s: the piecewise pieces
+follow an unsharded model, and the compiled path is not built for TP.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +40,7 @@ import torch
 
 import replay_audit
 from replay_audit.diff.pieces import Piece
+from replay_audit.engine import attention
 from replay_audit.engine.batch import (
     PackedBatch,
     pack_batch,
@@ -43,11 +49,16 @@ from replay_audit.engine.batch import (
     scan_extras,
     step_extras,
 )
-from replay_audit.engine.decoder import Body, CompiledDecoder, Decoder, DynamicDecoder
+from replay_audit.engine.decoder import (
+    Body,
+    CompiledDecoder,
+    Decoder,
+    GenerateDecoder,
+    StepOutput,
+)
 from replay_audit.engine.loading import (
     TORCH_DTYPES,
-    apply_sdpa_policy,
-    configure_numerics,
+    ProcessNumerics,
     load_model,
     numerical_environment,
     resolve_device,
@@ -67,6 +78,7 @@ from replay_audit.engine.processors import Processing, Span, StepProcessing, seq
 from replay_audit.engine.processors import build as build_processing
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
+    BatchLayout,
     DecodeRun,
     DecodeStop,
     DecodeWindow,
@@ -103,51 +115,67 @@ class TorchEngine:
         target: Target,
         device: torch.device,
         *,
-        cache: CacheKind | None = None,
         max_cache_len: int = 4096,
-        weight_dtype: str | None = None,
         tp: TpPlacement | None = None,
     ) -> None:
-        apply_sdpa_policy(device)  # no cuDNN attention on CUDA: the decode stays = generate()
+        attention.install()  # observe which SDPA backend each probe's calls get
         self.model = model
         #: This rank's place in its tensor-parallel group (None: TP 1).
         self.tp = tp
-        #: The dtype the weights were stored in before the cast to the compute dtype.
-        self.weight_dtype = weight_dtype or target.dtype
-        #: Whether the body's linear layers compute in FP8 (`numerics.Fp8Linear`).
-        self.fp8_linear = False
         self.tokenizer = tokenizer
         self._pieces = PieceReader(tokenizer) if tokenizer is not None else None
         self.device = device
         self.body = Body(model, target.batch_size, device)
+        #: The process-wide switches every probe runs under (only those the arm names).
+        self.numerics = ProcessNumerics(target.deterministic, target.tf32, target.sdpa_backend)
         #: The decode path (`formats.CacheKind`): faithful "piecewise" or opt-in "compiled".
-        self.cache_kind: CacheKind = cache or "piecewise"
+        self.cache_kind: CacheKind = target.kv_cache or "piecewise"
         #: The compiled path's longest static cache (longer decodes run the faithful path).
         self.max_cache_len = max_cache_len
         #: Compiled decoders by cache length (bucket), each with its own cache and graph.
         self._compiled: dict[int, CompiledDecoder] = {}
+        body_dtype = TORCH_DTYPES[target.dtype]
+        self.head = _lm_head(model, target.head_dtype, body_dtype, tp)
+        kernel = str(getattr(model.config, "_attn_implementation", None) or "eager")
+        # The target as it actually runs: the attention kernel in use, not the one asked for.
+        self._target = Target(
+            target.dtype,
+            target.lm_head_dtype,
+            kernel,
+            target.batch_size,
+            target.intervention,
+            weight_dtype=target.weight_dtype,
+            deterministic=target.deterministic,
+            tf32=target.tf32,
+            sdpa_backend=target.sdpa_backend,
+            kv_cache=self.cache_kind,
+            fp8_linear=target.fp8_linear,
+        )
+        pad = getattr(model.config, "pad_token_id", None)
+        pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
+        #: transformers' own `generate()`: the reference decode and the single-step re-runs
+        #: (the model's own lm_head gives the logits where the arm's head format is the body's).
+        self.generate = GenerateDecoder(
+            self.body,
+            self.head,
+            own_head=target.head_dtype == target.dtype and not target.fp8_linear,
+            pad_id=pad_id,
+        )
         #: The piecewise decoder once built and checked; why it is not used, if it is not.
         self._piecewise: PiecewiseDecoder | None = None
         self._piecewise_error: str | None = None
         if tp is not None:
             self._piecewise_error = (
                 f"tensor parallel (TP {tp.degree}): the pieces follow an unsharded model, so "
-                "the decode runs transformers' dynamic cache"
+                "the decode is generate()'s"
             )
-        #: One decode at a time: the decoders (their buffers, caches and graphs) are the
-        #: engine's, reused by every decode, and a pool hands one engine to every thread.
-        self._decoding = threading.Lock()
-        body_dtype = TORCH_DTYPES[target.dtype]
-        self.head = _lm_head(model, target.head_dtype, body_dtype, tp)
-        kernel = str(getattr(model.config, "_attn_implementation", None) or "eager")
-        # The target as it actually runs: the attention kernel in use, not the one asked for.
-        self._target = Target(
-            target.dtype, target.lm_head_dtype, kernel, target.batch_size, target.intervention
-        )
+        #: The decode paths this engine's decodes took ("piecewise", "generate", "compiled").
+        self._decoders: set[str] = set()
+        #: The SDPA backends this engine's probes have run (`attention.Observed.backends`).
+        self._attention = attention.Observed()
         #: The token written at padded positions of a batched scan. No real position reads it
         #: (tests/engine/test_engine_torch_scan_batch.py changes it and gets the same bits).
-        pad = getattr(model.config, "pad_token_id", None)
-        self.scan_pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
+        self.scan_pad_id = pad_id
         #: What the last batched scan recorded in `environment()["extras"]` (its batch shapes).
         self._scan_extras: dict[str, ExtraValue] = {}
         #: What the last batched single-step re-runs recorded (their batch shapes).
@@ -160,49 +188,41 @@ class TorchEngine:
         target: Target,
         *,
         device: str | None = None,
-        deterministic: bool = True,
-        tf32: bool = False,
         cache: CacheKind | None = None,
         max_cache_len: int = 4096,
-        weight_dtype: str | None = None,
-        fp8_linear: bool = False,
         tp: TpPlacement | None = None,
     ) -> TorchEngine:
-        """Set the numerical flags, then load `model_dir` in `target`'s format. `cache`: the
-        decode path (`formats.CacheKind`; None: "piecewise", the faithful one; "compiled" for
-        the fastest decode on CUDA, not token-identical to `generate()`).
-        `weight_dtype`: the storage dtype when it differs from the compute dtype
-        (`loading.load_model`). `fp8_linear`: every linear layer of the body in FP8-E4M3
-        (`numerics.Fp8Linear`; a CUDA GPU of compute capability >= 8.9).
-        `tp`: this rank's place in a tensor-parallel group whose process group it has joined
-        (the model is loaded with transformers' plan, on the rank's device; `device` is not
-        read): called on every rank alike (`tensor_parallel.TensorParallelEngine.load`)."""
-        if tp is not None and (fp8_linear or cache == "compiled"):
-            what = "fp8 linear layers" if fp8_linear else "the compiled decode"
+        """Load `model_dir` in `target`'s format: its body dtype (stored first in its
+        `weight_dtype` where it names one, `loading.load_model`), its attention kernel, every
+        linear layer of the body in FP8 where it says `fp8_linear` (a CUDA GPU of compute
+        capability >= 8.9). Nothing process-wide is set: the probes run under the target's
+        switches (`ProcessNumerics`). `cache`: the decode path where the target names none
+        (None: "piecewise", the faithful one; "compiled" for the fastest decode on CUDA, not
+        token-identical to `generate()`). `tp`: this rank's place in a tensor-parallel group
+        whose process group it has joined (the model is loaded with transformers' plan, on the
+        rank's device; `device` is not read): called on every rank alike
+        (`tensor_parallel.TensorParallelEngine.load`)."""
+        if target.kv_cache is None and cache is not None:
+            target = dataclasses.replace(target, kv_cache=cache)
+        if tp is not None and (target.fp8_linear or target.kv_cache == "compiled"):
+            what = "fp8 linear layers" if target.fp8_linear else "the compiled decode"
             raise UnsupportedFormat(f"{what} are not built for tensor parallel (TP {tp.degree})")
-        configure_numerics(deterministic=deterministic, tf32=tf32)
         dev = tp.device if tp is not None else resolve_device(device)
-        if fp8_linear:
+        if target.fp8_linear:
             ok, why = fp8_supported(dev, "fp8 linear layers")
             if not ok:
                 raise UnsupportedFormat(why)
         model, tokenizer = load_model(
-            model_dir, target.dtype, target.attn_kernel, dev, weight_dtype=weight_dtype, tp=tp
-        )
-        if fp8_linear:
-            quantize_body_linears(model.model, TORCH_DTYPES[target.dtype])
-        engine = cls(
-            model,
-            tokenizer,
-            target,
+            model_dir,
+            target.dtype,
+            target.attn_kernel,
             dev,
-            cache=cache,
-            max_cache_len=max_cache_len,
-            weight_dtype=weight_dtype,
+            weight_dtype=target.weight_dtype,
             tp=tp,
         )
-        engine.fp8_linear = fp8_linear
-        return engine
+        if target.fp8_linear:
+            quantize_body_linears(model.model, TORCH_DTYPES[target.dtype])
+        return cls(model, tokenizer, target, dev, max_cache_len=max_cache_len, tp=tp)
 
     # -- the protocol -------------------------------------------------------------------------
 
@@ -219,15 +239,24 @@ class TorchEngine:
         return numerical_environment(
             dtype=t.dtype,
             lm_head_dtype=t.head_dtype,
-            weight_dtype=self.weight_dtype,
+            weight_dtype=t.weight_dtype or t.dtype,
             device=self.device,
             attn_kernel=t.attn_kernel or "eager",
             batch_size=t.batch_size,
             engine_name="replay-audit",
             engine_version=replay_audit.__version__,
             tp_degree=self.tp.degree if self.tp is not None else 1,
+            numerics=self.numerics,
             extras={**self._extras(), "torch_threads": torch.get_num_threads()},
         )
+
+    @contextlib.contextmanager
+    def _probe(self) -> Iterator[None]:
+        """A probe of this arm: under its switches (one probe at a time in the process), its
+        SDPA calls observed."""
+        with self.numerics.applied(), attention.observe() as seen:
+            yield
+        self._attention.merge(seen)
 
     @torch.inference_mode()
     def decode(
@@ -241,21 +270,21 @@ class TorchEngine:
         forced_prefix: Sequence[int] = (),
         processors: LogitsProcessors | None = None,
         window: DecodeWindow | None = None,
+        layout: BatchLayout | None = None,
     ) -> DecodeRun:
         iv = intervention or self._target.intervention
         eos = set(eos_ids)
         out = [int(x) for x in forced_prefix]
         start = len(out)
         differs = window.first_difference(out, None) if window is not None else None
-        stop: DecodeStop
         if start >= max_new_tokens or (out and out[-1] in eos):
-            stop = "eos" if out and out[-1] in eos else "length"
+            stop: DecodeStop = "eos" if out and out[-1] in eos else "length"
             return DecodeRun(out, Steps.empty(top_k), start, stop)
         if window is not None and window.reached(differs, start):
             return DecodeRun(out, Steps.empty(top_k), start, "window")
         context = [*prompt_ids, *out]
         parts: list[Steps] = []
-        stop = "length"
+        stops: list[DecodeStop] = ["length"]
         processing = self._processing(processors, len(prompt_ids))
         sequence = None
         if processing is not None:  # prompt ‖ output, written as tokens come
@@ -263,33 +292,36 @@ class TorchEngine:
                 (1, len(prompt_ids) + max_new_tokens), dtype=torch.long, device=self.device
             )
             sequence[0, : len(context)] = torch.tensor(context, dtype=torch.long)
-        with self._decoding:
-            decoder = self._decoder(context, len(context) + max_new_tokens - start)
-            step = decoder.prefill(context, top_k)
-            while True:
-                z32, top, process = step.logits[None], step.top, None
-                if processing is not None and sequence is not None:
-                    process = StepProcessing([Span(0, 1, processing, sequence, len(out))])
-                    z32 = process(z32)
-                    top = top_k_on_host(z32, top_k)
-                chosen = decide(self.head, top, z32, step.hidden[:1], iv, top_k, process)
-                parts.append(chosen)
-                token = int(chosen.token_ids[0])
-                out.append(token)
-                if sequence is not None and len(prompt_ids) + len(out) <= sequence.shape[1]:
-                    sequence[0, len(prompt_ids) + len(out) - 1] = token
-                if token in eos:
-                    stop = "eos"
-                    break
-                if len(out) >= max_new_tokens:
-                    break
-                if window is not None:
-                    differs = window.first_difference(out, differs, len(out) - 1)
-                    if window.reached(differs, len(out)):
-                        stop = "window"
-                        break
-                step = decoder.step(token)
-        return DecodeRun(out, Steps.concat(parts), start, stop)
+
+        def choose(step: StepOutput) -> tuple[int, bool]:
+            nonlocal differs
+            z32, top, process = step.logits[None], step.top, None
+            if processing is not None and sequence is not None:
+                process = StepProcessing([Span(0, 1, processing, sequence, len(out))])
+                z32 = process(z32)
+                top = top_k_on_host(z32, top_k)
+            chosen = decide(self.head, top, z32, step.hidden[:1], iv, top_k, process)
+            parts.append(chosen)
+            token = int(chosen.token_ids[0])
+            out.append(token)
+            if sequence is not None and len(prompt_ids) + len(out) <= sequence.shape[1]:
+                sequence[0, len(prompt_ids) + len(out) - 1] = token
+            if token in eos:
+                stops[0] = "eos"
+                return token, True
+            if len(out) >= max_new_tokens:
+                return token, True
+            if window is not None:
+                differs = window.first_difference(out, differs, len(out) - 1)
+                if window.reached(differs, len(out)):
+                    stops[0] = "window"
+                    return token, True
+            return token, False
+
+        with self._probe():
+            decoder = self._decoder(context, len(context) + max_new_tokens - start, layout)
+            decoder.run(context, max_new_tokens - start, choose, top_k, layout)
+        return DecodeRun(out, Steps.concat(parts), start, stops[0])
 
     @torch.inference_mode()
     def scan(
@@ -306,10 +338,12 @@ class TorchEngine:
         if n_out == 0:
             return ScanRun(Steps.empty(top_k), np.zeros(0, bool), LoggedEvidence.empty())
         context = [*prompt_ids, *output_ids[:-1]]
-        # Position p's hidden state predicts token p + 1: output step t is at len(prompt) - 1 + t.
-        hs = self.body.forward(context, None, 0)[0, len(prompt_ids) - 1 :]
         process = self._scan_processing([(0, ScanItem(prompt_ids, output_ids, processors))])
-        steps, evidence = self._scan_steps(hs, output_ids, iv, top_k, process)
+        with self._probe():
+            # Position p's hidden state predicts token p + 1: output step t is at
+            # len(prompt) - 1 + t.
+            hs = self.body.forward(context, None, 0)[0, len(prompt_ids) - 1 :]
+            steps, evidence = self._scan_steps(hs, output_ids, iv, top_k, process)
         agrees = np.asarray(steps.token_ids == np.asarray(output_ids), dtype=bool)
         return ScanRun(steps, agrees, evidence)
 
@@ -342,7 +376,8 @@ class TorchEngine:
             process = self._scan_processing(
                 [(int(packed.row_steps[r]), m) for r, m in enumerate(members)]
             )
-            steps, evidence = self._scan_packed(packed, logged, iv, top_k, process)
+            with self._probe():
+                steps, evidence = self._scan_packed(packed, logged, iv, top_k, process)
             for r, (i, item) in enumerate(zip(batch.indices, members, strict=True)):
                 start, stop = int(packed.row_steps[r]), int(packed.row_steps[r + 1])
                 s = steps.slice(start, stop)
@@ -361,11 +396,21 @@ class TorchEngine:
         top_k: int = 5,
         *,
         processors: LogitsProcessors | None = None,
+        layout: BatchLayout | None = None,
     ) -> StepInfo:
+        """The arm's `generate()` of one token from prompt ‖ prefix (its batch: copies, or the
+        logged `layout`), its choice made as a decode step's."""
         context = [*prompt_ids, *prefix_ids]
-        h = self.body.forward(context, None, 0)[:, -1]
         process = self._context_processing(processors, context, len(prompt_ids))
-        return StepInfo.from_steps(self._choose(h[:1], intervention, top_k, process))
+        chosen: list[Steps] = []
+
+        def choose(out: StepOutput) -> tuple[int, bool]:
+            chosen.append(self._decide(out.logits[None], out.hidden, intervention, top_k, process))
+            return int(chosen[0].token_ids[0]), True
+
+        with self._probe():
+            self.generate.run(context, 1, choose, top_k, layout)
+        return StepInfo.from_steps(chosen[0])
 
     @torch.inference_mode()
     def step_batch(
@@ -377,49 +422,62 @@ class TorchEngine:
         token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
         processors: LogitsProcessors | None = None,
         prompt_lengths: Sequence[int] | None = None,
+        layouts: Sequence[BatchLayout | None] | None = None,
     ) -> list[StepInfo]:
-        """`step` of each context, the body batched: contexts of one length share a forward,
-        unpadded (`batch.plan_steps`), then each row's last hidden state goes through the
-        lm_head and `intervention` alone, as `step`'s does (a head product over many rows may
-        sum in another order: on this CPU fp32 rows differ by an ulp). An engine whose target
-        decodes among copies (`batch_size` > 1) runs `step` one context at a time: its step's
-        batch is the copies. The shapes go into `environment()["extras"]`
+        """`step` of each context, batched: contexts of one length share one `generate()` of
+        one token, one row each, unpadded (`batch.plan_steps`), each row's choice made alone
+        (a product over many rows may sum in another order than over one: on this CPU fp32
+        rows differ by an ulp). An engine whose target decodes among copies (`batch_size` >
+        1), and a context with a logged padded layout, runs `step` alone: its step's batch is
+        the copies or the layout. The shapes go into `environment()["extras"]`
         (`step_batch_shapes`). With `processors`, each context's logits go through them after
         its own prompt (`prompt_lengths`)."""
         active = processors is not None and processors.active
         if active and (prompt_lengths is None or len(prompt_lengths) != len(contexts)):
             raise ValueError("step_batch: logits processors need each context's prompt length")
         lengths = list(prompt_lengths) if prompt_lengths is not None else [len(c) for c in contexts]
-        if self.body.batch_size != 1:
-            return [
-                self.step(c[:n], c[n:], intervention, top_k, processors=processors)
-                for c, n in zip(contexts, lengths, strict=True)
-            ]
-        plan = plan_steps([len(c) for c in contexts], token_budget)
+        laid = list(layouts) if layouts is not None else [None] * len(contexts)
         out: list[StepInfo | None] = [None] * len(contexts)
-        for batch in plan:
-            ids = torch.tensor(
-                [list(contexts[i]) for i in batch.indices], dtype=torch.long, device=self.device
+        alone = [
+            i
+            for i in range(len(contexts))
+            if self.body.batch_size != 1 or (laid[i] is not None and laid[i].padded)  # type: ignore[union-attr]
+        ]
+        for i in alone:
+            c, n = contexts[i], lengths[i]
+            out[i] = self.step(
+                c[:n], c[n:], intervention, top_k, processors=processors, layout=laid[i]
             )
-            last = self.body.forward_rows(ids)[:, -1]
-            for r, i in enumerate(batch.indices):
-                process = self._context_processing(processors, contexts[i], lengths[i])
-                chosen = self._choose(last[r : r + 1], intervention, top_k, process)
-                out[i] = StepInfo.from_steps(chosen)
-        self._step_extras = step_extras(plan, token_budget)
+        rest = [i for i in range(len(contexts)) if i not in set(alone)]
+        plan = plan_steps([len(contexts[i]) for i in rest], token_budget)
+        for batch in plan:
+            members = [rest[j] for j in batch.indices]
+
+            def choose(hidden: torch.Tensor, logits: torch.Tensor, _row: int) -> tuple[int, bool]:
+                for r, i in enumerate(members):  # noqa: B023 (called within this iteration)
+                    process = self._context_processing(processors, contexts[i], lengths[i])
+                    z32 = logits[r : r + 1]
+                    chosen = self._decide(z32, hidden[r : r + 1], intervention, top_k, process)
+                    out[i] = StepInfo.from_steps(chosen)
+                return 0, True
+
+            rows = [list(contexts[i]) for i in members]
+            with self._probe():
+                self.generate.run_rows(rows, [[1] * len(r) for r in rows], 0, 1, choose)
+        if plan:
+            self._step_extras = step_extras(plan, token_budget)
         return [x for x in out if x is not None]
 
-    def _choose(
+    def _decide(
         self,
+        z32: torch.Tensor,
         hs: torch.Tensor,
         intervention: Intervention,
         top_k: int,
         process: StepProcessing | None = None,
     ) -> Steps:
-        """The lm_head, the logits processors, top-k, gate and intervention over M steps' final
-        hidden states (M, d): what a scan, a batched scan and a single-step re-run choose (a
-        decode step: `decode`)."""
-        z32 = self.head.native_steps(hs)
+        """The logits processors, top-k, gate and intervention over M steps' float32 native
+        logits (M, V) and final hidden states (M, d)."""
         if process is not None:
             z32 = process(z32)
         return decide(self.head, top_k_on_host(z32, top_k), z32, hs, intervention, top_k, process)
@@ -463,8 +521,9 @@ class TorchEngine:
         of a from-scratch forward over prompt ‖ output_ids (row t predicts output step t), as a
         float32 (len(output_ids) + 1, d) array: what the screening's hidden-state gap compares
         across arms along a shared prefix."""
-        h = self.body.forward([*prompt_ids, *output_ids], None, 0)[0, len(prompt_ids) - 1 :]
-        return np.asarray(h.float().cpu().numpy(), dtype=np.float32)
+        with self._probe():
+            h = self.body.forward([*prompt_ids, *output_ids], None, 0)[0, len(prompt_ids) - 1 :]
+            return np.asarray(h.float().cpu().numpy(), dtype=np.float32)
 
     def detokenize(self, ids: Sequence[int]) -> str | None:
         if self.tokenizer is None:
@@ -512,23 +571,32 @@ class TorchEngine:
         packed = logged_evidence(z32, ids)
         return steps, LoggedEvidence(packed[:, 0].astype(np.float32), packed[:, 1].astype(np.int64))
 
-    def _decoder(self, context: Sequence[int], total: int) -> Decoder:
+    def _decoder(self, context: Sequence[int], total: int, layout: BatchLayout | None) -> Decoder:
         """The decoder for a decode of `context` and `total` tokens (context and new): a
         compiled one where the path is "compiled" and its longest cache holds them; else the
-        piecewise one if it passed its check, else a dynamic one."""
-        if self.cache_kind == "compiled" and total <= self.max_cache_len:
-            return self._compiled_decoder(total)
-        piecewise = self._piecewise_decoder(context)
-        return piecewise if piecewise is not None else DynamicDecoder(self.body, self.head)
+        piecewise one if it passed its check; else `generate()` itself (which alone follows a
+        logged left-padded layout). Recorded in `_decoders` (what `environment()` says ran)."""
+        decoder: Decoder = self.generate
+        name = "generate"
+        if layout is not None and layout.padded:
+            pass
+        elif self.cache_kind == "compiled" and total <= self.max_cache_len:
+            decoder, name = self._compiled_decoder(total), "compiled"
+        else:
+            piecewise = self._piecewise_decoder(context)
+            if piecewise is not None:
+                decoder, name = piecewise, "piecewise"
+        self._decoders.add(name)
+        return decoder
 
     def _piecewise_decoder(self, context: Sequence[int]) -> PiecewiseDecoder | None:
-        """The engine's piecewise decoder, built and checked against the dynamic path on its
-        first decode (`PiecewiseDecoder.check`: hidden states and logits bitwise equal), or None
-        (and `_piecewise_error` says why) where the model is not one it follows or the check
-        failed."""
+        """The engine's piecewise decoder, built and checked against `generate()` on its first
+        decode (`PiecewiseDecoder.check`: the same SDPA calls, hidden states and logits bitwise
+        equal), or None (and `_piecewise_error` says why) where the model is not one it follows
+        or the check failed."""
         if self._piecewise is None and self._piecewise_error is None:
             try:
-                piecewise = PiecewiseDecoder(self.body, self.head)
+                piecewise = PiecewiseDecoder(self.body, self.head, self.generate)
             except ValueError as exc:
                 self._piecewise_error = str(exc)
                 return None
@@ -554,34 +622,41 @@ class TorchEngine:
         return self._compiled[length]
 
     def _extras(self) -> dict[str, ExtraValue]:
-        """Which decode path ran (`decoder`: piecewise, dynamic or compiled), with its record:
-        the piecewise check's outcome, or why the faithful path decodes dynamically; the
-        compiled path's cache lengths so far, its CUDA graph and whether it compiled; after a
-        batched scan or batched re-runs, their batch shapes (`batch.scan_extras`)."""
+        """What ran: the decode paths of the decodes so far (`decoder`: piecewise, generate,
+        compiled; before any decode, the path the next one takes) with their record (the
+        piecewise check's outcome or why `generate()` decodes instead; the compiled path's
+        cache lengths, its CUDA graph and whether it compiled), the SDPA backends the probes
+        got (`attention_backends`), and after a batched scan or batched re-runs, their batch
+        shapes (`batch.scan_extras`)."""
         extras: dict[str, ExtraValue] = {**self._scan_extras, **self._step_extras}
+        backends = self._attention.backends()
+        if backends is not None:
+            extras["attention_backends"] = backends
         if self.tp is not None:
             extras.update(tp_plan="auto", tp_backend=self.tp.backend)
-        if self.fp8_linear:
+        if self._target.fp8_linear:
             extras["fp8_linear"] = True
-        if self.cache_kind == "compiled":
-            decoders = list(self._compiled.values())
-            errors = sorted({d.compile_error for d in decoders if d.compile_error})
+        planned = "compiled" if self.cache_kind == "compiled" else "piecewise"
+        if planned == "piecewise" and self._piecewise_error is not None:
+            planned = "generate"
+        decoders = ",".join(sorted(self._decoders)) if self._decoders else planned
+        extras.update(decoder=decoders, cuda_graph=False)
+        extras["kv_cache"] = "static" if decoders == "compiled" else "dynamic"
+        if "compiled" in self._decoders or planned == "compiled":
+            compiled = list(self._compiled.values())
+            errors = sorted({d.compile_error for d in compiled if d.compile_error})
             extras.update(
-                kv_cache="static",
-                decoder="compiled",
-                cuda_graph=bool(decoders) and all(d.graph is not None for d in decoders),
+                cuda_graph=bool(compiled) and all(d.graph is not None for d in compiled),
                 static_cache_len=self.max_cache_len,
                 static_cache_lens_used=",".join(str(n) for n in sorted(self._compiled)),
-                compiled=bool(decoders) and all(d.compiled for d in decoders),
+                compiled=bool(compiled) and all(d.compiled for d in compiled),
                 compile_mode="default",
             )
             if errors:
                 extras["compile_error"] = errors[0][:200]
-            return extras
         pw = self._piecewise
-        extras.update(kv_cache="dynamic", decoder="piecewise", cuda_graph=False)
         if self._piecewise_error is not None:
-            extras.update(decoder="dynamic", piecewise_error=self._piecewise_error[:200])
+            extras["piecewise_error"] = self._piecewise_error[:200]
         elif pw is not None:
             extras.update(cuda_graph=bool(pw.graphs), piecewise_check=pw.check_result)
             if pw.capture_error is not None:

@@ -18,6 +18,7 @@ import numpy.typing as npt
 from replay_audit.diff.pieces import Piece
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
+    BatchLayout,
     DecodeRun,
     DecodeWindow,
     Environment,
@@ -105,9 +106,15 @@ class TensorParallelEngine:
         forced_prefix: Sequence[int] = (),
         processors: LogitsProcessors | None = None,
         window: DecodeWindow | None = None,
+        layout: BatchLayout | None = None,
     ) -> DecodeRun:
         args = (list(prompt_ids), max_new_tokens, list(eos_ids), intervention, top_k)
-        kwargs = {"forced_prefix": list(forced_prefix), "processors": processors, "window": window}
+        kwargs = {
+            "forced_prefix": list(forced_prefix),
+            "processors": processors,
+            "window": window,
+            "layout": layout,
+        }
         run: DecodeRun = self._run("decode", args, kwargs)
         return run
 
@@ -148,11 +155,12 @@ class TensorParallelEngine:
         top_k: int = 5,
         *,
         processors: LogitsProcessors | None = None,
+        layout: BatchLayout | None = None,
     ) -> StepInfo:
         info: StepInfo = self._run(
             "step",
             (list(prompt_ids), list(prefix_ids), intervention, top_k),
-            {"processors": processors},
+            {"processors": processors, "layout": layout},
         )
         return info
 
@@ -165,12 +173,18 @@ class TensorParallelEngine:
         token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
         processors: LogitsProcessors | None = None,
         prompt_lengths: Sequence[int] | None = None,
+        layouts: Sequence[BatchLayout | None] | None = None,
     ) -> list[StepInfo]:
         lengths = None if prompt_lengths is None else list(prompt_lengths)
         infos: list[StepInfo] = self._run(
             "step_batch",
             ([list(c) for c in contexts], intervention, top_k),
-            {"token_budget": token_budget, "processors": processors, "prompt_lengths": lengths},
+            {
+                "token_budget": token_budget,
+                "processors": processors,
+                "prompt_lengths": lengths,
+                "layouts": None if layouts is None else list(layouts),
+            },
         )
         return infos
 

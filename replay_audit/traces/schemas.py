@@ -138,6 +138,12 @@ class EngineInfo(TraceInput):
     version: Version | None = None
 
 
+def _is_none(value: object) -> bool:
+    """`exclude_if` of a field written out only where given: what is stored, hashed and read
+    back is what was sent, and a trace without it is stored and hashed as before it existed."""
+    return value is None
+
+
 class NumericalConfig(TraceInput):
     """Everything that changes the numbers. Stored once per distinct content (its hash)."""
 
@@ -156,6 +162,8 @@ class NumericalConfig(TraceInput):
     torch_version: Version | None = None
     cuda_version: Version | None = None
     cublas_version: Version | None = None
+    #: cuDNN's version as torch loaded it (torch.backends.cudnn.version(), e.g. "91002").
+    cudnn_version: Version | None = Field(default=None, exclude_if=_is_none)
     deterministic: bool | None = None
     tf32: bool | None = None
     extras: dict[ExtraKey, ExtraValue] = Field(default_factory=dict, max_length=MAX_EXTRAS)
@@ -176,12 +184,6 @@ TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 #: Most entries of a logits processor's list or map (OpenAI allows 300 logit biases).
 MAX_PROCESSOR_ENTRIES: Final = 1000
-
-
-def _is_none(value: object) -> bool:
-    """`exclude_if` of a field written out only where given: what is stored, hashed and read
-    back is what was sent, and a trace without it is stored and hashed as before it existed."""
-    return value is None
 
 
 class LogitsProcessorsSpec(TraceInput):

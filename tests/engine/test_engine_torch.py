@@ -21,11 +21,38 @@ EngineOf = Callable[..., Engine]
 N = 32  # tokens per decode
 
 
-def test_environment_is_the_actual_one(tiny_engine: EngineOf) -> None:
+def test_environment_is_the_actual_one(
+    tiny_engine: EngineOf, tiny_prompts: list[list[int]]
+) -> None:
     env = tiny_engine("bf16", attn_kernel="eager").environment()
     assert env["dtype"] == "bf16" and env["lm_head_dtype"] == "bf16"
     assert env["attn_kernel"] == "eager" and env["device"] == "cpu" and env["gpu"] is None
-    assert env["deterministic"] is True and env["tf32"] is False
+    # The target names no switch: the process's, torch's defaults, which the engine left alone.
+    assert env["deterministic"] is False and env["tf32"] is False
+    assert not torch.are_deterministic_algorithms_enabled()
+    # A target that names one runs its probes under it, and puts the process's back after.
+    strict = tiny_engine("bf16", attn_kernel="sdpa", deterministic=True, sdpa_backend="math")
+    seen: list[tuple[bool, bool]] = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(
+            (torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.flash_sdp_enabled())
+        )
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    torch.nn.functional.scaled_dot_product_attention = spy
+    try:
+        strict.decode(tiny_prompts[0], 3, [TINY_EOS_ID])
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+    assert seen and set(seen) == {(True, False)}
+    assert (
+        not torch.are_deterministic_algorithms_enabled() and torch.backends.cuda.flash_sdp_enabled()
+    )
+    env = strict.environment()
+    assert env["deterministic"] is True and env["extras"]["sdpa_backends"] == "math"
+    assert env["extras"]["attention_backends"] == "prefill:math;decode:math"
     assert env["torch_version"] == torch.__version__
     from replay_audit.traces.schemas import NumericalConfig
 
