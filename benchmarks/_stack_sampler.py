@@ -39,7 +39,7 @@ PHASES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("database", (("sqlalchemy", ""), ("psycopg", ""), ("sqlite3", ""))),
     ("imports (first use)", (("importlib", ""),)),
     ("model load", (("engine.loading", "load_model"), ("engine.torch_engine", "TorchEngine.load"))),
-    ("engine and checkpoint lookup", (("engine.pool", ""), ("replays.checkpoint", ""))),
+    ("engine and checkpoint lookup", (("engine.pool", ""), ("worker.checkpoint", ""))),
     ("batched scan", (("engine.torch_engine", "TorchEngine.scan_batch"),)),
     (
         "decode",

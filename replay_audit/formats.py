@@ -83,6 +83,11 @@ def body_dtype(name: object) -> BodyDType | None:
     return _BODY_ALIASES.get(str(name).removeprefix("torch."))
 
 
+def head_dtype(name: object) -> HeadDType | None:
+    """`name` as an lm_head format, where it is one (None for anything else)."""
+    return name if name in HEAD_DTYPES else None
+
+
 def get_format(name: str) -> Format:
     """The format called `name`; KeyError naming the known ones otherwise."""
     try:
@@ -120,6 +125,13 @@ MODES: Final[tuple[Mode, ...]] = get_args(Mode)
 #: decoded in full; `control`, flagged by neither rule but decoded in full (the random control
 #: sample that measures what the scan misses); `scanned`, flagged by neither and only scanned:
 #: its exact match is not established, and no statistic counts it as one.
+#: What a comparison with the logged tokens was judged against, per result: the logged tokens;
+#: the logged configuration replayed here, for a trace that did not reproduce in it (its
+#: reproduction check diverged: no precision flip is counted against its logged tokens); or
+#: that replay for a trace of an engine this service cannot run (vLLM, SGLang: pairwise).
+Baseline = Literal["logged", "reproduced", "replayed"]
+BASELINES: Final[tuple[Baseline, ...]] = get_args(Baseline)
+
 Screen = Literal["flagged", "near_tie", "control", "scanned"]
 SCREENS: Final[tuple[Screen, ...]] = get_args(Screen)
 
@@ -180,6 +192,13 @@ SDPA_BACKENDS: Final[dict[SdpaBackendName, SdpaBackend]] = {
     "cudnn": SdpaBackend("CUDNN_ATTENTION", "enable_cudnn_sdp", on_cpu=False),
 }
 assert tuple(SDPA_BACKENDS) == get_args(SdpaBackendName)
+
+
+def sdpa_backend_name(name: object) -> SdpaBackendName | None:
+    """`name` as an SDPA backend of `SDPA_BACKENDS`, where it is one (None for anything else)."""
+    return name if name in SDPA_BACKENDS else None
+
+
 CPU_SDPA_BACKENDS: Final[tuple[SdpaBackendName, ...]] = tuple(
     n for n, b in SDPA_BACKENDS.items() if b.on_cpu
 )

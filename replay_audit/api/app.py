@@ -33,8 +33,8 @@ from replay_audit.db.engine import get_engine, get_sessionmaker
 from replay_audit.imports.schemas import ImportRequest
 from replay_audit.json_value import JsonObject, JsonValue, as_object
 from replay_audit.queue import Runner, build_job_queue, build_runner, stop_runner
-from replay_audit.replays.checkpoint import CheckpointIndex
 from replay_audit.traces.schemas import TraceBatchCreate, TraceCreate
+from replay_audit.worker.checkpoint import CheckpointIndex
 
 
 def _routers() -> list[APIRouter]:

@@ -39,9 +39,9 @@ from replay_audit.exceptions import (
 )
 from replay_audit.input import find_unstorable
 from replay_audit.queue import JobQueue
-from replay_audit.replays.checkpoint import CheckpointIndex
 from replay_audit.telemetry.log import note
 from replay_audit.telemetry.metric import AUTH_FAILURES
+from replay_audit.worker.checkpoint import CheckpointIndex
 
 _READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 

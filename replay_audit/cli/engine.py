@@ -9,7 +9,7 @@ from __future__ import annotations
 import atexit
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -20,7 +20,6 @@ from replay_audit.formats import (
     CONTROL_FRACTION,
     CONTROL_SEED,
     DECODE_WINDOW,
-    EXTRA_PROCESSORS,
     SCAN_FLAG_ULPS,
     TOP_K,
     BodyDType,
@@ -28,7 +27,6 @@ from replay_audit.formats import (
     HeadDType,
     InterventionKind,
     Mode,
-    processors_not_applied,
 )
 from replay_audit.json_value import JsonObject, as_str
 from replay_audit.queue.route import MAX_TP_DEGREE
@@ -38,7 +36,13 @@ if TYPE_CHECKING:
     from replay_audit.engine import Target
     from replay_audit.engine.generate import TraceGenerator
     from replay_audit.engine.protocol import LogitsProcessors
-    from replay_audit.stats.report import ComparisonReport, EstimateRead, ScreeningReport
+    from replay_audit.replays.offline import OfflinePlan, OfflineResult
+    from replay_audit.stats.report import (
+        ComparisonReport,
+        EstimateRead,
+        RunStatistics,
+        ScreeningReport,
+    )
 
 
 def _fail(message: str) -> NoReturn:
@@ -279,309 +283,208 @@ def _generate_processors(
     )
 
 
+_TP_HELP = (
+    "The tensor-parallel degree to replay at (default: each trace's logged one). A degree k > 1 "
+    "starts k processes (GPUs cuda:0..k-1, or CPU processes with gloo where there is no GPU; "
+    "needs accelerate); a result at another degree than the trace's logged one says so."
+)
+_KV_HELP = (
+    "The decode path: piecewise (the default: bitwise as generate(), CUDA graphs around the "
+    "attention on a GPU) or compiled (torch.compile + CUDA graph: faster, may flip near-ties)."
+)
+_MODE_HELP = "Default: scan_then_decode from REPLAY_AUDIT_LARGE_RUN_TRACES traces, decode below."
+_RESUME_HELP = (
+    "Keep the results already in --out and replay only the traces missing there (after a "
+    "Ctrl-C). Without it, --out is overwritten."
+)
+_REPRODUCE_HELP = (
+    "Reproduce before comparing: replay each trace in its own logged configuration too (the "
+    "reproduction check, comparison 1), and judge a trace that does not reproduce against that "
+    "replay rather than its logged tokens. --no-reproduce: against the logged tokens only."
+)
+TracesArg = Annotated[Path, typer.Argument(help="JSONL of traces (POST /v1/traces JSON).")]
+ModelOpt = Annotated[Path, typer.Option(help="Local Hugging Face checkpoint directory.")]
+OutOpt = Annotated[Path, typer.Option(help="Where to write the results (JSONL).")]
+HeadOpt = Annotated[HeadDType | None, typer.Option(help="Default: dtype.")]
+KernelOpt = Annotated[str | None, typer.Option(help="Default: each trace's own.")]
+TauOpt = Annotated[float | None, typer.Option(help="Gate threshold (default 1e-3).")]
+TauUlpsOpt = Annotated[float | None, typer.Option(help="Gate threshold in ulps.")]
+ModeOpt = Annotated[Mode | None, typer.Option(help=_MODE_HELP)]
+TpOpt = Annotated[int | None, typer.Option(min=1, max=MAX_TP_DEGREE, help=_TP_HELP)]
+DeviceOpt = Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")]
+KvOpt = Annotated[CacheKind | None, typer.Option(help=_KV_HELP)]
+SummaryOpt = Annotated[Path | None, typer.Option(help="Also write the summary here.")]
+ThreadsOpt = Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")]
+
+
 @app.command()
 def replay(
-    traces: Annotated[Path, typer.Argument(help="JSONL of traces (POST /v1/traces JSON).")],
-    model: Annotated[Path, typer.Option(help="Local Hugging Face checkpoint directory.")],
+    traces: TracesArg,
+    model: ModelOpt,
     dtype: Annotated[BodyDType, typer.Option(help="Body dtype to replay in.")],
-    out: Annotated[Path, typer.Option(help="Where to write one result per trace (JSONL).")],
-    lm_head_dtype: Annotated[HeadDType | None, typer.Option(help="Default: dtype.")] = None,
-    attn_kernel: Annotated[str | None, typer.Option(help="Default: each trace's own.")] = None,
+    out: OutOpt,
+    lm_head_dtype: HeadOpt = None,
+    attn_kernel: KernelOpt = None,
     intervention: Annotated[InterventionKind, typer.Option()] = "none",
-    tau: Annotated[float | None, typer.Option(help="Gate threshold (default 1e-3).")] = None,
-    tau_ulps: Annotated[float | None, typer.Option(help="Gate threshold in ulps.")] = None,
+    tau: TauOpt = None,
+    tau_ulps: TauUlpsOpt = None,
     top_k_b: Annotated[int, typer.Option(min=1, help="K of intervention B.")] = 8,
-    mode: Annotated[
-        Mode | None,
-        typer.Option(
-            help="Default: scan_then_decode from REPLAY_AUDIT_LARGE_RUN_TRACES traces, "
-            "decode below."
-        ),
-    ] = None,
+    mode: ModeOpt = None,
     control_fraction: Annotated[float, option(CONTROL_FRACTION)] = CONTROL_FRACTION.default,
     control_seed: Annotated[int, option(CONTROL_SEED)] = CONTROL_SEED.default,
     scan_flag_ulps: Annotated[float | None, option(SCAN_FLAG_ULPS)] = None,
     decode_window: Annotated[int | None, option(DECODE_WINDOW)] = None,
     batch_size: Annotated[int, typer.Option(min=1)] = 1,
-    tp_degree: Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            max=MAX_TP_DEGREE,
-            help="The tensor-parallel degree to replay at (default: each trace's logged one). "
-            "A degree k > 1 starts k processes (GPUs cuda:0..k-1, or CPU processes with gloo "
-            "where there is no GPU; needs accelerate); a result at another degree than the "
-            "trace's logged one says the degrees differ.",
-        ),
-    ] = None,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
+    tp_degree: TpOpt = None,
+    device: DeviceOpt = None,
     top_k: Annotated[int, option(TOP_K)] = TOP_K.default,
     extractor: Annotated[str | None, typer.Option(help="Answer extractor, e.g. gsm8k.")] = None,
-    kv_cache: Annotated[
-        CacheKind | None,
-        typer.Option(
-            help="The decode path: piecewise (the default: bitwise as generate(), CUDA graphs "
-            "around the attention on a GPU) or compiled (torch.compile + CUDA graph: faster, "
-            "may flip near-ties)."
-        ),
-    ] = None,
-    summary_json: Annotated[Path | None, typer.Option(help="Also write the summary here.")] = None,
-    threads: Annotated[
-        int | None,
-        typer.Option(min=1, help="torch CPU threads (default: REPLAY_AUDIT_TORCH_THREADS)."),
-    ] = None,
-    resume: Annotated[
-        bool,
-        typer.Option(
-            help="Keep the results already in --out and replay only the traces missing there "
-            "(after a Ctrl-C). Without it, --out is overwritten."
-        ),
-    ] = False,
+    kv_cache: KvOpt = None,
+    summary_json: SummaryOpt = None,
+    threads: ThreadsOpt = None,
+    resume: Annotated[bool, typer.Option(help=_RESUME_HELP)] = False,
+    reproduce: Annotated[bool, typer.Option(help=_REPRODUCE_HELP)] = True,
 ) -> None:
-    """Replay each trace in the target configuration and diff it with the logged output.
-
-    Ctrl-C stops after the trace being replayed: the results so far stay in --out, their
-    summary is printed (and written to --summary-json), and --resume goes on from there."""
-    from pydantic import ValidationError
-
+    """Replay each trace in the target configuration and diff it with the logged output (its
+    own logged configuration replayed first: reproduce before compare). Ctrl-C stops after the
+    trace being replayed: the results so far stay in --out, their summary is printed (and
+    written to --summary-json), and --resume goes on from there."""
+    plan = _replay_plan(
+        dtype, lm_head_dtype, attn_kernel, intervention, tau, tau_ulps, top_k_b, mode,
+        control_fraction, control_seed, scan_flag_ulps, decode_window, batch_size, tp_degree,
+        top_k, extractor, reproduce,
+    )  # fmt: skip
     from replay_audit.cli.shutdown import signals_deferred
-    from replay_audit.config import Settings
-    from replay_audit.engine import EnginePool, Intervention, Target
-    from replay_audit.engine.hashing import NoWeightsError
+    from replay_audit.engine import EnginePool
     from replay_audit.exceptions import ReplayAuditError
-    from replay_audit.replays.domain import (
-        SCAN_FLAG_OFF,
-        Comparison,
-        ControlSample,
-        LoggedTrace,
-        RunTarget,
-        comparison_label,
-        resolve_mode,
-    )
-    from replay_audit.replays.models import ReplayResult
-    from replay_audit.replays.pipeline import (
-        ReplayItem,
-        ReplayOptions,
-        check_replayable,
-        replay_items,
-        scan_items,
-    )
-    from replay_audit.replays.results import (
-        figures,
-        figures_from_json,
-        result_read,
-        result_values,
-        token_ids_source,
-    )
-    from replay_audit.stats.report import ComparisonInput, run_statistics
-    from replay_audit.traces.schemas import TraceCreate
+    from replay_audit.replays.offline import parse_traces, replay_file
+
+    try:
+        parsed = parse_traces(traces, _read_jsonl(traces))
+        devices = max([tp_degree or 1, *(p.logged.tp_degree or 1 for p in parsed)])
+        pool = EnginePool(device=device, cache=kv_cache, threads=_threads(threads), devices=devices)
+        atexit.register(pool.close)  # a tensor-parallel group's ranks stop with the command
+        with _progress() as bar:
+            task = bar.add_task(f"replay in {dtype}", total=len(parsed))
+            result = replay_file(
+                parsed, model, pool, plan, out, resume=resume, deferred=signals_deferred,
+                progress=lambda done, total: bar.update(task, completed=done, total=total),
+            )  # fmt: skip
+    except ReplayAuditError as e:
+        _fail(f"{traces}: {e.message}" if str(traces) not in e.message else e.message)
+    _report_replay(result, plan, out, summary_json)
+
+
+def _replay_plan(
+    dtype: str,
+    lm_head_dtype: str | None,
+    attn_kernel: str | None,
+    intervention: InterventionKind,
+    tau: float | None,
+    tau_ulps: float | None,
+    top_k_b: int,
+    mode: Mode | None,
+    control_fraction: float,
+    control_seed: int,
+    scan_flag_ulps: float | None,
+    decode_window: int | None,
+    batch_size: int,
+    tp_degree: int | None,
+    top_k: int,
+    extractor: str | None,
+    reproduce: bool,
+) -> OfflinePlan:
+    """`replay`'s options as an offline plan (exit 2 naming a bad option)."""
+    from replay_audit.config import Settings
+    from replay_audit.engine import Intervention, Target
+    from replay_audit.replays.domain import ControlSample, RunTarget
+    from replay_audit.replays.offline import OfflinePlan
 
     if scan_flag_ulps is not None and not math.isfinite(scan_flag_ulps):
         _fail("--scan-flag-ulps must be a finite number")
     if decode_window is not None and mode == "scan":
         _fail("--decode-window: mode scan decodes nothing to cut")
-    flag = Settings().scan_flag_ulps if scan_flag_ulps is None else scan_flag_ulps
-    sample = ControlSample(control_fraction, control_seed, flag)
     if tau is not None and tau_ulps is not None:
         _fail("give --tau or --tau-ulps, not both")
-    iv = Intervention(
-        kind=intervention,
-        tau=1e-3 if tau is None else tau,
-        tau_ulps=tau_ulps,
-        top_k=top_k_b,
-    )
-    target = Target(dtype, lm_head_dtype, attn_kernel, batch_size, iv)
-
-    # Every line is checked before the checkpoint is hashed or loaded; an error names it.
-    parsed: list[tuple[int, TraceCreate, LoggedTrace]] = []
-    for n, row in _read_jsonl(traces):
-        try:
-            tr = TraceCreate.model_validate(row)
-        except ValidationError as e:
-            err = e.errors()[0]
-            where = ".".join(str(x) for x in err["loc"])
-            _fail(f"{traces}:{n}: not a valid trace: {where}: {err['msg']}")
-        logged = LoggedTrace.from_json(tr.model_dump())
-        try:
-            check_replayable(logged)
-        except ReplayAuditError as e:
-            why = processors_not_applied(tr.config.extras.get(EXTRA_PROCESSORS))
-            _fail(f"{traces}:{n}: {e.field}: {e.message}{why}")
-        parsed.append((n, tr, logged))
-    if not parsed:
-        _fail(f"{traces} holds no trace")
-    # The degrees asked or logged (arm A's single-step re-runs run the logged one): a pool
-    # owning that many devices starts a group of processes for the first TP > 1 engine.
-    devices = max([tp_degree or 1, *(logged.tp_degree or 1 for _, _, logged in parsed)])
-    pool = EnginePool(device=device, cache=kv_cache, threads=_threads(threads), devices=devices)
-    atexit.register(pool.close)  # a tensor-parallel group's ranks stop with the command
-    try:
-        sha = pool.weights_sha256(model)
-    except NoWeightsError as e:
-        _fail(e.message)
-    for n, tr, _ in parsed:
-        if tr.model.weights_sha256 != sha:
-            _fail(
-                f"{traces}:{n}: model.weights_sha256: checkpoint {model} has weights_sha256 "
-                f"{sha}, but trace {tr.external_id or '(no external_id)'} was logged with "
-                f"{tr.model.weights_sha256}: refusing to replay it against other weights"
-            )
-
     settings = Settings()
-    run_mode = resolve_mode(mode, len(parsed), settings.large_run_traces)
-    names = [tr.external_id or f"line {n}" for n, tr, _ in parsed]
-    done: dict[str, JsonObject] = {}
-    if resume:
-        done = _results_written(out, names, target, run_mode)
-    rows = [
-        figures_from_json(done[name], i, tr.external_id)
-        for i, (name, (_, tr, _)) in enumerate(zip(names, parsed, strict=True))
-        if name in done
-    ]
-    todo = [i for i, name in enumerate(names) if name not in done]
-    # The job's pipeline: the same items, options, batched scans and outcome rule.
-    screening = run_mode == "scan_then_decode"
-    options = ReplayOptions(
-        run_mode,
+    flag = settings.scan_flag_ulps if scan_flag_ulps is None else scan_flag_ulps
+    iv = Intervention(intervention, 1e-3 if tau is None else tau, tau_ulps, top_k_b)
+    target = Target(dtype, lm_head_dtype, attn_kernel, batch_size, iv)
+    return OfflinePlan(
+        RunTarget(target, tp_degree=tp_degree),
+        mode,
+        ControlSample(control_fraction, control_seed, flag),
+        decode_window,
         top_k,
-        sample.flag_ulps if screening else SCAN_FLAG_OFF,
+        extractor,
+        reproduce,
         settings.scan_token_budget,
-        check_weights=False,  # checked above, once for all traces
-        decode_window=decode_window,
+        settings.large_run_traces,
     )
-    items = {
-        i: ReplayItem(
-            parsed[i][2],
-            RunTarget(target, tp_degree=tp_degree),
-            model,
-            control=screening and sample.includes(names[i]),
-            extractor=extractor,
-        )
-        for i in todo
-    }
-    scans = dict.fromkeys(todo, None)
-    if run_mode != "decode" and todo:  # every trace's scan first, several per forward
-        batched = scan_items(list(items.values()), pool, options)
-        scans = dict(zip(todo, batched.runs, strict=True))
-        rate = batched.scanned / batched.seconds if batched.seconds > 0 else 0.0
-        typer.echo(
-            f"scanned {counted(batched.scanned, 'trace')} in "
-            f"{counted(batched.forwards, 'forward')}, "
-            f"{batched.seconds:.2f} s ({rate:.1f} traces/s)",
-            err=True,
-        )
-    interrupted = False
-    with out.open("a" if resume else "w", encoding="utf-8") as f, _progress() as bar:
-        task = bar.add_task(f"replay in {dtype}", total=len(parsed), completed=len(rows))
-        try:
-            for i, (n, tr, _) in enumerate(parsed):
-                name = names[i]
-                if name in done:
-                    continue
-                (r,) = replay_items([items[i]], pool, options, scans=[scans[i]])
-                if isinstance(r, ReplayAuditError):
-                    _fail(f"{traces}:{n}: " + (f"{r.field}: " if r.field else "") + r.message)
-                if isinstance(r, Exception):
-                    raise r
-                # The same mappings as a stored result: the row, then the API's view of it.
-                stored = ReplayResult(trace_id=i, **result_values(0, r))
-                ids_source = token_ids_source(tr.config.model_dump())
-                read = result_read(stored, name, "offline", token_ids_source=ids_source)
-                line = read.model_dump(mode="json", exclude={"run_id", "created_at"})
-                text = json.dumps(line, allow_nan=False) + "\n"
-                with signals_deferred():  # a Ctrl-C lands after the line and its count
-                    f.write(text)
-                    f.flush()
-                    rows.append(figures(stored, name, tr.external_id))
-                bar.advance(task)
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (cli/shutdown.py): say what was done
-            interrupted = True
-    if rows:
-        rows.sort(key=lambda x: x.trace_id)
-        # One comparison, T0 against the logged tokens, labelled as a run's would be.
-        label = comparison_label(
-            Comparison(0, "logged", 0), [RunTarget(target, tp_degree=tp_degree)]
-        )
-        comparison = ComparisonInput(
-            0,
-            "logged",
-            0,
-            label,
-            False,
-            rows,
-            control_fraction=sample.fraction if screening else None,
-            control_seed=sample.seed if screening else None,
-            scan_flag_ulps=sample.flag_ulps if screening else None,
-            mode=run_mode,
-            decode_window=decode_window,
-        )
-        stats = run_statistics("offline", [comparison])
-        summary = {
-            **stats.comparisons[0].model_dump(mode="json"),
-            "target": target.to_dict(),
-            "mode": run_mode,
-            "traces": len(parsed),
-            "interrupted": interrupted,
-        }
-        _print_summary(stats.comparisons[0], target)
-        processed = [lt.processors for _, _, lt in parsed if lt.processors is not None]
-        if processed:  # what ran besides the target: each result's resolved arm has them
-            labels = "; ".join(sorted({p.label() for p in processed}))
-            typer.echo(
-                f"{counted(len(processed), 'trace')} replayed with their logits processors "
-                f"({labels})"
-            )
+
+
+def _report_replay(
+    result: OfflineResult, plan: OfflinePlan, out: Path, summary_json: Path | None
+) -> None:
+    """`replay`'s summary (the run statistics' comparisons, as the API serves them), its
+    notes, the summary file, and the exit code of an interrupted replay."""
+    target = plan.target.target
+    assert target is not None
+    for note in result.notes:
+        typer.echo(note, err=True)
+    stats = result.statistics
+    if stats is not None:
+        main = stats.comparisons[0]
+        _print_summary(main, target)
+        _print_reproduction(stats)
+        if result.processors:  # what ran besides the target: each result's resolved arm has them
+            typer.echo(f"replayed with their logits processors: {'; '.join(result.processors)}")
         if summary_json is not None:
+            summary = {
+                **main.model_dump(mode="json"),
+                "target": target.to_dict(),
+                "mode": result.mode,
+                "traces": result.traces,
+                "interrupted": result.interrupted,
+                "reproduction": (
+                    stats.engine_reproduction.model_dump(mode="json")
+                    if stats.engine_reproduction is not None
+                    else None
+                ),
+                "comparisons": [c.model_dump(mode="json") for c in stats.comparisons],
+            }
             summary_json.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
-    if interrupted:
+    if result.interrupted:
         typer.secho(
-            f"interrupted: {counted(len(rows), 'result')} written to {out} "
-            f"({len(parsed) - len(rows)} of {counted(len(parsed), 'trace')} left; "
+            f"interrupted: {counted(result.written, 'trace')} written to {out} "
+            f"({result.traces - result.written} of {counted(result.traces, 'trace')} left; "
             "run again with --resume to replay them)",
             err=True,
             fg=typer.colors.YELLOW,
         )
         raise typer.Exit(130)
-    typer.echo(f"wrote {counted(len(rows), 'result')} to {out}")
+    typer.echo(f"wrote the results of {counted(result.written, 'trace')} to {out}")
 
 
-def _results_written(out: Path, names: list[str], target: Any, mode: str) -> dict[str, JsonObject]:
-    """`--resume`: the results an earlier run wrote to `out`, by trace name (external_id, or
-    `line N`). Refuses a file of another target or mode, or of traces not in the input (its
-    statistics would mix them); a last line cut short (the process killed mid-write) is
-    dropped, and its trace replayed again."""
-    if not out.exists():
-        return {}
-    if len(set(names)) != len(names):
-        dup = sorted({x for x in names if names.count(x) > 1})
-        _fail(f"--resume needs one trace per external_id; repeated: {', '.join(dup[:5])}")
-    text = out.read_text(encoding="utf-8")
-    if text and not text.endswith("\n"):
-        text = text[: text.rfind("\n") + 1]
-        out.write_text(text, encoding="utf-8")
-
-    def key(t: Mapping[str, object]) -> tuple[object, ...]:
-        return (t.get("dtype"), t.get("lm_head_dtype") or t.get("dtype"), t.get("intervention"))
-
-    def target_b(row: JsonObject) -> JsonObject:
-        arms, b = row.get("arms"), None
-        b = arms.get("b") if isinstance(arms, dict) else None
-        target = b.get("target") if isinstance(b, dict) else None
-        return target if isinstance(target, dict) else {}
-
-    want = key(target.to_dict())
-    done: dict[str, JsonObject] = {}
-    for n, row in _read_jsonl(out):
-        got = key(target_b(row))
-        if got != want or row.get("mode") != mode:
-            _fail(
-                f"{out}:{n}: a result of another target or mode ({got}, {row.get('mode')}); "
-                "--resume takes the options of the run it resumes (or give another --out)"
-            )
-        if row.get("trace_id") not in names:
-            _fail(f"{out}:{n}: trace {row.get('trace_id')!r} is not in the traces given")
-        done[str(row["trace_id"])] = row
-    return done
+def _print_reproduction(stats: RunStatistics) -> None:
+    """How many traces reproduced in their own logged configuration, and what the target's
+    comparison was judged against (`baseline`)."""
+    r = stats.engine_reproduction
+    if r is None:
+        return
+    p = r.reproduced
+    engines = ", ".join(f"{k}: {v}" for k, v in r.engines.items())
+    typer.echo(
+        f"reproduced in their own logged configuration: {p.successes} of "
+        f"{counted(p.n, 'trace')} ({engines})"
+    )
+    baselines = stats.comparisons[0].baselines
+    other = {k: v for k, v in baselines.items() if k != "logged"}
+    if other:
+        typer.echo(
+            "judged against the logged configuration replayed here, not the logged tokens: "
+            + ", ".join(f"{v} {k}" for k, v in other.items())
+        )
 
 
 def _fmt(x: float | int | str | None, spec: str = "") -> str:

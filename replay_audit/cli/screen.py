@@ -24,6 +24,7 @@ from replay_audit.queue.route import MAX_TP_DEGREE
 
 if TYPE_CHECKING:
     from replay_audit.screenings.sweep.outputs import PromptRow
+    from replay_audit.screenings.sweep.plan import SweepPlan
 
 
 def _knobs(values: list[str] | None) -> list[str] | None:
@@ -38,6 +39,20 @@ def _knobs(values: list[str] | None) -> list[str] | None:
     if bad:
         _fail(f"--knobs: unknown knob {bad[0]!r}; known: {', '.join(KNOB_NAMES)}")
     return out
+
+
+def _devices(plan: SweepPlan) -> int:
+    """The devices the screening's engine pool owns: the TP knob's degree where it runs here."""
+    return max(
+        [1]
+        + [
+            v.config.tp_degree
+            for k in plan.knobs
+            if k.name == "tp"
+            for v in k.values
+            if v.unavailable is None
+        ]
+    )
 
 
 @app.command()
@@ -80,11 +95,12 @@ def screen(
     """Sweep the numerical knobs one at a time, measure CV(TD), the hidden-state gap, the
     categories and the both-arms C lift, and recommend an action (report.json, report.html)."""
     from replay_audit.engine.hashing import NoWeightsError, weights_sha256
+    from replay_audit.engine.pool import EnginePool
     from replay_audit.exceptions import ReplayAuditError
     from replay_audit.screenings.sweep.analysis import build_report
     from replay_audit.screenings.sweep.plan import ScreenConfig, build_plan
     from replay_audit.screenings.sweep.runner import DirectoryStore, run_screening
-    from replay_audit.screenings.sweep.worker import TorchBackend
+    from replay_audit.screenings.sweep.worker import TorchFacts
     from replay_audit.ui.screening_view import standalone_html
 
     chosen = _knobs(knobs)
@@ -117,7 +133,8 @@ def screen(
     from replay_audit.engine.loading import set_torch_threads
 
     set_torch_threads(_threads(threads))
-    backend = TorchBackend(model, device)
+    backend = TorchFacts(model, device)
+    pool: EnginePool | None = None
     try:
         plan = build_plan(
             backend.platform(),
@@ -134,17 +151,23 @@ def screen(
         screen_prompts = backend.prompts(rows)
         out.mkdir(parents=True, exist_ok=True)
         store = DirectoryStore(out / "state")
+        # The engines the screening loads, through the replay pipeline as every arm's: the
+        # anchors and the configuration in hand stay loaded; TP k runs on k devices.
+        pool = EnginePool(device=device, max_engines=3, devices=_devices(plan))
         with _progress() as bar:
             task = bar.add_task("screen", total=None)
 
             def progress(done: int, total: int, what: str) -> None:
                 bar.update(task, completed=done, total=total, description=what[:48])
 
-            outputs = run_screening(plan, screen_prompts, backend, store, progress=progress)
+            outputs = run_screening(
+                plan, screen_prompts, pool, model, backend.eos_ids(), store, progress=progress
+            )
     except ReplayAuditError as e:
         _fail(e.message)
     finally:
-        backend.close()  # its TP group's ranks, if the tp knob ran
+        if pool is not None:
+            pool.close()  # its TP group's ranks, if the tp knob ran
     report = build_report(plan, screen_prompts, outputs, model=model.name, weights_sha256=sha)
     (out / "report.json").write_text(
         json.dumps(report.model_dump(mode="json"), indent=2, allow_nan=False) + "\n",

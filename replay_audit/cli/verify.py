@@ -50,12 +50,12 @@ def _measure(
     device: str | None,
     false_alarm_rate: float,
 ) -> Calibration:
-    from replay_audit.screenings.sweep.worker import TorchBackend
+    from replay_audit.screenings.sweep.worker import TorchFacts
     from replay_audit.verifications.domain import claimed_target
     from replay_audit.verifications.null import benign_null
 
     rows = [row for _, row in _read_jsonl(prompts)][:n_prompts]
-    screen_prompts = TorchBackend(model, device).prompts(rows)  # type: ignore[arg-type]
+    screen_prompts = TorchFacts(model, device).prompts(rows)  # type: ignore[arg-type]
     return benign_null(
         model,
         claimed_target(claim),
@@ -207,7 +207,7 @@ def verify(
     if save_calibration is not None:
         cals = [c.to_json() for c in result.calibrations]
         save_calibration.write_text(json.dumps(cals, indent=1), encoding="utf-8")
-    report = report_json(result.groups, result.evidence)
+    report = report_json(result.groups, result.evidence, result.arms)
     if as_json:
         typer.echo(json.dumps(report, allow_nan=False))
     else:

@@ -94,9 +94,9 @@ def worker(
     from replay_audit.queue import rq_name
     from replay_audit.queue.runner import served_queues
     from replay_audit.queue.state import announce_worker, forget_worker, keep_alive
-    from replay_audit.replays.tasks import MAX_ENGINES, WorkerContext, install_worker_context
     from replay_audit.telemetry.log import configure_logging
     from replay_audit.telemetry.metric import MODEL_LOADS, start_metrics_server
+    from replay_audit.worker.context import MAX_ENGINES, WorkerContext, install_worker_context
 
     settings = get_settings()
     if kv_cache is not None and kv_cache not in CACHE_KINDS:

@@ -141,6 +141,9 @@ class Generation:
     processors: RequestProcessors = dataclasses.field(default_factory=RequestProcessors)
     #: The batch size the source states (a list answer, a generate() call's rows).
     batch_size: int | None = None
+    #: Where the row sat in the batch it was generated in (`decoding.batch`: every row's prompt
+    #: length, this row), where the source shows it (a generate() call's left-padded rows).
+    batch: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -395,6 +398,7 @@ def build_trace(
             "eos_token_ids": eos,
             "stop_reason": gen.stop_reason,
             "logits_processors": _logits_processors(gen, context),
+            **({"batch": dict(gen.batch)} if gen.batch is not None else {}),
         },
         "prompt_token_ids": list(gen.prompt_token_ids or ()),
         "output_token_ids": list(gen.output_token_ids or ()),

@@ -154,6 +154,10 @@ def generations_from_generate(
             step_rows.append(arr)
 
     eos = set(int(e) for e in eos_token_ids)
+    # The rows' prompt lengths before padding: where each row sat in the call's batch (left
+    # padding only: a right-padded batch is not laid out as `decoding.batch` says).
+    lengths = [int(n) for n in (mask != 0).sum(axis=1)] if mask is not None else [n_prompt] * batch
+    left_padded = mask is None or bool(np.all(np.diff((mask != 0).astype(np.int8), axis=1) >= 0))
     out = []
     for b in range(batch):
         new = [int(x) for x in sequences[b, n_prompt:]]
@@ -182,6 +186,9 @@ def generations_from_generate(
                 engine_name="transformers",
                 max_new_tokens=max_new_tokens,
                 batch_size=batch,  # the rows of one generate() call ran as one batch
+                batch=(
+                    {"prompt_lengths": lengths, "row": b} if batch > 1 and left_padded else None
+                ),
             )
         )
     return out

@@ -23,7 +23,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Any, Final, Literal
 
@@ -33,13 +33,20 @@ import numpy.typing as npt
 from replay_audit.diff.answer import SemanticAgreement
 from replay_audit.diff.margin import DEFAULT_TAU
 from replay_audit.diff.pieces import Piece, PieceJson, from_json
-from replay_audit.engine.protocol import DEFAULT_B_TOP_K, Intervention, LogitsProcessors, Target
+from replay_audit.engine.protocol import (
+    DEFAULT_B_TOP_K,
+    BatchLayout,
+    Intervention,
+    LogitsProcessors,
+    Target,
+)
 from replay_audit.formats import (
     CONTROL_FRACTION,
     CONTROL_SEED,
     EXTRA_TOP_K_VALUES,
     SCAN_FLAG_ULPS,
     ArmKey,
+    Baseline,
     Category,
     Device,
     MarginSource,
@@ -166,14 +173,20 @@ class RunTarget:
 
     def resolve(self, logged: Target) -> Target:
         """The engine target for a trace whose logged configuration is `logged`. A self target
-        leaves the attention kernel unrequested: the replay prefers the logged one and falls
-        back to the engine's default where it cannot run here (`unknown` from an import,
-        flash_attention_2 on a CPU), as for any target that names no kernel; the result's
-        environment records the kernel that ran."""
-        if self.target is not None:
-            return self.target
-        return Target(
-            logged.dtype, logged.lm_head_dtype, None, logged.batch_size, logged.intervention
+        is the logged configuration with its attention kernel unrequested: the replay prefers
+        the logged one and falls back to the engine's default where it cannot run here
+        (`unknown` from an import, flash_attention_2 on a CPU), as for any target that names
+        no kernel; the result's environment records the kernel that ran. A target changes what
+        it names and keeps the logged process switches it leaves open (deterministic, TF32, a
+        pinned SDPA backend): one knob at a time."""
+        if self.target is None:
+            return replace(logged, attn_kernel=None)
+        t = self.target
+        return replace(
+            t,
+            deterministic=logged.deterministic if t.deterministic is None else t.deterministic,
+            tf32=logged.tf32 if t.tf32 is None else t.tf32,
+            sdpa_backend=t.sdpa_backend or logged.sdpa_backend,
         )
 
     def display_label(self) -> str:
@@ -209,6 +222,12 @@ class RunTarget:
                 attn_kernel=d.get("attn_kernel"),
                 batch_size=int(d.get("batch_size") or 1),
                 intervention=intervention_from_json(d.get("intervention") or {}),
+                weight_dtype=d.get("weight_dtype"),
+                deterministic=d.get("deterministic"),
+                tf32=d.get("tf32"),
+                sdpa_backend=d.get("sdpa_backend"),
+                kv_cache=d.get("kv_cache"),
+                fp8_linear=bool(d.get("fp8_linear")),
             ),
             device=d.get("device"),
             label=d.get("label"),
@@ -242,6 +261,26 @@ def routing_conflict(targets: Sequence[RunTarget]) -> tuple[int, str] | None:
 KernelSource = Literal["requested", "logged", "engine_default"]
 
 
+#: The libraries whose versions a resolved arm records, and compares with the logged ones.
+STACK_VERSIONS: Final = ("torch", "transformers", "cuda", "cudnn")
+
+
+def stack_versions(config: Mapping[str, Any]) -> dict[str, str]:
+    """The library versions a configuration (a trace's, or an engine's environment) records:
+    torch, CUDA, cuDNN, and transformers where transformers ran (its `extras`, or the engine's
+    own version when the engine is transformers)."""
+    extras = config.get("extras") or {}
+    engine = config.get("engine") or {}
+    found = {
+        "torch": config.get("torch_version"),
+        "transformers": extras.get("transformers_version")
+        or (engine.get("version") if engine.get("name") == "transformers" else None),
+        "cuda": config.get("cuda_version"),
+        "cudnn": config.get("cudnn_version"),
+    }
+    return {k: str(v) for k, v in found.items() if v is not None}
+
+
 @dataclass(frozen=True)
 class ResolvedArm:
     """An arm resolved against one trace into the complete computation that runs: what every
@@ -259,7 +298,7 @@ class ResolvedArm:
     device: str
     #: The GPU's name and compute capability, e.g. `NVIDIA H100 80GB HBM3 (sm 9.0)`; None on a CPU.
     gpu: str | None
-    #: The engine's decode path (e.g. `piecewise`, `dynamic`, `compiled`), as its environment
+    #: The engine's decode path (e.g. `piecewise`, `generate`, `compiled`), as its environment
     #: records it.
     engine_path: str | None
     intervention: Intervention
@@ -271,6 +310,24 @@ class ResolvedArm:
     logged_tp_degree: int | None = None
     #: The trace's logits processors, applied to every step's logits (None: none ran).
     logits_processors: LogitsProcessors | None = None
+    #: torch's switches the probes ran under (as the logging stack had them, or as the target
+    #: named them; the process's where neither says): deterministic algorithms, TF32.
+    deterministic: bool | None = None
+    tf32: bool | None = None
+    #: The SDPA backend the arm pinned (None: torch chose, see `attention_backends`).
+    sdpa_backend: str | None = None
+    #: The SDPA backends torch picked for the probes' calls, by phase (`prefill:cudnn;decode:
+    #: flash`); None where no SDPA call ran (eager attention) or not recorded.
+    attention_backends: str | None = None
+    #: Every linear layer of the body in FP8 (the screening's end-to-end FP8 knob).
+    fp8_linear: bool = False
+    #: The library versions that ran (torch, transformers, CUDA, cuDNN).
+    versions: Mapping[str, str] = field(default_factory=dict)
+    #: What differs from the stack that logged the trace (`torch 2.11.0 (logged 2.9.1)`, ...):
+    #: a replay under other versions or on another GPU says so on every surface.
+    stack_differs: tuple[str, ...] = ()
+    #: The logged batch the row replayed in (None: alone, or among copies of itself).
+    batch_layout: BatchLayout | None = None
 
     @property
     def tp_differs(self) -> bool:
@@ -281,13 +338,26 @@ class ResolvedArm:
     def target(self) -> Target:
         """The engine target this arm runs (the kernel resolved)."""
         head = None if self.lm_head_dtype == self.dtype else self.lm_head_dtype
-        return Target(self.dtype, head, self.attn_kernel, self.batch_size, self.intervention)
+        weight = None if self.weight_dtype in (None, self.dtype) else self.weight_dtype
+        return Target(
+            self.dtype,
+            head,
+            self.attn_kernel,
+            self.batch_size,
+            self.intervention,
+            weight_dtype=weight,
+            deterministic=self.deterministic,
+            tf32=self.tf32,
+            sdpa_backend=self.sdpa_backend,
+            fp8_linear=self.fp8_linear,
+        )
 
     def label(self) -> str:
         """A short human name of what ran, e.g. `bf16 / eager / cpu + C(τ=0.05)`, with the
         logged TP degree where another ran (`tp 1 (logged tp 2)`), the kind the worker
-        announced where its device does not say it (`cpu [worker a10g]`) and the logits
-        processors that ran (`+ repetition_penalty=1.3`)."""
+        announced where its device does not say it (`cpu [worker a10g]`), the logits
+        processors that ran (`+ repetition_penalty=1.3`), the logged batch it replayed in and
+        what differs from the stack that logged the trace (`[stack differs: torch ...]`)."""
         where = self.gpu or self.device
         if self.gpu is None and self.worker_kind not in (None, self.device):
             where = f"{where} [worker {self.worker_kind}]"
@@ -295,6 +365,11 @@ class ResolvedArm:
         label = config_label(self.target, self.tp_degree, where, logged_tp_degree=logged)
         if self.logits_processors is not None:
             label += f" + {self.logits_processors.label()}"
+        if self.batch_layout is not None:
+            b = self.batch_layout
+            label += f" [row {b.row + 1} of a logged batch of {b.size}]"
+        if self.stack_differs:
+            label += f" [stack differs: {'; '.join(self.stack_differs)}]"
         return label
 
     def to_json(self) -> dict[str, object]:
@@ -309,15 +384,18 @@ class ResolvedArm:
         kernel_source: KernelSource,
         *,
         worker_kind: str | None = None,
-        logged_tp_degree: int | None = None,
-        logits_processors: LogitsProcessors | None = None,
+        logged: LoggedTrace | None = None,
+        layout: BatchLayout | None = None,
     ) -> ResolvedArm:
         """The arm an engine runs, from its recorded environment (`Engine.environment()`), on
-        a worker of kind `worker_kind`, for a trace logged at `logged_tp_degree`, with the
-        trace's logits processors (None: none ran)."""
+        a worker of kind `worker_kind`, for the trace `logged` (its logged TP degree, its
+        logits processors, its stack's versions and GPU to compare with), in the logged batch
+        `layout` where it replays in one."""
         gpu = environment.get("gpu")
         extras = environment.get("extras") or {}
         path = extras.get("decoder") or extras.get("kv_cache")
+        versions = stack_versions(environment)
+        gpu_label = f"{gpu['name']} (sm {gpu['sm']})" if isinstance(gpu, Mapping) else None
         return cls(
             dtype=str(environment["dtype"]),
             lm_head_dtype=str(environment.get("lm_head_dtype") or environment["dtype"]),
@@ -327,24 +405,61 @@ class ResolvedArm:
             batch_size=int(environment.get("batch_size") or 1),
             tp_degree=int(environment.get("tp_degree") or 1),
             device=str(environment.get("device") or "cpu"),
-            gpu=f"{gpu['name']} (sm {gpu['sm']})" if isinstance(gpu, Mapping) else None,
+            gpu=gpu_label,
             engine_path=str(path) if path is not None else None,
             intervention=intervention,
             worker_kind=worker_kind,
-            logged_tp_degree=logged_tp_degree,
-            logits_processors=logits_processors,
+            logged_tp_degree=logged.tp_degree if logged is not None else 1,
+            logits_processors=logged.processors if logged is not None else None,
+            deterministic=environment.get("deterministic"),
+            tf32=environment.get("tf32"),
+            sdpa_backend=extras.get("sdpa_backend"),
+            attention_backends=extras.get("attention_backends"),
+            fp8_linear=bool(extras.get("fp8_linear")),
+            versions=versions,
+            stack_differs=(
+                stack_differences(
+                    logged, versions, gpu.get("name") if isinstance(gpu, Mapping) else None
+                )
+                if logged is not None
+                else ()
+            ),
+            batch_layout=layout,
         )
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ResolvedArm:
         """The inverse of `to_json`."""
+        layout = d.get("batch_layout")
         return cls(
             **{
                 **d,
                 "intervention": intervention_from_json(d.get("intervention") or {}),
                 "logits_processors": LogitsProcessors.from_json(d.get("logits_processors")),
+                "stack_differs": tuple(d.get("stack_differs") or ()),
+                "batch_layout": (
+                    BatchLayout(tuple(layout["prompt_lengths"]), int(layout["row"]))
+                    if layout is not None
+                    else None
+                ),
             }
         )
+
+
+def stack_differences(
+    logged: LoggedTrace, versions: Mapping[str, str], gpu_name: str | None
+) -> tuple[str, ...]:
+    """What of the stack that ran differs from the one that logged `logged`: each library
+    version the trace records and another ran (`torch 2.11.0 (logged 2.9.1)`), and the GPU
+    where the trace names another (a replay on the CPU of a GPU trace too)."""
+    out = [
+        f"{name} {versions[name]} (logged {logged.versions[name]})"
+        for name in STACK_VERSIONS
+        if name in logged.versions and versions.get(name) != logged.versions[name]
+    ]
+    if logged.gpu_name is not None and gpu_name != logged.gpu_name:
+        out.append(f"{gpu_name or 'no GPU'} (logged {logged.gpu_name})")
+    return tuple(out)
 
 
 def config_label(
@@ -459,6 +574,10 @@ class LoggedTrace:
     gpu_name: str | None = None
     #: The logits processors the generation ran with (`decoding.logits_processors`).
     logits_processors: LogitsProcessors | None = None
+    #: The row's place in the batch it was generated in (`decoding.batch`; None: not logged).
+    batch_layout: BatchLayout | None = None
+    #: The library versions the logging stack recorded (`stack_versions`).
+    versions: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:
@@ -495,6 +614,7 @@ class LoggedTrace:
         trace JSON has them; pieces in their stored form)."""
         extras = config.get("extras") or {}
         engine = config.get("engine") or {}
+        batch = decoding.get("batch")
         return cls(
             external_id=external_id,
             weights_sha256=weights_sha256,
@@ -519,7 +639,19 @@ class LoggedTrace:
             tp_degree=logged_tp_degree(config),
             gpu_name=logged_gpu_name(config),
             logits_processors=LogitsProcessors.from_json(decoding.get("logits_processors")),
+            batch_layout=(
+                BatchLayout(tuple(int(n) for n in batch["prompt_lengths"]), int(batch["row"]))
+                if batch
+                else None
+            ),
+            versions=stack_versions(config),
         )
+
+    def layout_for(self, batch_size: int) -> BatchLayout | None:
+        """The logged batch an arm of `batch_size` rows replays this row in: the logged one
+        where the sizes agree (None: another size, or none logged: the row among copies)."""
+        b = self.batch_layout
+        return b if b is not None and b.size == batch_size else None
 
     @property
     def logged_by_another_engine(self) -> bool:
@@ -668,6 +800,10 @@ class ReplayOutcome:
     #: Arm B's decode stopped at the run's `decode_window` tokens after t*: its output is a
     #: prefix of the whole continuation (no cascade length, length difference or answers).
     window_cut: bool = False
+    #: What a comparison with the logged tokens was judged against (`formats.Baseline`): the
+    #: logged tokens, or the logged configuration replayed here (arm A) for a trace that did
+    #: not reproduce in it or that an engine this service cannot run logged.
+    baseline: Baseline = "logged"
 
     @property
     def gate_triggers(self) -> int:

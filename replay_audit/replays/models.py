@@ -196,3 +196,7 @@ class ReplayResult(Base):
     #: of the whole continuation, and what reads past t* (cascade, length difference, answers)
     #: is NULL. NULL or false: decoded to eos or the budget.
     window_cut: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    #: What a comparison with the logged tokens was judged against (`formats.Baseline`):
+    #: "logged" (NULL in rows written before reproduction came first), "reproduced" or
+    #: "replayed" (arm A is then the logged configuration replayed here).
+    baseline: Mapped[str | None] = mapped_column(String(16), nullable=True)

@@ -76,6 +76,7 @@ from replay_audit.engine.batch import plan_scan
 from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
+    BatchLayout,
     DecodeRun,
     DecodeWindow,
     Engine,
@@ -94,7 +95,7 @@ from replay_audit.exceptions import (
     ReplayAuditError,
     UnsupportedFormat,
 )
-from replay_audit.formats import MODES, MarginSource, Mode, Screen
+from replay_audit.formats import MODES, Baseline, MarginSource, Mode, Screen
 from replay_audit.replays.domain import (
     SCAN_FLAG_OFF,
     ArmMargin,
@@ -119,7 +120,9 @@ ENGINE_FAILURES: Final = (ReplayAuditError, RuntimeError, ValueError, MemoryErro
 class ReplayItem:
     """One trace and one comparison to replay: arm B (a run target) against arm A (None: the
     trace's logged tokens; else another run target, both decoded here), on the checkpoint in
-    `model_dir`. `control`: the trace is in the run's control sample (scan then decode)."""
+    `model_dir`. `control`: the trace is in the run's control sample (scan then decode).
+    `baseline`: what a comparison with the logged tokens is judged against (`replay_traces`
+    sets it: the logged tokens, or the logged configuration replayed here, as arm A)."""
 
     trace: LoggedTrace
     b: RunTarget
@@ -127,10 +130,17 @@ class ReplayItem:
     a: RunTarget | None = None
     control: bool = False
     extractor: str | Extractor | None = None
+    baseline: Baseline = "logged"
 
     @property
     def against_logged(self) -> bool:
         return self.a is None
+
+    @property
+    def is_check(self) -> bool:
+        """The trace's reproduction check: its logged configuration replayed here, against its
+        logged tokens."""
+        return self.a is None and self.b.is_self
 
 
 @dataclass(frozen=True)
@@ -167,7 +177,10 @@ class ReplayOptions:
 
 @dataclass(frozen=True)
 class Arm:
-    """A resolved arm and the engine that runs all of it."""
+    """A resolved arm and the engine that runs all of it. Every probe goes through these
+    methods, so every probe runs the arm's whole computation: its intervention, the trace's
+    logits processors and the logged batch layout it replays in (the replay job, the CLI, the
+    screening and the verification alike)."""
 
     engine: Engine
     resolved: ResolvedArm
@@ -181,6 +194,97 @@ class Arm:
         """The trace's logits processors, which every probe of the arm applies."""
         return self.resolved.logits_processors
 
+    @property
+    def layout(self) -> BatchLayout | None:
+        """The logged batch every decode and re-run of the arm runs the row in (None: alone,
+        or among copies of it)."""
+        return self.resolved.batch_layout
+
+    def decode(
+        self,
+        prompt: Sequence[int],
+        budget: int,
+        eos: Sequence[int],
+        top_k: int,
+        *,
+        forced_prefix: Sequence[int] = (),
+        window: DecodeWindow | None = None,
+    ) -> DecodeRun:
+        return self.engine.decode(
+            prompt,
+            budget,
+            eos,
+            self.intervention,
+            top_k,
+            forced_prefix=forced_prefix,
+            processors=self.processors,
+            window=window,
+            layout=self.layout,
+        )
+
+    def scan(self, prompt: Sequence[int], output: Sequence[int], top_k: int) -> ScanRun:
+        return self.engine.scan(
+            prompt, output, self.intervention, top_k, processors=self.processors
+        )
+
+    def scan_batch(self, items: Sequence[ScanItem], top_k: int, token_budget: int) -> list[ScanRun]:
+        """Several traces' scans in this arm (each item with its own trace's processors)."""
+        return self.engine.scan_batch(items, self.intervention, top_k, token_budget=token_budget)
+
+    def step(
+        self, prompt: Sequence[int], prefix: Sequence[int], top_k: int, layout: BatchLayout | None
+    ) -> StepInfo:
+        """The single-step re-run over prompt ‖ prefix in `layout`: the logged batch of the
+        trace it re-runs (an arm re-runs several traces of one engine: `_rerun_all`)."""
+        return self.engine.step(
+            prompt, prefix, self.intervention, top_k, processors=self.processors, layout=layout
+        )
+
+    def step_batch(
+        self,
+        contexts: Sequence[Sequence[int]],
+        prompt_lengths: Sequence[int],
+        layouts: Sequence[BatchLayout | None],
+        top_k: int,
+        token_budget: int,
+    ) -> list[StepInfo]:
+        return self.engine.step_batch(
+            contexts,
+            self.intervention,
+            top_k,
+            token_budget=token_budget,
+            processors=self.processors,
+            prompt_lengths=prompt_lengths,
+            layouts=layouts,
+        )
+
+
+def load_arm(
+    target: Target,
+    pool: EnginePool,
+    model_dir: Path,
+    *,
+    tp_degree: int = 1,
+    kernel_source: KernelSource = "requested",
+    worker_kind: str | None = None,
+    logged: LoggedTrace | None = None,
+) -> Arm:
+    """The one place an engine is configured: `target` (every knob, its intervention) at
+    `tp_degree` on the checkpoint in `model_dir`, loaded through `pool` (or taken from it),
+    and the `ResolvedArm` its recorded environment gives, on a worker of kind `worker_kind`,
+    for the trace `logged` where the arm replays one (its processors, its batch layout, its
+    stack to compare with). `UnsupportedFormat`/`EngineError` where it cannot run here."""
+    engine = pool.get(model_dir, target, tp_degree)
+    resolved = ResolvedArm.from_environment(
+        engine.environment(),
+        target.intervention,
+        kernel_source,
+        worker_kind=worker_kind,
+        logged=logged,
+        layout=logged.layout_for(target.batch_size) if logged is not None else None,
+    )
+    return Arm(engine, resolved)
+
 
 def resolve_arm(
     trace: LoggedTrace,
@@ -189,14 +293,13 @@ def resolve_arm(
     model_dir: Path,
     worker_kind: str | None = None,
 ) -> Arm:
-    """`run_target` resolved against `trace`, once: a target that names no attention kernel
-    runs the trace's logged kernel, or the engine's default where that cannot run here (an
-    imported `unknown`, flash-attention on a CPU); `self` runs the logged configuration. The
-    engine is loaded (or taken from the pool) and its recorded environment gives the rest,
-    with `worker_kind` (the kind this worker announced). `ModelMismatch` when the
-    vocabularies differ; `UnsupportedFormat`/`EngineError` when the target cannot run here,
-    a TP degree other than the engine's included (a trace logged at TP 2 replays at TP 1 only
-    when the target asks for TP 1)."""
+    """`run_target` resolved against `trace`, once (`load_arm`): a target that names no
+    attention kernel runs the trace's logged kernel, or the engine's default where that cannot
+    run here (an imported `unknown`, flash-attention on a CPU); `self` runs the logged
+    configuration, its process switches included. `ModelMismatch` when the vocabularies
+    differ; `UnsupportedFormat`/`EngineError` when the target cannot run here, a TP degree
+    other than the engine's included (a trace logged at TP 2 replays at TP 1 only when the
+    target asks for TP 1)."""
     tp = run_target.tp_degree_for(trace)
     asked = "asks" if run_target.tp_degree is not None else "was logged at"
     if tp > pool.devices:
@@ -208,38 +311,38 @@ def resolve_arm(
         )
     requested = run_target.resolve(trace.config)
     source: KernelSource = "requested" if requested.attn_kernel is not None else "logged"
-    want = _with_kernel(requested, requested.attn_kernel or trace.config.attn_kernel)
+    want = replace(requested, attn_kernel=requested.attn_kernel or trace.config.attn_kernel)
+
+    def load(target: Target, kernel_source: KernelSource) -> Arm:
+        return load_arm(
+            target,
+            pool,
+            model_dir,
+            tp_degree=tp,
+            kernel_source=kernel_source,
+            worker_kind=worker_kind,
+            logged=trace,
+        )
+
     try:
-        engine = pool.get(model_dir, want, tp)
+        arm = load(want, source)
     except EngineError:
         if source == "requested" or want.attn_kernel is None:
             raise
-        engine, source = pool.get(model_dir, _with_kernel(want, None), tp), "engine_default"
-    if engine.vocab_size != trace.vocab_size:
+        arm = load(replace(want, attn_kernel=None), "engine_default")
+    if arm.engine.vocab_size != trace.vocab_size:
         raise ModelMismatch(
-            f"checkpoint vocabulary is {engine.vocab_size}, the trace's {trace.vocab_size}",
+            f"checkpoint vocabulary is {arm.engine.vocab_size}, the trace's {trace.vocab_size}",
             field="model.vocab_size",
         )
-    resolved = ResolvedArm.from_environment(
-        engine.environment(),
-        requested.intervention,
-        source,
-        worker_kind=worker_kind,
-        logged_tp_degree=trace.tp_degree,
-        logits_processors=trace.processors,
-    )
-    if resolved.tp_degree != tp:
+    if arm.resolved.tp_degree != tp:
+        ran = arm.resolved.tp_degree
         raise UnsupportedFormat(
-            f"the arm {asked} TP {tp}; this engine replays at TP {resolved.tp_degree}: a "
-            f"target's tp_degree: {resolved.tp_degree} replays it at TP {resolved.tp_degree} "
-            "(the result says so)",
+            f"the arm {asked} TP {tp}; this engine replays at TP {ran}: a "
+            f"target's tp_degree: {ran} replays it at TP {ran} (the result says so)",
             field="tp_degree",
         )
-    return Arm(engine, resolved)
-
-
-def _with_kernel(t: Target, kernel: str | None) -> Target:
-    return Target(t.dtype, t.lm_head_dtype, kernel, t.batch_size, t.intervention)
+    return arm
 
 
 def _logged_arm(
@@ -320,9 +423,7 @@ def scan_items(items: Sequence[ReplayItem], pool: EnginePool, options: ReplayOpt
         ]
         t0 = time.perf_counter()
         try:
-            batch = arm.engine.scan_batch(
-                batch_items, arm.intervention, options.top_k, token_budget=options.token_budget
-            )
+            batch = arm.scan_batch(batch_items, options.top_k, options.token_budget)
         except ENGINE_FAILURES:
             log.exception(
                 "batched scan of %d traces failed; scanning them one by one", len(members)
@@ -414,6 +515,69 @@ def replay_items(
     return out
 
 
+#: The label of arm A where a comparison with the logged tokens is judged against the logged
+#: configuration replayed here (`replay_traces`).
+BASELINE_LABEL: Final = "logged configuration, replayed here"
+
+
+def replay_traces(
+    items: Sequence[ReplayItem],
+    pool: EnginePool,
+    options: ReplayOptions,
+    *,
+    scans: Sequence[ScanRun | None] | None = None,
+) -> list[ReplayResult]:
+    """`replay_items`, reproducing before comparing: a trace whose items include its
+    reproduction check (`ReplayItem.is_check`: the run's `self` arm against the logged tokens)
+    has its other comparisons with the logged tokens judged against the right baseline. A
+    trace of an engine this service cannot run (vLLM, SGLang: `LoggedTrace.
+    logged_by_another_engine`) is compared pairwise with its logged configuration replayed
+    here (baseline "replayed"). Any other is checked first: where the check replays its logged
+    tokens exactly (or cannot say: a scan-only result, a failure), its comparisons are judged
+    against the logged tokens; where it diverges, the trace does not reproduce in its own
+    configuration, and its comparisons are judged against that replay (baseline
+    "reproduced"), so no precision flip is counted against logged tokens this stack does not
+    give. Results come back in the order of `items`."""
+    checked = {id(it.trace) for it in items if it.is_check}
+
+    def pending(it: ReplayItem) -> bool:
+        return it.against_logged and not it.is_check and id(it.trace) in checked
+
+    def pairwise(it: ReplayItem, baseline: Baseline) -> ReplayItem:
+        return replace(it, a=RunTarget(None, label=BASELINE_LABEL), baseline=baseline)
+
+    first = [
+        pairwise(it, "replayed") if pending(it) and it.trace.logged_by_another_engine else it
+        for it in items
+    ]
+    later = [
+        i for i, it in enumerate(first) if pending(it) and not it.trace.logged_by_another_engine
+    ]
+    now = [i for i in range(len(items)) if i not in set(later)]
+    out: list[ReplayResult | None] = [None] * len(items)
+    ran = replay_items(
+        [first[i] for i in now],
+        pool,
+        options,
+        scans=None if scans is None else [scans[i] for i in now],
+    )
+    for i, result in zip(now, ran, strict=True):
+        out[i] = result
+    diverged = {
+        id(items[i].trace)
+        for i in now
+        if items[i].is_check and isinstance(out[i], ReplayOutcome) and out[i].exact_match is False  # type: ignore[union-attr]
+    }
+    second = [
+        pairwise(items[i], "reproduced") if id(items[i].trace) in diverged else items[i]
+        for i in later
+    ]
+    kept = [None if id(items[i].trace) in diverged or scans is None else scans[i] for i in later]
+    for i, result in zip(later, replay_items(second, pool, options, scans=kept), strict=True):
+        out[i] = result
+    return [r for r in out if r is not None]
+
+
 def _run_arms(
     item: ReplayItem, pool: EnginePool, options: ReplayOptions, scan: ScanRun | None
 ) -> _Replayed | ReplayOutcome:
@@ -426,8 +590,7 @@ def _run_arms(
     b = resolve_arm(trace, item.b, pool, item.model_dir, options.worker_kind)
     if item.a is not None:  # the both-arms protocol: both decoded from the prompt
         a = resolve_arm(trace, item.a, pool, item.model_dir, options.worker_kind)
-        ra = a.engine.decode(prompt, budget, eos, a.intervention, top_k, processors=a.processors)
-        rb = b.engine.decode(prompt, budget, eos, b.intervention, top_k, processors=b.processors)
+        ra, rb = a.decode(prompt, budget, eos, top_k), b.decode(prompt, budget, eos, top_k)
         run_a = _ArmRun(a, ra.output_token_ids, ra.steps)
         run_b = _ArmRun(b, rb.output_token_ids, rb.steps)
         t_star = first_divergence(run_a.ids, run_b.ids)
@@ -435,17 +598,15 @@ def _run_arms(
 
     logged = trace.output_token_ids.tolist()
     run_a = _ArmRun(None, logged, None)
-    mode, iv = options.mode, b.intervention
+    mode = options.mode
     screen: Screen | None = None
-    processors = b.processors
     window = options.window(logged)
     if mode == "decode":
-        rb = b.engine.decode(prompt, budget, eos, iv, top_k, processors=processors, window=window)
-        run_b = _decoded(b, rb)
+        run_b = _decoded(b, b.decode(prompt, budget, eos, top_k, window=window))
     else:
         batched = scan is not None
         if scan is None:
-            scan = b.engine.scan(prompt, logged, iv, top_k, processors=processors)
+            scan = b.scan(prompt, logged, top_k)
         s = scan.first_disagreement
         near = None
         if s is None and mode == "scan_then_decode":
@@ -453,10 +614,7 @@ def _run_arms(
         if s is None and mode == "scan_then_decode" and (near is not None or item.control):
             # A near-tie's flip may need the decode's own KV cache from the prompt on: decoded
             # in full, as the control sample is. A near-tie trace is not in the control sample.
-            rb = b.engine.decode(
-                prompt, budget, eos, iv, top_k, processors=processors, window=window
-            )
-            run_b = _decoded(b, rb)
+            run_b = _decoded(b, b.decode(prompt, budget, eos, top_k, window=window))
             screen = "near_tie" if near is not None else "control"
         elif s is None and mode == "scan_then_decode":
             return _scanned_only(item, b, scan.steps, batched)
@@ -466,16 +624,7 @@ def _run_arms(
             ids = [*logged[:s], int(scan.steps.token_ids[s])]
             run_b = _ArmRun(b, ids, scan.steps.slice(0, s + 1), "scan", batched)
         else:
-            rb = b.engine.decode(
-                prompt,
-                budget,
-                eos,
-                iv,
-                top_k,
-                forced_prefix=logged[:s],
-                processors=processors,
-                window=window,
-            )
+            rb = b.decode(prompt, budget, eos, top_k, forced_prefix=logged[:s], window=window)
             steps = Steps.concat([scan.steps.slice(0, s), rb.steps])
             cut = rb.stop_reason == "window"
             run_b = _ArmRun(b, rb.output_token_ids, steps, "decode", batched, cut)
@@ -517,25 +666,19 @@ def _rerun_all(replayed: Sequence[_Replayed], options: ReplayOptions) -> dict[in
     for arm, members in groups.values():
         contexts = [c for _, _, c in members]
         prompts = [len(r.item.trace.prompt_token_ids) for r, _, _ in members]
+        layouts = [r.rerun_arm(side).layout for r, side, _ in members]  # type: ignore[union-attr]
         infos: list[StepInfo | None]
         try:
             infos = list(
-                arm.engine.step_batch(
-                    contexts,
-                    arm.intervention,
-                    options.top_k,
-                    token_budget=options.token_budget,
-                    processors=arm.processors,
-                    prompt_lengths=prompts,
-                )
+                arm.step_batch(contexts, prompts, layouts, options.top_k, options.token_budget)
             )
             for r, side, _ in members:
                 r.batched.add(side)
         except ENGINE_FAILURES:
             log.exception("batched re-runs of %d steps failed; one at a time", len(contexts))
             infos = [
-                _step_or_none(arm, c, n, options.top_k)
-                for c, n in zip(contexts, prompts, strict=True)
+                _step_or_none(arm, c, n, options.top_k, layout)
+                for c, n, layout in zip(contexts, prompts, layouts, strict=True)
             ]
         for (r, side, _), info in zip(members, infos, strict=True):
             if info is not None:
@@ -543,11 +686,11 @@ def _rerun_all(replayed: Sequence[_Replayed], options: ReplayOptions) -> dict[in
     return out
 
 
-def _step_or_none(arm: Arm, context: list[int], prompt: int, top_k: int) -> StepInfo | None:
+def _step_or_none(
+    arm: Arm, context: list[int], prompt: int, top_k: int, layout: BatchLayout | None
+) -> StepInfo | None:
     try:
-        return arm.engine.step(
-            context[:prompt], context[prompt:], arm.intervention, top_k, processors=arm.processors
-        )
+        return arm.step(context[:prompt], context[prompt:], top_k, layout)
     except ENGINE_FAILURES:
         log.exception("single-step re-run failed")
         return None
@@ -595,6 +738,7 @@ def _outcome(r: _Replayed, reruns: _Reruns) -> ReplayOutcome:
         external_id=trace.external_id,
         screen=r.screen,
         window_cut=r.b.window_cut,
+        baseline=r.item.baseline,
     )
 
 

@@ -13,7 +13,6 @@ from sqlalchemy.sql.expression import ColumnElement, Select
 
 from replay_audit.db.base import flush_unique, utcnow
 from replay_audit.db.engine import dialect_insert
-from replay_audit.formats import logged_by_another_engine
 from replay_audit.replays.domain import LoggedPlacement, LoggedTrace, logging_engine
 from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
 from replay_audit.replays.results import FIGURE_COLUMNS, ResultRow, figures
@@ -269,10 +268,9 @@ def _parsed_configs(
     return out
 
 
-def traces_of_other_engines(session: Session, trace_ids: Sequence[int]) -> dict[int, str]:
-    """Of `trace_ids`, those logged by another engine than this project's, with its name."""
-    engines = _parsed_configs(session, trace_ids, logging_engine)
-    return {t: e for t, e in engines.items() if logged_by_another_engine(e)}
+def logging_engines(session: Session, trace_ids: Sequence[int]) -> dict[int, str]:
+    """The engine that logged each of `trace_ids` (`config.engine.name`), by trace id."""
+    return _parsed_configs(session, trace_ids, logging_engine)
 
 
 def logged_placements(session: Session, trace_ids: Sequence[int]) -> dict[int, LoggedPlacement]:

@@ -24,6 +24,7 @@ from replay_audit.db.base import utcnow
 from replay_audit.diff.pieces import to_json
 from replay_audit.formats import (
     EXTRA_TOKEN_IDS_SOURCE,
+    Baseline,
     Category,
     MarginSource,
     ResultStatus,
@@ -121,6 +122,7 @@ class ResultRow(TypedDict, total=False):
     detail: Required[dict[str, object]]
     screen: Screen | None
     window_cut: bool
+    baseline: Baseline
 
 
 def _finite(x: float | None) -> float | None:
@@ -170,6 +172,7 @@ def result_values(comparison: int, outcome: ReplayOutcome) -> ResultRow:
         "detail": detail,
         "screen": outcome.screen,
         "window_cut": outcome.window_cut,
+        "baseline": outcome.baseline,
     }
 
 
@@ -270,6 +273,7 @@ def result_json(
         "mode": detail.get("mode"),
         "screen": row.screen,
         "window_cut": bool(row.window_cut),
+        "baseline": row.baseline or "logged",
         "arms": {"a": arm_a, "b": arm_b} if ok else None,
         "single_step": detail.get("single_step"),
         "semantic": detail.get("semantic"),
@@ -356,4 +360,5 @@ def figures_from_json(
         answer_b=semantic.get("answer_b"),
         screen=data.get("screen"),
         window_cut=data.get("window_cut"),
+        baseline=data.get("baseline") or "logged",
     )

@@ -39,6 +39,7 @@ from replay_audit.formats import (
     MODES,
     SCAN_FLAG_ULPS,
     TOP_K,
+    Baseline,
     BodyDType,
     Category,
     Compare,
@@ -275,10 +276,12 @@ class ReplayCreate(InputModel):
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
     #: Top-k recorded per replayed step (kept with the result for the trace page).
     top_k: int = option_field(TOP_K)
-    #: "auto": when the selection holds traces logged by another engine (vLLM, SGLang,
-    #: unknown), the run also replays each trace in its own logged configuration (a self
-    #: target, compared with the logged tokens) and reports the engine reproduction rate;
-    #: "off": no such check.
+    #: "auto": reproduce before comparing. The run first replays each trace in its own logged
+    #: configuration (a self target, compared with the logged tokens) and reports how many
+    #: reproduced; a trace that did not is judged against that replay in its comparisons with
+    #: the logged tokens (each result's `baseline`: "reproduced"), and a trace of an engine
+    #: this service cannot run (vLLM, SGLang) is always compared with it ("replayed").
+    #: "off": no check; every comparison with the logged tokens is against them as logged.
     engine_check: Literal["auto", "off"] = "auto"
 
     def control_sample(self) -> ControlSample:
@@ -489,13 +492,18 @@ class ReplayResultRead(OutputModel):
     #: the category are the whole decode's), and `cascade_length`, `length_difference` and
     #: the answers are null. False: decoded to eos or the budget.
     window_cut: bool = False
+    #: What this comparison was judged against: "logged" (the logged tokens, arm A), or the
+    #: logged configuration replayed here (arm A decoded here): "reproduced" where the trace
+    #: did not reproduce in its own configuration (the run's reproduction check diverged, so
+    #: no flip is counted against logged tokens this stack does not give), "replayed" for a
+    #: trace of an engine this service cannot run (vLLM, SGLang).
+    baseline: Baseline = "logged"
     arms: ArmsRead | None = None
     single_step: SingleStepRead | None = None
     semantic: SemanticRead | None = None
-    #: For a trace logged by another engine (vLLM, SGLang...), in a run with the engine check:
-    #: whether this engine reproduced the logged tokens in the trace's own logged configuration
-    #: (False: this result's divergence is not attributable to the format). None otherwise, or
-    #: while the check has no result yet.
+    #: In a run that reproduces first (`engine_check: auto`): whether the trace's logged
+    #: tokens reproduced here in its own logged configuration (the check's exact match).
+    #: None in a run without the check, or while the check has no result yet.
     engine_reproduced: bool | None = None
     #: For an imported trace: where its token ids come from (`formats.TokenIdsSource`; a
     #: `retokenized` trace's divergence may be a non-canonical split of the logged text). None

@@ -107,8 +107,8 @@ def _targets(request: ReplayCreate) -> list[RunTarget]:
     return targets
 
 
-#: The label of the self target a run adds to reproduce traces logged by another engine.
-ENGINE_CHECK_LABEL: Final = "self: engine reproduction"
+#: The label of the self target a run adds to reproduce its traces before comparing them.
+ENGINE_CHECK_LABEL: Final = "self: reproduction check"
 
 
 def _comparisons(request: ReplayCreate, n_targets: int) -> list[Comparison]:
@@ -119,16 +119,14 @@ def _comparisons(request: ReplayCreate, n_targets: int) -> list[Comparison]:
 
 
 def _with_engine_check(
-    request: ReplayCreate,
-    targets: list[RunTarget],
-    comparisons: list[Comparison],
-    another_engine: bool,
+    request: ReplayCreate, targets: list[RunTarget], comparisons: list[Comparison]
 ) -> tuple[list[RunTarget], list[Comparison]]:
-    """Traces logged by another engine (vLLM, SGLang...) are first replayed in their own logged
-    configuration, so each result can say whether this engine reproduces the logged tokens at
-    all: the run gets a self target (unless it has one, or `engine_check: off`) and a comparison
-    of the logged tokens with it (unless it has one)."""
-    if not another_engine or request.engine_check == "off":
+    """Reproduce before comparing: every run first replays each trace in its own logged
+    configuration (a self target, unless it has one, compared with the logged tokens, unless
+    it is), so each result says whether the logged tokens reproduce here, and each comparison
+    with the logged tokens is judged against the right baseline (`pipeline.replay_traces`).
+    `engine_check: off` leaves the run as asked."""
+    if request.engine_check == "off":
         return targets, comparisons
     self_index = next((i for i, t in enumerate(targets) if t.is_self), None)
     if self_index is None:
@@ -228,12 +226,7 @@ def create_replay(
         )
 
     ids = [t.id for t in traces]
-    targets, comparisons = _with_engine_check(
-        request,
-        targets,
-        _comparisons(request, len(targets)),
-        bool(repository.traces_of_other_engines(session, ids)),
-    )
+    targets, comparisons = _with_engine_check(request, targets, _comparisons(request, len(targets)))
     mode = resolve_mode(request.mode, len(traces), defaults.large_run_traces)
     chunks = _chunks(
         repository.logged_placements(session, ids),

@@ -122,25 +122,24 @@ def engine_check_comparison(run: ReplayRun) -> int | None:
 
 
 def engine_check(session: Session, run: ReplayRun) -> EngineCheckInput | None:
-    """The run's engine-reproduction check: its comparison of the logged tokens with a self
-    replay, over the run's traces logged by another engine (None when it has neither)."""
+    """The run's reproduction check: its comparison of the logged tokens with a self replay,
+    over all the run's traces with their logging engines (None when it has none)."""
     index = engine_check_comparison(run)
     if index is None:
         return None
-    engines = repository.traces_of_other_engines(session, repository.run_trace_ids(session, run.id))
+    engines = repository.logging_engines(session, repository.run_trace_ids(session, run.id))
     return EngineCheckInput(index, engines) if engines else None
 
 
 def engine_reproduced(
     session: Session, run: ReplayRun, trace_ids: Sequence[int]
 ) -> dict[int, bool]:
-    """For those of `trace_ids` logged by another engine whose engine check has finished ok:
-    whether this engine reproduced the logged tokens (the self replay was exact)."""
+    """For those of `trace_ids` whose reproduction check has finished ok: whether their logged
+    tokens reproduced here in their own logged configuration (the self replay was exact)."""
     index = engine_check_comparison(run)
     if index is None:
         return {}
-    foreign = repository.traces_of_other_engines(session, trace_ids)
-    return repository.exact_matches(session, run.id, index, list(foreign))
+    return repository.exact_matches(session, run.id, index, list(trace_ids))
 
 
 def compute(session: Session, run: ReplayRun) -> RunStatistics:

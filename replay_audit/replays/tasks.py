@@ -9,11 +9,8 @@ are skipped (and
 between two copies harmless); the run is finalised by whichever job finishes last, under a row
 lock on the run.
 
-A worker has one `WorkerContext` (its settings and its engines, each checkpoint loaded once per
-format and kept loaded), owned by the worker, never by this module: `replay-audit worker` binds
-its own in the thread its RQ `SimpleWorker` runs jobs in, and the tests bind theirs; an
-in-process runner's first job builds one from the environment, which its thread keeps (see
-`queue.runner.InProcessRunner`) for as long as the runner lives.
+A worker has one `worker.context.WorkerContext` (its settings and its engines, each checkpoint
+loaded once per format and kept loaded), owned by the worker, never by this module.
 
 In the scan modes the job first scans all its traces that still need a result, several per
 forward (`Engine.scan_batch`: length buckets packed up to `Settings.scan_token_budget` tokens),
@@ -29,19 +26,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-from replay_audit.config import Settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
-from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import ScanRun
 from replay_audit.exceptions import ReplayAuditError
 from replay_audit.json_value import as_int
-from replay_audit.queue import host_gpu_kind, stop_requested
+from replay_audit.queue import stop_requested
 from replay_audit.replays import repository, service
-from replay_audit.replays.checkpoint import ModelNotFound, find_checkpoint
 from replay_audit.replays.domain import (
     SCAN_FLAG_OFF,
     Comparison,
@@ -51,72 +44,24 @@ from replay_audit.replays.domain import (
     RunTarget,
 )
 from replay_audit.replays.models import ReplayJob, ReplayRun
-from replay_audit.replays.pipeline import ReplayItem, ReplayOptions, replay_items, scan_items
+from replay_audit.replays.pipeline import ReplayItem, ReplayOptions, replay_traces, scan_items
 from replay_audit.replays.results import ResultRow, failed_values, result_values
 from replay_audit.telemetry.log import bound
-from replay_audit.telemetry.metric import MODEL_LOADS, REPLAY_TOKENS, REPLAY_TRACES
+from replay_audit.telemetry.metric import REPLAY_TOKENS, REPLAY_TRACES
 from replay_audit.words import counted
+from replay_audit.worker.checkpoint import ModelNotFound, find_checkpoint
+from replay_audit.worker.context import WorkerContext, worker_context
 
 log = logging.getLogger(__name__)
 
 #: A job started this many times without finishing is failed for good: its remaining traces get
 #: failed results saying so, and the run completes instead of looping forever.
 MAX_JOB_ATTEMPTS = 5
-#: Engines a worker keeps loaded (checkpoint x format), least recently used first out.
-MAX_ENGINES = 8
 #: Traces of a scan job replayed together, their single-step re-runs at t* batched, before
 #: their results are written (one transaction each): a scan job's whole chunk; a
 #: scan-then-decode window is smaller, because its flagged traces are decoded first and a
 #: window's results wait for its slowest decode.
 RERUN_WINDOW: dict[str, int] = {"scan": 256, "scan_then_decode": 16}
-
-
-@dataclass(frozen=True)
-class WorkerContext:
-    """What a worker process keeps between jobs: its settings and its loaded engines (a GPU
-    worker must not fork after CUDA initialisation, so it never reloads per job)."""
-
-    settings: Settings
-    pool: EnginePool
-    #: The GPU kind the worker announced (`queue.route.WorkerKind.kind`: `a10g`, or `cpu`):
-    #: its metrics' `gpu_kind` label and each result's `resolved.worker_kind`.
-    gpu_kind: str = "cpu"
-
-    @classmethod
-    def from_environment(cls) -> WorkerContext:
-        """A context from the settings of the environment, with an empty engine pool."""
-        settings = Settings()
-        # The in-process runner replays beside the API it runs in: it leaves it a core.
-        beside_api = settings.runner == "inprocess"
-        pool = EnginePool(
-            max_engines=MAX_ENGINES,
-            threads=settings.torch_threads,
-            leave_free=1 if beside_api else 0,
-            on_load=MODEL_LOADS.inc,
-        )
-        return cls(settings, pool, host_gpu_kind())
-
-
-#: The worker context of the jobs run in the current context (a thread's, or an in-process
-#: runner's copy): set by the worker that runs them, so no context is process-wide.
-_bound: ContextVar[WorkerContext | None] = ContextVar("replay_audit_worker_context", default=None)
-
-
-def install_worker_context(context: WorkerContext | None) -> None:
-    """Make `context` the worker context of the jobs run from here on in the current context
-    (the calling thread, or the runner whose copy it is); None: build one from the environment
-    at the next job. An in-process runner built afterwards inherits it."""
-    _bound.set(context)
-
-
-def worker_context() -> WorkerContext:
-    """The worker context bound in the current context, built from the environment on first
-    use and kept there (an in-process runner's thread keeps it between its jobs)."""
-    context = _bound.get()
-    if context is None:
-        context = WorkerContext.from_environment()
-        _bound.set(context)
-    return context
 
 
 @dataclass(frozen=True)
@@ -325,11 +270,12 @@ def _replay(
     pending: Sequence[_Pending], spec: _RunSpec, ctx: WorkerContext
 ) -> list[tuple[_Pending, list[ResultRow]]]:
     """The result rows of a window of traces: their items replayed together
-    (`pipeline.replay_items`: the single-step re-runs at t* of all the divergent ones batched
+    (`pipeline.replay_traces`: each trace's reproduction check first, then its comparisons
+    against the baseline it sets; the single-step re-runs at t* of all the divergent ones batched
     per engine and intervention), a failure as its item's failed row."""
     flat = [(p, n, i) for p in pending for n, i in enumerate(p.items) if isinstance(i, ReplayItem)]
     scans = [p.scans[n] if p.scans else None for p, n, _ in flat]
-    results = iter(replay_items([i for _, _, i in flat], ctx.pool, spec.options, scans=scans))
+    results = iter(replay_traces([i for _, _, i in flat], ctx.pool, spec.options, scans=scans))
     out = []
     for p in pending:
         rows: list[ResultRow] = []

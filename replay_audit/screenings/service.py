@@ -11,7 +11,6 @@ from replay_audit.db.base import read_model
 from replay_audit.db.ids import new_public_id
 from replay_audit.exceptions import Conflict, FieldError, NotFound
 from replay_audit.queue import JobQueue, JobSpec, long_queue
-from replay_audit.replays.checkpoint import CheckpointIndex, CheckpointShape, ModelNotFound
 from replay_audit.replays.service import target_refusal
 from replay_audit.screenings import repository
 from replay_audit.screenings.models import Screening
@@ -23,6 +22,7 @@ from replay_audit.screenings.sweep.plan import (
     build_plan,
 )
 from replay_audit.screenings.sweep.report import ScreeningReport
+from replay_audit.worker.checkpoint import CheckpointIndex, CheckpointShape, ModelNotFound
 
 #: The job's dotted path: resolved on the worker, so the API process never imports torch.
 JOB = "replay_audit.screenings.tasks.run_screening_job"

@@ -21,15 +21,15 @@ from replay_audit.db.unit_of_work import session_scope
 from replay_audit.exceptions import EngineError, ReplayAuditError
 from replay_audit.formats import BodyDType
 from replay_audit.json_value import JsonObject
-from replay_audit.replays.checkpoint import CheckpointShape, ModelNotFound, find_checkpoint
-from replay_audit.replays.tasks import worker_context
 from replay_audit.screenings import repository
 from replay_audit.screenings.models import Screening
 from replay_audit.screenings.schemas import ScreeningCreate
 from replay_audit.screenings.sweep.analysis import build_report
 from replay_audit.screenings.sweep.outputs import PromptRow, ScreenPrompt
 from replay_audit.screenings.sweep.plan import Platform, ScreenConfig, build_plan
-from replay_audit.screenings.sweep.runner import Backend, run_screening
+from replay_audit.screenings.sweep.runner import run_screening
+from replay_audit.worker.checkpoint import CheckpointShape, ModelNotFound, find_checkpoint
+from replay_audit.worker.context import worker_context
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +38,14 @@ log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
 
 
-class WorkerBackend(Backend, Protocol):
-    """A screening backend as a worker needs it: engines, its platform, prompt encoding."""
+class CheckpointFacts(Protocol):
+    """What a screening job needs to know of the checkpoint on the worker's device, besides
+    its engines (those come from the worker's engine pool, through the replay pipeline):
+    its platform, its own dtype and eos ids, which configurations it cannot run, prompts."""
 
     def platform(self) -> Platform: ...
+
+    def eos_ids(self) -> list[int]: ...
 
     def reference_dtype(self) -> BodyDType: ...
 
@@ -52,28 +56,27 @@ class WorkerBackend(Backend, Protocol):
     def prompts(self, rows: Sequence[PromptRow]) -> list[ScreenPrompt]: ...
 
 
-BackendFactory = Callable[[Path, str | None], WorkerBackend]
+FactsFactory = Callable[[Path, str | None], CheckpointFacts]
 
 
-def _torch_backend(model_dir: Path, device: str | None) -> WorkerBackend:
-    """`screening.worker.TorchBackend`, imported here: only a worker running the job needs it.
-    Its TP configurations run on the worker's pool (the worker's one TP group)."""
-    from replay_audit.screenings.sweep.worker import TorchBackend
+def _torch_facts(model_dir: Path, device: str | None) -> CheckpointFacts:
+    """`screening.worker.TorchFacts`, imported here: only a worker running the job needs it.
+    A tensor-parallel group may span the worker's pool's devices (its one TP group)."""
+    from replay_audit.screenings.sweep.worker import TorchFacts
 
-    return TorchBackend(model_dir, device, pool=worker_context().pool)
+    return TorchFacts(model_dir, device, devices=worker_context().pool.devices)
 
 
-#: The backend factory of the screening jobs run in the current context (a thread's, or an
+#: The facts factory of the screening jobs run in the current context (a thread's, or an
 #: in-process runner's copy of its builder's): bound by a test, never process-wide.
-_factory: ContextVar[BackendFactory | None] = ContextVar(
-    "replay_audit_screening_backend", default=None
-)
+_factory: ContextVar[FactsFactory | None] = ContextVar("replay_audit_screening_facts", default=None)
 
 
-def install_backend_factory(factory: BackendFactory | None) -> None:
-    """Use `factory(model_dir, device)` for the screening's engines run from here on in the
-    current context (tests pass fakes; an in-process runner built afterwards inherits it);
-    None: the torch engine."""
+def install_facts_factory(factory: FactsFactory | None) -> None:
+    """Use `factory(model_dir, device)` for the checkpoint facts of the screenings run from
+    here on in the current context (tests pass fakes; an in-process runner built afterwards
+    inherits it); None: the torch ones. Engines are not here: they come from the worker
+    context's engine pool (`replays.tasks.WorkerContext`), the one engine seam."""
     _factory.set(factory)
 
 
@@ -117,7 +120,7 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
     except ModelNotFound as e:
         fail_row(url, Screening, screening_id, str(e))
         return
-    factory = _factory.get() or _torch_backend
+    factory = _factory.get() or _torch_facts
     try:
         backend = factory(model_dir, request.device)
         platform = backend.platform()
@@ -138,7 +141,15 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
             refusal = shape.prompt_refusal(prompt.token_ids, request.max_new_tokens)
             if refusal is not None:
                 raise EngineError(f"prompt {prompt.id}: {refusal}")
-        outputs = run_screening(plan, prompts, backend, DbStore(url, screening_id))
+        outputs = run_screening(
+            plan,
+            prompts,
+            ctx.pool,
+            model_dir,
+            backend.eos_ids(),
+            DbStore(url, screening_id),
+            worker_kind=ctx.gpu_kind,
+        )
         report = build_report(plan, prompts, outputs, model=model_dir.name, weights_sha256=sha)
     except ReplayAuditError as e:
         fail_row(url, Screening, screening_id, e.message)

@@ -58,7 +58,7 @@ from typing import Final, NamedTuple
 
 from pydantic import Field
 
-from replay_audit.formats import CATEGORIES, ArmKey, Mode
+from replay_audit.formats import BASELINES, CATEGORIES, ArmKey, Mode
 from replay_audit.output import StoredModel
 from replay_audit.stats.equivalence import TostResult, tost_noninferiority
 from replay_audit.stats.mcnemar import mcnemar_exact
@@ -125,6 +125,8 @@ class ResultFigures(NamedTuple):
     #: Its decode stopped at the run's decode window after t* (its output is a prefix): it
     #: counts in every figure at t*, and in none that reads the continuation.
     window_cut: bool | None = None
+    #: What it was judged against (`formats.Baseline`; None: rows of earlier releases, "logged").
+    baseline: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -168,9 +170,9 @@ class ComparisonInput:
 
 @dataclass(frozen=True)
 class EngineCheckInput:
-    """A run's engine-reproduction check: comparison `comparison` replays each trace in its own
-    logged configuration (logged vs self), and `engines` names the engine that logged each trace
-    logged by another engine than this project's (trace id -> engine name)."""
+    """A run's reproduction check: comparison `comparison` replays each trace in its own logged
+    configuration (logged vs self), and `engines` names the engine that logged each trace of
+    the run (trace id -> engine name)."""
 
     comparison: int
     engines: Mapping[int, str]
@@ -310,10 +312,11 @@ class ComparisonReport(StoredModel):
     t_star_histogram: Histogram | None
     margin_at_divergence: MarginReport
     length_difference: Distribution | None
-    #: Divergences (ok, not exact) on traces that this engine did not reproduce in their own
-    #: logged configuration: not attributable to the format. None: the run has no engine check
-    #: (or this is the check itself).
-    not_attributable: int | None = None
+    #: The ok results by what they were judged against (`formats.Baseline`: "logged" tokens,
+    #: or the logged configuration replayed here, "reproduced" for traces that did not
+    #: reproduce in it, "replayed" for traces of engines this service cannot run): no
+    #: precision flip is counted against logged tokens that did not reproduce.
+    baselines: dict[str, int] = Field(default_factory=dict)
     #: Scan-then-decode only: decoded vs scanned, the control sample and the miss rate.
     screening: ScreeningReport | None = None
     #: The run's decode window (None: every decode ran to eos or the budget) and the ok results
@@ -400,16 +403,17 @@ class AccuracyReport(StoredModel):
 
 
 class EngineReproduction(StoredModel):
-    """Traces logged by another engine (vLLM, SGLang, unknown), replayed here in their own logged
-    configuration: the share this engine reproduced token for token. A trace it does not
-    reproduce can diverge in a format comparison because of the engine (kernels, attention,
-    CUDA graphs), not the format: its divergences are not attributable to the format."""
+    """The run's traces replayed here in their own logged configuration before any comparison
+    (reproduce before compare): the share that reproduced token for token. A trace that does
+    not can diverge in a format comparison because of the stack (kernels, attention, versions,
+    a nondeterministic kernel of the logging stack), not the format: its comparisons with the
+    logged tokens are judged against this replay instead (`ComparisonReport.baselines`)."""
 
     #: The comparison that is the check (logged vs self).
     comparison: int
     #: Traces of the run per logging engine.
     engines: dict[str, int]
-    #: Traces of the run logged by another engine.
+    #: Traces of the run.
     n: int
     #: Exact self-replays among those whose self-replay finished ok, with a Wilson interval.
     reproduced: ProportionRead
@@ -655,7 +659,13 @@ def comparison_report(
         screening=screening_report(c),
         decode_window=c.decode_window,
         window_cut=cut,
+        baselines=_baselines(ok),
     )
+
+
+def _baselines(ok: Sequence[ResultFigures]) -> dict[str, int]:
+    counts = {b: sum(1 for f in ok if (f.baseline or "logged") == b) for b in BASELINES}
+    return {b: n for b, n in counts.items() if n}
 
 
 class PairedOutcome(NamedTuple):
@@ -836,8 +846,9 @@ def engine_reproduction(
     comparisons: Sequence[ComparisonInput],
     *,
     list_limit: int = DEFAULT_LIST_LIMIT,
-) -> tuple[EngineReproduction, frozenset[int]]:
-    """The check's figures, and the ids of the traces the engine did not reproduce."""
+) -> EngineReproduction:
+    """The check's figures: how many of the run's traces reproduced, by logging engine, and
+    the first that did not."""
     by_index = {c.index: c for c in comparisons}
     figures = by_index[check.comparison].figures if check.comparison in by_index else []
     checked = [f for f in figures if f.trace_id in check.engines and f.ok]
@@ -845,7 +856,7 @@ def engine_reproduction(
     engines: dict[str, int] = {}
     for name in check.engines.values():
         engines[name] = engines.get(name, 0) + 1
-    report = EngineReproduction(
+    return EngineReproduction(
         comparison=check.comparison,
         engines=dict(sorted(engines.items())),
         n=len(check.engines),
@@ -855,11 +866,6 @@ def engine_reproduction(
         ],
         not_reproduced_more=len(missed) > list_limit,
     )
-    return report, frozenset(f.trace_id for f in missed)
-
-
-def _not_attributable(c: ComparisonInput, unreproduced: frozenset[int]) -> int:
-    return sum(1 for f in c.figures if f.diverged and f.trace_id in unreproduced)
 
 
 def run_statistics(
@@ -871,23 +877,15 @@ def run_statistics(
     list_limit: int = DEFAULT_LIST_LIMIT,
 ) -> RunStatistics:
     """The statistics of a run: every comparison (margin histograms on one shared axis), the
-    lift of every treatment over comparison 0 and, with `engine_check`, the engine reproduction
-    rate and each comparison's divergences not attributable to the format."""
+    lift of every treatment over comparison 0 and, with `engine_check`, the reproduction
+    rate of the run's traces in their own logged configuration."""
     margins = [_margins(c.figures) for c in comparisons]
     abs_axis = log_axis(g for m in margins for g in (m.a, m.b))
     ulps_axis = log_axis(g for m in margins for g in (m.a_ulps, m.b_ulps))
     reports = [comparison_report(c, abs_axis=abs_axis, ulps_axis=ulps_axis) for c in comparisons]
     reproduction = None
     if engine_check is not None:
-        reproduction, unreproduced = engine_reproduction(
-            engine_check, comparisons, list_limit=list_limit
-        )
-        reports = [
-            r
-            if c.index == engine_check.comparison
-            else r.model_copy(update={"not_attributable": _not_attributable(c, unreproduced)})
-            for r, c in zip(reports, comparisons, strict=True)
-        ]
+        reproduction = engine_reproduction(engine_check, comparisons, list_limit=list_limit)
     lifts = [
         lift_report(run_id, comparisons[0], c, list_limit=list_limit)
         for c in comparisons[1:]

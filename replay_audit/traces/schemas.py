@@ -221,6 +221,22 @@ class LogitsProcessorsSpec(TraceInput):
         return self.model_dump(mode="json")
 
 
+#: Most rows a logged batch layout lists (`BatchPlacement.prompt_lengths`).
+MAX_BATCH_ROWS: Final = 4096
+
+
+class BatchPlacement(TraceInput):
+    """Where the trace's row sat in the batch its generation ran: every row's prompt length
+    before padding (in the batch's order) and this trace's row, the rows left-padded to the
+    longest under an attention mask (as transformers' `generate()` takes a batch). A replay at
+    the logged batch size replays the row in that layout."""
+
+    prompt_lengths: list[Annotated[int, Field(ge=1, le=MAX_TRACE_TOKENS)]] = Field(
+        min_length=1, max_length=MAX_BATCH_ROWS
+    )
+    row: int = Field(ge=0, lt=MAX_BATCH_ROWS)
+
+
 class Decoding(TraceInput):
     #: Only greedy traces can be replayed; others are stored but refused by replays.
     strategy: Strategy = "greedy"
@@ -229,6 +245,8 @@ class Decoding(TraceInput):
     stop_reason: StopReason | None = None
     #: The logits processors the generation ran with (absent: none); a replay applies them.
     logits_processors: LogitsProcessorsSpec | None = Field(default=None, exclude_if=_is_none)
+    #: The row's place in the batch it was generated in (absent: not logged).
+    batch: BatchPlacement | None = Field(default=None, exclude_if=_is_none)
 
     def stored(self) -> JsonObject:
         """The stored `decoding` JSON."""
@@ -335,6 +353,8 @@ class TraceCreate(TraceInput):
             raise TraceFieldError("decoding.eos_token_ids", "eos id outside the vocabulary")
         if self.decoding.logits_processors is not None:
             _check_processors(self.decoding.logits_processors, vocab)
+        if self.decoding.batch is not None:
+            _check_batch(self.decoding.batch, len(self.prompt_token_ids), self.config.batch_size)
         if self.top_k is not None:
             _check_top_k(self.top_k, len(self.output_token_ids), vocab)
         pieces = self.output_token_pieces
@@ -345,6 +365,25 @@ class TraceCreate(TraceInput):
                 "(one piece per output token)",
             )
         return self
+
+
+def _check_batch(batch: BatchPlacement, prompt_length: int, batch_size: int | None) -> None:
+    """A batch layout that names this trace's row, with this trace's prompt length, and as many
+    rows as the configuration's batch size where it gives one."""
+    field = "decoding.batch"
+    rows = len(batch.prompt_lengths)
+    if batch.row >= rows:
+        raise TraceFieldError(f"{field}.row", f"row {batch.row} of a batch of {rows} rows")
+    if batch.prompt_lengths[batch.row] != prompt_length:
+        raise TraceFieldError(
+            f"{field}.prompt_lengths",
+            f"row {batch.row}'s prompt length is {batch.prompt_lengths[batch.row]}, "
+            f"this trace's prompt has {prompt_length} tokens",
+        )
+    if batch_size is not None and batch_size != rows:
+        raise TraceFieldError(
+            f"{field}.prompt_lengths", f"{rows} rows, but config.batch_size is {batch_size}"
+        )
 
 
 def _check_processors(spec: LogitsProcessorsSpec, vocab: int) -> None:

@@ -3,14 +3,16 @@ logged path), the claim it is scanned in, and the verdict of a group of them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import numpy as np
 
 from replay_audit.diff.deficit import TokenDeficits
 from replay_audit.engine.protocol import Intervention, Target
+from replay_audit.replays.domain import ResolvedArm
 from replay_audit.stats.verification import Calibration, Claim, GroupVerdict, verdict
 
 #: Worst tokens kept per trace for the report (largest deficits first).
@@ -23,10 +25,10 @@ SAMPLED_NOTE: Final = (
 
 
 def claim_target(logged: Target) -> Target:
-    """The configuration a trace claims, as the scan runs it: the logged body and head
-    formats and attention kernel, one row, no intervention (the deficits are the native
-    logits')."""
-    return Target(logged.dtype, logged.lm_head_dtype, logged.attn_kernel, 1, Intervention())
+    """The configuration a trace claims, as the scan runs it: the logged configuration (its
+    formats, attention kernel, weight storage and process switches), one row, no
+    intervention (the deficits are the native logits')."""
+    return replace(logged, batch_size=1, intervention=Intervention(), kv_cache=None)
 
 
 def claim_key(target: Target) -> Claim:
@@ -173,10 +175,15 @@ def evidence_json(e: TraceEvidence) -> dict[str, Any]:
     }
 
 
-def report_json(groups: Sequence[GroupReport], evidence: Sequence[TraceEvidence]) -> dict[str, Any]:
+def report_json(
+    groups: Sequence[GroupReport],
+    evidence: Sequence[TraceEvidence],
+    arms: Mapping[str, ResolvedArm] | None = None,
+) -> dict[str, Any]:
     """A verification as JSON: the overall verdict, the deciding group's figures at the top
     (the most suspicious: the largest score over threshold), every group, every trace's worst
-    tokens. What the CLI prints with --json and the service stores."""
+    tokens, and what each claim's scan ran (`arms`: its resolved arm, by claim label). What
+    the CLI prints with --json and the service stores."""
     out: dict[str, Any] = {"verdict": overall(groups)}
     if groups:
         top = max(
@@ -189,4 +196,7 @@ def report_json(groups: Sequence[GroupReport], evidence: Sequence[TraceEvidence]
     out["sampled"] = sum(g.sampled for g in groups)
     out["groups"] = [group_json(g) for g in groups]
     out["traces"] = [evidence_json(e) for e in evidence]
+    out["resolved"] = {
+        claim: json.loads(json.dumps(arm.to_json())) for claim, arm in (arms or {}).items()
+    }
     return out

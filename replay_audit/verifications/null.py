@@ -1,10 +1,10 @@
 """The benign null of a checkpoint on this scanning platform: traces generated from the
 checkpoint under benign numerical variations (formats, attention kernels, batch sizes, TP 2
-where two CUDA GPUs are owned: the screening sweep's configurations, loaded and run by its torch
-backend on the caller's engine pool), scanned in the claimed
-configuration here, and calibrated (`stats.verification.calibrate`) against the alternative a
-decision must detect: a 4-bit RTN (group 128) copy of the checkpoint. Workers and the CLI only
-(the torch backend loads engines)."""
+where two CUDA GPUs are owned: the screening sweep's configurations, each an arm of the replay
+pipeline (`load_arm`) on the caller's engine pool), scanned in the claimed configuration here,
+and calibrated (`stats.verification.calibrate`) against the alternative a decision must
+detect: a 4-bit RTN (group 128) copy of the checkpoint. Workers and the CLI only (the pool
+loads torch engines)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ import numpy as np
 from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import Target
 from replay_audit.replays.domain import LoggedTrace
+from replay_audit.replays.pipeline import load_arm
 from replay_audit.screenings.sweep.outputs import ScreenPrompt
 from replay_audit.screenings.sweep.plan import Platform, ScreenConfig, unavailable_reason
-from replay_audit.screenings.sweep.worker import TorchBackend
+from replay_audit.screenings.sweep.worker import TorchFacts
 from replay_audit.stats.verification import (
     BUDGETS,
     DEFAULT_FALSE_ALARM_RATE,
@@ -33,7 +34,7 @@ from replay_audit.stats.verification import (
     calibrate,
 )
 from replay_audit.verifications.domain import claim_key
-from replay_audit.verifications.scan import claim_engine, deficit_arrays, scan_evidence
+from replay_audit.verifications.scan import deficit_arrays, scan_evidence
 
 log = logging.getLogger(__name__)
 
@@ -65,21 +66,17 @@ def platform_key(platform: Platform, torch_version: str | None) -> PlatformKey:
 
 
 def generate(
-    backend: TorchBackend,
     config: ScreenConfig,
     prompts: Sequence[ScreenPrompt],
     max_new: int,
-    model_dir: Path | None = None,
+    pool: EnginePool,
+    model_dir: Path,
+    eos: Sequence[int],
 ) -> list[tuple[list[int], list[int]]]:
-    """Greedy generations (prompt, output) of `prompts` in `config` (on `model_dir`, else the
-    backend's checkpoint)."""
-    if model_dir is not None:
-        backend = TorchBackend(model_dir, backend.device)
-    backend.activate(config)
-    engine = backend.load(config)
-    eos = backend.eos_ids()
+    """Greedy generations (prompt, output) of `prompts` in `config`'s arm on `model_dir`."""
+    arm = load_arm(config.target(), pool, model_dir, tp_degree=config.tp_degree)
     return [
-        (list(p.token_ids), engine.decode(p.token_ids, max_new, eos).output_token_ids)
+        (list(p.token_ids), arm.decode(p.token_ids, max_new, eos, 2).output_token_ids)
         for p in prompts
     ]
 
@@ -87,15 +84,18 @@ def generate(
 def _scan(
     pairs: Sequence[tuple[list[int], list[int]]], claim: Target, pool: EnginePool, model_dir: Path
 ) -> list[np.ndarray]:
+    vocab = load_arm(claim, pool, model_dir).engine.vocab_size
     traces = [
         LoggedTrace.from_parts(
             external_id=None,
             weights_sha256="",
-            vocab_size=0,
+            vocab_size=vocab,
             config={
                 "dtype": claim.dtype,
                 "lm_head_dtype": claim.lm_head_dtype,
                 "attn_kernel": claim.attn_kernel,
+                "deterministic": claim.deterministic,
+                "tf32": claim.tf32,
             },
             decoding={"strategy": "greedy"},
             prompt_token_ids=p,
@@ -126,8 +126,9 @@ def benign_null(
     copy's generations in `claim` are the alternative."""
     from replay_audit.engine.testing import rtn_checkpoint
 
-    backend = TorchBackend(model_dir, device, pool=pool)
-    platform = backend.platform()
+    facts = TorchFacts(model_dir, device, devices=pool.devices)
+    platform = facts.platform()
+    eos = facts.eos_ids()
     chosen = list(variations or BENIGN_VARIATIONS)
     if variations is None:
         chosen += [*(CUDA_VARIATIONS if platform.device == "cuda" else ()), TP_VARIATION]
@@ -140,7 +141,7 @@ def benign_null(
             notes.append(f"benign variation {config.key} not run here{tp}: {why}")
             continue
         start = time.perf_counter()
-        pairs = generate(backend, config, prompts, max_new_tokens)
+        pairs = generate(config, prompts, max_new_tokens, pool, model_dir, eos)
         generated = time.perf_counter()
         null[config.key] = _scan(pairs, claim, pool, model_dir)
         log.info(
@@ -157,10 +158,9 @@ def benign_null(
     with tempfile.TemporaryDirectory(prefix="rtn4-") as tmp:
         rtn = rtn_checkpoint(model_dir, Path(tmp), bits=4, group_size=128)
         alt = _scan(
-            generate(backend, claimed, prompts, max_new_tokens, rtn), claim, pool, model_dir
+            generate(claimed, prompts, max_new_tokens, pool, rtn, eos), claim, pool, model_dir
         )
-    engine = claim_engine(pool, model_dir, claim)
-    env = engine.environment()
+    env = load_arm(claim, pool, model_dir).engine.environment()
     cal = calibrate(
         null,
         alt,

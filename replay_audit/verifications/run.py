@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replay_audit.engine.pool import EnginePool
-from replay_audit.replays.domain import LoggedTrace
+from replay_audit.replays.domain import LoggedTrace, ResolvedArm
 from replay_audit.stats.verification import Calibration, Claim
 from replay_audit.verifications.domain import (
     GroupReport,
@@ -31,6 +31,8 @@ class Verification:
     groups: list[GroupReport]
     evidence: list[TraceEvidence]
     calibrations: list[Calibration]
+    #: What each claim's scan ran (`ResolvedArm`), by claim label.
+    arms: dict[str, ResolvedArm]
 
 
 def verify(
@@ -44,7 +46,8 @@ def verify(
 ) -> Verification:
     """Each group's verdict (`group_of[i]`: trace i's group; one group "all" by default), split
     by the configuration its traces claim: each claim has its own null."""
-    evidence = scan_evidence(traces, pool, model_dir, ids=names)
+    arms: dict[str, ResolvedArm] = {}
+    evidence = scan_evidence(traces, pool, model_dir, ids=names, arms=arms)
     labels = list(group_of) if group_of is not None else ["all"] * len(traces)
     members: dict[tuple[str, str], list[int]] = {}
     claims: dict[str, Claim] = {}
@@ -60,4 +63,4 @@ def verify(
             cals[key] = calibration_for(claims[key])
         name = key if label == "all" else f"{label} · {key}"
         groups.append(judge_group(name, [evidence[i] for i in idx], cals[key]))
-    return Verification(groups, evidence, list(cals.values()))
+    return Verification(groups, evidence, list(cals.values()), arms)

@@ -1,7 +1,8 @@
 """The evidence of logged traces: each scanned in the configuration it claims, on a checkpoint,
-several traces per forward (`Engine.scan_batch`), the deficits of its logged tokens computed
-from the scan's native logits. Torch-free itself: engines come from an `EnginePool` (workers and
-the CLI only)."""
+several traces per forward (`pipeline.Arm.scan_batch`), the deficits of its logged tokens
+computed from the scan's native logits. The claim's arm is resolved by the replay pipeline
+(`resolve_arm`, as every replay's), so what the scan ran is recorded as a replay's is.
+Torch-free itself: engines come from an `EnginePool` (workers and the CLI only)."""
 
 from __future__ import annotations
 
@@ -13,24 +14,19 @@ import numpy as np
 
 from replay_audit.diff.deficit import token_deficits
 from replay_audit.engine.pool import EnginePool
-from replay_audit.engine.protocol import DEFAULT_SCAN_TOKEN_BUDGET, Engine, ScanItem, Target
-from replay_audit.exceptions import EngineError
-from replay_audit.replays.domain import LoggedTrace
-from replay_audit.verifications.domain import TraceEvidence, claim_target, worst_tokens
+from replay_audit.engine.protocol import DEFAULT_SCAN_TOKEN_BUDGET, ScanItem, Target
+from replay_audit.exceptions import ReplayAuditError
+from replay_audit.replays.domain import LoggedTrace, ResolvedArm, RunTarget
+from replay_audit.replays.pipeline import resolve_arm
+from replay_audit.verifications.domain import (
+    TraceEvidence,
+    claim_key,
+    claim_label,
+    claim_target,
+    worst_tokens,
+)
 
 log = logging.getLogger(__name__)
-
-
-def claim_engine(pool: EnginePool, model_dir: Path, claim: Target) -> Engine:
-    """The engine of `claim` on `model_dir`; a kernel that cannot run here falls back to the
-    engine's default (the scan's environment records which ran)."""
-    try:
-        return pool.get(model_dir, claim)
-    except EngineError:
-        if claim.attn_kernel is None:
-            raise
-        fallback = Target(claim.dtype, claim.lm_head_dtype, None, 1, claim.intervention)
-        return pool.get(model_dir, fallback)
 
 
 def scan_evidence(
@@ -40,9 +36,13 @@ def scan_evidence(
     *,
     ids: Sequence[str | None] | None = None,
     token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
+    arms: dict[str, ResolvedArm] | None = None,
 ) -> list[TraceEvidence]:
     """Each trace's evidence, in order: greedy traces grouped by their claimed configuration
-    and scanned in it, a batch per claim; sampled traces set apart unscanned."""
+    and scanned in its arm (`resolve_arm` against the group's first trace; a kernel that
+    cannot run here falls back to the engine's default, and the arm says so), a batch per
+    claim; sampled traces set apart unscanned. `arms`, where given, receives each claim's
+    resolved arm by its label (`claim_label`)."""
     names = list(ids) if ids is not None else [t.external_id for t in traces]
     out: list[TraceEvidence | None] = [None] * len(traces)
     by_claim: dict[Target, list[int]] = {}
@@ -55,7 +55,9 @@ def scan_evidence(
             by_claim.setdefault(claim_target(trace.config), []).append(i)
     for claim, members in by_claim.items():
         try:
-            engine = claim_engine(pool, model_dir, claim)
+            arm = resolve_arm(traces[members[0]], RunTarget(claim), pool, model_dir)
+            if arms is not None:
+                arms[claim_label(claim_key(claim))] = arm.resolved
             # A trace's logits processors are part of the computation its tokens came from.
             items = [
                 ScanItem(
@@ -65,13 +67,13 @@ def scan_evidence(
                 )
                 for i in members
             ]
-            runs = engine.scan_batch(items, claim.intervention, 2, token_budget=token_budget)
-        except (EngineError, RuntimeError, ValueError) as e:
+            runs = arm.scan_batch(items, 2, token_budget)
+        except (ReplayAuditError, RuntimeError, ValueError) as e:
             log.exception("scan of %d traces in %s failed", len(members), claim)
             for i in members:
                 out[i] = TraceEvidence(names[i], None, error=str(e)[:200])
             continue
-        head = engine.environment()["lm_head_dtype"]
+        head = arm.resolved.lm_head_dtype
         for i, run in zip(members, runs, strict=True):
             if run.evidence is None:
                 out[i] = TraceEvidence(names[i], None, error="the engine measured no evidence")

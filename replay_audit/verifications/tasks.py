@@ -26,14 +26,14 @@ from replay_audit.db.job_row import claim_attempt, fail_row
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.engine.pool import EnginePool
 from replay_audit.exceptions import EngineError, ReplayAuditError
-from replay_audit.replays.checkpoint import ModelNotFound, find_checkpoint
 from replay_audit.replays.repository import logged_trace
-from replay_audit.replays.tasks import worker_context
 from replay_audit.stats.verification import CALIBRATION_VERSION, Calibration, Claim, PlatformKey
 from replay_audit.verifications import repository
 from replay_audit.verifications.domain import claimed_target, report_json
 from replay_audit.verifications.models import Verification, VerificationCalibration
 from replay_audit.verifications.schemas import VerificationCreate
+from replay_audit.worker.checkpoint import ModelNotFound, find_checkpoint
+from replay_audit.worker.context import worker_context
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +91,13 @@ def measure_null(
 ) -> Calibration:
     """The benign null of `claim` on this worker (`null.benign_null` on `shape`'s prompts)."""
     from replay_audit.screenings.sweep.outputs import PromptRow
-    from replay_audit.screenings.sweep.worker import TorchBackend
+    from replay_audit.screenings.sweep.worker import TorchFacts
     from replay_audit.verifications.null import benign_null
 
     rows: list[PromptRow] = [
         {"id": f"null-{i}", "prompt": text} for i, text in enumerate(shape.prompts)
     ]
-    prompts = TorchBackend(model_dir, device).prompts(rows)
+    prompts = TorchFacts(model_dir, device).prompts(rows)
     return benign_null(
         model_dir,
         claimed_target(claim),
@@ -114,12 +114,13 @@ def scanning_platform(
 ) -> PlatformKey:
     """This worker's platform as a calibration names it (`null.platform_key`), its GPUs
     counted as its pool owns them (as `benign_null` counts them)."""
-    from replay_audit.screenings.sweep.worker import TorchBackend
+    from replay_audit.replays.pipeline import load_arm
+    from replay_audit.screenings.sweep.worker import TorchFacts
     from replay_audit.verifications.null import platform_key
-    from replay_audit.verifications.scan import claim_engine
 
-    env = claim_engine(pool, model_dir, claimed_target(claim)).environment()
-    return platform_key(TorchBackend(model_dir, device, pool=pool).platform(), env["torch_version"])
+    env = load_arm(claimed_target(claim), pool, model_dir).engine.environment()
+    facts = TorchFacts(model_dir, device, devices=pool.devices)
+    return platform_key(facts.platform(), env["torch_version"])
 
 
 #: How the jobs run in the current context measure a null (a test binds a smaller one).
@@ -251,11 +252,12 @@ def run_verification_job(verification_id: int, database_url: str | None = None) 
         log.exception("verification %d failed", verification_id)
         fail_row(url, Verification, verification_id, f"{type(e).__name__}: {e}")
         return
-    report = report_json(result.groups, result.evidence)
+    report = report_json(result.groups, result.evidence, result.arms)
     scanning = calibrations.used[0][2] if calibrations.used else None
     report["scanning_platform"] = scanning
     report["claimed_platforms"] = claimed
     report["calibrations"] = [calibration_json(c, reused) for c, reused, _ in calibrations.used]
+
     if len(kept) < len(ids):
         report["missing_traces"] = len(ids) - len(kept)
     with session_scope(url) as s:

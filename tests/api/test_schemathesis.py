@@ -22,7 +22,7 @@ import pytest
 from replay_audit.api.app import create_app
 from replay_audit.config import Settings
 from replay_audit.engine import EnginePool
-from replay_audit.replays import tasks as jobs
+from replay_audit.worker import context
 from tests.api.conftest import ServeApp
 from tests.conftest import ApiKeyFactory
 from tests.replays.conftest import fake_loader
@@ -38,12 +38,12 @@ MAX_EXAMPLES = 15
 def served(settings: Settings, serve: ServeApp) -> Iterator[tuple[str, int]]:
     """The app behind uvicorn; the replays the fuzzer starts run on the test database with
     fake engines (they fail: no checkpoint has the fuzzer's weights_sha256)."""
-    jobs.install_worker_context(jobs.WorkerContext(settings, EnginePool(loader=fake_loader)))
+    context.install_worker_context(context.WorkerContext(settings, EnginePool(loader=fake_loader)))
     try:
         with serve(create_app(settings)) as address:
             yield address
     finally:
-        jobs.install_worker_context(None)
+        context.install_worker_context(None)
 
 
 @pytest.mark.slow
@@ -53,22 +53,37 @@ def test_the_api_conforms_to_its_openapi_document(
     host, port = served
     command = [
         str(Path(sys.executable).with_name("st")),
-        "--config-file", str(CONFIG),
-        "run", f"http://{host}:{port}/openapi.json",
-        "--checks", "all",
-        "--header", f"X-API-Key: {api_key('admin')}",
-        "--seed", str(SEED),
-        "--max-examples", str(MAX_EXAMPLES),
-        "--max-time", str(MAX_TIME_S),
-        "--workers", "1",
+        "--config-file",
+        str(CONFIG),
+        "run",
+        f"http://{host}:{port}/openapi.json",
+        "--checks",
+        "all",
+        "--header",
+        f"X-API-Key: {api_key('admin')}",
+        "--seed",
+        str(SEED),
+        "--max-examples",
+        str(MAX_EXAMPLES),
+        "--max-time",
+        str(MAX_TIME_S),
+        "--workers",
+        "1",
         "--continue-on-failure",
-        "--generation-database", "none",
-        "--report-dir", str(tmp_path),
+        "--generation-database",
+        "none",
+        "--report-dir",
+        str(tmp_path),
     ]
     environment = os.environ | {"NO_COLOR": "1", "SCHEMATHESIS_TELEMETRY": "false"}
     run = subprocess.run(
-        command, capture_output=True, text=True, timeout=MAX_TIME_S * 6, env=environment,
-        cwd=tmp_path, check=False,
+        command,
+        capture_output=True,
+        text=True,
+        timeout=MAX_TIME_S * 6,
+        env=environment,
+        cwd=tmp_path,
+        check=False,
     )
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-20_000:]

@@ -15,10 +15,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from replay_audit.db.unit_of_work import session_scope
-from replay_audit.replays.checkpoint import ModelNotFound
 from replay_audit.replays.models import ReplayRun
 from replay_audit.verifications import tasks as verification_tasks
 from replay_audit.verifications.models import Verification
+from replay_audit.worker.checkpoint import ModelNotFound
 from tests.audits.conftest import PROMPTS, HoldingRunner, ingest, schedule_body
 from tests.ui.conftest import settings as settings  # fixture: the session secret
 from tests.ui.conftest import ui_client as ui_client  # fixture

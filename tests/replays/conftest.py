@@ -26,7 +26,7 @@ from replay_audit.db.unit_of_work import session_scope
 from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
 from replay_audit.queue import JobSpec
 from replay_audit.queue.runner import resolve
-from replay_audit.replays import tasks as jobs
+from replay_audit.worker import context
 from tests.conftest import RedisNamespace, empty_all_tables
 
 VOCAB = 97
@@ -120,9 +120,9 @@ def worker_env(
     monkeypatch.setenv("REPLAY_AUDIT_MODEL_DIRS", str(fake_model_dir))
     fake_pool = EnginePool(loader=fake_loader)
     settings = Settings(_env_file=None)  # type: ignore[call-arg]  # from the env set above
-    jobs.install_worker_context(jobs.WorkerContext(settings, fake_pool))
+    context.install_worker_context(context.WorkerContext(settings, fake_pool))
     yield fake_pool
-    jobs.install_worker_context(None)
+    context.install_worker_context(None)
 
 
 @pytest.fixture

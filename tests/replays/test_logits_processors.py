@@ -25,7 +25,7 @@ from fastapi.testclient import TestClient
 from replay_audit.config import BUNDLED_MODEL_DIR, Settings
 from replay_audit.engine import EnginePool
 from replay_audit.engine.protocol import LogitsProcessors
-from replay_audit.replays import tasks as jobs
+from replay_audit.worker import context
 from tests.replays.conftest import HoldingRunner, all_results, ingest, run_to_done
 from tests.ui.conftest import sign_in
 
@@ -50,9 +50,9 @@ def torch_worker(
     monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", db_url)
     monkeypatch.setenv("REPLAY_AUDIT_MODEL_DIRS", str(BUNDLED_MODEL_DIR))
     settings = Settings(_env_file=None)  # type: ignore[call-arg]  # from the env set above
-    jobs.install_worker_context(jobs.WorkerContext(settings, pool))
+    context.install_worker_context(context.WorkerContext(settings, pool))
     yield pool
-    jobs.install_worker_context(None)
+    context.install_worker_context(None)
 
 
 @cache

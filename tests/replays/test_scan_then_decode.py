@@ -28,10 +28,10 @@ from fastapi.testclient import TestClient
 
 from replay_audit.config import Settings, get_settings
 from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
-from replay_audit.replays import tasks as jobs
 from replay_audit.replays.domain import ControlSample, resolve_mode
 from replay_audit.stats.proportion import wilson_interval
 from replay_audit.stats.report import ComparisonInput, ResultFigures, screening_report
+from replay_audit.worker import context
 from tests.replays.conftest import HoldingRunner, all_results, ingest
 from tests.ui.conftest import SESSION_SECRET, sign_in
 
@@ -99,9 +99,9 @@ def engines(monkeypatch: pytest.MonkeyPatch, db_url: str, fake_model_dir: Path) 
         return LOADED[-1]
 
     pool = EnginePool(loader=recording)
-    jobs.install_worker_context(jobs.WorkerContext(get_settings(), pool))
+    context.install_worker_context(context.WorkerContext(get_settings(), pool))
     yield
-    jobs.install_worker_context(None)
+    context.install_worker_context(None)
     KINDS.clear()
     LOADED.clear()
 

@@ -43,10 +43,10 @@ from replay_audit.cli import app as cli
 from replay_audit.config import Settings, get_settings
 from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
 from replay_audit.formats import CATEGORIES
-from replay_audit.replays import tasks as jobs
 from replay_audit.stats import mcnemar_exact, paired_bootstrap_lift, proportion
 from replay_audit.traces.schemas import TraceCreate
 from replay_audit.ui.templating import NONE, num, pct, pp, pvalue
+from replay_audit.worker import context
 from tests.replays.conftest import HoldingRunner, all_results, ingest
 from tests.ui.conftest import SESSION_SECRET, sign_in
 
@@ -315,9 +315,9 @@ def planned_engines(
     monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", db_url)
     monkeypatch.setenv("REPLAY_AUDIT_MODEL_DIRS", str(fake_model_dir))
     pool = EnginePool(loader=planned_engine)
-    jobs.install_worker_context(jobs.WorkerContext(get_settings(), pool))
+    context.install_worker_context(context.WorkerContext(get_settings(), pool))
     yield pool
-    jobs.install_worker_context(None)
+    context.install_worker_context(None)
     PLANS.clear()
 
 

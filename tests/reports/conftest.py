@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 
 from replay_audit.config import Settings
 from replay_audit.engine import EnginePool, FakeEngine, Target
-from replay_audit.replays import tasks as jobs
+from replay_audit.worker import context
 from tests.replays.conftest import (  # noqa: F401  (fixtures)
     VOCAB,
     HoldingRunner,
@@ -68,9 +68,9 @@ def worker_env(
     monkeypatch.setenv("REPLAY_AUDIT_MODEL_DIRS", str(fake_model_dir))
     pool = EnginePool(loader=talking_loader)
     settings = Settings(_env_file=None)  # type: ignore[call-arg]  # from the env set above
-    jobs.install_worker_context(jobs.WorkerContext(settings, pool))
+    context.install_worker_context(context.WorkerContext(settings, pool))
     yield pool
-    jobs.install_worker_context(None)
+    context.install_worker_context(None)
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from fastapi.testclient import TestClient
 
 from replay_audit.config import BUNDLED_MODEL_DIR
 from replay_audit.engine import FakeEngine
-from replay_audit.replays.checkpoint import CheckpointIndex
 from replay_audit.screenings import tasks
 from replay_audit.screenings.sweep.outputs import ScreenPrompt
 from replay_audit.screenings.sweep.plan import Platform, ScreenConfig
+from replay_audit.worker.checkpoint import CheckpointIndex
 from tests.replays.conftest import (  # noqa: F401  (fixtures)
     HoldingRunner,
     fake_model_dir,

@@ -17,11 +17,11 @@ from fastapi.testclient import TestClient
 
 from replay_audit.config import BUNDLED_MODEL_DIR, Settings
 from replay_audit.engine import EnginePool, Intervention, Target
-from replay_audit.replays import tasks as replay_tasks
 from replay_audit.screenings.sweep.plan import ScreenConfig
 from replay_audit.screenings.sweep.worker import TorchBackend
 from replay_audit.stats.verification import Calibration
 from replay_audit.verifications import tasks
+from replay_audit.worker import context
 from tests.replays.conftest import HoldingRunner
 
 PROMPTS = Path(BUNDLED_MODEL_DIR).parent / "prompts.jsonl"
@@ -126,10 +126,10 @@ def measured(
     monkeypatch.setenv("REPLAY_AUDIT_VERIFY_NULL_PROMPTS", str(NULL_PROMPTS))
     monkeypatch.setenv("REPLAY_AUDIT_VERIFY_NULL_MAX_NEW_TOKENS", str(NULL_MAX_NEW_TOKENS))
     settings = Settings(_env_file=None)  # type: ignore[call-arg]
-    replay_tasks.install_worker_context(replay_tasks.WorkerContext(settings, verify_pool))
+    context.install_worker_context(context.WorkerContext(settings, verify_pool))
     claims: list[dict[str, Any]] = []
     yield claims
-    replay_tasks.install_worker_context(None)
+    context.install_worker_context(None)
     tasks.install_null_measure(None)
 
 

@@ -21,6 +21,7 @@ from replay_audit.replays import tasks as replay_tasks
 from replay_audit.stats.verification import Calibration
 from replay_audit.verifications import tasks
 from replay_audit.verifications.models import Verification, VerificationCalibration
+from replay_audit.worker import context
 from tests.factories import make_trace
 from tests.replays.conftest import HoldingRunner
 from tests.ui.conftest import settings as settings  # fixture: the session secret
@@ -71,7 +72,7 @@ def test_a_stored_calibration_of_an_older_method_or_another_shape_is_measured_ag
     def worker_settings(**env: str) -> None:
         ctx = replay_tasks.worker_context()
         settings = ctx.settings.model_copy(update=env)
-        replay_tasks.install_worker_context(replay_tasks.WorkerContext(settings, ctx.pool))
+        context.install_worker_context(context.WorkerContext(settings, ctx.pool))
 
     worker_settings(verify_null_prompts=6)  # type: ignore[arg-type]
     fourth = _verify(client, admin, job_runner, filter={"tag": "honest"})["report"]

@@ -23,6 +23,7 @@ from replay_audit.screenings.sweep.density import (
 from replay_audit.screenings.sweep.outputs import (
     Probe,
     RunOutput,
+    ScreenOutputs,
     ScreenPrompt,
     first_divergence_of,
 )
@@ -38,7 +39,6 @@ from replay_audit.screenings.sweep.report import (
     TauCalibrationRead,
     TriggerDensityRead,
 )
-from replay_audit.screenings.sweep.runner import ScreenOutputs
 from replay_audit.screenings.sweep.tier import choose_tier
 from replay_audit.stats.report import (
     ComparisonInput,

@@ -177,3 +177,15 @@ def _floats(a: npt.ArrayLike) -> list[JsonValue]:
 def _array(xs: JsonValue) -> FloatArray:
     values = (as_optional_float(x) for x in as_list(xs))
     return np.asarray([math.nan if x is None else x for x in values], dtype=np.float64)
+
+
+class ScreenOutputs:
+    """What a screening produced: run outputs by run key, probes by comparison name, the
+    configurations that could not be loaded here (key → reason: not available) and those that
+    loaded but failed to run (key → error: failed)."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, RunOutput] = {}
+        self.probes: dict[str, dict[int, Probe]] = {}
+        self.unavailable: dict[str, str] = {}
+        self.failed: dict[str, str] = {}

@@ -1,9 +1,11 @@
 """What a screening runs: the reference configuration, the knobs changed one at a time, the
 head-vs-body pair, and which configurations this platform cannot run (with the reason). Pure.
 
-    ScreenConfig   one numerical configuration: the engine `Target`'s fields plus the load-time
-                   settings a knob may change (weight storage, deterministic, TF32, KV cache,
-                   tensor-parallel degree).
+    ScreenConfig   one numerical configuration: the engine `Target`'s fields (the load-time
+                   settings and process switches a knob may change: weight storage,
+                   deterministic, TF32, SDPA backend, KV cache, FP8 linear layers) and the
+                   tensor-parallel degree; `target()` is what the replay pipeline loads
+                   (`replays.pipeline.load_arm`, as every arm is).
     KnobValue      one value of a knob: its configuration, or why it is not available here.
     Knob           a knob and its values (the reference's own value is not repeated).
     Platform       the device the screening runs on and what it supports.
@@ -38,6 +40,9 @@ from replay_audit.formats import (
     Device,
     HeadDType,
     SdpaBackendName,
+    body_dtype,
+    head_dtype,
+    sdpa_backend_name,
 )
 from replay_audit.json_value import JsonObject, JsonValue
 
@@ -65,15 +70,17 @@ ScreenIntervention = Literal["none", "C"]
 @dataclass(frozen=True)
 class ScreenConfig:
     """A numerical configuration of the screening. `lm_head_dtype` None: the body's;
-    `weight_dtype` None: stored as computed (`dtype`); `fp8_linear`: every linear layer of the
-    body in FP8 (the paper's end-to-end FP8 boundary case)."""
+    `weight_dtype` None: stored as computed (`dtype`); `deterministic`, `tf32`: torch's
+    switches during the configuration's probes (the reference: torch's defaults, as a plain
+    deployment runs; the knobs turn each on); `fp8_linear`: every linear layer of the body in
+    FP8 (the paper's end-to-end FP8 boundary case)."""
 
     dtype: BodyDType
     lm_head_dtype: HeadDType | None = None
     weight_dtype: BodyDType | None = None
     attn_kernel: str = DEFAULT_ATTN_KERNEL
     batch_size: int = 1
-    deterministic: bool = True
+    deterministic: bool = False
     tf32: bool = False
     kv_cache: CacheKind = "piecewise"
     fp8_linear: bool = False
@@ -129,13 +136,37 @@ class ScreenConfig:
         return "_".join(parts)
 
     def target(self, intervention: Intervention | None = None) -> Target:
-        """The engine `Target` of this configuration."""
+        """The engine `Target` of this configuration: every knob of it (the TP degree is the
+        pipeline's `tp_degree`)."""
         return Target(
             self.dtype,
             self.lm_head_dtype,
             self.attn_kernel,
             self.batch_size,
             intervention or Intervention(),
+            weight_dtype=self.weight_dtype,
+            deterministic=self.deterministic,
+            tf32=self.tf32,
+            sdpa_backend=self.sdpa_backend,
+            kv_cache=self.kv_cache,
+            fp8_linear=self.fp8_linear,
+        )
+
+    @classmethod
+    def of_target(cls, target: Target, tp_degree: int = 1) -> ScreenConfig:
+        """The configuration whose `target()` is `target` (less its intervention)."""
+        return cls(
+            body_dtype(target.dtype) or "fp32",
+            head_dtype(target.lm_head_dtype),
+            body_dtype(target.weight_dtype) if target.weight_dtype is not None else None,
+            attn_kernel=target.attn_kernel or DEFAULT_ATTN_KERNEL,
+            batch_size=target.batch_size,
+            deterministic=bool(target.deterministic),
+            tf32=bool(target.tf32),
+            kv_cache=target.kv_cache or "piecewise",
+            fp8_linear=target.fp8_linear,
+            sdpa_backend=sdpa_backend_name(target.sdpa_backend),
+            tp_degree=tp_degree,
         )
 
     def to_json(self) -> JsonObject:

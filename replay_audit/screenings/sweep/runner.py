@@ -1,8 +1,9 @@
-"""Running a screening: each configuration loaded once, every prompt decoded once per run, the
-divergent prompts of each comparison probed while both arms' engines are loaded, everything
-stored as it is produced (so a stopped screening resumes where it was). Torch-free: engines
-come from a `Backend` through the `Engine` protocol (the torch backend is
-`screening/worker.py`; tests pass fakes).
+"""Running a screening: each configuration's arm resolved once (`replays.pipeline.load_arm`,
+as every replay's arm), every prompt decoded once per run, the divergent prompts of each
+comparison probed while both arms' engines are loaded, everything stored as it is produced (so
+a stopped screening resumes where it was). Torch-free: engines come from an `EnginePool` (a
+worker's or the CLI's; tests give one a fake loader, the one engine seam), and every probe goes
+through the arm (`pipeline.Arm`): its whole computation, switches and intervention included.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ from typing import Final, Protocol
 
 import numpy as np
 
-from replay_audit.engine.protocol import Engine, HiddenStates, Intervention
+from replay_audit.engine.pool import EnginePool
+from replay_audit.engine.protocol import HiddenStates
 from replay_audit.exceptions import EngineError, ReplayAuditError, UnsupportedFormat
 from replay_audit.json_value import JsonObject, as_int, as_object
+from replay_audit.replays.pipeline import Arm, load_arm
 from replay_audit.screenings.sweep.outputs import (
     Probe,
     PromptDecode,
     RunOutput,
+    ScreenOutputs,
     ScreenPrompt,
     first_divergence_of,
     hidden_gap,
@@ -35,21 +39,6 @@ ENGINE_FAILURES: Final = (RuntimeError, ValueError, MemoryError, EngineError)
 
 #: progress(done, total, what): called after each unit of work (a decode or a probe).
 Progress = Callable[[int, int, str], None]
-
-
-class Backend(Protocol):
-    """Where a screening's engines come from."""
-
-    def load(self, config: ScreenConfig) -> Engine:
-        """The checkpoint in `config` (raises `UnsupportedFormat` where it cannot run here)."""
-        ...
-
-    def activate(self, config: ScreenConfig) -> None:
-        """Set the process-wide numerical flags of `config` (deterministic, TF32) before its
-        engine is used: another configuration's load may have changed them."""
-        ...
-
-    def eos_ids(self) -> list[int]: ...
 
 
 class Store(Protocol):
@@ -119,18 +108,6 @@ class MemoryStore:
         return [v for k, v in self.values.items() if k.startswith(prefix)]
 
 
-class ScreenOutputs:
-    """What a screening produced: run outputs by run key, probes by comparison name, the
-    configurations that could not be loaded here (key → reason: not available) and those that
-    loaded but failed to run (key → error: failed)."""
-
-    def __init__(self) -> None:
-        self.runs: dict[str, RunOutput] = {}
-        self.probes: dict[str, dict[int, Probe]] = {}
-        self.unavailable: dict[str, str] = {}
-        self.failed: dict[str, str] = {}
-
-
 def _run_key(run: Run) -> str:
     """A finished run: its environment and prompt count (its decodes are stored per prompt)."""
     return f"run/{run.key}"
@@ -193,7 +170,7 @@ def load_outputs(plan: SweepPlan, store: Store, n_prompts: int) -> ScreenOutputs
 
 
 def decode_run(
-    engine: Engine,
+    arm: Arm,
     plan: SweepPlan,
     run: Run,
     prompts: Sequence[ScreenPrompt],
@@ -203,15 +180,14 @@ def decode_run(
     done: dict[int, PromptDecode] | None = None,
     save: Callable[[int, PromptDecode], None] = lambda i, d: None,
 ) -> RunOutput:
-    """Every prompt decoded once in `run`: those in `done` (by index) are taken as they are,
-    each other one is decoded and handed to `save` at once."""
-    iv = plan.intervention(run.intervention)
+    """Every prompt decoded once in `run`'s arm: those in `done` (by index) are taken as they
+    are, each other one is decoded and handed to `save` at once."""
     decodes = []
     for i, p in enumerate(prompts):
         if done is not None and i in done:
             decodes.append(done[i])
             continue
-        r = engine.decode(list(p.token_ids), plan.max_new_tokens, eos, iv, plan.top_k)
+        r = arm.decode(list(p.token_ids), plan.max_new_tokens, eos, plan.top_k)
         s = r.steps
         d = PromptDecode(
             output_ids=tuple(int(x) for x in r.output_token_ids),
@@ -223,30 +199,29 @@ def decode_run(
         save(i, d)
         decodes.append(d)
         tick(f"decode {run.key}")
-    # The engine's numerical environment, and every knob of the screening's configuration
-    # (some, such as the SDPA backend, are process settings the engine does not report).
-    # Stored as JSON: taken through it here, so the output is what a resumed screening reads.
-    recorded = {**engine.environment(), "screening_config": run.config.to_json()}
+    # The engine's numerical environment, the configuration's knobs, and the arm resolved
+    # from them (what ran: `replays.domain.ResolvedArm`). Stored as JSON: taken through it
+    # here, so the output is what a resumed screening reads.
+    recorded = {
+        **arm.engine.environment(),
+        "screening_config": run.config.to_json(),
+        "resolved": arm.resolved.to_json(),
+    }
     environment: JsonObject = json.loads(json.dumps(recorded))
     return RunOutput(run.key, environment, tuple(decodes))
 
 
 def probe_comparison(
-    spec: ComparisonSpec,
-    engine_a: Engine,
-    engine_b: Engine,
+    arm_a: Arm,
+    arm_b: Arm,
     out_a: RunOutput,
     out_b: RunOutput,
     prompts: Sequence[ScreenPrompt],
-    interventions: tuple[Intervention, Intervention],
     top_k: int,
-    activate: Callable[[ScreenConfig], None] = lambda _: None,
 ) -> dict[int, Probe]:
-    """Each divergent prompt's single-step re-run at t* in both configurations, each with its
-    run's intervention (`interventions`: arm A's, arm B's), and the hidden-state gap along the
-    shared prefix y<t* (from-scratch forwards, no decode). `activate(config)` runs before each
-    engine's forwards (its process-wide flags)."""
-    iv_a, iv_b = interventions
+    """Each divergent prompt's single-step re-run at t* in both arms (each with its whole
+    computation, its run's intervention included), and the hidden-state gap along the shared
+    prefix y<t* (from-scratch forwards, no decode)."""
     probes: dict[int, Probe] = {}
     for i, p in enumerate(prompts):
         da, db = out_a.decodes[i], out_b.decodes[i]
@@ -255,12 +230,10 @@ def probe_comparison(
             continue
         prompt = list(p.token_ids)
         prefix = list(da.output_ids[:t])
-        activate(spec.a.config)
-        ra = engine_a.step(prompt, prefix, iv_a, top_k)
-        h_a = engine_a.hidden_states(prompt, prefix) if isinstance(engine_a, HiddenStates) else None
-        activate(spec.b.config)
-        rb = engine_b.step(prompt, prefix, iv_b, top_k)
-        h_b = engine_b.hidden_states(prompt, prefix) if isinstance(engine_b, HiddenStates) else None
+        ra = arm_a.step(prompt, prefix, top_k, arm_a.layout)
+        rb = arm_b.step(prompt, prefix, top_k, arm_b.layout)
+        h_a = _hidden(arm_a, prompt, prefix)
+        h_b = _hidden(arm_b, prompt, prefix)
         gated = tuple(
             s
             for s in range(t + 1)
@@ -276,21 +249,32 @@ def probe_comparison(
     return probes
 
 
+def _hidden(arm: Arm, prompt: list[int], prefix: list[int]) -> np.ndarray | None:
+    engine = arm.engine
+    return engine.hidden_states(prompt, prefix) if isinstance(engine, HiddenStates) else None
+
+
 def run_screening(
     plan: SweepPlan,
     prompts: Sequence[ScreenPrompt],
-    backend: Backend,
+    pool: EnginePool,
+    model_dir: Path,
+    eos: Sequence[int],
     store: Store,
     *,
     progress: Progress | None = None,
+    worker_kind: str | None = None,
 ) -> ScreenOutputs:
-    """Produce (or resume) every run and probe of `plan`, storing each as it is done.
+    """Produce (or resume) every run and probe of `plan` on the checkpoint in `model_dir`,
+    storing each as it is done. Each run's arm is resolved once by the replay pipeline
+    (`load_arm`: its configuration's `target()` with the run's intervention, at its TP degree,
+    from `pool`), on a worker of kind `worker_kind`.
 
     The anchors (arm A of some comparison: the reference, the pair's arm A) are decoded first
     and stay loaded; every other configuration is then loaded once, decoded, its comparisons
-    probed against the loaded anchor, and unloaded. A
-    configuration whose load raises `UnsupportedFormat` is recorded as unavailable (with the
-    reason), not failed."""
+    probed against the loaded anchor, and let go (the pool keeps the engines it is sized
+    for). A configuration whose load raises `UnsupportedFormat` is recorded as unavailable
+    (with the reason), not failed."""
     fingerprint = plan.fingerprint([p.token_ids for p in prompts])
     meta = store.get("plan")
     if meta is not None and meta.get("fingerprint") != fingerprint:
@@ -320,34 +304,40 @@ def run_screening(
         if progress is not None:
             progress(done, total, what)
 
-    engines: dict[str, Engine] = {}
+    arms: dict[str, Arm] = {}
 
-    def engine_of(config: ScreenConfig) -> Engine | None:
+    def arm_of(run: Run) -> Arm | None:
+        config = run.config
         if config.key in out.unavailable or config.key in out.failed:
             return None
-        if config.key not in engines:
+        if run.key not in arms:
+            target = config.target(plan.intervention(run.intervention))
             try:
-                engines[config.key] = backend.load(config)
+                arms[run.key] = load_arm(
+                    target, pool, model_dir, tp_degree=config.tp_degree, worker_kind=worker_kind
+                )
             except UnsupportedFormat as e:
                 out.unavailable[config.key] = e.message
                 store.put("unavailable", dict(out.unavailable))
                 return None
-        backend.activate(config)
-        return engines[config.key]
-
-    eos = backend.eos_ids()
+        return arms[run.key]
 
     def fail(config: ScreenConfig, exc: BaseException) -> None:
         out.failed[config.key] = f"{type(exc).__name__}: {exc}"[:500]
         store.put("failed", dict(out.failed))
-        engines.pop(config.key, None)
+        for run in (r for r in runs if r.config.key == config.key):
+            arms.pop(run.key, None)
 
     def decode_config(config: ScreenConfig) -> None:
         for run in (r for r in runs if r.config.key == config.key):
             if run.key in out.runs:
                 continue
-            engine = engine_of(config)
-            if engine is None:
+            try:
+                arm = arm_of(run)
+            except ENGINE_FAILURES as e:  # it loads here, but fails (a kernel, memory)
+                fail(config, e)
+                return
+            if arm is None:
                 return
 
             def save(i: int, d: PromptDecode, run: Run = run) -> None:
@@ -357,7 +347,7 @@ def run_screening(
 
             try:
                 result = decode_run(
-                    engine, plan, run, prompts, eos, tick, done=partial.get(run.key), save=save
+                    arm, plan, run, prompts, eos, tick, done=partial.get(run.key), save=save
                 )
             except ENGINE_FAILURES as e:  # this configuration fails here: say why, go on
                 fail(config, e)
@@ -373,20 +363,17 @@ def run_screening(
             if spec.name in out.probes:
                 continue
             oa, ob = out.runs.get(spec.a.key), out.runs.get(spec.b.key)
-            ea = engine_of(spec.a.config) if oa is not None and ob is not None else None
-            eb = engine_of(spec.b.config) if ea is not None else None
+            try:
+                ea = arm_of(spec.a) if oa is not None and ob is not None else None
+                eb = arm_of(spec.b) if ea is not None else None
+            except ENGINE_FAILURES as e:
+                fail(spec.b.config, e)
+                continue
             if ea is None or eb is None or oa is None or ob is None:
                 tick(f"skip {spec.name}")
                 continue
-            # Each engine steps under its own flags.
             try:
-                ivs = (
-                    plan.intervention(spec.a.intervention),
-                    plan.intervention(spec.b.intervention),
-                )
-                probes = probe_comparison(
-                    spec, ea, eb, oa, ob, prompts, ivs, plan.top_k, activate=backend.activate
-                )
+                probes = probe_comparison(ea, eb, oa, ob, prompts, plan.top_k)
             except ENGINE_FAILURES as e:
                 fail(spec.b.config, e)
                 continue
@@ -397,7 +384,7 @@ def run_screening(
             tick(f"probe {spec.name}")
 
     # The anchors first (decoded, then kept loaded), then every comparison between anchors;
-    # then each other configuration: decoded, its comparisons probed, unloaded.
+    # then each other configuration: decoded, its comparisons probed, let go.
     configs = plan.configs()
     for config in (c for c in configs if c.key in anchors):
         decode_config(config)
@@ -405,5 +392,6 @@ def run_screening(
     for config in (c for c in configs if c.key not in anchors):
         decode_config(config)
         probe_specs([s for s in specs if s.b.config.key == config.key])
-        engines.pop(config.key, None)
+        for run in (r for r in runs if r.config.key == config.key):
+            arms.pop(run.key, None)
     return out

@@ -1,8 +1,8 @@
-"""The torch backend of a screening: loads the checkpoint in a `ScreenConfig` with the engine's
-own loader (a configuration at TP k > 1 through the engine pool, as a replay at TP k: the
-`TensorParallelEngine` on the pool's group of k ranks), sets each configuration's process-wide
-flags before its engine is used, tokenizes prompts, and reads the platform. Imports torch
-(through the engine) on first use: workers and the CLI only.
+"""What a screening needs to know of a checkpoint on this device, besides its engines (which
+come from the replay pipeline, `replays.pipeline.load_arm`, as every arm's): the platform, which
+SDPA backends accept the model's attention calls, the checkpoint's own dtype and eos ids, and
+its tokenizer for the prompts. Imports torch (through the engine) on first use: workers and the
+CLI only.
 """
 
 from __future__ import annotations
@@ -12,10 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from replay_audit.engine.pool import EnginePool
-from replay_audit.engine.protocol import Engine
-from replay_audit.engine.tensor_parallel import check_shards
-from replay_audit.exceptions import EngineError, UnsupportedFormat
+from replay_audit.exceptions import EngineError
 from replay_audit.formats import BodyDType, body_dtype
 from replay_audit.screenings.sweep.outputs import PromptRow, ScreenPrompt
 from replay_audit.screenings.sweep.plan import Platform, ScreenConfig
@@ -48,77 +45,17 @@ def probe(device: str | None, owned: int | None = None) -> Platform:
     )
 
 
-class TorchBackend:
-    """A screening `Backend` over a local checkpoint.
+class TorchFacts:
+    """The screening's facts of a local checkpoint on `device` (None: CUDA when available)."""
 
-    A configuration at TP k > 1 loads through `pool` (a worker's, whose group is the one its
-    replays use), else through a pool of k devices the backend starts on first use and keeps
-    until `close()` (another degree replaces it)."""
-
-    def __init__(
-        self,
-        model_dir: Path,
-        device: str | None,
-        *,
-        max_cache_len: int = 4096,
-        pool: EnginePool | None = None,
-    ) -> None:
+    def __init__(self, model_dir: Path, device: str | None, *, devices: int | None = None) -> None:
+        """`devices`: the GPUs a tensor-parallel group may span here (a worker's pool's); None:
+        every CUDA GPU this process sees."""
         self.model_dir = model_dir
         self.device = device
-        self.max_cache_len = max_cache_len
-        self._pool = pool
-        self._owns_pool = pool is None
+        self.devices = devices
         self._tokenizer: Any = None
         self._eos: list[int] | None = None
-
-    def load(self, config: ScreenConfig) -> Engine:
-        if config.tp_degree > 1:
-            return self._load_tp(config)
-        from replay_audit.engine import load_engine
-
-        return load_engine(
-            self.model_dir,
-            config.target(),
-            device=self.device,
-            deterministic=config.deterministic,
-            tf32=config.tf32,
-            cache=config.kv_cache,
-            max_cache_len=self.max_cache_len,
-            weight_dtype=config.weight_dtype,
-            fp8_linear=config.fp8_linear,
-        )
-
-    def _load_tp(self, config: ScreenConfig) -> Engine:
-        """`config` as the replay pipeline's TP engine: `EnginePool.get` at its degree. The pool
-        loads the target's format with its own settings (deterministic, no TF32, weights stored
-        as computed, its cache), so a configuration that changes one of those is refused."""
-        k = config.tp_degree
-        plain = ScreenConfig(
-            config.dtype,
-            config.lm_head_dtype,
-            attn_kernel=config.attn_kernel,
-            batch_size=config.batch_size,
-            tp_degree=k,
-        )
-        if config != plain:
-            raise UnsupportedFormat(
-                f"TP {k} is screened with the reference's load settings only (the engine "
-                "pool's: deterministic, no TF32, weights as computed, its KV cache)"
-            )
-        check_shards(self.model_dir, k)  # before another degree's group is stopped
-        pool = self._pool
-        if pool is None or (self._owns_pool and pool.devices != k):
-            self.close()  # another degree's group, if any, stops first: its ranks own the devices
-            pool = self._pool = EnginePool(
-                device=self.device, max_cache_len=self.max_cache_len, devices=k
-            )
-        return pool.get(self.model_dir, config.target(), k)
-
-    def close(self) -> None:
-        """Stop the TP group of the pool this backend started (a worker's pool is its own)."""
-        if self._owns_pool and self._pool is not None:
-            self._pool.close()
-            self._pool = None
 
     def availability(self, config: ScreenConfig) -> str | None:
         """Why `config` cannot run on this device, found by trying it (None: it can): the SDPA
@@ -147,12 +84,6 @@ class TorchBackend:
         head_dim = int(c.get("head_dim") or c["hidden_size"] // heads)
         return heads, kv_heads, head_dim
 
-    def activate(self, config: ScreenConfig) -> None:
-        from replay_audit.engine.loading import configure_numerics, enable_sdpa_backends
-
-        configure_numerics(deterministic=config.deterministic, tf32=config.tf32)
-        enable_sdpa_backends(config.sdpa_backend)
-
     def _tok(self) -> Any:
         if self._tokenizer is None:
             from replay_audit.engine.loading import load_tokenizer
@@ -175,8 +106,7 @@ class TorchBackend:
         return self._eos
 
     def platform(self) -> Platform:
-        owned = None if self._owns_pool or self._pool is None else self._pool.devices
-        return probe(self.device, owned)
+        return probe(self.device, self.devices)
 
     def reference_dtype(self) -> BodyDType:
         """The checkpoint's own dtype (the reference a request naming none gets)."""
