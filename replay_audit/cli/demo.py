@@ -166,6 +166,11 @@ def _print_run(console: Any, run: ReplayRead, title: str) -> None:
             f"; fixed {lift.fixed}, broke {lift.broke}, McNemar p = {lift.mcnemar_p:.3g}"
         )
         console.print(escape(line))  # the brackets are text, not rich markup
+    if stats is not None:
+        from replay_audit.cli.engine import reproduction_lines
+
+        for line in reproduction_lines(stats):
+            console.print(escape(f"  {line}"))
 
 
 def _requests(ids: list[str]) -> dict[str, JsonObject]:

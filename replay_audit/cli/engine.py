@@ -30,6 +30,7 @@ from replay_audit.formats import (
 )
 from replay_audit.json_value import JsonObject, as_str
 from replay_audit.queue.route import MAX_TP_DEGREE
+from replay_audit.traces.schemas import MAX_BATCH_ROWS
 from replay_audit.words import counted
 
 if TYPE_CHECKING:
@@ -155,6 +156,16 @@ def generate(
             "transformers' tp_plan=auto; the traces record tp_degree k. Needs accelerate.",
         ),
     ] = 1,
+    batch_size: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=MAX_BATCH_ROWS,
+            help="Prompts per generate() call, left-padded to the longest under an attention "
+            "mask, as generate() takes a batch; each trace records its row's place "
+            "(decoding.batch), which a replay at that batch size follows.",
+        ),
+    ] = 1,
 ) -> None:
     """Log greedy generations with transformers' own generate(), as POST /v1/traces JSON,
     with its logits processors where asked (recorded in each trace's
@@ -204,7 +215,7 @@ def generate(
     with gen:  # at --tp k, the ranks stop with it
         if any("messages" in r for r in rows) and not getattr(gen.tokenizer, "chat_template", None):
             _fail(f"{prompts} has chat messages, but {model}'s tokenizer has no chat template")
-        n = _write_traces(gen, rows, out, max_new_tokens, top_k, tag or [], processors)
+        n = _write_traces(gen, rows, out, max_new_tokens, top_k, tag or [], processors, batch_size)
     tp_text = f", TP {tp}" if tp > 1 else ""
     typer.echo(
         f"wrote {counted(n, 'trace')} to {out} ({dtype}, {gen.config['attn_kernel']}, "
@@ -220,30 +231,37 @@ def _write_traces(
     top_k: int,
     tags: list[str],
     processors: LogitsProcessors,
+    batch_size: int,
 ) -> int:
-    """`generate`'s traces of `rows` (with `processors`), written to `out` as validated
-    `TraceCreate` JSON lines."""
+    """`generate`'s traces of `rows` (with `processors`), `batch_size` rows per generate()
+    call, written to `out` as validated `TraceCreate` JSON lines."""
     from replay_audit.traces.schemas import TraceCreate
 
     n = 0
     with out.open("w", encoding="utf-8") as f, _progress() as bar:
         task = bar.add_task("generate", total=len(rows))
-        for row in rows:
-            pid = row.get("id")
-            messages = row.get("messages")
-            trace = gen.trace(
-                as_str(row["prompt"]) if messages is None else messages,  # type: ignore[arg-type]
+        for start in range(0, len(rows), batch_size):
+            batch = rows[start : start + batch_size]
+            prompts = [
+                (
+                    None if r.get("id") is None else str(r.get("id")),
+                    as_str(r["prompt"]) if r.get("messages") is None else r["messages"],
+                )
+                for r in batch
+            ]
+            traces = gen.trace_batch(
+                prompts,  # type: ignore[arg-type]  # messages checked above
                 max_new_tokens=max_new_tokens,
                 top_k=top_k,
-                external_id=None if pid is None else str(pid),
                 tags=tags,
                 processors=processors,
             )
-            # Exactly what POST /v1/traces accepts (validated here, at the CLI's edge).
-            trace = TraceCreate.model_validate(trace).model_dump(mode="json")
-            f.write(json.dumps(trace, allow_nan=False) + "\n")
-            n += 1
-            bar.advance(task)
+            for trace in traces:
+                # Exactly what POST /v1/traces accepts (validated here, at the CLI's edge).
+                trace = TraceCreate.model_validate(trace).model_dump(mode="json")
+                f.write(json.dumps(trace, allow_nan=False) + "\n")
+                n += 1
+            bar.advance(task, len(batch))
     return n
 
 
@@ -371,7 +389,8 @@ def replay(
                 progress=lambda done, total: bar.update(task, completed=done, total=total),
             )  # fmt: skip
     except ReplayAuditError as e:
-        _fail(f"{traces}: {e.message}" if str(traces) not in e.message else e.message)
+        named = str(traces) in e.message or str(out) in e.message  # the file and line at fault
+        _fail(e.message if named else f"{traces}: {e.message}")
     _report_replay(result, plan, out, summary_json)
 
 
@@ -436,9 +455,13 @@ def _report_replay(
     if stats is not None:
         main = stats.comparisons[0]
         _print_summary(main, target)
-        _print_reproduction(stats)
+        for line in reproduction_lines(stats):
+            typer.echo(line)
         if result.processors:  # what ran besides the target: each result's resolved arm has them
-            typer.echo(f"replayed with their logits processors: {'; '.join(result.processors)}")
+            typer.echo(
+                f"{counted(result.processed, 'trace')} replayed with their logits processors "
+                f"({'; '.join(result.processors)})"
+            )
         if summary_json is not None:
             summary = {
                 **main.model_dump(mode="json"),
@@ -466,25 +489,25 @@ def _report_replay(
     typer.echo(f"wrote the results of {counted(result.written, 'trace')} to {out}")
 
 
-def _print_reproduction(stats: RunStatistics) -> None:
+def reproduction_lines(stats: RunStatistics) -> list[str]:
     """How many traces reproduced in their own logged configuration, and what the target's
-    comparison was judged against (`baseline`)."""
+    comparison was judged against (`baseline`): for `replay` and `demo` alike."""
     r = stats.engine_reproduction
     if r is None:
-        return
+        return []
     p = r.reproduced
     engines = ", ".join(f"{k}: {v}" for k, v in r.engines.items())
-    typer.echo(
+    lines = [
         f"reproduced in their own logged configuration: {p.successes} of "
         f"{counted(p.n, 'trace')} ({engines})"
-    )
-    baselines = stats.comparisons[0].baselines
-    other = {k: v for k, v in baselines.items() if k != "logged"}
+    ]
+    other = {k: v for k, v in stats.comparisons[0].baselines.items() if k != "logged"}
     if other:
-        typer.echo(
+        lines.append(
             "judged against the logged configuration replayed here, not the logged tokens: "
             + ", ".join(f"{v} {k}" for k, v in other.items())
         )
+    return lines
 
 
 def _fmt(x: float | int | str | None, spec: str = "") -> str:

@@ -71,9 +71,12 @@ class SdpaCall:
 
     @property
     def phase(self) -> str:
-        shape = self.query[0]
-        assert isinstance(shape, tuple)
-        return "decode" if shape[-2] == 1 else "prefill"
+        """`decode` where the queries are fewer than the keys (a cache is read): the rows of
+        a decode step are not always one, since transformers folds a step's grouped query
+        heads into the rows of their key/value head (a padded batch's decode)."""
+        q, k = self.query[0], self.key[0]
+        assert isinstance(q, tuple) and isinstance(k, tuple)
+        return "decode" if q[-2] < k[-2] else "prefill"
 
     def arguments(self) -> dict[str, Any]:
         """The non-tensor arguments, as keywords of `scaled_dot_product_attention`."""
@@ -172,10 +175,11 @@ def unobserved() -> Callable[..., torch.Tensor]:
 @contextlib.contextmanager
 def observe(keep_calls: bool = False) -> Iterator[Observed]:
     """Record the SDPA calls this thread makes inside the block (nested blocks: the inner one
-    records, then hands its backends to the outer one)."""
+    records, then hands its backends, and its calls where the outer one keeps them, to the
+    outer one)."""
     install()
     outer: Observed | None = getattr(_local, "observed", None)
-    observed = Observed(keep_calls)
+    observed = Observed(keep_calls or (outer is not None and outer.keep_calls))
     _local.observed = observed
     try:
         yield observed

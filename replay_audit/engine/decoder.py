@@ -22,6 +22,8 @@ the `LmHead`.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +40,13 @@ from replay_audit.engine.numerics import (
     unpack_top_k,
 )
 from replay_audit.engine.protocol import BatchLayout
+
+
+@functools.cache
+def cache_keyword(fn: Callable[..., Any]) -> str:
+    """What transformers calls the KV cache among `fn`'s parameters: `cache` (5.2x), or
+    `past_key_values` (before, and deprecated since)."""
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,9 +68,9 @@ class Body:
         if cache is not None:
             pos = torch.arange(start, start + len(ids), device=self.device)
             pos = pos.unsqueeze(0).expand(b, -1)
-        out = self.model.model(
-            input_ids=x, position_ids=pos, past_key_values=cache, use_cache=cache is not None
-        )
+        body = self.model.model
+        kv = {cache_keyword(type(body).forward): cache} if cache is not None else {}
+        out = body(input_ids=x, position_ids=pos, use_cache=cache is not None, **kv)
         hidden: torch.Tensor = out.last_hidden_state
         return hidden
 
@@ -248,7 +257,7 @@ class GenerateDecoder:
             )
         finally:
             hook.remove()
-        self.cache = out.past_key_values if keep_cache else None
+        self.cache = (getattr(out, "cache", None) or out.past_key_values) if keep_cache else None
 
 
 class CompiledDecoder:
@@ -337,7 +346,7 @@ class CompiledDecoder:
         out = self.model.model(
             input_ids=self.token,
             position_ids=self.position,
-            past_key_values=self.cache,
+            **{cache_keyword(type(self.model.model).forward): self.cache},
             use_cache=True,
         )
         h: torch.Tensor = out.last_hidden_state[:, -1]

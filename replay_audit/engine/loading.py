@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import os
-import re
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -371,31 +369,10 @@ def load_tokenizer(model_dir: Path) -> Any:
     return None
 
 
-#: transformers' notice that the engine's own use of `past_key_values` is deprecated: a message
-#: for the engine's authors, printed to every user on every run (issue 20).
-_PAST_KEY_VALUES_NOTICE: Final = r".*`?past_key_values`?.*deprecated"
-
-
-class _DropNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return re.match(_PAST_KEY_VALUES_NOTICE, record.getMessage(), re.S) is None
-
-
 def quiet_transformers() -> None:
-    """What transformers prints about the engine's own calls, silenced where the engine loads a
-    checkpoint (not at import): the "Loading weights" progress bars and the `past_key_values`
-    deprecation notice. Every other warning stays."""
-    import warnings
-
+    """The "Loading weights" progress bars transformers prints, off where the engine loads a
+    checkpoint (not at import); every warning stays (the engine calls no deprecated API:
+    `decoder.cache_keyword`)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    warnings.filterwarnings("ignore", message=_PAST_KEY_VALUES_NOTICE, category=FutureWarning)
-    hf_logger = logging.getLogger("transformers")
-    for name in ("transformers", "transformers.utils.generic"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropNotice) for f in logger.filters):
-            logger.addFilter(_DropNotice())
-    for handler in hf_logger.handlers:  # records of child loggers pass the handler's filters
-        if not any(isinstance(f, _DropNotice) for f in handler.filters):
-            handler.addFilter(_DropNotice())

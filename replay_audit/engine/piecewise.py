@@ -54,6 +54,7 @@ from replay_audit.engine.decoder import (
     Choose,
     GenerateDecoder,
     StepOutput,
+    cache_keyword,
     captured_step_output,
 )
 from replay_audit.engine.numerics import LmHead, pack_top_k, top_k_size
@@ -181,8 +182,6 @@ class PiecewiseDecoder:
         self.kv: list[list[torch.Tensor]] = []
         self._position = 0
         self._top_k = 0
-        #: Every layer's SDPA call observed, not only layer 0's (what `check` compares).
-        self._observe_all = False
 
     # -- the Decoder interface ------------------------------------------------------------
 
@@ -250,9 +249,10 @@ class PiecewiseDecoder:
         """Each layer's attention between the pieces: the new key/value appended to its cache
         (`torch.cat`, as `DynamicCache.update`), SDPA over it with `generate()`'s options.
         Layer 0's call is observed (`attention.observe`: the backend torch picks at this
-        length); the others, of the same shapes, go straight to torch."""
+        length); the others, the same call on another layer's tensors, go straight to torch's
+        function (the step is host-bound), in `check` as in every decode."""
         observed = torch.nn.functional.scaled_dot_product_attention
-        plain = observed if self._observe_all else attention.unobserved()
+        plain = attention.unobserved()
         for i, ((_, _, _, out_buffer), kv) in enumerate(
             zip(self._attention_args, self.kv, strict=True)
         ):
@@ -276,7 +276,7 @@ class PiecewiseDecoder:
             config=self.config,
             inputs_embeds=self._h,
             attention_mask=None,
-            past_key_values=cache,
+            **{cache_keyword(self._mask): cache},
             position_ids=positions,
         )
         for i, (attn, layer_idx, scaling, buffer) in enumerate(self._attention_args):
@@ -301,10 +301,12 @@ class PiecewiseDecoder:
 
     def check(self, context: Sequence[int], steps: int = CHECK_STEPS) -> bool:
         """Decode `steps` greedy steps after the prefill of `context` with `generate()` and
-        here (fed `generate()`'s tokens), and compare every step's hidden state and float32
-        logits bitwise and every SDPA call of the steps argument for argument; learn the
-        direct call's options from `generate()`'s calls first. `check_result` says "bitwise"
-        or where they first differ."""
+        here (fed `generate()`'s tokens), exactly as a decode runs here, and compare every
+        step's hidden state and float32 logits bitwise and each step's observed SDPA call
+        (layer 0's, the one a decode observes: the others are the same call) with
+        `generate()`'s, argument for argument; learn the direct call's options from
+        `generate()`'s calls first (every layer's alike, or none). `check_result` says
+        "bitwise" or where they first differ."""
         ref: list[StepOutput] = []
 
         def follow(out: StepOutput) -> tuple[int, bool]:
@@ -322,21 +324,20 @@ class PiecewiseDecoder:
             outs.append(_copy(out))  # a step's tensors are the graphs' buffers: kept as they are
             return next(tokens), False
 
-        self._observe_all = True
-        try:
-            with attention.observe(keep_calls=True) as mine:
-                self.run(context, steps + 1, replay, 2)
-        finally:
-            self._observe_all = False
+        with attention.observe(keep_calls=True) as mine:
+            self.run(context, steps + 1, replay, 2)
         calls = [c for c in mine.calls if c.phase == "decode"]
+        layers = 1 if self.direct is not None else len(self.layers)
         for t, (a, b) in enumerate(zip(outs, ref, strict=True)):
-            step = slice((t - 1) * len(self.layers), t * len(self.layers)) if t else None
-            if step is not None and calls[step] != ref_calls[step]:
-                self.check_result = (
-                    f"step {t} calls SDPA otherwise than generate(): "
-                    f"{_first_difference(calls[step], ref_calls[step])}"
-                )
-                return False
+            if t:  # layer 0's call of the step (every layer's without the direct call)
+                step = slice((t - 1) * layers, t * layers)
+                theirs = ref_calls[(t - 1) * len(self.layers) :][:layers]
+                if calls[step] != theirs:
+                    self.check_result = (
+                        f"step {t} calls SDPA otherwise than generate(): "
+                        f"{_first_difference(calls[step], theirs)}"
+                    )
+                    return False
             if not (torch.equal(a.logits, b.logits) and torch.equal(a.hidden[:1], b.hidden[:1])):
                 diff = (a.logits - b.logits).abs().max().item()
                 self.check_result = (

@@ -26,7 +26,9 @@ __all__ = ["Closeable", "EnginePool", "LoadOptions", "Loader", "load_engine"]
 if TYPE_CHECKING:
     from replay_audit.engine.tensor_parallel import TpGroup
 
-Loader = Callable[[Path, Target], Engine]
+#: (checkpoint directory, target, TP degree) -> the engine: what a pool loads with (tests give
+#: fakes; by default `load_engine`).
+Loader = Callable[[Path, Target, int], Engine]
 #: (checkpoint directory, `Target.format_key()`, TP degree).
 _PoolKey = tuple[str, Target, int]
 
@@ -114,7 +116,7 @@ class EnginePool:
 
     def _load(self, d: Path, target: Target, tp_degree: int) -> Engine:
         if self._loader is not None:
-            engine = self._loader(d, target)
+            engine = self._loader(d, target, tp_degree)
         elif tp_degree > 1:
             from replay_audit.engine.tensor_parallel import check_shards
 

@@ -376,6 +376,14 @@ class ResolvedArm:
         """The stored form (a result's `resolved_a`/`resolved_b`, the API's `arms.*.resolved`)."""
         return asdict(self)
 
+    def ran(self, environment: Mapping[str, Any]) -> ResolvedArm:
+        """This arm with what only its probes can say, from its engine's environment after
+        them: the decode paths they took and the SDPA backends torch picked."""
+        extras = environment.get("extras") or {}
+        path = extras.get("decoder") or extras.get("kv_cache") or self.engine_path
+        backends = extras.get("attention_backends") or self.attention_backends
+        return replace(self, engine_path=path, attention_backends=backends)
+
     @classmethod
     def from_environment(
         cls,

@@ -65,8 +65,10 @@ from replay_audit.traces.schemas import TraceCreate
 
 @dataclass(frozen=True)
 class ParsedTrace:
-    """A line of the traces file: its number, the trace as posted and as the pipeline reads it."""
+    """A line of the traces file: where it is (`FILE:LINE`, what an error names), its number,
+    the trace as posted and as the pipeline reads it."""
 
+    where: str
     line: int
     trace: TraceCreate
     logged: LoggedTrace
@@ -94,7 +96,7 @@ def parse_traces(path: Path, rows: Iterator[tuple[int, JsonObject]]) -> list[Par
         except ReplayAuditError as e:
             why = processors_not_applied(trace.config.extras.get(EXTRA_PROCESSORS))
             raise FieldError(f"{path}:{n}: {e.field}: {e.message}{why}", field=e.field) from None
-        parsed.append(ParsedTrace(n, trace, logged))
+        parsed.append(ParsedTrace(f"{path}:{n}", n, trace, logged))
     if not parsed:
         raise FieldError(f"{path} holds no trace")
     return parsed
@@ -130,8 +132,10 @@ class OfflineResult:
     traces: int
     written: int
     interrupted: bool = False
-    #: Traces replayed with their logged logits processors, by what ran.
+    #: What the traces replayed with their logged logits processors ran (labels), and how
+    #: many they were.
     processors: list[str] = field(default_factory=list)
+    processed: int = 0
     #: One line per batched scan: how many traces in how many forwards, how fast.
     notes: list[str] = field(default_factory=list)
 
@@ -155,7 +159,7 @@ def replay_file(
     for p in parsed:
         if p.trace.model.weights_sha256 != sha:
             raise FieldError(
-                f"line {p.line}: model.weights_sha256: checkpoint {model_dir} has "
+                f"{p.where}: model.weights_sha256: checkpoint {model_dir} has "
                 f"weights_sha256 {sha}, but trace {p.trace.external_id or '(no external_id)'} "
                 f"was logged with {p.trace.model.weights_sha256}: refusing to replay it against "
                 "other weights",
@@ -208,7 +212,7 @@ def replay_file(
         try:
             for i in todo:
                 p = parsed[i]
-                lines, figs = _replayed(p, i, items[i], scans[i], pool, options)
+                lines, figs = _replayed(p, i, items[i], scans[i], pool, options, plan.reproduce)
                 with deferred():  # a stop lands after the trace's lines and their counts
                     f.write("".join(json.dumps(x, allow_nan=False) + "\n" for x in lines))
                     f.flush()
@@ -240,7 +244,7 @@ def replay_file(
         check = EngineCheckInput(1, engines) if plan.reproduce else None
         result.statistics = run_statistics("offline", inputs, engine_check=check)
     processed = [p.logged.processors for p in parsed if p.logged.processors is not None]
-    result.processors = sorted({x.label() for x in processed})
+    result.processors, result.processed = sorted({x.label() for x in processed}), len(processed)
     return result
 
 
@@ -251,24 +255,29 @@ def _replayed(
     scans: list[Any],
     pool: EnginePool,
     options: ReplayOptions,
+    reproduce: bool,
 ) -> tuple[list[JsonObject], list[tuple[int, ResultFigures]]]:
     """A trace's comparisons replayed (its reproduction check first): each result as its
-    output line and its figures. A domain error (the trace cannot run here) is raised."""
-    lines: list[JsonObject] = []
-    figs: list[tuple[int, ResultFigures]] = []
-    ids_source = token_ids_source(p.trace.config.model_dump())
+    output line (with the check's outcome, `engine_reproduced`, as the API serves it) and its
+    figures. A domain error (the trace cannot run here) is raised."""
+    stored: list[ReplayResult] = []
     for c, r in enumerate(replay_traces(items, pool, options, scans=scans)):
         if isinstance(r, ReplayAuditError):
             where = f"{r.field}: " if r.field else ""
-            raise FieldError(f"line {p.line}: {where}{r.message}", field=r.field)
+            raise FieldError(f"{p.where}: {where}{r.message}", field=r.field)
         if isinstance(r, Exception):
             raise r
-        # The same mappings as a stored result: the row, then the API's view of it.
-        stored = ReplayResult(trace_id=index, **result_values(c, r))
-        read = result_read(stored, p.name, "offline", token_ids_source=ids_source)
-        lines.append(read.model_dump(mode="json", exclude={"run_id", "created_at"}))
-        figs.append((c, figures(stored, p.name, p.trace.external_id)))
-    return lines, figs
+        stored.append(ReplayResult(trace_id=index, **result_values(c, r)))
+    # The same mappings as a stored result: the row, then the API's view of it.
+    reproduced = stored[1].exact_match if reproduce else None
+    ids_source = token_ids_source(p.trace.config.model_dump())
+    lines = [
+        result_read(
+            row, p.name, "offline", engine_reproduced=reproduced, token_ids_source=ids_source
+        ).model_dump(mode="json", exclude={"run_id", "created_at"})
+        for row in stored
+    ]
+    return lines, [(c, figures(row, p.name, p.trace.external_id)) for c, row in enumerate(stored)]
 
 
 def _written(

@@ -835,13 +835,14 @@ def _arm_outcome(
             ),
         )
     steps, engine = run.steps, run.arm.engine
+    environment = _environment(engine, run.scan_batched, side in r.batched)
     n = len(steps)
     margins = tuple(float(f"{m:.6g}") if math.isfinite(m) else None for m in steps.margins.tolist())
     return ArmOutcome(
         target=run.arm.resolved.target,
         output_token_ids=tuple(int(x) for x in run.ids),
         margin=margin,
-        resolved=run.arm.resolved,
+        resolved=run.arm.resolved.ran(environment),
         gate_fired_at_divergence=fired,
         gate_triggers=int(steps.gate_fired.sum()),
         steps=n,
@@ -849,7 +850,7 @@ def _arm_outcome(
         changed_steps=int(steps.changed.sum()),
         margins=margins,
         gate_fired_steps=tuple(int(t) for t in np.flatnonzero(steps.gate_fired)),
-        environment=_environment(engine, run.scan_batched, side in r.batched),
+        environment=environment,
         text=engine.detokenize(run.ids),
         pieces=engine.token_pieces(run.ids),
     )

@@ -151,7 +151,9 @@ def route_of(placement: LoggedPlacement, targets: Sequence[RunTarget], default: 
     a trace's arms, so one worker does): the device queue of the targets (`_queue`); on the
     GPU, the kind a target names (`any`: any GPU), else the trace's logged GPU kind (any GPU
     for a trace logged on a CPU or without its GPU); the largest TP degree of the arms, each
-    the target's, else the trace's logged degree (a worker must own that many devices)."""
+    the target's, else the trace's logged degree (a worker must own that many devices; a self
+    self arm's degree is the logged one; the reproduction check's counts only where no target
+    names a degree)."""
     device = _queue(targets, default)
     kind = None
     if device == "gpu":
@@ -162,7 +164,14 @@ def route_of(placement: LoggedPlacement, targets: Sequence[RunTarget], default: 
             with contextlib.suppress(ValueError):  # a logged name that names no kind: any GPU
                 kind = gpu_kind(placement.gpu_name)
     logged_tp = placement.tp_degree or 1
-    tp = max((t.tp_degree or logged_tp) if not t.is_self else logged_tp for t in targets)
+    degree_named = any(t.tp_degree is not None for t in targets)
+    # A self arm runs the logged degree; the reproduction check a run adds does not hold the
+    # run back where a target names another degree: it runs there, or fails saying why.
+    tp = max(
+        (t.tp_degree or logged_tp) if not t.is_self else logged_tp
+        for t in targets
+        if not (degree_named and t.is_self and t.label == ENGINE_CHECK_LABEL)
+    )
     return Route(device, kind, tp)
 
 

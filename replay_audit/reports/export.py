@@ -82,6 +82,10 @@ EXPORT_FIELDS: Final = (
     # The decode stopped at the run's decode window after t*: the replay output is a prefix
     # (cascade_length, length_difference and semantic_agree empty).
     "window_cut",
+    # What the comparison was judged against (`formats.Baseline`): the logged tokens, or the
+    # logged configuration replayed here for a trace that did not reproduce in it
+    # ("reproduced") or that an engine this service cannot run logged ("replayed").
+    "baseline",
 )
 MEDIA_TYPES: Final[dict[str, str]] = {
     "csv": "text/csv; charset=utf-8",
@@ -154,6 +158,7 @@ def record(
         "screen": row["screen"],
         "token_ids_source": ids_source,
         "window_cut": bool(row["window_cut"]),
+        "baseline": row["baseline"] or "logged",
     }
     for key in ("exact_match", "tie", "semantic_agree"):
         if out[key] is not None:

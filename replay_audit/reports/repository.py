@@ -179,6 +179,8 @@ class ResultSummary(NamedTuple):
     screen: str | None
     #: Decoded only to t* + the run's decode window (a prefix: no length difference).
     window_cut: bool | None
+    #: What it was judged against (`formats.Baseline`; None: "logged", rows of earlier ones).
+    baseline: str | None
     public_id: str | None = None
     external_id: str | None = None
     tags: list[str] | None = None

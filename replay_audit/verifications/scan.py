@@ -56,8 +56,6 @@ def scan_evidence(
     for claim, members in by_claim.items():
         try:
             arm = resolve_arm(traces[members[0]], RunTarget(claim), pool, model_dir)
-            if arms is not None:
-                arms[claim_label(claim_key(claim))] = arm.resolved
             # A trace's logits processors are part of the computation its tokens came from.
             items = [
                 ScanItem(
@@ -68,6 +66,8 @@ def scan_evidence(
                 for i in members
             ]
             runs = arm.scan_batch(items, 2, token_budget)
+            if arms is not None:
+                arms[claim_label(claim_key(claim))] = arm.resolved.ran(arm.engine.environment())
         except (ReplayAuditError, RuntimeError, ValueError) as e:
             log.exception("scan of %d traces in %s failed", len(members), claim)
             for i in members:

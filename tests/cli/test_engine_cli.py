@@ -111,7 +111,13 @@ def test_replay_self_is_exact_and_summarised(ckpt: Path, traces: Path, tmp_path:
     )
     assert r.exit_code == 0, r.output
     results = [json.loads(x) for x in out.read_text().splitlines()]
-    assert len(results) == 4 and all(x["exact_match"] for x in results)
+    # Two comparisons a trace: the target's (0) and the reproduction check in the logged
+    # configuration (1), here the same configuration: both exact.
+    assert sorted((x["trace_id"], x["comparison"]) for x in results) == [
+        (f"p{i}", c) for i in range(4) for c in (0, 1)
+    ]
+    assert all(x["exact_match"] and x["baseline"] == "logged" for x in results)
+    assert "reproduced in their own logged configuration: 4 of 4 traces" in r.output
     s = json.loads(summary.read_text())
     assert s["ear"]["estimate"] == 1.0 and s["categories"]["agreed"]["successes"] == 4
     assert s["n"] == 4 and s["label"] == "logged vs T0: bf16"
@@ -161,7 +167,12 @@ def test_replay_in_fp16_with_c_and_scan_mode(ckpt: Path, traces: Path, tmp_path:
     assert screening["decoded_by_reason"]["near_tie"] == screening["near_tie"]
     assert "estimated miss rate" in r.output and "decode window" in r.output
     cut = 0
-    for x in map(json.loads, out.read_text().splitlines()):
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    # The reproduction check (comparison 1) ran in the logged configuration: BF16, no C.
+    checks = [x["arms"]["b"]["resolved"] for x in rows if x["comparison"] == 1]
+    assert len(checks) == 4
+    assert all(c["dtype"] == "bf16" and c["intervention"]["kind"] == "none" for c in checks)
+    for x in (x for x in rows if x["comparison"] == 0):
         # --decode-window 0: a decode that diverged stops at the token at t* (unless it ended
         # there anyway): the logged prefix and that token, nothing after.
         if x["window_cut"]:
@@ -402,7 +413,7 @@ def test_generate_with_logits_processors_replays_exactly_with_them(
     r = runner.invoke(app, [*replay, "--device", "cpu", "--threads", "1"])
     assert r.exit_code == 0, r.output
     rows = [json.loads(x) for x in results.read_text().splitlines()]
-    assert len(rows) == 3 and all(x["exact_match"] for x in rows)
+    assert len(rows) == 6 and all(x["exact_match"] for x in rows)  # the target and the check
     assert all(x["arms"]["b"]["resolved"]["logits_processors"]["logit_bias"] for x in rows)
     assert "3 traces replayed with their logits processors (repetition_penalty=1.3" in r.output
 

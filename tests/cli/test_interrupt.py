@@ -160,7 +160,8 @@ def test_serve_stops_cleanly_mid_replay(sig: int, tmp_path: Path) -> None:
             while (run := _get(f"{base}/v1/replays/{run_id}", h))["status"] != "done":
                 assert time.monotonic() < deadline, run
                 time.sleep(0.5)
-            assert run["progress"]["done"] == 48, run
+            # 24 traces x (2 targets + the reproduction check the run adds)
+            assert run["progress"]["done"] == 72, run
             _interrupt(proc, signal.SIGTERM)
         finally:
             if proc.poll() is None:

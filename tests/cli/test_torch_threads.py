@@ -142,7 +142,7 @@ def test_serve_leaves_the_api_a_core(tmp_path: Path) -> None:
         out.close()
         err.close()
     assert_no_traceback(None, out.text + err.text)
-    assert len(items) == 2
+    assert len(items) == 4  # 2 traces x (the target + the reproduction check)
     for item in items:
         extras = item["arms"]["b"]["environment"]["extras"]
         assert extras["torch_threads"] == max(1, usable_cores() - 1), extras

@@ -27,7 +27,7 @@ def test_hidden_states_feed_the_head_as_the_single_step_does(tiny_dir: Path) -> 
 
 def test_weights_stored_in_bf16_and_computed_in_fp32(real_dir: Path) -> None:
     # The bundled checkpoint (trained in fp32): its weights are not all bf16 values.
-    engine = load_engine(real_dir, Target("fp32"), device="cpu", weight_dtype="bf16")
+    engine = load_engine(real_dir, Target("fp32", weight_dtype="bf16"), device="cpu")
     assert isinstance(engine, TorchEngine)
     env = engine.environment()
     assert (env["dtype"], env["weight_dtype"]) == ("fp32", "bf16")
@@ -47,48 +47,39 @@ def test_platform_facts_on_this_cpu() -> None:
     assert f.fp8_unavailable is not None and "cpu" in f.fp8_unavailable
 
 
-def test_sdpa_backends_can_be_limited_and_restored() -> None:
-    from replay_audit.engine.loading import enable_sdpa_backends
+def test_an_arms_switches_hold_during_its_probes_only(tiny_dir: Path) -> None:
+    """An arm that pins an SDPA backend and deterministic algorithms runs its probes under
+    them and puts the process's switches back after; an arm that names none leaves them as
+    the process has them (torch's defaults, every backend on), as a user's plain generate()
+    runs; what each records is what ran."""
+    from replay_audit.engine import attention
 
     cuda = torch.backends.cuda
-    try:
-        enable_sdpa_backends("math")
-        assert cuda.math_sdp_enabled() and not cuda.flash_sdp_enabled()
-        assert not cuda.mem_efficient_sdp_enabled()
-    finally:
-        enable_sdpa_backends(None)
-    assert cuda.math_sdp_enabled() and cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled()
-    # Restored to the engine's backends: all but cuDNN attention (loading.FAITHFUL_SDPA_BACKENDS).
-    assert not cuda.cudnn_sdp_enabled()
-
-
-def test_the_engine_turns_cudnn_attention_off_on_cuda_only_and_records_the_backends(
-    tiny_dir: Path,
-) -> None:
-    from replay_audit.engine.loading import apply_sdpa_policy, sdpa_backends_enabled
-
-    cuda = torch.backends.cuda
-    try:
-        cuda.enable_cudnn_sdp(True)
-        apply_sdpa_policy(torch.device("cpu"))  # nothing off CUDA: a CPU has no cuDNN attention
-        assert cuda.cudnn_sdp_enabled()
-        apply_sdpa_policy(torch.device("cuda"))  # the switches exist without a GPU
-        assert not cuda.cudnn_sdp_enabled() and cuda.flash_sdp_enabled()
-        assert sdpa_backends_enabled(torch.device("cuda")).split(",") == [
-            "math",
-            "flash",
-            "efficient",
-        ]
-        # What a result records is read back from torch's switches, not assumed.
-        cuda.enable_math_sdp(False)
-        engine = load_engine(tiny_dir, Target("fp32", attn_kernel="sdpa"), device="cpu")
-        extras = engine.environment()["extras"]
-        assert extras["sdpa_backends"] == "flash"  # a CPU's backends that are on
-        eager = load_engine(tiny_dir, Target("fp32", attn_kernel="eager"), device="cpu")
-        assert "sdpa_backends" not in eager.environment()["extras"]  # SDPA did not run
-    finally:
-        cuda.enable_math_sdp(True)
-        cuda.enable_cudnn_sdp(True)
+    before = (cuda.math_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.cudnn_sdp_enabled())
+    assert before == (True, True, True) and not torch.are_deterministic_algorithms_enabled()
+    pinned = load_engine(
+        tiny_dir, Target("fp32", attn_kernel="sdpa", sdpa_backend="math", deterministic=True),
+        device="cpu",
+    )  # fmt: skip
+    plain = load_engine(tiny_dir, Target("fp32", attn_kernel="sdpa"), device="cpu")
+    for engine, backends in (
+        (pinned, "prefill:math;decode:math"),
+        (plain, "prefill:flash;decode:flash"),
+    ):
+        with attention.observe() as seen:
+            engine.decode([1, 5, 9], 3, [])
+        assert seen.backends() == backends
+        assert engine.environment()["extras"]["attention_backends"] == backends
+        after = (cuda.math_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.cudnn_sdp_enabled())
+        assert after == before and not torch.are_deterministic_algorithms_enabled()
+    assert pinned.environment()["extras"]["sdpa_backends"] == "math"
+    assert pinned.environment()["deterministic"] is True
+    assert plain.environment()["extras"]["sdpa_backends"] == "math,flash"  # a CPU's, all on
+    assert plain.environment()["deterministic"] is False
+    eager = load_engine(tiny_dir, Target("fp32", attn_kernel="eager"), device="cpu")
+    eager.decode([1, 5, 9], 2, [])
+    assert "sdpa_backends" not in eager.environment()["extras"]  # SDPA did not run
+    assert "attention_backends" not in eager.environment()["extras"]
 
 
 def test_fp8_linear_layers_approximate_the_float_product() -> None:
@@ -114,15 +105,15 @@ def test_fp8_linear_layers_need_a_recent_gpu(tiny_dir: Path) -> None:
     from replay_audit.exceptions import UnsupportedFormat
 
     with pytest.raises(UnsupportedFormat, match="fp8 linear layers"):
-        load_engine(tiny_dir, Target("bf16"), device="cpu", fp8_linear=True)
+        load_engine(tiny_dir, Target("bf16", fp8_linear=True), device="cpu")
 
 
 def test_sdpa_probe_on_this_cpu(real_dir: Path) -> None:
     from replay_audit.engine.platform import AttentionShape, sdpa_refusal
     from replay_audit.screenings.sweep.plan import ScreenConfig
-    from replay_audit.screenings.sweep.worker import TorchBackend
+    from replay_audit.screenings.sweep.worker import TorchFacts
 
-    backend = TorchBackend(real_dir, "cpu")
+    backend = TorchFacts(real_dir, "cpu")
     assert backend._heads() == (4, 2, 32)  # grouped-query: the calls pass enable_gqa
     for b in ("efficient", "cudnn"):
         why = backend.availability(ScreenConfig("fp32", sdpa_backend=b))
@@ -157,12 +148,13 @@ def test_sdpa_refusal_reports_torchs_own_reasons() -> None:
 
 
 def test_a_screening_runs_sdpa_math_and_flash_on_this_cpu(tiny_dir: Path) -> None:
+    from replay_audit.engine.pool import EnginePool
     from replay_audit.screenings.sweep.outputs import ScreenPrompt
     from replay_audit.screenings.sweep.plan import Platform, ScreenConfig, build_plan
     from replay_audit.screenings.sweep.runner import MemoryStore, run_screening
-    from replay_audit.screenings.sweep.worker import TorchBackend
+    from replay_audit.screenings.sweep.worker import TorchFacts
 
-    backend = TorchBackend(tiny_dir, "cpu")
+    backend = TorchFacts(tiny_dir, "cpu")
     plan = build_plan(
         Platform(device="cpu", fp8_unavailable="no fp8 on a cpu"),
         reference=ScreenConfig("fp32"),
@@ -173,13 +165,15 @@ def test_a_screening_runs_sdpa_math_and_flash_on_this_cpu(tiny_dir: Path) -> Non
     values = {v.label: v.unavailable for v in plan.knobs[0].values}
     assert values["sdpa (math)"] is None and values["sdpa (flash)"] is None
     assert values["sdpa (efficient)"] is not None and "CUDA" in values["sdpa (efficient)"]
-    out = run_screening(plan, [ScreenPrompt("p", (1, 5, 9))], backend, MemoryStore())
-    try:
-        for b in ("math", "flash"):
-            key = ScreenConfig("fp32", sdpa_backend=b).key
-            assert key in out.runs and key not in out.failed
-            assert out.runs[key].environment["screening_config"]["sdpa_backend"] == b
-    finally:
-        from replay_audit.engine.loading import enable_sdpa_backends
-
-        enable_sdpa_backends(None)
+    pool = EnginePool(device="cpu")
+    out = run_screening(plan, [ScreenPrompt("p", (1, 5, 9))], pool, tiny_dir, [], MemoryStore())
+    for b in ("math", "flash"):
+        key = ScreenConfig("fp32", sdpa_backend=b).key
+        assert key in out.runs and key not in out.failed
+        env = out.runs[key].environment
+        assert env["screening_config"]["sdpa_backend"] == b
+        # What ran, resolved by the pipeline: SDPA pinned to that backend, and observed so.
+        assert env["resolved"]["sdpa_backend"] == b
+        assert env["resolved"]["attention_backends"] == f"prefill:{b};decode:{b}"
+    # The switches are the process's again: every backend on.
+    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()

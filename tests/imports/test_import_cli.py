@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from replay_audit.cli import app
 from replay_audit.config import BUNDLED_MODEL_DIR
 from replay_audit.engine.hashing import weights_sha256
+from replay_audit.formats import logged_by_another_engine
 from replay_audit.traces.schemas import TraceCreate
 from tests.imports.conftest import WEIGHTS, load_fixture
 
@@ -448,7 +449,8 @@ def test_each_engines_default_layout_imports_and_its_replay_reproduces_it(
         ],
     )
     assert r.exit_code == 0, r.output
-    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    lines = [json.loads(x) for x in results.read_text().splitlines()]
+    rows = [row for row in lines if row["comparison"] == 1]  # the reproduction check
     assert len(rows) == len(every.read_text().splitlines()) == 12
     assert all(row["status"] == "ok" for row in rows), rows
     exact = {row["trace_id"]: row["exact_match"] for row in rows}
@@ -466,6 +468,28 @@ def test_each_engines_default_layout_imports_and_its_replay_reproduces_it(
     assert sources["chatcmpl-" + "a1" * 16] is None and sources["0"] is None
     assert sources["lm-eval:gsm8k:0:1767571200.0"] == "retokenized"
     assert sources["0f3c2a9e4b1d4c8e9a0b1c2d3e4f5a6b"] == "retokenized"  # SGLang's prompt
+    # Reproduce before compare: the target's comparison (0) of a trace that did not reproduce
+    # is judged against that replay, one of an engine this service cannot run (vLLM, SGLang)
+    # against its logged configuration replayed here, any other against its logged tokens;
+    # every line says whether its trace reproduced.
+    engines = {
+        t.get("external_id") or f"line {n}": t["config"]["engine"]["name"]
+        for n, t in enumerate(map(json.loads, every.read_text().splitlines()), start=1)
+    }
+    for row in lines:
+        assert row["engine_reproduced"] is exact[row["trace_id"]], row
+        if row["comparison"] == 0:
+            expected = (
+                "replayed"
+                if logged_by_another_engine(engines[row["trace_id"]])
+                else ("logged" if exact[row["trace_id"]] else "reproduced")
+            )
+            assert (row["baseline"], row["exact_match"]) == (expected, True), row
+    assert {e for e in engines.values() if logged_by_another_engine(e)} == {
+        "vllm",
+        "sglang",
+        "unknown",
+    }
 
 
 def test_a_penalised_greedy_request_replays_with_its_processors_and_an_unsupported_one_is_refused(
@@ -492,7 +516,16 @@ def test_a_penalised_greedy_request_replays_with_its_processors_and_an_unsupport
     replay = ["replay", str(out), *model[:2], "--dtype", "fp32", "--out", str(results)]
     r = runner.invoke(app, replay)
     assert r.exit_code == 0, r.output
-    [row] = [json.loads(x) for x in results.read_text().splitlines()]
+    row, check = [json.loads(x) for x in results.read_text().splitlines()]
+    # The reproduction check (its logged configuration replayed here) runs its processors
+    # too; the fixture's tokens were logged without them, so it does not reproduce, and the
+    # target's comparison of a vLLM trace is judged against that replay.
+    assert check["comparison"] == 1 and check["engine_reproduced"] is check["exact_match"]
+    assert (
+        check["arms"]["b"]["resolved"]["logits_processors"]
+        == row["arms"]["b"]["resolved"]["logits_processors"]
+    )
+    assert row["baseline"] == "replayed"
     ran = row["arms"]["b"]["resolved"]["logits_processors"]
     assert ran["repetition_penalty"] == 1.2 and ran["logit_bias"] == [[201, -5.0]]
 

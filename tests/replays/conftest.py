@@ -56,7 +56,7 @@ def fp16_next(context: tuple[int, ...]) -> tuple[int, float]:
     return ((token + 1) % VOCAB, margin) if _close(context) else (token, margin)
 
 
-def fake_loader(directory: Path, target: Target) -> FakeEngine:
+def fake_loader(directory: Path, target: Target, _tp: int = 1) -> FakeEngine:
     fn = fp16_next if target.dtype == "fp16" else bf16_next
     return FakeEngine(
         target,

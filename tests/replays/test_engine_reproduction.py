@@ -1,12 +1,16 @@
-"""Traces logged by another engine (issue 11): a run over them first replays each in its own
-logged configuration on this engine; each result says whether the engine reproduced the logged
-tokens, the statistics give the engine reproduction rate and each comparison's divergences not
-attributable to the format, and the UI says so. Runs on SQLite and PostgreSQL with the fake
-engine, whose tokens are known by construction: a "vLLM" trace whose logged output is the fake
-BF16 arm's own is reproduced; one whose output was changed at step 2 is not."""
+"""Reproduce before compare (issue 31): every run first replays each trace in its own logged
+configuration (the reproduction check, a self arm against the logged tokens) and reports how
+many reproduced. A trace that does not reproduce is judged against that replay in its
+comparisons with the logged tokens (`baseline: "reproduced"`): no precision flip is counted
+against logged tokens the stack does not give. A trace of an engine this service cannot run
+(vLLM) is always compared with its replayed logged configuration (`baseline: "replayed"`).
+The API, the report, the export and the UI say so. Runs on SQLite and PostgreSQL with the fake
+engine, whose tokens are known by construction: a trace whose logged output is the fake BF16
+arm's own reproduces; one whose output was changed at step 2 does not."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -23,20 +27,26 @@ FP16 = {"dtype": "fp16"}
 VLLM = {"name": "vllm", "version": "0.11.0"}
 
 
-def _foreign(trace: dict[str, Any], *, change_at: int | None = None) -> dict[str, Any]:
-    """`trace` as if vLLM had logged it; with `change_at`, its output differs from what this
-    engine produces from that step on (so the engine cannot reproduce it)."""
+def _changed(trace: dict[str, Any], at: int = 2) -> dict[str, Any]:
+    """`trace` with its output changed from step `at` on (as a nondeterministic kernel of the
+    logging stack, or another stack, would leave it): this engine cannot reproduce it."""
     out = dict(trace)
-    out["config"] = {**trace["config"], "engine": VLLM}
-    if change_at is not None:
-        ids = list(trace["output_token_ids"])
-        ids[change_at] = (ids[change_at] + 1) % 50
-        out["output_token_ids"] = ids
-        out["top_k"] = None  # the margins are the logged arm's: no longer these tokens'
+    ids = list(trace["output_token_ids"])
+    ids[at] = (ids[at] + 1) % 50
+    out["output_token_ids"] = ids
+    out["top_k"] = None  # the margins are the logged arm's: no longer these tokens'
     return out
 
 
-def test_a_run_over_other_engines_traces_checks_the_engine_first(
+def _foreign(trace: dict[str, Any]) -> dict[str, Any]:
+    return {**trace, "config": {**trace["config"], "engine": VLLM}}
+
+
+def _by(results: list[dict[str, Any]], comparison: int) -> dict[str, dict[str, Any]]:
+    return {x["trace_id"]: x for x in results if x["comparison"] == comparison}
+
+
+def test_a_trace_that_does_not_reproduce_is_judged_against_its_reproduced_baseline(
     client: TestClient,
     runner: HoldingRunner,
     headers: Callable[..., dict[str, str]],
@@ -44,11 +54,10 @@ def test_a_run_over_other_engines_traces_checks_the_engine_first(
     logged_trace: Callable[..., dict[str, Any]],
 ) -> None:
     h = headers("admin")
-    own = [logged_trace(p) for p in PROMPTS[:3]]
-    reproduced = [_foreign(logged_trace(p)) for p in PROMPTS[3:6]]
-    changed = [_foreign(logged_trace(p), change_at=2) for p in PROMPTS[6:]]
-    ids = ingest(client, h, own + reproduced + changed)
-    own_ids, reproduced_ids, changed_ids = ids[:3], ids[3:6], ids[6:]
+    twins = PROMPTS[:4]
+    reproduced_ids = ingest(client, h, [logged_trace(p) for p in twins])
+    changed_ids = ingest(client, h, [_changed(logged_trace(p)) for p in twins])
+    ids = reproduced_ids + changed_ids
 
     run = run_to_done(client, h, runner, {"trace_ids": ids, "targets": [FP16]})
     # The run added the check: a self target, compared with the logged tokens.
@@ -57,73 +66,106 @@ def test_a_run_over_other_engines_traces_checks_the_engine_first(
 
     results = all_results(client, run["id"], h, limit=7)
     assert len(results) == 2 * len(ids)
-    check = {x["trace_id"]: x for x in results if x["comparison"] == 1}
-    # This engine reproduces its own traces and the unchanged vLLM ones exactly; the changed
-    # ones diverge where they were changed (or earlier: never later).
-    assert all(check[i]["exact_match"] for i in own_ids + reproduced_ids)
+    check, fp16 = _by(results, 1), _by(results, 0)
+    assert all(check[i]["exact_match"] for i in reproduced_ids)
     assert all(check[i]["first_divergence_step"] <= 2 for i in changed_ids)
     for x in results:
-        want = x["trace_id"] in reproduced_ids
-        want_or_none = None if x["trace_id"] in own_ids else want
-        assert x["engine_reproduced"] is want_or_none, x
+        assert x["engine_reproduced"] is (x["trace_id"] in reproduced_ids), x
+    # A reproduced trace is judged against its logged tokens; a changed one against the
+    # logged configuration replayed here (arm A ran here), which is what its reproduced twin's
+    # logged tokens are: the same t*, the same category, no flip counted against the change.
+    for good, bad in zip(reproduced_ids, changed_ids, strict=True):
+        assert fp16[good]["baseline"] == "logged" and fp16[good]["arms"]["a"]["resolved"] is None
+        assert fp16[bad]["baseline"] == "reproduced"
+        resolved_a = fp16[bad]["arms"]["a"]["resolved"]
+        assert resolved_a is not None and resolved_a["dtype"] == "bf16"
+        for key in ("exact_match", "first_divergence_step", "category"):
+            assert fp16[bad][key] == fp16[good][key], (key, fp16[bad], fp16[good])
+        assert check[bad]["baseline"] == "logged"  # the check itself is against the logged tokens
+    diverged = sum(1 for i in reproduced_ids if not fp16[i]["exact_match"])
+    assert diverged > 0  # the FP16 arm flips near-ties
 
     stats = run["statistics"]
     er = stats["engine_reproduction"]
-    assert er["comparison"] == 1 and er["n"] == 6 and er["engines"] == {"vllm": 6}
-    assert er["reproduced"]["successes"] == 3 and er["reproduced"]["n"] == 6
+    assert er["comparison"] == 1 and er["n"] == len(ids)
+    assert er["reproduced"]["successes"] == len(twins) and er["reproduced"]["n"] == len(ids)
     assert sorted(t["id"] for t in er["not_reproduced"]) == sorted(changed_ids)
-    baseline = stats["comparisons"][0]
-    diverged_changed = sum(
-        1
-        for x in results
-        if x["comparison"] == 0 and x["trace_id"] in changed_ids and not x["exact_match"]
-    )
-    assert diverged_changed == 3  # the FP16 arm never produces the changed tokens
-    assert baseline["not_attributable"] == diverged_changed
-    assert stats["comparisons"][1]["not_attributable"] is None  # the check itself
-    # /report is the same object.
+    assert stats["comparisons"][0]["baselines"] == {"logged": 4, "reproduced": 4}
+    assert stats["comparisons"][0]["ear"]["successes"] == 2 * (len(twins) - diverged)
+    assert stats["comparisons"][1]["baselines"] == {"logged": 8}
+    # /report is the same object; the export says each result's baseline.
     report = client.get(f"/v1/replays/{run['id']}/report", headers=h).json()
     assert report["engine_reproduction"] == er
+    export = client.get(f"/v1/replays/{run['id']}/export?format=jsonl", headers=h).text
+    rows = [json.loads(line) for line in export.splitlines()]
+    assert {(r["trace_id"], r["comparison"]): r["baseline"] for r in rows} == {
+        (x["trace_id"], x["comparison"]): x["baseline"] for x in results
+    }
+    csv = client.get(f"/v1/replays/{run['id']}/export?format=csv", headers=h).text
+    assert "baseline" in csv.splitlines()[0] and "reproduced" in csv
 
-    # The UI: the run page reports the check; a changed trace's page says its divergence is
-    # not attributable to the format, a reproduced one's says it is.
+    # The UI: the run page reports the check and the results against a replayed baseline; a
+    # changed trace's page says what it was judged against, a reproduced one's that it is the
+    # format's.
     client.cookies.clear()
     assert sign_in(client, api_key("auditor")).status_code == 303
     page = client.get(f"/ui/runs/{run['id']}").text
-    assert 'id="engine-reproduction"' in page and "vllm: 6" in page
+    assert 'id="engine-reproduction"' in page and "Against a replayed baseline" in page
     assert all(i in page for i in changed_ids)
     bad = client.get(f"/ui/runs/{run['id']}/traces/{changed_ids[0]}?comparison=0").text
-    assert 'id="not-attributable"' in bad and "(vllm)" in bad
+    assert 'id="not-reproduced"' in bad and "reproduced baseline" in bad
     good = client.get(f"/ui/runs/{run['id']}/traces/{reproduced_ids[0]}?comparison=0").text
-    assert 'id="not-attributable"' not in good and 'id="engine-reproduced"' in good
-    mine = client.get(f"/ui/runs/{run['id']}/traces/{own_ids[0]}?comparison=0").text
-    assert 'id="not-attributable"' not in mine and 'id="engine-reproduced"' not in mine
+    assert 'id="not-reproduced"' not in good and 'id="engine-reproduced"' in good
 
 
-def test_no_check_for_own_traces_and_none_when_turned_off(
+def test_traces_of_an_engine_this_service_cannot_run_are_compared_with_their_replay(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    api_key: Callable[..., str],
+    logged_trace: Callable[..., dict[str, Any]],
+) -> None:
+    h = headers("admin")
+    kept = ingest(client, h, [_foreign(logged_trace(p)) for p in PROMPTS[:3]])
+    changed = ingest(client, h, [_foreign(_changed(logged_trace(p))) for p in PROMPTS[3:6]])
+    run = run_to_done(client, h, runner, {"trace_ids": kept + changed, "targets": [FP16]})
+    results = all_results(client, run["id"], h)
+    fp16, check = _by(results, 0), _by(results, 1)
+    assert all(x["baseline"] == "replayed" for x in fp16.values())
+    assert all(x["arms"]["a"]["resolved"] is not None for x in fp16.values())
+    assert all(check[i]["exact_match"] for i in kept)
+    assert not any(check[i]["exact_match"] for i in changed)
+    er = run["statistics"]["engine_reproduction"]
+    assert er["engines"] == {"vllm": 6} and er["reproduced"]["successes"] == 3
+    assert run["statistics"]["comparisons"][0]["baselines"] == {"replayed": 6}
+    client.cookies.clear()
+    assert sign_in(client, api_key("auditor")).status_code == 303
+    page = client.get(f"/ui/runs/{run['id']}/traces/{changed[0]}?comparison=0").text
+    assert 'id="replayed-baseline"' in page and "vllm" in page
+
+
+def test_no_check_when_turned_off_and_no_second_one_where_the_run_asked_for_self(
     client: TestClient,
     runner: HoldingRunner,
     headers: Callable[..., dict[str, str]],
     logged_trace: Callable[..., dict[str, Any]],
 ) -> None:
     h = headers("admin")
-    own = ingest(client, h, [logged_trace(p) for p in PROMPTS[:2]])
-    run = run_to_done(client, h, runner, {"trace_ids": own, "targets": [FP16]})
-    assert len(run["targets"]) == 1 and run["statistics"]["engine_reproduction"] is None
-    assert run["statistics"]["comparisons"][0]["not_attributable"] is None
-
-    foreign = ingest(client, h, [_foreign(logged_trace(p)) for p in PROMPTS[2:4]])
+    changed = ingest(client, h, [_changed(logged_trace(p)) for p in PROMPTS[:2]])
     off = run_to_done(
-        client, h, runner, {"trace_ids": foreign, "targets": [FP16], "engine_check": "off"}
+        client, h, runner, {"trace_ids": changed, "targets": [FP16], "engine_check": "off"}
     )
     assert len(off["targets"]) == 1 and off["statistics"]["engine_reproduction"] is None
+    # Without the check, every comparison is with the logged tokens as they are.
+    assert all(x["baseline"] == "logged" for x in all_results(client, off["id"], h))
+    assert off["statistics"]["comparisons"][0]["baselines"] == {"logged": 2}
 
     # A run that asked for the self-replay itself gets no second one: that is the check.
     pairwise = run_to_done(
         client,
         h,
         runner,
-        {"trace_ids": foreign, "targets": [FP16], "compare_with": "self", "compare": "pairwise"},
+        {"trace_ids": changed, "targets": [FP16], "compare_with": "self", "compare": "pairwise"},
     )
     assert sum(1 for t in pairwise["targets"] if t.get("self")) == 1
     # Pairwise compared T0 with self; the check (logged vs self) was added as comparison 1.
@@ -132,11 +174,11 @@ def test_no_check_for_own_traces_and_none_when_turned_off(
         {"index": 1, "a": "logged", "b": 1},
     ]
     er = pairwise["statistics"]["engine_reproduction"]
-    assert er["comparison"] == 1 and er["reproduced"]["successes"] == 2
+    assert er["comparison"] == 1 and er["reproduced"]["successes"] == 0
 
     r = client.post(
         "/v1/replays",
-        json={"trace_ids": foreign, "targets": [FP16], "engine_check": "on"},
+        json={"trace_ids": changed, "targets": [FP16], "engine_check": "on"},
         headers=h,
     )
     assert r.status_code == 422 and "engine_check" in r.text

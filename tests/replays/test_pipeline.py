@@ -72,7 +72,7 @@ def make_trace(ckpt: Path, *, top_k: bool = True, n: int = 8, **over: Any) -> Lo
 def fake_pool(models: dict[str, dict[str, Any]]) -> EnginePool:
     """A pool whose engines are fakes, chosen by the target's body dtype."""
 
-    def loader(_: Path, target: Target) -> FakeEngine:
+    def loader(_: Path, target: Target, _tp: int = 1) -> FakeEngine:
         return FakeEngine(target, **models.get(target.dtype, {"next_token": base}))
 
     return EnginePool(loader)
@@ -126,7 +126,7 @@ def test_body_dominated_flip(ckpt: Path) -> None:
 def test_logged_format_unavailable_falls_back_to_the_logged_token(ckpt: Path) -> None:
     from replay_audit.exceptions import UnsupportedFormat
 
-    def loader(_: Path, target: Target) -> FakeEngine:
+    def loader(_: Path, target: Target, _tp: int = 1) -> FakeEngine:
         if target.dtype == "bf16":  # the logged format cannot run here
             raise UnsupportedFormat("no bf16 here")
         return FakeEngine(target, next_token=flipped(5e-4))
@@ -168,7 +168,7 @@ def test_scan_modes_find_the_same_t_star_as_decode(ckpt: Path, mode: str) -> Non
 def test_scan_then_decode_skips_the_decode_when_the_scan_agrees(ckpt: Path) -> None:
     engines: list[FakeEngine] = []
 
-    def loader(_: Path, target: Target) -> FakeEngine:
+    def loader(_: Path, target: Target, _tp: int = 1) -> FakeEngine:
         engines.append(FakeEngine(target, next_token=base))
         return engines[-1]
 
@@ -192,7 +192,7 @@ def kv_flip(from_scratch: bool) -> Callable[[tuple[int, ...]], tuple[int, float]
 
 
 def kv_pool(engines: list[FakeEngine] | None = None) -> EnginePool:
-    def loader(_: Path, target: Target) -> FakeEngine:
+    def loader(_: Path, target: Target, _tp: int = 1) -> FakeEngine:
         if target.dtype != "fp16":
             return FakeEngine(target, next_token=base)
         e = FakeEngine(target, next_token=kv_flip(False), step_fn=base, scan_fn=base)
@@ -268,7 +268,7 @@ def test_refuses_another_checkpoint_and_non_greedy_traces(ckpt: Path, tmp_path: 
     with pytest.raises(BadRequest, match="greedy"):
         replay_trace(sampled, Target("fp16"), fake_pool({}), model_dir=ckpt)
     with pytest.raises(ModelMismatch, match="vocabulary"):
-        pool = EnginePool(lambda d, t: FakeEngine(t, next_token=base, vocab_size=50))
+        pool = EnginePool(lambda d, t, k: FakeEngine(t, next_token=base, vocab_size=50))
         replay_trace(make_trace(ckpt), Target("fp16"), pool, model_dir=ckpt)
 
 
@@ -356,7 +356,7 @@ def test_self_replay_of_a_kernel_this_host_lacks_falls_back_to_the_engine_defaul
     from replay_audit.exceptions import UnsupportedFormat
     from replay_audit.replays.domain import RunTarget
 
-    def loader(_: Path, target: Target) -> FakeEngine:
+    def loader(_: Path, target: Target, _tp: int = 1) -> FakeEngine:
         if target.attn_kernel == "unknown":
             raise UnsupportedFormat("cannot load with attention 'unknown'")
         return FakeEngine(target, next_token=base)
@@ -412,7 +412,7 @@ def with_logits_ids(ckpt: Path) -> list[list[int]]:
 def test_scan_traces_batches_per_engine_and_equals_each_scan(ckpt: Path) -> None:
     engines: list[FakeEngine] = []
 
-    def loader(_: Path, target: Target) -> FakeEngine:
+    def loader(_: Path, target: Target, _tp: int = 1) -> FakeEngine:
         engines.append(FakeEngine(target, next_token=flipped(5e-4)))
         return engines[-1]
 
@@ -486,7 +486,9 @@ def test_replay_traces_batches_the_single_step_reruns_and_equals_each_replay(
     for mode in ("decode", "scan", "scan_then_decode"):
         engines: list[FakeEngine] = []
 
-        def loader(_: Path, target: Target, engines: list[FakeEngine] = engines) -> FakeEngine:
+        def loader(
+            _: Path, target: Target, _tp: int = 1, engines: list[FakeEngine] = engines
+        ) -> FakeEngine:
             fn = flipped(5e-4) if target.dtype == "fp16" else base
             engines.append(FakeEngine(target, next_token=fn))
             return engines[-1]
@@ -521,7 +523,7 @@ def test_a_result_carries_only_the_batch_extras_of_batches_its_trace_was_in(ckpt
     result's environment keeps them only where its trace was in that scan or re-run: a trace
     that agrees had no re-run, a decode afterwards had neither, the logged arm had no scan."""
 
-    def loader(_: Path, target: Target) -> FakeEngine:
+    def loader(_: Path, target: Target, _tp: int = 1) -> FakeEngine:
         return FakeEngine(target, next_token=flipped(5e-4) if target.dtype == "fp16" else base)
 
     pool = EnginePool(loader)

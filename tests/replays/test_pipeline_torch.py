@@ -192,7 +192,9 @@ def test_batched_reruns_give_the_unbatched_outcomes(
         assert a.a.margin == b.a.margin and a.b.margin == b.b.margin
         if a.first_divergence_step is not None:
             assert a.a.margin is not None and a.a.margin.source == "reconstructed"
-    env = pool.get(real_dir, Target("bf16", attn_kernel="sdpa")).environment()
+    ran = together[0]
+    assert isinstance(ran, ReplayOutcome) and ran.b.resolved is not None
+    env = pool.get(real_dir, ran.b.resolved.target).environment()  # the engine that ran arm B
     assert env["extras"]["step_batch_shapes"], "the re-runs ran batched and say so"
 
 

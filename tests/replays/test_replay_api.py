@@ -123,7 +123,8 @@ def test_jobs_are_idempotent_and_reconciled(
 
     run_replay_job(*spec.args)  # type: ignore[arg-type]
     with session_scope(db_url) as s:
-        assert s.scalar(select(func.count()).select_from(ReplayResult)) == 3
+        # 3 traces x (FP16, and the reproduction check every run begins with)
+        assert s.scalar(select(func.count()).select_from(ReplayResult)) == 6
         assert s.scalars(select(ReplayJob.status)).all() == ["done"]
         assert reconcile(s, runner, stale_after_s=0, job_timeout_s=60) == []
     assert client.get(f"/v1/replays/{first.json()['id']}", headers=h).json()["status"] == "done"
@@ -152,7 +153,10 @@ def test_pairwise_both_arms(
     runner.run_all()
     run = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
     assert run["status"] == "done"
-    assert [(c["a"], c["b"]) for c in run["comparisons"]] == [(0, 1), (2, 3)]
+    # The pairs asked for, then the reproduction check the run added (logged vs self).
+    assert [(c["a"], c["b"]) for c in run["comparisons"]] == [(0, 1), (2, 3), ("logged", 4)]
+    assert run["targets"][4]["self"] is True
+    assert run["statistics"]["engine_reproduction"]["reproduced"]["successes"] == 6
     comps = {c["index"]: c for c in run["statistics"]["comparisons"]}
     # Both arms repaired by C agree everywhere in this model; unrepaired they do not.
     assert comps[1]["ear"]["successes"] == 6
@@ -173,10 +177,10 @@ def test_failed_items_say_why(
     runner.run_all()
     run = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
     assert run["status"] == "failed"
-    assert run["progress"]["failed"] == 1
-    (item,) = all_results(client, r.json()["id"], h)
-    assert item["status"] == "failed"
-    assert "no checkpoint with weights_sha256 " + "cd" * 32 in item["error"]
+    assert run["progress"]["failed"] == 2  # the comparison and the reproduction check
+    for item in all_results(client, r.json()["id"], h):
+        assert item["status"] == "failed"
+        assert "no checkpoint with weights_sha256 " + "cd" * 32 in item["error"]
 
 
 @pytest.mark.parametrize(
@@ -278,7 +282,7 @@ def test_a_filter_selects_like_the_trace_listing(
     assert r.status_code == 201, r.text
     runner.run_all()
     items = all_results(client, r.json()["id"], h)
-    assert sorted(x["trace_id"] for x in items) == sorted(tagged)
+    assert sorted(x["trace_id"] for x in items if x["comparison"] == 0) == sorted(tagged)
 
 
 def test_tau_and_tau_ulps_together_are_refused_naming_both(
@@ -305,8 +309,9 @@ def test_tau_and_tau_ulps_together_are_refused_naming_both(
         r = client.post("/v1/replays", json={"trace_ids": [trace_id], "targets": [target]},
                         headers=h)  # fmt: skip
         assert r.status_code == 201, r.text
-        (t,) = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()["targets"]
+        t, check = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()["targets"]
         assert (t["intervention"]["tau"], t["intervention"]["tau_ulps"]) == expected
+        assert check["self"] is True  # the reproduction check every run begins with
 
 
 def test_error_messages_carry_no_pydantic_prefixes(
@@ -375,7 +380,7 @@ def test_a_pairwise_target_without_a_kernel_runs_the_logged_one_and_every_surfac
     assert r.status_code == 201, r.text
     run_id = r.json()["id"]
     runner.run_all()
-    results = all_results(client, run_id, h)
+    results = [x for x in all_results(client, run_id, h) if x["comparison"] == 0]
     assert len(results) == 4 and all(x["status"] == "ok" for x in results)
     for x in results:
         for arm in ("a", "b"):
@@ -383,7 +388,8 @@ def test_a_pairwise_target_without_a_kernel_runs_the_logged_one_and_every_surfac
             assert (resolved["attn_kernel"], resolved["kernel_source"]) == ("eager", "logged")
             assert x["arms"][arm]["environment"]["attn_kernel"] == "eager"
     run = client.get(f"/v1/replays/{run_id}", headers=h).json()
-    (ran,) = run["ran"]
+    ran, check = run["ran"]  # the pair, then the reproduction check (the logged config, here)
+    assert check["comparison"] == 1 and check["a"] is None and check["b"]["attn_kernel"] == "eager"
     assert ran["results"] == 4 and ran["a"]["attn_kernel"] == ran["b"]["attn_kernel"] == "eager"
     assert ran["label_a"] == "bf16 / eager / cpu" and ran["label_b"] == "fp16 / eager / cpu"
     # The run page: the targets say the kernel was left to each trace, and what ran says eager.

@@ -48,6 +48,13 @@ def test_the_route_is_the_logged_kind_and_degree_unless_a_target_names_another()
     tp1 = dataclasses.replace(t, tp_degree=1)
     assert route_of(a10g_tp2, [tp1, RunTarget(None)], "gpu") == Route("gpu", "a10g", 2)
     assert route_of(a10g_tp2, [tp1], "gpu") == Route("gpu", "a10g", 1)
+    # The reproduction check a run adds goes where the degree a target names runs (and fails
+    # there saying why); where none names one, it runs at the logged degree like any self arm.
+    from replay_audit.replays.service import ENGINE_CHECK_LABEL
+
+    check = RunTarget(None, label=ENGINE_CHECK_LABEL)
+    assert route_of(a10g_tp2, [tp1, check], "gpu") == Route("gpu", "a10g", 1)
+    assert route_of(a10g_tp2, [t, check], "gpu") == Route("gpu", "a10g", 2)
     # On the CPU there is no kind.
     cpu = dataclasses.replace(t, device="cpu")
     assert route_of(a10g_tp2, [cpu], "gpu") == Route("cpu", None, 2)
@@ -158,13 +165,20 @@ def test_a_tp2_trace_waits_with_its_reason_and_runs_at_tp1_only_when_asked(
     run_id = r.json()["id"]
     assert in_process.join(timeout_s=60)
     run = client.get(f"/v1/replays/{run_id}", headers=h).json()
-    assert run["status"] == "done" and run["pending_reason"] is None, run
+    assert run["status"] in ("done", "failed") and run["pending_reason"] is None, run
     items = all_results(client, run_id, h)
-    assert len(items) == len(PROMPTS) and all(i["status"] == "ok" for i in items)
-    for i in items:
+    asked_items = [i for i in items if i["comparison"] == 0]
+    assert len(asked_items) == len(PROMPTS) and all(i["status"] == "ok" for i in asked_items)
+    for i in asked_items:
         resolved = i["arms"]["b"]["resolved"]
         assert (resolved["tp_degree"], resolved["logged_tp_degree"]) == (1, 2)
         assert resolved["worker_kind"] == "cpu"
+        assert i["baseline"] == "logged"  # the check could not say otherwise
+    # The reproduction check needs the logged degree, which this worker does not own: it
+    # fails saying so (the run went where the degree asked for runs).
+    checks = [i for i in items if i["comparison"] == 1]
+    assert len(checks) == len(PROMPTS) and all(i["status"] == "failed" for i in checks)
+    assert all("was logged at TP 2" in i["error"] for i in checks)
     [ran] = run["ran"]
     assert "tp 1 (logged tp 2)" in ran["label_b"]
     # The first run still waits: nothing it asked for changed.
@@ -184,9 +198,11 @@ def test_a_tp2_trace_fails_saying_so_where_a_worker_took_it_anyway(
     r = client.post("/v1/replays", json={"trace_ids": ids, "targets": [FP16]}, headers=h)
     run_id = r.json()["id"]
     assert runner.run_all() == 1
-    [item] = all_results(client, run_id, h)
-    assert item["status"] == "failed"
-    assert "was logged at TP 2" in item["error"] and "tp_degree: 1" in item["error"]
+    items = all_results(client, run_id, h)
+    assert len(items) == 2  # FP16, and the reproduction check
+    for item in items:
+        assert item["status"] == "failed"
+        assert "was logged at TP 2" in item["error"] and "tp_degree: 1" in item["error"]
 
 
 def test_an_audit_schedule_naming_two_gpu_kinds_is_refused_when_it_is_created(

@@ -66,7 +66,7 @@ def _fp16(*, from_scratch: bool) -> Callable[[tuple[int, ...]], tuple[int, float
     return next_token
 
 
-def loader(_directory: Path, target: Target) -> FakeEngine:
+def loader(_directory: Path, target: Target, _tp: int = 1) -> FakeEngine:
     if target.dtype != "fp16":
         return FakeEngine(target, next_token=_base, vocab_size=VOCAB)
     scratch = _fp16(from_scratch=True)
@@ -94,7 +94,7 @@ def engines(monkeypatch: pytest.MonkeyPatch, db_url: str, fake_model_dir: Path) 
     monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", db_url)
     monkeypatch.setenv("REPLAY_AUDIT_MODEL_DIRS", str(fake_model_dir))
 
-    def recording(directory: Path, target: Target) -> FakeEngine:
+    def recording(directory: Path, target: Target, _tp: int = 1) -> FakeEngine:
         LOADED.append(loader(directory, target))
         return LOADED[-1]
 
@@ -170,14 +170,16 @@ def test_the_control_sample_finds_what_the_scan_misses(
     assert fp16.calls.count("scan_batch") == 2 and "scan" not in fp16.calls
     lines = [m for m in caplog.messages if m.startswith("replay job")]
     assert len(lines) == 2 and all("traces/s" in m and "scanned" in m for m in lines)
-    assert "scanned 64 in " in lines[0] and "scanned 16 in " in lines[1]
-    assert lines[0].endswith("run at 64/80 results") and lines[1].endswith("run at 80/80 results")
+    # Each trace twice: FP16, and the reproduction check every run begins with (both scanned).
+    assert "scanned 128 in " in lines[0] and "scanned 32 in " in lines[1]
+    assert lines[0].endswith("run at 128/160 results")
+    assert lines[1].endswith("run at 160/160 results")
     run = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
     assert run["status"] == "done" and run["mode"] == "scan_then_decode"  # 80 >= 20: large
     assert run["request"]["control_seed"] == 0 and run["results_per_s"] > 0
 
     sample = ControlSample(0.5, 0)
-    items = {x["trace_id"]: x for x in all_results(client, run["id"], h)}
+    items = {x["trace_id"]: x for x in all_results(client, run["id"], h) if x["comparison"] == 0}
     for trace_id, x in items.items():
         kind = kind_of[trace_id]
         if kind == "head":  # flagged, decoded from the flip
@@ -310,7 +312,9 @@ def test_near_tie_flagging_decodes_the_kv_flips_the_scan_cannot_see(
     assert default["request"]["scan_flag_ulps"] == 0.0  # type: ignore[index]
     run = _run(client, runner, h, ids, scan_flag_ulps=1, control_seed=seed_)
     assert run["request"]["scan_flag_ulps"] == 1.0  # type: ignore[index]
-    items = {x["trace_id"]: x for x in all_results(client, str(run["id"]), h)}
+    items = {
+        x["trace_id"]: x for x in all_results(client, str(run["id"]), h) if x["comparison"] == 0
+    }
     for trace_id, x in items.items():
         kind = kind_of[trace_id]
         if kind == "head":
@@ -351,7 +355,9 @@ def test_near_tie_flagging_decodes_the_kv_flips_the_scan_cannot_see(
 
     # Off: the kv flips are misses again, found only where the control sample holds them.
     off = _run(client, runner, h, ids, scan_flag_ulps=-1, control_seed=seed_)
-    items = {x["trace_id"]: x for x in all_results(client, str(off["id"]), h)}
+    items = {
+        x["trace_id"]: x for x in all_results(client, str(off["id"]), h) if x["comparison"] == 0
+    }
     assert not any(x["screen"] == "near_tie" for x in items.values())
     for trace_id, x in items.items():
         if kind_of[trace_id] == "kv":
@@ -530,8 +536,12 @@ def test_a_decode_window_keeps_t_star_and_cuts_only_the_continuation(
     cut = _run(client, runner, h, ids, decode_window=1, **common)
     assert full["decode_window"] is None
     assert cut["decode_window"] == 1 and cut["request"]["decode_window"] == 1  # type: ignore[index]
-    whole = {x["trace_id"]: x for x in all_results(client, str(full["id"]), h)}
-    windowed = {x["trace_id"]: x for x in all_results(client, str(cut["id"]), h)}
+    whole = {
+        x["trace_id"]: x for x in all_results(client, str(full["id"]), h) if x["comparison"] == 0
+    }
+    windowed = {
+        x["trace_id"]: x for x in all_results(client, str(cut["id"]), h) if x["comparison"] == 0
+    }
     assert whole.keys() == windowed.keys() == set(ids)
     same = (
         "screen",

@@ -42,7 +42,7 @@ from typer.testing import CliRunner
 from replay_audit.cli import app as cli
 from replay_audit.config import Settings, get_settings
 from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
-from replay_audit.formats import CATEGORIES
+from replay_audit.formats import BASELINES, CATEGORIES
 from replay_audit.stats import mcnemar_exact, paired_bootstrap_lift, proportion
 from replay_audit.traces.schemas import TraceCreate
 from replay_audit.ui.templating import NONE, num, pct, pp, pvalue
@@ -143,7 +143,7 @@ def piece(token: int) -> str:
     return f" {token}"
 
 
-def planned_engine(directory: Path, target: Target, **_options: Any) -> FakeEngine:
+def planned_engine(directory: Path, target: Target, _tp: int = 1, **_options: Any) -> FakeEngine:
     """The loader of the pool (and, for the CLI, `load_engine`): reads PLANS at each step."""
     return FakeEngine(
         target,
@@ -426,6 +426,7 @@ class Row(NamedTuple):
     screen: str | None
     trigger_rate_a: float | None
     mode: str
+    baseline: str
 
     @classmethod
     def parse(cls, r: dict[str, str]) -> Row:
@@ -451,10 +452,12 @@ class Row(NamedTuple):
             screen=r["screen"] or None,
             trigger_rate_a=_float(r["trigger_rate_a"]),
             mode=r["mode"],
+            baseline=r["baseline"],
         )
 
     def agrees_with(self, x: dict[str, Any]) -> None:
         """The CSV row says what the results page's item says."""
+        assert self.baseline == x["baseline"]
         arms = x["arms"] or {"a": {}, "b": {}}
         m = x["margin_at_divergence"]
         semantic = x["semantic"]
@@ -583,6 +586,7 @@ def expected_comparison(rows: list[Row], items: list[dict[str, Any]], mode: str)
             "ties": sum(1 for r in diverged if r.margin_a == 0.0 or r.margin_b == 0.0),
         },
         "screening": expected_screening(ok),
+        "baselines": {b: n for b in BASELINES if (n := sum(r.baseline == b for r in ok))},
     }
 
 
@@ -692,19 +696,29 @@ def _prop_text(p: dict[str, Any] | None) -> str:
     return f"{pct(p['estimate'])} [{pct(p['low'])}, {pct(p['high'])}] {p['successes']}/{p['n']}"
 
 
-def comparison_row_text(index: int, label: str, e: dict[str, Any]) -> str:
-    """The row of the run page's agreement table that the figures `e` should give."""
+def comparison_row_text(
+    index: int, label: str, e: dict[str, Any], reproduction: bool = False
+) -> str:
+    """The row of the run page's agreement table that the figures `e` should give (with the
+    column of results against a replayed baseline where the run reproduced first)."""
     failed = f" ({e['failed']} failed)" if e["failed"] else ""
     trigger = f"{pct(e['trigger_rate'], 2)} {e['gate_triggers']}/{e['steps']} steps"
     if e["steps_a"] is not None:  # both arms ran here: both arms' gates, labelled
         a = f"{pct(e['trigger_rate_a'], 2)} {e['gate_triggers_a']}/{e['steps_a']} steps"
         trigger = f"arm A {a} arm B {trigger}"
     sar = " ".join(x for x in (_prop_text(e["sar"]) if e["sar"] else "", e["sar_note"]) if x)
-    return (
+    text = (
         f"{index} {label} {e['ok']} / {e['n']}{failed} {_prop_text(e['ear'])} "
         f"{sar or NONE} {trigger} {num(e['mean_gap'])} "
         f"{e['margin_at_divergence']['ties']}"
     )
+    if reproduction:
+        b = e["baselines"]
+        other = b.get("reproduced", 0) + b.get("replayed", 0)
+        parts = [f"{b['reproduced']} not reproduced"] if b.get("reproduced") else []
+        parts += [f"{b['replayed']} other engine"] if b.get("replayed") else []
+        text += f" {other}" + (f" ({', '.join(parts)})" if parts else "")
+    return text
 
 
 def lift_row_text(label: str, lf: dict[str, Any]) -> str:
@@ -722,9 +736,10 @@ def check_run_page(
     pair: dict[str, Any] | None,
 ) -> None:
     table = _section(html, r'<table class="data" id="comparisons">(.*?)</table>')
+    reproduction = 'id="engine-reproduction"' in html
     for i, (label, e) in enumerate(zip(labels, expected, strict=True)):
         row = _section(table, rf'<tr id="comparison-{i}">(.*?)</tr>')
-        assert _text(row) == comparison_row_text(i, label, e)
+        assert _text(row) == comparison_row_text(i, label, e, reproduction)
     if lifts:
         body = _section(html, r'<section class="card" id="lifts">.*?<tbody>(.*?)</tbody>')
         rows = [_text(r) for r in re.findall(r"<tr>(.*?)</tr>", body, re.S)]
@@ -837,6 +852,9 @@ def test_every_surface_shows_the_same_figures(
     items = all_results(client, run_id, admin, limit=7)
     comparisons = run["comparisons"]
     names = case.arm_names()
+    if len(run["targets"]) == len(names) + 1:  # the reproduction check the run added
+        assert run["targets"][-1]["self"] is True
+        names = [*names, "self"]
     arms = [("logged" if c["a"] == "logged" else names[c["a"]], names[c["b"]]) for c in comparisons]
 
     # The export and the results pages: one row per (trace, comparison), saying the same.
@@ -955,6 +973,15 @@ def test_cli_summary_is_the_api_comparison(
     assert printed["mode"] == "decode" and printed.pop("target")["dtype"] == target["dtype"]
     check_cli_table(r.output, run["statistics"]["comparisons"][0])
     assert printed.pop("traces") == len(trace_ids) and printed.pop("interrupted") is False
+    # The CLI reproduces before it compares, as the run did: its check and its figures are
+    # the run's (both comparisons).
+    assert printed.pop("comparisons") == run["statistics"]["comparisons"]
+    reproduction, er = printed.pop("reproduction"), run["statistics"]["engine_reproduction"]
+    # The same check, but the CLI names traces by their external ids (it stores none).
+    assert [t["external_id"] for t in reproduction.pop("not_reproduced")] == [
+        t["external_id"] for t in er.pop("not_reproduced")
+    ]
+    assert reproduction == er
     assert printed == run["statistics"]["comparisons"][0]
     assert f"({printed['ear']['successes']}/{printed['ear']['n']})" in r.output
     # Per trace, the CLI's output file says what the API's results say.
@@ -1110,6 +1137,13 @@ def test_sar_is_mode_aware_and_the_cli_shows_the_api_figures(
     assert r.exit_code == 0, r.output
     printed = json.loads(summary.read_text())
     assert printed.pop("traces") == len(trace_ids) and printed.pop("target")["dtype"] == "fp16"
+    assert printed.pop("comparisons") == run["statistics"]["comparisons"]  # the check's too
+    reproduction, er = printed.pop("reproduction"), run["statistics"]["engine_reproduction"]
+    # The same check, but the CLI names traces by their external ids (it stores none).
+    assert [t["external_id"] for t in reproduction.pop("not_reproduced")] == [
+        t["external_id"] for t in er.pop("not_reproduced")
+    ]
+    assert reproduction == er
     assert printed.pop("interrupted") is False and printed == c
     check_cli_table(r.output, c)
 
@@ -1160,8 +1194,11 @@ def test_a_both_arms_comparison_shows_both_gates_everywhere(
         cell = _text(
             _section(page, rf'<tr id="comparison-{x["index"]}">.*?<td class="gate">(.*?)</td>')
         )
-        a = f"{pct(x['trigger_rate_a'], 2)} {x['gate_triggers_a']}/{x['steps_a']} steps"
         b = f"{pct(x['trigger_rate'], 2)} {x['gate_triggers']}/{x['steps']} steps"
+        if x["steps_a"] is None:  # the reproduction check: arm A is the logged tokens
+            assert x["a"] == "logged" and cell == b
+            continue
+        a = f"{pct(x['trigger_rate_a'], 2)} {x['gate_triggers_a']}/{x['steps_a']} steps"
         assert cell == f"arm A {a} arm B {b}"
 
     rows = [r for r in _csv(client, run["id"], admin) if r.comparison == 1 and r.ok]
@@ -1180,7 +1217,14 @@ def test_a_both_arms_comparison_shows_both_gates_everywhere(
     _print_run(console, ReplayRead.model_validate(run), "both arms")
     printed = console.file.getvalue()  # type: ignore[attr-defined]
     for x in comparisons:
+        if x["trigger_rate_a"] is None:  # the reproduction check: arm A is the logged tokens
+            assert x["a"] == "logged" and f"{100 * x['trigger_rate']:.2f}%" in printed
+            continue
         assert f"A {100 * x['trigger_rate_a']:.2f}% · B {100 * x['trigger_rate']:.2f}%" in printed
+    er = run["statistics"]["engine_reproduction"]
+    assert (
+        f"reproduced in their own logged configuration: {er['reproduced']['successes']}" in printed
+    )
 
     diverged = next(
         x for x in all_results(client, run["id"], admin)

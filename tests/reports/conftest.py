@@ -46,7 +46,7 @@ def piece(token: int) -> str:
     return f" {token}"
 
 
-def talking_loader(directory: Path, target: Target) -> FakeEngine:
+def talking_loader(directory: Path, target: Target, _tp: int = 1) -> FakeEngine:
     fn = fp16_next if target.dtype == "fp16" else bf16_next
     return FakeEngine(
         target,

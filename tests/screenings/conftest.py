@@ -59,16 +59,24 @@ def job_runner(client: TestClient, fake_model_dir: Path) -> JobRunner:  # noqa: 
     return r
 
 
-@pytest.fixture
-def fake_backend(worker_env: Any) -> Iterator[list[FakeWorkerBackend]]:  # noqa: F811
-    """Screening jobs get fake engines; the list holds every backend built."""
-    built: list[FakeWorkerBackend] = []
+def install_fake(backend: FakeWorkerBackend, built: list[FakeWorkerBackend]) -> None:
+    """Screening jobs get `backend`'s facts and its fake engines: the worker context's pool
+    is the backend's (the one engine seam); `built` holds the backend each job took."""
+    from replay_audit.worker import context
 
     def factory(model_dir: Path, device: str | None) -> FakeWorkerBackend:
-        b = FakeWorkerBackend()
-        built.append(b)
-        return b
+        built.append(backend)
+        return backend
 
-    tasks.install_backend_factory(factory)
+    tasks.install_facts_factory(factory)
+    settings = context.worker_context().settings
+    context.install_worker_context(context.WorkerContext(settings, backend.pool()))
+
+
+@pytest.fixture
+def fake_backend(worker_env: Any) -> Iterator[list[FakeWorkerBackend]]:  # noqa: F811
+    """Screening jobs get fake engines; the list holds the backend of every job run."""
+    built: list[FakeWorkerBackend] = []
+    install_fake(FakeWorkerBackend(), built)
     yield built
-    tasks.install_backend_factory(None)
+    tasks.install_facts_factory(None)

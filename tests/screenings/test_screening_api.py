@@ -267,21 +267,16 @@ def test_a_stopped_screening_job_resumes_at_the_first_undecoded_prompt(
     class Counting(CountingBackend, FakeWorkerBackend):
         pass
 
+    from tests.screenings.conftest import install_fake
+
     fp16, stop_at = ScreenConfig("fp16").key, 7
-    built: list[Counting] = []
-
-    def factory(stop: tuple[str, int] | None) -> tasks.BackendFactory:
-        def make(model_dir: Path, device: str | None) -> Counting:
-            built.append(Counting(stop=stop))
-            return built[-1]
-
-        return make
+    built: list[FakeWorkerBackend] = []
 
     admin = headers("admin")
     r = client.post("/v1/screenings", json=_body(weights_sha256(fake_model_dir)), headers=admin)
     sid = r.json()["id"]
     screening_id = job_runner_id(client, sid)
-    tasks.install_backend_factory(factory((fp16, stop_at)))
+    install_fake(Counting(stop=(fp16, stop_at)), built)
     with pytest.raises(Stopped):  # the worker stopped while prompt 7 of the fp16 run decoded
         tasks.run_screening_job(screening_id)
     url = client.app.state.settings.database_url  # type: ignore[attr-defined]
@@ -295,9 +290,9 @@ def test_a_stopped_screening_job_resumes_at_the_first_undecoded_prompt(
         f"decode/{fp16}/{i}" for i in range(stop_at)
     }
     assert f"run/{fp16}" not in keys
-    tasks.install_backend_factory(factory(None))
+    again = Counting()
+    install_fake(again, built)
     tasks.run_screening_job(screening_id)
-    again = built[-1]
     got = client.get(f"/v1/screenings/{sid}", headers=admin).json()
     assert got["status"] == "done", got["error"]
     for i in range(N_PROMPTS):

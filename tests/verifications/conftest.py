@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from replay_audit.config import BUNDLED_MODEL_DIR, Settings
 from replay_audit.engine import EnginePool, Intervention, Target
 from replay_audit.screenings.sweep.plan import ScreenConfig
-from replay_audit.screenings.sweep.worker import TorchBackend
+from replay_audit.screenings.sweep.worker import TorchFacts
 from replay_audit.stats.verification import Calibration
 from replay_audit.verifications import tasks
 from replay_audit.worker import context
@@ -62,7 +62,7 @@ def calibrations(verify_pool: EnginePool) -> list[Calibration]:
     """The bundled model's null on this CPU for the BF16 and the FP16 claim."""
     from replay_audit.verifications.null import benign_null
 
-    prompts = TorchBackend(BUNDLED_MODEL_DIR, "cpu").prompts(_rows()[:NULL_PROMPTS])  # type: ignore[arg-type]
+    prompts = TorchFacts(BUNDLED_MODEL_DIR, "cpu").prompts(_rows()[:NULL_PROMPTS])  # type: ignore[arg-type]
     variations = (ScreenConfig("bf16"), ScreenConfig("fp16"))
     return [
         benign_null(

@@ -8,7 +8,7 @@ import pytest
 
 from replay_audit.config import BUNDLED_MODEL_DIR
 from replay_audit.engine import EnginePool, Intervention, Target
-from replay_audit.screenings.sweep.worker import TorchBackend
+from replay_audit.screenings.sweep.worker import TorchFacts
 from replay_audit.verifications.null import BENIGN_VARIATIONS, TP_VARIATION, benign_null
 
 
@@ -17,7 +17,7 @@ def test_a_null_measured_on_a_cpu_notes_that_tp_was_not_covered(
     verify_pool: EnginePool,
 ) -> None:
     rows = [{"id": "a", "prompt": "def main():"}, {"id": "b", "prompt": "Once upon a time"}]
-    prompts = TorchBackend(BUNDLED_MODEL_DIR, "cpu").prompts(rows)
+    prompts = TorchFacts(BUNDLED_MODEL_DIR, "cpu").prompts(rows)
     cal = benign_null(
         BUNDLED_MODEL_DIR,
         Target("bf16", None, "sdpa", 1, Intervention()),

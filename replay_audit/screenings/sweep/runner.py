@@ -202,10 +202,11 @@ def decode_run(
     # The engine's numerical environment, the configuration's knobs, and the arm resolved
     # from them (what ran: `replays.domain.ResolvedArm`). Stored as JSON: taken through it
     # here, so the output is what a resumed screening reads.
+    ran = arm.engine.environment()
     recorded = {
-        **arm.engine.environment(),
+        **ran,
         "screening_config": run.config.to_json(),
-        "resolved": arm.resolved.to_json(),
+        "resolved": arm.resolved.ran(ran).to_json(),
     }
     environment: JsonObject = json.loads(json.dumps(recorded))
     return RunOutput(run.key, environment, tuple(decodes))

@@ -19,11 +19,16 @@ in every configuration but fp16, whose are (1, 0.01): Δh = 0.01 everywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from replay_audit.engine.fake import FakeEngine
+from replay_audit.engine.pool import EnginePool
+from replay_audit.engine.protocol import Target
 from replay_audit.exceptions import UnsupportedFormat
-from replay_audit.screenings.sweep.outputs import ScreenPrompt
-from replay_audit.screenings.sweep.plan import ScreenConfig
+from replay_audit.screenings.sweep.outputs import ScreenOutputs, ScreenPrompt
+from replay_audit.screenings.sweep.plan import ScreenConfig, SweepPlan
+from replay_audit.screenings.sweep.runner import Store, run_screening
 
 PROMPT_LEN = 3
 TINY = 1e-4
@@ -50,9 +55,14 @@ def _flip(token: int) -> int:
     return (token + 1) % 97
 
 
+#: The checkpoint directory the fake engines stand for (the pool keys its engines by it).
+FAKE_DIR = Path("/fake-screening-model")
+
+
 @dataclass
 class FakeBackend:
-    """Engines by configuration, as described above; records loads and activations."""
+    """Engines by configuration, as described above, loaded by an engine pool through the
+    replay pipeline as the torch ones are (`pool()`: the one engine seam); records loads."""
 
     head: frozenset[int] = HEAD
     body: frozenset[int] = BODY
@@ -64,8 +74,24 @@ class FakeBackend:
     #: What the backend's availability probe says, by configuration key (absent: it runs).
     refuses: dict[str, str] = field(default_factory=dict)
     loads: list[str] = field(default_factory=list)
-    activated: list[str] = field(default_factory=list)
     probed: list[str] = field(default_factory=list)
+    _pool: EnginePool | None = field(default=None, init=False, repr=False)
+
+    def loader(self, model_dir: Path, target: Target, tp_degree: int = 1) -> FakeEngine:
+        """The pool's loader: the configuration whose target the pipeline asks for."""
+        return self.load(ScreenConfig.of_target(target, tp_degree))
+
+    def pool(self) -> EnginePool:
+        """The pool of this backend's engines (one per backend: its engines stay loaded)."""
+        if self._pool is None:
+            self._pool = EnginePool(loader=self.loader, devices=8)
+        return self._pool
+
+    def run(
+        self, plan: SweepPlan, prompts: list[ScreenPrompt], store: Store, **kw: Any
+    ) -> ScreenOutputs:
+        """`run_screening` of `plan` with this backend's engines."""
+        return run_screening(plan, prompts, self.pool(), FAKE_DIR, self.eos_ids(), store, **kw)
 
     def load(self, config: ScreenConfig) -> FakeEngine:
         if config.key in self.unsupported:
@@ -134,9 +160,6 @@ class FakeBackend:
     def availability(self, config: ScreenConfig) -> str | None:
         self.probed.append(config.key)
         return self.refuses.get(config.key)
-
-    def activate(self, config: ScreenConfig) -> None:
-        self.activated.append(config.key)
 
     def eos_ids(self) -> list[int]:
         return []

@@ -8,7 +8,7 @@ from __future__ import annotations
 from replay_audit.screenings.sweep.analysis import build_report
 from replay_audit.screenings.sweep.plan import Platform, ScreenConfig, build_plan
 from replay_audit.screenings.sweep.report import ScreeningReport
-from replay_audit.screenings.sweep.runner import MemoryStore, run_screening
+from replay_audit.screenings.sweep.runner import MemoryStore
 from tests.screenings.sweep.fake_screen import STEPS, FakeBackend, prompts
 
 GPU = Platform(device="cuda", gpu_name="fake H100", sm="9.0", fp8_unavailable="no fp8 here")
@@ -27,7 +27,7 @@ def _screen(backend: FakeBackend, platform: Platform = GPU) -> ScreeningReport:
         max_new_tokens=STEPS,
         probe=backend.availability,
     )
-    out = run_screening(plan, prompts(6), backend, MemoryStore())
+    out = backend.run(plan, prompts(6), MemoryStore())
     return build_report(plan, prompts(6), out, model="fake", weights_sha256=None)
 
 

@@ -11,7 +11,7 @@ import pytest
 from replay_audit.screenings.sweep.analysis import build_report
 from replay_audit.screenings.sweep.plan import Platform, ScreenConfig, build_plan
 from replay_audit.screenings.sweep.report import ScreeningReport
-from replay_audit.screenings.sweep.runner import MemoryStore, run_screening
+from replay_audit.screenings.sweep.runner import MemoryStore
 from tests.screenings.sweep.fake_screen import (
     BATCH,
     BODY,
@@ -38,7 +38,7 @@ def _screen(
         cover=cover,
     )
     store = store or MemoryStore()
-    out = run_screening(plan, prompts(n), backend, store)
+    out = backend.run(plan, prompts(n), store)
     return plan, build_report(plan, prompts(n), out, model="fake", weights_sha256=None), store
 
 

@@ -11,7 +11,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 
 from replay_audit.screenings.sweep.analysis import build_report
 from replay_audit.screenings.sweep.plan import Platform, ScreenConfig, build_plan
-from replay_audit.screenings.sweep.runner import MemoryStore, run_screening
+from replay_audit.screenings.sweep.runner import MemoryStore
 from replay_audit.ui.screening_view import standalone_html
 from tests.screenings.sweep.fake_screen import STEPS, FakeBackend, prompts
 from tests.ui.chromium import OUTPUT_DIR, browser, console_errors  # noqa: F401  (the fixture)
@@ -24,7 +24,7 @@ def _html() -> str:
         knobs=("body_dtype", "tf32", "batch_size", "weight_storage", "deterministic"),
         max_new_tokens=STEPS,
     )
-    out = run_screening(plan, prompts(), FakeBackend(), MemoryStore())
+    out = FakeBackend().run(plan, prompts(), MemoryStore())
     report = build_report(plan, prompts(), out, model="fake <model>", weights_sha256="ab" * 32)
     return standalone_html(report)
 

@@ -15,7 +15,7 @@ from replay_audit.engine.fake import FakeEngine
 from replay_audit.screenings.sweep.analysis import build_report
 from replay_audit.screenings.sweep.plan import Platform, ScreenConfig, SweepPlan, build_plan
 from replay_audit.screenings.sweep.report import ScreeningReport
-from replay_audit.screenings.sweep.runner import DirectoryStore, MemoryStore, Store, run_screening
+from replay_audit.screenings.sweep.runner import DirectoryStore, MemoryStore, Store
 from tests.screenings.sweep.fake_screen import N_PROMPTS, STEPS, FakeBackend, prompts
 
 KNOBS = ("body_dtype", "batch_size")
@@ -60,7 +60,7 @@ def _plan() -> SweepPlan:
 
 def _report(backend: FakeBackend, store: Store) -> ScreeningReport:
     plan = _plan()
-    out = run_screening(plan, prompts(), backend, store)
+    out = backend.run(plan, prompts(), store)
     return build_report(plan, prompts(), out, model="fake", weights_sha256=None)
 
 

@@ -16,7 +16,7 @@ from replay_audit.screenings.sweep.density import (
     trigger_density,
 )
 from replay_audit.screenings.sweep.plan import Platform, ScreenConfig, build_plan
-from replay_audit.screenings.sweep.runner import MemoryStore, run_screening
+from replay_audit.screenings.sweep.runner import MemoryStore
 from tests.screenings.sweep.fake_screen import HEAD, N_PROMPTS, STEPS, FakeBackend, prompts
 
 Z95 = 1.959963984540054
@@ -59,7 +59,7 @@ def _report():
         knobs=("body_dtype",),
         max_new_tokens=STEPS,
     )
-    out = run_screening(plan, prompts(), FakeBackend(), MemoryStore())
+    out = FakeBackend().run(plan, prompts(), MemoryStore())
     return build_report(plan, prompts(), out, model="fake", weights_sha256=None)
 
 

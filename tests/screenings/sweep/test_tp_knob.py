@@ -10,12 +10,14 @@ from collections.abc import Iterator
 import pytest
 
 from replay_audit.config import BUNDLED_MODEL_DIR
+from replay_audit.engine.pool import EnginePool
 from replay_audit.exceptions import UnsupportedFormat
 from replay_audit.json_value import as_object
+from replay_audit.replays.pipeline import load_arm
 from replay_audit.screenings.sweep.analysis import build_report
 from replay_audit.screenings.sweep.plan import Platform, ScreenConfig, build_plan
 from replay_audit.screenings.sweep.runner import MemoryStore, run_screening
-from replay_audit.screenings.sweep.worker import TorchBackend
+from replay_audit.screenings.sweep.worker import TorchFacts
 from replay_audit.ui.screening_view import standalone_html
 
 CPU = Platform(device="cpu")
@@ -30,7 +32,7 @@ def _tp_value(platform: Platform, knobs: tuple[str, ...] | None) -> tuple[str, s
 
 
 def test_tp_1_stays_out_of_the_key_and_tp_k_says_so() -> None:
-    assert REF.key == "bf16_head-bf16_w-bf16_sdpa_bs1_det_ieee_piecewise"
+    assert REF.key == "bf16_head-bf16_w-bf16_sdpa_bs1_nondet_ieee_piecewise"
     assert ScreenConfig("bf16", tp_degree=2).key == REF.key + "_tp2"
 
 
@@ -47,23 +49,25 @@ def test_the_tp_knob_runs_where_the_process_owns_k_gpus_and_on_a_cpu_only_when_n
 
 
 @pytest.fixture
-def backend() -> Iterator[TorchBackend]:
+def pool() -> Iterator[EnginePool]:
+    """The engine pool a CLI screening of the TP knob gets: two devices (gloo ranks here)."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # each gloo rank takes as many: two on this machine's two cores
-    b = TorchBackend(BUNDLED_MODEL_DIR, "cpu")
-    yield b
-    b.close()
+    p = EnginePool(device="cpu", devices=2)
+    yield p
+    p.close()
     torch.set_num_threads(before)
 
 
 @pytest.mark.slow
-def test_a_named_tp_knob_on_a_cpu_decodes_with_the_tp_engine(backend: TorchBackend) -> None:
+def test_a_named_tp_knob_on_a_cpu_decodes_with_the_tp_engine(pool: EnginePool) -> None:
+    backend = TorchFacts(BUNDLED_MODEL_DIR, "cpu")
     platform = backend.platform()
     plan = build_plan(platform, reference=REF, knobs=("tp",), max_new_tokens=8)
     prompts = backend.prompts([{"id": "a", "prompt": "def main():"}, {"id": "b", "prompt": "1 +"}])
-    out = run_screening(plan, prompts, backend, MemoryStore())
+    out = run_screening(plan, prompts, pool, BUNDLED_MODEL_DIR, backend.eos_ids(), MemoryStore())
     tp2 = ScreenConfig("bf16", tp_degree=2)
     env = out.runs[tp2.key].environment
     # What ran is the TP engine: two gloo ranks of transformers' tensor-parallel plan.
@@ -71,10 +75,13 @@ def test_a_named_tp_knob_on_a_cpu_decodes_with_the_tp_engine(backend: TorchBacke
     extras = as_object(env["extras"])
     assert (extras["tp_plan"], extras["tp_backend"]) == ("auto", "gloo")
     assert out.runs[REF.key].environment["tp_degree"] == 1
-    # Each prompt decoded once at TP 2, the same as the pool's engine decodes it again.
-    engine = backend.load(tp2)
+    # Each prompt decoded once at TP 2, the same as the pool's engine decodes it again, and the
+    # run records the arm that ran (resolved by the replay pipeline, as a replay's).
+    assert as_object(env["resolved"])["tp_degree"] == 2
+    arm = load_arm(tp2.target(plan.intervention("none")), pool, BUNDLED_MODEL_DIR, tp_degree=2)
+    engine = arm.engine
     for p, d in zip(prompts, out.runs[tp2.key].decodes, strict=True):
-        again = engine.decode(list(p.token_ids), 8, backend.eos_ids(), plan.intervention("none"))
+        again = arm.decode(list(p.token_ids), 8, backend.eos_ids(), plan.top_k)
         assert list(d.output_ids) == list(again.output_token_ids)
     report = build_report(plan, prompts, out, model="tiny-llama", weights_sha256=None)
     (value,) = next(k for k in report.knobs if k.name == "tp").values
@@ -84,6 +91,7 @@ def test_a_named_tp_knob_on_a_cpu_decodes_with_the_tp_engine(backend: TorchBacke
     # A degree that does not divide the heads (4) is refused before any rank starts, and the
     # group that ran stays loaded.
     ranks = engine.group.pids  # type: ignore[attr-defined]
-    with pytest.raises(UnsupportedFormat, match="TP 3 does not divide the checkpoint's 4"):
-        backend.load(ScreenConfig("bf16", tp_degree=3))
-    assert backend.load(tp2) is engine and engine.group.pids == ranks  # type: ignore[attr-defined]
+    with pytest.raises(UnsupportedFormat, match="TP 3"):
+        load_arm(ScreenConfig("bf16").target(), pool, BUNDLED_MODEL_DIR, tp_degree=3)
+    again = load_arm(tp2.target(), pool, BUNDLED_MODEL_DIR, tp_degree=2).engine
+    assert again is engine and engine.group.pids == ranks  # type: ignore[attr-defined]
