@@ -137,6 +137,11 @@ DELIBERATE: dict[tuple[str, str], str] = {
     # Read once per secret file; owned by the UI package.
     ("replay_audit.ui.session", "_secrets"): "session secrets read from their files",
     ("replay_audit.ui.session", "_secret_lock"): "guards the above",
+    # torch's SDPA function and its numerics flags are process-wide: so is what guards them.
+    ("replay_audit.engine.attention", "_installed"): "torch's SDPA, wrapped once per process",
+    ("replay_audit.engine.attention", "_install_lock"): "guards the wrapping",
+    ("replay_audit.engine.attention", "_local"): "each thread's current observer",
+    ("replay_audit.engine.loading", "_SWITCHES"): "one arm's torch switches applied at a time",
 }
 
 _THREADING = (
@@ -259,3 +264,57 @@ def _reexported(module: types.ModuleType, name: str) -> bool:
     from replay_audit.telemetry import metric
 
     return getattr(metric, name, None) is getattr(module, name)
+
+
+#: What configures an engine: the pool's `get` (an engine for a target), and the engine
+#: package's constructors and loaders under it.
+_CONFIGURES = {"TorchEngine", "load_engine", "load_model", "ProcessNumerics", "TraceGenerator"}
+
+
+def _configuring_calls(tree: ast.AST) -> list[tuple[int, str]]:
+    """The calls in `tree` that configure an engine: `<...pool...>.get(...)`, or one of
+    `_CONFIGURES` by name or attribute."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if name == "get" and isinstance(f, ast.Attribute) and "pool" in ast.unparse(f.value):
+            found.append((node.lineno, f"{ast.unparse(f.value)}.get"))
+        elif name in _CONFIGURES:
+            found.append((node.lineno, name))
+    return found
+
+
+def test_load_arm_is_the_only_place_an_engine_is_configured() -> None:
+    """Issue 31: the replay job, the CLI's offline replay, the screening sweep and the
+    verification get their engine from one resolution, `replays.pipeline.load_arm` (under
+    `resolve_arm`). Outside the engine package, nothing else asks the pool for an engine or
+    builds one; `replay-audit generate` (the logging side, not an arm) builds its generator in
+    the CLI and the demo."""
+    root = Path(replay_audit.__file__).parent
+    allowed = {("replays/pipeline.py", "load_arm"), ("cli/engine.py", "TraceGenerator")}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("engine/"):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        functions = {
+            id(call): fn.name
+            for fn in ast.walk(tree)
+            if isinstance(fn, ast.FunctionDef)
+            for call in ast.walk(fn)
+        }
+        for line, what in _configuring_calls(tree):
+            call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and n.lineno == line)
+            where = functions.get(id(call), "<module>")
+            if (rel, where) not in allowed and (rel, what) not in allowed:
+                found.append(f"replay_audit/{rel}:{line}: {what} in {where}")
+    assert not found, "engines configured outside load_arm:\n" + "\n".join(found)
+
+
+def test_the_configuration_scan_sees_a_pool_get() -> None:
+    tree = ast.parse("def f(pool, d, t):\n    e = pool.get(d, t)\n    return TorchEngine(d, t)\n")
+    assert _configuring_calls(tree) == [(2, "pool.get"), (3, "TorchEngine")]

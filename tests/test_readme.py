@@ -85,20 +85,27 @@ def test_post_a_trace_and_replay_it_as_written(tmp_path: Path) -> None:
             assert time.monotonic() < deadline and server.poll() is None, log.text[-3000:]
             time.sleep(0.5)
         # The trace was logged with `eager` and the targets name no kernel: both arms of every
-        # pairwise comparison ran the logged kernel, and the results say so.
+        # pairwise comparison ran the logged kernel, and so did the reproduction check the run
+        # added (comparison 2: the logged configuration against the logged tokens).
         results = httpx.get(f"{base}/v1/replays/{run_id}/results", headers={"X-API-Key": key})
-        items = results.json()["items"]
-        assert len(items) == 2 and all(x["status"] == "ok" for x in items), items
+        items = sorted(results.json()["items"], key=lambda x: x["comparison"])
+        assert [x["comparison"] for x in items] == [0, 1, 2], items
+        assert all(x["status"] == "ok" for x in items), items
         for x in items:
-            for arm in ("a", "b"):
+            for arm in ("a", "b") if x["comparison"] < 2 else ("b",):
                 resolved = x["arms"][arm]["resolved"]
                 assert resolved["attn_kernel"] == "eager" and resolved["kernel_source"] == "logged"
                 assert x["arms"][arm]["environment"]["attn_kernel"] == "eager"
                 assert x["arms"][arm]["target"]["attn_kernel"] == "eager"
+        # The README's trace is written by hand, not generated: its logged tokens do not
+        # reproduce, and every result of the run says so.
+        assert items[2]["exact_match"] is False and items[2]["first_divergence_step"] == 0
+        assert all(x["engine_reproduced"] is False for x in items)
         run = httpx.get(f"{base}/v1/replays/{run_id}", headers={"X-API-Key": key}).json()
-        assert {(r["a"]["attn_kernel"], r["b"]["attn_kernel"]) for r in run["ran"]} == {
-            ("eager", "eager")
+        ran = {
+            (r["a"]["attn_kernel"] if r["a"] else None, r["b"]["attn_kernel"]) for r in run["ran"]
         }
+        assert ran == {("eager", "eager"), (None, "eager")}, run["ran"]
     finally:
         server.terminate()
         server.wait(timeout=60)

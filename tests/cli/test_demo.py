@@ -64,9 +64,7 @@ def test_demo_prints_what_the_api_serves(tmp_path: Path) -> None:
             assert run.status_code == 200
             body = run.json()
             assert body["status"] == "done"
-            served += [
-                round(100 * c["ear"]["estimate"]) for c in body["statistics"]["comparisons"]
-            ]
+            served += [round(100 * c["ear"]["estimate"]) for c in body["statistics"]["comparisons"]]
             assert "aggregate" not in body  # one statistics object, no deprecated twin
             # The replays ran beside the API, which they left a core.
             items = client.get(
@@ -80,7 +78,16 @@ def test_demo_prints_what_the_api_serves(tmp_path: Path) -> None:
                 # reproducibility check it gets no lift: only FP16 + C over FP16 does.
                 assert body["statistics"]["comparisons"][-1]["ear"]["estimate"] == 1.0
                 assert [lf["comparison_b"] for lf in body["statistics"]["lifts"]] == [1]
-    assert printed == served and len(served) == 5
+            # Each run reproduced every trace first (the "logged" run's self-replay is its
+            # check; the both-arms run added one), and the demo printed how many.
+            reproduction = body["statistics"]["engine_reproduction"]["reproduced"]
+            traces = body["statistics"]["comparisons"][0]["n"]
+            assert reproduction["successes"] == reproduction["n"] == traces > 0
+            assert (
+                f"reproduced in their own logged configuration: {reproduction['n']} of "
+                f"{reproduction['n']} traces" in proc.stdout
+            )
+    assert printed == served and len(served) == 6
     # Both lifts of C are printed with what they compare (once lost to rich markup).
     assert "EAR lift of [logged vs T1: FP16 + C] over [logged vs T0: FP16]" in proc.stdout
     assert "EAR lift of [T2: BF16 + C vs T3: FP16 + C] over [T0: BF16 vs T1: FP16]" in proc.stdout

@@ -15,6 +15,7 @@ loading (the plain model and the engine once per dtype for the module).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -322,3 +323,73 @@ def test_replay_audit_generate_is_plain_generate(
         assert top1 == [float(x) for x in run.top1]
         backends = trace["config"]["extras"]["attention_backends"]
         assert isinstance(backends, str) and backends == backends_of(run.calls)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_plain_generate_traces_self_replay_exactly_through_the_hf_import(
+    smollm2_dir: Path,
+    plain_model: Callable[[str], Any],
+    tokenizer: Any,
+    dtype: str,
+    tmp_path: Path,
+) -> None:
+    """Issue 31 on the CPU, in CI: a user's plain generate() outputs saved with torch.save
+    (each chat alone, as `generate()` returns it; then the three chats as one left-padded
+    batch, with the call's inputs), imported with `replay-audit import --format hf`, replay in
+    their logged configuration exactly through `replay-audit replay` (the batch at its logged
+    size and layout), with the reproduction check exact too. Fails where the engine's kernels
+    or attention calls differ from generate()'s in a way that moves a token."""
+    from typer.testing import CliRunner
+
+    from replay_audit.cli import app
+
+    model = plain_model(dtype)
+    tokenizer.padding_side = "left"
+    runner = CliRunner()
+    for size in (1, len(MESSAGES)):
+        folder = tmp_path / f"b{size}"
+        folder.mkdir()
+        for start in range(0, len(MESSAGES), size):
+            chats = MESSAGES[start : start + size]
+            enc = tokenizer.apply_chat_template(
+                chats if size > 1 else chats[0],
+                add_generation_prompt=True,
+                return_tensors="pt",
+                return_dict=True,
+                padding=size > 1,
+            )
+            out = model.generate(
+                **enc,
+                max_new_tokens=N,
+                do_sample=False,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+            saved = out if size == 1 else {**out, **enc}
+            torch.save(saved, folder / f"{start}.pt")
+        traces, results = tmp_path / f"traces-{size}.jsonl", tmp_path / f"results-{size}.jsonl"
+        files = sorted(str(p) for p in folder.glob("*.pt"))
+        model_args = ["--model", str(smollm2_dir)]
+        r = runner.invoke(
+            app,
+            ["import", "--format", "hf", *files, *model_args, "--config", f"dtype={dtype}",
+             "--config", "decoding.strategy=greedy", "--out", str(traces)],
+        )  # fmt: skip
+        assert r.exit_code == 0, r.output
+        imported = [json.loads(x) for x in traces.read_text().splitlines()]
+        assert len(imported) == len(MESSAGES)
+        assert {t["config"].get("batch_size") for t in imported} == {size}
+        assert all(("batch" in t["decoding"]) == (size > 1) for t in imported)
+        r = runner.invoke(
+            app,
+            ["replay", str(traces), *model_args, "--dtype", dtype, "--batch-size", str(size),
+             "--mode", "decode", "--device", "cpu", "--threads", "1", "--out", str(results)],
+        )  # fmt: skip
+        assert r.exit_code == 0, r.output
+        rows = [json.loads(x) for x in results.read_text().splitlines()]
+        assert len(rows) == 2 * len(MESSAGES)  # the target (the logged dtype) and the check
+        assert all(x["status"] == "ok" and x["exact_match"] for x in rows), [
+            (x["trace_id"], x["comparison"], x["first_divergence_step"]) for x in rows
+        ]
+        assert all(x["arms"]["b"]["resolved"]["batch_size"] == size for x in rows)
+        assert f"reproduced in their own logged configuration: {len(MESSAGES)} of" in r.output

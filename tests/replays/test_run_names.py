@@ -61,7 +61,7 @@ def test_a_name_is_stored_read_and_listed(
         (plain_id, None),
         (run_id, "fp16 screen, week 47"),
     ]
-    assert items[1]["n_traces"] == 2 and items[1]["targets"] == ["fp16"]
+    assert items[1]["n_traces"] == 2 and items[1]["targets"] == ["fp16", "self: reproduction check"]
     assert items[1]["models"] == []  # read from its results: none before it runs
     assert listed.json()["next_cursor"] is None
 

@@ -35,7 +35,8 @@ def test_csv_round_trip_matches_the_aggregate_and_the_results(
     h = headers("auditor")
     run = client.get(f"/v1/replays/{seeded_run.run_id}", headers=h).json()
     rows = _csv(client, seeded_run.run_id, h)
-    assert len(rows) == run["progress"]["total"] == 2 * len(seeded_run.trace_ids)
+    # FP16, FP16 + C and the reproduction check the run added
+    assert len(rows) == run["progress"]["total"] == 3 * len(seeded_run.trace_ids)
     assert len({(r["trace_id"], r["comparison"]) for r in rows}) == len(rows)
     for c in run["statistics"]["comparisons"]:
         mine = [r for r in rows if r["comparison"] == str(c["index"])]

@@ -50,9 +50,9 @@ def test_report_matches_the_rows_and_the_stored_aggregate(
     assert r.status_code == 200, r.text
     report = r.json()
     rows = all_results(client, seeded_run.run_id, h)
-    assert report["partial"] is False and report["n_results"] == len(rows) == 2 * len(
+    assert report["partial"] is False and report["n_results"] == len(rows) == 3 * len(
         seeded_run.trace_ids
-    )
+    )  # FP16, FP16 + C and the reproduction check the run added (exact: BF16 as logged)
     stored = {c["index"]: c for c in run["statistics"]["comparisons"]}
     for c in report["comparisons"]:
         mine = [x for x in rows if x["comparison"] == c["index"]]
@@ -101,10 +101,7 @@ def test_report_matches_the_rows_and_the_stored_aggregate(
             assert hist["zeros"] + sum(hist["counts"]) + hist["below"] + hist["above"] == len(
                 [m for m in replay_margins if m is not None]
             )
-            assert (
-                c["margin_at_divergence"]["b"]
-                == stored[c["index"]]["margin_at_divergence"]["b"]
-            )
+            assert c["margin_at_divergence"]["b"] == stored[c["index"]]["margin_at_divergence"]["b"]
         else:
             assert c["first_divergence_step"] is None and c["t_star_histogram"] is None
 
@@ -174,14 +171,15 @@ def test_task_accuracy_flips_and_tost_from_the_answers(
     traces = _traces(client, seeded_run.trace_ids, h)
     gsm8k = get_extractor("gsm8k")
     ref = {t: gsm8k(traces[t]["reference_answer"]) for t in traces}
-    correct: dict[Any, dict[str, bool]] = {"logged": {}, 0: {}, 1: {}}
+    # FP16 (0), FP16 + C (1) and the reproduction check the run added (2: BF16 as logged).
+    correct: dict[Any, dict[str, bool]] = {"logged": {}, 0: {}, 1: {}, 2: {}}
     for x in rows:
         sem = x["semantic"]
         correct["logged"][x["trace_id"]] = sem["answer_a"] == ref[x["trace_id"]]
         correct[x["comparison"]][x["trace_id"]] = sem["answer_b"] == ref[x["trace_id"]]
         # The worker's own flags agree with the answers recomputed here.
         assert sem["correct_b"] == correct[x["comparison"]][x["trace_id"]]
-    assert [a["arm"] for a in acc["arms"]] == ["logged", 0, 1]
+    assert [a["arm"] for a in acc["arms"]] == ["logged", 0, 1, 2]
     for arm in acc["arms"]:
         flags = correct[arm["arm"]]
         assert arm["accuracy"]["successes"] == sum(flags.values())
@@ -204,9 +202,11 @@ def test_task_accuracy_flips_and_tost_from_the_answers(
         assert pair["tost"]["p_value"] == pytest.approx(tost.p_value)
         assert pair["tost"]["non_inferior"] == tost.non_inferior
     # FP16 alone changes final answers of some traces; C restores every one of them.
-    fp16, with_c = acc["pairs"]
+    # The logged configuration replayed here (the check) reproduces every answer.
+    fp16, with_c, check = acc["pairs"]
     assert fp16["flips"]["gained"] + fp16["flips"]["lost"] > 0
     assert with_c["flips"]["gained"] == with_c["flips"]["lost"] == 0
+    assert check["flips"]["gained"] == check["flips"]["lost"] == 0
 
     wide = client.get(
         f"/v1/replays/{seeded_run.run_id}/report", params={"margin": 0.9}, headers=h
@@ -242,8 +242,13 @@ def test_a_run_still_queued_has_a_partial_report(
     ).json()["id"]
     report = client.get(f"/v1/replays/{run_id}/report", headers=h).json()
     assert report["partial"] is True and report["status"] == "queued"
-    (c,) = report["comparisons"]
-    assert c["n"] == 0 and c["ear"]["n"] == 0 and c["ear"]["estimate"] is None
+    # FP16 and the reproduction check the run added, neither with a result yet.
+    assert [c["label"] for c in report["comparisons"]] == [
+        "logged vs T0: fp16",
+        "logged vs T1: self: reproduction check",
+    ]
+    for c in report["comparisons"]:
+        assert c["n"] == 0 and c["ear"]["n"] == 0 and c["ear"]["estimate"] is None
     assert report["lifts"] == [] and report["accuracy"] is None
 
 

@@ -101,7 +101,8 @@ def test_a_replay_on_the_embedded_default_moves_the_counters(
     assert moved("replay_audit_jobs_failed_total", kind="replay") == 0
     assert moved("replay_audit_job_duration_seconds_count", kind="replay", gpu_kind="cpu") == 1
     assert value(after, "replay_audit_job_duration_seconds_bucket", kind="replay", le="+Inf") >= 1
-    assert moved("replay_audit_replay_traces_total", stage="decoded", gpu_kind="cpu") == 2
+    # Two traces decoded in FP16 and in their logged configuration (the reproduction check).
+    assert moved("replay_audit_replay_traces_total", stage="decoded", gpu_kind="cpu") == 4
     assert moved("replay_audit_replay_tokens_total", stage="decoded", gpu_kind="cpu") > 0
     # Ids only: nothing names the project, or carries a key or a trace's text.
     assert "acme-secret-project" not in text

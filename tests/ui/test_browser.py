@@ -80,7 +80,8 @@ def test_auditor_browses_run_and_trace_in_chromium(
     )
     assert seeded_run.run_id in browser.find_element(By.ID, "run-title").text
     ear_cells = browser.find_elements(By.CSS_SELECTOR, "#comparisons td.ear .estimate")
-    assert len(ear_cells) == 2 and all(c.text.endswith("%") for c in ear_cells)
+    # FP16, FP16 + C and the reproduction check the run added
+    assert len(ear_cells) == 3 and all(c.text.endswith("%") for c in ear_cells)
     charts = browser.find_elements(By.CSS_SELECTOR, "svg.chart")
     assert len(charts) >= 10 and all(c.size["height"] > 20 for c in charts)
     # The <script> in the T1 label is text, not a script.

@@ -125,7 +125,8 @@ def test_find_a_trace_and_its_replays_in_chromium(
     )
     links = browser.find_elements(By.CSS_SELECTOR, "#traces a.trace-link")
     assert [a.text for a in links] == [seeded_run.trace_ids[3]]
-    assert "3 results in 2 runs" in browser.find_element(By.CSS_SELECTOR, "#traces td.replays").text
+    # The seeded run's FP16, FP16 + C and check; the re-check's FP16 and check.
+    assert "5 results in 2 runs" in browser.find_element(By.CSS_SELECTOR, "#traces td.replays").text
     visited("search")
 
     # The trace across runs: both runs' replays, the named one first.
@@ -133,8 +134,8 @@ def test_find_a_trace_and_its_replays_in_chromium(
     follow(browser, links[0], lambda u: u.endswith(f"/ui/traces/{trace}"), "the trace page")
     assert trace in browser.find_element(By.ID, "trace-title").text
     rows = browser.find_elements(By.CSS_SELECTOR, "#replay-table tr.replay")
-    assert len(rows) == 3
-    assert "week 47" in rows[0].text and world["second"] in rows[0].text
+    assert len(rows) == 5
+    assert all("week 47" in r.text and world["second"] in r.text for r in rows[:2])
     assert {r.find_element(By.CSS_SELECTOR, "td.outcome").text.split()[0] for r in rows} <= {
         "exact",
         "t*",
@@ -143,7 +144,7 @@ def test_find_a_trace_and_its_replays_in_chromium(
     visited("trace-history")
 
     # One replay opened on its run's trace page.
-    opener = rows[1].find_element(By.CSS_SELECTOR, "a.open-replay")
+    opener = rows[2].find_element(By.CSS_SELECTOR, "a.open-replay")
     target = opener.get_attribute("href")
     follow(browser, opener, lambda u: u == target, "the run's trace page")
     assert f"/ui/runs/{world['run']}/traces/{trace}?comparison=" in browser.current_url

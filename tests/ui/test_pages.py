@@ -252,7 +252,8 @@ def test_run_page_shows_statistics_charts_lifts_and_exports(
     assert f'href="/ui/runs/{seeded_run.run_id}/export.csv"' in html
     assert f'href="/ui/runs/{seeded_run.run_id}/export.jsonl"' in html
     assert f'href="/ui/runs/{seeded_run.run_id}/accuracy" id="accuracy-page"' in html
-    assert html.count('class="trace-link"') == min(50, 2 * len(seeded_run.trace_ids))
+    # FP16, FP16 + C and the reproduction check the run added: three results a trace.
+    assert html.count('class="trace-link"') == min(50, 3 * len(seeded_run.trace_ids))
 
 
 def test_accuracy_page_shows_the_reports_accuracy_flips_and_tost(
@@ -274,7 +275,7 @@ def test_accuracy_page_shows_the_reports_accuracy_flips_and_tost(
         rows = re.findall(
             r"<tr><td>(T\d[^<]*)</td>(.*?)</tr>", html.split('id="tost"')[1], flags=re.S
         )
-        assert len(rows) == len(acc["pairs"]) == 2
+        assert len(rows) == len(acc["pairs"]) == 3  # FP16, FP16 + C, the reproduction check
         for (label, cells), pair in zip(rows, acc["pairs"], strict=True):
             assert unescape(label) == pair["label_treated"]
             numbers = re.findall(r'<td class="num">(\d+)</td>', cells)
@@ -398,7 +399,7 @@ def test_ui_export_is_the_api_export(
 ) -> None:
     api = client.get(f"/v1/replays/{seeded_run.run_id}/export", headers=headers("auditor")).text
     ui = ui_client().get(f"/ui/runs/{seeded_run.run_id}/export.csv").text
-    assert ui == api and ui.count("\r\n") == 1 + 2 * len(seeded_run.trace_ids)
+    assert ui == api and ui.count("\r\n") == 1 + 3 * len(seeded_run.trace_ids)  # + the check
 
 
 # -- escaping and isolation ------------------------------------------------------------------

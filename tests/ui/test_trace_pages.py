@@ -72,8 +72,8 @@ def test_search_shows_replay_counts_and_never_replayed(
     ui = ui_client()
     page = ui.get("/ui/traces", params={"id": seeded_run.trace_ids[2]}).text
     cell = re.search(r'<td class="replays">(.*?)</td>', page, re.S)
-    # The seeded run has two comparisons: two results.
-    assert cell is not None and cell.group(1).startswith("2 results in 1 run"), page
+    # The seeded run has two comparisons and the reproduction check: three results.
+    assert cell is not None and cell.group(1).startswith("3 results in 1 run"), page
     page = ui.get("/ui/traces", params={"external_id": "never-replayed"}).text
     assert "never replayed" in page
 
@@ -126,10 +126,12 @@ def test_trace_page_lists_every_replay_across_runs(
     assert XSS not in page and "&lt;script&gt;" in page  # texts and external id escaped
     assert 'id="prompt-text"' in page and 'id="output-text"' in page
     rows = re.findall(r'<tr class="replay">(.*?)</tr>', page, re.S)
-    assert len(rows) == 3  # 2 comparisons of the seeded run + 1 of the named run
-    # Newest first: the named run's result, with its name and its id.
-    assert "second look" in rows[0] and second in rows[0]
-    assert f'href="/ui/runs/{second}/traces/{trace}?comparison=0"' in rows[0]
+    # 2 comparisons and the check of the seeded run + 1 and its check of the named run
+    assert len(rows) == 5
+    # Newest first: the named run's two results, with its name and its id.
+    assert all("second look" in row and second in row for row in rows[:2])
+    for c in (0, 1):
+        assert any(f'href="/ui/runs/{second}/traces/{trace}?comparison={c}"' in r for r in rows[:2])
     for item in mine:
         row = next(
             x
@@ -158,13 +160,16 @@ def test_trace_page_pages_its_replays(
     assert first.count('<tr class="replay">') == 1
     older = re.search(r'href="([^"]+)" id="older"', first)
     assert older is not None
-    second = client.get(unescape(older.group(1))).text
-    assert second.count('<tr class="replay">') == 1 and 'id="older"' not in second
+    pages = [first]
+    while older is not None:  # one result a page, to the oldest
+        pages.append(client.get(unescape(older.group(1))).text)
+        assert pages[-1].count('<tr class="replay">') == 1
+        older = re.search(r'href="([^"]+)" id="older"', pages[-1])
     comparisons = [
         re.search(r"\?comparison=(\d)\" class=\"open-replay\"", p).group(1)  # type: ignore[union-attr]
-        for p in (first, second)
+        for p in pages
     ]
-    assert sorted(comparisons) == ["0", "1"]
+    assert sorted(comparisons) == ["0", "1", "2"]  # FP16, FP16 + C, the reproduction check
 
 
 def test_another_projects_trace_is_not_found_and_not_listed(
