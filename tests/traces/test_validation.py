@@ -52,6 +52,16 @@ def _widen_step(step: int) -> Mutation:
     return mutate
 
 
+def _batch(lengths: Callable[[int], list[int]], row: int) -> Mutation:
+    """`decoding.batch` with rows of `lengths(this trace's prompt length)`, this one at `row`."""
+
+    def mutate(trace: dict[str, Any]) -> None:
+        prompt = len(trace["prompt_token_ids"])
+        trace["decoding"]["batch"] = {"prompt_lengths": lengths(prompt), "row": row}
+
+    return mutate
+
+
 def _too_many_tokens(trace: dict[str, Any]) -> None:
     n = MAX_TRACE_TOKENS - len(trace["prompt_token_ids"]) + 1
     trace["output_token_ids"] = [1] * n
@@ -86,6 +96,30 @@ ITEM_CASES: list[tuple[str, Mutation, int, str]] = [
         _set("decoding.logits_processors", {"bad_words_ids": [[1], [2, DEFAULT_VOCAB]]}),
         422,
         "decoding.logits_processors.bad_words_ids[1]",
+    ),
+    (
+        "batch row outside the batch",
+        _batch(lambda n: [n], 1),
+        422,
+        "decoding.batch.row",
+    ),
+    (
+        "batch row's prompt length is not the trace's",
+        _batch(lambda n: [n + 1], 0),
+        422,
+        "decoding.batch.prompt_lengths",
+    ),
+    (
+        "batch rows other than config.batch_size",
+        _batch(lambda n: [n, 3], 0),
+        422,
+        "decoding.batch.prompt_lengths",
+    ),
+    (
+        "batch row without a prompt",
+        _batch(lambda n: [n, 0], 0),
+        422,
+        "decoding.batch.prompt_lengths[1]",
     ),
     (
         "logit bias key not an id",
