@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tensor parallel on a lent two-GPU machine (device tool, kind nvidia-h100-x2, carry [".whl"]:
-# the wheels gpu_run.sh carries, transformers matching the CPU venv; the image has torch and
+# the wheels gpu_engine.sh carries, transformers matching the CPU venv; the image has torch and
 # accelerate). A random TinyLlama-1.1B-shaped Llama in BF16: N prompts generated at TP 1 and at
 # TP 2 (transformers' generate() on both ranks, NCCL), the TP-2 traces self-replayed at TP 2 and
 # replayed at TP 1 through the replay pipeline; the fraction of outputs TP 2 flips against TP 1,

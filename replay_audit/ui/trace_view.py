@@ -56,7 +56,7 @@ class ArmText:
 
 
 @dataclass
-class Arm:
+class ArmView:
     name: str
     label: str
     tokens: list[Token]
@@ -103,8 +103,8 @@ class TraceView:
     result: ReplayResult
     #: The result as the API gives it (the one mapping from rows).
     read: ReplayResultRead
-    arm_a: Arm
-    arm_b: Arm
+    arm_a: ArmView
+    arm_b: ArmView
     t_star: int | None
     window_start: int
     step_rows: list[StepRow]
@@ -199,10 +199,10 @@ def _at(values: list[Any] | None, t: int) -> Any:
     return values[t] if values is not None and 0 <= t < len(values) else None
 
 
-def _run_here(name: str, label: str, target: JsonObject, read: ArmRead) -> Arm:
+def _run_here(name: str, label: str, target: JsonObject, read: ArmRead) -> ArmView:
     """Arm `name` as replayed here: its tokens, margins, gate and environment from `read`."""
     n_tokens = len(read.output_token_ids or [])
-    arm = Arm(
+    arm = ArmView(
         name=name,
         label=label,
         tokens=[],
@@ -267,7 +267,7 @@ def build(
                 f"at t* is {_SOURCE_WORDS.get(source_a or '', 'not known')}): its environment "
                 "is shown"
             )
-        arm_a = Arm(
+        arm_a = ArmView(
             name="a",
             label="logged",
             tokens=[],
