@@ -96,10 +96,11 @@ def test_jobs_land_on_their_kinds_workers_and_a_missing_kind_or_degree_says_so(
     a10g = _worker(pg, checkpoint, rq_redis, A10G, burst=False)
     try:
         wait_until(lambda: run(at_tp1)["status"] == "done", 240, "the TP-1 run on the A10G worker")
-        wait_until(lambda: run(by_kind)["progress"]["done"] == 3, 240, "the A10G traces")
+        # Each trace's fp16 replay and its reproduction check: two results a trace.
+        wait_until(lambda: run(by_kind)["progress"]["done"] == 6, 240, "the A10G traces")
         assert a10g.poll() is None, "the A10G worker exited"
         waiting = run(by_kind)
-        assert waiting["status"] == "running" and waiting["progress"]["pending"] == 3
+        assert waiting["status"] == "running" and waiting["progress"]["pending"] == 6
         reason = waiting["pending_reason"]
         assert "kind l4" in reason and "kind a10g" not in reason
         assert "live: a10g (NVIDIA A10G, sm 8.6), 1 device x1" in reason
@@ -126,19 +127,31 @@ def test_jobs_land_on_their_kinds_workers_and_a_missing_kind_or_degree_says_so(
     done = run(by_kind)
     assert done["status"] == "done" and done["pending_reason"] is None, done
     items = all_results(client, by_kind, h)
-    assert len(items) == 6 and all(i["status"] == "ok" for i in items)
+    assert len(items) == 12 and all(i["status"] == "ok" for i in items)
     for i in items:
         resolved = i["arms"]["b"]["resolved"]
         # Each trace ran on a worker of the kind it was logged on, and the result says which.
         assert resolved["worker_kind"] == kind_of[i["trace_id"]]
         assert resolved["device"] == "cpu" and resolved["tp_degree"] == 1
+    # FP16 and the reproduction check (the logged BF16), each labelled with the worker that
+    # ran it and what differs from the logging stack (these workers have no GPU).
     assert {r["label_b"] for r in done["ran"]} == {
-        "fp16 / sdpa / cpu [worker a10g]",
-        "fp16 / sdpa / cpu [worker l4]",
+        f"{dtype} / sdpa / cpu [worker {kind}] [stack differs: no GPU (logged NVIDIA {gpu})]"
+        for dtype in ("fp16", "bf16")
+        for kind, gpu in (("a10g", "A10G"), ("l4", "L4"))
     }
 
-    at_1 = all_results(client, at_tp1, h)
+    # The target ran at TP 1; the reproduction check (the logged configuration, TP 2) could
+    # not run on this one-device worker and says why, so the target's comparison is judged
+    # against the logged tokens with no reproduction claimed either way.
+    results = all_results(client, at_tp1, h)
+    checks = [i for i in results if i["comparison"] == 1]
+    assert len(checks) == 2 and all(
+        i["status"] == "failed" and "logged at TP 2" in i["error"] for i in checks
+    )
+    at_1 = [i for i in results if i["comparison"] == 0]
     assert len(at_1) == 2 and all(i["status"] == "ok" for i in at_1)
+    assert all(i["engine_reproduced"] is None and i["baseline"] == "logged" for i in at_1)
     for i in at_1:
         resolved = i["arms"]["b"]["resolved"]
         assert (resolved["tp_degree"], resolved["logged_tp_degree"]) == (1, 2)

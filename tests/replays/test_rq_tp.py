@@ -141,7 +141,13 @@ def test_a_two_device_worker_replays_tp2_traces_at_tp2_exactly_and_at_tp1_when_a
         assert item["arms"]["b"]["environment"]["extras"]["tp_backend"] == "gloo"
     assert "tp 2" in run(at_tp2)["ran"][0]["label_b"]
 
-    at_1 = all_results(client, at_tp1, h)
+    # The target at TP 1, and the reproduction check at the logged TP 2 (this worker owns two
+    # devices): every trace reproduces.
+    results = all_results(client, at_tp1, h)
+    checks = [i for i in results if i["comparison"] == 1]
+    assert len(checks) == len(generated) and all(i["exact_match"] for i in checks), checks
+    assert all(i["arms"]["b"]["resolved"]["tp_degree"] == 2 for i in checks)
+    at_1 = [i for i in results if i["comparison"] == 0]
     assert len(at_1) == len(generated)
     for item in at_1:
         assert item["status"] == "ok", item

@@ -113,8 +113,9 @@ def test_burst_workers_complete_a_paired_run(
     assert _worker(env, burst=True).wait(timeout=300) == 0
     run = _run(api, run_id)
     assert run["status"] == "done", run
-    assert run["progress"] == {"total": 40, "done": 40, "failed": 0, "pending": 0}
-    assert _results(pg) == (40, 40)
+    # 20 traces x (2 targets + the reproduction check the run adds)
+    assert run["progress"] == {"total": 60, "done": 60, "failed": 0, "pending": 0}
+    assert _results(pg) == (60, 60)
     client, h = api
     items = client.get(f"/v1/replays/{run_id}/results?limit=500", headers=h).json()["items"]
     for c in run["statistics"]["comparisons"]:
@@ -123,7 +124,9 @@ def test_burst_workers_complete_a_paired_run(
         assert c["gate_triggers"] == sum(i["gate_triggers"] for i in mine)
         # The worker records the numerical environment it actually used.
         assert all(i["arms"]["b"]["environment"]["device"] == "cpu" for i in mine)
-        assert all(i["arms"]["b"]["environment"]["dtype"] == "fp16" for i in mine)
+        # The targets in FP16; the reproduction check in the logged BF16.
+        dtype = "bf16" if c["label"].endswith("reproduction check") else "fp16"
+        assert all(i["arms"]["b"]["environment"]["dtype"] == dtype for i in mine)
         assert all(i["arms"]["b"]["environment"]["extras"]["torch_threads"] == 2 for i in mine)
 
 
@@ -135,7 +138,7 @@ def test_sigkilled_worker_is_recovered_exactly_once(
     rq_redis: RedisNamespace,
 ) -> None:
     run_id = _request(api, traces)
-    total = 2 * len(traces)
+    total = 3 * len(traces)  # 2 targets + the reproduction check
     worker = _worker(env, burst=False)
     try:
         wait_until(lambda: _results(pg)[0] > 0, 120, "the first result")
@@ -193,7 +196,7 @@ def test_a_sigkilled_workers_job_is_finished_by_another_worker_within_a_minute(
     worker finishes. The worker alone is SIGKILLed (not its process group, as a container's
     death would): RQ's scheduler, forked beside it, must die with it."""
     run_id = _request(api, traces[:24])
-    total = 2 * 24
+    total = 3 * 24  # 2 targets + the reproduction check
     first = _worker(env, burst=False)
     second = None
     try:
@@ -241,7 +244,7 @@ def test_redis_flush_mid_run_is_recovered(
     rq_redis: RedisNamespace,
 ) -> None:
     run_id = _request(api, traces)
-    total = 2 * len(traces)
+    total = 3 * len(traces)  # 2 targets + the reproduction check
     worker = _worker(env, burst=True)
     wait_until(lambda: _results(pg)[0] > 0, 120, "the first result")
     rq_redis.flush()  # every queued job is gone; the one running finishes

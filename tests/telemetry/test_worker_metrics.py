@@ -112,7 +112,8 @@ def test_a_worker_serves_its_jobs_and_tokens(
     assert value(scraped, "replay_audit_jobs_failed_total", **job) == 0
     assert value(scraped, "replay_audit_job_duration_seconds_count", **job) == 1
     assert value(scraped, "replay_audit_job_duration_seconds_bucket", le="+Inf", **job) == 1
-    assert value(scraped, "replay_audit_replay_traces_total", stage="decoded", gpu_kind="cpu") == 3
+    # Three traces, each decoded in the target's format and in its logged one (the check).
+    assert value(scraped, "replay_audit_replay_traces_total", stage="decoded", gpu_kind="cpu") == 6
     assert value(scraped, "replay_audit_replay_tokens_total", stage="decoded", gpu_kind="cpu") >= 3
     assert value(scraped, "replay_audit_model_loads_total") >= 1
     assert value(drained, "replay_audit_queue_depth", queue="gpu") == 0
