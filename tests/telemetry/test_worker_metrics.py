@@ -123,9 +123,7 @@ def test_a_worker_serves_its_jobs_and_tokens(
     assert not rq_redis.connection.hgetall(rq_redis.prefix + WORKER_KINDS)
 
 
-def test_a_second_worker_on_a_taken_metrics_port_says_so(
-    pg: str, rq_redis: RedisNamespace
-) -> None:
+def test_a_second_worker_on_a_taken_metrics_port_says_so(pg: str, rq_redis: RedisNamespace) -> None:
     # Two workers of one host with the default port: the second must name the port, not the
     # database (the CLI's catch-all once read EADDRINUSE as a database that cannot be opened).
     with socket.socket() as taken:
