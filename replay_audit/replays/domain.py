@@ -82,6 +82,10 @@ def resolve_mode(requested: Mode | None, n_traces: int, large_run_traces: int) -
     return "scan_then_decode" if n_traces >= large_run_traces else "decode"
 
 
+#: The label of the self target a run adds to reproduce its traces before comparing them.
+ENGINE_CHECK_LABEL: Final = "self: reproduction check"
+
+
 @dataclass(frozen=True)
 class ControlSample:
     """The control sample of a scan-then-decode run: each trace the scan does not flag is

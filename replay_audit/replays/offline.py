@@ -28,6 +28,7 @@ from replay_audit.exceptions import FieldError, ReplayAuditError
 from replay_audit.formats import EXTRA_PROCESSORS, Mode, processors_not_applied
 from replay_audit.json_value import JsonObject, as_int
 from replay_audit.replays.domain import (
+    ENGINE_CHECK_LABEL,
     SCAN_FLAG_OFF,
     Comparison,
     ControlSample,
@@ -52,7 +53,6 @@ from replay_audit.replays.results import (
     result_values,
     token_ids_source,
 )
-from replay_audit.replays.service import ENGINE_CHECK_LABEL
 from replay_audit.stats.report import (
     ComparisonInput,
     EngineCheckInput,

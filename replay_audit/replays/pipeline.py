@@ -97,6 +97,7 @@ from replay_audit.exceptions import (
 )
 from replay_audit.formats import MODES, Baseline, MarginSource, Mode, Screen
 from replay_audit.replays.domain import (
+    ENGINE_CHECK_LABEL,
     SCAN_FLAG_OFF,
     ArmMargin,
     ArmOutcome,
@@ -302,11 +303,17 @@ def resolve_arm(
     target asks for TP 1)."""
     tp = run_target.tp_degree_for(trace)
     asked = "asks" if run_target.tp_degree is not None else "was logged at"
+
+    def other_degree(ran: int) -> str:
+        """What a request can do about it (not a reproduction check: it is the logged one)."""
+        if run_target.label == ENGINE_CHECK_LABEL:
+            return "the reproduction check runs the logged degree only"
+        return f"a target's tp_degree: {ran} replays it at TP {ran} (the result says so)"
+
     if tp > pool.devices:
         raise UnsupportedFormat(
-            f"the arm {asked} TP {tp}; this worker owns {counted(pool.devices, 'device')}: a "
-            f"target's tp_degree: {pool.devices} replays "
-            f"it at TP {pool.devices} (the result says so)",
+            f"the arm {asked} TP {tp}; this worker owns {counted(pool.devices, 'device')}: "
+            + other_degree(pool.devices),
             field="tp_degree",
         )
     requested = run_target.resolve(trace.config)
@@ -338,8 +345,7 @@ def resolve_arm(
     if arm.resolved.tp_degree != tp:
         ran = arm.resolved.tp_degree
         raise UnsupportedFormat(
-            f"the arm {asked} TP {tp}; this engine replays at TP {ran}: a "
-            f"target's tp_degree: {ran} replays it at TP {ran} (the result says so)",
+            f"the arm {asked} TP {tp}; this engine replays at TP {ran}: " + other_degree(ran),
             field="tp_degree",
         )
     return arm

@@ -25,6 +25,7 @@ from replay_audit.queue.route import ANY_KIND, DeviceQueue, Route, gpu_kind, liv
 from replay_audit.replays import repository, statistics
 from replay_audit.replays.domain import (
     DEFAULT_SCAN_FLAG_ULPS,
+    ENGINE_CHECK_LABEL,
     LARGE_RUN_TRACES,
     Comparison,
     LoggedPlacement,
@@ -105,10 +106,6 @@ def _targets(request: ReplayCreate) -> list[RunTarget]:
     if request.compare_with == "self":
         targets.append(RunTarget(None))
     return targets
-
-
-#: The label of the self target a run adds to reproduce its traces before comparing them.
-ENGINE_CHECK_LABEL: Final = "self: reproduction check"
 
 
 def _comparisons(request: ReplayCreate, n_targets: int) -> list[Comparison]:

@@ -147,8 +147,11 @@ def test_jobs_land_on_their_kinds_workers_and_a_missing_kind_or_degree_says_so(
     results = all_results(client, at_tp1, h)
     checks = [i for i in results if i["comparison"] == 1]
     assert len(checks) == 2 and all(
-        i["status"] == "failed" and "logged at TP 2" in i["error"] for i in checks
-    )
+        i["status"] == "failed"
+        and "was logged at TP 2; this worker owns 1 device" in i["error"]
+        and "the reproduction check runs the logged degree only" in i["error"]
+        for i in checks
+    ), checks
     at_1 = [i for i in results if i["comparison"] == 0]
     assert len(at_1) == 2 and all(i["status"] == "ok" for i in at_1)
     assert all(i["engine_reproduced"] is None and i["baseline"] == "logged" for i in at_1)
