@@ -105,3 +105,8 @@ def readyz(request: Request) -> JSONResponse:
     body["workers"] = workers
     short = sum(workers.values()) < settings.ready_min_workers
     return _answer(body, body["database"] != "ok" or body["queue"] != "ok" or short)
+
+
+# HEAD answers as GET (load balancers and uptime checks probe with it), outside the schema.
+router.add_api_route("/healthz", healthz, methods=["HEAD"], include_in_schema=False)
+router.add_api_route("/readyz", readyz, methods=["HEAD"], include_in_schema=False)

@@ -13,6 +13,7 @@ live workers per GPU kind) and each audit schedule's last run.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import UTC
 
@@ -27,7 +28,7 @@ from replay_audit.audits.service import AUDIT_QUEUE, last_run_times
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.queue.runner import REDIS_TIMEOUT_S, long_queue
-from replay_audit.queue.state import known_queues, live_workers, queue_states
+from replay_audit.queue.state import announced_workers, known_queues, queue_states
 from replay_audit.telemetry.metric import CONTENT_TYPE, exposition, start_metrics_server
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,11 @@ router = APIRouter()
 #: The queues a deployment's jobs go to (with them, every per-kind queue RQ knows of:
 #: `queue.state.known_queues`).
 QUEUES = ("gpu", "cpu", long_queue("gpu"), long_queue("cpu"), AUDIT_QUEUE)
+#: The queue label of the queues no live worker serves, summed (their oldest job: the max).
+UNSERVED = "unserved"
 
 
-@router.get("/metrics", include_in_schema=False)
+@router.api_route("/metrics", methods=["GET", "HEAD"], include_in_schema=False)
 def metrics(request: Request) -> Response:
     """The Prometheus text exposition (no key needed)."""
     collectors: list[Collector] = request.app.state.metric_collectors
@@ -76,12 +79,23 @@ class QueueCollector:
             self.redis_url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
         )
         try:
+            # A label per queue a live worker serves, and the fixed ones; every other queue
+            # (a kind or degree no worker serves, which a request can name) folds into
+            # `unserved`, so what requests name cannot grow the labels.
+            live = announced_workers(connection, self.prefix)
+            served = set(QUEUES).union(*(w.queues or () for w in live))
             names = known_queues(connection, self.prefix, QUEUES)
+            rows: dict[str, list[float]] = {}
             for q in queue_states(connection, self.prefix, names):
-                depth.add_metric([q.name], q.depth)
-                running.add_metric([q.name], q.running)
-                oldest.add_metric([q.name], q.oldest_age_s or 0.0)
-            for kind, n in sorted(live_workers(connection, self.prefix).items()):
+                row = rows.setdefault(q.name if q.name in served else UNSERVED, [0, 0, 0.0])
+                row[0] += q.depth
+                row[1] += q.running
+                row[2] = max(row[2], q.oldest_age_s or 0.0)
+            for name, (n_waiting, n_running, age) in rows.items():
+                depth.add_metric([name], n_waiting)
+                running.add_metric([name], n_running)
+                oldest.add_metric([name], age)
+            for kind, n in sorted(Counter(w.kind.kind for w in live).items()):
                 workers.add_metric([kind], n)
         except RedisError as e:  # the scrape goes on; /readyz says Redis is down
             log.warning("metrics: the queue state is unavailable: %s", e)

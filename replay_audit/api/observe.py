@@ -64,7 +64,10 @@ class ObserveMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
+                headers = MutableHeaders(scope=message)
+                headers[REQUEST_ID_HEADER] = request_id
+                # No answer (JSON, an export, a page) is to be sniffed into another type.
+                headers["X-Content-Type-Options"] = "nosniff"
             await send(message)
 
         with bound(request_id=request_id):

@@ -142,3 +142,5 @@ def _lenient(body: bytes, error: ValueError) -> Any:
         return json.loads(body)
     except ValueError:
         raise BadRequest(f"malformed JSON: {error}", field="body") from None
+    except RecursionError:  # nested deeper than any parser follows
+        raise BadRequest(f"malformed JSON: nested too deep ({error})", field="body") from None

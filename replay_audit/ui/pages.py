@@ -57,7 +57,7 @@ from replay_audit.verifications import service as verifications_service
 router = APIRouter(include_in_schema=False)
 
 RUNS_PER_PAGE: Final = 25
-#: Largest row id (a BIGINT): a larger `before` cursor is a 422, never a database error.
+#: Largest row id (a BIGINT): a larger `before`/`after` cursor is a 422, never a database error.
 MAX_ROW_ID: Final = 2**63 - 1
 RESULTS_PER_PAGE: Final = 50
 FLIPS_PER_PAGE: Final = 200
@@ -186,7 +186,7 @@ def _sign_in_page(
     return response
 
 
-@router.get("/sign-in")
+@router.api_route("/sign-in", methods=["GET", "HEAD"])
 def sign_in_form(request: Request, next: str | None = None) -> Response:
     return _sign_in_page(request, _safe_next(request, next))
 
@@ -346,7 +346,7 @@ def run_page(
     comparison: Annotated[int | None, Query(ge=0)] = None,
     category: str | None = None,
     outcome: Literal["exact", "diverged", "failed", ""] = "",
-    after: Annotated[int | None, Query(ge=0)] = None,
+    after: Annotated[int | None, Query(ge=0, le=MAX_ROW_ID)] = None,
 ) -> Response:
     run = browsing.get_run(session, principal.project_id, run_id)
     if a is None and b is None:
@@ -437,7 +437,7 @@ def flips(
     b: Annotated[int, Query(ge=0)],
     kind: Literal["fixed", "broke"] = "fixed",
     other: str | None = None,
-    after: Annotated[int | None, Query(ge=0)] = None,
+    after: Annotated[int | None, Query(ge=0, le=MAX_ROW_ID)] = None,
 ) -> Response:
     """The traces comparison b fixed (or broke) relative to comparison a; with `other`, b is a
     comparison of that run (the two-run comparison's lists)."""

@@ -59,12 +59,15 @@ def test_a_chunked_body_over_the_limit_is_413_on_a_fastapi_parsed_endpoint(
     client = make_client(max_request_bytes=100)
     body = b'{"role": "auditor", "name": "' + b"x" * 200 + b'"}'
     answer = client.post(
-        "/v1/keys", content=iter([body[:50], body[50:]]),
+        "/v1/keys",
+        content=iter([body[:50], body[50:]]),
         headers=headers("admin") | {"Content-Type": "application/json"},
     )
     assert answer.status_code == 413, answer.text
     assert answer.json() == {
-        "error": "PayloadTooLarge", "detail": "request body over 100 bytes", "field": "body"
+        "error": "PayloadTooLarge",
+        "detail": "request body over 100 bytes",
+        "field": "body",
     }
     keys = client.get("/v1/keys", headers=headers("admin")).json()["items"]
     assert all(k["role"] == "admin" for k in keys)  # the auditor key was not created
@@ -75,7 +78,8 @@ def test_invalid_utf8_is_400_with_the_documented_body(
     client: TestClient, headers: Headers, path: str
 ) -> None:
     answer = client.post(
-        path, content=b'{"role": "\xff\xfe"}',
+        path,
+        content=b'{"role": "\xff\xfe"}',
         headers=headers("admin") | {"Content-Type": "application/json"},
     )
     assert answer.status_code == 400, answer.text
@@ -103,3 +107,34 @@ def test_a_wrong_method_is_405_listing_every_method_of_the_path(
     assert answer.json()["error"] == "MethodNotAllowed"
     advertised = {m.strip() for m in answer.headers["allow"].split(",")}
     assert advertised == allowed | ({"HEAD"} if "GET" in allowed else set())
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics", "/ui/sign-in"])
+def test_head_answers_as_get_without_a_body(served: tuple[str, int], path: str) -> None:
+    """Load balancers and uptime checks probe with HEAD: the probes and the sign-in page
+    answer it as GET does (status and headers), with no body, on one kept-alive connection."""
+    connection = http.client.HTTPConnection(*served, timeout=10)
+    try:
+        connection.request("GET", path)
+        got = connection.getresponse()
+        body = got.read()
+        connection.request("HEAD", path)
+        head = connection.getresponse()
+        assert head.read() == b"" and body
+        assert head.status == got.status == 200
+        assert head.getheader("content-type") == got.getheader("content-type")
+    finally:
+        connection.close()
+
+
+def test_every_answer_says_not_to_sniff_its_type(client: TestClient, headers: Headers) -> None:
+    """JSON, errors, pages, the exposition: each answer's type is the one it names."""
+    answers = [
+        client.get("/v1/traces", headers=headers("admin")),
+        client.get("/v1/traces/tr_unknown", headers=headers("admin")),
+        client.get("/v1/traces"),
+        client.get("/ui/sign-in"),
+        client.get("/healthz"),
+    ]
+    assert [a.status_code for a in answers] == [200, 404, 401, 200, 200]
+    assert all(a.headers["x-content-type-options"] == "nosniff" for a in answers)

@@ -142,3 +142,27 @@ def test_a_second_worker_on_a_taken_metrics_port_says_so(pg: str, rq_redis: Redi
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"cannot serve metrics on 127.0.0.1:{port}" in proc.stderr
     assert "--metrics-port" in proc.stderr and "database" not in proc.stderr
+
+
+def test_kinds_a_request_names_do_not_grow_the_queue_labels(
+    pg: str, rq_redis: RedisNamespace, checkpoint_and_traces: tuple[Path, list[Any]]
+) -> None:
+    """A submitter can name any GPU kind in a target; each makes a queue no worker serves.
+    The scrape gives the fixed queues (and those a live worker serves) a label each and sums
+    the rest under `unserved`, so invented kinds cannot grow /metrics (an open endpoint)."""
+    _, traces = checkpoint_and_traces
+    settings = Settings(_env_file=None, database_url=pg, **rq_redis.settings())  # type: ignore[call-arg]
+    with session_scope(pg) as s:
+        h = {"X-API-Key": create_api_key(s, "acme", "admin").key}
+    with TestClient(create_app(settings)) as api:
+        results = api.post("/v1/traces:batch", json={"traces": traces}, headers=h).json()
+        ids = [i["id"] for i in results["results"]]
+        for n in range(12):
+            target = {"dtype": "fp16", "device": "cuda", "gpu_kind": f"invented{n}"}
+            r = api.post("/v1/replays", json={"trace_ids": ids, "targets": [target]}, headers=h)
+            assert r.status_code == 201, r.text
+        scraped = samples(api.get("/metrics").text)
+    labels = {dict(ls)["queue"] for (n, ls) in scraped if n == "replay_audit_queue_depth"}
+    assert "unserved" in labels and not any(q.startswith("gpu:invented") for q in labels)
+    assert len(labels) <= 6, labels  # gpu, cpu, their long queues, audits, unserved
+    assert value(scraped, "replay_audit_queue_depth", queue="unserved") == 12

@@ -303,6 +303,23 @@ def test_malformed_body_is_4xx_naming_the_body(
     _assert_nothing_stored(db_url)
 
 
+@pytest.mark.parametrize("path", ["/v1/traces", "/v1/traces:batch", "/v1/replays"])
+@pytest.mark.parametrize("depth", [2_000, 50_000])
+def test_json_nested_past_any_parsers_limit_is_400(
+    client: TestClient, headers: Headers, db_url: str, path: str, depth: int
+) -> None:
+    """Arrays nested deeper than the JSON parsers follow (orjson and pydantic stop at a
+    depth, the stdlib's at Python's recursion limit) are malformed input: a 400 naming the
+    body, never a RecursionError's 500."""
+    nested = b"[" * depth + b"]" * depth
+    body = b'{"traces": [' + nested + b"]}" if path.endswith(":batch") else nested
+    answer = client.post(path, content=body, headers=headers("admin"))
+    assert answer.status_code in (400, 422), answer.text[:300]
+    if answer.status_code == 400:
+        assert answer.json()["field"] == "body"
+    _assert_nothing_stored(db_url)
+
+
 def test_body_over_the_byte_limit_is_413_by_content_length(
     make_client: Callable[..., TestClient], headers: Headers, db_url: str
 ) -> None:

@@ -475,3 +475,27 @@ def test_session_cookie_verification_is_pure() -> None:
     assert ui_session.verify(secret, value, now=1060.0) is None
     assert ui_session.check_csrf(secret, s, s.csrf_token(secret))
     assert not ui_session.check_csrf(secret, s, None)
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        {"after": 2**63},
+        {"after": 2**63 - 1},
+        {"comparison": 2**63},
+        {"comparison": 2**31},
+        {"a": 2**40, "b": 2**40},
+    ],
+)
+def test_huge_page_cursors_and_indexes_are_4xx_or_empty_never_500(
+    ui_client: Callable[..., TestClient], seeded_run: SeededRun, query: dict[str, int]
+) -> None:
+    """A cursor or index beyond what a database column holds is refused naming it (422), or
+    reads as nothing; it never reaches the database as an overflow (500)."""
+    client = ui_client()
+    for path in (f"/ui/runs/{seeded_run.run_id}", f"/ui/runs/{seeded_run.run_id}/flips"):
+        params = {"a": 0, "b": 1, **query} if path.endswith("flips") else query
+        r = client.get(path, params=params)
+        assert r.status_code in (200, 404, 422), (path, params, r.status_code, r.text[:300])
+        if r.status_code == 422:
+            assert next(iter(query)) in r.text
