@@ -135,10 +135,13 @@ def _with_engine_check(
 
 
 def _queue(targets: Sequence[RunTarget], default: str) -> DeviceQueue:
-    """`cpu` when every target runs on the CPU (`device: cpu`, or no device where the
-    deployment's default queue is `cpu`), else `gpu`."""
+    """`cpu` when every target runs on the CPU (`device: cpu`, or neither a device nor a GPU
+    kind where the deployment's default queue is `cpu`), else `gpu`: a target naming a GPU
+    kind runs on a GPU of that kind."""
     queues = {
-        {"cpu": "cpu", "cuda": "gpu"}.get(t.device or "", default) for t in targets if not t.is_self
+        "gpu" if t.device == "cuda" or (t.device is None and t.gpu_kind) else t.device or default
+        for t in targets
+        if not t.is_self
     }
     return "cpu" if queues == {"cpu"} or (not queues and default == "cpu") else "gpu"
 
@@ -148,7 +151,7 @@ def route_of(placement: LoggedPlacement, targets: Sequence[RunTarget], default: 
     a trace's arms, so one worker does): the device queue of the targets (`_queue`); on the
     GPU, the kind a target names (`any`: any GPU), else the trace's logged GPU kind (any GPU
     for a trace logged on a CPU or without its GPU); the largest TP degree of the arms, each
-    the target's, else the trace's logged degree (a worker must own that many devices; a self
+    the target's, else the trace's logged degree (a worker must own that many devices; a
     self arm's degree is the logged one; the reproduction check's counts only where no target
     names a degree)."""
     device = _queue(targets, default)

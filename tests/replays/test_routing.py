@@ -59,6 +59,11 @@ def test_the_route_is_the_logged_kind_and_degree_unless_a_target_names_another()
     cpu = dataclasses.replace(t, device="cpu")
     assert route_of(a10g_tp2, [cpu], "gpu") == Route("cpu", None, 2)
     assert route_of(LoggedPlacement("NVIDIA A10G", 1), [t], "cpu") == Route("cpu")
+    # A target naming a GPU kind and no device runs on that GPU, whatever the default queue.
+    h100 = dataclasses.replace(t, gpu_kind="h100-80gb-hbm3")
+    assert route_of(LoggedPlacement("NVIDIA A10G", 1), [h100], "cpu") == Route(
+        "gpu", "h100-80gb-hbm3"
+    )
 
 
 def test_each_job_goes_to_the_queue_of_its_traces_logged_kind(
