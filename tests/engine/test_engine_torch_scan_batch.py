@@ -5,10 +5,12 @@ What is exactly equal, and what is not (measured on this machine's CPU, an AMD E
 torch 2.13, for the bundled model's shapes):
 - A trace's batched scan does not depend on the traces that share its batch: it is padded to
   its own bucket's length, and the CPU kernels give each row the same bits at any row count.
-- Attention `eager`: batched = bs=1 bit for bit (every field of every step) for the prompt
-  set's contexts (38-80 tokens), in all three formats and with interventions A, B and C: the
-  keys the causal mask hides (the padding among them) add exact zeros to the softmax and to
-  probabilities x V.
+- Attention `eager`: batched = bs=1 bit for bit here (every field of every step) for the
+  prompt set's contexts (38-80 tokens), in all three formats and with interventions A, B and
+  C: the keys the causal mask hides (the padding among them) add exact zeros to the softmax
+  and to probabilities x V. Not on every CPU: on an Intel host fp16 differed by 1 ulp on 3 of
+  135 top-k logits (its GEMM blocks a batch's rows otherwise), so the tests assert what any
+  CPU gives (`_assert_close`), as for `sdpa` below, and the batch shapes are recorded.
 - Attention `sdpa` (transformers' default): not equal. torch's CPU flash attention takes its
   key block as long as the sequence (below 512 tokens), so a padded row sums its attention in
   another order. What holds: a trace with no padding (context = its bucket's length) is equal
@@ -70,6 +72,22 @@ def _assert_equal(a: ScanRun, b: ScanRun) -> None:
     np.testing.assert_array_equal(a.agrees, b.agrees)
 
 
+def _assert_close(a: ScanRun, b: ScanRun, dtype: str) -> None:
+    """Batched `b` against bs=1 `a`, as any CPU gives them: margins and top-1 logits within
+    `_tolerance`, a token differing only at a near-tie (both margins within it), so the first
+    disagreement is the same wherever bs=1's margin there exceeds it."""
+    tol = _tolerance(a, dtype)
+    assert np.all(np.abs(a.steps.margins - b.steps.margins) <= tol)
+    top1 = np.abs(a.steps.top_k_logits[:, 0].astype(float) - b.steps.top_k_logits[:, 0])
+    assert np.all(top1 <= tol)
+    flips = np.flatnonzero(a.steps.native_token_ids != b.steps.native_token_ids)
+    assert np.all(a.steps.margins[flips] <= tol[flips]), "a token flipped off a near-tie"
+    assert np.all(b.steps.margins[flips] <= tol[flips])
+    if a.first_disagreement != b.first_disagreement:
+        t = min(x for x in (a.first_disagreement, b.first_disagreement) if x is not None)
+        assert a.steps.margins[t] <= tol[t]
+
+
 def _tolerance(run: ScanRun, dtype: str) -> npt.NDArray[np.float64]:
     """How far a batched margin or top-1 logit may be from bs=1's at each step: 2 ulps of the
     format at bs=1's top-1 (1 measured), and for fp32 at least 1e-4 (2e-5 measured)."""
@@ -93,14 +111,17 @@ def test_prompt_set_spreads_over_buckets_and_rows(items: list[ScanItem]) -> None
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-def test_eager_batched_scan_is_bs1_bit_for_bit(
+def test_eager_batched_scan_is_bs1_within_the_tolerance(
     pool: EnginePool, real_dir: Path, items: list[ScanItem], dtype: str
 ) -> None:
+    """On this machine's CPU the eager batched scan is bs=1's bit for bit; on another one the
+    GEMM may block the batch's rows otherwise (fp16 differed by 1 ulp on 3 of 135 logits on
+    an Intel host): what every CPU gives is `_assert_close`, and the batch shapes that ran are
+    recorded (`extras.scan_batch_shapes`)."""
     engine = _engine(pool, real_dir, dtype, "eager")
     batched = engine.scan_batch(items, token_budget=BUDGET)
     for a, b in zip(_scan_alone(engine, items, Intervention()), batched, strict=True):
-        _assert_equal(a, b)
-        assert a.first_disagreement == b.first_disagreement
+        _assert_close(a, b, dtype)
     assert engine.environment()["extras"]["scan_batch_shapes"] == _shapes(items, BUDGET)
 
 
@@ -111,13 +132,18 @@ def test_eager_batched_interventions_are_bs1_bit_for_bit(
     pool: EnginePool, real_dir: Path, items: list[ScanItem], iv: Intervention
 ) -> None:
     """The gated steps of a forward are recomputed together (one FP32 product for B and C):
-    on this CPU that chooses what the per-step recompute chooses."""
+    on this CPU that chooses what the per-step recompute chooses (bit for bit here); on any,
+    the native margins stay within the tolerance and the chosen tokens differ only at
+    near-ties."""
     engine = _engine(pool, real_dir, "bf16", "eager")
     batched = engine.scan_batch(items, iv, token_budget=BUDGET)
     assert sum(int(r.steps.gate_fired.sum()) for r in batched) >= 10
     assert any(r.steps.changed.any() for r in batched) or iv.kind == "C"
     for a, b in zip(_scan_alone(engine, items, iv), batched, strict=True):
-        _assert_equal(a, b)
+        _assert_close(a, b, "bf16")
+        tol = _tolerance(a, "bf16")
+        moved = np.flatnonzero(a.steps.token_ids != b.steps.token_ids)
+        assert np.all(np.minimum(a.steps.margins, b.steps.margins)[moved] <= tol[moved])
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
@@ -126,19 +152,8 @@ def test_sdpa_batched_scan_is_bs1_within_the_tolerance(
 ) -> None:
     engine = _engine(pool, real_dir, dtype, "sdpa")
     batched = engine.scan_batch(items, token_budget=BUDGET)
-    for it, a, b in zip(items, _scan_alone(engine, items, Intervention()), batched, strict=True):
-        if context_length(it) == bucket_length(context_length(it)):
-            _assert_equal(a, b)  # no padding: the same attention, bit for bit
-        tol = _tolerance(a, dtype)
-        assert np.all(np.abs(a.steps.margins - b.steps.margins) <= tol)
-        top1 = np.abs(a.steps.top_k_logits[:, 0].astype(float) - b.steps.top_k_logits[:, 0])
-        assert np.all(top1 <= tol)
-        flips = np.flatnonzero(a.steps.native_token_ids != b.steps.native_token_ids)
-        assert np.all(a.steps.margins[flips] <= tol[flips]), "a token flipped off a near-tie"
-        assert np.all(b.steps.margins[flips] <= tol[flips])
-        if a.first_disagreement != b.first_disagreement:
-            t = min(x for x in (a.first_disagreement, b.first_disagreement) if x is not None)
-            assert a.steps.margins[t] <= tol[t]
+    for a, b in zip(_scan_alone(engine, items, Intervention()), batched, strict=True):
+        _assert_close(a, b, dtype)
 
 
 def test_sdpa_unpadded_traces_are_bs1_bit_for_bit(
