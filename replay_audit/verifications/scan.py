@@ -56,6 +56,13 @@ def scan_evidence(
     for claim, members in by_claim.items():
         try:
             arm = resolve_arm(traces[members[0]], RunTarget(claim), pool, model_dir)
+            # A trace of another vocabulary (ids the embedding does not hold) is refused on
+            # its own, as a replay refuses it, before any forward reads its ids.
+            vocab = arm.engine.vocab_size
+            for i in [i for i in members if traces[i].vocab_size != vocab]:
+                why = f"the checkpoint's is {vocab}, the trace's {traces[i].vocab_size}"
+                out[i] = TraceEvidence(names[i], None, error=f"model.vocab_size: {why}")
+            members = [i for i in members if traces[i].vocab_size == vocab]
             # A trace's logits processors are part of the computation its tokens came from.
             items = [
                 ScanItem(

@@ -143,6 +143,37 @@ def test_honest_traces_are_consistent_and_4bit_ones_inconsistent(
         assert s.scalar(select(func.count()).select_from(VerificationCalibration)) == 1
 
 
+def test_a_trace_of_another_vocabulary_is_refused_on_its_own(
+    client: TestClient,
+    job_runner: HoldingRunner,
+    measured: list[dict[str, Any]],
+    logged: dict[str, list[dict[str, Any]]],
+    calibrations: list[Calibration],
+    headers: Callable[..., dict[str, str]],
+) -> None:
+    """A trace that claims the checkpoint's configuration with ids past its vocabulary (a
+    larger `vocab_size`) would index the embedding out of range: the scan refuses it alone,
+    naming the field, and the job verifies the others (it used to crash three times and end
+    "worker killed")."""
+    bind_null(measured, calibrations)
+    admin = headers("admin")
+    honest = logged["bf16"]
+    vocab = honest[0]["model"]["vocab_size"]
+    alien = honest[0] | {
+        "external_id": "alien",
+        "model": honest[0]["model"] | {"vocab_size": vocab + 1000},
+        "output_token_ids": [vocab + 7, *honest[0]["output_token_ids"][1:]],
+        "top_k": None,
+    }
+    *_, alien_id = store(client, admin, [*honest, alien], "mixed")
+    got = _verify(client, admin, job_runner, filter={"tag": "mixed"})
+    traces = {t["trace"]: t for t in got["report"]["traces"]}
+    refused = traces[alien_id]
+    assert refused["error"].startswith("model.vocab_size"), refused
+    assert sum(t["error"] is None for t in traces.values()) == len(honest)
+    assert got["report"]["verdict"] == "consistent"
+
+
 def _body(**extra: Any) -> dict[str, Any]:
     return {"filter": {"tag": "test"}, **extra}
 
