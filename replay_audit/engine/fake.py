@@ -74,6 +74,7 @@ class FakeEngine:
     target: Target
     next_token: NextToken = _default_next_token
     vocab_size: int = 97
+    max_positions: int | None = None
     step_fn: NextToken | None = None
     repair_fn: Repair | None = None
     #: The model of the teacher-forced scan (None: `next_token`).

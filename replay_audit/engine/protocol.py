@@ -537,6 +537,11 @@ class Engine(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    @property
+    def max_positions(self) -> int | None:
+        """The longest context (prompt and output) the checkpoint is made for
+        (`max_position_embeddings`); None: not bounded, or not known."""
+
     def environment(self) -> Environment:
         """The numerical environment actually in use, with `NumericalConfig`'s keys."""
 

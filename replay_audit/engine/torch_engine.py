@@ -234,6 +234,11 @@ class TorchEngine:
     def vocab_size(self) -> int:
         return self.head.vocab_size
 
+    @property
+    def max_positions(self) -> int | None:
+        n = getattr(self.model.config, "max_position_embeddings", None)
+        return int(n) if isinstance(n, int) else None
+
     def environment(self) -> Environment:
         t = self._target
         return numerical_environment(

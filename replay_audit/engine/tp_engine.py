@@ -38,11 +38,11 @@ from replay_audit.engine.torch_engine import TorchEngine
 
 def _load_engine(
     state: RankState, key: str, model_dir: Path, target: Target, options: LoadOptions
-) -> tuple[Target, int]:
-    """Load the rank's engine; its target as loaded and its vocabulary size."""
+) -> tuple[Target, int, int | None]:
+    """Load the rank's engine; its target as loaded, its vocabulary size and context."""
     engine = TorchEngine.load(model_dir, target, tp=state.placement, **options)
     state.objects[key] = engine
-    return engine.target, engine.vocab_size
+    return engine.target, engine.vocab_size, engine.max_positions
 
 
 def _call(
@@ -60,14 +60,22 @@ def _drop(state: RankState, key: str) -> None:
 class TensorParallelEngine:
     """An `Engine` (and `HiddenStates`) at TP degree k: every rank of `group` holds a
     `TorchEngine` of the checkpoint loaded with transformers' tensor-parallel plan, and every
-    call runs on all of them (`TpGroup.run`); rank 0's answers. The target and vocabulary size
-    are the ranks' as they loaded."""
+    call runs on all of them (`TpGroup.run`); rank 0's answers. The target, vocabulary size
+    and context are the ranks' as they loaded."""
 
-    def __init__(self, group: TpGroup, key: str, target: Target, vocab_size: int) -> None:
+    def __init__(
+        self,
+        group: TpGroup,
+        key: str,
+        target: Target,
+        vocab_size: int,
+        max_positions: int | None = None,
+    ) -> None:
         self.group = group
         self.key = key
         self.target = target
         self.vocab_size = vocab_size
+        self.max_positions = max_positions
         #: The ranks' environment as of the last probe (a probe's batch extras change it).
         self._environment: Environment | None = None
 
@@ -77,8 +85,10 @@ class TensorParallelEngine:
     ) -> TensorParallelEngine:
         """Load `model_dir` in `target`'s format on every rank of `group`."""
         key = group.new_key(str(model_dir))
-        loaded, vocab_size = group.run(_load_engine, key, Path(model_dir), target, options)
-        return cls(group, key, loaded, vocab_size)
+        loaded, vocab_size, positions = group.run(
+            _load_engine, key, Path(model_dir), target, options
+        )
+        return cls(group, key, loaded, vocab_size, positions)
 
     def close(self) -> None:
         """Every rank drops its engine (nothing where the group is no longer usable: its ranks

@@ -342,6 +342,9 @@ def resolve_arm(
             f"checkpoint vocabulary is {arm.engine.vocab_size}, the trace's {trace.vocab_size}",
             field="model.vocab_size",
         )
+    too_long = context_overflow(trace, arm.engine.max_positions)
+    if too_long is not None:
+        raise UnsupportedFormat(too_long, field="prompt_token_ids")
     if arm.resolved.tp_degree != tp:
         ran = arm.resolved.tp_degree
         raise UnsupportedFormat(
@@ -360,6 +363,19 @@ def _logged_arm(
         return resolve_arm(trace, RunTarget(None), pool, model_dir, worker_kind)
     except ENGINE_FAILURES:
         return None
+
+
+def context_overflow(trace: LoggedTrace, max_positions: int | None) -> str | None:
+    """Why `trace` does not fit a checkpoint of `max_positions` (its prompt and logged output
+    longer than the context it was made for: positions past it would replay extrapolated, not
+    as logged); None where it fits."""
+    n = trace.prompt_token_ids.size + trace.output_token_ids.size
+    if max_positions is None or n <= max_positions:
+        return None
+    return (
+        f"the prompt and the output are {n} tokens; the checkpoint's context is {max_positions}"
+        " (max_position_embeddings): this trace was not logged with it"
+    )
 
 
 def check_replayable(trace: LoggedTrace) -> None:

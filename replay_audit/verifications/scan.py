@@ -17,7 +17,7 @@ from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import DEFAULT_SCAN_TOKEN_BUDGET, ScanItem, Target
 from replay_audit.exceptions import ReplayAuditError
 from replay_audit.replays.domain import LoggedTrace, ResolvedArm, RunTarget
-from replay_audit.replays.pipeline import resolve_arm
+from replay_audit.replays.pipeline import context_overflow, resolve_arm
 from replay_audit.verifications.domain import (
     TraceEvidence,
     claim_key,
@@ -58,11 +58,15 @@ def scan_evidence(
             arm = resolve_arm(traces[members[0]], RunTarget(claim), pool, model_dir)
             # A trace of another vocabulary (ids the embedding does not hold) is refused on
             # its own, as a replay refuses it, before any forward reads its ids.
-            vocab = arm.engine.vocab_size
-            for i in [i for i in members if traces[i].vocab_size != vocab]:
-                why = f"the checkpoint's is {vocab}, the trace's {traces[i].vocab_size}"
-                out[i] = TraceEvidence(names[i], None, error=f"model.vocab_size: {why}")
-            members = [i for i in members if traces[i].vocab_size == vocab]
+            # So is one longer than the checkpoint's context.
+            vocab, positions = arm.engine.vocab_size, arm.engine.max_positions
+            for i in members:
+                if traces[i].vocab_size != vocab:
+                    why = f"the checkpoint's is {vocab}, the trace's {traces[i].vocab_size}"
+                    out[i] = TraceEvidence(names[i], None, error=f"model.vocab_size: {why}")
+                elif (long := context_overflow(traces[i], positions)) is not None:
+                    out[i] = TraceEvidence(names[i], None, error=f"prompt_token_ids: {long}")
+            members = [i for i in members if out[i] is None]
             # A trace's logits processors are part of the computation its tokens came from.
             items = [
                 ScanItem(

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
-from replay_audit.exceptions import BadRequest, ModelMismatch
+from replay_audit.exceptions import BadRequest, ModelMismatch, UnsupportedFormat
 from replay_audit.replays.domain import ArmMargin, LoggedTrace, ReplayOutcome, RunTarget
 from replay_audit.replays.models import ReplayResult
 from replay_audit.replays.pipeline import (
@@ -270,6 +270,21 @@ def test_refuses_another_checkpoint_and_non_greedy_traces(ckpt: Path, tmp_path: 
     with pytest.raises(ModelMismatch, match="vocabulary"):
         pool = EnginePool(lambda d, t, k: FakeEngine(t, next_token=base, vocab_size=50))
         replay_trace(make_trace(ckpt), Target("fp16"), pool, model_dir=ckpt)
+
+
+def test_a_trace_longer_than_the_checkpoints_context_is_refused_naming_it(ckpt: Path) -> None:
+    """Positions past `max_position_embeddings` would replay extrapolated, not as logged: a
+    trace of 5 + 8 tokens on a 12-position checkpoint is refused, one of 13 runs."""
+    trace = make_trace(ckpt)
+    assert trace.prompt_token_ids.size + trace.output_token_ids.size == 13
+
+    def pool(positions: int) -> EnginePool:
+        return EnginePool(lambda d, t, k: FakeEngine(t, next_token=base, max_positions=positions))
+
+    with pytest.raises(UnsupportedFormat, match="13 tokens; the checkpoint's context is 12") as e:
+        replay_trace(trace, Target("bf16"), pool(12), model_dir=ckpt)
+    assert e.value.field == "prompt_token_ids"
+    assert replay_trace(trace, Target("bf16"), pool(13), model_dir=ckpt).exact_match
 
 
 def test_compare_arms_both_arms_protocol(ckpt: Path) -> None:
