@@ -151,6 +151,17 @@ def build_context(model: Path | None, config_file: Path | None, flags: list[str]
         fail(f"configuration key {where}: {err['msg']}")
 
 
+def _is_text(path: Path) -> bool:
+    """Whether `path` starts as UTF-8 text (torch.save writes a zip archive: `PK`)."""
+    with path.open("rb") as f:
+        head = f.read(4096)
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start >= len(head) - 3  # a character cut at the end of the block
+    return not head.startswith(b"PK")
+
+
 def _read_items(fmt: str, path: Path) -> Iterator[tuple[str, Any]]:
     """(location, item) of each logged item of `path`."""
     if fmt == "hf" and path.suffix in (".pt", ".pth"):
@@ -159,14 +170,22 @@ def _read_items(fmt: str, path: Path) -> Iterator[tuple[str, Any]]:
         try:
             yield str(path), load_generate_output(path)
         except Exception as e:  # torch.load raises many kinds: this file fails, not the import
-            # torch's weights-only refusal is long; its "WeightsUnpickler error" line says why.
-            lines = [x for x in str(e).splitlines() if "WeightsUnpickler" in x] or [str(e)]
-            yield str(path), _Unreadable(f"not a generate() output loadable safely ({lines[0]})")
+            if _is_text(path):
+                why = (
+                    "a text file, not what torch.save writes: a JSON log is a .json or .jsonl file"
+                )
+            else:  # torch's weights-only refusal is long; its "WeightsUnpickler" line says why
+                lines = [x for x in str(e).splitlines() if "WeightsUnpickler" in x] or [str(e)]
+                why = lines[0]
+            yield str(path), _Unreadable(f"not a generate() output loadable safely ({why})")
         return
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        fail(f"cannot read {path}: {e}")
+    except UnicodeDecodeError:
+        saved = " (a torch.save file: --format hf reads it)" if not _is_text(path) else ""
+        fail(f"cannot read {path}: not UTF-8 text, what --format {fmt} reads{saved}")
+    except OSError as e:
+        fail(f"cannot read {path}: {e.strerror}")
     if path.suffix == ".jsonl":
         for n, line in enumerate(text.splitlines(), start=1):
             if line.strip():

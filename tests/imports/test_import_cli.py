@@ -562,3 +562,29 @@ def test_counted() -> None:
 
     assert [counted(n, "trace") for n in (0, 1, 2)] == ["0 traces", "1 trace", "2 traces"]
     assert counted(1, "forward") == "1 forward" and counted(3, "axis", "axes") == "3 axes"
+
+
+def test_a_file_of_another_format_says_which_reader_takes_it(
+    chat_checkpoint: Path, tmp_path: Path
+) -> None:
+    """A torch.save file given to a text format, and a text file named .pt given to the hf
+    reader: each error says what the file is and which format reads it, not a codec's or an
+    unpickler's message."""
+    import torch
+
+    saved, text = tmp_path / "gen.pt", tmp_path / "log.pt"
+    torch.save({"sequences": torch.tensor([[1, 2, 3]])}, saved)
+    text.write_text('{"id": "chatcmpl-1"}\n')
+    common = ["--model", str(chat_checkpoint), "--config", "dtype=fp32"]
+    r = runner.invoke(
+        app, ["import", "--format", "openai", str(saved), *common, "--out", str(tmp_path / "a")]
+    )
+    assert r.exit_code == 2
+    assert f"{saved}: not UTF-8 text, what --format openai reads" in r.output
+    assert "--format hf reads it" in r.output and "codec" not in r.output
+    r = runner.invoke(
+        app, ["import", "--format", "hf", str(text), *common, "--out", str(tmp_path / "b")]
+    )
+    assert r.exit_code == 1
+    assert f"{text}: not a generate() output loadable safely (a text file" in r.output
+    assert ".json or .jsonl" in r.output and "Unpickl" not in r.output
