@@ -87,14 +87,15 @@ def _json_file(path: Path) -> JsonObject:
 
 
 def _model_facts(model_dir: Path) -> JsonObject:
-    """What the checkpoint says: weights_sha256, vocab_size, name, eos ids."""
+    """What the checkpoint says: weights_sha256, vocab_size, eos ids, and its directory's name
+    for a log that names no model."""
     from replay_audit.engine.hashing import NoWeightsError, weights_sha256
 
     try:
         sha = weights_sha256(model_dir)
     except NoWeightsError as e:
         fail(e.message)
-    model: JsonObject = {"name": model_dir.name, "weights_sha256": sha}
+    model: JsonObject = {"default_name": model_dir.name, "weights_sha256": sha}
     facts: JsonObject = {"model": model}
     config = _json_file(model_dir / "config.json")
     generation = _json_file(model_dir / "generation_config.json")

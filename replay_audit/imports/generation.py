@@ -330,7 +330,7 @@ def _config(
 
 def _model(gen: Generation, context: ImportContext) -> dict[str, object]:
     m = context.model
-    name = m.name or gen.served_model
+    name = m.name or gen.served_model or m.default_name
     if not name:
         raise FieldError(
             "model.name is unknown: give it (CLI: --config model.name=...)", field="model.name"

@@ -67,6 +67,9 @@ class ModelInput(_Input):
     revision: str | None = Field(default=None, max_length=200)
     weights_sha256: Sha256 | None = None
     vocab_size: int | None = Field(default=None, ge=2, le=2**31 - 1)
+    #: The name where neither `name` nor the logged response gives one (the CLI: the
+    #: checkpoint directory's): a served model name (`gpt-4o-mini-2024-07-18`) is kept.
+    default_name: Name | None = None
 
 
 class GpuInput(_Input):

@@ -108,7 +108,10 @@ def test_the_model_directory_gives_the_model_reference(tmp_path: Path) -> None:
         step["top_logprobs"] = step["top_logprobs"][:2]
         step["top_logprobs"][1]["token"] = "token_id:7"
         step["top_logprobs"][1]["logprob"] = -20.0
-    path = _write_jsonl(tmp_path / "r.jsonl", [response])
+    # The served name is kept; a response that names no model gets the directory's name.
+    served = response | {"model": "gpt-4o-mini-2024-07-18", "id": "chatcmpl-served"}
+    unnamed = {k: v for k, v in response.items() if k != "model"}
+    path = _write_jsonl(tmp_path / "r.jsonl", [served, unnamed])
     out = tmp_path / "t.jsonl"
     r = runner.invoke(
         app,
@@ -128,10 +131,11 @@ def test_the_model_directory_gives_the_model_reference(tmp_path: Path) -> None:
         ],
     )
     assert r.exit_code == 0, r.output
-    [trace] = _read(out)
-    assert trace.model.name == "tiny-llama"
-    assert trace.model.weights_sha256 == weights_sha256(BUNDLED_MODEL_DIR)
-    assert trace.model.vocab_size == 4096 and trace.decoding.eos_token_ids == [1]
+    kept, named = _read(out)
+    assert (kept.model.name, named.model.name) == ("gpt-4o-mini-2024-07-18", "tiny-llama")
+    for trace in (kept, named):
+        assert trace.model.weights_sha256 == weights_sha256(BUNDLED_MODEL_DIR)
+        assert trace.model.vocab_size == 4096 and trace.decoding.eos_token_ids == [1]
 
 
 @pytest.mark.parametrize(
