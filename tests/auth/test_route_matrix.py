@@ -85,8 +85,11 @@ ROUTES: Final[dict[str, Row]] = {
     # Public: no key needed, nothing of any project in them.
     "GET /": _ALL_PUBLIC,  # a redirect to /ui/
     "GET /healthz": _ALL_PUBLIC,
+    "HEAD /healthz": _ALL_PUBLIC,
     "GET /readyz": _ALL_PUBLIC,
+    "HEAD /readyz": _ALL_PUBLIC,
     "GET /metrics": _ALL_PUBLIC,
+    "HEAD /metrics": _ALL_PUBLIC,
     "GET /openapi.json": _ALL_PUBLIC,
     "HEAD /openapi.json": _ALL_PUBLIC,
     "GET /docs": _ALL_PUBLIC,
@@ -133,6 +136,7 @@ ROUTES: Final[dict[str, Row]] = {
     # The web UI: auditors and admins, through a signed-in session.
     "GET /ui/": _ALL_PUBLIC,  # a redirect to /ui/runs
     "GET /ui/sign-in": _ALL_PUBLIC,
+    "HEAD /ui/sign-in": _ALL_PUBLIC,
     "POST /ui/sign-in": (OK, OK, DENIED, ANON, OK),
     "POST /ui/sign-out": _ALL_PUBLIC,
     "GET /ui/runs": _UI_LIST,
