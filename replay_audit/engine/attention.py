@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -39,12 +39,49 @@ _ARGUMENTS: Final = (
     "scale",
     "enable_gqa",
 )
-_DEFAULTS: Final[dict[str, object]] = {
-    "dropout_p": 0.0,
-    "is_causal": False,
-    "scale": None,
-    "enable_gqa": False,
-}
+
+
+@dataclass(frozen=True)
+class SdpaOptions:
+    """An SDPA call's arguments but the tensors and the mask, every one spelled out (a call
+    that names a default and one that leaves it out are the same call)."""
+
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    scale: float | None = None
+    enable_gqa: bool = False
+
+    @classmethod
+    def of(cls, given: Mapping[str, object]) -> SdpaOptions:
+        """The options among a call's keyword arguments (others are not SDPA's: ignored)."""
+        dropout, scale = given.get("dropout_p"), given.get("scale")
+        return cls(
+            float(dropout) if isinstance(dropout, int | float) else 0.0,
+            bool(given.get("is_causal", False)),
+            float(scale) if isinstance(scale, int | float) else None,
+            bool(given.get("enable_gqa", False)),
+        )
+
+    def call(
+        self,
+        sdpa: Callable[..., torch.Tensor],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`sdpa(q, k, v)` with these options, as transformers passes them (by keyword)."""
+        return sdpa(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout_p,
+            is_causal=self.is_causal,
+            scale=self.scale,
+            enable_gqa=self.enable_gqa,
+        )
+
 
 _local = threading.local()
 _installed: list[Callable[..., torch.Tensor]] = []
@@ -65,8 +102,8 @@ class SdpaCall:
     key: tuple[object, ...]
     value: tuple[object, ...]
     mask: tuple[object, ...] | None
-    #: The other arguments (dropout, causality, scale, GQA), by name.
-    options: tuple[tuple[str, object], ...]
+    #: The other arguments (dropout, causality, scale, GQA).
+    options: SdpaOptions
     backend: str
 
     @property
@@ -77,10 +114,6 @@ class SdpaCall:
         q, k = self.query[0], self.key[0]
         assert isinstance(q, tuple) and isinstance(k, tuple)
         return "decode" if q[-2] < k[-2] else "prefill"
-
-    def arguments(self) -> dict[str, Any]:
-        """The non-tensor arguments, as keywords of `scaled_dot_product_attention`."""
-        return dict(self.options)
 
 
 @dataclass
@@ -94,17 +127,17 @@ class Observed:
     #: Choices already made, by call signature: the dispatcher is asked once per signature.
     _chosen: dict[tuple[object, ...], str] = field(default_factory=dict)
 
-    def add(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        given = dict(zip(_ARGUMENTS, args, strict=False)) | kwargs
+    def add(self, args: tuple[object, ...], kwargs: Mapping[str, object]) -> None:
+        given = dict(zip(_ARGUMENTS, args, strict=False)) | dict(kwargs)
         q, k, v = given.pop("query"), given.pop("key"), given.pop("value")
         mask = given.pop("attn_mask", None)
-        # Every option spelled out (defaults filled): a call that names a default and one that
-        # leaves it out are the same call.
-        options = tuple(sorted((_DEFAULTS | given).items()))
+        assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+        assert isinstance(v, torch.Tensor) and (mask is None or isinstance(mask, torch.Tensor))
+        options = SdpaOptions.of(given)
         signature = (_meta(q), _meta(k), _meta(v), _meta(mask), options, str(q.device))
         backend = self._chosen.get(signature)
         if backend is None:
-            backend = self._chosen[signature] = _choice(q, k, v, mask, dict(options))
+            backend = self._chosen[signature] = _choice(q, k, v, mask, options)
         call = SdpaCall(
             _meta(q) or (), _meta(k) or (), _meta(v) or (), _meta(mask), options, backend
         )
@@ -127,7 +160,11 @@ class Observed:
 
 
 def _choice(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, given: dict[str, Any]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    options: SdpaOptions,
 ) -> str:
     """The backend torch's SDPA dispatcher picks for these arguments under the switches now."""
     try:
@@ -136,10 +173,10 @@ def _choice(
             k,
             v,
             mask,
-            float(given.get("dropout_p", 0.0)),
-            bool(given.get("is_causal", False)),
-            scale=given.get("scale"),
-            enable_gqa=bool(given.get("enable_gqa", False)),
+            options.dropout_p,
+            options.is_causal,
+            scale=options.scale,
+            enable_gqa=options.enable_gqa,
         )
     except (RuntimeError, TypeError) as exc:  # no backend accepts them: SDPA itself will raise
         return f"none ({type(exc).__name__})"

@@ -222,22 +222,23 @@ class GenerateDecoder:
 
         model, dev = self.body.model, self.body.device
         x = torch.tensor(ids, dtype=torch.long, device=dev)
-        state: dict[str, Any] = {"stop": False}
+        last_hidden: list[torch.Tensor] = []  # the lm_head's input at this step
+        stop = False
 
         def capture(_module: Any, args: tuple[Any, ...]) -> None:
-            state["hidden"] = args[0]
+            last_hidden[:] = [args[0]]
 
         def processor(_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-            hidden = state["hidden"][:, -1]
+            nonlocal stop
+            hidden = last_hidden[0][:, -1]
             logits = scores if self.own_head else self.head.native(hidden).float()
             token, stop = choose(hidden, logits, row)
-            state["stop"] = stop
             forced = torch.full_like(scores, -math.inf)
             forced[:, token] = 0.0
             return forced
 
         def criterion(_ids: torch.Tensor, _scores: torch.Tensor, **_: Any) -> torch.Tensor:
-            return torch.full((x.shape[0],), bool(state["stop"]), device=dev)
+            return torch.full((x.shape[0],), stop, device=dev)
 
         config: Any = GenerationConfig(  # type: ignore[no-untyped-call]
             do_sample=False,

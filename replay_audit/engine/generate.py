@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -111,6 +111,10 @@ def sorted_top_k(
     top = top_k_on_host(logits.float(), k)
     return top.ids[:, :k], top.logits[:, :k]
 
+
+#: A trace as `POST /v1/traces` JSON (the engine imports no HTTP schema: the callers that write
+#: or post it validate it with `traces.schemas.TraceCreate` at their edge).
+TraceJson: TypeAlias = dict[str, Any]
 
 class TraceGenerator:
     """A checkpoint loaded once in one dtype, producing traces a batch of prompts at a time."""
@@ -245,7 +249,7 @@ class TraceGenerator:
         external_id: str | None = None,
         tags: Sequence[str] = (),
         processors: LogitsProcessors | None = None,
-    ) -> dict[str, Any]:
+    ) -> TraceJson:
         """`trace_batch` of one prompt (a batch of one)."""
         return self.trace_batch(
             [(external_id, prompt)],
@@ -263,7 +267,7 @@ class TraceGenerator:
         top_k: int = 5,
         tags: Sequence[str] = (),
         processors: LogitsProcessors | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[TraceJson]:
         """The traces of (external id, prompt) pairs generated in one `generate()` call, as
         `POST /v1/traces` JSON: text prompts, or chat messages (rendered by the chat template;
         the trace keeps the messages and the rendered text), each with its row's place in the
@@ -512,7 +516,7 @@ def generate_traces(
     leave_free: int = 0,
     tp_degree: int = 1,
     batch_size: int = 1,
-) -> Iterator[dict[str, Any]]:
+) -> Iterator[TraceJson]:
     """Traces of greedy generations, one per (prompt id, prompt text), as `TraceCreate` JSON,
     `batch_size` prompts per `generate()` call (at `tp_degree` > 1, by a group of that many
     processes, stopped when the traces end)."""

@@ -147,7 +147,7 @@ class PiecewiseDecoder:
         )
         #: SDPA's options as `generate()`'s decode steps pass them, learned by `check` (None:
         #: the steps run transformers' attention function on the `DynamicCache`).
-        self.direct: dict[str, Any] | None = None
+        self.direct: attention.SdpaOptions | None = None
         b, dev = body.batch_size, body.device
         dtype = self.embed.weight.dtype
         width = attn.o_proj.in_features
@@ -245,7 +245,7 @@ class PiecewiseDecoder:
         assert self._last is not None
         return captured_step_output(*self._last, self._top_k)
 
-    def _direct_attention(self, options: dict[str, Any]) -> None:
+    def _direct_attention(self, options: attention.SdpaOptions) -> None:
         """Each layer's attention between the pieces: the new key/value appended to its cache
         (`torch.cat`, as `DynamicCache.update`), SDPA over it with `generate()`'s options.
         Layer 0's call is observed (`attention.observe`: the backend torch picks at this
@@ -261,7 +261,7 @@ class PiecewiseDecoder:
             kv[0] = torch.cat([kv[0], new[0]], dim=-2)
             kv[1] = torch.cat([kv[1], new[1]], dim=-2)
             sdpa = observed if i == 0 else plain
-            out = sdpa(q, kv[0], kv[1], **options)
+            out = options.call(sdpa, q, kv[0], kv[1])
             # transformers' (batch, heads, 1, dim) -> transpose(1, 2).contiguous() -> reshape
             # (batch, 1, heads * dim): for one query token, the same element order.
             out_buffer.copy_(out.reshape(out_buffer.shape))
@@ -466,7 +466,9 @@ def _copy(out: StepOutput) -> StepOutput:
     return StepOutput(out.hidden.clone(), out.logits.clone(), out.top)
 
 
-def direct_options(calls: Sequence[attention.SdpaCall], layers: int) -> dict[str, Any] | None:
+def direct_options(
+    calls: Sequence[attention.SdpaCall], layers: int
+) -> attention.SdpaOptions | None:
     """SDPA's options as `generate()`'s decode steps pass them (`calls`: every layer's, step
     after step), where the direct call can follow them: every call without a mask and with the
     same options, one per layer per step; else None."""
@@ -474,7 +476,7 @@ def direct_options(calls: Sequence[attention.SdpaCall], layers: int) -> dict[str
         return None
     if len({c.options for c in calls}) != 1:
         return None
-    return {"attn_mask": None, **calls[0].arguments()}
+    return calls[0].options
 
 
 def _first_difference(a: Sequence[attention.SdpaCall], b: Sequence[attention.SdpaCall]) -> str:

@@ -6,6 +6,7 @@ argument."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from replay_audit.engine import Intervention, Target
+from replay_audit.engine import Intervention, Target, attention
 from replay_audit.engine.decoder import StepOutput
 from replay_audit.engine.piecewise import PiecewiseDecoder, unsupported_reason
 from replay_audit.engine.protocol import BatchLayout
@@ -196,9 +197,9 @@ def test_an_attention_call_other_than_generates_fails_the_check(
 
     learned = piecewise_module.direct_options
 
-    def other_call(calls: Any, layers: int) -> dict[str, Any] | None:
+    def other_call(calls: Any, layers: int) -> attention.SdpaOptions | None:
         options = learned(calls, layers)
-        return None if options is None else {**options, "scale": 0.125000001}
+        return None if options is None else dataclasses.replace(options, scale=0.125000001)
 
     monkeypatch.setattr(piecewise_module, "direct_options", other_call)
     engine = TorchEngine.load(real_dir, Target("bf16"), device="cpu")
@@ -286,7 +287,7 @@ def test_sdpa_steps_call_sdpa_directly_eager_steps_use_the_cache(real_engine: En
     for engine in (sdpa, eager):
         engine.decode(_prompts(engine)[1], 6, [EOS])
     direct = sdpa._piecewise and sdpa._piecewise.direct
-    assert direct and direct["enable_gqa"] is True and direct["attn_mask"] is None
+    assert direct and direct.enable_gqa is True
     assert eager._piecewise is not None and eager._piecewise.direct is None
     assert "attention_backends" not in eager.environment()["extras"]  # no SDPA call ran
 
