@@ -147,6 +147,16 @@ def run_steps(
         out = step(token)
 
 
+def left_padded(
+    rows: Sequence[Sequence[int]], pad_id: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """`rows` left-padded with `pad_id` to the longest, and their attention mask: a batch as
+    `generate()` takes one (and as a tokenizer with `padding_side="left"` gives it)."""
+    width = max(len(r) for r in rows)
+    ids = [[pad_id] * (width - len(r)) + list(r) for r in rows]
+    return ids, [[0] * (width - len(r)) + [1] * len(r) for r in rows]
+
+
 def batch_rows(
     context: Sequence[int], batch_size: int, layout: BatchLayout | None, pad_id: int
 ) -> tuple[list[list[int]], list[list[int]], int]:
@@ -160,14 +170,11 @@ def batch_rows(
     extra = len(context) - layout.prompt_lengths[layout.row]
     if extra < 0:
         raise ValueError("the context is shorter than the trace's logged prompt")
-    lengths = [n + extra for n in layout.prompt_lengths]
-    width = max(lengths)
-    ids, mask = [], []
-    for j, n in enumerate(lengths):
-        filler = (list(context) * math.ceil(n / len(context)))[:n]
-        ids.append([pad_id] * (width - n) + (list(context) if j == layout.row else filler))
-        mask.append([0] * (width - n) + [1] * n)
-    return ids, mask, layout.row
+    rows = [
+        list(context) if j == layout.row else (list(context) * math.ceil(m / len(context)))[:m]
+        for j, m in enumerate(n + extra for n in layout.prompt_lengths)
+    ]
+    return *left_padded(rows, pad_id), layout.row
 
 
 class GenerateDecoder:

@@ -30,6 +30,7 @@ import torch
 
 from replay_audit.diff.pieces import to_json
 from replay_audit.engine import attention
+from replay_audit.engine.decoder import left_padded
 from replay_audit.engine.hashing import weights_sha256
 from replay_audit.engine.loading import (
     ProcessNumerics,
@@ -115,6 +116,7 @@ def sorted_top_k(
 #: A trace as `POST /v1/traces` JSON (the engine imports no HTTP schema: the callers that write
 #: or post it validate it with `traces.schemas.TraceCreate` at their edge).
 TraceJson: TypeAlias = dict[str, Any]
+
 
 class TraceGenerator:
     """A checkpoint loaded once in one dtype, producing traces a batch of prompts at a time."""
@@ -367,13 +369,9 @@ def greedy_generate(
     from transformers import GenerationConfig
 
     config_cls: Any = GenerationConfig
-    width = max(len(p) for p in prompts)
-    x = torch.tensor(
-        [[pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device
-    )
-    mask = torch.tensor(
-        [[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device
-    )
+    ids, padding = left_padded(prompts, pad_id)
+    x = torch.tensor(ids, dtype=torch.long, device=device)
+    mask = torch.tensor(padding, dtype=torch.long, device=device)
     gc = config_cls(
         do_sample=False,
         num_beams=1,
@@ -390,7 +388,7 @@ def greedy_generate(
     eos = set(eos_ids)
     rows = []
     for b in range(len(prompts)):
-        new = [int(t) for t in out.sequences[b, width:].tolist()]
+        new = [int(t) for t in out.sequences[b, x.shape[1] :].tolist()]
         end = next((t + 1 for t, token in enumerate(new) if token in eos), len(new))
         rows.append((new[:end], logits[b, :end]))
     return Generated(rows, seen.backends())

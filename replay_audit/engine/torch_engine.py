@@ -583,14 +583,11 @@ class TorchEngine:
         logged left-padded layout). Recorded in `_decoders` (what `environment()` says ran)."""
         decoder: Decoder = self.generate
         name = "generate"
-        if layout is not None and layout.padded:
-            pass
-        elif self.cache_kind == "compiled" and total <= self.max_cache_len:
+        padded = layout is not None and layout.padded
+        if not padded and self.cache_kind == "compiled" and total <= self.max_cache_len:
             decoder, name = self._compiled_decoder(total), "compiled"
-        else:
-            piecewise = self._piecewise_decoder(context)
-            if piecewise is not None:
-                decoder, name = piecewise, "piecewise"
+        elif not padded and (piecewise := self._piecewise_decoder(context)) is not None:
+            decoder, name = piecewise, "piecewise"
         self._decoders.add(name)
         return decoder
 
