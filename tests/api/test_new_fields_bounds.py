@@ -1,6 +1,6 @@
 """The fields this release added (a target's `gpu_kind` and `tp_degree`, a verification's
-`filter.trace_ids`, a trace's `decoding.logits_processors`, a schedule's `verify`, a run's
-`decode_window`, a screening's `tp_degree`) refuse NUL, huge
+`filter.trace_ids`, a trace's `decoding.logits_processors` and `decoding.batch`, a
+schedule's `verify`, a run's `decode_window`, a screening's `tp_degree`) refuse NUL, huge
 numbers, oversize values and wrong types with a 422 naming the field, on both databases, before
 any work starts."""
 
@@ -76,6 +76,34 @@ def test_bad_logits_processors_are_422_naming_them(
     r = client.post("/v1/traces", content=_json(trace), headers=headers("submitter"))
     assert r.status_code == 422, r.text[:300]
     assert field in r.text
+    assert client.get("/v1/traces", headers=headers("admin")).json()["items"] == []
+
+
+@pytest.mark.parametrize(
+    ("batch", "field"),
+    [
+        ({"prompt_lengths": [HUGE], "row": 0}, "prompt_lengths"),
+        ({"prompt_lengths": [3], "row": HUGE}, "row"),
+        ({"prompt_lengths": [3], "row": -1}, "row"),
+        ({"prompt_lengths": [3] * 100_000, "row": 0}, "prompt_lengths"),
+        ({"prompt_lengths": ["3"], "row": 0}, "prompt_lengths"),
+        ({"prompt_lengths": [3.5], "row": 0}, "prompt_lengths"),
+        ({"prompt_lengths": "3", "row": 0}, "prompt_lengths"),
+        ({"prompt_lengths": [3], "row": 0, "pad": "\u0000"}, "pad"),
+        ({"row": 0}, "prompt_lengths"),
+    ],
+)
+def test_a_bad_batch_layout_is_422_naming_it(
+    client: TestClient,
+    headers: Callable[..., dict[str, str]],
+    batch: dict[str, object],
+    field: str,
+) -> None:
+    trace = make_trace()
+    trace["decoding"] = {**trace["decoding"], "batch": batch}
+    r = client.post("/v1/traces", content=_json(trace), headers=headers("submitter"))
+    assert r.status_code == 422, r.text[:300]
+    assert f"decoding.batch.{field}" in r.text
     assert client.get("/v1/traces", headers=headers("admin")).json()["items"] == []
 
 

@@ -146,6 +146,11 @@ def test_the_model_directory_gives_the_model_reference(tmp_path: Path) -> None:
         (["--config", "dtype"], "expected key=value"),
         (["--config", "dtype=bf16", "--config", "batch_size=many"], "batch_size"),
         (
+            ["--config", "dtype=bf16", "--config", "model.default_name=" + "x" * 5000],
+            "default_name",
+        ),
+        (["--config", "dtype=bf16", "--config", "model.default_name=a\x00b"], "default_name"),
+        (
             ["--config", "dtype=bf16", "--config", "gpu.sm=9.0", "--config", "gpu.name="],
             "configuration key gpu",
         ),
