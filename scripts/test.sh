@@ -68,7 +68,7 @@ REPLAY_AUDIT_DATABASE_URL="$PG_URL?options=-csearch_path%3Dalembic_check" alembi
 
 step "tests (SQLite and PostgreSQL, real Redis, real models on CPU)"
 set +e
-# GPU tests (marker `gpu`) need CUDA: they run on a lent GPU machine (benchmarks/gpu_run*.sh),
+# GPU tests (marker `gpu`) need CUDA: they run on a lent GPU machine (benchmarks/gpu_engine.sh),
 # not here, so they are deselected rather than skipped.
 # The lm-eval run (marker `lm_eval`) needs the `lm-eval` extra: `pip install -e '.[lm-eval]'`
 # then `pytest -m lm_eval`; deselected here like the GPU tests, never skipped.

@@ -445,8 +445,8 @@ class TorchEngine:
         out: list[StepInfo | None] = [None] * len(contexts)
         alone = [
             i
-            for i in range(len(contexts))
-            if self.body.batch_size != 1 or (laid[i] is not None and laid[i].padded)  # type: ignore[union-attr]
+            for i, layout in enumerate(laid)
+            if self.body.batch_size != 1 or (layout is not None and layout.padded)
         ]
         for i in alone:
             c, n = contexts[i], lengths[i]

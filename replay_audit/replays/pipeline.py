@@ -583,13 +583,11 @@ def replay_traces(
         options,
         scans=None if scans is None else [scans[i] for i in now],
     )
+    diverged: set[int] = set()  # the traces whose check did not reproduce them
     for i, result in zip(now, ran, strict=True):
         out[i] = result
-    diverged = {
-        id(items[i].trace)
-        for i in now
-        if items[i].is_check and isinstance(out[i], ReplayOutcome) and out[i].exact_match is False  # type: ignore[union-attr]
-    }
+        if items[i].is_check and isinstance(result, ReplayOutcome) and result.exact_match is False:
+            diverged.add(id(items[i].trace))
     second = [
         pairwise(items[i], "reproduced") if id(items[i].trace) in diverged else items[i]
         for i in later
