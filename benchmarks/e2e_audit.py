@@ -826,9 +826,10 @@ def audit(args: argparse.Namespace, prepared: dict[str, Any] | None = None) -> d
                 status = "failed" if "failed" in states else max(states, key=states.count)
                 if all(x in ("done", "failed") for x in states):
                     break
-                for proc, log in zip(workers, worker_logs, strict=True):
+                # The processes that replay: the RQ workers, or (embedded) the API itself.
+                for proc, log in zip(workers or [api], worker_logs, strict=True):
                     if proc.poll() is not None:
-                        raise RuntimeError(f"a worker exited; see {log}")
+                        raise RuntimeError(f"a replaying process exited; see {log}")
                 time.sleep(0.5)
         windows["warm-up"] = (t0, time.time())
         result["phases"]["warmup"] = {
