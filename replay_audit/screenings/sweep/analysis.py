@@ -48,10 +48,7 @@ from replay_audit.stats.report import (
     margin_histogram,
     run_statistics,
 )
-from replay_audit.stats.summary import (
-    Distribution,
-    finite_distribution,
-)
+from replay_audit.stats.summary import finite_distribution
 
 
 def _prompt_figures(
@@ -140,11 +137,11 @@ def trigger_densities(plan: SweepPlan, out: ScreenOutputs) -> list[TriggerDensit
     reads = []
     for run, o in _none_runs(plan, out):
         fmt = run.config.head_dtype
-        tds = []
-        for d in o.decodes:
-            td = trigger_density(d.margins, plan.gate.thresholds(d.top1, fmt))
-            if td is not None:
-                tds.append(td)
+        tds = [
+            td
+            for d in o.decodes
+            if (td := trigger_density(d.margins, plan.gate.thresholds(d.top1, fmt))) is not None
+        ]
         mean, std, cv = coefficient_of_variation(tds)
         reads.append(
             TriggerDensityRead(
@@ -240,30 +237,27 @@ def tau_calibration(
 
 def _hidden_gap(figs: list[ResultFigures], probes: dict[int, Probe]) -> HiddenGapRead:
     div = [f for f in figs if f.diverged and f.trace_id in probes]
-    at_t = [probes[f.trace_id].dh_t_star for f in div]
+    at_t = [(f.category, probes[f.trace_id].dh_t_star) for f in div]
     gated = [x for f in div for x in probes[f.trace_id].dh_gated]
-    by_cat: dict[str, Distribution | None] = {}
-    for c in CATEGORIES[1:]:
-        vals = [probes[f.trace_id].dh_t_star for f in div if f.category == c]
-        by_cat[c] = finite_distribution([v for v in vals if v is not None])
     return HiddenGapRead(
         prompts=len(div),
-        t_star=finite_distribution([v for v in at_t if v is not None]),
+        t_star=finite_distribution([v for _, v in at_t if v is not None]),
         gated=finite_distribution(gated),
         gated_steps=len(gated),
-        by_category=by_cat,
+        by_category={
+            c: finite_distribution([v for k, v in at_t if k == c and v is not None])
+            for c in CATEGORIES[1:]
+        },
     )
 
 
 def _category_lifts(base: list[ResultFigures], treated: list[ResultFigures]) -> list[CategoryLift]:
     exact_t = {f.trace_id: f.exact for f in treated if f.ok}
-    out = []
-    for c in CATEGORIES[1:]:
-        ids = [f.trace_id for f in base if f.ok and f.category == c]
-        out.append(
-            CategoryLift(category=c, n=len(ids), fixed=sum(1 for t in ids if exact_t.get(t)))
-        )
-    return out
+    ids = {c: [f.trace_id for f in base if f.ok and f.category == c] for c in CATEGORIES[1:]}
+    return [
+        CategoryLift(category=c, n=len(i), fixed=sum(1 for t in i if exact_t.get(t)))
+        for c, i in ids.items()
+    ]
 
 
 def _empty_comparison(label: str) -> ComparisonReport:
@@ -282,23 +276,18 @@ def build_report(
     """The screening report from what `run_screening` produced (or a store holds)."""
     specs = plan.comparisons()
     run_index = {r.key: i for i, r in enumerate(plan.runs())}
-    figures: dict[str, list[ResultFigures]] = {}
-    for s in specs:
-        f = comparison_figures(s, plan, prompts, out)
-        if f is not None:
-            figures[s.name] = f
+    figures = {
+        s.name: f for s in specs if (f := comparison_figures(s, plan, prompts, out)) is not None
+    }
     inputs: list[ComparisonInput] = []
     names = []
     pair, pair_c = specs[0], specs[1]
     # Comparison 0 the pair's baseline, 1 its both-arms C treatment (the only lift), then the
     # sweep (no lift: each is a knob against the reference).
     for s in specs:
-        figs = figures.get(s.name)
+        figs = figures.get(s.name, [] if s.name in (pair.name, pair_c.name) else None)
         if figs is None:
-            if s.name in (pair.name, pair_c.name):
-                figs = []
-            else:
-                continue
+            continue
         inputs.append(
             ComparisonInput(
                 len(inputs),
@@ -314,7 +303,6 @@ def build_report(
     by_name = dict(zip(names, stats.comparisons, strict=True))
     lift = stats.lifts[0] if stats.lifts and figures.get(pair.name) else None
 
-    probes_all = out.probes
     knobs = []
     body_remedy_ear: float | None = None
     batch_divergence = False
@@ -334,7 +322,7 @@ def build_report(
                 status = "measured"
             dh = None
             if cmp is not None:
-                vals = [p.dh_t_star for p in probes_all.get(name, {}).values()]
+                vals = [p.dh_t_star for p in out.probes.get(name, {}).values()]
                 finite = [x for x in vals if x is not None and math.isfinite(x)]
                 dh = statistics.median(finite) if finite else None
                 if knob.name == "weight_storage" and body_remedy_ear is None:
@@ -347,7 +335,7 @@ def build_report(
                 KnobValueResult(
                     label=v.label,
                     config=v.config.to_json(),
-                    status=status if reason is None or status != "measured" else "measured",
+                    status=status,
                     reason=reason,
                     comparison=cmp,
                     median_dh_t_star=dh,
@@ -358,15 +346,14 @@ def build_report(
         knobs.append(KnobResult(name=knob.name, title=knob.title, values=values))
 
     base_figs = figures.get(pair.name, [])
-    treated_figs = figures.get(pair_c.name, [])
-    categories = _category_lifts(base_figs, treated_figs)
+    categories = _category_lifts(base_figs, figures.get(pair_c.name, []))
     head_vs_body = PairResult(
         label=pair.label,
         baseline=by_name.get(pair.name) or _empty_comparison(pair.label),
         treated=by_name.get(pair_c.name) or _empty_comparison(pair_c.label),
         lift=lift,
         categories=categories,
-        hidden_gap=_hidden_gap(base_figs, probes_all.get(pair.name, {})),
+        hidden_gap=_hidden_gap(base_figs, out.probes.get(pair.name, {})),
     )
     densities = trigger_densities(plan, out)
     cv_run = next((d for d in densities if d.run == pair.a.key), None)

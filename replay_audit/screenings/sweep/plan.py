@@ -170,8 +170,7 @@ class ScreenConfig:
         )
 
     def to_json(self) -> JsonObject:
-        out: JsonObject = asdict(self)
-        return out
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -301,15 +300,6 @@ def _value_configs(
     return [(label, c) for label, c in out if _normal(c) != _normal(ref)]
 
 
-def _availability(
-    config: ScreenConfig, platform: Platform, probe: AvailabilityProbe | None, cpu_tp: bool
-) -> str | None:
-    reason = unavailable_reason(config, platform, cpu_tp=cpu_tp)
-    if reason is None and probe is not None:
-        reason = probe(config)
-    return reason
-
-
 def _normal(c: ScreenConfig) -> ScreenConfig:
     """The configuration with defaults spelled out (head = body, storage = compute)."""
     return replace(c, lm_head_dtype=c.head_dtype, weight_dtype=c.stored_dtype)
@@ -385,19 +375,18 @@ class SweepPlan:
                 "pair_c", f"{a.dtype}+C vs {b.dtype}+C (both arms)", Run(a, "C"), Run(b, "C")
             ),
         ]
-        for knob in self.knobs:
-            for v in knob.values:
-                if v.unavailable is None:
-                    out.append(
-                        ComparisonSpec(
-                            f"{knob.name}:{v.config.key}",
-                            f"{_TITLES[knob.name]}: {v.label}",
-                            Run(self.reference),
-                            Run(v.config),
-                            knob.name,
-                        )
-                    )
-        return out
+        return out + [
+            ComparisonSpec(
+                f"{knob.name}:{v.config.key}",
+                f"{_TITLES[knob.name]}: {v.label}",
+                Run(self.reference),
+                Run(v.config),
+                knob.name,
+            )
+            for knob in self.knobs
+            for v in knob.values
+            if v.unavailable is None
+        ]
 
     def runs(self) -> list[Run]:
         """Every run, each once, anchors first (arm A of some comparison: the reference and the
@@ -465,18 +454,17 @@ def build_plan(
         raise ValueError(f"unknown knob {unknown[0]!r}; known: {', '.join(KNOB_NAMES)}")
     if not 0 < cover <= 1:
         raise ValueError("cover must be in (0, 1]")
+
+    def value(label: str, c: ScreenConfig) -> KnobValue:
+        reason = unavailable_reason(c, platform, cpu_tp=cpu_tp)
+        return KnobValue(label, c, reason or (probe(c) if probe else None))
+
     built = []
     for name in KNOB_NAMES:
-        if name not in knobs:
-            continue
-        n: KnobName = name
-        values = tuple(
-            KnobValue(label, c, _availability(c, platform, probe, cpu_tp))
-            for label, c in _value_configs(n, reference, tp_degree)
-        )
-        built.append(Knob(n, _TITLES[name], values))
-    pa = replace(reference, dtype=pair[0], lm_head_dtype=None, weight_dtype=None)
-    pb = replace(reference, dtype=pair[1], lm_head_dtype=None, weight_dtype=None)
+        if name in knobs:
+            configs = _value_configs(name, reference, tp_degree)
+            built.append(Knob(name, _TITLES[name], tuple(value(*v) for v in configs)))
+    pa, pb = (replace(reference, dtype=d, lm_head_dtype=None, weight_dtype=None) for d in pair)
     return SweepPlan(
         reference=reference,
         knobs=tuple(built),
