@@ -15,7 +15,7 @@ from replay_audit.db.base import flush_unique, utcnow
 from replay_audit.db.engine import dialect_insert
 from replay_audit.replays.domain import LoggedPlacement, LoggedTrace, logging_engine
 from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
-from replay_audit.replays.results import FIGURE_COLUMNS, ResultRow, figures
+from replay_audit.replays.results import FIGURE_COLUMNS, ResultRow, figures, token_ids_source
 from replay_audit.stats.report import AnswerFigures, PairedOutcome, ResultFigures, TraceRef
 from replay_audit.traces.models import NumericalConfigRow, Trace
 
@@ -85,23 +85,11 @@ def progress(session: Session, run: ReplayRun) -> tuple[int, int]:
     return counts.get("ok", 0), counts.get("failed", 0)
 
 
-def missing_comparisons(
-    session: Session, run_id: int, trace_id: int, n_comparisons: int
-) -> list[int]:
-    have = set(
-        session.scalars(
-            select(ReplayResult.comparison).where(
-                ReplayResult.run_id == run_id, ReplayResult.trace_id == trace_id
-            )
-        )
-    )
-    return [c for c in range(n_comparisons) if c not in have]
-
-
 def missing_comparisons_of(
     session: Session, run_id: int, trace_ids: Sequence[int], n_comparisons: int
 ) -> dict[int, list[int]]:
-    """`missing_comparisons` of many traces in one query: trace id -> comparisons to do."""
+    """The comparisons of each trace that have no result yet, in one query: trace id ->
+    comparisons to do."""
     have: dict[int, set[int]] = {t: set() for t in trace_ids}
     if trace_ids:
         found = session.execute(
@@ -233,7 +221,6 @@ def result_figures(
 def resolved_arms(session: Session, run_id: int) -> list[tuple[int, str | None, str | None, int]]:
     """What ran in a run: (comparison, arm A's resolved JSON, arm B's, results) for each
     distinct pair among its ok results (None: the logged tokens, or not recorded)."""
-    R = ReplayResult
     stmt = (
         select(R.comparison, R.resolved_a, R.resolved_b, func.count())
         .where(R.run_id == run_id, R.status == "ok")
@@ -411,16 +398,9 @@ def results_page(
     return [(row[0], row[1]) for row in session.execute(stmt)]
 
 
-def trace_configs(session: Session, trace_ids: Sequence[int]) -> dict[int, Any]:
-    """Each trace's numerical configuration (as JSON), by trace id."""
-    if not trace_ids:
-        return {}
-    stmt = (
-        select(Trace.id, NumericalConfigRow.config_json)
-        .join(NumericalConfigRow, NumericalConfigRow.id == Trace.config_id)
-        .where(Trace.id.in_(set(trace_ids)))
-    )
-    return {tid: orjson.loads(config) for tid, config in session.execute(stmt)}
+def token_ids_sources(session: Session, trace_ids: Sequence[int]) -> dict[int, str | None]:
+    """Where each of `trace_ids`' token ids come from (`results.token_ids_source`), by trace id."""
+    return _parsed_configs(session, trace_ids, lambda c: token_ids_source(orjson.loads(c)))
 
 
 def unfinished_jobs(session: Session) -> list[ReplayJob]:

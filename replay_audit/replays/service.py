@@ -35,7 +35,7 @@ from replay_audit.replays.domain import (
 )
 from replay_audit.replays.models import ReplayJob, ReplayRun
 from replay_audit.replays.reconcile import job_spec
-from replay_audit.replays.results import failed_values, result_read, token_ids_source
+from replay_audit.replays.results import failed_values, result_read
 from replay_audit.replays.schemas import (
     MAX_REPLAY_TRACES,
     Page,
@@ -363,14 +363,9 @@ def fail_job(session: Session, job_id: int, reason: str) -> None:
     if job is None or job.status == "done":
         return
     run = repository.lock_run(session, job.run_id)
-    for trace_id in job.trace_ids:
-        missing = repository.missing_comparisons(session, run.id, trace_id, len(run.comparisons))
-        repository.insert_results(
-            session,
-            run.id,
-            trace_id,
-            [failed_values(c, reason) for c in missing],
-        )
+    todo = repository.missing_comparisons_of(session, run.id, job.trace_ids, len(run.comparisons))
+    failed = [(t, [failed_values(c, reason) for c in missing]) for t, missing in todo.items()]
+    repository.insert_results_of(session, run.id, failed)
     job.error = reason
     session.flush()
     finish_job(session, job_id)
@@ -508,7 +503,7 @@ def results_page(session: Session, run: ReplayRun, *, cursor: str | None, limit:
     rows = rows[:limit]
     trace_ids = [r.trace_id for r, _ in rows]
     reproduced = statistics.engine_reproduced(session, run, trace_ids)
-    configs = repository.trace_configs(session, trace_ids)
+    sources = repository.token_ids_sources(session, trace_ids)
     return Page(
         items=[
             result_read(
@@ -516,7 +511,7 @@ def results_page(session: Session, run: ReplayRun, *, cursor: str | None, limit:
                 pid,
                 run.public_id,
                 engine_reproduced=reproduced.get(r.trace_id),
-                token_ids_source=token_ids_source(configs[r.trace_id]),
+                token_ids_source=sources[r.trace_id],
             )
             for r, pid in rows
         ],
