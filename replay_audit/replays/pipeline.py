@@ -47,6 +47,7 @@ arm A's margin at t* is the re-run's (`reconstructed`) and the near-tie flag rea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -354,17 +355,6 @@ def resolve_arm(
     return arm
 
 
-def _logged_arm(
-    trace: LoggedTrace, pool: EnginePool, model_dir: Path, worker_kind: str | None
-) -> Arm | None:
-    """The logged configuration run here (arm A's single-step re-run and reconstructed margin
-    against the logged tokens), or None where it cannot run here."""
-    try:
-        return resolve_arm(trace, RunTarget(None), pool, model_dir, worker_kind)
-    except ENGINE_FAILURES:
-        return None
-
-
 def context_overflow(trace: LoggedTrace, max_positions: int | None) -> str | None:
     """Why `trace` does not fit a checkpoint of `max_positions` (its prompt and logged output
     longer than the context it was made for: positions past it would replay extrapolated, not
@@ -628,16 +618,14 @@ def _run_arms(
         if scan is None:
             scan = b.scan(prompt, logged, top_k)
         s = scan.first_disagreement
-        near = None
         if s is None and mode == "scan_then_decode":
             near = _near_tie(trace, scan.steps, options.flag_ulps)
-        if s is None and mode == "scan_then_decode" and (near is not None or item.control):
+            if near is None and not item.control:
+                return _scanned_only(item, b, scan.steps, batched)
             # A near-tie's flip may need the decode's own KV cache from the prompt on: decoded
             # in full, as the control sample is. A near-tie trace is not in the control sample.
             run_b = _decoded(b, b.decode(prompt, budget, eos, top_k, window=window))
             screen = "near_tie" if near is not None else "control"
-        elif s is None and mode == "scan_then_decode":
-            return _scanned_only(item, b, scan.steps, batched)
         elif s is None:
             run_b = _ArmRun(b, logged, scan.steps, "scan", batched)
         elif mode == "scan":
@@ -652,7 +640,12 @@ def _run_arms(
     t_star = first_divergence(logged, run_b.ids)
     replayed = _Replayed(item, mode, run_a, run_b, t_star, screen)
     if t_star is not None:
-        replayed.logged_arm = _logged_arm(trace, pool, item.model_dir, options.worker_kind)
+        # The logged configuration run here (arm A's single-step re-run and reconstructed
+        # margin against the logged tokens); None where it cannot run here.
+        with contextlib.suppress(*ENGINE_FAILURES):
+            replayed.logged_arm = resolve_arm(
+                trace, RunTarget(None), pool, item.model_dir, options.worker_kind
+            )
     return replayed
 
 
