@@ -138,19 +138,7 @@ class TorchEngine:
         self.head = _lm_head(model, target.head_dtype, body_dtype, tp)
         kernel = str(getattr(model.config, "_attn_implementation", None) or "eager")
         # The target as it actually runs: the attention kernel in use, not the one asked for.
-        self._target = Target(
-            target.dtype,
-            target.lm_head_dtype,
-            kernel,
-            target.batch_size,
-            target.intervention,
-            weight_dtype=target.weight_dtype,
-            deterministic=target.deterministic,
-            tf32=target.tf32,
-            sdpa_backend=target.sdpa_backend,
-            kv_cache=self.cache_kind,
-            fp8_linear=target.fp8_linear,
-        )
+        self._target = dataclasses.replace(target, attn_kernel=kernel, kv_cache=self.cache_kind)
         pad = getattr(model.config, "pad_token_id", None)
         pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
         #: transformers' own `generate()`: the reference decode and the single-step re-runs
