@@ -96,12 +96,6 @@ class StepOutput:
     top: HostTopK
 
 
-def head_step(head: LmHead, hidden: torch.Tensor, k: int) -> StepOutput:
-    """The native head over the last hidden states (batch, d), and its top-k on the host."""
-    z32 = head.native(hidden)[0].float()
-    return StepOutput(hidden, z32, top_k_on_host(z32, k))
-
-
 def captured_step_output(
     hidden: torch.Tensor, z32: torch.Tensor, packed: torch.Tensor, k: int
 ) -> StepOutput:
@@ -130,21 +124,6 @@ class Decoder(Protocol):
         top_k: int,
         layout: BatchLayout | None = None,
     ) -> None: ...
-
-
-def run_steps(
-    prefill: Callable[[], StepOutput],
-    step: Callable[[int], StepOutput],
-    max_new_tokens: int,
-    choose: Choose,
-) -> None:
-    """A decode as a prefill and one step per token (the piecewise and compiled decoders)."""
-    out = prefill()
-    for n in range(1, max_new_tokens + 1):
-        token, stop = choose(out)
-        if stop or n == max_new_tokens:
-            return
-        out = step(token)
 
 
 def left_padded(
@@ -291,7 +270,6 @@ class CompiledDecoder:
         self.body = body
         self.head = head
         self.model = body.model
-        self.max_len = max_len
         b = body.batch_size
         self.cache: Any = StaticCache(config=body.model.config, max_cache_len=max_len)
         self.token = torch.zeros((b, 1), dtype=torch.long, device=body.device)
@@ -318,8 +296,13 @@ class CompiledDecoder:
         layout: BatchLayout | None = None,
     ) -> None:
         """A decode of copies of `context` (`layout` is not followed: the engine runs a logged
-        layout's decodes with `GenerateDecoder`)."""
-        run_steps(lambda: self.prefill(context, top_k), self.step, max_new_tokens, choose)
+        layout's decodes with `GenerateDecoder`): its prefill, then one step per token."""
+        out = self.prefill(context, top_k)
+        for n in range(1, max_new_tokens + 1):
+            token, stop = choose(out)
+            if stop or n == max_new_tokens:
+                return
+            out = self.step(token)
 
     def prefill(self, context: Sequence[int], top_k: int) -> StepOutput:
         self.cache.reset()
@@ -329,7 +312,8 @@ class CompiledDecoder:
         self._dev_token = self._dev_position = None
         self._next_position = len(context)
         self._top_k = top_k
-        return head_step(self.head, h, top_k)
+        z32 = self.head.native(h)[0].float()
+        return StepOutput(h, z32, top_k_on_host(z32, top_k))
 
     def step(self, token: int) -> StepOutput:
         """One decode step at the next position: one graph replay (or the uncaptured step) and
