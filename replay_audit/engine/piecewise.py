@@ -369,12 +369,8 @@ class PiecewiseDecoder:
         """The rest of layer i (input `residual`) after its attention, as
         `LlamaDecoderLayer.forward`."""
         layer = self.layers[i]
-        hidden = layer.self_attn.o_proj(self.attn_out[i])
-        hidden = residual + hidden
-        residual = hidden
-        hidden = layer.post_attention_layernorm(hidden)
-        hidden = layer.mlp(hidden)
-        out: torch.Tensor = residual + hidden
+        hidden = residual + layer.self_attn.o_proj(self.attn_out[i])
+        out: torch.Tensor = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return out
 
     def _piece(self, i: int) -> tuple[torch.Tensor, ...]:
