@@ -70,17 +70,9 @@ class SdpaOptions:
         v: torch.Tensor,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`sdpa(q, k, v)` with these options, as transformers passes them (by keyword)."""
-        return sdpa(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.dropout_p,
-            is_causal=self.is_causal,
-            scale=self.scale,
-            enable_gqa=self.enable_gqa,
-        )
+        """`sdpa(q, k, v)` with these options, as transformers passes them (by keyword: the
+        fields are SDPA's keyword arguments)."""
+        return sdpa(q, k, v, attn_mask=mask, **vars(self))
 
 
 _local = threading.local()
