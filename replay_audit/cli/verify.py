@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import typer
 
 from replay_audit.cli.demo import PROMPTS_FILE
-from replay_audit.cli.engine import _fail, _read_jsonl, _threads
+from replay_audit.cli.engine import DeviceOpt, ThreadsOpt, _fail, _read_jsonl, _threads
 from replay_audit.cli.root import app
 from replay_audit.config import (
     DEFAULT_NULL_MAX_NEW_TOKENS,
@@ -34,6 +34,12 @@ DEVICES_HELP = (
     "CUDA GPUs the null may span: 2 or more adds the benign TP-2 variation (else the "
     "calibration's notes say TP was not covered)."
 )
+NullPromptsOpt = Annotated[int, typer.Option(min=2, max=MAX_NULL_PROMPTS, help=NULL_HELP)]
+NullMaxNewOpt = Annotated[
+    int, typer.Option(min=1, max=MAX_NULL_MAX_NEW_TOKENS, help="Null generation length.")
+]
+FalseAlarmOpt = Annotated[float, typer.Option(min=1e-4, max=0.5)]
+DevicesOpt = Annotated[int, typer.Option(min=1, max=MAX_TP_DEGREE, help=DEVICES_HELP)]
 
 if TYPE_CHECKING:
     from replay_audit.engine import EnginePool
@@ -75,16 +81,12 @@ def calibrate(
     lm_head_dtype: Annotated[HeadDType | None, typer.Option(help="Default: dtype.")] = None,
     attn_kernel: Annotated[str, typer.Option(help="The claimed attention kernel.")] = "sdpa",
     prompts: Annotated[Path, typer.Option(help='JSONL of {"id", "prompt"}.')] = PROMPTS_FILE,
-    null_prompts: Annotated[int, typer.Option(min=2, max=MAX_NULL_PROMPTS, help=NULL_HELP)] = (
-        DEFAULT_NULL_PROMPTS
-    ),
-    max_new_tokens: Annotated[
-        int, typer.Option(min=1, max=MAX_NULL_MAX_NEW_TOKENS, help="Null generation length.")
-    ] = DEFAULT_NULL_MAX_NEW_TOKENS,
-    false_alarm_rate: Annotated[float, typer.Option(min=1e-4, max=0.5)] = 0.01,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
-    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
-    devices: Annotated[int, typer.Option(min=1, max=MAX_TP_DEGREE, help=DEVICES_HELP)] = 1,
+    null_prompts: NullPromptsOpt = DEFAULT_NULL_PROMPTS,
+    max_new_tokens: NullMaxNewOpt = DEFAULT_NULL_MAX_NEW_TOKENS,
+    false_alarm_rate: FalseAlarmOpt = 0.01,
+    device: DeviceOpt = None,
+    threads: ThreadsOpt = None,
+    devices: DevicesOpt = 1,
 ) -> None:
     """Measure the checkpoint's benign null on this platform for one claimed configuration."""
     from replay_audit.engine import EnginePool
@@ -117,16 +119,12 @@ def verify(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     group_by: Annotated[Literal["none", "tag", "engine"], typer.Option()] = "none",
     prompts: Annotated[Path, typer.Option(help="Prompts of a null measured now.")] = PROMPTS_FILE,
-    null_prompts: Annotated[int, typer.Option(min=2, max=MAX_NULL_PROMPTS, help=NULL_HELP)] = (
-        DEFAULT_NULL_PROMPTS
-    ),
-    max_new_tokens: Annotated[
-        int, typer.Option(min=1, max=MAX_NULL_MAX_NEW_TOKENS, help="Null generation length.")
-    ] = DEFAULT_NULL_MAX_NEW_TOKENS,
-    false_alarm_rate: Annotated[float, typer.Option(min=1e-4, max=0.5)] = 0.01,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")] = None,
-    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
-    devices: Annotated[int, typer.Option(min=1, max=MAX_TP_DEGREE, help=DEVICES_HELP)] = 1,
+    null_prompts: NullPromptsOpt = DEFAULT_NULL_PROMPTS,
+    max_new_tokens: NullMaxNewOpt = DEFAULT_NULL_MAX_NEW_TOKENS,
+    false_alarm_rate: FalseAlarmOpt = 0.01,
+    device: DeviceOpt = None,
+    threads: ThreadsOpt = None,
+    devices: DevicesOpt = 1,
 ) -> None:
     """Are these logged tokens consistent with the claimed checkpoint and configuration?
 
@@ -151,12 +149,8 @@ def verify(
                 f"{traces}:{n}: not a valid trace: {'.'.join(map(str, err['loc']))}: {err['msg']}"
             )
         logged = LoggedTrace.from_json(tr.model_dump())
-        group = "all"
-        if group_by == "tag":
-            group = ",".join(sorted(tr.tags)) or "untagged"
-        elif group_by == "engine":
-            group = logged.engine_name
-        parsed.append((tr.external_id or f"line {n}", logged, group))
+        group = {"tag": ",".join(sorted(tr.tags)) or "untagged", "engine": logged.engine_name}
+        parsed.append((tr.external_id or f"line {n}", logged, group.get(group_by, "all")))
     if not parsed:
         _fail(f"{traces} holds no trace")
     pool = EnginePool(device=device, threads=_threads(threads), devices=devices)
