@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
@@ -724,9 +723,6 @@ class ArmMargin:
     def is_tie(self) -> bool:
         return self.abs == 0.0
 
-    def to_json(self) -> JsonObject:
-        return {"abs": _finite(self.abs), "ulps": _finite(self.ulps), "source": self.source}
-
     @classmethod
     def unavailable(cls) -> ArmMargin:
         return cls(None, None, "unavailable")
@@ -821,7 +817,3 @@ class ReplayOutcome:
     def gate_triggers(self) -> int:
         """Gate firings of arm B (the replayed arm): the result's `gate_triggers`."""
         return self.b.gate_triggers or 0
-
-
-def _finite(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any, Required, TypedDict
 
 import numpy as np
@@ -31,7 +32,7 @@ from replay_audit.formats import (
     Screen,
 )
 from replay_audit.json_value import JsonObject
-from replay_audit.replays.domain import ArmOutcome, ReplayOutcome, SingleStep
+from replay_audit.replays.domain import ArmOutcome, ReplayOutcome
 from replay_audit.replays.schemas import ReplayResultRead
 from replay_audit.stats.report import ResultFigures
 
@@ -61,30 +62,15 @@ def _arm_detail(arm: ArmOutcome) -> JsonObject:
             "gate_fired_at_divergence": arm.gate_fired_at_divergence,
             "mean_gap": arm.mean_gap,
             "changed_steps": arm.changed_steps,
-            "margins": list(arm.margins) if arm.margins is not None else None,
-            "gate_fired_steps": (
-                list(arm.gate_fired_steps) if arm.gate_fired_steps is not None else None
-            ),
-            "environment": dict(arm.environment) if arm.environment is not None else None,
+            "margins": arm.margins,
+            "gate_fired_steps": arm.gate_fired_steps,
+            "environment": arm.environment,
             "text": arm.text,
         }
     )
     if arm.pieces is not None:
         detail["pieces"] = _plain(to_json(arm.pieces))
     return detail
-
-
-def _single_step_json(s: SingleStep | None) -> JsonObject | None:
-    if s is None:
-        return None
-
-    def choice(c: Any) -> JsonObject | None:
-        if c is None:
-            return None
-        m = c.margin.to_json() if c.margin is not None else None
-        return {"token": c.token, "margin": m, "source": c.source}
-
-    return {"step": s.step, "a": choice(s.a), "b": choice(s.b), "disagree": s.disagree}
 
 
 class ResultRow(TypedDict, total=False):
@@ -125,18 +111,15 @@ class ResultRow(TypedDict, total=False):
     baseline: Baseline
 
 
-def _finite(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None
-
-
 def result_values(comparison: int, outcome: ReplayOutcome) -> ResultRow:
     """The `replay_results` values of one outcome (without run, trace and time)."""
     a, b = outcome.a, outcome.b
-    semantic = outcome.semantic
+    semantic, single = outcome.semantic, outcome.single_step
     detail: dict[str, object] = {
         "mode": outcome.mode,
         "external_id": outcome.external_id,
-        "single_step": _single_step_json(outcome.single_step),
+        # Non-finite margins stored as None (`_plain`), as in the margin columns.
+        "single_step": _plain(asdict(single)) if single is not None else None,
         "semantic": semantic.to_dict() if semantic is not None else None,
         "arms": {"a": _arm_detail(a), "b": _arm_detail(b)},
     }
@@ -147,15 +130,15 @@ def result_values(comparison: int, outcome: ReplayOutcome) -> ResultRow:
         "exact_match": outcome.exact_match,
         "first_divergence_step": outcome.first_divergence_step,
         "category": outcome.category,
-        "margin_a": _finite(a.margin.abs) if a.margin else None,
-        "margin_a_ulps": _finite(a.margin.ulps) if a.margin else None,
+        "margin_a": _plain(a.margin.abs) if a.margin else None,
+        "margin_a_ulps": _plain(a.margin.ulps) if a.margin else None,
         "margin_a_source": a.margin.source if a.margin else None,
-        "margin_b": _finite(b.margin.abs) if b.margin else None,
-        "margin_b_ulps": _finite(b.margin.ulps) if b.margin else None,
+        "margin_b": _plain(b.margin.abs) if b.margin else None,
+        "margin_b_ulps": _plain(b.margin.ulps) if b.margin else None,
         "gate_triggers": b.gate_triggers,
         "n_steps": b.steps,
-        "trigger_rate": _finite(b.trigger_rate),
-        "mean_gap": _finite(b.mean_gap),
+        "trigger_rate": _plain(b.trigger_rate),
+        "mean_gap": _plain(b.mean_gap),
         "gate_triggers_a": a.gate_triggers,
         "n_steps_a": a.steps,
         "tie": outcome.tie,
