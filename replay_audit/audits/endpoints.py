@@ -142,7 +142,7 @@ def run_now(
     )
     if not created:
         response.status_code = status.HTTP_200_OK
-    [read] = service.runs_to_read(session, schedule, [run])
+    [read] = service.runs_to_read(session, [run], [schedule])
     return AuditRunCreated(run=read, created=created)
 
 
@@ -196,7 +196,9 @@ def catch_up(
         queue=queue,
         defaults=RunDefaults.from_settings(settings),
     )
-    return CatchUpResult(started=service.runs_to_read(session, schedule, runs), remaining=remaining)
+    return CatchUpResult(
+        started=service.runs_to_read(session, runs, [schedule]), remaining=remaining
+    )
 
 
 @router.get("/{schedule_id}/alerts", response_model=AlertList)

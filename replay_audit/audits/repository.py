@@ -185,30 +185,15 @@ def last_runs(session: Session, schedule_ids: Sequence[int]) -> dict[int, AuditR
     return {r.schedule_id: r for r in rows}
 
 
-def replay_refs(session: Session, replay_run_ids: Iterable[int]) -> dict[int, tuple[str, str]]:
-    """Replay run id -> (public id, status)."""
-    ids = set(replay_run_ids)
-    if not ids:
-        return {}
-    rows = session.execute(
-        select(ReplayRun.id, ReplayRun.public_id, ReplayRun.status).where(ReplayRun.id.in_(ids))
-    ).all()
-    return {i: (pid, st) for i, pid, st in rows}
-
-
-def verification_refs(
-    session: Session, verification_ids: Iterable[int]
+def refs(
+    session: Session, model: type[ReplayRun] | type[Verification], ids: Iterable[int]
 ) -> dict[int, tuple[str, str]]:
-    """Verification id -> (public id, status)."""
-    ids = set(verification_ids)
-    if not ids:
+    """Replay run (or verification) id -> (public id, status)."""
+    wanted = set(ids)
+    if not wanted:
         return {}
-    rows = session.execute(
-        select(Verification.id, Verification.public_id, Verification.status).where(
-            Verification.id.in_(ids)
-        )
-    ).all()
-    return {i: (pid, st) for i, pid, st in rows}
+    stmt = select(model.id, model.public_id, model.status).where(model.id.in_(wanted))
+    return {i: (pid, st) for i, pid, st in session.execute(stmt)}
 
 
 def due_times_with_runs(

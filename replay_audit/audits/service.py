@@ -14,6 +14,7 @@ guard in the replay runs' own unique key.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Final, cast
@@ -238,25 +239,6 @@ def schedule_verify(schedule: AuditSchedule) -> ScheduleVerify | None:
     return None if schedule.verify is None else ScheduleVerify.model_validate(schedule.verify)
 
 
-def run_to_read(
-    run: AuditRun,
-    schedule_public_id: str,
-    replay: tuple[str, str] | None,
-    verification: tuple[str, str] | None = None,
-) -> AuditRunRead:
-    return read_model(
-        AuditRunRead,
-        run,
-        id=run.public_id,
-        schedule_id=schedule_public_id,
-        replay_run_id=None if replay is None else replay[0],
-        replay_status=None if replay is None else replay[1],
-        verification_id=None if verification is None else verification[0],
-        verification_status=None if verification is None else verification[1],
-        flags=list(run.flags or []),
-    )
-
-
 def to_reads(
     session: Session,
     schedules: list[AuditSchedule],
@@ -268,38 +250,23 @@ def to_reads(
     now = now or utcnow()
     names = repository.project_names(session, {s.project_id for s in schedules})
     last = repository.last_runs(session, [s.id for s in schedules])
-    refs = repository.replay_refs(
-        session, [r.replay_run_id for r in last.values() if r.replay_run_id is not None]
-    )
-    vrefs = repository.verification_refs(
-        session, [r.verification_id for r in last.values() if r.verification_id is not None]
-    )
-    out = []
-    for s in schedules:
-        lr = last.get(s.id)
-        out.append(
-            read_model(
-                ScheduleRead,
-                s,
-                id=s.public_id,
-                project=names.get(s.project_id, ""),
-                selection=Selection.model_validate(s.selection),
-                replay=ScheduleReplay.model_validate(s.replay, context=STORED),
-                verify=schedule_verify(s),
-                webhook_url=s.webhook_url if reveal_webhook else mask_url(s.webhook_url),
-                next_due_at=next_due(s.cron, now) if s.status == "active" else None,
-                last_run=None
-                if lr is None
-                else run_to_read(
-                    lr,
-                    s.public_id,
-                    refs.get(lr.replay_run_id) if lr.replay_run_id else None,
-                    vrefs.get(lr.verification_id) if lr.verification_id else None,
-                ),
-                missed=len(missed_due_times(session, s, now=now)[0]),
-            )
+    last_reads = dict(zip(last, runs_to_read(session, list(last.values()), schedules), strict=True))
+    return [
+        read_model(
+            ScheduleRead,
+            s,
+            id=s.public_id,
+            project=names.get(s.project_id, ""),
+            selection=Selection.model_validate(s.selection),
+            replay=ScheduleReplay.model_validate(s.replay, context=STORED),
+            verify=schedule_verify(s),
+            webhook_url=s.webhook_url if reveal_webhook else mask_url(s.webhook_url),
+            next_due_at=next_due(s.cron, now) if s.status == "active" else None,
+            last_run=last_reads.get(s.id),
+            missed=len(missed_due_times(session, s, now=now)[0]),
         )
-    return out
+        for s in schedules
+    ]
 
 
 # --- starting runs ---------------------------------------------------------------------------
@@ -442,14 +409,7 @@ def run_now(
     one run."""
     now = (now or utcnow()).astimezone(UTC)
     due = now.replace(microsecond=0) + (timedelta(seconds=1) if now.microsecond else timedelta())
-    return start_audit_run(
-        session,
-        schedule,
-        due,
-        "manual",
-        queue=queue,
-        defaults=defaults,
-    )
+    return start_audit_run(session, schedule, due, "manual", queue=queue, defaults=defaults)
 
 
 def missed_due_times(
@@ -492,17 +452,10 @@ def catch_up(
     """Start runs for the newest `limit` missed due times; (the runs, how many are left)."""
     due, _, _ = missed_due_times(session, schedule, now=now)
     todo = due[::-1][:limit]
-    runs = []
-    for d in todo:
-        run, _ = start_audit_run(
-            session,
-            schedule,
-            d,
-            "catch_up",
-            queue=queue,
-            defaults=defaults,
-        )
-        runs.append(run)
+    runs = [
+        start_audit_run(session, schedule, d, "catch_up", queue=queue, defaults=defaults)[0]
+        for d in todo
+    ]
     return runs, len(due) - len(todo)
 
 
@@ -729,23 +682,37 @@ def list_schedules(session: Session, project_id: int) -> list[AuditSchedule]:
 
 
 def runs_to_read(
-    session: Session, schedule: AuditSchedule, runs: list[AuditRun]
+    session: Session, runs: Sequence[AuditRun], schedules: Iterable[AuditSchedule]
 ) -> list[AuditRunRead]:
-    """`runs` of `schedule` as the API shows them, with their replay runs' and verifications'
-    ids and statuses."""
-    refs = repository.replay_refs(session, [r.replay_run_id for r in runs if r.replay_run_id])
-    vrefs = repository.verification_refs(
-        session, [r.verification_id for r in runs if r.verification_id]
+    """`runs` (of `schedules`) as the API shows them, with their replay runs' and
+    verifications' ids and statuses."""
+    schedule_ids = {s.id: s.public_id for s in schedules}
+    replays = repository.refs(
+        session, ReplayRun, [r.replay_run_id for r in runs if r.replay_run_id]
     )
-    return [
-        run_to_read(
-            r,
-            schedule.public_id,
-            refs.get(r.replay_run_id or -1),
-            vrefs.get(r.verification_id or -1),
+    verifications = repository.refs(
+        session, Verification, [r.verification_id for r in runs if r.verification_id]
+    )
+    reads = []
+    for r in runs:
+        replay_id, replay_status = replays.get(r.replay_run_id or -1, (None, None))
+        verification_id, verification_status = verifications.get(
+            r.verification_id or -1, (None, None)
         )
-        for r in runs
-    ]
+        reads.append(
+            read_model(
+                AuditRunRead,
+                r,
+                id=r.public_id,
+                schedule_id=schedule_ids[r.schedule_id],
+                replay_run_id=replay_id,
+                replay_status=replay_status,
+                verification_id=verification_id,
+                verification_status=verification_status,
+                flags=list(r.flags or []),
+            )
+        )
+    return reads
 
 
 def runs_page(
@@ -753,18 +720,7 @@ def runs_page(
 ) -> list[AuditRunRead]:
     """The schedule's runs, newest due time first (`before`: older than this due time)."""
     rows = repository.runs_with_replay(session, schedule.id, limit=limit, before=before)
-    vrefs = repository.verification_refs(
-        session, [r.verification_id for r, _, _ in rows if r.verification_id]
-    )
-    return [
-        run_to_read(
-            r,
-            schedule.public_id,
-            None if pid is None else (pid, st or ""),
-            vrefs.get(r.verification_id or -1),
-        )
-        for r, pid, st in rows
-    ]
+    return runs_to_read(session, [r for r, _, _ in rows], [schedule])
 
 
 def alerts(
