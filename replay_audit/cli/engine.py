@@ -11,10 +11,11 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from replay_audit.cli.database import fail
 from replay_audit.cli.root import app, option
 from replay_audit.formats import (
     CONTROL_FRACTION,
@@ -46,12 +47,6 @@ if TYPE_CHECKING:
     )
 
 
-def _fail(message: str) -> NoReturn:
-    """A clear message on stderr and exit code 2 (no traceback)."""
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-    raise typer.Exit(code=2)
-
-
 def _threads(threads: int | None) -> int | None:
     """--threads, else the setting REPLAY_AUDIT_TORCH_THREADS (None: torch's default)."""
     if threads is not None:
@@ -65,26 +60,33 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, JsonObject]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as e:
-        _fail(f"cannot read {path}: {e.strerror}")
+        fail(f"cannot read {path}: {e.strerror}")
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            _fail(f"{path}:{n}: not JSON ({e.msg})")
+            fail(f"{path}:{n}: not JSON ({e.msg})")
         if not isinstance(row, dict):
-            _fail(f"{path}:{n}: each line must be a JSON object")
+            fail(f"{path}:{n}: each line must be a JSON object")
         yield n, row
 
 
-def _progress() -> Any:
+def _progress(spinner: bool = False) -> Any:
+    """A transient progress display on stderr: a bar, or a spinner where the total is unknown."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TimeElapsedColumn,
+    )
 
+    description = "[progress.description]{task.description}"
     return Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
+        *((SpinnerColumn(), description) if spinner else (description, BarColumn())),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=Console(stderr=True),
@@ -102,7 +104,7 @@ def hash_model(
     try:
         typer.echo(weights_sha256(model_dir))
     except NoWeightsError as e:
-        _fail(e.message)
+        fail(e.message)
 
 
 @app.command()
@@ -178,7 +180,7 @@ def generate(
     try:
         safetensors_files(model)  # a typo fails here, not as a hub error after torch loads
     except NoWeightsError as e:
-        _fail(e.message)
+        fail(e.message)
     rows = []
     for n, row in _read_jsonl(prompts):
         messages = row.get("messages")
@@ -192,9 +194,9 @@ def generate(
                     for m in messages
                 )
             ):
-                _fail(f"{prompts}:{n}: messages: a list of {{role, content}} strings is required")
+                fail(f"{prompts}:{n}: messages: a list of {{role, content}} strings is required")
         elif not isinstance(row.get("prompt"), str):
-            _fail(f"{prompts}:{n}: prompt: a string (or messages: a list) is required")
+            fail(f"{prompts}:{n}: prompt: a string (or messages: a list) is required")
         rows.append(row)
     rows = rows[:limit] if limit else rows
     from replay_audit.engine.generate import TraceGenerator
@@ -211,10 +213,10 @@ def generate(
             tp_degree=tp,
         )
     except ReplayAuditError as e:
-        _fail(e.message)
+        fail(e.message)
     with gen:  # at --tp k, the ranks stop with it
         if any("messages" in r for r in rows) and not getattr(gen.tokenizer, "chat_template", None):
-            _fail(f"{prompts} has chat messages, but {model}'s tokenizer has no chat template")
+            fail(f"{prompts} has chat messages, but {model}'s tokenizer has no chat template")
         n = _write_traces(gen, rows, out, max_new_tokens, top_k, tag or [], processors, batch_size)
     tp_text = f", TP {tp}" if tp > 1 else ""
     typer.echo(
@@ -276,7 +278,7 @@ def _generate_processors(
     from replay_audit.engine.protocol import LogitsProcessors
 
     if repetition_penalty is not None and repetition_penalty <= 0:
-        _fail("--repetition-penalty must be above 0")
+        fail("--repetition-penalty must be above 0")
     bias: list[tuple[int, float]] = []
     for item in logit_bias or []:
         tid, sep, value = item.partition("=")
@@ -285,13 +287,13 @@ def _generate_processors(
         except ValueError:
             sep = ""
         if not sep:
-            _fail(f"--logit-bias {item!r}: expected ID=BIAS, e.g. 50256=-100")
+            fail(f"--logit-bias {item!r}: expected ID=BIAS, e.g. 50256=-100")
     words: list[tuple[int, ...]] = []
     for item in bad_words_ids or []:
         try:
             words.append(tuple(int(t) for t in item.split(",")))
         except ValueError:
-            _fail(f"--bad-words-ids {item!r}: expected comma-separated token ids")
+            fail(f"--bad-words-ids {item!r}: expected comma-separated token ids")
     return LogitsProcessors(
         repetition_penalty=repetition_penalty,
         no_repeat_ngram_size=no_repeat_ngram_size,
@@ -390,7 +392,7 @@ def replay(
             )  # fmt: skip
     except ReplayAuditError as e:
         named = str(traces) in e.message or str(out) in e.message  # the file and line at fault
-        _fail(e.message if named else f"{traces}: {e.message}")
+        fail(e.message if named else f"{traces}: {e.message}")
     _report_replay(result, plan, out, summary_json)
 
 
@@ -420,11 +422,11 @@ def _replay_plan(
     from replay_audit.replays.offline import OfflinePlan
 
     if scan_flag_ulps is not None and not math.isfinite(scan_flag_ulps):
-        _fail("--scan-flag-ulps must be a finite number")
+        fail("--scan-flag-ulps must be a finite number")
     if decode_window is not None and mode == "scan":
-        _fail("--decode-window: mode scan decodes nothing to cut")
+        fail("--decode-window: mode scan decodes nothing to cut")
     if tau is not None and tau_ulps is not None:
-        _fail("give --tau or --tau-ulps, not both")
+        fail("give --tau or --tau-ulps, not both")
     settings = Settings()
     flag = settings.scan_flag_ulps if scan_flag_ulps is None else scan_flag_ulps
     iv = Intervention(intervention, 1e-3 if tau is None else tau, tau_ulps, top_k_b)

@@ -20,6 +20,7 @@ from typing import Annotated, Any
 import typer
 
 from replay_audit.cli.database import fail
+from replay_audit.cli.engine import _progress
 from replay_audit.cli.root import app
 from replay_audit.formats import IMPORT_FORMATS
 from replay_audit.json_value import JsonObject, JsonValue
@@ -75,14 +76,14 @@ def _read_config_file(path: Path) -> JsonObject:
     return out
 
 
-def _json_file(path: Path) -> JsonObject:
-    """A checkpoint's JSON file ({} when it has none)."""
-    if not path.is_file():
+def _json_file(path: Path, what: str = "readable JSON", required: bool = False) -> JsonObject:
+    """A JSON file's object ({} for no object, or no file unless `required`; else exit 2)."""
+    if not required and not path.is_file():
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
-        fail(f"{path}: not readable JSON ({e})")
+        fail(f"{path}: not {what} ({e})")
     return data if isinstance(data, dict) else {}
 
 
@@ -213,17 +214,10 @@ class _Unreadable:
 
 
 def _lm_eval_results(path: Path, results: Path | None) -> JsonObject:
-    if results is None:
-        date = path.stem.rpartition("_")[2]
-        candidate = path.with_name(f"results_{date}.json")
-        if not candidate.is_file():
-            return {}
-        results = candidate
-    try:
-        data = json.loads(results.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        fail(f"{results}: not a readable lm-eval results JSON ({e})")
-    return data if isinstance(data, dict) else {}
+    what = "a readable lm-eval results JSON"
+    if results is not None:
+        return _json_file(results, what, required=True)
+    return _json_file(path.with_name(f"results_{path.stem.rpartition('_')[2]}.json"), what)
 
 
 class _Importer:
@@ -334,20 +328,6 @@ class _Importer:
         }
 
 
-def _progress() -> Any:
-    from rich.console import Console
-    from rich.progress import MofNCompleteColumn, Progress, SpinnerColumn, TimeElapsedColumn
-
-    return Progress(
-        SpinnerColumn(),
-        "[progress.description]{task.description}",
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    )
-
-
 @app.command("import")
 def import_(
     files: Annotated[list[Path], typer.Argument(help="Logged responses (.jsonl, .json, .pt).")],
@@ -419,7 +399,7 @@ def import_(
             fail(f"{model} has no tokenizer")
     importer = _Importer(format, context, tokenizer, task, results)
     written = 0
-    with _progress() as bar:
+    with _progress(spinner=True) as bar:
         progress = bar.add_task("import", total=None)
         traces = importer.traces(files)
         if out is not None:

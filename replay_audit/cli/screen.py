@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from replay_audit.cli.engine import _fail, _progress, _read_jsonl, _threads
+from replay_audit.cli.database import fail
+from replay_audit.cli.engine import _progress, _read_jsonl, _threads
 from replay_audit.cli.root import app, option
 from replay_audit.diff.margin import DEFAULT_TAU
 from replay_audit.formats import (
@@ -37,7 +38,7 @@ def _knobs(values: list[str] | None) -> list[str] | None:
     out = [k.strip() for v in values for k in v.split(",") if k.strip()]
     bad = [k for k in out if k not in KNOB_NAMES]
     if bad:
-        _fail(f"--knobs: unknown knob {bad[0]!r}; known: {', '.join(KNOB_NAMES)}")
+        fail(f"--knobs: unknown knob {bad[0]!r}; known: {', '.join(KNOB_NAMES)}")
     return out
 
 
@@ -107,12 +108,12 @@ def screen(
     names = pair.split(",")
     arm_a, arm_b = (body_dtype(n.strip()) for n in names) if len(names) == 2 else (None, None)
     if arm_a is None or arm_b is None:
-        _fail(f"--pair must be two of {', '.join(BODY_DTYPES)}, comma-separated; got {pair!r}")
+        fail(f"--pair must be two of {', '.join(BODY_DTYPES)}, comma-separated; got {pair!r}")
     reference = body_dtype(reference_dtype) if reference_dtype is not None else None
     if reference_dtype is not None and reference is None:
-        _fail(f"--reference-dtype must be one of {', '.join(BODY_DTYPES)}")
+        fail(f"--reference-dtype must be one of {', '.join(BODY_DTYPES)}")
     if not cover > 0:
-        _fail("--cover must be above 0")
+        fail("--cover must be above 0")
     rows: list[PromptRow] = []
     for n, row in _read_jsonl(prompts):
         text, ids = row.get("prompt"), row.get("prompt_token_ids")
@@ -122,14 +123,14 @@ def screen(
         elif isinstance(text, str):
             rows.append({"id": str(row.get("id", len(rows))), "prompt": text})
         else:
-            _fail(f"{prompts}:{n}: needs a string 'prompt' or a list 'prompt_token_ids'")
+            fail(f"{prompts}:{n}: needs a string 'prompt' or a list 'prompt_token_ids'")
     rows = rows[:limit] if limit else rows
     if not rows:
-        _fail(f"{prompts} holds no prompt")
+        fail(f"{prompts} holds no prompt")
     try:
         sha = weights_sha256(model)
     except NoWeightsError as e:
-        _fail(e.message)
+        fail(e.message)
     from replay_audit.engine.loading import set_torch_threads
 
     set_torch_threads(_threads(threads))
@@ -164,7 +165,7 @@ def screen(
                 plan, screen_prompts, pool, model, backend.eos_ids(), store, progress=progress
             )
     except ReplayAuditError as e:
-        _fail(e.message)
+        fail(e.message)
     finally:
         if pool is not None:
             pool.close()  # its TP group's ranks, if the tp knob ran

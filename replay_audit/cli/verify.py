@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
+from replay_audit.cli.database import fail
 from replay_audit.cli.demo import PROMPTS_FILE
-from replay_audit.cli.engine import DeviceOpt, ThreadsOpt, _fail, _read_jsonl, _threads
+from replay_audit.cli.engine import DeviceOpt, ThreadsOpt, _read_jsonl, _threads
 from replay_audit.cli.root import app
 from replay_audit.config import (
     DEFAULT_NULL_MAX_NEW_TOKENS,
@@ -145,22 +146,20 @@ def verify(
             tr = TraceCreate.model_validate(row)
         except ValidationError as e:
             err = e.errors()[0]
-            _fail(
-                f"{traces}:{n}: not a valid trace: {'.'.join(map(str, err['loc']))}: {err['msg']}"
-            )
+            fail(f"{traces}:{n}: not a valid trace: {'.'.join(map(str, err['loc']))}: {err['msg']}")
         logged = LoggedTrace.from_json(tr.model_dump())
         group = {"tag": ",".join(sorted(tr.tags)) or "untagged", "engine": logged.engine_name}
         parsed.append((tr.external_id or f"line {n}", logged, group.get(group_by, "all")))
     if not parsed:
-        _fail(f"{traces} holds no trace")
+        fail(f"{traces} holds no trace")
     pool = EnginePool(device=device, threads=_threads(threads), devices=devices)
     try:
         sha = pool.weights_sha256(model)
     except NoWeightsError as e:
-        _fail(e.message)
+        fail(e.message)
     for name, logged, _ in parsed:
         if logged.weights_sha256 != sha:
-            _fail(
+            fail(
                 f"trace {name} claims weights_sha256 {logged.weights_sha256}, but {model} has "
                 f"{sha}: verify against the checkpoint the traces claim"
             )
@@ -169,7 +168,7 @@ def verify(
         try:
             data = json.loads(calibration.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as e:
-            _fail(f"cannot read {calibration}: {e}")
+            fail(f"cannot read {calibration}: {e}")
         given = [Calibration.from_json(c) for c in (data if isinstance(data, list) else [data])]
         if any(c.version < CALIBRATION_VERSION for c in given):
             typer.echo(
@@ -184,7 +183,7 @@ def verify(
             if c.claim == claim and c.weights_sha256 == sha:
                 return c
         if calibration is not None:
-            _fail(f"{calibration} has no null of {sha[:12]}... for the claim {claim}")
+            fail(f"{calibration} has no null of {sha[:12]}... for the claim {claim}")
         typer.echo(f"measuring the benign null of {claim} on this machine...", err=True)
         return _measure(
             model, claim, prompts, null_prompts, max_new_tokens, pool, device, false_alarm_rate
