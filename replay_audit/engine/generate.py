@@ -165,9 +165,8 @@ class TraceGenerator:
             self.model = None
         else:
             self.device = resolve_device(device)
-            loaded = _Loaded(*load_model(self.model_dir, dtype, attn_kernel, self.device))
-            self.model, self.tokenizer = loaded.model, loaded.tokenizer
-            facts = _facts(loaded, self.device, dtype, 1, None, self.numerics)
+            self.model, self.tokenizer = load_model(self.model_dir, dtype, attn_kernel, self.device)
+            facts = _facts(self.model, self.tokenizer, self.device, dtype, 1, None, self.numerics)
         if self.tokenizer is None:
             self.close()
             raise EngineError(f"{self.model_dir} has no tokenizer: cannot encode prompts")
@@ -274,8 +273,7 @@ class TraceGenerator:
         `POST /v1/traces` JSON: text prompts, or chat messages (rendered by the chat template;
         the trace keeps the messages and the rendered text), each with its row's place in the
         batch (`decoding.batch`: every row's prompt length and its own row, left-padded) and
-        the batch size in its configuration. The engine imports no HTTP schema: callers that
-        write or post it validate it with `traces.schemas.TraceCreate` at their edge."""
+        the batch size in its configuration (`TraceJson`)."""
         texts, messages, ids = [], [], []
         for _, prompt in prompts:
             chat = None if isinstance(prompt, str) else [dict(m) for m in prompt]
@@ -284,18 +282,10 @@ class TraceGenerator:
             messages.append(chat)
             ids.append(self.encode(text, add_special_tokens=chat is None))
         generated = self.generate_batch(ids, max_new_tokens, processors)
-        config = {
-            **self.config,
-            "batch_size": len(prompts),
-            "extras": {
-                **self.config["extras"],
-                **(
-                    {"attention_backends": generated.backends}
-                    if generated.backends is not None
-                    else {}
-                ),
-            },
-        }
+        extras = dict(self.config["extras"])
+        if generated.backends is not None:
+            extras["attention_backends"] = generated.backends
+        config = {**self.config, "batch_size": len(prompts), "extras": extras}
         lengths = [len(p) for p in ids]
         out = []
         for row, ((external_id, _), (output_ids, logits)) in enumerate(
@@ -397,18 +387,11 @@ def greedy_generate(
 # -- operations of a tensor-parallel group (`TpGroup.run`: run on every rank) -------------------
 
 
-@dataclass(frozen=True)
-class _Loaded:
-    """A rank's share of the checkpoint (transformers' model) and its tokenizer."""
+class _RankGenerator(NamedTuple):
+    """A rank's share of the checkpoint (transformers' model) and the switches its generations
+    run under."""
 
     model: Any
-    tokenizer: Any
-
-
-class _RankGenerator(NamedTuple):
-    """A rank's loaded share and the switches its generations run under."""
-
-    loaded: _Loaded
     numerics: ProcessNumerics
 
 
@@ -424,7 +407,8 @@ class _Facts:
 
 
 def _facts(
-    loaded: _Loaded,
+    model: Any,
+    tokenizer: Any,
     device: torch.device,
     dtype: str,
     tp_degree: int,
@@ -444,7 +428,7 @@ def _facts(
         lm_head_dtype=dtype,
         weight_dtype=dtype,
         device=device,
-        attn_kernel=str(loaded.model.config._attn_implementation),
+        attn_kernel=str(model.config._attn_implementation),
         batch_size=1,
         engine_name="transformers",
         engine_version=transformers.__version__,
@@ -452,8 +436,7 @@ def _facts(
         numerics=numerics,
         extras=extras,
     )
-    model = loaded.model
-    eos = eos_token_ids(model, loaded.tokenizer)
+    eos = eos_token_ids(model, tokenizer)
     pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
     pad_id = int(pad) if isinstance(pad, int) else (eos[0] if eos else 0)
     return _Facts(config, int(model.config.vocab_size), eos, pad_id)
@@ -469,9 +452,9 @@ def _load_model(
 ) -> _Facts:
     """This rank's share of the checkpoint; what the traces record of it."""
     place = state.placement
-    loaded = _Loaded(*load_model(model_dir, dtype, attn_kernel, place.device, tp=place))
-    state.objects[key] = _RankGenerator(loaded, numerics)
-    return _facts(loaded, place.device, dtype, place.degree, place.backend, numerics)
+    model, tokenizer = load_model(model_dir, dtype, attn_kernel, place.device, tp=place)
+    state.objects[key] = _RankGenerator(model, numerics)
+    return _facts(model, tokenizer, place.device, dtype, place.degree, place.backend, numerics)
 
 
 def _generate(
@@ -484,10 +467,10 @@ def _generate(
     pad_id: int,
 ) -> tuple[list[tuple[list[int], npt.NDArray[np.float32]]], str | None]:
     """`greedy_generate` on this rank; the logits on the host (what every rank compares)."""
-    loaded, numerics = state.get(key, _RankGenerator)
+    model, numerics = state.get(key, _RankGenerator)
     with numerics.applied():
         g = greedy_generate(
-            loaded.model,
+            model,
             state.placement.device,
             prompts,
             max_new_tokens,
