@@ -234,8 +234,7 @@ def numerical_environment(
     sdpa: dict[str, ExtraValue] = {}
     if attn_kernel == "sdpa":
         # The backends SDPA may choose from; which ran is `attention_backends` (observed).
-        allowed = n.sdpa_backend or sdpa_backends_enabled(device)
-        sdpa = {"sdpa_backends": allowed}
+        sdpa = {"sdpa_backends": n.sdpa_backend or sdpa_backends_enabled(device)}
         if n.sdpa_backend is not None:
             sdpa["sdpa_backend"] = n.sdpa_backend
     return {
@@ -325,13 +324,10 @@ def load_model(
             **(_tp_loading(tp.degree) if tp is not None else {}),
         )
     except (ImportError, ValueError) as exc:
-        if tp is not None:
-            raise UnsupportedFormat(
-                f"cannot load {model_dir} at TP {tp.degree} with attention {attn_kernel!r}: {exc}"
-            ) from exc
         # transformers refuses an attention kernel it cannot run here (e.g. flash_attention_2).
+        at = f" at TP {tp.degree}" if tp is not None else ""
         raise UnsupportedFormat(
-            f"cannot load {model_dir} with attention {attn_kernel!r}: {exc}"
+            f"cannot load {model_dir}{at} with attention {attn_kernel!r}: {exc}"
         ) from exc
     except OSError as exc:
         raise EngineError(f"cannot load a checkpoint from {model_dir}: {exc}") from exc
