@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Iterable
 
 from replay_audit.stats._validate import count
 
@@ -105,32 +106,27 @@ def binom_cdf(k: int, n: int, p: float = 0.5) -> float:
     k = operator.index(k)
     if k < 0:
         return 0.0
-    if k >= n:
-        return 1.0
-    if p == 0.0:
+    if k >= n or p == 0.0:
         return 1.0
     if p == 1.0:
         return 0.0
     q = 1.0 - p
     if k < n * p:
         # Lower tail, summed downward from k: the ratio j q / ((n - j + 1) p) is < 1 and shrinks.
-        anchor = binom_pmf(k, n, p)
-        total, term = 1.0, 1.0
-        for j in range(k, 0, -1):
-            ratio = j * q / ((n - j + 1) * p)
-            term *= ratio
-            total += term
-            # The rest is at most term * ratio / (1 - ratio): stop when that is negligible.
-            if term * ratio < _TAIL_EPSILON * total * (1.0 - ratio):
-                break
-        return min(1.0, anchor * total)
+        lower = (j * q / ((n - j + 1) * p) for j in range(k, 0, -1))
+        return min(1.0, binom_pmf(k, n, p) * _tail_sum(lower))
     # Upper tail P(X > k), summed upward from k + 1: ratio (n - j) p / ((j + 1) q) is < 1.
-    anchor = binom_pmf(k + 1, n, p)
+    upper = ((n - j) * p / ((j + 1) * q) for j in range(k + 1, n))
+    return max(0.0, 1.0 - binom_pmf(k + 1, n, p) * _tail_sum(upper))
+
+
+def _tail_sum(ratios: Iterable[float]) -> float:
+    """1 + r1 + r1 r2 + ... (a tail relative to its first term), stopped once it cannot change."""
     total, term = 1.0, 1.0
-    for j in range(k + 1, n):
-        ratio = (n - j) * p / ((j + 1) * q)
+    for ratio in ratios:
         term *= ratio
         total += term
+        # The rest is at most term * ratio / (1 - ratio): stop when that is negligible.
         if term * ratio < _TAIL_EPSILON * total * (1.0 - ratio):
             break
-    return max(0.0, 1.0 - anchor * total)
+    return total
