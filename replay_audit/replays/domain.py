@@ -144,11 +144,6 @@ class LoggedPlacement:
         return cls(logged_gpu_name(config), logged_tp_degree(config))
 
 
-def arm_key(value: object) -> ArmKey:
-    """An arm key from its stored JSON form ("logged" or an integer)."""
-    return "logged" if value == "logged" else int(value)  # type: ignore[call-overload]
-
-
 @dataclass(frozen=True)
 class RunTarget:
     """A target of a run. `target` None means `self`: each trace replayed in its own logged
@@ -441,18 +436,13 @@ class ResolvedArm:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ResolvedArm:
         """The inverse of `to_json`."""
-        layout = d.get("batch_layout")
         return cls(
             **{
                 **d,
                 "intervention": intervention_from_json(d.get("intervention") or {}),
                 "logits_processors": LogitsProcessors.from_json(d.get("logits_processors")),
                 "stack_differs": tuple(d.get("stack_differs") or ()),
-                "batch_layout": (
-                    BatchLayout(tuple(layout["prompt_lengths"]), int(layout["row"]))
-                    if layout is not None
-                    else None
-                ),
+                "batch_layout": batch_layout_from_json(d.get("batch_layout")),
             }
         )
 
@@ -500,6 +490,11 @@ def intervention_suffix(iv: Intervention) -> str:
     return f" + {iv.kind}({gate})"
 
 
+def batch_layout_from_json(d: Mapping[str, Any] | None) -> BatchLayout | None:
+    """A batch layout from its stored form (a trace's `decoding.batch`, or `asdict`)."""
+    return BatchLayout(tuple(int(n) for n in d["prompt_lengths"]), int(d["row"])) if d else None
+
+
 def intervention_from_json(iv: Mapping[str, Any]) -> Intervention:
     """An intervention from its stored form (`Intervention.to_dict`; defaults for missing keys)."""
     return Intervention(
@@ -528,7 +523,7 @@ class Comparison:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Comparison:
-        return cls(int(d["index"]), arm_key(d["a"]), int(d["b"]))
+        return cls(int(d["index"]), "logged" if d["a"] == "logged" else int(d["a"]), int(d["b"]))
 
 
 def arm_label(arm: ArmKey, targets: Sequence[RunTarget]) -> str:
@@ -625,7 +620,6 @@ class LoggedTrace:
         trace JSON has them; pieces in their stored form)."""
         extras = config.get("extras") or {}
         engine = config.get("engine") or {}
-        batch = decoding.get("batch")
         return cls(
             external_id=external_id,
             weights_sha256=weights_sha256,
@@ -650,11 +644,7 @@ class LoggedTrace:
             tp_degree=logged_tp_degree(config),
             gpu_name=logged_gpu_name(config),
             logits_processors=LogitsProcessors.from_json(decoding.get("logits_processors")),
-            batch_layout=(
-                BatchLayout(tuple(int(n) for n in batch["prompt_lengths"]), int(batch["row"]))
-                if batch
-                else None
-            ),
+            batch_layout=batch_layout_from_json(decoding.get("batch")),
             versions=stack_versions(config),
         )
 
