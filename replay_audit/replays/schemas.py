@@ -306,26 +306,20 @@ class ReplayCreate(InputModel):
                     raise ValueError(f"pairs: ({a}, {b}) does not name two different targets")
         elif self.pairs is not None:
             raise ValueError("pairs: only meaningful with compare: 'pairwise'")
-        check_decode_window(self.decode_window, self.mode, self.compare)
+        # A window would cut nothing: a scan decodes nothing, and a pairwise comparison has no
+        # logged output to find t* against while it decodes.
+        if self.decode_window is not None and self.mode == "scan":
+            raise TraceFieldError("decode_window", "mode scan decodes nothing to cut")
+        if self.decode_window is not None and self.compare == "pairwise":
+            raise TraceFieldError(
+                "decode_window",
+                "compare pairwise decodes both arms in full (no logged output to stop after)",
+            )
         conflict = routing_conflict([t.to_domain() for t in self.targets])
         if conflict is not None:
             i, why = conflict
             raise TraceFieldError(f"targets[{i}].gpu_kind", why)
         return self
-
-
-def check_decode_window(window: int | None, mode: Mode | None, compare: Compare) -> None:
-    """A 422 naming `decode_window` where a window would cut nothing: a scan decodes nothing,
-    and a pairwise comparison has no logged output to find t* against while it decodes."""
-    if window is None:
-        return
-    if mode == "scan":
-        raise TraceFieldError("decode_window", "mode scan decodes nothing to cut")
-    if compare == "pairwise":
-        raise TraceFieldError(
-            "decode_window",
-            "compare pairwise decodes both arms in full (no logged output to stop after)",
-        )
 
 
 class ReplayCreated(OutputModel):
