@@ -10,6 +10,7 @@ the stored object is the cache, and it lives in the database every process reads
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import cast
 
 from pydantic import ValidationError
@@ -17,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from replay_audit.diff import get_extractor
 from replay_audit.exceptions import FieldError
-from replay_audit.formats import ArmKey, Mode
+from replay_audit.formats import Mode
 from replay_audit.replays import repository
 from replay_audit.replays.domain import Comparison, arm_label, comparison_label, is_treatment
 from replay_audit.replays.models import ReplayRun
@@ -91,18 +92,13 @@ def accuracy(
     """Task accuracy per arm (None when no trace of the run has a reference answer)."""
     if not repository.has_reference_answers(session, run.id):
         return None
-    targets = run.run_targets
-
-    def label(arm: ArmKey) -> str:
-        return arm_label(arm, targets)
-
     # Accuracy needs each comparison's arms, not its figures: no result rows are loaded here.
     comparisons = inputs if inputs is not None else comparison_inputs(session, run, figures=False)
     return accuracy_report(
         repository.answer_figures(session, run.id),
         comparisons,
         extract=_extractor,
-        arm_label=label,
+        arm_label=partial(arm_label, targets=run.run_targets),
         margin=margin,
         alpha=alpha,
     )
@@ -164,14 +160,13 @@ def stored(run: ReplayRun) -> RunStatistics | None:
         return None
 
 
-def check_comparison(run: ReplayRun, index: int, field: str) -> int:
-    """`index` when the run has that comparison; a 422 naming `field` otherwise."""
+def check_comparison(run: ReplayRun, index: int, field: str) -> None:
+    """A 422 naming `field` unless the run has comparison `index`."""
     if not 0 <= index < len(run.comparisons):
         raise FieldError(
             f"{field}: run {run.public_id} has comparisons 0 to {len(run.comparisons) - 1}",
             field=field,
         )
-    return index
 
 
 def of_run(session: Session, run: ReplayRun) -> RunStatistics:

@@ -284,13 +284,11 @@ def _replay(
                 rows.append(item)
                 continue
             result = next(results)
-            if not isinstance(result, Exception):
+            if isinstance(result, Exception):
+                rows.append(_failed_row(c, result, p.trace_id))
+            else:
                 _count_decode(result, ctx.gpu_kind)
-            rows.append(
-                _failed_row(c, result, p.trace_id)
-                if isinstance(result, Exception)
-                else result_values(c, result)
-            )
+                rows.append(result_values(c, result))
         out.append((p, rows))
     return out
 
