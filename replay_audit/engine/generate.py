@@ -496,11 +496,10 @@ def generate_traces(
     threads: int | None = None,
     leave_free: int = 0,
     tp_degree: int = 1,
-    batch_size: int = 1,
 ) -> Iterator[TraceJson]:
     """Traces of greedy generations, one per (prompt id, prompt text), as `TraceCreate` JSON,
-    `batch_size` prompts per `generate()` call (at `tp_degree` > 1, by a group of that many
-    processes, stopped when the traces end)."""
+    one `generate()` call each (at `tp_degree` > 1, by a group of that many processes, stopped
+    when the traces end)."""
     with TraceGenerator(
         model_dir,
         dtype=dtype,
@@ -511,13 +510,7 @@ def generate_traces(
         leave_free=leave_free,
         tp_degree=tp_degree,
     ) as gen:
-        batch: list[tuple[str | None, str | Sequence[Mapping[str, str]]]] = []
         for pid, text in prompts:
-            batch.append((pid, text))
-            if len(batch) == batch_size:
-                yield from gen.trace_batch(
-                    batch, max_new_tokens=max_new_tokens, top_k=top_k, tags=tags
-                )
-                batch = []
-        if batch:
-            yield from gen.trace_batch(batch, max_new_tokens=max_new_tokens, top_k=top_k, tags=tags)
+            yield gen.trace(
+                text, max_new_tokens=max_new_tokens, top_k=top_k, external_id=pid, tags=tags
+            )
