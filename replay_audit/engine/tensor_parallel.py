@@ -273,12 +273,6 @@ class TpGroup:
             self._stop_ranks()
             del self._store
 
-    def __enter__(self) -> TpGroup:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- internals ----------------------------------------------------------------------------
 
     def _why_not(self) -> str:
