@@ -102,6 +102,9 @@ def run_metrics(stats: RunStatistics, targets: Sequence[RunTarget]) -> RunMetric
             else f"{targets[int(c.a)].display_label()} vs {b.display_label()}"
         )
         kind = b.target.intervention.kind if b.target is not None else "none"
+        # A scan-then-decode run's EAR over all scanned traces (its decoded EAR leaves out the
+        # traces only scanned): comparable with a decode run's.
+        ear = c.screening.ear if c.screening is not None else c.ear
         comps.append(
             ComparisonMetrics(
                 index=c.index,
@@ -110,19 +113,16 @@ def run_metrics(stats: RunStatistics, targets: Sequence[RunTarget]) -> RunMetric
                 intervention="none" if is_self else kind,
                 n=c.ok,
                 failed=c.failed,
-                # A scan-then-decode run's EAR over all scanned traces (its decoded EAR leaves
-                # out the traces only scanned): comparable with a decode run's.
-                ear=c.screening.ear.estimate if c.screening is not None else c.ear.estimate,
-                ear_low=c.screening.ear.low if c.screening is not None else c.ear.low,
-                ear_high=c.screening.ear.high if c.screening is not None else c.ear.high,
+                ear=ear.estimate,
+                ear_low=ear.low,
+                ear_high=ear.high,
                 exact=c.ear.successes,
                 trigger_rate=c.trigger_rate,
                 categories={k: v.successes for k, v in c.categories.items()},
             )
         )
     baseline = next((c for c in comps if not c.is_self), comps[0] if comps else None)
-    treated = None
-    c_lift = None
+    treated = c_lift = None
     if baseline is not None and baseline.intervention == "none":
         for lift in stats.lifts:
             cand = next((c for c in comps if c.index == lift.comparison_b), None)
@@ -157,12 +157,8 @@ def run_metrics(stats: RunStatistics, targets: Sequence[RunTarget]) -> RunMetric
 
 def _counted(history: Sequence[RunMetrics], index: int) -> list[ComparisonMetrics]:
     """The comparison `index` in each of `history`'s runs that recorded its counts."""
-    out = []
-    for h in history:
-        c = h.comparison(index)
-        if c is not None and c.n is not None and c.exact is not None:
-            out.append(c)
-    return out
+    found = (h.comparison(index) for h in history)
+    return [c for c in found if c is not None and c.n is not None and c.exact is not None]
 
 
 def _pct(x: int, n: int) -> str:
