@@ -43,7 +43,6 @@ from replay_audit.replays.schemas import (
     RanRead,
     ReplayCreate,
     ReplayRead,
-    TraceFilter,
 )
 from replay_audit.traces import repository as traces_repository
 from replay_audit.traces.models import Trace
@@ -82,7 +81,10 @@ def _select_traces(session: Session, project_id: int, request: ReplayCreate) -> 
             )
         return [rows[i] for i in wanted]
     assert request.filter is not None
-    return _filtered(session, project_id, request.filter)
+    stmt = traces_repository.select_traces(project_id, request.filter.to_selection())
+    return list(
+        session.scalars(stmt.order_by(None).order_by(Trace.id).limit(MAX_REPLAY_TRACES + 1))
+    )
 
 
 def _not_greedy(trace: Trace) -> str:
@@ -91,21 +93,6 @@ def _not_greedy(trace: Trace) -> str:
     and no other)."""
     extras = json.loads(trace.config.config_json).get("extras") or {}
     return trace.public_id + processors_not_applied(extras.get(EXTRA_PROCESSORS))
-
-
-def _filtered(session: Session, project_id: int, f: TraceFilter) -> list[Trace]:
-    """The traces a replay filter selects (see `TraceFilter.to_selection`), oldest first."""
-    stmt = traces_repository.select_traces(project_id, f.to_selection())
-    return list(
-        session.scalars(stmt.order_by(None).order_by(Trace.id).limit(MAX_REPLAY_TRACES + 1))
-    )
-
-
-def _targets(request: ReplayCreate) -> list[RunTarget]:
-    targets = [t.to_domain() for t in request.targets]
-    if request.compare_with == "self":
-        targets.append(RunTarget(None))
-    return targets
 
 
 def _comparisons(request: ReplayCreate, n_targets: int) -> list[Comparison]:
@@ -221,7 +208,8 @@ def create_replay(
     if existing:
         return existing, False
 
-    targets = _targets(request)
+    targets = [t.to_domain() for t in request.targets]
+    targets += [RunTarget(None)] if request.compare_with == "self" else []
     check_targets(queue.capabilities, targets, field="targets")
     queue.check()  # a 503 before anything is stored when the queue is down
 
@@ -446,7 +434,6 @@ def to_read(
     far the run is, not what it found."""
     ok, failed = repository.progress(session, run)
     stats = statistics.of_run(session, run) if ok + failed and not status_only else None
-    rate = results_per_s(run, ok + failed)
     request = run.request
     if status_only:
         request = {k: v for k, v in request.items() if k != "trace_ids"}
@@ -459,7 +446,7 @@ def to_read(
         progress=Progress(
             total=run.n_items, done=ok, failed=failed, pending=run.n_items - ok - failed
         ),
-        results_per_s=rate,
+        results_per_s=results_per_s(run, ok + failed),
         ran=[] if status_only else ran(session, run),
         statistics=stats,
         pending_reason=pending_reason(session, run, queue),
