@@ -11,6 +11,5 @@ statistics   a run's statistics through the one builder (`replay_audit.stats.rep
 endpoints    `/v1/replays`
 tasks        the job a worker runs (imports the engine at run time; never the API process)
 pipeline     the one replay pipeline: arms resolved, run through the engine, one outcome rule
-checkpoint   a trace's checkpoint found by weights_sha256
 reconcile    re-enqueue what the database says is unfinished
 """

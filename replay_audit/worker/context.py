@@ -37,12 +37,11 @@ class WorkerContext:
     def from_environment(cls) -> WorkerContext:
         """A context from the settings of the environment, with an empty engine pool."""
         settings = Settings()
-        # The in-process runner replays beside the API it runs in: it leaves it a core.
-        beside_api = settings.runner == "inprocess"
         pool = EnginePool(
             max_engines=MAX_ENGINES,
             threads=settings.torch_threads,
-            leave_free=1 if beside_api else 0,
+            # The in-process runner replays beside the API it runs in: it leaves it a core.
+            leave_free=1 if settings.runner == "inprocess" else 0,
             on_load=MODEL_LOADS.inc,
         )
         return cls(settings, pool, host_gpu_kind())
