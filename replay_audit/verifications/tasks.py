@@ -140,13 +140,8 @@ class _Calibrations:
     """Each claim's calibration: stored, or measured here and stored (once)."""
 
     def __init__(self, url: str, sha: str, model_dir: Path, rate: float, device: str | None):
-        self.url, self.sha, self.model_dir, self.rate, self.device = (
-            url,
-            sha,
-            model_dir,
-            rate,
-            device,
-        )
+        self.url, self.sha, self.model_dir = url, sha, model_dir
+        self.rate, self.device = rate, device
         self.pool = worker_context().pool
         self.shape = NullShape.of(worker_context().settings)
         self.used: list[tuple[Calibration, bool, PlatformKey]] = []
@@ -253,11 +248,9 @@ def run_verification_job(verification_id: int, database_url: str | None = None) 
         fail_row(url, Verification, verification_id, f"{type(e).__name__}: {e}")
         return
     report = report_json(result.groups, result.evidence, result.arms)
-    scanning = calibrations.used[0][2] if calibrations.used else None
-    report["scanning_platform"] = scanning
+    report["scanning_platform"] = calibrations.used[0][2] if calibrations.used else None
     report["claimed_platforms"] = claimed
     report["calibrations"] = [calibration_json(c, reused) for c, reused, _ in calibrations.used]
-
     if len(kept) < len(ids):
         report["missing_traces"] = len(ids) - len(kept)
     with session_scope(url) as s:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from replay_audit.diff import judge, length_difference
+from replay_audit.diff import first_divergence, judge, length_difference
 from replay_audit.formats import CATEGORIES, Category, HeadDType
 from replay_audit.screenings.sweep.density import (
     coefficient_of_variation,
@@ -25,7 +25,6 @@ from replay_audit.screenings.sweep.outputs import (
     RunOutput,
     ScreenOutputs,
     ScreenPrompt,
-    first_divergence_of,
 )
 from replay_audit.screenings.sweep.plan import ComparisonSpec, Run, SweepPlan
 from replay_audit.screenings.sweep.report import (
@@ -62,7 +61,7 @@ def _prompt_figures(
 ) -> ResultFigures:
     """One prompt of one comparison, as the statistics builder reads a result row."""
     da, db = a.decodes[i], b.decodes[i]
-    t = first_divergence_of(da.output_ids, db.output_ids)
+    t = first_divergence(da.output_ids, db.output_ids)
     ma = mb = None
     category: Category | None = "agreed"
     if t is not None:

@@ -9,7 +9,6 @@ prompt's decode at a time: a stopped screening resumes at the first prompt not y
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,13 +142,6 @@ class Probe:
             gated_steps=tuple(as_int(x) for x in as_list(d["gated_steps"])),
             dh_gated=tuple(math.nan if x is None else x for x in dh_gated),
         )
-
-
-def first_divergence_of(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """`diff.first_divergence` re-exported for the screening (one definition)."""
-    from replay_audit.diff import first_divergence
-
-    return first_divergence(list(a), list(b))
 
 
 def hidden_gap(

@@ -16,6 +16,7 @@ from typing import Final, Protocol
 
 import numpy as np
 
+from replay_audit.diff import first_divergence
 from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import HiddenStates
 from replay_audit.exceptions import EngineError, ReplayAuditError, UnsupportedFormat
@@ -27,7 +28,6 @@ from replay_audit.screenings.sweep.outputs import (
     RunOutput,
     ScreenOutputs,
     ScreenPrompt,
-    first_divergence_of,
     hidden_gap,
 )
 from replay_audit.screenings.sweep.plan import ComparisonSpec, Run, ScreenConfig, SweepPlan
@@ -76,12 +76,8 @@ class DirectoryStore:
     def scan(self, prefix: str) -> list[JsonObject]:
         # File names encode keys lossily ("/" and "__" alike): callers check what they read.
         stem = self._path(prefix).name.removesuffix(".json")
-        out = []
-        for p in self.root.glob(f"{glob.escape(stem)}*.json"):
-            value = self.get_file(p)
-            if value is not None:
-                out.append(value)
-        return out
+        files = self.root.glob(f"{glob.escape(stem)}*.json")
+        return [v for p in files if (v := self.get_file(p)) is not None]
 
     @staticmethod
     def get_file(p: Path) -> JsonObject | None:
@@ -152,20 +148,14 @@ def load_outputs(plan: SweepPlan, store: Store, n_prompts: int) -> ScreenOutputs
     configurations); a run stopped part-way is not among `runs` (see `stored_decodes`)."""
     out = ScreenOutputs()
     for run in plan.runs():
-        r = _stored_run(store, run, n_prompts)
-        if r is not None:
+        if (r := _stored_run(store, run, n_prompts)) is not None:
             out.runs[run.key] = r
     for spec in plan.comparisons():
-        d = store.get(_probe_key(spec))
-        if d is not None:
+        if (d := store.get(_probe_key(spec))) is not None:
             probes = as_object(d["probes"]).items()
             out.probes[spec.name] = {int(k): Probe.from_json(as_object(v)) for k, v in probes}
-    u = store.get("unavailable")
-    if u is not None:
-        out.unavailable = {str(k): str(v) for k, v in u.items()}
-    f = store.get("failed")
-    if f is not None:
-        out.failed = {str(k): str(v) for k, v in f.items()}
+    out.unavailable = {str(k): str(v) for k, v in (store.get("unavailable") or {}).items()}
+    out.failed = {str(k): str(v) for k, v in (store.get("failed") or {}).items()}
     return out
 
 
@@ -226,7 +216,7 @@ def probe_comparison(
     probes: dict[int, Probe] = {}
     for i, p in enumerate(prompts):
         da, db = out_a.decodes[i], out_b.decodes[i]
-        t = first_divergence_of(da.output_ids, db.output_ids)
+        t = first_divergence(da.output_ids, db.output_ids)
         if t is None:
             continue
         prompt = list(p.token_ids)
@@ -307,6 +297,9 @@ def run_screening(
 
     arms: dict[str, Arm] = {}
 
+    def runs_of(config: ScreenConfig) -> list[Run]:
+        return [r for r in runs if r.config.key == config.key]
+
     def arm_of(run: Run) -> Arm | None:
         config = run.config
         if config.key in out.unavailable or config.key in out.failed:
@@ -326,13 +319,11 @@ def run_screening(
     def fail(config: ScreenConfig, exc: BaseException) -> None:
         out.failed[config.key] = f"{type(exc).__name__}: {exc}"[:500]
         store.put("failed", dict(out.failed))
-        for run in (r for r in runs if r.config.key == config.key):
+        for run in runs_of(config):
             arms.pop(run.key, None)
 
     def decode_config(config: ScreenConfig) -> None:
-        for run in (r for r in runs if r.config.key == config.key):
-            if run.key in out.runs:
-                continue
+        for run in (r for r in runs_of(config) if r.key not in out.runs):
             try:
                 arm = arm_of(run)
             except ENGINE_FAILURES as e:  # it loads here, but fails (a kernel, memory)
@@ -393,6 +384,6 @@ def run_screening(
     for config in (c for c in configs if c.key not in anchors):
         decode_config(config)
         probe_specs([s for s in specs if s.b.config.key == config.key])
-        for run in (r for r in runs if r.config.key == config.key):
+        for run in runs_of(config):
             arms.pop(run.key, None)
     return out
