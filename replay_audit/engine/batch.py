@@ -42,12 +42,12 @@ def context_length(item: ScanItem) -> int:
     return len(item.prompt_ids) + len(item.output_ids) - 1
 
 
-def bucket_length(n: int) -> int:
+def bucket_length(n: int, shortest: int = MIN_BUCKET) -> int:
     """The padded length of a trace whose context is `n` tokens: the smallest power of two
-    ≥ n, at least `MIN_BUCKET`."""
+    ≥ n, at least `shortest`."""
     if n < 1:
         raise ValueError("a scanned context has at least one token")
-    length = MIN_BUCKET
+    length = shortest
     while length < n:
         length *= 2
     return length

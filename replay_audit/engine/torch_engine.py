@@ -43,6 +43,7 @@ from replay_audit.diff.pieces import Piece
 from replay_audit.engine import attention
 from replay_audit.engine.batch import (
     PackedBatch,
+    bucket_length,
     pack_batch,
     plan_scan,
     plan_steps,
@@ -431,17 +432,15 @@ class TorchEngine:
         lengths = list(prompt_lengths) if prompt_lengths is not None else [len(c) for c in contexts]
         laid = list(layouts) if layouts is not None else [None] * len(contexts)
         out: list[StepInfo | None] = [None] * len(contexts)
-        alone = [
-            i
-            for i, layout in enumerate(laid)
-            if self.body.batch_size != 1 or (layout is not None and layout.padded)
-        ]
-        for i in alone:
+        rest = []  # the contexts batched; the others run `step` alone
+        for i, layout in enumerate(laid):
+            if self.body.batch_size == 1 and (layout is None or not layout.padded):
+                rest.append(i)
+                continue
             c, n = contexts[i], lengths[i]
             out[i] = self.step(
-                c[:n], c[n:], intervention, top_k, processors=processors, layout=laid[i]
+                c[:n], c[n:], intervention, top_k, processors=processors, layout=layout
             )
-        rest = [i for i in range(len(contexts)) if i not in set(alone)]
         plan = plan_steps([len(contexts[i]) for i in rest], token_budget)
         for batch in plan:
             members = [rest[j] for j in batch.indices]
@@ -510,10 +509,8 @@ class TorchEngine:
     def hidden_states(
         self, prompt_ids: Sequence[int], output_ids: Sequence[int]
     ) -> npt.NDArray[np.float32]:
-        """The final normed hidden states that feed the lm_head at output steps 0..len(output_ids)
-        of a from-scratch forward over prompt ‖ output_ids (row t predicts output step t), as a
-        float32 (len(output_ids) + 1, d) array: what the screening's hidden-state gap compares
-        across arms along a shared prefix."""
+        """`HiddenStates.hidden_states`: the body's one from-scratch forward, under the arm's
+        switches."""
         with self._probe():
             h = self.body.forward([*prompt_ids, *output_ids], None, 0)[0, len(prompt_ids) - 1 :]
             return np.asarray(h.float().cpu().numpy(), dtype=np.float32)
@@ -603,10 +600,7 @@ class TorchEngine:
 
     def _compiled_decoder(self, total: int) -> CompiledDecoder:
         """The compiled decoder whose cache length is the smallest bucket holding `total`."""
-        length = MIN_STATIC_BUCKET
-        while length < total:
-            length *= 2
-        length = min(length, self.max_cache_len)
+        length = min(bucket_length(total, MIN_STATIC_BUCKET), self.max_cache_len)
         if length not in self._compiled:
             self._compiled[length] = CompiledDecoder(self.body, self.head, length)
         return self._compiled[length]
