@@ -70,10 +70,12 @@ def _ready() -> None:
 
 
 def _runner() -> Runner:
-    """The command's runner, stopped when the command ends (`cli.shutdown.own`)."""
+    """The command's runner, stopped when the command ends (`cli.shutdown.own`), once the
+    database is ready (`_ready`)."""
     from replay_audit.cli.shutdown import own
     from replay_audit.queue import build_runner, stop_runner
 
+    _ready()
     runner = build_runner(_settings())
     own(lambda timeout_s: stop_runner(runner, timeout_s))
     return runner
@@ -129,17 +131,16 @@ def _finish(ids: list[int], wait: bool, timeout_s: float, runner: Runner) -> Non
         return
     deadline = time.monotonic() + timeout_s
     while True:
-        for run_id in ids:
-            if inprocess:
-                # Nobody else evaluates for us; alerts stay pending for the scheduler.
-                with session_scope(settings.database_url) as s:
-                    service.evaluate_audit_run(
-                        s,
-                        run_id,
-                        alert_runner=DeferredRunner(),
-                        webhook_timeout_s=settings.webhook_timeout_s,
-                        webhook_retry_intervals_s=settings.webhook_retry_intervals_s,
-                    )
+        for run_id in ids if inprocess else ():
+            # Nobody else evaluates for us; alerts stay pending for the scheduler.
+            with session_scope(settings.database_url) as s:
+                service.evaluate_audit_run(
+                    s,
+                    run_id,
+                    alert_runner=DeferredRunner(),
+                    webhook_timeout_s=settings.webhook_timeout_s,
+                    webhook_retry_intervals_s=settings.webhook_retry_intervals_s,
+                )
         with session_scope(settings.database_url) as s:
             statuses = [r.status for r in (s.get(AuditRun, i) for i in ids) if r is not None]
         if all(st != "running" for st in statuses) or time.monotonic() > deadline:
@@ -214,7 +215,6 @@ def run_now(
     timeout_s: Annotated[float, typer.Option(help="Longest wait.")] = 3600.0,
 ) -> None:
     """Run a schedule now: sample its window ending now and replay the sample."""
-    _ready()
     runner = _runner()
     ids, _ = _start(schedule, "run-now", 1, runner)
     _finish(ids, wait, timeout_s, runner)
@@ -230,7 +230,6 @@ def catch_up(
     timeout_s: Annotated[float, typer.Option(help="Longest wait.")] = 3600.0,
 ) -> None:
     """Start the runs a stopped scheduler missed (newest first), each over its own window."""
-    _ready()
     runner = _runner()
     ids, left = _start(schedule, "catch-up", limit, runner)
     if not ids:
@@ -278,7 +277,6 @@ def trend(
 @audit_app.command("tick")
 def tick() -> None:
     """One scheduler pass now (what `rq cron` and the embedded scheduler run every minute)."""
-    _ready()
     from replay_audit.audits.tasks import build_alert_runner, run_tick
     from replay_audit.cli.shutdown import own
     from replay_audit.queue import stop_runner

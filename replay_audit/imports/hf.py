@@ -23,6 +23,7 @@ This module imports no torch: tensors are read through `.detach().cpu()` (floati
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -61,9 +62,7 @@ def _array(x: Any, path: str, *, floating: bool) -> npt.NDArray[Any]:
 
 
 def _field(output: Any, name: str) -> Any:
-    if isinstance(output, Mapping):
-        return output.get(name)
-    return getattr(output, name, None)
+    return output.get(name) if isinstance(output, Mapping) else getattr(output, name, None)
 
 
 def _top_pairs(row: npt.NDArray[np.float64], k: int) -> list[tuple[int, float]]:
@@ -226,18 +225,10 @@ def traces_from_generate(
     )
     if tokenizer is not None:
         gens = [
-            _with_text(
-                g, tokenizer.decode(list(g.output_token_ids or ()), skip_special_tokens=True)
-            )
+            replace(g, output_text=tokenizer.decode(g.output_token_ids, skip_special_tokens=True))
             for g in gens
         ]
     return [build_trace(g, context, "hf") for g in gens]
-
-
-def _with_text(gen: Generation, text: str) -> Generation:
-    from dataclasses import replace
-
-    return replace(gen, output_text=text)
 
 
 def parse_hf(item: Any, path: str = "item") -> list[Generation]:

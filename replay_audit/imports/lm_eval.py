@@ -59,12 +59,8 @@ def _model_args(value: Any) -> dict[str, str]:
     if isinstance(value, Mapping):
         return {str(k): str(v) for k, v in value.items()}
     if isinstance(value, str):
-        out = {}
-        for part in value.split(","):
-            key, sep, val = part.partition("=")
-            if sep:
-                out[key.strip()] = val.strip()
-        return out
+        pairs = (part.partition("=") for part in value.split(","))
+        return {key.strip(): val.strip() for key, sep, val in pairs if sep}
     return {}
 
 
@@ -102,11 +98,9 @@ def context_from_results(results: Mapping[str, Any]) -> JsonObject:
 def _arguments(sample: Mapping[str, Any], path: str) -> list[tuple[Any, Any]]:
     args = sample.get("arguments")
     if isinstance(args, Mapping):  # as saved: {"gen_args_0": {"arg_0": ctx, "arg_1": kwargs}}
-        out = []
-        for i in range(len(args)):
-            entry = j.obj(args.get(f"gen_args_{i}"), f"{path}.arguments.gen_args_{i}")
-            out.append((entry.get("arg_0"), entry.get("arg_1")))
-        return out
+        where = f"{path}.arguments.gen_args_"
+        entries = [j.obj(args.get(f"gen_args_{i}"), f"{where}{i}") for i in range(len(args))]
+        return [(e.get("arg_0"), e.get("arg_1")) for e in entries]
     if isinstance(args, list):  # in memory: [[ctx, kwargs], ...]
         pairs = [j.seq(a, f"{path}.arguments[{i}]") for i, a in enumerate(args)]
         return [(p[0] if p else None, p[1] if len(p) > 1 else None) for p in pairs]
@@ -188,9 +182,9 @@ def parse_lm_eval_sample(
         )
         # The rest of gen_kwargs go to generate(): its logits processors ran too.
         processors = read_processors(kwargs, clamp_logit_bias=False)
-        strategy: Strategy = "sample"
-        if greedy:
-            strategy = "other" if processors.not_replayed else "greedy"
+        strategy: Strategy = (
+            ("other" if processors.not_replayed else "greedy") if greedy else "sample"
+        )
         prompt = _encode(tokenizer, context, add_bos)
         if isinstance(max_length, int) and max_gen is not None and max_length > max_gen:
             prompt = prompt[-(max_length - max_gen) :]

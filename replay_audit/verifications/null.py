@@ -151,10 +151,8 @@ def benign_null(
             generated - start,
             time.perf_counter() - generated,
         )
-    claimed = ScreenConfig(
-        claim.dtype,  # type: ignore[arg-type]
-        attn_kernel=claim.attn_kernel or "sdpa",
-    )
+    kernel = claim.attn_kernel or "sdpa"
+    claimed = ScreenConfig(claim.dtype, attn_kernel=kernel)  # type: ignore[arg-type]
     with tempfile.TemporaryDirectory(prefix="rtn4-") as tmp:
         rtn = rtn_checkpoint(model_dir, Path(tmp), bits=4, group_size=128)
         alt = _scan(
