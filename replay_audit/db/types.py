@@ -8,7 +8,7 @@ ingest path packs once, with numpy, and hands the bytes straight through).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
 
 import numpy as np
@@ -47,38 +47,35 @@ def unpack_float32(data: bytes) -> Float32Array:
     return np.frombuffer(data, dtype=FLOAT32_LE).astype(np.float32, copy=False)
 
 
-class PackedInt32Array(TypeDecorator[Int32Array]):
-    """A 1-D int32 array stored as little-endian bytes (`LargeBinary`: BLOB / bytea)."""
+A = TypeVar("A", Int32Array, Float32Array)
+
+
+class _PackedArray(TypeDecorator[A]):
+    """A 1-D array stored as little-endian bytes (`LargeBinary`: BLOB / bytea)."""
 
     impl = LargeBinary
-    cache_ok = True
+    pack: Callable[[Any], bytes]
+    unpack: Callable[[bytes], A]
 
     def process_bind_param(self, value: Any, dialect: Dialect) -> bytes | None:
         if value is None or isinstance(value, bytes):
             return value
-        return pack_int32(value)
+        return self.pack(value)
 
-    def process_result_value(self, value: Any, dialect: Dialect) -> Int32Array | None:
-        if value is None:
-            return None
-        return unpack_int32(bytes(value))
+    def process_result_value(self, value: Any, dialect: Dialect) -> A | None:
+        return None if value is None else self.unpack(bytes(value))
 
 
-class PackedFloat32Array(TypeDecorator[Float32Array]):
-    """A 1-D float32 array stored as little-endian bytes (`LargeBinary`: BLOB / bytea)."""
+class PackedInt32Array(_PackedArray[Int32Array]):
+    cache_ok = True  # read from each class's own namespace
+    pack = staticmethod(pack_int32)
+    unpack = staticmethod(unpack_int32)
 
-    impl = LargeBinary
+
+class PackedFloat32Array(_PackedArray[Float32Array]):
     cache_ok = True
-
-    def process_bind_param(self, value: Any, dialect: Dialect) -> bytes | None:
-        if value is None or isinstance(value, bytes):
-            return value
-        return pack_float32(value)
-
-    def process_result_value(self, value: Any, dialect: Dialect) -> Float32Array | None:
-        if value is None:
-            return None
-        return unpack_float32(bytes(value))
+    pack = staticmethod(pack_float32)
+    unpack = staticmethod(unpack_float32)
 
 
 T = TypeVar("T")

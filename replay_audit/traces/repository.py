@@ -18,9 +18,10 @@ import orjson
 from sqlalchemy import JSON, ColumnElement, Select, Table, exists, not_, or_, select, text
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import Dialect
-from sqlalchemy.orm import Session, contains_eager, defer
+from sqlalchemy.orm import InstrumentedAttribute, Session, contains_eager, defer
 from typing_extensions import TypedDict
 
+from replay_audit.db.base import Base
 from replay_audit.db.engine import dialect_insert
 from replay_audit.json_value import JsonObject
 from replay_audit.traces.models import NumericalConfigRow, Trace, TraceKey, TraceTag
@@ -106,6 +107,12 @@ class TraceTagValues(TypedDict):
     tag: str
 
 
+def _table(model: type[Base]) -> Table:
+    table = model.__table__
+    assert isinstance(table, Table)
+    return table
+
+
 def _chunks(values: Sequence[Any], size: int = _IN_CHUNK) -> Iterable[Sequence[Any]]:
     for start in range(0, len(values), size):
         yield values[start : start + size]
@@ -116,12 +123,11 @@ def ensure_configs(session: Session, rows: Mapping[str, ConfigValues]) -> dict[s
     database id of every one of them."""
     if not rows:
         return {}
-    table = NumericalConfigRow.__table__
-    assert isinstance(table, Table)
     # Sorted: concurrent transactions then take the unique-index locks in one order and cannot
     # deadlock on each other.
     ordered = [rows[sha] for sha in sorted(rows)]
-    session.execute(dialect_insert(session)(table).on_conflict_do_nothing(), ordered)
+    insert = dialect_insert(session)(_table(NumericalConfigRow))
+    session.execute(insert.on_conflict_do_nothing(), ordered)
     ids: dict[str, int] = {}
     for chunk in _chunks(list(rows)):
         stmt = select(NumericalConfigRow.content_sha256, NumericalConfigRow.id).where(
@@ -157,7 +163,7 @@ def _insert_do_nothing(
         return []
 
     columns = list(rows[0])
-    json_columns = {c.name for c in table.c if isinstance(c.type, JSON)}
+    json_columns = _json_columns(table)
     values = ", ".join(f"%({c})s::json" if c in json_columns else f"%({c})s" for c in columns)
     sql = (
         f"INSERT INTO {table.name} ({', '.join(columns)}) VALUES ({values}) ON CONFLICT DO NOTHING"
@@ -189,22 +195,18 @@ def insert_trace_keys(session: Session, rows: Sequence[TraceKeyValues]) -> set[s
     skipping any whose content or external_id the project already holds (or whose public id
     is taken). Returns the content_sha256 of the keys actually inserted: exactly the traces to
     store."""
-    table = TraceKey.__table__
-    assert isinstance(table, Table)
     # Sorted by content: two batches holding the same traces in different orders (a client
     # retrying concurrently) take the unique-index locks in one order and cannot deadlock.
     ordered = sorted(rows, key=lambda row: row["content_sha256"])
-    inserted = _insert_do_nothing(session, table, ordered, returning=("content_sha256",))
+    inserted = _insert_do_nothing(session, _table(TraceKey), ordered, returning=("content_sha256",))
     return {sha for (sha,) in inserted}
 
 
 def insert_traces(session: Session, rows: Sequence[TraceValues]) -> dict[str, tuple[int, str]]:
     """Insert trace rows whose keys `insert_trace_keys` just inserted. Returns content_sha256
     -> (id, public_id) of the rows inserted."""
-    table = Trace.__table__
-    assert isinstance(table, Table)
     inserted = _insert_do_nothing(
-        session, table, rows, returning=("id", "public_id", "content_sha256")
+        session, _table(Trace), rows, returning=("id", "public_id", "content_sha256")
     )
     return {sha: (id_, public_id) for id_, public_id, sha in inserted}
 
@@ -229,9 +231,7 @@ def insert_trace_tags(session: Session, rows: Sequence[TraceTagValues]) -> None:
             },
         )
         return
-    table = TraceTag.__table__
-    assert isinstance(table, Table)
-    _insert_do_nothing(session, table, rows)
+    _insert_do_nothing(session, _table(TraceTag), rows)
 
 
 class OneTraceInsert(NamedTuple):
@@ -243,18 +243,16 @@ class OneTraceInsert(NamedTuple):
     trace: tuple[int, str] | None
 
 
-def _json_columns(table: object) -> frozenset[str]:
-    assert isinstance(table, Table)
+def _json_columns(table: Table) -> frozenset[str]:
     return frozenset(c.name for c in table.c if isinstance(c.type, JSON))
 
 
-_TRACE_JSON_COLUMNS: Final = _json_columns(Trace.__table__)
+_TRACE_JSON_COLUMNS: Final = _json_columns(_table(Trace))
 
 
-def _typed(dialect: Dialect, table: object, columns: Sequence[str]) -> str:
+def _typed(dialect: Dialect, table: Table, columns: Sequence[str]) -> str:
     """`CAST(%(c)s AS <type>), ...`: the parameters of an INSERT ... SELECT, typed (in a select
     list PostgreSQL would take an untyped NULL for text)."""
-    assert isinstance(table, Table)
     types = {c: table.c[c].type.compile(dialect=dialect) for c in columns}
     return ", ".join(f"CAST(%({c})s AS {types[c]})" for c in columns)
 
@@ -274,12 +272,12 @@ def _one_trace_sql(dialect: Dialect) -> str:
             SELECT id FROM numerical_configs WHERE content_sha256 = %(config_sha256)s
         ), trace_key AS (
             INSERT INTO trace_keys ({", ".join(key_columns)})
-            SELECT {_typed(dialect, TraceKey.__table__, key_columns)} FROM config
+            SELECT {_typed(dialect, _table(TraceKey), key_columns)} FROM config
             ON CONFLICT DO NOTHING
             RETURNING public_id
         ), trace AS (
             INSERT INTO traces ({", ".join(columns)}, config_id)
-            SELECT {_typed(dialect, Trace.__table__, columns)}, config.id FROM trace_key, config
+            SELECT {_typed(dialect, _table(Trace), columns)}, config.id FROM trace_key, config
             RETURNING id, public_id, created_at
         ), tag AS (
             INSERT INTO trace_tags (trace_id, trace_created_at, tag)
@@ -320,29 +318,17 @@ def insert_one_trace(
     return OneTraceInsert(config_id, trace)
 
 
-def public_ids_by_content(
-    session: Session, project_id: int, content_sha256s: Collection[str]
+def public_ids_by(
+    session: Session, project_id: int, column: InstrumentedAttribute[Any], values: Collection[str]
 ) -> dict[str, str]:
-    """content_sha256 -> public id of the project's traces with that content."""
+    """`column` value (`TraceKey.content_sha256` or `TraceKey.external_id`) -> public id of the
+    project's trace carrying it."""
     found: dict[str, str] = {}
-    for chunk in _chunks(sorted(content_sha256s)):
-        stmt = select(TraceKey.content_sha256, TraceKey.public_id).where(
-            TraceKey.project_id == project_id, TraceKey.content_sha256.in_(chunk)
+    for chunk in _chunks(sorted(values)):
+        stmt = select(column, TraceKey.public_id).where(
+            TraceKey.project_id == project_id, column.in_(chunk)
         )
-        found.update({sha: public_id for sha, public_id in session.execute(stmt)})
-    return found
-
-
-def public_ids_by_external_id(
-    session: Session, project_id: int, external_ids: Collection[str]
-) -> dict[str, str]:
-    """external_id -> public id of the project's traces carrying it."""
-    found: dict[str, str] = {}
-    for chunk in _chunks(sorted(external_ids)):
-        stmt = select(TraceKey.external_id, TraceKey.public_id).where(
-            TraceKey.project_id == project_id, TraceKey.external_id.in_(chunk)
-        )
-        found.update({ext: public_id for ext, public_id in session.execute(stmt) if ext})
+        found.update({value: public_id for value, public_id in session.execute(stmt)})
     return found
 
 

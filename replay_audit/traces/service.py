@@ -34,7 +34,7 @@ from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import Conflict, FieldError, NotFound, ReplayAuditError
 from replay_audit.telemetry.metric import BATCH_ITEMS, TRACES_INGESTED
 from replay_audit.traces import repository
-from replay_audit.traces.models import Trace
+from replay_audit.traces.models import Trace, TraceKey
 from replay_audit.traces.repository import (
     ConfigValues,
     TraceContent,
@@ -327,12 +327,13 @@ def _resolve(
     results: list[IngestResult | ReplayAuditError | None],
 ) -> None:
     not_inserted = [p for p in prepared if p.content_sha256 not in inserted]
-    existing = repository.public_ids_by_content(
-        session, project_id, {p.content_sha256 for p in not_inserted}
+    existing = repository.public_ids_by(
+        session, project_id, TraceKey.content_sha256, {p.content_sha256 for p in not_inserted}
     )
-    taken = repository.public_ids_by_external_id(
+    taken = repository.public_ids_by(
         session,
         project_id,
+        TraceKey.external_id,
         {
             p.trace.external_id
             for p in not_inserted
