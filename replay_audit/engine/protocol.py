@@ -249,9 +249,8 @@ class Target:
         def get(key: str) -> Any:
             return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
-        extras = get("extras") or {}
-        dtype = str(get("dtype"))
-        weight = get("weight_dtype")
+        dtype, weight = str(get("dtype")), get("weight_dtype")
+        pinned = (get("extras") or {}).get("sdpa_backend")
         return cls(
             dtype=dtype,
             lm_head_dtype=get("lm_head_dtype"),
@@ -261,13 +260,8 @@ class Target:
             weight_dtype=weight if weight in BODY_DTYPES and weight != dtype else None,
             deterministic=get("deterministic"),
             tf32=get("tf32"),
-            sdpa_backend=_pinned_backend(extras.get("sdpa_backend")),
+            sdpa_backend=pinned if isinstance(pinned, str) and pinned in SDPA_BACKENDS else None,
         )
-
-
-def _pinned_backend(value: object) -> str | None:
-    """An SDPA backend a logged configuration pinned (`extras.sdpa_backend`), if it names one."""
-    return value if isinstance(value, str) and value in SDPA_BACKENDS else None
 
 
 class LoadOptions(TypedDict, total=False):
