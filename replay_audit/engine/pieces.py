@@ -25,14 +25,8 @@ from replay_audit.diff.pieces import Piece, piece_of
 def _bytes_to_unicode() -> dict[int, str]:
     # GPT-2's table: printable bytes stand for themselves, the others are shifted past 255.
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars = list(printable)
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return dict(zip(printable, map(chr, chars), strict=True))
+    others = [b for b in range(256) if b not in printable]
+    return {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(others)}
 
 
 #: Character of a byte-level token string -> the byte it stands for.
@@ -66,13 +60,10 @@ class PieceReader:
         self._cache: dict[int, Piece] = {}
 
     def __call__(self, ids: Sequence[int]) -> tuple[Piece, ...]:
-        out = []
-        for i in ids:
-            piece = self._cache.get(int(i))
-            if piece is None:
-                piece = self._cache[int(i)] = self._piece(int(i))
-            out.append(piece)
-        return tuple(out)
+        for i in map(int, ids):
+            if i not in self._cache:
+                self._cache[i] = self._piece(i)
+        return tuple(self._cache[int(i)] for i in ids)
 
     def _piece(self, token_id: int) -> Piece:
         token = self._tokenizer.convert_ids_to_tokens(token_id)
