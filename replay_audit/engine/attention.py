@@ -80,9 +80,7 @@ _installed: list[Callable[..., torch.Tensor]] = []
 _install_lock = threading.Lock()
 
 
-def _meta(t: torch.Tensor | None) -> tuple[object, ...] | None:
-    if t is None:
-        return None
+def _meta(t: torch.Tensor) -> tuple[object, ...]:
     return (tuple(t.shape), t.stride(), str(t.dtype))
 
 
@@ -126,13 +124,12 @@ class Observed:
         assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
         assert isinstance(v, torch.Tensor) and (mask is None or isinstance(mask, torch.Tensor))
         options = SdpaOptions.of(given)
-        signature = (_meta(q), _meta(k), _meta(v), _meta(mask), options, str(q.device))
+        shapes = (_meta(q), _meta(k), _meta(v), _meta(mask) if mask is not None else None)
+        signature = (*shapes, options, str(q.device))
         backend = self._chosen.get(signature)
         if backend is None:
             backend = self._chosen[signature] = _choice(q, k, v, mask, options)
-        call = SdpaCall(
-            _meta(q) or (), _meta(k) or (), _meta(v) or (), _meta(mask), options, backend
-        )
+        call = SdpaCall(*shapes, options, backend)
         self.by_phase.setdefault(call.phase, set()).add(backend)
         if self.keep_calls:
             self.calls.append(call)
