@@ -425,13 +425,10 @@ def scan_items(items: Sequence[ReplayItem], pool: EnginePool, options: ReplayOpt
     scanned = forwards = 0
     seconds = 0.0
     for arm, members in groups.values():
+        traces = [items[i].trace for i in members]
         batch_items = [
-            ScanItem(
-                items[i].trace.prompt_token_ids.tolist(),
-                items[i].trace.output_token_ids.tolist(),
-                items[i].trace.processors,
-            )
-            for i in members
+            ScanItem(t.prompt_token_ids.tolist(), t.output_token_ids.tolist(), t.processors)
+            for t in traces
         ]
         t0 = time.perf_counter()
         try:
@@ -827,15 +824,14 @@ def _arm_outcome(
     run = r.a if side == "a" else r.b
     trace = r.item.trace
     if run.arm is None or run.steps is None:  # the logged tokens
-        logged_arm = r.logged_arm
         return ArmOutcome(
             target=trace.config,
             output_token_ids=None,
             margin=margin,
             gate_fired_at_divergence=fired,
             environment=(
-                _environment(logged_arm.engine, False, side in r.batched)
-                if logged_arm is not None
+                _environment(r.logged_arm.engine, False, side in r.batched)
+                if r.logged_arm is not None
                 else None
             ),
             text=trace.output_text,

@@ -227,14 +227,10 @@ def result_json(
     arm_b = _arm_json(b, row.output_b, row.resolved_b, row.gate_triggers, row.n_steps, row.mean_gap)
     margins = None
     if ok and row.first_divergence_step is not None:
-        ma = {
-            "abs": row.margin_a,
-            "ulps": row.margin_a_ulps,
-            "source": row.margin_a_source or "unavailable",
-        }
+        source_a = row.margin_a_source or "unavailable"
         source_b = "scan" if detail.get("mode") == "scan" else "decode"
         margins = {
-            "a": ma,
+            "a": {"abs": row.margin_a, "ulps": row.margin_a_ulps, "source": source_a},
             "b": {"abs": row.margin_b, "ulps": row.margin_b_ulps, "source": source_b},
         }
     return {
