@@ -4,21 +4,18 @@ Contract (DESIGN.md): the job takes an id, reloads its rows, is idempotent, and 
 trace's results in one transaction (a decode job one trace per transaction; a scan job a window
 of traces per transaction, `RERUN_WINDOW`). It may be killed at any point and run again (and
 returns between two traces, or windows, when its runner is stopping): results already written
-are skipped (and
-`INSERT ... ON CONFLICT DO NOTHING` on the unique (run, trace, comparison) key makes a race
-between two copies harmless); the run is finalised by whichever job finishes last, under a row
-lock on the run.
+are skipped (and `INSERT ... ON CONFLICT DO NOTHING` on the unique (run, trace, comparison) key
+makes a race between two copies harmless); the run is finalised by whichever job finishes last,
+under a row lock on the run.
 
 A worker has one `worker.context.WorkerContext` (its settings and its engines, each checkpoint
 loaded once per format and kept loaded), owned by the worker, never by this module.
 
-In the scan modes the job first scans all its traces that still need a result, several per
-forward (`Engine.scan_batch`: length buckets packed up to `Settings.scan_token_budget` tokens),
-one batch per engine and intervention, then finishes its traces a window at a time
-(`pipeline.replay_items`: a scan-then-decode trace the scan flags, by a mismatch or a near-tie,
-or one in the control sample, is decoded; the single-step re-runs at t* of the window's
-divergent traces run as batched forwards), writing the window's results in one transaction. A
-job logs how many traces it did and how fast (traces/s, and the scan's alone).
+In the scan modes the job first scans all its traces that still need a result, batched
+(`pipeline.scan_items`, up to `Settings.scan_token_budget` tokens a forward), then finishes
+them a window at a time (`pipeline.replay_traces`, which decodes what the scans flag and
+batches the window's single-step re-runs at t*), writing each window's results in one
+transaction. A job logs how many traces it did and how fast (traces/s, and the scan's alone).
 """
 
 from __future__ import annotations
