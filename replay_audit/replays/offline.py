@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pydantic import ValidationError
 
 from replay_audit.engine.pool import EnginePool
+from replay_audit.engine.protocol import ScanRun
 from replay_audit.exceptions import FieldError, ReplayAuditError
 from replay_audit.formats import EXTRA_PROCESSORS, Mode, processors_not_applied
 from replay_audit.json_value import JsonObject, as_int
@@ -197,12 +197,11 @@ def replay_file(
         for i in todo
     }
     result = OfflineResult(None, mode, len(parsed), len(done))
-    scans: dict[int, list[Any]] = {i: [None] * len(comparisons) for i in todo}
-    if mode != "decode" and todo:  # every trace's scans first, several per forward
-        flat = [(i, k, it) for i in todo for k, it in enumerate(items[i])]
-        batched = scan_items([it for _, _, it in flat], pool, options)
-        for (i, k, _), run in zip(flat, batched.runs, strict=True):
-            scans[i][k] = run
+    # Every trace's scans first, several per forward (none in decode mode).
+    batched = scan_items([it for i in todo for it in items[i]], pool, options)
+    runs = iter(batched.runs)
+    scans = {i: [next(runs) for _ in comparisons] for i in todo}
+    if mode != "decode" and todo:
         rate = batched.scanned / batched.seconds if batched.seconds > 0 else 0.0
         result.notes.append(
             f"scanned {batched.scanned} items in {batched.forwards} forwards, "
@@ -252,7 +251,7 @@ def _replayed(
     p: ParsedTrace,
     index: int,
     items: list[ReplayItem],
-    scans: list[Any],
+    scans: list[ScanRun | None],
     pool: EnginePool,
     options: ReplayOptions,
     reproduce: bool,
