@@ -28,39 +28,31 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class _GcPause:
-    """Counts the blocks that want the collector off; restores it when the last one ends."""
+    """`gc_paused()`: pause the cyclic GC for the block; nests and is safe across threads (the
+    collector runs again once the last block ends, if it ran before the first)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._depth = 0
         self._was_enabled = True
 
-    def enter(self) -> None:
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
         with self._lock:
             if self._depth == 0:
                 self._was_enabled = gc.isenabled()
                 gc.disable()
             self._depth += 1
-
-    def exit(self) -> None:
-        with self._lock:
-            self._depth -= 1
-            if self._depth == 0 and self._was_enabled:
-                gc.enable()
-
-
-_gc_pause = _GcPause()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0 and self._was_enabled:
+                    gc.enable()
 
 
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC for the block; nests and is safe across threads (the collector runs
-    again once the last block ends)."""
-    _gc_pause.enter()
-    try:
-        yield
-    finally:
-        _gc_pause.exit()
+gc_paused = _GcPause()
 
 
 def parse_model(body: bytes, model: type[M], *, strict: bool | None = None) -> M:

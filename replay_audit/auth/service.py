@@ -169,15 +169,20 @@ def authenticate(
     matches = hmac.compare_digest(expected, digest)
     if api_key is None or not matches or api_key.revoked_at is not None:
         raise NotAuthenticated("invalid or revoked API key")
-    principal = Principal(
+    principal = principal_of(api_key)
+    if cache is not None:
+        cache.put(digest, principal)
+    return principal
+
+
+def principal_of(api_key: ApiKey) -> Principal:
+    """The caller a key row stands for (checked by the caller: found, matching, not revoked)."""
+    return Principal(
         api_key_id=api_key.id,
         project_id=api_key.project_id,
         project=api_key.project.name,
         role=Role(api_key.role),
     )
-    if cache is not None:
-        cache.put(digest, principal)
-    return principal
 
 
 def list_api_keys(session: Session, project_id: int) -> list[ApiKeyRead]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import importlib
 import logging
 import queue as stdlib_queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol
@@ -245,6 +246,17 @@ def rq_name(settings: Settings, name: str) -> str:
     return settings.queue_prefix + name
 
 
+@contextlib.contextmanager
+def _unreachable_as_unavailable() -> Iterator[None]:
+    """A Redis error inside the block is `QueueUnavailable` saying so."""
+    from redis.exceptions import RedisError
+
+    try:
+        yield
+    except RedisError as e:
+        raise QueueUnavailable(f"the job queue (Redis) is unreachable: {e}") from e
+
+
 class RQRunner:
     """Sends jobs to Redis for `rq` workers (`replay-audit worker --queue gpu`). `prefix`
     (REPLAY_AUDIT_QUEUE_PREFIX) is prepended to queue names and job ids, in Redis only: specs
@@ -260,45 +272,30 @@ class RQRunner:
         self.prefix = prefix
 
     def ping(self) -> None:
-        from redis.exceptions import RedisError
-
-        try:
+        with _unreachable_as_unavailable():
             self.connection.ping()
-        except RedisError as e:
-            raise QueueUnavailable(f"the job queue (Redis) is unreachable: {e}") from e
 
     def enqueue(self, spec: JobSpec) -> None:
-        from redis.exceptions import RedisError
-
-        try:
-            self._enqueue(spec)
-        except RedisError as e:
-            raise QueueUnavailable(f"the job queue (Redis) is unreachable: {e}") from e
-
-    def _enqueue(self, spec: JobSpec) -> None:
         from rq import Queue, Retry
 
-        Queue(self.prefix + spec.queue, connection=self.connection).enqueue(
-            spec.func,
-            *spec.args,
-            job_id=self.prefix + spec.job_id,
-            job_timeout=spec.timeout_s,
-            retry=Retry(max=len(spec.retry_intervals_s), interval=list(spec.retry_intervals_s)),
-            result_ttl=24 * 3600,
-            failure_ttl=7 * 24 * 3600,
-        )
+        with _unreachable_as_unavailable():
+            Queue(self.prefix + spec.queue, connection=self.connection).enqueue(
+                spec.func,
+                *spec.args,
+                job_id=self.prefix + spec.job_id,
+                job_timeout=spec.timeout_s,
+                retry=Retry(max=len(spec.retry_intervals_s), interval=list(spec.retry_intervals_s)),
+                result_ttl=24 * 3600,
+                failure_ttl=7 * 24 * 3600,
+            )
 
     def live_workers(self) -> list[LiveWorker]:
         """This deployment's live workers, as they announced themselves (`QueueUnavailable`
         when Redis does not answer)."""
-        from redis.exceptions import RedisError
-
         from replay_audit.queue.state import announced_workers
 
-        try:
+        with _unreachable_as_unavailable():
             return announced_workers(self.connection, self.prefix)
-        except RedisError as e:
-            raise QueueUnavailable(f"the job queue (Redis) is unreachable: {e}") from e
 
     def is_queued(self, job_id: str) -> bool:
         """Queued, deferred, scheduled for a retry, or started by a worker still alive."""

@@ -90,10 +90,9 @@ def create_ui_app(parent: FastAPI) -> FastAPI:
         openapi_url=None,
         dependencies=[Depends(refuse_unstorable_parameters)],
     )
-    ui.state.settings = parent.state.settings
-    ui.state.engine = parent.state.engine
-    ui.state.sessionmaker = parent.state.sessionmaker
-    ui.state.queue = parent.state.queue  # the run page says why jobs wait (`pending_reason`)
+    # The queue: the run page says why jobs wait (`pending_reason`).
+    for name in ("settings", "engine", "sessionmaker", "queue"):
+        setattr(ui.state, name, getattr(parent.state, name))
     ui.add_exception_handler(SignInRequired, _sign_in_required)
     ui.add_exception_handler(ReplayAuditError, _domain_error)
     ui.add_exception_handler(RequestValidationError, _validation_error)
@@ -101,11 +100,8 @@ def create_ui_app(parent: FastAPI) -> FastAPI:
     ui.add_exception_handler(OperationalError, _database_error)
     ui.add_exception_handler(InterfaceError, _database_error)
     ui.add_exception_handler(Exception, _unexpected)
-    ui.include_router(router)
-    ui.include_router(audit_router)
-    ui.include_router(screening_router)
-    ui.include_router(verification_router)
-    ui.include_router(trace_router)
+    for r in (router, audit_router, screening_router, verification_router, trace_router):
+        ui.include_router(r)
     ui.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return ui
 

@@ -37,7 +37,7 @@ from typing import Any, Final
 from sqlalchemy.orm import Session
 
 from replay_audit.auth import service as auth_service
-from replay_audit.auth.models import READER_ROLES, Role
+from replay_audit.auth.models import READER_ROLES
 from replay_audit.auth.schemas import Principal
 from replay_audit.config import Settings
 from replay_audit.exceptions import NotAuthenticated, PermissionDenied
@@ -188,12 +188,7 @@ def principal_for(session: Session, ui_session: UiSession) -> Principal:
     api_key = auth_service.find_api_key(session, ui_session.lookup)
     if api_key is None or api_key.revoked_at is not None:
         raise NotAuthenticated("the key of this session was revoked; sign in again")
-    role = Role(api_key.role)
-    if role not in UI_ROLES:
+    principal = auth_service.principal_of(api_key)
+    if principal.role not in UI_ROLES:
         raise PermissionDenied("this key may not browse reports")
-    return Principal(
-        api_key_id=api_key.id,
-        project_id=api_key.project_id,
-        project=api_key.project.name,
-        role=role,
-    )
+    return principal
