@@ -39,11 +39,7 @@ def main() -> int:
         if device_type == "cuda":
             torch.cuda.set_device(placement.rank)
         timeout = timedelta(seconds=float(env[ENV_TIMEOUT_S]))
-    except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        return 1
-    conn.send(("started", ""))
-    try:
+        conn.send(("started", ""))
         store = dist.TCPStore(  # type: ignore[attr-defined]
             env["MASTER_ADDR"],
             int(env["MASTER_PORT"]),
