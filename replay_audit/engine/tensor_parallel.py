@@ -188,13 +188,9 @@ class TpGroup:
             "tensor-parallel group of %d ranks (%s, %s): rank pids %s",
             degree,
             device_type,
-            self.backend,
+            backend_for(device_type),
             ", ".join(str(p.pid) for p in self._procs),
         )
-
-    @property
-    def backend(self) -> str:
-        return backend_for(self.device_type)
 
     @property
     def alive(self) -> bool:
