@@ -402,6 +402,7 @@ class ResolvedArm:
         path = extras.get("decoder") or extras.get("kv_cache")
         versions = stack_versions(environment)
         gpu_label = f"{gpu['name']} (sm {gpu['sm']})" if isinstance(gpu, Mapping) else None
+        gpu_name = gpu.get("name") if isinstance(gpu, Mapping) else None
         return cls(
             dtype=str(environment["dtype"]),
             lm_head_dtype=str(environment.get("lm_head_dtype") or environment["dtype"]),
@@ -424,11 +425,7 @@ class ResolvedArm:
             fp8_linear=bool(extras.get("fp8_linear")),
             versions=versions,
             stack_differs=(
-                stack_differences(
-                    logged, versions, gpu.get("name") if isinstance(gpu, Mapping) else None
-                )
-                if logged is not None
-                else ()
+                stack_differences(logged, versions, gpu_name) if logged is not None else ()
             ),
             batch_layout=layout,
         )

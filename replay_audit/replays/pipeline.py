@@ -797,14 +797,12 @@ def _margin_a(
 def _single_step(r: _Replayed, t_star: int, reruns: _Reruns) -> SingleStep:
     """From-scratch forwards over prompt ‖ y<t* in both arms: does the flip reproduce?"""
     b = _choice(reruns["b"])
-    a: SingleStepChoice | None
+    a: SingleStepChoice | None = None
     if "a" in reruns:
         a = _choice(reruns["a"])
     elif t_star < len(r.a.ids) and r.a.arm is None:
         # The logged format cannot run here: its logged token stands in for its re-run.
         a = SingleStepChoice(r.a.ids[t_star], None, "logged_token")
-    else:
-        a = None
     return SingleStep(step=t_star, a=a, b=b, disagree=None if a is None else a.token != b.token)
 
 

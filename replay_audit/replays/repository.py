@@ -120,12 +120,9 @@ def insert_results_of(
     ids = [t for t, rows in results if rows]
     if not ids:
         return
-    created = {
-        trace_id: at
-        for trace_id, at in session.execute(
-            select(Trace.id, Trace.created_at).where(Trace.id.in_(ids))
-        )
-    }
+    created = dict(
+        session.execute(select(Trace.id, Trace.created_at).where(Trace.id.in_(ids))).all()
+    )
     now = utcnow()
     values = [
         {
@@ -164,10 +161,8 @@ def lock_run(session: Session, run_id: int) -> ReplayRun:
 
 def count_unfinished_jobs(session: Session, run_id: int) -> int:
     """How many jobs of the run are not done."""
-    count = session.scalar(
-        select(func.count()).where(ReplayJob.run_id == run_id, ReplayJob.status != "done")
-    )
-    return int(count or 0)
+    stmt = select(func.count()).where(ReplayJob.run_id == run_id, ReplayJob.status != "done")
+    return int(session.scalar(stmt) or 0)
 
 
 def release_job(session: Session, job_id: int) -> None:
