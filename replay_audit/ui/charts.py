@@ -9,6 +9,7 @@ Content-Security-Policy forbids inline styles), so the charts follow the page's 
     category_chart       category shares with their Wilson intervals
     lift_chart           lifts (EAR difference) with their bootstrap intervals, a zero line
     margin_track_chart   per-step margins of both arms on a log axis, gate firings, t*
+    margin_at_divergence_chart  both arms' margins at t* (log_histogram_chart)
     null_chart           verification: each group's score against its benign null and threshold
 """
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from markupsafe import Markup, escape
 
-from replay_audit.stats.report import LiftReport, ProportionRead
+from replay_audit.stats.report import LiftReport, MarginReport, ProportionRead
 from replay_audit.stats.summary import Histogram, LogHistogram
 
 WIDTH = 640
@@ -196,6 +197,17 @@ def log_histogram_chart(series: Sequence[Series], x_label: str, height: int = 22
         body.append(_text(legend_x, height - 4, name, f"legend {s.css}", anchor="end"))
         legend_x -= 9 * len(name) + 16
     return _svg(height, body, label)
+
+
+def margin_at_divergence_chart(m: MarginReport, *, ulps: bool = False) -> Markup:
+    """Both arms' margins at t*: in logits, or in ulps of each arm's lm_head format."""
+    a, b = (m.histogram_a_ulps, m.histogram_b_ulps) if ulps else (m.histogram_a, m.histogram_b)
+    return log_histogram_chart(
+        [Series("arm A", a, "series-logged"), Series("arm B", b, "series-replay")],
+        "margin at t* in ulps of the arm's lm_head format"
+        if ulps
+        else "margin at t* (top-1 \u2212 top-2 logit)",
+    )
 
 
 def category_chart(categories: dict[str, ProportionRead], height: int | None = None) -> Markup:

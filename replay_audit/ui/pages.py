@@ -35,21 +35,20 @@ from replay_audit.replays.domain import (
     is_treatment,
     logging_engine,
 )
+from replay_audit.replays.models import ReplayRun
 from replay_audit.replays.service import pending_reason, ran, results_per_s
 from replay_audit.reports import browsing, statistics
 from replay_audit.reports.endpoints import export_response
 from replay_audit.reports.filters import ResultFilter, RunFilter
 from replay_audit.reports.schemas import RunReport
 from replay_audit.screenings import service as screenings_service
-from replay_audit.stats.report import MarginReport
 from replay_audit.ui import session as ui_session
 from replay_audit.ui import trace_view
 from replay_audit.ui.charts import (
-    Series,
     category_chart,
     histogram_chart,
     lift_chart,
-    log_histogram_chart,
+    margin_at_divergence_chart,
 )
 from replay_audit.ui.templating import render
 from replay_audit.verifications import service as verifications_service
@@ -314,22 +313,18 @@ class ComparisonCharts:
     margin_ulps: Markup
 
 
-def _run_charts(report: RunReport) -> list[ComparisonCharts]:
-    def margins(m: MarginReport, ulps: bool) -> list[Series]:
-        a, b = (m.histogram_a_ulps, m.histogram_b_ulps) if ulps else (m.histogram_a, m.histogram_b)
-        return [Series("arm A", a, "series-logged"), Series("arm B", b, "series-replay")]
+def _comparison_labels(run: ReplayRun) -> list[str]:
+    """Each comparison's label, by index."""
+    return [comparison_label(c, run.run_targets) for c in run.run_comparisons]
 
+
+def _run_charts(report: RunReport) -> list[ComparisonCharts]:
     return [
         ComparisonCharts(
             categories=category_chart(c.categories),
             t_star=histogram_chart(c.t_star_histogram, "first divergence step t*"),
-            margin=log_histogram_chart(
-                margins(c.margin_at_divergence, False), "margin at t* (top-1 \u2212 top-2 logit)"
-            ),
-            margin_ulps=log_histogram_chart(
-                margins(c.margin_at_divergence, True),
-                "margin at t* in ulps of the arm's lm_head format",
-            ),
+            margin=margin_at_divergence_chart(c.margin_at_divergence),
+            margin_ulps=margin_at_divergence_chart(c.margin_at_divergence, ulps=True),
         )
         for c in report.comparisons
     ]
@@ -455,8 +450,8 @@ def flips(
         a=a,
         b=b,
         kind=kind,
-        label_a=comparison_label(run_a.run_comparisons[a], run_a.run_targets),
-        label_b=comparison_label(run_b.run_comparisons[b], run_b.run_targets),
+        label_a=_comparison_labels(run_a)[a],
+        label_b=_comparison_labels(run_b)[b],
         page=page,
         next_query=urllib.parse.urlencode(query | {"after": page.next_after})
         if page.next_after is not None
@@ -510,10 +505,7 @@ def trace_page(
         run=run,
         trace=trace,
         results=results,
-        labels={
-            r.comparison: comparison_label(run.run_comparisons[r.comparison], run.run_targets)
-            for r in results
-        },
+        labels=_comparison_labels(run),  # by comparison index
         view=view,
         trace_engine=logging_engine(trace.config.config_json),
         previous=previous,
@@ -547,14 +539,8 @@ def compare(
         ca=ca,
         cb=cb,
         report=report,
-        comparisons_a=[
-            (i, comparison_label(run_a.run_comparisons[i], run_a.run_targets))
-            for i in range(len(run_a.comparisons))
-        ],
-        comparisons_b=[
-            (i, comparison_label(run_b.run_comparisons[i], run_b.run_targets))
-            for i in range(len(run_b.comparisons))
-        ],
+        comparisons_a=list(enumerate(_comparison_labels(run_a))),
+        comparisons_b=list(enumerate(_comparison_labels(run_b))),
         pair_chart=lift_chart([report.pair]),
         # The same two runs and comparisons with the baseline and the treated run exchanged.
         swap_query=urllib.parse.urlencode(

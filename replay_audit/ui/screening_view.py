@@ -16,6 +16,7 @@ from replay_audit.ui.charts import (
     histogram_chart,
     lift_chart,
     log_histogram_chart,
+    margin_at_divergence_chart,
 )
 from replay_audit.ui.templating import ENV, STATIC_DIR
 
@@ -69,13 +70,7 @@ def charts(report: ScreeningReport) -> Charts:
             if td is not None
             else None
         ),
-        "pair_margin_chart": log_histogram_chart(
-            [
-                Series("arm A", pair.baseline.margin_at_divergence.histogram_a, "series-logged"),
-                Series("arm B", pair.baseline.margin_at_divergence.histogram_b, "series-replay"),
-            ],
-            "margin at t* (top-1 \u2212 top-2 logit)",
-        ),
+        "pair_margin_chart": margin_at_divergence_chart(pair.baseline.margin_at_divergence),
     }
 
 
