@@ -172,9 +172,8 @@ class ReplayOptions:
 
     def window(self, logged: Sequence[int]) -> DecodeWindow | None:
         """The decode window of a decode compared with `logged` (None: decode to the end)."""
-        if self.decode_window is None:
-            return None
-        return DecodeWindow(tuple(logged), self.decode_window)
+        n = self.decode_window
+        return DecodeWindow(tuple(logged), n) if n is not None else None
 
 
 @dataclass(frozen=True)

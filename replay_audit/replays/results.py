@@ -164,9 +164,8 @@ def _resolved(arm: ArmOutcome) -> str | None:
 
 
 def _tokens(arm: ArmOutcome) -> npt.NDArray[np.int32] | None:
-    if arm.output_token_ids is None:
-        return None
-    return np.asarray(arm.output_token_ids, np.int32)
+    ids = arm.output_token_ids
+    return np.asarray(ids, np.int32) if ids is not None else None
 
 
 def failed_values(comparison: int, reason: str) -> ResultRow:

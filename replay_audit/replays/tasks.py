@@ -295,10 +295,9 @@ def _count_decode(outcome: ReplayOutcome, gpu_kind: str) -> None:
     settled was counted by `_scan_all`)."""
     if outcome.mode == "scan" or outcome.screen == "scanned":
         return
-    arms = (outcome.a, outcome.b)
     REPLAY_TRACES.labels("decoded", gpu_kind).inc()
     REPLAY_TOKENS.labels("decoded", gpu_kind).inc(
-        sum(arm.steps or 0 for arm in arms if arm.resolved is not None)
+        sum(arm.steps or 0 for arm in (outcome.a, outcome.b) if arm.resolved is not None)
     )
 
 
