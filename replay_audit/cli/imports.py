@@ -177,8 +177,7 @@ def _read_items(fmt: str, path: Path) -> Iterator[tuple[str, Any]]:
                     "a text file, not what torch.save writes: a JSON log is a .json or .jsonl file"
                 )
             else:  # torch's weights-only refusal is long; its "WeightsUnpickler" line says why
-                lines = [x for x in str(e).splitlines() if "WeightsUnpickler" in x] or [str(e)]
-                why = lines[0]
+                why = ([x for x in str(e).splitlines() if "WeightsUnpickler" in x] or [str(e)])[0]
             yield str(path), _Unreadable(f"not a generate() output loadable safely ({why})")
         return
     try:

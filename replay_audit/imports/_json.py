@@ -43,8 +43,7 @@ def token_id(value: Any, path: str) -> int:
 
 
 def token_ids(value: Any, path: str) -> list[int]:
-    items = seq(value, path)
-    return [token_id(v, f"{path}[{i}]") for i, v in enumerate(items)]
+    return [token_id(v, f"{path}[{i}]") for i, v in enumerate(seq(value, path))]
 
 
 def number(value: Any, path: str) -> float:

@@ -200,8 +200,7 @@ def logged_top_k(
                 continue
             present[token_id] = max(value, present.get(token_id, -math.inf))
         rows.append(sorted(present.items(), key=lambda p: (-p[1], p[0])))
-    k = min((len(r) for r in rows), default=0)
-    k = min(k, max_k)
+    k = min(min((len(r) for r in rows), default=0), max_k)
     if greedy:
         for t, (row, token) in enumerate(zip(rows, output_token_ids, strict=True)):
             if not row:
@@ -307,7 +306,7 @@ def _config(
     # A property of the source's mode, not of one trace (so one server's traces share a
     # configuration): what a top-k of these traces holds, "none" when it gives no margin.
     extras[EXTRA_TOP_K_VALUES] = values_kind or "none"
-    config: dict[str, object] = {
+    return {
         "dtype": context.dtype,
         "lm_head_dtype": context.lm_head_dtype,
         "weight_dtype": context.weight_dtype,
@@ -325,7 +324,6 @@ def _config(
         "tf32": context.tf32,
         "extras": extras,
     }
-    return config
 
 
 def _model(gen: Generation, context: ImportContext) -> dict[str, object]:

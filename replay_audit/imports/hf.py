@@ -67,8 +67,7 @@ def _field(output: Any, name: str) -> Any:
 
 def _top_pairs(row: npt.NDArray[np.float64], k: int) -> list[tuple[int, float]]:
     kk = min(k, row.shape[0])
-    idx = np.argpartition(-row, kk - 1)[:kk]
-    return [(int(i), float(row[i])) for i in idx]
+    return [(int(i), float(row[i])) for i in np.argpartition(-row, kk - 1)[:kk]]
 
 
 def generations_from_generate(
@@ -91,10 +90,11 @@ def generations_from_generate(
     if sequences.ndim != 2 or sequences.shape[0] == 0:
         raise j.fail(f"{path}.sequences", "expected a (batch, length) array of token ids")
     batch = sequences.shape[0]
-    if input_ids is None:
-        input_ids = _field(output, "input_ids")
-    if attention_mask is None:
-        attention_mask = _field(output, "attention_mask")
+    input_ids = _field(output, "input_ids") if input_ids is None else input_ids
+    attention_mask = _field(output, "attention_mask") if attention_mask is None else attention_mask
+    # The raw logits where they were kept, else the processed scores (no logged margin).
+    values_field = "logits" if _field(output, "logits") is not None else "scores"
+    logits = _field(output, values_field)
     if input_ids is not None:
         prompts = _array(input_ids, f"{path}.input_ids", floating=False)
         if prompts.ndim == 1:
@@ -104,11 +104,9 @@ def generations_from_generate(
         n_prompt = prompts.shape[1]
     else:
         n_prompt_value = _field(output, "prompt_length")
-        values = _field(output, "logits")
-        values = _field(output, "scores") if values is None else values
-        if n_prompt_value is None and values is not None:
+        if n_prompt_value is None and logits is not None:
             # One logits (or scores) row per new token: the rest of `sequences` is the prompt.
-            n_prompt_value = sequences.shape[1] - len(values)
+            n_prompt_value = sequences.shape[1] - len(logits)
         if not isinstance(n_prompt_value, int) or n_prompt_value < 1:
             raise j.fail(f"{path}.input_ids", "give the prompt ids (input_ids) or prompt_length")
         n_prompt = n_prompt_value
@@ -129,12 +127,7 @@ def generations_from_generate(
         if mask.shape != prompts.shape:
             raise j.fail(f"{path}.attention_mask", "must have input_ids' shape")
 
-    logits = _field(output, "logits")
-    mode: LogprobsMode = "raw_logits"
-    values_field = "logits"
-    if logits is None:
-        logits = _field(output, "scores")
-        mode, values_field = "processed_logits", "scores"
+    mode: LogprobsMode = "raw_logits" if values_field == "logits" else "processed_logits"
     n_steps = sequences.shape[1] - n_prompt
     step_rows: list[npt.NDArray[np.float64]] | None = None
     if logits is not None:

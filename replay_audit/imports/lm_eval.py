@@ -253,6 +253,5 @@ def task_from_filename(name: str) -> str | None:
     """`samples_<task>_<date>.jsonl` -> task (the date is the last `_` part)."""
     if not name.startswith("samples_") or not name.endswith(".jsonl"):
         return None
-    stem = name[len("samples_") : -len(".jsonl")]
-    task, sep, _ = stem.rpartition("_")
+    task, sep, _ = name[len("samples_") : -len(".jsonl")].rpartition("_")
     return task if sep and task else None
