@@ -135,8 +135,7 @@ class TorchEngine:
         self.max_cache_len = max_cache_len
         #: Compiled decoders by cache length (bucket), each with its own cache and graph.
         self._compiled: dict[int, CompiledDecoder] = {}
-        body_dtype = TORCH_DTYPES[target.dtype]
-        self.head = _lm_head(model, target.head_dtype, body_dtype, tp)
+        self.head = _lm_head(model, target.head_dtype, TORCH_DTYPES[target.dtype], tp)
         kernel = str(getattr(model.config, "_attn_implementation", None) or "eager")
         # The target as it actually runs: the attention kernel in use, not the one asked for.
         self._target = dataclasses.replace(target, attn_kernel=kernel, kv_cache=self.cache_kind)
@@ -328,8 +327,7 @@ class TorchEngine:
         processors: LogitsProcessors | None = None,
     ) -> ScanRun:
         iv = intervention or self._target.intervention
-        n_out = len(output_ids)
-        if n_out == 0:
+        if len(output_ids) == 0:
             return ScanRun(Steps.empty(top_k), np.zeros(0, bool), LoggedEvidence.empty())
         context = [*prompt_ids, *output_ids[:-1]]
         process = self._scan_processing([(0, ScanItem(prompt_ids, output_ids, processors))])
