@@ -92,10 +92,6 @@ def _body(traces: Sequence[TraceCreate]) -> bytes:
     )
 
 
-def _retryable(status: int) -> bool:
-    return status >= 500 or status == 429
-
-
 def send_batch(
     http: httpx.Client,
     traces: Sequence[TraceCreate],
@@ -129,7 +125,7 @@ def send_batch(
                     return None
                 rest = send_batch(http, traces[half:], deadline=deadline, stats=stats, sleep=sleep)
                 return None if rest is None else first + rest
-            if not _retryable(status):
+            if status < 500 and status != 429:
                 raise SendError(f"POST /v1/traces:batch answered {status}: {detail}")
         if deadline():
             logger.warning("giving up on %d traces: %s", len(traces), detail)

@@ -52,17 +52,6 @@ from replay_audit.traces.schemas import (
 )
 from replay_audit.traces.selection import TraceSelection
 
-__all__ = [
-    "TraceSelection",
-    "canonical_config",
-    "config_public_id",
-    "get_trace",
-    "ingest_trace",
-    "ingest_traces",
-    "list_traces",
-    "to_read",
-]
-
 TRACE_ID_PREFIX: Final = "tr"
 CONFIG_ID_PREFIX: Final = "cfg"
 MAX_PAGE_SIZE: Final = 500
@@ -160,10 +149,6 @@ def _config_row(config: NumericalConfig, config_json: str, sha: str, now: dateti
     }
 
 
-def _error_result(index: int, error: ReplayAuditError) -> IngestResult:
-    return IngestResult(index=index, status=error.status_code, error=error.to_dict())
-
-
 def ingest_trace(session: Session, project_id: int, trace: TraceCreate) -> IngestResult:
     """Store one trace: 201 `created: true`, or 200 `created: false` with the id of the trace
     with the same content. Raises Conflict (409, field `external_id`) when the external_id is
@@ -211,7 +196,9 @@ def ingest_traces(
     deduplicated, and each table gets one INSERT round trip. Never commits.
     """
     results = [
-        _error_result(index, r) if isinstance(r, ReplayAuditError) else r
+        IngestResult(index=index, status=r.status_code, error=r.to_dict())
+        if isinstance(r, ReplayAuditError)
+        else r
         for index, r in enumerate(_ingest(session, project_id, items))
     ]
     _count(session, results, batch=True)
@@ -430,12 +417,6 @@ def _model_ref(trace: Trace) -> ModelRef:
 CURSOR: Final = rf"^{TRACE_ID_PREFIX}_[0-9A-HJKMNP-TV-Z]{{26}}$"
 
 
-def _check_cursor(cursor: str) -> str:
-    if not re.fullmatch(CURSOR, cursor):
-        raise FieldError("cursor: not a cursor returned by this endpoint", field="cursor")
-    return cursor
-
-
 def list_traces(
     session: Session,
     project_id: int,
@@ -448,9 +429,10 @@ def list_traces(
     on the last page."""
     if not 1 <= limit <= MAX_PAGE_SIZE:
         raise FieldError(f"limit: must be between 1 and {MAX_PAGE_SIZE}", field="limit")
-    before = _check_cursor(cursor) if cursor is not None else None
+    if cursor is not None and not re.fullmatch(CURSOR, cursor):
+        raise FieldError("cursor: not a cursor returned by this endpoint", field="cursor")
     rows = repository.list_traces(
-        session, project_id, selection, limit=limit + 1, before_public_id=before
+        session, project_id, selection, limit=limit + 1, before_public_id=cursor
     )
     more = len(rows) > limit
     rows = rows[:limit]

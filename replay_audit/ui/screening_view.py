@@ -9,7 +9,7 @@ from typing_extensions import TypedDict
 
 from replay_audit.screenings.sweep.report import ScreeningReport
 from replay_audit.stats.report import ProportionRead
-from replay_audit.stats.summary import Histogram, histogram
+from replay_audit.stats.summary import histogram
 from replay_audit.ui.charts import (
     Series,
     category_chart,
@@ -19,10 +19,6 @@ from replay_audit.ui.charts import (
     margin_at_divergence_chart,
 )
 from replay_audit.ui.templating import ENV, STATIC_DIR
-
-
-def _td_histogram(values: list[float]) -> Histogram | None:
-    return histogram(values, [i / 20 for i in range(21)]) if values else None
 
 
 class Charts(TypedDict):
@@ -66,7 +62,10 @@ def charts(report: ScreeningReport) -> Charts:
         "lift_chart": lift_chart([pair.lift]) if pair.lift is not None else None,
         "margin_charts": margin_charts,
         "td_chart": (
-            histogram_chart(_td_histogram(td.per_prompt), "trigger density (share of steps)")
+            histogram_chart(
+                histogram(td.per_prompt, [i / 20 for i in range(21)]) if td.per_prompt else None,
+                "trigger density (share of steps)",
+            )
             if td is not None
             else None
         ),

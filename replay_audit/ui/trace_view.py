@@ -202,7 +202,7 @@ def _at(values: list[Any] | None, t: int) -> Any:
 def _run_here(name: str, label: str, target: JsonObject, read: ArmRead) -> ArmView:
     """Arm `name` as replayed here: its tokens, margins, gate and environment from `read`."""
     n_tokens = len(read.output_token_ids or [])
-    arm = ArmView(
+    return ArmView(
         name=name,
         label=label,
         tokens=[],
@@ -211,15 +211,14 @@ def _run_here(name: str, label: str, target: JsonObject, read: ArmRead) -> ArmVi
         margins=read.margins,
         requested={"target": target, "engine": read.target},
         environment=read.environment,
+        gate_fired_steps=list(read.gate_fired_steps or []),
+        gate_triggers=read.gate_triggers,
+        steps=read.steps,
+        trigger_rate=read.trigger_rate,
+        changed_steps=read.changed_steps,
+        mean_gap=read.mean_gap,
         pieces=_pieces(read.token_pieces, n_tokens),
     )
-    arm.gate_fired_steps = list(read.gate_fired_steps or [])
-    arm.gate_triggers = read.gate_triggers
-    arm.steps = read.steps
-    arm.trigger_rate = read.trigger_rate
-    arm.changed_steps = read.changed_steps
-    arm.mean_gap = read.mean_gap
-    return arm
 
 
 def build(
