@@ -22,12 +22,12 @@ import typer
 
 from replay_audit.cli.database import fail
 from replay_audit.cli.root import CommandGroup, app
+from replay_audit.config import get_settings
 from replay_audit.words import counted
 
 if TYPE_CHECKING:
     from replay_audit.audits.metrics import CLift
     from replay_audit.audits.models import AuditRun
-    from replay_audit.config import Settings
     from replay_audit.queue import Runner
 
 audit_app = CommandGroup(help="Scheduled re-audits: schedules, runs, trends.", no_args_is_help=True)
@@ -56,17 +56,11 @@ def _console() -> Any:
     return console if console.is_terminal else Console(width=200)
 
 
-def _settings() -> Settings:
-    from replay_audit.config import get_settings
-
-    return get_settings()
-
-
 def _ready() -> None:
     """Each command's first step: the database answers and has the schema (cli/database.py)."""
     from replay_audit.cli.database import ready_database
 
-    ready_database(_settings())
+    ready_database(get_settings())
 
 
 def _runner() -> Runner:
@@ -76,7 +70,7 @@ def _runner() -> Runner:
     from replay_audit.queue import build_runner, stop_runner
 
     _ready()
-    runner = build_runner(_settings())
+    runner = build_runner(get_settings())
     own(lambda timeout_s: stop_runner(runner, timeout_s))
     return runner
 
@@ -90,7 +84,7 @@ def _start(schedule_id: str, action: str, limit: int, runner: Runner) -> tuple[l
     from replay_audit.queue import build_job_queue
     from replay_audit.replays.service import RunDefaults
 
-    settings = _settings()
+    settings = get_settings()
     queue = build_job_queue(settings, runner)
     defaults = RunDefaults.from_settings(settings)
     try:
@@ -122,7 +116,7 @@ def _finish(ids: list[int], wait: bool, timeout_s: float, runner: Runner) -> Non
     from replay_audit.db.unit_of_work import session_scope
     from replay_audit.queue.runner import InProcessRunner
 
-    settings = _settings()
+    settings = get_settings()
     inprocess = isinstance(runner, InProcessRunner)
     if isinstance(runner, InProcessRunner):
         runner.join(timeout_s)
@@ -154,7 +148,7 @@ def _print_runs(ids: list[int]) -> None:
     from replay_audit.audits.models import AuditRun
     from replay_audit.db.unit_of_work import session_scope
 
-    with session_scope(_settings().database_url) as s:
+    with session_scope(get_settings().database_url) as s:
         runs: list[AuditRun] = [r for r in (s.get(AuditRun, i) for i in ids) if r is not None]
         for r in runs:
             m = r.metrics or RunMetrics()
@@ -184,7 +178,7 @@ def list_schedules(
     from replay_audit.auth.repository import get_project
     from replay_audit.db.unit_of_work import session_scope
 
-    with session_scope(_settings().database_url) as s:
+    with session_scope(get_settings().database_url) as s:
         project_id = None
         if project is not None:
             p = get_project(s, project)
@@ -252,7 +246,7 @@ def trend(
     from replay_audit.audits import repository, service
     from replay_audit.db.unit_of_work import session_scope
 
-    with session_scope(_settings().database_url) as s:
+    with session_scope(get_settings().database_url) as s:
         sched = repository.find_schedule(s, schedule)
         if sched is None:
             fail(f"no audit schedule {schedule!r}")
@@ -282,7 +276,7 @@ def tick() -> None:
     from replay_audit.queue import stop_runner
     from replay_audit.queue.runner import InProcessRunner
 
-    settings = _settings()
+    settings = get_settings()
     runner = _runner()
     alerts = build_alert_runner(settings)
     own(lambda timeout_s: stop_runner(alerts, timeout_s))

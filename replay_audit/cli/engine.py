@@ -17,6 +17,7 @@ import typer
 
 from replay_audit.cli.database import fail
 from replay_audit.cli.root import app, option
+from replay_audit.config import Settings, get_settings
 from replay_audit.formats import (
     CONTROL_FRACTION,
     CONTROL_SEED,
@@ -49,11 +50,7 @@ if TYPE_CHECKING:
 
 def _threads(threads: int | None) -> int | None:
     """--threads, else the setting REPLAY_AUDIT_TORCH_THREADS (None: torch's default)."""
-    if threads is not None:
-        return threads
-    from replay_audit.config import get_settings
-
-    return get_settings().torch_threads
+    return get_settings().torch_threads if threads is None else threads
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, JsonObject]]:
@@ -251,14 +248,13 @@ def _write_traces(
                 )
                 for r in batch
             ]
-            traces = gen.trace_batch(
+            for trace in gen.trace_batch(
                 prompts,  # type: ignore[arg-type]  # messages checked above
                 max_new_tokens=max_new_tokens,
                 top_k=top_k,
                 tags=tags,
                 processors=processors,
-            )
-            for trace in traces:
+            ):
                 # Exactly what POST /v1/traces accepts (validated here, at the CLI's edge).
                 trace = TraceCreate.model_validate(trace).model_dump(mode="json")
                 f.write(json.dumps(trace, allow_nan=False) + "\n")
@@ -369,16 +365,32 @@ def replay(
     own logged configuration replayed first: reproduce before compare). Ctrl-C stops after the
     trace being replayed: the results so far stay in --out, their summary is printed (and
     written to --summary-json), and --resume goes on from there."""
-    plan = _replay_plan(
-        dtype, lm_head_dtype, attn_kernel, intervention, tau, tau_ulps, top_k_b, mode,
-        control_fraction, control_seed, scan_flag_ulps, decode_window, batch_size, tp_degree,
-        top_k, extractor, reproduce,
-    )  # fmt: skip
     from replay_audit.cli.shutdown import signals_deferred
-    from replay_audit.engine import EnginePool
+    from replay_audit.engine import EnginePool, Intervention, Target
     from replay_audit.exceptions import ReplayAuditError
-    from replay_audit.replays.offline import parse_traces, replay_file
+    from replay_audit.replays.domain import ControlSample, RunTarget
+    from replay_audit.replays.offline import OfflinePlan, parse_traces, replay_file
 
+    if scan_flag_ulps is not None and not math.isfinite(scan_flag_ulps):
+        fail("--scan-flag-ulps must be a finite number")
+    if decode_window is not None and mode == "scan":
+        fail("--decode-window: mode scan decodes nothing to cut")
+    if tau is not None and tau_ulps is not None:
+        fail("give --tau or --tau-ulps, not both")
+    settings = Settings()
+    flag = settings.scan_flag_ulps if scan_flag_ulps is None else scan_flag_ulps
+    iv = Intervention(intervention, 1e-3 if tau is None else tau, tau_ulps, top_k_b)
+    plan = OfflinePlan(
+        RunTarget(Target(dtype, lm_head_dtype, attn_kernel, batch_size, iv), tp_degree=tp_degree),
+        mode,
+        ControlSample(control_fraction, control_seed, flag),
+        decode_window,
+        top_k,
+        extractor,
+        reproduce,
+        settings.scan_token_budget,
+        settings.large_run_traces,
+    )
     try:
         parsed = parse_traces(traces, _read_jsonl(traces))
         devices = max([tp_degree or 1, *(p.logged.tp_degree or 1 for p in parsed)])
@@ -394,54 +406,6 @@ def replay(
         named = str(traces) in e.message or str(out) in e.message  # the file and line at fault
         fail(e.message if named else f"{traces}: {e.message}")
     _report_replay(result, plan, out, summary_json)
-
-
-def _replay_plan(
-    dtype: str,
-    lm_head_dtype: str | None,
-    attn_kernel: str | None,
-    intervention: InterventionKind,
-    tau: float | None,
-    tau_ulps: float | None,
-    top_k_b: int,
-    mode: Mode | None,
-    control_fraction: float,
-    control_seed: int,
-    scan_flag_ulps: float | None,
-    decode_window: int | None,
-    batch_size: int,
-    tp_degree: int | None,
-    top_k: int,
-    extractor: str | None,
-    reproduce: bool,
-) -> OfflinePlan:
-    """`replay`'s options as an offline plan (exit 2 naming a bad option)."""
-    from replay_audit.config import Settings
-    from replay_audit.engine import Intervention, Target
-    from replay_audit.replays.domain import ControlSample, RunTarget
-    from replay_audit.replays.offline import OfflinePlan
-
-    if scan_flag_ulps is not None and not math.isfinite(scan_flag_ulps):
-        fail("--scan-flag-ulps must be a finite number")
-    if decode_window is not None and mode == "scan":
-        fail("--decode-window: mode scan decodes nothing to cut")
-    if tau is not None and tau_ulps is not None:
-        fail("give --tau or --tau-ulps, not both")
-    settings = Settings()
-    flag = settings.scan_flag_ulps if scan_flag_ulps is None else scan_flag_ulps
-    iv = Intervention(intervention, 1e-3 if tau is None else tau, tau_ulps, top_k_b)
-    target = Target(dtype, lm_head_dtype, attn_kernel, batch_size, iv)
-    return OfflinePlan(
-        RunTarget(target, tp_degree=tp_degree),
-        mode,
-        ControlSample(control_fraction, control_seed, flag),
-        decode_window,
-        top_k,
-        extractor,
-        reproduce,
-        settings.scan_token_budget,
-        settings.large_run_traces,
-    )
 
 
 def _report_replay(

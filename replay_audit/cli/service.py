@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from replay_audit.cli.root import CommandGroup, app
+from replay_audit.config import get_settings
 from replay_audit.words import counted
 
 if TYPE_CHECKING:
@@ -68,8 +69,6 @@ def serve(
     once. Set REPLAY_AUDIT_DATABASE_URL=postgresql+psycopg://... to use PostgreSQL.
     """
     import uvicorn
-
-    from replay_audit.config import get_settings
 
     settings = get_settings()
     _prepare_metrics(settings, workers)  # before anything imports prometheus-client
@@ -164,7 +163,6 @@ def db_upgrade(
 ) -> None:
     """Apply the Alembic migrations to REPLAY_AUDIT_DATABASE_URL (default: up to the newest)."""
     from replay_audit.cli.database import database_errors
-    from replay_audit.config import get_settings
     from replay_audit.db import migration
     from replay_audit.db.unit_of_work import session_scope
 
@@ -190,7 +188,6 @@ def _store_missing_statistics(session: Any) -> None:
 def db_current() -> None:
     """Print the revision the database is at (and the newest one available)."""
     from replay_audit.cli.database import database_errors
-    from replay_audit.config import get_settings
     from replay_audit.db import migration
 
     url = get_settings().database_url
@@ -208,7 +205,6 @@ def db_partitions(
     """Create the weekly partitions of the trace tables up to WEEKS_AHEAD weeks from now and
     list them (PostgreSQL; the scheduler does the same every tick). SQLite has none."""
     from replay_audit.cli.database import ready_database
-    from replay_audit.config import get_settings
     from replay_audit.db import partition
     from replay_audit.db.base import utcnow
     from replay_audit.db.unit_of_work import session_scope
@@ -243,7 +239,6 @@ def prune(
     from datetime import timedelta
 
     from replay_audit.cli.database import ready_database
-    from replay_audit.config import get_settings
     from replay_audit.db.retention import prune as prune_older
 
     settings = get_settings()
@@ -263,7 +258,6 @@ def keys_create(
     the database is created and migrated first."""
     from replay_audit.auth.service import create_api_key
     from replay_audit.cli.database import ready_database
-    from replay_audit.config import get_settings
     from replay_audit.db.unit_of_work import session_scope
     from replay_audit.exceptions import ReplayAuditError
 
@@ -271,8 +265,7 @@ def keys_create(
     ready_database(settings)
     try:
         with session_scope(settings.database_url) as session:
-            created = create_api_key(session, project, role, name=name)
-            key = created.key
+            key = create_api_key(session, project, role, name=name).key
     except ReplayAuditError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(2) from None

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from replay_audit.cli.root import app
+from replay_audit.config import get_settings
 from replay_audit.formats import CACHE_KINDS
 from replay_audit.queue.route import CPU_KIND, WorkerKind
 from replay_audit.words import counted
@@ -89,7 +90,6 @@ def worker(
     from rq import Queue
 
     from replay_audit.cli.database import fail, ready_database
-    from replay_audit.config import get_settings
     from replay_audit.engine.pool import EnginePool
     from replay_audit.queue import rq_name
     from replay_audit.queue.runner import served_queues
@@ -293,7 +293,6 @@ def reconcile(
     from replay_audit.audits.tasks import reconcile_jobs
     from replay_audit.cli.database import ready_database
     from replay_audit.cli.shutdown import own
-    from replay_audit.config import get_settings
     from replay_audit.db.unit_of_work import session_scope
     from replay_audit.queue import build_runner, stop_runner
     from replay_audit.queue.runner import InProcessRunner
@@ -327,7 +326,6 @@ def scheduler(
     from replay_audit.audits.tasks import build_alert_runner, run_tick
     from replay_audit.cli.database import ready_database, shown_url
     from replay_audit.cli.shutdown import own
-    from replay_audit.config import get_settings
     from replay_audit.queue import build_runner, stop_runner
     from replay_audit.telemetry.log import configure_logging
 
