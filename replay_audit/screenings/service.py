@@ -15,12 +15,7 @@ from replay_audit.replays.service import target_refusal
 from replay_audit.screenings import repository
 from replay_audit.screenings.models import Screening
 from replay_audit.screenings.schemas import ScreeningCreate, ScreeningRead
-from replay_audit.screenings.sweep.plan import (
-    DEFAULT_TP_DEGREE,
-    Platform,
-    ScreenConfig,
-    build_plan,
-)
+from replay_audit.screenings.sweep.plan import DEFAULT_TP_DEGREE, Platform, ScreenConfig, build_plan
 from replay_audit.screenings.sweep.report import ScreeningReport
 from replay_audit.worker.checkpoint import CheckpointIndex, CheckpointShape, ModelNotFound
 

@@ -123,9 +123,8 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
     factory = _factory.get() or _torch_facts
     try:
         backend = factory(model_dir, request.device)
-        platform = backend.platform()
         plan = build_plan(
-            platform,
+            backend.platform(),
             reference=ScreenConfig(request.reference_dtype or backend.reference_dtype()),
             knobs=request.knobs,
             tp_degree=request.tp_degree,

@@ -10,13 +10,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import (
-    JSON,
-    Float,
-    Integer,
-    String,
-    UniqueConstraint,
-)
+from sqlalchemy import JSON, Float, Integer, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 # The table its foreign keys name (projects), in the metadata whoever imports this.

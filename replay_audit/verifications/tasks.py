@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -199,10 +199,6 @@ def calibration_json(cal: Calibration, reused: bool) -> dict[str, Any]:
     }
 
 
-def _claimed_platforms(configs: Sequence[tuple[str, str | None]]) -> list[str]:
-    return sorted({dev + (f" ({gpu})" if gpu else "") for dev, gpu in configs})
-
-
 def run_verification_job(verification_id: int, database_url: str | None = None) -> None:
     """Run verification `verification_id` and store its report (a done one is left alone)."""
     ctx = worker_context()
@@ -226,9 +222,8 @@ def run_verification_job(verification_id: int, database_url: str | None = None) 
         kept = [(i, g) for i, g in zip(ids, groups, strict=True) if i in rows]
         traces = [logged_trace(rows[i]) for i, _ in kept]
         names: list[str | None] = [rows[i].public_id for i, _ in kept]
-        claimed = _claimed_platforms(
-            [(rows[i].config.device, rows[i].config.gpu_name) for i, _ in kept]
-        )
+        configs = [rows[i].config for i, _ in kept]
+        claimed = sorted({c.device + (f" ({c.gpu_name})" if c.gpu_name else "") for c in configs})
     if not traces:
         gone = "none of the selected traces exists any more (retention)"
         fail_row(url, Verification, verification_id, gone)

@@ -9,5 +9,4 @@ the both-arms C lift, a tier and a recommended action. docs/screening.md.
     analysis.py  the report from stored outputs (pure), with density.py and tier.py
     report.py    the report's typed form
     worker.py    the torch backend (workers and the CLI only)
-    html.py      the self-contained HTML page
 """

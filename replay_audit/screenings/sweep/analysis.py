@@ -20,12 +20,7 @@ from replay_audit.screenings.sweep.density import (
     covering_tau,
     trigger_density,
 )
-from replay_audit.screenings.sweep.outputs import (
-    Probe,
-    RunOutput,
-    ScreenOutputs,
-    ScreenPrompt,
-)
+from replay_audit.screenings.sweep.outputs import Probe, RunOutput, ScreenOutputs, ScreenPrompt
 from replay_audit.screenings.sweep.plan import ComparisonSpec, Run, SweepPlan
 from replay_audit.screenings.sweep.report import (
     CategoryLift,
@@ -260,8 +255,7 @@ def _category_lifts(base: list[ResultFigures], treated: list[ResultFigures]) -> 
 
 
 def _empty_comparison(label: str) -> ComparisonReport:
-    stats = run_statistics("screening", [ComparisonInput(0, 0, 1, label, False, [])])
-    return stats.comparisons[0]
+    return run_statistics("screening", [ComparisonInput(0, 0, 1, label, False, [])]).comparisons[0]
 
 
 def build_report(

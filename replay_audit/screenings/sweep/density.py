@@ -35,8 +35,7 @@ def coefficient_of_variation(
     xs = np.asarray(values, dtype=np.float64)
     mean = float(xs.mean())
     std = float(xs.std(ddof=0))
-    cv = std / mean if len(values) >= 2 and mean > 0 else None
-    return mean, std, cv
+    return mean, std, (std / mean if len(values) >= 2 and mean > 0 else None)
 
 
 def covering_tau(flip_margins: Sequence[float], cover: float) -> float | None:

@@ -16,13 +16,7 @@ import numpy.typing as npt
 from typing_extensions import TypedDict
 
 from replay_audit.diff.margin import Margin
-from replay_audit.json_value import (
-    JsonObject,
-    JsonValue,
-    as_int,
-    as_list,
-    as_optional_float,
-)
+from replay_audit.json_value import JsonObject, JsonValue, as_int, as_list, as_optional_float
 
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
