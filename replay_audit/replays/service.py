@@ -364,10 +364,8 @@ def finalise_run(session: Session, run: ReplayRun) -> None:
     failed)."""
     stats = statistics.compute(session, run)
     run.aggregate = stats.model_dump(mode="json")
-    counts = {c.index: (c.ok, c.n) for c in stats.comparisons}
-    n_ok = sum(ok for ok, _ in counts.values())
     run.finished_at = utcnow()
-    if sum(n for _, n in counts.values()) and n_ok == 0:
+    if sum(c.n for c in stats.comparisons) and not any(c.ok for c in stats.comparisons):
         run.status = "failed"
         run.error = f"every item failed; first reason: {repository.first_failure(session, run.id)}"
     else:
