@@ -44,16 +44,8 @@ def _knobs(values: list[str] | None) -> list[str] | None:
 
 def _devices(plan: SweepPlan) -> int:
     """The devices the screening's engine pool owns: the TP knob's degree where it runs here."""
-    return max(
-        [1]
-        + [
-            v.config.tp_degree
-            for k in plan.knobs
-            if k.name == "tp"
-            for v in k.values
-            if v.unavailable is None
-        ]
-    )
+    tp = [k for k in plan.knobs if k.name == "tp"]
+    return max([1, *(v.config.tp_degree for k in tp for v in k.values if v.unavailable is None)])
 
 
 @app.command()

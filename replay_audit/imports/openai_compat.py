@@ -240,10 +240,9 @@ def _completion_steps(
     echo: bool | None,
 ) -> tuple[list[int] | None, Steps | None, TextSteps | None, bool]:
     """(ids of the tokens, per-step pairs by id, by text, echoed) of a completions `logprobs`;
-    the prompt's
-    entries are dropped when the request echoed it (the request says so; without it, the
-    entries start with the prompt's ids and the first has no logprobs, as only an echoed
-    prompt's first token has none)."""
+    the prompt's entries are dropped when the request echoed it (the request says so; without
+    it, the entries start with the prompt's ids and the first has no logprobs, as only an
+    echoed prompt's first token has none)."""
     tokens = list(j.seq(logprobs.get("tokens") or [], f"{path}.tokens"))
     tops = list(j.seq(logprobs.get("top_logprobs") or [], f"{path}.top_logprobs"))
     n_prompt = len(prompt)
@@ -347,8 +346,7 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
             prompt = _prompt_ids(choice.get("prompt_token_ids"), request, where, path)
             explicit = choice.get("token_ids")
             n_output = len(explicit) if isinstance(explicit, list) else 0
-            ids_from_tokens, steps, echoed = (None, None, False)
-            pieces = None
+            ids_from_tokens, steps, echoed, pieces = None, None, False, None
             if logprobs is not None:
                 echo = request.get("echo") if request is not None else None
                 if prompt is None and echo:

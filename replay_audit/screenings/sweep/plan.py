@@ -393,10 +393,8 @@ class SweepPlan:
         pair's arm A), so that a comparison's arm A is decoded before its arm B."""
         seen: dict[str, Run] = {}
         specs = self.comparisons()
-        for s in specs:
-            seen.setdefault(s.a.key, s.a)
-        for s in specs:
-            seen.setdefault(s.b.key, s.b)
+        for run in [s.a for s in specs] + [s.b for s in specs]:
+            seen.setdefault(run.key, run)
         return list(seen.values())
 
     def configs(self) -> list[ScreenConfig]:
