@@ -75,12 +75,8 @@ def weeks(session: Session) -> list[datetime]:
             " WHERE i.inhparent = to_regclass('traces')"
         )
     )
-    found = []
-    for name in rows:
-        match = _WEEK_PARTITION.match(name)
-        if match:
-            found.append(datetime.strptime(match.group(1), "%Y%m%d").replace(tzinfo=UTC))
-    return sorted(found)
+    matches = [m for m in map(_WEEK_PARTITION.match, rows) if m]
+    return sorted(datetime.strptime(m.group(1), "%Y%m%d").replace(tzinfo=UTC) for m in matches)
 
 
 def _lock(session: Session) -> None:

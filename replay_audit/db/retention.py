@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Final, cast
 
-from sqlalchemy import CursorResult, bindparam, text
+from sqlalchemy import CursorResult, TextClause, bindparam, text
 from sqlalchemy.orm import Session
 
 from replay_audit.db.base import utcnow
@@ -177,18 +177,16 @@ def _prune_screenings(url: str, cutoff: datetime, report: PruneReport, batch_siz
             report.screenings_deleted += _delete_in(session, "screenings", "id", ids)
 
 
+def _where_in(sql: str, column: str) -> TextClause:
+    return text(f"{sql} WHERE {column} IN :values").bindparams(bindparam("values", expanding=True))
+
+
 def _count_in(session: Session, table: str, column: str, values: list[int]) -> int:
-    total = 0
-    for start in range(0, len(values), BATCH_SIZE):
-        stmt = text(f"SELECT count(*) FROM {table} WHERE {column} IN :values").bindparams(
-            bindparam("values", expanding=True)
-        )
-        total += int(session.scalar(stmt, {"values": values[start : start + BATCH_SIZE]}) or 0)
-    return total
+    stmt = _where_in(f"SELECT count(*) FROM {table}", column)
+    chunks = (values[start : start + BATCH_SIZE] for start in range(0, len(values), BATCH_SIZE))
+    return sum(int(session.scalar(stmt, {"values": chunk}) or 0) for chunk in chunks)
 
 
 def _delete_in(session: Session, table: str, column: str, values: list[object]) -> int:
-    stmt = text(f"DELETE FROM {table} WHERE {column} IN :values").bindparams(
-        bindparam("values", expanding=True)
-    )
+    stmt = _where_in(f"DELETE FROM {table}", column)
     return int(cast(CursorResult[Any], session.execute(stmt, {"values": values})).rowcount)

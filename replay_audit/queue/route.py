@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -188,7 +189,5 @@ class LiveWorker:
 
 def live_kinds(workers: Sequence[LiveWorker]) -> str:
     """`a10g (NVIDIA A10G, sm 8.6), 1 device x2; cpu, 1 device x1`, or `none`."""
-    counts: dict[WorkerKind, int] = {}
-    for w in workers:
-        counts[w.kind] = counts.get(w.kind, 0) + 1
+    counts = Counter(w.kind for w in workers)  # in order of first appearance
     return "; ".join(f"{k.describe()} x{n}" for k, n in counts.items()) or "none"
