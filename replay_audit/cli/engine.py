@@ -537,13 +537,8 @@ def _print_summary(c: ComparisonReport, target: Target) -> None:
     rows += [(f"category {k}", str(v.successes)) for k, v in c.categories.items()]
     rows.append(("answer agreement (SAR)", _sar_text(c)))
     if c.decode_window is not None:
-        rows.append(
-            (
-                "decode window",
-                f"t* + {c.decode_window}: {c.window_cut} of {c.ok} results cut there "
-                "(no SAR or length difference for them)",
-            )
-        )
+        cut = f"t* + {c.decode_window}: {c.window_cut} of {c.ok} results cut there"
+        rows.append(("decode window", f"{cut} (no SAR or length difference for them)"))
     if c.screening is not None:
         rows += _screening_rows(c.screening)
     for k, v in rows:
