@@ -110,9 +110,7 @@ def choose_tier(
             caveats=caveats,
         )
     by = {c.category: c for c in categories}
-    head = by.get("head_reachable")
-    body = by.get("body_dominated")
-    kv = by.get("kv_dependent")
+    head, body, kv = (by.get(k) for k in ("head_reachable", "body_dominated", "kv_dependent"))
     shares = ", ".join(
         f"{c.category.replace('_', ' ')} {c.n} (C fixed {c.fixed})" for c in categories
     )
@@ -155,9 +153,8 @@ def choose_tier(
         )
     if kv is not None and kv.n:
         caveats.append(
-            f"{counted(kv.n, 'divergence')} {'is' if kv.n == 1 else 'are'} KV-dependent: the "
-            "gate fires but the flip needs the "
-            "precision-specific KV cache, so C may not reach them."
+            f"{counted(kv.n, 'divergence')} {'is' if kv.n == 1 else 'are'} KV-dependent: the gate "
+            "fires but the flip needs the precision-specific KV cache, so C may not reach them."
         )
     return TierRead(
         tier=tier,
