@@ -416,12 +416,9 @@ class TraceTooLarge(TraceFieldError):
 def _check_top_k(top_k: TopK, n_steps: int, vocab: int) -> None:
     # Vectorised (numpy over the packed arrays): a Python loop per step cost more than the rest
     # of ingest together. Errors still name the field and the first offending step.
-    if len(top_k.ids) != n_steps:
-        raise TraceFieldError("top_k.ids", f"has {len(top_k.ids)} steps; output has {n_steps}")
-    if len(top_k.logits) != n_steps:
-        raise TraceFieldError(
-            "top_k.logits", f"has {len(top_k.logits)} steps; output has {n_steps}"
-        )
+    for field, rows in (("ids", top_k.ids), ("logits", top_k.logits)):
+        if len(rows) != n_steps:
+            raise TraceFieldError(f"top_k.{field}", f"has {len(rows)} steps; output has {n_steps}")
     k = len(top_k.ids[0])
     if not 1 <= k <= MAX_TOP_K:
         raise TraceFieldError("top_k.ids", f"k must be between 1 and {MAX_TOP_K}, got {k}")

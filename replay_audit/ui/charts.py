@@ -357,21 +357,17 @@ def margin_track_chart(
             f"<title>arm A's gate fired at step {int(t)}</title></path>"
         )
     for name, values in tracks:
-        points = []
-        for t, m in enumerate(values):
-            if m is None:
-                continue
-            points.append(f"{_num(sx(t))},{_num(zero_band if m <= 0 else sy(m))}")
-        body.append(f'<polyline points="{" ".join(points)}" class="track track-{name}"/>')
+        steps = [
+            (t, m, zero_band if m <= 0 else sy(m)) for t, m in enumerate(values) if m is not None
+        ]
+        points = " ".join(f"{_num(sx(t))},{_num(y)}" for t, _, y in steps)
+        body.append(f'<polyline points="{points}" class="track track-{name}"/>')
         if n <= 400:  # dots stay readable; beyond that the line alone carries the track
-            for t, m in enumerate(values):
-                if m is None:
-                    continue
-                y = zero_band if m <= 0 else sy(m)
-                body.append(
-                    f'<circle cx="{_num(sx(t))}" cy="{_num(y)}" r="2.2" class="dot dot-{name}">'
-                    f"<title>{escape(names[name])} step {t}: margin {m:g}</title></circle>"
-                )
+            body += [
+                f'<circle cx="{_num(sx(t))}" cy="{_num(y)}" r="2.2" class="dot dot-{name}">'
+                f"<title>{escape(names[name])} step {t}: margin {m:g}</title></circle>"
+                for t, m, y in steps
+            ]
     for t in sorted({0, n // 2, n - 1}):
         body.append(_text(sx(t), zero_band + 18, t))
     body.append(_text((x0 + x1) / 2, zero_band + 32, "step"))
