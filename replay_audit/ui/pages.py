@@ -167,17 +167,9 @@ def _sign_in_page(
     request: Request, next_url: str, error: str | None = None, status_code: int = 200
 ) -> Response:
     token = ui_session.new_form_token()
-    response = render(
-        request,
-        "ui/sign_in.html",
-        {
-            "next": next_url,
-            "error": error,
-            "form_token": token,
-            "principal": None,
-            "csrf_token": "",
-        },
-        status_code,
+    # Nobody is signed in here: `_page` renders no principal and no CSRF token.
+    response = _page(
+        request, "ui/sign_in.html", status_code, next=next_url, error=error, form_token=token
     )
     response.set_cookie(
         ui_session.SIGN_IN_COOKIE_NAME, token, max_age=3600, **_cookie_scope(request)
@@ -357,13 +349,7 @@ def run_page(
         raise FieldError(f"category must be one of {', '.join(CATEGORIES)}", field="category")
     rf = ResultFilter(comparison=comparison, category=category, outcome=outcome or None)
     results = browsing.results_page(session, run, rf, after=after, limit=RESULTS_PER_PAGE)
-    keep = {
-        "a": a,
-        "b": b,
-        "comparison": comparison,
-        "category": category,
-        "outcome": outcome or None,
-    }
+    keep = dict(a=a, b=b, comparison=comparison, category=category, outcome=outcome or None)
     keep = {k: v for k, v in keep.items() if v is not None}
     next_query = (
         urllib.parse.urlencode(keep | {"after": results.next_after}) + "#results"
