@@ -11,19 +11,11 @@ from replay_audit.screenings.models import Screening, ScreeningOutput
 
 
 def get_by_public_id(session: Session, project_id: int, public_id: str) -> Screening | None:
-    return session.scalar(
-        select(Screening).where(
-            Screening.project_id == project_id, Screening.public_id == public_id
-        )
-    )
+    return session.scalar(select(Screening).filter_by(project_id=project_id, public_id=public_id))
 
 
 def get_by_idempotency_key(session: Session, project_id: int, key: str) -> Screening | None:
-    return session.scalar(
-        select(Screening).where(
-            Screening.project_id == project_id, Screening.idempotency_key == key
-        )
-    )
+    return session.scalar(select(Screening).filter_by(project_id=project_id, idempotency_key=key))
 
 
 def add(session: Session, screening: Screening) -> Screening | None:
@@ -45,19 +37,13 @@ def recent(session: Session, project_id: int, limit: int) -> list[Screening]:
 
 def get_output(session: Session, screening_id: int, key: str) -> JsonObject | None:
     return session.scalar(
-        select(ScreeningOutput.value).where(
-            ScreeningOutput.screening_id == screening_id, ScreeningOutput.key == key
-        )
+        select(ScreeningOutput.value).filter_by(screening_id=screening_id, key=key)
     )
 
 
 def put_output(session: Session, screening_id: int, key: str, value: JsonObject) -> None:
     """Insert or replace one stored output (a run, a probe, the plan's fingerprint)."""
-    row = session.scalar(
-        select(ScreeningOutput).where(
-            ScreeningOutput.screening_id == screening_id, ScreeningOutput.key == key
-        )
-    )
+    row = session.scalar(select(ScreeningOutput).filter_by(screening_id=screening_id, key=key))
     if row is None:
         session.add(ScreeningOutput(screening_id=screening_id, key=key, value=value))
     else:

@@ -17,17 +17,13 @@ from replay_audit.verifications.models import Verification, VerificationCalibrat
 
 def get_by_public_id(session: Session, project_id: int, public_id: str) -> Verification | None:
     return session.scalar(
-        select(Verification).where(
-            Verification.project_id == project_id, Verification.public_id == public_id
-        )
+        select(Verification).filter_by(project_id=project_id, public_id=public_id)
     )
 
 
 def get_by_idempotency_key(session: Session, project_id: int, key: str) -> Verification | None:
     return session.scalar(
-        select(Verification).where(
-            Verification.project_id == project_id, Verification.idempotency_key == key
-        )
+        select(Verification).filter_by(project_id=project_id, idempotency_key=key)
     )
 
 
