@@ -79,10 +79,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        for name in FIELDS:
-            value = current(name)
-            if value is not None:
-                line[name] = value
+        line |= {name: value for name in FIELDS if (value := current(name)) is not None}
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, ensure_ascii=False)

@@ -190,9 +190,7 @@ def _split_text(pieces: tuple[Piece, ...] | None, t_star: int | None) -> ArmText
 
 def _pieces(values: list[str | list[int]] | None, n: int) -> tuple[Piece, ...] | None:
     """Stored pieces as domain values, when there is one per token."""
-    if values is None or len(values) != n:
-        return None
-    return from_json(values)
+    return None if values is None or len(values) != n else from_json(values)
 
 
 def _at(values: list[Any] | None, t: int) -> Any:
