@@ -10,6 +10,7 @@ none of them can be part of a cycle, so reference counting frees them all the sa
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import threading
@@ -91,10 +92,8 @@ def parse_items(
     with gc_paused():
         document: Any = _NOT_PARSED
         if fast is not None:
-            try:
+            with contextlib.suppress(orjson.JSONDecodeError):
                 document = orjson.loads(body)
-            except orjson.JSONDecodeError:
-                document = _NOT_PARSED
         if document is _NOT_PARSED:
             try:
                 document = pydantic_core.from_json(body, allow_inf_nan=True)

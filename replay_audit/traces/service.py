@@ -436,12 +436,8 @@ def list_traces(
     )
     more = len(rows) > limit
     rows = rows[:limit]
-    configs: dict[int, NumericalConfig] = {}
-    items = []
-    for row in rows:
-        config = configs.get(row.config_id)
-        if config is None:
-            config = NumericalConfig.model_validate_json(row.config.config_json)
-            configs[row.config_id] = config
-        items.append(_summary(row, config))
+    # Each distinct configuration parsed once.
+    configs = {row.config_id: row.config.config_json for row in rows}
+    parsed = {id_: NumericalConfig.model_validate_json(json) for id_, json in configs.items()}
+    items = [_summary(row, parsed[row.config_id]) for row in rows]
     return TracePage(items=items, next_cursor=rows[-1].public_id if more and rows else None)
