@@ -16,33 +16,12 @@ Torch-free: engines come from an `EnginePool` through the `Engine` protocol.
       ▼
     ReplayOutcome     -> results.result_values (the row) -> every surface
 
-Modes (items whose arm A is the logged tokens; a comparison of two targets always decodes both
-arms from the prompt, the paper's both-arms protocol):
-    decode            greedy decode of the prompt in arm B, compared with the logged output
-    scan              one teacher-forced forward over prompt ‖ logged output; t* is the first
-                      position whose choice differs from the logged token. A screen: arm B's
-                      own continuation after t* is not computed.
-    scan_then_decode  scan; a trace the scan flags (first disagreement s) is decoded from s
-                      (prefill prompt ‖ logged[:s]); one it does not flag is decoded in full
-                      when it is in the run's control sample, or when some step's top-2 margin
-                      along the logged path is at most `flag_ulps` ulps (a near-tie, where a
-                      flip that needs the decode's own KV cache hides), and otherwise only
-                      scanned (`screen="scanned"`, `exact_match` None).
-The decode window (`ReplayOptions.decode_window`, W): every decode compared with the logged
-tokens (decode mode, and scan-then-decode's flagged, near-tie and control decodes) stops W
-tokens after its first difference from them (`engine.DecodeWindow`), the decode otherwise
-unchanged (from the prompt where it was, its cache sized for the whole budget): t*, the margins
-there, the re-runs, the category and EAR are the whole decode's; the output is its prefix up to
-t* + W (`window_cut`), so nothing that reads the continuation (cascade length, length
-difference, answers) is computed for it. Comparisons of two targets decode in full.
-Arm A against the logged tokens: its margin at t* is the logged top-k's where logged, else it is
-reconstructed by re-running the logged format here (the outcome says which).
-
-Logits processors. A trace whose generation ran logits processors (`LoggedTrace.processors`:
-repetition penalty, no-repeat n-grams, min new tokens, logit bias, bad words) has them in every
-arm resolved against it (`ResolvedArm.logits_processors`), and every probe applies them: the
-decodes, the scans, the single-step re-runs. Its logged top-k holds the logits before them, so
-arm A's margin at t* is the re-run's (`reconstructed`) and the near-tie flag reads arm B's.
+Modes, near-tie flags, the decode window and a trace's logits processors (which every probe
+of every arm applies): docs/replays.md "Modes, and scan-then-decode for large runs". A
+comparison of two targets decodes both arms from the prompt, in full (the paper's both-arms
+protocol). Arm A against the logged tokens: its margin at t* is the logged top-k's where logged
+and no processors ran (the logged top-k holds the logits before them), else the logged format's
+re-run here (the outcome says which).
 """
 
 from __future__ import annotations
@@ -120,11 +99,8 @@ ENGINE_FAILURES: Final = (ReplayAuditError, RuntimeError, ValueError, MemoryErro
 
 @dataclass(frozen=True)
 class ReplayItem:
-    """One trace and one comparison to replay: arm B (a run target) against arm A (None: the
-    trace's logged tokens; else another run target, both decoded here), on the checkpoint in
-    `model_dir`. `control`: the trace is in the run's control sample (scan then decode).
-    `baseline`: what a comparison with the logged tokens is judged against (`replay_traces`
-    sets it: the logged tokens, or the logged configuration replayed here, as arm A)."""
+    """One trace and one comparison: arm B against arm A (None: the logged tokens; else both
+    decoded here). `control`: in the run's control sample; `baseline`: set by `replay_traces`."""
 
     trace: LoggedTrace
     b: RunTarget
@@ -160,8 +136,8 @@ class ReplayOptions:
     #: The GPU kind the worker running the items announced (`queue.route.WorkerKind`),
     #: recorded with every resolved arm; None: not a worker (the offline CLI).
     worker_kind: str | None = None
-    #: Decodes compared with the logged tokens stop this many tokens after t* (see the module
-    #: docstring); None: to eos or the budget.
+    #: Decodes compared with the logged tokens stop this many tokens after t* (docs/replays.md
+    #: "The decode window"; `engine.DecodeWindow`); None: to eos or the budget.
     decode_window: int | None = None
 
     def __post_init__(self) -> None:
@@ -178,10 +154,8 @@ class ReplayOptions:
 
 @dataclass(frozen=True)
 class Arm:
-    """A resolved arm and the engine that runs all of it. Every probe goes through these
-    methods, so every probe runs the arm's whole computation: its intervention, the trace's
-    logits processors and the logged batch layout it replays in (the replay job, the CLI, the
-    screening and the verification alike)."""
+    """A resolved arm and its engine. Every caller probes through these methods, so every probe
+    runs the arm's whole computation: intervention, logits processors, logged batch layout."""
 
     engine: Engine
     resolved: ResolvedArm
@@ -192,13 +166,11 @@ class Arm:
 
     @property
     def processors(self) -> LogitsProcessors | None:
-        """The trace's logits processors, which every probe of the arm applies."""
         return self.resolved.logits_processors
 
     @property
     def layout(self) -> BatchLayout | None:
-        """The logged batch every decode and re-run of the arm runs the row in (None: alone,
-        or among copies of it)."""
+        """The logged batch the row replays in (None: alone, or among copies of it)."""
         return self.resolved.batch_layout
 
     def decode(
@@ -229,14 +201,12 @@ class Arm:
         )
 
     def scan_batch(self, items: Sequence[ScanItem], top_k: int, token_budget: int) -> list[ScanRun]:
-        """Several traces' scans in this arm (each item with its own trace's processors)."""
         return self.engine.scan_batch(items, self.intervention, top_k, token_budget=token_budget)
 
     def step(
         self, prompt: Sequence[int], prefix: Sequence[int], top_k: int, layout: BatchLayout | None
     ) -> StepInfo:
-        """The single-step re-run over prompt ‖ prefix in `layout`: the logged batch of the
-        trace it re-runs (an arm re-runs several traces of one engine: `_rerun_all`)."""
+        """`layout` is the re-run trace's own (one arm re-runs several traces: `_rerun_all`)."""
         return self.engine.step(
             prompt, prefix, self.intervention, top_k, processors=self.processors, layout=layout
         )
@@ -270,11 +240,9 @@ def load_arm(
     worker_kind: str | None = None,
     logged: LoggedTrace | None = None,
 ) -> Arm:
-    """The one place an engine is configured: `target` (every knob, its intervention) at
-    `tp_degree` on the checkpoint in `model_dir`, loaded through `pool` (or taken from it),
-    and the `ResolvedArm` its recorded environment gives, on a worker of kind `worker_kind`,
-    for the trace `logged` where the arm replays one (its processors, its batch layout, its
-    stack to compare with). `UnsupportedFormat`/`EngineError` where it cannot run here."""
+    """The one place an engine is configured: `target` loaded through `pool`, resolved from the
+    environment it records (against `logged`, where the arm replays one). `UnsupportedFormat`/
+    `EngineError` where it cannot run here."""
     engine = pool.get(model_dir, target, tp_degree)
     resolved = ResolvedArm.from_environment(
         engine.environment(),
@@ -294,13 +262,11 @@ def resolve_arm(
     model_dir: Path,
     worker_kind: str | None = None,
 ) -> Arm:
-    """`run_target` resolved against `trace`, once (`load_arm`): a target that names no
-    attention kernel runs the trace's logged kernel, or the engine's default where that cannot
-    run here (an imported `unknown`, flash-attention on a CPU); `self` runs the logged
-    configuration, its process switches included. `ModelMismatch` when the vocabularies
-    differ; `UnsupportedFormat`/`EngineError` when the target cannot run here, a TP degree
-    other than the engine's included (a trace logged at TP 2 replays at TP 1 only when the
-    target asks for TP 1)."""
+    """`run_target` resolved against `trace`: no kernel named runs the logged one, or the
+    engine's default where that cannot run here (an imported `unknown`, flash on a CPU).
+    `ModelMismatch` when the vocabularies differ; `UnsupportedFormat`/`EngineError` when the
+    target cannot run here, its TP degree included (a trace logged at TP 2 replays at TP 1
+    only when the target asks for TP 1)."""
     tp = run_target.tp_degree_for(trace)
     asked = "asks" if run_target.tp_degree is not None else "was logged at"
 
@@ -355,9 +321,8 @@ def resolve_arm(
 
 
 def context_overflow(trace: LoggedTrace, max_positions: int | None) -> str | None:
-    """Why `trace` does not fit a checkpoint of `max_positions` (its prompt and logged output
-    longer than the context it was made for: positions past it would replay extrapolated, not
-    as logged); None where it fits."""
+    """Why `trace` is longer than the checkpoint's context (past it, positions replay
+    extrapolated, not as logged); None where it fits."""
     n = trace.prompt_token_ids.size + trace.output_token_ids.size
     if max_positions is None or n <= max_positions:
         return None
@@ -368,9 +333,8 @@ def context_overflow(trace: LoggedTrace, max_positions: int | None) -> str | Non
 
 
 def check_replayable(trace: LoggedTrace) -> None:
-    """Refuse, before any model loads, a trace no target can replay (`BadRequest` naming the
-    field): only greedy generations replay (with the logits processors they ran, which every
-    probe applies; a request with any other processor is stored as `other`)."""
+    """Refuse, before any model loads, a trace no target can replay: only greedy ones replay
+    (a request with an unsupported processor is stored as `other`, not greedy)."""
     if not trace.greedy:
         raise BadRequest(
             f"only greedy traces can be replayed; this one is {trace.strategy!r}",
@@ -395,9 +359,7 @@ def _check(item: ReplayItem, pool: EnginePool, check_weights: bool) -> None:
 
 @dataclass(frozen=True)
 class Scans:
-    """`scan_items`' answer: each item's scan in order (None: not a scan of the logged tokens,
-    or not scanned in a batch; its replay scans it alone and reports what went wrong), and what
-    it cost."""
+    """Each item's batched scan in order (None: its replay scans it alone), and what it cost."""
 
     runs: list[ScanRun | None]
     scanned: int = 0
@@ -406,9 +368,8 @@ class Scans:
 
 
 def scan_items(items: Sequence[ReplayItem], pool: EnginePool, options: ReplayOptions) -> Scans:
-    """The scans `replay_items` would run in the scan modes, several traces per forward: the
-    items against the logged tokens grouped by the engine and the intervention of their arm B,
-    one `Engine.scan_batch` per group (length buckets packed up to the token budget)."""
+    """The scans `replay_items` would run, one `Engine.scan_batch` per engine and intervention
+    of arm B."""
     runs: list[ScanRun | None] = [None] * len(items)
     if options.mode == "decode":
         return Scans(runs)
@@ -497,12 +458,9 @@ def replay_items(
     *,
     scans: Sequence[ScanRun | None] | None = None,
 ) -> list[ReplayResult]:
-    """Each item replayed, in order: its arms run, t*, then the single-step re-runs at t* of all
-    the divergent items as batched forwards (one `step_batch` per engine and intervention; a
-    group whose batch fails is re-run one forward at a time), and the one outcome rule. `scans`:
-    the items' scans already run (`scan_items`), None to run each here. An item whose replay
-    fails gets its exception (a `ReplayAuditError`, or the engine's RuntimeError, ValueError,
-    MemoryError) in its place."""
+    """Each item replayed, in order (see the module's diagram). `scans`: from `scan_items`, None
+    to scan each here. An item whose replay fails (`ENGINE_FAILURES`) gets its exception in its
+    place."""
     runs: list[_Replayed | ReplayResult] = []
     for i, item in enumerate(items):
         try:
@@ -535,17 +493,12 @@ def replay_traces(
     *,
     scans: Sequence[ScanRun | None] | None = None,
 ) -> list[ReplayResult]:
-    """`replay_items`, reproducing before comparing: a trace whose items include its
-    reproduction check (`ReplayItem.is_check`: the run's `self` arm against the logged tokens)
-    has its other comparisons with the logged tokens judged against the right baseline. A
-    trace of an engine this service cannot run (vLLM, SGLang: `LoggedTrace.
-    logged_by_another_engine`) is compared pairwise with its logged configuration replayed
-    here (baseline "replayed"). Any other is checked first: where the check replays its logged
-    tokens exactly (or cannot say: a scan-only result, a failure), its comparisons are judged
-    against the logged tokens; where it diverges, the trace does not reproduce in its own
-    configuration, and its comparisons are judged against that replay (baseline
-    "reproduced"), so no precision flip is counted against logged tokens this stack does not
-    give. Results come back in the order of `items`."""
+    """`replay_items`, reproducing before comparing (docs/replays.md "Reproduce before
+    compare"): a trace with a reproduction check (`ReplayItem.is_check`) has its other
+    comparisons with the logged tokens judged pairwise against its logged configuration
+    replayed here where it was logged by another engine (baseline "replayed") or where the
+    check diverged (baseline "reproduced"), so no flip is counted against logged tokens this
+    stack does not give. Results come back in the order of `items`."""
     checked = {id(it.trace) for it in items if it.is_check}
 
     def pending(it: ReplayItem) -> bool:
@@ -587,8 +540,7 @@ def replay_traces(
 def _run_arms(
     item: ReplayItem, pool: EnginePool, options: ReplayOptions, scan: ScanRun | None
 ) -> _Replayed | ReplayOutcome:
-    """Both arms of an item run (arm A as logged or decoded), and t*; a trace a scan-then-decode
-    run only scans is finished here."""
+    """Both arms of an item run, and t*; a trace only scanned is finished here."""
     _check(item, pool, options.check_weights)
     trace, top_k = item.trace, options.top_k
     prompt = trace.prompt_token_ids.tolist()
@@ -618,8 +570,7 @@ def _run_arms(
             near = _near_tie(trace, scan.steps, options.flag_ulps)
             if near is None and not item.control:
                 return _scanned_only(item, b, scan.steps, batched)
-            # A near-tie's flip may need the decode's own KV cache from the prompt on: decoded
-            # in full, as the control sample is. A near-tie trace is not in the control sample.
+            # A near-tie's flip may need the decode's own KV cache from the prompt on.
             run_b = _decoded(b, b.decode(prompt, budget, eos, top_k, window=window))
             screen = "near_tie" if near is not None else "control"
         elif s is None:
@@ -655,11 +606,9 @@ _Reruns = dict[str, StepInfo]
 
 
 def _rerun_all(replayed: Sequence[_Replayed], options: ReplayOptions) -> dict[int, _Reruns]:
-    """The from-scratch forwards every divergent item needs, over its context at t* (prompt ‖
-    arm A's tokens before t*), each with its arm's whole computation, intervention included:
-    arm B's and arm A's (where arm A runs here; against the logged tokens, the logged format's,
-    whose forward also gives arm A's reconstructed margin), each with the trace's logits
-    processors. Batched per (engine, intervention, processors)."""
+    """Every divergent item's re-runs at t* over prompt ‖ arm A's tokens before t*, in arm B and
+    in arm A (against the logged tokens: the logged format, which also gives arm A's
+    reconstructed margin), batched per (engine, intervention, processors)."""
     _Key = tuple[int, Intervention, LogitsProcessors | None]
     groups: dict[_Key, tuple[Arm, list[tuple[_Replayed, str, list[int]]]]] = {}
     for r in replayed:
@@ -706,7 +655,7 @@ def _step_or_none(
 
 
 def _outcome(r: _Replayed, reruns: _Reruns) -> ReplayOutcome:
-    """The outcome of an item whose arms ran, with its re-runs at t*: the one outcome rule."""
+    """The one outcome rule over an item's arms and its re-runs at t*."""
     trace, t_star = r.item.trace, r.t_star
     a_ids, b_ids = r.a.ids, r.b.ids
     margin_a = margin_b = None
@@ -769,9 +718,7 @@ def _margin_at(steps: Steps | None, t: int) -> Margin | None:
 def _margin_a(
     r: _Replayed, t_star: int, replayed: Margin | None, rerun: StepInfo | None
 ) -> tuple[Margin | None, MarginSource]:
-    """Arm A's margin at t*: its own steps' where it ran here; against the logged tokens, the
-    logged top-k's where it has two values, else the logged format's re-run over prompt ‖
-    logged[:t*] (None where it cannot run here). Logged raw logprobs give the absolute margin;
+    """Arm A's margin at t* (module docstring). Logged raw logprobs give the absolute margin;
     its ulps are measured at arm B's top-1 logit at t* (the same step over the same prefix)."""
     if r.a.steps is not None:
         return _margin_at(r.a.steps, t_star), r.a.source
@@ -816,8 +763,7 @@ def _arm_margin(m: Margin | None, source: MarginSource) -> ArmMargin:
 def _arm_outcome(
     r: _Replayed, side: str, margin: ArmMargin | None, fired: bool | None
 ) -> ArmOutcome:
-    """One arm's outcome: run here, its counts, track and environment (with the batch extras
-    of the batched scan and re-runs it took part in); the logged tokens, what the trace has."""
+    """One arm's outcome: run here, or the logged tokens."""
     run = r.a if side == "a" else r.b
     trace = r.item.trace
     if run.arm is None or run.steps is None:  # the logged tokens
@@ -888,10 +834,8 @@ def _semantic(r: _Replayed, a: ArmOutcome, b: ArmOutcome) -> SemanticAgreement |
 
 
 def _near_tie(trace: LoggedTrace, steps: Steps, flag_ulps: float) -> int | None:
-    """The first step of a scan along the logged path where either arm's top-2 margin is at
-    most `flag_ulps` ulps of its own format: arm B's from the scan, the logged arm's from its
-    logged top-k where there is one (raw logprobs: in ulps at the scan's top-1 logit, the same
-    step over the same prefix). None: no near-tie, or flagging off."""
+    """The first near-tie along the scan's logged path (docs/replays.md "Near-tie flagging"),
+    in either arm; None: none, or flagging off."""
     if flag_ulps < 0:
         return None
     found = [first_near_tie(steps.margins_ulps, flag_ulps)]
@@ -906,11 +850,8 @@ def _near_tie(trace: LoggedTrace, steps: Steps, flag_ulps: float) -> int | None:
 
 
 def _scanned_only(item: ReplayItem, b: Arm, steps: Steps, batched: bool) -> ReplayOutcome:
-    """A trace a scan-then-decode run only scanned: the scan agreed with the logged output at
-    every step, and no decode says whether the replay does. Not an exact match, not agreed:
-    unknown (`exact_match` and `category` None), with the scan's steps as arm B's. Built here,
-    not by `_outcome`: most traces of a large run end here, and nothing of a decode (answers,
-    the logged tokens' pieces) is computed for them."""
+    """A trace only scanned: unknown (`exact_match` and `category` None), not agreed. Not
+    `_outcome`: most traces of a large run end here, and nothing of a decode is computed."""
     trace = item.trace
     logged = trace.output_token_ids.tolist()
     run_b = _ArmRun(b, logged, steps, "scan", batched)
@@ -960,9 +901,8 @@ def replay_trace(
     control: bool = False,
     flag_ulps: float = SCAN_FLAG_OFF,
 ) -> ReplayOutcome:
-    """Replay `trace` in `target` (an attention kernel of None means the logged one) against
-    its logged output: `replay_items` of one item. Raises `ModelMismatch` when the checkpoint
-    is not the one the trace was logged with, `BadRequest` for a non-greedy trace,
+    """Replay `trace` in `target` against its logged output (`replay_items` of one item).
+    Raises `ModelMismatch` for another checkpoint, `BadRequest` for a non-greedy trace,
     `UnsupportedFormat` when the target cannot run here."""
     item = ReplayItem(trace, RunTarget(target), Path(model_dir), None, control, extractor)
     options = ReplayOptions(mode, top_k, flag_ulps, check_weights=check_weights)
@@ -980,9 +920,8 @@ def compare_arms(
     top_k: int = 5,
     check_weights: bool = True,
 ) -> ReplayOutcome:
-    """The paper's both-arms protocol for one trace: its prompt decoded in `target_a` and in
-    `target_b` (each with its own intervention; a kernel of None means the logged one), arm B
-    diffed against arm A. The logged output is not used."""
+    """The paper's both-arms protocol for one trace: arm B diffed against arm A, both decoded
+    from the prompt; the logged output is not used."""
     item = ReplayItem(
         trace, RunTarget(target_b), Path(model_dir), RunTarget(target_a), extractor=extractor
     )
