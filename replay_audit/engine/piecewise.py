@@ -3,39 +3,22 @@ cache (vLLM's piecewise graphs), on transformers' own Llama modules, continuing 
 transformers' own `generate()` prefill. Token-identical to `generate()` because every kernel it
 launches is one `generate()` launches, with the same arguments.
 
-Why not one graph: a decode step's attention reads a key length that grows by one each step. A
-preallocated cache (`CompiledDecoder`'s) gives it a fixed length with the unwritten positions
-masked, which changes the attention's reduction length, and with it the bits (the compiled path
-flips near-ties). Everything else in a step has the same shapes at every step (batch x one
-token), so the step is cut at each attention:
+Why not one graph, how the attention call is learned and what `check` compares:
+docs/engine.md "The piecewise decode". A preallocated cache changes the attention's reduction
+length, so the step is cut at each attention:
 
     piece 0      the embedding, RoPE's cos/sin, layer 0's input norm, q/k/v projections, RoPE
                  (k and v stacked into one tensor)
-    attention i  the new k/v appended to layer i's cache, and the attention over it, eagerly
+    attention i  the new k/v appended to layer i's cache (`torch.cat`, as `DynamicCache`
+                 grows it), and the attention over it, eagerly
     piece i      layer i-1's o_proj, residual, post-attention norm, MLP, residual; then layer
                  i's input norm, q/k/v and RoPE
     piece L      layer L-1's rest, the final norm, the native lm_head over the last position,
                  its float32 logits and their top-k packed for one device-to-host copy
 
-The prefill is `generate()`'s own (`GenerateDecoder`, one token, its `DynamicCache` kept). The
-cache then grows as `DynamicCache` grows it: `torch.cat` of the cache and the new key/value,
-so the attention reads tensors of the very shapes, strides and values `generate()`'s attention
-reads. The attention call itself is learned, not written here: `check` runs `generate()` for a
-few steps, observes its SDPA calls (`attention.observe`), and where its decode steps call SDPA
-without a mask, every layer with the same options, the decoder calls SDPA directly with those
-options (the step is host-bound, and transformers' attention function costs as much Python as
-the kernel); otherwise it runs transformers' own attention function on the `DynamicCache`,
-with the mask `create_causal_mask` builds at each step.
-
-`check` then decodes the same steps here and compares, step by step, every hidden state and
-logit bitwise and every SDPA call argument for argument (shapes, strides, dtype, options and the
-backend torch picks for them). The calls of later steps differ from the checked ones only by
-the key length, in the same layout, so torch picks for them what it picks for `generate()`'s.
-The engine decodes with `GenerateDecoder` where the check fails or the model is not one the
-pieces follow. No process-wide switch is set: the decoder runs under whatever the arm runs
-under (`loading.ProcessNumerics`); only torch's NaN-filling of fresh buffers (with
-deterministic algorithms on) is off during a step, which changes no value. On the CPU, or
-where capture fails, the same pieces run without graphs.
+No process-wide switch is set (the arm's are, `loading.ProcessNumerics`); only torch's
+NaN-filling of fresh buffers is off during a step, which changes no value. On the CPU, or where
+capture fails, the same pieces run without graphs.
 """
 
 from __future__ import annotations
@@ -109,14 +92,11 @@ def unsupported_reason(model: Any) -> str | None:
 
 
 class PiecewiseDecoder:
-    """A KV-cache decode whose step runs as `len(layers) + 1` pieces (module docstring): on
-    CUDA each piece captured once in a CUDA graph (one memory pool, one side stream), the
-    attention between them eager over the exact cache. Its prefill is `generate()`'s
-    (`reference`), its steps' logits are `generate()`'s bit for bit once `check` passed.
+    """A KV-cache decode whose step runs as `len(layers) + 1` pieces (module docstring); its
+    steps' logits are `generate()`'s bit for bit once `check` passed.
 
     One decoder per engine: the graphs hold the body's batch shape and the pieces' buffers,
-    never the cache, which is new for each decode. `graphs=False` runs the pieces uncaptured
-    (what the CPU does); on a capture failure it does the same and `capture_error` says why.
+    never the cache, which is new for each decode. `graphs=False` runs the pieces uncaptured.
     """
 
     def __init__(
@@ -222,10 +202,8 @@ class PiecewiseDecoder:
             self.cache = cache
 
     def step(self, token: int) -> StepOutput:
-        """One token at the next position: the pieces (graph replays or eager) with the eager
-        attention between them, then one device-to-host copy of the top-k. Without torch's
-        deterministic NaN-filling of fresh buffers, as the graphs were captured (`_capture`:
-        it changes no value, and the eager attention launches fewer kernels)."""
+        """One token at the next position, without torch's deterministic NaN-filling of fresh
+        buffers, as the graphs were captured (`_capture`)."""
         if self._want_graphs and not self.graphs and self.capture_error is None:
             self._capture()
         deterministic: Any = torch.utils.deterministic
@@ -246,11 +224,10 @@ class PiecewiseDecoder:
         return captured_step_output(*self._last, self._top_k)
 
     def _direct_attention(self, options: attention.SdpaOptions) -> None:
-        """Each layer's attention between the pieces: the new key/value appended to its cache
-        (`torch.cat`, as `DynamicCache.update`), SDPA over it with `generate()`'s options.
-        Layer 0's call is observed (`attention.observe`: the backend torch picks at this
-        length); the others, the same call on another layer's tensors, go straight to torch's
-        function (the step is host-bound), in `check` as in every decode."""
+        """Each layer's attention, SDPA called with `generate()`'s options. Only layer 0's call
+        is observed (the backend torch picks at this length); the others, the same call on
+        other tensors, go straight to torch (the step is host-bound), in `check` as in every
+        decode."""
         observed = torch.nn.functional.scaled_dot_product_attention
         plain = attention.unobserved()
         for i, ((_, _, _, out_buffer), kv) in enumerate(
@@ -268,8 +245,7 @@ class PiecewiseDecoder:
             self._run(i + 1)
 
     def _cache_attention(self) -> None:
-        """Each layer's attention between the pieces on the `DynamicCache`: its update
-        (torch.cat) and transformers' attention function with the step's mask."""
+        """Each layer's attention: transformers' function on the `DynamicCache`, with a mask."""
         positions = self.position.expand(self.body.batch_size, -1)
         cache = self.cache
         mask = self._mask(
@@ -300,13 +276,10 @@ class PiecewiseDecoder:
     # -- the check ------------------------------------------------------------------------
 
     def check(self, context: Sequence[int], steps: int = CHECK_STEPS) -> bool:
-        """Decode `steps` greedy steps after the prefill of `context` with `generate()` and
-        here (fed `generate()`'s tokens), exactly as a decode runs here, and compare every
-        step's hidden state and float32 logits bitwise and each step's observed SDPA call
-        (layer 0's, the one a decode observes: the others are the same call) with
-        `generate()`'s, argument for argument; learn the direct call's options from
-        `generate()`'s calls first (every layer's alike, or none). `check_result` says
-        "bitwise" or where they first differ."""
+        """Decode `steps` steps after `context` with `generate()` and here (fed its tokens), and
+        compare each step's hidden state and logits bitwise and its observed SDPA call
+        argument for argument, after learning the direct call's options from `generate()`'s
+        calls. `check_result` says "bitwise" or where they first differ."""
         ref: list[StepOutput] = []
 
         def follow(out: StepOutput) -> tuple[int, bool]:
@@ -352,9 +325,7 @@ class PiecewiseDecoder:
     def _project(
         self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's input norm, q/k/v projections and RoPE of its input `h`, as
-        `LlamaAttention.forward`; the query, and the key and value stacked (a copy: the same
-        values) for one write into the cache."""
+        """Layer i's input norm, q/k/v and RoPE, as `LlamaAttention.forward`; k and v stacked."""
         layer = self.layers[i]
         attn = layer.self_attn
         x = layer.input_layernorm(h)
@@ -366,8 +337,7 @@ class PiecewiseDecoder:
         return q, torch.stack((k, v))
 
     def _finish_layer(self, i: int, residual: torch.Tensor) -> torch.Tensor:
-        """The rest of layer i (input `residual`) after its attention, as
-        `LlamaDecoderLayer.forward`."""
+        """The rest of layer i after its attention, as `LlamaDecoderLayer.forward`."""
         layer = self.layers[i]
         hidden = residual + layer.self_attn.o_proj(self.attn_out[i])
         out: torch.Tensor = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
@@ -409,18 +379,14 @@ class PiecewiseDecoder:
             self._take(i, self._piece(i))
 
     def _capture(self) -> None:
-        """Capture every piece in its own CUDA graph, in step order, on one side stream and
-        one memory pool (the graphs replay in that order, never concurrently). Each piece is
-        run once uncaptured on the same stream first (cuBLAS's handle and workspace for that
-        stream, lazy initialisations). Its inputs are the previous piece's static outputs
-        and the attention buffers; the values they hold during capture do not matter: no
-        piece touches the cache.
+        """Capture every piece in its own CUDA graph, in step order, on one side stream and one
+        memory pool (the graphs replay in that order, never concurrently), each warmed up
+        uncaptured first (cuBLAS's handle and workspace for that stream). The values held
+        during capture do not matter: no piece touches the cache.
 
-        Captured without torch's deterministic filling of uninitialised memory (which, with
-        deterministic algorithms on, writes NaN into every buffer an op allocates through
-        `empty` before the op overwrites all of it: a few hundred tiny kernels per step that
-        change no value). Everything else, deterministic algorithms included, is as eager;
-        `check` compares the result with the dynamic path, which fills."""
+        Captured without torch's deterministic NaN-filling of memory `empty` allocates (a few
+        hundred tiny kernels per step that change no value: every op overwrites it); `check`
+        compares the result with the dynamic path, which fills."""
         deterministic: Any = torch.utils.deterministic
         fill = deterministic.fill_uninitialized_memory
         deterministic.fill_uninitialized_memory = False
@@ -465,9 +431,8 @@ def _copy(out: StepOutput) -> StepOutput:
 def direct_options(
     calls: Sequence[attention.SdpaCall], layers: int
 ) -> attention.SdpaOptions | None:
-    """SDPA's options as `generate()`'s decode steps pass them (`calls`: every layer's, step
-    after step), where the direct call can follow them: every call without a mask and with the
-    same options, one per layer per step; else None."""
+    """SDPA's options of `generate()`'s decode `calls` where the direct call can follow them
+    (no mask, one set of options, one call per layer per step); else None."""
     if not calls or len(calls) % layers or any(c.mask is not None for c in calls):
         return None
     if len({c.options for c in calls}) != 1:
