@@ -1,32 +1,17 @@
 """Tensor-parallel execution: one process per rank, every rank a child of this process.
 
-A `TpGroup` of degree k is k rank processes this process starts (`python -m
-replay_audit.engine.tp_rank`, rank r on cuda:r, or on the CPU for tests), joined by
-torch.distributed (NCCL on CUDA, gloo on the CPU) through a store this process serves. Each rank
-loads the checkpoint with transformers' tensor-parallel loading (`tp_plan="auto"`: attention and
-MLP projections split by heads and columns, their row-parallel halves summed by an all-reduce,
-the lm_head split by vocabulary and gathered) and keeps it loaded until the group drops it.
+The group, its lockstep and what each rank computes: docs/engine.md "Tensor parallel".
 
 This process drives and joins no process group itself: closing a group stops its processes, and
 the next group, of any degree, is k new processes. (A process that closed one NCCL group and
-made another segfaulted in transformers' device-mesh setup on 2x H200; no process here ever
-does that, so a worker changes its TP degree by stopping one group and starting another.)
+made another segfaulted in transformers' device-mesh setup on 2x H200.)
 
-Every probe runs the same computation on every rank. This process sends each rank the
-operation and its inputs (a module-level function and its arguments, pickled over a private
-socket); once every rank has read it (a rank that cannot, says so, and none runs it), all run
-it, and each answers "ok" with a digest of its result, or its error; rank 0 sends its result
-too. The collectives inside the operation (the all-reduces of the body, the lm_head's gather)
-keep the ranks in step; the digests check that every rank computed the same bits, so a result
-says what every rank computed, not what rank 0 hoped they did.
+Every rank answers each operation with a digest of its result, so a result says what every rank
+computed, not what rank 0 hoped they did.
 
     TpGroup                the processes and their store; `run(op, *args)`
-    TensorParallelEngine   (`tp_engine`) an `Engine` whose every call (probes, environment,
-                           tokenizer) is a `run` of each rank's own `TorchEngine`
-
-NVLink multicast stays off in every rank (`NVLS_OFF`, in each rank's environment). A rank dies
-with its parent (Linux's PR_SET_PDEATHSIG, set by the rank itself) and exits when the control
-socket closes, so a killed worker leaves no rank behind.
+    TensorParallelEngine   (`tp_engine`) an `Engine` whose every call is a `run` of each
+                           rank's own `TorchEngine`
 """
 
 from __future__ import annotations
@@ -128,14 +113,10 @@ Op = Callable[..., object]
 
 
 class TpGroup:
-    """k rank processes joined by torch.distributed, all started by this process, which drives
-    them and is no rank itself.
-
-    `degree` is k (at least 2); `device` "cuda" puts rank r on cuda:r and joins them with NCCL,
-    "cpu" runs every rank on the CPU with gloo; None: CUDA when available. `threads`: torch's
-    CPU threads in each rank (None: this process's count). `run(op, *args)` runs
-    `op(state, *args)` on every rank and returns rank 0's result. `close()` stops the ranks (the
-    group is then unusable); a process may then start another group, of any degree."""
+    """k >= 2 rank processes joined by torch.distributed, all started by this process, which
+    drives them and is no rank itself. `device` "cuda" puts rank r on cuda:r (NCCL), "cpu" every
+    rank on the CPU (gloo); None: CUDA when available. `threads`: torch's CPU threads per rank
+    (None: this process's count)."""
 
     def __init__(
         self,
@@ -211,21 +192,18 @@ class TpGroup:
     def run(self, op: Op, *args: object) -> Any:
         """`op(state, *args)` on every rank, rank 0's result returned.
 
-        A rank that cannot read the operation (a module it cannot import) refuses it, and no
-        rank runs it (`EngineError`; the group stays usable). Then every rank must finish with
-        the same outcome: the same result (by digest) or an error. An error on every rank (a
-        format no rank can load) is raised as rank 0's, and the group stays usable; ranks that
-        disagree (one failed, or computed other bits) raise `EngineError`, and a rank that
-        failed alone or went silent leaves the group broken (`alive` False), since the ranks
-        may no longer be in step."""
+        An operation a rank cannot read, or one that fails on every rank alike, raises and leaves
+        the group usable. Ranks that disagree (one failed, or computed other bits) raise
+        `EngineError`; a rank that failed alone or went silent leaves the group broken (`alive`
+        False), since the ranks may no longer be in step."""
         with self._lock:
             if not self.alive:
                 raise EngineError(f"the tensor-parallel group is not usable: {self._why_not()}")
             message = pickle.dumps((op, args), protocol=5)
             for conn in self._conns:
                 conn.send_bytes(message)
-            # Every rank has read the operation before any runs it: one that cannot (a module
-            # it cannot import) refuses it, and no rank waits in a collective for it.
+            # Every rank reads the operation before any runs it: one that cannot refuses it,
+            # and no rank waits in a collective for it.
             taken = [self._answer(rank, conn) for rank, conn in enumerate(self._conns)]
             refused = [(rank, a.detail) for rank, a in enumerate(taken) if a.status != "taken"]
             go = not refused
@@ -428,8 +406,7 @@ def _start_rank(
     threads: int | None,
     timeout_s: float,
 ) -> tuple[subprocess.Popen[bytes], Connection]:
-    """Start rank `rank` (`python -m replay_audit.engine.tp_rank`) with its half of a private
-    socket as the control channel, and return it with this process's half."""
+    """Start rank `rank`, a private socket pair its control channel; return our half."""
     import socket
 
     import torch
@@ -473,11 +450,9 @@ def empty_device_cache(device_type: DeviceType) -> None:
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """This process lives as long as its parent: it gets SIGKILL when the parent dies (Linux's
-    PR_SET_PDEATHSIG; elsewhere nothing), exits now if the parent is already gone, and ignores
-    SIGINT and SIGTERM (a Ctrl-C at a terminal, a supervisor signalling the whole process
-    group): the driving process decides when the operation in progress ends, as a worker's warm
-    shutdown finishes its job, and stops its ranks itself."""
+    """This process lives as long as its parent (SIGKILL by Linux's PR_SET_PDEATHSIG), and
+    ignores SIGINT and SIGTERM sent to the whole process group: the driving process decides
+    when the operation in progress ends (a worker's warm shutdown) and stops its ranks itself."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
@@ -490,9 +465,8 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def follow(conn: Connection, state: RankState) -> None:
-    """A rank's loop: take each operation the driving process sends, run it once every rank has
-    taken it, and answer (`Answer`: rank 0 with its result), until told to stop (None) or the
-    channel closes."""
+    """A rank's loop over the driving process's operations (`TpGroup.run`), until told to stop
+    (None) or the channel closes."""
     while True:
         try:
             message = conn.recv_bytes()
