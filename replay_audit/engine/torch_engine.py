@@ -19,11 +19,8 @@ after) and records the SDPA backends torch picked (`attention.observe`). The pat
     scan                        one from-scratch forward per trace (`scan`), several traces per
                                 forward (`scan_batch`).
 
-At a tensor-parallel degree k > 1 (`tp`: this rank's place in a `tensor_parallel.TpGroup`) the
-model is transformers' tensor-parallel one on this rank's device, every rank runs the same probe
-(`tensor_parallel.TensorParallelEngine` drives them), the native lm_head is split by vocabulary
-and gathered (`numerics.VocabShard`), and the decode is `generate()`'s: the piecewise pieces
-follow an unsharded model, and the compiled path is not built for TP.
+At TP k > 1 (`tp`: this rank's place in a `tensor_parallel.TpGroup`; docs/engine.md "Tensor
+parallel") the decode is `generate()`'s: the pieces follow an unsharded model.
 """
 
 from __future__ import annotations
@@ -127,13 +124,11 @@ class TorchEngine:
         self._pieces = PieceReader(tokenizer) if tokenizer is not None else None
         self.device = device
         self.body = Body(model, target.batch_size, device)
-        #: The process-wide switches every probe runs under (only those the arm names).
         self.numerics = ProcessNumerics(target.deterministic, target.tf32, target.sdpa_backend)
-        #: The decode path (`formats.CacheKind`): faithful "piecewise" or opt-in "compiled".
         self.cache_kind: CacheKind = target.kv_cache or "piecewise"
         #: The compiled path's longest static cache (longer decodes run the faithful path).
         self.max_cache_len = max_cache_len
-        #: Compiled decoders by cache length (bucket), each with its own cache and graph.
+        #: Compiled decoders by cache length, each with its own cache and graph.
         self._compiled: dict[int, CompiledDecoder] = {}
         self.head = _lm_head(model, target.head_dtype, TORCH_DTYPES[target.dtype], tp)
         kernel = str(getattr(model.config, "_attn_implementation", None) or "eager")
@@ -141,15 +136,15 @@ class TorchEngine:
         self._target = dataclasses.replace(target, attn_kernel=kernel, kv_cache=self.cache_kind)
         pad = getattr(model.config, "pad_token_id", None)
         pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
-        #: transformers' own `generate()`: the reference decode and the single-step re-runs
-        #: (the model's own lm_head gives the logits where the arm's head format is the body's).
+        #: The reference decode and the single-step re-runs (the model's own lm_head gives the
+        #: logits where the arm's head format is the body's).
         self.generate = GenerateDecoder(
             self.body,
             self.head,
             own_head=target.head_dtype == target.dtype and not target.fp8_linear,
             pad_id=pad_id,
         )
-        #: The piecewise decoder once built and checked; why it is not used, if it is not.
+        #: The piecewise decoder once built and checked; else why not.
         self._piecewise: PiecewiseDecoder | None = None
         self._piecewise_error: str | None = None
         if tp is not None:
@@ -157,16 +152,13 @@ class TorchEngine:
                 f"tensor parallel (TP {tp.degree}): the pieces follow an unsharded model, so "
                 "the decode is generate()'s"
             )
-        #: The decode paths this engine's decodes took ("piecewise", "generate", "compiled").
         self._decoders: set[str] = set()
-        #: The SDPA backends this engine's probes have run (`attention.Observed.backends`).
         self._attention = attention.Observed()
         #: The token written at padded positions of a batched scan. No real position reads it
         #: (tests/engine/test_engine_torch_scan_batch.py changes it and gets the same bits).
         self.scan_pad_id = pad_id
-        #: What the last batched scan recorded in `environment()["extras"]` (its batch shapes).
+        #: The batch shapes of the last batched scan and batched re-runs (`environment()`).
         self._scan_extras: dict[str, ExtraValue] = {}
-        #: What the last batched single-step re-runs recorded (their batch shapes).
         self._step_extras: dict[str, ExtraValue] = {}
 
     @classmethod
@@ -180,16 +172,10 @@ class TorchEngine:
         max_cache_len: int = 4096,
         tp: TpPlacement | None = None,
     ) -> TorchEngine:
-        """Load `model_dir` in `target`'s format: its body dtype (stored first in its
-        `weight_dtype` where it names one, `loading.load_model`), its attention kernel, every
-        linear layer of the body in FP8 where it says `fp8_linear` (a CUDA GPU of compute
-        capability >= 8.9). Nothing process-wide is set: the probes run under the target's
-        switches (`ProcessNumerics`). `cache`: the decode path where the target names none
-        (None: "piecewise", the faithful one; "compiled" for the fastest decode on CUDA, not
-        token-identical to `generate()`). `tp`: this rank's place in a tensor-parallel group
-        whose process group it has joined (the model is loaded with transformers' plan, on the
-        rank's device; `device` is not read): called on every rank alike
-        (`tensor_parallel.TensorParallelEngine.load`)."""
+        """Load `model_dir` in `target`'s format (`loading.load_model`). Nothing process-wide is
+        set: the probes run under the target's switches. `cache`: the decode path where the
+        target names none (`LoadOptions`). `tp`: this rank's place in a group whose process
+        group it has joined (`device` is not read), called on every rank alike."""
         if target.kv_cache is None and cache is not None:
             target = dataclasses.replace(target, kv_cache=cache)
         if tp is not None and (target.fp8_linear or target.kv_cache == "compiled"):
@@ -348,15 +334,8 @@ class TorchEngine:
         *,
         token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
     ) -> list[ScanRun]:
-        """`scan` of each item, several traces per forward (`replay_audit.engine.batch`: length
-        buckets, right padding, at most `token_budget` tokens a forward; a longer trace alone).
-        Per forward: the body over the right-padded rows (causal mask only: padding comes after
-        every real position, so none reads it), the lm_head over the real output positions
-        only, top-k and its tie order on the device, one copy of (steps, k) values to the host,
-        the margins and gate of all steps in one call of `diff.step_numerics`, and the
-        intervention at all gated steps together. The rows are other traces, not copies of one:
-        `Target.batch_size` is the decode's and `scan`'s. The batch shapes go into
-        `environment()["extras"]` (`scan_batch_shapes`, `scan_token_budget`)."""
+        """`Engine.scan_batch`. The rows are other traces, not copies of one:
+        `Target.batch_size` is the decode's and `scan`'s."""
         iv = intervention or self._target.intervention
         items = list(items)
         plan = plan_scan(items, token_budget)
@@ -416,14 +395,9 @@ class TorchEngine:
         prompt_lengths: Sequence[int] | None = None,
         layouts: Sequence[BatchLayout | None] | None = None,
     ) -> list[StepInfo]:
-        """`step` of each context, batched: contexts of one length share one `generate()` of
-        one token, one row each, unpadded (`batch.plan_steps`), each row's choice made alone
-        (a product over many rows may sum in another order than over one: on this CPU fp32
-        rows differ by an ulp). An engine whose target decodes among copies (`batch_size` >
-        1), and a context with a logged padded layout, runs `step` alone: its step's batch is
-        the copies or the layout. The shapes go into `environment()["extras"]`
-        (`step_batch_shapes`). With `processors`, each context's logits go through them after
-        its own prompt (`prompt_lengths`)."""
+        """`Engine.step_batch`, each row's choice made alone. A target that decodes among copies
+        (`batch_size` > 1), and a context with a logged padded layout, runs `step` alone: its
+        step's batch is the copies or the layout."""
         active = processors is not None and processors.active
         if active and (prompt_lengths is None or len(prompt_lengths) != len(contexts)):
             raise ValueError("step_batch: logits processors need each context's prompt length")
@@ -466,8 +440,7 @@ class TorchEngine:
         top_k: int,
         process: StepProcessing | None = None,
     ) -> Steps:
-        """The logits processors, top-k, gate and intervention over M steps' float32 native
-        logits (M, V) and final hidden states (M, d)."""
+        """`numerics.decide` over M steps' logits (M, V), processed first."""
         if process is not None:
             z32 = process(z32)
         return decide(self.head, top_k_on_host(z32, top_k), z32, hs, intervention, top_k, process)
@@ -507,8 +480,7 @@ class TorchEngine:
     def hidden_states(
         self, prompt_ids: Sequence[int], output_ids: Sequence[int]
     ) -> npt.NDArray[np.float32]:
-        """`HiddenStates.hidden_states`: the body's one from-scratch forward, under the arm's
-        switches."""
+        """`HiddenStates.hidden_states`, under the arm's switches."""
         with self._probe():
             h = self.body.forward([*prompt_ids, *output_ids], None, 0)[0, len(prompt_ids) - 1 :]
             return np.asarray(h.float().cpu().numpy(), dtype=np.float32)
@@ -531,8 +503,7 @@ class TorchEngine:
         top_k: int,
         process: StepProcessing | None,
     ) -> tuple[Steps, LoggedEvidence]:
-        """One forward of a batched scan: the steps of all its rows, row after row, and the
-        evidence of their `logged` tokens (the rows' outputs, concatenated)."""
+        """One forward of a batched scan: its rows' steps, concatenated, and their evidence."""
         ids = torch.from_numpy(packed.input_ids).to(self.device)
         # The causal mask alone keeps right padding unread (`batch`): no padding mask.
         hidden = self.body.forward_rows(ids)
@@ -549,8 +520,7 @@ class TorchEngine:
         top_k: int,
         process: StepProcessing | None = None,
     ) -> tuple[Steps, LoggedEvidence]:
-        """`_choose` of a scan's steps, and from the same (processed) logits the evidence of
-        the logged tokens (`numerics.logged_evidence`)."""
+        """A scan's steps, and from the same (processed) logits the logged tokens' evidence."""
         z32 = self.head.native_steps(hs)
         if process is not None:
             z32 = process(z32)
@@ -560,10 +530,9 @@ class TorchEngine:
         return steps, LoggedEvidence(packed[:, 0].astype(np.float32), packed[:, 1].astype(np.int64))
 
     def _decoder(self, context: Sequence[int], total: int, layout: BatchLayout | None) -> Decoder:
-        """The decoder for a decode of `context` and `total` tokens (context and new): a
-        compiled one where the path is "compiled" and its longest cache holds them; else the
-        piecewise one if it passed its check; else `generate()` itself (which alone follows a
-        logged left-padded layout). Recorded in `_decoders` (what `environment()` says ran)."""
+        """The decoder for `total` tokens (context and new): compiled where asked and its cache
+        holds them, else piecewise if it passed its check, else `generate()` (which alone
+        follows a logged left-padded layout)."""
         decoder: Decoder = self.generate
         name = "generate"
         padded = layout is not None and layout.padded
@@ -575,10 +544,8 @@ class TorchEngine:
         return decoder
 
     def _piecewise_decoder(self, context: Sequence[int]) -> PiecewiseDecoder | None:
-        """The engine's piecewise decoder, built and checked against `generate()` on its first
-        decode (`PiecewiseDecoder.check`: the same SDPA calls, hidden states and logits bitwise
-        equal), or None (and `_piecewise_error` says why) where the model is not one it follows
-        or the check failed."""
+        """The piecewise decoder, checked on the first decode (`PiecewiseDecoder.check`), or None
+        (`_piecewise_error` says why)."""
         if self._piecewise is None and self._piecewise_error is None:
             try:
                 piecewise = PiecewiseDecoder(self.body, self.head, self.generate)
@@ -604,12 +571,8 @@ class TorchEngine:
         return self._compiled[length]
 
     def _extras(self) -> dict[str, ExtraValue]:
-        """What ran: the decode paths of the decodes so far (`decoder`: piecewise, generate,
-        compiled; before any decode, the path the next one takes) with their record (the
-        piecewise check's outcome or why `generate()` decodes instead; the compiled path's
-        cache lengths, its CUDA graph and whether it compiled), the SDPA backends the probes
-        got (`attention_backends`), and after a batched scan or batched re-runs, their batch
-        shapes (`batch.scan_extras`)."""
+        """What ran (docs/engine.md lists the keys); `decoder` before any decode: the path the
+        next one takes."""
         extras: dict[str, ExtraValue] = {**self._scan_extras, **self._step_extras}
         backends = self._attention.backends()
         if backends is not None:

@@ -1,9 +1,6 @@
-"""`TensorParallelEngine`: an `Engine` at TP degree k over a `tensor_parallel.TpGroup`. Every
-rank holds a `TorchEngine` of the checkpoint loaded with transformers' tensor-parallel plan
-(`TorchEngine.load(tp=...)`), and every call is one operation of the group: each rank runs it
-on its own engine, and rank 0's result is returned once every rank's digest matches it. This
-process holds no model: what it says of the engine (its target, its environment, its tokens'
-texts) is what the ranks answer."""
+"""`TensorParallelEngine`: an `Engine` at TP degree k over a `tensor_parallel.TpGroup`, every
+call one operation of the group on each rank's own `TorchEngine` (`TorchEngine.load(tp=...)`).
+This process holds no model: what it says of the engine is what the ranks answer."""
 
 from __future__ import annotations
 
@@ -58,10 +55,7 @@ def _drop(state: RankState, key: str) -> None:
 
 
 class TensorParallelEngine:
-    """An `Engine` (and `HiddenStates`) at TP degree k: every rank of `group` holds a
-    `TorchEngine` of the checkpoint loaded with transformers' tensor-parallel plan, and every
-    call runs on all of them (`TpGroup.run`); rank 0's answers. The target, vocabulary size
-    and context are the ranks' as they loaded."""
+    """An `Engine` (and `HiddenStates`) at TP degree k (module docstring)."""
 
     def __init__(
         self,
@@ -91,8 +85,7 @@ class TensorParallelEngine:
         return cls(group, key, loaded, vocab_size, positions)
 
     def close(self) -> None:
-        """Every rank drops its engine (nothing where the group is no longer usable: its ranks
-        are stopped with it)."""
+        """Every rank drops its engine (an unusable group's ranks are stopped with it)."""
         if self.group.alive:
             self.group.run(_drop, self.key)
 

@@ -1,8 +1,6 @@
 """A tensor-parallel rank: `python -m replay_audit.engine.tp_rank`, started by
-`tensor_parallel.TpGroup` (never by hand). Its environment says who it is (RANK, WORLD_SIZE,
-LOCAL_RANK), where its parent's store listens (MASTER_ADDR, MASTER_PORT), its device, its CPU
-threads, the collectives' timeout and the file descriptor of its control socket. It dies with its
-parent, joins the process group, then runs what its parent sends until told to stop."""
+`tensor_parallel.TpGroup` (never by hand), which says in its environment who it is and where
+to join."""
 
 from __future__ import annotations
 
