@@ -77,10 +77,8 @@ class ScanBatch:
 
 
 def plan_scan_batches(lengths: Sequence[int], token_budget: int) -> list[ScanBatch]:
-    """The batches that scan traces of context `lengths`: each trace in exactly one batch, every
-    batch within `token_budget` tokens (padding included) except a trace that does not fit in
-    its bucket alone, which runs alone at its own length. Batches come bucket by bucket, shortest
-    first; within a bucket, traces keep their order."""
+    """The batches that scan traces of context `lengths`, each within `token_budget` tokens
+    (padding included) but for a trace too long for its bucket alone (module docstring)."""
     if token_budget < 1:
         raise ValueError("the scan's token budget must be at least 1")
     buckets: dict[int, list[int]] = {}
@@ -170,14 +168,11 @@ def scan_extras(batches: Sequence[ScanBatch], token_budget: int) -> dict[str, Ex
 
 
 def plan_steps(lengths: Sequence[int], token_budget: int) -> list[ScanBatch]:
-    """The batches of single-step re-runs over contexts of `lengths` tokens: contexts of the
-    same length together, unpadded, as many a forward as fit in `token_budget` tokens (at least
-    one). Not the scan's buckets: a step re-run is looked at where the margin is a near-tie,
-    and right padding changes the CPU sdpa kernel's reduction order
-    (tests/engine/test_engine_torch_scan_batch.py), so it could flip the very token asked for;
-    unpadded rows of one length get `step`'s bits wherever the kernels do not depend on the
-    number of rows. Batches come by length, shortest first; within one, contexts keep their
-    order."""
+    """The batches of single-step re-runs over contexts of `lengths` tokens: one length per
+    forward, unpadded, as many as fit in `token_budget` tokens (at least one). Not the scan's
+    buckets: a re-run is looked at where the margin is a near-tie, and right padding changes
+    the CPU sdpa kernel's reduction order (tests/engine/test_engine_torch_scan_batch.py), so
+    it could flip the very token asked for."""
     if token_budget < 1:
         raise ValueError("the token budget must be at least 1")
     by_length: dict[int, list[int]] = {}
@@ -196,8 +191,7 @@ def plan_steps(lengths: Sequence[int], token_budget: int) -> list[ScanBatch]:
 
 
 def step_extras(batches: Sequence[ScanBatch], token_budget: int) -> dict[str, ExtraValue]:
-    """What batched single-step re-runs record in `environment()["extras"]`: their budget and
-    batch shapes (as `scan_extras`'), so a result says its re-runs at t* were batched."""
+    """`scan_extras` of batched single-step re-runs: a result says its re-runs were batched."""
     shapes = sorted({(b.padded_length, b.rows): b.shape for b in batches}.items())
     return {
         "step_token_budget": token_budget,

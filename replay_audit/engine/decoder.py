@@ -3,21 +3,8 @@ float32 native logits and host-side top-k (`StepOutput`) go to a `Choose` callba
 returns the token the arm takes there (the engine's `numerics.decide`, the same whichever
 decoder ran) and whether to stop after it.
 
-The decoders of the one `Decoder` interface:
-
-    GenerateDecoder   transformers' own `generate()`, called as a user calls it: the logging
-                      stack's computation itself (its attention calls, its `DynamicCache`, its
-                      lm_head over the last position), the batch as logged (copies of the
-                      row, or the logged left-padded layout). The reference of the faithful
-                      path and its fallback; the single-step re-runs are its one-token runs.
-    PiecewiseDecoder  (`piecewise.py`) the same decode with the rest of each step in CUDA
-                      graphs, checked against `GenerateDecoder` call for call and bit for bit.
-    CompiledDecoder   the opt-in fast path: a preallocated `StaticCache` written by position,
-                      the step compiled by `torch.compile` and, on CUDA, captured in one CUDA
-                      graph. Not bitwise equal to `generate()`.
-
-Each gets what it runs explicitly: the `Body` (transformers' model, batch size, device) and
-the `LmHead`.
+The decoders (`GenerateDecoder`, `piecewise.PiecewiseDecoder`, `CompiledDecoder`) and which
+one decodes when: the `torch_engine` module docstring and docs/engine.md.
 """
 
 from __future__ import annotations
@@ -59,9 +46,9 @@ class Body:
     device: torch.device
 
     def forward(self, ids: Sequence[int], cache: Any, start: int) -> torch.Tensor:
-        """Body forward of `ids` at positions start.. (batch rows: identical copies); the final
-        normed hidden states (batch, n, d). Without a cache, positions are transformers' default
-        (0..n-1), exactly as a plain forward of the model would use."""
+        """The final normed hidden states (batch, n, d) of `ids` at positions start.. (batch
+        rows: identical copies). Without a cache, positions are transformers' default, as a
+        plain forward of the model uses them."""
         b = self.batch_size
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device).expand(b, -1)
         pos = None
@@ -75,10 +62,8 @@ class Body:
         return hidden
 
     def forward_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Body forward of right-padded rows `ids` (rows, L), one trace each (not copies), at
-        positions 0..L-1 in every row, under the causal mask alone (a row's padding comes after
-        all its real positions, so none of them reads it); the final normed hidden states
-        (rows, L, d). No cache: a batched scan's forward."""
+        """A batched scan's forward of right-padded rows `ids` (rows, L), one trace each, under
+        the causal mask alone (`batch`'s module docstring says why)."""
         rows, length = ids.shape
         pos = torch.arange(length, device=ids.device).unsqueeze(0).expand(rows, -1)
         out = self.model.model(input_ids=ids, position_ids=pos, use_cache=False)
@@ -157,15 +142,12 @@ def batch_rows(
 
 
 class GenerateDecoder:
-    """A decode by transformers' own `generate()` (greedy, one beam), called as a user calls
-    it on the arm's batch (`batch_rows`): its prefill, its `DynamicCache`, its attention calls,
-    its lm_head over the last position and the float32 logits it takes from it. The engine
-    reads each step through a logits processor placed after any of generate()'s own (the raw
-    float32 logits of the row of interest; its hidden states from a hook on the lm_head's
-    input) and hands generate() the token `choose` takes, by setting every other logit to
-    -inf; a stopping criterion ends it where `choose` says. None of it changes a number the
-    model computes. The engine's own `LmHead` gives the logits instead where the arm's head
-    format is not the model's (`own_head` False)."""
+    """A decode by transformers' own `generate()` (greedy), called as a user calls it on the
+    arm's batch (`batch_rows`): the logging stack's computation itself. The engine reads each
+    step through a logits processor placed after generate()'s own and forces the token
+    `choose` takes (every other logit -inf); none of it changes a number the model computes.
+    `own_head` False: the engine's `LmHead` gives the logits (the arm's head format is not the
+    model's)."""
 
     def __init__(self, body: Body, head: LmHead, *, own_head: bool, pad_id: int) -> None:
         self.body = body
@@ -248,20 +230,13 @@ class GenerateDecoder:
 
 
 class CompiledDecoder:
-    """The opt-in fast decode: a preallocated KV cache written by position (transformers'
-    `StaticCache`), reused across decodes, and the one-token step (body, native head, top-k)
-    compiled by `torch.compile` (mode "default": inductor fuses RMSNorm, RoPE, SiLU·mul and the
-    residual adds) and captured once in a CUDA graph, as gpt-fast does: a step is one graph
-    replay and one device-to-host copy.
-
-    The captured step feeds itself: it writes its argmax into the token buffer and advances the
-    position buffer, so the host writes them only when the chosen token is not the argmax (a
-    gated step that an intervention changed) or a decode starts.
+    """The opt-in fast decode, as gpt-fast's: a `StaticCache` reused across decodes, the step
+    compiled and captured in one CUDA graph (docs/engine.md). The captured step writes its
+    argmax into its token buffer and advances its position, so the host writes them only when
+    an intervention changed the token or a decode starts.
 
     Not bitwise equal to `generate()`: its attention runs over the whole preallocated length
-    with the unwritten positions masked, and fused kernels round differently. If compiling
-    fails, the eager step is captured and `compile_error` says why; off CUDA (or where capture
-    fails) the eager step runs uncaptured.
+    with the unwritten positions masked, and fused kernels round differently.
     """
 
     def __init__(self, body: Body, head: LmHead, max_len: int) -> None:
@@ -295,8 +270,7 @@ class CompiledDecoder:
         top_k: int,
         layout: BatchLayout | None = None,
     ) -> None:
-        """A decode of copies of `context` (`layout` is not followed: the engine runs a logged
-        layout's decodes with `GenerateDecoder`): its prefill, then one step per token."""
+        """A decode of copies of `context` (a logged `layout` decodes with `GenerateDecoder`)."""
         out = self.prefill(context, top_k)
         for n in range(1, max_new_tokens + 1):
             token, stop = choose(out)
@@ -316,8 +290,6 @@ class CompiledDecoder:
         return StepOutput(h, z32, top_k_on_host(z32, top_k))
 
     def step(self, token: int) -> StepOutput:
-        """One decode step at the next position: one graph replay (or the uncaptured step) and
-        one device-to-host copy of the top-k."""
         position = self._next_position
         if token != self._dev_token:
             self.token.fill_(token)
@@ -355,11 +327,10 @@ class CompiledDecoder:
         return h, z32, packed
 
     def _capture(self) -> None:
-        """Warm up on a side stream (compiling the step first), then capture one step. The
-        warm-up writes K/V at the next position (which the real step overwrites) and advances
-        the cache's length counters, which are put back.
+        """Warm up on a side stream (compiling the step first), then capture one step; the
+        cache's length counters the warm-up advanced are put back.
 
-        Captured with torch's deterministic-algorithms check off: under it, the cache write
+        Captured with torch's deterministic algorithms off: under them the cache write
         (`index_copy_` at one position) takes a sort-based path that costs a third of the step.
         The write is a copy to distinct positions, exact either way, and nothing in the step
         accumulates with atomics.
