@@ -203,10 +203,8 @@ API_KEY_ENV: Final = "REPLAY_AUDIT_API_KEY"
 
 
 class Client:
-    """Buffered, batched, idempotent trace logging from a serving process (module docstring).
-    The key is `key`, else `$REPLAY_AUDIT_API_KEY`.
-
-    Thread-safe: any number of threads may call `log`. `stats` counts the outcomes."""
+    """Buffered, batched, idempotent trace logging (module docstring); thread-safe. The key is
+    `key`, else `$REPLAY_AUDIT_API_KEY`."""
 
     def __init__(
         self,

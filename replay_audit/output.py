@@ -1,8 +1,4 @@
-"""What every response is built from: `OutputModel`, the base of a response schema the service
-builds (frozen, no field it does not declare); `StoredModel`, the base of one read back from
-stored JSON (a run's report: frozen, and a key an older version stored is dropped, not an
-error); and `JobRead`, the columns every background job's row shows (screenings,
-verifications)."""
+"""The bases every response is built from."""
 
 from __future__ import annotations
 

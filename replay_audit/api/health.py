@@ -1,12 +1,6 @@
-"""`GET /healthz` and `GET /readyz` (no key needed).
-
-- `/healthz`, liveness for compose health checks: the process answers, and so do the database
-  and the job queue; it lists the live workers' GPU kinds (reported, not required).
-- `/readyz`, readiness per component: the database, the queue, and the live workers per GPU
-  kind (RQ's worker registry; under the in-process runner, this process). 503 when a required
-  component is down: the database, the queue, or fewer live workers than
-  `REPLAY_AUDIT_READY_MIN_WORKERS` (0 unless set: workers are reported, not required).
-"""
+"""`GET /healthz` (liveness, for compose health checks) and `GET /readyz` (readiness), no key
+needed: the endpoints' docstrings (the OpenAPI document) say what each answers. Workers are
+reported, and required only by `/readyz` with `REPLAY_AUDIT_READY_MIN_WORKERS` set."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """`GET /metrics`: the Prometheus exposition of the API processes (docs/operations.md).
 
-No key needed, like `/healthz`; nothing in it names a project or carries trace content or key
-material (`telemetry.metric` says which labels exist). Off with `REPLAY_AUDIT_METRICS_ENABLED=
-false`; with `REPLAY_AUDIT_API_METRICS_PORT` set, `serve` answers it on that port of
-`REPLAY_AUDIT_METRICS_HOST` instead (`serve_metrics`), and the API's own port has no `/metrics`.
-
-Besides the counters the processes keep (adding up across processes in multiprocess mode), a
-scrape reads two things at that moment: the RQ queues (depth, running jobs, oldest job's age,
-live workers per GPU kind) and each audit schedule's last run.
+No key needed: nothing in it names a project or carries trace content or key material
+(`telemetry.metric` says which labels exist). Where it is served, if anywhere: the settings
+`metrics_enabled` and `api_metrics_port` (`serve_metrics`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""What every HTTP request leaves behind: a request id, a metric and a log line.
-
-`ObserveMiddleware`, the outermost middleware of the app:
-
-- the request id: a sane incoming `X-Request-ID` (`telemetry.log.sane_request_id`) or a new
-  one, bound to the request's log lines, returned in the `X-Request-ID` answer header, and
-  shown in every 5xx body (`api.errors`);
-- `replay_audit_http_requests_total` and `replay_audit_http_request_duration_seconds`, by
-  method, route template (`/v1/replays/{run_id}`, never the raw path: bounded labels; `unmatched`
-  for a path no route matches) and status;
-- one access line on the `replay_audit.access` logger (INFO): method, route template, status,
-  milliseconds, with the request id and the key's project as context fields.
-"""
+"""What every HTTP request leaves behind (`ObserveMiddleware`, the app's outermost middleware):
+a request id (a sane incoming `X-Request-ID` or a new one, bound to its log lines, answered in
+the header and shown in every 5xx body), the HTTP metrics by route template (never the raw
+path: bounded labels), and one access line on the `replay_audit.access` logger."""
 
 from __future__ import annotations
 

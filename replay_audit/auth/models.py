@@ -39,9 +39,7 @@ class Project(Base):
 
 
 class ApiKey(Base):
-    """An API key, stored hashed. The key itself (`ra_<lookup>_<secret>`) is shown once at
-    creation; `lookup` (unique, not secret) finds the row, and the sha256 of the whole key is
-    compared in constant time."""
+    """An API key, stored hashed (`auth.service` says how a key is checked)."""
 
     __tablename__ = "api_keys"
     __table_args__ = (CheckConstraint("role IN ('submitter', 'auditor', 'admin')", name="role"),)

@@ -3,11 +3,8 @@
 A key reads `ra_<lookup>_<secret>`: `lookup` (12 hex characters, not secret) finds the row,
 and the sha256 of the whole key, compared with `hmac.compare_digest`, proves it. The secret has
 256 bits of entropy, so a plain sha256 is as good as a slow password hash here, and keeps the
-check cheap on every request. The key is shown once, at creation, and never stored.
-
-The API keeps the keys that passed for a few seconds (`PrincipalCache`), so a client's steady
-stream of requests costs no query for its key: a revocation takes effect at once in the API
-process that made it, and within `Settings.api_key_cache_s` (5 s) in the others.
+check cheap on every request. The key is shown once, at creation, and never stored. Keys that
+passed are kept a few seconds (`PrincipalCache`).
 """
 
 from __future__ import annotations
@@ -74,10 +71,8 @@ def validate_project_name(name: str) -> str:
 def create_api_key(
     session: Session, project: str, role: Role | str, *, name: str | None = None
 ) -> CreatedKey:
-    """Create a key for `project` (created if it does not exist yet) with `role`.
-
-    Returns the key in clear, the only time it exists outside the caller's hands.
-    """
+    """A new key of `role` for `project` (created if need be): the only time the key exists in
+    clear outside the caller's hands."""
     try:
         role = Role(role)
     except ValueError:
@@ -101,13 +96,9 @@ def create_api_key(
 
 
 class PrincipalCache:
-    """The principals of keys that authenticated in the last `ttl_s` seconds, in this process:
-    a request whose key is here needs no query (`Settings.api_key_cache_s`; 0 keeps nothing).
-
-    Only keys that passed the check are kept, by the sha256 of the whole key (the secret never
-    is). Revoking a key through this process forgets it at once (`forget`, after the commit);
-    another process of the deployment keeps accepting it for at most `ttl_s` seconds more.
-    """
+    """The principals of keys that passed the check in the last `ttl_s` seconds in this process
+    (`Settings.api_key_cache_s` says what a revocation then takes), by the sha256 of the whole
+    key (the secret never is kept). A request whose key is here needs no query."""
 
     #: Most keys kept; past it the cache starts over (a deployment has far fewer live keys).
     MAX_KEYS: Final = 10_000

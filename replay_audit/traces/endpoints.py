@@ -1,10 +1,7 @@
 """HTTP endpoints for traces. Thin: parse, call one service function, answer.
 
-Who may do what (the key's role; a key only ever sees its own project):
-    POST /v1/traces, POST /v1/traces:batch     submitter, admin
-    GET  /v1/traces, GET /v1/traces/{id}        auditor, admin
-Submitters cannot read traces back: an ingest key leaked from a production host exposes no
-logged prompts or outputs. They do learn the id of a trace they re-post, which they sent.
+Submitters post but cannot read traces back (`Reader`): an ingest key leaked from a production
+host exposes no logged prompts or outputs. They do learn the id of a trace they re-post.
 """
 
 from __future__ import annotations

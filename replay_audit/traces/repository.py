@@ -1,10 +1,8 @@
 """SQL for numerical configurations, traces, their tags and their keys.
 
-Inserts are `INSERT ... ON CONFLICT DO NOTHING RETURNING`, one round trip per table and batch
-(see `_insert_do_nothing`): the unique constraints decide what is a duplicate, so concurrent
-retries cannot store a trace twice, and nothing is checked-then-inserted. The constraints that
-say what a duplicate trace is are on `trace_keys` (unpartitioned, see traces/models.py): a
-trace's key goes in first and the trace only if its key did.
+Inserts are `INSERT ... ON CONFLICT DO NOTHING RETURNING`, one round trip per table and batch:
+the unique constraints (on `trace_keys`: `models.TraceKey`) decide what is a duplicate, so
+concurrent retries cannot store a trace twice, and nothing is checked-then-inserted.
 """
 
 from __future__ import annotations
@@ -191,10 +189,8 @@ def _insert_do_nothing(
 
 
 def insert_trace_keys(session: Session, rows: Sequence[TraceKeyValues]) -> set[str]:
-    """Insert trace keys (public_id, project_id, content_sha256, external_id, created_at),
-    skipping any whose content or external_id the project already holds (or whose public id
-    is taken). Returns the content_sha256 of the keys actually inserted: exactly the traces to
-    store."""
+    """The content_sha256 of the keys inserted (exactly the traces to store): a key whose
+    content, external_id or public id is taken is skipped."""
     # Sorted by content: two batches holding the same traces in different orders (a client
     # retrying concurrently) take the unique-index locks in one order and cannot deadlock.
     ordered = sorted(rows, key=lambda row: row["content_sha256"])
@@ -203,8 +199,8 @@ def insert_trace_keys(session: Session, rows: Sequence[TraceKeyValues]) -> set[s
 
 
 def insert_traces(session: Session, rows: Sequence[TraceValues]) -> dict[str, tuple[int, str]]:
-    """Insert trace rows whose keys `insert_trace_keys` just inserted. Returns content_sha256
-    -> (id, public_id) of the rows inserted."""
+    """content_sha256 -> (id, public_id) of the rows inserted (those whose keys
+    `insert_trace_keys` just inserted)."""
     inserted = _insert_do_nothing(
         session, _table(Trace), rows, returning=("id", "public_id", "content_sha256")
     )
@@ -212,7 +208,6 @@ def insert_traces(session: Session, rows: Sequence[TraceValues]) -> dict[str, tu
 
 
 def insert_trace_tags(session: Session, rows: Sequence[TraceTagValues]) -> None:
-    """Insert (trace_id, trace_created_at, tag) rows."""
     if not rows:
         return
     if session.get_bind().dialect.name == "postgresql":
@@ -261,12 +256,10 @@ def _typed(dialect: Dialect, table: Table, columns: Sequence[str]) -> str:
 def _one_trace_sql(dialect: Dialect) -> str:
     key_columns = list(TraceKeyValues.__annotations__)
     columns = [name for name in TraceValues.__annotations__ if name != "config_id"]
-    # One statement, so one round trip. The configuration is looked up, not inserted: the
-    # statement's snapshot could not see a twin committed while an INSERT waited on it, so a
-    # new configuration goes through `ensure_configs` (the caller's general path). The key
-    # goes in first and the trace only if its key did (`ON CONFLICT DO NOTHING` on the keys'
-    # unique constraints: a repeat or a race inserts nothing); tags ride along. Data-modifying
-    # WITH clauses run to completion even where nothing reads them.
+    # The configuration is looked up, not inserted: the statement's snapshot could not see a
+    # twin committed while an INSERT waited on it, so a new one takes the general path. A repeat
+    # or a race inserts no key, hence no trace. Data-modifying WITH clauses run to completion
+    # even where nothing reads them.
     sql = f"""
         WITH config AS (
             SELECT id FROM numerical_configs WHERE content_sha256 = %(config_sha256)s
@@ -294,14 +287,9 @@ def _one_trace_sql(dialect: Dialect) -> str:
 def insert_one_trace(
     session: Session, config_sha256: str, row: TraceContent, key: TraceKeyValues
 ) -> OneTraceInsert | None:
-    """Store one trace, its key and its tags in one statement, when its configuration
-    (`config_sha256`) is already stored: what a single POST needs in the common case, in one
-    round trip (PostgreSQL; None on SQLite, where the caller takes the general path:
-    `ensure_configs`, `insert_trace_keys`, `insert_traces`, `insert_trace_tags`).
-
-    `key` holds the trace's public_id, project_id, content_sha256, external_id and created_at;
-    the trace gets the same. Nothing is inserted when the configuration is missing or the key
-    is taken; `OneTraceInsert` says which."""
+    """Store one trace, its key and its tags in one round trip when its configuration is
+    already stored: a single POST's common case. PostgreSQL only: None on SQLite, where the
+    caller takes the general path. The trace gets `key`'s ids and time."""
     if session.get_bind().dialect.name != "postgresql":
         return None
     params: dict[str, object] = {**row, **key, "config_sha256": config_sha256}

@@ -1,17 +1,9 @@
-"""Which of a project's traces a request means: one value for every surface that selects traces.
+"""Which of a project's traces a request means: one value for every surface that selects traces
+(the listing, `replays.schemas.TraceFilter`, `audits.schemas.Selection`: each maps its own public
+field names to it at its edge); `traces.repository.select_where` turns it into SQL, once. Pure.
 
-    GET /v1/traces              the listing's query parameters (all traces unless `greedy` is given)
-    POST /v1/replays "filter"   greedy traces only
-    audit schedule "selection"  greedy traces only, created in the window before the due time
-
-Each surface keeps its own public field names and maps them to a `TraceSelection` at its edge
-(the listing's endpoint, `replays.schemas.TraceFilter`, `audits.schemas.Selection`);
-`traces.repository.select_where` turns it into SQL, once. Pure: no SQLAlchemy here.
-
-Greedy. Only greedy generations replay (DESIGN.md: a trace is "one logged greedy generation"),
-so a replay filter or an audit selects greedy traces and skips the others instead of failing on
-them. A trace's strategy is `decoding.strategy`; a decoding without one is greedy (the schema's
-default), see `is_greedy`.
+Only greedy generations replay (DESIGN.md), so a replay filter or an audit selects greedy traces
+and skips the others instead of failing on them; the listing shows all unless asked.
 """
 
 from __future__ import annotations
@@ -39,14 +31,9 @@ def _utc(value: datetime | None) -> datetime | None:
 
 @dataclass(frozen=True)
 class TraceSelection:
-    """A set of one project's traces: every condition given must hold (AND); None (or no tags)
-    means "any".
-
-    `tags`: the trace carries all of them. `created_after` is inclusive, `created_before`
-    exclusive: [created_after, created_before). `greedy`: True for greedy traces only, False
-    for the others only, None for both. `lm_head_dtype` is the effective head dtype (the body
-    dtype when the configuration leaves it unset).
-    """
+    """A set of one project's traces: every condition given must hold, None (or no tags) means
+    "any". The trace carries all `tags`; times select [created_after, created_before);
+    `lm_head_dtype` is the effective head dtype (`NumericalConfigRow.lm_head_dtype`)."""
 
     model_name: str | None = None
     weights_sha256: str | None = None

@@ -8,9 +8,7 @@ logits float32), each preceded by its byte length. Two posts are the same trace 
 the same: logits that differ only below float32 precision are the same trace, since float32 is
 what is stored. `UNIQUE(project_id, content_sha256)` makes a repeat a no-op answered with the
 existing id; `UNIQUE(project_id, external_id)` makes a reused external_id with different
-content a 409 naming `external_id`. Both are on `trace_keys`, not `traces` (which PostgreSQL
-partitions by time, and a partitioned table cannot hold them): a trace's key is inserted first,
-and the trace is stored only if its key went in, in the same transaction.
+content a 409 naming `external_id`. Both are on `trace_keys` (`models.TraceKey` says why).
 """
 
 from __future__ import annotations
@@ -187,14 +185,9 @@ def ingest_trace(session: Session, project_id: int, trace: TraceCreate) -> Inges
 def ingest_traces(
     session: Session, project_id: int, items: Sequence[TraceCreate | ReplayAuditError]
 ) -> list[IngestResult]:
-    """Store the valid traces of `items` in the project; one result per item, in order.
-
-    Items that are already errors (failed validation) are answered with their error. A new
-    trace is 201 `created: true`; one whose content the project already holds (or that repeats
-    an earlier item of the same call) is 200 `created: false` with the existing id; one whose
-    external_id is taken by different content is 409 naming `external_id`. Configurations are
-    deduplicated, and each table gets one INSERT round trip. Never commits.
-    """
+    """One result per item, in order, as `ingest_trace` answers (a repeat of an earlier item
+    is a 200 too; an item that failed validation is answered with its error). Each table gets
+    one INSERT round trip. Never commits."""
     results = [
         IngestResult(index=index, status=r.status_code, error=r.to_dict())
         if isinstance(r, ReplayAuditError)
@@ -206,8 +199,7 @@ def ingest_traces(
 
 
 def _count(session: Session, results: Sequence[IngestResult], *, batch: bool) -> None:
-    """Count what was stored once it is committed (`replay_audit_traces_ingested_total`, and a
-    batch's items by status: `replay_audit_trace_batch_items_total`)."""
+    """Count what was stored once it is committed (and a batch's items by status)."""
     statuses = [r.status for r in results]
 
     def count() -> None:
@@ -349,8 +341,7 @@ def _resolve(
 
 
 def to_read(trace: Trace) -> TraceRead:
-    """The API view of a stored trace: every field as it was sent (token ids bit-exact, logits
-    as their float32 values)."""
+    """The API view of a stored trace: as sent (logits as their float32 values)."""
     top_k = None
     if trace.top_k is not None and trace.top_k_ids is not None and trace.top_k_logits is not None:
         k = trace.top_k
