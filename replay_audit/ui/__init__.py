@@ -1,15 +1,5 @@
 """The auditors' web UI: server-rendered HTML under `/ui`, read-only, no external resources.
 
-    mount        the UI's own ASGI app and its error pages (`mount_ui`)
-    session      signed cookie sessions from an API key (auditor or admin)
-    pages        the routes (runs list, run page, trace page, run comparison, exports)
-    trace_pages  the trace search and one trace across every run
-    audit_pages  the audit schedules
-    trace_view   what the trace page shows
-    screening_view  the screening report page (also written as one self-contained file)
-    charts       inline SVG charts drawn on the server
-    templating   Jinja2 (autoescaped) and the security headers of every page
-
 It is its own ASGI app mounted at `/ui` (`mount_ui`), so its errors are HTML pages (a missing
 session is a redirect to the sign-in page) while the JSON API keeps its JSON errors, and its
 pages stay out of the OpenAPI schema. Importing the package imports no web framework: the

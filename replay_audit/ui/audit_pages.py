@@ -1,13 +1,5 @@
-"""The web UI's audit pages (thin: the audits service computes, the templates show).
-
-    GET /ui/schedules                 this project's audit schedules
-    GET /ui/schedules/{schedule}      a schedule: settings, trend chart and table (EAR, C lift,
-                                      trigger rate, self agreement, category mix, flags), missed
-                                      runs, webhook deliveries
-
-Another project's schedule is a 404 page, like every object of another project. Read-only:
-schedules are created and changed through the API (admin) or the CLI.
-"""
+"""The web UI's audit schedule pages (thin: the audits service computes, the templates show).
+Read-only: schedules are created and changed through the API (admin) or the CLI."""
 
 from __future__ import annotations
 

@@ -3,14 +3,6 @@
 Each function returns `Markup` (safe to put in a template as is): every label that comes from
 data is escaped here. Colours and fonts come from classes styled in `static/ui.css` (the
 Content-Security-Policy forbids inline styles), so the charts follow the page's theme.
-
-    histogram_chart      t* histogram (linear bins)
-    log_histogram_chart  margin at t* on a log axis, exact zeros as a separate bar at the left
-    category_chart       category shares with their Wilson intervals
-    lift_chart           lifts (EAR difference) with their bootstrap intervals, a zero line
-    margin_track_chart   per-step margins of both arms on a log axis, gate firings, t*
-    margin_at_divergence_chart  both arms' margins at t* (log_histogram_chart)
-    null_chart           verification: each group's score against its benign null and threshold
 """
 
 from __future__ import annotations
@@ -85,7 +77,6 @@ def _nice_max(value: int) -> int:
 
 
 def _count_axis(body: list[str], top: int, height: int, y_max: int, x0: float, x1: float) -> None:
-    """Horizontal grid lines and labels for counts 0 .. y_max."""
     base = height - MB
     for i in range(5):
         value = y_max * i / 4

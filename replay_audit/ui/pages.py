@@ -1,17 +1,5 @@
-"""The web UI's pages. Thin handlers: check the session, call one report service function,
-render a template.
-
-    GET  /ui/                               -> /ui/runs
-    GET  /ui/sign-in, POST /ui/sign-in      sign in with an API key (auditor or admin)
-    POST /ui/sign-out
-    GET  /ui/runs                           runs list (filters: name, model, dtype, from, to; paged)
-    GET  /ui/runs/{run}                     run page (statistics, charts, lifts, results)
-    GET  /ui/runs/{run}/accuracy            task accuracy, correctness flips, TOST (?margin=)
-    GET  /ui/runs/{run}/flips               every trace a comparison fixed / broke (paged)
-    GET  /ui/runs/{run}/export.csv|.jsonl   the export, as GET /v1/replays/{run}/export
-    GET  /ui/runs/{run}/traces/{trace}      trace page (tokens, t*, margin track, configs)
-    GET  /ui/compare?run=A&run=B            two runs compared
-"""
+"""The web UI's sign-in and run pages (under /ui). Thin handlers: check the session, call one
+report service function, render a template."""
 
 from __future__ import annotations
 
@@ -306,7 +294,6 @@ class ComparisonCharts:
 
 
 def _comparison_labels(run: ReplayRun) -> list[str]:
-    """Each comparison's label, by index."""
     return [comparison_label(c, run.run_targets) for c in run.run_comparisons]
 
 

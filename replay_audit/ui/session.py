@@ -10,9 +10,8 @@ once; a cookie also expires after `session_max_age_s`. Signing out clears the co
 kept by someone who stole it stays valid until it expires or the key is revoked: the stateless
 trade-off, documented in docs/ui.md).
 
-Cookie flags: HttpOnly (no script can read it), SameSite=Lax (not sent on cross-site POSTs,
-which with the per-session CSRF token on every form stops cross-site requests), Path=/ui,
-Secure when the request came over HTTPS.
+SameSite=Lax (no cookie on a cross-site POST) and a per-session CSRF token on every form stop
+cross-site requests (the flags: `ui.pages._cookie_scope`).
 
 The secret is `Settings.session_secret` (REPLAY_AUDIT_SESSION_SECRET); unset, it is generated
 once (32 random bytes) and kept in `session_secret_file` (mode 0600, created atomically, so

@@ -1,14 +1,7 @@
-"""The web UI's trace pages: finding a trace, and one trace across every run.
+"""The web UI's trace pages: the trace search, and one trace across every run.
 
-    GET /ui/traces                  search the project's traces (trace id, external id, tag,
-                                    model, time range), newest first, paged by the cursor of
-                                    `GET /v1/traces`
-    GET /ui/traces/{trace}          one trace: its record, texts, and every replay of it in every
-                                    run with its outcome, each linking to the run's trace page
-
-Auditors and admins only, like every page (a submitter cannot sign in, and its session is
-refused): a trace's texts and the list of a project's traces are what an ingest key must not
-read. Another project's trace is a 404 page.
+Auditors and admins only, like every page: a trace's texts and the list of a project's traces
+are what an ingest key must not read.
 """
 
 from __future__ import annotations

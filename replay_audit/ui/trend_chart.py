@@ -1,9 +1,5 @@
 """The audit schedule page's charts, inline SVG like the rest of `charts.py` (same helpers,
-same CSS classes, every data label escaped):
-
-    trend_chart          EAR with its 95% interval and the C lift, run by run; flagged runs
-                         marked on top, each flag's tooltip naming its comparison and reason
-    category_mix_chart   the baseline comparison's category shares, one stacked bar per run
+same CSS classes, every data label escaped).
 
 The x axis labels runs by their due time (UTC): the time on one line, the date under it where it
 differs from the previous label's, so that runs of one day (run now, catch-up) read apart.
