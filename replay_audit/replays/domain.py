@@ -61,10 +61,8 @@ from replay_audit.json_value import JsonObject
 from replay_audit.queue.route import ANY_KIND
 from replay_audit.traces.selection import is_greedy
 
-#: A "large run": a run selecting at least this many traces and naming no `mode` is replayed
-#: scan-then-decode (`resolve_mode`); smaller ones decode every trace. At 1,000 traces the
-#: default 5% control sample holds about 50 traces, enough for a miss-rate interval a few points
-#: wide; below it, decoding everything costs minutes, not hours. `REPLAY_AUDIT_LARGE_RUN_TRACES`
+#: A run selecting at least this many traces and naming no `mode` is replayed scan-then-decode
+#: (`resolve_mode`; why 1,000: docs/replays.md "Large runs"). `REPLAY_AUDIT_LARGE_RUN_TRACES`
 #: changes it per deployment.
 LARGE_RUN_TRACES: Final = 1000
 # The run options' defaults and limits (defined with the vocabulary).
@@ -74,8 +72,7 @@ DEFAULT_SCAN_FLAG_ULPS: Final = SCAN_FLAG_ULPS.default
 
 
 def resolve_mode(requested: Mode | None, n_traces: int, large_run_traces: int) -> Mode:
-    """The mode a run replays in: the one requested, else scan-then-decode for a large run
-    (at least `large_run_traces` traces) and decode for a smaller one."""
+    """The mode requested, else scan-then-decode for a large run and decode for a smaller one."""
     if requested is not None:
         return requested
     return "scan_then_decode" if n_traces >= large_run_traces else "decode"
@@ -87,11 +84,8 @@ ENGINE_CHECK_LABEL: Final = "self: reproduction check"
 
 @dataclass(frozen=True)
 class ControlSample:
-    """The control sample of a scan-then-decode run: each trace the scan does not flag is
-    decoded in full with probability `fraction`, decided by a hash of (`seed`, the trace's id).
-    Every job decides alone, a retried job decides the same, and the same seed over the same
-    traces draws the same sample; each unflagged trace is in it independently, so the sample is
-    a simple random sample of the unflagged traces given its size."""
+    """The control sample of a scan-then-decode run (docs/replays.md "The control sample"):
+    decided per trace by a hash of (`seed`, its id), so every job decides alone and alike."""
 
     fraction: float = DEFAULT_CONTROL_FRACTION
     seed: int = DEFAULT_CONTROL_SEED
@@ -170,13 +164,9 @@ class RunTarget:
         return trace.tp_degree or 1
 
     def resolve(self, logged: Target) -> Target:
-        """The engine target for a trace whose logged configuration is `logged`. A self target
-        is the logged configuration with its attention kernel unrequested: the replay prefers
-        the logged one and falls back to the engine's default where it cannot run here
-        (`unknown` from an import, flash_attention_2 on a CPU), as for any target that names
-        no kernel; the result's environment records the kernel that ran. A target changes what
-        it names and keeps the logged process switches it leaves open (deterministic, TF32, a
-        pinned SDPA backend): one knob at a time."""
+        """The engine target for a trace logged in `logged`. A self target leaves the kernel
+        unrequested, as any target that names none (`pipeline.resolve_arm` picks it). A target
+        keeps the logged process switches it leaves open: one knob at a time."""
         if self.target is None:
             return replace(logged, attn_kernel=None)
         t = self.target
@@ -281,10 +271,8 @@ def stack_versions(config: Mapping[str, Any]) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class ResolvedArm:
-    """An arm resolved against one trace into the complete computation that runs: what every
-    surface shows of it, stored with the result. Resolved once, by the pipeline, from the
-    engine that was loaded for it (its recorded environment) and the arm's intervention; every
-    probe of the arm (decode, scan, single-step re-run) runs all of it."""
+    """An arm resolved against one trace into the complete computation that runs (from its
+    engine's recorded environment): what every surface shows of it, stored with the result."""
 
     dtype: str
     lm_head_dtype: str
@@ -351,11 +339,8 @@ class ResolvedArm:
         )
 
     def label(self) -> str:
-        """A short human name of what ran, e.g. `bf16 / eager / cpu + C(τ=0.05)`, with the
-        logged TP degree where another ran (`tp 1 (logged tp 2)`), the kind the worker
-        announced where its device does not say it (`cpu [worker a10g]`), the logits
-        processors that ran (`+ repetition_penalty=1.3`), the logged batch it replayed in and
-        what differs from the stack that logged the trace (`[stack differs: torch ...]`)."""
+        """A short human name of what ran, e.g. `bf16 / eager / cpu [worker a10g] + C(τ=0.05)
+        [stack differs: torch ...]`."""
         where = self.gpu or self.device
         if self.gpu is None and self.worker_kind not in (None, self.device):
             where = f"{where} [worker {self.worker_kind}]"
@@ -393,10 +378,7 @@ class ResolvedArm:
         logged: LoggedTrace | None = None,
         layout: BatchLayout | None = None,
     ) -> ResolvedArm:
-        """The arm an engine runs, from its recorded environment (`Engine.environment()`), on
-        a worker of kind `worker_kind`, for the trace `logged` (its logged TP degree, its
-        logits processors, its stack's versions and GPU to compare with), in the logged batch
-        `layout` where it replays in one."""
+        """The arm an engine runs, from its `Engine.environment()`, for the trace `logged`."""
         gpu = environment.get("gpu")
         extras = environment.get("extras") or {}
         path = extras.get("decoder") or extras.get("kv_cache")
@@ -447,9 +429,8 @@ class ResolvedArm:
 def stack_differences(
     logged: LoggedTrace, versions: Mapping[str, str], gpu_name: str | None
 ) -> tuple[str, ...]:
-    """What of the stack that ran differs from the one that logged `logged`: each library
-    version the trace records and another ran (`torch 2.11.0 (logged 2.9.1)`), and the GPU
-    where the trace names another (a replay on the CPU of a GPU trace too)."""
+    """What of the stack that ran differs from the one that logged `logged`: library versions
+    (`torch 2.11.0 (logged 2.9.1)`) and the GPU (a replay on the CPU of a GPU trace too)."""
     out = [
         f"{name} {versions[name]} (logged {logged.versions[name]})"
         for name in STACK_VERSIONS
@@ -467,9 +448,8 @@ def config_label(
     *,
     logged_tp_degree: int | None = None,
 ) -> str:
-    """`fp16 / head fp32 / eager / bs 8 / tp 2 / cpu + C(τ=0.05)`: what is set and not the
-    default (a head format other than the body's, a batch size or TP degree above 1, a TP
-    degree other than the logged one: `tp 1 (logged tp 2)`)."""
+    """`fp16 / head fp32 / eager / bs 8 / tp 2 / cpu + C(τ=0.05)`: what is not the default
+    (`tp 1 (logged tp 2)` where another TP degree than the logged one ran)."""
     head = t.lm_head_dtype and f"head {t.lm_head_dtype}"
     tp = (tp_degree != 1 or logged_tp_degree is not None) and f"tp {tp_degree}"
     if tp and logged_tp_degree is not None:
@@ -548,9 +528,8 @@ def c_against_logged(c: Comparison, targets: Sequence[RunTarget]) -> bool:
 
 @dataclass(frozen=True, eq=False)
 class LoggedTrace:
-    """What a replay needs of a logged trace: ids as int64 arrays, the logged top-k logits as
-    a (T, k) float32 array (None when not logged), the decoding record and the logged
-    configuration as a `Target`. Built at the edge from a stored row or an input file."""
+    """What a replay needs of a logged trace, as numpy arrays and a `Target`; built at the
+    edge from a stored row or an input file."""
 
     external_id: str | None
     weights_sha256: str
@@ -613,8 +592,7 @@ class LoggedTrace:
         reference_answer: str | None = None,
         output_token_pieces: Sequence[PieceJson] | None = None,
     ) -> LoggedTrace:
-        """A logged trace from its stored or posted parts (`config` and `decoding` as the
-        trace JSON has them; pieces in their stored form)."""
+        """A logged trace from its stored or posted parts, as the trace JSON has them."""
         extras = config.get("extras") or {}
         engine = config.get("engine") or {}
         return cls(
@@ -680,12 +658,10 @@ class LoggedTrace:
         )
 
     def budget(self) -> tuple[int, list[int]]:
-        """How long a replay may run and which ids stop it.
-
-        The logged max_new_tokens when the logged arm stopped on eos or length (so a replay
-        may run longer or shorter); the logged length when it stopped for a reason we cannot
-        replay (a stop string). Without logged eos ids, an eos-stopped trace's last token is its
-        eos."""
+        """How long a replay may run and which ids stop it: the logged max_new_tokens (so a
+        replay may run longer or shorter), or the logged length where it stopped for a reason
+        we cannot replay (a stop string). Without logged eos ids, an eos-stopped trace's last
+        token is its eos."""
         out = self.output_token_ids
         if self.stop_reason in ("stop_string", "other"):
             budget = len(out)
