@@ -1,10 +1,6 @@
 """The database a command works on: reachable and at the schema this release needs, or one line
 on stderr saying what is wrong and what to run, and exit code 2 (never a traceback).
 
-    settings = get_settings()
-    ready_database(settings)                 # SQLite: migrated here; PostgreSQL: must be current
-    ready_database(settings, migrate=True)   # serve, demo: apply the migrations on any database
-
 The embedded default (a SQLite file under ./var/) needs no set-up step, so a command applies
 its migrations itself, as `serve` does. A PostgreSQL schema is the operator's: a command names
 `replay-audit db upgrade` instead of changing it behind their back.
@@ -86,11 +82,8 @@ def database_errors(url: str) -> Iterator[None]:
 
 def ready_database(settings: Settings, *, migrate: bool | None = None) -> None:
     """Make sure the configured database answers and has this release's schema, or fail in one
-    line (exit code 2).
-
-    `migrate=None` (most commands): apply the migrations on SQLite, require them on PostgreSQL;
-    `True` (`serve`, `demo`): apply them on any database; `False` (`serve --no-migrate`):
-    require them."""
+    line. `migrate=None` (most commands): apply the migrations on SQLite, require them on
+    PostgreSQL; `True` (`serve`, `demo`): apply them on any database; `False`: require them."""
     from replay_audit.db import migration
     from replay_audit.db.engine import is_sqlite
 

@@ -1,13 +1,6 @@
-"""`replay-audit demo`: the product's main job, end to end, on the embedded default.
-
-1. start the API (SQLite, in-process runner) on a free local port;
-2. generate greedy traces in BF16 with transformers' own `generate()` from the bundled small
-   model (the "production" side);
-3. ingest them through `POST /v1/traces:batch`;
-4. ask for a replay in FP16 without and with Intervention C, plus a self-replay in the logged
-   configuration (`POST /v1/replays`), and follow its progress;
-5. print the summary the API serves (EAR with its interval, C lift, trigger rate, mean gap,
-   t*, categories) and where to browse it.
+"""`replay-audit demo`: the product's main job, end to end, on the embedded default (SQLite,
+in-process runner, the API on a free local port). The "production" side is transformers' own
+`generate()` on the bundled model; everything after it goes through the HTTP API.
 """
 
 from __future__ import annotations

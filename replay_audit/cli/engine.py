@@ -232,8 +232,7 @@ def _write_traces(
     processors: LogitsProcessors,
     batch_size: int,
 ) -> int:
-    """`generate`'s traces of `rows` (with `processors`), `batch_size` rows per generate()
-    call, written to `out` as validated `TraceCreate` JSON lines."""
+    """Write `generate`'s traces of `rows` to `out`, `batch_size` rows per generate() call."""
     from replay_audit.traces.schemas import TraceCreate
 
     n = 0
@@ -411,8 +410,7 @@ def replay(
 def _report_replay(
     result: OfflineResult, plan: OfflinePlan, out: Path, summary_json: Path | None
 ) -> None:
-    """`replay`'s summary (the run statistics' comparisons, as the API serves them), its
-    notes, the summary file, and the exit code of an interrupted replay."""
+    """`replay`'s notes, summary (and --summary-json), and an interrupted replay's exit code."""
     target = plan.target.target
     assert target is not None
     for note in result.notes:
@@ -485,8 +483,7 @@ def _rate(rate: float | None, triggers: int | None, steps: int | None) -> str:
 
 
 def _gate_rows(c: ComparisonReport) -> list[tuple[str, str]]:
-    """Both arms' gate trigger rates where both ran here (a both-arms comparison), else arm
-    B's, as the run statistics have them."""
+    """Both arms' gate trigger rates where both ran here, else arm B's."""
     b = ("trigger rate, arm B", _rate(c.trigger_rate, c.gate_triggers, c.steps))
     if c.steps_a is None:  # arm A is the logged tokens: no gate of ours ran on it
         return [b]
@@ -505,7 +502,7 @@ def _sar_text(c: ComparisonReport) -> str:
 
 
 def _print_summary(c: ComparisonReport, target: Target) -> None:
-    """The `replay` summary: the run statistics' comparison, as the API serves it."""
+    """The comparison's table, as the API serves the run statistics."""
     from rich.console import Console
     from rich.table import Table
 

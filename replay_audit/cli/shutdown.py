@@ -48,25 +48,22 @@ class Interrupted(KeyboardInterrupt):
 #: A thread's stop: `stop(timeout_s)`, False if it is still running after that.
 Stop = Callable[[float | None], bool]
 
-#: What the running command started and owns, in the order it started them: bound afresh by
-#: `stopping_threads_on_exit` for each command, so nothing outlives it and nothing is kept
-#: process-wide.
+#: What the running command owns, in start order: bound afresh per command, so nothing
+#: outlives it and nothing is kept process-wide.
 _owned: ContextVar[list[Stop] | None] = ContextVar("replay_audit_command_threads", default=None)
 
 
 def own(stop: Stop) -> None:
-    """Have `stop(timeout_s)` (an in-process runner's, the embedded scheduler's) called when the
-    running command ends, however it ends, before what was owned earlier: own a runner before
-    the scheduler that feeds it. Outside `stopping_threads_on_exit` (a command's function
-    called directly) the caller stops what it started."""
+    """Have `stop(timeout_s)` called when the running command ends, however it ends, before
+    what was owned earlier: own a runner before the scheduler that feeds it. Outside
+    `stopping_threads_on_exit` (a command's function called directly) nothing is owned."""
     owned = _owned.get()
     if owned is not None:
         owned.append(stop)
 
 
 def stop_background_threads(owned: list[Stop], timeout_s: float | None = STOP_TIMEOUT_S) -> bool:
-    """Stop what the command owns, the last started first; False if a thread is still running
-    after `timeout_s` each."""
+    """Stop the owned threads, the last started first; False if one still runs after `timeout_s`."""
     return all([stop(timeout_s) for stop in reversed(owned)])
 
 
@@ -83,9 +80,8 @@ def _flush() -> None:
 
 @contextmanager
 def stopping_threads_on_exit() -> Iterator[None]:
-    """Run a command with SIGINT/SIGTERM raising `Interrupted`, and its threads stopped on the
-    way out (see the module docstring). Outside the main thread (where signals cannot be
-    handled) only the threads are stopped."""
+    """Run a command as the module docstring says. Outside the main thread (where signals
+    cannot be handled) only the threads are stopped."""
     received: list[int] = []
 
     def interrupt(signum: int, _frame: FrameType | None) -> None:

@@ -192,10 +192,9 @@ def _children_die_with_us() -> None:
 
 
 def _worker_kind(device: str | None, devices: int = 1) -> tuple[WorkerKind, str | None]:
-    """What the worker announces (its GPU's name, compute capability and kind, or `cpu`; the
-    devices it owns: `devices`, checked against what this host can run) and its CUDA device,
-    if any. A worker of N > 1 devices owns cuda:0..N-1 of its CUDA_VISIBLE_DEVICES, all of one
-    kind, or N processes on the CPU of a host without CUDA."""
+    """What the worker announces (its GPU, or `cpu`, and `devices` checked against this host)
+    and its CUDA device, if any. N > 1 devices are cuda:0..N-1, all of one kind, or N CPU
+    processes on a host without CUDA."""
     if devices > 1:
         import importlib.util
 

@@ -1,25 +1,21 @@
 """One logged generation as read from a source, and the trace it becomes. Pure.
 
-Each source module (`openai`, `sglang`, `hf`, `lm_eval`) turns its input into `Generation`s and
-knows nothing of traces; `build_trace` applies the `ImportContext` (after
-`generation.resolve` read the ids a source logged only as text) and is the one place where
-the numerical configuration, the logged margins and the unknowns of an imported trace are
-decided:
+Source modules (`openai`, `sglang`, `hf`, `lm_eval`) turn their input into `Generation`s;
+`build_trace` (after `resolve` read the ids a source logged only as text) is the one place
+where an imported trace's configuration, logged margins and unknowns are decided:
 
-- The configuration is what the context (and the source, where it says it: the engine a
-  response shows, a batch) gives; a field nobody gave keeps a neutral value
+- A configuration field that neither the context nor the source gives keeps a neutral value
   (`attn_kernel`/`engine.name` "unknown", device "other", null batch size and TP degree) and is
   named in `config.extras["unknown"]`. `dtype` and the model reference cannot be unknown: a
   trace without them could not be replayed, so the import refuses with the field named.
-- Logged margins. The per-step values are stored as the trace's top-k only when they are raw
-  (logits, or raw logprobs whose top-1 minus top-2 is the logit margin) and when every step has
-  at least two of them; `config.extras["top_k_values"]` says which, `logprobs_mode_source`
-  who said the mode (a vLLM source without one: vLLM's default, raw_logprobs). Processed
-  logprobs and an unknown logprobs mode give no top-k, so a replay reconstructs the logged
-  arm's margins rather than mixing sources; `config.extras["top_k_source"]` says where a kept
-  top-k came from, or why a logged one was dropped (`dropped_top_k`: the CLI prints it, the
-  API answers it). Values at or below -9999 are a server's stand-in for -inf (vLLM clamps to
-  it for JSON): absent.
+- Logged margins: the per-step values become the trace's top-k only when raw (logits, or raw
+  logprobs whose top-1 minus top-2 is the logit margin) and every step has at least two;
+  `config.extras["top_k_values"]` says which, `logprobs_mode_source` who said the mode (a vLLM
+  source without one: vLLM's default, raw_logprobs). Processed logprobs or an unknown mode give
+  no top-k, so a replay reconstructs the logged arm's margins rather than mixing sources;
+  `config.extras["top_k_source"]` says where a kept top-k came from, or why a logged one was
+  dropped (`dropped_top_k`: the CLI prints it, the API answers it). Values at or below -9999
+  are a server's stand-in for -inf (vLLM clamps to it for JSON): absent.
 """
 
 from __future__ import annotations
@@ -90,10 +86,8 @@ _OPTIONAL_FIELDS: Final = (
 class Generation:
     """One generation read from a source, before the context is applied.
 
-    `steps[t]` is what the source reported for output step t: (token id, value) pairs in any
-    order (None when the source logged no values). `field` is where the generation came from
-    in its item (e.g. `choices[1]`), `steps_field` where its per-step values are: errors name
-    them.
+    `steps[t]`: the (token id, value) pairs logged for output step t, in any order. `field`
+    (e.g. `choices[1]`) and `steps_field` locate the generation and its values for errors.
     """
 
     field: str
@@ -174,14 +168,11 @@ def logged_top_k(
     greedy: bool,
     max_k: int = MAX_KEPT_TOP_K,
 ) -> LoggedTopK | None:
-    """The top-k to store from per-step (id, value) pairs, or None when they give no margin
-    (no values, a step without two present values).
+    """The `LoggedTopK` of per-step (id, value) pairs, or None when they give no margin.
 
-    Values at or below -9999 are absent; each step is sorted by value descending, ties by the
-    smaller id, and cut to the smallest count of present values over the steps (at most
-    `max_k`). With `greedy`, the logged token must be a top-1 of its step (equal values are a
-    tie, allowed): otherwise the values are not those the decode took its argmax of, and the
-    import refuses with the step named.
+    Every step is cut to the smallest count of present values (at most `max_k`). With `greedy`,
+    a logged token below its step's top-1 (a tie is allowed) means these are not the values the
+    decode took its argmax of: the import refuses with the step named.
     """
     if steps is None:
         return None
@@ -347,11 +338,9 @@ def build_trace(
     fmt: ImportFormat,
     vocabulary: Vocabulary | None = None,
 ) -> TraceCreate:
-    """The trace for `gen` in `context` (see the module docstring for what is decided here).
-    Ids the source did not log are read from its text with `vocabulary`, the checkpoint's
-    tokenizer (`generation.resolve`). Raises FieldError naming the field: a context field
-    the trace needs, a text that does not round-trip, or a part of the generation that the
-    trace schema refuses."""
+    """The trace for `gen` in `context` (the module docstring says what is decided here).
+    `vocabulary` (the checkpoint's tokenizer) reads the ids the source did not log (`resolve`).
+    Raises FieldError naming the field."""
     gen = resolve(gen, vocabulary, context.decoding.eos_token_ids or ())
     mode, mode_source = _resolve_mode(gen, context)
     strategy = gen.strategy or context.decoding.strategy
@@ -417,9 +406,8 @@ def build_trace(
 
 
 def _logits_processors(gen: Generation, context: ImportContext) -> JsonObject | None:
-    """The trace's `decoding.logits_processors`: the import context's (a server's defaults, such
-    as a repetition penalty vLLM takes from the model's generation_config.json), then the
-    request's own."""
+    """The import context's logits processors (a server's defaults, such as a repetition
+    penalty vLLM takes from generation_config.json), then the request's own."""
     given = context.decoding.logits_processors
     merged: JsonObject = {**(given.stored() if given is not None else {})}
     merged.update(gen.processors.replayed or {})
@@ -483,7 +471,6 @@ def _trace_error(exc: ValidationError, where: str) -> FieldError:
 # -- ids a log lacks, read with the checkpoint's tokenizer (`tokenization`) -------------
 
 _NEEDS_TOKENIZER: Final = "needs the checkpoint's tokenizer: import with the CLI and --model DIR"
-#: How to have a server log the ids.
 _ASK: Final = (
     'not logged (ask the server: vLLM "return_token_ids": true, SGLang '
     '"return_prompt_token_ids": true)'
@@ -575,9 +562,8 @@ def _text_top_k(
 
 
 def resolve(gen: Generation, vocab: Vocabulary | None, eos: Sequence[int] = ()) -> Generation:
-    """`gen` with ids for what its source logged only as text (see the module docstring).
-    Raises FieldError naming the field when an id cannot be read, or when the ids do not decode
-    back to the logged text."""
+    """`gen` with ids for what its source logged only as text. Raises FieldError naming the
+    field when an id cannot be read or the ids do not decode back to the logged text."""
     changes: dict[str, Any] = {}
     sources: list[TokenIdsSource] = [gen.token_ids_source]
     if gen.prompt_token_ids is None:

@@ -29,8 +29,7 @@ Field names, checked against the sources (vllm-project/vllm):
   OpenAI API's layout (no ids; `bytes` beside each token).
 
 Ids a response does not carry (no `return_token_ids`; the OpenAI API) and top-k keyed by text
-are left to `generation.resolve`, which reads them with the checkpoint's tokenizer: the
-output's pieces, the prompt's text or chat messages are kept for it.
+are left to `generation.resolve`: the output's pieces, the prompt's text or messages are kept.
 
 An item is a response object, or `{"request": ..., "response": ...}` with the request that
 produced it (its sampling parameters say whether decoding was greedy; a response never does).
@@ -72,13 +71,10 @@ def decoding_recipe(
     request: Mapping[str, Any] | None, *, clamp_logit_bias: bool = True
 ) -> tuple[Strategy | None, RequestProcessors]:
     """(strategy, logits processors) of a request, as the engine reads it. Greedy is the
-    engine's rule (temperature below 1e-5, or top_k 1), with the logits processors a replay
-    applies (`imports.processors`: repetition penalty, no-repeat n-grams, min tokens, logit
-    bias, bad words); a greedy request with any other processor (frequency or presence
-    penalties, allowed token ids, constrained decoding) is `other`: a replay cannot run what
-    ran. Beam for beam search, sample for any other temperature; None when the request is not
-    known or left the temperature to the server's default. `clamp_logit_bias`: the server
-    clamps a logit bias to [-100, 100] (vLLM, OpenAI)."""
+    engine's rule (`SAMPLING_EPS`, or top_k 1), but `other` with a processor a replay cannot
+    apply (`imports.processors`); None when the request is not known or left the temperature
+    to the server's default. `clamp_logit_bias`: the server clamps a logit bias to [-100, 100]
+    (vLLM, OpenAI)."""
     if request is None:
         return None, RequestProcessors()
     params = request.get("sampling_params") if "sampling_params" in request else request
@@ -210,9 +206,8 @@ def _row(
 def _chat_steps(
     content: Sequence[Any], path: str
 ) -> tuple[list[int] | None, Steps | None, TextSteps | None, list[Piece] | None]:
-    """(ids of the logged tokens, per-step (id, logprob) pairs, per-step (piece, logprob)
-    pairs, the tokens' pieces) of `logprobs.content`: ids where the tokens are "token_id:"
-    strings, the top-k by id or by text as the keys are."""
+    """(ids of the "token_id:" tokens, per-step pairs by id, by text, the tokens' pieces) of
+    `logprobs.content`."""
     tokens: list[Any] = []
     pieces: list[Piece | None] = []
     steps: Steps | None = []
@@ -239,10 +234,9 @@ def _completion_steps(
     n_output: int,
     echo: bool | None,
 ) -> tuple[list[int] | None, Steps | None, TextSteps | None, bool]:
-    """(ids of the tokens, per-step pairs by id, by text, echoed) of a completions `logprobs`;
-    the prompt's entries are dropped when the request echoed it (the request says so; without
-    it, the entries start with the prompt's ids and the first has no logprobs, as only an
-    echoed prompt's first token has none)."""
+    """(ids of the tokens, per-step pairs by id, by text, echoed) of a completions `logprobs`,
+    without an echoed prompt's entries. Without the request's `echo`, an echo is read from the
+    entries: they start with the prompt's ids and the first has no logprobs."""
     tokens = list(j.seq(logprobs.get("tokens") or [], f"{path}.tokens"))
     tops = list(j.seq(logprobs.get("top_logprobs") or [], f"{path}.top_logprobs"))
     n_prompt = len(prompt)
@@ -288,11 +282,7 @@ def _engine(response: Mapping[str, Any], choices: Sequence[Any]) -> str | None:
 
 def parse_openai(item: Any, path: str = "item") -> list[Generation]:
     """The generations of one OpenAI-compatible chat or completions response (one per choice),
-    or of one vLLM offline `RequestOutput` (`parse_request_output`).
-
-    Ids the response does not carry are left None for `generation.resolve` (the prompt's
-    text or chat messages, the output's pieces or text are kept for it). Raises FieldError
-    naming the field when the response is malformed."""
+    or of one vLLM offline `RequestOutput`. Raises FieldError naming the field."""
     request, response, rpath = split_item(item, path)
     if "choices" not in response and "outputs" in response:
         return parse_request_output(request, response, rpath)
@@ -405,11 +395,8 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
 def parse_request_output(
     request: Mapping[str, Any] | None, response: Mapping[str, Any], path: str
 ) -> list[Generation]:
-    """The generations of a vLLM offline `RequestOutput` dumped as JSON (`vllm/outputs.py`:
-    `request_id, prompt, prompt_token_ids, outputs[]`; each `CompletionOutput` has `index, text,
-    token_ids, logprobs, finish_reason, stop_reason`, its `logprobs` one `{token id: Logprob}`
-    per step with `Logprob = {logprob, rank, decoded_token}`, the ids as JSON keys). The
-    request, when given, is the `SamplingParams`."""
+    """The generations of a vLLM offline `RequestOutput` dumped as JSON (layout: the module
+    docstring; the ids as JSON keys). The request, when given, is the `SamplingParams`."""
     outputs = j.seq(response.get("outputs"), f"{path}.outputs")
     if not outputs:
         raise j.fail(f"{path}.outputs", "no outputs")

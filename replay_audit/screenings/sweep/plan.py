@@ -1,16 +1,7 @@
 """What a screening runs: the reference configuration, the knobs changed one at a time, the
 head-vs-body pair, and which configurations this platform cannot run (with the reason). Pure.
 
-    ScreenConfig   one numerical configuration: the engine `Target`'s fields (the load-time
-                   settings and process switches a knob may change: weight storage,
-                   deterministic, TF32, SDPA backend, KV cache, FP8 linear layers) and the
-                   tensor-parallel degree; `target()` is what the replay pipeline loads
-                   (`replays.pipeline.load_arm`, as every arm is).
-    KnobValue      one value of a knob: its configuration, or why it is not available here.
-    Knob           a knob and its values (the reference's own value is not repeated).
-    Platform       the device the screening runs on and what it supports.
-    SweepPlan      everything above, the gate (τ), the decode budget: the screening's input.
-    Run            a configuration decoded with an intervention (none or C): the unit of work.
+`SweepPlan` is the screening's input, `Run` its unit of work.
 """
 
 from __future__ import annotations
@@ -136,8 +127,8 @@ class ScreenConfig:
         return "_".join(parts)
 
     def target(self, intervention: Intervention | None = None) -> Target:
-        """The engine `Target` of this configuration: every knob of it (the TP degree is the
-        pipeline's `tp_degree`)."""
+        """The engine `Target` the replay pipeline loads (`replays.pipeline.load_arm`, as for
+        every arm); the TP degree is the pipeline's `tp_degree`."""
         return Target(
             self.dtype,
             self.lm_head_dtype,
@@ -243,6 +234,8 @@ def unavailable_reason(
 
 @dataclass(frozen=True)
 class KnobValue:
+    """One value of a knob (the reference's own value is left out)."""
+
     label: str
     config: ScreenConfig
     #: Why this value cannot run here (None: it runs).
@@ -437,12 +430,9 @@ def build_plan(
 ) -> SweepPlan:
     """The one-knob-at-a-time plan from `reference`. ValueError on an unknown knob.
 
-    `knobs` None: every knob, the `tp` knob included but on a CPU not run (see
-    `unavailable_reason`); naming `tp` runs it on a CPU too. `tp_degree`: the one degree the
-    `tp` knob screens (a process keeps one TP group).
-    A value is "not available here" when the platform's facts say so (`unavailable_reason`) or,
-    failing that, when `probe` (tried on the device before anything runs) gives a reason: a
-    kernel that turns the model's inputs down is not a failure of the knob."""
+    Naming `tp` in `knobs` runs it on a CPU too (`unavailable_reason`); `tp_degree` is its one
+    degree (a process keeps one TP group). A value the platform allows is still "not available
+    here" when `probe` gives a reason: a kernel that turns the inputs down is no knob failure."""
     if tp_degree < 2:
         raise ValueError("the tp knob's degree must be at least 2")
     cpu_tp = knobs is not None and "tp" in knobs

@@ -114,8 +114,7 @@ def _decode_prefix(run: Run) -> str:
 
 
 def _decode_key(run: Run, prompt: int) -> str:
-    """One prompt decoded in one run, stored as soon as it is decoded: a stopped screening
-    resumes a run at its first prompt not decoded yet."""
+    """One prompt decoded in one run: a stopped screening resumes at the first one missing."""
     return f"{_decode_prefix(run)}{prompt}"
 
 
@@ -257,15 +256,8 @@ def run_screening(
     worker_kind: str | None = None,
 ) -> ScreenOutputs:
     """Produce (or resume) every run and probe of `plan` on the checkpoint in `model_dir`,
-    storing each as it is done. Each run's arm is resolved once by the replay pipeline
-    (`load_arm`: its configuration's `target()` with the run's intervention, at its TP degree,
-    from `pool`), on a worker of kind `worker_kind`.
-
-    The anchors (arm A of some comparison: the reference, the pair's arm A) are decoded first
-    and stay loaded; every other configuration is then loaded once, decoded, its comparisons
-    probed against the loaded anchor, and let go (the pool keeps the engines it is sized
-    for). A configuration whose load raises `UnsupportedFormat` is recorded as unavailable
-    (with the reason), not failed."""
+    storing each as it is done. A configuration whose load raises `UnsupportedFormat` is
+    recorded as unavailable (with the reason), not failed."""
     fingerprint = plan.fingerprint([p.token_ids for p in prompts])
     meta = store.get("plan")
     if meta is not None and meta.get("fingerprint") != fingerprint:
@@ -375,8 +367,8 @@ def run_screening(
             )
             tick(f"probe {spec.name}")
 
-    # The anchors first (decoded, then kept loaded), then every comparison between anchors;
-    # then each other configuration: decoded, its comparisons probed, let go.
+    # The anchors (arm A of some comparison) stay loaded; every other configuration is loaded
+    # once, decoded, probed against them, and let go (the pool keeps what it is sized for).
     configs = plan.configs()
     for config in (c for c in configs if c.key in anchors):
         decode_config(config)
