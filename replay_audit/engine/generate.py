@@ -7,14 +7,8 @@ ask for), prompts batched as a user batches them (left-padded to the longest, wi
 attention mask), each trace recording its batch layout (`decoding.batch`), the numerical
 configuration read from the running process, the SDPA backends torch picked for the call
 (`extras.attention_backends`) and each step's top-k raw logits (the model's own, before any
-logits processor, exactly converted to float32 by transformers).
-Optionally with logits processors (`LogitsProcessors`: generate()'s `repetition_penalty`,
-`no_repeat_ngram_size`, `min_new_tokens`, `sequence_bias` of one-token sequences for a logit
-bias, `bad_words_ids`), which the trace records in `decoding.logits_processors`.
-
-At a tensor-parallel degree k > 1 the checkpoint is loaded with transformers' tensor-parallel
-plan on each rank of a `tensor_parallel.TpGroup`, every rank runs the same `generate()`, and
-the trace records `tp_degree: k` in its configuration.
+logits processor, exactly converted to float32 by transformers). At TP k > 1 every rank of a
+`tensor_parallel.TpGroup` runs the same `generate()`.
 """
 
 from __future__ import annotations
@@ -136,11 +130,8 @@ class TraceGenerator:
         tp_degree: int = 1,
     ) -> None:
         """`deterministic`, `tf32`: torch's switches during the generations (None: as this
-        process has them, which is what plain `generate()` runs under); the traces record
-        them. `threads`, `leave_free`: torch's CPU threads (`loading.set_torch_threads`), set
-        here for the thread that builds the generator and generates. `tp_degree` > 1: a group
-        of that many processes (GPUs cuda:0.., or CPU processes) is started, each loading the
-        checkpoint with transformers' tensor-parallel plan; `close()` stops it."""
+        process has them, as plain `generate()` runs). `threads`, `leave_free`:
+        `loading.set_torch_threads`. `tp_degree` > 1 starts a group; `close()` stops it."""
         self.model_dir = Path(model_dir)
         set_torch_threads(threads, leave_free=leave_free)
         self.dtype = dtype
@@ -211,9 +202,7 @@ class TraceGenerator:
         max_new_tokens: int,
         processors: LogitsProcessors | None = None,
     ) -> Generated:
-        """transformers' greedy `generate()` of these prompts in one batch (left-padded), with
-        `processors`' generation settings: each row's output ids and per-step raw logits, and
-        the SDPA backends the call ran (`greedy_generate`); at TP > 1 on every rank."""
+        """`greedy_generate` of these prompts in one batch; at TP > 1 on every rank."""
         settings = generation_settings(processors)
         rows = [list(p) for p in prompts]
         if self._group is None:
@@ -270,10 +259,8 @@ class TraceGenerator:
         processors: LogitsProcessors | None = None,
     ) -> list[TraceJson]:
         """The traces of (external id, prompt) pairs generated in one `generate()` call, as
-        `POST /v1/traces` JSON: text prompts, or chat messages (rendered by the chat template;
-        the trace keeps the messages and the rendered text), each with its row's place in the
-        batch (`decoding.batch`: every row's prompt length and its own row, left-padded) and
-        the batch size in its configuration (`TraceJson`)."""
+        `TraceJson`. A chat prompt is rendered by the chat template; the trace keeps the
+        messages and the rendered text."""
         texts, messages, ids = [], [], []
         for _, prompt in prompts:
             chat = None if isinstance(prompt, str) else [dict(m) for m in prompt]
@@ -353,9 +340,8 @@ def greedy_generate(
     *,
     pad_id: int = 0,
 ) -> Generated:
-    """transformers' greedy `generate()` of `model` over `prompts` as one batch, left-padded
-    with `pad_id` under an attention mask (as a user's padded batch), with `settings`
-    (`generation_settings` of the logits processors)."""
+    """transformers' greedy `generate()` of `prompts` as one batch, left-padded as a user's,
+    with `settings` (`generation_settings`)."""
     from transformers import GenerationConfig
 
     config_cls: Any = GenerationConfig
@@ -388,8 +374,7 @@ def greedy_generate(
 
 
 class _RankGenerator(NamedTuple):
-    """A rank's share of the checkpoint (transformers' model) and the switches its generations
-    run under."""
+    """A rank's share of the checkpoint and the switches its generations run under."""
 
     model: Any
     numerics: ProcessNumerics
@@ -397,8 +382,7 @@ class _RankGenerator(NamedTuple):
 
 @dataclass(frozen=True)
 class _Facts:
-    """What a generator's traces record of its loaded checkpoint, read where the model runs:
-    the numerical configuration, the vocabulary size, the eos ids and the padding id."""
+    """What a generator's traces record of its checkpoint, read where the model runs."""
 
     config: Environment
     vocab_size: int
@@ -497,9 +481,7 @@ def generate_traces(
     leave_free: int = 0,
     tp_degree: int = 1,
 ) -> Iterator[TraceJson]:
-    """Traces of greedy generations, one per (prompt id, prompt text), as `TraceCreate` JSON,
-    one `generate()` call each (at `tp_degree` > 1, by a group of that many processes, stopped
-    when the traces end)."""
+    """Traces of greedy generations, one `generate()` call per (prompt id, prompt text)."""
     with TraceGenerator(
         model_dir,
         dtype=dtype,
