@@ -12,10 +12,7 @@ A worker has one `worker.context.WorkerContext` (its settings and its engines, e
 loaded once per format and kept loaded), owned by the worker, never by this module.
 
 In the scan modes the job first scans all its traces that still need a result, batched
-(`pipeline.scan_items`, up to `Settings.scan_token_budget` tokens a forward), then finishes
-them a window at a time (`pipeline.replay_traces`, which decodes what the scans flag and
-batches the window's single-step re-runs at t*), writing each window's results in one
-transaction. A job logs how many traces it did and how fast (traces/s, and the scan's alone).
+(`pipeline.scan_items`), then finishes them a window at a time (`pipeline.replay_traces`).
 """
 
 from __future__ import annotations
@@ -178,8 +175,7 @@ def _log_job(
     seconds: float,
     progress: tuple[int, int] | None,
 ) -> None:
-    """The job's line in the worker's log: traces and results done, traces/s, the batched
-    scan's own throughput, and how far the run is."""
+    """The job's line in the worker's log."""
     rate = counts.traces / seconds if seconds > 0 else 0.0
     scan = ""
     if counts.scanned:
@@ -246,8 +242,7 @@ def _items(p: _Pending, spec: _RunSpec, ctx: WorkerContext) -> list[ReplayItem |
 
 
 def _scan_all(pending: Sequence[_Pending], spec: _RunSpec, ctx: WorkerContext) -> _JobCounts:
-    """Scan every pending item against the logged tokens in batches (`pipeline.scan_items`);
-    an item left unscanned is scanned alone by its replay."""
+    """Every pending item's batched scan (`pipeline.scan_items`); one left out scans alone."""
     flat = [(p, i) for p in pending for i in p.items if isinstance(i, ReplayItem)]
     scans = scan_items([i for _, i in flat], ctx.pool, spec.options)
     runs = iter(scans.runs)
@@ -266,10 +261,8 @@ def _scan_all(pending: Sequence[_Pending], spec: _RunSpec, ctx: WorkerContext) -
 def _replay(
     pending: Sequence[_Pending], spec: _RunSpec, ctx: WorkerContext
 ) -> list[tuple[_Pending, list[ResultRow]]]:
-    """The result rows of a window of traces: their items replayed together
-    (`pipeline.replay_traces`: each trace's reproduction check first, then its comparisons
-    against the baseline it sets; the single-step re-runs at t* of all the divergent ones batched
-    per engine and intervention), a failure as its item's failed row."""
+    """The result rows of a window of traces replayed together (`pipeline.replay_traces`), a
+    failure as its item's failed row."""
     flat = [(p, n, i) for p in pending for n, i in enumerate(p.items) if isinstance(i, ReplayItem)]
     scans = [p.scans[n] if p.scans else None for p, n, _ in flat]
     results = iter(replay_traces([i for _, _, i in flat], ctx.pool, spec.options, scans=scans))
@@ -302,8 +295,8 @@ def _count_decode(outcome: ReplayOutcome, gpu_kind: str) -> None:
 
 
 def _failed_row(c: int, error: Exception, trace_id: int) -> ResultRow:
-    """Comparison c's failed row: a `ReplayAuditError`'s message, or an engine-side failure
-    of this item (RuntimeError, ValueError, MemoryError: logged) by its type and text."""
+    """Comparison c's failed row: a `ReplayAuditError`'s message, or an engine failure's type
+    and text (logged)."""
     if isinstance(error, ReplayAuditError):
         return failed_values(c, error.message)
     log.error("replay of trace %s comparison %d failed", trace_id, c, exc_info=error)
