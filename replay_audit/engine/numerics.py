@@ -153,10 +153,8 @@ class LmHead:
     into the body dtype. B and C upcast the stored weight on the fly (`weight.float()`): there
     is no persistent FP32 copy unless the head format is fp32.
 
-    `shard` (a tensor-parallel rank): `weight` is still the whole vocabulary's, but the native
-    logits are this rank's rows' product gathered from every rank (`VocabShard`), as
-    transformers' tensor-parallel lm_head computes them; B and C recompute from the whole
-    weight, on every rank alike.
+    `shard` (a tensor-parallel rank): `weight` is still the whole vocabulary's, for B and C;
+    the native product is split as transformers' tensor-parallel lm_head splits it.
     """
 
     def __init__(
@@ -197,8 +195,7 @@ class LmHead:
 
         The product runs on (M, 1, d), the shape transformers' `lm_head` sees in a decode step
         (batch M, one position): on some CPUs a 2-D `F.linear` takes another FP16 kernel and
-        rounds differently from the 3-D one. Split by vocabulary (`shard`): this rank's rows'
-        product, then the gather of every rank's."""
+        rounds differently from the 3-D one."""
         if self._fp8 is not None:
             return fp8_matmul(h, *self._fp8, self._out_dtype)
         if self.shard is None:
@@ -311,12 +308,9 @@ def decide(
     k: int,
     process: Process | None = None,
 ) -> Steps:
-    """The tokens of M steps (one decode step, or a scan's steps) from their top-k: margin,
-    ulps and gate by one call of `diff.step_numerics`, then the intervention at every gated
-    step together (`intervene`, from the steps' float32 logits z32 (M, V) and hidden states
-    hs (M, d) on the device), a bounded chunk at a time. Where the trace's generation ran logits
-    processors, `top` and `z32` are the processed logits' and `process` applies the same
-    processors to what B and C recompute."""
+    """The tokens of M steps from their top-k: margins and gate by `diff.step_numerics`, then
+    `intervene` at the gated steps, a bounded chunk at a time. With logits processors, `top`
+    and `z32` are the processed logits' and `process` applies them to what B and C recompute."""
     numerics = step_numerics(
         top.logits, top.ids, head_format=head.fmt, gate=intervention.gate, sort=False
     )
@@ -374,18 +368,13 @@ def intervene(
     widths: npt.NDArray[np.float64],
     process: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> npt.NDArray[np.int64]:
-    """The tokens intervention A, B or C chooses at G gated steps, from their float32 logits
-    z32 (G, V), hidden states hs (G, d) and bin widths τ (G,): A bins the native logits; B
-    recomputes the top-K rows in FP32 (candidates by ascending id, so the smallest id wins a
-    shared bin) and bins them; C recomputes the whole vocabulary in FP32. One FP32 product for
-    all G steps, one copy of the chosen tokens to the host. A is elementwise, so it chooses
-    the same at any G; B's and C's products may sum in another order at another row count
-    (MKL's one-row product on the CPU does).
+    """The tokens intervention A, B or C (`Intervention`) chooses at G gated steps, with bin
+    widths τ (G,). B's candidates go by ascending id, so the smallest id wins a shared bin. A is
+    elementwise, so it chooses the same at any G; B's and C's products may sum in another order
+    at another row count (MKL's one-row product on the CPU does).
 
-    With the trace's logits processors (`process`, of these G steps' (G, V) logits), z32 is
-    already processed (A bins it, B takes its candidates from it), and what B and C recompute
-    in FP32 goes through the same processors before its argmax: B's K values are placed in a
-    row of -inf (every processor keeps -inf at -inf) and read back."""
+    z32 is already processed (`process`); what B and C recompute goes through the same
+    processors before its argmax, B's K values in a row of -inf (every processor keeps -inf)."""
     if intervention.kind == "C":
         z = head.fp32(hs)
         chosen = torch.argmax(process(z) if process is not None else z, dim=-1)

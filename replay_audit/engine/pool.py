@@ -2,10 +2,8 @@
 
 Torch-free: the loader (by default `load_engine`, here, re-exported as
 `replay_audit.engine.load_engine`) imports torch the first time an engine is actually built.
-An engine at TP degree k > 1 runs on a tensor-parallel group of k processes
-(`tensor_parallel.TpGroup`) that the pool starts on first use and keeps for its life (an evicted
-TP engine's ranks drop its model, the group stays for the next TP job), and stops when it needs
-another degree, when the group broke, when the pool is cleared or when it is closed.
+An engine at TP k > 1 runs on the pool's one `tensor_parallel.TpGroup`, started on first use
+and kept until it needs another degree, breaks, or the pool is cleared or closed.
 """
 
 from __future__ import annotations
@@ -42,18 +40,14 @@ class Closeable(Protocol):
 
 class EnginePool:
     """Engines keyed by (checkpoint directory, `Target.format_key()`, TP degree), built on first
-    use.
+    use (`loader`, else `load_engine`). Thread-safe: the in-process job runner calls it from
+    threads.
 
-    Without a `loader`, engines come from `load_engine` with `device`, `cache` and
-    `max_cache_len`. `max_engines` bounds how many stay loaded (least recently used goes
-    first); None keeps all. `threads` and `leave_free` set torch's CPU threads in each thread
-    that takes an engine (`engine.loading.set_torch_threads`: None and 0 leave torch's default).
-    `on_load` is called after each engine is loaded. `devices`: how many devices this process
-    owns (GPUs cuda:0.., or CPU processes): the highest TP degree it loads engines at; an
-    engine at TP k > 1 runs on a group of k processes started from the thread that first asks
-    for one (its ranks die with that thread's process: start it from a thread that lives as
-    long as the pool, as a worker's main thread does). `close()` stops the group.
-    Thread-safe: the in-process job runner calls it from threads.
+    `max_engines` bounds how many stay loaded (least recently used goes first). `threads` and
+    `leave_free` set torch's CPU threads in each thread that takes an engine. `devices`: the
+    highest TP degree it loads at. A TP group is started from the thread that first asks for
+    one, and its ranks die with it: ask from a thread that lives as long as the pool, as a
+    worker's main thread does.
     """
 
     def __init__(
@@ -85,9 +79,7 @@ class EnginePool:
         self._lock = threading.RLock()
 
     def get(self, model_dir: str | Path, target: Target, tp_degree: int = 1) -> Engine:
-        """The engine for this checkpoint in this numerical configuration at this
-        tensor-parallel degree (loaded once). `UnsupportedFormat` for a degree above the
-        pool's `devices`."""
+        """The engine, loaded once. `UnsupportedFormat` for a degree above `devices`."""
         if tp_degree > self.devices:
             raise UnsupportedFormat(
                 f"TP {tp_degree} needs {tp_degree} devices; this process owns {self.devices}",
@@ -129,10 +121,8 @@ class EnginePool:
         return engine
 
     def _tp_group(self, degree: int) -> TpGroup:
-        """The pool's tensor-parallel group of `degree` ranks: the one it has, else a new one
-        (the group of another degree stopped first, with its engines: the groups would share
-        the pool's devices). Every rank is a process of its own, so a new group is new
-        processes, never a second process group in one process."""
+        """The pool's group of `degree` ranks; one of another degree is stopped first, with its
+        engines (the groups would share the pool's devices)."""
         from replay_audit.engine.tensor_parallel import TpGroup
 
         if self._tp is not None and self._tp.degree != degree:
@@ -182,9 +172,8 @@ def load_engine(
     tp: TpGroup | None = None,
     **options: Unpack[LoadOptions],
 ) -> Engine:
-    """Load a local Hugging Face checkpoint (no network) in `target`'s format as a torch engine
-    (`TorchEngine.load`, imported only now), or, with a tensor-parallel group `tp`, on each of
-    its ranks (`TensorParallelEngine.load`: TP at the group's degree)."""
+    """Load a local Hugging Face checkpoint (no network) in `target`'s format, on each rank of
+    `tp` where given; torch is imported only now."""
     if tp is not None:
         from replay_audit.engine.tp_engine import TensorParallelEngine
 
