@@ -53,13 +53,10 @@ def usable_cores() -> int:
 
 
 def set_torch_threads(threads: int | None = None, *, leave_free: int = 0) -> int:
-    """Set torch's CPU (intra-op) threads: the one place the product sets them (the setting
-    REPLAY_AUDIT_TORCH_THREADS and the CLI's --threads arrive here).
-
-    `threads` given: that many. None: the usable cores less `leave_free`, at least one (the
-    in-process runner leaves a core to the API it runs beside), or, with nothing to leave free,
-    torch's own default. OpenMP keeps the count per thread (threads started later inherit it),
-    so every thread that runs the engine calls this itself. Returns the count in use.
+    """Set torch's CPU (intra-op) threads, the one place the product sets them; returns the
+    count in use. None: the usable cores less `leave_free` (at least one), or torch's default
+    with nothing to leave free. OpenMP keeps the count per thread, so every thread that runs
+    the engine calls this itself.
     """
     if threads is None and leave_free > 0:
         threads = max(1, usable_cores() - leave_free)
@@ -71,9 +68,7 @@ def set_torch_threads(threads: int | None = None, *, leave_free: int = 0) -> int
 @dataclass(frozen=True)
 class ProcessNumerics:
     """The process-wide torch switches an arm runs under, each as the logging stack had it.
-    None: as this process has it (torch's default, unless the deployment changed it): the
-    engine never sets a switch the arm does not name. `sdpa_backend` limits SDPA to one of
-    `formats.SDPA_BACKENDS` (None: torch chooses among all it has)."""
+    None: as this process has it: the engine never sets a switch the arm does not name."""
 
     deterministic: bool | None = None
     tf32: bool | None = None
@@ -85,9 +80,8 @@ class ProcessNumerics:
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
-        """Run the block under these switches, then put back what the process had. One block
-        at a time per process (the switches are the process's): probes of other arms, in
-        other threads, wait for it."""
+        """Run the block under these switches, then put back what the process had; probes of
+        other arms, in other threads, wait (the switches are the process's)."""
         with _SWITCHES:
             saved = _Switches.read()
             saved.with_numerics(self).write()
@@ -211,11 +205,9 @@ def numerical_environment(
     numerics: ProcessNumerics | None = None,
     extras: dict[str, ExtraValue] | None = None,
 ) -> Environment:
-    """The numerical configuration in use, with `NumericalConfig`'s keys, read from torch:
-    the process's switches as `numerics` sets them for the arm (what it leaves unset: as they
-    are now), the library versions loaded, and `CUBLAS_WORKSPACE_CONFIG` as the process has it
-    (cuBLAS reads it once; the engine never sets it). `tp_degree`: the tensor-parallel degree
-    the model runs at (`device` is the rank's)."""
+    """The numerical configuration in use (`Environment`), read from torch, with the switches
+    as `numerics` sets them for the arm. `CUBLAS_WORKSPACE_CONFIG` is read, never set: cuBLAS
+    reads it once."""
     import transformers
 
     n = numerics or ProcessNumerics()
@@ -289,15 +281,10 @@ def load_model(
     """The checkpoint as a transformers causal LM in `dtype` on `device`, in eval mode, and its
     tokenizer (None when the directory has none). Local files only.
 
-    `weight_dtype` (storage) other than `dtype` (compute): the checkpoint is loaded in
-    `weight_dtype`, then cast to `dtype`, so the weights carry `weight_dtype`'s rounding while
-    every product runs in `dtype` (the paper's storage-vs-compute ablation: BF16-stored weights
-    computed in FP32). The cast after loading also casts the buffers (RoPE's inverse
-    frequencies).
-
-    `tp`: this rank's place in a tensor-parallel group (`tensor_parallel.TpPlacement`; the
-    process group already joined): the checkpoint is loaded with transformers' tensor-parallel
-    plan (`tp_plan="auto"`), sharded over the group's ranks, on this rank's device."""
+    `weight_dtype` other than `dtype`: loaded in `weight_dtype`, then cast, so the weights carry
+    its rounding while every product runs in `dtype` (the paper's storage-vs-compute ablation);
+    the cast also casts the buffers (RoPE's inverse frequencies). `tp` (the process group
+    already joined): loaded with transformers' tensor-parallel plan on this rank's device."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
@@ -341,9 +328,8 @@ def load_model(
 
 
 def _tp_loading(degree: int) -> Mapping[str, object]:
-    """`from_pretrained`'s arguments for transformers' tensor-parallel loading over `degree`
-    ranks with the model's own plan ("auto"): a `DistributedConfig` where transformers has one
-    (5.x), else the `tp_plan` argument (4.x)."""
+    """`from_pretrained`'s arguments for the model's own TP plan: a `DistributedConfig` (5.x),
+    else `tp_plan` (4.x)."""
     try:
         from transformers.distributed.configuration_utils import DistributedConfig
     except ImportError:
