@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
-from replay_audit.exceptions import FieldError
 from replay_audit.replays import statistics
 from replay_audit.replays.models import ReplayRun
 from replay_audit.replays.statistics import check_comparison, lift_between
@@ -28,18 +27,7 @@ from replay_audit.stats.report import (
 from replay_audit.stats.report import (
     DEFAULT_TOST_MARGIN as DEFAULT_TOST_MARGIN,
 )
-from replay_audit.stats.report import (
-    AccuracyReport,
-    LiftReport,
-    TraceRef,
-)
-
-
-def _check_accuracy_parameters(margin: float, alpha: float) -> None:
-    if not 0.0 <= margin < 1.0:
-        raise FieldError(f"margin must lie in [0, 1), got {margin}", field="margin")
-    if not 0.0 < alpha < 0.5:
-        raise FieldError(f"alpha must lie in (0, 0.5), got {alpha}", field="alpha")
+from replay_audit.stats.report import AccuracyReport, TraceRef
 
 
 def accuracy_report(
@@ -49,11 +37,9 @@ def accuracy_report(
     margin: float = DEFAULT_TOST_MARGIN,
     alpha: float = DEFAULT_TOST_ALPHA,
 ) -> AccuracyReport | None:
-    """Task accuracy per arm against the traces' reference answers, correctness flips and the
-    TOST non-inferiority test (at `margin`, level `alpha`) of every arm against the first; None
-    when no trace of the run carries a reference answer. At the default parameters it is the
-    run's stored statistics' accuracy."""
-    _check_accuracy_parameters(margin, alpha)
+    """The run's task accuracy (`stats.report.accuracy_report`) at TOST `margin` and level
+    `alpha`; None when no trace of the run carries a reference answer. At the default
+    parameters it is the run's stored statistics' accuracy."""
     if margin == DEFAULT_TOST_MARGIN and alpha == DEFAULT_TOST_ALPHA:
         return statistics.of_run(session, run).accuracy
     return statistics.accuracy(session, run, margin=margin, alpha=alpha)
@@ -70,12 +56,9 @@ def run_report(
     with_accuracy: bool = True,
 ) -> RunReport:
     """Statistics of `run` (finished or not): each comparison, every treatment's lift over
-    comparison 0, the lift of `pair` = (a, b) (b over a), and, `with_accuracy`, task accuracy
-    where the traces carry reference answers."""
-    if pair is not None:
-        check_comparison(run, pair[0], "a")
-        check_comparison(run, pair[1], "b")
-    _check_accuracy_parameters(margin, alpha)
+    comparison 0, the lift of `pair` = (a, b) (b over a: one of those lifts when it is one, the
+    run page's default), and, `with_accuracy`, task accuracy where the traces carry reference
+    answers (`margin` and `alpha` checked by the caller, as the API's and the pages' queries do)."""
     stats = statistics.of_run(session, run)
     lifts = stats.lifts
     if list_limit != DEFAULT_LIST_LIMIT:
@@ -83,6 +66,9 @@ def run_report(
             lift_between(session, run, lf.comparison_a, run, lf.comparison_b, list_limit=list_limit)
             for lf in lifts
         ]
+    pair_lift = next((lf for lf in lifts if (lf.comparison_a, lf.comparison_b) == pair), None)
+    if pair is not None and pair_lift is None:
+        pair_lift = lift_between(session, run, pair[0], run, pair[1], list_limit=list_limit)
     return RunReport(
         run_id=run.public_id,
         status=run.status,
@@ -91,27 +77,12 @@ def run_report(
         n_results=run.n_items,
         comparisons=stats.comparisons,
         lifts=lifts,
-        pair=_pair_lift(session, run, pair, lifts, list_limit) if pair is not None else None,
+        pair=pair_lift,
         accuracy=accuracy_report(session, run, margin=margin, alpha=alpha)
         if with_accuracy
         else None,
         engine_reproduction=stats.engine_reproduction,
     )
-
-
-def _pair_lift(
-    session: Session,
-    run: ReplayRun,
-    pair: tuple[int, int],
-    lifts: list[LiftReport],
-    list_limit: int,
-) -> LiftReport:
-    """The lift of `pair`: one of the run's lifts when it is one (the run page's default), else
-    built from the two comparisons' results."""
-    for lf in lifts:
-        if (lf.comparison_a, lf.comparison_b) == pair:
-            return lf
-    return lift_between(session, run, pair[0], run, pair[1], list_limit=list_limit)
 
 
 def has_reference_answers(session: Session, run: ReplayRun) -> bool:
