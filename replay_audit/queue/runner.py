@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import after_commit
 from replay_audit.exceptions import QueueUnavailable
+from replay_audit.json_value import JsonObject
 from replay_audit.queue.route import DEVICE_QUEUES, LiveWorker, WorkerKind, worker_routes
 from replay_audit.telemetry.log import bound
 from replay_audit.telemetry.metric import job_kind, observe_job
@@ -75,6 +76,30 @@ class JobSpec:
     queue: str = "gpu"
     timeout_s: int = 3600
     retry_intervals_s: Sequence[int] = field(default=RETRY_INTERVALS_S)
+
+
+class LongJob(Protocol):
+    """A row whose job waits on a long queue (a screening, a verification)."""
+
+    id: int
+    request: JsonObject
+
+
+def long_job_spec(
+    func: str, kind: str, row: LongJob, timeout_s: int, default_queue: str
+) -> JobSpec:
+    """The one way a screening or verification (`kind`) job is named and enqueued: one naming no
+    `device` goes to the deployment's default queue (`REPLAY_AUDIT_DEFAULT_QUEUE`), as a replay
+    does; to its long queue (`gpu-long`: it may run for an hour, scanning or screening, and must
+    not hold up the short replay jobs waiting on `gpu`)."""
+    device = str(row.request.get("device"))
+    return JobSpec(
+        func=func,
+        args=(row.id,),
+        job_id=f"{kind}-{row.id}",
+        queue=long_queue({"cpu": "cpu", "cuda": "gpu"}.get(device, default_queue)),
+        timeout_s=timeout_s,
+    )
 
 
 def resolve(func: str) -> Callable[..., Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -11,7 +12,8 @@ from sqlalchemy import Text, and_, cast, false, func, or_, select, true, update
 from sqlalchemy.orm import Session, aliased
 from sqlalchemy.sql.expression import ColumnElement, Select
 
-from replay_audit.db.base import flush_unique, utcnow
+from replay_audit.db import jobs
+from replay_audit.db.base import utcnow
 from replay_audit.db.engine import dialect_insert
 from replay_audit.replays.domain import LoggedPlacement, LoggedTrace, logging_engine
 from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
@@ -42,36 +44,21 @@ def logged_trace(trace: Trace) -> LoggedTrace:
     )
 
 
-def get_run(session: Session, project_id: int, public_id: str) -> ReplayRun | None:
-    return session.scalar(
-        select(ReplayRun).where(
-            ReplayRun.project_id == project_id, ReplayRun.public_id == public_id
-        )
-    )
+get_run = partial(jobs.get_by_public_id, ReplayRun)
+get_run_by_idempotency_key = partial(jobs.get_by_idempotency_key, ReplayRun)
 
 
-def get_run_by_idempotency_key(session: Session, project_id: int, key: str) -> ReplayRun | None:
-    return session.scalar(
-        select(ReplayRun).where(
-            ReplayRun.project_id == project_id, ReplayRun.idempotency_key == key
-        )
-    )
-
-
-def add_run(
+def add_jobs(
     session: Session, run: ReplayRun, chunks: Sequence[tuple[str, list[int]]]
-) -> list[int] | None:
-    """Insert the run and one job per (queue, trace ids) chunk; the job ids, in chunk order.
-    None, with nothing inserted, when a concurrent request took the run's idempotency_key."""
-    if not flush_unique(session, run):
-        return None
-    jobs = [
+) -> list[int]:
+    """Insert one job of the run per (queue, trace ids) chunk; the job ids, in chunk order."""
+    rows = [
         ReplayJob(run_id=run.id, chunk=i, queue=queue, trace_ids=ids)
         for i, (queue, ids) in enumerate(chunks)
     ]
-    session.add_all(jobs)
+    session.add_all(rows)
     session.flush()
-    return [j.id for j in jobs]
+    return [j.id for j in rows]
 
 
 def progress(session: Session, run: ReplayRun) -> tuple[int, int]:

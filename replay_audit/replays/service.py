@@ -17,7 +17,8 @@ from sqlalchemy.orm import Session
 from replay_audit.config import Settings
 from replay_audit.db.base import read_model, utcnow
 from replay_audit.db.ids import decode_cursor, encode_cursor, new_public_id
-from replay_audit.exceptions import Conflict, FieldError, NotFound
+from replay_audit.db.jobs import insert_once
+from replay_audit.exceptions import FieldError, NotFound
 from replay_audit.formats import EXTRA_PROCESSORS, Mode, processors_not_applied
 from replay_audit.json_value import JsonObject
 from replay_audit.queue import Capabilities, JobQueue
@@ -232,38 +233,30 @@ def create_replay(
         queue.default_queue,
         TRACES_PER_JOB_BY_MODE[mode],
     )
-    run = ReplayRun(
-        public_id=new_public_id("rr"),
-        project_id=project_id,
-        name=request.name,
-        status="queued",
-        mode=mode,
-        decode_window=request.decode_window,
-        compare=request.compare,
-        request=_recorded(request, mode, defaults.scan_flag_ulps),
-        targets=[t.to_json() for t in targets],
-        comparisons=[c.to_json() for c in comparisons],
-        n_traces=len(traces),
-        n_items=len(traces) * len(comparisons),
-        idempotency_key=request.idempotency_key,
-        schedule_id=schedule_id,
-    )
-    job_ids = repository.add_run(session, run, chunks)
-    if job_ids is None:  # a concurrent request with this idempotency_key stored its run first
-        existing = key and repository.get_run_by_idempotency_key(session, project_id, key)
-        if not existing:
-            raise Conflict(
-                "a concurrent request is storing this run; retry", field="idempotency_key"
-            )
-        return existing, False
-    queue.enqueue(
+    run, created = insert_once(
         session,
-        [
-            job_spec(job_id, queue_name, queue.job_timeout_s)
-            for job_id, (queue_name, _) in zip(job_ids, chunks, strict=True)
-        ],
+        ReplayRun(
+            public_id=new_public_id("rr"),
+            project_id=project_id,
+            name=request.name,
+            status="queued",
+            mode=mode,
+            decode_window=request.decode_window,
+            compare=request.compare,
+            request=_recorded(request, mode, defaults.scan_flag_ulps),
+            targets=[t.to_json() for t in targets],
+            comparisons=[c.to_json() for c in comparisons],
+            n_traces=len(traces),
+            n_items=len(traces) * len(comparisons),
+            idempotency_key=request.idempotency_key,
+            schedule_id=schedule_id,
+        ),
+        "run",
     )
-    return run, True
+    if created:
+        jobs = zip(repository.add_jobs(session, run, chunks), chunks, strict=True)
+        queue.enqueue(session, [job_spec(i, name, queue.job_timeout_s) for i, (name, _) in jobs])
+    return run, created
 
 
 def _chunks(

@@ -2,37 +2,18 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from replay_audit.db.base import flush_unique
+from replay_audit.db import jobs
 from replay_audit.json_value import JsonObject
 from replay_audit.screenings.models import Screening, ScreeningOutput
 
-
-def get_by_public_id(session: Session, project_id: int, public_id: str) -> Screening | None:
-    return session.scalar(select(Screening).filter_by(project_id=project_id, public_id=public_id))
-
-
-def get_by_idempotency_key(session: Session, project_id: int, key: str) -> Screening | None:
-    return session.scalar(select(Screening).filter_by(project_id=project_id, idempotency_key=key))
-
-
-def add(session: Session, screening: Screening) -> Screening | None:
-    """Insert the screening; None, with nothing inserted, when a concurrent request took its
-    idempotency_key."""
-    return screening if flush_unique(session, screening) else None
-
-
-def recent(session: Session, project_id: int, limit: int) -> list[Screening]:
-    return list(
-        session.scalars(
-            select(Screening)
-            .where(Screening.project_id == project_id)
-            .order_by(Screening.created_at.desc(), Screening.id.desc())
-            .limit(limit)
-        )
-    )
+get_by_public_id = partial(jobs.get_by_public_id, Screening)
+get_by_idempotency_key = partial(jobs.get_by_idempotency_key, Screening)
+recent = partial(jobs.recent, Screening)
 
 
 def get_output(session: Session, screening_id: int, key: str) -> JsonObject | None:

@@ -3,14 +3,16 @@ take a session and never commit."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Final
 
 from sqlalchemy.orm import Session
 
 from replay_audit.db.base import read_model
 from replay_audit.db.ids import new_public_id
-from replay_audit.exceptions import Conflict, FieldError, NotFound
-from replay_audit.queue import JobQueue, JobSpec, long_queue
+from replay_audit.db.jobs import insert_once
+from replay_audit.exceptions import FieldError, NotFound
+from replay_audit.queue import JobQueue, long_job_spec
 from replay_audit.replays.service import target_refusal
 from replay_audit.screenings import repository
 from replay_audit.screenings.models import Screening
@@ -29,19 +31,8 @@ _EVERYTHING: Final = Platform(
 )
 
 
-def job_spec(screening: Screening, timeout_s: int, default_queue: str) -> JobSpec:
-    """The one way a screening job is named and enqueued: a screening naming no `device` goes
-    to the deployment's default queue (`REPLAY_AUDIT_DEFAULT_QUEUE`), as a replay does; to its
-    long queue (`gpu-long`), since a screening may run for an hour and must not hold up the
-    short replay jobs waiting on `gpu`."""
-    device = str(screening.request.get("device"))
-    return JobSpec(
-        func=JOB,
-        args=(screening.id,),
-        job_id=f"screening-{screening.id}",
-        queue=long_queue({"cpu": "cpu", "cuda": "gpu"}.get(device, default_queue)),
-        timeout_s=timeout_s,
-    )
+#: The one way a screening job is named and enqueued (`queue.long_job_spec`).
+job_spec = partial(long_job_spec, JOB, "screening")
 
 
 def check_work(request: ScreeningCreate, shape: CheckpointShape, token_budget: int) -> None:
@@ -125,7 +116,7 @@ def create_screening(
         raise FieldError(f"model_sha256: {e}", field="model_sha256") from None
     check_work(request, shape, token_budget)
     queue.check()
-    screening = repository.add(
+    screening, created = insert_once(
         session,
         Screening(
             public_id=new_public_id("sc"),
@@ -135,16 +126,11 @@ def create_screening(
             request=request.model_dump(mode="json"),
             idempotency_key=key,
         ),
+        "screening",
     )
-    if screening is None:  # a concurrent request with this idempotency_key stored it first
-        existing = key and repository.get_by_idempotency_key(session, project_id, key)
-        if not existing:
-            raise Conflict(
-                "a concurrent request is storing this screening; retry", field="idempotency_key"
-            )
-        return existing, False
-    queue.enqueue(session, [job_spec(screening, queue.job_timeout_s, queue.default_queue)])
-    return screening, True
+    if created:
+        queue.enqueue(session, [job_spec(screening, queue.job_timeout_s, queue.default_queue)])
+    return screening, created
 
 
 def get_screening(session: Session, project_id: int, public_id: str) -> Screening:

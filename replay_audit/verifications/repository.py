@@ -3,45 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from replay_audit.db.base import flush_unique
+from replay_audit.db import jobs
 from replay_audit.json_value import JsonObject
 from replay_audit.traces import repository as traces_repository
 from replay_audit.traces.models import NumericalConfigRow, Trace
 from replay_audit.traces.selection import TraceSelection
 from replay_audit.verifications.models import Verification, VerificationCalibration
 
-
-def get_by_public_id(session: Session, project_id: int, public_id: str) -> Verification | None:
-    return session.scalar(
-        select(Verification).filter_by(project_id=project_id, public_id=public_id)
-    )
-
-
-def get_by_idempotency_key(session: Session, project_id: int, key: str) -> Verification | None:
-    return session.scalar(
-        select(Verification).filter_by(project_id=project_id, idempotency_key=key)
-    )
-
-
-def add(session: Session, verification: Verification) -> Verification | None:
-    """Insert the verification; None, with nothing inserted, when a concurrent request took its
-    idempotency_key."""
-    return verification if flush_unique(session, verification) else None
-
-
-def recent(session: Session, project_id: int, limit: int) -> list[Verification]:
-    return list(
-        session.scalars(
-            select(Verification)
-            .where(Verification.project_id == project_id)
-            .order_by(Verification.created_at.desc(), Verification.id.desc())
-            .limit(limit)
-        )
-    )
+get_by_public_id = partial(jobs.get_by_public_id, Verification)
+get_by_idempotency_key = partial(jobs.get_by_idempotency_key, Verification)
+recent = partial(jobs.recent, Verification)
 
 
 def selected_traces(

@@ -3,12 +3,15 @@ Services take a session and never commit."""
 
 from __future__ import annotations
 
+from functools import partial
+
 from sqlalchemy.orm import Session
 
 from replay_audit.db.base import read_model
 from replay_audit.db.ids import new_public_id
-from replay_audit.exceptions import Conflict, FieldError, NotFound
-from replay_audit.queue import Capabilities, JobQueue, JobSpec, long_queue
+from replay_audit.db.jobs import insert_once
+from replay_audit.exceptions import FieldError, NotFound
+from replay_audit.queue import Capabilities, JobQueue, long_job_spec
 from replay_audit.replays.domain import logging_engine
 from replay_audit.replays.service import target_refusal
 from replay_audit.traces.models import Trace
@@ -25,19 +28,8 @@ from replay_audit.verifications.schemas import (
 JOB = "replay_audit.verifications.tasks.run_verification_job"
 
 
-def job_spec(verification: Verification, timeout_s: int, default_queue: str) -> JobSpec:
-    """The one way a verification job is named and enqueued: one naming no `device` goes to
-    the deployment's default queue (`REPLAY_AUDIT_DEFAULT_QUEUE`), as replays and screenings;
-    to its long queue (`gpu-long`: it scans many traces and must not hold up short replay
-    jobs)."""
-    device = str(verification.request.get("device"))
-    return JobSpec(
-        func=JOB,
-        args=(verification.id,),
-        job_id=f"verification-{verification.id}",
-        queue=long_queue({"cpu": "cpu", "cuda": "gpu"}.get(device, default_queue)),
-        timeout_s=timeout_s,
-    )
+#: The one way a verification job is named and enqueued (`queue.long_job_spec`).
+job_spec = partial(long_job_spec, JOB, "verification")
 
 
 def group_of(trace: Trace, group_by: GroupBy) -> str:
@@ -115,7 +107,7 @@ def create_verification(
     if traces is None:
         traces = select_traces(session, project_id, request, queue.capabilities)
     queue.check()
-    verification = repository.add(
+    verification, created = insert_once(
         session,
         Verification(
             public_id=new_public_id("ver"),
@@ -129,17 +121,11 @@ def create_verification(
             },
             idempotency_key=key,
         ),
+        "verification",
     )
-    if verification is None:  # a concurrent request with this idempotency_key stored it first
-        existing = key and repository.get_by_idempotency_key(session, project_id, key)
-        if not existing:
-            raise Conflict(
-                "a concurrent request is storing this verification; retry",
-                field="idempotency_key",
-            )
-        return existing, False
-    queue.enqueue(session, [job_spec(verification, queue.job_timeout_s, queue.default_queue)])
-    return verification, True
+    if created:
+        queue.enqueue(session, [job_spec(verification, queue.job_timeout_s, queue.default_queue)])
+    return verification, created
 
 
 def get_verification(session: Session, project_id: int, public_id: str) -> Verification:
