@@ -2,9 +2,8 @@
 
 For users who log from their own transformers code: `traces_from_generate(output, input_ids=...,
 context=...)` turns the output of one `generate()` call (a batch of prompts) into traces, and
-`replay_audit.imports.hf_context.context_from_model(model, model_dir)` reads the numerical
-configuration of the running process (dtype, device, GPU, attention kernel, versions, flags) so
-that nothing has to be typed by hand.
+`hf_context.context_from_model(model, model_dir)` reads the running process's numerical
+configuration, so that nothing has to be typed by hand.
 `parse_hf` reads the same output saved to a file (the CLI's `--format hf`: `torch.save(out)`,
 loaded safely by `hf_context.load_generate_output`); without `input_ids` the prompt is what
 precedes one `logits` row per new token, its left padding the leading `pad_token_id`s.
@@ -77,15 +76,12 @@ def generations_from_generate(
     attention_mask: Any = None,
     eos_token_ids: Sequence[int] = (),
     prompt_texts: Sequence[str | None] | None = None,
-    output_texts: Sequence[str | None] | None = None,
     max_new_tokens: int | None = None,
     path: str = "output",
 ) -> list[Generation]:
-    """One `Generation` per row of one `generate()` output (see the module docstring).
-
-    `input_ids` (batch, prompt length) are the ids given to `generate()`, `attention_mask`
-    its mask (left padding is dropped from the prompts); without `input_ids`, `output` must
-    carry `prompt_length` (a saved file does). Raises FieldError naming the field."""
+    """One `Generation` per row of one `generate()` output. The prompts lose the left padding
+    `attention_mask` shows; without `input_ids`, `output` carries `prompt_length` (a saved
+    file does). Raises FieldError naming the field."""
     sequences = _array(_field(output, "sequences"), f"{path}.sequences", floating=False)
     if sequences.ndim != 2 or sequences.shape[0] == 0:
         raise j.fail(f"{path}.sequences", "expected a (batch, length) array of token ids")
@@ -173,7 +169,6 @@ def generations_from_generate(
                 steps_field=values_field,
                 stop_reason=stop,
                 prompt_text=prompt_texts[b] if prompt_texts else None,
-                output_text=output_texts[b] if output_texts else None,
                 logprobs_mode=mode,
                 engine_name="transformers",
                 max_new_tokens=max_new_tokens,

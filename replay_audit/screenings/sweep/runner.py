@@ -113,11 +113,6 @@ def _decode_prefix(run: Run) -> str:
     return f"decode/{run.key}/"
 
 
-def _decode_key(run: Run, prompt: int) -> str:
-    """One prompt decoded in one run: a stopped screening resumes at the first one missing."""
-    return f"{_decode_prefix(run)}{prompt}"
-
-
 def stored_decodes(store: Store, run: Run) -> dict[int, PromptDecode]:
     """The prompts of `run` already decoded, by prompt index."""
     out: dict[int, PromptDecode] = {}
@@ -325,9 +320,8 @@ def run_screening(
                 return
 
             def save(i: int, d: PromptDecode, run: Run = run) -> None:
-                store.put(
-                    _decode_key(run, i), {"run_key": run.key, "prompt": i, "decode": d.to_json()}
-                )
+                value: JsonObject = {"run_key": run.key, "prompt": i, "decode": d.to_json()}
+                store.put(f"{_decode_prefix(run)}{i}", value)
 
             try:
                 result = decode_run(
