@@ -1,12 +1,6 @@
 """`replay-audit audit ...`: scheduled re-audits from the command line (an operator's tool: it
 talks to the database directly and sees every project).
 
-    replay-audit audit list [--project P]
-    replay-audit audit run-now --schedule as_...      [--wait]
-    replay-audit audit catch-up --schedule as_...     [--limit N] [--wait]
-    replay-audit audit trend --schedule as_...
-    replay-audit audit tick                            one scheduler pass, now
-
 With the embedded in-process runner the replay jobs run in this process and the command waits
 for them; with RQ they go to the workers and `--wait` follows the run until the scheduler has
 evaluated it. Drift alerts are always delivered by the scheduler.
@@ -64,8 +58,7 @@ def _ready() -> None:
 
 
 def _runner() -> Runner:
-    """The command's runner, stopped when the command ends (`cli.shutdown.own`), once the
-    database is ready (`_ready`)."""
+    """The command's runner, stopped when the command ends, once the database is ready."""
     from replay_audit.cli.shutdown import own
     from replay_audit.queue import build_runner, stop_runner
 
@@ -76,8 +69,7 @@ def _runner() -> Runner:
 
 
 def _start(schedule_id: str, action: str, limit: int, runner: Runner) -> tuple[list[int], int]:
-    """Start run(s) in one transaction, their jobs on `runner`; (audit run ids, missed runs
-    left)."""
+    """Start run(s) in one transaction: (audit run ids, missed runs left)."""
     from replay_audit.audits import repository, service
     from replay_audit.db.unit_of_work import session_scope
     from replay_audit.exceptions import ReplayAuditError

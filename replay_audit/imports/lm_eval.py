@@ -230,10 +230,8 @@ def parse_lm_eval_sample(
 
 
 def merge_filters(samples: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """One sample per doc and generation. lm-eval writes a line per (doc, filter) (gsm8k has
-    two filters) with the same `resps`: the filters extract answers from one generation, so
-    the lines are merged, their names kept in order as `filters`. Lines of one doc with other
-    responses, and anything that is not a sample, pass as they are."""
+    """One sample per doc and generation (see the module docstring), the filters' names kept in
+    order as `filters`. Anything that is not a sample passes as it is."""
     out: list[tuple[str, Any]] = []
     first: dict[tuple[str, str], int] = {}
     for where, sample in samples:

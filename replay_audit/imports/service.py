@@ -65,11 +65,9 @@ def import_items(
     context: ImportContext,
     items: Sequence[Any],
 ) -> list[ImportResult]:
-    """Parse and store each item's traces; one result per trace (in item order, `index` the
-    item's, `choice` the trace's within it), or one error result for an item that gives none.
-    Good items are stored even when others fail; a trace whose logged top-k was not kept
-    says why in its result's `warning`. Raises PayloadTooLarge past MAX_BATCH_TRACES
-    traces in all. Never commits."""
+    """Parse and store each item's traces: one result per trace (`ImportResult`), or one error
+    result for an item that gives none; good items are stored even when others fail. Raises
+    PayloadTooLarge past MAX_BATCH_TRACES traces in all."""
     _parser(fmt)
     check_context(context)
     parsed: list[tuple[int, int | None, TraceCreate | ReplayAuditError]] = []

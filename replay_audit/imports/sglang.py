@@ -69,9 +69,8 @@ def _prompt_ids(
     request: Mapping[str, Any] | None,
     path: str,
 ) -> list[int] | None:
-    """Logged prompt ids, the request's `input_ids`, complete input logprobs, or None: the
-    request's `text` is then re-tokenised (`generation.resolve`), as under SGLang's default
-    `logprob_start_len=-1`."""
+    """Logged prompt ids, the request's `input_ids`, complete input logprobs, or None (the
+    module docstring says what then)."""
     if body.get("prompt_token_ids") is not None:
         return j.token_ids(body["prompt_token_ids"], f"{path}.prompt_token_ids")
     input_ids = request.get("input_ids") if request is not None else None
@@ -161,8 +160,7 @@ def _one(
 
 def parse_sglang(item: Any, path: str = "item") -> list[Generation]:
     """The generations of one `/generate` answer (a list answer: one per element), bare or as
-    `{"request": ..., "response": ...}`. Raises FieldError naming the field when the answer
-    lacks what a trace needs or is malformed."""
+    `{"request": ..., "response": ...}`. Raises FieldError naming the field."""
     request: Mapping[str, Any] | None = None
     answer, rpath = item, path
     if isinstance(item, Mapping) and "response" in item and set(item) <= {"request", "response"}:

@@ -25,8 +25,7 @@ SAMPLED_NOTE: Final = (
 
 
 def claim_target(logged: Target) -> Target:
-    """The configuration a trace claims, as the scan runs it: the logged configuration (its
-    formats, attention kernel, weight storage and process switches), one row, no
+    """The configuration a trace claims, as the scan runs it: the logged one, one row, no
     intervention (the deficits are the native logits')."""
     return replace(logged, batch_size=1, intervention=Intervention(), kv_cache=None)
 
@@ -180,10 +179,8 @@ def report_json(
     evidence: Sequence[TraceEvidence],
     arms: Mapping[str, ResolvedArm] | None = None,
 ) -> dict[str, Any]:
-    """A verification as JSON: the overall verdict, the deciding group's figures at the top
-    (the most suspicious: the largest score over threshold), every group, every trace's worst
-    tokens, and what each claim's scan ran (`arms`: its resolved arm, by claim label). What
-    the CLI prints with --json and the service stores."""
+    """A verification as the CLI prints it with --json and the service stores it; the figures
+    at the top are the most suspicious group's (the largest score over threshold)."""
     out: dict[str, Any] = {"verdict": overall(groups)}
     if groups:
         top = max(

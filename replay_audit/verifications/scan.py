@@ -38,11 +38,9 @@ def scan_evidence(
     token_budget: int = DEFAULT_SCAN_TOKEN_BUDGET,
     arms: dict[str, ResolvedArm] | None = None,
 ) -> list[TraceEvidence]:
-    """Each trace's evidence, in order: greedy traces grouped by their claimed configuration
-    and scanned in its arm (`resolve_arm` against the group's first trace; a kernel that
-    cannot run here falls back to the engine's default, and the arm says so), a batch per
-    claim; sampled traces set apart unscanned. `arms`, where given, receives each claim's
-    resolved arm by its label (`claim_label`)."""
+    """Each trace's evidence, in order: greedy traces scanned in one batch per claimed
+    configuration (its arm resolved against the group's first trace), sampled ones set apart
+    unscanned. `arms`, where given, receives each claim's resolved arm by `claim_label`."""
     names = list(ids) if ids is not None else [t.external_id for t in traces]
     out: list[TraceEvidence | None] = [None] * len(traces)
     by_claim: dict[Target, list[int]] = {}
@@ -56,9 +54,8 @@ def scan_evidence(
     for claim, members in by_claim.items():
         try:
             arm = resolve_arm(traces[members[0]], RunTarget(claim), pool, model_dir)
-            # A trace of another vocabulary (ids the embedding does not hold) is refused on
-            # its own, as a replay refuses it, before any forward reads its ids.
-            # So is one longer than the checkpoint's context.
+            # A trace of another vocabulary or longer than the context is refused on its own,
+            # as a replay refuses it, before any forward reads its ids.
             vocab, positions = arm.engine.vocab_size, arm.engine.max_positions
             for i in members:
                 if traces[i].vocab_size != vocab:

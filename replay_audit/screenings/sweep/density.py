@@ -1,10 +1,4 @@
-"""Trigger density, CV(TD) and the τ calibration: plain functions of stored margins. Pure.
-
-trigger_density(margins, thresholds)   share of a prompt's decoded steps with margin < τ
-coefficient_of_variation(xs)           population std / mean (None: mean 0 or n < 2)
-covering_tau(flip_margins, cover)      the smallest τ with at least `cover` of the flip
-                                       margins strictly below it
-"""
+"""Trigger density, CV(TD) and the τ calibration: plain functions of stored margins. Pure."""
 
 from __future__ import annotations
 
