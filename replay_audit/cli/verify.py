@@ -1,9 +1,4 @@
-"""`replay-audit verify` and `replay-audit calibrate`: provider audit offline, no server.
-
-`calibrate` measures a checkpoint's benign null on this machine for one claimed configuration
-and writes it as JSON; `verify` scans logged traces in their claimed configuration and judges
-them against that JSON (or a null it measures first, for each claim the traces make).
-"""
+"""`replay-audit verify` and `replay-audit calibrate`: provider audit offline, no server."""
 
 from __future__ import annotations
 

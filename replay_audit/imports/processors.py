@@ -4,14 +4,10 @@ bias, bad words, which transformers' own processors run) and those it does not (
 presence penalties, allowed token ids, custom processors, guided decoding...), which make a
 greedy request unreplayable (`other`). Pure.
 
-Names, checked against the sources: vLLM's `SamplingParams` and its OpenAI-compatible requests
-(`repetition_penalty`, `frequency_penalty`, `presence_penalty`, `logit_bias`, `min_tokens`,
-`bad_words`, `allowed_token_ids`, `logits_processors`, `structured_outputs`, `guided_*`,
-`response_format`), SGLang's `sampling_params` (`min_new_tokens`, `no_repeat_ngram_size`,
-`regex`, `json_schema`, `ebnf`, `structural_tag`), and transformers' `generate()` keywords as
-lm-eval passes them (`bad_words_ids`, `sequence_bias`, `suppress_tokens`, ...). vLLM clamps a
-`logit_bias` to [-100, 100] (`SamplingParams.from_optional`, as OpenAI's API documents it): the
-value that ran is the clamped one.
+The names in `PROCESSOR_FIELDS` are checked against vLLM's `SamplingParams` and its
+OpenAI-compatible requests, SGLang's `sampling_params`, and transformers' `generate()` keywords
+as lm-eval passes them. vLLM clamps a `logit_bias` to [-100, 100]
+(`SamplingParams.from_optional`, as OpenAI's API documents it): the clamped value is what ran.
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@ A response from vLLM, SGLang or transformers carries the token ids and (when ask
 per-step top-k logprobs, but not the numerical configuration it ran in, and not the model's
 weights hash. `ImportContext` is that missing part, given once for a whole import: by the CLI's
 `--config key=value` flags and `--config-file`, by the `context` of `POST /v1/traces:import`, or
-by the Python client. Its keys are `NumericalConfig`'s (dtype, gpu, attn_kernel, ...) plus
-`model`, `decoding`, `logprobs_mode` and `tags`. Every field is optional: what is not given is
-recorded as unknown in the trace (`config.extras["unknown"]`), never filled with a guess.
+by the Python client. What is not given is recorded as unknown in the trace
+(`config.extras["unknown"]`), never filled with a guess.
 """
 
 from __future__ import annotations

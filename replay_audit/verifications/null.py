@@ -121,9 +121,8 @@ def benign_null(
     budgets: Sequence[int] = BUDGETS,
     draws: int = DRAWS,
 ) -> Calibration:
-    """The calibration of `claim` on `model_dir` on this platform: each benign variation that
-    runs here generates `prompts`, every generation is scanned in `claim`, and a 4-bit RTN
-    copy's generations in `claim` are the alternative."""
+    """The calibration of `claim` on `model_dir` on this platform (the module docstring says
+    how); a benign variation that cannot run here is named in its notes."""
     from replay_audit.engine.testing import rtn_checkpoint
 
     facts = TorchFacts(model_dir, device, devices=pool.devices)

@@ -1,7 +1,5 @@
 """One verification of logged traces against a checkpoint, as the CLI and the worker's job run
-it: scan every trace in its claim (`scan.scan_evidence`), group the traces per (group, claim),
-take each claim's calibration (given, or measured here by `null.benign_null`), judge each
-group. Workers and the CLI only."""
+it. Workers and the CLI only."""
 
 from __future__ import annotations
 

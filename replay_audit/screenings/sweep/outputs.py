@@ -92,14 +92,10 @@ class RunOutput:
 
 @dataclass(frozen=True)
 class Probe:
-    """A divergent prompt of a comparison, probed along the shared prefix y<t*:
-
-    token_a, token_b  the from-scratch single-step re-run at t* in each configuration
-    dh_t_star         Δh = ||h_A - h_B|| / ||h_A|| of the hidden states feeding the lm_head
-                      at t* (None: an engine shows no hidden states)
-    gated_steps       steps s <= t* where either arm's gate fired in its decode
-    dh_gated          Δh at each of those steps
-    """
+    """A divergent prompt of a comparison, probed along the shared prefix y<t*: each arm's
+    from-scratch single-step re-run at t*, and Δh (`hidden_gap`) of the hidden states feeding
+    the lm_head at t* (None: an engine shows no hidden states) and at the `gated_steps`
+    s <= t* where either arm's gate fired in its decode."""
 
     prompt: int
     t_star: int

@@ -179,8 +179,7 @@ class Platform:
 
 
 #: probe(config): why `config` cannot run here, found by trying it on the device (None: it
-#: can). The torch backend's is `screening.worker.TorchBackend.availability` (which SDPA backend
-#: accepts the model's attention calls in the configuration's dtype); tests pass fakes.
+#: can): `sweep.worker.TorchFacts.availability`, or a test's fake.
 AvailabilityProbe = Callable[[ScreenConfig], str | None]
 
 

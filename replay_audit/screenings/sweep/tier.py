@@ -4,14 +4,9 @@ paired interval. Pure.
 The paper's cross-model table (Appendix, Table `tab:cross_model_sweep`) groups models by
 Intervention C's EAR lift: Tier 1 large (+22 to +36 pp), Tier 2 small but non-zero (+3 to
 +10 pp), Tier 3 zero (BF16-saturated, body-dominated). Here the measured lift and its 95%
-paired bootstrap interval decide:
-
-    Tier 1  lift >= LARGE_LIFT (0.15, midway between the paper's Tier 2 top and Tier 1 bottom)
-            and the interval's lower end > 0
-    Tier 2  the interval's lower end > 0 and lift < LARGE_LIFT
-    Tier 3  the interval reaches 0 or below: C is not shown to help at this n
-
-With no divergence in the pair's baseline there is nothing for C to repair: no tier.
+paired bootstrap interval decide: Tier 3 where the interval reaches 0 (C is not shown to help
+at this n), else Tier 1 from `LARGE_LIFT` (0.15, midway between the paper's Tier 2 top and
+Tier 1 bottom), else Tier 2. With no divergence in the pair's baseline: no tier.
 """
 
 from __future__ import annotations
