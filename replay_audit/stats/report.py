@@ -52,6 +52,7 @@ Definitions (DESIGN.md):
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
@@ -711,12 +712,11 @@ def lift_from_pairs(
     ea = [p.exact_a for p in pairs]
     eb = [p.exact_b for p in pairs]
     n = len(pairs)
-    n_fixed = sum(1 for x, y in zip(ea, eb, strict=True) if y and not x)
-    n_broke = sum(1 for x, y in zip(ea, eb, strict=True) if x and not y)
     lift = low = high = None
+    n_fixed = n_broke = 0
     if n:
         res = paired_bootstrap_lift(ea, eb, resamples=BOOTSTRAP_RESAMPLES, seed=BOOTSTRAP_SEED)
-        lift, low, high = res.lift, res.low, res.high
+        lift, low, high, n_fixed, n_broke = res.lift, res.low, res.high, res.fixed, res.broke
     fixed, broke = flipped_ids(pairs, list_limit)
     return LiftReport(
         run_a=sides.run_a,
@@ -853,12 +853,9 @@ def engine_reproduction(
     figures = by_index[check.comparison].figures if check.comparison in by_index else []
     checked = [f for f in figures if f.trace_id in check.engines and f.ok]
     missed = sorted((f for f in checked if not f.exact_match), key=lambda f: f.trace_id)
-    engines: dict[str, int] = {}
-    for name in check.engines.values():
-        engines[name] = engines.get(name, 0) + 1
     return EngineReproduction(
         comparison=check.comparison,
-        engines=dict(sorted(engines.items())),
+        engines=dict(sorted(Counter(check.engines.values()).items())),
         n=len(check.engines),
         reproduced=_prop(len(checked) - len(missed), len(checked)),
         not_reproduced=[
