@@ -115,22 +115,18 @@ def _one(
         )
     if not output:
         raise j.fail(f"{path}.output_ids", "the generation has no tokens")
-    steps = None
+    steps: list[list[tuple[int, float]]] | None = None
     tops = meta.get("output_top_logprobs")
     if tops is not None:
         tpath = f"{mpath}.output_top_logprobs"
-        rows: list[list[tuple[int, float]]] | None = []
+        steps = []
         for t, row in enumerate(j.seq(tops, tpath)):
-            if row is None or rows is None:
-                rows = None
+            if row is None:
+                steps = None
                 break
-            pairs = []
-            for i, entry in enumerate(j.seq(row, f"{tpath}[{t}]")):
-                logprob, tid = _tuple(entry, f"{tpath}[{t}][{i}]")
-                if logprob is not None:
-                    pairs.append((tid, logprob))
-            rows.append(pairs)
-        steps = rows
+            entries = j.seq(row, f"{tpath}[{t}]")
+            pairs = (_tuple(e, f"{tpath}[{t}][{i}]") for i, e in enumerate(entries))
+            steps.append([(tid, logprob) for logprob, tid in pairs if logprob is not None])
     stop_reason, stop_id = _finish(meta, mpath)
     # SGLang adds a logit bias as given (no clamp to OpenAI's range in its native API).
     strategy, processors = decoding_recipe(request, clamp_logit_bias=False)
