@@ -1,10 +1,7 @@
 """transformers `generate(..., return_dict_in_generate=True, output_logits=True)` output.
 
-For users who log from their own transformers code: `traces_from_generate(output, input_ids=...,
-context=...)` turns the output of one `generate()` call (a batch of prompts) into traces, and
-`hf_context.context_from_model(model, model_dir)` reads the running process's numerical
-configuration, so that nothing has to be typed by hand.
-`parse_hf` reads the same output saved to a file (the CLI's `--format hf`: `torch.save(out)`,
+For users who log from their own transformers code: `traces_from_generate` (its docstring has
+an example). `parse_hf` reads the same output saved to a file (the CLI's `--format hf`: `torch.save(out)`,
 loaded safely by `hf_context.load_generate_output`); without `input_ids` the prompt is what
 precedes one `logits` row per new token, its left padding the leading `pad_token_id`s.
 
@@ -191,8 +188,7 @@ def traces_from_generate(
     prompt_texts: Sequence[str | None] | None = None,
     max_new_tokens: int | None = None,
 ) -> list[TraceCreate]:
-    """The traces of one `generate(..., return_dict_in_generate=True, output_logits=True)`
-    call: one per row, with the raw logits' top-k (margins from logits).
+    """The traces of one `generate()` call, one per row, with the raw logits' top-k.
 
         out = model.generate(**enc, max_new_tokens=64, do_sample=False,
                              return_dict_in_generate=True, output_logits=True)

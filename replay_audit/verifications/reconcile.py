@@ -2,14 +2,12 @@
 killed mid-verification: under RQ its started job counts as held only while the worker's
 liveness key lives, `queue.state.worker_alive`) are enqueued again.
 
-A held verification is never enqueued a second time: the runner holds it (queued, waiting for a
-retry, or started by a live worker), and enqueuing it again would run it twice at once. A
-verification has no heartbeat to call stale: a job that hangs is ended by its own timeout
-(`REPLAY_AUDIT_JOB_TIMEOUT_S`), after which its runner retries it or lets it go, and a pass after
-that takes it. Running one again is harmless: the job starts one more attempt on the row
-(`db.job_row.claim_attempt`: a finished one is left alone, and after `tasks.MAX_ATTEMPTS` the
-row is failed saying so), reuses the calibrations an earlier attempt stored (unique per
-checkpoint, platform, claim and false-alarm rate) and writes the one report of the row.
+A held verification (queued, waiting for a retry, or started by a live worker) is never enqueued
+again: it would run twice at once. There is no heartbeat to call one stale: a job that hangs is
+ended by its own timeout (`REPLAY_AUDIT_JOB_TIMEOUT_S`), and a pass after that takes it.
+Running one again is harmless: the job starts one more attempt on the row
+(`db.job_row.claim_attempt`), reuses the calibrations an earlier attempt stored and writes the
+one report of the row.
 """
 
 from __future__ import annotations
