@@ -45,27 +45,15 @@ def _hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def public_key_id(api_key: ApiKey) -> str:
-    """The id the API shows for a key (its lookup part, which is not secret)."""
-    return f"key_{api_key.lookup}"
-
-
 def to_read(api_key: ApiKey) -> ApiKeyRead:
     return ApiKeyRead(
-        id=public_key_id(api_key),
+        id=f"key_{api_key.lookup}",  # the lookup part is not secret
         project=api_key.project.name,
         role=Role(api_key.role),
         name=api_key.name,
         created_at=api_key.created_at,
         revoked_at=api_key.revoked_at,
     )
-
-
-def validate_project_name(name: str) -> str:
-    name = name.strip()
-    if not 1 <= len(name) <= 100:
-        raise FieldError("project name must be 1 to 100 characters", field="project")
-    return name
 
 
 def create_api_key(
@@ -79,7 +67,10 @@ def create_api_key(
         raise FieldError(
             f"unknown role {role!r}; one of {', '.join(r.value for r in Role)}", field="role"
         ) from None
-    project_row = repository.get_or_create_project(session, validate_project_name(project))
+    project = project.strip()
+    if not 1 <= len(project) <= 100:
+        raise FieldError("project name must be 1 to 100 characters", field="project")
+    project_row = repository.get_or_create_project(session, project)
     lookup = secrets.token_hex(6)
     key = f"{KEY_PREFIX}_{lookup}_{secrets.token_urlsafe(32)}"
     api_key = ApiKey(

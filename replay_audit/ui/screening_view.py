@@ -21,9 +21,10 @@ from replay_audit.ui.charts import (
 from replay_audit.ui.templating import ENV, STATIC_DIR
 
 
-class Charts(TypedDict):
-    """The page's charts as SVG markup (None: nothing to draw)."""
+class Context(TypedDict):
+    """What the screening templates render: the report and its charts (None: nothing to draw)."""
 
+    report: ScreeningReport
     sweep_chart: Markup | None
     category_chart: Markup
     lift_chart: Markup | None
@@ -32,14 +33,7 @@ class Charts(TypedDict):
     pair_margin_chart: Markup
 
 
-class Context(Charts):
-    """What the screening templates render."""
-
-    report: ScreeningReport
-
-
-def charts(report: ScreeningReport) -> Charts:
-    """Every chart of the page, as SVG markup."""
+def context(report: ScreeningReport) -> Context:
     sweep: dict[str, ProportionRead] = {}
     for k in report.knobs:
         for v in k.values:
@@ -57,6 +51,7 @@ def charts(report: ScreeningReport) -> Charts:
     td = next((d for d in report.trigger_density if d.cv is not None), None)
     td = td or (report.trigger_density[0] if report.trigger_density else None)
     return {
+        "report": report,
         "sweep_chart": category_chart(sweep) if sweep else None,
         "category_chart": category_chart(pair.baseline.categories),
         "lift_chart": lift_chart([pair.lift]) if pair.lift is not None else None,
@@ -71,10 +66,6 @@ def charts(report: ScreeningReport) -> Charts:
         ),
         "pair_margin_chart": margin_at_divergence_chart(pair.baseline.margin_at_divergence),
     }
-
-
-def context(report: ScreeningReport) -> Context:
-    return {"report": report, **charts(report)}
 
 
 def standalone_html(report: ScreeningReport) -> str:
