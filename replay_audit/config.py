@@ -80,11 +80,8 @@ class Settings(BaseSettings):
     #: A replay run (or an audit run) selecting at least this many traces and naming no `mode`
     #: is replayed scan-then-decode (see `replays.domain.LARGE_RUN_TRACES`).
     large_run_traces: int = Field(default=1000, ge=1)  # replays.domain.LARGE_RUN_TRACES
-    #: Scan-then-decode runs that name no `scan_flag_ulps`: a trace whose scan agrees with the
-    #: logged output is still decoded when some step's top-2 margin along the logged path is
-    #: at most this many ulps of the arm's format (a near-tie, where a flip that needs the
-    #: decode's KV cache hides from the scan); negative: off, mismatches only. Read where runs
-    #: are created; each run records the value it used.
+    #: The `scan_flag_ulps` of scan-then-decode runs that name none (`formats.SCAN_FLAG_ULPS`
+    #: says what it does, and why 0). Read where runs are created; each run records its value.
     #: (Default replays.domain.DEFAULT_SCAN_FLAG_ULPS, bound MAX_SCAN_FLAG_ULPS.)
     scan_flag_ulps: float = Field(default=0.0, le=1024.0, allow_inf_nan=False)
     #: Tokens (padding included) per forward of a worker's batched scans.

@@ -14,7 +14,6 @@ ulp(x) is the spacing of the format's representable numbers at |x|: 2**(e - (p -
 e = floor(log2 |x|) clamped below at the format's smallest normal exponent, and p is the
 significand precision. BF16 at 16.0 has p = 8, e = 4: ulp = 0.125, so a BF16 margin near 16 is
 either 0 or at least 0.125. The values agree with torch.finfo(dtype).eps * 2**e (tested).
-`ulp_array` is the one implementation; `ulp` is it at one value.
 """
 
 from __future__ import annotations
@@ -117,13 +116,6 @@ def ulp(x: float, fmt: str | Format) -> float:
 Mode = Literal["decode", "scan", "scan_then_decode"]
 MODES: Final[tuple[Mode, ...]] = get_args(Mode)
 
-#: What a scan-then-decode run did with a trace, and why it was decoded (replays/pipeline.py):
-#: `flagged`, the scan found a mismatch and the trace was decoded from it; `near_tie`, the scan
-#: agreed everywhere but some step's top-2 margin along the logged path was at most the run's
-#: `scan_flag_ulps` ulps (where a flip that needs the decode's KV cache hides), so the trace was
-#: decoded in full; `control`, flagged by neither rule but decoded in full (the random control
-#: sample that measures what the scan misses); `scanned`, flagged by neither and only scanned:
-#: its exact match is not established, and no statistic counts it as one.
 #: What a comparison with the logged tokens was judged against, per result: the logged tokens;
 #: the logged configuration replayed here, for a trace that did not reproduce in it (its
 #: reproduction check diverged: no precision flip is counted against its logged tokens); or
@@ -131,6 +123,13 @@ MODES: Final[tuple[Mode, ...]] = get_args(Mode)
 Baseline = Literal["logged", "reproduced", "replayed"]
 BASELINES: Final[tuple[Baseline, ...]] = get_args(Baseline)
 
+#: What a scan-then-decode run did with a trace, and why it was decoded (replays/pipeline.py):
+#: `flagged`, the scan found a mismatch and the trace was decoded from it; `near_tie`, the scan
+#: agreed everywhere but some step's top-2 margin along the logged path was at most the run's
+#: `scan_flag_ulps` ulps (where a flip that needs the decode's KV cache hides), so the trace was
+#: decoded in full; `control`, flagged by neither rule but decoded in full (the random control
+#: sample that measures what the scan misses); `scanned`, flagged by neither and only scanned:
+#: its exact match is not established, and no statistic counts it as one.
 Screen = Literal["flagged", "near_tie", "control", "scanned"]
 SCREENS: Final[tuple[Screen, ...]] = get_args(Screen)
 

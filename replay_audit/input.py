@@ -1,12 +1,11 @@
 """What every request accepts, checked once for every field: `InputModel`, the base of every
 request schema, and the checks the API applies to query and path parameters.
 
-Storable text. PostgreSQL text cannot hold U+0000, and no UTF-8 text (PostgreSQL's, SQLite's)
-holds a lone surrogate (U+D800..U+DFFF, which JSON's `\\ud800` escapes can spell). A request
-carrying one used to reach the database and fail there with a 500. `InputModel` wraps every
-`str` validator of its subclasses' schemas (dict keys, list items, unions, constrained strings:
-whatever the annotation) with `refuse_unstorable`, so a new field cannot forget the check; the
-API applies the same function to query and path parameters (`api.deps`).
+Storable text. PostgreSQL text cannot hold U+0000, and no UTF-8 text holds a lone surrogate
+(U+D800..U+DFFF, which JSON's `\\ud800` escapes can spell): the database would answer a 500.
+`InputModel` wraps every `str` validator of its subclasses' schemas, wherever it sits, with
+`refuse_unstorable`, so a new field cannot forget the check; the API applies the same function
+to query and path parameters (`api.deps`).
 
 Strictness. Request models are strict (`strict=True`): a number is a JSON number, not `"3"`
 or `true`; a logit a JSON number, not `"99.0"`. An integer field takes what JSON Schema calls
@@ -70,8 +69,6 @@ def integral_float(value: Any) -> Any:
 
 
 def _wrap(schema: Any, exact_integers: bool) -> Any:
-    # Every `str` validator in the schema, wherever it sits, gets the storable-text check after
-    # it; every `int` validator takes integral floats unless the model wants exact integers.
     # Schemas of nested models are their own classes' (already wrapped); serialization is
     # output, metadata is not a schema.
     if isinstance(schema, list):

@@ -1,12 +1,5 @@
-"""The FastAPI application factory.
-
-    from replay_audit.api.app import create_app
-    app = create_app(settings)          # routers, error handlers, database from the settings
-
-Each domain contributes an `APIRouter` from its `endpoints.py`; add it to `_routers()`.
-OpenAPI is at `/openapi.json`, the interactive docs at `/docs` and `/redoc` (`api.docs`: served
-from local assets, no CDN).
-"""
+"""The FastAPI application factory, `create_app`. Each domain contributes an `APIRouter` from
+its `endpoints.py`: add it to `_routers()`."""
 
 from __future__ import annotations
 
@@ -176,13 +169,9 @@ def _root() -> RedirectResponse:
 
 
 def create_app(settings: Settings | None = None, *, runner: Runner | None = None) -> FastAPI:
-    """A configured app: database from `settings.database_url` (engines are shared per URL),
-    the `/v1` routers, `/healthz` and `/readyz`, `/metrics` (unless off or served on its own
-    port), one error handler for the domain errors, a request id on every answer.
-
-    Jobs go to `runner` (the caller's: `serve` shares one with its scheduler, and stops it), or
-    to one the app builds from the settings and owns: its in-process thread, if any, stops
-    when the app shuts down."""
+    """A configured app (database engines are shared per URL). Jobs go to `runner` (the
+    caller's: `serve` shares one with its scheduler, and stops it), or to one the app builds
+    from the settings and owns: its in-process thread, if any, stops with the app."""
     settings = settings or get_settings()
     own_runner = None if runner is not None else build_runner(settings)
     app = FastAPI(
@@ -199,7 +188,6 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     app.state.settings = settings
     app.state.engine = get_engine(settings.database_url)
     app.state.sessionmaker = get_sessionmaker(settings.database_url)
-    #: The job queue (in-process thread or RQ, and what it can run): built once, here.
     app.state.queue = build_job_queue(settings, runner or own_runner)
     app.state.checkpoints = CheckpointIndex(settings.model_dirs)
     app.state.principals = PrincipalCache(settings.api_key_cache_s)

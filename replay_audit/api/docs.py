@@ -3,10 +3,8 @@
 
 FastAPI's own pages load Swagger UI and ReDoc from a CDN (jsDelivr) and start them with an
 inline script, so an offline deployment shows a blank page. Here the assets come from the
-`fastapi-offline` package (which ships swagger-ui-bundle.js, swagger-ui.css and
-redoc.standalone.js; upgrading it upgrades them), served under `/docs/assets/` together with our
-small start-up script, and the pages carry a Content-Security-Policy as strict as the assets
-allow: scripts from this origin only (no inline script), requests to this origin only. Styles
+`fastapi-offline` package, served under `/docs/assets/` with our start-up script, and the pages
+carry a Content-Security-Policy as strict as the assets allow (`DOCS_SECURITY_HEADERS`): styles
 allow 'unsafe-inline' because ReDoc (styled-components) writes its CSS into <style> elements and
 Swagger UI sets style attributes; ReDoc's search runs in a blob: worker.
 

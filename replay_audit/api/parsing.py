@@ -77,15 +77,12 @@ def parse_items(
     max_items: int,
     fast: Callable[[Any], M | None] | None = None,
 ) -> list[M | ReplayAuditError]:
-    """Validate each element of the list `body[key]` as `model` on its own.
+    """Each element of the list `body[key]` validated as `model` on its own: an element's error
+    is its entry (the field named relative to it); the envelope's fail the whole request.
 
-    The envelope's errors fail the whole request (400 malformed JSON, 422 when `key` is missing
-    or not a list or the envelope has other fields, 413 past `max_items`); an element's error
-    becomes that element's entry, with the field named relative to the element.
-
-    `fast(raw)` may return the model for an element without pydantic (or None when it cannot
-    vouch for it: then pydantic validates it). Its documents are parsed by orjson, the fastest
-    parser at hand; a body orjson refuses (e.g. with NaN literals) takes the general path.
+    `fast(raw)` may build an element without pydantic (None: it cannot vouch, pydantic
+    validates). Its documents are parsed by orjson, the fastest parser at hand; a body orjson
+    refuses (e.g. with NaN literals) takes the general path.
     """
     if not body:
         raise BadRequest("empty request body; expected JSON", field="body")

@@ -89,10 +89,8 @@ _TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
 def configure_logging(log_format: LogFormat, level: int = logging.INFO) -> None:
-    """Send the process's log lines to stderr, as text or JSON lines; uvicorn's server log goes
-    the same way (its access log is left as uvicorn was told: `serve` turns it off with JSON
-    lines, where the app's own access line carries the request id). Called once by each
-    process's entry point."""
+    """Send the process's log lines, uvicorn's server log included, to stderr as text or JSON
+    lines (its access log: `api.server.uvicorn_logging`). Once, by each entry point."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         JsonFormatter() if log_format == "json" else logging.Formatter(_TEXT_FORMAT)

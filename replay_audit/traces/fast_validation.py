@@ -1,16 +1,13 @@
 """A fast path for validating a trace already parsed from JSON (a batch item).
 
-pydantic spends most of a trace's validation time on its big arrays: 256 prompt and 256 output
-ids and 2 x 256 top-k ids and logits are ~1,500 values, each checked and copied one by one. Here
-the arrays are checked with C-level passes instead (`set(map(type, ...))`, `min`/`max`, numpy)
-and the rest of the trace, small, goes through pydantic as usual; then the same model-level
-checks run (`TraceCreate._check`).
+pydantic spends most of a trace's validation time on its big arrays (~1,500 values for 256
+prompt and output tokens with top-2, each checked and copied one by one). Here the arrays are
+checked with C-level passes instead, the small rest goes through pydantic, then the same
+model-level checks run (`TraceCreate._check`).
 
-The fast path is only ever allowed to say "valid, and here is exactly the model pydantic would
-have built" or "don't know": for anything unusual (a float where an int goes, an int where a
-float goes, a bool, a missing or odd field, any failed check) it returns None and the caller
-validates the item with pydantic, which produces the real error message. So what is accepted,
-and every error answer, is pydantic's; tests check the two paths build equal models.
+The fast path only ever says "exactly the model pydantic would have built" or "don't know"
+(None: anything unusual, and every failed check); pydantic then validates the item. So what is
+accepted, and every error answer, is pydantic's; tests check the two paths build equal models.
 """
 
 from __future__ import annotations

@@ -64,9 +64,8 @@ class NumericalConfigRow(Base):
 
 class Trace(Base):
     """One logged greedy generation. Token arrays are packed int32, logits packed float32.
-
-    Its key is `id` here (SQLite's rowid); on PostgreSQL the table's primary key is
-    (id, created_at), as partitioning requires (autogenerate compares no primary keys)."""
+    The key is `id` here, (id, created_at) on PostgreSQL (autogenerate compares no primary
+    keys)."""
 
     __tablename__ = "traces"
     __table_args__ = (
@@ -144,10 +143,9 @@ class TraceTag(Base):
 
 
 class TraceKey(Base):
-    """The unique keys of one stored trace, in a table that is never partitioned: what makes
-    ingest idempotent across partitions. Ingest inserts a trace's key first (`ON CONFLICT DO
-    NOTHING`) and stores the trace only if its key went in, in the same transaction; retention
-    deletes the keys of the traces it deletes, so a pruned trace may be sent again."""
+    """The unique keys of one stored trace (module docstring). Ingest inserts a trace's key first
+    and stores the trace only if its key went in, in the same transaction; retention deletes
+    the keys of the traces it deletes, so a pruned trace may be sent again."""
 
     __tablename__ = "trace_keys"
     __table_args__ = (
@@ -156,7 +154,7 @@ class TraceKey(Base):
         Index(None, "created_at"),
     )
 
-    #: The trace's public id (unique across partitions here, since it cannot be on `traces`).
+    #: The trace's public id (unique across partitions here).
     public_id: Mapped[str] = mapped_column(String(40), primary_key=True)
     project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
     content_sha256: Mapped[str] = mapped_column(String(64))

@@ -141,9 +141,7 @@ def _insert_do_nothing(
     rows: Sequence[Mapping[str, object]],
     returning: Sequence[str] = (),
 ) -> list[tuple[Any, ...]]:
-    """INSERT `rows` (already in database form: packed bytes, aware datetimes) ... ON CONFLICT
-    DO NOTHING [RETURNING `returning`] in one round trip; the returned rows are the inserted
-    ones.
+    """INSERT `rows` ... ON CONFLICT DO NOTHING in one round trip: the rows inserted.
 
     On PostgreSQL this is psycopg's pipelined `executemany` of one prepared single-row INSERT:
     3x faster than SQLAlchemy's multi-row VALUES rendering for 500 wide rows, most of whose
@@ -331,13 +329,10 @@ def get_traces(session: Session, project_id: int, public_ids: Collection[str]) -
 
 
 def select_where(stmt: Select[*_Ts], project_id: int, selection: TraceSelection) -> Select[*_Ts]:
-    """`stmt` narrowed to the project's traces in `selection`: the one place a trace selection
-    becomes SQL (the listing, replay filters and audit candidates all come through here).
-
-    `stmt` must select from `traces` (an entity, its columns or `count()` with
-    `select_from(Trace)`); this joins the trace's configuration (`NumericalConfigRow`), so
-    `stmt` may select its columns too and must not join it itself.
-    """
+    """`stmt` narrowed to the project's traces in `selection`: the one place a selection becomes
+    SQL. `stmt` must select from `traces` (an entity, its columns or `count()` with
+    `select_from(Trace)`); this joins `NumericalConfigRow`, so `stmt` may select its columns
+    too and must not join it itself."""
     s = selection
     where: list[ColumnElement[bool]] = [Trace.project_id == project_id]
     equal = {  # the selection's fields that name one value of a column

@@ -286,9 +286,8 @@ class TopK(TraceInput):
 
     @cached_property
     def packed(self) -> PackedTopK:
-        """The arrays packed once (bytes, so model equality still works), as the store keeps
-        them. Raises TraceFieldError naming the step if a step's length differs from step 0's.
-        """
+        """The arrays packed once, as the store keeps them (bytes, so model equality still
+        works); TraceFieldError naming a step whose length differs from step 0's."""
         n_steps = len(self.ids)
         k = len(self.ids[0]) if n_steps else 0
         for rows in (self.ids, self.logits):
@@ -368,8 +367,6 @@ class TraceCreate(TraceInput):
 
 
 def _check_batch(batch: BatchPlacement, prompt_length: int, batch_size: int | None) -> None:
-    """A batch layout that names this trace's row, with this trace's prompt length, and as many
-    rows as the configuration's batch size where it gives one."""
     field = "decoding.batch"
     rows = len(batch.prompt_lengths)
     if batch.row >= rows:
@@ -491,8 +488,6 @@ class TraceBatchCreate(TraceInput):
     """Body of `POST /v1/traces:batch`. Items are validated one by one: a bad item gets its own
     4xx result and the good ones are stored."""
 
-    #: The document says what the server does: any item is taken, and one that is not a
-    #: valid TraceCreate gets its own 4xx result (the request does not fail).
     traces: list[TraceCreate] = Field(max_length=MAX_BATCH_TRACES, json_schema_extra=_any_item)
 
 

@@ -149,12 +149,9 @@ def _config_row(config: NumericalConfig, config_json: str, sha: str, now: dateti
 
 def ingest_trace(session: Session, project_id: int, trace: TraceCreate) -> IngestResult:
     """Store one trace: 201 `created: true`, or 200 `created: false` with the id of the trace
-    with the same content. Raises Conflict (409, field `external_id`) when the external_id is
-    taken by different content. Never commits.
-
-    A new trace in a stored configuration takes one statement on PostgreSQL
-    (`repository.insert_one_trace`); anything else (a new configuration, a repeat, a taken
-    external_id, SQLite) the general path of `ingest_traces`."""
+    with the same content; Conflict (409, `external_id`) when the external_id is taken by
+    different content. Never commits. The common case is one statement on PostgreSQL
+    (`repository.insert_one_trace`); anything else takes `ingest_traces`'s general path."""
     now = utcnow()
     config_json, config_sha = canonical_config(trace.config)
     p = _prepare(0, trace, config_sha)

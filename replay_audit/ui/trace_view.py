@@ -144,8 +144,6 @@ def _tokens(
     start: int,
     margins: tuple[tuple[str, list[float | None] | None], ...],
 ) -> list[Token]:
-    """The tokens shown of an arm, each with its piece and a tooltip naming its step, its id
-    and both arms' margins there."""
     if pieces is not None and len(pieces) != len(ids):
         pieces = None  # not this output's pieces: ids only
     out = []
@@ -257,8 +255,6 @@ def build(
                 "re-run: its environment is shown"
             )
         elif ra.environment:
-            # The margin at t* came from the logged top-k (or was unavailable): the re-run here
-            # was the single-step one only.
             notes.append(
                 "the logged format was re-run here for the single-step re-run only (its margin "
                 f"at t* is {_SOURCE_WORDS.get(source_a or '', 'not known')}): its environment "
