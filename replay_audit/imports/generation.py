@@ -126,12 +126,10 @@ class Generation:
     prompt_field: str | None = None
     #: Whether the server added special tokens (BOS) when it encoded `prompt_text`.
     add_special_tokens: bool = True
-    #: Where the ids came from: `logged`, `pieces` (output ids of the logged token pieces)
-    #: or `retokenized` (the text encoded by the checkpoint's tokenizer).
+    #: Where the ids came from (the `tokenization` module docstring).
     token_ids_source: TokenIdsSource = "logged"
     #: Where a kept top-k's ids came from (what `resolve` did with text keys).
     top_k_source: str = "logged ids"
-    #: The request's logits processors: those a replay applies, and the others by name.
     processors: RequestProcessors = dataclasses.field(default_factory=RequestProcessors)
     #: The batch size the source states (a list answer, a generate() call's rows).
     batch_size: int | None = None

@@ -275,8 +275,7 @@ def build_report(
     inputs: list[ComparisonInput] = []
     names = []
     pair, pair_c = specs[0], specs[1]
-    # Comparison 0 the pair's baseline, 1 its both-arms C treatment (the only lift), then the
-    # sweep (no lift: each is a knob against the reference).
+    # The pair's both-arms C treatment is the only lift: each knob is against the reference.
     for s in specs:
         figs = figures.get(s.name, [] if s.name in (pair.name, pair_c.name) else None)
         if figs is None:

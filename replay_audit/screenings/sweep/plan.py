@@ -60,11 +60,9 @@ ScreenIntervention = Literal["none", "C"]
 
 @dataclass(frozen=True)
 class ScreenConfig:
-    """A numerical configuration of the screening. `lm_head_dtype` None: the body's;
-    `weight_dtype` None: stored as computed (`dtype`); `deterministic`, `tf32`: torch's
-    switches during the configuration's probes (the reference: torch's defaults, as a plain
-    deployment runs; the knobs turn each on); `fp8_linear`: every linear layer of the body in
-    FP8 (the paper's end-to-end FP8 boundary case)."""
+    """A numerical configuration of the screening. `deterministic`, `tf32`: torch's switches
+    (off in the reference, as a plain deployment runs); `fp8_linear`: every linear layer of
+    the body in FP8 (the paper's end-to-end FP8 boundary case)."""
 
     dtype: BodyDType
     lm_head_dtype: HeadDType | None = None

@@ -183,9 +183,7 @@ def decode_run(
         save(i, d)
         decodes.append(d)
         tick(f"decode {run.key}")
-    # The engine's numerical environment, the configuration's knobs, and the arm resolved
-    # from them (what ran: `replays.domain.ResolvedArm`). Stored as JSON: taken through it
-    # here, so the output is what a resumed screening reads.
+    # Taken through JSON here, so a fresh output is what a resumed screening reads.
     ran = arm.engine.environment()
     recorded = {
         **ran,
