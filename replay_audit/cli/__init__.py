@@ -1,9 +1,6 @@
 """The `replay-audit` command. Each module here registers its commands on `app` (`cli/root.py`);
 heavy imports (torch, the web app) happen inside the commands so `replay-audit --help` stays
-fast.
-
-Commands check what they need up front and fail in one line (`cli/database.py`); `app` itself is
-the last line of defence (see `cli/root.py`).
+fast. Commands check what they need up front and fail in one line (`cli/database.py`).
 """
 
 from __future__ import annotations

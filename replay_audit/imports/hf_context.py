@@ -15,9 +15,7 @@ from replay_audit.json_value import JsonObject, JsonValue
 def context_from_model(
     model: Any, model_dir: str | Path | None = None, **overrides: Any
 ) -> ImportContext:
-    """The import context of a transformers model running in this process: dtype, device and
-    GPU, attention kernel, torch/CUDA/transformers versions, deterministic and TF32 flags as
-    they are now, the model's eos ids, and (with `model_dir`) its weights_sha256 and vocab.
+    """The import context of `model` as it runs now (with `model_dir`: its weights_sha256 too).
     The batch size is left to `traces_from_generate` (the rows of the call). Keyword arguments
     override any field (`tags=[...]`)."""
     import torch

@@ -16,8 +16,8 @@ Field names, checked against the sources (sgl-project/sglang):
   `logprob_start_len` (-1 by default: input logprobs of the last prompt token only),
   `top_logprobs_num`.
 
-Without `return_prompt_token_ids` (SGLang's default `logprob_start_len=-1` logs the last prompt
-token only) the prompt is the request's `text`, re-tokenised by `generation.resolve`.
+Without `return_prompt_token_ids` (or all input logprobs) the prompt is the request's `text`,
+re-tokenised by `generation.resolve`.
 
 What the logprobs are depends on the server (the sampler's all-greedy path returns
 log_softmax of the logits; otherwise they are taken after temperature scaling unless the server
