@@ -112,18 +112,25 @@ class RunValues(TypedDict):
     created_at: datetime
 
 
+def _insert_new(
+    session: Session, model: type[_Row], values: RunValues | AlertValues, key: list[str]
+) -> int | None:
+    """Insert a row unless one with the same unique `key` exists: the new row's id, or None."""
+    stmt = (
+        dialect_insert(session)(model)
+        .values(**values)
+        .on_conflict_do_nothing(index_elements=key)
+        .returning(model.id)
+    )
+    return session.execute(stmt).scalar_one_or_none()
+
+
 def claim_run(session: Session, values: RunValues) -> int | None:
     """Insert an audit run unless its (schedule, due time) has one: the new row's id, or None.
 
     The unique key decides, not a lock held by this process: on PostgreSQL a concurrent
     claimer blocks on the index entry until the first commits, then inserts nothing."""
-    stmt = (
-        dialect_insert(session)(AuditRun)
-        .values(**values)
-        .on_conflict_do_nothing(index_elements=["schedule_id", "due_at"])
-        .returning(AuditRun.id)
-    )
-    return session.execute(stmt).scalar_one_or_none()
+    return _insert_new(session, AuditRun, values, ["schedule_id", "due_at"])
 
 
 def get_run_by_due(session: Session, schedule_id: int, due_at: datetime) -> AuditRun | None:
@@ -303,13 +310,7 @@ class AlertValues(TypedDict):
 
 def add_alert(session: Session, values: AlertValues) -> int | None:
     """Insert the run's alert unless it has one: the new id, or None."""
-    stmt = (
-        dialect_insert(session)(AuditAlert)
-        .values(**values)
-        .on_conflict_do_nothing(index_elements=["audit_run_id"])
-        .returning(AuditAlert.id)
-    )
-    return session.execute(stmt).scalar_one_or_none()
+    return _insert_new(session, AuditAlert, values, ["audit_run_id"])
 
 
 def lock_alert(session: Session, alert_id: int) -> AuditAlert | None:
