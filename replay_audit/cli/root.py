@@ -1,12 +1,10 @@
 """The root of the `replay-audit` command: `app`, the group every command module registers its
 commands on, and `CommandGroup`, the Typer group with click's plain help. Kept apart from the
-package's `__init__`, which imports every command module to register it, so that a command
-module importing `app` is not an import cycle.
+package's `__init__` (which imports every command module) so that importing `app` is no cycle.
 
 `app` is the last line of defence: a database that goes away mid-command, or a setting that
-does not parse, is one line on stderr and exit code 2, not a traceback. It also stops the
-threads a command started before the process exits, on Ctrl-C and SIGTERM too
-(`cli/shutdown.py`).
+does not parse, is one line on stderr and exit code 2, not a traceback; and it stops the
+command's threads on Ctrl-C and SIGTERM too (`cli/shutdown.py`).
 """
 
 from __future__ import annotations

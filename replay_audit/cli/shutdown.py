@@ -1,18 +1,15 @@
 """How every command ends, on Ctrl-C (SIGINT), SIGTERM or a normal return: the threads this
-process started are stopped and joined before the interpreter exits.
-
-Why: the in-process runner (replaying traces), the embedded scheduler and the webhook runner are
-daemon threads. One still inside torch while the interpreter tears down aborts the whole process
-("terminate called without an active exception"), after the rest of the output is lost. So:
+process started are stopped and joined before the interpreter exits. Why: the in-process runner,
+the embedded scheduler and the webhook runner are daemon threads, and one still inside torch
+while the interpreter tears down aborts the whole process ("terminate called without an active
+exception"), after the rest of the output is lost.
 
 - SIGINT and SIGTERM raise `Interrupted` (a `KeyboardInterrupt`) in the main thread; uvicorn,
-  while it serves, takes both over, shuts the server down gracefully and raises the signal again
-  once it has returned, which lands here too;
-- what the command started, it owns (`own`): the scheduler is stopped first (a tick enqueues
-  jobs), then the runners, the reverse of the order they were started in; a replay job returns
-  between two traces and is queued again in the database (`replays.tasks`), so it resumes when
-  the reconciler re-enqueues it (at the next `serve`);
-- a second Ctrl-C while they stop leaves at once, as does a thread that has not stopped after
+  while it serves, takes both over and raises the signal again once it has shut down;
+- what the command started, it owns (`own`) and stops in reverse start order: the scheduler (a
+  tick enqueues jobs) before the runners; a replay job returns between two traces, queued again
+  in the database (`replays.tasks`) for the reconciler to re-enqueue (at the next `serve`);
+- a second Ctrl-C while they stop leaves at once, as does a thread still running after
   `STOP_TIMEOUT_S` (with no C++ teardown: `os._exit`).
 
 Exit codes: 130 after SIGINT (the shell's convention), 0 after SIGTERM (a service asked to stop

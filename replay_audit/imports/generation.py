@@ -14,8 +14,7 @@ where an imported trace's configuration, logged margins and unknowns are decided
   source without one: vLLM's default, raw_logprobs). Processed logprobs or an unknown mode give
   no top-k, so a replay reconstructs the logged arm's margins rather than mixing sources;
   `config.extras["top_k_source"]` says where a kept top-k came from, or why a logged one was
-  dropped (`dropped_top_k`: the CLI prints it, the API answers it). Values at or below -9999
-  are a server's stand-in for -inf (vLLM clamps to it for JSON): absent.
+  dropped (`dropped_top_k`: the CLI prints it, the API answers it).
 """
 
 from __future__ import annotations

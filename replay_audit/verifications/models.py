@@ -1,9 +1,8 @@
 """Verification tables.
 
 verifications               one request: the traces it selected, status, the report when done
-verification_calibrations   a checkpoint's benign null, measured once per (checkpoint, scanning
-                            platform, claimed configuration, false-alarm rate) and reused by
-                            every later verification that needs it
+verification_calibrations   a benign null, measured once per key and reused by every later
+                            verification that needs it
 """
 
 from __future__ import annotations
