@@ -160,10 +160,16 @@ def parse_lm_eval_sample(
     max_length = results.get("max_length")
     target = body.get("target")
     date = results.get("date")
+    run = f":{date}" if isinstance(date, int | float | str) and date != "" else ""
     # The tokenizer is at hand: each output token's piece, where it is a transformers one.
     pieces = PieceReader(tokenizer) if hasattr(tokenizer, "convert_ids_to_tokens") else None
     names = body.get("filters")
-    filters = {"filters": ",".join(map(str, names))} if isinstance(names, list) else {}
+    extras = {
+        "tokenization": TOKENIZATION,
+        "chat_template": "applied by lm-eval" if results.get("chat_template") else "none",
+        # The task's filters: answer extractors of this one generation.
+        **({"filters": ",".join(map(str, names))} if isinstance(names, list) else {}),
+    }
     out = []
     for i, (context, kwargs) in enumerate(requests):
         if not isinstance(kwargs, Mapping):
@@ -198,7 +204,6 @@ def parse_lm_eval_sample(
                     skipped.append(f"{path}.resps[{i}][{r}]")
                 continue
             suffix = "" if len(requests) == 1 and len(repeats) == 1 else f":{i}:{r}"
-            run = f":{date}" if isinstance(date, int | float | str) and date != "" else ""
             out.append(
                 Generation(
                     field=f"{path}.resps[{i}][{r}]",
@@ -215,14 +220,7 @@ def parse_lm_eval_sample(
                     max_new_tokens=max_gen,
                     reference_answer=None if target is None else str(target),
                     tags=("lm-eval", f"task={task}"),
-                    extras={
-                        "tokenization": TOKENIZATION,
-                        "chat_template": (
-                            "applied by lm-eval" if results.get("chat_template") else "none"
-                        ),
-                        # The task's filters: answer extractors of this one generation.
-                        **filters,
-                    },
+                    extras=extras,
                     output_token_pieces=pieces(output) if pieces is not None else None,
                 )
             )
