@@ -180,17 +180,13 @@ def generate(
         fail(e.message)
     rows = []
     for n, row in _read_jsonl(prompts):
-        messages = row.get("messages")
         if "messages" in row:
-            strings = ("role", "content")
-            if (
-                not isinstance(messages, list)
-                or not messages
-                or not all(
-                    isinstance(m, dict) and all(isinstance(m.get(k), str) for k in strings)
-                    for m in messages
-                )
-            ):
+            messages = row["messages"]
+            texts = isinstance(messages, list) and all(
+                isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))
+                for m in messages
+            )
+            if not messages or not texts:
                 fail(f"{prompts}:{n}: messages: a list of {{role, content}} strings is required")
         elif not isinstance(row.get("prompt"), str):
             fail(f"{prompts}:{n}: prompt: a string (or messages: a list) is required")

@@ -307,9 +307,8 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
         index = j.opt_int(choice.get("index"), f"{cpath}.index")
         stop_reason, stop_id = _stop(choice, cpath)
         logprobs = choice.get("logprobs")
-        external_id = None
-        if rid:
-            external_id = rid if len(choices) == 1 else f"{rid}#{index if index is not None else c}"
+        suffix = "" if len(choices) == 1 else f"#{index if index is not None else c}"
+        external_id = f"{rid}{suffix}" if rid else None
         texts: TextSteps | None = None
         if chat:
             # vLLM logs the prompt's ids once per response, SGLang on each choice.
