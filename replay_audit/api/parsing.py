@@ -15,7 +15,7 @@ import gc
 import json
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeVar
 
 import orjson
@@ -29,8 +29,8 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class _GcPause:
-    """`gc_paused()`: pause the cyclic GC for the block; nests and is safe across threads (the
-    collector runs again once the last block ends, if it ran before the first)."""
+    """The pause of `gc_paused`: it nests and is safe across threads (the collector runs again
+    once the last block ends, if it ran before the first)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -53,7 +53,12 @@ class _GcPause:
                     gc.enable()
 
 
-gc_paused = _GcPause()
+_gc_pause = _GcPause()
+
+
+def gc_paused() -> AbstractContextManager[None]:
+    """Pause the cyclic GC for the block (a process-wide pause, as the collector is)."""
+    return _gc_pause()
 
 
 def parse_model(body: bytes, model: type[M], *, strict: bool | None = None) -> M:
