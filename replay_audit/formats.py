@@ -172,9 +172,8 @@ ATTN_KERNEL_PATTERN: Final = r"^[a-z0-9_\-]{1,64}$"
 
 @dataclass(frozen=True)
 class SdpaBackend:
-    """One backend of torch's SDPA by this project's name: its `torch.nn.attention.SDPBackend`
-    member, the `torch.backends.cuda` switch that enables it, and whether a CPU has it (the
-    switches govern the CPU's choice too)."""
+    """One backend of torch's SDPA: its `torch.nn.attention.SDPBackend` member, its
+    `torch.backends.cuda` switch (which governs the CPU's choice too), and whether a CPU has it."""
 
     torch_backend: str
     enable_switch: str
@@ -226,9 +225,8 @@ N = TypeVar("N", int, float)
 
 @dataclass(frozen=True)
 class RunOption(Generic[N]):
-    """A numeric run option: its default, its inclusive bounds (`gt`: an exclusive lower one;
-    None: unbounded) and what it means (the OpenAPI description and the CLI help: its
-    documentation here too)."""
+    """A numeric run option: default, inclusive bounds (`gt`: an exclusive lower one; None:
+    unbounded) and help (the OpenAPI description and the CLI help, so its only documentation)."""
 
     default: N
     help: str
@@ -265,8 +263,7 @@ SCAN_FLAG_ULPS: Final = RunOption(
 )
 #: The widest decode window: a trace's most output tokens (`config.MAX_TRACE_TOKENS`).
 MAX_DECODE_WINDOW: Final = 65_536
-#: Its fields default to None (decoded to eos or the budget, as without the option); 0 stops
-#: right after the token at t*.
+#: 0 stops right after the token at t*; its fields default to None (no window).
 DECODE_WINDOW: Final = RunOption(
     0,
     "decode and scan_then_decode: a decode compared with the logged tokens stops this many "

@@ -1,7 +1,6 @@
 """`JsonValue`: a value as JSON holds it, for the few places that carry arbitrary JSON (a
-stored request, an environment's free-form extras, a logged response before it is parsed).
-Readers narrow it with `isinstance` where they use it; anything with a known shape gets a
-TypedDict, a dataclass or a pydantic model instead. Pure: typing only."""
+stored request, an environment's free-form extras, a logged response before it is parsed);
+anything with a known shape gets a TypedDict, a dataclass or a pydantic model instead."""
 
 from __future__ import annotations
 

@@ -208,13 +208,10 @@ def internal_error() -> dict[str, object]:
 
 
 class InternalErrorMiddleware:
-    """Answers an unexpected exception with the 500 body, and keeps the connection.
-
-    Outermost of the app's own middleware. An exception after the response was sent in full
-    (a mounted app that answered its own error page) is logged and goes no further; one in
-    the middle of a response is re-raised, as only closing the connection can tell the client
-    that the body is cut short.
-    """
+    """Answers an unexpected exception with the 500 body, and keeps the connection. An
+    exception after the response was sent in full (a mounted app's own error page) is logged
+    and goes no further; one in the middle of a response is re-raised, as only closing the
+    connection can tell the client that the body is cut short."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

@@ -38,8 +38,8 @@ class TcpConfig(uvicorn.Config):
 
 
 def freeze_startup_objects() -> None:
-    """Hide every object alive now (modules, the app, its schemas and routes: most of the
-    process) from the cyclic garbage collector, once the app is built and before it answers.
+    """Hide every object alive now (most of the process) from the cyclic garbage collector,
+    once the app is built and before it answers.
 
     A full collection otherwise walks all of them: 120 ms during which the process answers
     nothing, about every 500 single POSTs (objects of requests in flight are promoted to the
@@ -51,18 +51,15 @@ def freeze_startup_objects() -> None:
 
 
 def served_app() -> FastAPI:
-    """The app of one of `serve --workers N`'s processes, from the environment, its log lines
-    as REPLAY_AUDIT_LOG_FORMAT says (uvicorn set up its own before this, in the process).
-
-    The app is imported here, not with the module: each process unpickles `TcpConfig` (and
-    imports this module) before it starts answering uvicorn's health pings, and a process
-    silent for 5 s is killed and replaced."""
+    """The app of one of `serve --workers N`'s processes, from the environment. Imported here,
+    not with the module: each process imports this module (unpickling `TcpConfig`) before it
+    answers uvicorn's health pings, and a process silent for 5 s is killed and replaced."""
     from replay_audit.api.app import create_app
     from replay_audit.config import get_settings
     from replay_audit.telemetry.log import configure_logging
 
     settings = get_settings()
-    if settings.log_format == "json":
+    if settings.log_format == "json":  # uvicorn set up text lines in this process already
         configure_logging("json")
     app = create_app(settings)
     freeze_startup_objects()

@@ -144,10 +144,9 @@ def observe_job(kind: str, gpu_kind: str) -> Iterator[JobAttempt]:
 
 
 def scrape_registry(extra: Iterable[Collector] = ()) -> CollectorRegistry:
-    """A registry of what a scrape of this process shows: in multiprocess mode every process's
-    values (read from their files), else this process's; then the `extra` collectors, which
-    read their values at scrape time (queues, audits). A new registry per call: nothing
-    process-wide is added to."""
+    """A registry of what a scrape of this process shows (every process's values in
+    multiprocess mode), then the `extra` collectors, read at scrape time. A new registry per
+    call: nothing process-wide is added to."""
     registry = CollectorRegistry(auto_describe=False)
     path = multiprocess_dir()
     if path is None:

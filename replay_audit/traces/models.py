@@ -40,9 +40,8 @@ from replay_audit.json_value import JsonObject
 
 
 class NumericalConfigRow(Base):
-    """One distinct numerical configuration (`schemas.NumericalConfig`), shared by every trace
-    that ran in it. `config_json` is the canonical JSON (sorted keys, defaults filled in) whose
-    sha256 is `content_sha256`; a few fields are promoted to columns for filtering."""
+    """One distinct numerical configuration, shared by every trace that ran in it: `config_json`
+    is `service.canonical_config`'s JSON, a few fields are columns for filtering."""
 
     __tablename__ = "numerical_configs"
 

@@ -58,10 +58,9 @@ ExtraKey = Annotated[str, StringConstraints(max_length=100)]
 #: Most keys of `config.extras`.
 MAX_EXTRAS: Final = 100
 
-#: Numbers in `config.extras` are below 2^63 in magnitude: an integer there fits a signed
-#: 64-bit integer, which JSON libraries and databases hold exactly (orjson serialises nothing
-#: larger, and parses a larger integer as a float of magnitude 2^63 or more, which this bound
-#: refuses too: the batch path sees no silently rounded value).
+#: Numbers in `config.extras` fit a signed 64-bit integer, which JSON libraries and databases
+#: hold exactly (orjson serialises nothing larger, and parses a larger integer as a float of
+#: magnitude 2^63 or more, which this bound refuses too: no silently rounded value).
 EXTRA_NUMBER_MAX: Final = 2**63 - 1
 EXTRA_NUMBER_MIN: Final = -EXTRA_NUMBER_MAX
 

@@ -210,10 +210,8 @@ def sign_out(request: Request, form: Form) -> Response:
 
 
 def _moment(value: str | None, field: str, *, end: bool = False) -> datetime | None:
-    """A date (YYYY-MM-DD: the whole day, so `to` a day includes it) or a time
-    (YYYY-MM-DDTHH:MM[:SS], as a datetime-local input sends it), in UTC. A value past either
-    end of the calendar once made UTC (`9999-12-31` as `to`, `0001-01-01T00:00+01:00`) is a
-    FieldError too."""
+    """A date (the whole day, so `to` a day includes it) or a datetime-local input's time, in
+    UTC; FieldError too past either end of the calendar once made UTC (`9999-12-31` as `to`)."""
     if not value:
         return None
     try:

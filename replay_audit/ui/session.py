@@ -1,7 +1,7 @@
 """The web UI's sign-in session: a signed cookie naming an API key, checked on every request.
 
-Signing in posts an API key (auditor or admin; a submitter key is refused). The cookie then
-holds, signed with HMAC-SHA256 under the server's session secret:
+Signing in posts an API key (auditor or admin). The cookie holds, signed with HMAC-SHA256 under
+the server's session secret:
 
     {"k": <the key's lookup id, not secret>, "iat": <issued>, "exp": <expires>, "n": <nonce>}
 
@@ -13,9 +13,9 @@ trade-off, documented in docs/ui.md).
 SameSite=Lax (no cookie on a cross-site POST) and a per-session CSRF token on every form stop
 cross-site requests (the flags: `ui.pages._cookie_scope`).
 
-The secret is `Settings.session_secret` (REPLAY_AUDIT_SESSION_SECRET); unset, it is generated
-once (32 random bytes) and kept in `session_secret_file` (mode 0600, created atomically, so
-several processes of one host agree on it). Changing it signs everybody out.
+The secret (`Settings.session_secret`), when unset, is generated once and kept in
+`session_secret_file`, created atomically so that the processes of one host agree on it.
+Changing it signs everybody out.
 """
 
 from __future__ import annotations
