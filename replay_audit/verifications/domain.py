@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Final
 
 import numpy as np
@@ -128,34 +128,18 @@ def overall(groups: Sequence[GroupReport]) -> str:
     return "consistent" if verdicts else "insufficient"
 
 
-def _finite(x: float | None) -> float | None:
+def _finite(x: float | np.floating[Any] | None) -> float | None:
     return None if x is None or not np.isfinite(x) else float(x)
 
 
 def group_json(g: GroupReport) -> dict[str, Any]:
-    r = g.result
-    return {
-        "group": g.group,
-        "verdict": r.verdict,
-        "statistic": r.statistic,
-        "score": _finite(r.score),
-        "threshold": _finite(r.threshold),
-        "false_alarm_rate": r.false_alarm_rate,
-        "tokens": r.tokens,
-        "traces": r.traces,
-        "budget": r.budget,
-        "effect_size": _finite(r.effect_size),
-        "fraction_outside_tie_band": _finite(r.fraction_outside_tie_band),
-        "mean_deficit_ulps": _finite(r.mean_deficit_ulps),
-        "closest_benign": r.closest_benign,
-        "closest_benign_score": _finite(r.closest_benign_score),
-        "tokens_needed": r.tokens_needed,
-        "more_tokens": r.more_tokens,
-        "null_quantiles": r.null_quantiles,
-        "sampled": g.sampled,
-        "failed": g.failed,
-        "notes": list(g.notes),
+    """The group's verdict figures (a non-finite one as null), then its counts and notes."""
+    figures = {
+        k: _finite(v) if isinstance(v, float | np.floating) else v
+        for k, v in asdict(g.result).items()
     }
+    counts = {"sampled": g.sampled, "failed": g.failed, "notes": list(g.notes)}
+    return {"group": g.group, **figures, **counts}
 
 
 def evidence_json(e: TraceEvidence) -> dict[str, Any]:
