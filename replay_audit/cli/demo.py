@@ -169,8 +169,7 @@ def _print_run(console: Any, run: ReplayRead, title: str) -> None:
 def _requests(ids: list[str]) -> dict[str, JsonObject]:
     c: JsonObject = {"kind": "C", "tau": 1e-3}
     return {
-        # Each target against the logged BF16 tokens, plus a self-replay in the logged
-        # configuration, which must reproduce exactly.
+        # The self-replay in the logged configuration must reproduce exactly.
         "logged": {
             "name": "demo: replay vs logged BF16 (FP16, FP16 + C, self)",
             "trace_ids": list[JsonValue](ids),

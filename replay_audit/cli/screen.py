@@ -144,8 +144,7 @@ def screen(
         screen_prompts = backend.prompts(rows)
         out.mkdir(parents=True, exist_ok=True)
         store = DirectoryStore(out / "state")
-        # The engines the screening loads, through the replay pipeline as every arm's: the
-        # anchors and the configuration in hand stay loaded; TP k runs on k devices.
+        # Three engines: the anchors and the configuration in hand stay loaded.
         pool = EnginePool(device=device, max_engines=3, devices=_devices(plan))
         with _progress() as bar:
             task = bar.add_task("screen", total=None)

@@ -108,8 +108,7 @@ def _arguments(sample: Mapping[str, Any], path: str) -> list[tuple[Any, Any]]:
 
 
 def _encode(tokenizer: Tokenizer, text: str, add_bos: bool | None) -> list[int]:
-    # As lm-eval's tok_batch_encode: no special tokens when the text starts with the BOS
-    # string; else add_bos_token when the run set it; else the tokenizer's default.
+    # As lm-eval's tok_batch_encode (the module docstring).
     bos = tokenizer.bos_token
     if bos and text.startswith(bos):
         return list(tokenizer.encode(text, add_special_tokens=False))

@@ -14,15 +14,11 @@ Field names, checked against the sources (vllm-project/vllm):
   `format_token_id_placeholder(id)` = "token_id:{id}"; completions' `top_logprobs` maps token
   strings to logprobs, so two tokens that decode alike collide; with `echo` the completions
   logprobs start with the prompt's.
-- `vllm/config/model.py`: `LogprobsMode` = raw_logits | raw_logprobs | processed_logits |
-  processed_logprobs (`--logprobs-mode`, default raw_logprobs): not in the response; the import
-  context says it, else a vLLM source is taken at its default (`generation`).
+- `vllm/config/model.py`: `LogprobsMode` (`imports.schemas.LogprobsMode`): not in the response.
 - `vllm/outputs.py`: `RequestOutput(request_id, prompt, prompt_token_ids, prompt_logprobs,
   outputs, finished, ...)`, `CompletionOutput(index, text, token_ids, cumulative_logprob,
   logprobs, finish_reason, stop_reason, ...)`; `vllm/logprobs.py`: `Logprob(logprob, rank,
   decoded_token)`, one `{token id: Logprob}` per step.
-- `vllm/sampling_params.py` and SGLang's `sampling/sampling_params.py`: temperature below
-  `_SAMPLING_EPS` = 1e-5 is greedy (`decoding_recipe`).
 - sgl-project/sglang `python/sglang/srt/entrypoints/openai/protocol.py`:
   `ChatCompletionResponseChoice.prompt_token_ids`, `.token_ids`, `.matched_stop` per choice.
 - openai/openai-python `src/openai/types/chat/chat_completion.py`, `..._token_logprob.py`: the
@@ -62,8 +58,8 @@ def split_item(item: Any, path: str) -> tuple[Mapping[str, Any] | None, Mapping[
     return None, body, path
 
 
-#: Below this temperature vLLM (`SamplingParams.sampling_type`) and SGLang
-#: (`SamplingParams.__init__`) decode greedily (`_SAMPLING_EPS`).
+#: Below this temperature vLLM (`vllm/sampling_params.py`, `SamplingParams.sampling_type`) and
+#: SGLang (`sampling/sampling_params.py`, `SamplingParams.__init__`) decode greedily.
 SAMPLING_EPS: Final = 1e-5
 
 
