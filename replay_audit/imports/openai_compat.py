@@ -58,8 +58,8 @@ def split_item(item: Any, path: str) -> tuple[Mapping[str, Any] | None, Mapping[
     return None, body, path
 
 
-#: Below this temperature vLLM (`vllm/sampling_params.py`, `SamplingParams.sampling_type`) and
-#: SGLang (`sampling/sampling_params.py`, `SamplingParams.__init__`) decode greedily.
+#: Below this temperature (`_SAMPLING_EPS` in vLLM's `vllm/sampling_params.py` and SGLang's
+#: `sampling/sampling_params.py`, read by each `SamplingParams`) both decode greedily.
 SAMPLING_EPS: Final = 1e-5
 
 
