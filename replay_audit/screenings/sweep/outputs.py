@@ -105,10 +105,6 @@ class Probe:
     gated_steps: tuple[int, ...]
     dh_gated: tuple[float, ...]
 
-    @property
-    def single_step_disagrees(self) -> bool:
-        return self.token_a != self.token_b
-
     def to_json(self) -> JsonObject:
         return {
             "prompt": self.prompt,
