@@ -87,8 +87,7 @@ def _serving(settings: Any, port: int) -> Iterator[tuple[threading.Thread, str]]
     from replay_audit.cli.shutdown import own
     from replay_audit.queue import build_runner, stop_runner
 
-    # The demo's runner is the command's: it stops when the command ends (Ctrl-C included),
-    # after the server thread, which may not get to its own shutdown.
+    # Owned by the command, as the server thread may not get to its own shutdown.
     runner = build_runner(settings)
     own(lambda timeout_s: stop_runner(runner, timeout_s))
     server = uvicorn.Server(

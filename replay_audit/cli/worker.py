@@ -155,8 +155,7 @@ def worker(
     keep_alive(connection, settings.queue_prefix, w.name, stop_alive)
     _children_die_with_us()
     try:
-        # with_scheduler: RQ's Retry intervals need a scheduler to move retries back. RQ forks
-        # it: `_children_die_with_us` makes it stop when this process dies, even by SIGKILL.
+        # with_scheduler: RQ's Retry intervals need a scheduler to move retries back.
         w.work(burst=burst, with_scheduler=True)
     finally:
         stop_alive.set()

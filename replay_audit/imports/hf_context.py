@@ -76,10 +76,10 @@ def load_generate_output(path: str | Path) -> dict[str, Any]:
     (or a dict of its tensors), as a dict for `hf.parse_hf`.
 
     Loaded with `weights_only=True`, never unrestricted pickle: besides tensors and containers,
-    only the names of transformers' decoder-only output classes and KV-cache classes are
-    allowed, and they are not what runs. An output is rebuilt as a plain dict of its fields (the
-    class itself is an OrderedDict subclass, which the weights-only unpickler cannot fill), a
-    cache as an inert placeholder, dropped. Raises what `torch.load` raises on anything else."""
+    only the names of transformers' decoder-only output and KV-cache classes are allowed, and
+    not what runs: an output is rebuilt as a plain dict of its fields (the unpickler cannot fill
+    its OrderedDict subclass), a cache as an inert placeholder, dropped. Raises what
+    `torch.load` raises on anything else."""
     import collections
     import dataclasses
 

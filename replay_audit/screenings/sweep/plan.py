@@ -184,10 +184,8 @@ AvailabilityProbe = Callable[[ScreenConfig], str | None]
 def unavailable_reason(
     config: ScreenConfig, platform: Platform, *, cpu_tp: bool = False
 ) -> str | None:
-    """Why `config` cannot run on `platform` (None: it can), from the platform's facts alone.
-    A knob that cannot run is reported as "not available here", never as a failure.
-    `cpu_tp`: TP k > 1 runs on a CPU as k gloo processes (a check of the TP path, not a
-    production numeric), so only where the user asked for it by name."""
+    """Why `config` cannot run on `platform` (None: it can), from the platform's facts alone:
+    "not available here", never a failure. `cpu_tp`: the user named the tp knob."""
     k = config.tp_degree
     if k > 1 and platform.device == "cuda" and platform.devices < k:
         return f"TP {k} needs {k} CUDA GPUs; this process owns {platform.devices}"
@@ -395,8 +393,7 @@ class SweepPlan:
         return list(out.values())
 
     def fingerprint(self, prompts: Sequence[Sequence[int]]) -> str:
-        """What the stored outputs depend on: resuming with another plan or prompt set starts
-        over."""
+        """What the stored outputs depend on (another plan or prompt set starts over)."""
         body: JsonObject = {
             "runs": list[JsonValue](r.key for r in self.runs()),
             "tau": self.tau,

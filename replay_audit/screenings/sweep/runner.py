@@ -1,9 +1,8 @@
 """Running a screening: each configuration's arm resolved once (`replays.pipeline.load_arm`,
-as every replay's arm), every prompt decoded once per run, the divergent prompts of each
-comparison probed while both arms' engines are loaded, everything stored as it is produced (so
-a stopped screening resumes where it was). Torch-free: engines come from an `EnginePool` (a
-worker's or the CLI's; tests give one a fake loader, the one engine seam), and every probe goes
-through the arm (`pipeline.Arm`): its whole computation, switches and intervention included.
+as every replay's), every prompt decoded once per run, each comparison's divergent prompts
+probed while both arms are loaded, everything stored as it is produced (`outputs`). Torch-free:
+engines come from an `EnginePool` (tests give one a fake loader, the one engine seam), and every
+probe goes through the arm (`pipeline.Arm`): its whole computation, intervention included.
 """
 
 from __future__ import annotations
