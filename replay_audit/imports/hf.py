@@ -1,9 +1,10 @@
 """transformers `generate(..., return_dict_in_generate=True, output_logits=True)` output.
 
 For users who log from their own transformers code: `traces_from_generate` (its docstring has
-an example). `parse_hf` reads the same output saved to a file (the CLI's `--format hf`: `torch.save(out)`,
-loaded safely by `hf_context.load_generate_output`); without `input_ids` the prompt is what
-precedes one `logits` row per new token, its left padding the leading `pad_token_id`s.
+an example). `parse_hf` reads the same output saved to a file (the CLI's `--format hf`:
+`torch.save(out)`, loaded safely by `hf_context.load_generate_output`); without `input_ids` the
+prompt is what precedes one `logits` row per new token, its left padding the leading
+`pad_token_id`s.
 
 Names as in transformers' `GenerateDecoderOnlyOutput` (src/transformers/generation/utils.py):
 `sequences` (batch, prompt + new tokens: the prompt is included for decoder-only models),
@@ -28,7 +29,7 @@ import numpy.typing as npt
 from replay_audit.formats import StopReason
 from replay_audit.imports import _json as j
 from replay_audit.imports.generation import Generation, build_trace
-from replay_audit.imports.schemas import ImportContext, LogprobsMode
+from replay_audit.imports.schemas import ImportContext
 from replay_audit.traces.schemas import TraceCreate
 
 #: Values kept per step from a full-vocabulary row before the top-k is cut (the rest cannot be
@@ -120,7 +121,6 @@ def generations_from_generate(
         if mask.shape != prompts.shape:
             raise j.fail(f"{path}.attention_mask", "must have input_ids' shape")
 
-    mode: LogprobsMode = "raw_logits" if values_field == "logits" else "processed_logits"
     n_steps = sequences.shape[1] - n_prompt
     step_rows: list[npt.NDArray[np.float64]] | None = None
     if logits is not None:
@@ -166,7 +166,7 @@ def generations_from_generate(
                 steps_field=values_field,
                 stop_reason=stop,
                 prompt_text=prompt_texts[b] if prompt_texts else None,
-                logprobs_mode=mode,
+                logprobs_mode="raw_logits" if values_field == "logits" else "processed_logits",
                 engine_name="transformers",
                 max_new_tokens=max_new_tokens,
                 batch_size=batch,  # the rows of one generate() call ran as one batch
