@@ -25,7 +25,6 @@ from replay_audit.words import counted
 #: The null's prompts: a null of few promises a false-alarm rate its next prompts break.
 NULL_HELP = "Prompts per variation (more: a promise the null can keep; docs/verify.md)."
 
-#: `--devices`: what the null's engine pool owns.
 DEVICES_HELP = (
     "CUDA GPUs the null may span: 2 or more adds the benign TP-2 variation (else the "
     "calibration's notes say TP was not covered)."

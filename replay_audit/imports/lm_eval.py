@@ -65,9 +65,8 @@ def _model_args(value: Any) -> dict[str, str]:
 
 
 def context_from_results(results: Mapping[str, Any]) -> JsonObject:
-    """What an lm-eval results JSON says of the run, as `ImportContext` keys: the model's
-    dtype as loaded (`config.model_dtype`), the batch size and device asked for, the
-    transformers version. Nothing that the file does not state."""
+    """What an lm-eval results JSON states of the run (the dtype as loaded, the batch size and
+    device asked for, the transformers version), as `ImportContext` keys."""
     config = results.get("config")
     config = config if isinstance(config, Mapping) else {}
     out: JsonObject = {}

@@ -124,8 +124,7 @@ def _ids_from_tokens(tokens: Sequence[Any]) -> list[int] | None:
 
 
 def _output_ids(explicit: Any, from_tokens: list[int] | None, path: str, tokens_path: str) -> Any:
-    """The choice's output ids: explicit (`token_ids`), else those of "token_id:" tokens, else
-    None (the tokenizer reads them from the pieces or the text: `generation.resolve`)."""
+    """Explicit `token_ids`, else the "token_id:" tokens' ids, else None (`generation.resolve`)."""
     if explicit is None:
         return from_tokens
     ids = j.token_ids(explicit, f"{path}.token_ids")
@@ -183,9 +182,8 @@ TextSteps = list[list[tuple[Piece, float]]]
 def _row(
     entries: Sequence[tuple[Any, Any, Any]], where: str
 ) -> tuple[list[tuple[int, float]] | None, list[tuple[Piece, float]] | None]:
-    """One step's (id, value) pairs from its (token, bytes, value) entries when every token is
-    a "token_id:" string, else its (piece, value) pairs (text keys: `generation.resolve`
-    maps them to ids); (None, None) when a token is neither."""
+    """One step's (id, value) pairs when every token is a "token_id:" string, else its (piece,
+    value) pairs (for `generation.resolve`); (None, None) when a token is neither."""
     ids, texts = [], []
     for n, (key, raw_bytes, value) in enumerate(entries):
         number = j.number(value, f"{where}[{n}]")

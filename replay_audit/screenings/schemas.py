@@ -49,7 +49,6 @@ class ScreeningCreate(InputModel):
     #: The checkpoint's weights hash; the API must find it in `REPLAY_AUDIT_MODEL_DIRS` (422).
     model_sha256: str = Field(json_schema_extra={"pattern": _SHA256.pattern})
     prompts: list[ScreeningPrompt] = Field(min_length=1, max_length=MAX_SCREENING_PROMPTS)
-    #: Knobs to sweep (default: all).
     knobs: list[KnobName] | None = Field(default=None, min_length=1)
     #: The one TP degree the `tp` knob screens (it runs where the worker owns that many GPUs).
     tp_degree: int = Field(default=DEFAULT_TP_DEGREE, ge=2, le=MAX_TP_DEGREE)
@@ -83,5 +82,4 @@ class ScreeningCreated(OutputModel):
 
 
 class ScreeningRead(JobRead):
-    #: The report, once the screening is done.
     report: ScreeningReport | None
