@@ -1,10 +1,9 @@
 """transformers `generate(..., return_dict_in_generate=True, output_logits=True)` output.
 
-For users who log from their own transformers code: `traces_from_generate` (its docstring has
-an example). `parse_hf` reads the same output saved to a file (the CLI's `--format hf`:
-`torch.save(out)`, loaded safely by `hf_context.load_generate_output`); without `input_ids` the
-prompt is what precedes one `logits` row per new token, its left padding the leading
-`pad_token_id`s.
+For users who log from their own transformers code: `traces_from_generate` (with an example).
+`parse_hf` reads the same output saved with `torch.save(out)` (the CLI's `--format hf`, loaded
+safely by `hf_context.load_generate_output`); without `input_ids` the prompt is what precedes one
+`logits` row per new token, its left padding the leading `pad_token_id`s.
 
 Names as in transformers' `GenerateDecoderOnlyOutput` (src/transformers/generation/utils.py):
 `sequences` (batch, prompt + new tokens: the prompt is included for decoder-only models),

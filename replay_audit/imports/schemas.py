@@ -96,9 +96,8 @@ class DecodingInput(_Input):
     strategy: Strategy | None = None
     max_new_tokens: int | None = Field(default=None, ge=1)
     eos_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
-    #: Logits processors every request ran with that the requests do not show (a server's
-    #: defaults: vLLM takes `repetition_penalty` from the model's generation_config.json);
-    #: a request's own values win.
+    #: A server's defaults every request ran with (vLLM's `repetition_penalty` from the model's
+    #: generation_config.json); a request's own values win.
     logits_processors: ProcessorsInput | None = None
 
 

@@ -1,9 +1,8 @@
 """Screening tables.
 
 screenings          one request: its plan, status, the report when done
-screening_outputs   what the job has produced so far (each prompt's decode in each run, the
-                    finished runs, the probes: JSON by key, unique per screening and key): a
-                    killed or re-run job resumes from them, prompt by prompt
+screening_outputs   the sweep's `Store` (each prompt's decode in each run, the finished runs,
+                    the probes): a killed or re-run job resumes from it, prompt by prompt
 """
 
 from __future__ import annotations

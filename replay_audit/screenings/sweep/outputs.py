@@ -158,9 +158,8 @@ def _array(xs: JsonValue) -> FloatArray:
 
 
 class ScreenOutputs:
-    """What a screening produced: run outputs by run key, probes by comparison name, the
-    configurations that could not be loaded here (key → reason: not available) and those that
-    loaded but failed to run (key → error: failed)."""
+    """What a screening produced: run outputs by run key, probes by comparison name, and by
+    configuration key why one could not load here (`unavailable`) or failed to run (`failed`)."""
 
     def __init__(self) -> None:
         self.runs: dict[str, RunOutput] = {}

@@ -422,11 +422,10 @@ def build_plan(
     probe: AvailabilityProbe | None = None,
     tp_degree: int = DEFAULT_TP_DEGREE,
 ) -> SweepPlan:
-    """The one-knob-at-a-time plan from `reference`. ValueError on an unknown knob.
-
-    Naming `tp` in `knobs` runs it on a CPU too (`unavailable_reason`); `tp_degree` is its one
-    degree (a process keeps one TP group). A value the platform allows is still "not available
-    here" when `probe` gives a reason: a kernel that turns the inputs down is no knob failure."""
+    """The one-knob-at-a-time plan from `reference`. ValueError on an unknown knob. Naming `tp`
+    in `knobs` runs it on a CPU too (`unavailable_reason`); `tp_degree` is its one degree (a
+    process keeps one TP group). A value the platform allows is still "not available here"
+    when `probe` gives a reason: a kernel that turns the inputs down is no knob failure."""
     if tp_degree < 2:
         raise ValueError("the tp knob's degree must be at least 2")
     cpu_tp = knobs is not None and "tp" in knobs
