@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from typing import Annotated
+from typing import Annotated, Any
 
 import anyio
 from fastapi import Depends, Header, Request
@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from replay_audit.auth import service as auth_service
-from replay_audit.auth.models import Role
+from replay_audit.auth.models import READER_ROLES, Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.auth.service import PrincipalCache
 from replay_audit.config import Settings
@@ -61,10 +61,13 @@ async def refuse_unstorable_parameters(request: Request) -> None:
             )
 
 
-async def get_settings(request: Request) -> Settings:
-    """The settings the app was created with."""
-    settings: Settings = request.app.state.settings
-    return settings
+def _app_state(name: str) -> Callable[[Request], Awaitable[Any]]:
+    """A dependency that returns the app's `name`, built once by `create_app` (`app.state`)."""
+
+    async def dependency(request: Request) -> Any:
+        return getattr(request.app.state, name)
+
+    return dependency
 
 
 async def get_uow(request: Request) -> AsyncIterator[UnitOfWork]:
@@ -106,34 +109,15 @@ async def get_session(uow: UoW) -> Session:
 
 
 DBSession = Annotated[Session, Depends(get_session)]
-AppSettings = Annotated[Settings, Depends(get_settings)]
-
-
-async def get_queue(request: Request) -> JobQueue:
-    """The app's job queue, built once by `create_app` from its settings."""
-    queue: JobQueue = request.app.state.queue
-    return queue
-
-
+#: The settings the app was created with.
+AppSettings = Annotated[Settings, Depends(_app_state("settings"))]
+#: The app's job queue, built from its settings.
+get_queue = _app_state("queue")
 Queue = Annotated[JobQueue, Depends(get_queue)]
-
-
-async def get_checkpoints(request: Request) -> CheckpointIndex:
-    """The app's index of the checkpoints in its `REPLAY_AUDIT_MODEL_DIRS`."""
-    checkpoints: CheckpointIndex = request.app.state.checkpoints
-    return checkpoints
-
-
-Checkpoints = Annotated[CheckpointIndex, Depends(get_checkpoints)]
-
-
-async def get_principal_cache(request: Request) -> PrincipalCache:
-    """The app's cache of recently authenticated keys (`auth.service.PrincipalCache`)."""
-    cache: PrincipalCache = request.app.state.principals
-    return cache
-
-
-Principals = Annotated[PrincipalCache, Depends(get_principal_cache)]
+#: The app's index of the checkpoints in its `REPLAY_AUDIT_MODEL_DIRS`.
+Checkpoints = Annotated[CheckpointIndex, Depends(_app_state("checkpoints"))]
+#: The app's cache of recently authenticated keys (`auth.service.PrincipalCache`).
+Principals = Annotated[PrincipalCache, Depends(_app_state("principals"))]
 
 
 async def get_principal(
@@ -182,10 +166,15 @@ def require_role(*roles: Role) -> Callable[[Principal], Awaitable[Principal]]:
     return dependency
 
 
+#: The roles of the domains' endpoints: who may create (a submitter, an admin), who may read.
+Writer = Annotated[Principal, Depends(require_role(Role.submitter, Role.admin))]
+Reader = Annotated[Principal, Depends(require_role(*READER_ROLES))]
+
+
 async def read_body(request: Request) -> bytes:
     """The raw request body, refused with 413 past `max_request_bytes`: first by the declared
     Content-Length, then while streaming (a client may lie or send chunked)."""
-    limit = (await get_settings(request)).max_request_bytes
+    limit: int = request.app.state.settings.max_request_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body over {limit} bytes", field="body")

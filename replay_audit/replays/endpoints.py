@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Response, status
 
-from replay_audit.api.deps import AppSettings, DBSession, Queue, require_role
+from replay_audit.api.deps import AppSettings, DBSession, Queue, Reader, Writer, require_role
 from replay_audit.auth.models import READER_ROLES, Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.db.ids import cursor_pattern
@@ -15,11 +15,9 @@ from replay_audit.replays.schemas import Page, ReplayCreate, ReplayCreated, Repl
 
 router = APIRouter(prefix="/v1/replays", tags=["replays"])
 
-Writer = Annotated[Principal, Depends(require_role(Role.submitter, Role.admin))]
 #: Polling a run's status: whoever may create one, and the result readers. A submitter gets the
 #: status view only (`service.to_read(..., status_only=True)`).
 StatusReader = Annotated[Principal, Depends(require_role(Role.submitter, *READER_ROLES))]
-Reader = Annotated[Principal, Depends(require_role(*READER_ROLES))]
 
 
 @router.post(

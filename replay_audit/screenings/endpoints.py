@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from fastapi import APIRouter, Response, status
 
-from fastapi import APIRouter, Depends, Response, status
-
-from replay_audit.api.deps import AppSettings, Checkpoints, DBSession, Queue, require_role
-from replay_audit.auth.models import READER_ROLES, Role
-from replay_audit.auth.schemas import Principal
+from replay_audit.api.deps import AppSettings, Checkpoints, DBSession, Queue, Reader, Writer
 from replay_audit.screenings import service
 from replay_audit.screenings.schemas import ScreeningCreate, ScreeningCreated, ScreeningRead
 
 router = APIRouter(prefix="/v1/screenings", tags=["screenings"])
-
-Writer = Annotated[Principal, Depends(require_role(Role.submitter, Role.admin))]
-Reader = Annotated[Principal, Depends(require_role(*READER_ROLES))]
 
 
 @router.post(

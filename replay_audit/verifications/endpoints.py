@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from fastapi import APIRouter, Response, status
 
-from fastapi import APIRouter, Depends, Response, status
-
-from replay_audit.api.deps import DBSession, Queue, require_role
-from replay_audit.auth.models import READER_ROLES, Role
-from replay_audit.auth.schemas import Principal
+from replay_audit.api.deps import DBSession, Queue, Reader, Writer
 from replay_audit.verifications import service
 from replay_audit.verifications.schemas import (
     VerificationCreate,
@@ -17,9 +13,6 @@ from replay_audit.verifications.schemas import (
 )
 
 router = APIRouter(prefix="/v1/verifications", tags=["verifications"])
-
-Writer = Annotated[Principal, Depends(require_role(Role.submitter, Role.admin))]
-Reader = Annotated[Principal, Depends(require_role(*READER_ROLES))]
 
 
 @router.post(
