@@ -14,7 +14,7 @@ from sqlalchemy.orm import Mapped, Session, declared_attr, mapped_column
 
 from replay_audit.db.base import flush_unique, utcnow
 from replay_audit.db.types import BigId
-from replay_audit.exceptions import Conflict
+from replay_audit.exceptions import Conflict, NotFound
 from replay_audit.json_value import JsonObject
 
 
@@ -47,8 +47,15 @@ class JobRow:
 Job = TypeVar("Job", bound=JobRow)
 
 
-def get_by_public_id(model: type[Job], s: Session, project_id: int, public_id: str) -> Job | None:
-    return s.scalar(select(model).filter_by(project_id=project_id, public_id=public_id))
+def get_by_public_id(
+    model: type[Job], s: Session, project_id: int, public_id: str, missing: str
+) -> Job:
+    """The project's row of `model` with this public id, or NotFound saying `missing` (another
+    project's answers the same)."""
+    row = s.scalar(select(model).filter_by(project_id=project_id, public_id=public_id))
+    if row is None:
+        raise NotFound(missing)
+    return row
 
 
 def get_by_idempotency_key(model: type[Job], s: Session, project_id: int, key: str) -> Job | None:
@@ -59,6 +66,12 @@ def recent(model: type[Job], s: Session, project_id: int, limit: int) -> list[Jo
     """The project's `limit` latest rows of `model`, newest first."""
     stmt = select(model).filter_by(project_id=project_id)
     return list(s.scalars(stmt.order_by(model.created_at.desc(), model.id.desc()).limit(limit)))
+
+
+def unfinished(model: type[Job], s: Session) -> list[Job]:
+    """The rows the database says are not finished (a reconciler's work list), oldest first."""
+    stmt = select(model).where(model.status.in_(("queued", "running")))
+    return list(s.scalars(stmt.order_by(model.id)))
 
 
 def insert_once(s: Session, row: Job, what: str) -> tuple[Job, bool]:

@@ -18,7 +18,7 @@ from replay_audit.config import Settings
 from replay_audit.db.base import read_model, utcnow
 from replay_audit.db.ids import decode_cursor, encode_cursor, new_public_id
 from replay_audit.db.jobs import insert_once
-from replay_audit.exceptions import FieldError, NotFound
+from replay_audit.exceptions import FieldError
 from replay_audit.formats import EXTRA_PROCESSORS, Mode, processors_not_applied
 from replay_audit.json_value import JsonObject
 from replay_audit.queue import Capabilities, JobQueue
@@ -369,10 +369,7 @@ def finalise_run(session: Session, run: ReplayRun) -> None:
 
 
 def get_replay(session: Session, project_id: int, public_id: str) -> ReplayRun:
-    run = repository.get_run(session, project_id, public_id)
-    if run is None:
-        raise NotFound(f"no replay run {public_id!r}")
-    return run
+    return repository.get_run(session, project_id, public_id, f"no replay run {public_id!r}")
 
 
 def pending_reason(session: Session, run: ReplayRun, queue: JobQueue | None) -> str | None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from replay_audit.db import jobs
 from replay_audit.db.base import utcnow
 from replay_audit.queue import Runner
 from replay_audit.screenings.models import Screening
@@ -30,10 +30,7 @@ def reconcile_screenings(
     return their ids."""
     stale_before = utcnow() - timedelta(seconds=stale_after_s)
     again = []
-    rows = session.scalars(
-        select(Screening).where(Screening.status.in_(("queued", "running"))).order_by(Screening.id)
-    )
-    for row in rows:
+    for row in jobs.unfinished(Screening, session):
         spec = job_spec(row, job_timeout_s, default_queue)
         held = runner.is_queued(spec.job_id)
         stale = row.status == "running" and row.updated_at < stale_before

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from replay_audit.db.base import read_model
 from replay_audit.db.ids import new_public_id
 from replay_audit.db.jobs import insert_once
-from replay_audit.exceptions import FieldError, NotFound
+from replay_audit.exceptions import FieldError
 from replay_audit.queue import JobQueue, long_job_spec
 from replay_audit.replays.service import target_refusal
 from replay_audit.screenings import repository
@@ -135,10 +135,7 @@ def create_screening(
 
 def get_screening(session: Session, project_id: int, public_id: str) -> Screening:
     """The project's screening, or NotFound (another project's answers the same)."""
-    s = repository.get_by_public_id(session, project_id, public_id)
-    if s is None:
-        raise NotFound(f"no screening {public_id}")
-    return s
+    return repository.get_by_public_id(session, project_id, public_id, f"no screening {public_id}")
 
 
 def report_of(screening: Screening) -> ScreeningReport | None:

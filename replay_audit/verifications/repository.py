@@ -18,6 +18,7 @@ from replay_audit.verifications.models import Verification, VerificationCalibrat
 get_by_public_id = partial(jobs.get_by_public_id, Verification)
 get_by_idempotency_key = partial(jobs.get_by_idempotency_key, Verification)
 recent = partial(jobs.recent, Verification)
+unfinished = partial(jobs.unfinished, Verification)
 
 
 def selected_traces(
@@ -46,23 +47,10 @@ def known_trace_ids(session: Session, project_id: int, public_ids: Sequence[str]
     return set(session.scalars(stmt))
 
 
-def traces_by_id(session: Session, trace_ids: Sequence[int]) -> dict[int, Trace]:
-    """The traces of `trace_ids` that still exist, in one query (configuration joined)."""
-    if not trace_ids:
-        return {}
-    return {t.id: t for t in session.scalars(select(Trace).where(Trace.id.in_(list(trace_ids))))}
-
-
 def configs(session: Session) -> list[tuple[int, str]]:
     """Every numerical configuration's (id, config JSON): few, one per distinct configuration."""
     rows = session.execute(select(NumericalConfigRow.id, NumericalConfigRow.config_json))
     return [(i, j) for i, j in rows]
-
-
-def unfinished(session: Session) -> list[Verification]:
-    """Verifications the database says are not finished (the reconciler's work list)."""
-    stmt = select(Verification).where(Verification.status.in_(("queued", "running")))
-    return list(session.scalars(stmt.order_by(Verification.id)))
 
 
 def get_calibration(

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from replay_audit.db.base import read_model
 from replay_audit.db.ids import new_public_id
 from replay_audit.db.jobs import insert_once
-from replay_audit.exceptions import FieldError, NotFound
+from replay_audit.exceptions import FieldError
 from replay_audit.queue import Capabilities, JobQueue, long_job_spec
 from replay_audit.replays.domain import logging_engine
 from replay_audit.replays.service import target_refusal
@@ -130,10 +130,8 @@ def create_verification(
 
 def get_verification(session: Session, project_id: int, public_id: str) -> Verification:
     """The project's verification, or NotFound (another project's answers the same)."""
-    v = repository.get_by_public_id(session, project_id, public_id)
-    if v is None:
-        raise NotFound(f"no verification {public_id}")
-    return v
+    missing = f"no verification {public_id}"
+    return repository.get_by_public_id(session, project_id, public_id, missing)
 
 
 def traces_of(verification: Verification) -> int:

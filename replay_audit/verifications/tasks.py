@@ -26,7 +26,7 @@ from replay_audit.db.job_row import claim_attempt, fail_row
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.engine.pool import EnginePool
 from replay_audit.exceptions import EngineError, ReplayAuditError
-from replay_audit.replays.repository import logged_trace
+from replay_audit.replays.repository import logged_trace, traces_by_id
 from replay_audit.stats.verification import CALIBRATION_VERSION, Calibration, Claim, PlatformKey
 from replay_audit.verifications import repository
 from replay_audit.verifications.domain import claimed_target, report_json
@@ -218,7 +218,7 @@ def run_verification_job(verification_id: int, database_url: str | None = None) 
         fail_row(url, Verification, verification_id, str(e))
         return
     with session_scope(url) as s:
-        rows = repository.traces_by_id(s, ids)
+        rows = traces_by_id(s, ids)
         kept = [(i, g) for i, g in zip(ids, groups, strict=True) if i in rows]
         traces = [logged_trace(rows[i]) for i, _ in kept]
         names: list[str | None] = [rows[i].public_id for i, _ in kept]
