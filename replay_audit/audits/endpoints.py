@@ -10,7 +10,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, Query, Response, status
 
-from replay_audit.api.deps import AppSettings, DBSession, Queue, require_role
+from replay_audit.api.deps import AppSettings, DBSession, Queue, Reader, require_role
 from replay_audit.audits import service
 from replay_audit.audits.models import AuditSchedule
 from replay_audit.audits.schemas import (
@@ -28,7 +28,7 @@ from replay_audit.audits.schemas import (
     Trend,
 )
 from replay_audit.audits.webhook import DestinationPolicy
-from replay_audit.auth.models import READER_ROLES, Role
+from replay_audit.auth.models import Role
 from replay_audit.auth.schemas import Principal
 from replay_audit.config import Settings
 from replay_audit.input import UtcDatetime
@@ -38,7 +38,6 @@ from replay_audit.replays.service import RunDefaults
 router = APIRouter(prefix="/v1/audits/schedules", tags=["audits"])
 
 Admin = Annotated[Principal, Depends(require_role(Role.admin))]
-Reader = Annotated[Principal, Depends(require_role(*READER_ROLES))]
 
 
 def _read(session: DBSession, schedule: AuditSchedule, principal: Principal) -> ScheduleRead:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from replay_audit.api.deps import DBSession, require_role
-from replay_audit.auth.models import READER_ROLES
-from replay_audit.auth.schemas import Principal
+from replay_audit.api.deps import DBSession, Reader
 from replay_audit.db.ids import cursor_pattern
 from replay_audit.exceptions import FieldError
 from replay_audit.formats import BodyDType
@@ -19,13 +17,12 @@ from replay_audit.reports import browsing, export, statistics
 from replay_audit.reports.export import ExportFormat
 from replay_audit.reports.filters import RunFilter
 from replay_audit.reports.schemas import RunList, RunReport
+from replay_audit.stats.report import DEFAULT_LIST_LIMIT, DEFAULT_TOST_ALPHA, DEFAULT_TOST_MARGIN
 
 router = APIRouter(prefix="/v1/replays", tags=["reports"])
 
-#: The report lists fixed/broke trace ids, the export replayed tokens and texts: result readers
-#: only (a submitter key polls a run's status, `GET /v1/replays/{id}`, and reads nothing else).
-Reader = Annotated[Principal, Depends(require_role(*READER_ROLES))]
-
+# The report lists fixed/broke trace ids, the export replayed tokens and texts: result readers
+# only (`Reader`; a submitter key polls a run's status, `GET /v1/replays/{id}`, and no more).
 
 #: Largest page of `GET /v1/replays`.
 MAX_RUNS_PAGE = 200
@@ -74,11 +71,9 @@ def read_report(
     b: Annotated[
         int | None, Query(ge=0, description="treated comparison of the pair (needs `a`)")
     ] = None,
-    margin: Annotated[float, Query(ge=0, lt=1, description="TOST margin")] = (
-        statistics.DEFAULT_TOST_MARGIN
-    ),
-    alpha: Annotated[float, Query(gt=0, lt=0.5)] = statistics.DEFAULT_TOST_ALPHA,
-    list_limit: Annotated[int, Query(ge=0, le=1000)] = statistics.DEFAULT_LIST_LIMIT,
+    margin: Annotated[float, Query(ge=0, lt=1, description="TOST margin")] = (DEFAULT_TOST_MARGIN),
+    alpha: Annotated[float, Query(gt=0, lt=0.5)] = DEFAULT_TOST_ALPHA,
+    list_limit: Annotated[int, Query(ge=0, le=1000)] = DEFAULT_LIST_LIMIT,
 ) -> RunReport:
     """Statistics of a run with their intervals: per comparison, lifts over comparison 0 and
     of the pair (a, b), task accuracy where traces carry reference answers."""

@@ -19,15 +19,12 @@ from replay_audit.replays.statistics import check_comparison, lift_between
 from replay_audit.reports import repository
 from replay_audit.reports.schemas import RunComparisonReport, RunReport
 from replay_audit.stats.report import (
-    DEFAULT_LIST_LIMIT as DEFAULT_LIST_LIMIT,
+    DEFAULT_LIST_LIMIT,
+    DEFAULT_TOST_ALPHA,
+    DEFAULT_TOST_MARGIN,
+    AccuracyReport,
+    TraceRef,
 )
-from replay_audit.stats.report import (
-    DEFAULT_TOST_ALPHA as DEFAULT_TOST_ALPHA,
-)
-from replay_audit.stats.report import (
-    DEFAULT_TOST_MARGIN as DEFAULT_TOST_MARGIN,
-)
-from replay_audit.stats.report import AccuracyReport, TraceRef
 
 
 def accuracy_report(

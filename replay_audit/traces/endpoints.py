@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
-from replay_audit.api.deps import DBSession, RawBody, require_role
+from replay_audit.api.deps import DBSession, RawBody, Reader, Writer
 from replay_audit.api.parsing import gc_paused, parse_items, parse_model
-from replay_audit.auth.models import READER_ROLES, Role
-from replay_audit.auth.schemas import Principal
 from replay_audit.config import MAX_BATCH_TRACES
 from replay_audit.formats import BodyDType, HeadDType
 from replay_audit.input import UtcDatetime
@@ -32,8 +30,6 @@ from replay_audit.traces.selection import TraceSelection
 
 router = APIRouter(tags=["traces"])
 
-Submitter = Annotated[Principal, Depends(require_role(Role.submitter, Role.admin))]
-Reader = Annotated[Principal, Depends(require_role(*READER_ROLES))]
 
 _ERRORS: dict[int | str, JsonObject] = {
     400: {"description": "Malformed JSON (`field`: `body`)"},
@@ -71,7 +67,7 @@ def _json(model: IngestResult | TraceBatchResult | TraceRead, status_code: int) 
     },
     openapi_extra=_json_body("TraceCreate"),
 )
-def create_trace(principal: Submitter, session: DBSession, body: RawBody) -> Response:
+def create_trace(principal: Writer, session: DBSession, body: RawBody) -> Response:
     """201 `{"id", "created": true}` for a new trace; 200 `created: false` with the existing id
     when the project already holds the same content; 409 when `external_id` is taken by
     different content."""
@@ -89,7 +85,7 @@ def create_trace(principal: Submitter, session: DBSession, body: RawBody) -> Res
     responses=_ERRORS,
     openapi_extra=_json_body("TraceBatchCreate"),
 )
-def create_traces(principal: Submitter, session: DBSession, body: RawBody) -> Response:
+def create_traces(principal: Writer, session: DBSession, body: RawBody) -> Response:
     """Body `{"traces": [TraceCreate, ...]}`; answer 207 `{"results": [...]}` with one result
     per item in order: `status` 201/200 with `id` and `created`, or the item's 4xx `status` and
     `error` (`field` relative to the item). Good items are stored even when others fail."""

@@ -30,6 +30,7 @@ from replay_audit.reports.endpoints import export_response
 from replay_audit.reports.filters import ResultFilter, RunFilter
 from replay_audit.reports.schemas import RunReport
 from replay_audit.screenings import service as screenings_service
+from replay_audit.stats.report import DEFAULT_TOST_MARGIN
 from replay_audit.ui import session as ui_session
 from replay_audit.ui import trace_view
 from replay_audit.ui.charts import (
@@ -381,7 +382,7 @@ def accuracy_page(
     run_id: str,
     principal: Viewer,
     session: DBSession,
-    margin: Annotated[float, Query(ge=0, lt=1)] = statistics.DEFAULT_TOST_MARGIN,
+    margin: Annotated[float, Query(ge=0, lt=1)] = DEFAULT_TOST_MARGIN,
 ) -> Response:
     """Task accuracy per arm, correctness flips and non-inferiority at `margin`."""
     run = browsing.get_run(session, principal.project_id, run_id)
