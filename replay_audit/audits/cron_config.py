@@ -5,10 +5,8 @@
 registers `replay_audit.audits.tasks.tick` on the `audit` queue every `audit_tick_interval_s`
 (default 60 s), and a worker serving that queue (`replay-audit worker --queue audit`) runs it.
 The queue's and the cron job's names carry REPLAY_AUDIT_QUEUE_PREFIX, as the workers' do.
-The tick is registered by interval, not with `cron=`: RQ reads cron expressions in the
-machine's local time, while schedules are in UTC and their due times are computed by the tick
-itself (schedule.py), whatever the time zone. A tick not started within `ttl` seconds is
-dropped rather than run late: the next one does the same work.
+Registered by interval, not with `cron=` (schedule.py says why). A tick not started within
+`ttl` seconds is dropped rather than run late: the next one does the same work.
 """
 
 from __future__ import annotations

@@ -1,50 +1,13 @@
-"""A scheduled run's trend point and its drift flags, from the replay run's statistics (the
-`RunStatistics` every other surface reads). Typed by `audits/metrics.py`.
+"""A scheduled run's trend point and its drift flags, from the replay run's `RunStatistics`
+(typed by `audits/metrics.py`). Pure: the evaluation job, the trend endpoint and the tests
+share it. The trend point and every rule, with its test and false-alarm rate, are specified in
+docs/audits.md ("Trend and drift", "Verification: a group turned inconsistent").
 
-Pure (no database): the evaluation job, the trend endpoint and the tests share it.
-
-Trend point (one per audit run): per comparison its EAR (with the Wilson interval; in a
-scan-then-decode run, the estimated EAR of all scanned traces and its interval, see
-`stats/report.py`), trigger rate and category counts; and the schedule page's headline numbers:
-    ear             EAR of the first comparison that is not the self-replay (the baseline)
-    c_lift          the statistics' lift of the comparison whose target uses Intervention C over
-                    the baseline, when the baseline has no intervention
-    trigger_rate    the gate's trigger rate in that C comparison (else the baseline's)
-    categories      the baseline's category mix
-    self_agreement  EAR of the self-replay (`compare_with: "self"`), which must be 100%
-
-Drift flags (stored with the run, POSTed to the webhook). Every rule is a test on counts with
-a stated false-alarm rate, never a comparison of point estimates alone. The **baseline** of a
-comparison is the pooled counts of the same comparison over the previous TRAILING_RUNS
-evaluated runs (runs that recorded counts).
-    ear_drop           one-sided Fisher exact test: the latest run's exact/n below the
-                       baseline's pooled exact/n at p <= alpha, AND the drop in EAR larger than
-                       the schedule's `ear_drop_points` (a drop too small to matter is not
-                       alerted however certain). Needs MIN_TRAILING_RUNS baseline runs and
-                       min_n traces on each side.
-    self_disagreement  the self-replay agreement below 100%. Under H0 (a deterministic engine
-                       replaying its own configuration) one disagreement cannot happen: p = 0,
-                       false-alarm rate 0.
-    new_category       a divergence category (not `agreed`) seen in a comparison for the first
-                       time in this schedule's history, in significantly more traces than the
-                       baseline's 0: one-sided Fisher exact test (latest k/n above the
-                       baseline's 0/N) at p <= alpha, min_n traces on each side. One rare
-                       divergence in a large run is not news; four of twelve after 0 of 24 is.
-Under H0 (the latest run and the baseline runs share one rate) Fisher's test rejects with
-probability at most alpha, so each rule raises a false alarm on at most alpha of the runs of a
-comparison that has not drifted (pooling assumes the runs' rates do not vary from night to
-night beyond binomial noise; real night-to-night variation makes alarms more frequent).
-Comparisons are matched across runs by index: a schedule's targets cannot be edited.
-
-And one rule on the run's verification (a schedule with `verify`), per group:
-    group_inconsistent  the group's verdict is `inconsistent` now, and was not in the previous
-                        run whose verification finished (consistent, insufficient, or the
-                        group absent from it; or no such run). The verdict is the
-                        verification's: the group's score above its calibrated null's
-                        threshold at its token count, a false alarm on at most the
-                        verification's false-alarm rate of the runs of an honest group; a
-                        group that stays inconsistent is flagged once, when it turns.
-Groups are matched across runs by name (the group and its claimed configuration).
+Every rule is a test on counts (one-sided Fisher exact, or `deterministic` for the self-replay),
+never a comparison of point estimates alone. A comparison's baseline is its counts pooled over
+the previous TRAILING_RUNS evaluated runs; comparisons are matched across runs by index (a
+schedule's targets cannot be edited), verified groups by name. A group that stays inconsistent
+is flagged once, when it turns.
 """
 
 from __future__ import annotations
@@ -91,7 +54,7 @@ class DriftRules:
 
 
 def run_metrics(stats: RunStatistics, targets: Sequence[RunTarget]) -> RunMetrics:
-    """The trend point of one finished replay run (see the module docstring)."""
+    """The trend point of one finished replay run (headline numbers: docs/audits.md)."""
     comps: list[ComparisonMetrics] = []
     for c in stats.comparisons:
         b = targets[int(c.b)]

@@ -1,20 +1,6 @@
 """The typed trend point of an audit run and its drift flags: what `drift.run_metrics` and
 `drift.detect_drift` build, what `audit_runs.metrics` and `audit_runs.flags` store (JSON, through
-`db.types.ModelJSON`: `model_dump(mode="json")` in, `model_validate` out), and what the trend
-endpoint, the schedule page and the webhook serve.
-
-    ComparisonMetrics  one comparison of the run: its counts (n, exact, categories), EAR with its
-                       Wilson interval, trigger rate
-    CLift              the C comparison's lift over the baseline (paired)
-    RunMetrics         the run's point: comparisons and the headline numbers
-    DriftTest          the test a flag rests on: counts of the latest run and of the pooled
-                       baseline runs, p-value and alpha
-    GroupMetrics       one group's verdict in the run's verification: score, threshold,
-                       false-alarm rate, tokens (the verification report's group, typed)
-    VerificationMetrics  the run's verification (a schedule with `verify`): its status and its
-                       groups' verdicts
-    Flag               one flag: kind, comparison (index and label) or group, the evidence
-                       (`test`, or the group's verdict), message
+`db.types.ModelJSON`), and what the trend endpoint, the schedule page and the webhook serve.
 
 Rows written before these models (the same keys as plain dicts, flags with kind-specific
 extra keys and no `test`) still read: every field added since has a default, unknown keys are

@@ -1,19 +1,11 @@
-"""Which traces a scheduled audit replays: reproducible sampling of a window's candidates.
+"""Which traces a scheduled audit replays: reproducible sampling of a window's candidates
+(the policies: docs/audits.md, "Sampling"). Pure (stdlib and numpy).
 
-Pure (stdlib and numpy). Every candidate gets a uniform number u in (0, 1) from
-sha256(seed, due time, trace id): no random generator state, so the same seed and the same data
-select the same traces on any machine and any Python or NumPy version, and a trace added to or
-removed from the window does not reshuffle the others.
-
-    uniform           the `size` candidates with the smallest u
-    stratified        across model x numerical configuration: each stratum gets a quota
-                      proportional to its share of the window (largest-remainder rounding),
-                      filled with its smallest u
-    low_margin_first  weighted sampling without replacement (Efraimidis-Spirakis: the `size`
-                      smallest -ln(u) / w), with w = 1 / (min logged margin + MARGIN_FLOOR): a
-                      trace whose logged top-2 margin came close to a flip at some step is far
-                      more likely to be picked. A trace logged without top-k gets the median
-                      weight of the others (neutral: no evidence either way).
+Every candidate gets a uniform number u in (0, 1) from sha256(seed, due time, trace id): no
+random generator state, so the same seed and the same data select the same traces on any
+machine and any Python or NumPy version, and a trace added to or removed from the window does
+not reshuffle the others. low_margin_first gives a trace logged without top-k the median weight
+of the others (neutral: no evidence either way).
 """
 
 from __future__ import annotations

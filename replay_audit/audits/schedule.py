@@ -5,10 +5,6 @@ time zone: croniter is handed UTC datetimes, and UTC has no daylight-saving tran
 `0 2 * * *` schedule is due at 02:00 UTC every day whatever `TZ` says (RQ's own `cron=` reads its
 expression in local time, which is why the production tick is registered by interval and the
 due times are computed here).
-
-    latest_due(expr, now)            the newest due time <= now (what a tick runs)
-    next_due(expr, after)            the first due time > after (shown on the schedule page)
-    due_times(expr, start, end)      every due time in [start, end] (missed runs, catch-up)
 """
 
 from __future__ import annotations

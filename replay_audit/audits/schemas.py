@@ -1,27 +1,10 @@
-"""The audit-schedule contract: `/v1/audits/schedules` and what it returns.
-
-A schedule (admin creates, pauses, deletes; auditors read):
-
-    {"name": "nightly production",
-     "cron": "0 2 * * *",                                  # UTC, 5 fields (default nightly)
-     "selection": {"tags": ["production"], "model_name": null, "config_id": null,
-                   "window_hours": 24},                    # traces created in [due - 24 h, due)
-     "sample_size": 200, "policy": "stratified", "seed": 7,
-     "replay": {"targets": [{"dtype": "fp16"},
-                            {"dtype": "fp16", "intervention": {"kind": "C"}}],
-                "compare_with": "self"},
-     "ear_drop_points": 5, "webhook_url": "https://hooks.example.com/replay-audit"}
+"""The audit-schedule contract: `/v1/audits/schedules` and what it returns (a schedule's JSON,
+with an example: docs/audits.md, "A schedule").
 
 `replay` takes ReplayCreate's fields but the trace selection (`trace_ids`/`filter`, which the
-schedule draws itself) and `idempotency_key` (which is the schedule's: `schedule:<id>:<due>`).
-Put the baseline target first: the trend's EAR and C lift read comparison order.
-
-`verify` (optional) also verifies each run's sample against the checkpoint its traces claim
-(docs/verify.md), one verdict per group, and flags a group that turns inconsistent:
-
-     "verify": {"group_by": "tag", "false_alarm_rate": 0.01, "device": null}
-
-It takes VerificationCreate's fields but the filter (the run's sample, by trace id) and
+schedule draws itself) and `idempotency_key` (the schedule's: `schedule:<id>:<due>`). Put the
+baseline target first: the trend's EAR and C lift read comparison order. `verify` (optional)
+takes VerificationCreate's fields but the filter (the run's sample, by trace id) and
 `idempotency_key` (the schedule's, as the replay run's).
 """
 

@@ -1,8 +1,5 @@
-"""What the scheduler runs: the tick, and the webhook delivery job.
-
-    tick()            the RQ job `rq cron` enqueues every minute (replay_audit.audits.cron_config)
-    run_tick(...)     the same pass, callable in-process (the embedded scheduler, the CLI)
-    deliver_alert(id) one signed POST of a drift alert (see `webhook`); raises to be retried
+"""What the scheduler runs: the tick (`tick` under `rq cron`, `run_tick` in-process), and the
+webhook delivery job (`deliver_alert`, which raises to be retried).
 
 A tick, every step idempotent and safe to run from two schedulers at once:
   1. start the newest due time of each active schedule that has no run yet (the unique

@@ -1,32 +1,18 @@
 """Webhook deliveries: where they may go, how they are signed, what is kept of the answer.
 
-    DestinationPolicy.parse(entries)   the operator's allowlist (REPLAY_AUDIT_WEBHOOK_ALLOWED_HOSTS)
-    check_url(url, policy)             at creation / change: FieldError for an obvious refusal
-    new_secret()                       a schedule's signing secret (shown once, stored to sign)
-    signature(secret, body, at)        the `X-Replay-Audit-Signature` header value
-    post(url, body, headers, ...)      one POST; an `Attempt` (status code, error class)
+Destination policy (docs/audits.md, "Where a webhook may go"): public addresses only, an IPv6
+address carrying an IPv4 one judged by the IPv4 address, unless the operator's allowlist names
+the host or a network holding the address; credentials in the URL always refused. The check
+that counts is at delivery: every address the name resolves to then must pass, and the
+connection goes to a checked address (a DNS answer that changes in between cannot redirect
+it). At creation only the obvious is refused (IP literals, `localhost` names), since a name's
+addresses may change before any delivery.
 
-Destination policy. A webhook may reach public (globally routable, unicast) addresses only:
-loopback, private, link-local (cloud metadata at 169.254.169.254), carrier-grade NAT, multicast,
-unspecified and reserved ranges are refused, IPv4 inside IPv6 (mapped, compatible, translated,
-6to4, NAT64) judged by the IPv4 address, unless the operator's allowlist names the host or a
-network holding the address.
-Credentials in the URL are always refused (authenticate receivers by the signature). The check
-that counts is at delivery: the host name is resolved then, every address it resolves to must
-pass, and the connection goes to the address that was checked (so a DNS answer that changes
-between the check and the connection cannot redirect it). Redirects are not followed, and
-proxies from the environment are not used. At creation only the obvious is refused (IP literals
-in any form, `localhost` names), since a name's addresses may change before any delivery.
+Signing follows Stripe and GitHub: `t=<unix seconds>,v1=<hex HMAC-SHA256(secret, "<t>." +
+body)>` over the exact body bytes. The secret is stored in clear, since signing needs it.
 
-Signing (the way Stripe and GitHub sign webhooks): each attempt sends
-
-    X-Replay-Audit-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256(secret, "<t>." + body)>
-
-over the exact body bytes; receivers recompute it, compare in constant time and refuse an old
-`t` (replays). The secret must be stored in clear to sign: it is shown once, at creation.
-
-Answers. Only the status code and one of `ERROR_CLASSES` are kept of an attempt, never the
-receiver's body or an exception text (they reach auditors, and may carry internal detail).
+Only the status code and one of `ERROR_CLASSES` are kept of an attempt, never the receiver's
+body or an exception text (they reach auditors, and may carry internal detail).
 """
 
 from __future__ import annotations
