@@ -1,52 +1,32 @@
 """The one statistics builder of a replay run: per-comparison result figures in, typed comparison,
-lift and accuracy reports out. Pure (stdlib, numpy, pydantic for the typed output).
+lift and accuracy reports out. Pure (stdlib, numpy, pydantic for the typed output). Every
+surface reads what it builds (`RunStatistics`, the run's `aggregate`); a run still replaying
+gets the same function over the results stored so far.
 
-Every surface reads what this module builds: finalising a run stores `RunStatistics` (the
-run's `aggregate`), `GET /v1/replays/{id}` and `/report` serve it, the web UI renders it, the
-CLI `replay` summary and the demo print it, audit trends and drift alerts read it. A run still
-replaying gets the same function over the results stored so far.
+Where a pure `stats` function already returns a frozen dataclass (`Distribution`, `Histogram`,
+`LogHistogram`, `TostResult`), that dataclass is the field itself, its schema derived by
+pydantic, not copied into a `...Read` twin.
 
-One representation: the output is pydantic read models (they validate the stored JSON back and
-give the API its schema), and where the pure `stats` functions already return a frozen
-dataclass (`Distribution`, `Histogram`, `LogHistogram`, `TostResult`) that dataclass is the
-field itself, its schema derived by pydantic, not copied into a `...Read` twin. `ProportionRead`
-stays: it is the flat JSON shape of a proportion (`stats.Proportion` nests its interval).
-
-Definitions (DESIGN.md):
+Definitions (docs/replays.md, "Reading results", "Modes", "Lifts", says each at length):
     EAR            exact matches / ok results, Wilson 95% interval
-    SAR            equal extracted answers / ok results with an extraction; two arms that both
-                   give no answer agree (their answers do not differ), counted in
-                   `sar_neither_answered`. Mode-aware: a scan has no replay text, so no SAR
-                   (None); scan-then-decode counts the decoded traces only. `sar_note` says so,
-                   and every surface shows it in place of (or next to) the figure.
-    trigger rate   arm B's gate firings over arm B's replayed steps, pooled over traces, and
-                   arm A's the same way where arm A was run here (both-arms comparisons): every
-                   surface shows both
+    SAR            equal extracted answers / ok results with an extraction (two arms that both
+                   give no answer agree, counted in `sar_neither_answered`); mode-aware, see
+                   SAR_NOTES
+    trigger rate   gate firings over replayed steps, pooled over traces, for arm B and, where
+                   arm A was run here, arm A
     mean gap       mean margin over arm B's replayed steps, pooled (weighted by steps)
     categories     share of each category among the ok results, Wilson intervals
-    screening      (scan-then-decode) EAR and categories count only the decoded results: a
-                   trace that was only scanned is not an exact match, nor a divergence. The
-                   `screening` block says how many traces were scanned, decoded and why
-                   (`decoded_by_reason`: the scan's mismatch, a near-tie at most
-                   `scan_flag_ulps` ulps, the control sample), and estimates from the control
-                   sample (traces flagged by neither rule, decoded anyway) the scan's miss
-                   rate, the share of decode divergences it does not flag: p = diverged /
-                   control (Wilson), estimated misses = p x unflagged, miss rate = misses /
-                   (flagged divergences + misses), with near-tie flags counted as flags,
-                   its interval p's carried through that (increasing) formula; and the EAR of
-                   all scanned traces (flagged ones decoded, unflagged ones at 1 - p), its
-                   interval the same way. The flagged stratum is decoded in full: no sampling
-                   error of its own.
-    decode window  (a run with `decode_window` W) a result whose decode stopped W tokens after
-                   t* (`window_cut`) counts in EAR, t*, the margins and categories (all fixed
-                   at t*) and in the trigger rate and mean gap (per step, over the steps that
-                   ran), never in SAR, task accuracy or the length difference, which read the
-                   continuation: their `n` counts the results decoded to the end, and
-                   `window_cut` / `sar_note` say how many were left out.
-    lift           EAR(treated) - EAR(baseline) paired on the traces where both are ok (and
-                   established: decoded, in scan-then-decode): seeded
-                   paired bootstrap interval, exact McNemar p, the traces fixed and broke.
-                   Only treatments get one: a self-replay comparison is a reproducibility check.
+    screening      (scan-then-decode) EAR and categories count only the decoded results. From
+                   the control sample: p = diverged / control (Wilson), estimated misses =
+                   p x unflagged, miss rate = misses / (flagged divergences + misses), near-tie
+                   flags counted as flags; each interval is p's carried through its
+                   (increasing) formula, the flagged stratum being decoded in full
+    decode window  a `window_cut` result counts in every figure fixed at t* and in the per-step
+                   ones, never in SAR, task accuracy or the length difference (they read the
+                   continuation, of which it holds a prefix)
+    lift           EAR(treated) - EAR(baseline) paired on the traces both established: seeded
+                   paired bootstrap interval, exact McNemar p, the traces fixed and broke. Only
+                   treatments get one: a self-replay comparison is a reproducibility check.
 """
 
 from __future__ import annotations
@@ -123,8 +103,7 @@ class ResultFigures(NamedTuple):
     answer_b: str | None
     #: scan-then-decode: flagged, control or scanned (`formats.Screen`); None in other modes.
     screen: str | None = None
-    #: Its decode stopped at the run's decode window after t* (its output is a prefix): it
-    #: counts in every figure at t*, and in none that reads the continuation.
+    #: Its decode stopped at the run's decode window after t* (module docstring).
     window_cut: bool | None = None
     #: What it was judged against (`formats.Baseline`; None: rows of earlier releases, "logged").
     baseline: str | None = None
@@ -321,9 +300,7 @@ class ComparisonReport(StoredModel):
     #: Scan-then-decode only: decoded vs scanned, the control sample and the miss rate.
     screening: ScreeningReport | None = None
     #: The run's decode window (None: every decode ran to eos or the budget) and the ok results
-    #: whose decode stopped at it (`window_cut`): they count in EAR, t*, the margins and the
-    #: categories, and in no figure that reads the continuation (SAR and the answers, the
-    #: length difference): those figures' `n` is the results decoded to the end.
+    #: whose decode stopped at it (what they count in: module docstring).
     decode_window: int | None = None
     window_cut: int = 0
 
@@ -600,9 +577,7 @@ def comparison_report(
     arm_a = [f for f in ok if f.n_steps_a is not None]
     steps_a = sum(int(f.n_steps_a or 0) for f in arm_a) if arm_a else None
     triggers_a = sum(int(f.gate_triggers_a or 0) for f in arm_a) if arm_a else None
-    # A scan has no replay text (its agreed traces' "answers" are the logged text's twice);
-    # scan-then-decode answers only the decoded ones.
-    # A window-cut result's text is a prefix: none of its answers counts.
+    # A scan's "answers" are the logged text's twice; a window-cut result's text is a prefix.
     answered = [f for f in established if f.answer_extractor is not None and not f.window_cut]
     if c.mode == "scan":
         answered = []
@@ -610,7 +585,6 @@ def comparison_report(
     neither = sum(1 for f in answered if f.answer_a is None and f.answer_b is None)
     categories = {k: sum(1 for f in established if f.category == k) for k in CATEGORIES}
     m = _margins(figures)
-    # A window-cut result's continuation is a prefix: nor is its length difference counted.
     cut = sum(1 for f in ok if f.window_cut)
     sar_note = SAR_NOTES.get(c.mode)
     if cut:
