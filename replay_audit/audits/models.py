@@ -1,11 +1,5 @@
-"""Audit tables.
-
-    audit_schedules   what to audit and when: cron (UTC), selection, sampling, replay targets,
-                      verification (optional), drift threshold, webhook
-    audit_runs        one per (schedule, due time), unique: the claim that makes a due time run
-                      exactly once however many schedulers tick, and the run's trend point and
-                      flags once its replay run (and verification) has finished
-    audit_alerts      one per flagged run with a webhook: the delivery and every attempt
+"""Audit tables: schedules, their runs (one per schedule and due time) and the runs' webhook
+alerts.
 
 The replay run of an audit run is an ordinary `replay_runs` row (`schedule_id` = the schedule's
 public id, `idempotency_key` = `schedule:<id>:<due time>`), so everything that shows a replay

@@ -149,15 +149,10 @@ def step_numerics(
     gate: GateRule | None = None,
     sort: bool = True,
 ) -> StepNumerics:
-    """The per-step numerics of (steps, k) top-k logits (k >= 2) and their ids: rows ordered by
-    `sort_top_k` (with `sort=False` they are taken as ordered, first column the top-1), the
-    margins Δ = top-1 - top-2 in float64, with `head_format` their size in ulps of that format at
-    the top-1 value, and with `gate` whether it fires at each step.
-
-    Logits are used in the float dtype given (an engine's float32 values, whose float64
-    difference is exact); a 1-D input is one step. This is the only place these are computed:
-    a decode step is a (1, k) call, a scan one call over all its steps.
-    """
+    """The `StepNumerics` of (steps, k) top-k logits (k >= 2) and their ids, rows ordered by
+    `sort_top_k` (`sort=False`: taken as ordered, first column the top-1); a 1-D input is one
+    step. The only place these are computed: a decode step is a (1, k) call, a scan one call
+    over all its steps."""
     top_ids, values = sort_top_k(logits, ids) if sort else _rows(logits, ids)
     if values.shape[-1] < 2:
         raise ValueError("a margin needs at least the top-2 logits of each step")

@@ -3,17 +3,13 @@
 The API process loads no tokenizer, so whoever has one (the worker, `generate`, an importer
 whose source gives token strings) stores each output token's piece with the ids. A piece is the
 token's bytes; byte-level BPE splits a character over several tokens, so a piece need not be
-valid UTF-8 by itself.
+valid UTF-8 by itself. Pure: stdlib only.
 
     Piece        `str` when the token's bytes are valid UTF-8 alone (and hold no NUL, which no
                  database stores in text), else `bytes`
     stored form  a JSON array, one entry per token: the string, or the bytes as a list of
                  integers 0..255 (OpenAI's `bytes` field has the same shape), e.g.
                  ["Hello", ",", " w", [226, 130], [172], "orld"]
-
-`joined` concatenates the bytes and decodes them: the pieces of a generation give back its
-text. `shown` is how a piece is displayed: its text, or its bytes escaped (`\\xe2\\x82`).
-Pure: stdlib only.
 """
 
 from __future__ import annotations

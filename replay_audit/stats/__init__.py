@@ -1,14 +1,6 @@
 """Statistics for replay reports. Pure: stdlib and numpy only (import-linter enforces it), so
 reports, the CLI and tests can use it without torch, a database or a server.
 
-    proportion   Wilson score intervals: EAR, SAR, task accuracy; rates
-    mcnemar      exact McNemar test on discordant pairs
-    fisher       one-sided Fisher exact test of two independent proportions (drift alerts)
-    paired       lift with a paired bootstrap interval; items fixed / broke; correctness flips
-    equivalence  paired non-inferiority (TOST) of task accuracy
-    summary      distributions, quantiles, linear and log histograms, category breakdowns
-    binomial     binomial pmf and CDF without scipy
-
 Every function validates its input and raises ValueError (TypeError for a non-integer count)
 with a message naming the argument. Results are frozen dataclasses.
 """

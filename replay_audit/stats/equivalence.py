@@ -69,12 +69,8 @@ def tost_noninferiority(
     confidence: float | None = None,
 ) -> TostResult:
     """Paired non-inferiority test of accuracy, treated vs baseline, on the same items (method,
-    formulas and the degenerate se = 0 case in the module docstring).
-
-    `acc_baseline[i]`, `acc_treated[i]`: whether item i was answered correctly in each target.
-    `margin` in [0, 1): the largest accuracy loss still called non-inferior. `confidence` of the
-    reported interval defaults to 1 - 2 alpha. ValueError on empty or mismatched inputs.
-    """
+    formulas and the degenerate se = 0 case in the module docstring). `margin` in [0, 1): the
+    largest accuracy loss still called non-inferior."""
     base, treat = paired_flags(acc_baseline, acc_treated, ("acc_baseline", "acc_treated"))
     margin = finite_float(margin, "margin")
     if not 0.0 <= margin < 1.0:
