@@ -45,6 +45,7 @@ from replay_audit.imports.sglang import parse_sglang
 from replay_audit.imports.tokenization import Vocabulary
 from replay_audit.json_value import JsonObject, as_list, as_object
 from replay_audit.traces.schemas import TraceCreate
+from replay_audit.words import counted
 
 logger = logging.getLogger(__name__)
 
@@ -128,10 +129,12 @@ def send_batch(
             if status < 500 and status != 429:
                 raise SendError(f"POST /v1/traces:batch answered {status}: {detail}")
         if deadline():
-            logger.warning("giving up on %d traces: %s", len(traces), detail)
+            logger.warning("giving up on %s: %s", counted(len(traces), "trace"), detail)
             return None
         stats.retries += 1
-        logger.info("retrying %d traces in %.1f s (%s)", len(traces), wait, status or detail)
+        logger.info(
+            "retrying %s in %.1f s (%s)", counted(len(traces), "trace"), wait, status or detail
+        )
         sleep(wait * (0.5 + random.random() / 2))
         wait = min(wait * 2, BACKOFF_MAX_S)
 
@@ -321,11 +324,11 @@ class Client:
                     deadline=lambda: time.monotonic() > self._close_deadline,
                 )
             except SendError as exc:
-                logger.error("%s; %d traces not stored", exc, len(batch))
+                logger.error("%s; %s not stored", exc, counted(len(batch), "trace"))
                 self.stats.rejected += len(batch)
                 self.stats.errors.append({"detail": str(exc)})
             except Exception:  # never let the sender die with traces pending
-                logger.exception("unexpected error sending %d traces", len(batch))
+                logger.exception("unexpected error sending %s", counted(len(batch), "trace"))
                 self.stats.undelivered += len(batch)
             else:
                 if results is None:

@@ -131,14 +131,20 @@ def test_a_full_buffer_drops_and_counts_instead_of_blocking() -> None:
         client.log(traces[0])
 
 
-def test_close_gives_up_after_its_timeout_and_counts_what_was_not_sent() -> None:
+def test_close_gives_up_after_its_timeout_and_counts_what_was_not_sent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     server = ScriptedServer([503] * 1000)
     client = _client(server)
     client.log(_traces(1)[0])
     start = time.monotonic()
-    client.close(timeout_s=1.0)
+    with caplog.at_level("INFO", logger="replay_audit.client"):
+        client.close(timeout_s=1.0)
     assert time.monotonic() - start < 5.0
     assert client.stats.undelivered == 1 and client.stats.created == 0
+    # Counted in English: "giving up on 1 trace", not "1 traces".
+    assert "retrying 1 trace in" in caplog.text and "giving up on 1 trace:" in caplog.text
+    assert "1 traces" not in caplog.text
 
 
 def test_from_openai_response_takes_the_openai_packages_objects() -> None:

@@ -524,7 +524,7 @@ def _print_summary(c: ComparisonReport, target: Target) -> None:
         ("mean gap", _fmt(c.mean_gap, ".4g")),
         (
             "t* min / median / max",
-            " / ".join(_fmt(getattr(ts, k) if ts else None) for k in ("min", "median", "max")),
+            " / ".join(_fmt(getattr(ts, k) if ts else None, "g") for k in ("min", "median", "max")),
         ),
     ]
     rows += [(f"category {k}", str(v.successes)) for k, v in c.categories.items()]

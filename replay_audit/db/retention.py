@@ -34,6 +34,7 @@ from sqlalchemy.orm import Session
 from replay_audit.db.base import utcnow
 from replay_audit.db.partition import WeekPartitions, drop_week, droppable_weeks, is_partitioned
 from replay_audit.db.unit_of_work import session_scope
+from replay_audit.words import counted
 
 #: Traces deleted per transaction where rows are deleted one by one.
 BATCH_SIZE: Final = 1000
@@ -71,21 +72,25 @@ class PruneReport:
         for w in self.weeks:
             size = sum(w.bytes.values()) / 2**20
             out.append(
-                f"{verb} partitions of week {w.week:%Y-%m-%d}: {w.rows['traces']} traces,"
-                f" {w.rows['trace_tags']} tags, {w.rows['replay_results']} results,"
-                f" {size:.1f} MiB"
+                f"{verb} partitions of week {w.week:%Y-%m-%d}:"
+                f" {counted(w.rows['traces'], 'trace')}, {counted(w.rows['trace_tags'], 'tag')},"
+                f" {counted(w.rows['replay_results'], 'result')}, {size:.1f} MiB"
             )
         if self.traces_deleted or not self.weeks:
             out.append(
-                f"{verb} {self.traces_deleted} traces and {self.results_deleted} results row by row"
+                f"{verb} {counted(self.traces_deleted, 'trace')} and"
+                f" {counted(self.results_deleted, 'result')} row by row"
             )
         if not self.dry_run:
-            out.append(f"removed {self.keys_deleted} trace keys")
+            out.append(f"removed {counted(self.keys_deleted, 'trace key')}")
         out.append(
-            f"{verb} {self.screenings_deleted} screenings"
-            f" ({self.screening_outputs_deleted} stored outputs)"
+            f"{verb} {counted(self.screenings_deleted, 'screening')}"
+            f" ({counted(self.screening_outputs_deleted, 'stored output')})"
         )
-        out.append(f"total: {self.traces_removed} traces, {self.results_removed} results {verb}")
+        out.append(
+            f"total: {verb} {counted(self.traces_removed, 'trace')},"
+            f" {counted(self.results_removed, 'result')}"
+        )
         return out
 
 

@@ -317,13 +317,13 @@ def test_prune_and_partitions_commands(
     env = cli_env(database_url=db_url)
     dry = run_cli(["prune", "--older-than", "30", "--dry-run"], env=env, cwd=tmp_path)
     assert dry.returncode == 0, dry.stderr
-    assert "would remove" in dry.stdout and "total: 2 traces, 2 results" in dry.stdout
-    assert "would remove 1 screenings (3 stored outputs)" in dry.stdout
+    assert "would remove" in dry.stdout and "total: would remove 2 traces, 2 results" in dry.stdout
+    assert "would remove 1 screening (3 stored outputs)" in dry.stdout
     assert _counts(db_url)["traces"] == 2
     done = run_cli(["prune", "--older-than", "30"], env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "total: 2 traces, 2 results removed" in done.stdout
-    assert "removed 1 screenings (3 stored outputs)" in done.stdout
+    assert "total: removed 2 traces, 2 results" in done.stdout
+    assert "removed 1 screening (3 stored outputs)" in done.stdout
     assert _counts(db_url)["traces"] == 0
     assert _screenings(db_url) == ({"sc_today"}, 3)
     bad = run_cli(["prune", "--older-than", "0"], env=env, cwd=tmp_path)

@@ -1050,6 +1050,9 @@ def check_cli_table(output: str, c: dict[str, Any]) -> None:
     assert "trigger rate, arm A" not in output
     rate = "-" if c["trigger_rate"] is None else f"{c['trigger_rate']:.2%}"
     assert gate == f"{rate} ({c['gate_triggers']}/{c['steps']})"
+    ts = c["first_divergence_step"]  # steps: printed as the API's numbers, "23" not "23.0"
+    want = " / ".join("-" if ts is None else f"{ts[k]:g}" for k in ("min", "median", "max"))
+    assert _cli_row(output, "t* min / median / max") == want
     sar = _cli_row(output, "answer agreement (SAR)")
     if c["sar"] is None:
         assert sar == (c["sar_note"] or "- (no answers extracted)") and "%" not in sar
