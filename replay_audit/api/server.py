@@ -10,13 +10,16 @@ expects, and they get TCP_NODELAY like the single-process server's.
 
 from __future__ import annotations
 
+import copy
 import gc
+import logging
 import socket
 import subprocess
 import sys
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
+import uvicorn.config
 from uvicorn.supervisors import Multiprocess
 
 if TYPE_CHECKING:
@@ -66,13 +69,27 @@ def served_app() -> FastAPI:
     return app
 
 
+class NoQueryString(logging.Filter):
+    """Drops the query string from uvicorn's access lines: a query can carry what must not
+    reach a log (a key put in `?api_key=`, a search term), and the path says the route."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5 and isinstance(args[2], str):
+            record.args = (*args[:2], args[2].partition("?")[0], *args[3:])
+        return True
+
+
 def uvicorn_logging(log_format: str) -> dict[str, Any]:
-    """uvicorn's logging options: its own text setup, or none with JSON lines (ours, on the
-    root logger), and then no access log of its own (the app's access lines carry the
-    request id: `api.observe`)."""
+    """uvicorn's logging options: its own text setup with its access lines' query strings
+    dropped (`NoQueryString`), or none with JSON lines (ours, on the root logger), and then
+    no access log of its own (the app's access lines carry the request id: `api.observe`)."""
     if log_format == "json":
         return {"log_config": None, "access_log": False}
-    return {}
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["filters"] = {"no_query": {"()": f"{__name__}.NoQueryString"}}
+    config["handlers"]["access"]["filters"] = ["no_query"]
+    return {"log_config": config}
 
 
 def run_processes(

@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 
@@ -100,3 +105,44 @@ def test_the_real_app_builds_in_a_fresh_process(
 ) -> None:
     monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", f"sqlite:///{tmp_path / 'db.sqlite'}")
     check_app_builds("replay_audit.api.server:served_app")  # returns: it built
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_plain_text_access_lines_keep_no_query_string(tmp_path: Path) -> None:
+    """`serve`'s text logs (the default) write uvicorn's access lines without the query: a key
+    put in `?api_key=` or a search term never reaches the log (issue 33). The path stays."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_AUDIT_")}
+    env |= {
+        "REPLAY_AUDIT_DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite'}",
+        "REPLAY_AUDIT_SCHEDULER": "off",
+    }
+    log = tmp_path / "serve.log"
+    args = [sys.executable, "-m", "replay_audit", "serve", "--port", str(port)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=out, stderr=out)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        answer = httpx.get(f"{base}/v1/traces?api_key=ra_SeCrEt123&model=zz-SeCrEt")
+        assert answer.status_code == 401
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    text = log.read_text()
+    assert '"GET /v1/traces HTTP/1.1" 401' in text, text
+    assert "SeCrEt" not in text and "api_key" not in text
