@@ -100,11 +100,13 @@ def send_batch(
     deadline: Callable[[], bool],
     stats: ClientStats,
     sleep: Callable[[float], None] = time.sleep,
+    unreachable_fails: bool = False,
 ) -> list[JsonObject] | None:
     """POST `traces` to /v1/traces:batch until the server answers (retrying with backoff while
     it cannot be reached or answers 5xx/429) or `deadline()` says to stop (None then). The
     item results, in order; a 413 batch is split in halves. Raises SendError on a 4xx for the
-    whole request (a bad key, a bad role): retrying would not help."""
+    whole request (a bad key, a bad role): retrying would not help, nor, `unreachable_fails`,
+    on a connection the server refuses (no server there: a wrong URL or port)."""
     wait = BACKOFF_INITIAL_S
     while True:
         try:
@@ -115,6 +117,8 @@ def send_batch(
             )
         except httpx.TransportError as exc:
             status, detail = None, f"{type(exc).__name__}: {exc}"
+            if unreachable_fails and isinstance(exc, httpx.ConnectError):
+                raise SendError(f"cannot reach {http.base_url}: {detail}") from None
         else:
             status, detail = answer.status_code, answer.text[:500]
             if status == 207:
@@ -169,13 +173,14 @@ def post_traces(
     """Send `traces` synchronously in batches (idempotent: a repeat is answered with the id
     the server holds). Retries each batch for up to `give_up_after_s` seconds; `on_batch`
     gets each batch's item results. Raises SendError when the server refuses the request or
-    stays unreachable."""
+    stays unreachable, and at once when the first batch finds no server to connect to."""
     stats = ClientStats()
     size = max(1, min(batch_size, MAX_BATCH_TRACES))
     with httpx.Client(
         base_url=url, headers={"X-API-Key": key}, timeout=timeout_s, transport=transport
     ) as http:
         batch: list[TraceCreate] = []
+        delivered: list[int] = []  # each delivered batch's size
 
         def send() -> None:
             start = time.monotonic()
@@ -184,10 +189,12 @@ def post_traces(
                 batch,
                 stats=stats,
                 deadline=lambda: time.monotonic() - start > give_up_after_s,
+                unreachable_fails=not delivered,
             )
             if results is None:
                 raise SendError(f"the server stayed unreachable for {give_up_after_s:.0f} s")
             _count(results, stats)
+            delivered.append(len(results))
             if on_batch is not None:
                 on_batch(results)
             batch.clear()

@@ -99,6 +99,24 @@ def test_a_too_large_batch_is_split() -> None:
     assert stats.created == 8 and server.requests == [8, 4, 4]
 
 
+def test_post_traces_to_no_server_fails_at_once_naming_the_url() -> None:
+    # `import --post` to a closed port waited 300 s in silence (issue 33). A refused connection
+    # before any batch went through means no server there: said at once. Later, the same
+    # error is a restart and is retried (below, and the Client's test above).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        start = time.monotonic()
+        with pytest.raises(SendError, match=rf"cannot reach http://127.0.0.1:{port}.*ConnectError"):
+            post_traces(f"http://127.0.0.1:{port}", "k", _traces(2))
+    assert time.monotonic() - start < 5.0
+    server = ScriptedServer([207, httpx.ConnectError("refused"), 503])
+    stats = post_traces(
+        "http://audit", "k", _traces(4), batch_size=2, transport=httpx.MockTransport(server)
+    )
+    assert stats.created == 4 and stats.retries == 2 and server.requests == [2, 2, 2, 2]
+
+
 def test_a_refused_request_is_not_retried() -> None:
     server = ScriptedServer([401])
     with pytest.raises(SendError, match="401"):

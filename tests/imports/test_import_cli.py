@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -265,6 +266,14 @@ def test_post_sends_batches_idempotently(
     wrong_key = [a if a != key else "wrong" for a in args]
     refused = runner.invoke(app, wrong_key)
     assert refused.exit_code == 2 and "401" in refused.output
+    # No server at the URL (a closed port): said at once, naming it (it waited 300 s silently).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+        start = time.monotonic()
+        nowhere = runner.invoke(app, [a if a != server else closed for a in args])
+    assert nowhere.exit_code == 2 and f"cannot reach {closed}" in nowhere.output
+    assert time.monotonic() - start < 10
 
 
 class NotAllowed:
