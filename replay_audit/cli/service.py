@@ -75,6 +75,8 @@ def serve(
     from replay_audit.api.app import create_app
     from replay_audit.auth.service import DEFAULT_PROJECT, bootstrap_admin_key
     from replay_audit.cli.database import ready_database
+    from replay_audit.cli.demo import DEMO_PROJECT
+    from replay_audit.cli.demo import KEY_FILE as DEMO_KEY_FILE
     from replay_audit.db.unit_of_work import session_scope
 
     ready_database(settings, migrate=migrate)
@@ -84,6 +86,12 @@ def serve(
     typer.echo(_database_line(settings))
     if key is not None:
         typer.echo(_banner_for_key(key, DEFAULT_PROJECT))
+    elif DEMO_KEY_FILE.is_file():  # `demo` made the keys here and printed its own
+        typer.echo(
+            f"API keys: this database already has some; `replay-audit demo`'s admin key (project"
+            f" {DEMO_PROJECT}) is kept in {DEMO_KEY_FILE}, or create one with"
+            " `replay-audit keys create`"
+        )
     else:
         typer.echo(
             "API keys: this database already has some; use the admin key printed when it was "

@@ -37,6 +37,13 @@ def test_serve_prints_the_default_database_and_a_new_key(
     assert "First start: created an admin API key" in out
     again = _serve({"REPLAY_AUDIT_DATABASE_URL": None})
     assert "First start" not in again and "already has some" in again
+    assert "demo-api-key" not in again
+    # After `replay-audit demo` (its key kept in var/demo-api-key): serve points at that key,
+    # not at one "printed when it was first served" that nobody saw (issue 33).
+    (tmp_path / "var" / "demo-api-key").write_text("ra_demo\n")
+    after_demo = _serve({"REPLAY_AUDIT_DATABASE_URL": None})
+    assert "admin key (project demo) is kept in var/demo-api-key" in after_demo
+    assert "printed when it was first served" not in after_demo
 
 
 def test_serve_masks_the_password_of_the_url_it_names(no_server: None) -> None:
