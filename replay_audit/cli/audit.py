@@ -8,6 +8,7 @@ evaluated it. Drift alerts are always delivered by the scheduler.
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated, Any
@@ -43,11 +44,13 @@ def _when(t: datetime | None) -> str:
 
 
 def _console() -> Any:
-    """Rich's console; piped into a file or another program, wide enough not to wrap rows."""
+    """Rich's console; piped into a file or another program, wide enough not to wrap rows,
+    unless COLUMNS says how wide (rich reads it)."""
     from rich.console import Console
 
     console = Console()
-    return console if console.is_terminal else Console(width=200)
+    wide = console.is_terminal or os.environ.get("COLUMNS", "").isdigit()
+    return console if wide else Console(width=200)
 
 
 def _ready() -> None:

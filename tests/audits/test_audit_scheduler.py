@@ -161,6 +161,14 @@ def test_cli_list_run_now_trend_and_catch_up(
     trend = runner.invoke(cli, ["audit", "trend", "--schedule", sid])
     assert trend.exit_code == 0 and "done" in trend.output and "100.0%" in trend.output
 
+    # A narrow terminal's width is kept when the output is not a terminal too (COLUMNS=80:
+    # the tables were drawn 200 wide), the schedule id still whole (issue 33).
+    for args in (["audit", "list", "--project", "acme"], ["audit", "trend", "--schedule", sid]):
+        narrow = runner.invoke(cli, args, env={"COLUMNS": "80"})
+        assert narrow.exit_code == 0, narrow.output
+        assert max(len(line) for line in narrow.output.splitlines()) <= 80, narrow.output
+    assert sid in runner.invoke(cli, ["audit", "list"], env={"COLUMNS": "80"}).output
+
     caught = runner.invoke(cli, ["audit", "catch-up", "--schedule", sid])
     assert caught.exit_code == 0 and "no missed runs" in caught.output
 
