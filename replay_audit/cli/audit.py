@@ -184,7 +184,7 @@ def list_schedules(
     table = Table(title="audit schedules (times in UTC)")
     table.add_column("id", no_wrap=True, min_width=29)  # to be copied whole into commands
     for col in ("project", "name", "cron", "status", "next due", "last run", "missed"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # narrow: wrapped, never cut to an ellipsis
     for r in reads:
         last = "-" if r.last_run is None else f"{_when(r.last_run.due_at)} {r.last_run.status}"
         table.add_row(
@@ -248,7 +248,7 @@ def trend(
         points = service.trend(s, sched, limit=limit).points
     table = Table(title=f"trend of {schedule}")
     for col in ("due (UTC)", "status", "n", "EAR", "C lift", "trigger rate", "self", "flags"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for p in points:
         table.add_row(
             _when(p.due_at),

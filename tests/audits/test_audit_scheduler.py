@@ -167,6 +167,7 @@ def test_cli_list_run_now_trend_and_catch_up(
         narrow = runner.invoke(cli, args, env={"COLUMNS": "80"})
         assert narrow.exit_code == 0, narrow.output
         assert max(len(line) for line in narrow.output.splitlines()) <= 80, narrow.output
+        assert "\u2026" not in narrow.output  # wrapped, not cut to an ellipsis
     assert sid in runner.invoke(cli, ["audit", "list"], env={"COLUMNS": "80"}).output
 
     caught = runner.invoke(cli, ["audit", "catch-up", "--schedule", sid])
