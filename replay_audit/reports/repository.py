@@ -2,8 +2,8 @@
 flips pages), and pages of result rows fetched by keyset (lists, export). A run's figures are
 read by `replays.repository.result_figures` for the one statistics builder.
 
-Never commits (reports only read). Booleans are compared through `_true`/`_false` so the same
-statement runs on SQLite (0/1 integers) and PostgreSQL (booleans).
+Never commits (reports only read). Booleans are compared with SQLAlchemy's `true()`/`false()`,
+so the same statement runs on SQLite (0/1 integers) and PostgreSQL (booleans).
 """
 
 from __future__ import annotations

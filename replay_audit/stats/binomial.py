@@ -96,11 +96,8 @@ def binom_pmf(k: int, n: int, p: float = 0.5) -> float:
 
 
 def binom_cdf(k: int, n: int, p: float = 0.5) -> float:
-    """P(X <= k) for X ~ Binomial(n, p): exact up to double rounding, O(sqrt(n)) terms.
-
-    k may be any integer (below 0 gives 0, at or above n gives 1). Reference check: scipy's
-    `scipy.stats.binom.cdf` (tests only).
-    """
+    """P(X <= k) for X ~ Binomial(n, p) (method: module docstring); k may be any integer
+    (below 0 gives 0, at or above n gives 1)."""
     n = count(n, "n")
     p = _check_p(p)
     k = operator.index(k)

@@ -112,11 +112,8 @@ def _tail(start: int, step: int, lo: int, hi: int, total: int, successes: int, d
 def fisher_exact(
     x1: int, n1: int, x2: int, n2: int, *, alternative: Alternative = "less"
 ) -> FisherResult:
-    """One-sided Fisher exact test of x1/n1 against x2/n2 (see the module docstring).
-
-    `alternative="less"`: H1 is that the first group's rate is lower, p = P(X <= x1);
-    `"greater"`: that it is higher, p = P(X >= x1). A group with n = 0 gives p = 1.
-    """
+    """One-sided Fisher exact test of x1/n1 against x2/n2 (`alternative`: module docstring).
+    A group with n = 0 gives p = 1."""
     x1, n1, x2, n2 = count(x1, "x1"), count(n1, "n1"), count(x2, "x2"), count(n2, "n2")
     if x1 > n1:
         raise ValueError(f"x1 ({x1}) must not exceed n1 ({n1})")

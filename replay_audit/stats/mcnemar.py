@@ -37,10 +37,7 @@ class McNemarResult:
 
 
 def mcnemar_exact(b: int, c: int) -> McNemarResult:
-    """Exact two-sided McNemar test on the discordant counts b and c (symmetric in b and c).
-
-    p = min(1, 2 * BinomCDF(min(b, c); b + c, 1/2)); p = 1 when there are no discordant pairs.
-    """
+    """Exact two-sided McNemar test on the discordant counts b and c (module docstring)."""
     b, c = count(b, "b"), count(c, "c")
     smaller = min(b, c)
     p_value = min(1.0, 2.0 * binom_cdf(smaller, b + c, 0.5)) if b + c else 1.0

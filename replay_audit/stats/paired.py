@@ -98,11 +98,8 @@ def paired_bootstrap_lift(
     confidence: float = 0.95,
 ) -> LiftResult:
     """Lift of `treated` over `baseline` (per-item booleans on the same items, same order) with
-    a seeded paired percentile bootstrap interval (method in the module docstring).
-
-    ValueError on empty or mismatched inputs, non-boolean values, resamples < 1 or a confidence
-    outside (0, 1). Identical inputs give lift 0 with the zero-width interval [0, 0].
-    """
+    a seeded paired percentile bootstrap interval (method in the module docstring). Identical
+    inputs give lift 0 with the zero-width interval [0, 0]."""
     base, treat = paired_flags(baseline, treated, _NAMES)
     resamples = count(resamples, "resamples")
     if resamples < 1:

@@ -51,11 +51,7 @@ class Proportion:
 
 
 def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> Interval:
-    """Wilson score interval for successes/n (formula and sources in the module docstring).
-
-    n = 0 gives Interval(0.0, 1.0). ValueError if successes > n or a count is negative, or if
-    confidence is not strictly between 0 and 1.
-    """
+    """Wilson score interval for successes/n (formula, sources and n = 0: module docstring)."""
     x, n = count(successes, "successes"), count(n, "n")
     if x > n:
         raise ValueError(f"successes ({x}) cannot exceed n ({n})")

@@ -12,16 +12,13 @@ deficit in ulps (`diff.deficit`), so a group of n tokens has one score whatever 
                           the bins' probabilities measured on the benign null and on the
                           calibration's alternative (a 4-bit RTN copy of the checkpoint)
 
-`VERDICT_STATISTIC` is the one a verdict uses (docs/verify.md says why). The calibration draws
-groups of exactly n tokens from each benign variation's traces alone (whole traces at random,
-the last one cut, from a bootstrap resample of the traces: `draw_group_scores`), `DRAWS` times
-per budget and variation, and puts the threshold at the highest
-of the variations' (1 - false-alarm rate) quantiles: a provider's group comes from one
-configuration, so the promise holds for each benign configuration of the null, not for a mix of
-them (a mix averages a noisier variation's shift away: groups drawn from pooled traces let an
-eager-attention provider trip the finer statistics on 10-13% of its groups at 1%). The same
-draws from the alternative's traces give the power curve, and the smallest budget whose power
-reaches `POWER` is the tokens a decision needs.
+`VERDICT_STATISTIC` is the one a verdict uses. The calibration draws groups of exactly n tokens
+from each benign variation's traces alone (`draw_group_scores`), `DRAWS` times per budget and
+variation, and puts the threshold at the highest of the variations' (1 - false-alarm rate)
+quantiles: a provider's group comes from one configuration, so the promise holds for each
+benign configuration, not for a mix of them. The same draws from the alternative's traces give
+the power curve; the smallest budget whose power reaches `POWER` is the tokens a decision
+needs. docs/verify.md says why each choice, with the measurements.
 """
 
 from __future__ import annotations
@@ -112,12 +109,9 @@ def draw_group_scores(
     token_scores: Sequence[Ulps], budget: int, draws: int, rng: np.random.Generator
 ) -> Ulps:
     """Scores of `draws` groups of exactly `budget` tokens, each made of whole traces drawn at
-    random (with replacement), the last one cut, from a bootstrap resample of `token_scores`
-    (per trace): as many traces drawn with replacement, anew for each group. So the groups'
-    spread holds the uncertainty of the traces' own mean, and is the spread of groups of other
-    prompts, not only of these: a group much larger than the traces' tokens, drawn from the
-    traces themselves, would score their mean almost exactly, and a null of a few traces would
-    promise a false-alarm rate its next prompts break."""
+    random (with replacement, the last one cut) from a bootstrap resample of `token_scores` (per
+    trace) drawn anew for each group, so that the groups' spread holds the uncertainty of the
+    traces' own mean (docs/verify.md, "The null and the threshold", says why)."""
     sums = [np.concatenate([[0.0], np.cumsum(s)]) for s in token_scores if len(s)]
     if not sums:
         raise ValueError("a null needs at least one trace with tokens")
