@@ -310,16 +310,11 @@ def start_audit_run(
 ) -> tuple[AuditRun, bool]:
     """The audit run of (schedule, due_at): created now, or the one that exists (created False).
 
-    The window is [due_at - window_hours, due_at), relative to the due time and not to when the
-    run happens to start, so a late or caught-up run samples what the punctual one would have.
-    An empty window gives a run with status `no_traces`; a replay request the replay service
-    refuses, or a verification of the sample the verification service refuses (its traces
-    claim two checkpoints, say), gives a run with status `failed` and the reason, with nothing
-    created (neither is retried by later ticks). A schedule that verifies gets the sample's
-    verification beside the replay run, with the same idempotency key.
-    A job queue that cannot take work raises `QueueUnavailable` (a 503): the caller's rollback
-    drops the claim, so the run is started again once the queue is back, never left failed.
-    """
+    The window is relative to the due time, not to when the run starts, so a late or caught-up
+    run samples what the punctual one would have. A replay or verification request its service
+    refuses gives a `failed` run with the reason and nothing created (later ticks do not retry
+    it). A queue that cannot take work raises `QueueUnavailable`: the caller's rollback drops the
+    claim, so the run starts again once the queue is back, never left failed."""
     due_at = due_at.astimezone(UTC)
     window_start, window_end = Selection.model_validate(schedule.selection).window(due_at)
     now = utcnow()
@@ -564,12 +559,9 @@ def evaluate_audit_run(
     drift_alpha: float = DEFAULT_ALPHA,
     drift_min_n: int = DEFAULT_MIN_N,
 ) -> AuditRun | None:
-    """Give a run whose replay run (and verification, when the schedule verifies) has finished
-    its trend point and flags: the drift rules of `drift.py`, at significance level
-    `drift_alpha`, with at least `drift_min_n` traces on each side, and the groups its
-    verification found turned inconsistent (`drift.turned_inconsistent`); create and (after
-    commit) enqueue its webhook alert if flagged. None when there is nothing to do (already
-    evaluated by another scheduler, or the replay run or the verification is still going)."""
+    """Give a run whose replay run (and verification, if any) has finished its trend point and
+    flags (`drift.detect_drift`), and enqueue its webhook alert after commit if flagged. None
+    when there is nothing to do (evaluated by another scheduler, or still going)."""
     run = repository.lock_run(session, audit_run_id)
     if run is None or run.status != "running":
         return None

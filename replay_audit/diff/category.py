@@ -25,9 +25,8 @@ def classify(
     gate_fired: bool,
     single_step_disagrees: bool | None,
 ) -> Category:
-    """The category of a replay from t* (None when exact), whether the gate would fire at t*
-    in either arm, and whether the single-step re-run at t* gives different
-    tokens in the two formats (needed only when the gate fires)."""
+    """The category (module docstring) of a replay; the re-run is needed only when the gate
+    fires."""
     if t_star is None:
         return "agreed"
     if not gate_fired:
@@ -39,10 +38,8 @@ def classify(
 
 @dataclass(frozen=True)
 class Verdict:
-    """What the outcome rule says of a divergence at t*: whether each arm's gate fires there (in
-    its own lm_head format), whether either margin is an exact tie, whether the single-step
-    re-runs disagree, and the category (None: the gate fires but no single-step re-run is
-    known, so no category can be given)."""
+    """What `judge` says of a divergence at t*. `category` is None when the gate fires but no
+    single-step re-run is known."""
 
     gate_fired_a: bool
     gate_fired_b: bool

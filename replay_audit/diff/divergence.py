@@ -10,11 +10,8 @@ from collections.abc import Sequence
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """The first step t* at which `a` and `b` differ; None when they are identical.
-
-    If one sequence is a strict prefix of the other, t* is the length of the shorter one: the
-    step at which one arm stopped and the other went on.
-    """
+    """The first step t* at which `a` and `b` differ; None when they are identical. If one is a
+    strict prefix of the other, t* is the shorter one's length: where one arm stopped."""
     n = min(len(a), len(b))
     for t in range(n):
         if a[t] != b[t]:

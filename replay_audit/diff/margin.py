@@ -47,11 +47,7 @@ class Margin:
 
 @dataclass(frozen=True)
 class GateRule:
-    """When the gate fires: Δ < τ, or always for τ = 0; never for τ < 0.
-
-    With `tau_ulps` set, τ at a step is `tau_ulps` ulps of the arm's format at the top-1 value and
-    `tau` is ignored.
-    """
+    """When the gate fires (module docstring). With `tau_ulps` set, `tau` is ignored."""
 
     tau: float = DEFAULT_TAU
     tau_ulps: float | None = None

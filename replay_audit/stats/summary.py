@@ -126,11 +126,8 @@ def log_histogram(
     bins_per_decade: int = 1,
 ) -> LogHistogram:
     """Histogram of non-negative `values` (margins) on a log10 axis, zeros counted apart.
-
-    decades=(lo, hi) fixes the axis to [10^lo, 10^hi] (compare runs on the same axis); by
-    default it is the smallest span of whole decades holding every positive value. With no
-    positive values and no decades given, there are no bins. ValueError on negative values.
-    """
+    decades=(lo, hi) fixes the axis to [10^lo, 10^hi] (to compare runs); by default it is the
+    smallest span of whole decades holding every positive value (none: no bins)."""
     data = finite_values(values, "values", allow_empty=True)
     if (data < 0).any():
         raise ValueError("log_histogram needs non-negative values (margins are >= 0)")
