@@ -587,6 +587,7 @@ def comparison_report(
     m = _margins(figures)
     cut = sum(1 for f in ok if f.window_cut)
     sar_note = SAR_NOTES.get(c.mode)
+    judged_against = Counter(f.baseline or "logged" for f in ok)
     if cut:
         why = (
             f"{counted(cut, 'result')} decoded only to t* + {c.decode_window} "
@@ -634,13 +635,8 @@ def comparison_report(
         screening=screening_report(c),
         decode_window=c.decode_window,
         window_cut=cut,
-        baselines=_baselines(ok),
+        baselines={b: judged_against[b] for b in BASELINES if judged_against[b]},
     )
-
-
-def _baselines(ok: Sequence[ResultFigures]) -> dict[str, int]:
-    counts = {b: sum(1 for f in ok if (f.baseline or "logged") == b) for b in BASELINES}
-    return {b: n for b, n in counts.items() if n}
 
 
 class PairedOutcome(NamedTuple):
