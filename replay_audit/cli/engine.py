@@ -360,32 +360,16 @@ def replay(
     own logged configuration replayed first: reproduce before compare). Ctrl-C stops after the
     trace being replayed: the results so far stay in --out, their summary is printed (and
     written to --summary-json), and --resume goes on from there."""
+    plan = _replay_plan(
+        dtype, lm_head_dtype, attn_kernel, intervention, tau, tau_ulps, top_k_b, mode,
+        control_fraction, control_seed, scan_flag_ulps, decode_window, batch_size, tp_degree,
+        top_k, extractor, reproduce,
+    )  # fmt: skip
     from replay_audit.cli.shutdown import signals_deferred
-    from replay_audit.engine import EnginePool, Intervention, Target
+    from replay_audit.engine import EnginePool
     from replay_audit.exceptions import ReplayAuditError
-    from replay_audit.replays.domain import ControlSample, RunTarget
-    from replay_audit.replays.offline import OfflinePlan, parse_traces, replay_file
+    from replay_audit.replays.offline import parse_traces, replay_file
 
-    if scan_flag_ulps is not None and not math.isfinite(scan_flag_ulps):
-        fail("--scan-flag-ulps must be a finite number")
-    if decode_window is not None and mode == "scan":
-        fail("--decode-window: mode scan decodes nothing to cut")
-    if tau is not None and tau_ulps is not None:
-        fail("give --tau or --tau-ulps, not both")
-    settings = Settings()
-    flag = settings.scan_flag_ulps if scan_flag_ulps is None else scan_flag_ulps
-    iv = Intervention(intervention, 1e-3 if tau is None else tau, tau_ulps, top_k_b)
-    plan = OfflinePlan(
-        RunTarget(Target(dtype, lm_head_dtype, attn_kernel, batch_size, iv), tp_degree=tp_degree),
-        mode,
-        ControlSample(control_fraction, control_seed, flag),
-        decode_window,
-        top_k,
-        extractor,
-        reproduce,
-        settings.scan_token_budget,
-        settings.large_run_traces,
-    )
     try:
         parsed = parse_traces(traces, _read_jsonl(traces))
         devices = max([tp_degree or 1, *(p.logged.tp_degree or 1 for p in parsed)])
@@ -401,6 +385,53 @@ def replay(
         named = str(traces) in e.message or str(out) in e.message  # the file and line at fault
         fail(e.message if named else f"{traces}: {e.message}")
     _report_replay(result, plan, out, summary_json)
+
+
+def _replay_plan(
+    dtype: BodyDType,
+    lm_head_dtype: HeadDType | None,
+    attn_kernel: str | None,
+    intervention: InterventionKind,
+    tau: float | None,
+    tau_ulps: float | None,
+    top_k_b: int,
+    mode: Mode | None,
+    control_fraction: float,
+    control_seed: int,
+    scan_flag_ulps: float | None,
+    decode_window: int | None,
+    batch_size: int,
+    tp_degree: int | None,
+    top_k: int,
+    extractor: str | None,
+    reproduce: bool,
+) -> OfflinePlan:
+    """`replay`'s options as an offline plan (exit 2 naming a bad option): the command keeps
+    to parsing, printing and signals (docs/architecture.md)."""
+    from replay_audit.engine import Intervention, Target
+    from replay_audit.replays.domain import ControlSample, RunTarget
+    from replay_audit.replays.offline import OfflinePlan
+
+    if scan_flag_ulps is not None and not math.isfinite(scan_flag_ulps):
+        fail("--scan-flag-ulps must be a finite number")
+    if decode_window is not None and mode == "scan":
+        fail("--decode-window: mode scan decodes nothing to cut")
+    if tau is not None and tau_ulps is not None:
+        fail("give --tau or --tau-ulps, not both")
+    settings = Settings()
+    flag = settings.scan_flag_ulps if scan_flag_ulps is None else scan_flag_ulps
+    iv = Intervention(intervention, 1e-3 if tau is None else tau, tau_ulps, top_k_b)
+    return OfflinePlan(
+        RunTarget(Target(dtype, lm_head_dtype, attn_kernel, batch_size, iv), tp_degree=tp_degree),
+        mode,
+        ControlSample(control_fraction, control_seed, flag),
+        decode_window,
+        top_k,
+        extractor,
+        reproduce,
+        settings.scan_token_budget,
+        settings.large_run_traces,
+    )
 
 
 def _report_replay(
