@@ -13,6 +13,7 @@ skipped (exit status 1 at the end); a context the traces cannot do without stops
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -231,18 +232,33 @@ class _Importer:
         self.vocabulary = Vocabulary(tokenizer) if tokenizer is not None else None
         self.task, self.results_file = task, results_file
         self.failed = self.skipped = self.empty = self.dropped = 0
+        #: Traces stored but not replayable (not greedy), by decoding strategy.
+        self.unreplayable: Counter[str] = Counter()
 
     def checked(self, where: str, traces: Iterable[Any]) -> Iterator[Any]:
-        """The traces, each whose logged top-k was not kept warned of by name and counted."""
+        """The traces, each whose logged top-k was not kept, or that no replay can run (not
+        greedy), warned of by name and counted."""
+        from replay_audit.formats import EXTRA_PROCESSORS, processors_not_applied
         from replay_audit.imports.generation import dropped_top_k
 
         for trace in traces:
+            name = trace.external_id or where
             reason = dropped_top_k(trace)
             if reason is not None:
                 self.dropped += 1
                 if self.dropped <= _MAX_SHOWN_ERRORS:
-                    name = trace.external_id or where
                     typer.secho(f"{where}: {name}: top-k not kept: {reason}", err=True, fg="yellow")
+            strategy = trace.decoding.strategy
+            if strategy != "greedy":
+                self.unreplayable[strategy] += 1
+                if self.unreplayable.total() <= _MAX_SHOWN_ERRORS:
+                    why = processors_not_applied(trace.config.extras.get(EXTRA_PROCESSORS))
+                    typer.secho(
+                        f"{where}: {name}: stored, but only greedy traces replay: "
+                        f"decoding.strategy {strategy!r}{why}",
+                        err=True,
+                        fg="yellow",
+                    )
             yield trace
 
     def report(self, where: str, message: str) -> None:
@@ -299,7 +315,8 @@ class _Importer:
                             skipped=empty,
                         )
                         self.empty += len(empty)
-                        yield from (build_trace(g, context, "lm-eval") for g in gens)
+                        lm = (build_trace(g, context, "lm-eval") for g in gens)
+                        yield from self.checked(where, lm)
                     else:
                         if self.fmt == "hf" and isinstance(item, dict):
                             item = self.hf_defaults(item)
@@ -441,6 +458,10 @@ def import_(
             f"; {importer.empty} empty responses skipped (cut at an `until` string "
             "or eos before any text: no tokens to replay)"
         )
+    if importer.unreplayable:
+        by = ", ".join(f"{k} {v}" for k, v in sorted(importer.unreplayable.items()))
+        n = importer.unreplayable.total()
+        summary += f"; {counted(n, 'trace')} cannot be replayed (decoding.strategy: {by})"
     if importer.dropped:
         summary += f"; {counted(importer.dropped, 'trace')} without their logged top-k (see above)"
     if importer.failed:

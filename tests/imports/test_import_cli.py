@@ -90,6 +90,9 @@ def test_openai_responses_to_jsonl_with_flags_and_a_config_file(
     )
     assert r.exit_code == 0, r.output
     assert "wrote 3 traces" in r.output
+    # Stored, but said at import (issue 33: "3 new" and no word, the reason surfacing later).
+    assert "; 2 traces cannot be replayed (decoding.strategy: sample 2)" in r.output
+    assert "stored, but only greedy traces replay: decoding.strategy 'sample'" in r.output
     chat, *completions = _read(out)
     assert chat.config.gpu is not None and chat.config.gpu.sm == "9.0"
     assert chat.config.batch_size == 16 and chat.config.engine.version == "0.11.1"  # flags win
@@ -553,6 +556,8 @@ def test_a_penalised_greedy_request_replays_with_its_processors_and_an_unsupport
     assert r.exit_code == 0, r.output
     [trace] = _read(out)
     assert trace.decoding.strategy == "other"
+    assert "1 trace cannot be replayed (decoding.strategy: other 1)" in r.output
+    assert "does not apply: frequency_penalty=0.3)" in r.output  # named at import already
     assert trace.config.extras["logits_processors"] == "frequency_penalty=0.3"
     r = runner.invoke(app, replay)
     assert r.exit_code == 2
