@@ -101,6 +101,8 @@ class Generation:
     stop_reason: StopReason | None = None
     #: The stop token id the server matched (added to the trace's eos ids).
     stop_token_id: int | None = None
+    #: The request's stop token ids (added to the trace's eos ids: the server stopped on them).
+    stop_token_ids: Sequence[int] = ()
     prompt_text: str | None = None
     output_text: str | None = None
     external_id: str | None = None
@@ -369,8 +371,9 @@ def build_trace(
         provenance=provenance,
     )
     eos = list(context.decoding.eos_token_ids or [])
-    if gen.stop_token_id is not None and gen.stop_token_id not in eos:
-        eos.append(gen.stop_token_id)
+    for stop in (*gen.stop_token_ids, gen.stop_token_id):
+        if stop is not None and stop not in eos:
+            eos.append(stop)
     body: dict[str, object] = {
         "external_id": gen.external_id,
         "model": _model(gen, context),

@@ -33,6 +33,8 @@ produced it (its sampling parameters say whether decoding was greedy; a response
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -42,6 +44,7 @@ from replay_audit.formats import StopReason, Strategy
 from replay_audit.imports import _json as j
 from replay_audit.imports.generation import Generation
 from replay_audit.imports.processors import RequestProcessors, read_processors
+from replay_audit.traces.schemas import ExtraValue
 
 
 def split_item(item: Any, path: str) -> tuple[Mapping[str, Any] | None, Mapping[str, Any], str]:
@@ -61,6 +64,35 @@ def split_item(item: Any, path: str) -> tuple[Mapping[str, Any] | None, Mapping[
 #: Below this temperature (`_SAMPLING_EPS` in vLLM's `vllm/sampling_params.py` and SGLang's
 #: `sampling/sampling_params.py`, read by each `SamplingParams`) both decode greedily.
 SAMPLING_EPS: Final = 1e-5
+
+
+#: A request's sampling fields (OpenAI's, vLLM's `SamplingParams`, SGLang's `sampling_params`),
+#: kept in `config.extras` under their own names whether or not a replay uses them (issue 33:
+#: they were dropped without a word); a list or mapping as its compact JSON.
+RECIPE_FIELDS: Final = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "sampling_seed", "stop",
+    "stop_token_ids", "ignore_eos", "min_tokens", "n", "best_of",
+)  # fmt: skip
+
+
+def request_recipe(request: Mapping[str, Any] | None) -> tuple[dict[str, ExtraValue], list[int]]:
+    """The request's `RECIPE_FIELDS` as extras, and its `stop_token_ids` (the server stopped
+    on them as on an eos: the replay does too)."""
+    params = request.get("sampling_params", request) if request is not None else None
+    if not isinstance(params, Mapping):
+        return {}, []
+    kept = {k: _extra(params[k]) for k in RECIPE_FIELDS if params.get(k) is not None}
+    ids = params.get("stop_token_ids")
+    stops = [t for t in ids if type(t) is int and t >= 0] if isinstance(ids, list) else []
+    return kept, stops
+
+
+def _extra(value: object) -> ExtraValue:
+    if isinstance(value, str | bool) or (type(value) is int and abs(value) < 2**63):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    return json.dumps(value, separators=(",", ":"), default=str)
 
 
 def decoding_recipe(
@@ -291,6 +323,7 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
     rid = j.opt_str(response.get("id"), f"{rpath}.id")
     model = j.opt_str(response.get("model"), f"{rpath}.model")
     strategy, processors = decoding_recipe(request)
+    recipe, stop_ids = request_recipe(request)
     engine = _engine(response, choices)
     max_tokens = _max_tokens(request)
     messages = request.get("messages") if request is not None else None
@@ -374,6 +407,8 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
                 engine_name=engine,
                 strategy=strategy,
                 processors=processors,
+                extras=recipe,
+                stop_token_ids=stop_ids,
                 max_new_tokens=max_tokens,
                 output_token_pieces=(
                     pieces
@@ -396,6 +431,7 @@ def parse_request_output(
     prompt = _prompt_ids(response.get("prompt_token_ids"), None, f"{path}.prompt_token_ids", path)
     rid = j.opt_str(response.get("request_id"), f"{path}.request_id")
     strategy, processors = decoding_recipe(request)
+    recipe, stop_ids = request_recipe(request)
     out = []
     for c, raw in enumerate(outputs):
         opath = f"{path}.outputs[{c}]"
@@ -436,6 +472,8 @@ def parse_request_output(
                 engine_name="vllm",
                 strategy=strategy,
                 processors=processors,
+                extras=recipe,
+                stop_token_ids=stop_ids,
                 max_new_tokens=_max_tokens(request),
                 output_token_pieces=_pieces(pieces) if len(pieces) == len(output) else None,
             )

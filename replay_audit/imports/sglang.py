@@ -34,7 +34,7 @@ from replay_audit.diff.pieces import Piece, piece_of_text
 from replay_audit.formats import StopReason
 from replay_audit.imports import _json as j
 from replay_audit.imports.generation import Generation
-from replay_audit.imports.openai_compat import decoding_recipe
+from replay_audit.imports.openai_compat import decoding_recipe, request_recipe
 
 
 def _tuple(value: Any, path: str) -> tuple[float | None, int]:
@@ -130,6 +130,7 @@ def _one(
     stop_reason, stop_id = _finish(meta, mpath)
     # SGLang adds a logit bias as given (no clamp to OpenAI's range in its native API).
     strategy, processors = decoding_recipe(request, clamp_logit_bias=False)
+    recipe, stop_ids = request_recipe(request)
     params = request.get("sampling_params") if request is not None else None
     max_new = params.get("max_new_tokens") if isinstance(params, Mapping) else None
     text = body.get("text")
@@ -149,6 +150,8 @@ def _one(
         output_token_pieces=pieces if pieces is not None and len(pieces) == len(output) else None,
         strategy=strategy,
         processors=processors,
+        extras=recipe,
+        stop_token_ids=stop_ids,
         batch_size=batch,
         max_new_tokens=max_new if isinstance(max_new, int) and max_new >= 1 else None,
     )

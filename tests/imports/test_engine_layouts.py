@@ -357,3 +357,59 @@ def test_text_keys_that_are_not_this_tokenizers_pieces_are_dropped_not_misread(
     assert trace.top_k is None and trace.output_token_ids == logged
     source = str(trace.config.extras["top_k_source"])
     assert source.startswith("dropped: the text keys are not this tokenizer's pieces: step 1")
+
+
+# -- the whole recipe (issue 33): every sampling field of the request kept ---------------------
+
+
+def test_an_openai_chat_requests_sampling_fields_are_kept_in_extras() -> None:
+    # OpenAI's chat request fields (openai.types.chat.CompletionCreateParams) as a client sends
+    # them to vLLM's OpenAI server, which reads min_p, top_k and stop_token_ids as extensions.
+    request = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "temperature": 0,
+        "top_p": 0.9,
+        "seed": 7,
+        "stop": ["\n\n", "END"],
+        "top_k": 1,
+        "min_p": 0.05,
+        "stop_token_ids": [13, 201],
+        "n": 1,
+    }
+    item = {"request": request, "response": load_fixture("vllm_chat_token_ids.json")}
+    [trace] = traces_from_item("openai", item, make_context())
+    extras = trace.config.extras
+    assert (extras["temperature"], extras["top_p"], extras["seed"]) == (0, 0.9, 7)
+    assert (extras["top_k"], extras["min_p"], extras["n"]) == (1, 0.05, 1)
+    assert json.loads(str(extras["stop"])) == ["\n\n", "END"]
+    assert json.loads(str(extras["stop_token_ids"])) == [13, 201]
+    # The server stops on the request's stop token ids as on an eos: so does the replay.
+    assert {13, 201} <= set(trace.decoding.eos_token_ids)
+    bare = traces_from_item("openai", load_fixture("vllm_chat_token_ids.json"), make_context())[0]
+    assert not {"temperature", "seed", "stop"} & set(bare.config.extras)  # nothing invented
+
+
+def test_a_vllm_sampling_params_recipe_is_kept_with_a_request_output() -> None:
+    # vllm.SamplingParams' own field names, dumped beside the RequestOutput.
+    dumped = json.loads((FIXTURES / "vllm_offline_request_output.jsonl").read_text().split("\n")[0])
+    params = {"temperature": 0.0, "max_tokens": 12, "seed": 3, "min_p": 0.0, "top_k": -1}
+    params |= {"stop": "###", "stop_token_ids": [2], "ignore_eos": False, "min_tokens": 1}
+    [trace] = traces_from_item("openai", {"request": params, "response": dumped}, CONTEXT)
+    extras = trace.config.extras
+    assert extras["seed"] == 3 and extras["stop"] == "###" and extras["ignore_eos"] is False
+    assert (extras["top_k"], extras["min_p"], extras["min_tokens"]) == (-1, 0.0, 1)
+    assert 2 in trace.decoding.eos_token_ids and trace.decoding.strategy == "greedy"
+
+
+def test_an_sglang_sampling_params_recipe_is_kept() -> None:
+    # SGLang's /generate `sampling_params` (python/sglang/srt/sampling/sampling_params.py).
+    sampling = {"temperature": 0, "max_new_tokens": 32, "top_p": 1.0, "top_k": -1}
+    sampling |= {"min_p": 0.0, "stop": ["END"], "stop_token_ids": [29889], "sampling_seed": 11}
+    request = {"text": "The cat sat on the", "sampling_params": sampling, "return_logprob": True}
+    item = {"request": request, "response": load_fixture("sglang_generate.json")}
+    [trace] = traces_from_item("sglang", item, make_context())
+    extras = trace.config.extras
+    assert extras["sampling_seed"] == 11 and json.loads(str(extras["stop"])) == ["END"]
+    assert (extras["temperature"], extras["top_p"], extras["top_k"]) == (0, 1.0, -1)
+    assert 29889 in trace.decoding.eos_token_ids and 2 in trace.decoding.eos_token_ids
