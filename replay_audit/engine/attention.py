@@ -30,15 +30,8 @@ PHASES: Final = ("prefill", "decode")
 
 #: `scaled_dot_product_attention`'s parameters in order, and the defaults of its options.
 _ARGUMENTS: Final = (
-    "query",
-    "key",
-    "value",
-    "attn_mask",
-    "dropout_p",
-    "is_causal",
-    "scale",
-    "enable_gqa",
-)
+    "query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -157,16 +150,7 @@ def _choice(
 ) -> str:
     """The backend torch's SDPA dispatcher picks for these arguments under the switches now."""
     try:
-        chosen = torch._fused_sdp_choice(
-            q,
-            k,
-            v,
-            mask,
-            options.dropout_p,
-            options.is_causal,
-            scale=options.scale,
-            enable_gqa=options.enable_gqa,
-        )
+        chosen = torch._fused_sdp_choice(q, k, v, mask, **vars(options))
     except (RuntimeError, TypeError) as exc:  # no backend accepts them: SDPA itself will raise
         return f"none ({type(exc).__name__})"
     return BACKEND_NAMES.get(int(chosen), str(chosen))
