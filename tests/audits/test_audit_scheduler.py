@@ -145,7 +145,8 @@ def test_cli_list_run_now_trend_and_catch_up(
     ingest(client, h, [logged_trace(p) for p in PROMPTS[:10]])
     runner = CliRunner()
 
-    listed = runner.invoke(cli, ["audit", "list", "--project", "acme"])
+    wide = {"COLUMNS": None}  # piped and no COLUMNS: wide enough not to wrap a row
+    listed = runner.invoke(cli, ["audit", "list", "--project", "acme"], env=wide)
     assert listed.exit_code == 0, listed.output
     assert sid in listed.output and "cli nightly" in listed.output
 
@@ -158,7 +159,7 @@ def test_cli_list_run_now_trend_and_catch_up(
         run = s.scalar(select(AuditRun))
         assert run is not None and run.status == "done" and run.metrics is not None
 
-    trend = runner.invoke(cli, ["audit", "trend", "--schedule", sid])
+    trend = runner.invoke(cli, ["audit", "trend", "--schedule", sid], env=wide)
     assert trend.exit_code == 0 and "done" in trend.output and "100.0%" in trend.output
 
     # A narrow terminal's width is kept when the output is not a terminal too (COLUMNS=80:
