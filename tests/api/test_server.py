@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -20,6 +19,7 @@ import uvicorn
 
 from replay_audit.api.server import TcpConfig, check_app_builds, run_processes, served_app
 from replay_audit.queue import stop_runner
+from tests.serving import free_port, wait_healthy
 
 
 def _nodelay_of_accepted(sock: socket.socket) -> int:
@@ -107,16 +107,10 @@ def test_the_real_app_builds_in_a_fresh_process(
     check_app_builds("replay_audit.api.server:served_app")  # returns: it built
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_plain_text_access_lines_keep_no_query_string(tmp_path: Path) -> None:
     """`serve`'s text logs (the default) write uvicorn's access lines without the query: a key
     put in `?api_key=` or a search term never reaches the log (issue 33). The path stays."""
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_AUDIT_")}
     env |= {
         "REPLAY_AUDIT_DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite'}",
@@ -128,16 +122,7 @@ def test_plain_text_access_lines_keep_no_query_string(tmp_path: Path) -> None:
         proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=out, stderr=out)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        wait_healthy(base, proc, log)
         answer = httpx.get(f"{base}/v1/traces?api_key=ra_SeCrEt123&model=zz-SeCrEt")
         assert answer.status_code == 401
     finally:

@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -23,17 +21,12 @@ from replay_audit.auth.service import create_api_key
 from replay_audit.db.unit_of_work import session_scope
 from tests.conftest import empty_all_tables
 from tests.factories import make_trace
+from tests.serving import free_port, wait_healthy
 from tests.telemetry.scrape import samples, value
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 INGESTED = "replay_audit_traces_ingested_total"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _per_process(directory: Path, tmp: Path) -> dict[str, float]:
@@ -56,7 +49,7 @@ def test_two_api_processes_add_up_and_log_json_lines(
     pg = postgres_database_url
     with session_scope(pg) as s:
         key = {"X-API-Key": create_api_key(s, "proc-project", "admin").key}
-    port, prom, log = _free_port(), tmp_path / "prom", tmp_path / "serve.log"
+    port, prom, log = free_port(), tmp_path / "prom", tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_AUDIT_")}
     env |= {
         "REPLAY_AUDIT_DATABASE_URL": pg,
@@ -73,16 +66,7 @@ def test_two_api_processes_add_up_and_log_json_lines(
         )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        wait_healthy(base, proc, log)
 
         # Post on fresh connections, 8 at a time, until both processes have answered some.
         posted = 0
