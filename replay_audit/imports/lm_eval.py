@@ -36,11 +36,17 @@ from replay_audit.engine.pieces import PieceReader
 from replay_audit.formats import LOGGED_DEVICES, Strategy, body_dtype
 from replay_audit.imports import _json as j
 from replay_audit.imports.generation import Generation
+from replay_audit.imports.openai_compat import RECIPE_FIELDS, extra_value
 from replay_audit.imports.processors import read_processors
 from replay_audit.json_value import JsonObject
 
 #: `config.extras["tokenization"]` of every lm-eval trace.
 TOKENIZATION: Final = "re-tokenised from lm-eval text with the checkpoint tokenizer"
+#: The run's seeds (the results JSON's `config`), kept in `config.extras` under their names.
+SEEDS: Final = ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")
+#: A request's `gen_kwargs` kept in `config.extras` under their names: the stop strings and
+#: the sampling fields (what a replay uses is also read into `decoding`).
+GEN_KWARGS_KEPT: Final = ("until", "do_sample", *RECIPE_FIELDS)
 
 
 class Tokenizer(Protocol):
@@ -167,6 +173,7 @@ def parse_lm_eval_sample(
         "chat_template": "applied by lm-eval" if results.get("chat_template") else "none",
         # The task's filters: answer extractors of this one generation.
         **({"filters": ",".join(map(str, names))} if isinstance(names, list) else {}),
+        **{k: extra_value(config[k]) for k in SEEDS if config.get(k) is not None},
     }
     out = []
     for i, (context, kwargs) in enumerate(requests):
@@ -189,6 +196,7 @@ def parse_lm_eval_sample(
         strategy: Strategy = (
             ("other" if processors.not_replayed else "greedy") if greedy else "sample"
         )
+        recipe = {k: extra_value(kwargs[k]) for k in GEN_KWARGS_KEPT if kwargs.get(k) is not None}
         prompt = _encode(tokenizer, context, add_bos)
         if isinstance(max_length, int) and max_gen is not None and max_length > max_gen:
             prompt = prompt[-(max_length - max_gen) :]
@@ -218,7 +226,7 @@ def parse_lm_eval_sample(
                     max_new_tokens=max_gen,
                     reference_answer=None if target is None else str(target),
                     tags=("lm-eval", f"task={task}"),
-                    extras=extras,
+                    extras={**extras, **recipe},
                     output_token_pieces=pieces(output) if pieces is not None else None,
                 )
             )

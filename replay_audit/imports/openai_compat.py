@@ -81,13 +81,14 @@ def request_recipe(request: Mapping[str, Any] | None) -> tuple[dict[str, ExtraVa
     params = request.get("sampling_params", request) if request is not None else None
     if not isinstance(params, Mapping):
         return {}, []
-    kept = {k: _extra(params[k]) for k in RECIPE_FIELDS if params.get(k) is not None}
+    kept = {k: extra_value(params[k]) for k in RECIPE_FIELDS if params.get(k) is not None}
     ids = params.get("stop_token_ids")
     stops = [t for t in ids if type(t) is int and t >= 0] if isinstance(ids, list) else []
     return kept, stops
 
 
-def _extra(value: object) -> ExtraValue:
+def extra_value(value: object) -> ExtraValue:
+    """`value` as `config.extras` keeps it (a list or mapping as its compact JSON)."""
     if isinstance(value, str | bool) or (type(value) is int and abs(value) < 2**63):
         return value
     if isinstance(value, float) and math.isfinite(value):

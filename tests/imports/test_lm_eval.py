@@ -193,3 +193,21 @@ def test_the_results_file_says_only_what_it_states() -> None:
     assert ctx["dtype"] == "bf16" and ctx["device"] == "cuda" and "batch_size" not in ctx
     assert task_from_filename("samples_gsm8k_cot_2024-05-01T12-00-00.123.jsonl") == "gsm8k_cot"
     assert task_from_filename("results_2024.json") is None
+
+
+def test_the_stop_strings_sampling_fields_and_seeds_are_kept_under_their_names() -> None:
+    # `until` and the sampling fields of the sample's gen_kwargs (arg_1), the seeds of the
+    # results JSON's config (lm_eval/evaluator.py: random_seed, numpy_seed, torch_seed,
+    # fewshot_seed): kept, not dropped.
+    s = sample()
+    s["arguments"]["gen_args_0"]["arg_1"].update(until=["\n", "Question:"], top_p=0.95)
+    [gen] = parse_lm_eval_sample(s, task="arith", tokenizer=TOKENIZER, results=RESULTS)
+    extras = build_trace(gen, context(), "lm-eval").config.extras
+    assert extras["until"] == '["\\n","Question:"]'
+    assert (extras["do_sample"], extras["temperature"], extras["top_p"]) == (False, 0.0, 0.95)
+    seeds = [extras[k] for k in ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")]
+    assert seeds == [0, 1234, 1234, 1234]
+    # An older results JSON without seeds: none invented.
+    older = {**RESULTS, "config": {k: v for k, v in RESULTS["config"].items() if "seed" not in k}}
+    [gen] = parse_lm_eval_sample(sample(), task="arith", tokenizer=TOKENIZER, results=older)
+    assert not {"random_seed", "torch_seed"} & set(gen.extras)
