@@ -15,6 +15,9 @@ Field names, checked against the source (EleutherAI/lm-evaluation-harness):
   `tok_batch_encode` (no special tokens added when the context starts with the BOS string,
   else the tokenizer's default or `add_bos_token`), left-truncated to `max_length -
   max_gen_toks`, and decodes the continuation, cut at the `until` strings.
+- `lm_eval/models/vllm_causallms.py` (`model: vllm`): contexts encoded with
+  `add_special_tokens=add_bos_token` (False unless given, True for gemma), the rest of
+  gen_kwargs as `SamplingParams` (temperature 0.0 unless given, `do_sample` dropped).
 
 The samples carry text, not token ids: the import re-tokenises both the context and the
 response with the checkpoint's own tokenizer, and every trace says so
@@ -36,8 +39,9 @@ from replay_audit.engine.pieces import PieceReader
 from replay_audit.formats import LOGGED_DEVICES, Strategy, body_dtype
 from replay_audit.imports import _json as j
 from replay_audit.imports.generation import Generation
-from replay_audit.imports.openai_compat import RECIPE_FIELDS, extra_value
+from replay_audit.imports.openai_compat import RECIPE_FIELDS, decoding_recipe, extra_value
 from replay_audit.imports.processors import read_processors
+from replay_audit.imports.schemas import EXTRA_REQUEST_BATCH
 from replay_audit.json_value import JsonObject
 
 #: `config.extras["tokenization"]` of every lm-eval trace.
@@ -81,11 +85,11 @@ def context_from_results(results: Mapping[str, Any]) -> JsonObject:
         dtype = body_dtype(_model_args(config.get("model_args")).get("dtype", ""))
     if dtype is not None:
         out["dtype"] = dtype
-    batch = config.get("batch_size")
-    if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1:
+    batch = _count(config.get("batch_size"))
+    # lm-eval hands vLLM `batch_size` requests per generate() call, which it batches
+    # dynamically: only a batch of 1 is the batch that ran (`EXTRA_REQUEST_BATCH` has others).
+    if batch is not None and (config.get("model") != "vllm" or batch == 1):
         out["batch_size"] = batch
-    elif isinstance(batch, str) and batch.isdigit() and int(batch) >= 1:
-        out["batch_size"] = int(batch)
     device = config.get("device")
     if isinstance(device, str) and device:
         kind = device.split(":")[0]
@@ -97,7 +101,32 @@ def context_from_results(results: Mapping[str, Any]) -> JsonObject:
         if isinstance(version, str) and version and version != "N/A":
             engine["version"] = version
         out["engine"] = engine
+    elif config.get("model") == "vllm":  # lm_eval/models/vllm_causallms.py
+        out["engine"] = {"name": "vllm"}
+        tp = _count(_model_args(config.get("model_args")).get("tensor_parallel_size"))
+        if tp is not None:
+            out["tp_degree"] = tp
     return out
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return value if ok else None
+
+
+def _add_bos(config: Mapping[str, Any]) -> bool | None:
+    """`add_bos_token` of `model_args`, else the backend's default: lm-eval's vLLM encodes
+    without special tokens (`add_bos_token=False`) but for a model named gemma; None: the
+    tokenizer's default (HF)."""
+    args = _model_args(config.get("model_args"))
+    given = args.get("add_bos_token")
+    if given is not None:
+        return given.lower() == "true"
+    if config.get("model") == "vllm":
+        return "gemma" in args.get("pretrained", "").lower()
+    return None
 
 
 def _arguments(sample: Mapping[str, Any], path: str) -> list[tuple[Any, Any]]:
@@ -159,8 +188,10 @@ def parse_lm_eval_sample(
     results = results or {}
     config = results.get("config") if isinstance(results.get("config"), Mapping) else {}
     assert isinstance(config, Mapping)
-    add_bos_raw = _model_args(config.get("model_args")).get("add_bos_token")
-    add_bos = None if add_bos_raw is None else add_bos_raw.lower() == "true"
+    add_bos = _add_bos(config)
+    vllm = config.get("model") == "vllm"
+    # The requests handed to vLLM per call (`context_from_results`): not a batch that ran.
+    handed = config.get("batch_size") if vllm and _count(config.get("batch_size")) != 1 else None
     max_length = results.get("max_length")
     target = body.get("target")
     date = results.get("date")
@@ -174,6 +205,7 @@ def parse_lm_eval_sample(
         # The task's filters: answer extractors of this one generation.
         **({"filters": ",".join(map(str, names))} if isinstance(names, list) else {}),
         **{k: extra_value(config[k]) for k in SEEDS if config.get(k) is not None},
+        **({EXTRA_REQUEST_BATCH: extra_value(handed)} if handed is not None else {}),
     }
     out = []
     for i, (context, kwargs) in enumerate(requests):
@@ -193,9 +225,12 @@ def parse_lm_eval_sample(
         )
         # The rest of gen_kwargs go to generate(): its logits processors ran too.
         processors = read_processors(kwargs, clamp_logit_bias=False)
-        strategy: Strategy = (
+        strategy: Strategy | None = (
             ("other" if processors.not_replayed else "greedy") if greedy else "sample"
         )
+        if vllm:  # SamplingParams(**gen_kwargs), temperature 0.0 unless given; no do_sample
+            params = {**kwargs, "temperature": kwargs.get("temperature", 0.0)}
+            strategy, processors = decoding_recipe(params, clamp_logit_bias=False)
         recipe = {k: extra_value(kwargs[k]) for k in GEN_KWARGS_KEPT if kwargs.get(k) is not None}
         prompt = _encode(tokenizer, context, add_bos)
         if isinstance(max_length, int) and max_gen is not None and max_length > max_gen:
@@ -220,7 +255,7 @@ def parse_lm_eval_sample(
                     prompt_text=context,
                     output_text=response,
                     external_id=f"lm-eval:{task}:{doc_id}{suffix}{run}",
-                    strategy=strategy,
+                    strategy=strategy or "other",
                     processors=processors,
                     token_ids_source="retokenized",
                     max_new_tokens=max_gen,

@@ -45,6 +45,9 @@ EXTRA_FORMAT: Final = "import_format"
 EXTRA_LOGPROBS_MODE: Final = "logprobs_mode"
 EXTRA_UNKNOWN: Final = "unknown"
 EXTRA_TOKENIZATION: Final = "tokenization"
+#: The prompts one request handed a server that batches dynamically (an SGLang list request,
+#: lm-eval's `batch_size` on vLLM): not the batch that ran, which stays unknown.
+EXTRA_REQUEST_BATCH: Final = "request_batch"
 #: Keys of `config.extras` kept for the import's own (`EXTRA_*`, `formats.EXTRA_TOP_K_VALUES`).
 IMPORT_EXTRAS: Final = 14
 #: The value of a configuration field nobody gave (strings), and of `logprobs_mode`.

@@ -93,9 +93,9 @@ def sample(doc_id: int = 3, response: str = " 4\n", **edits: Any) -> dict[str, A
     return body
 
 
-def context() -> ImportContext:
+def context(results: dict[str, Any] = RESULTS) -> ImportContext:
     values = {
-        **context_from_results(RESULTS),
+        **context_from_results(results),
         "model": {
             "name": "tiny-llama",
             "weights_sha256": weights_sha256(BUNDLED_MODEL_DIR),
@@ -211,3 +211,46 @@ def test_the_stop_strings_sampling_fields_and_seeds_are_kept_under_their_names()
     older = {**RESULTS, "config": {k: v for k, v in RESULTS["config"].items() if "seed" not in k}}
     [gen] = parse_lm_eval_sample(sample(), task="arith", tokenizer=TOKENIZER, results=older)
     assert not {"random_seed", "torch_seed"} & set(gen.extras)
+
+
+#: A results JSON of `lm_eval --model vllm` (lm_eval/models/vllm_causallms.py: `VLLM`'s
+#: `model_args` `pretrained`, `dtype`, `tensor_parallel_size`, `add_bos_token`; no
+#: `model_dtype`, which only HFLM's get_model_info writes).
+VLLM_RESULTS: dict[str, Any] = {
+    **RESULTS,
+    "config": {
+        **{k: v for k, v in RESULTS["config"].items() if k != "model_dtype"},
+        "model": "vllm",
+        "model_args": "pretrained=./ckpt,dtype=bfloat16,tensor_parallel_size=2,"
+        "gpu_memory_utilization=0.8",
+        "batch_size": "auto",
+        "device": "cuda",
+    },
+}
+
+
+def test_a_run_on_lm_evals_vllm_backend_is_recorded_as_vllm_ran_it() -> None:
+    ctx = context_from_results(VLLM_RESULTS)
+    assert ctx["engine"] == {"name": "vllm"} and ctx["tp_degree"] == 2 and ctx["dtype"] == "bf16"
+    # vLLM batches the requests lm-eval hands it dynamically: not a batch size that ran.
+    assert "batch_size" not in ctx
+    [gen] = parse_lm_eval_sample(sample(), task="arith", tokenizer=TOKENIZER, results=VLLM_RESULTS)
+    trace = build_trace(gen, context(VLLM_RESULTS), "lm-eval")
+    assert (trace.config.engine.name, trace.config.tp_degree) == ("vllm", 2)
+    assert trace.config.batch_size is None and trace.config.extras["request_batch"] == "auto"
+    assert "batch_size" in str(trace.config.extras["unknown"])
+    # vLLM's tok_encode adds no special tokens (add_bos_token=False by default): no BOS.
+    text = "Question: 2 + 2 =\nAnswer:"
+    assert trace.prompt_token_ids == TOKENIZER(text, add_special_tokens=False)["input_ids"]
+    assert TOKENIZER.decode(trace.output_token_ids) == " 4\n"
+    # An explicit add_bos_token=True in model_args is honoured.
+    config = {**VLLM_RESULTS["config"], "model_args": "pretrained=./ckpt,add_bos_token=True"}
+    [gen] = parse_lm_eval_sample(
+        sample(), task="arith", tokenizer=TOKENIZER, results={**VLLM_RESULTS, "config": config}
+    )
+    assert list(gen.prompt_token_ids or ()) == TOKENIZER(text)["input_ids"]
+    # SamplingParams takes the temperature and ignores do_sample: 0.7 samples.
+    s = sample()
+    s["arguments"]["gen_args_0"]["arg_1"].update(do_sample=False, temperature=0.7)
+    [gen] = parse_lm_eval_sample(s, task="arith", tokenizer=TOKENIZER, results=VLLM_RESULTS)
+    assert gen.strategy == "sample"
