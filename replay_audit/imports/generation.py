@@ -132,7 +132,7 @@ class Generation:
     #: Where a kept top-k's ids came from (what `resolve` did with text keys).
     top_k_source: str = "logged ids"
     processors: RequestProcessors = dataclasses.field(default_factory=RequestProcessors)
-    #: The batch size the source states (a list answer, a generate() call's rows).
+    #: The batch size that ran, where the source states it (a generate() call's rows).
     batch_size: int | None = None
     #: Where the row sat in the batch it was generated in (`decoding.batch`: every row's prompt
     #: length, this row), where the source shows it (a generate() call's left-padded rows).

@@ -22,7 +22,9 @@ re-tokenised by `generation.resolve`.
 What the logprobs are depends on the server (the sampler's all-greedy path returns
 log_softmax of the logits; otherwise they are taken after temperature scaling unless the server
 runs with `SGLANG_RETURN_ORIGINAL_LOGPROB`): the import context's `logprobs_mode` says it.
-A request with a batch of prompts answers a list: every element is a generation.
+A request with a batch of prompts answers a list: every element is a generation. The server
+batches dynamically, so the list's length is not the batch that ran: it is kept as
+`config.extras["request_batch"]` and the batch size stays unknown.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from replay_audit.formats import StopReason
 from replay_audit.imports import _json as j
 from replay_audit.imports.generation import Generation
 from replay_audit.imports.openai_compat import decoding_recipe, request_recipe
+from replay_audit.imports.schemas import EXTRA_REQUEST_BATCH
 
 
 def _tuple(value: Any, path: str) -> tuple[float | None, int]:
@@ -150,9 +153,8 @@ def _one(
         output_token_pieces=pieces if pieces is not None and len(pieces) == len(output) else None,
         strategy=strategy,
         processors=processors,
-        extras=recipe,
+        extras={**recipe, **({EXTRA_REQUEST_BATCH: batch} if batch is not None else {})},
         stop_token_ids=stop_ids,
-        batch_size=batch,
         max_new_tokens=max_new if isinstance(max_new, int) and max_new >= 1 else None,
     )
 
@@ -169,7 +171,8 @@ def parse_sglang(item: Any, path: str = "item") -> list[Generation]:
     if not isinstance(answer, list):
         return [_one(j.obj(answer, rpath), request, rpath, None)]
     bodies: Sequence[Any] = answer
-    # A list answer is one request's prompts, scheduled together: the batch it states.
+    # A list answer is one request's prompts, but the server batches dynamically (with other
+    # requests, as they arrive and finish): its length is kept, not stored as the batch size.
     return [
         _one(j.obj(b, f"{rpath}[{i}]"), _nth_request(request, i), f"{rpath}[{i}]", len(bodies))
         for i, b in enumerate(bodies)

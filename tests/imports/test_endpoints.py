@@ -164,3 +164,24 @@ def test_a_top_k_the_server_cannot_keep_is_named_in_the_items_result(
     assert stored["config"]["extras"]["top_k_source"].startswith("dropped: ")
     assert stored["prompt_messages"] == [{"role": "user", "content": "def _convert_num(node):\n"}]
     assert stored["config"]["batch_size"] is None and stored["config"]["tp_degree"] is None
+
+
+def test_an_sglang_batch_requests_length_is_not_stored_as_the_batch_that_ran(
+    client: TestClient, headers: Headers
+) -> None:
+    """SGLang batches dynamically: a batch request's list answer (io_struct.GenerateReqInput's
+    `text` as a list) gives its length as `request_batch`, the batch size stays unknown."""
+    one, two = load_fixture("sglang_generate.json"), load_fixture("sglang_generate.json")
+    two["meta_info"]["id"] = "second"
+    request = {"input_ids": [[1, 2], [1, 3]], "sampling_params": {"temperature": 0}}
+    answer = client.post(
+        "/v1/traces:import?format=sglang",
+        json={"context": CONTEXT, "items": [{"request": request, "response": [one, two]}]},
+        headers=headers("submitter"),
+    )
+    assert answer.status_code == 207, answer.text
+    for result in answer.json()["results"]:
+        stored = client.get(f"/v1/traces/{result['id']}", headers=headers("auditor")).json()
+        config = stored["config"]
+        assert config["batch_size"] is None and config["extras"]["request_batch"] == 2
+        assert "batch_size" in config["extras"]["unknown"].split(",")

@@ -279,10 +279,12 @@ def test_a_servers_default_processors_come_from_the_context(vocabulary: Vocabula
 
 def test_sglang_generate_with_default_arguments(vocabulary: Vocabulary) -> None:
     """A batch of three prompts, `logprob_start_len` left at -1 (no prompt ids): each prompt
-    re-tokenised from the request's text; the list answer states the batch size."""
+    re-tokenised from the request's text. The server batches dynamically: the list's length
+    is kept as the request's batch, and the batch size that ran stays unknown."""
     item = load_fixture("sglang_generate_default.json")
     traces = traces_from_item("sglang", item, CONTEXT, vocabulary=vocabulary)
-    assert [t.config.batch_size for t in traces] == [3, 3, 3]
+    assert [t.config.batch_size for t in traces] == [None, None, None]
+    assert [t.config.extras["request_batch"] for t in traces] == [3, 3, 3]
     for trace, answer in zip(traces, item["response"], strict=True):
         meta = answer["meta_info"]
         assert len(trace.prompt_token_ids) == meta["prompt_tokens"]
@@ -290,7 +292,7 @@ def test_sglang_generate_with_default_arguments(vocabulary: Vocabulary) -> None:
         assert trace.output_token_ids == answer["output_ids"]
         assert trace.config.engine.name == "sglang" and trace.decoding.strategy == "greedy"
         assert trace.config.extras["token_ids_source"] == "retokenized"
-        assert "batch_size" not in str(trace.config.extras["unknown"])
+        assert "batch_size" in str(trace.config.extras["unknown"]).split(",")
     given = CONTEXT.model_copy(update={"logprobs_mode": "raw_logprobs"})
     assert traces_from_item("sglang", item, given, vocabulary=vocabulary)[0].top_k is not None
     # No logprobs asked for at all: the answer's text, output_ids and meta_info only.
