@@ -18,9 +18,10 @@ from replay_audit.stats.summary import Histogram, LogHistogram
 
 WIDTH = 640
 #: The width of a character of an 11 px label (system-ui), for laying labels out, and how far
-#: right a bar chart's labels may push its bars.
+#: right a bar chart's labels may push its bars (a longer label wraps); LINE_H: a label's line.
 CHAR_W = 6.4
 LABEL_MAX_X = 360
+LINE_H = 14
 #: Longest arm name in the margin track's legend (three entries share its one row).
 LEGEND_CHARS = 30
 #: Margins: left (axis labels), right, top, bottom (axis labels).
@@ -44,6 +45,38 @@ def _text(x: float, y: float, text: object, cls: str = "axis-label", anchor: str
         f'<text x="{_num(x)}" y="{_num(y)}" class="{cls}" text-anchor="{anchor}">'
         f"{escape(str(text))}</text>"
     )
+
+
+def _wrap(text: str, fit: int) -> list[str]:
+    """`text` in lines of at most `fit` characters, broken at spaces (a longer word is split)."""
+    lines: list[str] = []
+    for word in text.split(" "):
+        if lines and len(lines[-1]) + 1 + len(word) <= fit:
+            lines[-1] += " " + word
+            continue
+        while len(word) > fit:
+            lines.append(word[:fit])
+            word = word[fit:]
+        lines.append(word)
+    return lines
+
+
+def _row_tops(labels: Sequence[Sequence[str]], min_h: int) -> list[int]:
+    """Where each row of a chart of wrapped labels starts, then where the last one ends."""
+    tops = [MT]
+    for lines in labels:
+        tops.append(tops[-1] + max(min_h, LINE_H * len(lines) + 10))
+    return tops
+
+
+def _label(x: float, y: float, lines: Sequence[str]) -> str:
+    """A right-aligned label of `lines`, vertically centred on `y`."""
+    top = y + 4 - (len(lines) - 1) * LINE_H / 2
+    spans = "".join(
+        f'<tspan x="{_num(x)}" y="{_num(top + i * LINE_H)}">{escape(line)}</tspan>'
+        for i, line in enumerate(lines)
+    )
+    return f'<text class="axis-label" text-anchor="end">{spans}</text>'
 
 
 def _rect(x: float, y: float, w: float, h: float, cls: str, tip: str) -> str:
@@ -203,25 +236,25 @@ def margin_at_divergence_chart(m: MarginReport, *, ulps: bool = False) -> Markup
 
 def category_chart(categories: dict[str, ProportionRead], height: int | None = None) -> Markup:
     """Horizontal bars: each category's share of the ok results with its Wilson interval."""
-    rows = list(categories.items())
-    row_h = 26
-    height = height or MT + row_h * len(rows) + 30
-    body: list[str] = []
     # The bars start where the longest label ends (a screening's `knob: value` labels are long),
-    # up to LABEL_MAX_X; a label longer than that is cut at its end, never at its start.
+    # up to LABEL_MAX_X; a label longer than that wraps, its row growing to hold it.
     longest = max((len(name) for name in categories), default=0)
     x0, x1 = min(LABEL_MAX_X, max(150, 16 + round(CHAR_W * longest))), WIDTH - 110
     fit = int((x0 - 16) / CHAR_W)
+    rows = [(name, p, _wrap(name.replace("_", " "), fit)) for name, p in categories.items()]
+    tops = _row_tops([lines for *_, lines in rows], 26)
+    bottom = tops[-1]
+    height = height or bottom + 30
+    body: list[str] = []
     for i in range(5):
         x = x0 + (x1 - x0) * i / 4
-        body.append(_line(x, MT - 4, x, MT + row_h * len(rows), "grid"))
-        body.append(_text(x, MT + row_h * len(rows) + 16, f"{25 * i}%"))
-    for i, (name, p) in enumerate(rows):
-        y = MT + i * row_h
+        body.append(_line(x, MT - 4, x, bottom, "grid"))
+        body.append(_text(x, bottom + 16, f"{25 * i}%"))
+    row_h = 26
+    for i, (name, p, lines) in enumerate(rows):
+        y = (tops[i] + tops[i + 1] - row_h) / 2  # the bar in the middle of its row
         share = p.estimate or 0.0
-        label = name.replace("_", " ")
-        label = label if len(label) <= fit else label[: fit - 1] + "…"
-        body.append(_text(x0 - 8, y + 16, label, anchor="end"))
+        body.append(_label(x0 - 8, y + row_h / 2, lines))
         body.append(
             _rect(
                 x0,
@@ -251,9 +284,11 @@ def lift_chart(lifts: Sequence[LiftReport]) -> Markup:
     hi = max(max(x.high or 0.0 for x in shown), 0.05)
     pad = (hi - lo) * 0.05
     lo, hi = lo - pad, hi + pad
-    row_h = 30
-    height = MT + row_h * len(shown) + 34
     x0, x1 = 220, WIDTH - MR - 10
+    names = [_wrap(x.label_b, int((x0 - 16) / CHAR_W)) for x in shown]
+    tops = _row_tops(names, 30)
+    bottom = tops[-1]
+    height = bottom + 34
 
     def sx(v: float) -> float:
         return x0 + (x1 - x0) * (v - lo) / (hi - lo)
@@ -264,14 +299,13 @@ def lift_chart(lifts: Sequence[LiftReport]) -> Markup:
     )
     for k in range(math.ceil(lo / step), math.floor(hi / step) + 1):
         v = k * step
-        body.append(_line(sx(v), MT - 4, sx(v), MT + row_h * len(shown), "grid"))
-        body.append(_text(sx(v), MT + row_h * len(shown) + 16, f"{v * 100:+.0f} pp" if k else "0"))
-    body.append(_line(sx(0), MT - 6, sx(0), MT + row_h * len(shown) + 2, "zero"))
+        body.append(_line(sx(v), MT - 4, sx(v), bottom, "grid"))
+        body.append(_text(sx(v), bottom + 16, f"{v * 100:+.0f} pp" if k else "0"))
+    body.append(_line(sx(0), MT - 6, sx(0), bottom + 2, "zero"))
     for i, x in enumerate(shown):
-        y = MT + i * row_h + row_h / 2
+        y = (tops[i] + tops[i + 1]) / 2
         assert x.lift is not None and x.low is not None and x.high is not None
-        name = x.label_b if len(x.label_b) <= 34 else x.label_b[:33] + "…"
-        body.append(_text(x0 - 8, y + 4, name, anchor="end"))
+        body.append(_label(x0 - 8, y, names[i]))
         body.append(_line(sx(x.low), y, sx(x.high), y, "ci"))
         body.append(
             f'<circle cx="{_num(sx(x.lift))}" cy="{_num(y)}" r="5" class="point">'

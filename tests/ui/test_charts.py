@@ -1,0 +1,32 @@
+"""The SVG charts' text (issue 33): labels are shown whole, wrapped rather than cut with an
+ellipsis."""
+
+from __future__ import annotations
+
+import re
+
+from replay_audit.stats.report import LiftReport, ProportionRead
+from replay_audit.ui.charts import category_chart, lift_chart
+
+LONG = "weight storage: fp16-stored, fp32 compute, deterministic algorithms off, batch 8"
+
+
+def _words(svg: str) -> list[str]:
+    return " ".join(re.findall(r"<tspan[^>]*>([^<]*)</tspan>", svg)).split()
+
+
+def test_long_labels_wrap_whole_instead_of_ending_in_an_ellipsis() -> None:
+    svg = str(category_chart({"short": ProportionRead.of(3, 4), LONG: ProportionRead.of(1, 4)}))
+    assert "\u2026" not in svg
+    assert _words(svg) == ["short", *LONG.split()]
+    lift = LiftReport(
+        run_a="a", comparison_a=0, run_b="a", comparison_b=1, label_a="base", label_b=LONG,
+        n=20, ear_a=0.5, ear_b=0.9, lift=0.4, low=0.2, high=0.6, confidence=0.95,
+        resamples=100, seed=0, fixed=8, broke=0, mcnemar_p=0.01, fixed_traces=[],
+        broke_traces=[], fixed_more=False, broke_more=False,
+    )  # fmt: skip
+    svg = str(lift_chart([lift]))
+    assert "\u2026" not in svg and _words(svg) == LONG.split()
+    # Each line is its own tspan, one under the other, the whole label inside the chart.
+    ys = [float(y) for y in re.findall(r'<tspan x="[\d.]+" y="([\d.]+)"', svg)]
+    assert len(ys) > 1 and ys == sorted(set(ys))
