@@ -278,6 +278,7 @@ class _Importer:
         )
         from replay_audit.imports.schemas import ImportContext
         from replay_audit.imports.service import traces_from_item
+        from replay_audit.imports.sniff import format_hint
 
         for path in files:
             context, results, task = self.context, {}, None
@@ -285,7 +286,9 @@ class _Importer:
                 results = _lm_eval_results(path, self.results_file)
                 task = self.task or task_from_filename(path.name)
                 if task is None:
-                    fail(f"{path}: not named samples_<task>_<date>.jsonl; give --task")
+                    first = next(iter(_read_items(self.fmt, path)), (None, None))[1]
+                    hint = format_hint(first, self.fmt)
+                    fail(f"{path}: not named samples_<task>_<date>.jsonl; give --task{hint}")
                 # The run's own record (dtype as loaded, batch size, device) under the flags.
                 merged = _merge(
                     context_from_results(results), context.model_dump(exclude_unset=True)
@@ -318,11 +321,10 @@ class _Importer:
                         lm = (build_trace(g, context, "lm-eval") for g in gens)
                         yield from self.checked(where, lm)
                     else:
-                        if self.fmt == "hf" and isinstance(item, dict):
-                            item = self.hf_defaults(item)
+                        hf = self.fmt == "hf" and isinstance(item, dict)
                         traces = traces_from_item(
                             self.fmt,  # type: ignore[arg-type]
-                            item,
+                            self.hf_defaults(item) if hf else item,
                             context,
                             vocabulary=self.vocabulary,
                         )
@@ -330,7 +332,7 @@ class _Importer:
                 except NotAGeneration:
                     self.skipped += 1
                 except ReplayAuditError as e:
-                    self.report(where, e.message)
+                    self.report(where, e.message + format_hint(item, self.fmt))
 
     def hf_defaults(self, item: dict[str, Any]) -> dict[str, Any]:
         """A saved generate() output completed from the checkpoint: its eos ids (rows end at

@@ -20,6 +20,7 @@ from replay_audit.imports.hf import parse_hf
 from replay_audit.imports.openai_compat import parse_openai
 from replay_audit.imports.schemas import ImportContext, ImportResult
 from replay_audit.imports.sglang import parse_sglang
+from replay_audit.imports.sniff import format_hint
 from replay_audit.imports.tokenization import Vocabulary
 from replay_audit.traces import service as traces_service
 from replay_audit.traces.schemas import TraceCreate
@@ -75,6 +76,9 @@ def import_items(
         try:
             traces = traces_from_item(fmt, item, context, path="item")
         except ReplayAuditError as error:
+            hint = format_hint(item, fmt, "format=")  # the item may be another server's
+            if hint and isinstance(error, FieldError):
+                error = FieldError(error.message + hint, field=error.field)
             parsed.append((index, None, error))
             continue
         parsed.extend((index, choice, trace) for choice, trace in enumerate(traces))

@@ -185,3 +185,20 @@ def test_an_sglang_batch_requests_length_is_not_stored_as_the_batch_that_ran(
         config = stored["config"]
         assert config["batch_size"] is None and config["extras"]["request_batch"] == 2
         assert "batch_size" in config["extras"]["unknown"].split(",")
+
+
+def test_an_item_of_another_server_is_refused_naming_its_format(
+    client: TestClient, headers: Headers
+) -> None:
+    answer = client.post(
+        "/v1/traces:import?format=openai",
+        json={"context": CONTEXT, "items": [load_fixture("sglang_generate.json"), _items()[0]]},
+        headers=headers("submitter"),
+    )
+    assert answer.status_code == 207, answer.text
+    sglang, openai = answer.json()["results"]
+    assert sglang["status"] == 422 and sglang["error"]["field"] == "item.choices"
+    assert sglang["error"]["detail"].endswith(
+        "(this looks like an SGLang /generate answer: use format=sglang)"
+    )
+    assert openai["status"] == 201

@@ -611,3 +611,43 @@ def test_a_file_of_another_format_says_which_reader_takes_it(
     assert r.exit_code == 1
     assert f"{text}: not a generate() output loadable safely (a text file" in r.output
     assert ".json or .jsonl" in r.output and "Unpickl" not in r.output
+
+
+def test_a_wrong_format_names_the_format_the_file_looks_like(
+    chat_checkpoint: Path, tmp_path: Path
+) -> None:
+    """An SGLang answer (`meta_info`) or an lm-eval sample (`doc_id`, `arguments`, `resps`)
+    read with another `--format`: the error still names the field, and now the format too."""
+    from tests.imports.conftest import FIXTURES
+
+    answer = {"request": {"text": "a"}, "response": load_fixture("sglang_generate.json")}
+    sglang = _write_jsonl(tmp_path / "answers.jsonl", [answer])
+    samples = FIXTURES / "samples_gsm8k_2026-01-05T00-00-00.000000.jsonl"
+    common = ["--model", str(chat_checkpoint), "--config", "dtype=fp32", "--out"]
+    for fmt, path, field, found in [
+        ("openai", sglang, "item.response.choices", "an SGLang /generate answer"),
+        ("hf", sglang, "item.sequences", "an SGLang /generate answer"),
+        ("openai", samples, "item.choices", "an lm-eval --log_samples sample"),
+        ("sglang", samples, "item.meta_info", "an lm-eval --log_samples sample"),
+    ]:
+        right = "sglang" if path == sglang else "lm-eval"
+        args = ["import", "--format", fmt, str(path), *common, str(tmp_path / "o")]
+        r = runner.invoke(app, args)
+        assert r.exit_code == 1, r.output
+        assert f"{path}:1: {field}" in r.output, (fmt, r.output)
+        assert f"(this looks like {found}: use --format {right})" in r.output, (fmt, r.output)
+    # lm-eval's reader on an SGLang log: the file name or the sample says which format it is.
+    lm = ["import", "--format", "lm-eval", str(sglang), *common, str(tmp_path / "o")]
+    r = runner.invoke(app, lm)
+    assert r.exit_code == 2 and "give --task (this looks like an SGLang" in r.output, r.output
+    r = runner.invoke(app, [*lm, "--task", "t"])
+    assert r.exit_code == 1 and "sample.arguments: missing" in r.output
+    assert "use --format sglang)" in r.output
+    # The right format with a bad item: no hint.
+    bad = load_fixture("vllm_chat_token_ids.json")
+    del bad["prompt_token_ids"]
+    path = _write_jsonl(tmp_path / "bad.jsonl", [bad])
+    r = runner.invoke(
+        app, ["import", "--format", "openai", str(path), *common, str(tmp_path / "o")]
+    )
+    assert r.exit_code == 1 and "prompt_token_ids" in r.output and "looks like" not in r.output
