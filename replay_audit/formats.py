@@ -153,6 +153,12 @@ CACHE_KINDS: Final[tuple[CacheKind, ...]] = get_args(CacheKind)
 MarginSource = Literal["logged_top_k", "reconstructed", "decode", "scan", "unavailable"]
 MARGIN_SOURCES: Final[tuple[MarginSource, ...]] = get_args(MarginSource)
 
+#: How the single-step probe at t* runs (docs/replays.md "The single-step probe"): the arm's
+#: teacher-forced forward over prompt ‖ arm A's tokens (the scan's own, where it ran), or a
+#: from-scratch forward over prompt ‖ y<t* alone.
+SingleStepKind = Literal["teacher_forced", "from_scratch"]
+SINGLE_STEP_KINDS: Final[tuple[SingleStepKind, ...]] = get_args(SingleStepKind)
+
 #: Where a replay target or a screening runs: a CUDA worker or a CPU one (None where a field
 #: takes it: wherever the deployment can).
 Device = Literal["cpu", "cuda"]

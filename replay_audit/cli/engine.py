@@ -29,6 +29,7 @@ from replay_audit.formats import (
     HeadDType,
     InterventionKind,
     Mode,
+    SingleStepKind,
 )
 from replay_audit.json_value import JsonObject, as_str
 from replay_audit.queue.route import MAX_TP_DEGREE
@@ -324,6 +325,11 @@ ModeOpt = Annotated[Mode | None, typer.Option(help=_MODE_HELP)]
 TpOpt = Annotated[int | None, typer.Option(min=1, max=MAX_TP_DEGREE, help=_TP_HELP)]
 DeviceOpt = Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if any).")]
 KvOpt = Annotated[CacheKind | None, typer.Option(help=_KV_HELP)]
+_PROBE_HELP = (
+    "The single-step probe at t*: teacher_forced (row t* of each arm's forward over prompt and "
+    "arm A's tokens, the scan's own where it ran) or from_scratch (a forward over y<t* alone)."
+)
+ProbeOpt = Annotated[SingleStepKind, typer.Option(help=_PROBE_HELP)]
 SummaryOpt = Annotated[Path | None, typer.Option(help="Also write the summary here.")]
 ThreadsOpt = Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")]
 
@@ -355,6 +361,7 @@ def replay(
     threads: ThreadsOpt = None,
     resume: Annotated[bool, typer.Option(help=_RESUME_HELP)] = False,
     reproduce: Annotated[bool, typer.Option(help=_REPRODUCE_HELP)] = True,
+    single_step: ProbeOpt = "teacher_forced",
 ) -> None:
     """Replay each trace in the target configuration and diff it with the logged output (its
     own logged configuration replayed first: reproduce before compare). Ctrl-C stops after the
@@ -363,7 +370,7 @@ def replay(
     plan = _replay_plan(
         dtype, lm_head_dtype, attn_kernel, intervention, tau, tau_ulps, top_k_b, mode,
         control_fraction, control_seed, scan_flag_ulps, decode_window, batch_size, tp_degree,
-        top_k, extractor, reproduce,
+        top_k, extractor, reproduce, single_step,
     )  # fmt: skip
     from replay_audit.cli.shutdown import signals_deferred
     from replay_audit.engine import EnginePool
@@ -405,6 +412,7 @@ def _replay_plan(
     top_k: int,
     extractor: str | None,
     reproduce: bool,
+    single_step: SingleStepKind,
 ) -> OfflinePlan:
     """`replay`'s options as an offline plan (exit 2 naming a bad option): the command keeps
     to parsing, printing and signals (docs/architecture.md)."""
@@ -431,6 +439,7 @@ def _replay_plan(
         reproduce,
         settings.scan_token_budget,
         settings.large_run_traces,
+        single_step,
     )
 
 

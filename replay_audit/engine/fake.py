@@ -5,9 +5,8 @@ The fake is a deterministic "model" given as a Python function: `next_token(cont
 the next token and its top-2 margin for a context (prompt ‖ output so far). The decode loop,
 the scan and the single-step re-run all derive from it, so they agree with each other unless a
 test says otherwise: `step_fn` overrides the from-scratch re-run (to model a flip that needs the
-KV cache), `scan_fn` the teacher-forced scan (a scan is one forward from scratch, so a flip that
-needs the KV cache is invisible to it: give it the same function as `step_fn`), and `repair_fn`
-says what an intervention picks at a gated step.
+KV cache), `scan_fn` the teacher-forced scan (None: `step_fn`, since a scan has no decode's KV
+cache either), and `repair_fn` says what an intervention picks at a gated step.
 """
 
 from __future__ import annotations
@@ -77,7 +76,7 @@ class FakeEngine:
     max_positions: int | None = None
     step_fn: NextToken | None = None
     repair_fn: Repair | None = None
-    #: The model of the teacher-forced scan (None: `next_token`).
+    #: The model of the teacher-forced scan (None: `step_fn`, else `next_token`).
     scan_fn: NextToken | None = None
     #: Optional text for detokenize: token id → string piece.
     pieces: Callable[[int], str] | None = None
@@ -205,7 +204,7 @@ class FakeEngine:
         top_k: int,
     ) -> ScanRun:
         iv = intervention or self.target.intervention
-        fn = self.scan_fn or self.next_token
+        fn = self.scan_fn or self.step_fn or self.next_token
         parts = [
             self._step((*prompt_ids, *output_ids[:t]), iv, top_k, fn)
             for t in range(len(output_ids))

@@ -51,6 +51,7 @@ from replay_audit.formats import (
     MarginSource,
     Mode,
     Screen,
+    SingleStepKind,
     StopReason,
     TopKValues,
     logged_by_another_engine,
@@ -314,6 +315,8 @@ class ResolvedArm:
     stack_differs: tuple[str, ...] = ()
     #: The logged batch the row replayed in (None: alone, or among copies of itself).
     batch_layout: BatchLayout | None = None
+    #: How its single-step probe at t* ran (rows of earlier releases: from scratch).
+    single_step: SingleStepKind = "from_scratch"
 
     @property
     def tp_differs(self) -> bool:
@@ -732,20 +735,21 @@ class ArmOutcome:
 class SingleStepChoice:
     token: int
     margin: ArmMargin | None
-    #: "rerun": a from-scratch forward here; "logged_token": the logged token stands in for a
-    #: re-run of a format that cannot run here.
+    #: "rerun": the arm's probe here (`SingleStep.kind`); "logged_token": the logged token
+    #: stands in for a re-run of a format that cannot run here.
     source: Literal["rerun", "logged_token"]
 
 
 @dataclass(frozen=True)
 class SingleStep:
-    """From-scratch forwards over prompt ‖ y<t* in both formats: does the flip reproduce?"""
+    """Both arms' choices at t* given prompt ‖ y<t* (`kind`): does the flip reproduce?"""
 
     step: int
     a: SingleStepChoice | None
     b: SingleStepChoice
     #: None when arm A could not be re-run and had no token at t*.
     disagree: bool | None
+    kind: SingleStepKind = "from_scratch"
 
 
 @dataclass(frozen=True)

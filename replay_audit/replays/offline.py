@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import ScanRun
 from replay_audit.exceptions import FieldError, ReplayAuditError
-from replay_audit.formats import EXTRA_PROCESSORS, Mode, processors_not_applied
+from replay_audit.formats import EXTRA_PROCESSORS, Mode, SingleStepKind, processors_not_applied
 from replay_audit.json_value import JsonObject, as_int
 from replay_audit.replays.domain import (
     ENGINE_CHECK_LABEL,
@@ -116,6 +116,7 @@ class OfflinePlan:
     reproduce: bool = True
     scan_token_budget: int = 16384
     large_run_traces: int = 1000
+    single_step: SingleStepKind = "teacher_forced"
 
     def targets(self) -> list[RunTarget]:
         check = RunTarget(None, label=ENGINE_CHECK_LABEL)
@@ -181,6 +182,7 @@ def replay_file(
         plan.scan_token_budget,
         check_weights=False,  # checked above, once for all traces
         decode_window=plan.decode_window,
+        single_step=plan.single_step,
     )
     todo = [i for i, p in enumerate(parsed) if p.name not in done]
     items = {

@@ -9,8 +9,9 @@ Torch-free: engines come from an `EnginePool` through the `Engine` protocol.
       ▼
     scan_items        the scans of the scan modes, several traces per forward (`scan_batch`)
     replay_items      each item's arms run (decode / scan / scan then decode), t*, then the
-      │               single-step re-runs at t* of every divergent item batched per engine and
-      │               intervention (`step_batch`), each with its arm's whole computation
+      │               single-step probes at t* of every divergent item, batched per engine and
+      │               intervention, each with its arm's whole computation: teacher-forced
+      │               (the scans' own rows, else `scan_batch`) or from scratch (`step_batch`)
       ▼
     diff.judge        the one outcome rule: both arms' gates at t*, tie, single step, category
       ▼
@@ -75,7 +76,15 @@ from replay_audit.exceptions import (
     ReplayAuditError,
     UnsupportedFormat,
 )
-from replay_audit.formats import MODES, Baseline, MarginSource, Mode, Screen
+from replay_audit.formats import (
+    MODES,
+    SINGLE_STEP_KINDS,
+    Baseline,
+    MarginSource,
+    Mode,
+    Screen,
+    SingleStepKind,
+)
 from replay_audit.replays.domain import (
     ENGINE_CHECK_LABEL,
     SCAN_FLAG_OFF,
@@ -109,6 +118,10 @@ class ReplayItem:
     control: bool = False
     extractor: str | Extractor | None = None
     baseline: Baseline = "logged"
+    #: The logged configuration's scan along the logged tokens, where it already ran (the
+    #: trace's reproduction check): arm A's teacher-forced probe, and its scan when judged
+    #: pairwise in a scan run.
+    a_scan: ScanRun | None = None
 
     @property
     def against_logged(self) -> bool:
@@ -139,10 +152,13 @@ class ReplayOptions:
     #: Decodes compared with the logged tokens stop this many tokens after t* (docs/replays.md
     #: "The decode window"; `engine.DecodeWindow`); None: to eos or the budget.
     decode_window: int | None = None
+    single_step: SingleStepKind = "teacher_forced"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise BadRequest(f"mode must be one of {MODES}, got {self.mode!r}", field="mode")
+        if self.single_step not in SINGLE_STEP_KINDS:
+            raise BadRequest(f"single_step must be one of {SINGLE_STEP_KINDS}", field="single_step")
         if self.decode_window is not None and self.decode_window < 0:
             raise BadRequest("decode_window must be 0 or more", field="decode_window")
 
@@ -424,7 +440,7 @@ class _ArmRun:
     arm: Arm | None
     ids: list[int]
     steps: Steps | None
-    #: Where its margins come from: its own decode or scan.
+    #: Where its margins come from: its own decode or scan (batched: `scan_batched`).
     source: MarginSource = "decode"
     scan_batched: bool = False
     #: Its decode stopped at the run's decode window (its output is a prefix).
@@ -444,6 +460,7 @@ class _Replayed:
     #: Arm A's engine for its re-run against the logged tokens (None: cannot run here).
     logged_arm: Arm | None = None
     batched: set[str] = field(default_factory=set)
+    single_step: SingleStepKind = "from_scratch"
 
     def rerun_arm(self, side: str) -> Arm | None:
         if side == "b":
@@ -500,6 +517,13 @@ def replay_traces(
     check diverged (baseline "reproduced"), so no flip is counted against logged tokens this
     stack does not give. Results come back in the order of `items`."""
     checked = {id(it.trace) for it in items if it.is_check}
+    # The checks' scans: the logged configuration's teacher-forced forward along the logged
+    # tokens, which the comparisons of the same trace reuse as arm A's.
+    check_scans = {
+        id(it.trace): scan
+        for it, scan in zip(items, scans or [None] * len(items), strict=True)
+        if it.is_check and scan is not None
+    }
 
     def pending(it: ReplayItem) -> bool:
         return it.against_logged and not it.is_check and id(it.trace) in checked
@@ -507,6 +531,9 @@ def replay_traces(
     def pairwise(it: ReplayItem, baseline: Baseline) -> ReplayItem:
         return replace(it, a=RunTarget(None, label=BASELINE_LABEL), baseline=baseline)
 
+    items = [
+        replace(it, a_scan=check_scans.get(id(it.trace))) if pending(it) else it for it in items
+    ]
     first = [
         pairwise(it, "replayed") if pending(it) and it.trace.logged_by_another_engine else it
         for it in items
@@ -531,7 +558,7 @@ def replay_traces(
         pairwise(items[i], "reproduced") if id(items[i].trace) in diverged else items[i]
         for i in later
     ]
-    kept = [None if id(items[i].trace) in diverged or scans is None else scans[i] for i in later]
+    kept = [None if scans is None else scans[i] for i in later]
     for i, result in zip(later, replay_items(second, pool, options, scans=kept), strict=True):
         out[i] = result
     return [r for r in out if r is not None]
@@ -546,15 +573,19 @@ def _run_arms(
     prompt = trace.prompt_token_ids.tolist()
     budget, eos = trace.budget()
     b = resolve_arm(trace, item.b, pool, item.model_dir, options.worker_kind)
-    if item.a is not None:  # the both-arms protocol: both decoded from the prompt
+    kind = options.single_step
+    logged = trace.output_token_ids.tolist()
+    if item.a is not None:
         a = resolve_arm(trace, item.a, pool, item.model_dir, options.worker_kind)
+        if options.mode == "scan" and item.baseline != "logged":
+            return replace(_scanned_pair(item, a, b, scan, top_k), single_step=kind)
+        # The both-arms protocol: both decoded from the prompt.
         ra, rb = a.decode(prompt, budget, eos, top_k), b.decode(prompt, budget, eos, top_k)
         run_a = _ArmRun(a, ra.output_token_ids, ra.steps)
         run_b = _ArmRun(b, rb.output_token_ids, rb.steps)
         t_star = first_divergence(run_a.ids, run_b.ids)
-        return _Replayed(item, "decode", run_a, run_b, t_star)
+        return _Replayed(item, "decode", run_a, run_b, t_star, single_step=kind)
 
-    logged = trace.output_token_ids.tolist()
     run_a = _ArmRun(None, logged, None)
     mode = options.mode
     screen: Screen | None = None
@@ -585,7 +616,7 @@ def _run_arms(
             run_b = _ArmRun(b, rb.output_token_ids, steps, "decode", batched, cut)
             screen = "flagged"
     t_star = first_divergence(logged, run_b.ids)
-    replayed = _Replayed(item, mode, run_a, run_b, t_star, screen)
+    replayed = _Replayed(item, mode, run_a, run_b, t_star, screen, single_step=kind)
     if t_star is not None:
         # The logged configuration run here (arm A's single-step re-run and reconstructed
         # margin against the logged tokens); None where it cannot run here.
@@ -594,6 +625,28 @@ def _run_arms(
                 trace, RunTarget(None), pool, item.model_dir, options.worker_kind
             )
     return replayed
+
+
+def _scanned_pair(
+    item: ReplayItem, a: Arm, b: Arm, scan_b: ScanRun | None, top_k: int
+) -> _Replayed:
+    """A scan run's comparison with the logged configuration replayed here (`baseline` not
+    "logged"): both arms' scans along the logged tokens, t* the first step whose choices
+    differ (docs/replays.md "Reproduce before compare"). No decode: as every scan, it cannot
+    see a flip that needs the decode's own KV cache or its own path."""
+    trace = item.trace
+    prompt, logged = trace.prompt_token_ids.tolist(), trace.output_token_ids.tolist()
+    sa, sb = (s or arm.scan(prompt, logged, top_k) for arm, s in ((a, item.a_scan), (b, scan_b)))
+    differ = np.flatnonzero(sa.steps.token_ids != sb.steps.token_ids)
+    t = int(differ[0]) if differ.size else None
+
+    def run(arm: Arm, scan: ScanRun, given: ScanRun | None) -> _ArmRun:
+        if t is None:
+            return _ArmRun(arm, logged, scan.steps, "scan", given is not None)
+        ids = [*logged[:t], int(scan.steps.token_ids[t])]
+        return _ArmRun(arm, ids, scan.steps.slice(0, t + 1), "scan", given is not None)
+
+    return _Replayed(item, "scan", run(a, sa, item.a_scan), run(b, sb, scan_b), t)
 
 
 def _decoded(arm: Arm, run: DecodeRun) -> _ArmRun:
@@ -605,11 +658,19 @@ def _decoded(arm: Arm, run: DecodeRun) -> _ArmRun:
 _Reruns = dict[str, StepInfo]
 
 
+_Key = tuple[int, Intervention, LogitsProcessors | None]
+
+
+def _key(arm: Arm) -> _Key:
+    return id(arm.engine), arm.intervention, arm.processors
+
+
 def _rerun_all(replayed: Sequence[_Replayed], options: ReplayOptions) -> dict[int, _Reruns]:
-    """Every divergent item's re-runs at t* over prompt ‖ arm A's tokens before t*, in arm B and
-    in arm A (against the logged tokens: the logged format, which also gives arm A's
-    reconstructed margin), batched per (engine, intervention, processors)."""
-    _Key = tuple[int, Intervention, LogitsProcessors | None]
+    """Every divergent item's single-step probes at t* given prompt ‖ arm A's tokens before t*,
+    in arm B and in arm A (against the logged tokens: the logged format, which also gives arm
+    A's reconstructed margin), batched per (engine, intervention, processors)."""
+    if options.single_step == "teacher_forced":
+        return _teacher_forced_all(replayed, options)
     groups: dict[_Key, tuple[Arm, list[tuple[_Replayed, str, list[int]]]]] = {}
     for r in replayed:
         if r.t_star is None:
@@ -618,8 +679,7 @@ def _rerun_all(replayed: Sequence[_Replayed], options: ReplayOptions) -> dict[in
         for side in ("a", "b"):
             arm = r.rerun_arm(side)
             if arm is not None:
-                key = (id(arm.engine), arm.intervention, arm.processors)
-                groups.setdefault(key, (arm, []))[1].append((r, side, context))
+                groups.setdefault(_key(arm), (arm, []))[1].append((r, side, context))
     out: dict[int, _Reruns] = {}
     for arm, members in groups.values():
         contexts = [c for _, _, c in members]
@@ -642,6 +702,58 @@ def _rerun_all(replayed: Sequence[_Replayed], options: ReplayOptions) -> dict[in
             if info is not None:
                 out.setdefault(id(r), {})[side] = info
     return out
+
+
+def _teacher_forced_all(
+    replayed: Sequence[_Replayed], options: ReplayOptions
+) -> dict[int, _Reruns]:
+    """Row t* of each arm's teacher-forced forward over prompt ‖ arm A's tokens: the scan
+    that already ran where there is one (`_scanned_steps`), else one `scan_batch` per
+    (engine, intervention, processors) over the rest."""
+    out: dict[int, _Reruns] = {}
+    groups: dict[_Key, tuple[Arm, list[tuple[_Replayed, str, ScanItem]]]] = {}
+    for r in replayed:
+        t = r.t_star
+        if t is None:
+            continue
+        for side in ("a", "b"):
+            arm = r.rerun_arm(side)
+            if arm is None:
+                continue
+            steps = _scanned_steps(r, side, arm)
+            if steps is not None and t < len(steps):
+                out.setdefault(id(r), {})[side] = StepInfo.from_steps(steps.slice(t, t + 1))
+                continue
+            path = r.a.ids if t < len(r.a.ids) else [*r.a.ids, r.b.ids[t]]
+            item = ScanItem(r.item.trace.prompt_token_ids.tolist(), path, arm.processors)
+            groups.setdefault(_key(arm), (arm, []))[1].append((r, side, item))
+    for arm, members in groups.values():
+        items = [item for _, _, item in members]
+        try:
+            runs = arm.scan_batch(items, options.top_k, options.token_budget)
+        except ENGINE_FAILURES:
+            log.exception("batched probes of %d traces failed", len(items))
+            continue
+        for (r, side, _), run in zip(members, runs, strict=True):
+            t = r.t_star or 0
+            out.setdefault(id(r), {})[side] = StepInfo.from_steps(run.steps.slice(t, t + 1))
+            r.batched.add(f"scan:{side}")
+    return out
+
+
+def _scanned_steps(r: _Replayed, side: str, arm: Arm) -> Steps | None:
+    """The steps of `arm`'s scan along prompt ‖ arm A's tokens where one already ran: its own
+    scan, the trace's reproduction check's (`ReplayItem.a_scan`), or arm B's when arm B is
+    the logged configuration itself."""
+    run = r.a if side == "a" else r.b
+    if run.arm is arm and run.source == "scan":
+        return run.steps
+    if side == "a" and run.arm is None:
+        if r.item.a_scan is not None:
+            return r.item.a_scan.steps
+        if r.b.arm is not None and r.b.source == "scan" and _key(r.b.arm) == _key(arm):
+            return r.b.steps
+    return None
 
 
 def _step_or_none(
@@ -741,7 +853,7 @@ def _margin_a(
 
 
 def _single_step(r: _Replayed, t_star: int, reruns: _Reruns) -> SingleStep:
-    """From-scratch forwards over prompt ‖ y<t* in both arms: does the flip reproduce?"""
+    """Both arms' probes at t* given prompt ‖ y<t*: does the flip reproduce?"""
     b = _choice(reruns["b"])
     a: SingleStepChoice | None = None
     if "a" in reruns:
@@ -749,7 +861,8 @@ def _single_step(r: _Replayed, t_star: int, reruns: _Reruns) -> SingleStep:
     elif t_star < len(r.a.ids) and r.a.arm is None:
         # The logged format cannot run here: its logged token stands in for its re-run.
         a = SingleStepChoice(r.a.ids[t_star], None, "logged_token")
-    return SingleStep(step=t_star, a=a, b=b, disagree=None if a is None else a.token != b.token)
+    disagree = None if a is None else a.token != b.token
+    return SingleStep(t_star, a, b, disagree, r.single_step)
 
 
 def _choice(info: StepInfo) -> SingleStepChoice:
@@ -773,7 +886,7 @@ def _arm_outcome(
             margin=margin,
             gate_fired_at_divergence=fired,
             environment=(
-                _environment(r.logged_arm.engine, False, side in r.batched)
+                _environment(r.logged_arm.engine, f"scan:{side}" in r.batched, side in r.batched)
                 if r.logged_arm is not None
                 else None
             ),
@@ -787,14 +900,15 @@ def _arm_outcome(
             ),
         )
     steps, engine = run.steps, run.arm.engine
-    environment = _environment(engine, run.scan_batched, side in r.batched)
+    scanned = run.scan_batched or f"scan:{side}" in r.batched
+    environment = _environment(engine, scanned, side in r.batched)
     n = len(steps)
     margins = tuple(float(f"{m:.6g}") if math.isfinite(m) else None for m in steps.margins.tolist())
     return ArmOutcome(
         target=run.arm.resolved.target,
         output_token_ids=tuple(int(x) for x in run.ids),
         margin=margin,
-        resolved=run.arm.resolved.ran(environment),
+        resolved=replace(run.arm.resolved.ran(environment), single_step=r.single_step),
         gate_fired_at_divergence=fired,
         gate_triggers=int(steps.gate_fired.sum()),
         steps=n,

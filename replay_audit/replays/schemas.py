@@ -52,6 +52,7 @@ from replay_audit.formats import (
     ResultStatus,
     RunStatus,
     Screen,
+    SingleStepKind,
     TokenIdsSource,
 )
 from replay_audit.input import InputModel, Lax, UtcDatetime, option_field
@@ -267,6 +268,10 @@ class ReplayCreate(InputModel):
     #: eos or the budget. Not with mode scan (no decode) or compare pairwise (no logged output
     #: to find t* against while decoding).
     decode_window: int | None = option_field(DECODE_WINDOW, default=None)
+    #: How the single-step probe at t* runs (docs/replays.md "The single-step probe"):
+    #: teacher_forced, row t* of each arm's forward over prompt ‖ arm A's tokens (the scan's
+    #: own where it ran); from_scratch, a forward over prompt ‖ y<t* alone.
+    single_step: SingleStepKind = "teacher_forced"
     compare: Compare = "logged"
     pairs: list[Annotated[tuple[TargetIndex, TargetIndex], Lax]] | None = None
     compare_with: CompareWith | None = None
@@ -400,18 +405,21 @@ class RanRead(OutputModel):
 class SingleStepChoiceRead(OutputModel):
     token: int
     margin: ArmMarginRead | None
-    #: rerun: a from-scratch forward here with the arm's whole computation; logged_token: the
+    #: rerun: the arm's probe here with its whole computation (`kind`); logged_token: the
     #: logged token stands in for a re-run of a format that cannot run here.
     source: Literal["rerun", "logged_token"]
 
 
 class SingleStepRead(OutputModel):
-    """The from-scratch re-runs at t* in both arms: does the flip reproduce?"""
+    """Both arms' single-step probes at t*: does the flip reproduce?"""
 
     step: int
     a: SingleStepChoiceRead | None
     b: SingleStepChoiceRead
     disagree: bool | None
+    #: teacher_forced: row t* of each arm's forward over prompt ‖ arm A's tokens;
+    #: from_scratch: a forward over prompt ‖ y<t* alone (results of earlier releases).
+    kind: SingleStepKind = "from_scratch"
 
 
 class SemanticRead(OutputModel):

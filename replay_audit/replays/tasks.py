@@ -120,6 +120,8 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
             token_budget=ctx.settings.scan_token_budget,
             worker_kind=ctx.gpu_kind,
             decode_window=run.decode_window,
+            # A run recorded before the option probed from scratch.
+            single_step=run.request.get("single_step") or "from_scratch",  # type: ignore[arg-type]
         )
         spec = _RunSpec(run.id, options, run.run_targets, run.run_comparisons, control)
         trace_ids = list(job.trace_ids)

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.replays.conftest import HoldingRunner, all_results, ingest, run_to_done
+from replay_audit.engine import FakeEngine
+from tests.replays.conftest import HoldingRunner, _close, all_results, ingest, run_to_done
 from tests.ui.conftest import sign_in
 
 pytestmark = pytest.mark.usefixtures("worker_env")
@@ -182,3 +183,56 @@ def test_no_check_when_turned_off_and_no_second_one_where_the_run_asked_for_self
         headers=h,
     )
     assert r.status_code == 422 and "engine_check" in r.text
+
+
+def _first_close(prompt: list[int], path: list[int]) -> int | None:
+    """The first output step whose context (prompt ‖ path[:t]) is a close call of the fake."""
+    return next((t for t in range(len(path)) if _close((*prompt, *path[:t]))), None)
+
+
+def test_a_scan_run_judges_a_trace_that_does_not_reproduce_from_scans_and_decodes_nothing(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 32: a scan run compares a trace its check did not reproduce with that replay along
+    the logged tokens (both arms' scans, the check's reused), never by two decodes; t* is the
+    first step whose scanned choices differ, and the teacher-forced probes at t* are the scans'
+    own rows (no step, no decode)."""
+    h = headers("admin")
+    traces = [_changed(logged_trace(p, n=24)) for p in PROMPTS[:6]]
+    ids = ingest(client, h, traces)
+    calls: list[str] = []
+    for name in ("decode", "step", "step_batch", "scan", "scan_batch"):
+        real = getattr(FakeEngine, name)
+
+        def spy(self: FakeEngine, *a: Any, _real: Any = real, _name: str = name, **k: Any) -> Any:
+            calls.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(FakeEngine, name, spy)
+    run = run_to_done(client, h, runner, {"trace_ids": ids, "targets": [FP16], "mode": "scan"})
+    assert set(calls) == {"scan_batch"}, calls  # one per arm's format: no decode, no step
+    results = all_results(client, run["id"], h)
+    fp16, check = _by(results, 0), _by(results, 1)
+    flipped = 0
+    for trace, i in zip(traces, ids, strict=True):
+        assert check[i]["exact_match"] is False and check[i]["first_divergence_step"] == 2
+        x = fp16[i]
+        assert x["baseline"] == "reproduced" and x["mode"] == "scan"
+        # Both arms along the changed logged tokens: they choose differently first at the
+        # first close call on that path (FP16 picks the runner-up), not at the change.
+        t = _first_close(trace["prompt_token_ids"], trace["output_token_ids"])
+        assert x["first_divergence_step"] == t and x["exact_match"] is (t is None)
+        if t is None:
+            continue
+        flipped += 1
+        assert x["category"] == "head_reachable"
+        step = x["single_step"]
+        assert step["kind"] == "teacher_forced" and step["disagree"] is True
+        assert x["arms"]["a"]["resolved"]["single_step"] == "teacher_forced"
+        assert x["margin_at_divergence"]["a"]["source"] == "scan"
+    assert flipped >= 3
+    assert run["statistics"]["comparisons"][0]["baselines"] == {"reproduced": len(ids)}

@@ -13,6 +13,7 @@ import pytest
 
 from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
 from replay_audit.exceptions import BadRequest, ModelMismatch, UnsupportedFormat
+from replay_audit.formats import SingleStepKind
 from replay_audit.replays.domain import ArmMargin, LoggedTrace, ReplayOutcome, RunTarget
 from replay_audit.replays.models import ReplayResult
 from replay_audit.replays.pipeline import (
@@ -20,6 +21,7 @@ from replay_audit.replays.pipeline import (
     ReplayOptions,
     compare_arms,
     replay_items,
+    replay_one,
     replay_trace,
     scan_items,
 )
@@ -494,8 +496,9 @@ def test_a_near_tie_in_either_arm_flags_the_trace_for_a_full_decode(ckpt: Path) 
     assert screen(no_top_k, 127.0) == "scanned"
 
 
-def test_replay_traces_batches_the_single_step_reruns_and_equals_each_replay(
-    ckpt: Path,
+@pytest.mark.parametrize("probe", ["from_scratch", "teacher_forced"])
+def test_replay_traces_batches_the_single_step_probes_and_equals_each_replay(
+    ckpt: Path, probe: SingleStepKind
 ) -> None:
     traces = [make_trace(ckpt, top_k=i % 2 == 0, external_id=f"t{i}") for i in range(4)]
     for mode in ("decode", "scan", "scan_then_decode"):
@@ -511,21 +514,29 @@ def test_replay_traces_batches_the_single_step_reruns_and_equals_each_replay(
         together = replay_items(
             [ReplayItem(t, RunTarget(Target("fp16")), ckpt) for t in traces],
             EnginePool(loader),
-            ReplayOptions(mode),  # type: ignore[arg-type]
+            ReplayOptions(mode, single_step=probe),  # type: ignore[arg-type]
         )
-        # One batched call per engine (replay format, logged format), no step alone.
-        assert all(e.calls.count("step_batch") == 1 and "step" not in e.calls for e in engines)
-        assert engines[0].environment()["extras"]["step_batch_shapes"]
+        if probe == "from_scratch":
+            # One batched call per engine (replay format, logged format), no step alone.
+            assert all(e.calls.count("step_batch") == 1 and "step" not in e.calls for e in engines)
+            assert engines[0].environment()["extras"]["step_batch_shapes"]
+        else:
+            # No step at all: arm B's probes are its scan's rows where it scanned, the rest
+            # one batched scan per engine.
+            assert not any({"step", "step_batch"} & set(e.calls) for e in engines)
+            [logged_format] = [e for e in engines if e.target.dtype == "bf16"]
+            assert logged_format.calls == ["scan_batch"]
         for t, b in zip(traces, together, strict=True):
-            a = replay_trace(
-                t,
-                Target("fp16"),
+            item = ReplayItem(t, RunTarget(Target("fp16")), ckpt)
+            a = replay_one(
+                item,
                 fake_pool({"fp16": {"next_token": flipped(5e-4)}}),
-                model_dir=ckpt,
-                mode=mode,  # type: ignore[arg-type]
+                ReplayOptions(mode, single_step=probe),  # type: ignore[arg-type]
             )
             assert isinstance(b, ReplayOutcome)
             assert (b.first_divergence_step, b.category) == (FLIP_AT, "head_reachable")
+            assert b.single_step is not None and b.single_step.kind == probe
+            assert b.b.resolved is not None and b.b.resolved.single_step == probe
             assert (a.single_step, a.a.margin, a.b.margin) == (
                 b.single_step,
                 b.a.margin,
@@ -546,8 +557,9 @@ def test_a_result_carries_only_the_batch_extras_of_batches_its_trace_was_in(ckpt
     agrees = make_trace(ckpt, n=FLIP_AT, top_k=False, external_id="a")  # ends before the flip
     fp16 = Target("fp16")
     items = [ReplayItem(t, RunTarget(fp16), ckpt) for t in (diverges, agrees)]
-    scans = scan_items(items, pool, ReplayOptions("scan"))
-    d, a = replay_items(items, pool, ReplayOptions("scan"), scans=scans.runs)
+    options = ReplayOptions("scan", single_step="from_scratch")
+    scans = scan_items(items, pool, options)
+    d, a = replay_items(items, pool, options, scans=scans.runs)
     assert isinstance(d, ReplayOutcome) and isinstance(a, ReplayOutcome)
     assert d.first_divergence_step == FLIP_AT and a.exact_match
     scan_keys, step_keys = {"scan_batch_shapes", "scan_token_budget"}, {"step_batch_shapes"}

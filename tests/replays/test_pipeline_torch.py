@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from replay_audit.engine import EnginePool, Intervention, Target
+from replay_audit.formats import SingleStepKind
 from replay_audit.replays.domain import LoggedTrace, ReplayOutcome, RunTarget
 from replay_audit.replays.models import ReplayResult
 from replay_audit.replays.pipeline import (
@@ -19,6 +20,7 @@ from replay_audit.replays.pipeline import (
     ReplayOptions,
     compare_arms,
     replay_items,
+    replay_one,
     replay_trace,
 )
 from replay_audit.replays.results import figures as results_figures
@@ -157,28 +159,28 @@ def test_interventions_on_bf16_vs_fp16(model: Model, pool: EnginePool) -> None:
             assert arm.changed_steps <= arm.gate_triggers
 
 
+@pytest.mark.parametrize("probe", ["from_scratch", "teacher_forced"])
 @pytest.mark.parametrize("mode", ["scan", "decode"])
-def test_batched_reruns_give_the_unbatched_outcomes(
-    pool: EnginePool, real_dir: Path, real_prompts: list[tuple[str, str]], mode: str
+def test_batched_probes_give_the_unbatched_outcomes(
+    pool: EnginePool,
+    real_dir: Path,
+    real_prompts: list[tuple[str, str]],
+    mode: str,
+    probe: SingleStepKind,
 ) -> None:
     """The committed model's fp32 traces, their logged top-k dropped (so arm A's margin at t* is
-    reconstructed by a re-run too), replayed in bf16: `replay_items`, which batches every
-    divergent trace's single-step re-runs, gives each trace what `replay_trace` gives alone:
-    the same t*, category, single-step tokens and margins, arm A's margin."""
+    reconstructed by a probe too), replayed in bf16: `replay_items`, which batches every
+    divergent trace's single-step probes, gives each trace what it gives alone: the same t*,
+    category, single-step tokens and margins, arm A's margin."""
     model = Model(real_dir, tuple(real_prompts[:24]), 48)
     traces = [
         LoggedTrace.from_json(tr.model_dump() | {"top_k": None}) for tr in _trace_set(model, "fp32")
     ]
     target = Target("bf16")
-    alone = [
-        replay_trace(t, target, pool, model_dir=real_dir, mode=mode, check_weights=False)  # type: ignore[arg-type]
-        for t in traces
-    ]
-    together = replay_items(
-        [ReplayItem(t, RunTarget(target), real_dir) for t in traces],
-        pool,
-        ReplayOptions(mode, check_weights=False),  # type: ignore[arg-type]
-    )
+    options = ReplayOptions(mode, check_weights=False, single_step=probe)  # type: ignore[arg-type]
+    items = [ReplayItem(t, RunTarget(target), real_dir) for t in traces]
+    alone = [replay_one(item, pool, options) for item in items]
+    together = replay_items(items, pool, options)
     diverged = [r for r in alone if r.first_divergence_step is not None]
     assert len(diverged) >= 3, "the prompt set diverges in bf16"
     for a, b in zip(alone, together, strict=True):
@@ -192,10 +194,15 @@ def test_batched_reruns_give_the_unbatched_outcomes(
         assert a.a.margin == b.a.margin and a.b.margin == b.b.margin
         if a.first_divergence_step is not None:
             assert a.a.margin is not None and a.a.margin.source == "reconstructed"
-    ran = together[0]
+            assert a.single_step is not None and a.single_step.kind == probe
+    ran = next(r for r in together if isinstance(r, ReplayOutcome) and r.first_divergence_step)
     assert isinstance(ran, ReplayOutcome) and ran.b.resolved is not None
-    env = pool.get(real_dir, ran.b.resolved.target).environment()  # the engine that ran arm B
-    assert env["extras"]["step_batch_shapes"], "the re-runs ran batched and say so"
+    if probe == "from_scratch":
+        env = pool.get(real_dir, ran.b.resolved.target).environment()  # arm B's engine
+        assert env["extras"]["step_batch_shapes"], "the re-runs ran batched and say so"
+    else:  # arm A's probes (the logged format's) ran as one batched scan, and its result says so
+        assert ran.a.environment is not None
+        assert ran.a.environment["extras"]["scan_batch_shapes"]
 
 
 @pytest.mark.parametrize("kind", ["C"])

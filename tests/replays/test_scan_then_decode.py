@@ -153,12 +153,15 @@ def test_the_control_sample_finds_what_the_scan_misses(
     random.Random(3).shuffle(kinds)
     ids = seed(client, h, kinds, fake_model_dir, salt=11)
     kind_of = dict(zip(ids, kinds, strict=True))
-    # Near-tie flagging off: the control sample alone finds the kv flips.
+    # Near-tie flagging off: the control sample alone finds the kv flips. Probes from scratch,
+    # so that every scan_batch below is a scan of the traces (teacher-forced probes are
+    # scan_batch calls too: tests/replays/test_pipeline.py).
     body = {
         "trace_ids": ids,
         "targets": [{"dtype": "fp16"}],
         "control_fraction": 0.5,
         "scan_flag_ulps": -1,
+        "single_step": "from_scratch",
     }
     r = client.post("/v1/replays", json=body, headers=h)
     assert r.status_code == 201, r.text
