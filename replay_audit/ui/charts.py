@@ -17,11 +17,12 @@ from replay_audit.stats.report import LiftReport, MarginReport, ProportionRead
 from replay_audit.stats.summary import Histogram, LogHistogram
 
 WIDTH = 640
-#: The width of a character of an 11 px label (system-ui), for laying labels out, and how far
-#: right a bar chart's labels may push its bars (a longer label wraps); LINE_H: a label's line.
-CHAR_W = 6.4
+#: The width of a character of a 14 px label (system-ui; the size at a phone's width, 11 px
+#: elsewhere), for laying labels out, and how far right a bar chart's labels may push its bars
+#: (a longer label wraps); LINE_H: a label's line.
+CHAR_W = 8.2
 LABEL_MAX_X = 360
-LINE_H = 14
+LINE_H = 15
 #: Longest arm name in the margin track's legend (three entries share its one row).
 LEGEND_CHARS = 30
 #: Margins: left (axis labels), right, top, bottom (axis labels).
@@ -70,13 +71,13 @@ def _row_tops(labels: Sequence[Sequence[str]], min_h: int) -> list[int]:
 
 
 def _label(x: float, y: float, lines: Sequence[str]) -> str:
-    """A right-aligned label of `lines`, vertically centred on `y`."""
+    """A right-aligned label of `lines` (1.2 em apart: its font's size varies), centred on `y`."""
     top = y + 4 - (len(lines) - 1) * LINE_H / 2
     spans = "".join(
-        f'<tspan x="{_num(x)}" y="{_num(top + i * LINE_H)}">{escape(line)}</tspan>'
+        f'<tspan x="{_num(x)}" dy="{1.2 if i else 0}em">{escape(line)}</tspan>'
         for i, line in enumerate(lines)
     )
-    return f'<text class="axis-label" text-anchor="end">{spans}</text>'
+    return f'<text y="{_num(top)}" class="axis-label" text-anchor="end">{spans}</text>'
 
 
 def _rect(x: float, y: float, w: float, h: float, cls: str, tip: str) -> str:
@@ -95,7 +96,7 @@ def _legend(entries: Sequence[tuple[str, str]], x1: float, y: float) -> list[str
     out, x = [], x1
     for key, text in reversed(entries):
         out.append(_text(x, y, text, f"legend legend-{key}", "end"))
-        x -= 8 * len(text) + 18
+        x -= CHAR_W * len(text) + 18
     return out
 
 
@@ -211,7 +212,8 @@ def log_histogram_chart(series: Sequence[Series], x_label: str, height: int = 22
     decades = [g for g in range(n_bins + 1) if _decade(edges[g]) is not None]
     stride = max(1, math.ceil(len(decades) / 8))  # at most ~8 labels
     for g in decades[::stride]:
-        body.append(_text(group_x(1) + g * width, base + 16, _edge_label(edges[g])))
+        anchor = "end" if g == n_bins else "middle"  # the last at the axis' end
+        body.append(_text(group_x(1) + g * width, base + 16, _edge_label(edges[g]), anchor=anchor))
     body.append(_line(x0, base, x1, base, "axis"))
     body.append(_text((x0 + x1) / 2, base + 32, x_label))
     legend_x = x1
@@ -409,7 +411,7 @@ def null_chart(groups: Sequence[tuple[str, list[float], float | None, float | No
     height = top + row * max(len(groups), 1) + MB
     values = [v for _, q, t, s in groups for v in (*q, t, s) if v is not None]
     hi = max(values, default=1.0) * 1.1 or 1.0
-    x0, x1 = ML + 90, WIDTH - MR
+    x0, x1 = 24 + round(18 * CHAR_W), WIDTH - MR  # room for an 18-character label
 
     def x(v: float) -> float:
         return x0 + (x1 - x0) * min(max(v / hi, 0.0), 1.0)
