@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Final
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from replay_audit.config import PACKAGE_DIR
+from replay_audit.screenings.sweep.density import format_tau
 
 if TYPE_CHECKING:  # the web framework only where a page is served, not to render a file
     from starlette.requests import Request
@@ -66,6 +67,11 @@ def num(value: float | int | None, digits: int = 4) -> str:
     return f"{value:.{digits}g}"
 
 
+def tau(value: float | None) -> str:
+    """A calibrated τ (`density.format_tau`); None -> an en dash."""
+    return NONE if value is None else format_tau(value)
+
+
 def pvalue(value: float | None) -> str:
     if value is None:
         return NONE
@@ -109,6 +115,7 @@ def _environment() -> Environment:
         lstrip_blocks=True,
     )
     env.filters.update(pct=pct, pp=pp, num=num, pvalue=pvalue, p_is=p_is, when=when, pretty=pretty)
+    env.filters["tau"] = tau
     env.filters["piece"] = piece
     return env
 

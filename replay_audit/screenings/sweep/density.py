@@ -41,3 +41,9 @@ def covering_tau(flip_margins: Sequence[float], cover: float) -> float | None:
         return None
     k = max(1, math.ceil(cover * len(xs) - 1e-12))
     return math.nextafter(xs[k - 1], math.inf)
+
+
+def format_tau(tau: float) -> str:
+    """A covering τ as it reads: the float after 0 (every covered flip an exact tie, the gate
+    firing on ties only) as '0⁺ (exact ties)', not 4.94e-324; else to 3 significant digits."""
+    return "0⁺ (exact ties)" if tau > 0 and math.nextafter(tau, 0.0) == 0 else f"{tau:.3g}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Final
 
+from replay_audit.screenings.sweep.density import format_tau
 from replay_audit.screenings.sweep.report import CategoryLift, TauCalibrationRead, TierRead
 from replay_audit.stats.report import ComparisonReport, LiftReport
 from replay_audit.words import counted
@@ -59,18 +60,21 @@ def choose_tier(
     tau_text = ""
     if cal is not None and cal.tau is not None and (cal.trigger_rate or 0.0) > MAX_TRIGGER_RATE:
         tau_text = (
-            f" The τ covering {cal.cover:.0%} of the {pair_format} flips here ({cal.tau:.3g}) "
-            f"would gate {cal.trigger_rate:.0%} of steps: those flips include body-dominated "
-            f"ones no gate should chase; keep τ = {tau:g} or calibrate on more prompts."
+            f" The τ covering {cal.cover:.0%} of the {pair_format} flips here "
+            f"({format_tau(cal.tau)}) would gate {cal.trigger_rate:.0%} of steps: those flips "
+            f"include body-dominated ones no gate should chase; keep τ = {tau:g} or calibrate "
+            "on more prompts."
         )
     elif cal is not None and cal.tau is not None:
         rate = "-" if cal.trigger_rate is None else f"{cal.trigger_rate:.2%}"
         tau_text = (
-            f" τ = {cal.tau:.3g} (absolute) covers {cal.cover:.0%} of the {cal.flips} "
+            f" τ = {format_tau(cal.tau)} (absolute) covers {cal.cover:.0%} of the {cal.flips} "
             f"{pair_format} flips measured here at a trigger rate of {rate}"
         )
         if cal.tau_ulps is not None:
-            tau_text += f"; format-scaled: τ = {cal.tau_ulps:.3g} ulps (use this for FP8 heads)"
+            tau_text += (
+                f"; format-scaled: τ = {format_tau(cal.tau_ulps)} ulps (use this for FP8 heads)"
+            )
         tau_text += "."
     if n == 0:
         return TierRead(

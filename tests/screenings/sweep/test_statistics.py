@@ -13,6 +13,7 @@ from replay_audit.screenings.sweep.analysis import build_report
 from replay_audit.screenings.sweep.density import (
     coefficient_of_variation,
     covering_tau,
+    format_tau,
     trigger_density,
 )
 from replay_audit.screenings.sweep.plan import Platform, ScreenConfig, build_plan
@@ -50,6 +51,14 @@ def test_covering_tau_is_the_smallest_threshold_covering_the_share() -> None:
         smaller = math.nextafter(tau, -math.inf)
         assert sum(1 for m in flips if m < smaller) / len(flips) < cover - 1e-12
     assert covering_tau([], 0.9) is None
+
+
+def test_a_tau_covering_exact_ties_reads_as_just_above_zero() -> None:
+    """The float after 0 (4.94e-324, a denormal) means 'gate the exact ties only' (issue 33)."""
+    ties = covering_tau([0.0, 0.0, 0.3], 0.5)
+    assert ties == 5e-324 and format_tau(ties) == "0⁺ (exact ties)"
+    assert format_tau(covering_tau([0.0, 0.02], 1.0) or 0) == "0.02"
+    assert format_tau(1e-300) == "1e-300"  # tiny, not a tie
 
 
 def _report():
