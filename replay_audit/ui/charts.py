@@ -121,8 +121,14 @@ def _count_axis(body: list[str], top: int, height: int, y_max: int, x0: float, x
         body.append(_text(x0 - 6, y + 4, int(value), anchor="end"))
 
 
+def _tick(x: float) -> str:
+    """An axis value: a whole number as one, else to 4 significant digits (0.05, not 0)."""
+    return str(int(x)) if x == int(x) else f"{x:.4g}"
+
+
 def histogram_chart(hist: Histogram | None, x_label: str, height: int = 200) -> Markup:
-    """Bars of a linear histogram (e.g. t*); bins are labelled by their integer range."""
+    """Bars of a linear histogram (e.g. t*, or a share); whole-number bins are labelled by their
+    integer range, others by their edges."""
     label = f"Histogram of {x_label}"
     if hist is None or not hist.counts:
         return _svg(60, [_text(WIDTH / 2, 34, "no divergent trace", "empty")], label)
@@ -135,13 +141,15 @@ def histogram_chart(hist: Histogram | None, x_label: str, height: int = 200) -> 
     for i, count in enumerate(hist.counts):
         lo, hi = hist.edges[i], hist.edges[i + 1]
         h = (base - MT) * count / y_max
-        span = f"{int(lo)}" if hi - lo <= 1 else f"{int(lo)}\u2013{int(hi) - 1}"
+        span = f"[{_tick(lo)}, {_tick(hi)})"
+        if lo == int(lo) and hi == int(hi):
+            span = f"{int(lo)}" if hi - lo <= 1 else f"{int(lo)}\u2013{int(hi) - 1}"
         body.append(
             _rect(x0 + i * width + 1, base - h, width - 2, h, "bar", f"{x_label} {span}: {count}")
         )
     ticks = {0, n // 2, n}
     for i in sorted(ticks):
-        body.append(_text(x0 + i * width, base + 16, int(hist.edges[i])))
+        body.append(_text(x0 + i * width, base + 16, _tick(hist.edges[i])))
     body.append(_line(x0, base, x1, base, "axis"))
     body.append(_text((x0 + x1) / 2, height - 6, x_label))
     return _svg(height, body, label)
