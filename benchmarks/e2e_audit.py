@@ -34,8 +34,9 @@ prompt is <s> and --prompt-tokens - 1 tokens of the held-out files of the corpus
 split's held-out tenth, windows spread evenly over it, so the prompts are distinct), each
 output --output-tokens greedy tokens with no stop token (the trace records no eos ids and
 `stop_reason: length`, so a replay runs to the same length). Each trace is `POST /v1/traces`
-JSON with the generator's numerical configuration (`batch_size` 1: rows of a batch are other
-prompts, as in production, not copies), its texts, and top-k logits when --top-k > 0. They go
+JSON with the generator's numerical configuration, the batch it ran in (`config.batch_size`:
+the call's rows, other prompts as in production; `decoding.batch`: their prompt lengths and
+its row), its texts, and top-k logits when --top-k > 0. They go
 to <work>/traces.jsonl; what was done to <work>/prepare.json.
 
 **audit.** A fresh database (--backend pg: a new database on --database-url's server, dropped at
@@ -267,12 +268,14 @@ def _generate(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict[str,
                     "weights_sha256": gen.weights_sha256,
                     "vocab_size": int(model.config.vocab_size),
                 },
-                "config": config,
+                # The batch it ran in: the call's rows (other prompts, all of one length).
+                "config": {**config, "batch_size": len(chunk)},
                 "decoding": {
                     "strategy": "greedy",
                     "max_new_tokens": args.output_tokens,
                     "eos_token_ids": [],
                     "stop_reason": "length",
+                    "batch": {"prompt_lengths": [len(p) for p in chunk], "row": r},
                 },
                 "prompt_token_ids": prompt,
                 "output_token_ids": [int(t) for t in ids],

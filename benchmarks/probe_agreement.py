@@ -1,0 +1,148 @@
+"""Issue 32: do the categories from the teacher-forced single-step probe agree with the
+from-scratch rule? Traces of a checkpoint logged by transformers' own `generate()` (one prompt a
+call, `replay_audit.engine.generate`) or read from a traces JSONL (`e2e_audit.py prepare`'s),
+replayed in another format through the one pipeline (`replay_items`, against the logged
+tokens) once per probe kind and mode; per flip, both kinds' t*, category and probe tokens; every
+disagreement listed. Also the seconds each kind's replay took (one run, same traces).
+
+    python benchmarks/probe_agreement.py --model .models/smollm2-135m-instruct --device cpu \\
+        --prompts 16 --tokens 32 --modes scan decode --out /tmp/probe.json
+    python benchmarks/probe_agreement.py --model .models/e2e/model \\
+        --traces .models/e2e/traces.jsonl --limit 256 --device cuda --modes scan decode
+
+Prints one JSON object (and writes it to --out). Measured, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from replay_audit.engine import EnginePool, Target
+from replay_audit.replays.domain import LoggedTrace, ReplayOutcome, RunTarget
+from replay_audit.replays.pipeline import ReplayItem, ReplayOptions, replay_items
+from replay_audit.traces.schemas import TraceCreate
+
+KINDS = ("from_scratch", "teacher_forced")
+
+
+def _prompts(n: int) -> list[tuple[str | None, str]]:
+    path = Path(__file__).parent.parent / "replay_audit/assets/prompts.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [(str(r["id"]), str(r["prompt"])) for r in rows[:n]]
+
+
+def _traces(args: argparse.Namespace) -> list[LoggedTrace]:
+    if args.traces is not None:
+        lines = args.traces.read_text().splitlines()[: args.limit]
+        bodies = [json.loads(x) for x in lines if x.strip()]
+    else:
+        from replay_audit.engine.generate import generate_traces
+
+        bodies = list(
+            generate_traces(
+                args.model,
+                _prompts(args.prompts),
+                dtype=args.logged,
+                max_new_tokens=args.tokens,
+                device=args.device,
+            )
+        )
+    return [LoggedTrace.from_json(TraceCreate.model_validate(b).model_dump()) for b in bodies]
+
+
+def _flip(o: ReplayOutcome) -> dict[str, Any]:
+    s = o.single_step
+    return {
+        "t_star": o.first_divergence_step,
+        "category": o.category,
+        "probe_a": s.a.token if s is not None and s.a is not None else None,
+        "probe_b": s.b.token if s is not None else None,
+        "margin_b": o.b.margin.abs if o.b.margin is not None else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--traces", type=Path, help="a traces JSONL (default: generate them)")
+    ap.add_argument("--limit", type=int, default=None, help="first N traces of --traces")
+    ap.add_argument("--prompts", type=int, default=16, help="bundled prompts to generate from")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--logged", default="bf16", help="the generating format (default bf16)")
+    ap.add_argument("--target", default="fp16", help="the replay format (default fp16)")
+    ap.add_argument("--modes", nargs="+", default=["scan", "decode"])
+    ap.add_argument("--decode-window", type=int, default=None, help="decode mode: stop t*+N")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each kind (the last timed)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    t0 = time.perf_counter()
+    traces = _traces(args)
+    result: dict[str, Any] = {
+        "model": str(args.model),
+        "traces": len(traces),
+        "logged": args.logged,
+        "target": args.target,
+        "load_and_generate_s": round(time.perf_counter() - t0, 1),
+        "modes": {},
+    }
+    pool = EnginePool(device=args.device)
+    for mode in args.modes:
+        items = [ReplayItem(t, RunTarget(Target(args.target)), args.model) for t in traces]
+        runs: dict[str, list[Any]] = {}
+        seconds: dict[str, float] = {}
+        window = args.decode_window if mode == "decode" else None
+        for kind in KINDS * args.repeat:  # the last run of each kind is the one timed
+            options = ReplayOptions(
+                mode,  # type: ignore[arg-type]
+                check_weights=False,
+                decode_window=window,
+                single_step=kind,  # type: ignore[arg-type]
+            )
+            t = time.perf_counter()
+            runs[kind] = replay_items(items, pool, options)
+            seconds[kind] = round(time.perf_counter() - t, 2)
+        flips = agree = 0
+        disagreements = []
+        for trace, fs, tf in zip(traces, runs["from_scratch"], runs["teacher_forced"], strict=True):
+            if not isinstance(fs, ReplayOutcome) or not isinstance(tf, ReplayOutcome):
+                disagreements.append({"trace": trace.external_id, "error": f"{fs!r} / {tf!r}"})
+                continue
+            if fs.first_divergence_step is None:
+                continue
+            flips += 1
+            a, b = _flip(fs), _flip(tf)
+            if (a["t_star"], a["category"]) == (b["t_star"], b["category"]):
+                agree += 1
+            else:
+                disagreements.append(
+                    {"trace": trace.external_id, "from_scratch": a, "teacher_forced": b}
+                )
+        cats: dict[str, dict[str, int]] = {k: {} for k in KINDS}
+        for kind in KINDS:
+            for o in runs[kind]:
+                if isinstance(o, ReplayOutcome) and o.category not in (None, "agreed"):
+                    cats[kind][str(o.category)] = cats[kind].get(str(o.category), 0) + 1
+        result["modes"][mode] = {
+            "decode_window": window,
+            "flips": flips,
+            "categories_agree": agree,
+            "agreement": round(agree / flips, 4) if flips else None,
+            "categories": cats,
+            "seconds": seconds,
+            "disagreements": disagreements,
+        }
+        print(json.dumps({mode: result["modes"][mode]}), flush=True)
+    text = json.dumps(result, indent=1)
+    if args.out is not None:
+        args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
