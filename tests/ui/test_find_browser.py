@@ -5,7 +5,10 @@ uvicorn server seeded with replayed runs.
   of its replays opened on the run's trace page; no console error anywhere;
 - narrow screens: every page at 420 CSS px is no wider than the viewport (document scrollWidth,
   2 px tolerance: tables scroll inside their box, charts scale), with screenshots at 420 and
-  1400 px in test-output/ (`narrow-<page>.png`, `wide-<page>.png`, not committed).
+  1400 px in test-output/ (`narrow-<page>.png`, `wide-<page>.png`, not committed);
+- at 420 and 1280 px (issue 33), every page, sign-in, screening and verification included:
+  charts fit their card with their text whole, tables keep their key column in view
+  (`tests/ui/layout.py`), with whole-page screenshots in test-output/screens/.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from tests.ui.chromium import (  # noqa: F401  (the browser fixture)
     no_alert,
     serving,
 )
+from tests.ui.job_pages import seed_jobs
+from tests.ui.layout import at_width, layout_problems, screenshot
 
 pytestmark = [
     pytest.mark.parametrize("db_url", ["sqlite"], indirect=True),
@@ -46,9 +51,10 @@ def world(
     seeded_run: SeededRun,
     runner: HoldingRunner,
     headers: Callable[..., dict[str, str]],
+    db_url: str,
 ) -> dict[str, str]:
     """The seeded run, a second (named) run over some of its traces, an audit schedule with a
-    run; the ids the pages need."""
+    run, a screening and a verification; the ids the pages need."""
     admin = headers("admin")
     body = {
         "trace_ids": seeded_run.trace_ids[:6],
@@ -66,11 +72,14 @@ def world(
     r = client.post(f"/v1/audits/schedules/{schedule}/runs", headers=admin)
     assert r.status_code in (200, 201, 202), r.text
     runner.run_all()
+    screening, verification = seed_jobs(db_url)
     return {
         "run": seeded_run.run_id,
         "second": second,
         "trace": seeded_run.trace_ids[1],
         "schedule": schedule,
+        "screening": screening,
+        "verification": verification,
     }
 
 
@@ -167,6 +176,8 @@ def _pages(world: dict[str, str]) -> dict[str, str]:
         "flips": f"/ui/runs/{r}/flips?a=0&b=1&kind=fixed",
         "schedules": "/ui/schedules",
         "schedule": f"/ui/schedules/{s}",
+        "screening": f"/ui/screenings/{world['screening']}",
+        "verification": f"/ui/verifications/{world['verification']}",
     }
 
 
@@ -213,3 +224,31 @@ def test_every_page_fits_a_420px_screen(
         _screenshot(browser, WIDE, f"wide-{name}.png")
     too_wide = {k: v for k, v in widths.items() if v > NARROW + TOLERANCE_PX}
     assert too_wide == {}, f"pages wider than {NARROW} px: {too_wide} (all: {widths})"
+
+
+@pytest.mark.parametrize("width", [NARROW, 1280])
+def test_every_page_keeps_its_charts_and_key_columns_whole(
+    browser: WebDriver,  # noqa: F811
+    live_server: str,
+    world: dict[str, str],
+    api_key: Any,
+    width: int,
+) -> None:
+    """At 420 px charts drew 640 px wide in a 383 px card, tables showed their first column
+    only, the verification page was 3,525 px wide; at 1280 px sweep labels ended in '…'."""
+    at_width(browser, width)
+    problems: dict[str, list[str]] = {}
+
+    def check(name: str) -> None:
+        assert "error" not in browser.title.lower(), (name, browser.title)
+        screenshot(browser, OUTPUT_DIR / "screens" / f"{name}-{width}.png")
+        problems[name] = layout_problems(browser)
+
+    browser.get(f"{live_server}/ui/sign-in")
+    check("sign-in")
+    _sign_in(browser, live_server, api_key("auditor"))
+    for name, path in _pages(world).items():
+        browser.get(live_server + path)
+        check(name)
+    bad = [f"{name}: {p}" for name, found in problems.items() for p in found]
+    assert not bad, "\n".join(bad)
