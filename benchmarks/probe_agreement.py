@@ -1,9 +1,9 @@
 """Issue 32: do the categories from the teacher-forced single-step probe agree with the
 from-scratch rule? Traces of a checkpoint logged by transformers' own `generate()` (one prompt a
 call, `replay_audit.engine.generate`) or read from a traces JSONL (`e2e_audit.py prepare`'s),
-replayed in another format through the one pipeline (`replay_items`, against the logged
-tokens) once per probe kind and mode; per flip, both kinds' t*, category and probe tokens; every
-disagreement listed. Also the seconds each kind's replay took (one run, same traces).
+replayed in another format through the one pipeline (`replay_items` against the logged tokens,
+scans batched as a replay job's) once per probe kind and mode; per flip, both kinds' t*,
+category and probe tokens; every disagreement listed; the seconds each kind took (one run).
 
     python benchmarks/probe_agreement.py --model .models/smollm2-135m-instruct --device cpu \\
         --prompts 16 --tokens 32 --modes scan decode --out /tmp/probe.json
@@ -23,7 +23,7 @@ from typing import Any
 
 from replay_audit.engine import EnginePool, Target
 from replay_audit.replays.domain import LoggedTrace, ReplayOutcome, RunTarget
-from replay_audit.replays.pipeline import ReplayItem, ReplayOptions, replay_items
+from replay_audit.replays.pipeline import ReplayItem, ReplayOptions, replay_items, scan_items
 from replay_audit.traces.schemas import TraceCreate
 
 KINDS = ("from_scratch", "teacher_forced")
@@ -105,13 +105,15 @@ def main() -> None:
                 single_step=kind,  # type: ignore[arg-type]
             )
             t = time.perf_counter()
-            runs[kind] = replay_items(items, pool, options)
+            scans = scan_items(items, pool, options).runs  # batched, as a replay job scans
+            runs[kind] = replay_items(items, pool, options, scans=scans)
             seconds[kind] = round(time.perf_counter() - t, 2)
         flips = agree = 0
         disagreements = []
-        for trace, fs, tf in zip(traces, runs["from_scratch"], runs["teacher_forced"], strict=True):
+        pairs = zip(traces, runs["from_scratch"], runs["teacher_forced"], strict=True)
+        for n, (trace, fs, tf) in enumerate(pairs):
             if not isinstance(fs, ReplayOutcome) or not isinstance(tf, ReplayOutcome):
-                disagreements.append({"trace": trace.external_id, "error": f"{fs!r} / {tf!r}"})
+                disagreements.append({"trace": trace.external_id or n, "error": f"{fs!r} / {tf!r}"})
                 continue
             if fs.first_divergence_step is None:
                 continue
@@ -121,7 +123,7 @@ def main() -> None:
                 agree += 1
             else:
                 disagreements.append(
-                    {"trace": trace.external_id, "from_scratch": a, "teacher_forced": b}
+                    {"trace": trace.external_id or n, "from_scratch": a, "teacher_forced": b}
                 )
         cats: dict[str, dict[str, int]] = {k: {} for k in KINDS}
         for kind in KINDS:

@@ -172,10 +172,15 @@ def tf32_enabled() -> bool:
     return bool(matmul.allow_tf32)
 
 
+#: cuBLAS's version once read: a loaded library stays (reading it takes milliseconds, which
+#: every `environment()`, so every result, paid before).
+_CUBLAS_VERSION: list[str] = []
+
+
 def cublas_version() -> str | None:
     """cuBLAS's version as loaded in this process (read from the library itself), or None."""
-    if not torch.cuda.is_available():
-        return None
+    if _CUBLAS_VERSION or not torch.cuda.is_available():
+        return _CUBLAS_VERSION[0] if _CUBLAS_VERSION else None
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "libcublas.so" in line}
@@ -186,7 +191,8 @@ def cublas_version() -> str | None:
             if lib.cublasGetProperty(prop, ctypes.byref(v)) != 0:
                 return None
             parts.append(str(v.value))
-        return ".".join(parts)
+        _CUBLAS_VERSION.append(".".join(parts))
+        return _CUBLAS_VERSION[0]
     except (OSError, IndexError, AttributeError):
         return None
 

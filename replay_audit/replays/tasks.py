@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
@@ -207,6 +208,7 @@ def _load_pending(
     """The traces of `trace_ids` that still need results, with their values (one read) and an
     item per missing comparison (or, where the trace or its checkpoint is gone, its failed row)."""
     out = []
+    checkpoints: dict[str, Path | ModelNotFound] = {}  # by weights_sha256: one lookup a job
     with session_scope(url) as s:
         todo = repository.missing_comparisons_of(s, spec.run_id, trace_ids, len(spec.comparisons))
         rows = repository.traces_by_id(s, [t for t in trace_ids if todo[t]])
@@ -217,20 +219,28 @@ def _load_pending(
             row = rows.get(trace_id)
             trace = repository.logged_trace(row) if row is not None else None
             p = _Pending(trace_id, row.public_id if row else None, trace, missing)
-            p.items = _items(p, spec, ctx)
+            p.items = _items(p, spec, ctx, checkpoints)
             out.append(p)
     return out
 
 
-def _items(p: _Pending, spec: _RunSpec, ctx: WorkerContext) -> list[ReplayItem | ResultRow]:
-    """A pending trace's item per missing comparison, or its failed row."""
+def _items(
+    p: _Pending, spec: _RunSpec, ctx: WorkerContext, checkpoints: dict[str, Path | ModelNotFound]
+) -> list[ReplayItem | ResultRow]:
+    """A pending trace's item per missing comparison, or its failed row (`checkpoints`: the
+    job's lookups so far)."""
     trace = p.trace
     if trace is None:
         return [failed_values(c, "trace was deleted") for c in p.missing]
-    try:
-        model_dir = find_checkpoint(trace.weights_sha256, ctx.settings.model_dirs, ctx.pool)
-    except ModelNotFound as e:
-        return [failed_values(c, str(e)) for c in p.missing]
+    sha = trace.weights_sha256
+    if sha not in checkpoints:
+        try:
+            checkpoints[sha] = find_checkpoint(sha, ctx.settings.model_dirs, ctx.pool)
+        except ModelNotFound as e:
+            checkpoints[sha] = e
+    model_dir = checkpoints[sha]
+    if isinstance(model_dir, ModelNotFound):
+        return [failed_values(c, str(model_dir)) for c in p.missing]
     control = spec.control is not None and spec.control.includes(p.public_id or str(p.trace_id))
     # The answer extractor of a trace's semantic agreement: GSM8K's where it has a reference.
     extractor = "gsm8k" if trace.reference_answer is not None else None
