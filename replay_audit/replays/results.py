@@ -55,21 +55,23 @@ def _plain(x: Any) -> Any:
 
 def _arm_detail(arm: ArmOutcome) -> JsonObject:
     """What the detail JSON keeps of an arm (its output, gate triggers and steps live in
-    columns)."""
+    columns). The per-step lists are plain already (the pipeline rounds the margins to finite
+    floats or None): not walked again."""
     detail: JsonObject = _plain(
         {
             "target": arm.target.to_dict() if arm.target is not None else None,
             "gate_fired_at_divergence": arm.gate_fired_at_divergence,
             "mean_gap": arm.mean_gap,
             "changed_steps": arm.changed_steps,
-            "margins": arm.margins,
-            "gate_fired_steps": arm.gate_fired_steps,
             "environment": arm.environment,
             "text": arm.text,
         }
     )
+    detail["margins"] = list(arm.margins) if arm.margins is not None else None
+    steps = arm.gate_fired_steps
+    detail["gate_fired_steps"] = list(steps) if steps is not None else None
     if arm.pieces is not None:
-        detail["pieces"] = _plain(to_json(arm.pieces))
+        detail["pieces"] = to_json(arm.pieces)  # type: ignore[assignment]
     return detail
 
 

@@ -121,6 +121,7 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
             token_budget=ctx.settings.scan_token_budget,
             worker_kind=ctx.gpu_kind,
             decode_window=run.decode_window,
+            check_weights=False,  # each trace's checkpoint was found by its weights_sha256
             # A run recorded before the option probed from scratch.
             single_step=run.request.get("single_step") or "from_scratch",  # type: ignore[arg-type]
         )

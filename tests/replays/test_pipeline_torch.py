@@ -295,3 +295,50 @@ def test_a_decode_window_keeps_t_star_and_gives_the_whole_decodes_prefix(
         assert out_w == out_f[: len(out_w)]
         assert w.cascade_length is None and w.length_difference is None and w.semantic is None
     assert cut >= 3, "the prompt set diverges in bf16 well before its end"
+
+
+@pytest.mark.parametrize("mode", ["scan", "decode"])
+def test_the_teacher_forced_probe_follows_the_rule_on_the_bundled_model(
+    pool: EnginePool, real_dir: Path, real_prompts: list[tuple[str, str]], mode: str
+) -> None:
+    """Issue 32: the committed model's fp32 traces replayed in bf16 with the default probe.
+    Each flip's probe is row t* of its arm's teacher-forced forward over prompt ‖ arm A's tokens,
+    recomputed here with a plain scan; its category follows the rule from that probe and the
+    gate at t*; and where it differs from the from-scratch probe's category, one of the two
+    probes of arm B sits within an ulp of a tie (the forwards of two lengths round apart)."""
+    model = Model(real_dir, tuple(real_prompts[:24]), 48)
+    traces = [_logged(tr) for tr in _trace_set(model, "fp32")]
+    target = Target("bf16")
+    items = [ReplayItem(t, RunTarget(target), real_dir) for t in traces]
+    fast, slow = (
+        replay_items(items, pool, ReplayOptions(mode, check_weights=False, single_step=k))  # type: ignore[arg-type]
+        for k in ("teacher_forced", "from_scratch")
+    )
+    flips = 0
+    for trace, tf, fs in zip(traces, fast, slow, strict=True):
+        assert isinstance(tf, ReplayOutcome) and isinstance(fs, ReplayOutcome)
+        t = tf.first_divergence_step
+        assert t == fs.first_divergence_step
+        if t is None:
+            continue
+        flips += 1
+        step = tf.single_step
+        assert step is not None and step.kind == "teacher_forced" and step.a is not None
+        # Recomputed: both formats' scans over prompt ‖ the logged tokens, row t* (alone here,
+        # batched in the run: equal unless the row is within an ulp of a tie).
+        prompt, logged = trace.prompt_token_ids.tolist(), trace.output_token_ids.tolist()
+        for fmt, choice in ((Target("fp32", attn_kernel="sdpa"), step.a), (target, step.b)):
+            run = pool.get(real_dir, fmt).scan(prompt, logged, Intervention(), 5)
+            tie = run.steps.margins_ulps[t] <= 1
+            assert tie or choice.token == int(run.steps.token_ids[t]), (fmt.dtype, t)
+        fired = bool(tf.a.gate_fired_at_divergence) or bool(tf.b.gate_fired_at_divergence)
+        rule = (
+            "body_dominated"
+            if not fired
+            else ("head_reachable" if step.a.token != step.b.token else "kv_dependent")
+        )
+        assert tf.category == rule
+        if tf.category != fs.category:
+            margins = [fs.single_step.b.margin, step.b.margin]  # type: ignore[union-attr]
+            assert any(m is not None and m.ulps is not None and m.ulps <= 1 for m in margins)
+    assert flips >= 3, "the prompt set diverges in bf16"
