@@ -780,10 +780,12 @@ def audit(args: argparse.Namespace, prepared: dict[str, Any] | None = None) -> d
         if args.backend == "pg":
             api = _start([*serve, "--workers", str(args.api_workers)], env, api_log)
             queue = "cpu" if args.device == "cpu" else "gpu"
-            for i, log in enumerate(worker_logs):  # worker i on GPU i; the first one sampled
+            # Worker i on GPU i // --workers-per-gpu; the first one sampled.
+            for i, log in enumerate(worker_logs):
                 argv = ["worker", "--queue", queue, "--device", args.device]
                 argv += ["--name", f"e2e-{tag}-{i}", "--metrics-port", "0"]
-                gpu = {"CUDA_VISIBLE_DEVICES": str(i)} if args.device == "cuda" else {}
+                card = str(i // args.workers_per_gpu)
+                gpu = {"CUDA_VISIBLE_DEVICES": card} if args.device == "cuda" else {}
                 workers.append(_start(argv, env | gpu, log, profile if i == 0 else None))
         else:
             api = _start([*serve, "--workers", "1"], env, api_log, profile)
@@ -861,21 +863,27 @@ def audit(args: argparse.Namespace, prepared: dict[str, Any] | None = None) -> d
             label = f"audit {mode}"
             windows[label] = (a["start_time"], a["end_time"])
             a["worker_jobs"] = job_lines(worker_logs, a["start_time"], a["end_time"] + 5)
-            done = a["results_done"]
+            # A run's results are its traces x its comparisons (the reproduction check is one):
+            # traces are counted as traces, results apart.
+            per = a["results"] / n
+            a["results_per_trace"] = per
+            done = a["results_done"] / per
             per_trace_ingest = ingest_s / max(1, len(ids))
             if a["complete"]:
                 wall = a["wall_post_to_last_report_s"]
-                share = per_trace_ingest * a["results"]
-                a["traces_per_hour"] = round(a["results"] / wall * 3600)
-                a["traces_per_hour_with_ingest"] = round(a["results"] / (wall + share) * 3600)
+                share = per_trace_ingest * n
+                a["traces_per_hour"] = round(n / wall * 3600)
+                a["results_per_hour"] = round(a["results"] / wall * 3600)
+                a["traces_per_hour_with_ingest"] = round(n / (wall + share) * 3600)
                 a["ingest_share_s"] = round(share, 2)
                 # Linear extrapolation to the 100,000 traces at the measured rates.
-                a["extrapolated_100k_s"] = round(wall / a["results"] * 100_000, 1)
+                a["extrapolated_100k_s"] = round(wall / n * 100_000, 1)
                 a["extrapolated_100k_with_ingest_s"] = round(
-                    (wall / a["results"] + per_trace_ingest) * 100_000, 1
+                    (wall / n + per_trace_ingest) * 100_000, 1
                 )
             elif done:
                 a["traces_per_hour_so_far"] = round(done / a["wall_s"] * 3600)
+                a["results_per_hour_so_far"] = round(a["results_done"] / a["wall_s"] * 3600)
                 a["extrapolated_100k_s_at_this_rate"] = round(a["wall_s"] / done * 100_000, 1)
             screen = [r["report"].get("screening") for r in a["runs"] if r.get("report")]
             if screen and all(screen):
@@ -1006,6 +1014,13 @@ def main() -> None:
         type=int,
         default=1,
         help="pg: replay worker processes (on CUDA, worker i on GPU i: the several-GPU ratio)",
+    )
+    g.add_argument(
+        "--workers-per-gpu",
+        type=int,
+        default=1,
+        help="pg on CUDA: workers sharing a GPU (worker i on GPU i // N: one's CPU work overlaps "
+        "another's GPU work)",
     )
     g.add_argument("--clients", type=int, default=4)
     g.add_argument("--poll-s", type=float, default=0.5)

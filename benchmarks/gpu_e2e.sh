@@ -37,7 +37,8 @@
 # counts; per audit traces/h with and without ingest and the 100,000-trace extrapolation; the
 # worker's job lines summed; the replaying thread's stack samples by phase; the slowest
 # phase), e2e.log, worker.log, api.log and worker_profile.json.gz (the raw stack samples).
-# WARMUP: the warm-up run's traces (4; each decoded in full in both formats).
+# WARMUP: the warm-up run's traces (4; each decoded in full in both formats). PER_GPU: replay
+# workers sharing each GPU (1), so that one's CPU work (rows, database) overlaps another's scans.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -110,7 +111,8 @@ audit() {
         --run-size "${RUN_SIZE:-2000}" --modes ${MODES:-scan auto} \
         --target-dtype "${TARGET:-fp16}" ${CONTROL:+--control-fraction "$CONTROL"} \
         ${FLAG_ULPS:+--scan-flag-ulps "$FLAG_ULPS"} ${EXTRA:+--run-extra "$EXTRA"} \
-        --api-workers "${API_WORKERS:-4}" --clients "${CLIENTS:-8}" --workers "${GPUS:-1}" \
+        --api-workers "${API_WORKERS:-4}" --clients "${CLIENTS:-8}" --workers "$(( ${GPUS:-1} * ${PER_GPU:-1} ))" \
+        --workers-per-gpu "${PER_GPU:-1}" \
         --warmup-traces "${WARMUP:-4}" --deadline-s "$deadline" --out "$OUT" > /dev/null 2> "$OUT/e2e.log"
     local rc=$?
     echo "audit: exit $rc, $((SECONDS - t0)) s (deadline $deadline s)"
