@@ -196,6 +196,7 @@ def test_a_scan_run_judges_a_trace_that_does_not_reproduce_from_scans_and_decode
     headers: Callable[..., dict[str, str]],
     logged_trace: Callable[..., dict[str, Any]],
     monkeypatch: pytest.MonkeyPatch,
+    api_key: Callable[..., str],
 ) -> None:
     """Issue 32: a scan run compares a trace its check did not reproduce with that replay along
     the logged tokens (both arms' scans, the check's reused), never by two decodes; t* is the
@@ -236,3 +237,9 @@ def test_a_scan_run_judges_a_trace_that_does_not_reproduce_from_scans_and_decode
         assert x["margin_at_divergence"]["a"]["source"] == "scan"
     assert flipped >= 3
     assert run["statistics"]["comparisons"][0]["baselines"] == {"reproduced": len(ids)}
+    # The trace page says which probe ran.
+    client.cookies.clear()
+    assert sign_in(client, api_key("auditor")).status_code == 303
+    some = next(i for i in ids if fp16[i]["first_divergence_step"] is not None)
+    page = client.get(f"/ui/runs/{run['id']}/traces/{some}?comparison=0").text
+    assert "row t* of a teacher-forced forward" in page and "from scratch over" not in page
