@@ -93,7 +93,12 @@ def worker(
     from replay_audit.engine.pool import EnginePool
     from replay_audit.queue import rq_name
     from replay_audit.queue.runner import served_queues
-    from replay_audit.queue.state import announce_worker, forget_worker, keep_alive
+    from replay_audit.queue.state import (
+        announce_worker,
+        forget_worker,
+        keep_alive,
+        register_again,
+    )
     from replay_audit.telemetry.log import configure_logging
     from replay_audit.telemetry.metric import MODEL_LOADS, start_metrics_server
     from replay_audit.worker.context import MAX_ENGINES, WorkerContext, install_worker_context
@@ -152,7 +157,12 @@ def worker(
         "worker %s: %s; serves %s", w.name, announced.describe(), ", ".join(served)
     )
     stop_alive = threading.Event()
-    keep_alive(connection, settings.queue_prefix, w.name, stop_alive)
+
+    def announce() -> None:  # again, after Redis lost its records (a restart, a flush)
+        announce_worker(connection, settings.queue_prefix, w.name, announced)
+        register_again(w)
+
+    keep_alive(connection, settings.queue_prefix, w.name, stop_alive, announce)
     _children_die_with_us()
     try:
         # with_scheduler: RQ's Retry intervals need a scheduler to move retries back.

@@ -6,7 +6,9 @@ RQ knows a worker's queues but not its device, so `replay-audit worker` announce
 on under `WORKER_KINDS` (a Redis hash: worker name -> `route.WorkerKind` as JSON: GPU kind, GPU
 name, compute capability, devices) when it starts and removes it when it stops. A worker is
 live while RQ's worker registry holds it (its heartbeat keeps it there); one killed without its
-goodbye leaves an entry in the hash that no live worker reads.
+goodbye leaves an entry in the hash that no live worker reads. A Redis restarted without
+persistence loses both records: the worker writes them again within `ALIVE_REFRESH_S` (its
+liveness key found gone, `keep_alive`).
 
 Liveness: RQ's own worker key is no help in telling a dead worker from a busy one, since a
 SimpleWorker sends no heartbeat while a job runs (it sets its key's TTL to the job's timeout +
@@ -21,14 +23,17 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from redis import Redis
 
 from replay_audit.queue.route import LiveWorker, WorkerKind
+
+if TYPE_CHECKING:
+    from rq import Worker
 
 #: The Redis hash of worker name -> its `WorkerKind` JSON (after the deployment's queue prefix).
 WORKER_KINDS: Final = "replay-audit:worker-gpu-kind"
@@ -129,11 +134,32 @@ def forget_worker(connection: Redis, prefix: str, worker_name: str) -> None:
     connection.hdel(prefix + WORKER_KINDS, worker_name)
 
 
+def register_again(worker: Worker) -> None:
+    """Put a started RQ `worker` back in RQ's worker registry when Redis lost it (a restart
+    without persistence, a flush): RQ registers a worker once, at its birth, and its
+    heartbeat does not bring it back. A worker not born yet, or dead, is left alone."""
+    from rq import worker_registration
+
+    if worker.birth_date is None or worker.connection.hexists(worker.key, "death"):
+        return
+    with worker.connection.pipeline() as pipeline:
+        pipeline.hset(worker.key, mapping=worker.serialize())
+        worker_registration.register(worker, pipeline)
+        pipeline.expire(worker.key, worker.worker_ttl + 60)
+        pipeline.execute()
+
+
 def keep_alive(
-    connection: Redis, prefix: str, worker_name: str, stop: threading.Event
+    connection: Redis,
+    prefix: str,
+    worker_name: str,
+    stop: threading.Event,
+    announce: Callable[[], None] = lambda: None,
 ) -> threading.Thread:
     """Start a daemon thread that refreshes worker `worker_name`'s liveness key until `stop` is
-    set (then it deletes it) or the process dies (then it expires within `ALIVE_TTL_S`)."""
+    set (then it deletes it) or the process dies (then it expires within `ALIVE_TTL_S`). When
+    the key is found gone, Redis lost the worker's records (restarted, flushed): the thread
+    calls `announce` to write them again."""
     key = prefix + WORKER_ALIVE + worker_name
 
     def loop() -> None:
@@ -142,7 +168,9 @@ def keep_alive(
         while True:
             # Redis down: the worker's own loop says so; the next refresh tries again.
             with contextlib.suppress(RedisError):
-                connection.set(key, "1", ex=ALIVE_TTL_S)
+                if not connection.set(key, "1", ex=ALIVE_TTL_S, xx=True):
+                    announce()
+                    connection.set(key, "1", ex=ALIVE_TTL_S)
             if stop.wait(ALIVE_REFRESH_S):
                 break
         with contextlib.suppress(RedisError):

@@ -258,6 +258,29 @@ def test_redis_flush_mid_run_is_recovered(
     assert _results(pg) == (total, total)
 
 
+def test_a_worker_announces_itself_again_after_redis_loses_it(
+    env: dict[str, str], pg: str, rq_redis: RedisNamespace
+) -> None:
+    """A Redis restarted without persistence forgets RQ's worker registry and what each worker
+    announced (its namespace flushed here): a live worker announces itself again within
+    seconds, so `/readyz` requiring one worker answers 200 again and `/healthz` lists it."""
+    settings = Settings(  # type: ignore[call-arg]
+        _env_file=None, database_url=pg, ready_min_workers=1, **rq_redis.settings()
+    )
+    worker = start_worker(env)
+    try:
+        with TestClient(create_app(settings)) as client:
+            wait_until(lambda: client.get("/readyz").status_code == 200, 120, "the worker")
+            rq_redis.flush()
+            wait_until(lambda: client.get("/readyz").status_code == 200, 15, "its new announce")
+            assert client.get("/readyz").json()["workers"] == {"cpu": 1}
+            kinds = client.get("/healthz").json()["worker_kinds"]
+            assert [(k["kind"], k["workers"]) for k in kinds] == [("cpu", 1)]
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        worker.wait(timeout=30)
+
+
 def test_a_cpu_only_deployment_serves_targets_without_a_device(
     traces: list[dict[str, Any]], env: dict[str, str], pg: str, rq_redis: RedisNamespace
 ) -> None:
