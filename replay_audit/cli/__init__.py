@@ -14,6 +14,7 @@ from replay_audit.cli import engine as _engine  # noqa: F401
 from replay_audit.cli import verify as _verify  # noqa: F401
 from replay_audit.cli import screen as _screen  # noqa: F401
 from replay_audit.cli import imports as _imports  # noqa: F401
+from replay_audit.cli import traces as _traces  # noqa: F401
 from replay_audit.cli import worker as _worker  # noqa: F401
 from replay_audit.cli import demo as _demo  # noqa: F401
 from replay_audit.cli import audit as _audit  # noqa: F401

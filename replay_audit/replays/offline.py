@@ -60,7 +60,7 @@ from replay_audit.stats.report import (
     RunStatistics,
     run_statistics,
 )
-from replay_audit.traces.schemas import TraceCreate
+from replay_audit.traces.schemas import READ_ONLY_FIELDS, TraceCreate
 
 
 @dataclass(frozen=True)
@@ -81,11 +81,14 @@ class ParsedTrace:
 
 def parse_traces(path: Path, rows: Iterator[tuple[int, JsonObject]]) -> list[ParsedTrace]:
     """Every line of the traces file, checked before a checkpoint is hashed or loaded (a
-    `FieldError` naming the line and field): valid trace JSON, replayable."""
+    `FieldError` naming the line and field): valid trace JSON (as posted, or as the API reads
+    it back: its read-only fields are dropped), replayable."""
     parsed = []
     for n, row in rows:
         try:
-            trace = TraceCreate.model_validate(row)
+            trace = TraceCreate.model_validate(
+                {k: v for k, v in row.items() if k not in READ_ONLY_FIELDS}
+            )
         except ValidationError as e:
             err = e.errors()[0]
             where = ".".join(str(x) for x in err["loc"])

@@ -8,7 +8,7 @@ concurrent retries cannot store a trace twice, and nothing is checked-then-inser
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Final, NamedTuple, TypeVarTuple
 
@@ -392,3 +392,20 @@ def list_traces(
     if before_public_id is not None:
         stmt = stmt.where(Trace.public_id < before_public_id)
     return list(session.execute(stmt.limit(limit)).unique().scalars())
+
+
+def stored_traces(
+    session: Session,
+    project_id: int,
+    selection: TraceSelection,
+    public_ids: Collection[str] = (),
+    *,
+    limit: int | None = None,
+) -> Iterator[Trace]:
+    """Up to `limit` of the project's traces in `selection` (and among `public_ids` if any),
+    whole, oldest first, read a chunk at a time (an export of many traces)."""
+    stmt = select_where(select(Trace).options(contains_eager(Trace.config)), project_id, selection)
+    if public_ids:
+        stmt = stmt.where(Trace.public_id.in_(sorted(set(public_ids))))
+    stmt = stmt.order_by(Trace.public_id).limit(limit).execution_options(yield_per=200)
+    yield from session.execute(stmt).scalars()

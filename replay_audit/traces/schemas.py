@@ -450,6 +450,15 @@ class TraceRead(TraceCreate):
     content_sha256: Sha256
     created_at: datetime
 
+    def posted_json(self) -> str:
+        """The trace as POST /v1/traces takes it (and `import` writes it): the read less
+        `READ_ONLY_FIELDS`."""
+        return self.model_dump_json(exclude=set(READ_ONLY_FIELDS))
+
+
+#: What the API adds to a trace as posted, when it reads it back.
+READ_ONLY_FIELDS: Final = frozenset(TraceRead.model_fields) - frozenset(TraceCreate.model_fields)
+
 
 class TraceSummary(OutputModel):
     """One row of `GET /v1/traces`: no token arrays."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Final
@@ -376,6 +376,20 @@ def get_trace(session: Session, project_id: int, trace_id: str) -> TraceRead:
     if not traces:
         raise NotFound(f"no trace {trace_id!r}", field="trace_id")
     return to_read(traces[0])
+
+
+def export_traces(
+    session: Session,
+    project_id: int,
+    selection: TraceSelection,
+    public_ids: Collection[str] = (),
+    *,
+    limit: int | None = None,
+) -> Iterator[TraceRead]:
+    """Up to `limit` of the project's traces in `selection` (and among `public_ids` if any),
+    oldest first, as GET /v1/traces/{id} reads them (`TraceRead.posted_json`: as posted)."""
+    for trace in repository.stored_traces(session, project_id, selection, public_ids, limit=limit):
+        yield to_read(trace)
 
 
 def _summary(trace: Trace, config: NumericalConfig) -> TraceSummary:
