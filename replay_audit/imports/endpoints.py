@@ -20,6 +20,7 @@ from replay_audit.auth.schemas import Principal
 from replay_audit.formats import ImportFormat
 from replay_audit.imports import service
 from replay_audit.imports.schemas import ImportBatchResult, ImportRequest
+from replay_audit.imports.service import PARSERS
 from replay_audit.json_value import JsonObject
 
 router = APIRouter(tags=["traces"])
@@ -55,7 +56,12 @@ def import_traces(
     principal: Submitter,
     session: DBSession,
     body: RawBody,
-    format: Annotated[ImportFormat, Query(description="openai, sglang or hf")],
+    # lm-eval is the CLI's only (its samples need the checkpoint's tokenizer): the document
+    # leaves it out, and the service's 422 says where to import it.
+    format: Annotated[
+        ImportFormat,
+        Query(description="openai, sglang or hf", json_schema_extra={"enum": [*PARSERS]}),
+    ],
 ) -> Response:
     """Body `{"context": ImportContext, "items": [response | {"request", "response"}]}`;
     answer 207 `{"results": [...]}` (see the module docstring). A context without `dtype`,

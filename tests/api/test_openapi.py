@@ -63,8 +63,10 @@ def test_conflicts_are_documented_where_they_happen(
     assert status in document["paths"][path][method]["responses"]
 
 
-def _parameter(document: dict[str, Any], path: str, name: str) -> dict[str, Any]:
-    parameters = document["paths"][path]["get"]["parameters"]
+def _parameter(
+    document: dict[str, Any], path: str, name: str, method: str = "get"
+) -> dict[str, Any]:
+    parameters = document["paths"][path][method]["parameters"]
     (parameter,) = [p for p in parameters if p["name"] == name]
     return parameter
 
@@ -80,8 +82,9 @@ def test_the_cursor_format_is_in_the_document_and_the_server_keeps_to_it(
     pattern = branch["pattern"]
     for cursor in ["", "garbage", "r:1", "run-1", "tr_" + "U" * 26]:
         assert re.search(pattern, cursor) is None, (pattern, cursor)
-        answer = client.get(path.replace("{run_id}", "run_x"), params={"cursor": cursor},
-                            headers=headers("admin"))
+        answer = client.get(
+            path.replace("{run_id}", "run_x"), params={"cursor": cursor}, headers=headers("admin")
+        )
         assert answer.status_code == 422 and answer.json()["field"] == "cursor", answer.text
 
 
@@ -105,3 +108,19 @@ def test_the_replay_request_states_its_rules(
         {"trace_ids": ["tr_x"], "targets": [{"dtype": "fp16"}], "pairs": [[0, 1]]},
     ):
         assert client.post("/v1/replays", json=body, headers=admin).status_code == 422, body
+
+
+def test_the_import_formats_in_the_document_are_those_http_imports(
+    document: dict[str, Any], client: TestClient, headers: Headers
+) -> None:
+    """lm-eval samples need the checkpoint's tokenizer (the CLI's): not a value of the
+    document's `format`, and still refused naming the field (issue 33)."""
+    schema = _parameter(document, "/v1/traces:import", "format", "post")["schema"]
+    assert schema["enum"] == ["openai", "sglang", "hf"]
+    context = {"dtype": "bf16", "model": {"vocab_size": 2, "weights_sha256": "0" * 64}}
+    answer = client.post(
+        "/v1/traces:import?format=lm-eval",
+        json={"context": context, "items": []},
+        headers=headers("admin"),
+    )
+    assert answer.status_code == 422 and answer.json()["field"] == "format", answer.text
