@@ -142,6 +142,7 @@ DELIBERATE: dict[tuple[str, str], str] = {
     ("replay_audit.engine.attention", "_install_lock"): "guards the wrapping",
     ("replay_audit.engine.attention", "_local"): "each thread's current observer",
     ("replay_audit.engine.loading", "_SWITCHES"): "one arm's torch switches applied at a time",
+    ("replay_audit.engine.loading", "_CUBLAS_VERSION"): "the version of the process's one cuBLAS",
 }
 
 _THREADING = (
