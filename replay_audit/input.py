@@ -9,8 +9,7 @@ to query and path parameters (`api.deps`).
 
 Strictness. Request models are strict (`strict=True`): a number is a JSON number, not `"3"`
 or `true`; a logit a JSON number, not `"99.0"`. An integer field takes what JSON Schema calls
-an integer (27, and 27.0, the same value), except in models with `exact_integers = True` (the
-trace contract: a token id is stored and read back as sent, so `3.0` there is a 422). The few
+an integer (27, and 27.0, the same value: what JSON Schema calls an integer). The few
 fields whose JSON form is a string of another type (times, enums given by value, pairs written
 as arrays) relax strictness for themselves with `Lax`.
 
@@ -22,7 +21,7 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
-from typing import Annotated, Any, ClassVar, Final
+from typing import Annotated, Any, Final
 
 from pydantic import (
     AfterValidator,
@@ -68,19 +67,19 @@ def integral_float(value: Any) -> Any:
     return value
 
 
-def _wrap(schema: Any, exact_integers: bool) -> Any:
+def _wrap(schema: Any) -> Any:
     # Schemas of nested models are their own classes' (already wrapped); serialization is
     # output, metadata is not a schema.
     if isinstance(schema, list):
-        return [_wrap(item, exact_integers) for item in schema]
+        return [_wrap(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
     if schema.get("type") == "str":
         return core_schema.no_info_after_validator_function(refuse_unstorable, schema)
-    if schema.get("type") == "int" and not exact_integers:
+    if schema.get("type") == "int":
         return core_schema.no_info_before_validator_function(integral_float, schema)
     return {
-        key: value if key in ("serialization", "metadata") else _wrap(value, exact_integers)
+        key: value if key in ("serialization", "metadata") else _wrap(value)
         for key, value in schema.items()
     }
 
@@ -90,14 +89,12 @@ class InputModel(BaseModel):
     every string checked with `refuse_unstorable` (see the module docstring)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-    #: True: an integer field takes a JSON integer only, not an integral float (see above).
-    exact_integers: ClassVar[bool] = False
 
     @classmethod
     def __get_pydantic_core_schema__(
         cls, source: Any, handler: GetCoreSchemaHandler
     ) -> core_schema.CoreSchema:
-        schema: core_schema.CoreSchema = _wrap(handler(source), cls.exact_integers)
+        schema: core_schema.CoreSchema = _wrap(handler(source))
         return schema
 
 

@@ -89,7 +89,6 @@ class ProcessorsInput(LogitsProcessorsSpec):
     `--config` flag's value is text)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
-    exact_integers = False
 
 
 class DecodingInput(_Input):

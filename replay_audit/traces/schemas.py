@@ -114,10 +114,8 @@ def _canonical_pieces(pieces: list[str | list[int]]) -> list[str | list[int]]:
 
 
 class TraceInput(InputModel):
-    """A request model of the trace contract: integers are exact JSON integers (a token id
-    `3.0` is refused, not stored as 3: what is stored reads back as sent)."""
-
-    exact_integers = True
+    """A request model of the trace contract (a token id `3.0` is JSON Schema's integer 3, as
+    everywhere: it is stored and read back as 3)."""
 
 
 class ModelRef(TraceInput):

@@ -157,11 +157,9 @@ ITEM_CASES: list[tuple[str, Mutation, int, str]] = [
     ("gpu on a cpu device", _set("config.device", "cpu"), 422, "config"),
     ("bad tag", _set("tags", ["has space"]), 422, "tags[0]"),
     ("oversized trace", _too_many_tokens, 413, "output_token_ids"),
-    # Strict types: what was sent is what is stored, or a 422 (never a silent conversion).
+    # Strict types: no conversion between JSON types, a 422 (3.0 is an integer: see below).
     ("token id true", _set("prompt_token_ids.0", True), 422, "prompt_token_ids[0]"),
     ("token id numeric string", _set("prompt_token_ids.1", "3"), 422, "prompt_token_ids[1]"),
-    ("token id integral float", _set("output_token_ids.2", 3.0), 422, "output_token_ids[2]"),
-    ("top-k id integral float", _set("top_k.ids.1.0", 3.0), 422, "top_k.ids[1][0]"),
     ("logit numeric string", _set("top_k.logits.0.0", "99.0"), 422, "top_k.logits[0][0]"),
     ("vocab size a string", _set("model.vocab_size", "1000"), 422, "model.vocab_size"),
     ("batch size true", _set("config.batch_size", True), 422, "config.batch_size"),
@@ -396,3 +394,25 @@ def test_extras_read_back_exactly_as_sent(client: TestClient, headers: Headers, 
     stored = read["config"]["extras"]
     assert stored == extras
     assert {k: type(v) for k, v in stored.items()} == {k: type(v) for k, v in extras.items()}
+
+
+@pytest.mark.parametrize("path", ["/v1/traces", "/v1/traces:batch"])
+def test_an_integer_written_as_an_integral_float_is_that_integer(
+    client: TestClient, headers: Headers, path: str
+) -> None:
+    """JSON Schema's integer is a value: 3.0 is 3, so the document's schema-valid trace with
+    `3.0` token ids is accepted and reads back as 3 (issue 33; it was a 422)."""
+    trace = make_trace(n_output=6)
+    expected = json.loads(json.dumps(trace))
+    trace["output_token_ids"][2] = float(trace["output_token_ids"][2])
+    trace["top_k"]["ids"][1][0] = float(trace["top_k"]["ids"][1][0])
+    trace["model"]["vocab_size"] = float(trace["model"]["vocab_size"])
+    body = {"traces": [trace]} if path.endswith("batch") else trace
+    answer = client.post(path, content=json.dumps(body), headers=headers("submitter"))
+    result = answer.json()["results"][0] if path.endswith("batch") else answer.json()
+    assert result["status"] == 201, result
+    read = client.get(f"/v1/traces/{result['id']}", headers=headers("auditor")).json()
+    assert read["output_token_ids"] == expected["output_token_ids"]
+    assert all(type(i) is int for i in read["output_token_ids"])
+    assert read["top_k"]["ids"] == expected["top_k"]["ids"]
+    assert read["model"]["vocab_size"] == expected["model"]["vocab_size"]
