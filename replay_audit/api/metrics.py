@@ -8,6 +8,9 @@ No key needed: nothing in it names a project or carries trace content or key mat
 from __future__ import annotations
 
 import logging
+import math
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import UTC
@@ -44,18 +47,35 @@ def metrics(request: Request) -> Response:
     return Response(exposition(collectors), media_type=CONTENT_TYPE)
 
 
+#: Seconds a read of the queues serves the scrapes of an API process (Prometheus scrapes every
+#: 15 s or more): concurrent or back-to-back scrapers cost one Redis read, not one each.
+QUEUE_READ_TTL_S = 2.0
+
+
 class QueueCollector:
     """Each RQ queue's depth, running jobs and oldest waiting job's age, and the live workers
-    per GPU kind, read from Redis at scrape time (nothing under the in-process runner)."""
+    per GPU kind, read from Redis at scrape time, at most once per `QUEUE_READ_TTL_S`
+    (nothing under the in-process runner)."""
 
     def __init__(self, settings: Settings) -> None:
         self.enabled = settings.runner == "rq"
         self.redis_url = settings.redis_url
         self.prefix = settings.queue_prefix
+        self._lock = threading.Lock()
+        self._read_at = -math.inf
+        self._families: list[GaugeMetricFamily] = []
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         if not self.enabled:
             return
+        with self._lock:  # one read at a time; the scrapes waiting for it share it
+            if time.monotonic() - self._read_at >= QUEUE_READ_TTL_S:
+                self._families = list(self._read())
+                self._read_at = time.monotonic()
+            families = self._families
+        yield from families
+
+    def _read(self) -> Iterator[GaugeMetricFamily]:
         depth = GaugeMetricFamily(
             "replay_audit_queue_depth", "Jobs waiting in the queue.", labels=["queue"]
         )

@@ -166,3 +166,30 @@ def test_kinds_a_request_names_do_not_grow_the_queue_labels(
     assert "unserved" in labels and not any(q.startswith("gpu:invented") for q in labels)
     assert len(labels) <= 6, labels  # gpu, cpu, their long queues, audits, unserved
     assert value(scraped, "replay_audit_queue_depth", queue="unserved") == 12
+
+
+def test_scrapes_within_a_read_share_one_read_of_the_queues(
+    pg: str, rq_redis: RedisNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 33: a scrape reads every queue from Redis (hundreds of round trips where requests
+    named many kinds); scrapers back to back or at once share one read per QUEUE_READ_TTL_S
+    instead of each paying it in the API process (BENCHMARKS.md: the single-POST p99 with 4
+    scrapers)."""
+    from replay_audit.api import metrics
+
+    reads: list[int] = []
+    real = metrics.known_queues
+
+    def counted(*a: Any, **k: Any) -> list[str]:
+        reads.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(metrics, "known_queues", counted)
+    settings = Settings(_env_file=None, database_url=pg, **rq_redis.settings())  # type: ignore[call-arg]
+    collector = metrics.QueueCollector(settings)
+    first = [f.name for f in collector.collect()]
+    again = [f.name for f in collector.collect()]
+    assert len(reads) == 1 and first == again and "replay_audit_queue_depth" in first
+    monkeypatch.setattr(metrics, "QUEUE_READ_TTL_S", 0.0)
+    list(collector.collect())
+    assert len(reads) == 2  # past the TTL: read again
