@@ -1,22 +1,43 @@
 """The life of a row a job owns (a screening, a verification): each run of the job claims one
 attempt on it, and a job that cannot go on fails it saying why. Jobs are retried and may be
-re-enqueued by `reconcile`, so a finished row is left alone and the attempts are capped."""
+re-enqueued by `reconcile`, so a finished row is left alone and the attempts are capped.
+
+A running job holds a lease on its row (`lease_until`, renewed by a thread while it runs,
+cleared when it ends): a second start while the lease lives backs off, so a job Redis lost
+and the reconciler enqueued again never runs twice at once; a killed worker's lease lapses
+within `LEASE_S`."""
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Protocol, TypeVar
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+from typing import Any, Final, Protocol, TypeVar
+
+from sqlalchemy import update
+from sqlalchemy.exc import SQLAlchemyError
 
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
 
+log = logging.getLogger(__name__)
+
+#: Seconds a lease lasts past its last renewal: how long a dead worker's row stays held.
+LEASE_S: Final = 60
+#: Seconds between renewals (well inside `LEASE_S`: a database blip may cost one).
+LEASE_RENEW_S: Final = 10.0
+
 
 class JobRow(Protocol):
+    id: int
     status: str
     attempts: int
     error: str | None
     started_at: datetime | None
     finished_at: datetime | None
+    lease_until: datetime | None
 
 
 Row = TypeVar("Row", bound=JobRow)
@@ -28,6 +49,11 @@ def claim_attempt(row: JobRow | None, max_attempts: int) -> bool:
     (then it is failed, saying so: a worker killed or crashing every time)."""
     if row is None or row.status in ("done", "failed"):
         return False
+    if lease_live(row):
+        log.warning(
+            "%s %d runs elsewhere (its lease lives): not started", type(row).__name__, row.id
+        )
+        return False
     if row.attempts >= max_attempts:
         row.status, row.finished_at = "failed", utcnow()
         row.error = f"gave up after {row.attempts} attempts (worker killed or crashing)"
@@ -35,7 +61,37 @@ def claim_attempt(row: JobRow | None, max_attempts: int) -> bool:
     row.attempts += 1
     row.status = "running"
     row.started_at = row.started_at or utcnow()
+    row.lease_until = utcnow() + timedelta(seconds=LEASE_S)
     return True
+
+
+def lease_live(row: JobRow) -> bool:
+    """Whether a running job holds `row` now (its lease has not lapsed)."""
+    return row.status == "running" and row.lease_until is not None and row.lease_until > utcnow()
+
+
+@contextlib.contextmanager
+def leased(url: str, model: type[Any], row_id: int) -> Iterator[None]:
+    """Hold the lease on row `row_id` of `model` (claimed by `claim_attempt`) while the block
+    runs: renewed every `LEASE_RENEW_S` by a thread, cleared when the block ends, however."""
+    stop = threading.Event()
+
+    def set_lease(until: datetime | None) -> None:
+        with contextlib.suppress(SQLAlchemyError), session_scope(url) as s:  # a blip: lapses
+            s.execute(update(model).where(model.id == row_id).values(lease_until=until))
+
+    def renew() -> None:
+        while not stop.wait(LEASE_RENEW_S):
+            set_lease(utcnow() + timedelta(seconds=LEASE_S))
+
+    thread = threading.Thread(target=renew, name=f"lease-{model.__name__}-{row_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        set_lease(None)
 
 
 def fail_row(url: str, model: type[Row], row_id: int, message: str) -> None:

@@ -25,6 +25,8 @@ class Screening(JobRow, Base):
 
     model_sha256: Mapped[str] = mapped_column(String(64))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    #: Until when the job running it holds the row (`db.job_row.leased`); None: no job.
+    lease_until: Mapped[datetime | None] = mapped_column(nullable=True)
     #: The `screening.report.ScreeningReport` JSON, stored when the screening finishes.
     report: Mapped[JsonObject | None] = mapped_column(JSON, nullable=True)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,6 +1,7 @@
 """Screenings the database says are unfinished but no runner holds (a Redis flush, a worker
 killed mid-screening: its heartbeat, `screenings.updated_at`, goes stale) are enqueued again.
-Running a screening twice is harmless: it resumes from its stored outputs."""
+One whose lease lives (`db.job_row.leased`: its job runs, though Redis lost it) is left alone.
+Running a screening again is harmless: it resumes from its stored outputs."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from replay_audit.db import jobs
 from replay_audit.db.base import utcnow
+from replay_audit.db.job_row import lease_live
 from replay_audit.queue import Runner
 from replay_audit.screenings.models import Screening
 from replay_audit.screenings.service import job_spec
@@ -34,7 +36,7 @@ def reconcile_screenings(
         spec = job_spec(row, job_timeout_s, default_queue)
         held = runner.is_queued(spec.job_id)
         stale = row.status == "running" and row.updated_at < stale_before
-        if held and not stale:
+        if (held and not stale) or lease_live(row):  # a leased one runs: never twice at once
             continue
         log.warning("re-enqueueing screening %d (%s)", row.id, "stale" if held else "lost")
         row.updated_at = utcnow()

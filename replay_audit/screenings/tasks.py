@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from replay_audit.db.base import utcnow
-from replay_audit.db.job_row import claim_attempt, fail_row
+from replay_audit.db.job_row import claim_attempt, fail_row, leased
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.exceptions import EngineError, ReplayAuditError
 from replay_audit.formats import BodyDType
@@ -114,6 +114,12 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
         assert row is not None  # claimed
         request = ScreeningCreate.model_validate(row.request)
         sha = row.model_sha256
+    with leased(url, Screening, screening_id):
+        _screen(screening_id, url, request, sha)
+
+
+def _screen(screening_id: int, url: str, request: ScreeningCreate, sha: str) -> None:
+    ctx = worker_context()
     try:
         model_dir = find_checkpoint(sha, ctx.settings.model_dirs, ctx.pool)
         shape = CheckpointShape.read(model_dir)

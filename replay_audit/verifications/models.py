@@ -28,6 +28,8 @@ class Verification(JobRow, Base):
     #: The selection resolved at creation: the traces' ids, oldest first, and each one's group.
     selection: Mapped[JsonObject] = mapped_column(JSON)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    #: Until when the job running it holds the row (`db.job_row.leased`); None: no job.
+    lease_until: Mapped[datetime | None] = mapped_column(nullable=True)
     #: `verifications.domain.report_json` with the calibrations and platforms, when done.
     report: Mapped[JsonObject | None] = mapped_column(JSON, nullable=True)
 

@@ -22,7 +22,7 @@ from sqlalchemy.exc import IntegrityError
 
 from replay_audit.config import BUNDLED_MODEL_DIR, Settings
 from replay_audit.db.base import utcnow
-from replay_audit.db.job_row import claim_attempt, fail_row
+from replay_audit.db.job_row import claim_attempt, fail_row, leased
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.engine.pool import EnginePool
 from replay_audit.exceptions import EngineError, ReplayAuditError
@@ -212,6 +212,19 @@ def run_verification_job(verification_id: int, database_url: str | None = None) 
         ids: list[int] = list(row.selection["trace_ids"])  # type: ignore[arg-type]
         groups: list[str] = list(row.selection["groups"])  # type: ignore[arg-type]
         sha = row.model_sha256
+    with leased(url, Verification, verification_id):
+        _verify(verification_id, url, request, ids, groups, sha)
+
+
+def _verify(
+    verification_id: int,
+    url: str,
+    request: VerificationCreate,
+    ids: list[int],
+    groups: list[str],
+    sha: str,
+) -> None:
+    ctx = worker_context()
     try:
         model_dir = find_checkpoint(sha, ctx.settings.model_dirs, ctx.pool)
     except ModelNotFound as e:

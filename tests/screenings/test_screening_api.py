@@ -246,6 +246,61 @@ def test_a_lost_screening_job_is_enqueued_again(
     assert client.get(f"/v1/screenings/{sid}", headers=headers("admin")).json()["status"] == "done"
 
 
+def test_a_running_screening_is_never_started_a_second_time(
+    client: TestClient,
+    job_runner: JobRunner,
+    fake_backend: list[FakeWorkerBackend],
+    fake_model_dir: Path,
+    headers: Callable[..., dict[str, str]],
+) -> None:
+    """A screening running on one worker whose queued job Redis lost (a restart) is left
+    alone by the reconciler, and a second start of it (enqueued again all the same) sees the
+    first one's lease on the row and backs off: one attempt, one run."""
+    import contextvars
+    import threading
+
+    from replay_audit.db.unit_of_work import session_scope
+    from replay_audit.screenings import tasks
+    from replay_audit.screenings.models import Screening
+    from replay_audit.screenings.reconcile import reconcile_screenings
+    from tests.screenings.conftest import install_fake
+
+    entered, release = threading.Event(), threading.Event()
+
+    @dataclasses.dataclass
+    class Blocking(FakeWorkerBackend):
+        def platform(self) -> Any:  # the first start holds here until released
+            if not entered.is_set():
+                entered.set()
+                release.wait(30)
+            return super().platform()
+
+    built: list[FakeWorkerBackend] = []
+    install_fake(Blocking(), built)
+    admin = headers("admin")
+    r = client.post("/v1/screenings", json=_body(weights_sha256(fake_model_dir)), headers=admin)
+    sid = r.json()["id"]
+    screening_id = job_runner_id(client, sid)
+    job_runner.specs.clear()  # Redis restarted: its job is gone
+    run = contextvars.copy_context().run  # the thread sees the fakes installed here
+    first = threading.Thread(target=run, args=(tasks.run_screening_job, screening_id))
+    first.start()
+    try:
+        assert entered.wait(30)
+        url = client.app.state.settings.database_url  # type: ignore[attr-defined]
+        with session_scope(url) as s:
+            assert reconcile_screenings(s, job_runner, stale_after_s=0, job_timeout_s=60) == []
+        tasks.run_screening_job(screening_id)  # a second start while the first runs
+        assert len(built) == 1  # it never reached the checkpoint
+    finally:
+        release.set()
+        first.join(30)
+    assert client.get(f"/v1/screenings/{sid}", headers=admin).json()["status"] == "done"
+    with session_scope(url) as s:
+        row = s.get(Screening, screening_id)
+        assert row is not None and row.attempts == 1 and row.lease_until is None
+
+
 def test_a_stopped_screening_job_resumes_at_the_first_undecoded_prompt(
     client: TestClient,
     job_runner: JobRunner,

@@ -278,7 +278,10 @@ def test_a_verification_whose_worker_died_is_enqueued_again_once(
     the job no more (under RQ: the worker's liveness key expired). The reconciler enqueues it
     once (not again while it is held), the job runs a second attempt to the one report, the
     null stored once; `replay-audit reconcile` takes one the same way."""
+    from datetime import timedelta
+
     from replay_audit.audits.tasks import reconcile_jobs, run_tick
+    from replay_audit.db.base import utcnow
     from replay_audit.db.job_row import claim_attempt
     from replay_audit.verifications.reconcile import reconcile_verifications
 
@@ -288,10 +291,12 @@ def test_a_verification_whose_worker_died_is_enqueued_again_once(
     url = client.app.state.settings.database_url  # type: ignore[attr-defined]
 
     def died_mid_job(public_id: str) -> int:
-        """The worker's claim on the row, then its death: the runner lost the job."""
+        """The worker's claim on the row, then its death: the runner lost the job, and the
+        lease on the row lapsed (`db.job_row.LEASE_S` after its last renewal)."""
         with session_scope(url) as s:
             row = s.scalar(select(Verification).where(Verification.public_id == public_id))
             assert row is not None and claim_attempt(row, tasks.MAX_ATTEMPTS)
+            row.lease_until = utcnow() - timedelta(seconds=1)
             vid = row.id
         job_runner.specs.clear()
         return vid
