@@ -48,6 +48,7 @@ from replay_audit.output import OutputModel
 from replay_audit.replays.schemas import (
     MAX_REPLAY_TRACES,
     PAIRS_RULE,
+    PAIRWISE_RULE,
     TARGETS_RULE,
     ReplayCreate,
     TargetIndex,
@@ -108,7 +109,9 @@ class ScheduleReplay(InputModel):
     """What each run replays: ReplayCreate's fields without the trace selection (and its
     rules: at least one target or `compare_with: "self"`, ...)."""
 
-    model_config = ConfigDict(json_schema_extra={"allOf": [TARGETS_RULE, PAIRS_RULE]})
+    model_config = ConfigDict(
+        json_schema_extra={"allOf": [TARGETS_RULE, PAIRS_RULE, PAIRWISE_RULE]}
+    )
 
     targets: list[TargetSpec] = Field(default_factory=list)
     #: None: each run by the large-run rule on the traces it samples (scan-then-decode from

@@ -209,6 +209,17 @@ PAIRS_RULE: JsonObject = {
         {"not": {"required": ["pairs"], "properties": {"pairs": {"type": "array"}}}},
     ]
 }
+#: JSON Schema of "compare: pairwise needs two targets or more (the self-replay counts)".
+PAIRWISE_RULE: JsonObject = {
+    "anyOf": [
+        {"not": {"required": ["compare"], "properties": {"compare": {"const": "pairwise"}}}},
+        {"required": ["targets"], "properties": {"targets": {"minItems": 2}}},
+        {
+            "required": ["targets", "compare_with"],
+            "properties": {"targets": {"minItems": 1}, "compare_with": {"const": "self"}},
+        },
+    ]
+}
 _CONTROL = re.compile("[\x00-\x1f\x7f]")
 
 
@@ -244,7 +255,7 @@ class ReplayCreate(InputModel):
     counts), and each of `pairs` names two different ones; `pairs` is only given with it."""
 
     model_config = ConfigDict(
-        json_schema_extra={"allOf": [SELECTION_RULE, TARGETS_RULE, PAIRS_RULE]}
+        json_schema_extra={"allOf": [SELECTION_RULE, TARGETS_RULE, PAIRS_RULE, PAIRWISE_RULE]}
     )
 
     trace_ids: list[str] | None = Field(default=None, min_length=1, max_length=MAX_REPLAY_TRACES)

@@ -3,12 +3,18 @@ answer, and the constraints the server enforces (a client generated from it work
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from typing import Any
 
+import jsonschema_rs
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
+
+from replay_audit.audits.schemas import ScheduleReplay
+from replay_audit.replays.schemas import ReplayCreate
 
 Headers = Callable[..., dict[str, str]]
 
@@ -96,7 +102,7 @@ def test_the_replay_request_states_its_rules(
     (selection,) = [part["oneOf"] for part in schema["allOf"] if "oneOf" in part]
     assert sorted(branch["required"][0] for branch in selection) == ["filter", "trace_ids"]
     # ...and at least one target, or the self-replay.
-    targets, pairs = [part["anyOf"] for part in schema["allOf"] if "anyOf" in part]
+    targets, pairs, _ = [part["anyOf"] for part in schema["allOf"] if "anyOf" in part]
     assert {"required": ["targets"], "properties": {"targets": {"minItems": 1}}} in targets
     # ...and pairs only with compare: pairwise.
     assert {"required": ["compare"], "properties": {"compare": {"const": "pairwise"}}} in pairs
@@ -124,3 +130,32 @@ def test_the_import_formats_in_the_document_are_those_http_imports(
         headers=headers("admin"),
     )
     assert answer.status_code == 422 and answer.json()["field"] == "format", answer.text
+
+
+def _conforms(document: dict[str, Any], name: str, body: dict[str, Any]) -> bool:
+    schema = {"$ref": f"#/components/schemas/{name}"} | {"components": document["components"]}
+    return jsonschema_rs.Draft202012Validator(schema).is_valid(body)
+
+
+@pytest.mark.parametrize("name", ["ReplayCreate", "ScheduleReplay"])
+def test_the_pairwise_minimum_is_in_the_document(document: dict[str, Any], name: str) -> None:
+    """compare: pairwise needs two targets or more, the self-replay counting (issue 33: a
+    pairwise request with one target was schema-valid and a 422)."""
+    fp16 = {"dtype": "fp16"}
+    base = {"trace_ids": ["tr_x"]} if name == "ReplayCreate" else {}
+    model = ReplayCreate if name == "ReplayCreate" else ScheduleReplay
+    for extra, valid in [
+        ({"compare": "pairwise", "compare_with": "self"}, False),
+        ({"compare": "pairwise", "targets": [fp16]}, False),
+        ({"compare": "pairwise", "targets": [fp16], "compare_with": "self"}, True),
+        ({"compare": "pairwise", "targets": [fp16, fp16]}, True),
+        ({"compare_with": "self"}, True),
+    ]:
+        body = base | extra
+        assert _conforms(document, name, body) is valid, body
+        try:
+            model.model_validate_json(json.dumps(body))
+            accepted = True
+        except ValidationError:
+            accepted = False
+        assert accepted is valid, body
