@@ -72,24 +72,48 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, JsonObject]]:
 
 
 def _progress(spinner: bool = False) -> Any:
-    """A transient progress display on stderr: a bar, or a spinner where the total is unknown."""
+    """A transient progress display on stderr: a bar with its rate and the time left, or a
+    spinner where the total is unknown."""
     from rich.console import Console
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
         Progress,
         SpinnerColumn,
+        TextColumn,
         TimeElapsedColumn,
+        TimeRemainingColumn,
     )
 
     description = "[progress.description]{task.description}"
+    rate = (_rate_column(), TextColumn("left"), TimeRemainingColumn())
     return Progress(
         *((SpinnerColumn(), description) if spinner else (description, BarColumn())),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
+        *(() if spinner else rate),
         console=Console(stderr=True),
         transient=True,
     )
+
+
+def _rate_column() -> Any:
+    """A column of items a second, once rich has measured a rate (blank before)."""
+    from rich.progress import ProgressColumn, Task
+    from rich.text import Text
+
+    class Rate(ProgressColumn):
+        def render(self, task: Task) -> Text:
+            return Text(f"{task.speed:.3g}/s" if task.speed else "")
+
+    return Rate()
+
+
+def _loading(what: str) -> Any:
+    """A spinner on stderr while `what` loads (a checkpoint on a CPU takes minutes)."""
+    from rich.console import Console
+
+    return Console(stderr=True).status(f"loading {what}...")
 
 
 @app.command("hash-model")
@@ -197,15 +221,16 @@ def generate(
     from replay_audit.exceptions import ReplayAuditError
 
     try:
-        gen = TraceGenerator(
-            model,
-            dtype=dtype,
-            attn_kernel=attn_kernel,
-            device=device,
-            model_name=model_name,
-            threads=_threads(threads),
-            tp_degree=tp,
-        )
+        with _loading(f"{model} in {dtype}"):
+            gen = TraceGenerator(
+                model,
+                dtype=dtype,
+                attn_kernel=attn_kernel,
+                device=device,
+                model_name=model_name,
+                threads=_threads(threads),
+                tp_degree=tp,
+            )
     except ReplayAuditError as e:
         fail(e.message)
     with gen:  # at --tp k, the ranks stop with it

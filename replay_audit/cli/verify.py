@@ -10,7 +10,7 @@ import typer
 
 from replay_audit.cli.database import fail
 from replay_audit.cli.demo import PROMPTS_FILE
-from replay_audit.cli.engine import DeviceOpt, ThreadsOpt, _read_jsonl, _threads
+from replay_audit.cli.engine import DeviceOpt, ThreadsOpt, _progress, _read_jsonl, _threads
 from replay_audit.cli.root import app
 from replay_audit.config import (
     DEFAULT_NULL_MAX_NEW_TOKENS,
@@ -57,15 +57,23 @@ def _measure(
 
     rows = [row for _, row in _read_jsonl(prompts)][:n_prompts]
     screen_prompts = TorchFacts(model, device).prompts(rows)  # type: ignore[arg-type]
-    return benign_null(
-        model,
-        claimed_target(claim),
-        screen_prompts,
-        pool=pool,
-        device=device,
-        max_new_tokens=max_new,
-        false_alarm_rate=false_alarm_rate,
-    )
+    with _progress() as bar:
+        task = bar.add_task(f"benign null of {claim}", total=None)
+
+        def progress(what: str, done: int, total: int) -> None:
+            what = f"benign null of {claim}: {what}"
+            bar.update(task, description=what, completed=done, total=total)
+
+        return benign_null(
+            model,
+            claimed_target(claim),
+            screen_prompts,
+            pool=pool,
+            device=device,
+            max_new_tokens=max_new,
+            false_alarm_rate=false_alarm_rate,
+            progress=progress,
+        )
 
 
 @app.command()

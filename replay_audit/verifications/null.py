@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Final
@@ -120,9 +120,11 @@ def benign_null(
     false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE,
     budgets: Sequence[int] = BUDGETS,
     draws: int = DRAWS,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> Calibration:
     """The calibration of `claim` on `model_dir` on this platform (the module docstring says
-    how); a benign variation that cannot run here is named in its notes."""
+    how); a benign variation that cannot run here is named in its notes. `progress(what,
+    done, total)` after each variation and the 4-bit alternative."""
     from replay_audit.engine.testing import rtn_checkpoint
 
     facts = TorchFacts(model_dir, device, devices=pool.devices)
@@ -133,7 +135,9 @@ def benign_null(
         chosen += [*(CUDA_VARIATIONS if platform.device == "cuda" else ()), TP_VARIATION]
     notes: list[str] = []
     null: dict[str, list[np.ndarray]] = {}
-    for config in chosen:
+    for done, config in enumerate(chosen):
+        if progress is not None:
+            progress(config.key, done, len(chosen) + 1)
         why = unavailable_reason(config, platform)
         if why is not None:
             tp = f" (TP {config.tp_degree} not covered)" if config.tp_degree > 1 else ""
@@ -152,11 +156,15 @@ def benign_null(
         )
     kernel = claim.attn_kernel or "sdpa"
     claimed = ScreenConfig(claim.dtype, attn_kernel=kernel)  # type: ignore[arg-type]
+    if progress is not None:
+        progress("4-bit alternative", len(chosen), len(chosen) + 1)
     with tempfile.TemporaryDirectory(prefix="rtn4-") as tmp:
         rtn = rtn_checkpoint(model_dir, Path(tmp), bits=4, group_size=128)
         alt = _scan(
             generate(claimed, prompts, max_new_tokens, pool, rtn, eos), claim, pool, model_dir
         )
+    if progress is not None:
+        progress("done", len(chosen) + 1, len(chosen) + 1)
     env = load_arm(claim, pool, model_dir).engine.environment()
     cal = calibrate(
         null,

@@ -18,6 +18,7 @@ def test_a_null_measured_on_a_cpu_notes_that_tp_was_not_covered(
 ) -> None:
     rows = [{"id": "a", "prompt": "def main():"}, {"id": "b", "prompt": "Once upon a time"}]
     prompts = TorchFacts(BUNDLED_MODEL_DIR, "cpu").prompts(rows)
+    steps: list[tuple[str, int, int]] = []
     cal = benign_null(
         BUNDLED_MODEL_DIR,
         Target("bf16", None, "sdpa", 1, Intervention()),
@@ -27,7 +28,12 @@ def test_a_null_measured_on_a_cpu_notes_that_tp_was_not_covered(
         max_new_tokens=6,
         budgets=(4, 8),
         draws=20,
+        progress=lambda what, done, total: steps.append((what, done, total)),
     )
+    # Its progress (issue 33: the CLI's bar): each variation, the 4-bit alternative, the end.
+    assert steps[0][1] == 0 and steps[-1] == ("done", steps[-1][2], steps[-1][2])
+    assert [d for _, d, _ in steps] == list(range(len(steps)))
+    assert steps[-2][0] == "4-bit alternative"
     (note,) = [n for n in cal.notes if TP_VARIATION.key in n]
     assert "TP 2 not covered" in note and "gloo" in note
     # Every other default variation ran; TP was not among them.
