@@ -9,7 +9,6 @@ from fastapi.responses import StreamingResponse
 
 from replay_audit.api.deps import DBSession, Reader
 from replay_audit.db.ids import cursor_pattern
-from replay_audit.exceptions import FieldError
 from replay_audit.formats import BodyDType
 from replay_audit.input import UtcDatetime
 from replay_audit.replays.models import ReplayRun
@@ -66,21 +65,20 @@ def read_report(
     session: DBSession,
     principal: Reader,
     a: Annotated[
-        int | None, Query(ge=0, description="baseline comparison of the pair (needs `b`)")
+        int | None, Query(ge=0, description="baseline comparison of the pair (0 if only `b`)")
     ] = None,
     b: Annotated[
-        int | None, Query(ge=0, description="treated comparison of the pair (needs `a`)")
+        int | None, Query(ge=0, description="treated comparison of the pair (0 if only `a`)")
     ] = None,
     margin: Annotated[float, Query(ge=0, lt=1, description="TOST margin")] = (DEFAULT_TOST_MARGIN),
     alpha: Annotated[float, Query(gt=0, lt=0.5)] = DEFAULT_TOST_ALPHA,
     list_limit: Annotated[int, Query(ge=0, le=1000)] = DEFAULT_LIST_LIMIT,
 ) -> RunReport:
     """Statistics of a run with their intervals: per comparison, lifts over comparison 0 and
-    of the pair (a, b), task accuracy where traces carry reference answers."""
-    if (a is None) != (b is None):
-        raise FieldError("give both a and b, or neither", field="a" if a is None else "b")
+    of the pair (a, b), task accuracy where traces carry reference answers. One of a and b
+    alone pairs it with comparison 0, the baseline of every lift."""
     run = browsing.get_run(session, principal.project_id, run_id)
-    pair = (a, b) if a is not None and b is not None else None
+    pair = None if a is None and b is None else (a or 0, b or 0)
     return statistics.run_report(
         session, run, pair=pair, margin=margin, alpha=alpha, list_limit=list_limit
     )
