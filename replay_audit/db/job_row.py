@@ -10,9 +10,11 @@ within `LEASE_S`."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from typing import Any, Final, Protocol, TypeVar
 
@@ -28,6 +30,10 @@ log = logging.getLogger(__name__)
 LEASE_S: Final = 60
 #: Seconds between renewals (well inside `LEASE_S`: a database blip may cost one).
 LEASE_RENEW_S: Final = 10.0
+#: Seconds between tries of a job while the database or Redis is away (the last repeated).
+OUTAGE_BACKOFF_S: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 15.0)
+#: Seconds a job waits out such an outage before its error is raised.
+OUTAGE_PATIENCE_S: Final = 600.0
 
 
 class JobRow(Protocol):
@@ -101,3 +107,52 @@ def fail_row(url: str, model: type[Row], row_id: int, message: str) -> None:
         row = s.get(model, row_id)
         if row is not None and row.status != "done":
             row.status, row.error, row.finished_at = "failed", message, utcnow()
+
+
+def _outages() -> dict[type[Exception], str]:
+    """The errors of the database or Redis being away, each with what is away."""
+    from redis import exceptions as redis
+    from sqlalchemy import exc
+
+    out: dict[type[Exception], str] = {
+        exc.OperationalError: "the database",
+        exc.InterfaceError: "the database",
+        redis.ConnectionError: "Redis",
+        redis.TimeoutError: "Redis",
+    }
+    with contextlib.suppress(ImportError):  # a deployment on SQLite may lack it
+        import psycopg
+
+        out[psycopg.OperationalError] = "the database"
+    return out
+
+
+def _sqlite_error(e: Exception) -> bool:
+    """An error of SQLite's other than a lock held elsewhere ("no such table"): no outage."""
+    import sqlite3
+
+    orig = getattr(e, "orig", None)
+    return isinstance(orig, sqlite3.OperationalError) and "locked" not in str(orig)
+
+
+def outlasting_outages(step: Callable[[], None], what: str) -> None:
+    """Run `step` (resumable: a job's body after its claim), and again after a backoff each
+    time it fails because the database or Redis is away: in the same attempt, none spent.
+    Past `OUTAGE_PATIENCE_S` the error is raised."""
+    outages = _outages()
+    deadline = time.monotonic() + OUTAGE_PATIENCE_S
+    for n in itertools.count():
+        try:
+            return step()
+        except tuple(outages) as e:
+            if _sqlite_error(e):
+                raise
+            wait = OUTAGE_BACKOFF_S[min(n, len(OUTAGE_BACKOFF_S) - 1)]
+            if time.monotonic() + wait > deadline:
+                raise
+            away = next(v for k, v in outages.items() if isinstance(e, k))
+            log.warning(
+                "%s: %s is away (%s: %s); trying again in %g s, no attempt spent",
+                what, away, type(e).__name__, str(e).splitlines()[0], wait,
+            )  # fmt: skip
+            time.sleep(wait)

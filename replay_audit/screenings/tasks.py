@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from replay_audit.db.base import utcnow
-from replay_audit.db.job_row import claim_attempt, fail_row, leased
+from replay_audit.db.job_row import claim_attempt, fail_row, leased, outlasting_outages
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.exceptions import EngineError, ReplayAuditError
 from replay_audit.formats import BodyDType
@@ -115,7 +115,8 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
         request = ScreeningCreate.model_validate(row.request)
         sha = row.model_sha256
     with leased(url, Screening, screening_id):
-        _screen(screening_id, url, request, sha)
+        body = lambda: _screen(screening_id, url, request, sha)  # noqa: E731
+        outlasting_outages(body, f"screening {screening_id}")
 
 
 def _screen(screening_id: int, url: str, request: ScreeningCreate, sha: str) -> None:

@@ -301,6 +301,58 @@ def test_a_running_screening_is_never_started_a_second_time(
         assert row is not None and row.attempts == 1 and row.lease_until is None
 
 
+def _outage(kind: str) -> Exception:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from sqlalchemy.exc import OperationalError
+
+    if kind == "database":
+        return OperationalError("SELECT 1", {}, Exception("server closed the connection"))
+    return RedisConnectionError("Error 111 connecting to redis:6379. Connection refused.")
+
+
+@pytest.mark.parametrize("kind", ["database", "redis"])
+def test_a_database_or_redis_blip_is_waited_out_without_spending_an_attempt(
+    kind: str,
+    client: TestClient,
+    job_runner: JobRunner,
+    fake_backend: list[FakeWorkerBackend],
+    fake_model_dir: Path,
+    headers: Callable[..., dict[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The database or Redis away for a moment (twice, here) mid-screening: the job tries
+    again after a backoff, in the same attempt, says why, and finishes."""
+    from replay_audit.db import job_row
+    from replay_audit.db.unit_of_work import session_scope
+    from replay_audit.screenings.models import Screening
+    from tests.screenings.conftest import install_fake
+
+    monkeypatch.setattr(job_row, "OUTAGE_BACKOFF_S", (0.01,))
+    blips = [_outage(kind), _outage(kind)]
+
+    @dataclasses.dataclass
+    class Blipping(FakeWorkerBackend):
+        def platform(self) -> Any:
+            if blips:
+                raise blips.pop()
+            return super().platform()
+
+    install_fake(Blipping(), [])
+    admin = headers("admin")
+    r = client.post("/v1/screenings", json=_body(weights_sha256(fake_model_dir)), headers=admin)
+    sid = r.json()["id"]
+    job_runner.run_all()
+    got = client.get(f"/v1/screenings/{sid}", headers=admin).json()
+    assert got["status"] == "done", got["error"]
+    url = client.app.state.settings.database_url  # type: ignore[attr-defined]
+    with session_scope(url) as s:
+        row = s.get(Screening, job_runner_id(client, sid))
+        assert row is not None and row.attempts == 1
+    said = [m for m in caplog.messages if "no attempt spent" in m]
+    assert len(said) == 2 and ("database" if kind == "database" else "Redis") in said[0], said
+
+
 def test_a_stopped_screening_job_resumes_at_the_first_undecoded_prompt(
     client: TestClient,
     job_runner: JobRunner,
