@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from replay_audit.db.base import utcnow
+from replay_audit.db.job_row import outlasting_outages
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.engine.protocol import ScanRun
 from replay_audit.exceptions import ReplayAuditError
@@ -129,7 +130,10 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
         trace_ids = list(job.trace_ids)
 
     with bound(run_id=spec.run_id):
-        _run_job(job_id, spec, trace_ids, url, ctx)
+        # Resumable (a retry replays only the items without a result): a database or Redis
+        # outage is waited out in this attempt.
+        body = lambda: _run_job(job_id, spec, trace_ids, url, ctx)  # noqa: E731
+        outlasting_outages(body, f"replay job {job_id}")
 
 
 def _run_job(

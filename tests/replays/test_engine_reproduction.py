@@ -243,3 +243,51 @@ def test_a_scan_run_judges_a_trace_that_does_not_reproduce_from_scans_and_decode
     some = next(i for i in ids if fp16[i]["first_divergence_step"] is not None)
     page = client.get(f"/ui/runs/{run['id']}/traces/{some}?comparison=0").text
     assert "row t* of a teacher-forced forward" in page and "from scratch over" not in page
+
+
+@pytest.mark.parametrize("kind", ["database", "redis"])
+def test_a_database_or_redis_blip_spends_no_attempt_of_a_replay_job(
+    kind: str,
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 33: the database or Redis away for a moment (twice, here, as a window's results
+    are written): the replay job waits it out in the same attempt, says why, and finishes with
+    every result once."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from sqlalchemy.exc import OperationalError
+
+    from replay_audit.db import job_row
+    from replay_audit.db.unit_of_work import session_scope
+    from replay_audit.replays import repository, tasks
+    from replay_audit.replays.models import ReplayJob
+
+    monkeypatch.setattr(job_row, "OUTAGE_BACKOFF_S", (0.01,))
+    away = (
+        OperationalError("INSERT", {}, Exception("server closed the connection"))
+        if kind == "database"
+        else RedisConnectionError("Error 111 connecting to redis:6379. Connection refused.")
+    )
+    blips = [away, away]
+    real = repository.insert_results_of
+
+    def insert(*a: Any, **k: Any) -> None:
+        if blips:
+            raise blips.pop()
+        real(*a, **k)
+
+    monkeypatch.setattr(tasks.repository, "insert_results_of", insert)
+    h = headers("admin")
+    ids = ingest(client, h, [logged_trace(p) for p in PROMPTS[:3]])
+    run = run_to_done(client, h, runner, {"trace_ids": ids, "targets": [FP16]})
+    assert run["progress"]["done"] == 2 * len(ids) and not blips
+    assert len(all_results(client, run["id"], h)) == 2 * len(ids)
+    url = client.app.state.settings.database_url  # type: ignore[attr-defined]
+    with session_scope(url) as s:
+        assert [j.attempts for j in s.query(ReplayJob).all()] == [1]
+    said = [m for m in caplog.messages if "no attempt spent" in m]
+    assert len(said) == 2 and ("database" if kind == "database" else "Redis") in said[0], said
