@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Final, cast
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from replay_audit.diff.margin import DEFAULT_TAU
 from replay_audit.formats import COVER, DEFAULT_PAIR, MAX_NEW_TOKENS, BodyDType, Device
@@ -23,7 +23,19 @@ _SHA256: Final = re.compile(r"^[0-9a-f]{64}$")
 
 class ScreeningPrompt(InputModel):
     """A prompt: its text (encoded by the checkpoint's tokenizer on the worker) or its token
-    ids; exactly one of the two."""
+    ids; exactly one of the two (the document says so with oneOf)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {
+                    "required": ["prompt_token_ids"],
+                    "properties": {"prompt_token_ids": {"type": "array"}},
+                },
+            ]
+        }
+    )
 
     id: str | None = Field(default=None, min_length=1, max_length=200)
     prompt: str | None = Field(default=None, min_length=1, max_length=100_000)

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from replay_audit.audits.schemas import ScheduleReplay
 from replay_audit.replays.schemas import ReplayCreate
+from replay_audit.screenings.schemas import ScreeningPrompt
 
 Headers = Callable[..., dict[str, str]]
 
@@ -155,6 +156,28 @@ def test_the_pairwise_minimum_is_in_the_document(document: dict[str, Any], name:
         assert _conforms(document, name, body) is valid, body
         try:
             model.model_validate_json(json.dumps(body))
+            accepted = True
+        except ValidationError:
+            accepted = False
+        assert accepted is valid, body
+
+
+def test_a_screening_prompt_is_its_text_or_its_ids_in_the_document(
+    document: dict[str, Any],
+) -> None:
+    """Exactly one of prompt and prompt_token_ids (issue 33: a prompt with neither was
+    schema-valid and a 422)."""
+    for body, valid in [
+        ({}, False),
+        ({"id": "p"}, False),
+        ({"prompt": None, "prompt_token_ids": None}, False),
+        ({"prompt": "hi", "prompt_token_ids": [1]}, False),
+        ({"prompt": "hi"}, True),
+        ({"prompt": None, "prompt_token_ids": [1]}, True),
+    ]:
+        assert _conforms(document, "ScreeningPrompt", body) is valid, body
+        try:
+            ScreeningPrompt.model_validate_json(json.dumps(body))
             accepted = True
         except ValidationError:
             accepted = False
