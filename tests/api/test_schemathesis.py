@@ -29,9 +29,10 @@ from tests.replays.conftest import fake_loader
 
 CONFIG = Path(__file__).with_name("schemathesis.toml")
 SEED = 20240501
-#: Seconds of fuzzing and stateful testing per database (the coverage phase runs first).
-MAX_TIME_S = 40
-MAX_EXAMPLES = 15
+#: Seconds of fuzzing and stateful testing per database (the coverage phase runs first), and
+#: examples per operation; a longer run: REPLAY_AUDIT_TEST_SCHEMATHESIS_S=200 and _EXAMPLES=100.
+MAX_TIME_S = int(os.environ.get("REPLAY_AUDIT_TEST_SCHEMATHESIS_S", "40"))
+MAX_EXAMPLES = int(os.environ.get("REPLAY_AUDIT_TEST_SCHEMATHESIS_EXAMPLES", "15"))
 
 
 @pytest.fixture
