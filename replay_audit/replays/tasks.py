@@ -150,6 +150,7 @@ def _run_job(
             repository.touch_job(s, job_id)  # alive: the scan may take a while on a CPU
 
     window = RERUN_WINDOW[spec.options.mode] if scanning else 1
+    finished = False
     for start in range(0, len(work), window):
         if stop_requested():  # the process is stopping: the rest waits for the next run
             with session_scope(url) as s:
@@ -162,15 +163,20 @@ def _run_job(
         )
         done = _replay(pending, spec, ctx)
         # A window's results in one transaction (each trace's rows whole, none twice: the
-        # unique key), with the heartbeat the reconciler reads.
+        # unique key), with the heartbeat the reconciler reads; the last one's with the job's
+        # end, so a run never reads `running` with all its results stored.
         with session_scope(url) as s:
             repository.insert_results_of(s, spec.run_id, [(p.trace_id, r) for p, r in done])
             repository.touch_job(s, job_id)
+            if start + window >= len(work):
+                service.finish_job(s, job_id)
+                finished = True
         counts.traces += len(done)
         counts.results += sum(len(r) for _, r in done)
 
     with session_scope(url) as s:
-        service.finish_job(s, job_id)
+        if not finished:
+            service.finish_job(s, job_id)
         run = s.get(ReplayRun, spec.run_id)
         progress = (sum(repository.progress(s, run)), run.n_items) if run is not None else None
     _log_job(job_id, spec, counts, time.perf_counter() - started, progress)

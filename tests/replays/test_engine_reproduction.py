@@ -291,3 +291,38 @@ def test_a_database_or_redis_blip_spends_no_attempt_of_a_replay_job(
         assert [j.attempts for j in s.query(ReplayJob).all()] == [1]
     said = [m for m in caplog.messages if "no attempt spent" in m]
     assert len(said) == 2 and ("database" if kind == "database" else "Redis") in said[0], said
+
+
+def test_a_run_never_reads_running_with_all_its_results_stored(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 33: a job's last results and its end (the run's status and statistics) commit
+    together; before, another reader could see every result stored and the run `running`."""
+    from sqlalchemy import create_engine, text
+
+    from replay_audit.replays import service, tasks
+
+    url = client.app.state.settings.database_url  # type: ignore[attr-defined]
+    seen: list[tuple[str, int, int]] = []
+    real = service.finish_job
+
+    reader = create_engine(url)  # a plain reader (the service's sessions write-lock SQLite)
+
+    def finish(session: Any, job_id: int) -> None:
+        with reader.connect() as other:  # what any other reader sees at that moment
+            status, total = other.execute(text("SELECT status, n_items FROM replay_runs")).one()
+            done = other.execute(text("SELECT count(*) FROM replay_results")).scalar_one()
+            seen.append((status, done, total))
+        real(session, job_id)
+
+    monkeypatch.setattr(tasks.service, "finish_job", finish)
+    h = headers("admin")
+    ids = ingest(client, h, [logged_trace(p) for p in PROMPTS[:3]])
+    run = run_to_done(client, h, runner, {"trace_ids": ids, "targets": [FP16]})
+    assert run["progress"]["done"] == 2 * len(ids) and seen
+    assert all(done < total for status, done, total in seen if status == "running"), seen
+    reader.dispose()
