@@ -91,6 +91,9 @@ class Settings(BaseSettings):
     #: each, times the runs of its plan (a batch run counted per copy). A larger request is a
     #: 422 naming `prompts` (docs/screening.md, "Bounded work").
     screening_token_budget: int = Field(default=2_000_000, ge=1)
+    #: The same for a screening that runs on a CPU worker, which decodes hundreds of times
+    #: slower (2,000,000 positions held a 2-core worker for 44 minutes; this, a few).
+    screening_cpu_token_budget: int = Field(default=200_000, ge=1)
     #: The benign null a worker measures for a verification (once per checkpoint, platform and
     #: claim, then stored): its prompts (the first of `verify_null_prompts_file`, JSON lines
     #: with a "prompt" each; default the bundled 64) and new tokens a prompt. A null of few

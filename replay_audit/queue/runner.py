@@ -385,6 +385,15 @@ class JobQueue:
         """`QueueUnavailable` when the queue cannot take work now (before anything is stored)."""
         self.runner.ping()
 
+    def runs_on_cpu(self, device: str | None) -> bool:
+        """Whether a job naming `device` (None: none) runs on a CPU here: named so, or sent to
+        the `cpu` queue by default, or run in this process with no CUDA device."""
+        if device is not None:
+            return device == "cpu"
+        if self.capabilities.runner == "inprocess":
+            return not self.capabilities.cuda
+        return self.default_queue == "cpu"
+
     def live_workers(self) -> list[LiveWorker] | None:
         """The workers that take this deployment's jobs now, as they announced themselves: RQ's
         live workers, or this process for the in-process runner; None where the runner cannot

@@ -29,9 +29,14 @@ def create_screening(
     """Screen a checkpoint on a worker's platform before deploying it (queued; poll it). The
     checkpoint must be in the API's `REPLAY_AUDIT_MODEL_DIRS` too: its config.json and tokenizer
     bound the work (422 naming the prompt past the context or the vocabulary, or `prompts` past
-    `REPLAY_AUDIT_SCREENING_TOKEN_BUDGET`)."""
+    `REPLAY_AUDIT_SCREENING_TOKEN_BUDGET`, `_CPU_TOKEN_BUDGET` where it runs on a CPU)."""
+    cpu = queue.runs_on_cpu(body.device)
+    budget = service.WorkBudget(
+        settings.screening_cpu_token_budget if cpu else settings.screening_token_budget,
+        "REPLAY_AUDIT_SCREENING_CPU_TOKEN_BUDGET" if cpu else "REPLAY_AUDIT_SCREENING_TOKEN_BUDGET",
+    )
     screening, created = service.create_screening(
-        session, principal.project_id, body, queue, checkpoints, settings.screening_token_budget
+        session, principal.project_id, body, queue, checkpoints, budget
     )
     if not created:
         response.status_code = status.HTTP_200_OK

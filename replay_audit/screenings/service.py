@@ -4,7 +4,7 @@ take a session and never commit."""
 from __future__ import annotations
 
 from functools import partial
-from typing import Final
+from typing import Final, NamedTuple
 
 from sqlalchemy.orm import Session
 
@@ -35,11 +35,18 @@ _EVERYTHING: Final = Platform(
 job_spec = partial(long_job_spec, JOB, "screening")
 
 
-def check_work(request: ScreeningCreate, shape: CheckpointShape, token_budget: int) -> None:
+class WorkBudget(NamedTuple):
+    """The most token positions a screening may decode where it runs, and the setting's name."""
+
+    tokens: int
+    setting: str = "REPLAY_AUDIT_SCREENING_TOKEN_BUDGET"
+
+
+def check_work(request: ScreeningCreate, shape: CheckpointShape, budget: WorkBudget) -> None:
     """A FieldError naming the field unless every prompt fits the checkpoint (ids within its
     vocabulary; prompt tokens + `max_new_tokens` within its context) and the screening's work,
     the token positions of every prompt (prompt + output) in every run of its plan (a batch
-    run counted per copy), is at most `token_budget` (docs/screening.md, "Bounded work").
+    run counted per copy), is at most `budget` (docs/screening.md, "Bounded work").
     Texts are tokenized one at a time, after bounds that need no tokenizing (a text has at
     least its UTF-8 length over `shape.bytes_per_token` tokens), so a refused request costs
     little."""
@@ -54,10 +61,10 @@ def check_work(request: ScreeningCreate, shape: CheckpointShape, token_budget: i
     copies = sum(r.config.batch_size for r in plan.runs())
 
     def over_budget(tokens: int) -> None:
-        if tokens * copies > token_budget:
+        if tokens * copies > budget.tokens:
             raise FieldError(
                 f"prompts: at least {tokens * copies} token positions ({tokens} per run, "
-                f"{copies} runs) exceed REPLAY_AUDIT_SCREENING_TOKEN_BUDGET ({token_budget}); "
+                f"{copies} runs) exceed {budget.setting} ({budget.tokens}); "
                 "send fewer or shorter prompts, fewer knobs or a smaller max_new_tokens",
                 field="prompts",
             )
@@ -97,7 +104,7 @@ def create_screening(
     request: ScreeningCreate,
     queue: JobQueue,
     checkpoints: CheckpointIndex,
-    token_budget: int,
+    budget: WorkBudget,
 ) -> tuple[Screening, bool]:
     """Store a screening and enqueue its job after commit. Returns (screening, created): an
     `idempotency_key` already used in the project returns the existing one. The checkpoint
@@ -114,7 +121,7 @@ def create_screening(
         shape = checkpoints.shape(request.model_sha256)
     except ModelNotFound as e:
         raise FieldError(f"model_sha256: {e}", field="model_sha256") from None
-    check_work(request, shape, token_budget)
+    check_work(request, shape, budget)
     queue.check()
     screening, created = insert_once(
         session,

@@ -450,13 +450,47 @@ def test_prompts_that_fit_are_accepted_and_the_budget_bounds_the_whole_request(
     body = {"model_sha256": TINY, "prompts": fits, "max_new_tokens": 64}
     r = client.post("/v1/screenings", json=body, headers=admin)
     assert r.status_code == 201, r.text
-    # 256 prompts of 448 tokens, every knob: far past REPLAY_AUDIT_SCREENING_TOKEN_BUDGET.
+    # 256 prompts of 448 tokens, every knob: far past the budget (the CPU's: this embedded
+    # deployment runs it on its CPU).
     body["prompts"] = [{"prompt_token_ids": [5] * 448}] * 256
     r = client.post("/v1/screenings", json=body, headers=admin)
     assert r.status_code == 422 and r.json()["field"] == "prompts", r.text
-    assert "REPLAY_AUDIT_SCREENING_TOKEN_BUDGET" in r.json()["detail"]
-    body["knobs"] = ["tf32"]  # a smaller plan: the same prompts fit
+    assert "REPLAY_AUDIT_SCREENING_CPU_TOKEN_BUDGET" in r.json()["detail"]
+    body["knobs"] = ["tf32"]  # a smaller plan: fewer prompts fit
+    body["prompts"] = [{"prompt_token_ids": [5] * 448}] * 64
     assert client.post("/v1/screenings", json=body, headers=admin).status_code == 201
+
+
+def test_a_screening_on_a_cpu_is_bounded_by_the_cpu_budget(
+    client: TestClient, job_runner: JobRunner, headers: Callable[..., dict[str, str]]
+) -> None:
+    """Issue 33: work is bounded by its cost on the device that runs it. A CPU decodes hundreds
+    of times slower than a GPU (2,000,000 positions held a 2-core worker for 44 minutes): a
+    screening that runs on a CPU (this embedded deployment has no CUDA device) is held to
+    REPLAY_AUDIT_SCREENING_CPU_TOKEN_BUDGET, a GPU's to the larger one."""
+    from replay_audit.queue.runner import Capabilities, JobQueue
+    from replay_audit.screenings.schemas import ScreeningCreate
+    from replay_audit.screenings.service import WorkBudget, check_work
+    from replay_audit.worker.checkpoint import CheckpointShape
+
+    admin = headers("admin")
+    # 256 prompts of 448 + 64 tokens, two runs of the tf32 plan: 262,144 positions, under the
+    # GPU's 2,000,000 and past the CPU's 200,000.
+    prompts = [{"prompt_token_ids": [5] * 448}] * 256
+    body = {"model_sha256": TINY, "prompts": prompts, "max_new_tokens": 64, "knobs": ["tf32"]}
+    r = client.post("/v1/screenings", json=body, headers=admin)
+    assert r.status_code == 422 and r.json()["field"] == "prompts", r.text
+    assert "REPLAY_AUDIT_SCREENING_CPU_TOKEN_BUDGET (200000)" in r.json()["detail"]
+    assert job_runner.specs == []
+    # Where it runs on a GPU, the same work is within the GPU's budget.
+    request = ScreeningCreate.model_validate(body | {"device": "cuda"})
+    check_work(request, CheckpointShape.read(BUNDLED_MODEL_DIR), WorkBudget(2_000_000))
+    gpu = JobQueue(job_runner, 60, Capabilities("rq", cuda=False), default_queue="gpu")
+    cpu = JobQueue(job_runner, 60, Capabilities("inprocess", cuda=False))
+    assert not gpu.runs_on_cpu(None) and gpu.runs_on_cpu("cpu") and cpu.runs_on_cpu(None)
+    assert not gpu.runs_on_cpu("cuda") and not JobQueue(
+        job_runner, 60, Capabilities("inprocess", cuda=True)
+    ).runs_on_cpu(None)
 
 
 @pytest.mark.parametrize("broken", ["config.json", "tokenizer.json"])
