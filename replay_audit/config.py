@@ -15,7 +15,7 @@ import ipaddress
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final, Literal, NamedTuple
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -47,6 +47,13 @@ def normalise_database_url(url: str) -> str:
         if url.startswith(prefix):
             return "postgresql+psycopg://" + url[len(prefix) :]
     return url
+
+
+class WorkBudget(NamedTuple):
+    """The most token positions one job may process where it runs, and the setting's name."""
+
+    tokens: int
+    setting: str
 
 
 class Settings(BaseSettings):
@@ -94,6 +101,10 @@ class Settings(BaseSettings):
     #: The same for a screening that runs on a CPU worker, which decodes hundreds of times
     #: slower (2,000,000 positions held a 2-core worker for 44 minutes; this, a few).
     screening_cpu_token_budget: int = Field(default=200_000, ge=1)
+    #: Most token positions (prompt + output, every trace) one verification may scan, on a GPU
+    #: and on a CPU; a larger selection is a 422 on `filter` (docs/verify.md).
+    verification_token_budget: int = Field(default=20_000_000, ge=1)
+    verification_cpu_token_budget: int = Field(default=500_000, ge=1)
     #: The benign null a worker measures for a verification (once per checkpoint, platform and
     #: claim, then stored): its prompts (the first of `verify_null_prompts_file`, JSON lines
     #: with a "prompt" each; default the bundled 64) and new tokens a prompt. A null of few
@@ -198,6 +209,14 @@ class Settings(BaseSettings):
                         f"{entry!r} is not a host name, an address or a network"
                     ) from None
         return v
+
+
+def work_budget(
+    settings: Settings, job: Literal["screening", "verification"], cpu: bool
+) -> WorkBudget:
+    """The budget of a `job` that runs on a CPU (`cpu`) or a GPU."""
+    name = f"{job}_{'cpu_' if cpu else ''}token_budget"
+    return WorkBudget(getattr(settings, name), f"REPLAY_AUDIT_{name.upper()}")
 
 
 def get_settings() -> Settings:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response, status
 
 from replay_audit.api.deps import AppSettings, Checkpoints, DBSession, Queue, Reader, Writer
+from replay_audit.config import work_budget
 from replay_audit.screenings import service
 from replay_audit.screenings.schemas import ScreeningCreate, ScreeningCreated, ScreeningRead
 
@@ -30,11 +31,7 @@ def create_screening(
     checkpoint must be in the API's `REPLAY_AUDIT_MODEL_DIRS` too: its config.json and tokenizer
     bound the work (422 naming the prompt past the context or the vocabulary, or `prompts` past
     `REPLAY_AUDIT_SCREENING_TOKEN_BUDGET`, `_CPU_TOKEN_BUDGET` where it runs on a CPU)."""
-    cpu = queue.runs_on_cpu(body.device)
-    budget = service.WorkBudget(
-        settings.screening_cpu_token_budget if cpu else settings.screening_token_budget,
-        "REPLAY_AUDIT_SCREENING_CPU_TOKEN_BUDGET" if cpu else "REPLAY_AUDIT_SCREENING_TOKEN_BUDGET",
-    )
+    budget = work_budget(settings, "screening", queue.runs_on_cpu(body.device))
     screening, created = service.create_screening(
         session, principal.project_id, body, queue, checkpoints, budget
     )

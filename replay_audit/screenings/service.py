@@ -4,10 +4,11 @@ take a session and never commit."""
 from __future__ import annotations
 
 from functools import partial
-from typing import Final, NamedTuple
+from typing import Final
 
 from sqlalchemy.orm import Session
 
+from replay_audit.config import WorkBudget
 from replay_audit.db.base import read_model
 from replay_audit.db.ids import new_public_id
 from replay_audit.db.jobs import insert_once
@@ -33,13 +34,6 @@ _EVERYTHING: Final = Platform(
 
 #: The one way a screening job is named and enqueued (`queue.long_job_spec`).
 job_spec = partial(long_job_spec, JOB, "screening")
-
-
-class WorkBudget(NamedTuple):
-    """The most token positions a screening may decode where it runs, and the setting's name."""
-
-    tokens: int
-    setting: str = "REPLAY_AUDIT_SCREENING_TOKEN_BUDGET"
 
 
 def check_work(request: ScreeningCreate, shape: CheckpointShape, budget: WorkBudget) -> None:

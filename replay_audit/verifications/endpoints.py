@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
 
-from replay_audit.api.deps import DBSession, Queue, Reader, Writer
+from replay_audit.api.deps import AppSettings, DBSession, Queue, Reader, Writer
+from replay_audit.config import work_budget
 from replay_audit.verifications import service
 from replay_audit.verifications.schemas import (
     VerificationCreate,
@@ -27,9 +28,15 @@ def create_verification(
     queue: Queue,
     principal: Writer,
     response: Response,
+    settings: AppSettings,
 ) -> VerificationCreated:
-    """Verify stored traces against the checkpoint they claim (queued; poll it)."""
-    v, created = service.create_verification(session, principal.project_id, body, queue)
+    """Verify stored traces against the checkpoint they claim (queued; poll it). A selection
+    of more tokens than `REPLAY_AUDIT_VERIFICATION_TOKEN_BUDGET` (`_CPU_TOKEN_BUDGET` where it
+    runs on a CPU) is a 422 naming `filter`."""
+    budget = work_budget(settings, "verification", queue.runs_on_cpu(body.device))
+    v, created = service.create_verification(
+        session, principal.project_id, body, queue, budget=budget
+    )
     if not created:
         response.status_code = status.HTTP_200_OK
     return VerificationCreated(id=v.public_id, created=created, traces=service.traces_of(v))

@@ -7,6 +7,7 @@ from functools import partial
 
 from sqlalchemy.orm import Session
 
+from replay_audit.config import WorkBudget
 from replay_audit.db.base import read_model
 from replay_audit.db.ids import new_public_id
 from replay_audit.db.jobs import insert_once
@@ -44,12 +45,16 @@ def group_of(trace: Trace, group_by: GroupBy) -> str:
 
 
 def select_traces(
-    session: Session, project_id: int, request: VerificationCreate, capabilities: Capabilities
+    session: Session,
+    project_id: int,
+    request: VerificationCreate,
+    capabilities: Capabilities,
+    budget: WorkBudget | None = None,
 ) -> list[Trace]:
     """The traces `request` verifies, oldest first, or FieldError saying why it cannot run here
     (nothing is written): a device this deployment cannot run, a filter that selects no trace,
-    more than MAX_VERIFICATION_TRACES, trace ids that are not the project's, traces claiming
-    more than one checkpoint."""
+    more than MAX_VERIFICATION_TRACES or more tokens than `budget` (where it runs), trace ids
+    that are not the project's, traces claiming more than one checkpoint."""
     refusal = target_refusal(capabilities, lm_head_dtype=None, device=request.device)
     if refusal is not None:
         raise FieldError(refusal, field="device")
@@ -77,6 +82,13 @@ def select_traces(
             f"the filter selects more than {MAX_VERIFICATION_TRACES} traces; narrow it",
             field="filter",
         )
+    tokens = sum(t.n_prompt_tokens + t.n_output_tokens for t in traces)
+    if budget is not None and tokens > budget.tokens:
+        raise FieldError(
+            f"the filter selects {tokens} tokens (prompts and outputs), more than "
+            f"{budget.setting} ({budget.tokens}) where this verification runs; narrow it",
+            field="filter",
+        )
     checkpoints = {t.weights_sha256 for t in traces}
     if len(checkpoints) > 1:
         raise FieldError(
@@ -94,6 +106,7 @@ def create_verification(
     queue: JobQueue,
     *,
     traces: list[Trace] | None = None,
+    budget: WorkBudget | None = None,
 ) -> tuple[Verification, bool]:
     """Store a verification of the traces its filter selects (resolved now, or `traces`, what
     `select_traces` gave for this request) and enqueue its job after commit. Returns
@@ -105,7 +118,7 @@ def create_verification(
     if existing:
         return existing, False
     if traces is None:
-        traces = select_traces(session, project_id, request, queue.capabilities)
+        traces = select_traces(session, project_id, request, queue.capabilities, budget)
     queue.check()
     verification, created = insert_once(
         session,

@@ -468,9 +468,10 @@ def test_a_screening_on_a_cpu_is_bounded_by_the_cpu_budget(
     of times slower than a GPU (2,000,000 positions held a 2-core worker for 44 minutes): a
     screening that runs on a CPU (this embedded deployment has no CUDA device) is held to
     REPLAY_AUDIT_SCREENING_CPU_TOKEN_BUDGET, a GPU's to the larger one."""
+    from replay_audit.config import WorkBudget
     from replay_audit.queue.runner import Capabilities, JobQueue
     from replay_audit.screenings.schemas import ScreeningCreate
-    from replay_audit.screenings.service import WorkBudget, check_work
+    from replay_audit.screenings.service import check_work
     from replay_audit.worker.checkpoint import CheckpointShape
 
     admin = headers("admin")
@@ -484,7 +485,8 @@ def test_a_screening_on_a_cpu_is_bounded_by_the_cpu_budget(
     assert job_runner.specs == []
     # Where it runs on a GPU, the same work is within the GPU's budget.
     request = ScreeningCreate.model_validate(body | {"device": "cuda"})
-    check_work(request, CheckpointShape.read(BUNDLED_MODEL_DIR), WorkBudget(2_000_000))
+    gpu_budget = WorkBudget(2_000_000, "REPLAY_AUDIT_SCREENING_TOKEN_BUDGET")
+    check_work(request, CheckpointShape.read(BUNDLED_MODEL_DIR), gpu_budget)
     gpu = JobQueue(job_runner, 60, Capabilities("rq", cuda=False), default_queue="gpu")
     cpu = JobQueue(job_runner, 60, Capabilities("inprocess", cuda=False))
     assert not gpu.runs_on_cpu(None) and gpu.runs_on_cpu("cpu") and cpu.runs_on_cpu(None)

@@ -350,3 +350,29 @@ def test_a_verification_whose_worker_died_is_enqueued_again_once(
     assert (row.status, row.attempts) == ("done", 2), row.error
     assert row.report is not None and row.report["calibrations"][0]["reused"] is True
     assert len(measured) == 1 and job_runner.specs == []
+
+
+def test_a_selection_past_the_token_budget_where_it_runs_is_refused(
+    client: TestClient,
+    job_runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 33: a verification's work (the tokens it scans) is bounded by its cost where it
+    runs: on a CPU (this embedded deployment has no CUDA device) by the CPU budget. Nothing is
+    stored or queued."""
+    admin = headers("admin")
+    for i in range(3):
+        trace = make_trace(external_id=f"t{i}")
+        assert client.post("/v1/traces", json=trace, headers=admin).status_code == 201
+    tokens = 3 * (len(trace["prompt_token_ids"]) + len(trace["output_token_ids"]))
+    app_settings = client.app.state.settings  # type: ignore[attr-defined]
+    monkeypatch.setattr(app_settings, "verification_cpu_token_budget", tokens - 1)
+    r = client.post("/v1/verifications", json=_body(), headers=admin)
+    assert r.status_code == 422 and r.json()["field"] == "filter", r.text
+    detail = r.json()["detail"]
+    assert f"selects {tokens} tokens" in detail, detail
+    assert f"REPLAY_AUDIT_VERIFICATION_CPU_TOKEN_BUDGET ({tokens - 1})" in detail
+    assert job_runner.specs == []
+    monkeypatch.setattr(app_settings, "verification_cpu_token_budget", tokens)
+    assert client.post("/v1/verifications", json=_body(), headers=admin).status_code == 201
