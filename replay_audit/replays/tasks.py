@@ -41,7 +41,12 @@ from replay_audit.replays.domain import (
 )
 from replay_audit.replays.models import ReplayJob, ReplayRun
 from replay_audit.replays.pipeline import ReplayItem, ReplayOptions, replay_traces, scan_items
-from replay_audit.replays.results import ResultRow, failed_values, result_values
+from replay_audit.replays.results import (
+    MAX_ERROR_CHARS,
+    ResultRow,
+    failed_values,
+    result_values,
+)
 from replay_audit.telemetry.log import bound
 from replay_audit.telemetry.metric import REPLAY_TOKENS, REPLAY_TRACES
 from replay_audit.words import counted
@@ -104,9 +109,8 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
         if job is None or job.status == "done":
             return
         if job.attempts >= MAX_JOB_ATTEMPTS:
-            service.fail_job(
-                s, job_id, f"gave up after {job.attempts} attempts (worker killed or crashing)"
-            )
+            last = f"; the last said {job.error}" if job.error else " (worker killed or crashing)"
+            service.fail_job(s, job_id, f"gave up after {job.attempts} attempts{last}")
             return
         run = s.get(ReplayRun, job.run_id)
         assert run is not None  # FK
@@ -133,7 +137,23 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
         # Resumable (a retry replays only the items without a result): a database or Redis
         # outage is waited out in this attempt.
         body = lambda: _run_job(job_id, spec, trace_ids, url, ctx)  # noqa: E731
-        outlasting_outages(body, f"replay job {job_id}")
+        try:
+            outlasting_outages(body, f"replay job {job_id}")
+        except Exception as e:
+            _record_error(url, job_id, e)
+            raise
+
+
+def _record_error(url: str, job_id: int, e: Exception) -> None:
+    """Keep what failed the attempt on the job's row, for the give-up to name (a killed worker
+    leaves nothing); best effort: the job's own error is what propagates."""
+    try:
+        with session_scope(url) as s:
+            job = s.get(ReplayJob, job_id)
+            if job is not None:
+                job.error = f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
+    except Exception:  # the database may be what failed it
+        log.exception("could not record replay job %d's error", job_id)
 
 
 def _run_job(

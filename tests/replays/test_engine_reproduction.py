@@ -326,3 +326,35 @@ def test_a_run_never_reads_running_with_all_its_results_stored(
     assert run["progress"]["done"] == 2 * len(ids) and seen
     assert all(done < total for status, done, total in seen if status == "running"), seen
     reader.dispose()
+
+
+def test_a_job_that_fails_every_attempt_gives_up_naming_the_last_error(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 33: each failure names its cause. A replay job whose every attempt raises is
+    failed after its attempts saying what the last one raised, not 'worker killed or
+    crashing' (which stays for a worker that died without a word)."""
+    from replay_audit.replays import tasks
+
+    def oom(*_: Any) -> None:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(tasks, "_run_job", oom)
+    h = headers("admin")
+    ids = ingest(client, h, [logged_trace(p) for p in PROMPTS[:2]])
+    r = client.post("/v1/replays", json={"trace_ids": ids, "targets": [FP16]}, headers=h)
+    assert r.status_code == 201, r.text
+    [spec] = runner.specs
+    for _ in range(tasks.MAX_JOB_ATTEMPTS):
+        with pytest.raises(RuntimeError, match="CUDA out of memory"):
+            tasks.run_replay_job(*spec.args)
+    tasks.run_replay_job(*spec.args)  # past its attempts: failed for good
+    run = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
+    assert run["status"] == "failed", run
+    said = run["error"]
+    assert f"gave up after {tasks.MAX_JOB_ATTEMPTS} attempts" in said, said
+    assert "RuntimeError: CUDA out of memory" in said and "worker killed" not in said, said
