@@ -380,6 +380,7 @@ class ResolvedArm:
         worker_kind: str | None = None,
         logged: LoggedTrace | None = None,
         layout: BatchLayout | None = None,
+        single_step: SingleStepKind = "from_scratch",
     ) -> ResolvedArm:
         """The arm an engine runs, from its `Engine.environment()`, for the trace `logged`."""
         gpu = environment.get("gpu")
@@ -413,6 +414,7 @@ class ResolvedArm:
                 stack_differences(logged, versions, gpu_name) if logged is not None else ()
             ),
             batch_layout=layout,
+            single_step=single_step,
         )
 
     @classmethod

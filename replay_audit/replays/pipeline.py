@@ -162,6 +162,12 @@ class ReplayOptions:
         if self.decode_window is not None and self.decode_window < 0:
             raise BadRequest("decode_window must be 0 or more", field="decode_window")
 
+    @property
+    def arm_facts(self) -> tuple[str | None, SingleStepKind]:
+        """What `resolve_arm` records of the run in every arm it resolves: the worker's GPU kind
+        and the single-step probe kind."""
+        return self.worker_kind, self.single_step
+
     def window(self, logged: Sequence[int]) -> DecodeWindow | None:
         """The decode window of a decode compared with `logged` (None: decode to the end)."""
         n = self.decode_window
@@ -255,6 +261,7 @@ def load_arm(
     kernel_source: KernelSource = "requested",
     worker_kind: str | None = None,
     logged: LoggedTrace | None = None,
+    single_step: SingleStepKind = "from_scratch",
 ) -> Arm:
     """The one place an engine is configured: `target` loaded through `pool`, resolved from the
     environment it records (against `logged`, where the arm replays one). `UnsupportedFormat`/
@@ -267,6 +274,7 @@ def load_arm(
         worker_kind=worker_kind,
         logged=logged,
         layout=logged.layout_for(target.batch_size) if logged is not None else None,
+        single_step=single_step,
     )
     return Arm(engine, resolved)
 
@@ -277,6 +285,7 @@ def resolve_arm(
     pool: EnginePool,
     model_dir: Path,
     worker_kind: str | None = None,
+    single_step: SingleStepKind = "from_scratch",
 ) -> Arm:
     """`run_target` resolved against `trace`: no kernel named runs the logged one, or the
     engine's default where that cannot run here (an imported `unknown`, flash on a CPU).
@@ -311,6 +320,7 @@ def resolve_arm(
             kernel_source=kernel_source,
             worker_kind=worker_kind,
             logged=trace,
+            single_step=single_step,
         )
 
     try:
@@ -394,7 +404,7 @@ def scan_items(items: Sequence[ReplayItem], pool: EnginePool, options: ReplayOpt
         if not item.against_logged or not item.trace.greedy:
             continue
         try:
-            arm = resolve_arm(item.trace, item.b, pool, item.model_dir, options.worker_kind)
+            arm = resolve_arm(item.trace, item.b, pool, item.model_dir, *options.arm_facts)
         except ENGINE_FAILURES:
             continue  # the item's replay reports it
         groups.setdefault((id(arm.engine), arm.intervention), (arm, []))[1].append(i)
@@ -460,7 +470,6 @@ class _Replayed:
     #: Arm A's engine for its re-run against the logged tokens (None: cannot run here).
     logged_arm: Arm | None = None
     batched: set[str] = field(default_factory=set)
-    single_step: SingleStepKind = "from_scratch"
 
     def rerun_arm(self, side: str) -> Arm | None:
         if side == "b":
@@ -572,19 +581,18 @@ def _run_arms(
     trace, top_k = item.trace, options.top_k
     prompt = trace.prompt_token_ids.tolist()
     budget, eos = trace.budget()
-    b = resolve_arm(trace, item.b, pool, item.model_dir, options.worker_kind)
-    kind = options.single_step
+    b = resolve_arm(trace, item.b, pool, item.model_dir, *options.arm_facts)
     logged = trace.output_token_ids.tolist()
     if item.a is not None:
-        a = resolve_arm(trace, item.a, pool, item.model_dir, options.worker_kind)
+        a = resolve_arm(trace, item.a, pool, item.model_dir, *options.arm_facts)
         if options.mode == "scan" and item.baseline != "logged":
-            return replace(_scanned_pair(item, a, b, scan, top_k), single_step=kind)
+            return _scanned_pair(item, a, b, scan, top_k)
         # The both-arms protocol: both decoded from the prompt.
         ra, rb = a.decode(prompt, budget, eos, top_k), b.decode(prompt, budget, eos, top_k)
         run_a = _ArmRun(a, ra.output_token_ids, ra.steps)
         run_b = _ArmRun(b, rb.output_token_ids, rb.steps)
         t_star = first_divergence(run_a.ids, run_b.ids)
-        return _Replayed(item, "decode", run_a, run_b, t_star, single_step=kind)
+        return _Replayed(item, "decode", run_a, run_b, t_star)
 
     run_a = _ArmRun(None, logged, None)
     mode = options.mode
@@ -616,13 +624,13 @@ def _run_arms(
             run_b = _ArmRun(b, rb.output_token_ids, steps, "decode", batched, cut)
             screen = "flagged"
     t_star = first_divergence(logged, run_b.ids)
-    replayed = _Replayed(item, mode, run_a, run_b, t_star, screen, single_step=kind)
+    replayed = _Replayed(item, mode, run_a, run_b, t_star, screen)
     if t_star is not None:
         # The logged configuration run here (arm A's single-step re-run and reconstructed
         # margin against the logged tokens); None where it cannot run here.
         with contextlib.suppress(*ENGINE_FAILURES):
             replayed.logged_arm = resolve_arm(
-                trace, RunTarget(None), pool, item.model_dir, options.worker_kind
+                trace, RunTarget(None), pool, item.model_dir, *options.arm_facts
             )
     return replayed
 
@@ -862,7 +870,8 @@ def _single_step(r: _Replayed, t_star: int, reruns: _Reruns) -> SingleStep:
         # The logged format cannot run here: its logged token stands in for its re-run.
         a = SingleStepChoice(r.a.ids[t_star], None, "logged_token")
     disagree = None if a is None else a.token != b.token
-    return SingleStep(t_star, a, b, disagree, r.single_step)
+    kind = r.b.arm.resolved.single_step if r.b.arm is not None else "from_scratch"
+    return SingleStep(t_star, a, b, disagree, kind)
 
 
 def _choice(info: StepInfo) -> SingleStepChoice:
@@ -908,7 +917,7 @@ def _arm_outcome(
         target=run.arm.resolved.target,
         output_token_ids=tuple(int(x) for x in run.ids),
         margin=margin,
-        resolved=replace(run.arm.resolved.ran(environment), single_step=r.single_step),
+        resolved=run.arm.resolved.ran(environment),
         gate_fired_at_divergence=fired,
         gate_triggers=int(steps.gate_fired.sum()),
         steps=n,

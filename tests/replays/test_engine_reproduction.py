@@ -358,3 +358,19 @@ def test_a_job_that_fails_every_attempt_gives_up_naming_the_last_error(
     said = run["error"]
     assert f"gave up after {tasks.MAX_JOB_ATTEMPTS} attempts" in said, said
     assert "RuntimeError: CUDA out of memory" in said and "worker killed" not in said, said
+
+
+@pytest.mark.parametrize("value", ["sideways", "teacher\u0000forced", 7, None, "x" * 100_000])
+def test_a_bad_single_step_is_a_422_naming_it(
+    client: TestClient,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+    runner: HoldingRunner,
+    value: Any,
+) -> None:
+    h = headers("admin")
+    ids = ingest(client, h, [logged_trace([1, 2, 3])])
+    body = {"trace_ids": ids, "targets": [FP16], "single_step": value}
+    r = client.post("/v1/replays", json=body, headers=h)
+    assert r.status_code == 422 and r.json()["field"] == "single_step", r.text
+    assert runner.specs == []

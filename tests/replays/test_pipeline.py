@@ -576,3 +576,17 @@ def test_a_result_carries_only_the_batch_extras_of_batches_its_trace_was_in(ckpt
     decoded = replay_trace(agrees, fp16, pool, model_dir=ckpt, mode="decode")
     assert decoded.b.environment is not None
     assert not (scan_keys | step_keys) & set(decoded.b.environment["extras"])
+
+
+@pytest.mark.parametrize("probe", ["from_scratch", "teacher_forced"])
+def test_every_arm_says_the_runs_probe_kind_a_scanned_only_one_too(
+    ckpt: Path, probe: SingleStepKind
+) -> None:
+    """The probe kind is resolved into every arm of the run (`resolve_arm`), so a trace only
+    scanned (no probe ran) says the run's kind too, not the default of stored rows."""
+    options = ReplayOptions("scan_then_decode", single_step=probe)
+    trace = make_trace(ckpt, n=FLIP_AT, top_k=False)  # ends before the flip: the scan agrees
+    item = ReplayItem(trace, RunTarget(Target("fp16")), ckpt)
+    scanned = replay_one(item, fake_pool({"fp16": {"next_token": flipped(5e-4)}}), options)
+    assert scanned.screen == "scanned" and scanned.b.resolved is not None
+    assert scanned.b.resolved.single_step == probe
