@@ -212,6 +212,11 @@ IMPORT_FORMATS: Final[tuple[ImportFormat, ...]] = get_args(ImportFormat)
 
 #: How a trace was decoded (only greedy traces replay) and why its generation stopped.
 Strategy = Literal["greedy", "sample", "beam", "other"]
+#: The samplers whose seeded draws a verification reproduces (`engine.sampling`).
+Sampler = Literal["transformers", "vllm"]
+SAMPLERS: Final[tuple[Sampler, ...]] = get_args(Sampler)
+#: The device kinds whose random generators a sampler's noise can come from.
+NoiseDevice = Literal["cpu", "cuda"]
 StopReason = Literal["eos", "length", "stop_string", "other"]
 
 #: An arm of a run: "logged" (the trace as logged) or the index of one of the run's targets.

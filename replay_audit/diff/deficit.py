@@ -63,3 +63,20 @@ def token_deficits(
     ulps = deficit / ulp_array(t1, head_format)
     rank = np.asarray(ranks, dtype=np.int64)
     return TokenDeficits(deficit, ulps, rank, np.asarray(ulps <= tie_band_ulps))
+
+
+def draw_deficits(
+    deficit: npt.ArrayLike,
+    drawn_logits: npt.ArrayLike,
+    ranks: npt.ArrayLike,
+    head_format: str,
+    tie_band_ulps: float = TIE_BAND_ULPS,
+) -> TokenDeficits:
+    """The deficits of a sampled trace's logged tokens against the reference's own draws under
+    the sampler's noise (`engine.sampling`): each a float64 amount in logit units, in ulps of
+    the head format at the drawn token's logit (the value a benign rounding moves), with the
+    logged token's rank in the race."""
+    d = np.maximum(np.asarray(deficit, dtype=np.float64), 0.0)
+    ulps = d / ulp_array(np.asarray(drawn_logits, dtype=np.float64), head_format)
+    rank = np.asarray(ranks, dtype=np.int64)
+    return TokenDeficits(d, ulps, rank, np.asarray(ulps <= tie_band_ulps))

@@ -36,7 +36,7 @@ from replay_audit.engine.loading import (
 )
 from replay_audit.engine.numerics import top_k_on_host
 from replay_audit.engine.pieces import PieceReader
-from replay_audit.engine.protocol import Environment, LogitsProcessors
+from replay_audit.engine.protocol import Environment, LogitsProcessors, SamplingRecipe
 from replay_audit.engine.tensor_parallel import RankState, TpGroup, check_shards
 from replay_audit.exceptions import EngineError
 from replay_audit.json_value import JsonObject, JsonValue
@@ -80,6 +80,30 @@ def generation_settings(processors: LogitsProcessors | None) -> dict[str, object
     if processors.bad_words_ids:
         out["bad_words_ids"] = [list(w) for w in processors.bad_words_ids]
     return out
+
+
+def sampling_settings(recipe: SamplingRecipe | None) -> dict[str, object]:
+    """The `GenerationConfig` settings of a transformers sampling recipe: `do_sample` and its
+    three warpers, every other warper off (the library's defaults would add top_k 50)."""
+    if recipe is None:
+        return {}
+    if recipe.sampler != "transformers":
+        raise EngineError(f"generate() samples as transformers does, not as {recipe.sampler}")
+    return {
+        "do_sample": True,
+        "temperature": recipe.temperature,
+        "top_k": recipe.top_k,
+        "top_p": recipe.top_p,
+        "min_p": None,
+        "typical_p": 1.0,
+        "epsilon_cutoff": 0.0,
+        "eta_cutoff": 0.0,
+    }
+
+
+def sampling_json(recipe: SamplingRecipe, seed: int, device: torch.device) -> JsonObject:
+    """A sampled trace's `decoding.sampling`: the recipe, the seed, the generator's device."""
+    return {**recipe.to_json(), "seed": seed, "device": device.type}
 
 
 def processors_json(processors: LogitsProcessors | None) -> JsonObject | None:
@@ -201,10 +225,16 @@ class TraceGenerator:
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int,
         processors: LogitsProcessors | None = None,
+        *,
+        sampling: SamplingRecipe | None = None,
+        seed: int = 0,
     ) -> Generated:
-        """`greedy_generate` of these prompts in one batch; at TP > 1 on every rank."""
-        settings = generation_settings(processors)
+        """`greedy_generate` of these prompts in one batch; at TP > 1 on every rank. With
+        `sampling`, `generate(do_sample=True)` after `torch.manual_seed(seed)`, as a user
+        seeds it."""
+        settings = {**generation_settings(processors), **sampling_settings(sampling)}
         rows = [list(p) for p in prompts]
+        seeded = seed if sampling is not None else None
         if self._group is None:
             with self.numerics.applied():
                 return greedy_generate(
@@ -215,9 +245,10 @@ class TraceGenerator:
                     self.eos_ids,
                     settings,
                     pad_id=self.pad_id,
+                    seed=seeded,
                 )
         outputs, backends = self._group.run(
-            _generate, self._key, rows, max_new_tokens, self.eos_ids, settings, self.pad_id
+            _generate, self._key, rows, max_new_tokens, self.eos_ids, settings, self.pad_id, seeded
         )
         return Generated([(ids, torch.from_numpy(z)) for ids, z in outputs], backends)
 
@@ -257,10 +288,13 @@ class TraceGenerator:
         top_k: int = 5,
         tags: Sequence[str] = (),
         processors: LogitsProcessors | None = None,
+        sampling: SamplingRecipe | None = None,
+        seed: int = 0,
     ) -> list[TraceJson]:
         """The traces of (external id, prompt) pairs generated in one `generate()` call, as
         `TraceJson`. A chat prompt is rendered by the chat template; the trace keeps the
-        messages and the rendered text."""
+        messages and the rendered text. With `sampling`, seeded sampling (`generate_batch`):
+        each trace records its recipe, the seed and its row of the batch."""
         texts, messages, ids = [], [], []
         for _, prompt in prompts:
             chat = None if isinstance(prompt, str) else [dict(m) for m in prompt]
@@ -268,7 +302,10 @@ class TraceGenerator:
             texts.append(text)
             messages.append(chat)
             ids.append(self.encode(text, add_special_tokens=chat is None))
-        generated = self.generate_batch(ids, max_new_tokens, processors)
+        generated = self.generate_batch(
+            ids, max_new_tokens, processors, sampling=sampling, seed=seed
+        )
+        noise_device = self.device if self._group is None else torch.device(self.config["device"])
         extras = dict(self.config["extras"])
         if generated.backends is not None:
             extras["attention_backends"] = generated.backends
@@ -291,7 +328,12 @@ class TraceGenerator:
                     },
                     "config": config,
                     "decoding": {
-                        "strategy": "greedy",
+                        "strategy": "greedy" if sampling is None else "sample",
+                        **(
+                            {"sampling": sampling_json(sampling, seed, noise_device)}
+                            if sampling is not None
+                            else {}
+                        ),
                         "max_new_tokens": max_new_tokens,
                         "eos_token_ids": self.eos_ids,
                         "stop_reason": stop,
@@ -339,9 +381,11 @@ def greedy_generate(
     settings: Mapping[str, object] | None = None,
     *,
     pad_id: int = 0,
+    seed: int | None = None,
 ) -> Generated:
     """transformers' greedy `generate()` of `prompts` as one batch, left-padded as a user's,
-    with `settings` (`generation_settings`)."""
+    with `settings` (`generation_settings`; `sampling_settings`: sampled, after
+    `torch.manual_seed(seed)`)."""
     from transformers import GenerationConfig
 
     config_cls: Any = GenerationConfig
@@ -349,15 +393,19 @@ def greedy_generate(
     x = torch.tensor(ids, dtype=torch.long, device=device)
     mask = torch.tensor(padding, dtype=torch.long, device=device)
     gc = config_cls(
-        do_sample=False,
-        num_beams=1,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=list(eos_ids) or None,
-        pad_token_id=pad_id,
-        output_logits=True,
-        return_dict_in_generate=True,
-        **(settings or {}),
+        **{
+            "do_sample": False,
+            "num_beams": 1,
+            "max_new_tokens": max_new_tokens,
+            "eos_token_id": list(eos_ids) or None,
+            "pad_token_id": pad_id,
+            "output_logits": True,
+            "return_dict_in_generate": True,
+            **(settings or {}),
+        }
     )
+    if seed is not None:
+        torch.manual_seed(seed)
     with attention.observe() as seen:
         out = model.generate(input_ids=x, attention_mask=mask, generation_config=gc)
     logits = torch.stack(list(out.logits), dim=1).float()  # (B, T, V)
@@ -449,6 +497,7 @@ def _generate(
     eos_ids: list[int],
     settings: Mapping[str, object],
     pad_id: int,
+    seed: int | None = None,
 ) -> tuple[list[tuple[list[int], npt.NDArray[np.float32]]], str | None]:
     """`greedy_generate` on this rank; the logits on the host (what every rank compares)."""
     model, numerics = state.get(key, _RankGenerator)
@@ -461,6 +510,7 @@ def _generate(
             eos_ids,
             settings,
             pad_id=pad_id,
+            seed=seed,
         )
     rows = [(ids, np.asarray(z.cpu().numpy(), dtype=np.float32)) for ids, z in g.rows]
     return rows, g.backends

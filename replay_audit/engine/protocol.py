@@ -26,9 +26,12 @@ from replay_audit.formats import (
     CACHE_KINDS,
     HEAD_DTYPES,
     INTERVENTION_KINDS,
+    SAMPLERS,
     SDPA_BACKENDS,
     CacheKind,
     InterventionKind,
+    NoiseDevice,
+    Sampler,
 )
 
 IntArray = npt.NDArray[np.int64]
@@ -179,6 +182,70 @@ class LogitsProcessors:
             bad_words=tuple(str(w) for w in d.get("bad_words") or ()),
             eos_token_ids=tuple(int(t) for t in d.get("eos_token_ids") or ()),
         )
+
+
+@dataclass(frozen=True)
+class SamplingRecipe:
+    """How a sampled generation turned logits into a draw, as the sampler applies it after the
+    logits processors: temperature, then top-k (0: off), then top-p (1: off), then one
+    exponential race over the probabilities (`argmax(p / q)`, q ~ Exp(1) from the seeded
+    generator: what `torch.multinomial(p, 1)` and vLLM's `random_sample` both compute).
+
+    sampler  `transformers`: `generate(do_sample=True)` after `torch.manual_seed(seed)`, its
+             warpers (`TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`), one
+             (batch, V) noise draw a step from the device's default generator; `vllm`: vLLM's
+             per-request seeded sampler (`vllm/v1/sample/ops/topk_topp_sampler.py`:
+             `apply_top_k_top_p`, then `random_sample`, one (V,) draw a step from the request's
+             own `torch.Generator`)
+    """
+
+    sampler: Sampler
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
+        if not 0.0 < self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in (0, 100], got {self.temperature!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be at least 0, got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    def label(self) -> str:
+        """e.g. `transformers T=0.7 top_k=50`."""
+        parts = [self.sampler, f"T={self.temperature:g}"]
+        if self.top_k:
+            parts.append(f"top_k={self.top_k}")
+        if self.top_p < 1.0:
+            parts.append(f"top_p={self.top_p:g}")
+        return " ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One trace's seeded sampler: its recipe, the seed, the device whose generator drew the
+    noise, and (`transformers`) the batch's rows and this trace's row: `generate()` draws the
+    noise of the whole batch at once, so a row's draws depend on the batch it ran in."""
+
+    recipe: SamplingRecipe
+    seed: int
+    device: NoiseDevice = "cpu"
+    rows: int = 1
+    row: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if not 0 <= self.row < self.rows:
+            raise ValueError(f"row {self.row} outside a batch of {self.rows}")
 
 
 @dataclass(frozen=True)
@@ -460,13 +527,28 @@ class LoggedEvidence:
 
     logits: npt.NDArray[np.float32]
     ranks: IntArray
+    #: A sampled trace's rows (`ScanItem.sampling`; None: greedy): the logged token's deficit
+    #: against the reference's own draw under the sampler's noise, in logit units
+    #: (`engine.sampling.draw_evidence`), the reference's draw and its logit; `ranks` is then
+    #: the logged token's place in that race.
+    draw_deficits: npt.NDArray[np.float64] | None = None
+    drawn: IntArray | None = None
+    drawn_logits: npt.NDArray[np.float32] | None = None
 
     @staticmethod
     def empty() -> LoggedEvidence:
         return LoggedEvidence(np.zeros(0, np.float32), np.zeros(0, np.int64))
 
     def slice(self, start: int, stop: int) -> LoggedEvidence:
-        return LoggedEvidence(self.logits[start:stop], self.ranks[start:stop])
+        if self.draw_deficits is None or self.drawn is None or self.drawn_logits is None:
+            return LoggedEvidence(self.logits[start:stop], self.ranks[start:stop])
+        return LoggedEvidence(
+            self.logits[start:stop],
+            self.ranks[start:stop],
+            self.draw_deficits[start:stop],
+            self.drawn[start:stop],
+            self.drawn_logits[start:stop],
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -487,12 +569,15 @@ class ScanRun:
 
 @dataclass(frozen=True)
 class ScanItem:
-    """One trace to scan: its prompt and its logged output, as token ids, and the logits
-    processors its generation ran with (None: none)."""
+    """One trace to scan: its prompt and its logged output, as token ids, the logits
+    processors its generation ran with (None: none) and its seeded sampler (None: greedy)."""
 
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     processors: LogitsProcessors | None = None
+    #: The seeded sampler the output was drawn with (None: greedy): the scan then measures
+    #: each logged token against the reference's own draw under the same noise.
+    sampling: Sampling | None = None
 
 
 @dataclass(frozen=True, eq=False)

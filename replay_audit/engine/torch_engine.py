@@ -91,6 +91,7 @@ from replay_audit.engine.protocol import (
     Steps,
     Target,
 )
+from replay_audit.engine.sampling import draw_evidence, noise
 from replay_audit.exceptions import UnsupportedFormat
 from replay_audit.formats import CacheKind
 
@@ -344,11 +345,11 @@ class TorchEngine:
             members = [items[i] for i in batch.indices]
             packed = pack_batch(members, batch.padded_length, self.scan_pad_id)
             logged = np.concatenate([np.asarray(m.output_ids, dtype=np.int64) for m in members])
-            process = self._scan_processing(
-                [(int(packed.row_steps[r]), m) for r, m in enumerate(members)]
-            )
+            rows = [(int(packed.row_steps[r]), m) for r, m in enumerate(members)]
+            process = self._scan_processing(rows)
+            draws = [(start, m) for start, m in rows if m.sampling is not None]
             with self._probe():
-                steps, evidence = self._scan_packed(packed, logged, iv, top_k, process)
+                steps, evidence = self._scan_packed(packed, logged, iv, top_k, process, draws)
             for r, (i, item) in enumerate(zip(batch.indices, members, strict=True)):
                 start, stop = int(packed.row_steps[r]), int(packed.row_steps[r + 1])
                 s = steps.slice(start, stop)
@@ -502,6 +503,7 @@ class TorchEngine:
         iv: Intervention,
         top_k: int,
         process: StepProcessing | None,
+        draws: Sequence[tuple[int, ScanItem]] = (),
     ) -> tuple[Steps, LoggedEvidence]:
         """One forward of a batched scan: its rows' steps, concatenated, and their evidence."""
         ids = torch.from_numpy(packed.input_ids).to(self.device)
@@ -510,7 +512,7 @@ class TorchEngine:
         positions = torch.from_numpy(packed.output_positions).to(self.device)
         # Only the real output positions' hidden states go on: padding's are never read.
         hs = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
-        return self._scan_steps(hs, logged, iv, top_k, process)
+        return self._scan_steps(hs, logged, iv, top_k, process, draws)
 
     def _scan_steps(
         self,
@@ -519,15 +521,33 @@ class TorchEngine:
         iv: Intervention,
         top_k: int,
         process: StepProcessing | None = None,
+        draws: Sequence[tuple[int, ScanItem]] = (),
     ) -> tuple[Steps, LoggedEvidence]:
-        """A scan's steps, and from the same (processed) logits the logged tokens' evidence."""
+        """A scan's steps, and from the same (processed) logits the logged tokens' evidence;
+        `draws`: the (first row, item) of each sampled item, whose rows are measured against
+        the reference's own draws (`engine.sampling`)."""
         z32 = self.head.native_steps(hs)
         if process is not None:
             z32 = process(z32)
         steps = decide(self.head, top_k_on_host(z32, top_k), z32, hs, iv, top_k, process)
         ids = torch.as_tensor(np.asarray(logged, dtype=np.int64), device=z32.device)
         packed = logged_evidence(z32, ids)
-        return steps, LoggedEvidence(packed[:, 0].astype(np.float32), packed[:, 1].astype(np.int64))
+        logits, ranks = packed[:, 0].astype(np.float32), packed[:, 1].astype(np.int64)
+        if not draws:
+            return steps, LoggedEvidence(logits, ranks)
+        deficits = np.full(len(ranks), np.nan)
+        drawn = np.full(len(ranks), -1, dtype=np.int64)
+        drawn_logits = np.full(len(ranks), np.nan, dtype=np.float32)
+        for start, item in draws:
+            assert item.sampling is not None
+            stop = start + len(item.output_ids)
+            q = noise(item.sampling, stop - start, z32.shape[-1], z32.device)
+            e = draw_evidence(z32[start:stop], ids[start:stop], q, item.sampling.recipe)
+            deficits[start:stop] = e.deficit.cpu().numpy()
+            drawn[start:stop] = e.drawn.cpu().numpy()
+            drawn_logits[start:stop] = e.drawn_logit.float().cpu().numpy()
+            ranks[start:stop] = e.rank.cpu().numpy()
+        return steps, LoggedEvidence(logits, ranks, deficits, drawn, drawn_logits)
 
     def _decoder(self, context: Sequence[int], total: int, layout: BatchLayout | None) -> Decoder:
         """The decoder for `total` tokens (context and new): compiled where asked and its cache

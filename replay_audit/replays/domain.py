@@ -37,6 +37,8 @@ from replay_audit.engine.protocol import (
     BatchLayout,
     Intervention,
     LogitsProcessors,
+    Sampling,
+    SamplingRecipe,
     Target,
 )
 from replay_audit.formats import (
@@ -477,6 +479,23 @@ def batch_layout_from_json(d: Mapping[str, Any] | None) -> BatchLayout | None:
     return BatchLayout(tuple(int(n) for n in d["prompt_lengths"]), int(d["row"])) if d else None
 
 
+def sampling_from_json(
+    d: Mapping[str, Any] | None, batch: Mapping[str, Any] | None = None
+) -> Sampling | None:
+    """A sampled trace's seeded sampler from its `decoding.sampling` and `decoding.batch` (the
+    batch's rows and this trace's row: transformers draws the noise per batch); None for none."""
+    if not d:
+        return None
+    recipe = SamplingRecipe(
+        sampler=d["sampler"],
+        temperature=float(d["temperature"]),
+        top_k=int(d.get("top_k") or 0),
+        top_p=float(d.get("top_p", 1.0)),
+    )
+    rows, row = (len(batch["prompt_lengths"]), int(batch["row"])) if batch else (1, 0)
+    return Sampling(recipe, int(d["seed"]), d.get("device", "cpu"), rows, row)
+
+
 def intervention_from_json(iv: Mapping[str, Any]) -> Intervention:
     """An intervention from its stored form (`Intervention.to_dict`; defaults for missing keys)."""
     return Intervention(
@@ -565,6 +584,9 @@ class LoggedTrace:
     batch_layout: BatchLayout | None = None
     #: The library versions the logging stack recorded (`stack_versions`).
     versions: Mapping[str, str] = field(default_factory=dict)
+    #: The seeded sampler of a sampled trace (`decoding.sampling`; None: greedy, or a sampler
+    #: not logged): what a verification reproduces.
+    sampling: Sampling | None = None
 
     @property
     def greedy(self) -> bool:
@@ -626,6 +648,7 @@ class LoggedTrace:
             logits_processors=LogitsProcessors.from_json(decoding.get("logits_processors")),
             batch_layout=batch_layout_from_json(decoding.get("batch")),
             versions=stack_versions(config),
+            sampling=sampling_from_json(decoding.get("sampling"), decoding.get("batch")),
         )
 
     def layout_for(self, batch_size: int) -> BatchLayout | None:

@@ -32,6 +32,8 @@ from replay_audit.formats import (
     BodyDType,
     HeadDType,
     LoggedDevice,
+    NoiseDevice,
+    Sampler,
     StopReason,
     Strategy,
     WeightDType,
@@ -234,6 +236,23 @@ class BatchPlacement(TraceInput):
     row: int = Field(ge=0, lt=MAX_BATCH_ROWS)
 
 
+class SamplingSpec(TraceInput):
+    """A sampled generation's seeded sampler (`strategy: sample`): what a verification needs to
+    draw the same noise (`engine.sampling`). `sampler`: `transformers` (`generate(do_sample=
+    True)` after `torch.manual_seed(seed)`; the noise is drawn per batch, so the trace's
+    `batch` matters) or `vllm` (a request's `seed`: its own generator); `device`: the device
+    kind whose generator drew it."""
+
+    sampler: Sampler
+    seed: int = Field(ge=0, lt=2**63)
+    temperature: float = Field(gt=0.0, le=100.0)
+    #: 0: off.
+    top_k: int = Field(default=0, ge=0, le=2**31 - 1)
+    #: 1: off.
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    device: NoiseDevice = "cpu"
+
+
 class Decoding(TraceInput):
     #: Only greedy traces can be replayed; others are stored but refused by replays.
     strategy: Strategy = "greedy"
@@ -244,6 +263,14 @@ class Decoding(TraceInput):
     logits_processors: LogitsProcessorsSpec | None = Field(default=None, exclude_if=_is_none)
     #: The row's place in the batch it was generated in (absent: not logged).
     batch: BatchPlacement | None = Field(default=None, exclude_if=_is_none)
+    #: A sampled generation's seeded sampler (absent: greedy, or not logged).
+    sampling: SamplingSpec | None = Field(default=None, exclude_if=_is_none)
+
+    @model_validator(mode="after")
+    def _sampled(self) -> Decoding:
+        if self.sampling is not None and self.strategy != "sample":
+            raise ValueError("decoding.sampling: given for a trace whose strategy is not sample")
+        return self
 
     def stored(self) -> JsonObject:
         """The stored `decoding` JSON."""

@@ -13,12 +13,10 @@ from replay_audit.stats.verification import Calibration, Claim
 from replay_audit.verifications.domain import (
     GroupReport,
     TraceEvidence,
-    claim_key,
     claim_label,
-    claim_target,
     judge_group,
 )
-from replay_audit.verifications.scan import scan_evidence
+from replay_audit.verifications.scan import scan_evidence, trace_claim
 
 #: The calibration of a claim (its `claim_key`), found or measured.
 CalibrationSource = Callable[[Claim], Calibration]
@@ -50,7 +48,7 @@ def verify(
     members: dict[tuple[str, str], list[int]] = {}
     claims: dict[str, Claim] = {}
     for i, trace in enumerate(traces):
-        claim = claim_key(claim_target(trace.config))
+        claim = trace_claim(trace)
         key = claim_label(claim)
         claims[key] = claim
         members.setdefault((labels[i], key), []).append(i)
