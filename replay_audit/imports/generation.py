@@ -132,6 +132,9 @@ class Generation:
     #: Where a kept top-k's ids came from (what `resolve` did with text keys).
     top_k_source: str = "logged ids"
     processors: RequestProcessors = dataclasses.field(default_factory=RequestProcessors)
+    #: The seeded sampler, where the source's request names one a verification reproduces
+    #: (`decoding.sampling` without its device: the import context's, else cuda).
+    sampling: Mapping[str, Any] | None = None
     #: The batch size that ran, where the source states it (a generate() call's rows).
     batch_size: int | None = None
     #: Where the row sat in the batch it was generated in (`decoding.batch`: every row's prompt
@@ -386,6 +389,11 @@ def build_trace(
             "stop_reason": gen.stop_reason,
             "logits_processors": _logits_processors(gen, context),
             **({"batch": dict(gen.batch)} if gen.batch is not None else {}),
+            **(
+                {"sampling": {**gen.sampling, "device": _noise_device(context)}}
+                if gen.sampling is not None and strategy == "sample"
+                else {}
+            ),
         },
         "prompt_token_ids": list(gen.prompt_token_ids or ()),
         "output_token_ids": list(gen.output_token_ids or ()),
@@ -403,6 +411,12 @@ def build_trace(
         return TraceCreate.model_validate(body)
     except ValidationError as exc:
         raise _trace_error(exc, gen.field) from None
+
+
+def _noise_device(context: ImportContext) -> str:
+    """Where a server's sampler drew its noise: the import context's device where it is one a
+    generator runs on, else CUDA (where vLLM serves)."""
+    return "cpu" if context.device == "cpu" else "cuda"
 
 
 def _logits_processors(gen: Generation, context: ImportContext) -> JsonObject | None:

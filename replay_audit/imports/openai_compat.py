@@ -120,6 +120,39 @@ def decoding_recipe(
     return ("sample" if temperature is not None else None), processors
 
 
+def vllm_sampling(request: Mapping[str, Any] | None, index: int) -> dict[str, Any] | None:
+    """The seeded sampler of choice `index` of a vLLM request that sampled with its own `seed`
+    (`decoding.sampling`, without the device: the import context says where it ran), or None
+    where a verification could not reproduce it: no seed, or a `min_p` (applied between the
+    temperature and top-k, not reproduced here). vLLM gives each of `n` choices the seed
+    `seed + index` (`vllm/v1/engine/parallel_sampling.py`); a top_k of 0 or -1 and a top_p of
+    1 are off; what the request leaves out is vLLM's default (off), as a server without a
+    generation config's sampling defaults applies it."""
+    params = request.get("sampling_params", request) if request is not None else None
+    if not isinstance(params, Mapping):
+        return None
+    seed, temperature = params.get("seed"), params.get("temperature")
+    if type(seed) is not int or not 0 <= seed < 2**63 - 1024:
+        return None
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        return None
+    min_p = params.get("min_p")
+    if min_p not in (None, 0, 0.0):
+        return None
+    top_k, top_p = params.get("top_k"), params.get("top_p")
+    top_k = top_k if type(top_k) is int and top_k > 0 else 0
+    top_p = float(top_p) if isinstance(top_p, int | float) and not isinstance(top_p, bool) else 1.0
+    if not (0.0 < top_p <= 1.0 and SAMPLING_EPS <= temperature <= 100.0):
+        return None
+    return {
+        "sampler": "vllm",
+        "seed": seed + index,
+        "temperature": float(temperature),
+        "top_k": top_k,
+        "top_p": top_p,
+    }
+
+
 def _max_tokens(request: Mapping[str, Any] | None) -> int | None:
     if request is None:
         return None
@@ -409,6 +442,7 @@ def parse_openai(item: Any, path: str = "item") -> list[Generation]:
                 strategy=strategy,
                 processors=processors,
                 extras=recipe,
+                sampling=vllm_sampling(request, c) if engine == "vllm" else None,
                 stop_token_ids=stop_ids,
                 max_new_tokens=max_tokens,
                 output_token_pieces=(
@@ -474,6 +508,7 @@ def parse_request_output(
                 strategy=strategy,
                 processors=processors,
                 extras=recipe,
+                sampling=vllm_sampling(request, index if index is not None else c),
                 stop_token_ids=stop_ids,
                 max_new_tokens=_max_tokens(request),
                 output_token_pieces=_pieces(pieces) if len(pieces) == len(output) else None,
