@@ -39,7 +39,7 @@ from replay_audit.words import counted
 if TYPE_CHECKING:
     from replay_audit.engine import Target
     from replay_audit.engine.generate import TraceGenerator
-    from replay_audit.engine.protocol import LogitsProcessors
+    from replay_audit.engine.protocol import LogitsProcessors, SamplingRecipe
     from replay_audit.replays.offline import OfflinePlan, OfflineResult
     from replay_audit.stats.report import (
         ComparisonReport,
@@ -190,15 +190,42 @@ def generate(
             "(decoding.batch), which a replay at that batch size follows.",
         ),
     ] = 1,
+    temperature: Annotated[
+        float | None,
+        typer.Option(
+            max=100.0,
+            help="Sample at this temperature (above 0) (generate(do_sample=True) after "
+            "torch.manual_seed(--seed + the batch's first row)); each trace records its seeded "
+            "sampler (decoding.sampling), which `verify` reproduces. Default: greedy.",
+        ),
+    ] = None,
+    sample_top_k: Annotated[
+        int, typer.Option("--sample-top-k", min=0, help="Top-k of the sampler (0: off).")
+    ] = 0,
+    top_p: Annotated[
+        float, typer.Option(max=1.0, help="Top-p of the sampler (above 0, 1: off).")
+    ] = 1.0,
+    seed: Annotated[int, typer.Option(min=0, help="The sampler's base seed.")] = 0,
 ) -> None:
-    """Log greedy generations with transformers' own generate(), as POST /v1/traces JSON,
-    with its logits processors where asked (recorded in each trace's
-    `decoding.logits_processors`, which its replays apply)."""
+    """Log generations with transformers' own generate(), as POST /v1/traces JSON: greedy, or
+    seeded sampling with --temperature; with its logits processors where asked (recorded in
+    each trace's `decoding.logits_processors`, which its replays apply)."""
     from replay_audit.engine.hashing import NoWeightsError, safetensors_files
 
     processors = _generate_processors(
         repetition_penalty, no_repeat_ngram_size, min_new_tokens, logit_bias, bad_words_ids
     )
+    sampling = None
+    if temperature is not None and temperature <= 0:
+        fail("--temperature must be above 0 (greedy: leave it out)")
+    if top_p <= 0:
+        fail("--top-p must be above 0")
+    if temperature is not None:
+        from replay_audit.engine.protocol import SamplingRecipe
+
+        sampling = SamplingRecipe("transformers", temperature, sample_top_k, top_p)
+    elif sample_top_k or top_p < 1.0:
+        fail("--sample-top-k and --top-p shape sampling: give --temperature too")
     try:
         safetensors_files(model)  # a typo fails here, not as a hub error after torch loads
     except NoWeightsError as e:
@@ -236,7 +263,18 @@ def generate(
     with gen:  # at --tp k, the ranks stop with it
         if any("messages" in r for r in rows) and not getattr(gen.tokenizer, "chat_template", None):
             fail(f"{prompts} has chat messages, but {model}'s tokenizer has no chat template")
-        n = _write_traces(gen, rows, out, max_new_tokens, top_k, tag or [], processors, batch_size)
+        n = _write_traces(
+            gen,
+            rows,
+            out,
+            max_new_tokens,
+            top_k,
+            tag or [],
+            processors,
+            batch_size,
+            sampling=sampling,
+            seed=seed,
+        )
     tp_text = f", TP {tp}" if tp > 1 else ""
     typer.echo(
         f"wrote {counted(n, 'trace')} to {out} ({dtype}, {gen.config['attn_kernel']}, "
@@ -253,8 +291,12 @@ def _write_traces(
     tags: list[str],
     processors: LogitsProcessors,
     batch_size: int,
+    *,
+    sampling: SamplingRecipe | None = None,
+    seed: int = 0,
 ) -> int:
-    """Write `generate`'s traces of `rows` to `out`, `batch_size` rows per generate() call."""
+    """Write `generate`'s traces of `rows` to `out`, `batch_size` rows per generate() call
+    (sampled with `sampling`: seeded `seed` + the call's first row)."""
     from replay_audit.traces.schemas import TraceCreate
 
     n = 0
@@ -275,6 +317,8 @@ def _write_traces(
                 top_k=top_k,
                 tags=tags,
                 processors=processors,
+                sampling=sampling,
+                seed=seed + start,
             ):
                 # Exactly what POST /v1/traces accepts (validated here, at the CLI's edge).
                 trace = TraceCreate.model_validate(trace).model_dump(mode="json")
