@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ runner = CliRunner()
 TINY = Path(__file__).parents[2] / "replay_audit" / "assets" / "tiny-llama"
 
 
-def _generate(tmp: Path, *extra: str) -> tuple[int, str, list[dict[str, object]]]:
+def _generate(tmp: Path, *extra: str) -> tuple[int, str, list[dict[str, Any]]]:
     prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"prompt {i}: "}) + "\n" for i in range(3)))
     out = tmp / "traces.jsonl"
@@ -37,7 +38,7 @@ def _generate(tmp: Path, *extra: str) -> tuple[int, str, list[dict[str, object]]
 
 
 @pytest.fixture(scope="module")
-def sampled(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
+def sampled(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     code, output, traces = _generate(
         tmp_path_factory.mktemp("sampled"),
         "--temperature", "0.9", "--sample-top-k", "40", "--seed", "11", "--batch-size", "2",
@@ -47,40 +48,40 @@ def sampled(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]
 
 
 def test_each_trace_records_its_seeded_sampler_and_its_batch(
-    sampled: list[dict[str, object]],
+    sampled: list[dict[str, Any]],
 ) -> None:
     decodings = [t["decoding"] for t in sampled]
-    assert all(d["strategy"] == "sample" for d in decodings)  # type: ignore[index]
-    samplings = [d["sampling"] for d in decodings]  # type: ignore[index]
+    assert all(d["strategy"] == "sample" for d in decodings)
+    samplings = [d["sampling"] for d in decodings]
     # One seed per generate() call: the base seed plus the call's first row.
     assert [s["seed"] for s in samplings] == [11, 11, 13]
     assert {(s["sampler"], s["temperature"], s["top_k"], s["top_p"]) for s in samplings} == {
         ("transformers", 0.9, 40, 1.0)
     }
-    assert [d.get("batch", {}).get("row") for d in decodings] == [0, 1, None]  # type: ignore[union-attr]
+    assert [d.get("batch", {}).get("row") for d in decodings] == [0, 1, None]
 
 
-def test_the_scan_reproduces_the_logged_draws(sampled: list[dict[str, object]]) -> None:
+def test_the_scan_reproduces_the_logged_draws(sampled: list[dict[str, Any]]) -> None:
     traces = [
         LoggedTrace.from_parts(
             external_id=None,
             weights_sha256="",
-            vocab_size=t["model"]["vocab_size"],  # type: ignore[index]
-            config=t["config"],  # type: ignore[arg-type]
-            decoding=t["decoding"],  # type: ignore[arg-type]
-            prompt_token_ids=t["prompt_token_ids"],  # type: ignore[arg-type]
-            output_token_ids=t["output_token_ids"],  # type: ignore[arg-type]
+            vocab_size=t["model"]["vocab_size"],
+            config=t["config"],
+            decoding=t["decoding"],
+            prompt_token_ids=t["prompt_token_ids"],
+            output_token_ids=t["output_token_ids"],
             top_k_logits=None,
         )
         for t in sampled
     ]
     ulps = np.concatenate(deficit_arrays(scan_evidence(traces, EnginePool(device="cpu"), TINY)))
-    assert ulps.size == sum(len(t["output_token_ids"]) for t in sampled)  # type: ignore[arg-type]
+    assert ulps.size == sum(len(t["output_token_ids"]) for t in sampled)
     assert (ulps <= 4).all() and (ulps == 0).mean() >= 0.9
 
 
 def test_the_sampler_is_stored_and_read_back_whole(
-    sampled: list[dict[str, object]],
+    sampled: list[dict[str, Any]],
     client: TestClient,
     headers: Callable[..., dict[str, str]],
 ) -> None:
@@ -90,7 +91,7 @@ def test_the_sampler_is_stored_and_read_back_whole(
     ids = [x["id"] for x in r.json()["results"]]
     for trace_id, logged in zip(ids, sampled, strict=True):
         got = client.get(f"/v1/traces/{trace_id}", headers=h).json()
-        assert got["decoding"]["sampling"] == logged["decoding"]["sampling"]  # type: ignore[index]
+        assert got["decoding"]["sampling"] == logged["decoding"]["sampling"]
 
 
 @pytest.mark.parametrize(
