@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from replay_audit.engine import EnginePool, Intervention, Target
-from replay_audit.engine.testing import rtn_checkpoint, variant_checkpoint
+from replay_audit.engine.testing import fp8_kv_cache, rtn_checkpoint, variant_checkpoint
 from replay_audit.screenings.sweep.outputs import ScreenPrompt
 from replay_audit.screenings.sweep.plan import ScreenConfig
 from replay_audit.screenings.sweep.worker import TorchBackend
@@ -81,35 +81,20 @@ def sampled(
 def fp8_kv(
     model_dir: Path, prompts: list[ScreenPrompt], dtype: str, max_new: int, device: str
 ) -> Pairs:
-    """A provider with an FP8 (e4m3) KV cache: transformers' greedy generate() in `dtype`
-    whose attention reads keys and values rounded to float8_e4m3fn with scale 1 (vLLM's
-    `kv_cache_dtype="fp8"` without calibrated scales). Rounding the whole cache at each read
-    equals storing each entry rounded once (the rounding is elementwise and idempotent), and
-    the current token's key and value are rounded too, as a cache written before attention."""
-    import torch
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    """A provider with an FP8 (e4m3) KV cache (`engine.testing.fp8_kv_cache`: SDPA on keys and
+    values rounded to float8_e4m3fn with scale 1, vLLM's `kv_cache_dtype="fp8"` without
+    calibrated scales): transformers' greedy generate() in `dtype`, a prompt at a time."""
     from replay_audit.engine.generate import eos_token_ids, greedy_generate
-    from replay_audit.engine.loading import apply_sdpa_policy, load_model, resolve_device
+    from replay_audit.engine.loading import load_model, resolve_device
 
-    def fp8(t: torch.Tensor) -> torch.Tensor:
-        return t.to(torch.float8_e4m3fn).to(t.dtype)
-
-    def sdpa_fp8_kv(module: Any, query: Any, key: Any, value: Any, mask: Any, **kw: Any) -> Any:
-        return sdpa_attention_forward(module, query, fp8(key), fp8(value), mask, **kw)
-
-    AttentionInterface.register("sdpa_fp8_kv", sdpa_fp8_kv)
     dev = resolve_device(device)
-    apply_sdpa_policy(dev)
     model, tokenizer = load_model(model_dir, dtype, "sdpa", dev)
-    model.config._attn_implementation = "sdpa_fp8_kv"
-    model.set_attn_implementation("sdpa_fp8_kv")
     eos = eos_token_ids(model, tokenizer)
     out: Pairs = []
-    for p in prompts:
-        ids, _ = greedy_generate(model, dev, p.token_ids, max_new, eos)
-        out.append((list(p.token_ids), ids))
+    with fp8_kv_cache(model):
+        for p in prompts:
+            ids, _ = greedy_generate(model, dev, [p.token_ids], max_new, eos).rows[0]
+            out.append((list(p.token_ids), ids))
     return out
 
 

@@ -1,4 +1,6 @@
-"""A tiny random Llama checkpoint for fast tests (imports torch and transformers).
+"""A tiny random Llama checkpoint for fast tests, and simulated providers of a checkpoint (RTN
+weights, a swapped or misconfigured copy, an FP8 KV cache) for the verification's tests and
+benchmarks (imports torch and transformers where called).
 
 Its weights are exactly representable in BF16 and in FP16 (rounded to BF16, magnitudes below
 FP16's smallest normal flushed to zero), so an engine in either format holds the very same lm_head
@@ -9,11 +11,19 @@ values: what differs between the arms is arithmetic, not storage. Its tokenizer 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 #: Token id of `</s>` in the tiny checkpoint's tokenizer.
 TINY_EOS_ID = 256
+#: The attention function of the simulated FP8 KV-cache provider (`fp8_kv_cache`), as registered
+#: with transformers' `AttentionInterface`.
+FP8_KV_ATTENTION = "sdpa_fp8_kv"
+#: The largest finite float8_e4m3fn value: the cache saturates there, as vLLM's FP8 conversion
+#: does (`__NV_SATFINITE`).
+E4M3_MAX = 448.0
 
 
 def make_tiny_checkpoint(
@@ -156,3 +166,49 @@ def _rewritten(src: str | Path, dst: str | Path, change: Any) -> Path:
         tensors = load_file(str(f))
         save_file({k: change(k, v).contiguous() for k, v in tensors.items()}, str(out / f.name))
     return out
+
+
+def e4m3_rounded(t: Any) -> Any:
+    """`t` rounded to float8_e4m3fn (scale 1, saturating at +-`E4M3_MAX`) and back to its
+    dtype: what a KV cache stored in FP8 without calibrated scales hands attention."""
+    import torch
+
+    return t.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(t.dtype)
+
+
+def _sdpa_fp8_kv(
+    module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any
+) -> Any:
+    """transformers' SDPA attention reading keys and values rounded to e4m3 (looked up at each
+    call, so a test can watch what it is given)."""
+    from transformers.integrations import sdpa_attention
+
+    return sdpa_attention.sdpa_attention_forward(
+        module, query, e4m3_rounded(key), e4m3_rounded(value), attention_mask, **kwargs
+    )
+
+
+def register_fp8_kv_attention() -> str:
+    """Register the FP8 KV-cache attention with transformers' `AttentionInterface` (idempotent)
+    and return its name, `FP8_KV_ATTENTION`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(FP8_KV_ATTENTION, _sdpa_fp8_kv)
+    return FP8_KV_ATTENTION
+
+
+@contextmanager
+def fp8_kv_cache(model: Any) -> Iterator[Any]:
+    """Within the block, `model` (a loaded transformers causal LM) is a provider with an FP8
+    (e4m3) KV cache: its attention is SDPA on keys and values rounded to float8_e4m3fn with
+    scale 1, vLLM's `kv_cache_dtype="fp8"` without calibrated scales; its attention
+    implementation is restored after. Rounding the whole cache at each read equals storing each
+    entry rounded once (the rounding is elementwise and idempotent), and the current token's key
+    and value are rounded too, as a cache written before attention reads it. The simulated
+    provider of `benchmarks/verify.py` and `benchmarks/verify_scale.py`."""
+    before = str(model.config._attn_implementation)
+    model.set_attn_implementation(register_fp8_kv_attention())
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)
