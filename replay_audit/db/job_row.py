@@ -34,6 +34,8 @@ LEASE_RENEW_S: Final = 10.0
 OUTAGE_BACKOFF_S: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 15.0)
 #: Seconds a job waits out such an outage before its error is raised.
 OUTAGE_PATIENCE_S: Final = 600.0
+#: Characters of an error kept on a row.
+MAX_ROW_ERROR_CHARS: Final = 2000
 
 
 class JobRow(Protocol):
@@ -62,7 +64,8 @@ def claim_attempt(row: JobRow | None, max_attempts: int) -> bool:
         return False
     if row.attempts >= max_attempts:
         row.status, row.finished_at = "failed", utcnow()
-        row.error = f"gave up after {row.attempts} attempts (worker killed or crashing)"
+        last = f"; the last said {row.error}" if row.error else " (worker killed or crashing)"
+        row.error = f"gave up after {row.attempts} attempts{last}"[:MAX_ROW_ERROR_CHARS]
         return False
     row.attempts += 1
     row.status = "running"
@@ -98,6 +101,24 @@ def leased(url: str, model: type[Any], row_id: int) -> Iterator[None]:
         stop.set()
         thread.join()
         set_lease(None)
+
+
+@contextlib.contextmanager
+def recording_errors(url: str, model: type[Row], row_id: int) -> Iterator[None]:
+    """Keep what fails an attempt on row `row_id`'s `error` (its status left as it is), for
+    the give-up of `claim_attempt` to name: a worker killed without a word leaves nothing, and
+    then the give-up says so. Best effort: the attempt's own error is what propagates."""
+    try:
+        yield
+    except Exception as e:
+        try:
+            with session_scope(url) as s:
+                row = s.get(model, row_id)
+                if row is not None and row.status == "running":
+                    row.error = f"{type(e).__name__}: {e}"[:MAX_ROW_ERROR_CHARS]
+        except Exception:  # the database may be what failed it
+            log.exception("could not record %s %d's error", model.__name__, row_id)
+        raise
 
 
 def fail_row(url: str, model: type[Row], row_id: int, message: str) -> None:

@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Protocol
 
 from replay_audit.db.base import utcnow
-from replay_audit.db.job_row import claim_attempt, fail_row, leased, outlasting_outages
+from replay_audit.db.job_row import (
+    claim_attempt,
+    fail_row,
+    leased,
+    outlasting_outages,
+    recording_errors,
+)
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.exceptions import EngineError, ReplayAuditError
 from replay_audit.formats import BodyDType
@@ -114,7 +120,7 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
         assert row is not None  # claimed
         request = ScreeningCreate.model_validate(row.request)
         sha = row.model_sha256
-    with leased(url, Screening, screening_id):
+    with leased(url, Screening, screening_id), recording_errors(url, Screening, screening_id):
         body = lambda: _screen(screening_id, url, request, sha)  # noqa: E731
         outlasting_outages(body, f"screening {screening_id}")
 

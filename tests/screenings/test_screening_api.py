@@ -521,3 +521,38 @@ def test_a_screening_without_a_device_goes_to_the_default_queue(
         assert client.post("/v1/screenings", json=body, headers=headers()).status_code == 201
         queues[default] = runner.specs[0].queue
     assert queues == {"cpu": "cpu-long", "gpu": "gpu-long"}
+
+
+def test_a_screening_failing_every_attempt_gives_up_naming_what_it_raised(
+    client: TestClient,
+    job_runner: JobRunner,
+    fake_backend: list[FakeWorkerBackend],
+    fake_model_dir: Path,
+    headers: Callable[..., dict[str, str]],
+) -> None:
+    """Issue 33: an attempt that raises an error the job does not handle is retried; once the
+    attempts are spent the screening fails naming the last error, not 'worker killed or
+    crashing', which stays for a worker that died without a word."""
+    from replay_audit.screenings import tasks
+
+    admin = headers("admin")
+    r = client.post("/v1/screenings", json=_body(weights_sha256(fake_model_dir)), headers=admin)
+    sid = r.json()["id"]
+    screening_id = job_runner_id(client, sid)
+
+    def broken(model_dir: Path, device: str | None) -> Any:
+        raise TypeError("a bug in the facts factory")
+
+    tasks.install_facts_factory(broken)
+    for _ in range(tasks.MAX_ATTEMPTS):
+        with pytest.raises(TypeError):
+            tasks.run_screening_job(screening_id)
+        got = client.get(f"/v1/screenings/{sid}", headers=admin).json()
+        assert got["status"] == "running"
+    tasks.run_screening_job(screening_id)  # the next start gives up
+    got = client.get(f"/v1/screenings/{sid}", headers=admin).json()
+    assert got["status"] == "failed"
+    assert got["error"] == (
+        f"gave up after {tasks.MAX_ATTEMPTS} attempts; the last said "
+        "TypeError: a bug in the facts factory"
+    )
