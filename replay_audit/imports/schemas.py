@@ -48,8 +48,11 @@ EXTRA_TOKENIZATION: Final = "tokenization"
 #: The prompts one request handed a server that batches dynamically (an SGLang list request,
 #: lm-eval's `batch_size` on vLLM): not the batch that ran, which stays unknown.
 EXTRA_REQUEST_BATCH: Final = "request_batch"
-#: Keys of `config.extras` kept for the import's own (`EXTRA_*`, `formats.EXTRA_TOP_K_VALUES`).
-IMPORT_EXTRAS: Final = 14
+#: Keys of `config.extras` kept for the import's own: its provenance (`EXTRA_*`,
+#: `formats.EXTRA_TOP_K_VALUES` & co., 8), a source's facts (lm-eval's tokenization, chat
+#: template, filters, 4 seeds, request batch: 8) and a request's recipe (lm-eval's `until` and
+#: `do_sample`, then `openai_compat.RECIPE_FIELDS`: 14); tests/imports check a full one fits.
+IMPORT_EXTRAS: Final = 30
 #: The value of a configuration field nobody gave (strings), and of `logprobs_mode`.
 UNKNOWN: Final = "unknown"
 

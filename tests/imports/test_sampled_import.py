@@ -65,3 +65,23 @@ def test_a_greedy_request_records_no_sampler() -> None:
     item = _item("vllm_chat_token_ids.json", temperature=0)
     [trace] = traces_from_item("openai", item, make_context())
     assert trace.decoding.strategy == "greedy" and trace.decoding.sampling is None
+
+
+def test_a_full_recipe_beside_a_context_with_every_extra_it_may_give_imports() -> None:
+    """Issue 33: the import's own `config.extras` (its provenance and the request's recipe
+    fields) fit beside as many extras as the context may give: never a 4xx for a request
+    that names its whole recipe."""
+    from replay_audit.imports.openai_compat import RECIPE_FIELDS
+    from replay_audit.imports.schemas import IMPORT_EXTRAS
+    from replay_audit.traces.schemas import MAX_EXTRAS
+
+    recipe = {
+        "temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.0, "seed": 1,
+        "sampling_seed": 2, "stop": ["\n\n"], "stop_token_ids": [2], "ignore_eos": False,
+        "min_tokens": 1, "n": 1, "best_of": 1,
+    }  # fmt: skip
+    assert set(recipe) == set(RECIPE_FIELDS)
+    context = make_context(extras={f"k{i}": i for i in range(MAX_EXTRAS - IMPORT_EXTRAS)})
+    [trace] = traces_from_item("openai", _item("vllm_chat_token_ids.json", **recipe), context)
+    assert len(trace.config.extras) <= MAX_EXTRAS
+    assert trace.config.extras["top_k"] == 40 and trace.config.extras["k0"] == 0
