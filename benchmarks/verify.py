@@ -40,6 +40,9 @@ from replay_audit.stats.verification import STATISTICS, Calibration, auc, draw_g
 from replay_audit.verifications.null import _scan, benign_null, generate
 
 PROMPTS = Path(__file__).resolve().parent.parent / "replay_audit" / "assets" / "prompts.jsonl"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from verify_scale import stdlib_prompts  # noqa: E402  (verify_statistics.py takes it from here)
+
 BUDGETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 Pairs = list[tuple[list[int], list[int]]]
@@ -121,22 +124,6 @@ def tensor_parallel(
     ids = [list(p.token_ids) for p in prompts]
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
         return ex.submit(_tp_pairs, model_dir, ids, dtype, max_new, k, device).result()
-
-
-def stdlib_prompts(model: Path, n: int) -> list[dict[str, str]]:
-    """`n` function beginnings of this Python's standard library (held-out files first, then
-    the rest, three a file at most), cut by the checkpoint's tokenizer as
-    `scripts/train_tiny_model.py` cuts the bundled prompts."""
-    from tokenizers import Tokenizer
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import train_tiny_model as corpus  # type: ignore[import-not-found]
-
-    corpus.N_PROMPTS, corpus.PROMPTS_PER_FILE = n, 3
-    stdlib = corpus.load_corpus()
-    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    rows: list[dict[str, str]] = corpus.extract_prompts(tokenizer, stdlib.held_out + stdlib.train)
-    return rows
 
 
 def _targets(results: list[dict[str, Any]], stat: str) -> str:

@@ -1,0 +1,127 @@
+"""`benchmarks/verify_scale.py` (issue 34), which runs for real on a lent GPU: its draws are the
+service's, its prompt reuse keeps the halves apart, and the whole benchmark (benign null, its
+halves, the simulated providers, saved traces, the cross-platform scan of them) runs at the
+smallest size on the bundled model on a CPU."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from benchmarks import verify_scale as vs
+from replay_audit.stats.verification import STATISTICS, draw_group_scores
+from replay_audit.traces.schemas import TraceCreate
+
+TINY = Path(__file__).resolve().parents[1] / "replay_audit" / "assets" / "tiny-llama"
+
+
+def test_local_draws_are_the_services_draws() -> None:
+    rng = np.random.default_rng(0)
+    traces = [
+        rng.exponential(1.0, size=int(rng.integers(1, 40))) * (rng.random() < 0.5)
+        for _ in range(60)
+    ]
+    for budget in (16, 300):
+        ours = vs._draw_many_local({"s": traces}, budget, 4000, np.random.default_rng(1))["s"]
+        theirs = draw_group_scores(traces, budget, 4000, np.random.default_rng(2))
+        assert ours.shape == theirs.shape
+        # same distribution: mean and quantiles agree within sampling error
+        assert abs(ours.mean() - theirs.mean()) < 0.05
+        q = [0.1, 0.5, 0.9]
+        assert np.allclose(np.quantile(ours, q), np.quantile(theirs, q), atol=0.08)
+    # every name scores the same groups: a constant score of 1 gives exactly 1
+    both = vs._draw_many_local(
+        {"a": traces, "one": [np.ones_like(t) for t in traces]}, 128, 50, rng
+    )
+    assert np.all(both["one"] == 1.0)
+
+
+def test_reused_prompts_are_variants_and_halves_split_by_text() -> None:
+    texts = [f"def f{i}(x):\n    return x + {i}" for i in range(5)]
+    units = vs.prompt_units(texts, 23, chat=False)
+    assert len({str(u.prompt) for u in units}) == 23  # every reuse is a distinct prompt
+    assert {u.text for u in units} == set(range(5))
+    for u in units:
+        assert u.half == ("A" if u.text % 2 == 0 else "B")
+    chat = vs.prompt_units(texts, 12, chat=True)
+    assert len({json.dumps(u.prompt) for u in chat}) == 12
+    assert all(isinstance(u.prompt, list) and u.prompt[-1]["role"] == "user" for u in chat)
+
+
+@pytest.fixture(scope="module")
+def scale_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("scale")
+    result = vs.main(
+        [
+            "--model", str(TINY), "--device", "cpu",
+            "--benign-tokens", "600", "--max-new-tokens", "8", "--batch", "16",
+            "--small-prompts", "4", "--b1-prompts", "2", "--eval-prompts", "8",
+            "--draws", "50", "--fa-draws", "100", "--max-budget", "4096",
+            "--out", str(out), "--save-traces", str(out / "traces.jsonl.gz"),
+        ]
+    )  # fmt: skip
+    return result, out
+
+
+def test_the_smallest_run_measures_every_part(scale_run: tuple[dict[str, Any], Path]) -> None:
+    result, out = scale_run
+    assert json.loads((out / "scale.json").read_text())["run"]["device"] == "cpu"
+    assert "## Null: thresholds from half A" in (out / "scale.md").read_text()
+    benign = result["benign"]
+    assert set(benign) == {v.key for v in vs.variations(vs.parser().parse_args(
+        ["--model", str(TINY), "--out", str(out), "--batch", "16"]))}  # fmt: skip
+    assert sum(v["tokens"] for v in benign.values()) >= 500
+    for v in benign.values():
+        above = [v["above"][str(t)] for t in vs.TAIL_ULPS]
+        assert above == sorted(above, reverse=True) and above[0] <= v["flips"] <= v["tokens"]
+    null = result["null"]
+    for v in null["per_variation"].values():  # both halves hold every variation
+        assert v["tokens_A"] > 0 and v["tokens_B"] > 0
+    decisions = set(null["false_alarms"])
+    assert set(STATISTICS) <= decisions
+    for rows in null["false_alarms"].values():
+        assert [int(b) for b in rows] == [b for b in vs.FA_BUDGETS if b <= 4096]
+        assert all(0.0 <= r["worst"] <= 1.0 for r in rows.values())
+    sims = result["simulations"]
+    assert set(sims) == {
+        "4-bit RTN g128", "8-bit RTN g128", "FP8 KV cache (e4m3, scale 1)",
+        "temperature 0.3 sent as greedy", "RoPE bug (base 5000)", "swapped checkpoint (10% noise)",
+    }  # fmt: skip
+    rtn4 = sims["4-bit RTN g128"]
+    assert rtn4["outputs_differing"] > 0
+    # 4-bit RTN is far from the honest traces: separated at the largest budget
+    assert rtn4["mean_deficit_ulps"]["per_budget"]["4096"]["auc"] > 0.9
+    assert all(v > 0 for v in result["wall_s"].values())
+
+
+def test_saved_traces_are_trace_json_and_scan_on_another_platform(
+    scale_run: tuple[dict[str, Any], Path], tmp_path: Path
+) -> None:
+    _, out = scale_run
+    with gzip.open(out / "traces.jsonl.gz", "rt") as f:
+        rows = [json.loads(x) for x in f]
+    assert rows[0]["header"]["device"] == "cpu"
+    assert {r["half"] for r in rows[1:]} == {"A", "B"}
+    for r in rows[1:]:
+        TraceCreate.model_validate(r["trace"])  # what POST /v1/traces takes
+    cross = vs.main(
+        [
+            "--model", str(TINY), "--device", "cpu", "--scan-traces", str(out / "traces.jsonl.gz"),
+            "--scan-max-tokens", "1000", "--cpu-null-prompts", "2", "--max-new-tokens", "8",
+            "--batch", "16", "--eval-prompts", "4", "--draws", "50", "--fa-draws", "100",
+            "--max-budget", "4096",
+            "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    assert (tmp_path / "cross.md").exists()
+    assert cross["traces_from"]["device"] == "cpu"
+    assert sum(v["tokens"] for v in cross["tail_here"].values()) > 0
+    assert len(cross["nulls"]) == 2  # the saved half A scanned here, and one generated here
+    for null in cross["nulls"].values():
+        for rows_ in null["false_alarms"].values():
+            assert all(0.0 <= r["worst"] <= 1.0 for r in rows_.values())
