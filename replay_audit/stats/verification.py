@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Final, Literal, TypedDict, get_args
+from typing import Any, Final, Literal, NotRequired, TypedDict, TypeVar, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +37,13 @@ STATISTICS: Final[tuple[Statistic, ...]] = get_args(Statistic)
 #: The statistic verdicts use (measured best on the bundled model: docs/verify.md).
 VERDICT_STATISTIC: Final[Statistic] = "outside_tie_band"
 Verdict = Literal["consistent", "inconsistent", "insufficient"]
+#: What decides a verdict: one statistic (the tie band) over its threshold, or the combined
+#: rule: either of `RULE_STATISTICS` over its own threshold, each set at the false-alarm rate
+#: divided among them (Bonferroni), so the rule keeps the rate by construction.
+Decision = Literal["outside_tie_band", "tie_band_or_mean_deficit"]
+RULE_STATISTICS: Final[tuple[Statistic, ...]] = ("outside_tie_band", "mean_deficit_ulps")
+#: The decision verdicts use (docs/verify.md, "A decision rule for rounding-level changes").
+DECISION: Final[Decision] = "outside_tie_band"
 
 #: Deficits above this many ulps count as this many in the mean deficit.
 CLIP_ULPS: Final = 64.0
@@ -45,8 +52,8 @@ CLIP_ULPS: Final = 64.0
 BIN_EDGES: Final = (0.0, 1.0, TIE_BAND_ULPS, 16.0, 64.0)
 #: Pseudo-count per bin: a bin the null never showed is rare under it, not impossible.
 PSEUDO_COUNT: Final = 0.5
-#: The token budgets calibrated.
-BUDGETS: Final = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+#: The token budgets calibrated (a null backs those up to its `Calibration.reach`).
+BUDGETS: Final = tuple(2**i for i in range(4, 18))  # 16 ... 131,072
 #: Null (and alternative) groups drawn per budget.
 DRAWS: Final = 1000
 #: The power a budget must reach against the alternative to decide `consistent`.
@@ -60,6 +67,7 @@ QUANTILES: Final = tuple(np.round(np.linspace(0.0, 1.0, 21), 2).tolist())
 CALIBRATION_VERSION: Final = 2
 
 Ulps = npt.NDArray[np.float64]
+_Name = TypeVar("_Name", bound=str)
 
 
 def deficit_bins(deficit_ulps: npt.ArrayLike) -> npt.NDArray[np.int64]:
@@ -105,6 +113,74 @@ class TokenScorer:
         return float(s.mean()) if s.size else float("nan")
 
 
+#: Most picks (draws x traces) held in memory at once while drawing groups.
+_CHUNK_PICKS: Final = 4_000_000
+
+
+def _draw_layouts(
+    lengths: npt.NDArray[np.int64], budget: int, draws: int, rng: np.random.Generator
+) -> list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]]:
+    """The groups of `draw_group_scores`, as chunks of (picks (d, m): the traces each group
+    takes in order, last (d,): the position of its last, cut, trace, take (d,): the tokens it
+    takes of that one). Vectorised: each chunk's bootstrap populations and picks at once."""
+    k = lengths.size
+    block = int(np.ceil(budget / float(lengths.mean()) * 1.25)) + 8
+    per_chunk = max(1, _CHUNK_PICKS // max(k, block))
+    out = []
+    for start in range(0, draws, per_chunk):
+        d = min(per_chunk, draws - start)
+        population = rng.integers(k, size=(d, k))
+        picks = np.take_along_axis(population, rng.integers(k, size=(d, block)), axis=1)
+        reach = np.cumsum(lengths[picks], axis=1)
+        while (reach[:, -1] < budget).any():  # a group not filled yet: more picks for all
+            more = np.take_along_axis(population, rng.integers(k, size=(d, block)), axis=1)
+            picks = np.concatenate([picks, more], axis=1)
+            reach = np.cumsum(lengths[picks], axis=1)
+        last = (reach < budget).sum(axis=1)
+        rows = np.arange(d)
+        before = np.where(last > 0, reach[rows, np.maximum(last - 1, 0)], 0)
+        out.append((picks, last, budget - before))
+    return out
+
+
+def draw_groups(
+    token_scores: Mapping[_Name, Sequence[Ulps]],
+    budget: int,
+    draws: int,
+    rng: np.random.Generator,
+) -> dict[_Name, Ulps]:
+    """`draw_group_scores` of several per-token scores of the same traces (name -> one array
+    per trace, the same lengths under every name): each name's scores of the same groups, so
+    a rule over several statistics is measured on the groups it judges."""
+    names = list(token_scores)
+    if not names:
+        return {}
+    first = token_scores[names[0]]
+    keep = [i for i, s in enumerate(first) if len(s)]
+    if not keep:
+        raise ValueError("a null needs at least one trace with tokens")
+    lengths = np.asarray([len(first[i]) for i in keep], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    prefix = {
+        name: np.concatenate(
+            [[0.0], np.cumsum(np.concatenate([np.asarray(token_scores[name][i]) for i in keep]))]
+        )
+        for name in names
+    }
+    totals = {name: c[starts + lengths] - c[starts] for name, c in prefix.items()}
+    out: dict[_Name, list[Ulps]] = {name: [] for name in names}
+    for picks, last, take in _draw_layouts(lengths, budget, draws, rng):
+        rows = np.arange(picks.shape[0])
+        whole = np.arange(picks.shape[1])[None, :] < last[:, None]
+        cut = picks[rows, last]
+        for name in names:
+            c = prefix[name]
+            full = np.where(whole, totals[name][picks], 0.0).sum(axis=1)
+            part = c[starts[cut] + take] - c[starts[cut]]
+            out[name].append((full + part) / budget)
+    return {name: np.concatenate(chunks) for name, chunks in out.items()}
+
+
 def draw_group_scores(
     token_scores: Sequence[Ulps], budget: int, draws: int, rng: np.random.Generator
 ) -> Ulps:
@@ -112,21 +188,7 @@ def draw_group_scores(
     random (with replacement, the last one cut) from a bootstrap resample of `token_scores` (per
     trace) drawn anew for each group, so that the groups' spread holds the uncertainty of the
     traces' own mean (docs/verify.md, "The null and the threshold", says why)."""
-    sums = [np.concatenate([[0.0], np.cumsum(s)]) for s in token_scores if len(s)]
-    if not sums:
-        raise ValueError("a null needs at least one trace with tokens")
-    k = len(sums)
-    out = np.empty(draws)
-    for d in range(draws):
-        population = rng.integers(k, size=k)
-        left, total = budget, 0.0
-        while left > 0:
-            c = sums[int(population[rng.integers(k)])]
-            take = min(left, c.size - 1)
-            total += c[take]
-            left -= take
-        out[d] = total / budget
-    return out
+    return draw_groups({"score": token_scores}, budget, draws, rng)["score"]
 
 
 @dataclass(frozen=True)
@@ -147,6 +209,20 @@ class BudgetCalibration:
 
 
 @dataclass(frozen=True)
+class RuleBudget:
+    """The combined rule (`Decision`) at one budget: each of `RULE_STATISTICS`' threshold at
+    the false-alarm rate divided among them (the highest of the variations' quantiles), the
+    measured false-alarm rate (the highest share of one variation's groups over any of the
+    thresholds), the power against the alternative, and the variation that set each threshold."""
+
+    tokens: int
+    thresholds: dict[str, float]
+    false_alarm: float
+    power: float | None
+    set_by: dict[str, str]
+
+
+@dataclass(frozen=True)
 class Variation:
     """One benign variation of the null (or the alternative): its traces, tokens and the mean
     token score of each statistic."""
@@ -159,11 +235,24 @@ class Variation:
 
 class Claim(TypedDict):
     """The configuration a calibration is for: body and head formats and attention kernel
-    (None: the engine's default)."""
+    (None: the engine's default), and for sampled traces the sampler's recipe
+    (`SamplingRecipe.to_json`: sampler, temperature, top_k, top_p; absent: greedy, so a
+    greedy claim's key is what it was before sampled traces were verified)."""
 
     dtype: str
     lm_head_dtype: str
     attn_kernel: str | None
+    sampling: NotRequired[dict[str, Any]]
+
+
+def claim_from_json(d: Mapping[str, Any]) -> Claim:
+    """A stored claim (its `sampling` only where it has one)."""
+    claim = Claim(
+        dtype=str(d["dtype"]), lm_head_dtype=str(d["lm_head_dtype"]), attn_kernel=d["attn_kernel"]
+    )
+    if d.get("sampling") is not None:
+        claim["sampling"] = dict(d["sampling"])
+    return claim
 
 
 class PlatformKey(TypedDict):
@@ -198,19 +287,44 @@ class Calibration:
     #: The null's prompts and new tokens a prompt (None: not recorded, before they were).
     null_prompts: int | None = None
     null_max_new_tokens: int | None = None
+    #: The largest budget the null backs (`null_reach`; None: not even the smallest).
+    reach: int | None = None
+    #: The combined rule per budget (empty in calibrations made before it).
+    rule: list[RuleBudget] = field(default_factory=list)
+    #: What its verdicts use: `decision_of` (the combined rule only where `rule` is measured).
+    decision: Decision = "outside_tie_band"
+
+    def backs(self, tokens: int) -> bool:
+        """Whether the null backs a group of `tokens` tokens (`null_reach` says the rule)."""
+        return self.reach is not None and tokens <= self.reach
+
+    def _fit(self, tokens: int) -> int:
+        """The budget a group of `tokens` is judged at: the largest calibrated budget <= tokens
+        and within the null's reach (every statistic is a mean, whose null spreads less with
+        more tokens, so a smaller budget's threshold is the cautious one); the smallest for
+        fewer tokens."""
+        return min(tokens, self.reach) if self.reach is not None else 0
 
     def at(self, tokens: int, statistic: Statistic | None = None) -> BudgetCalibration:
-        """The calibration of the largest budget <= tokens (the smallest for fewer tokens):
-        every statistic is a mean, whose null spreads less with more tokens, so a smaller
-        budget's threshold is the cautious one."""
+        """The calibration of `statistic` at the budget a group of `tokens` is judged at."""
         rows = self.budgets[statistic or self.statistic]
-        fit = [b for b in rows if b.tokens <= tokens]
+        fit = [b for b in rows if b.tokens <= self._fit(tokens)]
         return fit[-1] if fit else rows[0]
+
+    def rule_at(self, tokens: int) -> RuleBudget:
+        """The combined rule at the budget a group of `tokens` is judged at."""
+        fit = [b for b in self.rule if b.tokens <= self._fit(tokens)]
+        return fit[-1] if fit else self.rule[0]
 
     def tokens_needed(self, statistic: Statistic | None = None) -> int | None:
         """The smallest budget whose power against the alternative reaches `POWER` (None:
-        none calibrated does)."""
-        for b in self.budgets[statistic or self.statistic]:
+        none calibrated does): of `statistic`, else of what verdicts decide by."""
+        rows: Sequence[BudgetCalibration | RuleBudget] = (
+            self.rule
+            if statistic is None and self.decision != "outside_tie_band" and self.rule
+            else self.budgets[statistic or self.statistic]
+        )
+        for b in rows:
             if b.power is not None and b.power >= POWER:
                 return b.tokens
         return None
@@ -225,13 +339,12 @@ class Calibration:
         def variation(v: Mapping[str, Any] | None) -> Variation | None:
             return None if v is None else Variation(**v)
 
+        variations = [Variation(**v) for v in data["variations"]]
+        budgets = {k: [BudgetCalibration(**b) for b in rows] for k, rows in data["budgets"].items()}
+        calibrated = [b.tokens for b in next(iter(budgets.values()), [])]
         return cls(
             weights_sha256=str(data["weights_sha256"]),
-            claim=Claim(
-                dtype=str(data["claim"]["dtype"]),
-                lm_head_dtype=str(data["claim"]["lm_head_dtype"]),
-                attn_kernel=data["claim"]["attn_kernel"],
-            ),
+            claim=claim_from_json(data["claim"]),
             platform=PlatformKey(
                 device=str(data["platform"]["device"]),
                 gpu_name=data["platform"].get("gpu_name"),
@@ -245,17 +358,38 @@ class Calibration:
                 tuple(data["scorer"]["alt_bins"]),
                 float(data["scorer"]["tie_band_ulps"]),
             ),
-            budgets={
-                k: [BudgetCalibration(**b) for b in rows] for k, rows in data["budgets"].items()
-            },
-            variations=[Variation(**v) for v in data["variations"]],
+            budgets=budgets,
+            variations=variations,
             alternative=variation(data.get("alternative")),
             statistic=data.get("statistic", VERDICT_STATISTIC),
             version=int(data.get("version", 1)),
             notes=list(data.get("notes", [])),
             null_prompts=data.get("null_prompts"),
             null_max_new_tokens=data.get("null_max_new_tokens"),
+            # Stored before the reach was: the same rule on what they stored.
+            reach=data["reach"] if "reach" in data else null_reach(variations, calibrated),
+            rule=[RuleBudget(**r) for r in data.get("rule", [])],
+            decision=data.get("decision", "outside_tie_band"),
         )
+
+
+def null_reach(variations: Sequence[Variation], budgets: Sequence[int]) -> int | None:
+    """The largest of `budgets` the null backs: one that every benign variation holds at least
+    as many tokens as (None: no budget is backed, or no variation was measured). Beyond it a
+    group's tokens would outnumber one variation's: its groups would be resamples of the same
+    few traces, their spread the bootstrap's guess of how far the null's own mean may be off,
+    not measured on other prompts (docs/verify.md, "How far a null reaches")."""
+    if not variations:
+        return None
+    least = min(v.tokens for v in variations)
+    fit = [b for b in budgets if b <= least]
+    return max(fit) if fit else None
+
+
+def decision_of(rule: Sequence[RuleBudget]) -> Decision:
+    """What a new calibration's verdicts use: `DECISION`, the tie band alone where no combined
+    rule was measured."""
+    return DECISION if rule else "outside_tie_band"
 
 
 def calibrate(
@@ -274,50 +408,78 @@ def calibrate(
     """The calibration from the null's per-token deficits in ulps (variation name -> one array
     per trace) and the alternative's: each statistic's threshold per budget at
     `false_alarm_rate` for every variation (groups drawn from one variation's traces at a
-    time), with its measured false-alarm rate, power, and the variation that set it."""
+    time), with its measured false-alarm rate, power, and the variation that set it; the
+    combined rule's (`RuleBudget`) on the same groups. Budgets beyond the null's reach
+    (`null_reach`) are calibrated too (their power is the power curve's) but verdicts never
+    use their thresholds (`Calibration.at`)."""
     if not 0.0 < false_alarm_rate < 1.0:
         raise ValueError("the false-alarm rate is between 0 and 1")
     pooled = [u for traces in null.values() for u in traces]
     scorer = TokenScorer(tuple(bin_probabilities(pooled)), tuple(bin_probabilities(alternative)))
     rng = np.random.default_rng(seed)
-    table: dict[str, list[BudgetCalibration]] = {}
-    for statistic in STATISTICS:
-        per_variation = {
-            name: [scorer.scores(u, statistic) for u in traces if len(u)]
-            for name, traces in null.items()
-        }
-        per_variation = {name: scores for name, scores in per_variation.items() if scores}
-        if not per_variation:
-            raise ValueError("a null needs at least one trace with tokens")
-        alt_scores = [scorer.scores(u, statistic) for u in alternative]
-        rows = []
-        for n in budgets:
-            drawn = {
-                name: draw_group_scores(scores, n, draws, rng)
-                for name, scores in per_variation.items()
-            }
+    per_variation = {
+        name: {stat: [scorer.scores(u, stat) for u in traces if len(u)] for stat in STATISTICS}
+        for name, traces in null.items()
+    }
+    per_variation = {name: v for name, v in per_variation.items() if v[VERDICT_STATISTIC]}
+    if not per_variation:
+        raise ValueError("a null needs at least one trace with tokens")
+    alt_scores = {
+        stat: [scorer.scores(u, stat) for u in alternative if len(u)] for stat in STATISTICS
+    }
+    split = false_alarm_rate / len(RULE_STATISTICS)
+    table: dict[str, list[BudgetCalibration]] = {stat: [] for stat in STATISTICS}
+    rule: list[RuleBudget] = []
+    for n in budgets:
+        # Every statistic scores the same groups: the rule is measured on the groups it judges.
+        drawn = {name: draw_groups(v, n, draws, rng) for name, v in per_variation.items()}
+        alt = draw_groups(alt_scores, n, draws, rng) if alt_scores[VERDICT_STATISTIC] else None
+        for statistic in STATISTICS:
+            one = {name: d[statistic] for name, d in drawn.items()}
             quantiles = {
                 name: float(np.quantile(d, 1.0 - false_alarm_rate, method="higher"))
-                for name, d in drawn.items()
+                for name, d in one.items()
             }
             set_by = max(quantiles, key=lambda name: quantiles[name])
             threshold = quantiles[set_by]
-            every = np.concatenate(list(drawn.values()))
-            power = None
-            if alt_scores:
-                power = float((draw_group_scores(alt_scores, n, draws, rng) > threshold).mean())
-            rows.append(
+            every = np.concatenate(list(one.values()))
+            table[statistic].append(
                 BudgetCalibration(
                     tokens=n,
                     threshold=threshold,
                     null_mean=float(every.mean()),
                     null_quantiles=[float(q) for q in np.quantile(every, QUANTILES)],
-                    false_alarm=max(float((d > threshold).mean()) for d in drawn.values()),
-                    power=power,
+                    false_alarm=max(float((d > threshold).mean()) for d in one.values()),
+                    power=None if alt is None else float((alt[statistic] > threshold).mean()),
                     set_by=set_by,
                 )
             )
-        table[statistic] = rows
+        thresholds: dict[str, float] = {}
+        setters: dict[str, str] = {}
+        for statistic in RULE_STATISTICS:
+            q = {
+                name: float(np.quantile(d[statistic], 1.0 - split, method="higher"))
+                for name, d in drawn.items()
+            }
+            setters[statistic] = max(q, key=lambda name: q[name])
+            thresholds[statistic] = q[setters[statistic]]
+
+        def over(
+            d: Mapping[Statistic, Ulps], t: dict[str, float] = thresholds
+        ) -> npt.NDArray[np.bool_]:
+            return np.asarray(
+                np.logical_or.reduce([d[stat] > t[stat] for stat in RULE_STATISTICS]), dtype=bool
+            )
+
+        rule.append(
+            RuleBudget(
+                tokens=n,
+                thresholds=thresholds,
+                false_alarm=max(float(over(d).mean()) for d in drawn.values()),
+                power=None if alt is None else float(over(alt).mean()),
+                set_by=setters,
+            )
+        )
 
     def summary(name: str, traces: Sequence[Ulps]) -> Variation:
         return Variation(
@@ -327,6 +489,7 @@ def calibrate(
             scores={s: scorer.score(traces, s) for s in STATISTICS},
         )
 
+    variations = [summary(name, traces) for name, traces in null.items()]
     return Calibration(
         weights_sha256=weights_sha256,
         claim=claim,
@@ -334,8 +497,11 @@ def calibrate(
         false_alarm_rate=false_alarm_rate,
         scorer=scorer,
         budgets=table,
-        variations=[summary(name, traces) for name, traces in null.items()],
+        variations=variations,
         alternative=summary(alternative_name, alternative) if alternative else None,
+        reach=null_reach([v for v in variations if v.tokens], budgets),
+        rule=rule,
+        decision=decision_of(rule),
     )
 
 
@@ -348,6 +514,13 @@ class GroupVerdict:
     closest_benign         the benign variation whose mean token score is nearest the group's
     tokens_needed          tokens the calibration needs for a decision (power >= POWER)
     more_tokens            for `insufficient`: how many more tokens that is
+    decision               what decided (`Decision`): the tie band, or the combined rule
+    decided_by             the statistic over its threshold (None: none was); with the combined
+                           rule, `statistic`, `score` and `threshold` are its figures
+    null_reach             the largest budget the null backs (`Calibration.reach`)
+    beyond_null_reach      the group holds more tokens than that: judged at the reach's
+                           threshold (the cautious one), its false-alarm rate not measured at
+                           its own size
     """
 
     verdict: Verdict
@@ -366,24 +539,44 @@ class GroupVerdict:
     tokens_needed: int | None
     more_tokens: int | None
     null_quantiles: list[float]
+    decision: Decision = "outside_tie_band"
+    decided_by: Statistic | None = None
+    null_reach: int | None = None
+    beyond_null_reach: bool = False
 
 
 def verdict(
     traces: Sequence[Ulps], calibration: Calibration, statistic: Statistic | None = None
 ) -> GroupVerdict:
     """The verdict on a group (its traces' per-token deficits in ulps): `inconsistent` when the
-    score exceeds the threshold at the group's budget; else `consistent` when the group has at
-    least the tokens a decision needs, `insufficient` (with how many more) otherwise."""
-    stat = statistic or calibration.statistic
+    score exceeds the threshold at the group's budget (with the combined rule, when either of
+    its statistics exceeds its own); else `consistent` when the group has at least the tokens a
+    decision needs, `insufficient` (with how many more) otherwise. A group beyond the null's
+    reach is judged at the reach's budget and says so (`beyond_null_reach`). `statistic`: judge
+    by that statistic alone."""
     n = int(sum(len(u) for u in traces))
-    cal = calibration.at(n, stat)
     scorer = calibration.scorer
-    score = scorer.score(traces, stat) if n else float("nan")
-    needed = calibration.tokens_needed(stat)
+    combined = statistic is None and calibration.decision != "outside_tie_band"
+    combined = combined and bool(calibration.rule)
+    decision: Decision = calibration.decision if combined else "outside_tie_band"
+    scores = {s: scorer.score(traces, s) if n else float("nan") for s in STATISTICS}
+    if combined:
+        rule = calibration.rule_at(n)
+        over = [s for s in RULE_STATISTICS if n and scores[s] > rule.thresholds[s]]
+        stat: Statistic = over[0] if over else RULE_STATISTICS[0]
+        threshold = rule.thresholds[stat]
+        needed = calibration.tokens_needed()
+    else:
+        stat = statistic or calibration.statistic
+        threshold = calibration.at(n, stat).threshold
+        over = [stat] if n and scores[stat] > threshold else []
+        needed = calibration.tokens_needed(stat)
+    cal = calibration.at(n, stat)
+    score = scores[stat]
     closest = None
     if n and calibration.variations:
         closest = min(calibration.variations, key=lambda v: abs(v.scores[stat] - score))
-    if n and score > cal.threshold:
+    if over:
         result: Verdict = "inconsistent"
     elif n and needed is not None and n >= needed:
         result = "consistent"
@@ -393,19 +586,23 @@ def verdict(
         verdict=result,
         statistic=stat,
         score=score,
-        threshold=cal.threshold,
+        threshold=threshold,
         false_alarm_rate=calibration.false_alarm_rate,
         tokens=n,
         traces=len(traces),
         budget=cal.tokens,
         effect_size=score - cal.null_mean if n else float("nan"),
-        fraction_outside_tie_band=scorer.score(traces, "outside_tie_band") if n else float("nan"),
-        mean_deficit_ulps=scorer.score(traces, "mean_deficit_ulps") if n else float("nan"),
+        fraction_outside_tie_band=scores["outside_tie_band"],
+        mean_deficit_ulps=scores["mean_deficit_ulps"],
         closest_benign=closest.name if closest else None,
         closest_benign_score=closest.scores[stat] if closest else None,
         tokens_needed=needed,
         more_tokens=None if result != "insufficient" or needed is None else max(needed - n, 0),
         null_quantiles=cal.null_quantiles,
+        decision=decision,
+        decided_by=over[0] if over else None,
+        null_reach=calibration.reach,
+        beyond_null_reach=bool(n) and not calibration.backs(n),
     )
 
 
