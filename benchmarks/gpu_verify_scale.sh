@@ -9,19 +9,31 @@
 #                                               # gpu_verify.sh, MINUTES 2.5) unless it exists
 #   bash benchmarks/gpu_verify_scale.sh llama   # the 1.07 B: stdlib function beginnings
 #
-# Settings: PROMPTS (a JSONL of "prompt" texts; smol: the bundled 64), BENIGN_TOKENS (benign tokens in all, 1,000,000), TOKENS (new tokens a prompt, 128),
+# Each model in two commands on one warm machine (the benign stage, then the rest; /tmp/g and
+# .models/ stay between them):
+#   MODEL=/tmp/g/smollm2 STAGE=benign bash benchmarks/gpu_verify_scale.sh smol   # ~330 s
+#   MODEL=/tmp/g/smollm2 STAGE=rest   bash benchmarks/gpu_verify_scale.sh smol   # ~180 s
+#   bash benchmarks/gpu_verify_scale.sh train                                    # ~200 s
+#   STAGE=benign bash benchmarks/gpu_verify_scale.sh llama                       # ~360 s
+#   STAGE=rest   bash benchmarks/gpu_verify_scale.sh llama                       # ~220 s
+# (estimates for the defaults, from the CPU profile of the phases and plain generate() at
+# 30-40 ms a step at batch 256: the large-batch variations ~35 s each, batch 8, 4 and 1 ~26 s
+# each, scanning 1,000,000 tokens ~10-20 s; the log prints each phase's wall as it ends, and
+# `stopped at ... tokens` where CLAIM_SECONDS cut the claimed variation short). STAGE=all
+# (the default) runs both in one command: ~500 s, too close to the limit for the 1.07 B.
+#
+# Settings: PROMPTS (a JSONL of "prompt" texts; smol: the bundled 64, each reused as chat
+# variants), BENIGN_TOKENS (benign tokens in all, 1,000,000), TOKENS (new tokens a prompt, 128),
 # BATCH (the large batch, 256), SMALL (prompts at batch 8; batch 4 half, 64), B1 (prompts at
-# batch 1, 8), EVAL (prompts of each simulated provider, 256), CLAIM_SECONDS (the claimed
-# variation's generation at most, 45: the guard that keeps the step inside its command),
-# DRAWS (calibration draws, 300), FA_DRAWS (1000), SCAN_BUDGET (positions a scan forward,
-# 32768), SAMPLED (1: the sampled-traffic section), STAGE (all; benign: stop after the benign
-# scan, keeping it in /tmp/g/work-<step>; rest: the simulations and statistics from there: a
-# step too long for one command, as two on the warm machine), TIMEOUT (540).
-# Expected walls (H200, from the CPU profile and plain generate() at ~30-40 ms a step at batch
-# 256): smol ~400 s (benign ~250, simulations ~60, sampled ~30, statistics ~40), llama ~450 s.
-# Results in $OUT (at most 6 files): scale.json, scale.md, traces.jsonl.gz (the benign traces,
-# for the CPU-as-auditor run here afterwards: verify_scale.py --scan-traces), <step>.log,
-# env.txt, wall.txt.
+# batch 1, 8), EVAL (prompts of each simulated provider, 256), SAMPLED (1: the sampled-traffic
+# section, default; 0: none), SAMPLED_PROMPTS (128), CLAIM_SECONDS (the claimed variation's
+# generation at most, 60: the guard that keeps the step inside its command), DRAWS
+# (calibration draws, 300), FA_DRAWS (1000), SCAN_BUDGET (positions a scan forward, 32768),
+# STDLIB (llama: distinct stdlib function beginnings, 900), STAGE (all, benign or rest),
+# TIMEOUT (540).
+# Results in $OUT (at most 6 files): the benign stage: benign.json, traces.jsonl.gz (the benign
+# traces, for the CPU-as-auditor run here afterwards: verify_scale.py --scan-traces), <step>.log,
+# env.txt, wall.txt; the rest: scale.json, scale.md, <step>.log, env.txt, wall.txt.
 set -u
 . benchmarks/_gpu_train.sh
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
@@ -39,12 +51,13 @@ scale() {  # scale NAME MODEL [verify_scale.py options]
     timeout "${TIMEOUT:-540}" python3 benchmarks/verify_scale.py --model "$model" --device cuda \
         --benign-tokens "${BENIGN_TOKENS:-1000000}" --max-new-tokens "${TOKENS:-128}" \
         --batch "${BATCH:-256}" --small-prompts "${SMALL:-64}" --b1-prompts "${B1:-8}" \
-        --eval-prompts "${EVAL:-256}" --claim-seconds "${CLAIM_SECONDS:-45}" \
+        --eval-prompts "${EVAL:-256}" --claim-seconds "${CLAIM_SECONDS:-60}" \
         --draws "${DRAWS:-300}" --fa-draws "${FA_DRAWS:-1000}" \
-        --scan-token-budget "${SCAN_BUDGET:-32768}" ${SAMPLED:+--sampled} \
+        --scan-token-budget "${SCAN_BUDGET:-32768}" --sampled-prompts "${SAMPLED_PROMPTS:-128}" \
         ${PROMPTS:+--prompts "$PROMPTS"} \
-        --stage "${STAGE:-all}" --work "/tmp/g/work-$name" --tmp /tmp/g \
-        --save-traces "$OUT/traces.jsonl.gz" --out "$OUT" "$@" \
+        $([ "${SAMPLED:-1}" = 1 ] && echo --sampled) --stage "${STAGE:-all}" --work "/tmp/g/work-$name" --tmp /tmp/g \
+        $([ "${STAGE:-all}" != rest ] && echo --save-traces "$OUT/traces.jsonl.gz") \
+        --out "$OUT" "$@" \
         > "$OUT/$name.md" 2> "$OUT/$name.log"
     echo "$name (stage ${STAGE:-all}): exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/wall.txt"
     rm -f "$OUT/$name.md"  # the same as scale.md
@@ -63,6 +76,6 @@ train() {
 case "$step" in
     smol) scale smol "${MODEL:-/tmp/g/smollm2}" ;;
     train) train ;;
-    llama) scale llama "${MODEL:-$M}" --stdlib-prompts "${STDLIB:-1024}" ;;
+    llama) scale llama "${MODEL:-$M}" --stdlib-prompts "${STDLIB:-900}" ;;
     *) echo "usage: $0 smol|train|llama"; exit 2 ;;
 esac

@@ -927,7 +927,7 @@ def sampled_section(
     if "sampling" not in inspect.signature(TraceGenerator.trace_batch).parameters:
         return {"skipped": "TraceGenerator.trace_batch takes no sampling= yet"}
     recipe = recipe_cls(sampler="transformers", temperature=0.7, top_k=0, top_p=1.0)
-    units = [u for u in data["units"] if u.half == "B"][: args.eval_prompts]
+    units = [u for u in data["units"] if u.half == "B"][: args.sampled_prompts or args.eval_prompts]
     rtn = root / "rtn4"
     if not (rtn / "config.json").exists():
         rtn_checkpoint(args.model, rtn, bits=4)
@@ -1397,6 +1397,9 @@ def parser() -> argparse.ArgumentParser:
         "--scan-token-budget", type=int, default=16384, help="positions per scan forward"
     )
     ap.add_argument("--sampled", action="store_true", help="the sampled-traffic section")
+    ap.add_argument(
+        "--sampled-prompts", type=int, default=None, help="prompts of each sampled provider"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True, help="directory of the JSON and markdown")
     ap.add_argument(
