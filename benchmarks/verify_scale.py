@@ -1059,18 +1059,34 @@ def cross_platform(args: argparse.Namespace, clock: Clock) -> dict[str, Any]:
         chosen[key] = got
     pool = EnginePool(device=args.device, devices=1)
     claim = Target(args.dtype, None, "sdpa", 1, Intervention())
-    scanned: dict[tuple[str, str], list[np.ndarray]] = {}
-    for key, rs in chosen.items():
-        with clock.phase(f"scan {key[0]} half {key[1]}"):
-            ds = scan(
-                pool,
-                args.model,
-                claim,
-                [r["trace"]["prompt_token_ids"] for r in rs],
-                [r["trace"]["output_token_ids"] for r in rs],
-                args.scan_token_budget,
-            )
-            scanned[key] = [d for d in ds if len(d)]
+    scanned: dict[tuple[str, str], list[np.ndarray]] = {key: [] for key in chosen}
+
+    def in_time() -> bool:
+        return args.time_limit is None or clock.total < args.time_limit
+
+    # In rounds, a quarter of every group's traces each: a run cut by --time-limit still holds
+    # every variation and half.
+    rounds = 4
+    for r in range(rounds):
+        for key, rs in chosen.items():
+            part = rs[r * len(rs) // rounds : (r + 1) * len(rs) // rounds]
+            if not part or not in_time():
+                continue
+            with clock.phase(f"scan {key[0]} half {key[1]}"):
+                ds = scan(
+                    pool,
+                    args.model,
+                    claim,
+                    [x["trace"]["prompt_token_ids"] for x in part],
+                    [x["trace"]["output_token_ids"] for x in part],
+                    args.scan_token_budget,
+                )
+            scanned[key] += [d for d in ds if len(d)]
+    if not in_time():
+        log.warning(
+            "--time-limit reached while scanning: %d tokens scanned",
+            sum(len(d) for ds_ in scanned.values() for d in ds_),
+        )
     env = environment(args.model, args.device)
     platform_ = {
         "device": args.device,
@@ -1079,7 +1095,7 @@ def cross_platform(args: argparse.Namespace, clock: Clock) -> dict[str, Any]:
         "torch_version": env["torch"],
         "devices": 1,
     }
-    variations_ = sorted({k[0] for k in scanned})
+    variations_ = sorted({k[0] for k, v in scanned.items() if v})
     test = {v: scanned.get((v, "B"), []) for v in variations_}
     out: dict[str, Any] = {
         "run": {**env, "args": _args_json(args)},
@@ -1090,7 +1106,10 @@ def cross_platform(args: argparse.Namespace, clock: Clock) -> dict[str, Any]:
     }
     # the 4-bit alternative here, on half A's prompts
     texts_a = [r for r in chosen.get((variations_[0], "A"), [])][: args.eval_prompts]
+    alt: list[np.ndarray] = []  # none (the likelihood ratio's bins: pseudo-counts) when out of time
     with tempfile.TemporaryDirectory(prefix="verify-scale-", dir=args.tmp) as tmp:
+        if not in_time():
+            texts_a = []
         rtn = rtn_checkpoint(args.model, Path(tmp) / "rtn4", bits=4)
         with (
             clock.phase("4-bit alternative here"),
@@ -1103,7 +1122,10 @@ def cross_platform(args: argparse.Namespace, clock: Clock) -> dict[str, Any]:
                     ids
                     for ids, _ in g.generate_batch(ps[i : i + args.batch], args.max_new_tokens).rows
                 ]
-        alt = [d for d in scan(pool, args.model, claim, ps, outs, args.scan_token_budget) if len(d)]
+        if ps:
+            alt = [
+                d for d in scan(pool, args.model, claim, ps, outs, args.scan_token_budget) if len(d)
+            ]
     nulls: dict[str, dict[str, list[np.ndarray]]] = {
         "saved traces' half A scanned here": {
             v: scanned[(v, "A")] for v in variations_ if scanned.get((v, "A"))
@@ -1115,6 +1137,8 @@ def cross_platform(args: argparse.Namespace, clock: Clock) -> dict[str, Any]:
         for v in variations(args):
             if v.batch == args.batch and args.batch > 8:
                 v = Variation(v.dtype, v.kernel, min(8, args.batch), True)
+            if v.key in local or not in_time():
+                continue
             with (
                 clock.phase(f"null here: generate {v.key}"),
                 generator(args.model, v.dtype, v.kernel, args.device) as g,
@@ -1133,8 +1157,15 @@ def cross_platform(args: argparse.Namespace, clock: Clock) -> dict[str, Any]:
                     for d in scan(pool, args.model, claim, prompts, outs, args.scan_token_budget)
                     if len(d)
                 ]
-        nulls[f"generated here ({len(prompts)} prompts per variation)"] = local
+        local = {k: v for k, v in local.items() if v}
+        if local:
+            nulls[f"generated here ({len(prompts)} prompts per variation)"] = local
     out["nulls"] = {}
+    test = {v: d for v, d in test.items() if d}
+    if not test:
+        out["note"] = "no held-out (half B) trace was scanned within --time-limit"
+        log.warning(out["note"])
+        return out
     budgets = [
         b
         for b in capped(FA_BUDGETS, args)
@@ -1304,6 +1335,8 @@ def cross_markdown(r: Mapping[str, Any]) -> str:
         "| variation | tokens | flips | " + " | ".join(f"> {t}" for t in TAIL_ULPS) + " | max |",
         "| --- " * (4 + len(TAIL_ULPS)) + "|",
     ]
+    if "note" in r:
+        lines[1:1] = ["", f"Note: {r['note']}."]
     for k, v in r["tail_here"].items():
         lines.append(
             f"| {k} | {v['tokens']} | {v['flips']} | "
@@ -1427,6 +1460,13 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=20000,
         help="cross-platform: tokens of saved traces scanned at most",
+    )
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="cross-platform: stop scanning and generating after this many seconds and report "
+        "what was measured",
     )
     ap.add_argument(
         "--cpu-null-prompts",
