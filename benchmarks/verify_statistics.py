@@ -1,23 +1,24 @@
-"""Provider audit (issue 23): candidate statistics, the service's and others, compared on one set
-of per-token evidence, each calibrated as the service calibrates (`stats.verification`: groups of
-exactly n tokens from bootstrap resamples of one benign variation's traces at a time, the
-threshold at the highest of the variations' 99% quantiles).
+"""Provider audit (issues 23 and 34): the decision rules compared on one set of per-token
+evidence, calibrated as the service calibrates (`stats.verification.calibrate` on the null that
+`verifications.null` generates: plain transformers generate(), distinct prompts batched as each
+variation's name says), then judged on simulated providers of other prompts.
 
     python benchmarks/verify_statistics.py --model replay_audit/assets/tiny-llama --device cpu \
-        --null-prompts 128 --eval-prompts 72 --max-new-tokens 128 --tp-null \
-        --save /tmp/evidence.pkl
+        --null-prompts 64 --eval-prompts 48 --max-new-tokens 96 --save /tmp/evidence.pkl
 
-Every statistic is a ratio of sums over a group's tokens, sum(numerator) / sum(denominator):
-the service's three have denominator 1 per token; the near-tie ones divide by the tokens whose
-reference top-2 margin is within tau ulps (the chances a benign rounding difference had to flip
-a token), so a prompt set with more close calls does not look noisier. `--tp-null` adds TP 2 (two
-gloo processes on a CPU, NCCL on two GPUs) to the null, as a two-GPU worker's null holds it.
+Rules: `outside_tie_band` (the tie band alone at the false-alarm rate) and
+`tie_band_or_mean_deficit` (either statistic over its own threshold, each at half the rate,
+`stats.verification.RULE_STATISTICS`). Per simulation and budget (up to the null's reach):
+the share of its groups (drawn as the calibration draws them) each rule calls inconsistent;
+for a benign one that share is a false-alarm rate, for the others the power. Benign
+simulations: the null's variations on other prompts, and FP32 at batch 1 (not in the null).
 `--load` re-analyses a saved run without generating.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import pickle
 import random
 import sys
@@ -25,175 +26,156 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from replay_audit.diff.deficit import token_deficits
 from replay_audit.engine import EnginePool, Intervention, Target
-from replay_audit.engine.protocol import ScanItem
-from replay_audit.engine.testing import rtn_checkpoint, variant_checkpoint
-from replay_audit.formats import ulp_array
-from replay_audit.screenings.sweep.plan import ScreenConfig
-from replay_audit.screenings.sweep.worker import TorchBackend
+from replay_audit.engine.testing import rtn_checkpoint
+from replay_audit.screenings.sweep.outputs import ScreenPrompt
+from replay_audit.screenings.sweep.worker import TorchFacts
 from replay_audit.stats.verification import (
-    Statistic,
-    TokenScorer,
-    auc,
-    bin_probabilities,
-    draw_group_scores,
+    RULE_STATISTICS,
+    Calibration,
+    calibrate,
+    draw_groups,
 )
-from replay_audit.verifications.null import BENIGN_VARIATIONS, CUDA_VARIATIONS, generate
-from replay_audit.verifications.scan import claim_engine
+from replay_audit.verifications.null import (
+    BENIGN_VARIATIONS,
+    NullTrace,
+    NullVariation,
+    _scan,
+    generate,
+)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from verify import BUDGETS, Pairs, fp8_kv, stdlib_prompts, tensor_parallel
+#: Per simulation: one array of deficits in ulps per trace.
+Evidence = list[np.ndarray]
+CLAIM = Target("bf16", None, "sdpa", 1, Intervention())
+#: Simulations that are benign (their flagged share is a false-alarm rate).
+BENIGN = ("honest bf16 b1", "fp16 b1", "bf16 b8", "bf16 eager b1", "fp16 eager b8", "fp32 b1")
 
-#: Per trace: the logged tokens' deficits and the reference's top-2 margins, in ulps.
-Evidence = list[tuple[np.ndarray, np.ndarray]]
-BENIGN = ("honest", "fp16", "batch 8", "eager", "TP=2")
+
+def _fp8_kv(model_dir: Path, prompts: list[ScreenPrompt], n: int, device: str) -> list[NullTrace]:
+    """A provider with an FP8 (e4m3) KV cache (`engine.testing.fp8_kv_cache`), batch 1."""
+    from replay_audit.engine.generate import TraceGenerator
+    from replay_audit.engine.testing import fp8_kv_cache
+
+    with TraceGenerator(model_dir, dtype="bf16", device=device) as g, fp8_kv_cache(g.model):
+        return [
+            NullTrace(list(p.token_ids), g.generate_ids(list(p.token_ids), n)[0]) for p in prompts
+        ]
 
 
-def evidence(pool: EnginePool, model: Path, pairs: Pairs) -> Evidence:
-    """The claimed BF16/sdpa scan of `pairs`: each logged token's deficit (`diff.deficit`, as
-    the service computes it) and the reference's top-2 margin, in ulps at the top-1 value."""
-    claim = Target("bf16", None, "sdpa", 1, Intervention())
-    engine = claim_engine(pool, model, claim)
-    head = engine.environment()["lm_head_dtype"]
-    runs = engine.scan_batch([ScanItem(p, o, None) for p, o in pairs if o], claim.intervention, 2)
-    out: Evidence = []
-    for run in runs:
-        assert run.evidence is not None
-        top = np.asarray(run.steps.top_k_logits, dtype=np.float64)
-        d = token_deficits(top[:, 0], run.evidence.logits, run.evidence.ranks, head)
-        out.append((d.deficit_ulps, (top[:, 0] - top[:, 1]) / ulp_array(top[:, 0], head)))
+def stdlib_prompts(model: Path, n: int) -> list[dict[str, str]]:
+    """`n` function beginnings of this Python's standard library (held-out files first, three
+    a file at most), cut by the checkpoint's tokenizer as `scripts/train_tiny_model.py` cuts
+    the bundled prompts (as benchmarks/verify.py makes them)."""
+    from tokenizers import Tokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import train_tiny_model as corpus  # type: ignore[import-not-found]
+
+    corpus.N_PROMPTS, corpus.PROMPTS_PER_FILE = n, 3
+    stdlib = corpus.load_corpus()
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    out: list[dict[str, str]] = corpus.extract_prompts(tokenizer, stdlib.held_out + stdlib.train)
     return out
 
 
 def measure(args: argparse.Namespace) -> dict[str, dict[str, Evidence]]:
-    rows = stdlib_prompts(args.model, args.stdlib_prompts)
+    rows: list[Any]
+    if args.stdlib_prompts:
+        rows = stdlib_prompts(args.model, args.stdlib_prompts)
+    else:
+        import json
+
+        path = args.model.parent / "prompts.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     random.Random(args.shuffle_prompts).shuffle(rows)
-    backend = TorchBackend(args.model, args.device)
-    device = backend.platform().device
-    prompts = backend.prompts(rows[: args.null_prompts + args.eval_prompts])  # type: ignore[arg-type]
+    facts = TorchFacts(args.model, args.device)
+    device = facts.platform().device
+    prompts = facts.prompts(rows[: args.null_prompts + args.eval_prompts])  # type: ignore[arg-type]
     null_p, eval_p = prompts[: args.null_prompts], prompts[args.null_prompts :]
     pool = EnginePool(device=device, devices=1)
-    n, m = args.max_new_tokens, args.model
-    data: dict[str, dict[str, Evidence]] = {"null": {}, "sims": {}, "alt": {}}
+    eos, n, m = facts.eos_ids(), args.max_new_tokens, args.model
     t0 = time.time()
-    variations = [*BENIGN_VARIATIONS, *(CUDA_VARIATIONS if device == "cuda" else ())]
-    for config in variations:
-        data["null"][config.key] = evidence(pool, m, generate(backend, config, null_p, n))
-        print(f"null {config.key}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-    if args.tp_null:
-        data["null"]["tp2"] = evidence(pool, m, tensor_parallel(m, null_p, "bf16", n, 2, device))
-        print(f"null TP 2: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-    base = ScreenConfig("bf16")
+
+    def run(v: NullVariation, ps: list[ScreenPrompt], model: Path = m) -> list[NullTrace]:
+        return generate(v, ps, n, pool, model, eos, device=device)
+
+    data: dict[str, dict[str, Evidence]] = {"null": {}, "sims": {}, "alt": {}}
+    for v in BENIGN_VARIATIONS:
+        data["null"][v.key] = _scan(run(v, null_p), CLAIM, pool, m)
+        print(f"null {v.key}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         rtn4 = rtn_checkpoint(m, root / "rtn4", bits=4)
-        # the likelihood ratio's alternative, as `benign_null` measures it: on the null prompts
-        data["alt"]["4-bit RTN"] = evidence(pool, m, generate(backend, base, null_p, n, rtn4))
-        sims: dict[str, Callable[[], Pairs]] = {
-            "honest": lambda: generate(backend, base, eval_p, n),
-            "fp16": lambda: generate(backend, ScreenConfig("fp16"), eval_p, n),
-            "batch 8": lambda: generate(backend, ScreenConfig("bf16", batch_size=8), eval_p, n),
-            "eager": lambda: generate(
-                backend, ScreenConfig("bf16", attn_kernel="eager"), eval_p, n
+        data["alt"]["4-bit RTN"] = _scan(run(NullVariation("bf16"), null_p, rtn4), CLAIM, pool, m)
+        sims: dict[str, Callable[[], list[NullTrace]]] = {
+            "honest bf16 b1": lambda: run(NullVariation("bf16"), eval_p),
+            "fp16 b1": lambda: run(NullVariation("fp16"), eval_p),
+            "bf16 b8": lambda: run(NullVariation("bf16", batch_size=8), eval_p),
+            "bf16 eager b1": lambda: run(NullVariation("bf16", "eager"), eval_p),
+            "fp16 eager b8": lambda: run(NullVariation("fp16", "eager", batch_size=8), eval_p),
+            "fp32 b1": lambda: run(NullVariation("fp32"), eval_p),
+            "8-bit RTN": lambda: run(
+                NullVariation("bf16"), eval_p, rtn_checkpoint(m, root / "rtn8", bits=8)
             ),
-            "TP=2": lambda: tensor_parallel(m, eval_p, "bf16", n, 2, device),
-            "8-bit RTN": lambda: generate(
-                backend, base, eval_p, n, rtn_checkpoint(m, root / "rtn8", bits=8)
-            ),
-            "4-bit RTN": lambda: generate(backend, base, eval_p, n, rtn4),
-            "FP8 KV cache": lambda: fp8_kv(m, eval_p, "bf16", n, device),
-            "swapped": lambda: generate(
-                backend, base, eval_p, n, variant_checkpoint(m, root / "sw", noise=0.1, seed=1)
-            ),
+            "4-bit RTN": lambda: run(NullVariation("bf16"), eval_p, rtn4),
+            "FP8 KV cache": lambda: _fp8_kv(m, eval_p, n, device),
         }
-        for name, run in sims.items():
-            data["sims"][name] = evidence(pool, m, run())
+        for name, make in sims.items():
+            with contextlib.suppress(RuntimeError):
+                data["sims"][name] = _scan(make(), CLAIM, pool, m)
             print(f"{name}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     return data
 
 
-def statistics(data: dict[str, dict[str, Evidence]]) -> dict[str, Callable[..., tuple]]:
-    """name -> (deficits, margins) -> (numerator, denominator) per token: the service's three
-    statistics (`TokenScorer`, the likelihood ratio's bins from this null and a 4-bit RTN copy's
-    traces on its prompts, as `benign_null` measures them), then the candidates."""
-    scorer = TokenScorer(
-        tuple(bin_probabilities([d for v in data["null"].values() for d, _ in v])),
-        tuple(bin_probabilities([d for d, _ in data["alt"]["4-bit RTN"]])),
-    )
-
-    def service(stat: Statistic) -> Callable[..., tuple]:
-        return lambda d, m: (scorer.scores(d, stat), np.ones_like(d))
-
-    def per_tie(stat: Statistic | None, tau: float) -> Callable[..., tuple]:
-        """flips (stat None) or `stat`'s token scores, over the tokens within tau ulps."""
-        return lambda d, m: (
-            (d > 0).astype(float) if stat is None else scorer.scores(d, stat),
-            (m <= tau).astype(float),
-        )
-
+def flagged(
+    cal: Calibration, traces: Evidence, budget: int, draws: int, seed: int
+) -> dict[str, float]:
+    """The share of `draws` groups of `budget` tokens of `traces` each rule calls inconsistent."""
+    scores = {s: [cal.scorer.scores(u, s) for u in traces if len(u)] for s in RULE_STATISTICS}
+    groups = draw_groups(scores, budget, draws, np.random.default_rng(seed))
+    single = cal.at(budget, "outside_tie_band").threshold
+    rule = cal.rule_at(budget)
+    either = np.logical_or.reduce([groups[s] > rule.thresholds[s] for s in RULE_STATISTICS])
     return {
-        "mean deficit": service("mean_deficit_ulps"),
-        "outside the tie band": service("outside_tie_band"),
-        "likelihood ratio": service("log_likelihood_ratio"),
-        "flip rate": lambda d, m: ((d > 0).astype(float), np.ones_like(d)),
-        "flips per near-tie (1 ulp)": per_tie(None, 1.0),
-        "flips per near-tie (4 ulps)": per_tie(None, 4.0),
-        "flips per near-tie (16 ulps)": per_tie(None, 16.0),
-        "deficit per near-tie (4 ulps)": per_tie("mean_deficit_ulps", 4.0),
-        "deficit per near-tie (16 ulps)": per_tie("mean_deficit_ulps", 16.0),
+        "outside_tie_band": float((groups["outside_tie_band"] > single).mean()),
+        "tie_band_or_mean_deficit": float(either.mean()),
     }
 
 
-def ratio_draws(traces: list[tuple], budget: int, draws: int, seed: int) -> np.ndarray:
-    """Groups of `budget` tokens as `draw_group_scores` draws them, each scored
-    sum(numerator) / sum(denominator): two draws from one seed pick the same tokens."""
-    num = draw_group_scores([t[0] for t in traces], budget, draws, np.random.default_rng(seed))
-    den = draw_group_scores([t[1] for t in traces], budget, draws, np.random.default_rng(seed))
-    return np.divide(num, den, out=np.zeros_like(num), where=den > 0)
-
-
-def analyse(data: dict[str, dict[str, Evidence]], draws: int) -> None:
-    print(
-        "| statistic | 4-bit RTN decided at (AUC there; AUC at 256) | FP8 KV cache decided at "
-        "(AUC) | worst benign false alarm at those budgets | worst benign at any budget |"
+def analyse(data: dict[str, dict[str, Evidence]], draws: int, rate: float) -> None:
+    cal = calibrate(
+        data["null"],
+        data["alt"]["4-bit RTN"],
+        weights_sha256="bench",
+        claim={"dtype": "bf16", "lm_head_dtype": "bf16", "attn_kernel": "sdpa"},
+        platform={"device": "?", "gpu_name": None, "sm": None, "torch_version": None, "devices": 1},
+        false_alarm_rate=rate,
+        draws=draws,
     )
-    print("| --- | --- | --- | --- | --- |")
-    seeds = iter(range(10**6))
-    for name, f in statistics(data).items():
-        null = {k: [f(d, m) for d, m in v] for k, v in data["null"].items()}
-        sims = {k: [f(d, m) for d, m in v] for k, v in data["sims"].items()}
-        threshold = {
-            b: max(np.quantile(ratio_draws(v, b, draws, next(seeds)), 0.99) for v in null.values())
-            for b in BUDGETS
-        }
-        flagged: dict[str, dict[int, float]] = {}
-        aucs: dict[str, dict[int, float]] = {}
-        for sim, traces in sims.items():
-            flagged[sim], aucs[sim] = {}, {}
-            for b in BUDGETS:
-                groups = ratio_draws(traces, b, draws, next(seeds))
-                honest = ratio_draws(sims["honest"], b, draws, next(seeds))
-                flagged[sim][b] = float((groups > threshold[b]).mean())
-                aucs[sim][b] = auc(honest, groups)
-
-        def decided(sim: str, flagged: dict[str, dict[int, float]] = flagged) -> int | None:
-            return next((b for b in BUDGETS if flagged[sim][b] >= 0.95), None)
-
-        cells = []
-        for sim in ("4-bit RTN", "FP8 KV cache"):
-            b = decided(sim)
-            extra = f"; {aucs[sim][256]:.3f}" if sim == "4-bit RTN" else ""
-            cells.append(f"{b} ({aucs[sim][b]:.3f}{extra})" if b else f"> {BUDGETS[-1]}")
-        at = [decided(s) for s in ("4-bit RTN", "FP8 KV cache")]
-        fa = " / ".join(
-            f"{max(flagged[s][b] for s in BENIGN if s in flagged):.3f}" if b else "-" for b in at
-        )
-        rate, sim, b = max((flagged[s][b], s, b) for s in BENIGN if s in flagged for b in BUDGETS)
-        print(f"| {name} | {cells[0]} | {cells[1]} | {fa} | {rate:.3f} ({sim} @{b}) |")
+    reach = cal.reach or 0
+    budgets = [b.tokens for b in cal.budgets["outside_tie_band"] if b.tokens <= reach]
+    tokens = {k: sum(len(u) for u in v) for k, v in data["null"].items()}
+    print(f"# null: {tokens} tokens per variation; reach {reach}; {draws} draws; rate {rate}")
+    print("| simulation | rule | " + " | ".join(str(b) for b in budgets) + " |")
+    print("| --- | --- | " + " | ".join("---" for _ in budgets) + " |")
+    worst: dict[str, float] = {"outside_tie_band": 0.0, "tie_band_or_mean_deficit": 0.0}
+    for i, (name, traces) in enumerate(data["sims"].items()):
+        rows = [flagged(cal, traces, b, draws, 1000 * i + j) for j, b in enumerate(budgets)]
+        for rule in worst:
+            print(f"| {name} | {rule} | " + " | ".join(f"{r[rule]:.3f}" for r in rows) + " |")
+            if name in BENIGN:
+                worst[rule] = max(worst[rule], *(r[rule] for r in rows))
+    print(f"# worst benign false-alarm rate at any budget: {worst}")
+    for b, r in zip(cal.budgets["outside_tie_band"], cal.rule, strict=True):
+        if b.tokens <= reach:
+            print(
+                f"# {b.tokens}: tie band threshold {b.threshold:.4g} (power {b.power}); rule "
+                f"{ {k: round(v, 4) for k, v in r.thresholds.items()} } (power {r.power})"
+            )
 
 
 def main() -> None:
@@ -202,35 +184,28 @@ def main() -> None:
     )
     ap.add_argument("--model", type=Path, default=Path("replay_audit/assets/tiny-llama"))
     ap.add_argument("--device", default=None)
-    ap.add_argument("--stdlib-prompts", type=int, default=200)
+    ap.add_argument("--stdlib-prompts", type=int, default=0, help="instead of the bundled ones")
     ap.add_argument("--shuffle-prompts", type=int, default=0, metavar="SEED")
-    ap.add_argument("--null-prompts", type=int, default=128)
-    ap.add_argument("--eval-prompts", type=int, default=72)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--tp-null", action="store_true", help="TP 2 in the null")
-    ap.add_argument("--draws", type=int, default=300)
+    ap.add_argument("--null-prompts", type=int, default=64)
+    ap.add_argument("--eval-prompts", type=int, default=48)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--draws", type=int, default=1000)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--false-alarm-rate", type=float, default=0.01)
     ap.add_argument("--save", type=Path, default=None, help="keep the evidence here (pickle)")
     ap.add_argument("--load", type=Path, default=None, help="analyse a saved run instead")
-    ap.add_argument(
-        "--drop-null",
-        nargs="+",
-        default=(),
-        metavar="KEY",
-        help="leave these null variations out of the calibration (tp2: a null without TP 2)",
-    )
     args = ap.parse_args()
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.load is not None:
         data = pickle.loads(args.load.read_bytes())
     else:
         data = measure(args)
         if args.save is not None:
             args.save.write_bytes(pickle.dumps(data))
-    data["null"] = {k: v for k, v in data["null"].items() if k not in args.drop_null}
-    print(
-        f"# null: {', '.join(data['null'])} ({len(next(iter(data['null'].values())))} prompts "
-        f"each); simulations: {len(data['sims']['honest'])} prompts each; {args.draws} draws"
-    )
-    analyse(data, args.draws)
+    analyse(data, args.draws, args.false_alarm_rate)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -38,7 +40,7 @@ DevicesOpt = Annotated[int, typer.Option(min=1, max=MAX_TP_DEGREE, help=DEVICES_
 
 if TYPE_CHECKING:
     from replay_audit.engine import EnginePool
-    from replay_audit.stats.verification import Calibration, Claim
+    from replay_audit.stats.verification import Calibration, Claim, PlatformKey
 
 
 def _measure(
@@ -57,12 +59,16 @@ def _measure(
 
     rows = [row for _, row in _read_jsonl(prompts)][:n_prompts]
     screen_prompts = TorchFacts(model, device).prompts(rows)  # type: ignore[arg-type]
+    start = time.monotonic()
     with _progress() as bar:
         task = bar.add_task(f"benign null of {claim}", total=None)
 
         def progress(what: str, done: int, total: int) -> None:
             what = f"benign null of {claim}: {what}"
             bar.update(task, description=what, completed=done, total=total)
+            if not bar.console.is_terminal:  # a log, not a terminal: one line a step
+                elapsed = time.monotonic() - start
+                print(f"{what} ({done}/{total}, {elapsed:.0f} s)", file=sys.stderr, flush=True)
 
         return benign_null(
             model,
@@ -73,6 +79,7 @@ def _measure(
             max_new_tokens=max_new,
             false_alarm_rate=false_alarm_rate,
             progress=progress,
+            sampling=claim.get("sampling"),
         )
 
 
@@ -139,10 +146,17 @@ def verify(
     from replay_audit.replays.domain import LoggedTrace
     from replay_audit.stats.verification import CALIBRATION_VERSION, Calibration
     from replay_audit.traces.schemas import TraceCreate
-    from replay_audit.verifications.domain import report_json
+    from replay_audit.verifications.domain import (
+        cover_platforms,
+        group_name,
+        platform_label,
+        report_json,
+    )
     from replay_audit.verifications.run import verify as run_verify
+    from replay_audit.verifications.scan import trace_claim
 
     parsed: list[tuple[str, LoggedTrace, str]] = []
+    platforms: list[str] = []
     for n, row in _read_jsonl(traces):
         try:
             tr = TraceCreate.model_validate(row)
@@ -152,6 +166,8 @@ def verify(
         logged = LoggedTrace.from_json(tr.model_dump())
         group = {"tag": ",".join(sorted(tr.tags)) or "untagged", "engine": logged.engine_name}
         parsed.append((tr.external_id or f"line {n}", logged, group.get(group_by, "all")))
+        gpu = tr.config.gpu.name if tr.config.gpu is not None else None
+        platforms.append(platform_label(tr.config.device, gpu))
     if not parsed:
         fail(f"{traces} holds no trace")
     pool = EnginePool(device=device, threads=_threads(threads), devices=devices)
@@ -202,12 +218,32 @@ def verify(
     if save_calibration is not None:
         cals = [c.to_json() for c in result.calibrations]
         save_calibration.write_text(json.dumps(cals, indent=1), encoding="utf-8")
-    report = report_json(result.groups, result.evidence, result.arms)
+    by_group: dict[str, list[str]] = {}
+    for (_, trace, label), where in zip(parsed, platforms, strict=True):
+        by_group.setdefault(group_name(label, trace_claim(trace)), []).append(where)
+    scanning = _scanning_platform(model, device, pool)
+    groups = cover_platforms(
+        result.groups, by_group, platform_label(scanning["device"], scanning["gpu_name"])
+    )
+    report = report_json(groups, result.evidence, result.arms)
+    report["scanning_platform"] = scanning
+    report["claimed_platforms"] = sorted(set(platforms))
     if as_json:
         typer.echo(json.dumps(report, allow_nan=False))
     else:
         _print(report)
     raise typer.Exit(code={"consistent": 0, "inconsistent": 1}.get(report["verdict"], 3))
+
+
+def _scanning_platform(model: Path, device: str | None, pool: EnginePool) -> PlatformKey:
+    """This machine as a calibration names its platform (`null.platform_key`)."""
+    import torch
+
+    from replay_audit.screenings.sweep.worker import TorchFacts
+    from replay_audit.verifications.null import platform_key
+
+    facts = TorchFacts(model, device, devices=pool.devices)
+    return platform_key(facts.platform(), str(torch.__version__))
 
 
 def _print(report: dict[str, Any]) -> None:
@@ -228,6 +264,14 @@ def _print(report: dict[str, Any]) -> None:
         if g["verdict"] == "insufficient":
             typer.echo(
                 f"    {g['more_tokens']} more tokens needed (decision from {g['tokens_needed']})"
+            )
+        if g.get("decided_by") and g.get("decision", "outside_tie_band") != "outside_tie_band":
+            typer.echo(f"    decided by {g['decided_by']} (rule {g['decision']})")
+        if g.get("logged_platforms"):
+            covered = {True: "covers", False: "does NOT cover", None: "may not cover"}
+            typer.echo(
+                f"    logged on {', '.join(g['logged_platforms'])}; the null, measured on "
+                f"{g['null_platform']}, {covered[g.get('null_covers_platform')]} that pair"
             )
         if g["sampled"]:
             typer.echo(f"    {g['sampled']} sampled traces set apart (not verified)")

@@ -11,7 +11,7 @@ from typing import Any, Final
 import numpy as np
 
 from replay_audit.diff.deficit import TokenDeficits
-from replay_audit.engine.protocol import Intervention, Target
+from replay_audit.engine.protocol import Intervention, SamplingRecipe, Target
 from replay_audit.replays.domain import ResolvedArm
 from replay_audit.stats.verification import Calibration, Claim, GroupVerdict, verdict
 
@@ -97,6 +97,62 @@ class GroupReport:
     sampled: int
     failed: int
     notes: tuple[str, ...] = ()
+    #: Where its null was measured (`platform_label`), where its traces were logged (set by
+    #: `cover_platforms`), and whether the null covers each (logged, scanning) pair (None: not
+    #: known, before `cover_platforms`).
+    null_platform: str | None = None
+    logged_platforms: tuple[str, ...] = ()
+    null_covers_platform: bool | None = None
+
+
+def platform_label(device: str, gpu_name: str | None) -> str:
+    """A platform as the report names it: `cpu`, `cuda (NVIDIA H200)`."""
+    return device + (f" ({gpu_name})" if gpu_name else "")
+
+
+def group_name(label: str, claim: Claim) -> str:
+    """The name of the group of traces labelled `label` ("all": no grouping) that claim
+    `claim`: e.g. `provider-x · bf16 / head bf16 / sdpa`."""
+    key = claim_label(claim)
+    return key if label == "all" else f"{label} · {key}"
+
+
+def cover_platforms(
+    groups: Sequence[GroupReport],
+    logged: Mapping[str, Sequence[str]],
+    scanning: str | None,
+) -> list[GroupReport]:
+    """`groups` with the platforms their traces were logged on (`logged`: group name -> each
+    trace's `platform_label`) and whether their null covers them: a null is measured where it
+    was generated and scanned, so it covers traces logged on that platform and scanned there
+    (`scanning`), and says nothing of another device kind or GPU, whose numerics it never ran.
+    An uncovered group says so in a note naming both platforms."""
+    out = []
+    for g in groups:
+        seen = tuple(sorted(set(logged.get(g.group, ()))))
+        if g.null_platform is None:
+            out.append(replace(g, logged_platforms=seen))
+            continue
+        other = [p for p in seen if p != g.null_platform]
+        scanned_elsewhere = scanning is not None and scanning != g.null_platform
+        covered = not other and not scanned_elsewhere
+        notes = list(g.notes)
+        if other:
+            notes.append(
+                f"traces logged on {', '.join(other)} are verified against a null measured on "
+                f"{g.null_platform}: the null did not measure that pair, so the false-alarm rate "
+                "is not promised for it (numerics of another device or GPU may differ by more "
+                "than the null's benign variations); measure the null on the logged platform"
+            )
+        if scanned_elsewhere:
+            notes.append(
+                f"scanned on {scanning} against a null measured on {g.null_platform}: the null "
+                "did not measure this scan's numerics; measure it here"
+            )
+        out.append(
+            replace(g, logged_platforms=seen, null_covers_platform=covered, notes=tuple(notes))
+        )
+    return out
 
 
 def judge_group(
@@ -111,12 +167,40 @@ def judge_group(
     failed = sum(e.deficits is None and not e.sampled for e in evidence)
     notes = [SAMPLED_NOTE] if sampled else []
     notes += calibration.notes
-    return GroupReport(group, verdict(verified, calibration), sampled, failed, tuple(notes))
+    result = verdict(verified, calibration)
+    if result.beyond_null_reach:
+        notes.append(reach_note(result.tokens, calibration.reach))
+    elif result.decided_by is not None and result.decided_by != "outside_tie_band":
+        notes.append(
+            f"decided by {result.decided_by} ({result.score:.4g} above its threshold "
+            f"{result.threshold:.4g}): a rounding-level difference (8-bit weights, an FP8 KV "
+            "cache, another TP degree) more often than tampering; read the worst tokens"
+        )
+    null_platform = platform_label(calibration.platform["device"], calibration.platform["gpu_name"])
+    return GroupReport(group, result, sampled, failed, tuple(notes), null_platform=null_platform)
+
+
+def reach_note(tokens: int, reach: int | None) -> str:
+    """What a group larger than its null backs is told."""
+    backed = f"{reach:,} tokens" if reach is not None else "no calibrated budget"
+    return (
+        f"this group holds {tokens:,} tokens, more than the null backs ({backed}: every benign "
+        "variation holds at least that many): judged at that budget's threshold, the cautious "
+        "one, but its false-alarm rate is not measured at this size; measure the null on more "
+        "prompts (--null-prompts, REPLAY_AUDIT_VERIFY_NULL_PROMPTS)"
+    )
 
 
 def claim_label(claim: Claim) -> str:
-    """e.g. `bf16 / head bf16 / sdpa`."""
-    return f"{claim['dtype']} / head {claim['lm_head_dtype']} / {claim['attn_kernel'] or 'default'}"
+    """e.g. `bf16 / head bf16 / sdpa`, and a sampled claim's recipe: `... / sampled
+    transformers T=0.7`."""
+    label = (
+        f"{claim['dtype']} / head {claim['lm_head_dtype']} / {claim['attn_kernel'] or 'default'}"
+    )
+    sampling = claim.get("sampling")
+    if sampling is None:
+        return label
+    return f"{label} / sampled {SamplingRecipe(**sampling).label()}"
 
 
 def overall(groups: Sequence[GroupReport]) -> str:
@@ -138,7 +222,14 @@ def group_json(g: GroupReport) -> dict[str, Any]:
         k: _finite(v) if isinstance(v, float | np.floating) else v
         for k, v in asdict(g.result).items()
     }
-    counts = {"sampled": g.sampled, "failed": g.failed, "notes": list(g.notes)}
+    counts = {
+        "sampled": g.sampled,
+        "failed": g.failed,
+        "null_platform": g.null_platform,
+        "logged_platforms": list(g.logged_platforms),
+        "null_covers_platform": g.null_covers_platform,
+        "notes": list(g.notes),
+    }
     return {"group": g.group, **figures, **counts}
 
 

@@ -29,7 +29,13 @@ from replay_audit.exceptions import EngineError, ReplayAuditError
 from replay_audit.replays.repository import logged_trace, traces_by_id
 from replay_audit.stats.verification import CALIBRATION_VERSION, Calibration, Claim, PlatformKey
 from replay_audit.verifications import repository
-from replay_audit.verifications.domain import claimed_target, report_json
+from replay_audit.verifications.domain import (
+    claimed_target,
+    cover_platforms,
+    group_name,
+    platform_label,
+    report_json,
+)
 from replay_audit.verifications.models import Verification, VerificationCalibration
 from replay_audit.verifications.schemas import VerificationCreate
 from replay_audit.worker.checkpoint import ModelNotFound, find_checkpoint
@@ -106,6 +112,7 @@ def measure_null(
         device=device,
         max_new_tokens=shape.max_new_tokens,
         false_alarm_rate=rate,
+        sampling=claim.get("sampling"),
     )
 
 
@@ -189,7 +196,10 @@ def calibration_json(cal: Calibration, reused: bool) -> dict[str, Any]:
         "false_alarm_rate": cal.false_alarm_rate,
         "statistic": cal.statistic,
         "tokens_needed": cal.tokens_needed(),
+        "reach": cal.reach,
+        "decision": cal.decision,
         "budgets": [asdict(b) for b in cal.budgets[cal.statistic]],
+        "rule": [asdict(r) for r in cal.rule],
         "variations": [
             {"name": v.name, "traces": v.traces, "tokens": v.tokens} for v in cal.variations
         ],
@@ -237,12 +247,13 @@ def _verify(
         traces = [logged_trace(rows[i]) for i, _ in kept]
         names: list[str | None] = [rows[i].public_id for i, _ in kept]
         configs = [rows[i].config for i, _ in kept]
-        claimed = sorted({c.device + (f" ({c.gpu_name})" if c.gpu_name else "") for c in configs})
+        logged_on = [platform_label(c.device, c.gpu_name) for c in configs]
     if not traces:
         gone = "none of the selected traces exists any more (retention)"
         fail_row(url, Verification, verification_id, gone)
         return
     from replay_audit.verifications.run import verify
+    from replay_audit.verifications.scan import trace_claim
 
     try:
         calibrations = _Calibrations(url, sha, model_dir, request.false_alarm_rate, request.device)
@@ -256,9 +267,15 @@ def _verify(
         log.exception("verification %d failed", verification_id)
         fail_row(url, Verification, verification_id, f"{type(e).__name__}: {e}")
         return
-    report = report_json(result.groups, result.evidence, result.arms)
-    report["scanning_platform"] = calibrations.used[0][2] if calibrations.used else None
-    report["claimed_platforms"] = claimed
+    by_group: dict[str, list[str]] = {}
+    for (_, label), trace, logged in zip(kept, traces, logged_on, strict=True):
+        by_group.setdefault(group_name(label, trace_claim(trace)), []).append(logged)
+    scanning = calibrations.used[0][2] if calibrations.used else None
+    here = platform_label(scanning["device"], scanning["gpu_name"]) if scanning else None
+    judged = cover_platforms(result.groups, by_group, here)
+    report = report_json(judged, result.evidence, result.arms)
+    report["scanning_platform"] = scanning
+    report["claimed_platforms"] = sorted(set(logged_on))
     report["calibrations"] = [calibration_json(c, reused) for c, reused, _ in calibrations.used]
     if len(kept) < len(ids):
         report["missing_traces"] = len(ids) - len(kept)

@@ -1,0 +1,141 @@
+"""Issue 34: platforms are part of the claim. The report names the scanning platform and each
+group's logged platform(s), and says whether the null covers that pair: a null is generated
+and scanned on the scanning platform, so traces logged on another device kind or GPU are a
+pair it never measured (`null_covers_platform: false`, a note naming both). Through the pure
+report, `replay-audit verify` without --calibration (which measures a small null here, with
+its progress on stderr) and the service's stored report and page, on both databases."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from replay_audit.cli import app
+from replay_audit.config import BUNDLED_MODEL_DIR
+from replay_audit.stats.verification import Calibration, verdict
+from replay_audit.verifications.domain import (
+    GroupReport,
+    cover_platforms,
+    judge_group,
+    platform_label,
+    report_json,
+)
+from tests.replays.conftest import HoldingRunner
+from tests.ui.conftest import settings as settings  # fixture: the session secret
+from tests.ui.conftest import ui_client  # noqa: F401  (fixture)
+from tests.verifications.conftest import bind_null, store
+
+H200 = {"name": "NVIDIA H200", "sm": "9.0"}
+
+
+def _on_h200(traces: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same traces as logged by a provider on an H200 (what its config says)."""
+    out = copy.deepcopy(traces)
+    for t in out:
+        t["config"] |= {"device": "cuda", "gpu": H200}
+    return out
+
+
+def test_the_report_names_both_platforms_and_whether_the_null_covers_them(
+    calibrations: list[Calibration],
+) -> None:
+    cal = calibrations[0]
+    assert cal.platform["device"] == "cpu"
+    base = GroupReport("g", verdict([], cal), 0, 0, (), null_platform="cpu")
+    groups = [base, GroupReport("h", base.result, 0, 0, (), null_platform="cpu")]
+    logged = {"g": ["cpu", "cpu"], "h": ["cuda (NVIDIA H200)", "cpu"]}
+    same, other = cover_platforms(groups, logged, "cpu")
+    assert same.null_covers_platform is True and same.logged_platforms == ("cpu",)
+    assert not same.notes
+    assert other.null_covers_platform is False
+    assert other.logged_platforms == ("cpu", "cuda (NVIDIA H200)")
+    (note,) = other.notes
+    assert "cuda (NVIDIA H200)" in note and "measured on cpu" in note
+    # Scanned elsewhere than the null was measured (a calibration file from another machine).
+    (moved,) = cover_platforms([base], {"g": ["cpu"]}, "cuda (NVIDIA H100)")
+    assert moved.null_covers_platform is False and "scanned on cuda (NVIDIA H100)" in moved.notes[0]
+    out = report_json([same, other], [])
+    assert [g["null_covers_platform"] for g in out["groups"]] == [True, False]
+    assert out["groups"][1]["logged_platforms"] == ["cpu", "cuda (NVIDIA H200)"]
+    assert out["groups"][1]["null_platform"] == "cpu"
+    assert platform_label("cuda", "NVIDIA H200") == "cuda (NVIDIA H200)"
+    # The null's platform comes from the calibration the group is judged against.
+    assert judge_group("g", [], cal).null_platform == "cpu"
+
+
+@pytest.mark.slow
+def test_verify_without_a_calibration_measures_the_null_and_reports_platforms_and_reach(
+    tmp_path: Path, logged: dict[str, list[dict[str, Any]]]
+) -> None:
+    path = tmp_path / "traces.jsonl"
+    cpu = [t | {"tags": ["cpu-provider"]} for t in logged["bf16"][:4]]
+    gpu = [t | {"tags": ["h200-provider"]} for t in _on_h200(logged["bf16"][4:8])]
+    path.write_text("".join(json.dumps(t) + "\n" for t in [*cpu, *gpu]))
+    args = ["verify", str(path), "--model", str(BUNDLED_MODEL_DIR), "--device", "cpu"]
+    small = ["--null-prompts", "3", "--max-new-tokens", "12", "--threads", "1"]
+    res = CliRunner().invoke(app, [*args, *small, "--json", "--group-by", "tag"])
+    assert res.exit_code in (0, 3), res.output
+    # Its progress, a line a step where stderr is no terminal: each variation, the end.
+    assert "benign null of" in res.stderr and "4-bit alternative" in res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["scanning_platform"]["device"] == "cpu"
+    assert out["claimed_platforms"] == ["cpu", "cuda (NVIDIA H200)"]
+    groups = {g["group"].split(" ")[0]: g for g in out["groups"]}
+    here, there = groups["cpu-provider"], groups["h200-provider"]
+    assert here["null_covers_platform"] is True and here["logged_platforms"] == ["cpu"]
+    assert there["null_covers_platform"] is False
+    assert there["logged_platforms"] == ["cuda (NVIDIA H200)"] and there["null_platform"] == "cpu"
+    assert any("cuda (NVIDIA H200)" in n and "cpu" in n for n in there["notes"])
+    # A null of 3 prompts x 12 tokens backs no group of ~190 tokens: each says so.
+    for g in (here, there):
+        assert g["tokens"] > 36 and g["null_reach"] is not None and g["null_reach"] <= 36
+        assert g["beyond_null_reach"] is True
+        assert any("more than the null backs" in n for n in g["notes"])
+        assert g["decision"] in ("outside_tie_band", "tie_band_or_mean_deficit")
+        assert "decided_by" in g
+
+
+@pytest.mark.slow
+def test_the_service_report_and_page_name_the_platforms(
+    client: TestClient,
+    job_runner: HoldingRunner,
+    measured: list[dict[str, Any]],
+    logged: dict[str, list[dict[str, Any]]],
+    calibrations: list[Calibration],
+    headers: Callable[..., dict[str, str]],
+    ui_client: Callable[..., TestClient],  # noqa: F811
+) -> None:
+    bind_null(measured, calibrations)
+    admin = headers("admin")
+    store(client, admin, logged["bf16"], "cpu-provider")
+    store(client, admin, _on_h200(logged["bf16"]), "h200-provider", prefix="h200")
+    r = client.post(
+        "/v1/verifications", json={"filter": {"tags": []}, "group_by": "tag"}, headers=admin
+    )
+    assert r.status_code == 201, r.text
+    assert job_runner.run_all() == 1
+    got = client.get(f"/v1/verifications/{r.json()['id']}", headers=admin).json()
+    assert got["status"] == "done", got["error"]
+    report = got["report"]
+    assert report["scanning_platform"]["device"] == "cpu"
+    assert report["claimed_platforms"] == ["cpu", "cuda (NVIDIA H200)"]
+    groups = {g["group"].split(" ")[0]: g for g in report["groups"]}
+    assert groups["cpu-provider"]["null_covers_platform"] is True
+    there = groups["h200-provider"]
+    assert there["null_covers_platform"] is False and there["null_platform"] == "cpu"
+    assert there["logged_platforms"] == ["cuda (NVIDIA H200)"]
+    cal = report["calibrations"][0]
+    assert cal["reach"] is not None and cal["decision"] and cal["rule"]
+    page = ui_client("auditor").get(f"/ui/verifications/{got['id']}")
+    assert page.status_code == 200, page.text
+    assert "logged on cuda (NVIDIA H200), scanned against a null measured on cpu" in page.text
+    assert "the null does not cover this pair" in page.text
+    assert "logged on cpu, scanned against a null measured on cpu" in page.text
+    assert "the null covers this pair" in page.text
