@@ -38,11 +38,17 @@ text (in any variant) is in both.
     python benchmarks/verify_scale.py --model replay_audit/assets/tiny-llama --device cpu \\
         --out /tmp/scale --save-traces /tmp/scale/traces.jsonl.gz --sampled   # the defaults
     # one lent H200 (benchmarks/gpu_verify_scale.sh runs it per checkpoint)
-    python benchmarks/verify_scale.py --model DIR --device cuda --benign-tokens 1000000 \\
+    python benchmarks/verify_scale.py --model DIR --device cuda --benign-tokens 1400000 \\
         --max-new-tokens 128 --batch 256 --eval-prompts 256 --out $OUT --save-traces ...
     # cross-platform: the H200's traces scanned on this CPU against a CPU null
     python benchmarks/verify_scale.py --model DIR --device cpu --scan-traces traces.jsonl.gz \\
-        --scan-max-tokens 20000 --cpu-null-prompts 16 --max-new-tokens 32 --out /tmp/cross
+        --scan-max-tokens 20000 --cpu-null-prompts 8 --max-new-tokens 128 --time-limit 1800 \\
+        --out /tmp/cross
+
+Measured on this project's 2-core CPU (no BF16 matrix units): the defaults above take ~2.5 min
+on the bundled model; SmolLM2-135M in BF16 scans ~25 positions/s there (prompts included), so a
+cross-platform scan of its H200 traces takes `--scan-max-tokens` ~1000 and `--cpu-null-prompts`
+0-2 (gpu_verify_scale.sh runs it on the H200 host's 16 cores instead).
 
 `--stage benign` stops after the benign traces' scan, keeping them in `--work`; `--stage rest`
 takes them from there (two device commands on one warm machine). Writes `--out`/scale.json and
