@@ -108,3 +108,60 @@ def test_a_batched_null_records_its_reach_and_what_ran(verify_pool: EnginePool) 
     assert cal.reach is not None and cal.reach <= least < 2 * cal.reach
     assert f"{cal.reach:,} tokens" in cal.notes[-1] and "batched" in cal.notes[-1]
     assert [r.tokens for r in cal.rule] == [16, 32, 64, 128, 256]
+
+
+def test_a_sampled_claims_null_samples_with_its_recipe_one_seed_a_call(
+    verify_pool: EnginePool,
+) -> None:
+    """The null of a sampled claim: each call sampled with the claim's recipe and seeded by its
+    batch's index, each trace logging what the scan needs to reproduce its draws (the recipe,
+    the seed, its row of the batch); the claimed model's own traces, scanned so, are honest."""
+    from replay_audit.engine.protocol import SamplingRecipe
+    from replay_audit.verifications.null import _scan
+
+    facts = TorchFacts(BUNDLED_MODEL_DIR, "cpu")
+    prompts = facts.prompts(_rows(6))  # type: ignore[arg-type]
+    recipe = SamplingRecipe("transformers", 0.7)
+    variation = NullVariation("bf16", batch_size=4)
+    made = generate(
+        variation,
+        prompts,
+        12,
+        verify_pool,
+        BUNDLED_MODEL_DIR,
+        facts.eos_ids(),
+        device="cpu",
+        sampling=recipe,
+    )
+    assert [t.decoding["sampling"]["seed"] for t in made] == [0, 0, 0, 0, 1, 1]
+    assert [t.decoding["batch"]["row"] for t in made] == [0, 1, 2, 3, 0, 1]
+    assert all(t.decoding["sampling"]["temperature"] == 0.7 for t in made)
+    greedy = generate(
+        variation, prompts, 12, verify_pool, BUNDLED_MODEL_DIR, facts.eos_ids(), device="cpu"
+    )
+    assert [t.output for t in made] != [t.output for t in greedy]  # it sampled
+    claim = Target("bf16", None, "sdpa", 1, Intervention())
+    ulps = _scan(made, claim, verify_pool, BUNDLED_MODEL_DIR)
+    assert len(ulps) == len(made) and all(len(u) for u in ulps)
+    assert max(float(u.max()) for u in ulps) <= 4.0  # reproduced: within the tie band
+
+
+@pytest.mark.slow
+def test_a_sampled_claims_calibration_names_its_recipe(verify_pool: EnginePool) -> None:
+    prompts = TorchFacts(BUNDLED_MODEL_DIR, "cpu").prompts(_rows(4))  # type: ignore[arg-type]
+    recipe = {"sampler": "transformers", "temperature": 0.7, "top_k": 0, "top_p": 1.0}
+    cal = benign_null(
+        BUNDLED_MODEL_DIR,
+        Target("bf16", None, "sdpa", 1, Intervention()),
+        prompts,
+        pool=verify_pool,
+        device="cpu",
+        max_new_tokens=8,
+        variations=(NullVariation("bf16", batch_size=4), NullVariation("bf16", tp_degree=2)),
+        budgets=(16,),
+        draws=20,
+        sampling=recipe,
+    )
+    assert cal.claim.get("sampling") == recipe
+    assert "sampled with transformers T=0.7" in cal.notes[-1]
+    assert any("bf16 tp2 b1 not run here" in n for n in cal.notes)
