@@ -26,7 +26,7 @@ from tests.replays.conftest import HoldingRunner
 
 PROMPTS = Path(BUNDLED_MODEL_DIR).parent / "prompts.jsonl"
 #: Prompts of the null, and (the next ones) of the logged traces.
-NULL_PROMPTS, LOGGED_PROMPTS = 8, 10
+NULL_PROMPTS, LOGGED_PROMPTS = 8, 12
 NULL_MAX_NEW_TOKENS = 48
 BUDGETS = (16, 32, 64, 128, 256, 512)
 

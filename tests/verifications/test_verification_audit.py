@@ -31,7 +31,7 @@ from tests.audits.test_audit_webhook import serve_hook as serve_hook
 from tests.replays.conftest import HoldingRunner
 from tests.ui.conftest import SESSION_SECRET
 from tests.ui.conftest import ui_client as ui_client
-from tests.verifications.conftest import bind_null, store
+from tests.verifications.conftest import LOGGED_PROMPTS, bind_null, store
 
 #: The group of provider-x's traces: their tags, and the configuration they claim.
 GROUP = "production,provider-x · bf16 / head bf16 / sdpa"
@@ -71,7 +71,7 @@ def _night(
     assert r.status_code == 201, r.text
     run = r.json()["run"]
     assert run["verification_id"] and run["verification_status"] == "queued", run
-    assert run["replay_run_id"] and run["n_sampled"] == 10
+    assert run["replay_run_id"] and run["n_sampled"] == LOGGED_PROMPTS
     assert jobs.run_all() == 2  # the replay job and the verification job
     report = tick()
     assert (report.evaluated, report.errors) == (1, 0), report.summary()
