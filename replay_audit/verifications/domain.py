@@ -19,8 +19,9 @@ from replay_audit.stats.verification import Calibration, Claim, GroupVerdict, ve
 WORST_TOKENS: Final = 5
 #: Why sampled traces are set apart rather than verified.
 SAMPLED_NOTE: Final = (
-    "sampled traces are counted and set apart: this engine cannot reproduce a provider's "
-    "seeded sampler, so their tokens are not evidence about the claimed computation"
+    "sampled traces that record no seeded sampler we reproduce (decoding.sampling: "
+    "transformers' or vLLM's, with its seed) are counted and set apart: without the "
+    "provider's noise their tokens are not evidence about the claimed computation"
 )
 
 

@@ -14,6 +14,7 @@ from replay_audit.verifications.domain import (
     GroupReport,
     TraceEvidence,
     claim_label,
+    group_name,
     judge_group,
 )
 from replay_audit.verifications.scan import scan_evidence, trace_claim
@@ -57,6 +58,6 @@ def verify(
     for (label, key), idx in sorted(members.items()):
         if key not in cals:
             cals[key] = calibration_for(claims[key])
-        name = key if label == "all" else f"{label} · {key}"
+        name = group_name(label, claims[key])
         groups.append(judge_group(name, [evidence[i] for i in idx], cals[key]))
     return Verification(groups, evidence, list(cals.values()), arms)

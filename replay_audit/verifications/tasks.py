@@ -22,7 +22,13 @@ from sqlalchemy.exc import IntegrityError
 
 from replay_audit.config import BUNDLED_MODEL_DIR, Settings
 from replay_audit.db.base import utcnow
-from replay_audit.db.job_row import claim_attempt, fail_row, leased, outlasting_outages
+from replay_audit.db.job_row import (
+    claim_attempt,
+    fail_row,
+    leased,
+    outlasting_outages,
+    recording_errors,
+)
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.engine.pool import EnginePool
 from replay_audit.exceptions import EngineError, ReplayAuditError
@@ -222,7 +228,10 @@ def run_verification_job(verification_id: int, database_url: str | None = None) 
         ids: list[int] = list(row.selection["trace_ids"])  # type: ignore[arg-type]
         groups: list[str] = list(row.selection["groups"])  # type: ignore[arg-type]
         sha = row.model_sha256
-    with leased(url, Verification, verification_id):
+    with (
+        leased(url, Verification, verification_id),
+        recording_errors(url, Verification, verification_id),
+    ):
         body = lambda: _verify(verification_id, url, request, ids, groups, sha)  # noqa: E731
         outlasting_outages(body, f"verification {verification_id}")
 

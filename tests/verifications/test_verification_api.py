@@ -376,3 +376,38 @@ def test_a_selection_past_the_token_budget_where_it_runs_is_refused(
     assert job_runner.specs == []
     monkeypatch.setattr(app_settings, "verification_cpu_token_budget", tokens)
     assert client.post("/v1/verifications", json=_body(), headers=admin).status_code == 201
+
+
+def test_a_verification_failing_every_attempt_gives_up_naming_what_it_raised(
+    client: TestClient,
+    job_runner: HoldingRunner,
+    logged: dict[str, list[dict[str, Any]]],
+    headers: Callable[..., dict[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 33: an attempt that raises an error the job does not handle is retried; once the
+    attempts are spent the verification fails naming the last error, not 'worker killed or
+    crashing' (which stays for a worker that died without a word)."""
+    admin = headers("admin")
+    store(client, admin, logged["bf16"][:2], "broken")
+    r = client.post("/v1/verifications", json={"filter": {"tag": "broken"}}, headers=admin)
+    assert r.status_code == 201, r.text
+    public = r.json()["id"]
+
+    def broken(*args: Any) -> None:
+        raise TypeError("a bug in the job")
+
+    monkeypatch.setattr(tasks, "_verify", broken)
+    url = client.app.state.settings.database_url  # type: ignore[attr-defined]
+    with session_scope(url) as s:
+        vid = s.scalar(select(Verification.id).where(Verification.public_id == public))
+    assert vid is not None
+    for _ in range(tasks.MAX_ATTEMPTS):
+        with pytest.raises(TypeError):
+            tasks.run_verification_job(vid, url)
+    tasks.run_verification_job(vid, url)  # the next start gives up
+    got = client.get(f"/v1/verifications/{public}", headers=admin).json()
+    assert got["status"] == "failed"
+    assert got["error"] == (
+        f"gave up after {tasks.MAX_ATTEMPTS} attempts; the last said TypeError: a bug in the job"
+    )
