@@ -92,15 +92,10 @@ scale() {  # scale NAME MODEL [verify_scale.py options]
     ls -la "$OUT"
 }
 
-train() {
-    train_model "$M" wall.txt --layers 24 --hidden 2048 --intermediate 5632 --heads 32 \
-        --kv-heads 4 --batch-size 32 --lr 3e-4 --warmup 50 --log-every 50 \
-        --minutes "${MINUTES:-2.5}"
-}
 
 case "$step" in
     smol) scale smol "${MODEL:-/tmp/g/smollm2}" ;;
-    train) train ;;
+    train) bash benchmarks/gpu_verify.sh train ;;  # its one recipe of the 1.07 B
     llama) scale llama "${MODEL:-$M}" --stdlib-prompts "${STDLIB:-900}" ;;
     *) echo "usage: $0 smol|train|llama"; exit 2 ;;
 esac

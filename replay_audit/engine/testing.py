@@ -101,7 +101,7 @@ def rtn_checkpoint(src: str | Path, dst: str | Path, *, bits: int, group_size: i
     quantised (symmetric, `bits` bits, one scale per `group_size` inputs of a row) and stored
     dequantised in float32 at `dst`: what a provider serving an RTN-quantised model computes.
     Embeddings, norms and the lm_head stay as they are (as weight-only quantisers leave them).
-    The simulated quantised provider of `benchmarks/verify.py` and the verification tests."""
+    The simulated quantised provider of `benchmarks/verify_scale.py` and the verification tests."""
     import torch
 
     def quantise(w: torch.Tensor) -> torch.Tensor:
