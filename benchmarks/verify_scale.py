@@ -429,66 +429,15 @@ def scan(
 # -- statistics ------------------------------------------------------------------------------
 
 
-def _draw_many_local(
-    token_scores: Mapping[str, Sequence[np.ndarray]],
-    budget: int,
-    draws: int,
-    rng: np.random.Generator,
-) -> dict[str, np.ndarray]:
-    """`stats.verification.draw_group_scores`' groups (whole traces from a bootstrap resample
-    of the traces, anew per group, the last one cut), vectorised, each name's scores of the
-    same groups (name -> one array per trace, the same lengths under every name)."""
-    names = list(token_scores)
-    first = token_scores[names[0]]
-    keep = [i for i, s in enumerate(first) if len(s)]
-    if not keep:
-        raise ValueError("no trace with tokens")
-    k = len(keep)
-    lens = np.array([len(first[i]) for i in keep])
-    width = int(lens.max()) + 1
-    cums = {}
-    for name in names:
-        c = np.zeros((k, width))
-        for j, i in enumerate(keep):
-            s = np.cumsum(np.asarray(token_scores[name][i], dtype=np.float64))
-            c[j, 1 : s.size + 1] = s
-            c[j, s.size + 1 :] = s[-1]
-        cums[name] = c
-    m = math.ceil(budget / lens.mean() * 1.5) + 16
-    out: dict[str, list[np.ndarray]] = {name: [] for name in names}
-    chunk = max(1, min(draws, 2**22 // max(k, m)))
-    for lo in range(0, draws, chunk):
-        n = min(chunk, draws - lo)
-        population = rng.integers(k, size=(n, k))
-        picks = np.take_along_axis(population, rng.integers(k, size=(n, m)), axis=1)
-        cum = np.cumsum(lens[picks], axis=1)
-        while (cum[:, -1] < budget).any():  # a group not filled yet: more picks for all
-            more = np.take_along_axis(population, rng.integers(k, size=(n, m)), axis=1)
-            picks = np.concatenate([picks, more], axis=1)
-            cum = np.cumsum(lens[picks], axis=1)
-        last = (cum < budget).sum(axis=1)  # the position of the (cut) last trace
-        rows = np.arange(n)
-        before = np.where(last > 0, cum[rows, np.maximum(last - 1, 0)], 0)
-        whole = np.arange(picks.shape[1])[None, :] < last[:, None]
-        cut = picks[rows, last]
-        for name, c in cums.items():
-            total = np.where(whole, c[picks, lens[picks]], 0.0).sum(axis=1)
-            out[name].append((total + c[cut, budget - before]) / budget)
-    return {name: np.concatenate(v) for name, v in out.items()}
-
-
 def _draw_many(
     token_scores: Mapping[str, Sequence[np.ndarray]],
     budget: int,
     draws: int,
     rng: np.random.Generator,
 ) -> dict[str, np.ndarray]:
-    """The service's own vectorised draws (`stats.verification.draw_groups`) where it has
-    them, else the same draws here."""
-    service = getattr(verification, "draw_groups", None)
-    if service is not None:
-        return dict(service(token_scores, budget, draws, rng))
-    return _draw_many_local(token_scores, budget, draws, rng)
+    """The service's own draws (`stats.verification.draw_groups`): each name's scores of the
+    same groups."""
+    return dict(verification.draw_groups(token_scores, budget, draws, rng))
 
 
 def _rule_row(cal: Calibration, budget: int) -> Any:
