@@ -288,8 +288,9 @@ def reconcile(
     stale_after_s: Annotated[
         float,
         typer.Option(
-            help="A running job silent this long is presumed stuck, its worker alive or not "
-            "(a dead worker's job is taken 15 s after its death: docs/operations.md)."
+            help="A running job silent this long is presumed stuck, unless it holds a lease "
+            "(a job that runs renews its lease; a dead worker's job is taken 15 to 20 s after "
+            "its death: docs/operations.md)."
         ),
     ] = 900.0,
 ) -> None:

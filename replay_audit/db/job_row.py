@@ -1,11 +1,12 @@
-"""The life of a row a job owns (a screening, a verification): each run of the job claims one
-attempt on it, and a job that cannot go on fails it saying why. Jobs are retried and may be
-re-enqueued by `reconcile`, so a finished row is left alone and the attempts are capped.
+"""The life of a row a job owns (a screening, a verification, a replay job): each run of the
+job claims one attempt on it, and a job that cannot go on fails it saying why. Jobs are retried
+and may be re-enqueued by `reconcile`, so a finished row is left alone and the attempts are
+capped.
 
-A running job holds a lease on its row (`lease_until`, renewed by a thread while it runs,
-cleared when it ends): a second start while the lease lives backs off, so a job Redis lost
-and the reconciler enqueued again never runs twice at once; a killed worker's lease lapses
-within `LEASE_S`."""
+A running job holds a lease on its row (`lease_until`, taken with the attempt, renewed by a
+thread while it runs, cleared when it ends): a second start while the lease lives backs off,
+so a job Redis lost and the reconciler enqueued again, or one RQ delivered twice, never runs
+twice at once; a killed worker's lease lapses within `LEASE_S`."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ from replay_audit.db.unit_of_work import session_scope
 
 log = logging.getLogger(__name__)
 
-#: Seconds a lease lasts past its last renewal: how long a dead worker's row stays held.
-LEASE_S: Final = 60
-#: Seconds between renewals (well inside `LEASE_S`: a database blip may cost one).
-LEASE_RENEW_S: Final = 10.0
+#: Seconds a lease lasts past its last renewal: how long a dead worker's row stays held (as
+#: long as its liveness key, `queue.state.ALIVE_TTL_S`, give or take a renewal: a SIGKILLed
+#: worker's replay job is taken again within seconds, not minutes).
+LEASE_S: Final = 20
+#: Seconds between renewals (well inside `LEASE_S`: a database blip may cost two).
+LEASE_RENEW_S: Final = 5.0
 #: Seconds between tries of a job while the database or Redis is away (the last repeated).
 OUTAGE_BACKOFF_S: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 15.0)
 #: Seconds a job waits out such an outage before its error is raised.
@@ -38,51 +41,77 @@ OUTAGE_PATIENCE_S: Final = 600.0
 MAX_ROW_ERROR_CHARS: Final = 2000
 
 
-class JobRow(Protocol):
+class LeasedRow(Protocol):
+    """What every job's row has (a replay job's too): its attempts, the last one's error, and
+    the lease of the job running it."""
+
     id: int
     status: str
     attempts: int
     error: str | None
-    started_at: datetime | None
-    finished_at: datetime | None
     lease_until: datetime | None
 
 
+class JobRow(LeasedRow, Protocol):
+    """The row of a request run as one job (a screening, a verification), with its times."""
+
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
 Row = TypeVar("Row", bound=JobRow)
+Leased = TypeVar("Leased", bound=LeasedRow)
 
 
 def claim_attempt(row: JobRow | None, max_attempts: int) -> bool:
     """Start one more attempt on `row` (running, its start time kept from the first). False,
     with nothing to run, when the row is gone or finished, or has used its `max_attempts`
     (then it is failed, saying so: a worker killed or crashing every time)."""
-    if row is None or row.status in ("done", "failed"):
-        return False
-    if lease_live(row):
-        log.warning(
-            "%s %d runs elsewhere (its lease lives): not started", type(row).__name__, row.id
-        )
+    if row is None or row.status in ("done", "failed") or held_elsewhere(row):
         return False
     if row.attempts >= max_attempts:
         row.status, row.finished_at = "failed", utcnow()
-        last = f"; the last said {row.error}" if row.error else " (worker killed or crashing)"
-        row.error = f"gave up after {row.attempts} attempts{last}"[:MAX_ROW_ERROR_CHARS]
+        row.error = give_up_message(row.attempts, row.error)
         return False
     row.attempts += 1
     row.status = "running"
     row.started_at = row.started_at or utcnow()
-    row.lease_until = utcnow() + timedelta(seconds=LEASE_S)
+    take_lease(row)
     return True
 
 
-def lease_live(row: JobRow) -> bool:
+def give_up_message(attempts: int, last_error: str | None) -> str:
+    """What a row failed after its `attempts` says: what the last one raised (`recording_errors`
+    kept it), else that a worker died without a word."""
+    last = f"; the last said {last_error}" if last_error else " (worker killed or crashing)"
+    return f"gave up after {attempts} attempts{last}"[:MAX_ROW_ERROR_CHARS]
+
+
+def lease_live(row: LeasedRow) -> bool:
     """Whether a running job holds `row` now (its lease has not lapsed)."""
     return row.status == "running" and row.lease_until is not None and row.lease_until > utcnow()
 
 
+def held_elsewhere(row: LeasedRow) -> bool:
+    """Whether another start of the job holds `row` now (`lease_live`), said in the log: the
+    caller starts nothing and claims no attempt."""
+    if not lease_live(row):
+        return False
+    log.warning("%s %d runs elsewhere (its lease lives): not started", type(row).__name__, row.id)
+    return True
+
+
+def take_lease(row: LeasedRow) -> None:
+    """Hold `row` for the job starting on it now, in the claiming transaction (its body then
+    runs inside `leased`, which renews and clears it)."""
+    row.lease_until = utcnow() + timedelta(seconds=LEASE_S)
+
+
 @contextlib.contextmanager
 def leased(url: str, model: type[Any], row_id: int) -> Iterator[None]:
-    """Hold the lease on row `row_id` of `model` (claimed by `claim_attempt`) while the block
-    runs: renewed every `LEASE_RENEW_S` by a thread, cleared when the block ends, however."""
+    """Hold the lease on row `row_id` of `model` (taken with its attempt, `take_lease`) while
+    the block runs: renewed every `LEASE_RENEW_S` by a thread, cleared when the block ends,
+    however."""
     stop = threading.Event()
 
     def set_lease(until: datetime | None) -> None:
@@ -104,7 +133,7 @@ def leased(url: str, model: type[Any], row_id: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def recording_errors(url: str, model: type[Row], row_id: int) -> Iterator[None]:
+def recording_errors(url: str, model: type[Leased], row_id: int) -> Iterator[None]:
     """Keep what fails an attempt on row `row_id`'s `error` (its status left as it is), for
     the give-up of `claim_attempt` to name: a worker killed without a word leaves nothing, and
     then the give-up says so. Best effort: the attempt's own error is what propagates."""

@@ -118,6 +118,9 @@ class ReplayJob(Base):
     status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: Until when the job running it holds the row (`db.job_row.leased`, migration 0021);
+    #: None: no job.
+    lease_until: Mapped[datetime | None] = mapped_column(nullable=True)
     enqueued_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 

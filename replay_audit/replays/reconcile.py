@@ -6,9 +6,11 @@ loses work, because the rows say what is left: a job not done whose runner does 
 whose heartbeat (`replay_jobs.updated_at`, touched after every trace) is older than
 `stale_after_s`, is enqueued again. Under RQ a started job is held only while its worker is alive
 (`queue.state.worker_alive`: a killed worker's job counts as lost `ALIVE_TTL_S`, 15 s, after its
-death); `stale_after_s` is the backstop for a worker alive but stuck (docs/operations.md,
-"Recovery"). Running a job twice is harmless (results are unique per
-trace x comparison), so erring towards re-enqueueing is safe.
+death); `stale_after_s` is the backstop for a job no lease holds (docs/operations.md,
+"Recovery"). A job whose lease lives (`db.job_row.leased`: its job runs, though Redis lost it)
+is left alone, stale or not: it never runs twice at once. Running a job again after it
+stopped is harmless (results are unique per trace x comparison), so erring towards
+re-enqueueing is safe.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from datetime import timedelta
 from sqlalchemy.orm import Session
 
 from replay_audit.db.base import utcnow
+from replay_audit.db.job_row import lease_live
 from replay_audit.queue import JobSpec, Runner
 from replay_audit.replays import repository
 
@@ -47,7 +50,7 @@ def reconcile(
         spec = job_spec(job.id, job.queue, job_timeout_s)
         held = runner.is_queued(spec.job_id)
         stale = job.status == "running" and job.updated_at < stale_before
-        if held and not stale:
+        if (held and not stale) or lease_live(job):  # a leased one runs: never twice at once
             continue
         log.warning(
             "re-enqueueing replay job %d (%s)", job.id, "stale heartbeat" if held else "lost"

@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from replay_audit.db.base import utcnow
-from replay_audit.db.job_row import outlasting_outages
+from replay_audit.db.job_row import (
+    give_up_message,
+    held_elsewhere,
+    leased,
+    outlasting_outages,
+    recording_errors,
+    take_lease,
+)
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.engine.protocol import ScanRun
 from replay_audit.exceptions import ReplayAuditError
@@ -41,12 +48,7 @@ from replay_audit.replays.domain import (
 )
 from replay_audit.replays.models import ReplayJob, ReplayRun
 from replay_audit.replays.pipeline import ReplayItem, ReplayOptions, replay_traces, scan_items
-from replay_audit.replays.results import (
-    MAX_ERROR_CHARS,
-    ResultRow,
-    failed_values,
-    result_values,
-)
+from replay_audit.replays.results import ResultRow, failed_values, result_values
 from replay_audit.telemetry.log import bound
 from replay_audit.telemetry.metric import REPLAY_TOKENS, REPLAY_TRACES
 from replay_audit.words import counted
@@ -105,17 +107,21 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
     ctx = worker_context()
     url = database_url or ctx.settings.database_url
     with session_scope(url) as s:
-        job = s.get(ReplayJob, job_id)
-        if job is None or job.status == "done":
+        # Locked (PostgreSQL; SQLite's write transactions are serialised): of two starts at
+        # once, the second reads the first's lease. A start while another holds the job
+        # (Redis restarted and the reconciler enqueued it again, or RQ delivered it twice)
+        # backs off, claiming no attempt.
+        job = s.get(ReplayJob, job_id, with_for_update=True)
+        if job is None or job.status == "done" or held_elsewhere(job):
             return
         if job.attempts >= MAX_JOB_ATTEMPTS:
-            last = f"; the last said {job.error}" if job.error else " (worker killed or crashing)"
-            service.fail_job(s, job_id, f"gave up after {job.attempts} attempts{last}")
+            service.fail_job(s, job_id, give_up_message(job.attempts, job.error))
             return
         run = s.get(ReplayRun, job.run_id)
         assert run is not None  # FK
         now = utcnow()
         job.status, job.attempts, job.updated_at = "running", job.attempts + 1, now
+        take_lease(job)
         if run.status == "queued":
             run.status, run.started_at = "running", now
         control = run.control_sample
@@ -133,27 +139,12 @@ def run_replay_job(job_id: int, database_url: str | None = None) -> None:
         spec = _RunSpec(run.id, options, run.run_targets, run.run_comparisons, control)
         trace_ids = list(job.trace_ids)
 
-    with bound(run_id=spec.run_id):
+    with bound(run_id=spec.run_id), leased(url, ReplayJob, job_id):
         # Resumable (a retry replays only the items without a result): a database or Redis
-        # outage is waited out in this attempt.
+        # outage is waited out in this attempt. What fails it is kept for the give-up to name.
         body = lambda: _run_job(job_id, spec, trace_ids, url, ctx)  # noqa: E731
-        try:
+        with recording_errors(url, ReplayJob, job_id):
             outlasting_outages(body, f"replay job {job_id}")
-        except Exception as e:
-            _record_error(url, job_id, e)
-            raise
-
-
-def _record_error(url: str, job_id: int, e: Exception) -> None:
-    """Keep what failed the attempt on the job's row, for the give-up to name (a killed worker
-    leaves nothing); best effort: the job's own error is what propagates."""
-    try:
-        with session_scope(url) as s:
-            job = s.get(ReplayJob, job_id)
-            if job is not None:
-                job.error = f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
-    except Exception:  # the database may be what failed it
-        log.exception("could not record replay job %d's error", job_id)
 
 
 def _run_job(

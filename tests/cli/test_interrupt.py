@@ -146,11 +146,13 @@ def test_serve_stops_cleanly_mid_replay(sig: int, tmp_path: Path) -> None:
     assert code in (0, 128 + sig), f"exit {code}\n{err.text[-3000:]}"
     assert_no_traceback(None, out.text + err.text)
     # The job stopped between two traces and went back to the queue (a Ctrl-C is no crash);
-    # it was not left "running" for the reconciler to presume dead a quarter of an hour later.
+    # it was not left "running" for the reconciler to presume dead a quarter of an hour later,
+    # nor leased (`db.job_row.leased`), which would keep the next start off it for a minute.
     with session_scope(f"sqlite:///{tmp_path / 'var' / 'replay-audit.db'}") as s:
         jobs = s.scalars(select(ReplayJob)).all()
         assert {j.status for j in jobs} <= {"queued", "done"} and jobs, [j.status for j in jobs]
         assert all(j.attempts == 0 for j in jobs if j.status == "queued")
+        assert all(j.lease_until is None for j in jobs), [j.lease_until for j in jobs]
     dispose_engines()
     if sig == signal.SIGINT:  # the next start finishes the run
         proc, out, err = _start(["serve", "--port", str(port), "--log-level", "warning"], tmp_path)

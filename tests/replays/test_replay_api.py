@@ -130,6 +130,62 @@ def test_jobs_are_idempotent_and_reconciled(
     assert client.get(f"/v1/replays/{first.json()['id']}", headers=h).json()["status"] == "done"
 
 
+def test_a_running_replay_job_is_never_started_a_second_time(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+    db_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 33: a replay job running on one worker whose queued job Redis lost (a restart)
+    is left alone by the reconciler, also past its heartbeat's staleness, and a second start
+    of it (RQ delivering it again, or the reconciler's enqueue all the same) sees the first
+    one's lease on the row and backs off: one attempt, one run, every result once."""
+    import contextvars
+    import threading
+
+    from replay_audit.replays import tasks
+
+    entered, release = threading.Event(), threading.Event()
+    bodies: list[int] = []
+    real = tasks._run_job
+
+    def held_first(job_id: int, *args: Any) -> None:
+        bodies.append(job_id)
+        if len(bodies) == 1:  # the first start holds here (no transaction open) until released
+            entered.set()
+            release.wait(30)
+        real(job_id, *args)
+
+    monkeypatch.setattr(tasks, "_run_job", held_first)
+    h = headers("admin")
+    ids = ingest(client, h, [logged_trace(p) for p in PROMPTS[:3]])
+    r = client.post("/v1/replays", json={"trace_ids": ids, "targets": [FP16]}, headers=h)
+    assert r.status_code == 201, r.text
+    [spec] = runner.specs
+    runner.specs.clear()  # Redis restarted: its job is gone
+    run = contextvars.copy_context().run  # the thread sees the worker context bound here
+    first = threading.Thread(target=run, args=(tasks.run_replay_job, *spec.args))
+    first.start()
+    try:
+        assert entered.wait(30)
+        with session_scope(db_url) as s:
+            assert reconcile(s, runner, stale_after_s=0, job_timeout_s=60) == []
+        assert runner.specs == []
+        tasks.run_replay_job(*spec.args)  # type: ignore[arg-type]  # a second start meanwhile
+        assert len(bodies) == 1, "the second start ran beside the first"
+    finally:
+        release.set()
+        first.join(30)
+    assert not first.is_alive()
+    assert client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()["status"] == "done"
+    with session_scope(db_url) as s:
+        [job] = s.scalars(select(ReplayJob)).all()
+        assert (job.status, job.attempts, job.lease_until) == ("done", 1, None)
+        assert s.scalar(select(func.count()).select_from(ReplayResult)) == 6  # each once
+
+
 def test_pairwise_both_arms(
     client: TestClient,
     runner: HoldingRunner,

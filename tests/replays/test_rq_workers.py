@@ -27,9 +27,10 @@ from replay_audit.api.app import create_app
 from replay_audit.audits.tasks import RECONCILE_STALE_AFTER_S
 from replay_audit.auth.service import create_api_key
 from replay_audit.config import Settings
+from replay_audit.db.job_row import LEASE_S, lease_live
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.queue.runner import RQRunner
-from replay_audit.replays.models import ReplayResult
+from replay_audit.replays.models import ReplayJob, ReplayResult
 from replay_audit.replays.reconcile import reconcile
 from tests.conftest import RedisNamespace
 from tests.rq_workers import start_worker, wait_until, worker_env
@@ -87,6 +88,12 @@ def _results(pg: str) -> tuple[int, int]:
             or 0
         )
     return n, distinct
+
+
+def _leased(pg: str) -> bool:
+    """Whether a job holds a lease on a replay job now (`db.job_row.lease_live`)."""
+    with session_scope(pg) as s:
+        return any(lease_live(job) for job in s.scalars(select(ReplayJob)))
 
 
 def _run(api: tuple[TestClient, dict[str, str]], run_id: str) -> dict[str, Any]:
@@ -150,6 +157,10 @@ def test_sigkilled_worker_is_recovered_exactly_once(
     done_before, _ = _results(pg)
     assert 0 < done_before < total, "the worker should die mid-run"
     assert _run(api, run_id)["status"] == "running"
+    # Its lease on the job lives on a little (`db.job_row.LEASE_S` past its last renewal):
+    # till it lapses nothing takes the job, stale heartbeat or not; then it is lost.
+    assert _reconcile(pg, rq_redis) == []
+    wait_until(lambda: not _leased(pg), LEASE_S + 10, "the dead worker's lease to lapse")
 
     # Through the real command, in a fresh process (it once crashed there: models not imported).
     reconciled = subprocess.run(
@@ -192,9 +203,10 @@ def test_a_sigkilled_workers_job_is_finished_by_another_worker_within_a_minute(
     rq_redis: RedisNamespace,
 ) -> None:
     """The reconciler's default staleness (900 s) plays no part: the killed worker's liveness
-    key expires (ALIVE_TTL_S) and the next reconcile pass re-enqueues its job, which the other
-    worker finishes. The worker alone is SIGKILLed (not its process group, as a container's
-    death would): RQ's scheduler, forked beside it, must die with it."""
+    key expires (ALIVE_TTL_S) and its lease on the job lapses (LEASE_S), and the next reconcile
+    pass re-enqueues its job, which the other worker finishes. The worker alone is SIGKILLed
+    (not its process group, as a container's death would): RQ's scheduler, forked beside it,
+    must die with it."""
     run_id = _request(api, traces[:24])
     total = 3 * 24  # 2 targets + the reproduction check
     first = _worker(env, burst=False)
