@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Final, Generic, Literal, TypeVar, get_args
+from typing import Final, Generic, Literal, NotRequired, TypedDict, TypeVar, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -217,6 +217,22 @@ Sampler = Literal["transformers", "vllm"]
 SAMPLERS: Final[tuple[Sampler, ...]] = get_args(Sampler)
 #: The device kinds whose random generators a sampler's noise can come from.
 NoiseDevice = Literal["cpu", "cuda"]
+
+
+class SamplingJson(TypedDict):
+    """A seeded sampler as JSON: a trace's `decoding.sampling` (`traces.schemas.SamplingSpec`
+    validates it), or without `seed` and `device` a recipe (`engine.SamplingRecipe.to_json`,
+    a sampled claim's `sampling`; an import's before its device is known). `top_k` 0 and
+    `top_p` 1 are off."""
+
+    sampler: Sampler
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: NotRequired[int]
+    device: NotRequired[NoiseDevice]
+
+
 StopReason = Literal["eos", "length", "stop_string", "other"]
 
 #: An arm of a run: "logged" (the trace as logged) or the index of one of the run's targets.

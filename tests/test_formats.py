@@ -143,3 +143,19 @@ def test_the_cli_flags_take_a_run_options_bounds(
     assert (p.min, p.max) == _bounds(option)
     if option.default is not None and param != "scan_flag_ulps":
         assert p.default == option.default
+
+
+def test_sampling_json_is_what_a_trace_logs_and_a_recipe_reads_back() -> None:
+    """`SamplingJson` names the fields a trace's `decoding.sampling` is validated with, and a
+    recipe's JSON with a seed and a device is one that reads back to the recipe."""
+    from replay_audit.engine.protocol import SamplingRecipe
+    from replay_audit.traces.schemas import SamplingSpec
+
+    assert set(formats.SamplingJson.__annotations__) == set(SamplingSpec.model_fields)
+    recipe = SamplingRecipe("vllm", 0.7, top_k=5, top_p=0.9)
+    logged: formats.SamplingJson = {**recipe.to_json(), "seed": 3, "device": "cuda"}
+    assert SamplingSpec.model_validate(logged).model_dump() == logged
+    assert SamplingRecipe.from_json(logged) == recipe
+    assert SamplingRecipe.from_json({"sampler": "transformers", "temperature": 1}) == (
+        SamplingRecipe("transformers", 1.0)
+    )

@@ -39,6 +39,7 @@ from replay_audit.engine.pieces import PieceReader
 from replay_audit.engine.protocol import Environment, LogitsProcessors, SamplingRecipe
 from replay_audit.engine.tensor_parallel import RankState, TpGroup, check_shards
 from replay_audit.exceptions import EngineError
+from replay_audit.formats import NoiseDevice, SamplingJson
 from replay_audit.json_value import JsonObject, JsonValue
 
 
@@ -101,9 +102,13 @@ def sampling_settings(recipe: SamplingRecipe | None) -> dict[str, object]:
     }
 
 
-def sampling_json(recipe: SamplingRecipe, seed: int, device: torch.device) -> JsonObject:
-    """A sampled trace's `decoding.sampling`: the recipe, the seed, the generator's device."""
-    return {**recipe.to_json(), "seed": seed, "device": device.type}
+def sampling_json(recipe: SamplingRecipe, seed: int, device: torch.device) -> SamplingJson:
+    """A sampled trace's `decoding.sampling`: the recipe, the seed, the generator's device
+    (a verification draws the noise of CPU and CUDA generators only)."""
+    kind: NoiseDevice = "cuda" if device.type == "cuda" else "cpu"
+    if device.type != kind:
+        raise EngineError(f"sampled on {device.type}: only CPU and CUDA noise is reproduced")
+    return {**recipe.to_json(), "seed": seed, "device": kind}
 
 
 def processors_json(processors: LogitsProcessors | None) -> JsonObject | None:
@@ -306,6 +311,9 @@ class TraceGenerator:
             ids, max_new_tokens, processors, sampling=sampling, seed=seed
         )
         noise_device = self.device if self._group is None else torch.device(self.config["device"])
+        sampled: dict[str, object] = (
+            {} if sampling is None else {"sampling": sampling_json(sampling, seed, noise_device)}
+        )
         extras = dict(self.config["extras"])
         if generated.backends is not None:
             extras["attention_backends"] = generated.backends
@@ -329,11 +337,7 @@ class TraceGenerator:
                     "config": config,
                     "decoding": {
                         "strategy": "greedy" if sampling is None else "sample",
-                        **(
-                            {"sampling": sampling_json(sampling, seed, noise_device)}
-                            if sampling is not None
-                            else {}
-                        ),
+                        **sampled,
                         "max_new_tokens": max_new_tokens,
                         "eos_token_ids": self.eos_ids,
                         "stop_reason": stop,

@@ -12,7 +12,7 @@ until `replay_audit.engine.load_engine` builds a real engine.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Final, Literal, Protocol, TypedDict, runtime_checkable
 
@@ -32,6 +32,7 @@ from replay_audit.formats import (
     InterventionKind,
     NoiseDevice,
     Sampler,
+    SamplingJson,
 )
 
 IntArray = npt.NDArray[np.int64]
@@ -223,8 +224,20 @@ class SamplingRecipe:
             parts.append(f"top_p={self.top_p:g}")
         return " ".join(parts)
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_json(self) -> SamplingJson:
+        return SamplingJson(
+            sampler=self.sampler, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p
+        )
+
+    @classmethod
+    def from_json(cls, d: SamplingJson | Mapping[str, Any]) -> SamplingRecipe:
+        """The recipe of a `SamplingJson` (a trace's seed and device are not the recipe's)."""
+        return cls(
+            sampler=d["sampler"],
+            temperature=float(d["temperature"]),
+            top_k=int(d.get("top_k") or 0),
+            top_p=float(d.get("top_p", 1.0)),
+        )
 
 
 @dataclass(frozen=True)

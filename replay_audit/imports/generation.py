@@ -34,6 +34,7 @@ from replay_audit.formats import (
     EXTRA_TOKEN_IDS_SOURCE,
     EXTRA_TOP_K_VALUES,
     ImportFormat,
+    SamplingJson,
     StopReason,
     Strategy,
     TokenIdsSource,
@@ -134,7 +135,7 @@ class Generation:
     processors: RequestProcessors = dataclasses.field(default_factory=RequestProcessors)
     #: The seeded sampler, where the source's request names one a verification reproduces
     #: (`decoding.sampling` without its device: the import context's, else cuda).
-    sampling: Mapping[str, Any] | None = None
+    sampling: SamplingJson | None = None
     #: The batch size that ran, where the source states it (a generate() call's rows).
     batch_size: int | None = None
     #: Where the row sat in the batch it was generated in (`decoding.batch`: every row's prompt

@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from replay_audit.diff.pieces import Piece, piece_of, piece_of_text
-from replay_audit.formats import StopReason, Strategy
+from replay_audit.formats import SamplingJson, StopReason, Strategy
 from replay_audit.imports import _json as j
 from replay_audit.imports.generation import Generation
 from replay_audit.imports.processors import RequestProcessors, read_processors
@@ -120,7 +120,7 @@ def decoding_recipe(
     return ("sample" if temperature is not None else None), processors
 
 
-def vllm_sampling(request: Mapping[str, Any] | None, index: int) -> dict[str, Any] | None:
+def vllm_sampling(request: Mapping[str, Any] | None, index: int) -> SamplingJson | None:
     """The seeded sampler of choice `index` of a vLLM request that sampled with its own `seed`
     (`decoding.sampling`, without the device: the import context says where it ran), or None
     where a verification could not reproduce it: no seed, or a `min_p` (applied between the
@@ -144,13 +144,9 @@ def vllm_sampling(request: Mapping[str, Any] | None, index: int) -> dict[str, An
     top_p = float(top_p) if isinstance(top_p, int | float) and not isinstance(top_p, bool) else 1.0
     if not (0.0 < top_p <= 1.0 and SAMPLING_EPS <= temperature <= 100.0):
         return None
-    return {
-        "sampler": "vllm",
-        "seed": seed + index,
-        "temperature": float(temperature),
-        "top_k": top_k,
-        "top_p": top_p,
-    }
+    return SamplingJson(
+        sampler="vllm", seed=seed + index, temperature=float(temperature), top_k=top_k, top_p=top_p
+    )
 
 
 def _max_tokens(request: Mapping[str, Any] | None) -> int | None:

@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from replay_audit.diff.deficit import TIE_BAND_ULPS
+from replay_audit.formats import SamplingJson
 
 Statistic = Literal["mean_deficit_ulps", "outside_tie_band", "log_likelihood_ratio"]
 STATISTICS: Final[tuple[Statistic, ...]] = get_args(Statistic)
@@ -236,13 +237,13 @@ class Variation:
 class Claim(TypedDict):
     """The configuration a calibration is for: body and head formats and attention kernel
     (None: the engine's default), and for sampled traces the sampler's recipe
-    (`SamplingRecipe.to_json`: sampler, temperature, top_k, top_p; absent: greedy, so a
+    (`SamplingRecipe.to_json`: a `SamplingJson` without seed and device; absent: greedy, so a
     greedy claim's key is what it was before sampled traces were verified)."""
 
     dtype: str
     lm_head_dtype: str
     attn_kernel: str | None
-    sampling: NotRequired[dict[str, Any]]
+    sampling: NotRequired[SamplingJson]
 
 
 def claim_from_json(d: Mapping[str, Any]) -> Claim:
@@ -251,7 +252,7 @@ def claim_from_json(d: Mapping[str, Any]) -> Claim:
         dtype=str(d["dtype"]), lm_head_dtype=str(d["lm_head_dtype"]), attn_kernel=d["attn_kernel"]
     )
     if d.get("sampling") is not None:
-        claim["sampling"] = dict(d["sampling"])
+        claim["sampling"] = d["sampling"]
     return claim
 
 

@@ -201,7 +201,7 @@ def claim_label(claim: Claim) -> str:
     sampling = claim.get("sampling")
     if sampling is None:
         return label
-    return f"{label} / sampled {SamplingRecipe(**sampling).label()}"
+    return f"{label} / sampled {SamplingRecipe.from_json(sampling).label()}"
 
 
 def overall(groups: Sequence[GroupReport]) -> str:

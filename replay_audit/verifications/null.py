@@ -17,16 +17,16 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final, TypedDict
 
 import numpy as np
 
 from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import SamplingRecipe, Target
-from replay_audit.formats import BodyDType
+from replay_audit.formats import BodyDType, SamplingJson, Strategy
 from replay_audit.replays.domain import LoggedTrace
 from replay_audit.replays.pipeline import load_arm
 from replay_audit.screenings.sweep.outputs import ScreenPrompt
@@ -105,14 +105,29 @@ TP_VARIATION: Final = NullVariation("bf16", tp_degree=2)
 ALTERNATIVE_BATCH: Final = 1
 
 
+class BatchJson(TypedDict):
+    """A trace's `decoding.batch`: every row's prompt length and this trace's row."""
+
+    prompt_lengths: list[int]
+    row: int
+
+
+class NullDecoding(TypedDict, total=False):
+    """What a null generation's decoding logged beyond greedy: a sampled one's strategy,
+    sampler and batch (what the scan reproduces its draws from)."""
+
+    strategy: Strategy
+    sampling: SamplingJson
+    batch: BatchJson
+
+
 @dataclass(frozen=True)
 class NullTrace:
-    """One generation of the null: prompt and output ids, and what its decoding logged
-    beyond greedy (a sampled one's `sampling` and `batch`: what the scan reproduces)."""
+    """One generation of the null: prompt and output ids, and its `NullDecoding`."""
 
     prompt: list[int]
     output: list[int]
-    decoding: dict[str, Any] = field(default_factory=dict)
+    decoding: NullDecoding = field(default_factory=NullDecoding)
 
 
 def platform_key(platform: Platform, torch_version: str | None) -> PlatformKey:
@@ -137,22 +152,20 @@ def generate_batches(
     """`prompts` generated `batch_size` distinct prompts a `generate()` call, in order, as a
     user batches them (left-padded); sampled with `sampling` (None: greedy), the seed of each
     call its batch's index."""
+    from replay_audit.engine.generate import sampling_json
+
     out: list[NullTrace] = []
     for seed, start in enumerate(range(0, len(prompts), batch_size)):
         rows = [list(p) for p in prompts[start : start + batch_size]]
         g = generator.generate_batch(rows, max_new, sampling=sampling, seed=seed)
         for row, (prompt, (ids, _)) in enumerate(zip(rows, g.rows, strict=True)):
-            decoding: dict[str, Any] = {}
+            decoding = NullDecoding()
             if sampling is not None:
-                decoding = {
-                    "strategy": "sample",
-                    "sampling": {
-                        **sampling.to_json(),
-                        "seed": seed,
-                        "device": generator.device.type,
-                    },
-                    "batch": {"prompt_lengths": [len(r) for r in rows], "row": row},
-                }
+                decoding = NullDecoding(
+                    strategy="sample",
+                    sampling=sampling_json(sampling, seed, generator.device),
+                    batch=BatchJson(prompt_lengths=[len(r) for r in rows], row=row),
+                )
             out.append(NullTrace(prompt, list(ids), decoding))
     return out
 
@@ -226,7 +239,7 @@ def benign_null(
     budgets: Sequence[int] = BUDGETS,
     draws: int = DRAWS,
     progress: Callable[[str, int, int], None] | None = None,
-    sampling: Mapping[str, Any] | None = None,
+    sampling: SamplingJson | None = None,
 ) -> Calibration:
     """The calibration of `claim` on `model_dir` on this platform (the module docstring says
     how); a benign variation that cannot run here is named in its notes. `progress(what,
@@ -237,7 +250,7 @@ def benign_null(
     facts = TorchFacts(model_dir, device, devices=pool.devices)
     platform = facts.platform()
     eos = facts.eos_ids()
-    recipe = SamplingRecipe(**sampling) if sampling is not None else None
+    recipe = SamplingRecipe.from_json(sampling) if sampling is not None else None
     chosen = [NullVariation.of(v) for v in (variations or BENIGN_VARIATIONS)]
     if variations is None:
         chosen.append(TP_VARIATION)
@@ -298,8 +311,8 @@ def benign_null(
         progress("done", total, total)
     env = load_arm(claim, pool, model_dir).engine.environment()
     key = claim_key(claim)
-    if sampling is not None:
-        key["sampling"] = dict(sampling)
+    if recipe is not None:
+        key["sampling"] = recipe.to_json()
     cal = calibrate(
         null,
         alt,

@@ -5,10 +5,13 @@ evidence follows its definition at the edges (the drawn token, a token outside t
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from replay_audit.engine.generate import sampling_json
 from replay_audit.engine.protocol import Sampling, SamplingRecipe
 from replay_audit.engine.sampling import draw_evidence, noise, warped
+from replay_audit.exceptions import EngineError
 
 
 def test_multinomial_is_the_race_over_the_noise_drawn_here() -> None:
@@ -67,3 +70,14 @@ def test_the_evidence_at_its_edges() -> None:
     e3 = draw_evidence(z, second, q, recipe)
     race = g.gather(1, drawn[:, None])[:, 0] - g.gather(1, second[:, None])[:, 0]
     assert torch.allclose(e3.deficit, 0.7 * race) and (e3.rank == 1).all()
+
+
+def test_a_sampled_trace_logs_the_kind_of_its_generators_device() -> None:
+    """`decoding.sampling` names the noise's device kind; a generator a verification cannot
+    reproduce (not CPU, not CUDA) is refused rather than logged."""
+    recipe = SamplingRecipe("transformers", 0.7)
+    got = sampling_json(recipe, 3, torch.device("cpu"))
+    assert got == {**recipe.to_json(), "seed": 3, "device": "cpu"}
+    assert sampling_json(recipe, 3, torch.device("cuda", 1))["device"] == "cuda"
+    with pytest.raises(EngineError, match="sampled on mps"):
+        sampling_json(recipe, 3, torch.device("mps"))
