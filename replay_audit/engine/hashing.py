@@ -45,27 +45,36 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+#: Each weights file's digest, by (path, inode, size, modification time): a checkpoint is
+#: read once a process however many engines, generators and workers' lookups hash it (a
+#: verification's null builds a generator per benign variation), and again once a file changes.
+_digests: dict[tuple[str, int, int, int], str] = {}
+_digests_lock = threading.Lock()
+
+
+def _cached_file_sha256(path: Path) -> str:
+    st = path.stat()
+    key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    with _digests_lock:
+        digest = _digests.get(key)
+    if digest is None:
+        digest = file_sha256(path)
+        with _digests_lock:
+            _digests[key] = digest
+    return digest
+
+
 def weights_sha256(model_dir: str | Path) -> str:
-    """The checkpoint's `weights_sha256` (module docstring: the rule)."""
-    manifest = "".join(f"{file_sha256(p)}  {p.name}\n" for p in safetensors_files(model_dir))
+    """The checkpoint's `weights_sha256` (module docstring: the rule); a file unchanged since
+    this process last hashed it is not read again. Thread-safe."""
+    files = safetensors_files(model_dir)
+    manifest = "".join(f"{_cached_file_sha256(p)}  {p.name}\n" for p in files)
     return hashlib.sha256(manifest.encode("utf-8")).hexdigest()
 
 
 class HashCache:
-    """`weights_sha256` of checkpoints, each cached while its files keep name, size and
-    modification time (only the first lookup reads the weights). Thread-safe."""
-
-    def __init__(self) -> None:
-        self._hashes: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}
-        self._lock = threading.Lock()
+    """What hashes checkpoints for the engine pool and the worker's checkpoint lookup:
+    `weights_sha256`, which reads each file once while it is unchanged."""
 
     def weights_sha256(self, model_dir: str | Path) -> str:
-        d = Path(model_dir).resolve()
-        stamp = tuple(
-            (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in safetensors_files(d)
-        )
-        with self._lock:
-            key = (str(d), stamp)
-            if key not in self._hashes:
-                self._hashes[key] = weights_sha256(d)
-            return self._hashes[key]
+        return weights_sha256(model_dir)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, Unpack, runtime_checkable
 
-from replay_audit.engine.hashing import HashCache
+from replay_audit.engine.hashing import weights_sha256
 from replay_audit.engine.protocol import Engine, LoadOptions, Target
 from replay_audit.exceptions import UnsupportedFormat
 from replay_audit.formats import CacheKind
@@ -75,7 +75,6 @@ class EnginePool:
         self._options = LoadOptions(device=device, cache=cache, max_cache_len=max_cache_len)
         self._max = max_engines
         self._engines: OrderedDict[_PoolKey, Engine] = OrderedDict()
-        self._hashes = HashCache()
         self._lock = threading.RLock()
 
     def get(self, model_dir: str | Path, target: Target, tp_degree: int = 1) -> Engine:
@@ -141,8 +140,8 @@ class EnginePool:
         self._tp = None
 
     def weights_sha256(self, model_dir: str | Path) -> str:
-        """`weights_sha256` of the checkpoint (`HashCache`)."""
-        return self._hashes.weights_sha256(model_dir)
+        """`weights_sha256` of the checkpoint (each file read once while unchanged)."""
+        return weights_sha256(model_dir)
 
     def __len__(self) -> int:
         return len(self._engines)

@@ -1,12 +1,16 @@
-"""weights_sha256 against the documented rule, computed independently here."""
+"""weights_sha256 against the documented rule, computed independently here; each weights file
+is read once a process while it is unchanged."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from replay_audit.engine import hashing
 from replay_audit.engine.hashing import NoWeightsError, weights_sha256
 
 
@@ -40,3 +44,65 @@ def test_a_directory_without_weights_is_an_error(tmp_path: Path) -> None:
         weights_sha256(tmp_path)
     with pytest.raises(NoWeightsError, match="not a directory"):
         weights_sha256(tmp_path / "missing")
+
+
+def _count_reads(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """The weights files `hashing` reads from now on, by name."""
+    reads: Counter[str] = Counter()
+    read = hashing.file_sha256
+
+    def counted(path: Path) -> str:
+        reads[path.name] += 1
+        return read(path)
+
+    monkeypatch.setattr(hashing, "file_sha256", counted)
+    return reads
+
+
+def test_a_file_is_read_once_until_it_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads = _count_reads(monkeypatch)
+    (tmp_path / "a.safetensors").write_bytes(b"a")
+    (tmp_path / "b.safetensors").write_bytes(b"b")
+    first = weights_sha256(tmp_path)
+    assert weights_sha256(tmp_path) == first
+    assert reads == {"a.safetensors": 1, "b.safetensors": 1}
+    # Rewritten in place with as many bytes (a modification time of its own): read again.
+    b = tmp_path / "b.safetensors"
+    mtime = b.stat().st_mtime_ns
+    b.write_bytes(b"c")
+    os.utime(b, ns=(mtime + 1_000_000, mtime + 1_000_000))
+    changed = weights_sha256(tmp_path)
+    assert changed != first
+    assert reads == {"a.safetensors": 1, "b.safetensors": 2}
+    # Replaced by another file (a new inode), even with the old size and time: read again.
+    replacement = tmp_path / "new"
+    replacement.write_bytes(b"b")
+    os.utime(replacement, ns=(mtime + 1_000_000, mtime + 1_000_000))
+    replacement.replace(b)
+    assert weights_sha256(tmp_path) == first
+    assert reads == {"a.safetensors": 1, "b.safetensors": 3}
+
+
+def test_generators_of_one_checkpoint_hash_its_weights_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verification's null builds a `TraceGenerator` per benign variation: the checkpoint's
+    weights are read for the first one only, and again once they change."""
+    from replay_audit.engine.generate import TraceGenerator
+    from replay_audit.engine.testing import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path / "tiny")
+    reads = _count_reads(monkeypatch)
+    shas = {TraceGenerator(model, device="cpu").weights_sha256 for _ in range(2)}
+    assert shas == {weights_sha256(model)}
+    (weights,) = model.glob("*.safetensors")
+    assert reads == {weights.name: 1}
+    data = bytearray(weights.read_bytes())  # one weight's last byte changed: read again
+    data[-1] ^= 1
+    mtime = weights.stat().st_mtime_ns
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(mtime + 1_000_000, mtime + 1_000_000))
+    assert TraceGenerator(model, device="cpu").weights_sha256 != shas.pop()
+    assert reads == {weights.name: 2}
