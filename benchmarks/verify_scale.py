@@ -544,52 +544,34 @@ def simulation_row(
     budgets: Sequence[int],
     draws: int,
     rng: np.random.Generator,
+    *,
+    judged: bool = True,
 ) -> dict[str, Any]:
-    """Per decision: AUC (simulation vs honest groups; a statistic's, none for the rule) and
-    power (the share of the simulation's groups flagged at the calibrated threshold) at each
-    budget; tokens to a decision (power >= 0.95); the smallest budget with AUC >= 0.999."""
-    row: dict[str, Any] = {d: {"per_budget": {}} for d in decisions(cal)}
+    """Per decision: AUC (simulation vs honest groups; a statistic's, none for the rule) at
+    each budget and the smallest budget with AUC >= 0.999; `judged`, also the power (the share
+    of the simulation's groups flagged at the calibrated threshold) at each budget and tokens to
+    a decision (power >= 0.95). Sampled evidence is not judged: the calibration's null is greedy
+    traffic's, so its thresholds say nothing of sampled groups (AUC per statistic only)."""
+    decs = decisions(cal) if judged else list(STATISTICS)
+    row: dict[str, Any] = {d: {"per_budget": {}} for d in decs}
     for b in budgets:
         s = draw_scored(cal, sim, b, draws, rng)
         h = draw_scored(cal, honest, b, draws, rng)
-        for dec in decisions(cal):
-            row[dec]["per_budget"][str(b)] = {
-                "auc": None if dec == RULE else auc(h[dec], s[dec]),
-                "power": float(flagged(cal, dec, b, s).mean()),
-            }
-    for dec in decisions(cal):
+        for dec in decs:
+            cell = {"auc": None if dec == RULE else auc(h[dec], s[dec])}
+            if judged:
+                cell["power"] = float(flagged(cal, dec, b, s).mean())
+            row[dec]["per_budget"][str(b)] = cell
+    for dec in decs:
         per = row[dec]["per_budget"]
-        row[dec]["tokens_to_decision"] = next(
-            (int(b) for b, v in per.items() if v["power"] >= POWER), None
-        )
+        if judged:
+            row[dec]["tokens_to_decision"] = next(
+                (int(b) for b, v in per.items() if v["power"] >= POWER), None
+            )
         row[dec]["auc_0999_at"] = next(
             (int(b) for b, v in per.items() if v["auc"] is not None and v["auc"] >= 0.999), None
         )
     return row
-
-
-def auc_row(
-    cal: Calibration,
-    sim: Sequence[np.ndarray],
-    honest: Sequence[np.ndarray],
-    budgets: Sequence[int],
-    draws: int,
-    rng: np.random.Generator,
-) -> dict[str, Any]:
-    """Per statistic: AUC (simulation vs honest groups) at each budget, and from where >= 0.999."""
-    per: dict[str, dict[str, float]] = {s: {} for s in STATISTICS}
-    for b in budgets:
-        s = draw_scored(cal, sim, b, draws, rng)
-        h = draw_scored(cal, honest, b, draws, rng)
-        for stat in STATISTICS:
-            per[stat][str(b)] = auc(h[stat], s[stat])
-    return {
-        stat: {
-            "auc": per[stat],
-            "auc_0999_at": next((int(b) for b, v in per[stat].items() if v >= 0.999), None),
-        }
-        for stat in STATISTICS
-    }
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -914,13 +896,14 @@ def sampled_section(
             out[f"tokens_{name}"] = int(sum(len(u) for u in evidence[name]))
             out[f"tail_{name}"] = tail(evidence[name])
     with clock.phase("sampled AUC"):
-        out["auc"] = auc_row(
+        out["auc"] = simulation_row(
             cal,
             evidence["4-bit RTN g128"],
             evidence["honest"],
             capped(SIM_BUDGETS, args),
             args.fa_draws,
             rng,
+            judged=False,
         )
     return out
 
@@ -1270,7 +1253,7 @@ def markdown(r: Mapping[str, Any]) -> str:
                 x = sm["auc"][s]
                 lines.append(
                     f"| {s} | {x['auc_0999_at'] or '-'} | "
-                    + " | ".join(f"{x['auc'][str(b)]:.3f}" for b in sims_b)
+                    + " | ".join(f"{x['per_budget'][str(b)]['auc']:.3f}" for b in sims_b)
                     + " |"
                 )
     lines += ["", "## Wall time per phase (s)", ""]

@@ -41,6 +41,7 @@ def scale_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
             "--small-prompts", "4", "--b1-prompts", "2", "--eval-prompts", "8",
             "--draws", "50", "--fa-draws", "100", "--max-budget", "4096",
             "--out", str(out), "--save-traces", str(out / "traces.jsonl.gz"),
+            "--sampled", "--sampled-prompts", "4",
         ]
     )  # fmt: skip
     return result, out
@@ -74,7 +75,14 @@ def test_the_smallest_run_measures_every_part(scale_run: tuple[dict[str, Any], P
     assert rtn4["outputs_differing"] > 0
     # 4-bit RTN is far from the honest traces: separated at the largest budget
     assert rtn4["mean_deficit_ulps"]["per_budget"]["4096"]["auc"] > 0.9
-    assert all(v > 0 for v in result["wall_s"].values())
+    # every phase timed (to 10 ms: saving a few traces can take none)
+    assert all(v >= 0 for v in result["wall_s"].values()) and result["wall_s"]["total"] > 0
+    # sampled traffic: AUC per statistic only (the greedy null's thresholds judge no sample)
+    sampled = result["sampled"]
+    assert sampled["tokens_honest"] > 0 and set(sampled["auc"]) == set(STATISTICS)
+    for row in sampled["auc"].values():
+        assert all(set(v) == {"auc"} for v in row["per_budget"].values())
+    assert "## Sampled traffic" in (out / "scale.md").read_text()
 
 
 def test_saved_traces_are_trace_json_and_scan_on_another_platform(
