@@ -66,25 +66,12 @@ def _fp8_kv(model_dir: Path, prompts: list[ScreenPrompt], n: int, device: str) -
         ]
 
 
-def stdlib_prompts(model: Path, n: int) -> list[dict[str, str]]:
-    """`n` function beginnings of this Python's standard library (held-out files first, three
-    a file at most), cut by the checkpoint's tokenizer as `scripts/train_tiny_model.py` cuts
-    the bundled prompts (as benchmarks/verify.py makes them)."""
-    from tokenizers import Tokenizer
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import train_tiny_model as corpus  # type: ignore[import-not-found]
-
-    corpus.N_PROMPTS, corpus.PROMPTS_PER_FILE = n, 3
-    stdlib = corpus.load_corpus()
-    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    out: list[dict[str, str]] = corpus.extract_prompts(tokenizer, stdlib.held_out + stdlib.train)
-    return out
-
-
 def measure(args: argparse.Namespace) -> dict[str, dict[str, Evidence]]:
     rows: list[Any]
     if args.stdlib_prompts:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from verify_scale import stdlib_prompts
+
         rows = stdlib_prompts(args.model, args.stdlib_prompts)
     else:
         import json
