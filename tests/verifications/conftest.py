@@ -2,7 +2,8 @@
 prompts, three benign variations), and logged traces from it in BF16 and FP16 and from a 4-bit
 RTN (group 128) copy of it that claims to be it; for the tests over HTTP, the app's jobs held
 until run (`job_runner`), the worker context of the bundled checkpoint (`measured`), the
-session's null bound in place of measuring one (`bind_null`), and traces stored (`store`)."""
+session's null taken in place of measuring one (`null_claims`), traces stored (`store`) and
+verified (`verify`)."""
 
 from __future__ import annotations
 
@@ -133,16 +134,30 @@ def measured(
     tasks.install_null_measure(None)
 
 
-def bind_null(claims: list[dict[str, Any]], calibrations: list[Calibration]) -> None:
-    """Jobs that need a null take the session's (`calibrations`), appending its claim to
-    `claims`, instead of measuring one."""
+@pytest.fixture
+def null_claims(
+    measured: list[dict[str, Any]], calibrations: list[Calibration]
+) -> list[dict[str, Any]]:
+    """`measured`, where jobs that need a null take the session's (`calibrations`) instead of
+    measuring one: the claims they asked for."""
 
     def measure(model_dir: Path, claim: dict[str, Any], rate: float, *_: Any) -> Calibration:
         assert model_dir == BUNDLED_MODEL_DIR and rate == 0.01
-        claims.append(claim)
+        measured.append(claim)
         return next(c for c in calibrations if c.claim == claim)
 
     tasks.install_null_measure(measure)
+    return measured
+
+
+def verify(client: TestClient, admin: dict[str, str], runner: HoldingRunner, **body: Any) -> Any:
+    """`POST /v1/verifications` of `body`, its job run: the verification, done."""
+    r = client.post("/v1/verifications", json=body, headers=admin)
+    assert r.status_code == 201, r.text
+    assert runner.run_all() == 1
+    got = client.get(f"/v1/verifications/{r.json()['id']}", headers=admin).json()
+    assert got["status"] == "done", got["error"]
+    return got
 
 
 def store(

@@ -26,46 +26,35 @@ from tests.factories import make_trace
 from tests.replays.conftest import HoldingRunner
 from tests.ui.conftest import settings as settings  # fixture: the session secret
 from tests.ui.conftest import ui_client  # noqa: F401  (fixture)
-from tests.verifications.conftest import bind_null, store
-
-
-def _verify(client: TestClient, admin: dict[str, str], runner: HoldingRunner, **body: Any) -> Any:
-    r = client.post("/v1/verifications", json=body, headers=admin)
-    assert r.status_code == 201, r.text
-    assert runner.run_all() == 1
-    got = client.get(f"/v1/verifications/{r.json()['id']}", headers=admin).json()
-    assert got["status"] == "done", got["error"]
-    return got
+from tests.verifications.conftest import store, verify
 
 
 @pytest.mark.slow
 def test_a_stored_calibration_of_an_older_method_or_another_shape_is_measured_again(
     client: TestClient,
     job_runner: HoldingRunner,
-    measured: list[dict[str, Any]],
+    null_claims: list[dict[str, Any]],
     logged: dict[str, list[dict[str, Any]]],
-    calibrations: list[Calibration],
     headers: Callable[..., dict[str, str]],
 ) -> None:
     """A null stored by method 1 (thresholds from the variations' pooled traces), or of another
     shape than the worker's settings ask, is not reused: the job measures it again and stores
     the new one in its place."""
-    bind_null(measured, calibrations)
     admin = headers("admin")
     store(client, admin, logged["bf16"], "honest")
-    first = _verify(client, admin, job_runner, filter={"tag": "honest"})["report"]
-    assert first["calibrations"][0]["reused"] is False and len(measured) == 1
+    first = verify(client, admin, job_runner, filter={"tag": "honest"})["report"]
+    assert first["calibrations"][0]["reused"] is False and len(null_claims) == 1
     url = client.app.state.settings.database_url  # type: ignore[attr-defined]
     with session_scope(url) as s:
         row = s.scalars(select(VerificationCalibration)).one()
         row.calibration = {**row.calibration, "version": 1}
-    again = _verify(client, admin, job_runner, filter={"tag": "honest"})["report"]
-    assert again["calibrations"][0]["reused"] is False and len(measured) == 2
+    again = verify(client, admin, job_runner, filter={"tag": "honest"})["report"]
+    assert again["calibrations"][0]["reused"] is False and len(null_claims) == 2
     with session_scope(url) as s:
         (stored,) = s.scalars(select(VerificationCalibration)).all()
         assert Calibration.from_json(stored.calibration).version == 2
-    third = _verify(client, admin, job_runner, filter={"tag": "honest"})["report"]
-    assert third["calibrations"][0]["reused"] is True and len(measured) == 2
+    third = verify(client, admin, job_runner, filter={"tag": "honest"})["report"]
+    assert third["calibrations"][0]["reused"] is True and len(null_claims) == 2
 
     # A worker set for a null of another shape measures it again; one whose prompts file gives
     # no prompts fails the verification, naming the setting.
@@ -75,8 +64,8 @@ def test_a_stored_calibration_of_an_older_method_or_another_shape_is_measured_ag
         context.install_worker_context(context.WorkerContext(settings, ctx.pool))
 
     worker_settings(verify_null_prompts=6)  # type: ignore[arg-type]
-    fourth = _verify(client, admin, job_runner, filter={"tag": "honest"})["report"]
-    assert fourth["calibrations"][0]["reused"] is False and len(measured) == 3
+    fourth = verify(client, admin, job_runner, filter={"tag": "honest"})["report"]
+    assert fourth["calibrations"][0]["reused"] is False and len(null_claims) == 3
     worker_settings(verify_null_prompts_file=Path("/nonexistent/prompts.jsonl"))  # type: ignore[arg-type]
     r = client.post("/v1/verifications", json={"filter": {"tag": "honest"}}, headers=admin)
     assert r.status_code == 201, r.text
@@ -90,17 +79,15 @@ def test_a_stored_calibration_of_an_older_method_or_another_shape_is_measured_ag
 def test_honest_traces_are_consistent_and_4bit_ones_inconsistent(
     client: TestClient,
     job_runner: HoldingRunner,
-    measured: list[dict[str, Any]],
+    null_claims: list[dict[str, Any]],
     logged: dict[str, list[dict[str, Any]]],
-    calibrations: list[Calibration],
     headers: Callable[..., dict[str, str]],
     ui_client: Callable[..., TestClient],  # noqa: F811
 ) -> None:
-    bind_null(measured, calibrations)
     admin = headers("admin")
     store(client, admin, logged["bf16"], "honest")
     store(client, admin, logged["rtn4"], "provider-x")
-    got = _verify(client, admin, job_runner, filter={"tag": "honest"})
+    got = verify(client, admin, job_runner, filter={"tag": "honest"})
     report = got["report"]
     assert report["verdict"] == "consistent", report["groups"]
     assert report["tokens"] == sum(len(t["output_token_ids"]) for t in logged["bf16"])
@@ -109,10 +96,10 @@ def test_honest_traces_are_consistent_and_4bit_ones_inconsistent(
     assert cal["false_alarm_rate"] == 0.01 and cal["budgets"] and cal["variations"]
     assert report["scanning_platform"]["device"] == "cpu"
     assert report["claimed_platforms"] == ["cpu"]
-    assert len(measured) == 1
+    assert len(null_claims) == 1
 
     # Both providers in one verification, a verdict per tag; the null is reused, not measured.
-    got = _verify(client, admin, job_runner, filter={"tags": []}, group_by="tag")
+    got = verify(client, admin, job_runner, filter={"tags": []}, group_by="tag")
     both = got["report"]
     verdicts = {g["group"].split(" ")[0]: g for g in both["groups"]}
     assert verdicts["honest"]["verdict"] == "consistent"
@@ -122,7 +109,7 @@ def test_honest_traces_are_consistent_and_4bit_ones_inconsistent(
     assert rtn["tokens_needed"] is not None and rtn["sampled"] == 0
     assert both["verdict"] == "inconsistent" and both["calibrations"][0]["reused"] is True
     assert any(t["worst"] for t in both["traces"])
-    assert len(measured) == 1
+    assert len(null_claims) == 1
     # The page: the score against the null as SVG, the worst tokens as text, linked from runs.
     ui = ui_client("auditor")
     page = ui.get(f"/ui/verifications/{got['id']}")
@@ -146,16 +133,14 @@ def test_honest_traces_are_consistent_and_4bit_ones_inconsistent(
 def test_a_trace_of_another_vocabulary_is_refused_on_its_own(
     client: TestClient,
     job_runner: HoldingRunner,
-    measured: list[dict[str, Any]],
+    null_claims: list[dict[str, Any]],
     logged: dict[str, list[dict[str, Any]]],
-    calibrations: list[Calibration],
     headers: Callable[..., dict[str, str]],
 ) -> None:
     """A trace that claims the checkpoint's configuration with ids past its vocabulary (a
     larger `vocab_size`) would index the embedding out of range: the scan refuses it alone,
     naming the field, and the job verifies the others (it used to crash three times and end
     "worker killed")."""
-    bind_null(measured, calibrations)
     admin = headers("admin")
     honest = logged["bf16"]
     vocab = honest[0]["model"]["vocab_size"]
@@ -166,7 +151,7 @@ def test_a_trace_of_another_vocabulary_is_refused_on_its_own(
         "top_k": None,
     }
     *_, alien_id = store(client, admin, [*honest, alien], "mixed")
-    got = _verify(client, admin, job_runner, filter={"tag": "mixed"})
+    got = verify(client, admin, job_runner, filter={"tag": "mixed"})
     traces = {t["trace"]: t for t in got["report"]["traces"]}
     refused = traces[alien_id]
     assert refused["error"].startswith("model.vocab_size"), refused
@@ -274,9 +259,8 @@ def test_a_verification_without_a_device_goes_to_the_default_queue(
 def test_a_verification_whose_worker_died_is_enqueued_again_once(
     client: TestClient,
     job_runner: HoldingRunner,
-    measured: list[dict[str, Any]],
+    null_claims: list[dict[str, Any]],
     logged: dict[str, list[dict[str, Any]]],
-    calibrations: list[Calibration],
     headers: Callable[..., dict[str, str]],
     settings: Settings,
 ) -> None:
@@ -291,7 +275,6 @@ def test_a_verification_whose_worker_died_is_enqueued_again_once(
     from replay_audit.db.job_row import claim_attempt
     from replay_audit.verifications.reconcile import reconcile_verifications
 
-    bind_null(measured, calibrations)
     admin = headers("admin")
     store(client, admin, logged["bf16"], "honest")
     url = client.app.state.settings.database_url  # type: ignore[attr-defined]
@@ -331,7 +314,7 @@ def test_a_verification_whose_worker_died_is_enqueued_again_once(
     with session_scope(url) as s:  # done: nothing to do
         assert reconcile_verifications(s, job_runner, job_timeout_s=60) == []
         assert s.scalar(select(func.count()).select_from(VerificationCalibration)) == 1
-    assert len(measured) == 1
+    assert len(null_claims) == 1
 
     # The command: with the embedded runner it runs the job in its process and waits for it
     # (the null stored above is reused: this platform, this claim).
@@ -349,7 +332,7 @@ def test_a_verification_whose_worker_died_is_enqueued_again_once(
     row = read(second)
     assert (row.status, row.attempts) == ("done", 2), row.error
     assert row.report is not None and row.report["calibrations"][0]["reused"] is True
-    assert len(measured) == 1 and job_runner.specs == []
+    assert len(null_claims) == 1 and job_runner.specs == []
 
 
 def test_a_selection_past_the_token_budget_where_it_runs_is_refused(

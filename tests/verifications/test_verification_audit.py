@@ -24,14 +24,13 @@ from replay_audit.audits.tasks import TickReport, deliver_alert, run_tick
 from replay_audit.config import Settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
-from replay_audit.stats.verification import Calibration
 from tests.audits.conftest import RecordingRunner, schedule_body, set_created_at
 from tests.audits.test_audit_webhook import ALLOWED, Hook, verify_signature
 from tests.audits.test_audit_webhook import serve_hook as serve_hook
 from tests.replays.conftest import HoldingRunner
 from tests.ui.conftest import SESSION_SECRET
 from tests.ui.conftest import ui_client as ui_client
-from tests.verifications.conftest import LOGGED_PROMPTS, bind_null, store
+from tests.verifications.conftest import LOGGED_PROMPTS, store
 
 #: The group of provider-x's traces: their tags, and the configuration they claim.
 GROUP = "production,provider-x · bf16 / head bf16 / sdpa"
@@ -90,9 +89,8 @@ def _group_flags(run: dict[str, Any]) -> list[dict[str, Any]]:
 def test_a_group_that_turns_inconsistent_is_flagged_and_alerted_once(
     client: TestClient,
     job_runner: HoldingRunner,
-    measured: list[dict[str, Any]],
+    null_claims: list[dict[str, Any]],
     logged: dict[str, list[dict[str, Any]]],
-    calibrations: list[Calibration],
     headers: Callable[..., dict[str, str]],
     settings: Settings,
     deliveries: RecordingRunner,
@@ -100,7 +98,6 @@ def test_a_group_that_turns_inconsistent_is_flagged_and_alerted_once(
     ui_client: Callable[..., TestClient],
     db_url: str,
 ) -> None:
-    bind_null(measured, calibrations)
     hook = Hook([204])
     admin = headers("admin")
     body = schedule_body(
@@ -126,7 +123,7 @@ def test_a_group_that_turns_inconsistent_is_flagged_and_alerted_once(
     verification = point["verification"]
     assert verification["id"] == first["verification_id"] and verification["status"] == "done"
     assert [(g["group"], g["verdict"]) for g in verification["groups"]] == [(GROUP, "consistent")]
-    assert deliveries.specs == [] and len(measured) == 1  # the null, measured once
+    assert deliveries.specs == [] and len(null_claims) == 1  # the null, measured once
 
     # Night 2: the same provider's traces now come from a 4-bit RTN copy claiming the same
     # checkpoint; the honest ones are out of the window.
@@ -170,7 +167,7 @@ def test_a_group_that_turns_inconsistent_is_flagged_and_alerted_once(
         "inconsistent",
         "inconsistent",
     ]
-    assert len(measured) == 1
+    assert len(null_claims) == 1
 
     # The schedule page shows the rule, each run's verdicts (linked) and the flag with why.
     page = ui_client("auditor").get(f"/ui/schedules/{sid}")

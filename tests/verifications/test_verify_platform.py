@@ -30,17 +30,32 @@ from replay_audit.verifications.domain import (
 from tests.replays.conftest import HoldingRunner
 from tests.ui.conftest import settings as settings  # fixture: the session secret
 from tests.ui.conftest import ui_client  # noqa: F401  (fixture)
-from tests.verifications.conftest import bind_null, store
+from tests.verifications.conftest import store, verify
 
 H200 = {"name": "NVIDIA H200", "sm": "9.0"}
 
 
-def _on_h200(traces: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The same traces as logged by a provider on an H200 (what its config says)."""
-    out = copy.deepcopy(traces)
-    for t in out:
+def _providers(logged: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """Two providers' BF16 traces by tag: one logged on this CPU, one whose config says an
+    H200 (traces of other prompts)."""
+    h200 = copy.deepcopy(logged["bf16"][4:8])
+    for t in h200:
         t["config"] |= {"device": "cuda", "gpu": H200}
-    return out
+    return {"cpu-provider": logged["bf16"][:4], "h200-provider": h200}
+
+
+def _platform_groups(report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The CPU provider's group and the H200 one's, once the report is checked to name the
+    scanning platform, both logged ones, and that the null (measured here) covers only the
+    first."""
+    assert report["scanning_platform"]["device"] == "cpu"
+    assert report["claimed_platforms"] == ["cpu", "cuda (NVIDIA H200)"]
+    groups = {g["group"].split(" ")[0]: g for g in report["groups"]}
+    here, there = groups["cpu-provider"], groups["h200-provider"]
+    assert here["null_covers_platform"] is True and here["logged_platforms"] == ["cpu"]
+    assert there["null_covers_platform"] is False and there["null_platform"] == "cpu"
+    assert there["logged_platforms"] == ["cuda (NVIDIA H200)"]
+    return here, there
 
 
 def test_the_report_names_both_platforms_and_whether_the_null_covers_them(
@@ -75,23 +90,15 @@ def test_verify_without_a_calibration_measures_the_null_and_reports_platforms_an
     tmp_path: Path, logged: dict[str, list[dict[str, Any]]]
 ) -> None:
     path = tmp_path / "traces.jsonl"
-    cpu = [t | {"tags": ["cpu-provider"]} for t in logged["bf16"][:4]]
-    gpu = [t | {"tags": ["h200-provider"]} for t in _on_h200(logged["bf16"][4:8])]
-    path.write_text("".join(json.dumps(t) + "\n" for t in [*cpu, *gpu]))
+    tagged = [t | {"tags": [tag]} for tag, ts in _providers(logged).items() for t in ts]
+    path.write_text("".join(json.dumps(t) + "\n" for t in tagged))
     args = ["verify", str(path), "--model", str(BUNDLED_MODEL_DIR), "--device", "cpu"]
     small = ["--null-prompts", "3", "--max-new-tokens", "12", "--threads", "1"]
     res = CliRunner().invoke(app, [*args, *small, "--json", "--group-by", "tag"])
     assert res.exit_code in (0, 3), res.output
     # Its progress, a line a step where stderr is no terminal: each variation, the end.
     assert "benign null of" in res.stderr and "4-bit alternative" in res.stderr
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["scanning_platform"]["device"] == "cpu"
-    assert out["claimed_platforms"] == ["cpu", "cuda (NVIDIA H200)"]
-    groups = {g["group"].split(" ")[0]: g for g in out["groups"]}
-    here, there = groups["cpu-provider"], groups["h200-provider"]
-    assert here["null_covers_platform"] is True and here["logged_platforms"] == ["cpu"]
-    assert there["null_covers_platform"] is False
-    assert there["logged_platforms"] == ["cuda (NVIDIA H200)"] and there["null_platform"] == "cpu"
+    here, there = _platform_groups(json.loads(res.stdout.strip().splitlines()[-1]))
     assert any("cuda (NVIDIA H200)" in n and "cpu" in n for n in there["notes"])
     # A null of 3 prompts x 12 tokens backs no group of ~190 tokens: each says so.
     for g in (here, there):
@@ -106,31 +113,17 @@ def test_verify_without_a_calibration_measures_the_null_and_reports_platforms_an
 def test_the_service_report_and_page_name_the_platforms(
     client: TestClient,
     job_runner: HoldingRunner,
-    measured: list[dict[str, Any]],
+    null_claims: list[dict[str, Any]],
     logged: dict[str, list[dict[str, Any]]],
-    calibrations: list[Calibration],
     headers: Callable[..., dict[str, str]],
     ui_client: Callable[..., TestClient],  # noqa: F811
 ) -> None:
-    bind_null(measured, calibrations)
     admin = headers("admin")
-    store(client, admin, logged["bf16"], "cpu-provider")
-    store(client, admin, _on_h200(logged["bf16"]), "h200-provider", prefix="h200")
-    r = client.post(
-        "/v1/verifications", json={"filter": {"tags": []}, "group_by": "tag"}, headers=admin
-    )
-    assert r.status_code == 201, r.text
-    assert job_runner.run_all() == 1
-    got = client.get(f"/v1/verifications/{r.json()['id']}", headers=admin).json()
-    assert got["status"] == "done", got["error"]
+    for tag, traces in _providers(logged).items():
+        store(client, admin, traces, tag)
+    got = verify(client, admin, job_runner, filter={"tags": []}, group_by="tag")
     report = got["report"]
-    assert report["scanning_platform"]["device"] == "cpu"
-    assert report["claimed_platforms"] == ["cpu", "cuda (NVIDIA H200)"]
-    groups = {g["group"].split(" ")[0]: g for g in report["groups"]}
-    assert groups["cpu-provider"]["null_covers_platform"] is True
-    there = groups["h200-provider"]
-    assert there["null_covers_platform"] is False and there["null_platform"] == "cpu"
-    assert there["logged_platforms"] == ["cuda (NVIDIA H200)"]
+    _platform_groups(report)
     cal = report["calibrations"][0]
     assert cal["reach"] is not None and cal["decision"] and cal["rule"]
     page = ui_client("auditor").get(f"/ui/verifications/{got['id']}")
