@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 import typer
 
@@ -17,6 +18,12 @@ from replay_audit.config import get_settings
 from replay_audit.formats import CACHE_KINDS
 from replay_audit.queue.route import CPU_KIND, WorkerKind
 from replay_audit.words import counted
+
+log = logging.getLogger(__name__)
+
+#: `replay-audit worker`'s exit status when its work loop ended without a stop asked for
+#: (Redis failed it): a supervisor's `Restart=on-failure` starts it again. 0: asked to stop.
+EXIT_LOOP_FAILED: Final = 1
 
 
 @app.command()
@@ -87,6 +94,7 @@ def worker(
     checkpoint is loaded once and stays loaded (forking after CUDA initialisation is unsafe,
     and reloading per job would dominate the time)."""
     from redis import Redis
+    from redis.exceptions import RedisError
     from rq import Queue
 
     from replay_audit.cli.database import fail, ready_database
@@ -164,13 +172,29 @@ def worker(
 
     keep_alive(connection, settings.queue_prefix, w.name, stop_alive, announce)
     _children_die_with_us()
+    failure = None
     try:
         # with_scheduler: RQ's Retry intervals need a scheduler to move retries back.
         w.work(burst=burst, with_scheduler=True)
+    except RedisError as e:  # RQ's goodbye to a Redis still away
+        failure = f"{type(e).__name__}: {e}"
     finally:
         stop_alive.set()
-        forget_worker(connection, settings.queue_prefix, w.name)
+        with contextlib.suppress(RedisError):  # Redis may be what ended it: nothing to forget
+            forget_worker(connection, settings.queue_prefix, w.name)
         pool.close()  # a tensor-parallel group's ranks stop with the worker
+    if failure is not None or not (w.stop_asked or w.drained):
+        # RQ's work loop returns, as if asked to stop, when Redis fails it (a timeout, a lost
+        # connection) or anything else it did not expect: a supervisor restarting on failure
+        # (systemd's Restart=on-failure) must see one.
+        log.error(
+            "worker %s: its work loop ended on an error (%s), not asked to stop; exiting %d "
+            "for a supervisor to start it again",
+            w.name,
+            failure or "RQ's log above says which",
+            EXIT_LOOP_FAILED,
+        )
+        raise typer.Exit(EXIT_LOOP_FAILED)
 
 
 #: prctl(2)'s option: the signal a process gets when its parent dies.
@@ -260,13 +284,28 @@ def _cpu_kind(devices: int) -> WorkerKind:
 
 def _worker_class(gpu_kind: str, cuda_device: str | None) -> type[Any]:
     """RQ's SimpleWorker, each job counted and timed (`telemetry.metric.observe_job`), its log
-    lines carrying its job id, and the GPU's memory read after it."""
+    lines carrying its job id, and the GPU's memory read after it; it says why its work loop
+    ended (`stop_asked`, `drained`)."""
     from rq import SimpleWorker
 
     from replay_audit.telemetry.log import bound
     from replay_audit.telemetry.metric import GPU_MEMORY, job_kind, observe_job
 
     class ObservedWorker(SimpleWorker):
+        #: Why its work loop may end well: a stop asked for (SIGTERM, SIGINT, `rq shutdown`,
+        #: which signals it) or, in burst mode, no job left. Otherwise an error ended it.
+        stop_asked = False
+        drained = False
+
+        def request_stop(self, signum: Any, frame: Any) -> None:
+            self.stop_asked = True
+            super().request_stop(signum, frame)  # type: ignore[no-untyped-call]  # rq
+
+        def dequeue_job_and_maintain_ttl(self, *args: Any, **kwargs: Any) -> Any:
+            job = super().dequeue_job_and_maintain_ttl(*args, **kwargs)
+            self.drained = job is None
+            return job
+
         def perform_job(self, job: Any, queue: Any, execution: Any) -> bool:
             kind = job_kind(job.func_name)
             with bound(job_id=job.id), observe_job(kind, gpu_kind) as attempt:
