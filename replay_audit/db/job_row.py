@@ -136,16 +136,23 @@ def leased(url: str, model: type[Any], row_id: int) -> Iterator[None]:
 def recording_errors(url: str, model: type[Leased], row_id: int) -> Iterator[None]:
     """Keep what fails an attempt on row `row_id`'s `error` (its status left as it is), for
     the give-up of `claim_attempt` to name: a worker killed without a word leaves nothing, and
-    then the give-up says so. Best effort: the attempt's own error is what propagates."""
+    then the give-up says so. Where the database is what failed it (an outage that outlasted
+    the job's patience, `outlasting_outages`), the error is written once it is back, waiting
+    out the outage as long again. Best effort: the attempt's own error is what propagates."""
     try:
         yield
     except Exception as e:
-        try:
+        message = f"{type(e).__name__}: {e}"[:MAX_ROW_ERROR_CHARS]
+
+        def record() -> None:
             with session_scope(url) as s:
                 row = s.get(model, row_id)
                 if row is not None and row.status == "running":
-                    row.error = f"{type(e).__name__}: {e}"[:MAX_ROW_ERROR_CHARS]
-        except Exception:  # the database may be what failed it
+                    row.error = message
+
+        try:
+            outlasting_outages(record, f"recording {model.__name__} {row_id}'s error")
+        except Exception:  # the database is still away, or broken
             log.exception("could not record %s %d's error", model.__name__, row_id)
         raise
 

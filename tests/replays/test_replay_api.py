@@ -186,6 +186,80 @@ def test_a_running_replay_job_is_never_started_a_second_time(
         assert s.scalar(select(func.count()).select_from(ReplayResult)) == 6  # each once
 
 
+@pytest.mark.parametrize("away", ["the database", "Redis"])
+def test_an_outage_past_the_jobs_patience_is_the_cause_it_gives_up_with(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+    db_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    away: str,
+) -> None:
+    """Issue 33: each failure names its cause. The database (or Redis) goes away as each
+    attempt of a replay job starts and stays away past the job's patience
+    (`outlasting_outages`, made 0.5 s here; the outage lasts 0.7 s): each attempt is spent,
+    raising the outage's error. A database outage's error cannot be recorded on the row while
+    the database is still away: it is recorded once the database is back, so the give-up
+    names the outage, not 'worker killed or crashing'."""
+    import contextlib
+    import time
+    from collections.abc import Iterator
+
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from sqlalchemy.exc import OperationalError
+
+    from replay_audit.db import job_row
+    from replay_audit.replays import tasks
+
+    monkeypatch.setattr(job_row, "OUTAGE_PATIENCE_S", 0.5)
+    monkeypatch.setattr(job_row, "OUTAGE_BACKOFF_S", (0.02,))
+    back_at = [0.0]  # when it answers again (monotonic seconds)
+    database = away == "the database"
+    error = OperationalError if database else RedisConnectionError
+
+    def refused() -> Exception:
+        if database:
+            return OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused"))
+        return RedisConnectionError("Error 111 connecting to redis:6379. connection refused.")
+
+    def attempt(*_: Any) -> None:  # the job's body: it goes away as the attempt starts
+        if time.monotonic() >= back_at[0]:
+            back_at[0] = time.monotonic() + 0.7
+        raise refused()
+
+    real_scope = job_row.session_scope
+
+    @contextlib.contextmanager
+    def scope(url: str) -> Iterator[Any]:  # what the job writes on its row meanwhile
+        if database and time.monotonic() < back_at[0]:
+            raise refused()
+        with real_scope(url) as s:
+            yield s
+
+    monkeypatch.setattr(tasks, "_run_job", attempt)
+    monkeypatch.setattr(job_row, "session_scope", scope)
+    h = headers("admin")
+    ids = ingest(client, h, [logged_trace(p) for p in PROMPTS[:2]])
+    r = client.post("/v1/replays", json={"trace_ids": ids, "targets": [FP16]}, headers=h)
+    assert r.status_code == 201, r.text
+    [spec] = runner.specs
+    for n in range(1, tasks.MAX_JOB_ATTEMPTS + 1):
+        with pytest.raises(error, match="connection refused"):
+            tasks.run_replay_job(*spec.args)  # type: ignore[arg-type]
+        with session_scope(db_url) as s:
+            [job] = s.scalars(select(ReplayJob)).all()
+            assert job.attempts == n  # spent
+            assert job.error is not None and error.__name__ in job.error, job.error
+    tasks.run_replay_job(*spec.args)  # type: ignore[arg-type]  # past its attempts
+    run = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
+    assert run["status"] == "failed", run
+    said = run["error"]
+    assert f"gave up after {tasks.MAX_JOB_ATTEMPTS} attempts" in said, said
+    assert error.__name__ in said and "connection refused" in said, said
+    assert "worker killed" not in said, said
+
+
 def test_pairwise_both_arms(
     client: TestClient,
     runner: HoldingRunner,
