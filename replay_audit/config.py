@@ -87,6 +87,9 @@ class Settings(BaseSettings):
     #: A replay run (or an audit run) selecting at least this many traces and naming no `mode`
     #: is replayed scan-then-decode (see `replays.domain.LARGE_RUN_TRACES`).
     large_run_traces: int = Field(default=1000, ge=1)  # replays.domain.LARGE_RUN_TRACES
+    #: The `decode_window` of a large run that names neither a mode nor a window (see
+    #: `replays.domain.LARGE_RUN_DECODE_WINDOW`; bound formats.MAX_DECODE_WINDOW).
+    large_run_decode_window: int = Field(default=32, ge=0, le=65_536)
     #: The `scan_flag_ulps` of scan-then-decode runs that name none (`formats.SCAN_FLAG_ULPS`
     #: says what it does, and why 0). Read where runs are created; each run records its value.
     #: (Default replays.domain.DEFAULT_SCAN_FLAG_ULPS, bound MAX_SCAN_FLAG_ULPS.)

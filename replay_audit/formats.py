@@ -296,7 +296,8 @@ DECODE_WINDOW: Final = RunOption(
     "decode and scan_then_decode: a decode compared with the logged tokens stops this many "
     "tokens after its first divergence t* (its output is then a prefix: no cascade, length "
     "difference or answers for it; t*, margins and categories unchanged). Default: none, "
-    "decoded to eos or max_new_tokens.",
+    "decoded to eos or max_new_tokens; a large run naming no mode: the deployment's "
+    "REPLAY_AUDIT_LARGE_RUN_DECODE_WINDOW (32).",
     ge=0,
     le=MAX_DECODE_WINDOW,
 )

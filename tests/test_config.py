@@ -10,6 +10,7 @@ from replay_audit.config import Settings
 from replay_audit.engine.protocol import DEFAULT_SCAN_TOKEN_BUDGET
 from replay_audit.replays.domain import (
     DEFAULT_SCAN_FLAG_ULPS,
+    LARGE_RUN_DECODE_WINDOW,
     LARGE_RUN_TRACES,
     MAX_SCAN_FLAG_ULPS,
 )
@@ -23,6 +24,7 @@ def _default(name: str) -> object:
     ("field", "owner"),
     [
         ("large_run_traces", LARGE_RUN_TRACES),
+        ("large_run_decode_window", LARGE_RUN_DECODE_WINDOW),
         ("scan_flag_ulps", DEFAULT_SCAN_FLAG_ULPS),
         ("scan_token_budget", DEFAULT_SCAN_TOKEN_BUDGET),
         ("drift_alpha", DEFAULT_ALPHA),
@@ -39,3 +41,10 @@ def test_the_near_tie_flag_bound_is_the_replays_bound(monkeypatch: pytest.Monkey
     monkeypatch.setenv("REPLAY_AUDIT_SCAN_FLAG_ULPS", str(MAX_SCAN_FLAG_ULPS * 1.001))
     with pytest.raises(ValueError, match="less than or equal"):
         Settings()
+
+
+def test_the_large_run_window_bound_is_the_decode_window_bound() -> None:
+    from replay_audit.formats import MAX_DECODE_WINDOW
+
+    limits = Settings.model_fields["large_run_decode_window"].metadata
+    assert any(getattr(m, "le", None) == MAX_DECODE_WINDOW for m in limits)

@@ -508,6 +508,7 @@ def _replay_plan(
         reproduce,
         settings.scan_token_budget,
         settings.large_run_traces,
+        settings.large_run_decode_window,
         single_step,
     )
 

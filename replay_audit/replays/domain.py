@@ -68,6 +68,12 @@ from replay_audit.traces.selection import is_greedy
 #: (`resolve_mode`; why 1,000: docs/replays.md "Large runs"). `REPLAY_AUDIT_LARGE_RUN_TRACES`
 #: changes it per deployment.
 LARGE_RUN_TRACES: Final = 1000
+#: A large run that names neither its mode nor a `decode_window` decodes a flagged or sampled
+#: trace only to t* + this many tokens (`resolve_window`): t*, the margins and the category are
+#: those of a whole decode, and a nightly audit does not pay for the cascade after them
+#: (docs/replays.md "Large runs"). `REPLAY_AUDIT_LARGE_RUN_DECODE_WINDOW` changes it per
+#: deployment; a request that names its mode decodes to the end unless it names a window.
+LARGE_RUN_DECODE_WINDOW: Final = 32
 # The run options' defaults and limits (defined with the vocabulary).
 DEFAULT_CONTROL_FRACTION: Final = CONTROL_FRACTION.default
 DEFAULT_CONTROL_SEED: Final = CONTROL_SEED.default
@@ -79,6 +85,21 @@ def resolve_mode(requested: Mode | None, n_traces: int, large_run_traces: int) -
     if requested is not None:
         return requested
     return "scan_then_decode" if n_traces >= large_run_traces else "decode"
+
+
+def resolve_window(
+    requested_mode: Mode | None,
+    requested_window: int | None,
+    mode: Mode,
+    *,
+    pairwise: bool,
+    large_run_window: int,
+) -> int | None:
+    """The window requested, else `large_run_window` for a large run (one that named no mode
+    and resolved to scan-then-decode, compared with its logged tokens), else none."""
+    if requested_window is not None or requested_mode is not None or pairwise:
+        return requested_window
+    return large_run_window if mode == "scan_then_decode" else None
 
 
 #: The label of the self target a run adds to reproduce its traces before comparing them.

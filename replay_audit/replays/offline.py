@@ -29,6 +29,8 @@ from replay_audit.formats import EXTRA_PROCESSORS, Mode, SingleStepKind, process
 from replay_audit.json_value import JsonObject, as_int
 from replay_audit.replays.domain import (
     ENGINE_CHECK_LABEL,
+    LARGE_RUN_DECODE_WINDOW,
+    LARGE_RUN_TRACES,
     SCAN_FLAG_OFF,
     Comparison,
     ControlSample,
@@ -37,6 +39,7 @@ from replay_audit.replays.domain import (
     comparison_label,
     is_treatment,
     resolve_mode,
+    resolve_window,
 )
 from replay_audit.replays.models import ReplayResult
 from replay_audit.replays.pipeline import (
@@ -118,7 +121,8 @@ class OfflinePlan:
     #: Reproduce before comparing (a run's `engine_check: auto`).
     reproduce: bool = True
     scan_token_budget: int = 16384
-    large_run_traces: int = 1000
+    large_run_traces: int = LARGE_RUN_TRACES
+    large_run_decode_window: int = LARGE_RUN_DECODE_WINDOW
     single_step: SingleStepKind = "teacher_forced"
 
     def targets(self) -> list[RunTarget]:
@@ -170,6 +174,13 @@ def replay_file(
                 field="model.weights_sha256",
             )
     mode = resolve_mode(plan.mode, len(parsed), plan.large_run_traces)
+    window = resolve_window(
+        plan.mode,
+        plan.decode_window,
+        mode,
+        pairwise=False,
+        large_run_window=plan.large_run_decode_window,
+    )
     targets = plan.targets()
     comparisons = [Comparison(c, "logged", c) for c in range(len(targets))]
     done = _written(out, [p.name for p in parsed], plan, mode) if resume else {}
@@ -184,7 +195,7 @@ def replay_file(
         plan.sample.flag_ulps if screening else SCAN_FLAG_OFF,
         plan.scan_token_budget,
         check_weights=False,  # checked above, once for all traces
-        decode_window=plan.decode_window,
+        decode_window=window,
         single_step=plan.single_step,
     )
     todo = [i for i, p in enumerate(parsed) if p.name not in done]
@@ -239,7 +250,7 @@ def replay_file(
             control_seed=plan.sample.seed if screening else None,
             scan_flag_ulps=plan.sample.flag_ulps if screening else None,
             mode=mode,
-            decode_window=plan.decode_window,
+            decode_window=window,
         )
         for c in comparisons
     ]

@@ -27,12 +27,14 @@ from replay_audit.replays import repository, statistics
 from replay_audit.replays.domain import (
     DEFAULT_SCAN_FLAG_ULPS,
     ENGINE_CHECK_LABEL,
+    LARGE_RUN_DECODE_WINDOW,
     LARGE_RUN_TRACES,
     Comparison,
     LoggedPlacement,
     ResolvedArm,
     RunTarget,
     resolve_mode,
+    resolve_window,
 )
 from replay_audit.replays.models import ReplayJob, ReplayRun
 from replay_audit.replays.reconcile import job_spec
@@ -182,10 +184,15 @@ class RunDefaults:
     large_run_traces: int = LARGE_RUN_TRACES
     #: The near-tie flag of scan-then-decode runs that name none (`Settings.scan_flag_ulps`).
     scan_flag_ulps: float = DEFAULT_SCAN_FLAG_ULPS
+    #: The decode window of a large run that names neither mode nor window
+    #: (`Settings.large_run_decode_window`).
+    large_run_decode_window: int = LARGE_RUN_DECODE_WINDOW
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RunDefaults:
-        return cls(settings.large_run_traces, settings.scan_flag_ulps)
+        return cls(
+            settings.large_run_traces, settings.scan_flag_ulps, settings.large_run_decode_window
+        )
 
 
 def create_replay(
@@ -202,7 +209,8 @@ def create_replay(
     Returns (run, created). With an `idempotency_key` already used in this project, the existing
     run comes back and nothing is stored or enqueued. A request naming no `mode` is replayed
     scan-then-decode when it selects `defaults.large_run_traces` traces or more (a large run),
-    decode otherwise.
+    decode otherwise; a large run that names no `decode_window` either decodes to t* +
+    `defaults.large_run_decode_window`.
     """
     key = request.idempotency_key
     existing = key and repository.get_run_by_idempotency_key(session, project_id, key)
@@ -241,7 +249,13 @@ def create_replay(
             name=request.name,
             status="queued",
             mode=mode,
-            decode_window=request.decode_window,
+            decode_window=resolve_window(
+                request.mode,
+                request.decode_window,
+                mode,
+                pairwise=request.compare == "pairwise",
+                large_run_window=defaults.large_run_decode_window,
+            ),
             compare=request.compare,
             request=_recorded(request, mode, defaults.scan_flag_ulps),
             targets=[t.to_json() for t in targets],

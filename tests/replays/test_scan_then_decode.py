@@ -28,7 +28,7 @@ from fastapi.testclient import TestClient
 
 from replay_audit.config import Settings, get_settings
 from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
-from replay_audit.replays.domain import ControlSample, resolve_mode
+from replay_audit.replays.domain import LARGE_RUN_DECODE_WINDOW, ControlSample, resolve_mode
 from replay_audit.stats.proportion import wilson_interval
 from replay_audit.stats.report import ComparisonInput, ResultFigures, screening_report
 from replay_audit.worker import context
@@ -395,22 +395,25 @@ def test_a_run_naming_no_mode_is_scan_then_decode_when_large(
     headers: Callable[..., dict[str, str]],
     fake_model_dir: Path,
 ) -> None:
+    """... and decodes only to t* + the deployment's large-run window (32) unless the request
+    names its mode or a window: a nightly audit pays for t*, margins and categories, not for
+    the cascade after them."""
     h = headers("admin")
     ids = seed(client, h, ["none"] * 20, fake_model_dir, salt=12)
-    modes = {}
-    for n in (19, 20):
-        r = client.post(
-            "/v1/replays", json={"trace_ids": ids[:n], "targets": [{"dtype": "fp16"}]}, headers=h
-        )
+
+    def planned(n: int, **extra: object) -> tuple[str, int | None]:
+        body = {"trace_ids": ids[:n], "targets": [{"dtype": "fp16"}], **extra}
+        r = client.post("/v1/replays", json=body, headers=h)
         assert r.status_code == 201, r.text
-        modes[n] = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()["mode"]
-    assert modes == {19: "decode", 20: "scan_then_decode"}
-    explicit = client.post(
-        "/v1/replays",
-        json={"trace_ids": ids, "targets": [{"dtype": "fp16"}], "mode": "decode"},
-        headers=h,
-    )
-    assert client.get(f"/v1/replays/{explicit.json()['id']}", headers=h).json()["mode"] == "decode"
+        run = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
+        return run["mode"], run["decode_window"]
+
+    assert planned(19) == ("decode", None)
+    assert planned(20) == ("scan_then_decode", LARGE_RUN_DECODE_WINDOW)
+    assert planned(20, decode_window=4) == ("scan_then_decode", 4)
+    assert planned(20, mode="scan_then_decode") == ("scan_then_decode", None)
+    assert planned(20, mode="decode") == ("decode", None)
+    assert planned(19, decode_window=0) == ("decode", 0)
     bad = client.post(
         "/v1/replays",
         json={"trace_ids": ids, "targets": [{"dtype": "fp16"}], "control_fraction": 1.5},
