@@ -75,6 +75,7 @@ class EnginePool:
         self._options = LoadOptions(device=device, cache=cache, max_cache_len=max_cache_len)
         self._max = max_engines
         self._engines: OrderedDict[_PoolKey, Engine] = OrderedDict()
+        self._dirs: dict[str, Path] = {}
         self._lock = threading.RLock()
 
     def get(self, model_dir: str | Path, target: Target, tp_degree: int = 1) -> Engine:
@@ -84,7 +85,7 @@ class EnginePool:
                 f"TP {tp_degree} needs {tp_degree} devices; this process owns {self.devices}",
                 field="tp_degree",
             )
-        d = Path(model_dir).resolve()
+        d = self._directory(model_dir)
         key: _PoolKey = (str(d), target.format_key(), tp_degree)
         if self._loader is None and (self._threads is not None or self._leave_free):
             from replay_audit.engine.loading import set_torch_threads
@@ -104,6 +105,15 @@ class EnginePool:
                         _close(self._engines.popitem(last=False)[1])
             self._engines.move_to_end(key)
             return engine
+
+    def _directory(self, model_dir: str | Path) -> Path:
+        """`model_dir` resolved once per spelling: a job asks per trace and per arm, and resolving
+        (a stat per path component) was 6% of a GPU worker's scan-only audit on the H200."""
+        name = str(model_dir)
+        d = self._dirs.get(name)
+        if d is None:
+            d = self._dirs[name] = Path(name).resolve()
+        return d
 
     def _load(self, d: Path, target: Target, tp_degree: int) -> Engine:
         if self._loader is not None:
