@@ -164,6 +164,10 @@ class Settings(BaseSettings):
     #: Set: `serve` answers /metrics on metrics_host:api_metrics_port (one listener for all its
     #: processes) and not on the API's own port. Unset: `GET /metrics` on the API's port.
     api_metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    #: Set: the API's `GET /metrics` answers only a scrape that sends `Authorization: Bearer
+    #: <token>` (Prometheus: `authorization: {credentials_file: ...}`), else a 401; the
+    #: separate listeners (api_metrics_port, workers') are for an internal interface.
+    metrics_token: SecretStr | None = None
     #: The port of `replay-audit worker`'s metrics (`--metrics-port` overrides it; 0: none).
     #: Each worker on one host needs its own.
     worker_metrics_port: int = Field(default=9101, ge=0, le=65535)

@@ -1,12 +1,14 @@
 """`GET /metrics`: the Prometheus exposition of the API processes (docs/operations.md).
 
-No key needed: nothing in it names a project or carries trace content or key material
+No API key needed: nothing in it names a project or carries trace content or key material
 (`telemetry.metric` says which labels exist). Where it is served, if anywhere: the settings
-`metrics_enabled` and `api_metrics_port` (`serve_metrics`).
+`metrics_enabled` and `api_metrics_port` (`serve_metrics`); `metrics_token`, when set, is the
+bearer token a scrape of the API's own `/metrics` must send.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
 import threading
@@ -16,8 +18,10 @@ from collections.abc import Callable, Iterator
 from datetime import UTC
 
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from pydantic import SecretStr
 from redis import Redis
 from redis.exceptions import RedisError
 from sqlalchemy.exc import SQLAlchemyError
@@ -42,9 +46,23 @@ UNSERVED = "unserved"
 
 @router.api_route("/metrics", methods=["GET", "HEAD"], include_in_schema=False)
 def metrics(request: Request) -> Response:
-    """The Prometheus text exposition (no key needed)."""
+    """The Prometheus text exposition (no API key; the bearer token where one is set)."""
+    token: SecretStr | None = request.app.state.settings.metrics_token
+    if token is not None and not _bearer_is(request.headers.get("authorization"), token):
+        return JSONResponse(
+            {"detail": "/metrics needs the bearer token REPLAY_AUDIT_METRICS_TOKEN"},
+            status_code=401,
+            headers={"WWW-Authenticate": 'Bearer realm="metrics"'},
+        )
     collectors: list[Collector] = request.app.state.metric_collectors
     return Response(exposition(collectors), media_type=CONTENT_TYPE)
+
+
+def _bearer_is(header: str | None, token: SecretStr) -> bool:
+    scheme, _, given = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        given.strip().encode(), token.get_secret_value().encode()
+    )
 
 
 #: Seconds a read of the queues serves the scrapes of an API process (Prometheus scrapes every

@@ -229,3 +229,29 @@ def test_a_5xx_page_of_the_ui_names_the_request(settings: Settings) -> None:
         missing = client.get("/ui/nothing-here")
         assert missing.status_code == 404 and 'id="error-message"' in missing.text
         assert "error-request-id" not in missing.text
+
+
+def test_a_metrics_token_guards_the_apis_metrics(sqlite_url: str) -> None:
+    """With REPLAY_AUDIT_METRICS_TOKEN set, /metrics answers a scrape with that bearer token
+    and a 401 saying what it needs to any other (none, another token, another scheme, an API
+    key); unset, it answers anyone, as before."""
+    token = "s3cret-metrics-token"
+    with TestClient(create_app(_settings(sqlite_url, metrics_token=token))) as client:
+        ok = client.get("/metrics", headers={"Authorization": f"Bearer {token}"})
+        assert ok.status_code == 200 and "replay_audit_" in ok.text
+        assert (
+            client.head("/metrics", headers={"Authorization": f"bearer {token}"}).status_code == 200
+        )
+        for headers in (
+            {},
+            {"Authorization": "Bearer not-it"},
+            {"Authorization": f"Basic {token}"},
+            {"Authorization": f"Bearer {token}x"},
+            _key(sqlite_url),
+        ):
+            r = client.get("/metrics", headers=headers)
+            assert r.status_code == 401, headers
+            assert r.headers["WWW-Authenticate"].startswith("Bearer")
+            assert "REPLAY_AUDIT_METRICS_TOKEN" in r.json()["detail"] and token not in r.text
+    with TestClient(create_app(_settings(sqlite_url))) as client:
+        assert client.get("/metrics").status_code == 200
