@@ -76,13 +76,14 @@ class SdpaCalls(TorchFunctionMode):
 @dataclass(frozen=True)
 class PlainRun:
     """A user's plain greedy `generate()` of one rendered chat prompt: the new tokens (to the
-    first eos), the raw logits of those steps (T, V) float32, and its SDPA calls in order as
-    `attention.observe(keep_calls=True)` saw them."""
+    first eos), the raw logits of those steps (T, V) float32, its SDPA calls in order as
+    `attention.observe(keep_calls=True)` saw them, and what `generate()` returned."""
 
     prompt_ids: list[int]
     tokens: list[int]
     logits: torch.Tensor
     calls: list[attention.SdpaCall]
+    output: Any
 
     @property
     def top1(self) -> np.ndarray[Any, np.dtype[np.float32]]:
@@ -165,7 +166,7 @@ def plain_runs(
                 tokens = until_eos(out.sequences[0, width:].tolist(), eos_id)
                 logits = torch.stack([z[0] for z in out.logits]).float()[: len(tokens)]
                 prompt = inputs["input_ids"][0].tolist()
-                runs.append(PlainRun(prompt, tokens, logits, list(seen.calls)))
+                runs.append(PlainRun(prompt, tokens, logits, list(seen.calls), out))
             made[dtype] = runs
         return made[dtype]
 
@@ -186,20 +187,39 @@ def engine_of(smollm2_dir: Path) -> Callable[[str], TorchEngine]:
     return get
 
 
+@dataclass(frozen=True)
+class EngineRuns:
+    """The engine's decodes of every prompt in a dtype: the first prompt's first decode (the
+    one that builds and checks the piecewise decoder), then every prompt's after the check
+    with the SDPA calls it made (`SdpaCalls`)."""
+
+    first: Any
+    decoded: list[Any]
+    calls: list[list[attention.SdpaCall]]
+
+
 @pytest.fixture(scope="module")
-def checked_engine(
+def engine_runs(
     engine_of: Callable[[str], TorchEngine],
     plain_runs: Callable[[str], list[PlainRun]],
     eos_id: int,
-) -> Callable[[str], TorchEngine]:
-    """`engine_of`, after one decode: its piecewise decoder built and checked."""
+) -> Callable[[str], EngineRuns]:
+    """`EngineRuns` of a dtype, decoded once for the module."""
+    made: dict[str, EngineRuns] = {}
 
-    def get(dtype: str) -> TorchEngine:
-        engine = engine_of(dtype)
-        if engine._piecewise is None and engine._piecewise_error is None:
-            engine.decode(plain_runs(dtype)[0].prompt_ids, N, [eos_id])
-        assert engine._piecewise is not None, engine.environment()["extras"]
-        return engine
+    def get(dtype: str) -> EngineRuns:
+        if dtype not in made:
+            engine, runs = engine_of(dtype), plain_runs(dtype)
+            assert engine._piecewise is None and engine._piecewise_error is None
+            first = engine.decode(runs[0].prompt_ids, N, [eos_id])
+            assert engine._piecewise is not None, engine.environment()["extras"]
+            decoded, calls = [], []
+            for run in runs:
+                with SdpaCalls() as mine:
+                    decoded.append(engine.decode(run.prompt_ids, N, [eos_id]))
+                calls.append(mine.calls)
+            made[dtype] = EngineRuns(first, decoded, calls)
+        return made[dtype]
 
     return get
 
@@ -221,16 +241,18 @@ def test_the_checkpoint_is_smollm2_with_its_chat_template(
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_engine_decode_is_plain_generate(
     engine_of: Callable[[str], TorchEngine],
+    engine_runs: Callable[[str], EngineRuns],
     plain_runs: Callable[[str], list[PlainRun]],
     eos_id: int,
     dtype: str,
 ) -> None:
     """The engine's decode (generate()'s prefill, then the piecewise steps, checked on the
     first decode) gives plain generate()'s tokens, to and with the first eos, and at every
-    step its top-1 logit: the maximum of generate()'s raw logits, exactly."""
-    engine = engine_of(dtype)
-    for run in plain_runs(dtype):
-        decoded = engine.decode(run.prompt_ids, N, [eos_id])
+    step its top-1 logit: the maximum of generate()'s raw logits, exactly; the first decode
+    (the check's) and every one after it."""
+    engine, mine = engine_of(dtype), engine_runs(dtype)
+    pairs = [(mine.first, plain_runs(dtype)[0]), *zip(mine.decoded, plain_runs(dtype), strict=True)]
+    for decoded, run in pairs:
         assert decoded.output_token_ids == run.tokens
         assert decoded.steps.top_k_logits.dtype == np.float32
         np.testing.assert_array_equal(decoded.steps.top_k_logits[:, 0], run.top1)
@@ -244,26 +266,23 @@ def test_engine_decode_is_plain_generate(
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_engine_decode_calls_sdpa_as_plain_generate(
-    checked_engine: Callable[[str], TorchEngine],
+    engine_of: Callable[[str], TorchEngine],
+    engine_runs: Callable[[str], EngineRuns],
     plain_runs: Callable[[str], list[PlainRun]],
-    eos_id: int,
     dtype: str,
 ) -> None:
     """The test that fails if the engine's attention kernels differ from generate()'s: a decode
     after the check (its steps' SDPA called directly with the options it learned) makes the
     very SDPA calls plain generate() makes, in order, prefill and decode steps, each with the
     backend torch picks for it."""
-    engine = checked_engine(dtype)
-    for run in plain_runs(dtype):
-        with SdpaCalls() as mine:
-            engine.decode(run.prompt_ids, N, [eos_id])
+    layers = engine_of(dtype).model.config.num_hidden_layers
+    for calls, run in zip(engine_runs(dtype).calls, plain_runs(dtype), strict=True):
         steps = len(run.tokens)
-        layers = engine.model.config.num_hidden_layers
-        assert len(mine.calls) == layers * steps  # a prefill, then a forward per later step
-        assert [c for c in mine.calls if c.phase == "decode"] == [
+        assert len(calls) == layers * steps  # a prefill, then a forward per later step
+        assert [c for c in calls if c.phase == "decode"] == [
             c for c in run.calls if c.phase == "decode"
         ]
-        assert mine.calls == run.calls
+        assert calls == run.calls
     backends = {c.backend for run in plain_runs(dtype) for c in run.calls}
     assert backends and all(not b.startswith("none") for b in backends)
 
@@ -286,7 +305,8 @@ def test_the_recorder_sees_what_attention_observe_sees(
 
 
 def test_attention_observe_around_engine_decode_sees_what_the_engine_observed(
-    checked_engine: Callable[[str], TorchEngine],
+    engine_of: Callable[[str], TorchEngine],
+    engine_runs: Callable[[str], EngineRuns],
     plain_runs: Callable[[str], list[PlainRun]],
     eos_id: int,
 ) -> None:
@@ -294,7 +314,8 @@ def test_attention_observe_around_engine_decode_sees_what_the_engine_observed(
     call of the prefill, and one call per decode step (layer 0's: the piecewise decoder sends
     the other layers' same call straight to torch, and its check compares that one with
     generate()'s), each equal to plain generate()'s call at that place."""
-    engine, run = checked_engine("bf16"), plain_runs("bf16")[1]
+    engine_runs("bf16")  # the piecewise decoder built and checked
+    engine, run = engine_of("bf16"), plain_runs("bf16")[1]
     layers = engine.model.config.num_hidden_layers
     with attention.observe(keep_calls=True) as seen:
         engine.decode(run.prompt_ids, N, [eos_id])
@@ -329,6 +350,7 @@ def test_replay_audit_generate_is_plain_generate(
 def test_plain_generate_traces_self_replay_exactly_through_the_hf_import(
     smollm2_dir: Path,
     plain_model: Callable[[str], Any],
+    plain_runs: Callable[[str], list[PlainRun]],
     tokenizer: Any,
     dtype: str,
     tmp_path: Path,
@@ -343,30 +365,22 @@ def test_plain_generate_traces_self_replay_exactly_through_the_hf_import(
 
     from replay_audit.cli import app
 
-    model = plain_model(dtype)
     tokenizer.padding_side = "left"
+    enc = tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True, padding=True
+    )
+    out = plain_model(dtype).generate(
+        **enc, max_new_tokens=N, do_sample=False, return_dict_in_generate=True, output_logits=True
+    )
+    # Each chat alone, as generate() returned it (`plain_runs`: the same call); the batch, with
+    # the call's inputs.
+    saved = {1: [run.output for run in plain_runs(dtype)], len(MESSAGES): [{**out, **enc}]}
     runner = CliRunner()
-    for size in (1, len(MESSAGES)):
+    for size, outputs in saved.items():
         folder = tmp_path / f"b{size}"
         folder.mkdir()
-        for start in range(0, len(MESSAGES), size):
-            chats = MESSAGES[start : start + size]
-            enc = tokenizer.apply_chat_template(
-                chats if size > 1 else chats[0],
-                add_generation_prompt=True,
-                return_tensors="pt",
-                return_dict=True,
-                padding=size > 1,
-            )
-            out = model.generate(
-                **enc,
-                max_new_tokens=N,
-                do_sample=False,
-                return_dict_in_generate=True,
-                output_logits=True,
-            )
-            saved = out if size == 1 else {**out, **enc}
-            torch.save(saved, folder / f"{start}.pt")
+        for i, output in enumerate(outputs):
+            torch.save(output, folder / f"{i}.pt")
         traces, results = tmp_path / f"traces-{size}.jsonl", tmp_path / f"results-{size}.jsonl"
         files = sorted(str(p) for p in folder.glob("*.pt"))
         model_args = ["--model", str(smollm2_dir)]
