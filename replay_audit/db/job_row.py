@@ -21,6 +21,7 @@ from typing import Any, Final, Protocol, TypeVar
 
 from sqlalchemy import update
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
 
 from replay_audit.db.base import utcnow
 from replay_audit.db.unit_of_work import session_scope
@@ -78,6 +79,15 @@ def claim_attempt(row: JobRow | None, max_attempts: int) -> bool:
     row.started_at = row.started_at or utcnow()
     take_lease(row)
     return True
+
+
+def claim_row(session: Session, model: type[Row], row_id: int, max_attempts: int) -> Row | None:
+    """Row `row_id` of `model` with one more attempt claimed on it (`claim_attempt`), else None:
+    nothing to run. The row is locked for the claiming transaction (PostgreSQL `FOR UPDATE`;
+    SQLite's write transactions are serialised, `db.engine`), so of two starts at the same
+    moment the second reads the first's lease and backs off."""
+    row = session.get(model, row_id, with_for_update=True)
+    return row if claim_attempt(row, max_attempts) else None
 
 
 def give_up_message(attempts: int, last_error: str | None) -> str:

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from replay_audit.db.base import utcnow
 from replay_audit.db.job_row import (
-    claim_attempt,
+    claim_row,
     fail_row,
     leased,
     outlasting_outages,
@@ -114,10 +114,9 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
     ctx = worker_context()
     url = database_url or ctx.settings.database_url
     with session_scope(url) as s:
-        row = s.get(Screening, screening_id)
-        if not claim_attempt(row, MAX_ATTEMPTS):
+        row = claim_row(s, Screening, screening_id, MAX_ATTEMPTS)
+        if row is None:
             return
-        assert row is not None  # claimed
         request = ScreeningCreate.model_validate(row.request)
         sha = row.model_sha256
     with leased(url, Screening, screening_id), recording_errors(url, Screening, screening_id):

@@ -23,7 +23,7 @@ from sqlalchemy.exc import IntegrityError
 from replay_audit.config import BUNDLED_MODEL_DIR, Settings
 from replay_audit.db.base import utcnow
 from replay_audit.db.job_row import (
-    claim_attempt,
+    claim_row,
     fail_row,
     leased,
     outlasting_outages,
@@ -220,10 +220,9 @@ def run_verification_job(verification_id: int, database_url: str | None = None) 
     ctx = worker_context()
     url = database_url or ctx.settings.database_url
     with session_scope(url) as s:
-        row = s.get(Verification, verification_id)
-        if not claim_attempt(row, MAX_ATTEMPTS):
+        row = claim_row(s, Verification, verification_id, MAX_ATTEMPTS)
+        if row is None:
             return
-        assert row is not None  # claimed
         request = VerificationCreate.model_validate(row.request)
         ids: list[int] = list(row.selection["trace_ids"])  # type: ignore[arg-type]
         groups: list[str] = list(row.selection["groups"])  # type: ignore[arg-type]

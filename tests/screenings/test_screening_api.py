@@ -301,6 +301,44 @@ def test_a_running_screening_is_never_started_a_second_time(
         assert row is not None and row.attempts == 1 and row.lease_until is None
 
 
+def test_of_two_starts_at_the_same_moment_the_second_backs_off(
+    client: TestClient,
+    job_runner: JobRunner,
+    fake_backend: list[FakeWorkerBackend],
+    fake_model_dir: Path,
+    headers: Callable[..., dict[str, str]],
+) -> None:
+    """A start that reads the row while another start's claim is not yet committed waits for
+    it (the claim locks the row) and then sees its lease: it claims no attempt and never
+    reaches the checkpoint. Before, on PostgreSQL it read the row as queued and ran beside the
+    first."""
+    import contextvars
+    import threading
+
+    from replay_audit.db.job_row import claim_row
+    from replay_audit.db.unit_of_work import session_scope
+    from replay_audit.screenings import tasks
+    from replay_audit.screenings.models import Screening
+
+    r = client.post(
+        "/v1/screenings", json=_body(weights_sha256(fake_model_dir)), headers=headers("admin")
+    )
+    screening_id = job_runner_id(client, r.json()["id"])
+    url = client.app.state.settings.database_url  # type: ignore[attr-defined]
+    run = contextvars.copy_context().run  # the thread sees the fakes installed here
+    second = threading.Thread(target=run, args=(tasks.run_screening_job, screening_id))
+    with session_scope(url) as s:  # the first start, inside its claiming transaction
+        assert claim_row(s, Screening, screening_id, tasks.MAX_ATTEMPTS) is not None
+        second.start()
+        second.join(1.0)  # it waits on the row (or, before, read it as queued)
+    second.join(30)
+    assert not second.is_alive()
+    assert fake_backend == []  # the second start never reached the checkpoint
+    with session_scope(url) as s:
+        row = s.get(Screening, screening_id)
+        assert row is not None and row.attempts == 1 and row.status == "running"
+
+
 def _outage(kind: str) -> Exception:
     from redis.exceptions import ConnectionError as RedisConnectionError
     from sqlalchemy.exc import OperationalError
