@@ -73,8 +73,10 @@ set +e
 # The lm-eval run (marker `lm_eval`) needs the `lm-eval` extra: `pip install -e '.[lm-eval]'`
 # then `pytest -m lm_eval`; deselected here like the GPU tests, never skipped.
 # One test process per core (pytest-xdist), a test file per process at a time (its module
-# fixtures are built once); each process has its own databases and Redis namespace.
-pytest -q -p no:cacheprovider -m "not gpu and not lm_eval" -n auto --dist loadfile "$@"
+# fixtures are built once); each process has its own databases and Redis namespace. The files
+# in the order tests/conftest.py gives them (slow ones first), not pytest-xdist's.
+pytest -q -p no:cacheprovider -m "not gpu and not lm_eval" -n auto --dist loadfile \
+  --no-loadscope-reorder "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected no test: that is a failure of this script, not a pass.

@@ -65,6 +65,23 @@ SMOLLM2_DEFAULT = REPO_ROOT / ".models" / "smollm2-135m-instruct"
 os.environ.setdefault("REPLAY_AUDIT_WORKER_METRICS_PORT", "0")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files holding a `slow` test first, each group's files by their tests' count (as
+    pytest-xdist orders them by default), each file's tests in their order. scripts/test.sh
+    runs a file per process (`--dist loadfile --no-loadscope-reorder`): by default the files
+    with the fewest tests, often the slowest (a server, a real model, the fuzzer: minutes
+    together), come last, and one process runs the last of them while the other waits; first,
+    the processes end on quick files together."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def key(tests: list[pytest.Item]) -> tuple[bool, int]:
+        return (not any(t.get_closest_marker("slow") for t in tests), -len(tests))
+
+    items[:] = [item for tests in sorted(files.values(), key=key) for item in tests]
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct, a real pretrained checkpoint (BF16 safetensors, tokenizer, chat

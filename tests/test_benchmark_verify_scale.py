@@ -18,6 +18,8 @@ from replay_audit.traces.schemas import TraceCreate
 
 TINY = Path(__file__).resolve().parents[1] / "replay_audit" / "assets" / "tiny-llama"
 
+pytestmark = pytest.mark.slow  # the benchmark end to end, twice
+
 
 def test_reused_prompts_are_variants_and_halves_split_by_text() -> None:
     texts = [f"def f{i}(x):\n    return x + {i}" for i in range(5)]

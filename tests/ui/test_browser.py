@@ -32,6 +32,7 @@ from tests.ui.chromium import (  # noqa: F401  (the browser fixture)
 pytestmark = [
     pytest.mark.parametrize("db_url", ["sqlite"], indirect=True),
     pytest.mark.usefixtures("worker_env"),
+    pytest.mark.slow,  # a Chromium a test
 ]
 
 

@@ -26,6 +26,7 @@ from tests.ui.chromium import (  # noqa: F401  (the browser fixture)
 pytestmark = [
     pytest.mark.parametrize("db_url", ["sqlite"], indirect=True),
     pytest.mark.usefixtures("worker_env"),
+    pytest.mark.slow,  # a Chromium a test
 ]
 
 #: The logged pieces of every trace: token t reads "w<t>" except a split character and a

@@ -24,7 +24,10 @@ from tests.ui.chromium import (
 )
 from tests.ui.chromium import serving as serving_app
 
-pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+pytestmark = [
+    pytest.mark.parametrize("db_url", ["sqlite"], indirect=True),
+    pytest.mark.slow,  # a Chromium a test
+]
 
 
 @pytest.fixture

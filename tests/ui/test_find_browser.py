@@ -37,6 +37,7 @@ from tests.ui.layout import at_width, layout_problems, screenshot
 pytestmark = [
     pytest.mark.parametrize("db_url", ["sqlite"], indirect=True),
     pytest.mark.usefixtures("worker_env"),
+    pytest.mark.slow,  # a Chromium a test
 ]
 
 NARROW = 420

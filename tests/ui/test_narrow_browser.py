@@ -21,6 +21,7 @@ from tests.ui.chromium import browser, follow, serving  # noqa: F401  (the brows
 pytestmark = [
     pytest.mark.parametrize("db_url", ["sqlite"], indirect=True),
     pytest.mark.usefixtures("worker_env"),
+    pytest.mark.slow,  # a Chromium a test
 ]
 
 

@@ -323,6 +323,7 @@ def test_sampling_fields_are_validated_naming_them() -> None:
 SMOLLM2 = os.environ.get("REPLAY_AUDIT_TEST_SMOLLM2")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not SMOLLM2, reason="REPLAY_AUDIT_TEST_SMOLLM2 names no SmolLM2 checkpoint")
 def test_a_real_checkpoint_s_sampled_traces_are_reproduced_and_4_bit_is_not(
     pool: EnginePool, tmp_path: Path
