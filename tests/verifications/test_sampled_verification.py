@@ -339,8 +339,11 @@ def test_a_real_checkpoint_s_sampled_traces_are_reproduced_and_4_bit_is_not(
     honest = _sampled(model, prompts, recipe=recipe, seed=21, rows=3, max_new=24, claimed=recipe)
     ulps = np.concatenate(_ulps(honest, pool, model))
     assert (ulps == 0).mean() >= 0.9
-    assert (ulps <= 4).all()
+    # Within the tie band but for rounding's own rare tail, which depends on the CPU's kernels:
+    # 2 of 144 tokens at 5.6 and 8 ulps on an AVX-512 EPYC, none on an AVX2 one (an H200's
+    # benign BF16 null holds tokens up to 8 ulps out too: 5 in 856,891, BENCHMARKS.md).
+    assert (ulps > 4).mean() <= 0.05 and ulps.mean() <= 0.5
     rtn4 = rtn_checkpoint(model, tmp_path / "rtn4", bits=4)
     quantised = _sampled(rtn4, prompts, recipe=recipe, seed=21, rows=3, max_new=24, claimed=recipe)
     q_ulps = np.concatenate(_ulps(quantised, pool, model))
-    assert (q_ulps > 4).mean() > (ulps > 4).mean() + 0.02
+    assert (q_ulps > 4).mean() > 4 * (ulps > 4).mean() + 0.05  # 27% against 1.4% here
