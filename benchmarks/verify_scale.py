@@ -449,9 +449,27 @@ def _rule_row(cal: Calibration, budget: int) -> Any:
 RULE = "tie_band_or_mean_deficit"
 
 
+#: The tie band at its rare-event floor where that is higher than its threshold
+#: (`BudgetCalibration.rare_event_floor`, docs/verify.md: measured, not the verdicts' yet).
+FLOORED = "outside_tie_band_floored"
+
+
+def _floored(cal: Calibration, budget: int) -> float:
+    row = next(b for b in cal.budgets["outside_tie_band"] if b.tokens == budget)
+    return max(row.threshold, getattr(row, "rare_event_floor", None) or 0.0)
+
+
 def decisions(cal: Calibration) -> list[str]:
-    """What decides: each statistic alone, and the combined rule where the calibration has it."""
-    return [*STATISTICS, *([RULE] if getattr(cal, "rule", None) else [])]
+    """What decides: each statistic alone, the combined rule where the calibration has it, and
+    the tie band at its rare-event floor where the calibration measured one."""
+    floors = any(
+        getattr(b, "rare_event_floor", None) is not None for b in cal.budgets["outside_tie_band"]
+    )
+    return [
+        *STATISTICS,
+        *([RULE] if getattr(cal, "rule", None) else []),
+        *([FLOORED] if floors else []),
+    ]
 
 
 def draw_scored(
@@ -476,6 +494,8 @@ def flagged(
     if decision == RULE:
         rule = _rule_row(cal, budget)
         return np.asarray(np.logical_or.reduce([drawn[s] > t for s, t in rule.thresholds.items()]))
+    if decision == FLOORED:
+        return np.asarray(drawn["outside_tie_band"] > _floored(cal, budget))
     row = next(b for b in cal.budgets[decision] if b.tokens == budget)
     return np.asarray(drawn[decision] > row.threshold)
 
@@ -483,6 +503,8 @@ def flagged(
 def threshold_text(cal: Calibration, decision: str, budget: int) -> str:
     if decision == RULE:
         return " or ".join(f"{t:.3g}" for t in _rule_row(cal, budget).thresholds.values())
+    if decision == FLOORED:
+        return f"{_floored(cal, budget):.3g}"
     return f"{next(b for b in cal.budgets[decision] if b.tokens == budget).threshold:.3g}"
 
 
@@ -558,7 +580,7 @@ def simulation_row(
         s = draw_scored(cal, sim, b, draws, rng)
         h = draw_scored(cal, honest, b, draws, rng)
         for dec in decs:
-            cell = {"auc": None if dec == RULE else auc(h[dec], s[dec])}
+            cell = {"auc": None if dec in (RULE, FLOORED) else auc(h[dec], s[dec])}
             if judged:
                 cell["power"] = float(flagged(cal, dec, b, s).mean())
             row[dec]["per_budget"][str(b)] = cell

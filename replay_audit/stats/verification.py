@@ -23,6 +23,7 @@ needs. docs/verify.md says why each choice, with the measurements.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final, Literal, NotRequired, TypedDict, TypeVar, get_args
@@ -66,6 +67,10 @@ QUANTILES: Final = tuple(np.round(np.linspace(0.0, 1.0, 21), 2).tolist())
 #: bootstrap resamples of its traces (1 drew groups from the pooled traces themselves); a
 #: stored calibration of an older version is measured again.
 CALIBRATION_VERSION: Final = 2
+#: The confidence of the upper bound on a variation's rate of traces holding a token outside
+#: the tie band (`rare_event_floor`): a null that saw none of k such traces in N allows
+#: about (k + 3) / N.
+RARE_EVENT_CONFIDENCE: Final = 0.95
 
 Ulps = npt.NDArray[np.float64]
 _Name = TypeVar("_Name", bound=str)
@@ -207,6 +212,10 @@ class BudgetCalibration:
     false_alarm: float
     power: float | None
     set_by: str | None = None
+    #: The tie band's rare-event floor at this budget (`rare_event_floor`): the least threshold
+    #: the null can promise for rare, clustered out-of-band tokens. Measured, not applied to
+    #: `threshold` yet (docs/verify.md); None for the other statistics and older calibrations.
+    rare_event_floor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -374,6 +383,67 @@ class Calibration:
         )
 
 
+def poisson_upper(k: int, confidence: float) -> float:
+    """The exact upper confidence bound on a Poisson mean that showed `k` events: the mean
+    whose probability of k events or fewer is 1 - `confidence` (k = 0 at 95%: 3.0)."""
+    if k < 0 or not 0.0 < confidence < 1.0:
+        raise ValueError("k >= 0 and a confidence between 0 and 1")
+
+    def cdf(lam: float) -> float:  # P(Poisson(lam) <= k), summed in log space
+        logs = [i * math.log(lam) - lam - math.lgamma(i + 1) for i in range(k + 1)]
+        top = max(logs)
+        return math.exp(top) * sum(math.exp(x - top) for x in logs)
+
+    lo, hi = 0.0, k + 10.0 * math.sqrt(k + 1.0) + 10.0
+    for _ in range(100):  # cdf falls with lam: bisect to cdf = 1 - confidence
+        mid = (lo + hi) / 2.0
+        lo, hi = (mid, hi) if cdf(mid) > 1.0 - confidence else (lo, mid)
+    return hi
+
+
+def rare_event_floor(
+    null: Mapping[str, Sequence[Ulps]],
+    budget: int,
+    rate: float,
+    draws: int,
+    rng: np.random.Generator,
+) -> tuple[float, str]:
+    """The tie band's threshold that a null of few out-of-band tokens can promise at `budget`
+    (per-token tie-band scores, 0 or 1, variation -> one array per trace), and the variation
+    that sets it.
+
+    Tokens outside the band come rarely and in clusters (a trace that goes off holds several),
+    so at a large budget a group's score is the few such traces it happens to hold, and a
+    null's bootstrap sees only the clusters it drew: 1.6 M benign SmolLM2 tokens held 8, and a
+    threshold from half of them false-alarmed on 5.5% of the other half's groups of 131,072
+    (BENCHMARKS.md). Here, per variation, a group of `budget` tokens holds a Poisson number of
+    such traces at the upper `RARE_EVENT_CONFIDENCE` bound of the variation's rate of them
+    (`poisson_upper`: a variation that showed none still allows some), each holding as many as
+    one of the null's own such traces, of any variation, drawn at random (one token where the
+    null shows none); the floor is the highest of the variations' (1 - `rate`) quantiles. At a
+    small budget it is 0 and the draws' quantile sets the threshold alone."""
+    counts = {
+        name: np.asarray([float(np.sum(u)) for u in traces if len(u)])
+        for name, traces in null.items()
+    }
+    counts = {name: c for name, c in counts.items() if c.size}
+    clusters = np.concatenate([c[c > 0] for c in counts.values()] or [np.zeros(0)])
+    clusters = clusters if clusters.size else np.ones(1)
+    floors: dict[str, float] = {}
+    for name, c in counts.items():
+        tokens = sum(len(u) for u in null[name])
+        per_trace = poisson_upper(int(np.count_nonzero(c)), RARE_EVENT_CONFIDENCE) / c.size
+        held = rng.poisson(per_trace * budget / (tokens / c.size), size=draws)
+        sums = np.zeros(draws)
+        if held.sum():
+            picked = rng.choice(clusters, size=int(held.sum()))
+            owner = np.repeat(np.arange(draws), held)
+            np.add.at(sums, owner, picked)
+        floors[name] = float(np.quantile(sums / budget, 1.0 - rate, method="higher"))
+    set_by = max(floors, key=lambda name: floors[name])
+    return floors[set_by], set_by
+
+
 def null_reach(variations: Sequence[Variation], budgets: Sequence[int]) -> int | None:
     """The largest of `budgets` the null backs: one that every benign variation holds at least
     as many tokens as (None: no budget is backed, or no variation was measured). Beyond it a
@@ -435,6 +505,8 @@ def calibrate(
         # Every statistic scores the same groups: the rule is measured on the groups it judges.
         drawn = {name: draw_groups(v, n, draws, rng) for name, v in per_variation.items()}
         alt = draw_groups(alt_scores, n, draws, rng) if alt_scores[VERDICT_STATISTIC] else None
+        band = {name: v["outside_tie_band"] for name, v in per_variation.items()}
+        floor = rare_event_floor(band, n, false_alarm_rate, draws, rng)[0]
         for statistic in STATISTICS:
             one = {name: d[statistic] for name, d in drawn.items()}
             quantiles = {
@@ -453,6 +525,7 @@ def calibrate(
                     false_alarm=max(float((d > threshold).mean()) for d in one.values()),
                     power=None if alt is None else float((alt[statistic] > threshold).mean()),
                     set_by=set_by,
+                    rare_event_floor=floor if statistic == "outside_tie_band" else None,
                 )
             )
         thresholds: dict[str, float] = {}

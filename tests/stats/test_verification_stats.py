@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from replay_audit.stats.verification import (
     calibrate,
     deficit_bins,
     draw_group_scores,
+    poisson_upper,
     verdict,
 )
 
@@ -89,7 +91,7 @@ def test_every_benign_variation_keeps_the_false_alarm_rate_not_just_their_mix() 
     null = {f"quiet{i}": _traces(rng, 40, 0.02, False) for i in range(3)}
     null["noisy"] = _traces(rng, 40, 0.05, False)
     cal = calibrate(null, [], weights_sha256="x", claim=CLAIM, platform=PLATFORM, draws=400)  # type: ignore[arg-type]
-    assert cal.version == 2
+    assert cal.version >= 2  # thresholds per variation
     fresh = _traces(np.random.default_rng(4), 200, 0.05, False)  # the noisy one, other traces
     for stat in ("mean_deficit_ulps", "log_likelihood_ratio"):
         for row in cal.budgets[stat]:
@@ -175,3 +177,40 @@ def test_calibration_round_trips_through_json(calibration: Calibration) -> None:
 def test_auc() -> None:
     assert auc([0, 0, 1], [2, 3]) == 1.0
     assert auc([1, 1], [1, 1]) == 0.5
+
+
+def test_the_poisson_upper_bound_is_the_exact_one() -> None:
+    assert poisson_upper(0, 0.95) == pytest.approx(-math.log(0.05), rel=1e-6)  # the rule of three
+    assert poisson_upper(5, 0.95) == pytest.approx(10.513, abs=1e-3)  # tables: 10.51
+    bounds = [poisson_upper(k, 0.95) for k in range(20)]
+    assert all(b > k for k, b in enumerate(bounds)) and bounds == sorted(bounds)
+
+
+def test_a_null_that_saw_no_out_of_band_token_measures_what_it_can_promise() -> None:
+    """A benign population in which one trace of 1,500 holds a token outside the tie band: a
+    null of 1,536 of its traces may hold none, and then the draws' quantile, 0 at every budget,
+    promises what it cannot keep: a provider's group of 131,072 honest tokens (distinct traces
+    of the same population) holds such a token more often than not. The rare-event floor the
+    calibration measures (a Poisson upper bound on the rate such traces come at) keeps the
+    false-alarm rate at 1% there, and is 0 at a small budget, where such a trace is rarely in a
+    group."""
+    length, per_trace = 100, 1 / 1500
+    null = {"a": [np.zeros(length) for _ in range(1536)]}
+    cal = calibrate(
+        null,
+        [],
+        weights_sha256="x",
+        claim=CLAIM,
+        platform=PLATFORM,
+        budgets=(256, 131072),  # type: ignore[arg-type]
+    )
+    small, large = cal.budgets["outside_tie_band"]
+    assert small.rare_event_floor == 0.0 and large.threshold == 0.0
+    assert large.rare_event_floor is not None and large.rare_event_floor > 0.0
+    assert all(b.rare_event_floor is None for b in cal.budgets["mean_deficit_ulps"])
+    # honest groups of distinct traces: the out-of-band tokens in 1,310 traces
+    held = np.random.default_rng(11).binomial(131072 // length, per_trace, size=20000)
+    scores = held / 131072
+    assert (scores > large.rare_event_floor).mean() <= 0.01
+    assert (scores > large.threshold).mean() > 0.5  # what the quantile alone promised
+    assert Calibration.from_json(cal.to_json()).budgets["outside_tie_band"][1] == large
