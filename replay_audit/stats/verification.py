@@ -428,17 +428,14 @@ def rare_event_floor(
     }
     counts = {name: c for name, c in counts.items() if c.size}
     clusters = np.concatenate([c[c > 0] for c in counts.values()] or [np.zeros(0)])
-    clusters = clusters if clusters.size else np.ones(1)
+    sizes, seen = np.unique(clusters if clusters.size else np.ones(1), return_counts=True)
     floors: dict[str, float] = {}
     for name, c in counts.items():
         tokens = sum(len(u) for u in null[name])
         per_trace = poisson_upper(int(np.count_nonzero(c)), RARE_EVENT_CONFIDENCE) / c.size
         held = rng.poisson(per_trace * budget / (tokens / c.size), size=draws)
-        sums = np.zeros(draws)
-        if held.sum():
-            picked = rng.choice(clusters, size=int(held.sum()))
-            owner = np.repeat(np.arange(draws), held)
-            np.add.at(sums, owner, picked)
+        # how many of each size the held traces are (a multinomial per draw), then their tokens
+        sums = rng.multinomial(held, seen / seen.sum()) @ sizes
         floors[name] = float(np.quantile(sums / budget, 1.0 - rate, method="higher"))
     set_by = max(floors, key=lambda name: floors[name])
     return floors[set_by], set_by
