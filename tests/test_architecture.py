@@ -143,6 +143,9 @@ DELIBERATE: dict[tuple[str, str], str] = {
     ("replay_audit.engine.attention", "_local"): "each thread's current observer",
     ("replay_audit.engine.loading", "_SWITCHES"): "one arm's torch switches applied at a time",
     ("replay_audit.engine.loading", "_CUBLAS_VERSION"): "the version of the process's one cuBLAS",
+    # A file's bytes are the same for every caller while its path, inode, size and mtime are.
+    ("replay_audit.engine.hashing", "_digests"): "each weights file's SHA-256, read once",
+    ("replay_audit.engine.hashing", "_digests_lock"): "guards the above",
 }
 
 _THREADING = (

@@ -70,11 +70,3 @@ def weights_sha256(model_dir: str | Path) -> str:
     files = safetensors_files(model_dir)
     manifest = "".join(f"{_cached_file_sha256(p)}  {p.name}\n" for p in files)
     return hashlib.sha256(manifest.encode("utf-8")).hexdigest()
-
-
-class HashCache:
-    """What hashes checkpoints for the engine pool and the worker's checkpoint lookup:
-    `weights_sha256`, which reads each file once while it is unchanged."""
-
-    def weights_sha256(self, model_dir: str | Path) -> str:
-        return weights_sha256(model_dir)

@@ -507,12 +507,7 @@ def sampling_from_json(
     batch's rows and this trace's row: transformers draws the noise per batch); None for none."""
     if not d:
         return None
-    recipe = SamplingRecipe(
-        sampler=d["sampler"],
-        temperature=float(d["temperature"]),
-        top_k=int(d.get("top_k") or 0),
-        top_p=float(d.get("top_p", 1.0)),
-    )
+    recipe = SamplingRecipe.from_json(d)
     rows, row = (len(batch["prompt_lengths"]), int(batch["row"])) if batch else (1, 0)
     return Sampling(recipe, int(d["seed"]), d.get("device", "cpu"), rows, row)
 

@@ -257,7 +257,7 @@ def _items(
     sha = trace.weights_sha256
     if sha not in checkpoints:
         try:
-            checkpoints[sha] = find_checkpoint(sha, ctx.settings.model_dirs, ctx.pool)
+            checkpoints[sha] = find_checkpoint(sha, ctx.settings.model_dirs)
         except ModelNotFound as e:
             checkpoints[sha] = e
     model_dir = checkpoints[sha]

@@ -127,7 +127,7 @@ def run_screening_job(screening_id: int, database_url: str | None = None) -> Non
 def _screen(screening_id: int, url: str, request: ScreeningCreate, sha: str) -> None:
     ctx = worker_context()
     try:
-        model_dir = find_checkpoint(sha, ctx.settings.model_dirs, ctx.pool)
+        model_dir = find_checkpoint(sha, ctx.settings.model_dirs)
         shape = CheckpointShape.read(model_dir)
     except ModelNotFound as e:
         fail_row(url, Screening, screening_id, str(e))

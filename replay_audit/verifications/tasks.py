@@ -245,7 +245,7 @@ def _verify(
 ) -> None:
     ctx = worker_context()
     try:
-        model_dir = find_checkpoint(sha, ctx.settings.model_dirs, ctx.pool)
+        model_dir = find_checkpoint(sha, ctx.settings.model_dirs)
     except ModelNotFound as e:
         fail_row(url, Verification, verification_id, str(e))
         return

@@ -7,11 +7,11 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Protocol
+from typing import Final
 
 from tokenizers import Tokenizer
 
-from replay_audit.engine.hashing import HashCache
+from replay_audit.engine.hashing import weights_sha256 as checkpoint_sha256
 
 
 def candidate_dirs(model_dirs: Sequence[Path]) -> Iterator[Path]:
@@ -32,20 +32,15 @@ class ModelNotFound(LookupError):
     pass
 
 
-class Hashes(Protocol):
-    """What hashes checkpoints, caching: `engine.HashCache`, or a worker's `EnginePool`."""
-
-    def weights_sha256(self, model_dir: str | Path) -> str: ...
-
-
-def find_checkpoint(weights_sha256: str, model_dirs: Sequence[Path], pool: Hashes) -> Path:
+def find_checkpoint(weights_sha256: str, model_dirs: Sequence[Path]) -> Path:
     """The checkpoint directory whose weights hash is `weights_sha256`.
 
-    Hashes are cached by the pool while a checkpoint's files keep name, size and mtime, so only
-    the first lookup reads the weights. Raises `ModelNotFound` naming the directories searched.
+    Each file's digest is kept while it keeps its path, inode, size and mtime
+    (`engine.hashing`), so only the first lookup reads the weights. Raises `ModelNotFound`
+    naming the directories searched.
     """
     for d in candidate_dirs(model_dirs):
-        if pool.weights_sha256(d) == weights_sha256:
+        if checkpoint_sha256(d) == weights_sha256:
             return d
     searched = ", ".join(str(p) for p in model_dirs) or "(none)"
     raise ModelNotFound(
@@ -119,13 +114,12 @@ class CheckpointIndex:
 
     def __init__(self, model_dirs: Sequence[Path]) -> None:
         self.model_dirs = list(model_dirs)
-        self._pool = HashCache()
         self._shapes: dict[tuple[Path, int], CheckpointShape] = {}
 
     def shape(self, weights_sha256: str) -> CheckpointShape:
         """The shape of the checkpoint whose weights hash is `weights_sha256`; `ModelNotFound`
         when no directory holds it or its config.json says too little."""
-        d = find_checkpoint(weights_sha256, self.model_dirs, self._pool)
+        d = find_checkpoint(weights_sha256, self.model_dirs)
         config = d / "config.json"
         key = (d, config.stat().st_mtime_ns if config.is_file() else 0)
         if key not in self._shapes:
