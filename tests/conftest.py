@@ -82,6 +82,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items[:] = [item for tests in sorted(files.values(), key=key) for item in tests]
 
 
+@pytest.fixture(autouse=True)
+def _worker_context_unbound_after_each_test() -> Iterator[None]:
+    """A test that runs a job on its own thread, or installs a worker context there, leaves it
+    bound in the thread's context (`worker.context`: built from that test's environment, its
+    database among it); unbound after every test, so that a later test's in-process runner,
+    which runs its jobs in a copy of its builder's context, does not run them against an
+    earlier test's database (CI saw "no such table: replay_jobs" once files ran in another
+    order)."""
+    yield
+    from replay_audit.worker import context
+
+    context.install_worker_context(None)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct, a real pretrained checkpoint (BF16 safetensors, tokenizer, chat
