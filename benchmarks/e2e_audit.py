@@ -70,12 +70,12 @@ Phases, each timed:
    decoded) and the EAR. Per audit: the wall time from the first POST to the last report, and
    traces per hour with and without the ingest of those traces (ingest time prorated).
 
-In scan-then-decode the service decodes a flagged trace from its first disagreement to the
-trace's full length (a forced prefix, then a greedy decode at batch 1), and a near-tie or
-control-sample trace from its prompt: there is no "t* plus a window" decode in the service, so
-with 480-token outputs a trace that diverges early costs up to 480 decode steps. --run-extra
-passes request fields a later service may take (a decode window, say) without changing this
-driver.
+In scan-then-decode the service decodes a flagged trace from its first disagreement (a forced
+prefix, then a greedy decode at batch 1), and a near-tie or control-sample trace from its
+prompt, each to t* + the run's decode window: a large run that names no mode gets the
+deployment's REPLAY_AUDIT_LARGE_RUN_DECODE_WINDOW (32), so `auto` is windowed; a run naming
+`mode: scan_then_decode` decodes to the trace's full length unless --run-extra names a
+`decode_window`. --run-extra passes any request fields without changing this driver.
 
 Every phase is cut at --deadline-s from the audit command's start: a phase still running then
 is reported as it stands (results so far, the rate so far, the time the rest would take at
