@@ -165,12 +165,17 @@ def route_of(placement: LoggedPlacement, targets: Sequence[RunTarget], default: 
     return Route(device, kind, tp)
 
 
-def _recorded(request: ReplayCreate, mode: str, scan_flag_ulps: float) -> JsonObject:
+def _recorded(
+    request: ReplayCreate, mode: str, scan_flag_ulps: float, decode_window: int | None
+) -> JsonObject:
     """The request as the run stores it, with the near-tie flag a scan-then-decode run uses
-    (the deployment's where the request names none), so every worker applies the same one."""
+    (the deployment's where the request names none), so every worker applies the same one,
+    and the decode window that runs (`resolve_window`), so the stored request and the run say
+    the same."""
     stored: JsonObject = request.model_dump(mode="json")
     if mode == "scan_then_decode" and stored.get("scan_flag_ulps") is None:
         stored["scan_flag_ulps"] = scan_flag_ulps
+    stored["decode_window"] = decode_window
     return stored
 
 
@@ -234,6 +239,13 @@ def create_replay(
     ids = [t.id for t in traces]
     targets, comparisons = _with_engine_check(request, targets, _comparisons(request, len(targets)))
     mode = resolve_mode(request.mode, len(traces), defaults.large_run_traces)
+    window = resolve_window(
+        request.mode,
+        request.decode_window,
+        mode,
+        pairwise=request.compare == "pairwise",
+        large_run_window=defaults.large_run_decode_window,
+    )
     chunks = _chunks(
         repository.logged_placements(session, ids),
         ids,
@@ -249,15 +261,9 @@ def create_replay(
             name=request.name,
             status="queued",
             mode=mode,
-            decode_window=resolve_window(
-                request.mode,
-                request.decode_window,
-                mode,
-                pairwise=request.compare == "pairwise",
-                large_run_window=defaults.large_run_decode_window,
-            ),
+            decode_window=window,
             compare=request.compare,
-            request=_recorded(request, mode, defaults.scan_flag_ulps),
+            request=_recorded(request, mode, defaults.scan_flag_ulps, window),
             targets=[t.to_json() for t in targets],
             comparisons=[c.to_json() for c in comparisons],
             n_traces=len(traces),

@@ -406,6 +406,7 @@ def test_a_run_naming_no_mode_is_scan_then_decode_when_large(
         r = client.post("/v1/replays", json=body, headers=h)
         assert r.status_code == 201, r.text
         run = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
+        assert run["request"]["decode_window"] == run["decode_window"]  # one story
         return run["mode"], run["decode_window"]
 
     assert planned(19) == ("decode", None)
