@@ -10,6 +10,7 @@ from replay_audit.engine.fake import FakeEngine
 from replay_audit.engine.hashing import weights_sha256
 from replay_audit.engine.pool import EnginePool, load_engine
 from replay_audit.engine.protocol import (
+    DecodeRequest,
     DecodeRun,
     DecodeWindow,
     Engine,
@@ -23,6 +24,7 @@ from replay_audit.engine.protocol import (
 )
 
 __all__ = [
+    "DecodeRequest",
     "DecodeRun",
     "DecodeWindow",
     "Engine",

@@ -198,3 +198,53 @@ def step_extras(batches: Sequence[ScanBatch], token_budget: int) -> dict[str, Ex
         "step_batch_shapes": ",".join(shape for _, shape in shapes),
         "step_padding": "none: one context length per forward",
     }
+
+
+#: A decode's logged batch (`decode_batch`): the layout's prompt lengths, the tokens past the
+#: logged prompt (a forced prefix), and the row the trace sat at.
+RowKey = tuple[tuple[int, ...], int, int]
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Which decodes of a `decode_batch` run together: each of `together` is one run of a logged
+    batch with two or more of its rows decoded (distinct rows, the same batch and prefix
+    length); `alone` decode one by one."""
+
+    together: list[list[int]]
+    alone: list[int]
+
+    @property
+    def shape(self) -> str:
+        """The runs together, for `environment()["extras"]` ("3 batches, 40 rows")."""
+        rows = sum(len(m) for m in self.together)
+        return f"{len(self.together)} batches, {rows} rows"
+
+
+def plan_rows(keys: Sequence[RowKey | None]) -> RowPlan:
+    """The decodes of one logged batch together, at most one per row a run (a second request
+    for a row goes to the next run); a run that would hold one row, and a key of None, decode
+    alone. Runs keep the requests' order within each batch."""
+    groups: dict[tuple[tuple[int, ...], int], list[tuple[int, int]]] = {}
+    alone: list[int] = []
+    for i, key in enumerate(keys):
+        if key is None:
+            alone.append(i)
+        else:
+            groups.setdefault((key[0], key[1]), []).append((i, key[2]))
+    together: list[list[int]] = []
+    for members in groups.values():
+        while members:
+            run: dict[int, int] = {}  # row -> request
+            rest: list[tuple[int, int]] = []
+            for i, row in members:
+                if row in run:
+                    rest.append((i, row))
+                else:
+                    run[row] = i
+            if len(run) > 1:
+                together.append(list(run.values()))
+            else:
+                alone.extend(run.values())
+            members = rest
+    return RowPlan(together, sorted(alone))

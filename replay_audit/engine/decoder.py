@@ -184,8 +184,27 @@ class GenerateDecoder:
         *,
         keep_cache: bool = False,
     ) -> None:
+        """`run_each` where `choose(hidden, logits, row)` takes one token, which every row
+        gets."""
+
+        def each(hidden: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], bool]:
+            token, stop = choose(hidden, logits, row)
+            return [token] * len(ids), stop
+
+        self.run_each(ids, mask, max_new_tokens, each, keep_cache=keep_cache)
+
+    def run_each(
+        self,
+        ids: list[list[int]],
+        mask: list[list[int]],
+        max_new_tokens: int,
+        choose: Callable[[torch.Tensor, torch.Tensor], tuple[list[int], bool]],
+        *,
+        keep_cache: bool = False,
+    ) -> None:
         """`generate()` over these rows; each step's hidden states (B, d) and float32 logits
-        (B, V) handed to `choose(hidden, logits, row)`, every row given the token it takes."""
+        (B, V) handed to `choose(hidden, logits)`, which names each row's token and whether
+        the decode stops after this step."""
         from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
         model, dev = self.body.model, self.body.device
@@ -200,9 +219,13 @@ class GenerateDecoder:
             nonlocal stop
             hidden = last_hidden[0][:, -1]
             logits = scores if self.own_head else self.head.native(hidden).float()
-            token, stop = choose(hidden, logits, row)
+            tokens, stop = choose(hidden, logits)
             forced = torch.full_like(scores, -math.inf)
-            forced[:, token] = 0.0
+            if len(set(tokens)) == 1:
+                forced[:, tokens[0]] = 0.0
+            else:
+                rows = torch.arange(scores.shape[0], device=scores.device)
+                forced[rows, torch.tensor(tokens, dtype=torch.long, device=scores.device)] = 0.0
             return forced
 
         def criterion(_ids: torch.Tensor, _scores: torch.Tensor, **_: Any) -> torch.Tensor:

@@ -28,6 +28,7 @@ from replay_audit.engine.batch import (
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
     BatchLayout,
+    DecodeRequest,
     DecodeRun,
     DecodeStop,
     DecodeWindow,
@@ -41,6 +42,7 @@ from replay_audit.engine.protocol import (
     StepInfo,
     Steps,
     Target,
+    decode_each,
     steps_from_numerics,
 )
 from replay_audit.exceptions import UnsupportedFormat
@@ -166,6 +168,18 @@ class FakeEngine:
                 differs = window.first_difference(out, differs, len(out) - 1)
         steps = Steps.concat(parts) if parts else Steps.empty(top_k)
         return DecodeRun(out, steps, len(forced_prefix), stop)
+
+    def decode_batch(
+        self,
+        requests: Sequence[DecodeRequest],
+        intervention: Intervention | None = None,
+        top_k: int = 5,
+        *,
+        processors: LogitsProcessors | None = None,
+    ) -> list[DecodeRun]:
+        """Each request's `decode`, in order (the fake model has no batch to share)."""
+        self.calls.append("decode_batch")
+        return decode_each(self, requests, intervention, top_k, processors)
 
     def scan(
         self,

@@ -528,6 +528,18 @@ class DecodeRun:
     stop_reason: DecodeStop
 
 
+@dataclass(frozen=True)
+class DecodeRequest:
+    """One decode of `Engine.decode_batch`: `Engine.decode`'s arguments for one trace."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    eos_ids: Sequence[int] = ()
+    forced_prefix: Sequence[int] = ()
+    window: DecodeWindow | None = None
+    layout: BatchLayout | None = None
+
+
 @dataclass(frozen=True, eq=False)
 class LoggedEvidence:
     """What the scan's native logits say of each logged token (row t: output step t), the
@@ -656,6 +668,22 @@ class Engine(Protocol):
         decode's prefix). `intervention` None means the target's; `processors` process every
         step's logits; `layout`: the logged batch the row ran in (None: copies of the row)."""
 
+    def decode_batch(
+        self,
+        requests: Sequence[DecodeRequest],
+        intervention: Intervention | None = None,
+        top_k: int = 5,
+        *,
+        processors: LogitsProcessors | None = None,
+    ) -> list[DecodeRun]:
+        """`decode` of each request, in order. Requests that replay rows of one logged batch
+        (the same layout's prompt lengths, the same number of tokens past the logged prompt,
+        distinct rows) decode together in one run of that batch, each at its own row where
+        `decode` of it alone puts filler: the batch's shape and every row's padding are the
+        same, and a row's numbers do not depend on the other rows' tokens, so each result is
+        `decode`'s for the request alone. The others decode one by one. Which ran together is
+        recorded in `environment()["extras"]` (`decode_rows`)."""
+
     def scan(
         self,
         prompt_ids: Sequence[int],
@@ -723,6 +751,30 @@ class Engine(Protocol):
     def token_pieces(self, ids: Sequence[int]) -> tuple[Piece, ...] | None:
         """Each token's piece (`diff.pieces`: its text, or its bytes when they are not text
         alone), or None when the checkpoint has no tokenizer."""
+
+
+def decode_each(
+    engine: Engine,
+    requests: Sequence[DecodeRequest],
+    intervention: Intervention | None,
+    top_k: int,
+    processors: LogitsProcessors | None,
+) -> list[DecodeRun]:
+    """`Engine.decode_batch` one request at a time (an engine with no batch to share)."""
+    return [
+        engine.decode(
+            r.prompt_ids,
+            r.max_new_tokens,
+            r.eos_ids,
+            intervention,
+            top_k,
+            forced_prefix=r.forced_prefix,
+            processors=processors,
+            window=r.window,
+            layout=r.layout,
+        )
+        for r in requests
+    ]
 
 
 @runtime_checkable

@@ -42,6 +42,7 @@ from replay_audit.engine.batch import (
     PackedBatch,
     bucket_length,
     pack_batch,
+    plan_rows,
     plan_scan,
     plan_steps,
     scan_extras,
@@ -53,6 +54,7 @@ from replay_audit.engine.decoder import (
     Decoder,
     GenerateDecoder,
     StepOutput,
+    batch_rows,
 )
 from replay_audit.engine.loading import (
     TORCH_DTYPES,
@@ -62,6 +64,7 @@ from replay_audit.engine.loading import (
     resolve_device,
 )
 from replay_audit.engine.numerics import (
+    HostTopK,
     LmHead,
     VocabShard,
     decide,
@@ -77,6 +80,7 @@ from replay_audit.engine.processors import build as build_processing
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
     BatchLayout,
+    DecodeRequest,
     DecodeRun,
     DecodeStop,
     DecodeWindow,
@@ -161,6 +165,7 @@ class TorchEngine:
         #: The batch shapes of the last batched scan and batched re-runs (`environment()`).
         self._scan_extras: dict[str, ExtraValue] = {}
         self._step_extras: dict[str, ExtraValue] = {}
+        self._decode_extras: dict[str, ExtraValue] = {}
 
     @classmethod
     def load(
@@ -252,56 +257,82 @@ class TorchEngine:
         window: DecodeWindow | None = None,
         layout: BatchLayout | None = None,
     ) -> DecodeRun:
-        iv = intervention or self._target.intervention
-        eos = set(eos_ids)
-        out = [int(x) for x in forced_prefix]
-        start = len(out)
-        differs = window.first_difference(out, None) if window is not None else None
-        if start >= max_new_tokens or (out and out[-1] in eos):
-            stop: DecodeStop = "eos" if out and out[-1] in eos else "length"
-            return DecodeRun(out, Steps.empty(top_k), start, stop)
-        if window is not None and window.reached(differs, start):
-            return DecodeRun(out, Steps.empty(top_k), start, "window")
-        context = [*prompt_ids, *out]
-        parts: list[Steps] = []
-        stops: list[DecodeStop] = ["length"]
-        processing = self._processing(processors, len(prompt_ids))
-        sequence = None
-        if processing is not None:  # prompt ‖ output, written as tokens come
-            sequence = torch.zeros(
-                (1, len(prompt_ids) + max_new_tokens), dtype=torch.long, device=self.device
-            )
-            sequence[0, : len(context)] = torch.tensor(context, dtype=torch.long)
+        request = DecodeRequest(prompt_ids, max_new_tokens, eos_ids, forced_prefix, window, layout)
+        row = _RowDecode(self, request, intervention or self._target.intervention, top_k)
+        if row.done is None:
+            processing = self._processing(processors, len(prompt_ids))
+            if processing is not None:
+                row.process(processing)
+            with self._probe():
+                decoder = self._decoder(row.context, row.total, layout)
+                decoder.run(row.context, row.new_tokens, row.choose, top_k, layout)
+        return row.result()
 
-        def choose(step: StepOutput) -> tuple[int, bool]:
-            nonlocal differs
-            z32, top, process = step.logits[None], step.top, None
-            if processing is not None and sequence is not None:
-                process = StepProcessing([Span(0, 1, processing, sequence, len(out))])
-                z32 = process(z32)
-                top = top_k_on_host(z32, top_k)
-            chosen = decide(self.head, top, z32, step.hidden[:1], iv, top_k, process)
-            parts.append(chosen)
-            token = int(chosen.token_ids[0])
-            out.append(token)
-            if sequence is not None and len(prompt_ids) + len(out) <= sequence.shape[1]:
-                sequence[0, len(prompt_ids) + len(out) - 1] = token
-            if token in eos:
-                stops[0] = "eos"
-                return token, True
-            if len(out) >= max_new_tokens:
-                return token, True
-            if window is not None:
-                differs = window.first_difference(out, differs, len(out) - 1)
-                if window.reached(differs, len(out)):
-                    stops[0] = "window"
-                    return token, True
-            return token, False
+    @torch.inference_mode()
+    def decode_batch(
+        self,
+        requests: Sequence[DecodeRequest],
+        intervention: Intervention | None = None,
+        top_k: int = 5,
+        *,
+        processors: LogitsProcessors | None = None,
+    ) -> list[DecodeRun]:
+        """`Engine.decode_batch`: the rows of one logged batch (`batch.plan_rows`) run together
+        through `generate()` (the decode a lone row of a padded layout gets; the piecewise
+        decode of an unpadded one is checked bitwise against it); logits processors, the
+        compiled path and tensor parallel decode one by one."""
+        iv = intervention or self._target.intervention
+        rows = [_RowDecode(self, r, iv, top_k) for r in requests]
+        alone = (processors is not None and processors.active) or self.tp is not None
+        alone = alone or self.cache_kind == "compiled"
+        keys = [
+            None if alone or row.done is not None else row.batch_key(self.body.batch_size)
+            for row in rows
+        ]
+        plan = plan_rows(keys)
+        for members in plan.together:
+            self._decode_rows([rows[i] for i in members], top_k)
+        for i in plan.alone:
+            r = requests[i]
+            rows[i].run = self.decode(
+                r.prompt_ids,
+                r.max_new_tokens,
+                r.eos_ids,
+                iv,
+                top_k,
+                forced_prefix=r.forced_prefix,
+                processors=processors,
+                window=r.window,
+                layout=r.layout,
+            )
+        if plan.together:
+            self._decode_extras = {"decode_rows": plan.shape}
+        return [row.result() for row in rows]
+
+    def _decode_rows(self, rows: Sequence[_RowDecode], top_k: int) -> None:
+        """One `generate()` of a logged batch whose rows `rows` are (each at its layout's row;
+        the batch's other rows filler as `decoder.batch_rows` makes them)."""
+        first = rows[0]
+        layout = first.layout
+        assert layout is not None
+        ids, mask, _ = batch_rows(first.context, layout.size, layout, self.generate.pad_id)
+        for row in rows:
+            assert row.layout is not None
+            ids[row.layout.row] = ids[row.layout.row][: -len(row.context)] + list(row.context)
+        at = {row.layout.row: row for row in rows if row.layout is not None}
+        tokens = [int(ids[j][-1]) for j in range(len(ids))]  # filler rows: any token
+
+        def choose(hidden: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], bool]:
+            active = [j for j, row in at.items() if not row.stopped]
+            top = top_k_on_host(logits[active], top_k)  # one copy for every row
+            for r, j in enumerate(active):
+                one = HostTopK(top.ids[r : r + 1], top.logits[r : r + 1], top.native[r : r + 1])
+                tokens[j], _ = at[j].choose(StepOutput(hidden[j : j + 1], logits[j], one))
+            return tokens, all(row.stopped for row in rows)
 
         with self._probe():
-            decoder = self._decoder(context, len(context) + max_new_tokens - start, layout)
-            decoder.run(context, max_new_tokens - start, choose, top_k, layout)
-        return DecodeRun(out, Steps.concat(parts), start, stops[0])
+            self.generate.run_each(ids, mask, max(row.new_tokens for row in rows), choose)
+        self._decoders.add("generate")
 
     @torch.inference_mode()
     def scan(
@@ -593,7 +624,11 @@ class TorchEngine:
     def _extras(self) -> dict[str, ExtraValue]:
         """What ran (docs/engine.md lists the keys); `decoder` before any decode: the path the
         next one takes."""
-        extras: dict[str, ExtraValue] = {**self._scan_extras, **self._step_extras}
+        extras: dict[str, ExtraValue] = {
+            **self._scan_extras,
+            **self._step_extras,
+            **self._decode_extras,
+        }
         backends = self._attention.backends()
         if backends is not None:
             extras["attention_backends"] = backends
@@ -627,6 +662,105 @@ class TorchEngine:
             if pw.capture_error is not None:
                 extras["capture_error"] = pw.capture_error[:200]
         return extras
+
+
+class _RowDecode:
+    """One greedy decode's state (`TorchEngine.decode`, or a row of `decode_batch`): the output
+    so far, each step's record, and why it stopped. `choose` takes each step's output and says
+    which token the row takes and whether the decode stops after it; `done` is the run where
+    nothing is left to decode."""
+
+    def __init__(
+        self, engine: TorchEngine, request: DecodeRequest, iv: Intervention, top_k: int
+    ) -> None:
+        self.engine, self.iv, self.top_k = engine, iv, top_k
+        self.prompt = list(request.prompt_ids)
+        self.max_new_tokens = request.max_new_tokens
+        self.eos = set(request.eos_ids)
+        self.window = request.window
+        self.layout = request.layout
+        self.out = [int(x) for x in request.forced_prefix]
+        self.start = len(self.out)
+        self.parts: list[Steps] = []
+        self.stop: DecodeStop = "length"
+        self.stopped = False
+        self.sequence: torch.Tensor | None = None
+        self.processing: Processing | None = None
+        #: The run, where it is known without decoding (or was decoded alone).
+        self.run: DecodeRun | None = None
+        w, out = self.window, self.out
+        self.differs = w.first_difference(out, None) if w is not None else None
+        if self.start >= self.max_new_tokens or (out and out[-1] in self.eos):
+            stop: DecodeStop = "eos" if out and out[-1] in self.eos else "length"
+            self.run = DecodeRun(out, Steps.empty(top_k), self.start, stop)
+        elif w is not None and w.reached(self.differs, self.start):
+            self.run = DecodeRun(out, Steps.empty(top_k), self.start, "window")
+
+    @property
+    def done(self) -> DecodeRun | None:
+        return self.run
+
+    @property
+    def context(self) -> list[int]:
+        return [*self.prompt, *self.out[: self.start]]
+
+    @property
+    def new_tokens(self) -> int:
+        return self.max_new_tokens - self.start
+
+    @property
+    def total(self) -> int:
+        """The tokens the decode's cache holds at most: context and new."""
+        return len(self.prompt) + self.max_new_tokens
+
+    def batch_key(self, batch_size: int) -> tuple[tuple[int, ...], int, int] | None:
+        """Which logged batch the row replays in (`batch.plan_rows`): the layout's prompt
+        lengths, the tokens past the logged prompt, the row; None where it has no logged batch
+        of the arm's size."""
+        layout = self.layout
+        if layout is None or layout.size != batch_size or batch_size == 1:
+            return None
+        if len(self.prompt) != layout.prompt_lengths[layout.row]:
+            return None
+        return layout.prompt_lengths, self.start, layout.row
+
+    def process(self, processing: Processing) -> None:
+        """Process every step's logits (prompt ‖ output written as tokens come)."""
+        self.processing = processing
+        dev = self.engine.device
+        self.sequence = torch.zeros(
+            (1, len(self.prompt) + self.max_new_tokens), dtype=torch.long, device=dev
+        )
+        context = self.context
+        self.sequence[0, : len(context)] = torch.tensor(context, dtype=torch.long)
+
+    def choose(self, step: StepOutput) -> tuple[int, bool]:
+        engine, out = self.engine, self.out
+        z32, top, process = step.logits[None], step.top, None
+        if self.processing is not None and self.sequence is not None:
+            process = StepProcessing([Span(0, 1, self.processing, self.sequence, len(out))])
+            z32 = process(z32)
+            top = top_k_on_host(z32, self.top_k)
+        chosen = decide(engine.head, top, z32, step.hidden[:1], self.iv, self.top_k, process)
+        self.parts.append(chosen)
+        token = int(chosen.token_ids[0])
+        out.append(token)
+        seq = self.sequence
+        if seq is not None and len(self.prompt) + len(out) <= seq.shape[1]:
+            seq[0, len(self.prompt) + len(out) - 1] = token
+        if token in self.eos:
+            self.stop = "eos"
+        elif len(out) < self.max_new_tokens and self.window is not None:
+            self.differs = self.window.first_difference(out, self.differs, len(out) - 1)
+            if self.window.reached(self.differs, len(out)):
+                self.stop = "window"
+        self.stopped = self.stop != "length" or len(out) >= self.max_new_tokens
+        return token, self.stopped
+
+    def result(self) -> DecodeRun:
+        if self.run is not None:
+            return self.run
+        return DecodeRun(self.out, Steps.concat(self.parts), self.start, self.stop)
 
 
 def _lm_head(model: Any, fmt: str, body_dtype: torch.dtype, tp: TpPlacement | None) -> LmHead:

@@ -16,6 +16,7 @@ from replay_audit.diff.pieces import Piece
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
     BatchLayout,
+    DecodeRequest,
     DecodeRun,
     DecodeWindow,
     Environment,
@@ -26,6 +27,7 @@ from replay_audit.engine.protocol import (
     ScanRun,
     StepInfo,
     Target,
+    decode_each,
 )
 from replay_audit.engine.tensor_parallel import RankState, TpGroup, empty_device_cache
 from replay_audit.engine.torch_engine import TorchEngine
@@ -120,6 +122,17 @@ class TensorParallelEngine:
         }
         run: DecodeRun = self._run("decode", args, kwargs)
         return run
+
+    def decode_batch(
+        self,
+        requests: Sequence[DecodeRequest],
+        intervention: Intervention | None = None,
+        top_k: int = 5,
+        *,
+        processors: LogitsProcessors | None = None,
+    ) -> list[DecodeRun]:
+        """One by one: each rank's decode is `generate()`'s of the sharded model, a row alone."""
+        return decode_each(self, requests, intervention, top_k, processors)
 
     def scan(
         self,

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,9 +13,11 @@ from hypothesis import strategies as st
 from replay_audit.engine import FakeEngine, Intervention, Target
 from replay_audit.engine.batch import (
     MIN_BUCKET,
+    RowKey,
     bucket_length,
     context_length,
     pack_batch,
+    plan_rows,
     plan_scan,
     plan_scan_batches,
     plan_steps,
@@ -174,3 +178,40 @@ def test_the_fake_batches_steps_as_step_does() -> None:
     assert e.environment()["extras"]["step_batch_shapes"] == "1x2,2x3,1x4"
     with pytest.raises(ValueError, match="context token"):
         e.step_batch([[]], Intervention())
+
+
+row_keys_st = st.lists(
+    st.one_of(
+        st.none(),
+        st.tuples(
+            st.sampled_from([(3, 5), (4, 4, 4), (2, 7)]), st.integers(0, 2), st.integers(0, 1)
+        ),
+    ),
+    max_size=40,
+)
+
+
+@given(row_keys_st)
+def test_plan_rows_runs_each_batch_once_per_row(keys: list[RowKey | None]) -> None:
+    """Every request is planned once; a run together holds two or more rows of one batch and
+    prefix length, each row once; a key of None decodes alone; a request decodes alone only
+    where no other request of its batch could share its run."""
+    plan = plan_rows(keys)
+    planned = [i for run in plan.together for i in run] + plan.alone
+    assert sorted(planned) == list(range(len(keys)))
+    for run in plan.together:
+        assert len(run) >= 2
+        batches = {(keys[i][0], keys[i][1]) for i in run}  # type: ignore[index]
+        assert len(batches) == 1
+        rows = [keys[i][2] for i in run]  # type: ignore[index]
+        assert len(set(rows)) == len(rows)
+        assert run == sorted(run)  # the requests' order within a batch
+    # As few runs of each batch as its most asked-for row needs: a request decodes alone only
+    # where its batch has nothing else left to run with it.
+    for batch in {(k[0], k[1]) for k in keys if k is not None}:
+        mine = [i for i, k in enumerate(keys) if k is not None and (k[0], k[1]) == batch]
+        runs = [r for r in plan.together if r[0] in mine] + [[i] for i in plan.alone if i in mine]
+        most = max(Counter(keys[i][2] for i in mine).values())  # type: ignore[index]
+        assert len(runs) == most
+    shape = plan.shape
+    assert shape == f"{len(plan.together)} batches, {sum(map(len, plan.together))} rows"
