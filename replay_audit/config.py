@@ -171,6 +171,10 @@ class Settings(BaseSettings):
     #: The port of `replay-audit worker`'s metrics (`--metrics-port` overrides it; 0: none).
     #: Each worker on one host needs its own.
     worker_metrics_port: int = Field(default=9101, ge=0, le=65535)
+    #: Worker processes `replay-audit worker` runs on its device (`--processes` overrides it),
+    #: each taking jobs of its own. Unset: 2 for a GPU worker of one device, 1 for a CPU or
+    #: tensor-parallel worker (the measured defaults: cli.worker_group.GPU_WORKER_PROCESSES).
+    worker_processes: int | None = Field(default=None, ge=1, le=64)
     #: Live RQ workers `/readyz` needs (any GPU kind); 0: workers are reported, not required.
     ready_min_workers: int = Field(default=0, ge=0)
 

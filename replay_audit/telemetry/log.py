@@ -69,8 +69,13 @@ def note(**values: str | int) -> None:
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object a line: time (UTC, ISO 8601), level, logger, message, the context fields
-    that are set, and the traceback of an exception."""
+    """One JSON object a line: time (UTC, ISO 8601), level, logger, message, the process of a
+    worker group (`process`, e.g. "2/4") where set, the context fields that are set, and the
+    traceback of an exception."""
+
+    def __init__(self, process: str | None = None) -> None:
+        super().__init__()
+        self.process = process
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, object] = {
@@ -79,6 +84,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        if self.process is not None:
+            line["process"] = self.process
         line |= {name: value for name in FIELDS if (value := current(name)) is not None}
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
@@ -88,13 +95,23 @@ class JsonFormatter(logging.Formatter):
 _TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
-def configure_logging(log_format: LogFormat, level: int = logging.INFO) -> None:
+def configure_logging(
+    log_format: LogFormat, level: int = logging.INFO, process: str | None = None
+) -> None:
     """Send the process's log lines, uvicorn's server log included, to stderr as text or JSON
-    lines (its access log: `api.server.uvicorn_logging`). Once, by each entry point."""
+    lines (its access log: `api.server.uvicorn_logging`). Once, by each entry point. `process`:
+    which process of a worker group this is (`worker --processes K`: "1/K" ... "K/K"), shown
+    on every line (RQ's own lines too: they go through this handler)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        JsonFormatter() if log_format == "json" else logging.Formatter(_TEXT_FORMAT)
-    )
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter(process))
+    elif process is None:
+        handler.setFormatter(logging.Formatter(_TEXT_FORMAT))
+    else:
+        tag = process.replace("%", "%%")
+        handler.setFormatter(
+            logging.Formatter(_TEXT_FORMAT.replace(" %(message)s", f" [process {tag}] %(message)s"))
+        )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
