@@ -15,7 +15,8 @@ tagged `[process i/K]`. The supervisor runs no job and initialises no CUDA. It
   the whole group again. A process that exits 0 (`rq shutdown` of that worker, `--burst` with
   no job left) leaves the others running; the group exits 0 when all have exited 0;
 - serves the group's metrics, every process's values added up, on the one metrics port
-  (prometheus-client's multiprocess mode: each process counts into files of one directory);
+  (prometheus-client's multiprocess mode: each process counts into files of a directory of
+  the group's own, removed when it exits);
 - makes every process get SIGTERM if the supervisor dies (Linux's PR_SET_PDEATHSIG).
 """
 
@@ -183,22 +184,17 @@ def run_group(
     have exited; whether all exited well (0, or stopped by a stop signal sent to them).
     `metrics`: the host and port to serve the group's metrics on, or None."""
     from replay_audit.cli.database import fail
-    from replay_audit.telemetry.multiprocess import (
-        MULTIPROC_ENV,
-        clear_multiprocess_dir,
-        multiprocess_dir,
-    )
+    from replay_audit.telemetry.multiprocess import MULTIPROC_ENV
 
-    env = dict(os.environ)
-    own_dir: Path | None = None
-    metrics_dir = multiprocess_dir()
+    # The group's own directory, new, whatever PROMETHEUS_MULTIPROC_DIR says: one inherited
+    # may be an API's (`serve --workers N`), whose scrapes the processes' files would join.
+    env = {k: v for k, v in os.environ.items() if k != MULTIPROC_ENV}
+    metrics_dir: Path | None = None
     if metrics is not None:
-        if metrics_dir is None:
-            metrics_dir = own_dir = Path(tempfile.mkdtemp(prefix="replay-audit-worker-metrics-"))
-        clear_multiprocess_dir(metrics_dir)  # an earlier group's counts would add to this one's
+        metrics_dir = Path(tempfile.mkdtemp(prefix="replay-audit-worker-metrics-"))
         env[MULTIPROC_ENV] = str(metrics_dir)
         os.environ[MULTIPROC_ENV] = str(metrics_dir)  # read by this process's scrapes
-    group = _Group([], metrics_dir if metrics is not None else None, [], set())
+    group = _Group([], metrics_dir, [], set())
 
     def pass_on(signum: int, frame: FrameType | None) -> None:
         group.asked.append(signum)
@@ -241,5 +237,5 @@ def run_group(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if own_dir is not None:
-            shutil.rmtree(own_dir, ignore_errors=True)
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)

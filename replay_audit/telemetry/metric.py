@@ -92,9 +92,10 @@ REPLAY_TOKENS = Counter(
 MODEL_LOADS = Counter(_PREFIX + "model_loads_total", "Engines loaded (checkpoint x format).")
 GPU_MEMORY = Gauge(
     _PREFIX + "gpu_memory_bytes",
-    "CUDA memory of the worker's device after its last job: allocated or reserved by torch.",
+    "CUDA memory of the worker's device after its last job: allocated or reserved by torch "
+    "(a worker of several processes: their sum).",
     ["gpu_kind", "pool"],
-    multiprocess_mode="livemax",
+    multiprocess_mode="livesum",
 )
 
 # --- audits --------------------------------------------------------------------------------------

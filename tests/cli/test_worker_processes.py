@@ -48,6 +48,8 @@ class Group:
         url = f"sqlite:///{tmp_path / 'replay-audit.db'}"
         migration.upgrade(url)
         self.metrics_port = _free_port()
+        self.api_metrics = tmp_path / "api-metrics"
+        self.api_metrics.mkdir(exist_ok=True)
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("REPLAY_AUDIT_")},
             "REPLAY_AUDIT_DATABASE_URL": url,
@@ -56,6 +58,8 @@ class Group:
             "REPLAY_AUDIT_WORKER_METRICS_PORT": str(self.metrics_port),
             "HF_HUB_OFFLINE": "1",
             "OMP_NUM_THREADS": "1",
+            # An API's multiprocess directory, inherited: the group must count elsewhere.
+            "PROMETHEUS_MULTIPROC_DIR": str(self.api_metrics),
         }
         self.log = tmp_path / "group.log"
         cmd = [sys.executable, "-m", "replay_audit", "worker", "--queue", "cpu", "--device", "cpu"]
@@ -143,6 +147,10 @@ def test_two_processes_take_jobs_side_by_side_and_a_sigterm_stops_both(
     }
     metrics = httpx.get(f"http://127.0.0.1:{group.metrics_port}/metrics").text
     assert 'replay_audit_jobs_started_total{gpu_kind="cpu",kind="sleep"} 2.0' in metrics
+    # Not in an inherited directory (where only the supervisor, a process that counts nothing,
+    # left its empty files: prometheus-client reads the variable when the CLI imports it).
+    inherited = {f.stem.rpartition("_")[2] for f in group.api_metrics.iterdir()}
+    assert inherited <= {str(group.process.pid)}
     os.kill(group.process.pid, signal.SIGTERM)
     assert group.wait(60) == 0, group.text()[-4000:]
     assert [j.get_status(refresh=True) for j in jobs] == ["finished", "finished"]
