@@ -780,9 +780,11 @@ def audit(args: argparse.Namespace, prepared: dict[str, Any] | None = None) -> d
         if args.backend == "pg":
             api = _start([*serve, "--workers", str(args.api_workers)], env, api_log)
             queue = "cpu" if args.device == "cpu" else "gpu"
-            # Worker i on GPU i // --workers-per-gpu; the first one sampled.
+            # Worker i on GPU i // --workers-per-gpu; the first one sampled. Each one process
+            # (`--processes 1`, not a GPU worker's default 2): N of them on a GPU are what one
+            # `worker --processes N` runs, each with a log of its own.
             for i, log in enumerate(worker_logs):
-                argv = ["worker", "--queue", queue, "--device", args.device]
+                argv = ["worker", "--queue", queue, "--device", args.device, "--processes", "1"]
                 argv += ["--name", f"e2e-{tag}-{i}", "--metrics-port", "0"]
                 card = str(i // args.workers_per_gpu)
                 gpu = {"CUDA_VISIBLE_DEVICES": card} if args.device == "cuda" else {}
@@ -1020,7 +1022,7 @@ def main() -> None:
         type=int,
         default=1,
         help="pg on CUDA: workers sharing a GPU (worker i on GPU i // N: one's CPU work overlaps "
-        "another's GPU work)",
+        "another's GPU work), each started with --processes 1: as `worker --processes N`",
     )
     g.add_argument("--clients", type=int, default=4)
     g.add_argument("--poll-s", type=float, default=0.5)

@@ -38,7 +38,8 @@
 # worker's job lines summed; the replaying thread's stack samples by phase; the slowest
 # phase), e2e.log, worker.log, api.log and worker_profile.json.gz (the raw stack samples).
 # WARMUP: the warm-up run's traces (4; each decoded in full in both formats). PER_GPU: replay
-# workers sharing each GPU (1), so that one's CPU work (rows, database) overlaps another's scans.
+# workers sharing each GPU (1), so that one's CPU work (rows, database) overlaps another's scans:
+# each a `replay-audit worker --processes 1`, so PER_GPU=N runs what `worker --processes N` does.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

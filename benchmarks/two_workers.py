@@ -145,6 +145,8 @@ def _measure(
                     "--device",
                     device,
                     "--burst",
+                    "--processes",  # one process a GPU, as measured (a GPU worker's default: 2)
+                    "1",
                     "--name",
                     f"bench-{workers}-{gpu}",
                 ],

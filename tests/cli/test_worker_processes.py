@@ -128,12 +128,15 @@ def _started(job: Job) -> bool:
 
 @pytest.mark.redis
 @pytest.mark.slow
+@pytest.mark.parametrize("everyone", [False, True], ids=["supervisor", "process-group"])
 def test_two_processes_take_jobs_side_by_side_and_a_sigterm_stops_both(
-    start_group: Callable[..., Group],
+    start_group: Callable[..., Group], everyone: bool
 ) -> None:
     """Two jobs run at once, one in each process (each its own pid, not the supervisor's); the
     group's metrics port counts both; SIGTERM of the supervisor mid-job stops both after their
-    jobs (RQ's warm shutdown) and the group exits 0."""
+    jobs (RQ's warm shutdown) and the group exits 0. So does a SIGTERM that reaches every
+    process as well as the supervisor (systemd's default stop, a terminal's Ctrl-C): the copy
+    the supervisor passes on is no second, cold, shutdown."""
     group = start_group()
     wait_until(group.idle, 120, "both processes to wait for jobs")
     members = group.members()
@@ -151,9 +154,13 @@ def test_two_processes_take_jobs_side_by_side_and_a_sigterm_stops_both(
     # left its empty files: prometheus-client reads the variable when the CLI imports it).
     inherited = {f.stem.rpartition("_")[2] for f in group.api_metrics.iterdir()}
     assert inherited <= {str(group.process.pid)}
-    os.kill(group.process.pid, signal.SIGTERM)
+    if everyone:
+        os.killpg(group.process.pid, signal.SIGTERM)
+    else:
+        os.kill(group.process.pid, signal.SIGTERM)
     assert group.wait(60) == 0, group.text()[-4000:]
     assert [j.get_status(refresh=True) for j in jobs] == ["finished", "finished"]
+    assert "cold shut down" not in group.text()
     assert all(_gone(pid) for pid in members.values())
     text = group.text()
     for i in (1, 2):  # every line of a process says which it is
