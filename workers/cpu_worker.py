@@ -1,7 +1,7 @@
 """CPU worker entry point: `python workers/cpu_worker.py`.
 
 The same as `replay-audit worker --queue cpu --device cpu`: replays targets marked
-`"device": "cpu"` and runs no CUDA.
+`"device": "cpu"` and runs no CUDA. One worker process unless `--processes K`.
 """
 
 import sys
