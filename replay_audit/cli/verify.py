@@ -188,11 +188,20 @@ def verify(
         except (OSError, json.JSONDecodeError) as e:
             fail(f"cannot read {calibration}: {e}")
         given = [Calibration.from_json(c) for c in (data if isinstance(data, list) else [data])]
-        if any(c.version < CALIBRATION_VERSION for c in given):
+        if any(c.version < 2 for c in given):
             typer.echo(
                 f"note: {calibration} holds a calibration of an older method (thresholds from "
                 "the benign variations' pooled traces, which a noisier variation can trip); "
                 "measure it again with --save-calibration",
+                err=True,
+            )
+        elif any(c.version < CALIBRATION_VERSION for c in given):
+            typer.echo(
+                f"note: {calibration} holds a calibration of an older method (the tie band "
+                "decides at every budget, where a null's few out-of-band tokens can set a "
+                "threshold that honest groups trip at large budgets; a new one chooses the "
+                "decision per budget on held-out traces); measure it again with "
+                "--save-calibration",
                 err=True,
             )
 

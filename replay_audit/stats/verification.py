@@ -33,19 +33,46 @@ import numpy.typing as npt
 
 from replay_audit.diff.deficit import TIE_BAND_ULPS
 from replay_audit.formats import SamplingJson
+from replay_audit.stats.binomial import binom_cdf
 
 Statistic = Literal["mean_deficit_ulps", "outside_tie_band", "log_likelihood_ratio"]
 STATISTICS: Final[tuple[Statistic, ...]] = get_args(Statistic)
 #: The statistic verdicts use (measured best on the bundled model: docs/verify.md).
 VERDICT_STATISTIC: Final[Statistic] = "outside_tie_band"
 Verdict = Literal["consistent", "inconsistent", "insufficient"]
-#: What decides a verdict: one statistic (the tie band) over its threshold, or the combined
-#: rule: either of `RULE_STATISTICS` over its own threshold, each set at the false-alarm rate
-#: divided among them (Bonferroni), so the rule keeps the rate by construction.
-Decision = Literal["outside_tie_band", "tie_band_or_mean_deficit"]
+#: What decides a verdict at a budget: one statistic over its threshold; the combined rule:
+#: either of `RULE_STATISTICS` over its own threshold, each set at the false-alarm rate divided
+#: among them (Bonferroni), so the rule keeps the rate by construction; or the tie band at the
+#: higher of its threshold and its rare-event floor (`rare_event_floor`).
+Decision = Literal[
+    "outside_tie_band",
+    "mean_deficit_ulps",
+    "log_likelihood_ratio",
+    "tie_band_or_mean_deficit",
+    "outside_tie_band_floored",
+]
 RULE_STATISTICS: Final[tuple[Statistic, ...]] = ("outside_tie_band", "mean_deficit_ulps")
-#: The decision verdicts use (docs/verify.md, "A decision rule for rounding-level changes").
-DECISION: Final[Decision] = "outside_tie_band"
+#: The decisions a calibration chooses among per budget (`BudgetChoice`), in the order a tie
+#: goes (equal power and equal held-out false alarms): the tie band first, the statistic that
+#: holds on benign configurations the null did not see (docs/verify.md).
+CANDIDATES: Final[tuple[Decision, ...]] = (
+    "outside_tie_band",
+    "outside_tie_band_floored",
+    "tie_band_or_mean_deficit",
+    "mean_deficit_ulps",
+)
+#: What a calibration's verdicts use: one decision at every budget, or `per_budget`: at each
+#: budget the decision its held-out split chose (`Calibration.choices`).
+CalibrationDecision = Literal[
+    "outside_tie_band",
+    "mean_deficit_ulps",
+    "log_likelihood_ratio",
+    "tie_band_or_mean_deficit",
+    "outside_tie_band_floored",
+    "per_budget",
+]
+#: The decision new calibrations' verdicts use (docs/verify.md, "The decision per budget").
+DECISION: Final[CalibrationDecision] = "per_budget"
 
 #: Deficits above this many ulps count as this many in the mean deficit.
 CLIP_ULPS: Final = 64.0
@@ -64,9 +91,22 @@ DEFAULT_FALSE_ALARM_RATE: Final = 0.01
 #: Null-score quantiles stored per budget (the verification's picture draws them).
 QUANTILES: Final = tuple(np.round(np.linspace(0.0, 1.0, 21), 2).tolist())
 #: The calibration method: 2 sets thresholds per benign variation, from groups drawn from
-#: bootstrap resamples of its traces (1 drew groups from the pooled traces themselves); a
-#: stored calibration of an older version is measured again.
-CALIBRATION_VERSION: Final = 2
+#: bootstrap resamples of its traces (1 drew groups from the pooled traces themselves); 3 also
+#: chooses per budget the decision verdicts use, by a held-out split of the null's traces
+#: (`BudgetChoice`). A stored calibration of an older version is measured again by the
+#: service; read back, it keeps its verdicts (the tie band at every budget).
+CALIBRATION_VERSION: Final = 3
+#: The one-sided confidence of the allowance on a held-out false-alarm rate (`allowance`): a
+#: candidate passes when its held-out false alarms are within what `draws` groups at exactly
+#: the promised rate would show this often.
+HELD_OUT_CONFIDENCE: Final = 0.95
+#: How far a held-out split can be trusted is counted in disjoint groups: a variation's held-out
+#: half of T tokens in traces of L tokens on average holds T / max(budget, L) groups of the
+#: budget that share no trace (a group is whole traces, the last cut). A choice is trusted
+#: (`BudgetChoice.trusted`) where every variation's half holds at least 1 / rate of them, as many
+#: as one false alarm needs to show at the promised rate; below that, resampled groups repeat
+#: the same few traces and the held-out estimate is the bootstrap's guess, so the choice is the
+#: candidate with the fewest held-out false alarms, whatever its power.
 #: The confidence of the upper bound on a variation's rate of traces holding a token outside
 #: the tie band (`rare_event_floor`): a null that saw none of k such traces in N allows
 #: about (k + 3) / N.
@@ -149,15 +189,40 @@ def _draw_layouts(
     return out
 
 
+def _distinct_layouts(
+    lengths: npt.NDArray[np.int64], budget: int, draws: int, rng: np.random.Generator
+) -> list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]]:
+    """`_draw_layouts` of groups of distinct traces: each group takes the traces in a random
+    order of its own, none twice, until it holds the budget (the traces must hold it)."""
+    k = lengths.size
+    if int(lengths.sum()) < budget:
+        raise ValueError(f"groups of {budget} distinct traces' tokens from {lengths.sum()} tokens")
+    per_chunk = max(1, _CHUNK_PICKS // k)
+    out = []
+    for start in range(0, draws, per_chunk):
+        d = min(per_chunk, draws - start)
+        picks = rng.permuted(np.tile(np.arange(k), (d, 1)), axis=1)
+        reach = np.cumsum(lengths[picks], axis=1)
+        last = (reach < budget).sum(axis=1)
+        rows = np.arange(d)
+        before = np.where(last > 0, reach[rows, np.maximum(last - 1, 0)], 0)
+        out.append((picks, last, budget - before))
+    return out
+
+
 def draw_groups(
     token_scores: Mapping[_Name, Sequence[Ulps]],
     budget: int,
     draws: int,
     rng: np.random.Generator,
+    *,
+    distinct: bool = False,
 ) -> dict[_Name, Ulps]:
     """`draw_group_scores` of several per-token scores of the same traces (name -> one array
     per trace, the same lengths under every name): each name's scores of the same groups, so
-    a rule over several statistics is measured on the groups it judges."""
+    a rule over several statistics is measured on the groups it judges. `distinct`: groups as
+    a provider's are, of distinct traces (no bootstrap, no trace twice in a group; the traces
+    must hold the budget): held-out groups to measure false alarms on, not a null's draws."""
     names = list(token_scores)
     if not names:
         return {}
@@ -175,7 +240,8 @@ def draw_groups(
     }
     totals = {name: c[starts + lengths] - c[starts] for name, c in prefix.items()}
     out: dict[_Name, list[Ulps]] = {name: [] for name in names}
-    for picks, last, take in _draw_layouts(lengths, budget, draws, rng):
+    layouts = _distinct_layouts if distinct else _draw_layouts
+    for picks, last, take in layouts(lengths, budget, draws, rng):
         rows = np.arange(picks.shape[0])
         whole = np.arange(picks.shape[1])[None, :] < last[:, None]
         cut = picks[rows, last]
@@ -230,6 +296,32 @@ class RuleBudget:
     false_alarm: float
     power: float | None
     set_by: dict[str, str]
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """The decision verdicts use at one budget (`CANDIDATES`), chosen by a held-out split of
+    the null's traces (`choose`): each candidate's thresholds set on one half, its false alarms
+    measured on the other half's groups, and the reverse (`held_out_false_alarm`: the worse of
+    the two, the worst benign variation's); the most powerful candidate whose held-out false
+    alarms are within `allowance` (the promised rate plus the sampling error of `draws`
+    groups); the most conservative (fewest held-out false alarms) where none is (`passed`
+    False) or where the halves cannot measure the budget (`trusted` False: `supply`, the
+    disjoint groups of the budget that the worst supplied variation's held-out half holds, is
+    below 1 / rate; under 1 that half does not hold one group, and its groups are resamples of
+    fewer tokens than they hold). `thresholds` and `power` are the chosen decision's, set on
+    the whole null; `powers` every candidate's."""
+
+    tokens: int
+    decision: Decision
+    thresholds: dict[str, float]
+    power: float | None
+    held_out_false_alarm: dict[str, float]
+    powers: dict[str, float | None]
+    allowance: float
+    passed: bool
+    supply: float
+    trusted: bool
 
 
 @dataclass(frozen=True)
@@ -301,8 +393,11 @@ class Calibration:
     reach: int | None = None
     #: The combined rule per budget (empty in calibrations made before it).
     rule: list[RuleBudget] = field(default_factory=list)
-    #: What its verdicts use: `decision_of` (the combined rule only where `rule` is measured).
-    decision: Decision = "outside_tie_band"
+    #: What its verdicts use: `decision_of` (`per_budget` where `choices` are measured; older
+    #: calibrations: the tie band at every budget, as they decided).
+    decision: CalibrationDecision = "outside_tie_band"
+    #: The decision per budget and its held-out false alarms (empty before version 3).
+    choices: list[BudgetChoice] = field(default_factory=list)
 
     def backs(self, tokens: int) -> bool:
         """Whether the null backs a group of `tokens` tokens (`null_reach` says the rule)."""
@@ -326,14 +421,37 @@ class Calibration:
         fit = [b for b in self.rule if b.tokens <= self._fit(tokens)]
         return fit[-1] if fit else self.rule[0]
 
+    def _per_budget(self) -> bool:
+        return self.decision == "per_budget" and bool(self.choices)
+
+    def decision_at(self, tokens: int) -> tuple[Decision, dict[str, float]]:
+        """What decides a group of `tokens` and its thresholds (statistic -> threshold; over
+        any of them is inconsistent), at the budget the group is judged at."""
+        if self._per_budget():
+            fit = [c for c in self.choices if c.tokens <= self._fit(tokens)]
+            choice = fit[-1] if fit else self.choices[0]
+            return choice.decision, dict(choice.thresholds)
+        fixed = self.decision if self.decision != "per_budget" else "outside_tie_band"
+        if fixed == "tie_band_or_mean_deficit" and not self.rule:
+            fixed = "outside_tie_band"  # stored before the rule was measured
+        if fixed == "tie_band_or_mean_deficit":
+            return fixed, dict(self.rule_at(tokens).thresholds)
+        if fixed == "outside_tie_band_floored":
+            row = self.at(tokens, "outside_tie_band")
+            return fixed, {"outside_tie_band": max(row.threshold, row.rare_event_floor or 0.0)}
+        return fixed, {fixed: self.at(tokens, fixed).threshold}
+
     def tokens_needed(self, statistic: Statistic | None = None) -> int | None:
         """The smallest budget whose power against the alternative reaches `POWER` (None:
-        none calibrated does): of `statistic`, else of what verdicts decide by."""
-        rows: Sequence[BudgetCalibration | RuleBudget] = (
-            self.rule
-            if statistic is None and self.decision != "outside_tie_band" and self.rule
-            else self.budgets[statistic or self.statistic]
-        )
+        none calibrated does): of `statistic`, else of what verdicts decide by (per budget:
+        the decision chosen there)."""
+        rows: Sequence[BudgetCalibration | RuleBudget | BudgetChoice]
+        if statistic is None and self._per_budget():
+            rows = self.choices
+        elif statistic is None and self.decision == "tie_band_or_mean_deficit" and self.rule:
+            rows = self.rule
+        else:
+            rows = self.budgets[statistic or self.statistic]
         for b in rows:
             if b.power is not None and b.power >= POWER:
                 return b.tokens
@@ -380,6 +498,7 @@ class Calibration:
             reach=data["reach"] if "reach" in data else null_reach(variations, calibrated),
             rule=[RuleBudget(**r) for r in data.get("rule", [])],
             decision=data.get("decision", "outside_tie_band"),
+            choices=[BudgetChoice(**c) for c in data.get("choices", [])],
         )
 
 
@@ -454,10 +573,134 @@ def null_reach(variations: Sequence[Variation], budgets: Sequence[int]) -> int |
     return max(fit) if fit else None
 
 
-def decision_of(rule: Sequence[RuleBudget]) -> Decision:
-    """What a new calibration's verdicts use: `DECISION`, the tie band alone where no combined
-    rule was measured."""
-    return DECISION if rule else "outside_tie_band"
+def decision_of(choices: Sequence[BudgetChoice]) -> CalibrationDecision:
+    """What a new calibration's verdicts use: `DECISION`, the tie band alone where no decision
+    per budget was chosen."""
+    return DECISION if choices else "outside_tie_band"
+
+
+def allowance(rate: float, draws: int, confidence: float = HELD_OUT_CONFIDENCE) -> float:
+    """The largest held-out false-alarm rate a candidate passes with (`BudgetChoice`): the
+    share of `draws` groups that groups at exactly `rate` stay within with probability
+    `confidence` (the binomial quantile: 15 of 1,000 at 1%), so a candidate that keeps the
+    rate is rejected for its sampling error about 1 time in 20, per variation and half."""
+    if draws < 1 or not 0.0 < rate < 1.0:
+        raise ValueError("draws >= 1 and a rate between 0 and 1")
+    k = 0
+    while binom_cdf(k, draws, rate) < confidence:
+        k += 1
+    return k / draws
+
+
+def candidate_thresholds(
+    drawn: Mapping[str, Mapping[Statistic, Ulps]], floor: float, rate: float
+) -> dict[Decision, dict[str, float]]:
+    """Each of `CANDIDATES`' thresholds (statistic -> threshold) from groups drawn per
+    variation (variation -> statistic -> group scores) and the tie band's rare-event floor:
+    the highest of the variations' (1 - rate) quantiles; the combined rule's at
+    rate / len(RULE_STATISTICS) each."""
+
+    def q(stat: Statistic, r: float) -> float:
+        return max(float(np.quantile(d[stat], 1.0 - r, method="higher")) for d in drawn.values())
+
+    band = q("outside_tie_band", rate)
+    split = rate / len(RULE_STATISTICS)
+    return {
+        "outside_tie_band": {"outside_tie_band": band},
+        "outside_tie_band_floored": {"outside_tie_band": max(band, floor)},
+        "tie_band_or_mean_deficit": {s: q(s, split) for s in RULE_STATISTICS},
+        "mean_deficit_ulps": {"mean_deficit_ulps": q("mean_deficit_ulps", rate)},
+    }
+
+
+def flags(
+    thresholds: Mapping[str, float], groups: Mapping[Statistic, Ulps]
+) -> npt.NDArray[np.bool_]:
+    """Which groups a decision's thresholds call inconsistent: any statistic over its own."""
+    over = [groups[stat] > t for stat, t in thresholds.items()]  # type: ignore[index]
+    return np.asarray(np.logical_or.reduce(over), dtype=bool)
+
+
+TokenScores = Mapping[str, Mapping[Statistic, Sequence[Ulps]]]
+
+
+def split_halves(
+    null: Mapping[str, Sequence[Ulps]], rng: np.random.Generator
+) -> tuple[dict[str, list[Ulps]], dict[str, list[Ulps]]]:
+    """The null's traces in two halves at random by position, the same positions in every
+    variation (a null generates each variation from the same prompts in the same order, so a
+    prompt's traces fall in one half); traces without tokens left out."""
+    longest = max((len(t) for t in null.values()), default=0)
+    side = rng.permutation(longest) % 2
+    a: dict[str, list[Ulps]] = {}
+    b: dict[str, list[Ulps]] = {}
+    for name, traces in null.items():
+        a[name] = [u for i, u in enumerate(traces) if len(u) and side[i] == 0]
+        b[name] = [u for i, u in enumerate(traces) if len(u) and side[i] == 1]
+    return a, b
+
+
+def held_out_false_alarms(
+    fit: TokenScores,
+    test: TokenScores,
+    budget: int,
+    rate: float,
+    draws: int,
+    rng: np.random.Generator,
+) -> tuple[dict[Decision, float], float]:
+    """Each candidate's false-alarm rate on `test`'s groups of `budget` tokens at thresholds set
+    on `fit`'s (both variation -> statistic -> per-trace token scores; groups drawn as the
+    calibration draws them, `draw_groups`, one variation at a time): the worst of the
+    variations whose `test` traces hold at least the budget's tokens (all where none does);
+    and the supply: the fewest disjoint groups of the budget a variation's `test` traces hold
+    (its tokens over the larger of the budget and its mean trace length)."""
+    drawn = {name: draw_groups(v, budget, draws, rng) for name, v in fit.items()}
+    band = {name: v["outside_tie_band"] for name, v in fit.items()}
+    floor = rare_event_floor(band, budget, rate, draws, rng)[0]
+    thresholds = candidate_thresholds(drawn, floor, rate)
+    lengths = {name: [len(u) for u in v["outside_tie_band"]] for name, v in test.items()}
+    tokens = {name: sum(x) for name, x in lengths.items()}
+    measured = [name for name, t in tokens.items() if t >= budget] or list(tokens)
+    held = {name: draw_groups(test[name], budget, draws, rng) for name in measured}
+    fa = {
+        c: max(float(flags(t, groups).mean()) for groups in held.values())
+        for c, t in thresholds.items()
+    }
+    supply = min(t / max(budget, t / len(lengths[name])) for name, t in tokens.items())
+    return fa, supply
+
+
+def choose(
+    tokens: int,
+    thresholds: Mapping[Decision, dict[str, float]],
+    powers: Mapping[Decision, float | None],
+    held_out: Mapping[Decision, float],
+    rate: float,
+    limit: float,
+    supply: float,
+) -> BudgetChoice:
+    """The decision at one budget (`BudgetChoice` says the rule): `thresholds` and `powers` on
+    the whole null, `held_out` each candidate's held-out false alarms, `limit` the allowance,
+    `supply` the held-out halves' (`held_out_false_alarms`)."""
+    order = {c: i for i, c in enumerate(CANDIDATES)}
+    trusted = supply >= 1.0 / rate
+    ok = [c for c in CANDIDATES if held_out[c] <= limit]
+    if trusted and ok:
+        chosen = max(ok, key=lambda c: (powers[c] or 0.0, -held_out[c], -order[c]))
+    else:
+        chosen = min(CANDIDATES, key=lambda c: (held_out[c], order[c]))
+    return BudgetChoice(
+        tokens=tokens,
+        decision=chosen,
+        thresholds=dict(thresholds[chosen]),
+        power=powers[chosen],
+        held_out_false_alarm={c: held_out[c] for c in CANDIDATES},
+        powers={c: powers[c] for c in CANDIDATES},
+        allowance=limit,
+        passed=held_out[chosen] <= limit,
+        supply=supply,
+        trusted=trusted,
+    )
 
 
 def calibrate(
@@ -498,6 +741,15 @@ def calibrate(
     split = false_alarm_rate / len(RULE_STATISTICS)
     table: dict[str, list[BudgetCalibration]] = {stat: [] for stat in STATISTICS}
     rule: list[RuleBudget] = []
+    choices: list[BudgetChoice] = []
+    # The held-out split that chooses each budget's decision: variations with traces in both.
+    halves = split_halves(null, rng)
+    both = [n for n in per_variation if halves[0].get(n) and halves[1].get(n)]
+    fit, test = (
+        {name: {s: [scorer.scores(u, s) for u in h[name]] for s in STATISTICS} for name in both}
+        for h in halves
+    )
+    limit = allowance(false_alarm_rate, draws)
     for n in budgets:
         # Every statistic scores the same groups: the rule is measured on the groups it judges.
         drawn = {name: draw_groups(v, n, draws, rng) for name, v in per_variation.items()}
@@ -551,6 +803,16 @@ def calibrate(
                 set_by=setters,
             )
         )
+        if both:
+            whole = candidate_thresholds(drawn, floor, false_alarm_rate)
+            powers = {
+                c: None if alt is None else float(flags(t, alt).mean()) for c, t in whole.items()
+            }
+            ab = held_out_false_alarms(fit, test, n, false_alarm_rate, draws, rng)
+            ba = held_out_false_alarms(test, fit, n, false_alarm_rate, draws, rng)
+            worse = {c: max(ab[0][c], ba[0][c]) for c in CANDIDATES}
+            supply = min(ab[1], ba[1])
+            choices.append(choose(n, whole, powers, worse, false_alarm_rate, limit, supply))
 
     def summary(name: str, traces: Sequence[Ulps]) -> Variation:
         return Variation(
@@ -572,7 +834,8 @@ def calibrate(
         alternative=summary(alternative_name, alternative) if alternative else None,
         reach=null_reach([v for v in variations if v.tokens], budgets),
         rule=rule,
-        decision=decision_of(rule),
+        decision=decision_of(choices),
+        choices=choices,
     )
 
 
@@ -585,7 +848,9 @@ class GroupVerdict:
     closest_benign         the benign variation whose mean token score is nearest the group's
     tokens_needed          tokens the calibration needs for a decision (power >= POWER)
     more_tokens            for `insufficient`: how many more tokens that is
-    decision               what decided (`Decision`): the tie band, or the combined rule
+    decision               what decided at the group's budget (`Decision`): a statistic
+                           alone, the combined rule, or the tie band at its rare-event floor;
+                           with a per-budget calibration, the decision chosen at that budget
     decided_by             the statistic over its threshold (None: none was); with the combined
                            rule, `statistic`, `score` and `threshold` are its figures
     null_reach             the largest budget the null backs (`Calibration.reach`)
@@ -620,28 +885,28 @@ def verdict(
     traces: Sequence[Ulps], calibration: Calibration, statistic: Statistic | None = None
 ) -> GroupVerdict:
     """The verdict on a group (its traces' per-token deficits in ulps): `inconsistent` when the
-    score exceeds the threshold at the group's budget (with the combined rule, when either of
-    its statistics exceeds its own); else `consistent` when the group has at least the tokens a
-    decision needs, `insufficient` (with how many more) otherwise. A group beyond the null's
-    reach is judged at the reach's budget and says so (`beyond_null_reach`). `statistic`: judge
-    by that statistic alone."""
+    score exceeds the threshold of what decides at the group's budget
+    (`Calibration.decision_at`: with the combined rule, when either of its statistics exceeds
+    its own); else `consistent` when the group has at least the tokens a decision needs,
+    `insufficient` (with how many more) otherwise. A group beyond the null's reach is judged at
+    the reach's budget and says so (`beyond_null_reach`). `statistic`: judge by that statistic
+    alone."""
     n = int(sum(len(u) for u in traces))
     scorer = calibration.scorer
-    combined = statistic is None and calibration.decision != "outside_tie_band"
-    combined = combined and bool(calibration.rule)
-    decision: Decision = calibration.decision if combined else "outside_tie_band"
     scores = {s: scorer.score(traces, s) if n else float("nan") for s in STATISTICS}
-    if combined:
-        rule = calibration.rule_at(n)
-        over = [s for s in RULE_STATISTICS if n and scores[s] > rule.thresholds[s]]
-        stat: Statistic = over[0] if over else RULE_STATISTICS[0]
-        threshold = rule.thresholds[stat]
-        needed = calibration.tokens_needed()
+    decision: Decision
+    thresholds: dict[str, float]
+    if statistic is not None:
+        decision, thresholds = statistic, {statistic: calibration.at(n, statistic).threshold}
+        needed = calibration.tokens_needed(statistic)
     else:
-        stat = statistic or calibration.statistic
-        threshold = calibration.at(n, stat).threshold
-        over = [stat] if n and scores[stat] > threshold else []
-        needed = calibration.tokens_needed(stat)
+        decision, thresholds = calibration.decision_at(n)
+        needed = calibration.tokens_needed()
+    # In the decision's own order (the combined rule: the tie band first).
+    judged = [x for s in thresholds for x in STATISTICS if x == s]
+    over = [s for s in judged if n and scores[s] > thresholds[s]]
+    stat: Statistic = over[0] if over else judged[0]
+    threshold = thresholds[stat]
     cal = calibration.at(n, stat)
     score = scores[stat]
     closest = None

@@ -206,6 +206,7 @@ def calibration_json(cal: Calibration, reused: bool) -> dict[str, Any]:
         "decision": cal.decision,
         "budgets": [asdict(b) for b in cal.budgets[cal.statistic]],
         "rule": [asdict(r) for r in cal.rule],
+        "choices": [asdict(c) for c in cal.choices],
         "variations": [
             {"name": v.name, "traces": v.traces, "tokens": v.tokens} for v in cal.variations
         ],

@@ -18,7 +18,7 @@ from sqlalchemy import func, select
 from replay_audit.config import Settings
 from replay_audit.db.unit_of_work import session_scope
 from replay_audit.replays import tasks as replay_tasks
-from replay_audit.stats.verification import Calibration
+from replay_audit.stats.verification import CALIBRATION_VERSION, Calibration
 from replay_audit.verifications import tasks
 from replay_audit.verifications.models import Verification, VerificationCalibration
 from replay_audit.worker import context
@@ -37,9 +37,9 @@ def test_a_stored_calibration_of_an_older_method_or_another_shape_is_measured_ag
     logged: dict[str, list[dict[str, Any]]],
     headers: Callable[..., dict[str, str]],
 ) -> None:
-    """A null stored by method 1 (thresholds from the variations' pooled traces), or of another
-    shape than the worker's settings ask, is not reused: the job measures it again and stores
-    the new one in its place."""
+    """A null stored by an older method (here 2: thresholds per variation, but no decision
+    chosen per budget), or of another shape than the worker's settings ask, is not reused: the
+    job measures it again and stores the new one, with its choices, in its place."""
     admin = headers("admin")
     store(client, admin, logged["bf16"], "honest")
     first = verify(client, admin, job_runner, filter={"tag": "honest"})["report"]
@@ -47,12 +47,17 @@ def test_a_stored_calibration_of_an_older_method_or_another_shape_is_measured_ag
     url = client.app.state.settings.database_url  # type: ignore[attr-defined]
     with session_scope(url) as s:
         row = s.scalars(select(VerificationCalibration)).one()
-        row.calibration = {**row.calibration, "version": 1}
+        older = {k: v for k, v in row.calibration.items() if k not in ("choices", "decision")}
+        row.calibration = {**older, "version": 2}
     again = verify(client, admin, job_runner, filter={"tag": "honest"})["report"]
     assert again["calibrations"][0]["reused"] is False and len(null_claims) == 2
     with session_scope(url) as s:
         (stored,) = s.scalars(select(VerificationCalibration)).all()
-        assert Calibration.from_json(stored.calibration).version == 2
+        again_cal = Calibration.from_json(stored.calibration)
+        assert again_cal.version == CALIBRATION_VERSION and again_cal.decision == "per_budget"
+        assert [c.tokens for c in again_cal.choices] == [
+            b.tokens for b in again_cal.budgets["outside_tie_band"]
+        ]
     third = verify(client, admin, job_runner, filter={"tag": "honest"})["report"]
     assert third["calibrations"][0]["reused"] is True and len(null_claims) == 2
 

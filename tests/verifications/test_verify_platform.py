@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from replay_audit.cli import app
 from replay_audit.config import BUNDLED_MODEL_DIR
-from replay_audit.stats.verification import Calibration, verdict
+from replay_audit.stats.verification import CANDIDATES, Calibration, verdict
 from replay_audit.verifications.domain import (
     GroupReport,
     cover_platforms,
@@ -105,7 +105,7 @@ def test_verify_without_a_calibration_measures_the_null_and_reports_platforms_an
         assert g["tokens"] > 36 and g["null_reach"] is not None and g["null_reach"] <= 36
         assert g["beyond_null_reach"] is True
         assert any("more than the null backs" in n for n in g["notes"])
-        assert g["decision"] in ("outside_tie_band", "tie_band_or_mean_deficit")
+        assert g["decision"] in CANDIDATES  # the decision chosen at its budget
         assert "decided_by" in g
 
 
@@ -125,7 +125,12 @@ def test_the_service_report_and_page_name_the_platforms(
     report = got["report"]
     _platform_groups(report)
     cal = report["calibrations"][0]
-    assert cal["reach"] is not None and cal["decision"] and cal["rule"]
+    assert cal["reach"] is not None and cal["decision"] == "per_budget" and cal["rule"]
+    # Each group reports what decided it: the decision its calibration chose at its budget.
+    chosen = {c["tokens"]: c["decision"] for c in cal["choices"]}
+    assert [c["tokens"] for c in cal["choices"]] == [b["tokens"] for b in cal["budgets"]]
+    for g in report["groups"]:
+        assert g["decision"] == chosen[g["budget"]], (g["budget"], g["decision"])
     page = ui_client("auditor").get(f"/ui/verifications/{got['id']}")
     assert page.status_code == 200, page.text
     assert "logged on cuda (NVIDIA H200), scanned against a null measured on cpu" in page.text
