@@ -214,12 +214,6 @@ class RowPlan:
     together: list[list[int]]
     alone: list[int]
 
-    @property
-    def shape(self) -> str:
-        """The runs together, for `environment()["extras"]` ("3 batches, 40 rows")."""
-        rows = sum(len(m) for m in self.together)
-        return f"{len(self.together)} batches, {rows} rows"
-
 
 def plan_rows(keys: Sequence[RowKey | None]) -> RowPlan:
     """The decodes of one logged batch together, at most one per row a run (a second request

@@ -177,8 +177,8 @@ class FakeEngine:
         *,
         processors: LogitsProcessors | None = None,
     ) -> list[DecodeRun]:
-        """Each request's `decode`, in order (the fake model has no batch to share)."""
-        self.calls.append("decode_batch")
+        """Each request's `decode`, in order (the fake model has no batch to share); `calls`
+        records each decode."""
         return decode_each(self, requests, intervention, top_k, processors)
 
     def scan(

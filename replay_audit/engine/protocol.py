@@ -520,12 +520,14 @@ class DecodeRun:
     """A greedy decode. `output_token_ids` is the whole output, forced prefix included;
     `steps` covers only the decoded steps, which start at output step `start_step`
     (= the forced prefix's length). `stop_reason` "window": the decode stopped at its
-    window, and its output is a prefix of the whole decode's."""
+    window, and its output is a prefix of the whole decode's. `rows`: how many rows of its
+    logged batch decoded in the same run (`Engine.decode_batch`; 1: alone)."""
 
     output_token_ids: list[int]
     steps: Steps
     start_step: int
     stop_reason: DecodeStop
+    rows: int = 1
 
 
 @dataclass(frozen=True)
@@ -681,8 +683,8 @@ class Engine(Protocol):
         distinct rows) decode together in one run of that batch, each at its own row where
         `decode` of it alone puts filler: the batch's shape and every row's padding are the
         same, and a row's numbers do not depend on the other rows' tokens, so each result is
-        `decode`'s for the request alone. The others decode one by one. Which ran together is
-        recorded in `environment()["extras"]` (`decode_rows`)."""
+        `decode`'s for the request alone. The others decode one by one. Each run says how
+        many rows ran together (`DecodeRun.rows`)."""
 
     def scan(
         self,

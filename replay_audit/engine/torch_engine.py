@@ -165,7 +165,6 @@ class TorchEngine:
         #: The batch shapes of the last batched scan and batched re-runs (`environment()`).
         self._scan_extras: dict[str, ExtraValue] = {}
         self._step_extras: dict[str, ExtraValue] = {}
-        self._decode_extras: dict[str, ExtraValue] = {}
 
     @classmethod
     def load(
@@ -305,8 +304,6 @@ class TorchEngine:
                 window=r.window,
                 layout=r.layout,
             )
-        if plan.together:
-            self._decode_extras = {"decode_rows": plan.shape}
         return [row.result() for row in rows]
 
     def _decode_rows(self, rows: Sequence[_RowDecode], top_k: int) -> None:
@@ -314,6 +311,8 @@ class TorchEngine:
         the batch's other rows filler as `decoder.batch_rows` makes them)."""
         first = rows[0]
         layout = first.layout
+        for row in rows:
+            row.rows = len(rows)
         assert layout is not None
         ids, mask, _ = batch_rows(first.context, layout.size, layout, self.generate.pad_id)
         for row in rows:
@@ -624,11 +623,7 @@ class TorchEngine:
     def _extras(self) -> dict[str, ExtraValue]:
         """What ran (docs/engine.md lists the keys); `decoder` before any decode: the path the
         next one takes."""
-        extras: dict[str, ExtraValue] = {
-            **self._scan_extras,
-            **self._step_extras,
-            **self._decode_extras,
-        }
+        extras: dict[str, ExtraValue] = {**self._scan_extras, **self._step_extras}
         backends = self._attention.backends()
         if backends is not None:
             extras["attention_backends"] = backends
@@ -684,6 +679,7 @@ class _RowDecode:
         self.parts: list[Steps] = []
         self.stop: DecodeStop = "length"
         self.stopped = False
+        self.rows = 1  # of its logged batch, decoded in the same run
         self.sequence: torch.Tensor | None = None
         self.processing: Processing | None = None
         #: The run, where it is known without decoding (or was decoded alone).
@@ -760,7 +756,7 @@ class _RowDecode:
     def result(self) -> DecodeRun:
         if self.run is not None:
             return self.run
-        return DecodeRun(self.out, Steps.concat(self.parts), self.start, self.stop)
+        return DecodeRun(self.out, Steps.concat(self.parts), self.start, self.stop, self.rows)
 
 
 def _lm_head(model: Any, fmt: str, body_dtype: torch.dtype, tp: TpPlacement | None) -> LmHead:

@@ -31,7 +31,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
@@ -58,6 +58,7 @@ from replay_audit.engine.pool import EnginePool
 from replay_audit.engine.protocol import (
     DEFAULT_SCAN_TOKEN_BUDGET,
     BatchLayout,
+    DecodeRequest,
     DecodeRun,
     DecodeWindow,
     Engine,
@@ -215,6 +216,24 @@ class Arm:
             processors=self.processors,
             window=window,
             layout=self.layout,
+        )
+
+    def request(
+        self,
+        prompt: Sequence[int],
+        budget: int,
+        eos: Sequence[int],
+        *,
+        forced_prefix: Sequence[int] = (),
+        window: DecodeWindow | None = None,
+    ) -> _Ask:
+        """A decode of this arm, asked of `replay_items`' driver (which runs it with others of
+        the arm's logged batch): its run comes back where `_run_arms` yields it."""
+        return _Ask(self, DecodeRequest(prompt, budget, eos, forced_prefix, window, self.layout))
+
+    def decode_batch(self, requests: Sequence[DecodeRequest], top_k: int) -> list[DecodeRun]:
+        return self.engine.decode_batch(
+            requests, self.intervention, top_k, processors=self.processors
         )
 
     def scan(self, prompt: Sequence[int], output: Sequence[int], top_k: int) -> ScanRun:
@@ -455,6 +474,8 @@ class _ArmRun:
     scan_batched: bool = False
     #: Its decode stopped at the run's decode window (its output is a prefix).
     window_cut: bool = False
+    #: How many rows of its logged batch its decode shared a run with (`DecodeRun.rows`).
+    decode_rows: int = 1
 
 
 @dataclass(eq=False)
@@ -485,18 +506,37 @@ def replay_items(
     scans: Sequence[ScanRun | None] | None = None,
 ) -> list[ReplayResult]:
     """Each item replayed, in order (see the module's diagram). `scans`: from `scan_items`, None
-    to scan each here. An item whose replay fails (`ENGINE_FAILURES`) gets its exception in its
-    place."""
-    runs: list[_Replayed | ReplayResult] = []
-    for i, item in enumerate(items):
+    to scan each here. The items' decodes run together where they replay rows of one logged
+    batch (`_decode_all`). An item whose replay fails (`ENGINE_FAILURES`) gets its exception in
+    its place."""
+    runs: dict[int, _Replayed | ReplayResult] = {}
+    asked: dict[int, _Ask] = {}
+    arms: dict[int, Generator[_Ask, DecodeRun, _Replayed | ReplayOutcome]] = {}
+
+    def advance(i: int, run: DecodeRun | None) -> None:
         try:
-            scan = scans[i] if scans is not None else None
-            runs.append(_run_arms(item, pool, options, scan))
+            asked[i] = arms[i].send(run)  # type: ignore[arg-type]  # None starts it
+        except StopIteration as stop:
+            runs[i] = stop.value
         except ENGINE_FAILURES as e:
-            runs.append(e)
-    reruns = _rerun_all([r for r in runs if isinstance(r, _Replayed)], options)
+            runs[i] = e
+
+    for i, item in enumerate(items):
+        arms[i] = _run_arms(item, pool, options, scans[i] if scans is not None else None)
+        advance(i, None)
+    while asked:
+        now = dict(asked)
+        asked.clear()
+        for i, got in _decode_all(now, options.top_k).items():
+            if isinstance(got, DecodeRun):
+                advance(i, got)
+            else:
+                arms[i].close()
+                runs[i] = got
+    ordered = [runs[i] for i in range(len(items))]
+    reruns = _rerun_all([r for r in ordered if isinstance(r, _Replayed)], options)
     out: list[ReplayResult] = []
-    for r in runs:
+    for r in ordered:
         if not isinstance(r, _Replayed):
             out.append(r)
             continue
@@ -504,6 +544,45 @@ def replay_items(
             out.append(_outcome(r, reruns.get(id(r), {})))
         except ENGINE_FAILURES as e:
             out.append(e)
+    return out
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """A decode an item's arms need (`_run_arms` yields it and gets its run back)."""
+
+    arm: Arm
+    request: DecodeRequest
+
+
+def _decode_all(asked: Mapping[int, _Ask], top_k: int) -> dict[int, DecodeRun | Exception]:
+    """The decodes asked for, each arm's through one `Engine.decode_batch` (which runs the rows
+    of one logged batch together); where a batch fails, its decodes run one by one, so only the
+    failing item fails."""
+    groups: list[tuple[Arm, list[int]]] = []  # arms of one engine, intervention and processors
+    for i, ask in asked.items():
+        a = ask.arm
+        for arm, members in groups:
+            same = arm.engine is a.engine and arm.intervention == a.intervention
+            if same and arm.processors == a.processors:
+                members.append(i)
+                break
+        else:
+            groups.append((a, [i]))
+    out: dict[int, DecodeRun | Exception] = {}
+    for arm, members in groups:
+        requests = [asked[i].request for i in members]
+        try:
+            out.update(zip(members, arm.decode_batch(requests, top_k), strict=True))
+        except ENGINE_FAILURES as e:
+            if len(members) == 1:
+                out[members[0]] = e
+                continue
+            for i in members:
+                try:
+                    (out[i],) = arm.decode_batch([asked[i].request], top_k)
+                except ENGINE_FAILURES as one:
+                    out[i] = one
     return out
 
 
@@ -575,8 +654,10 @@ def replay_traces(
 
 def _run_arms(
     item: ReplayItem, pool: EnginePool, options: ReplayOptions, scan: ScanRun | None
-) -> _Replayed | ReplayOutcome:
-    """Both arms of an item run, and t*; a trace only scanned is finished here."""
+) -> Generator[_Ask, DecodeRun, _Replayed | ReplayOutcome]:
+    """Both arms of an item run, and t*; a trace only scanned is finished here. Each decode is
+    yielded (`Arm.request`) and its run sent back, so `replay_items` runs the items' decodes
+    together where they share a logged batch."""
     _check(item, pool, options.check_weights)
     trace, top_k = item.trace, options.top_k
     prompt = trace.prompt_token_ids.tolist()
@@ -588,9 +669,10 @@ def _run_arms(
         if options.mode == "scan" and item.baseline != "logged":
             return _scanned_pair(item, a, b, scan, top_k)
         # The both-arms protocol: both decoded from the prompt.
-        ra, rb = a.decode(prompt, budget, eos, top_k), b.decode(prompt, budget, eos, top_k)
-        run_a = _ArmRun(a, ra.output_token_ids, ra.steps)
-        run_b = _ArmRun(b, rb.output_token_ids, rb.steps)
+        ra = yield a.request(prompt, budget, eos)
+        rb = yield b.request(prompt, budget, eos)
+        run_a = _ArmRun(a, ra.output_token_ids, ra.steps, decode_rows=ra.rows)
+        run_b = _ArmRun(b, rb.output_token_ids, rb.steps, decode_rows=rb.rows)
         t_star = first_divergence(run_a.ids, run_b.ids)
         return _Replayed(item, "decode", run_a, run_b, t_star)
 
@@ -599,7 +681,7 @@ def _run_arms(
     screen: Screen | None = None
     window = options.window(logged)
     if mode == "decode":
-        run_b = _decoded(b, b.decode(prompt, budget, eos, top_k, window=window))
+        run_b = _decoded(b, (yield b.request(prompt, budget, eos, window=window)))
     else:
         batched = scan is not None
         if scan is None:
@@ -610,7 +692,7 @@ def _run_arms(
             if near is None and not item.control:
                 return _scanned_only(item, b, scan.steps, batched)
             # A near-tie's flip may need the decode's own KV cache from the prompt on.
-            run_b = _decoded(b, b.decode(prompt, budget, eos, top_k, window=window))
+            run_b = _decoded(b, (yield b.request(prompt, budget, eos, window=window)))
             screen = "near_tie" if near is not None else "control"
         elif s is None:
             run_b = _ArmRun(b, logged, scan.steps, "scan", batched)
@@ -618,10 +700,10 @@ def _run_arms(
             ids = [*logged[:s], int(scan.steps.token_ids[s])]
             run_b = _ArmRun(b, ids, scan.steps.slice(0, s + 1), "scan", batched)
         else:
-            rb = b.decode(prompt, budget, eos, top_k, forced_prefix=logged[:s], window=window)
+            rb = yield b.request(prompt, budget, eos, forced_prefix=logged[:s], window=window)
             steps = Steps.concat([scan.steps.slice(0, s), rb.steps])
             cut = rb.stop_reason == "window"
-            run_b = _ArmRun(b, rb.output_token_ids, steps, "decode", batched, cut)
+            run_b = _ArmRun(b, rb.output_token_ids, steps, "decode", batched, cut, rb.rows)
             screen = "flagged"
     t_star = first_divergence(logged, run_b.ids)
     replayed = _Replayed(item, mode, run_a, run_b, t_star, screen)
@@ -659,7 +741,8 @@ def _scanned_pair(
 
 def _decoded(arm: Arm, run: DecodeRun) -> _ArmRun:
     """Arm B as a decode from the prompt ran it."""
-    return _ArmRun(arm, run.output_token_ids, run.steps, window_cut=run.stop_reason == "window")
+    cut = run.stop_reason == "window"
+    return _ArmRun(arm, run.output_token_ids, run.steps, window_cut=cut, decode_rows=run.rows)
 
 
 #: The re-runs of one item at t*, by side ("a", "b").
@@ -910,7 +993,7 @@ def _arm_outcome(
         )
     steps, engine = run.steps, run.arm.engine
     scanned = run.scan_batched or f"scan:{side}" in r.batched
-    environment = _environment(engine, scanned, side in r.batched)
+    environment = _environment(engine, scanned, side in r.batched, run.decode_rows)
     n = len(steps)
     margins = tuple(float(f"{m:.6g}") if math.isfinite(m) else None for m in steps.margins.tolist())
     return ArmOutcome(
@@ -931,15 +1014,20 @@ def _arm_outcome(
     )
 
 
-def _environment(engine: Engine, scan_batched: bool, step_batched: bool) -> dict[str, object]:
+def _environment(
+    engine: Engine, scan_batched: bool, step_batched: bool, decode_rows: int = 1
+) -> dict[str, object]:
     """`engine.environment()` as it held for one result: without the batch extras of a batched
     scan or of batched re-runs the result's trace was not part of (the engine keeps its last
-    batch's, whatever it ran since)."""
+    batch's, whatever it ran since); with `decode_rows` where its decode ran as one of that
+    many rows of its logged batch (`Engine.decode_batch`)."""
     env = dict(engine.environment())
     extras = env.get("extras")
     drop = (() if scan_batched else SCAN_BATCH_EXTRAS) + (() if step_batched else STEP_BATCH_EXTRAS)
     if isinstance(extras, dict) and any(k in extras for k in drop):
-        env["extras"] = {k: v for k, v in extras.items() if k not in drop}
+        env["extras"] = extras = {k: v for k, v in extras.items() if k not in drop}
+    if decode_rows > 1 and isinstance(extras, dict):
+        env["extras"] = {**extras, "decode_rows": decode_rows}
     return env
 
 

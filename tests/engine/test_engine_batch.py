@@ -213,5 +213,3 @@ def test_plan_rows_runs_each_batch_once_per_row(keys: list[RowKey | None]) -> No
         runs = [r for r in plan.together if r[0] in mine] + [[i] for i in plan.alone if i in mine]
         most = max(Counter(keys[i][2] for i in mine).values())  # type: ignore[index]
         assert len(runs) == most
-    shape = plan.shape
-    assert shape == f"{len(plan.together)} batches, {sum(map(len, plan.together))} rows"

@@ -107,8 +107,9 @@ def test_a_logged_batch_decoded_together_is_each_row_alone(
         _same(run, _alone(engine, r, iv))
     assert [run.stop_reason for run in runs[4:8]] == ["window"] * 4
     assert [len(run.output_token_ids) for run in runs[4:8]] == [3, 4, 5, 6]
-    # The three runs together: the four rows, the four windowed ones, the two forced.
-    assert engine.environment()["extras"]["decode_rows"] == "3 batches, 10 rows"
+    # Three runs together (the four rows, the four windowed ones, the two forced), and each
+    # run says how many rows it shared; the others ran alone.
+    assert [run.rows for run in runs] == [4] * 8 + [2, 2, 1, 1]
 
 
 def test_an_unpadded_logged_batch_together_is_the_piecewise_decode(engine_of: EngineOf) -> None:
@@ -125,6 +126,7 @@ def test_an_unpadded_logged_batch_together_is_the_piecewise_decode(engine_of: En
     assert "piecewise" in str(engine.environment()["extras"]["decoder"])
     for a, b in zip(engine.decode_batch(requests), alone, strict=True):
         _same(a, b)
+        assert (a.rows, b.rows) == (3, 1)
 
 
 def test_requests_without_a_shared_batch_decode_alone(engine_of: EngineOf) -> None:
@@ -139,4 +141,4 @@ def test_requests_without_a_shared_batch_decode_alone(engine_of: EngineOf) -> No
     for r, run in zip(requests, runs, strict=True):
         _same(run, _alone(engine, r))
     assert runs[2].output_token_ids == [] and runs[2].stop_reason == "length"
-    assert "decode_rows" not in engine.environment()["extras"]
+    assert [run.rows for run in runs] == [1, 1, 1]

@@ -346,3 +346,54 @@ def test_the_teacher_forced_probe_follows_the_rule_on_the_bundled_model(
             margins = [fs.single_step.b.margin, step.b.margin]  # type: ignore[union-attr]
             assert any(m is not None and m.ulps is not None and m.ulps <= 1 for m in margins)
     assert flips >= 3, "the prompt set diverges in bf16"
+
+
+@pytest.mark.parametrize("mode", ["decode", "scan_then_decode"])
+def test_traces_of_one_logged_batch_replay_together_as_alone(
+    pool: EnginePool, real_dir: Path, real_prompts: list[tuple[str, str]], mode: str
+) -> None:
+    """Traces a user logged with one batched `generate()` (8 prompts of different lengths, so
+    left-padded) replay, through `replay_items`, in one run of that batch per decode step
+    (`Engine.decode_batch`), and each gets what it gets replayed alone: self-replay exact, and
+    in FP16 the same outputs, t*, categories and margins."""
+    from replay_audit.engine.generate import TraceGenerator
+
+    with TraceGenerator(real_dir, dtype="bf16", attn_kernel="sdpa", device="cpu") as gen:
+        logged = gen.trace_batch(list(real_prompts[:8]), max_new_tokens=24)
+    traces = [LoggedTrace.from_json(TraceCreate.model_validate(t).model_dump()) for t in logged]
+    assert len({len(t.prompt_token_ids) for t in traces}) > 1, "a padded batch"
+    options = ReplayOptions(mode, check_weights=False, decode_window=4)  # type: ignore[arg-type]
+    # Self, and FP16 at the logged batch size (an arm of the logged size replays the logged
+    # batch; one of another size, copies of the row).
+    for target in (RunTarget(None), RunTarget(Target("fp16", batch_size=8))):
+        items = [ReplayItem(t, target, real_dir, control=True) for t in traces]
+        alone = [replay_one(item, pool, options) for item in items]
+        together = replay_items(items, pool, options)
+        for a, b in zip(alone, together, strict=True):
+            assert isinstance(b, ReplayOutcome), b
+            assert a.b.output_token_ids == b.b.output_token_ids
+            assert (a.first_divergence_step, a.category, a.exact_match, a.screen) == (
+                b.first_divergence_step,
+                b.category,
+                b.exact_match,
+                b.screen,
+            )
+            assert a.b.margin == b.b.margin and a.a.margin == b.a.margin
+        ran = together[0]
+        assert isinstance(ran, ReplayOutcome) and ran.b.resolved is not None
+        assert ran.b.resolved.batch_layout is not None and ran.b.resolved.batch_layout.size == 8
+        if target.is_self:
+            assert all(isinstance(r, ReplayOutcome) and r.exact_match for r in together)
+        # Each result decoded from the prompt says it ran as one of the rows of its logged
+        # batch decoded so (a flagged trace's decode from its own s runs with those of its s);
+        # alone, it says nothing of it.
+        from_prompt = [
+            b for b in together if isinstance(b, ReplayOutcome) and b.screen != "flagged"
+        ]
+        assert len(from_prompt) >= 2
+        for a, b in zip(alone, together, strict=True):
+            assert isinstance(b, ReplayOutcome)
+            assert b.b.environment is not None and a.b.environment is not None
+            if b.screen != "flagged":
+                assert b.b.environment["extras"]["decode_rows"] == len(from_prompt)
+            assert "decode_rows" not in a.b.environment["extras"]
