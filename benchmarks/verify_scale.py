@@ -15,8 +15,14 @@ For one checkpoint and one claim (`--dtype`, sdpa, the checkpoint's lm_head in t
 3. **The null split in two halves by prompt text**: thresholds from half A
    (`stats.verification.calibrate`, budgets 16 ... 131072, the 4-bit RTN alternative on half A's
    prompts), the benign false-alarm rate measured on half B at every budget, groups drawn from
-   one variation at a time, as the calibration draws them; how far the null reaches (each
-   variation's tokens in each half: a group larger than them repeats traces).
+   one variation at a time, as the calibration draws them (bootstrap resamples: a trace may
+   come several times in a group) and again as a provider's come, of distinct half-B traces
+   (`false_alarms_distinct`, only where a variation's half B holds the budget); per decision:
+   each statistic alone, the combined rule, the tie band at its rare-event floor, and
+   `per_budget`, what the calibration's verdicts use: the decision it chose at each budget by
+   its own held-out split of half A (`null.choices`: the choice, its held-out false alarms,
+   allowance, trusted); how far the null reaches (each variation's tokens in each half: a group
+   larger than them repeats traces).
 4. **Simulated providers** on half B's first `--eval-prompts` prompts, in the claimed
    configuration at the large batch: 4-bit and 8-bit RTN (group 128), an FP8 (e4m3) KV cache
    (`engine.testing.fp8_kv_cache`), temperature 0.3 sent as greedy, a RoPE bug (base 5000) and
@@ -434,9 +440,12 @@ def _draw_many(
     budget: int,
     draws: int,
     rng: np.random.Generator,
+    distinct: bool = False,
 ) -> dict[str, np.ndarray]:
     """The service's own draws (`stats.verification.draw_groups`): each name's scores of the
-    same groups."""
+    same groups; `distinct`: groups of distinct traces, as a provider's are."""
+    if distinct:
+        return dict(verification.draw_groups(token_scores, budget, draws, rng, distinct=True))
     return dict(verification.draw_groups(token_scores, budget, draws, rng))
 
 
@@ -459,9 +468,20 @@ def _floored(cal: Calibration, budget: int) -> float:
     return max(row.threshold, getattr(row, "rare_event_floor", None) or 0.0)
 
 
+#: The decision a calibration chose per budget by its own held-out split
+#: (`Calibration.choices`, docs/verify.md "The decision per budget"): what its verdicts use.
+PER_BUDGET = "per_budget"
+
+
+def _choice(cal: Calibration, budget: int) -> Any:
+    """The calibration's chosen decision at exactly `budget` (`BudgetChoice`)."""
+    return next(c for c in getattr(cal, "choices", []) if c.tokens == budget)
+
+
 def decisions(cal: Calibration) -> list[str]:
-    """What decides: each statistic alone, the combined rule where the calibration has it, and
-    the tie band at its rare-event floor where the calibration measured one."""
+    """What decides: each statistic alone, the combined rule where the calibration has it, the
+    tie band at its rare-event floor where the calibration measured one, and the decision it
+    chose per budget where it chose one."""
     floors = any(
         getattr(b, "rare_event_floor", None) is not None for b in cal.budgets["outside_tie_band"]
     )
@@ -469,6 +489,7 @@ def decisions(cal: Calibration) -> list[str]:
         *STATISTICS,
         *([RULE] if getattr(cal, "rule", None) else []),
         *([FLOORED] if floors else []),
+        *([PER_BUDGET] if getattr(cal, "choices", None) else []),
     ]
 
 
@@ -478,12 +499,14 @@ def draw_scored(
     budget: int,
     draws: int,
     rng: np.random.Generator,
+    distinct: bool = False,
 ) -> dict[str, np.ndarray]:
-    """Groups of `budget` tokens from these traces, scored by every statistic (the same groups)."""
+    """Groups of `budget` tokens from these traces, scored by every statistic (the same groups;
+    `distinct`: each of distinct traces, `_draw_many`)."""
     scores: dict[str, list[np.ndarray]] = {
         s: [cal.scorer.scores(u, s) for u in deficits if len(u)] for s in STATISTICS
     }
-    return _draw_many(scores, budget, draws, rng)
+    return _draw_many(scores, budget, draws, rng, distinct)
 
 
 def flagged(
@@ -496,6 +519,9 @@ def flagged(
         return np.asarray(np.logical_or.reduce([drawn[s] > t for s, t in rule.thresholds.items()]))
     if decision == FLOORED:
         return np.asarray(drawn["outside_tie_band"] > _floored(cal, budget))
+    if decision == PER_BUDGET:
+        chosen = _choice(cal, budget).thresholds
+        return np.asarray(np.logical_or.reduce([drawn[s] > t for s, t in chosen.items()]))
     row = next(b for b in cal.budgets[decision] if b.tokens == budget)
     return np.asarray(drawn[decision] > row.threshold)
 
@@ -505,6 +531,9 @@ def threshold_text(cal: Calibration, decision: str, budget: int) -> str:
         return " or ".join(f"{t:.3g}" for t in _rule_row(cal, budget).thresholds.values())
     if decision == FLOORED:
         return f"{_floored(cal, budget):.3g}"
+    if decision == PER_BUDGET:
+        c = _choice(cal, budget)
+        return f"{c.decision}: " + " or ".join(f"{t:.3g}" for t in c.thresholds.values())
     return f"{next(b for b in cal.budgets[decision] if b.tokens == budget).threshold:.3g}"
 
 
@@ -535,23 +564,31 @@ def false_alarms(
     budgets: Sequence[int],
     draws: int,
     rng: np.random.Generator,
+    distinct: bool = False,
 ) -> dict[str, Any]:
     """Per decision and budget: the share of each variation's held-out groups it flags (groups
     drawn from one variation at a time), and the worst of the variations whose held-out traces
     hold at least the budget's tokens (`measured`: the others' groups would repeat their few
     traces, a bootstrap's guess rather than a measurement; where none holds enough, the worst
-    of all, `measured` empty)."""
+    of all, `measured` empty). Groups are drawn as the calibration draws its own (bootstrap
+    resamples, a trace possibly drawn several times in a group), or with `distinct` as a
+    provider's groups come, of distinct held-out traces: then only the variations that hold
+    the budget are drawn (none: `worst` None)."""
     out: dict[str, Any] = {d: {} for d in decisions(cal)}
     tokens = {v: sum(len(u) for u in d) for v, d in test.items()}
     for b in budgets:
-        drawn = {v: draw_scored(cal, d, b, draws, rng) for v, d in test.items() if tokens[v]}
+        drawn = {
+            v: draw_scored(cal, d, b, draws, rng, distinct)
+            for v, d in test.items()
+            if tokens[v] and (tokens[v] >= b or not distinct)
+        }
         measured = [v for v in drawn if tokens[v] >= b]
         for dec in decisions(cal):
             rates = {v: float(flagged(cal, dec, b, x).mean()) for v, x in drawn.items()}
-            worst = max(measured or rates, key=lambda v: rates[v])
+            worst = max(measured or rates, key=lambda v: rates[v]) if rates else None
             out[dec][str(b)] = {
                 "threshold": threshold_text(cal, dec, b),
-                "worst": rates[worst],
+                "worst": rates[worst] if worst is not None else None,
                 "worst_variation": worst,
                 "measured": measured,
                 "per_variation": rates,
@@ -580,7 +617,7 @@ def simulation_row(
         s = draw_scored(cal, sim, b, draws, rng)
         h = draw_scored(cal, honest, b, draws, rng)
         for dec in decs:
-            cell = {"auc": None if dec in (RULE, FLOORED) else auc(h[dec], s[dec])}
+            cell = {"auc": None if dec in (RULE, FLOORED, PER_BUDGET) else auc(h[dec], s[dec])}
             if judged:
                 cell["power"] = float(flagged(cal, dec, b, s).mean())
             row[dec]["per_budget"][str(b)] = cell
@@ -769,6 +806,8 @@ def null_report(
         )
     with clock.phase("false alarms (half B)"):
         fa = false_alarms(cal, b, capped(FA_BUDGETS, args), args.fa_draws, rng)
+    with clock.phase("false alarms (half B, distinct traces)"):
+        fa_distinct = false_alarms(cal, b, capped(FA_BUDGETS, args), args.fa_draws, rng, True)
     per_var: dict[str, dict[str, Any]] = {}
     for key in data["variations"]:
         ta, tb = sum(len(u) for u in a[key]), sum(len(u) for u in b[key])
@@ -786,8 +825,25 @@ def null_report(
         "reach_large_batch": min((per_var[k]["reach"] or 0) for k in large),
         "tokens": sum(v["tokens_A"] + v["tokens_B"] for v in per_var.values()),
         "false_alarms": fa,
+        "false_alarms_distinct": fa_distinct,
         "calibration_reach": getattr(cal, "reach", None),
         "fa_ok_up_to": {dec: fa_ok_up_to(rows, cal.false_alarm_rate) for dec, rows in fa.items()},
+        "fa_ok_up_to_distinct": {
+            dec: fa_ok_up_to(rows, cal.false_alarm_rate) for dec, rows in fa_distinct.items()
+        },
+        "choices": [
+            {
+                "tokens": c.tokens,
+                "decision": c.decision,
+                "held_out_false_alarm": c.held_out_false_alarm,
+                "allowance": c.allowance,
+                "passed": c.passed,
+                "trusted": c.trusted,
+                "supply": c.supply,
+                "power": c.power,
+            }
+            for c in getattr(cal, "choices", [])
+        ],
     }
     return cal, null
 
@@ -1164,7 +1220,7 @@ def fa_ok_up_to(rows: Mapping[str, Mapping[str, Any]], rate: float) -> int | Non
     measured: some variation's held-out traces hold its tokens)."""
     ok = None
     for b, x in sorted(rows.items(), key=lambda kv: int(kv[0])):
-        if x["worst"] > rate or not x["measured"]:
+        if not x["measured"] or x["worst"] > rate:
             break
         ok = int(b)
     return ok
@@ -1180,7 +1236,8 @@ def fa_table(fa: Mapping[str, Mapping[str, Any]]) -> list[str]:
         first = fa[decs[0]][b]
         n = f"{len(first['measured'])} of {len(first['per_variation'])}"
         cells = [
-            f"{fa[d][b]['worst']:.3f} ({fa[d][b]['worst_variation']}; {fa[d][b]['threshold']})"
+            f"{_fmt(fa[d][b]['worst'])} ({fa[d][b]['worst_variation'] or '-'}; "
+            f"{fa[d][b]['threshold']})"
             for d in decs
         ]
         lines.append(f"| {b} | {n} | " + " | ".join(cells) + " |")
@@ -1236,7 +1293,30 @@ def markdown(r: Mapping[str, Any]) -> str:
         "groups of repeated traces):",
         "",
         *fa_table(null["false_alarms"]),
+        "",
+        "The same on groups of distinct half-B traces, as a provider's groups come (no trace "
+        "twice in a group; only the variations whose half B holds the budget). Up to: "
+        + ", ".join(f"{s} {null['fa_ok_up_to_distinct'][s]}" for s in decs),
+        "",
+        *fa_table(null["false_alarms_distinct"]),
     ]
+    if null.get("choices"):
+        lines += [
+            "",
+            "The decision the calibration (half A) chose per budget by its own held-out split "
+            "of half A (`per_budget` above): its held-out false alarms, the allowance, and "
+            "whether every variation's held-out quarter held 1 / rate disjoint groups (trusted; "
+            "else the fewest held-out false alarms decide):",
+            "",
+            "| budget | chosen | held-out FA | allowance | passed | trusted (supply) | power |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for c in null["choices"]:
+            lines.append(
+                f"| {c['tokens']} | {c['decision']} | "
+                f"{c['held_out_false_alarm'][c['decision']]:.3f} | {c['allowance']:.3f} | "
+                f"{c['passed']} | {c['trusted']} ({c['supply']:.1f}) | {_fmt(c['power'])} |"
+            )
     for s in decs:
         lines += [
             "",

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from benchmarks import verify_scale as vs
-from replay_audit.stats.verification import STATISTICS
+from replay_audit.stats.verification import CANDIDATES, STATISTICS
 from replay_audit.traces.schemas import TraceCreate
 
 TINY = Path(__file__).resolve().parents[1] / "replay_audit" / "assets" / "tiny-llama"
@@ -64,10 +64,27 @@ def test_the_smallest_run_measures_every_part(scale_run: tuple[dict[str, Any], P
     for v in null["per_variation"].values():  # both halves hold every variation
         assert v["tokens_A"] > 0 and v["tokens_B"] > 0
     decisions = set(null["false_alarms"])
-    assert set(STATISTICS) <= decisions
+    assert set(STATISTICS) | {vs.PER_BUDGET} <= decisions
     for rows in null["false_alarms"].values():
         assert [int(b) for b in rows] == [b for b in vs.FA_BUDGETS if b <= 4096]
         assert all(0.0 <= r["worst"] <= 1.0 for r in rows.values())
+    # The decision half A's calibration chose per budget is judged on the same held-out groups
+    # as the candidate it chose: its false alarms are that candidate's, budget by budget.
+    chosen = {str(c["tokens"]): c["decision"] for c in null["choices"]}
+    assert list(chosen) == list(null["false_alarms"][vs.PER_BUDGET])
+    assert set(chosen.values()) <= set(CANDIDATES)
+    for fa in (null["false_alarms"], null["false_alarms_distinct"]):
+        for b, row in fa[vs.PER_BUDGET].items():
+            assert row["per_variation"] == fa[chosen[b]][b]["per_variation"]
+            assert row["threshold"].startswith(chosen[b])
+    # Groups of distinct held-out traces: drawn only where a variation's half B holds the
+    # budget, none beyond the largest half.
+    largest = max(v["tokens_B"] for v in null["per_variation"].values())
+    for b, row in null["false_alarms_distinct"]["outside_tie_band"].items():
+        held = {k for k, v in null["per_variation"].items() if v["tokens_B"] >= int(b)}
+        assert set(row["per_variation"]) == held == set(row["measured"])
+        assert (row["worst"] is None) == (int(b) > largest)
+    assert "chose per budget" in (out / "scale.md").read_text()
     sims = result["simulations"]
     assert set(sims) == {
         "4-bit RTN g128", "8-bit RTN g128", "FP8 KV cache (e4m3, scale 1)",
