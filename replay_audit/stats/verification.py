@@ -105,8 +105,8 @@ HELD_OUT_CONFIDENCE: Final = 0.95
 #: budget that share no trace (a group is whole traces, the last cut). A choice is trusted
 #: (`BudgetChoice.trusted`) where every variation's half holds at least 1 / rate of them, as many
 #: as one false alarm needs to show at the promised rate; below that, resampled groups repeat
-#: the same few traces and the held-out estimate is the bootstrap's guess, so the choice is the
-#: candidate with the fewest held-out false alarms, whatever its power.
+#: the same few traces and the held-out estimate is the bootstrap's guess: it can show a
+#: candidate failing, not that one holds, so the tie band keeps deciding unless it failed.
 #: The confidence of the upper bound on a variation's rate of traces holding a token outside
 #: the tie band (`rare_event_floor`): a null that saw none of k such traces in N allows
 #: about (k + 3) / N.
@@ -306,11 +306,12 @@ class BudgetChoice:
     the two, the worst benign variation's); the most powerful candidate whose held-out false
     alarms are within `allowance` (the promised rate plus the sampling error of `draws`
     groups); the most conservative (fewest held-out false alarms) where none is (`passed`
-    False) or where the halves cannot measure the budget (`trusted` False: `supply`, the
+    False). Where the halves cannot measure the budget (`trusted` False: `supply`, the
     disjoint groups of the budget that the worst supplied variation's held-out half holds, is
-    below 1 / rate; under 1 that half does not hold one group, and its groups are resamples of
-    fewer tokens than they hold). `thresholds` and `power` are the chosen decision's, set on
-    the whole null; `powers` every candidate's."""
+    below 1 / rate; under 1 that half does not hold one group), the tie band decides if it is
+    within the allowance (a split too small to show a candidate holding still shows one
+    failing), else the same rule among the others. `thresholds` and `power` are the chosen
+    decision's, set on the whole null; `powers` every candidate's."""
 
     tokens: int
     decision: Decision
@@ -685,7 +686,9 @@ def choose(
     order = {c: i for i, c in enumerate(CANDIDATES)}
     trusted = supply >= 1.0 / rate
     ok = [c for c in CANDIDATES if held_out[c] <= limit]
-    if trusted and ok:
+    if not trusted and CANDIDATES[0] in ok:
+        chosen = CANDIDATES[0]
+    elif ok:
         chosen = max(ok, key=lambda c: (powers[c] or 0.0, -held_out[c], -order[c]))
     else:
         chosen = min(CANDIDATES, key=lambda c: (held_out[c], order[c]))
