@@ -12,7 +12,9 @@ deficit in ulps (`diff.deficit`), so a group of n tokens has one score whatever 
                           the bins' probabilities measured on the benign null and on the
                           calibration's alternative (a 4-bit RTN copy of the checkpoint)
 
-`VERDICT_STATISTIC` is the one a verdict uses. The calibration draws groups of exactly n tokens
+What a verdict decides by is chosen per budget (`BudgetChoice`: the tie band, `VERDICT_STATISTIC`,
+unless the null's held-out split shows it failing or another keeping the rate with more power).
+The calibration draws groups of exactly n tokens
 from each benign variation's traces alone (`draw_group_scores`), `DRAWS` times per budget and
 variation, and puts the threshold at the highest of the variations' (1 - false-alarm rate)
 quantiles: a provider's group comes from one configuration, so the promise holds for each
