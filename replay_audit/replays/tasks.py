@@ -153,33 +153,30 @@ def _run_job(
     started = time.perf_counter()
     counts = _JobCounts()
     scanning = spec.options.mode in ("scan", "scan_then_decode")
-    work: Sequence[int | _Pending] = trace_ids
-    if scanning:  # every trace's scan first, batched; decode-mode traces load one at a time
-        work = _load_pending(url, spec, trace_ids, ctx)
+    work = _load_pending(url, spec, trace_ids, ctx)
+    if scanning:  # every trace's scan first, batched, then windows of its traces
         counts = _scan_all(work, spec, ctx)
         with session_scope(url) as s:
             repository.touch_job(s, job_id)  # alive: the scan may take a while on a CPU
-
-    window = RERUN_WINDOW[spec.options.mode] if scanning else 1
+        window = RERUN_WINDOW[spec.options.mode]
+        chunks = [work[start : start + window] for start in range(0, len(work), window)]
+    else:
+        chunks = _decode_windows(work)
     finished = False
-    for start in range(0, len(work), window):
+    for n, chunk in enumerate(chunks):
         if stop_requested():  # the process is stopping: the rest waits for the next run
             with session_scope(url) as s:
                 repository.release_job(s, job_id)
             log.info("replay job %d stopped between traces; it resumes when re-enqueued", job_id)
             return
-        chunk = work[start : start + window]
-        pending = [p for p in chunk if isinstance(p, _Pending)] or _load_pending(
-            url, spec, [i for i in chunk if isinstance(i, int)], ctx
-        )
-        done = _replay(pending, spec, ctx)
+        done = _replay(chunk, spec, ctx)
         # A window's results in one transaction (each trace's rows whole, none twice: the
         # unique key), with the heartbeat the reconciler reads; the last one's with the job's
         # end, so a run never reads `running` with all its results stored.
         with session_scope(url) as s:
             repository.insert_results_of(s, spec.run_id, [(p.trace_id, r) for p, r in done])
             repository.touch_job(s, job_id)
-            if start + window >= len(work):
+            if n == len(chunks) - 1:
                 service.finish_job(s, job_id)
                 finished = True
         counts.traces += len(done)
@@ -191,6 +188,24 @@ def _run_job(
         run = s.get(ReplayRun, spec.run_id)
         progress = (sum(repository.progress(s, run)), run.n_items) if run is not None else None
     _log_job(job_id, spec, counts, time.perf_counter() - started, progress)
+
+
+def _decode_windows(pending: Sequence[_Pending]) -> list[list[_Pending]]:
+    """A decode job's windows: the traces logged in batches of one layout together (their
+    decodes share runs of that batch: `Engine.decode_batch`, about one trace's time for them
+    all), every other trace alone, so its results are saved as soon as it is done."""
+    batches: dict[tuple[int, ...], list[_Pending]] = {}
+    windows: list[list[_Pending]] = []
+    for p in pending:
+        layout = p.trace.batch_layout if p.trace is not None else None
+        if layout is None or layout.size == 1:
+            windows.append([p])
+        elif layout.prompt_lengths in batches:
+            batches[layout.prompt_lengths].append(p)
+        else:
+            batches[layout.prompt_lengths] = [p]
+            windows.append(batches[layout.prompt_lengths])
+    return windows
 
 
 def _log_job(

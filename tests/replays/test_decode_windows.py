@@ -1,0 +1,81 @@
+"""A decode run's job replays the traces of one logged batch together (one window, their decodes
+sharing runs of that batch: `Engine.decode_batch`) and every other trace alone; what each stored
+result says ran (`extras.decode_rows`) is what ran. Real torch on the committed model, through
+the API and the job, on SQLite and PostgreSQL (the `db_url` fixture)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from replay_audit.config import Settings
+from replay_audit.engine import EnginePool
+from replay_audit.engine.protocol import BatchLayout
+from replay_audit.replays.tasks import _decode_windows, _Pending
+from replay_audit.worker import context
+from tests.replays.conftest import HoldingRunner, all_results, ingest
+
+
+def _pending(i: int, layout: BatchLayout | None) -> _Pending:
+    from replay_audit.replays.domain import LoggedTrace
+
+    trace = LoggedTrace.__new__(LoggedTrace)
+    object.__setattr__(trace, "batch_layout", layout)
+    return _Pending(i, None, trace, [0])
+
+
+def test_decode_windows_keep_each_logged_batch_together() -> None:
+    a, b = (3, 5, 4), (2, 2)
+    layouts = [BatchLayout(a, 0), None, BatchLayout(b, 1), BatchLayout(a, 2), BatchLayout(a, 1)]
+    layouts += [BatchLayout((7,), 0), BatchLayout(b, 0)]
+    windows = _decode_windows([_pending(i, x) for i, x in enumerate(layouts)])
+    assert [[p.trace_id for p in w] for w in windows] == [[0, 3, 4], [1], [2, 6], [5]]
+
+
+@pytest.fixture
+def real_worker(monkeypatch: pytest.MonkeyPatch, db_url: str, real_dir: Path) -> Iterator[None]:
+    """Worker settings on the test database, finding the committed model, with torch engines."""
+    monkeypatch.setenv("REPLAY_AUDIT_DATABASE_URL", db_url)
+    monkeypatch.setenv("REPLAY_AUDIT_MODEL_DIRS", str(real_dir.parent))
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    context.install_worker_context(context.WorkerContext(settings, EnginePool(device="cpu")))
+    yield
+    context.install_worker_context(None)
+
+
+def test_a_decode_run_replays_a_logged_batch_in_one_run_of_it(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    real_worker: None,
+    real_dir: Path,
+    real_prompts: list[tuple[str, str]],
+) -> None:
+    from replay_audit.engine.generate import TraceGenerator
+
+    with TraceGenerator(real_dir, dtype="bf16", device="cpu") as gen:
+        batch = gen.trace_batch(list(real_prompts[:6]), max_new_tokens=12)
+        single = [gen.trace(real_prompts[6][1], max_new_tokens=12, external_id="alone")]
+    h = headers("admin")
+    ids = ingest(client, h, [*batch, *single])
+    r = client.post(
+        "/v1/replays", json={"trace_ids": ids, "compare_with": "self", "mode": "decode"}, headers=h
+    )
+    assert r.status_code == 201, r.text
+    run_id = r.json()["id"]
+    assert runner.run_all() == 1
+    results = all_results(client, run_id, h)
+    assert len(results) == 7
+    by_id: dict[str, dict[str, Any]] = {x["trace_id"]: x for x in results}
+    for i in ids:
+        x = by_id[i]
+        assert x["status"] == "ok" and x["exact_match"] is True, x  # self-replay is exact
+        extras = x["arms"]["b"]["environment"]["extras"]
+        if i == ids[-1]:  # logged alone: decoded alone, and it says nothing of rows
+            assert "decode_rows" not in extras
+        else:  # the six rows of the logged batch: one run of it
+            assert extras["decode_rows"] == 6
