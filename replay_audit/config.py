@@ -90,6 +90,10 @@ class Settings(BaseSettings):
     #: The `decode_window` of a large run that names neither a mode nor a window (see
     #: `replays.domain.LARGE_RUN_DECODE_WINDOW`; bound formats.MAX_DECODE_WINDOW).
     large_run_decode_window: int = Field(default=32, ge=0, le=65_536)
+    #: The `flagged_fraction` of a large run that names neither a mode nor a fraction: the
+    #: share of its mismatch-flagged traces decoded (see
+    #: `replays.domain.LARGE_RUN_FLAGGED_FRACTION`, and formats.FLAGGED_FRACTION for why 0.05).
+    large_run_flagged_fraction: float = Field(default=0.05, gt=0.0, le=1.0, allow_inf_nan=False)
     #: The `scan_flag_ulps` of scan-then-decode runs that name none (`formats.SCAN_FLAG_ULPS`
     #: says what it does, and why 0). Read where runs are created; each run records its value.
     #: (Default replays.domain.DEFAULT_SCAN_FLAG_ULPS, bound MAX_SCAN_FLAG_ULPS.)

@@ -129,8 +129,11 @@ BASELINES: Final[tuple[Baseline, ...]] = get_args(Baseline)
 #: `scan_flag_ulps` ulps (where a flip that needs the decode's KV cache hides), so the trace was
 #: decoded in full; `control`, flagged by neither rule but decoded in full (the random control
 #: sample that measures what the scan misses); `scanned`, flagged by neither and only scanned:
-#: its exact match is not established, and no statistic counts it as one.
-Screen = Literal["flagged", "near_tie", "control", "scanned"]
+#: its exact match is not established, and no statistic counts it as one; `flagged_scanned`,
+#: flagged by a mismatch but not in the run's flagged sample (`FLAGGED_FRACTION`), so not
+#: decoded: its result is the scan's (t* the first disagreement, exact match False, the
+#: category from the probe), as a scan run's is.
+Screen = Literal["flagged", "near_tie", "control", "scanned", "flagged_scanned"]
 SCREENS: Final[tuple[Screen, ...]] = get_args(Screen)
 
 #: The paper's interventions (section 4), applied at gated steps.
@@ -268,6 +271,20 @@ CONTROL_FRACTION: Final = RunOption(
     "scan_then_decode: share of the traces the scan does not flag that are decoded anyway "
     "(the control sample that estimates the scan's miss rate).",
     ge=0.0,
+    le=1.0,
+)
+#: Why a large run decodes 5% of its flagged traces (`config.Settings.large_run_flagged_fraction`,
+#: docs/replays.md "The flagged sample"): the scan already gives each one's t*, margins and
+#: category; the decode from t* only says whether it truly diverges there (false flags happen
+#: only at exact ties) and gives the continuation text, so a sample measures the false-flag
+#: rate, as the control sample (also 5%) measures the miss rate, at a twentieth of the decodes.
+FLAGGED_FRACTION: Final = RunOption(
+    1.0,
+    "scan_then_decode: share of the traces the scan flags by a mismatch that are decoded from "
+    "their first disagreement (the flagged sample that measures the false-flag rate); the "
+    "others keep the scan's result (screen flagged_scanned). Default: 1 (all), but a large run "
+    "naming no mode: the deployment's REPLAY_AUDIT_LARGE_RUN_FLAGGED_FRACTION (0.05).",
+    gt=0.0,
     le=1.0,
 )
 #: The near-tie flag that turns near-tie flagging off, and the largest one a request may name.

@@ -11,6 +11,7 @@ from replay_audit.engine.protocol import DEFAULT_SCAN_TOKEN_BUDGET
 from replay_audit.replays.domain import (
     DEFAULT_SCAN_FLAG_ULPS,
     LARGE_RUN_DECODE_WINDOW,
+    LARGE_RUN_FLAGGED_FRACTION,
     LARGE_RUN_TRACES,
     MAX_SCAN_FLAG_ULPS,
 )
@@ -25,6 +26,7 @@ def _default(name: str) -> object:
     [
         ("large_run_traces", LARGE_RUN_TRACES),
         ("large_run_decode_window", LARGE_RUN_DECODE_WINDOW),
+        ("large_run_flagged_fraction", LARGE_RUN_FLAGGED_FRACTION),
         ("scan_flag_ulps", DEFAULT_SCAN_FLAG_ULPS),
         ("scan_token_budget", DEFAULT_SCAN_TOKEN_BUDGET),
         ("drift_alpha", DEFAULT_ALPHA),
@@ -48,3 +50,12 @@ def test_the_large_run_window_bound_is_the_decode_window_bound() -> None:
 
     limits = Settings.model_fields["large_run_decode_window"].metadata
     assert any(getattr(m, "le", None) == MAX_DECODE_WINDOW for m in limits)
+
+
+def test_the_large_run_flagged_fraction_is_a_share_above_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REPLAY_AUDIT_LARGE_RUN_FLAGGED_FRACTION", "0.2")
+    assert Settings().large_run_flagged_fraction == 0.2
+    for bad in ("0", "1.5", "nan"):
+        monkeypatch.setenv("REPLAY_AUDIT_LARGE_RUN_FLAGGED_FRACTION", bad)
+        with pytest.raises(ValueError, match="large_run_flagged_fraction"):
+            Settings()

@@ -14,6 +14,7 @@ from replay_audit.formats import (
     CONTROL_FRACTION,
     CONTROL_SEED,
     COVER,
+    FLAGGED_FRACTION,
     FORMATS,
     HEAD_DTYPES,
     MAX_NEW_TOKENS,
@@ -100,10 +101,12 @@ def _bounds(option: RunOption[Any]) -> tuple[Any, Any]:
         ("replay_audit.replays.schemas:ReplayCreate", "control_fraction", CONTROL_FRACTION),
         ("replay_audit.replays.schemas:ReplayCreate", "control_seed", CONTROL_SEED),
         ("replay_audit.replays.schemas:ReplayCreate", "scan_flag_ulps", SCAN_FLAG_ULPS),
+        ("replay_audit.replays.schemas:ReplayCreate", "flagged_fraction", FLAGGED_FRACTION),
         ("replay_audit.audits.schemas:ScheduleReplay", "top_k", TOP_K),
         ("replay_audit.audits.schemas:ScheduleReplay", "control_fraction", CONTROL_FRACTION),
         ("replay_audit.audits.schemas:ScheduleReplay", "control_seed", CONTROL_SEED),
         ("replay_audit.audits.schemas:ScheduleReplay", "scan_flag_ulps", SCAN_FLAG_ULPS),
+        ("replay_audit.audits.schemas:ScheduleReplay", "flagged_fraction", FLAGGED_FRACTION),
         ("replay_audit.screenings.schemas:ScreeningCreate", "max_new_tokens", MAX_NEW_TOKENS),
         ("replay_audit.screenings.schemas:ScreeningCreate", "cover", COVER),
     ],
@@ -129,6 +132,7 @@ def test_the_request_schemas_take_a_run_options_bounds(
         ("replay", "control_fraction", CONTROL_FRACTION),
         ("replay", "control_seed", CONTROL_SEED),
         ("replay", "scan_flag_ulps", SCAN_FLAG_ULPS),
+        ("replay", "flagged_fraction", FLAGGED_FRACTION),
         ("screen", "max_new_tokens", MAX_NEW_TOKENS),
         ("screen", "cover", COVER),
     ],
@@ -141,7 +145,7 @@ def test_the_cli_flags_take_a_run_options_bounds(
     group: Any = typer.main.get_command(app)
     p = next(p for p in group.commands[command].params if p.name == param)
     assert (p.min, p.max) == _bounds(option)
-    if option.default is not None and param != "scan_flag_ulps":
+    if option.default is not None and param not in ("scan_flag_ulps", "flagged_fraction"):
         assert p.default == option.default
 
 

@@ -35,6 +35,7 @@ from replay_audit.formats import (
     CONTROL_FRACTION,
     CONTROL_SEED,
     DECODE_WINDOW,
+    FLAGGED_FRACTION,
     SCAN_FLAG_ULPS,
     TOP_K,
     BodyDType,
@@ -119,6 +120,9 @@ class ScheduleReplay(InputModel):
     mode: Mode | None = None
     control_fraction: float = option_field(CONTROL_FRACTION)
     control_seed: int = option_field(CONTROL_SEED)
+    #: ReplayCreate's: the share of mismatch-flagged traces decoded (None: all, but a run
+    #: large by the large-run rule gets `REPLAY_AUDIT_LARGE_RUN_FLAGGED_FRACTION`).
+    flagged_fraction: float | None = option_field(FLAGGED_FRACTION, default=None)
     #: ReplayCreate's: the near-tie flag of scan-then-decode runs (None: the deployment's).
     scan_flag_ulps: float | None = option_field(SCAN_FLAG_ULPS, default=None)
     #: ReplayCreate's: decodes stop this many tokens after t* (None: to eos or the budget).

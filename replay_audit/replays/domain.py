@@ -45,6 +45,7 @@ from replay_audit.formats import (
     CONTROL_FRACTION,
     CONTROL_SEED,
     EXTRA_TOP_K_VALUES,
+    FLAGGED_FRACTION,
     SCAN_FLAG_ULPS,
     ArmKey,
     Baseline,
@@ -74,8 +75,14 @@ LARGE_RUN_TRACES: Final = 1000
 #: (docs/replays.md "Large runs"). `REPLAY_AUDIT_LARGE_RUN_DECODE_WINDOW` changes it per
 #: deployment; a request that names its mode decodes to the end unless it names a window.
 LARGE_RUN_DECODE_WINDOW: Final = 32
+#: A large run that names neither its mode nor a `flagged_fraction` decodes this share of the
+#: traces its scan flags by a mismatch, and keeps the scan's result for the others
+#: (`resolve_flagged_fraction`; why 5%: `formats.FLAGGED_FRACTION`).
+#: `REPLAY_AUDIT_LARGE_RUN_FLAGGED_FRACTION` changes it per deployment.
+LARGE_RUN_FLAGGED_FRACTION: Final = 0.05
 # The run options' defaults and limits (defined with the vocabulary).
 DEFAULT_CONTROL_FRACTION: Final = CONTROL_FRACTION.default
+DEFAULT_FLAGGED_FRACTION: Final = FLAGGED_FRACTION.default
 DEFAULT_CONTROL_SEED: Final = CONTROL_SEED.default
 DEFAULT_SCAN_FLAG_ULPS: Final = SCAN_FLAG_ULPS.default
 
@@ -102,6 +109,24 @@ def resolve_window(
     return large_run_window if mode == "scan_then_decode" else None
 
 
+def resolve_flagged_fraction(
+    requested_mode: Mode | None,
+    requested_fraction: float | None,
+    mode: Mode,
+    *,
+    pairwise: bool,
+    large_run_fraction: float,
+) -> float:
+    """The flagged fraction requested, else `large_run_fraction` for a large run (the rule of
+    `resolve_window`: one that named no mode and resolved to scan-then-decode, compared with
+    its logged tokens), else 1 (every flagged trace decoded)."""
+    if requested_fraction is not None:
+        return requested_fraction
+    if requested_mode is not None or pairwise or mode != "scan_then_decode":
+        return DEFAULT_FLAGGED_FRACTION
+    return large_run_fraction
+
+
 #: The label of the self target a run adds to reproduce its traces before comparing them.
 ENGINE_CHECK_LABEL: Final = "self: reproduction check"
 
@@ -116,17 +141,37 @@ class ControlSample:
     #: The run's near-tie flag (`pipeline.ReplayOptions.flag_ulps`): traces it flags are
     #: decoded for that reason and are not in the sample; negative: off (mismatches only).
     flag_ulps: float = DEFAULT_SCAN_FLAG_ULPS
+    #: The flagged sample's share (docs/replays.md "The flagged sample"): a trace the scan
+    #: flags by a mismatch is decoded from its first disagreement when `decodes_flagged`, else
+    #: it keeps the scan's result. 1: every flagged trace decoded. The same `seed`.
+    flagged_fraction: float = DEFAULT_FLAGGED_FRACTION
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError("the control fraction is a share: 0 to 1")
         if not self.flag_ulps <= MAX_SCAN_FLAG_ULPS:  # NaN too
             raise ValueError(f"the near-tie flag is at most {MAX_SCAN_FLAG_ULPS} ulps")
+        if not 0.0 < self.flagged_fraction <= 1.0:  # NaN too
+            raise ValueError("the flagged fraction is a share: more than 0, at most 1")
 
     def includes(self, trace_key: str) -> bool:
-        """Whether the trace named `trace_key` (its public id) is in the sample."""
-        digest = hashlib.sha256(f"control:{self.seed}:{trace_key}".encode()).digest()
-        return int.from_bytes(digest[:8], "big") / 2.0**64 < self.fraction
+        """Whether the trace named `trace_key` (its public id) is in the control sample."""
+        return _drawn(f"control:{self.seed}:{trace_key}", self.fraction)
+
+    def decodes_flagged(self, trace_key: str) -> bool:
+        """Whether the trace named `trace_key` is in the flagged sample: decoded from its first
+        disagreement where the scan flags it by a mismatch. Its own salt, so the two samples
+        are drawn independently."""
+        return self.flagged_fraction >= 1.0 or _drawn(
+            f"flagged:{self.seed}:{trace_key}", self.flagged_fraction
+        )
+
+
+def _drawn(salted_key: str, fraction: float) -> bool:
+    """A draw with probability `fraction` decided by a hash of `salted_key`: the same key
+    draws alike in every process and on every retry."""
+    digest = hashlib.sha256(salted_key.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64 < fraction
 
 
 def logging_engine(config_json: str) -> str:

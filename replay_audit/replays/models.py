@@ -38,6 +38,7 @@ from replay_audit.json_value import JsonObject, as_float, as_int
 from replay_audit.replays.domain import (
     DEFAULT_CONTROL_FRACTION,
     DEFAULT_CONTROL_SEED,
+    DEFAULT_FLAGGED_FRACTION,
     SCAN_FLAG_OFF,
     Comparison,
     ControlSample,
@@ -91,11 +92,14 @@ class ReplayRun(JobRow, Base):
         fraction = self.request.get("control_fraction")
         seed = self.request.get("control_seed")
         flag = self.request.get("scan_flag_ulps")
+        flagged = self.request.get("flagged_fraction")
         return ControlSample(
             DEFAULT_CONTROL_FRACTION if fraction is None else as_float(fraction),
             DEFAULT_CONTROL_SEED if seed is None else as_int(seed),
             # A run stored before near-tie flagging had none: off.
             SCAN_FLAG_OFF if flag is None else as_float(flag),
+            # A run stored before the flagged sample decoded every flagged trace.
+            DEFAULT_FLAGGED_FRACTION if flagged is None else as_float(flagged),
         )
 
 

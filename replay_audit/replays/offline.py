@@ -17,7 +17,7 @@ import contextlib
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -30,6 +30,7 @@ from replay_audit.json_value import JsonObject, as_int
 from replay_audit.replays.domain import (
     ENGINE_CHECK_LABEL,
     LARGE_RUN_DECODE_WINDOW,
+    LARGE_RUN_FLAGGED_FRACTION,
     LARGE_RUN_TRACES,
     SCAN_FLAG_OFF,
     Comparison,
@@ -38,6 +39,7 @@ from replay_audit.replays.domain import (
     RunTarget,
     comparison_label,
     is_treatment,
+    resolve_flagged_fraction,
     resolve_mode,
     resolve_window,
 )
@@ -124,6 +126,10 @@ class OfflinePlan:
     large_run_traces: int = LARGE_RUN_TRACES
     large_run_decode_window: int = LARGE_RUN_DECODE_WINDOW
     single_step: SingleStepKind = "teacher_forced"
+    #: The flagged sample's share (None: 1, but a large run naming no mode gets
+    #: `large_run_flagged_fraction`: `resolve_flagged_fraction`); `sample`'s own is replaced.
+    flagged_fraction: float | None = None
+    large_run_flagged_fraction: float = LARGE_RUN_FLAGGED_FRACTION
 
     def targets(self) -> list[RunTarget]:
         check = RunTarget(None, label=ENGINE_CHECK_LABEL)
@@ -181,6 +187,16 @@ def replay_file(
         pairwise=False,
         large_run_window=plan.large_run_decode_window,
     )
+    sample = replace(
+        plan.sample,
+        flagged_fraction=resolve_flagged_fraction(
+            plan.mode,
+            plan.flagged_fraction,
+            mode,
+            pairwise=False,
+            large_run_fraction=plan.large_run_flagged_fraction,
+        ),
+    )
     targets = plan.targets()
     comparisons = [Comparison(c, "logged", c) for c in range(len(targets))]
     done = _written(out, [p.name for p in parsed], plan, mode) if resume else {}
@@ -192,7 +208,7 @@ def replay_file(
     options = ReplayOptions(
         mode,
         plan.top_k,
-        plan.sample.flag_ulps if screening else SCAN_FLAG_OFF,
+        sample.flag_ulps if screening else SCAN_FLAG_OFF,
         plan.scan_token_budget,
         check_weights=False,  # checked above, once for all traces
         decode_window=window,
@@ -205,8 +221,9 @@ def replay_file(
                 parsed[i].logged,
                 targets[c.b],
                 model_dir,
-                control=screening and plan.sample.includes(parsed[i].name),
+                control=screening and sample.includes(parsed[i].name),
                 extractor=plan.extractor,
+                decode_flagged=sample.decodes_flagged(parsed[i].name),
             )
             for c in comparisons
         ]
@@ -246,9 +263,10 @@ def replay_file(
             comparison_label(c, targets),
             is_treatment(c, targets),
             sorted(rows[c.index], key=lambda x: x.trace_id),
-            control_fraction=plan.sample.fraction if screening else None,
-            control_seed=plan.sample.seed if screening else None,
-            scan_flag_ulps=plan.sample.flag_ulps if screening else None,
+            control_fraction=sample.fraction if screening else None,
+            control_seed=sample.seed if screening else None,
+            scan_flag_ulps=sample.flag_ulps if screening else None,
+            flagged_fraction=sample.flagged_fraction if screening else None,
             mode=mode,
             decode_window=window,
         )

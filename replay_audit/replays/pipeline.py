@@ -110,7 +110,9 @@ ENGINE_FAILURES: Final = (ReplayAuditError, RuntimeError, ValueError, MemoryErro
 @dataclass(frozen=True)
 class ReplayItem:
     """One trace and one comparison: arm B against arm A (None: the logged tokens; else both
-    decoded here). `control`: in the run's control sample; `baseline`: set by `replay_traces`."""
+    decoded here). `control`: in the run's control sample; `decode_flagged`: in its flagged
+    sample (decoded from the scan's first disagreement where the scan flags it; else the
+    scan's result stands); `baseline`: set by `replay_traces`."""
 
     trace: LoggedTrace
     b: RunTarget
@@ -123,6 +125,7 @@ class ReplayItem:
     #: trace's reproduction check): arm A's teacher-forced probe, and its scan when judged
     #: pairwise in a scan run.
     a_scan: ScanRun | None = None
+    decode_flagged: bool = True
 
     @property
     def against_logged(self) -> bool:
@@ -696,9 +699,12 @@ def _run_arms(
             screen = "near_tie" if near is not None else "control"
         elif s is None:
             run_b = _ArmRun(b, logged, scan.steps, "scan", batched)
-        elif mode == "scan":
+        elif mode == "scan" or not item.decode_flagged:
+            # A scan's result; in scan-then-decode, a flagged trace outside the flagged
+            # sample (docs/replays.md "The flagged sample"): t* = s, established by the scan.
             ids = [*logged[:s], int(scan.steps.token_ids[s])]
             run_b = _ArmRun(b, ids, scan.steps.slice(0, s + 1), "scan", batched)
+            screen = None if mode == "scan" else "flagged_scanned"
         else:
             rb = yield b.request(prompt, budget, eos, forced_prefix=logged[:s], window=window)
             steps = Steps.concat([scan.steps.slice(0, s), rb.steps])
@@ -880,8 +886,10 @@ def _outcome(r: _Replayed, reruns: _Reruns) -> ReplayOutcome:
             rerun_a=single.a.token if single.a is not None else None,
             rerun_b=single.b.token,
         )
-    # A scan, or a decode cut at its window, has no continuation after t* to measure.
-    decoded_fully = (r.mode != "scan" or t_star is None) and not r.b.window_cut
+    # A scan (a flagged trace not decoded too), or a decode cut at its window, has no
+    # continuation after t* to measure.
+    scanned = r.mode == "scan" or r.screen == "flagged_scanned"
+    decoded_fully = (not scanned or t_star is None) and not r.b.window_cut
     arm_b = _arm_outcome(r, "b", margin_b, verdict.gate_fired_b if verdict else None)
     arm_a = _arm_outcome(r, "a", margin_a, verdict.gate_fired_a if verdict else None)
     return ReplayOutcome(
@@ -1111,11 +1119,20 @@ def replay_trace(
     scan: ScanRun | None = None,
     control: bool = False,
     flag_ulps: float = SCAN_FLAG_OFF,
+    decode_flagged: bool = True,
 ) -> ReplayOutcome:
     """Replay `trace` in `target` against its logged output (`replay_items` of one item).
     Raises `ModelMismatch` for another checkpoint, `BadRequest` for a non-greedy trace,
     `UnsupportedFormat` when the target cannot run here."""
-    item = ReplayItem(trace, RunTarget(target), Path(model_dir), None, control, extractor)
+    item = ReplayItem(
+        trace,
+        RunTarget(target),
+        Path(model_dir),
+        None,
+        control,
+        extractor,
+        decode_flagged=decode_flagged,
+    )
     options = ReplayOptions(mode, top_k, flag_ulps, check_weights=check_weights)
     return replay_one(item, pool, options, scan)
 

@@ -229,7 +229,9 @@ def result_json(
     margins = None
     if ok and row.first_divergence_step is not None:
         source_a = row.margin_a_source or "unavailable"
-        source_b = "scan" if detail.get("mode") == "scan" else "decode"
+        # A scan's margin at t*, also where scan-then-decode kept a flagged trace's scan.
+        scanned = detail.get("mode") == "scan" or row.screen == "flagged_scanned"
+        source_b = "scan" if scanned else "decode"
         margins = {
             "a": {"abs": row.margin_a, "ulps": row.margin_a_ulps, "source": source_a},
             "b": {"abs": row.margin_b, "ulps": row.margin_b_ulps, "source": source_b},

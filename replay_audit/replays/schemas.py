@@ -36,6 +36,7 @@ from replay_audit.formats import (
     CONTROL_FRACTION,
     CONTROL_SEED,
     DECODE_WINDOW,
+    FLAGGED_FRACTION,
     MODES,
     SCAN_FLAG_ULPS,
     TOP_K,
@@ -268,6 +269,11 @@ class ReplayCreate(InputModel):
     #: anyway (the control sample that estimates the scan's miss rate), and its seed.
     control_fraction: float = option_field(CONTROL_FRACTION)
     control_seed: int = option_field(CONTROL_SEED)
+    #: scan_then_decode: the share of the traces the scan flags by a mismatch that are decoded
+    #: from their first disagreement (the flagged sample, drawn with `control_seed`); the
+    #: others keep the scan's result (screen `flagged_scanned`). None: 1 (all), but a large
+    #: run naming no mode gets `REPLAY_AUDIT_LARGE_RUN_FLAGGED_FRACTION`; the run records it.
+    flagged_fraction: float | None = option_field(FLAGGED_FRACTION, default=None)
     #: scan_then_decode: a trace whose scan agrees with the logged output is still decoded
     #: (screen `near_tie`) when some step's top-2 margin along the logged path is at most this
     #: many ulps of the arm's format; negative: off (mismatches only). None: the deployment's

@@ -28,11 +28,13 @@ from replay_audit.replays.domain import (
     DEFAULT_SCAN_FLAG_ULPS,
     ENGINE_CHECK_LABEL,
     LARGE_RUN_DECODE_WINDOW,
+    LARGE_RUN_FLAGGED_FRACTION,
     LARGE_RUN_TRACES,
     Comparison,
     LoggedPlacement,
     ResolvedArm,
     RunTarget,
+    resolve_flagged_fraction,
     resolve_mode,
     resolve_window,
 )
@@ -166,16 +168,21 @@ def route_of(placement: LoggedPlacement, targets: Sequence[RunTarget], default: 
 
 
 def _recorded(
-    request: ReplayCreate, mode: str, scan_flag_ulps: float, decode_window: int | None
+    request: ReplayCreate,
+    mode: str,
+    scan_flag_ulps: float,
+    decode_window: int | None,
+    flagged_fraction: float,
 ) -> JsonObject:
     """The request as the run stores it, with the near-tie flag a scan-then-decode run uses
     (the deployment's where the request names none), so every worker applies the same one,
-    and the decode window that runs (`resolve_window`), so the stored request and the run say
-    the same."""
+    and the decode window and flagged fraction that run (`resolve_window`,
+    `resolve_flagged_fraction`), so the stored request and the run say the same."""
     stored: JsonObject = request.model_dump(mode="json")
     if mode == "scan_then_decode" and stored.get("scan_flag_ulps") is None:
         stored["scan_flag_ulps"] = scan_flag_ulps
     stored["decode_window"] = decode_window
+    stored["flagged_fraction"] = flagged_fraction
     return stored
 
 
@@ -192,11 +199,17 @@ class RunDefaults:
     #: The decode window of a large run that names neither mode nor window
     #: (`Settings.large_run_decode_window`).
     large_run_decode_window: int = LARGE_RUN_DECODE_WINDOW
+    #: The flagged fraction of a large run that names neither mode nor fraction
+    #: (`Settings.large_run_flagged_fraction`).
+    large_run_flagged_fraction: float = LARGE_RUN_FLAGGED_FRACTION
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RunDefaults:
         return cls(
-            settings.large_run_traces, settings.scan_flag_ulps, settings.large_run_decode_window
+            settings.large_run_traces,
+            settings.scan_flag_ulps,
+            settings.large_run_decode_window,
+            settings.large_run_flagged_fraction,
         )
 
 
@@ -215,7 +228,8 @@ def create_replay(
     run comes back and nothing is stored or enqueued. A request naming no `mode` is replayed
     scan-then-decode when it selects `defaults.large_run_traces` traces or more (a large run),
     decode otherwise; a large run that names no `decode_window` either decodes to t* +
-    `defaults.large_run_decode_window`.
+    `defaults.large_run_decode_window`, and one that names no `flagged_fraction` decodes
+    that share (`defaults.large_run_flagged_fraction`) of the traces its scan flags.
     """
     key = request.idempotency_key
     existing = key and repository.get_run_by_idempotency_key(session, project_id, key)
@@ -246,6 +260,13 @@ def create_replay(
         pairwise=request.compare == "pairwise",
         large_run_window=defaults.large_run_decode_window,
     )
+    flagged_fraction = resolve_flagged_fraction(
+        request.mode,
+        request.flagged_fraction,
+        mode,
+        pairwise=request.compare == "pairwise",
+        large_run_fraction=defaults.large_run_flagged_fraction,
+    )
     chunks = _chunks(
         repository.logged_placements(session, ids),
         ids,
@@ -263,7 +284,7 @@ def create_replay(
             mode=mode,
             decode_window=window,
             compare=request.compare,
-            request=_recorded(request, mode, defaults.scan_flag_ulps, window),
+            request=_recorded(request, mode, defaults.scan_flag_ulps, window, flagged_fraction),
             targets=[t.to_json() for t in targets],
             comparisons=[c.to_json() for c in comparisons],
             n_traces=len(traces),

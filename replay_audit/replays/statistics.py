@@ -73,6 +73,7 @@ def comparison_inputs(
             control_fraction=control.fraction if control is not None else None,
             control_seed=control.seed if control is not None else None,
             scan_flag_ulps=control.flag_ulps if control is not None else None,
+            flagged_fraction=control.flagged_fraction if control is not None else None,
             mode=comparison_mode(run, c.index),
             # Only decodes compared with the logged tokens stop at the window.
             decode_window=run.decode_window if c.against_logged else None,

@@ -278,7 +278,10 @@ def _items(
     model_dir = checkpoints[sha]
     if isinstance(model_dir, ModelNotFound):
         return [failed_values(c, str(model_dir)) for c in p.missing]
-    control = spec.control is not None and spec.control.includes(p.public_id or str(p.trace_id))
+    key = p.public_id or str(p.trace_id)
+    control = spec.control is not None and spec.control.includes(key)
+    # Decided per trace as the control sample is: a retried job decides alike.
+    decode_flagged = spec.control is None or spec.control.decodes_flagged(key)
     # The answer extractor of a trace's semantic agreement: GSM8K's where it has a reference.
     extractor = "gsm8k" if trace.reference_answer is not None else None
     items: list[ReplayItem | ResultRow] = []
@@ -286,7 +289,9 @@ def _items(
         comparison = spec.comparisons[c]
         a = None if comparison.against_logged else spec.targets[int(comparison.a)]
         b = spec.targets[comparison.b]
-        items.append(ReplayItem(trace, b, model_dir, a, control, extractor))
+        items.append(
+            ReplayItem(trace, b, model_dir, a, control, extractor, decode_flagged=decode_flagged)
+        )
     return items
 
 

@@ -16,11 +16,16 @@ Definitions (docs/replays.md, "Reading results", "Modes", "Lifts", says each at 
                    arm A was run here, arm A
     mean gap       mean margin over arm B's replayed steps, pooled (weighted by steps)
     categories     share of each category among the ok results, Wilson intervals
-    screening      (scan-then-decode) EAR and categories count only the decoded results. From
-                   the control sample: p = diverged / control (Wilson), estimated misses =
-                   p x unflagged, miss rate = misses / (flagged divergences + misses), near-tie
-                   flags counted as flags; each interval is p's carried through its
-                   (increasing) formula, the flagged stratum being decoded in full
+    screening      (scan-then-decode) EAR and categories count only the established results
+                   (decoded, or flagged by a mismatch and kept as the scan's: flagged_scanned,
+                   divergent by the scan). From the control sample: p = diverged / control
+                   (Wilson); from the flagged sample: q = false flags / flagged decoded
+                   (Wilson). Estimated misses = p x unflagged, miss rate = misses / (flagged
+                   divergences + flagged_scanned x (1 - q) + misses), near-tie flags counted
+                   as flags; EAR of all scanned = (exact decoded flags + flagged_scanned x q +
+                   unflagged x (1 - p)) / scanned. Each interval is the formula (monotone in
+                   both) at the corners of the box of p's and q's intervals that make it least
+                   and most; with every flagged trace decoded (flagged_scanned 0), p's alone
     decode window  a `window_cut` result counts in every figure fixed at t* and in the per-step
                    ones, never in SAR, task accuracy or the length difference (they read the
                    continuation, of which it holds a prefix)
@@ -101,7 +106,7 @@ class ResultFigures(NamedTuple):
     answer_extractor: str | None
     answer_a: str | None
     answer_b: str | None
-    #: scan-then-decode: flagged, control or scanned (`formats.Screen`); None in other modes.
+    #: scan-then-decode: why it was decoded, or not (`formats.Screen`); None in other modes.
     screen: str | None = None
     #: Its decode stopped at the run's decode window after t* (module docstring).
     window_cut: bool | None = None
@@ -142,6 +147,8 @@ class ComparisonInput:
     control_seed: int | None = None
     #: The run's near-tie flag in ulps (negative: off), as recorded.
     scan_flag_ulps: float | None = None
+    #: The run's flagged sample: the share of mismatch-flagged traces decoded, as recorded.
+    flagged_fraction: float | None = None
     #: The mode the results were produced in (what SAR can count: see SAR_NOTES).
     mode: Mode = "decode"
     #: The run's decode window, as recorded (None: decoded to eos or the budget).
@@ -219,8 +226,17 @@ class ScreeningReport(StoredModel):
 
     #: Ok results scanned (every trace of the comparison that did not fail).
     scanned: int
-    #: Flagged by the scan's mismatch (decoded from its first disagreement).
+    #: Flagged by the scan's mismatch: the flagged sample decoded from its first disagreement
+    #: (`flagged_decoded`) and the others, whose result is the scan's (`flagged_scanned`).
     flagged: int
+    #: Mismatch-flagged traces in the flagged sample, decoded from their first disagreement.
+    #: (Statistics stored before the flagged sample: None, every flagged trace was decoded.)
+    flagged_decoded: int | None = None
+    #: Mismatch-flagged traces not in it: not decoded, the scan's result (t* = s), counted in
+    #: the estimates below as diverging with probability 1 - false_flag_rate.
+    flagged_scanned: int = 0
+    #: The run's flagged fraction, as recorded (None: not recorded, 1).
+    flagged_fraction: float | None = None
     #: Flagged by a near-tie (no mismatch; some step's margin at most `scan_flag_ulps` ulps),
     #: decoded in full; not in the control sample.
     near_tie: int = 0
@@ -228,7 +244,7 @@ class ScreeningReport(StoredModel):
     near_tie_diverged: int = 0
     #: The run's near-tie flag in ulps (negative: off; None: not recorded).
     scan_flag_ulps: float | None = None
-    #: Decoded: flagged + near_tie + control.
+    #: Decoded: flagged_decoded + near_tie + control.
     decoded: int
     #: Why each decoded trace was decoded: {"mismatch", "near_tie", "control"} -> count.
     decoded_by_reason: dict[str, int] = Field(default_factory=dict)
@@ -241,18 +257,23 @@ class ScreeningReport(StoredModel):
     #: Control traces whose decode diverged: the misses found, by category.
     control_diverged: int
     misses_by_category: dict[str, int]
-    #: Mismatch-flagged traces whose decode did not diverge (a near-tie flag that does not
-    #: diverge is the flag's cost: near_tie - near_tie_diverged).
+    #: Decoded mismatch-flagged traces whose decode did not diverge (a near-tie flag that does
+    #: not diverge is the flag's cost: near_tie - near_tie_diverged). Of the flagged sample.
     false_flags: int
-    #: Mismatch-flagged traces whose decode diverged.
+    #: Decoded mismatch-flagged traces whose decode diverged. Of the flagged sample.
     flagged_diverged: int
+    #: false_flags / flagged_decoded with its Wilson interval: the share of the scan's
+    #: mismatch flags a decode does not confirm. (None in statistics stored before it.)
+    false_flag_rate: ProportionRead | None = None
     #: Divergence rate of the unflagged traces (control_diverged / control, Wilson).
     unflagged_divergence: ProportionRead
     #: Estimated unflagged traces that diverge (unflagged x rate), with its interval.
     estimated_misses: EstimateRead
-    #: Share of the decode divergences the scan does not flag.
+    #: Share of the decode divergences the scan does not flag (the flagged_scanned traces'
+    #: divergences estimated from the false-flag rate).
     miss_rate: EstimateRead
-    #: EAR over all scanned traces (flagged decoded; unflagged at 1 - rate).
+    #: EAR over all scanned traces (decoded ones as decoded; flagged_scanned ones exact at the
+    #: false-flag rate; unflagged ones at 1 - rate).
     ear: EstimateRead
 
 
@@ -475,13 +496,38 @@ def _margins(figures: Sequence[ResultFigures]) -> _Margins:
     )
 
 
-def _estimate(
-    f: Callable[[float], float], low: float, high: float, estimate: float | None
+class _Rate(NamedTuple):
+    """A proportion as the estimates read it: its estimate (None: unknown) and interval."""
+
+    estimate: float | None
+    low: float
+    high: float
+
+
+def _rate(p: ProportionRead, stratum: int) -> _Rate:
+    """What the estimates carry of a proportion measured on a sample of a `stratum` of traces:
+    its Wilson estimate and interval; nothing measured, the widest; an empty stratum adds
+    nothing whatever its rate (0)."""
+    if p.n:
+        return _Rate(p.estimate, p.low, p.high)
+    return _Rate(None, 0.0, 1.0) if stratum else _Rate(0.0, 0.0, 0.0)
+
+
+def _estimate2(
+    f: Callable[[float, float], float], q: _Rate, p: _Rate, *, q_up: bool, p_up: bool
 ) -> EstimateRead:
-    """`f` (increasing) at a proportion's estimate and at its interval's ends."""
-    return EstimateRead(
-        estimate=f(estimate) if estimate is not None else None, low=f(low), high=f(high)
-    )
+    """`f(q, p)`, monotone in each (increasing where `*_up`), at the estimates and, for each
+    end of the interval, at the ends of the two intervals that make it least and most: the
+    box of both 95% intervals, so it covers the truth whenever both intervals do."""
+
+    def at(low_end: bool) -> float:
+        qq = q.low if q_up == low_end else q.high
+        pp = p.low if p_up == low_end else p.high
+        return f(qq, pp)
+
+    qe, pe = q.estimate, p.estimate
+    estimate = f(qe, pe) if qe is not None and pe is not None else None
+    return EstimateRead(estimate=estimate, low=at(True), high=at(False))
 
 
 def screening_report(c: ComparisonInput) -> ScreeningReport | None:
@@ -490,49 +536,46 @@ def screening_report(c: ComparisonInput) -> ScreeningReport | None:
     ok = [f for f in c.figures if f.ok and f.screen is not None]
     if not ok:
         return None
-    mismatch = [f for f in ok if f.screen == "flagged"]
+    mismatch = [f for f in ok if f.screen == "flagged"]  # decoded from s: the flagged sample
+    kept = sum(1 for f in ok if f.screen == "flagged_scanned")  # not decoded: the scan's result
     near = [f for f in ok if f.screen == "near_tie"]
     control = [f for f in ok if f.screen == "control"]
     # Both rules flag: the control sample is drawn from the traces neither flags.
     flagged = mismatch + near
-    unflagged = len(ok) - len(flagged)
+    unflagged = len(ok) - len(flagged) - kept
     missed = [f for f in control if f.exact_match is False]
     flagged_div = sum(1 for f in flagged if f.exact_match is False)
     flagged_exact = len(flagged) - flagged_div
     mismatch_div = sum(1 for f in mismatch if f.exact_match is False)
     rate = _prop(len(missed), len(control))
+    false_flag_rate = _prop(len(mismatch) - mismatch_div, len(mismatch))
+    p, q = _rate(rate, unflagged), _rate(false_flag_rate, kept)
 
-    def misses(p: float) -> float:
+    # q: the false-flag rate (a kept flagged trace is exact with probability q); p: the
+    # unflagged divergence rate. Each estimate is monotone in both.
+    def misses(_q: float, p: float) -> float:
         return unflagged * p
 
-    def miss_rate(p: float) -> float:
-        total = flagged_div + unflagged * p
+    def miss_rate(q: float, p: float) -> float:
+        total = flagged_div + kept * (1.0 - q) + unflagged * p
         return unflagged * p / total if total else 0.0
 
-    def ear(p: float) -> float:
-        return (flagged_exact + unflagged * (1.0 - p)) / len(ok)
+    def ear(q: float, p: float) -> float:
+        return (flagged_exact + kept * q + unflagged * (1.0 - p)) / len(ok)
 
-    no_divergence = flagged_div == 0 and not missed
-    if control:
-        est_misses = _estimate(misses, rate.low, rate.high, rate.estimate)
-        est_rate = _estimate(miss_rate, rate.low, rate.high, rate.estimate)
-        if no_divergence:  # 0 / 0 at the estimate: no divergence seen at all
-            est_rate = EstimateRead(estimate=None, low=est_rate.low, high=est_rate.high)
-        # An interval's ends are ordered by the (increasing) maps; the high end of the EAR
-        # comes from the low end of the rate.
-        e = _estimate(ear, rate.low, rate.high, rate.estimate)
-        est_ear = EstimateRead(estimate=e.estimate, low=e.high, high=e.low)
-    elif unflagged:  # nothing measured about the unflagged traces
-        est_misses = EstimateRead(estimate=None, low=0.0, high=float(unflagged))
-        est_rate = EstimateRead(estimate=None, low=0.0, high=miss_rate(1.0))
-        est_ear = EstimateRead(estimate=None, low=ear(1.0), high=ear(0.0))
-    else:  # every trace flagged and decoded: nothing was left unflagged to miss
-        est_misses = EstimateRead(estimate=0.0, low=0.0, high=0.0)
-        est_rate = EstimateRead(estimate=None if no_divergence else 0.0, low=0.0, high=0.0)
-        est_ear = EstimateRead(estimate=ear(0.0), low=ear(0.0), high=ear(0.0))
+    est_misses = _estimate2(misses, q, p, q_up=True, p_up=True)
+    est_rate = _estimate2(miss_rate, q, p, q_up=True, p_up=True)
+    est_ear = _estimate2(ear, q, p, q_up=True, p_up=False)
+    qe, pe = q.estimate, p.estimate
+    # 0 / 0 at the estimate: no divergence seen or estimated at all.
+    if qe is not None and pe is not None and flagged_div + kept * (1 - qe) + unflagged * pe == 0:
+        est_rate = EstimateRead(estimate=None, low=est_rate.low, high=est_rate.high)
     return ScreeningReport(
         scanned=len(ok),
-        flagged=len(mismatch),
+        flagged=len(mismatch) + kept,
+        flagged_decoded=len(mismatch),
+        flagged_scanned=kept,
+        flagged_fraction=c.flagged_fraction,
         near_tie=len(near),
         near_tie_diverged=flagged_div - mismatch_div,
         scan_flag_ulps=c.scan_flag_ulps,
@@ -550,6 +593,7 @@ def screening_report(c: ComparisonInput) -> ScreeningReport | None:
         misses_by_category={k: sum(1 for f in missed if f.category == k) for k in CATEGORIES[1:]},
         false_flags=len(mismatch) - mismatch_div,
         flagged_diverged=mismatch_div,
+        false_flag_rate=false_flag_rate,
         unflagged_divergence=rate,
         estimated_misses=est_misses,
         miss_rate=est_rate,

@@ -244,6 +244,63 @@ def test_scan_then_decode_decodes_what_the_scan_flags(ckpt: Path) -> None:
     assert r.first_divergence_step == FLIP_AT and r.category == "head_reachable"
 
 
+def test_a_flagged_trace_outside_the_flagged_sample_keeps_the_scans_result(ckpt: Path) -> None:
+    """Scan-then-decode with `decode_flagged` False: no decode; the result is the scan's, as
+    a scan run's (t* = the scan's first disagreement, established divergent, the probe's
+    category), screen `flagged_scanned`. In the sample it is decoded from s as before."""
+    engines: list[FakeEngine] = []
+
+    def loader(_: Path, target: Target, _tp: int = 1) -> FakeEngine:
+        engines.append(
+            FakeEngine(target, next_token=flipped(5e-4) if target.dtype == "fp16" else base)
+        )
+        return engines[-1]
+
+    trace = make_trace(ckpt)
+    scan = replay_trace(trace, Target("fp16"), EnginePool(loader), model_dir=ckpt, mode="scan")
+    engines.clear()
+    kept = replay_trace(
+        trace,
+        Target("fp16"),
+        EnginePool(loader),
+        model_dir=ckpt,
+        mode="scan_then_decode",
+        decode_flagged=False,
+    )
+    assert "decode" not in [c for e in engines for c in e.calls]
+    assert kept.screen == "flagged_scanned" and kept.mode == "scan_then_decode"
+    assert kept.exact_match is False and kept.first_divergence_step == FLIP_AT
+    assert kept.b.output_token_ids == scan.b.output_token_ids
+    assert kept.b.margin == scan.b.margin and kept.b.margin.source == "scan"
+    assert (kept.category, kept.single_step) == (scan.category, scan.single_step)
+    # Nothing after t* was computed: no cascade, length difference or answers.
+    assert kept.cascade_length is None and kept.length_difference is None
+    assert kept.semantic is None and kept.window_cut is False
+    row = result_values(0, kept)
+    read = result_read(ReplayResult(trace_id=1, **row), "tr_1", "rr_1")
+    assert read.screen == "flagged_scanned" and read.exact_match is False
+    engines.clear()
+    decoded = replay_trace(
+        trace, Target("fp16"), EnginePool(loader), model_dir=ckpt, mode="scan_then_decode"
+    )
+    assert decoded.screen == "flagged" and decoded.first_divergence_step == FLIP_AT
+    assert "decode" in [c for e in engines for c in e.calls]
+
+
+def test_a_false_flag_is_seen_only_by_the_decode(ckpt: Path) -> None:
+    """A scan that disagrees where the decode does not (at a tie: a false flag): decoded, the
+    trace is exact; kept as the scan's, it is counted divergent at the scan's s."""
+    pool = fake_pool({"fp16": {"next_token": base, "scan_fn": flipped(0.0), "step_fn": base}})
+    trace = make_trace(ckpt)
+    decoded = replay_trace(trace, Target("fp16"), pool, model_dir=ckpt, mode="scan_then_decode")
+    assert decoded.screen == "flagged" and decoded.exact_match is True
+    kept = replay_trace(
+        trace, Target("fp16"), pool, model_dir=ckpt, mode="scan_then_decode", decode_flagged=False
+    )
+    assert kept.screen == "flagged_scanned" and kept.exact_match is False
+    assert kept.first_divergence_step == FLIP_AT
+
+
 def test_the_replay_may_run_longer_than_the_logged_arm(ckpt: Path) -> None:
     # the logged arm stopped on eos at step 2; the replay does not emit it and runs to the budget
     logged = FakeEngine(Target("bf16"), next_token=base).decode(PROMPT, 3, [])
