@@ -22,6 +22,7 @@ from replay_audit.formats import (
     CONTROL_FRACTION,
     CONTROL_SEED,
     DECODE_WINDOW,
+    FLAGGED_FRACTION,
     SCAN_FLAG_ULPS,
     TOP_K,
     BodyDType,
@@ -418,6 +419,7 @@ def replay(
     mode: ModeOpt = None,
     control_fraction: Annotated[float, option(CONTROL_FRACTION)] = CONTROL_FRACTION.default,
     control_seed: Annotated[int, option(CONTROL_SEED)] = CONTROL_SEED.default,
+    flagged_fraction: Annotated[float | None, option(FLAGGED_FRACTION)] = None,
     scan_flag_ulps: Annotated[float | None, option(SCAN_FLAG_ULPS)] = None,
     decode_window: Annotated[int | None, option(DECODE_WINDOW)] = None,
     batch_size: Annotated[int, typer.Option(min=1)] = 1,
@@ -439,7 +441,7 @@ def replay(
     plan = _replay_plan(
         dtype, lm_head_dtype, attn_kernel, intervention, tau, tau_ulps, top_k_b, mode,
         control_fraction, control_seed, scan_flag_ulps, decode_window, batch_size, tp_degree,
-        top_k, extractor, reproduce, single_step,
+        top_k, extractor, reproduce, single_step, flagged_fraction,
     )  # fmt: skip
     from replay_audit.cli.shutdown import signals_deferred
     from replay_audit.engine import EnginePool
@@ -482,6 +484,7 @@ def _replay_plan(
     extractor: str | None,
     reproduce: bool,
     single_step: SingleStepKind,
+    flagged_fraction: float | None = None,
 ) -> OfflinePlan:
     """`replay`'s options as an offline plan (exit 2 naming a bad option): the command keeps
     to parsing, printing and signals (docs/architecture.md)."""
@@ -491,6 +494,8 @@ def _replay_plan(
 
     if scan_flag_ulps is not None and not math.isfinite(scan_flag_ulps):
         fail("--scan-flag-ulps must be a finite number")
+    if flagged_fraction is not None and not 0.0 < flagged_fraction <= 1.0:  # NaN too
+        fail("--flagged-fraction must be more than 0 and at most 1")
     if decode_window is not None and mode == "scan":
         fail("--decode-window: mode scan decodes nothing to cut")
     if tau is not None and tau_ulps is not None:
@@ -510,6 +515,8 @@ def _replay_plan(
         settings.large_run_traces,
         settings.large_run_decode_window,
         single_step,
+        flagged_fraction,
+        settings.large_run_flagged_fraction,
     )
 
 
@@ -656,11 +663,12 @@ def _screening_rows(sc: ScreeningReport) -> list[tuple[str, str]]:
         return f"{_fmt(e.estimate, '.1%')} [{_fmt(e.low, '.1%')}, {_fmt(e.high, '.1%')}]"
 
     flag = sc.scan_flag_ulps
-    return [
+    mismatch = sc.decoded_by_reason.get("mismatch", sc.flagged)
+    rows = [
         ("scanned", str(sc.scanned)),
         (
             "decoded (mismatch + near-tie + control)",
-            f"{sc.decoded} ({sc.flagged} + {sc.near_tie} + {sc.control})",
+            f"{sc.decoded} ({mismatch} + {sc.near_tie} + {sc.control})",
         ),
         (
             "near-tie flag",
@@ -677,3 +685,15 @@ def _screening_rows(sc: ScreeningReport) -> list[tuple[str, str]]:
         ("estimated miss rate", est(sc.miss_rate)),
         ("estimated EAR, all scanned", est(sc.ear)),
     ]
+    if sc.flagged_decoded is not None and sc.false_flag_rate is not None:
+        ff = sc.false_flag_rate
+        rows.insert(
+            -2,
+            (
+                "flagged sample",
+                f"{sc.flagged_decoded} of {sc.flagged} (fraction {_fmt(sc.flagged_fraction)}; "
+                f"false flags {_fmt(ff.estimate, '.1%')} [{ff.low:.1%}, {ff.high:.1%}], "
+                f"{sc.false_flags}/{ff.n}; {sc.flagged_scanned} kept as scanned)",
+            ),
+        )
+    return rows

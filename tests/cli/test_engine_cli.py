@@ -166,6 +166,9 @@ def test_replay_in_fp16_with_c_and_scan_mode(ckpt: Path, traces: Path, tmp_path:
     assert screening["decoded"] == decoded == 4
     assert screening["decoded_by_reason"]["near_tie"] == screening["near_tie"]
     assert "estimated miss rate" in r.output and "decode window" in r.output
+    # A mode named and no --flagged-fraction: every flagged trace decoded (the flagged sample).
+    assert screening["flagged_fraction"] == 1.0 and screening["flagged_scanned"] == 0
+    assert screening["flagged_decoded"] == screening["flagged"] and "flagged sample" in r.output
     cut = 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     # The reproduction check (comparison 1) ran in the logged configuration: BF16, no C.
@@ -231,6 +234,11 @@ def test_replay_refuses_other_weights(ckpt: Path, traces: Path, tmp_path: Path) 
         (["--dtype", "fp16", "--tp-degree", str(10**20)], "Invalid value for '--tp-degree'"),
         (["--dtype", "fp16", "--tp-degree", "two"], "Invalid value for '--tp-degree'"),
         (["--dtype", "fp16", "--mode", "scan", "--decode-window", "2"], "decodes nothing"),
+        (["--dtype", "fp16", "--flagged-fraction", "0"], "--flagged-fraction must be more than 0"),
+        (
+            ["--dtype", "fp16", "--flagged-fraction", "1.5"],
+            "Invalid value for '--flagged-fraction'",
+        ),
     ],
 )
 def test_replay_rejects_bad_options(

@@ -3,7 +3,8 @@ issue's end-to-end properties, on the tiny random checkpoint and on the committe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 
 from replay_audit.engine import EnginePool, Intervention, Target
 from replay_audit.formats import SingleStepKind
-from replay_audit.replays.domain import LoggedTrace, ReplayOutcome, RunTarget
+from replay_audit.replays.domain import ArmOutcome, LoggedTrace, ReplayOutcome, RunTarget
 from replay_audit.replays.models import ReplayResult
 from replay_audit.replays.pipeline import (
     ReplayItem,
@@ -397,3 +398,57 @@ def test_traces_of_one_logged_batch_replay_together_as_alone(
             if b.screen != "flagged":
                 assert b.b.environment["extras"]["decode_rows"] == len(from_prompt)
             assert "decode_rows" not in a.b.environment["extras"]
+
+
+def test_a_flagged_sample_gives_each_sampled_trace_what_decoding_every_flag_gives(
+    pool: EnginePool, real_dir: Path, real_prompts: list[tuple[str, str]]
+) -> None:
+    """The committed model's fp32 traces replayed in bf16, scan then decode, every flagged
+    trace decoded against two thirds of them (the flagged sample): a trace in the sample, and
+    every trace the scan does not flag, gets exactly what it gets with every flag decoded;
+    a flagged trace outside it keeps its scan (the logged prefix to the scan's first
+    disagreement s and the scan's token there, t* = s, at most the decode's t*)."""
+    model = Model(real_dir, tuple(real_prompts[:24]), 48)
+    traces = [_logged(tr) for tr in _trace_set(model, "fp32")]
+    options = ReplayOptions("scan_then_decode", flag_ulps=0.0, check_weights=False)
+
+    def run(sampled: Callable[[int], bool]) -> list[ReplayOutcome]:
+        items = [
+            ReplayItem(
+                t,
+                RunTarget(Target("bf16")),
+                real_dir,
+                control=i % 2 == 0,
+                decode_flagged=sampled(i),
+            )
+            for i, t in enumerate(traces)
+        ]
+        out = replay_items(items, pool, options)
+        assert all(isinstance(r, ReplayOutcome) for r in out), out
+        return out  # type: ignore[return-value]
+
+    whole, part = run(lambda i: True), run(lambda i: i % 3 != 1)
+    kept = same = 0
+    for i, (p, w) in enumerate(zip(part, whole, strict=True)):
+        if w.screen != "flagged" or i % 3 != 1:
+            # The whole outcome but the environment, which records the engine's last batch
+            # shapes and the attention backends it has run so far (not this trace's numbers).
+            assert _numbers(p) == _numbers(w), traces[i].external_id
+            same += w.screen == "flagged"
+            continue
+        kept += 1
+        s, t = p.first_divergence_step, w.first_divergence_step
+        assert p.screen == "flagged_scanned" and p.exact_match is False and s is not None
+        assert t is None or s <= t
+        logged = traces[i].output_token_ids.tolist()
+        out = list(p.b.output_token_ids or ())
+        assert out[:s] == logged[:s] and len(out) == s + 1 and out[s] != logged[s]
+        assert p.b.margin.source == "scan" and p.cascade_length is None
+    assert kept >= 1 and same >= 1, "the prompt set has flags in and out of the sample"
+
+
+def _numbers(o: ReplayOutcome) -> ReplayOutcome:
+    def arm(a: ArmOutcome) -> ArmOutcome:
+        return replace(a, environment=None, resolved=None)
+
+    return replace(o, a=arm(o.a), b=arm(o.b))

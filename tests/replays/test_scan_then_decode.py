@@ -1,7 +1,8 @@
 """Scan-then-decode: the scan screens, the flagged traces and a seeded control sample of the
 others are decoded, and the control sample estimates what the scan misses.
 
-A fake FP16 engine whose scan misses known traces: a flip that needs the decode's KV cache
+A fake FP16 engine whose scan misses known traces, and flags others falsely (`false`: the scan
+takes the other token of a tie, the decode does not): a flip that needs the decode's KV cache
 (`kv`) is invisible to the teacher-forced scan and to the single-step re-run; a flip the head
 sees (`head`) shows in both. The run's control sample finds the kv flips among the traces it
 decodes, and the estimated miss rate's interval covers the true one. The pure builder's interval
@@ -21,14 +22,19 @@ import json
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 from fastapi.testclient import TestClient
 
 from replay_audit.config import Settings, get_settings
 from replay_audit.engine import EnginePool, FakeEngine, Intervention, Target, weights_sha256
-from replay_audit.replays.domain import LARGE_RUN_DECODE_WINDOW, ControlSample, resolve_mode
+from replay_audit.replays.domain import (
+    LARGE_RUN_DECODE_WINDOW,
+    LARGE_RUN_FLAGGED_FRACTION,
+    ControlSample,
+    resolve_mode,
+)
 from replay_audit.stats.proportion import wilson_interval
 from replay_audit.stats.report import ComparisonInput, ResultFigures, screening_report
 from replay_audit.worker import context
@@ -39,7 +45,7 @@ VOCAB = 97
 PROMPT_LEN = 3
 FLIP_STEP = 2
 LENGTH = 6
-Kind = Literal["none", "head", "kv", "kv_far", "tie"]
+Kind = Literal["none", "head", "kv", "kv_far", "tie", "false"]
 #: The flip kind of each trace, by prompt.
 KINDS: dict[tuple[int, ...], Kind] = {}
 #: Every engine the worker's pool loaded.
@@ -56,6 +62,9 @@ def _fp16(*, from_scratch: bool) -> Callable[[tuple[int, ...]], tuple[int, float
     def next_token(context: tuple[int, ...]) -> tuple[int, float]:
         token, margin = _base(context)
         kind = KINDS.get(context[:PROMPT_LEN], "none")
+        if len(context) - PROMPT_LEN == FLIP_STEP and kind == "false":
+            # A false flag: the scan (and probe) take the other token of a tie, the decode not.
+            return ((token + 1) % VOCAB if from_scratch else token), 0.0
         if len(context) - PROMPT_LEN == FLIP_STEP and kind != "none":
             near = 0.5 if kind == "kv_far" else 5e-4  # 64 or 0.06 ulps of FP16 at 10
             if kind == "head" or (kind in ("kv", "kv_far") and not from_scratch):
@@ -160,6 +169,7 @@ def test_the_control_sample_finds_what_the_scan_misses(
         "trace_ids": ids,
         "targets": [{"dtype": "fp16"}],
         "control_fraction": 0.5,
+        "flagged_fraction": 1,  # every flagged trace decoded (the flagged sample: below)
         "scan_flag_ulps": -1,
         "single_step": "from_scratch",
     }
@@ -281,7 +291,13 @@ def assert_carried_from_sample(
 def _run(
     client: TestClient, runner: HoldingRunner, h: dict[str, str], ids: list[str], **extra: object
 ) -> dict[str, object]:
-    body = {"trace_ids": ids, "targets": [{"dtype": "fp16"}], "control_fraction": 0.5, **extra}
+    body = {
+        "trace_ids": ids,
+        "targets": [{"dtype": "fp16"}],
+        "control_fraction": 0.5,
+        "flagged_fraction": 1,
+        **extra,
+    }
     r = client.post("/v1/replays", json=body, headers=h)
     assert r.status_code == 201, r.text
     runner.run_all()
@@ -401,20 +417,25 @@ def test_a_run_naming_no_mode_is_scan_then_decode_when_large(
     h = headers("admin")
     ids = seed(client, h, ["none"] * 20, fake_model_dir, salt=12)
 
-    def planned(n: int, **extra: object) -> tuple[str, int | None]:
+    def planned(n: int, **extra: object) -> tuple[str, int | None, float]:
         body = {"trace_ids": ids[:n], "targets": [{"dtype": "fp16"}], **extra}
         r = client.post("/v1/replays", json=body, headers=h)
         assert r.status_code == 201, r.text
         run = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
         assert run["request"]["decode_window"] == run["decode_window"]  # one story
-        return run["mode"], run["decode_window"]
+        # The flagged fraction that runs, as the request records it (read back by workers).
+        return run["mode"], run["decode_window"], run["request"]["flagged_fraction"]
 
-    assert planned(19) == ("decode", None)
-    assert planned(20) == ("scan_then_decode", LARGE_RUN_DECODE_WINDOW)
-    assert planned(20, decode_window=4) == ("scan_then_decode", 4)
-    assert planned(20, mode="scan_then_decode") == ("scan_then_decode", None)
-    assert planned(20, mode="decode") == ("decode", None)
-    assert planned(19, decode_window=0) == ("decode", 0)
+    std, window, fraction = "scan_then_decode", LARGE_RUN_DECODE_WINDOW, LARGE_RUN_FLAGGED_FRACTION
+    assert fraction == 0.05
+    assert planned(19) == ("decode", None, 1.0)
+    assert planned(20) == (std, window, fraction)
+    assert planned(20, decode_window=4) == (std, 4, fraction)
+    assert planned(20, flagged_fraction=0.5) == (std, window, 0.5)
+    assert planned(20, mode=std) == (std, None, 1.0)
+    assert planned(20, mode=std, flagged_fraction=0.25) == (std, None, 0.25)
+    assert planned(20, mode="decode") == ("decode", None, 1.0)
+    assert planned(19, decode_window=0) == ("decode", 0, 1.0)
     bad = client.post(
         "/v1/replays",
         json={"trace_ids": ids, "targets": [{"dtype": "fp16"}], "control_fraction": 1.5},
@@ -625,3 +646,274 @@ def test_a_bad_decode_window_is_a_422_naming_the_field(
     for ok in (0, 65_536, None):
         r = client.post("/v1/replays", json={**body, "decode_window": ok}, headers=h)
         assert r.status_code == 201, (ok, r.text)
+
+
+#: What a flagged trace in the flagged sample gets exactly as with every flagged trace decoded.
+SAME = (
+    "screen",
+    "exact_match",
+    "first_divergence_step",
+    "margin_at_divergence",
+    "category",
+    "tie",
+    "single_step",
+    "window_cut",
+    "cascade_length",
+    "length_difference",
+)
+
+
+def _by_trace(client: TestClient, run_id: str, h: dict[str, str]) -> dict[str, dict[str, Any]]:
+    return {x["trace_id"]: x for x in all_results(client, run_id, h) if x["comparison"] == 0}
+
+
+@pytest.mark.usefixtures("engines")
+def test_the_flagged_sample_decodes_only_its_flagged_traces(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    api_key: Callable[..., str],
+    fake_model_dir: Path,
+    db_url: str,
+) -> None:
+    """`flagged_fraction` 0.4 against 1 over the same traces: a flagged trace in the sample
+    gets exactly what it gets when every flagged trace is decoded; one outside it is not
+    decoded (the FP16 engine's decodes are the sample's and the control's, nothing else) and
+    keeps the scan's result (`flagged_scanned`, t* = the scan's s). The statistics count the
+    false flags of the decoded sample only and carry both samples' intervals into the EAR of
+    all scanned traces. A retried job draws the same sample."""
+    h = headers("admin")
+    kinds: list[Kind] = ["head"] * 24 + ["false"] * 16 + ["none"] * 40
+    random.Random(9).shuffle(kinds)
+    ids = seed(client, h, kinds, fake_model_dir, salt=19)
+    kind_of = dict(zip(ids, kinds, strict=True))
+    flagged = [i for i in ids if kind_of[i] != "none"]
+
+    def sample_of(k: int) -> ControlSample:
+        return ControlSample(0.5, k, flagged_fraction=0.4)
+
+    def drawn(k: int, kind: Kind) -> list[bool]:
+        return [sample_of(k).decodes_flagged(i) for i in flagged if kind_of[i] == kind]
+
+    # The ids are the database's: the first seed whose sample holds and leaves out both kinds.
+    seed_ = next(
+        k for k in range(64) if all(len(set(drawn(k, kd))) == 2 for kd in ("head", "false"))
+    )
+    sample = sample_of(seed_)
+    common = {"mode": "scan_then_decode", "scan_flag_ulps": -1, "control_seed": seed_}
+    full = _run(client, runner, h, ids, **common)
+    [fp16] = [e for e in LOADED if e.target.dtype == "fp16"]
+    before = fp16.calls.count("decode")
+    part = _run(client, runner, h, ids, flagged_fraction=0.4, **common)
+    assert part["request"]["flagged_fraction"] == 0.4  # type: ignore[index]
+    assert full["request"]["flagged_fraction"] == 1.0  # type: ignore[index]
+    sampled = [i for i in flagged if sample.decodes_flagged(i)]
+    control = [i for i in ids if kind_of[i] == "none" and sample.includes(i)]
+    assert fp16.calls.count("decode") - before == len(sampled) + len(control)
+
+    whole, got = _by_trace(client, str(full["id"]), h), _by_trace(client, str(part["id"]), h)
+    for trace_id, x in got.items():
+        f = whole[trace_id]
+        out, out_full = x["arms"]["b"]["output_token_ids"], f["arms"]["b"]["output_token_ids"]
+        if kind_of[trace_id] == "none" or trace_id in sampled:
+            assert {k: x[k] for k in SAME} == {k: f[k] for k in SAME}, trace_id
+            assert out == out_full
+            continue
+        # Not decoded: the scan's result, as mode scan has it.
+        assert f["screen"] == "flagged" and x["screen"] == "flagged_scanned"
+        assert x["exact_match"] is False and x["first_divergence_step"] == FLIP_STEP
+        assert x["margin_at_divergence"]["b"]["source"] == "scan"
+        assert x["cascade_length"] is None and x["window_cut"] is False
+        assert len(out) == FLIP_STEP + 1 and out[:FLIP_STEP] == out_full[:FLIP_STEP]
+        if kind_of[trace_id] == "head":  # a true flag: what the decode found at s
+            assert out == out_full[: FLIP_STEP + 1] and x["category"] == f["category"]
+        else:  # a false flag the decode would have undone; the probe's category
+            assert f["exact_match"] is True and out[FLIP_STEP] != out_full[FLIP_STEP]
+            assert x["category"] == "head_reachable"
+
+    s = part["statistics"]["comparisons"][0]["screening"]  # type: ignore[index]
+    false_flags = sum(1 for i in sampled if kind_of[i] == "false")
+    kept = len(flagged) - len(sampled)
+    assert (s["flagged"], s["flagged_decoded"], s["flagged_scanned"]) == (40, len(sampled), kept)
+    assert s["flagged_fraction"] == 0.4
+    assert (s["false_flags"], s["flagged_diverged"]) == (false_flags, len(sampled) - false_flags)
+    assert s["decoded_by_reason"] == {
+        "mismatch": len(sampled),
+        "near_tie": 0,
+        "control": len(control),
+    }
+    assert s["decoded"] == len(sampled) + len(control) and s["scanned_only"] == 40 - len(control)
+    ff = s["false_flag_rate"]
+    w_q = wilson_interval(false_flags, len(sampled))
+    assert (ff["successes"], ff["n"]) == (false_flags, len(sampled))
+    assert (ff["low"], ff["high"]) == pytest.approx((w_q.low, w_q.high), rel=1e-12)
+    # The EAR of all scanned traces: the false-flag rate's and the unflagged divergence
+    # rate's (no control trace diverges here) intervals at the box's corners.
+    w_p = wilson_interval(0, len(control))
+
+    def ear(q: float, p: float) -> float:
+        return (false_flags + kept * q + 40 * (1 - p)) / 80
+
+    e = s["ear"]
+    want = (ear(w_q.low, w_p.high), ear(false_flags / len(sampled), 0.0), ear(w_q.high, w_p.low))
+    assert (e["low"], e["estimate"], e["high"]) == pytest.approx(want, rel=1e-12)
+    sf = full["statistics"]["comparisons"][0]["screening"]  # type: ignore[index]
+    assert (sf["flagged_decoded"], sf["flagged_scanned"], sf["false_flags"]) == (40, 0, 16)
+    # EAR of the comparison: the flagged_scanned results are established by the scan.
+    c = part["statistics"]["comparisons"][0]  # type: ignore[index]
+    assert c["ear"]["n"] == s["decoded"] + kept
+
+    # Every surface says why: the page's block and results table, the export's screen column.
+    export = client.get(f"/v1/replays/{part['id']}/export?format=jsonl", headers=h)
+    rows = [json.loads(line) for line in export.text.splitlines()]
+    assert sum(r["screen"] == "flagged_scanned" for r in rows) == kept
+    assert sign_in(client, api_key("auditor")).status_code == 303
+    page = client.get(f"/ui/runs/{part['id']}")
+    assert page.status_code == 200
+    assert f"flagged sample {len(sampled)} of 40 (40.0%) (false flags " in page.text
+    assert f"; {kept} kept as the scan found them)" in page.text
+    assert "(mismatch, scan only)" in page.text  # the results table (its first page)
+    kept_one = next(i for i, x in got.items() if x["screen"] == "flagged_scanned")
+    trace_page = client.get(f"/ui/runs/{part['id']}/traces/{kept_one}")
+    assert trace_page.status_code == 200 and 'id="flagged-scanned"' in trace_page.text
+
+    # A retried job: its results gone, it runs again and draws the same sample.
+    from sqlalchemy import delete, select, update
+
+    from replay_audit.db.unit_of_work import session_scope
+    from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
+    from replay_audit.replays.tasks import run_replay_job
+
+    with session_scope(db_url) as session:
+        pk = session.scalar(select(ReplayRun.id).where(ReplayRun.public_id == part["id"]))
+        session.execute(delete(ReplayResult).where(ReplayResult.run_id == pk))
+        jobs = list(session.scalars(select(ReplayJob.id).where(ReplayJob.run_id == pk)))
+        session.execute(
+            update(ReplayJob).where(ReplayJob.run_id == pk).values(status="queued", attempts=0)
+        )
+    for job in jobs:
+        run_replay_job(job)
+    again = _by_trace(client, str(part["id"]), h)
+    assert {i: x["screen"] for i, x in again.items()} == {i: x["screen"] for i, x in got.items()}
+
+
+@pytest.mark.usefixtures("engines", "runner")
+def test_a_bad_flagged_fraction_is_a_422_naming_the_field(
+    client: TestClient, headers: Callable[..., dict[str, str]], fake_model_dir: Path
+) -> None:
+    h = headers("admin")
+    ids = seed(client, h, ["none"] * 2, fake_model_dir, salt=20)
+    body = {"trace_ids": ids, "targets": [{"dtype": "fp16"}], "mode": "scan_then_decode"}
+    for bad in (0, -0.5, 1.01, "half", float("nan")):
+        payload = json.dumps({**body, "flagged_fraction": bad})
+        r = client.post(
+            "/v1/replays", content=payload, headers={**h, "content-type": "application/json"}
+        )
+        assert r.status_code == 422 and r.json()["field"] == "flagged_fraction", (bad, r.text)
+    for ok in (1, 0.01, None):
+        r = client.post("/v1/replays", json={**body, "flagged_fraction": ok}, headers=h)
+        assert r.status_code == 201, (ok, r.text)
+
+
+def test_an_audit_schedule_passes_its_flagged_fraction_on() -> None:
+    from replay_audit.audits.schemas import ScheduleReplay
+
+    replay = ScheduleReplay.model_validate({"targets": [{"dtype": "fp16"}]})
+    assert replay.to_request(["tr_1"], "k").flagged_fraction is None  # the large-run rule
+    replay = ScheduleReplay.model_validate(
+        {"targets": [{"dtype": "fp16"}], "flagged_fraction": 0.2}
+    )
+    assert replay.to_request(["tr_1"], "k").flagged_fraction == 0.2
+    with pytest.raises(ValueError, match="flagged_fraction"):
+        ScheduleReplay.model_validate({"targets": [{"dtype": "fp16"}], "flagged_fraction": 0})
+
+
+def test_the_flagged_sample_is_seeded_and_apart_from_the_control_sample() -> None:
+    keys = [f"tr_{i}" for i in range(4000)]
+    a = [k for k in keys if ControlSample(0.05, 1, flagged_fraction=0.1).decodes_flagged(k)]
+    assert a == [k for k in keys if ControlSample(0.05, 1, flagged_fraction=0.1).decodes_flagged(k)]
+    assert a != [k for k in keys if ControlSample(0.05, 2, flagged_fraction=0.1).decodes_flagged(k)]
+    assert 330 <= len(a) <= 470  # about 10% of 4000 (400 +- 3.7 sd)
+    # Its own salt: not the control sample's draw at the same fraction and seed.
+    assert a != [k for k in keys if ControlSample(0.1, 1).includes(k)]
+    assert all(ControlSample(0.05, 1).decodes_flagged(k) for k in keys)  # default 1: all
+    with pytest.raises(ValueError):
+        ControlSample(0.05, 1, flagged_fraction=0.0)
+
+
+def _sampled_figure(i: int, screen: str, exact: bool) -> ResultFigures:
+    """A result as the run stores it: a flagged_scanned one is divergent by the scan."""
+    f = _figure(i, screen, exact)
+    if screen == "flagged_scanned":
+        return f._replace(exact_match=False, first_divergence_step=1, category="head_reachable")
+    return f
+
+
+def test_the_flagged_sample_estimates_cover_the_truth() -> None:
+    """Random runs of 2,000 traces: 30% flagged by a mismatch, of which 15% are false flags
+    (exact when decoded), a 10% flagged sample decoded; 4% of the unflagged diverge unseen, a
+    5% control sample. The false-flag rate's interval covers the flagged traces' true share,
+    and the EAR and miss-rate intervals each run's truth, in at least 95% of runs (the box of
+    two 95% intervals); the estimates are unbiased."""
+    rng = random.Random(2)
+    runs = 300
+    covered = {"ear": 0, "miss_rate": 0, "false_flag_rate": 0}
+    errors: list[float] = []
+    for _ in range(runs):
+        figures, exact, misses, divergences, false, flags = [], 0, 0, 0, 0, 0
+        for i in range(2000):
+            is_flagged = rng.random() < 0.3
+            diverges = rng.random() < (0.85 if is_flagged else 0.04)
+            exact += not diverges
+            divergences += diverges
+            misses += diverges and not is_flagged
+            flags += is_flagged
+            false += is_flagged and not diverges
+            if is_flagged:
+                screen = "flagged" if rng.random() < 0.1 else "flagged_scanned"
+            else:
+                screen = "control" if rng.random() < 0.05 else "scanned"
+            figures.append(_sampled_figure(i, screen, not diverges))
+        c = ComparisonInput(0, "logged", 0, "fp16", False, figures, 0.05, 0, flagged_fraction=0.1)
+        report = screening_report(c)
+        assert report is not None and report.flagged == flags
+        assert report.flagged_decoded == flags - report.flagged_scanned
+        assert report.false_flag_rate is not None
+        ff = report.false_flag_rate
+        covered["false_flag_rate"] += ff.low <= false / flags <= ff.high
+        ear = report.ear
+        covered["ear"] += ear.low <= exact / 2000 <= ear.high  # type: ignore[operator]
+        rate = report.miss_rate
+        covered["miss_rate"] += rate.low <= misses / divergences <= rate.high  # type: ignore[operator]
+        assert ear.estimate is not None
+        errors.append(ear.estimate - exact / 2000)
+    assert covered["false_flag_rate"] / runs >= 0.9, covered
+    assert covered["ear"] / runs >= 0.95, covered
+    assert covered["miss_rate"] / runs >= 0.95, covered
+    assert abs(sum(errors) / runs) < 0.005
+
+
+def test_with_every_flagged_trace_decoded_the_figures_are_the_control_samples_alone() -> None:
+    """Fraction 1 (no flagged_scanned): the estimates are exactly the control sample's Wilson
+    interval carried through, as before the flagged sample."""
+    rng = random.Random(4)
+    figures = []
+    for i in range(500):
+        is_flagged = rng.random() < 0.3
+        diverges = rng.random() < (0.8 if is_flagged else 0.05)
+        screen = "flagged" if is_flagged else "control" if rng.random() < 0.2 else "scanned"
+        figures.append(_figure(i, screen, not diverges))
+    report = screening_report(ComparisonInput(0, "logged", 0, "fp16", False, figures, 0.2, 0))
+    assert report is not None and report.flagged_scanned == 0
+    s = json.loads(report.model_dump_json())
+    flagged = [f for f in figures if f.screen == "flagged"]
+    control = [f for f in figures if f.screen == "control"]
+    assert_carried_from_sample(
+        s,
+        missed=sum(1 for f in control if not f.exact_match),
+        control=len(control),
+        unflagged=500 - len(flagged),
+        flagged_diverged=sum(1 for f in flagged if not f.exact_match),
+        flagged_exact=sum(1 for f in flagged if f.exact_match),
+        scanned=500,
+    )
