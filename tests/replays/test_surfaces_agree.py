@@ -211,6 +211,8 @@ class RunCase:
     pairs: list[tuple[int, int]] | None
     #: scan_then_decode: the share of unflagged traces decoded anyway (None: the default).
     control_fraction: float | None = None
+    #: scan_then_decode: the share of mismatch-flagged traces decoded (None: the default, 1).
+    flagged_fraction: float | None = None
 
     def request(self, trace_ids: list[str]) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -225,6 +227,8 @@ class RunCase:
             body["pairs"] = [list(p) for p in self.pairs]
         if self.control_fraction is not None:
             body["control_fraction"] = self.control_fraction
+        if self.flagged_fraction is not None:
+            body["flagged_fraction"] = self.flagged_fraction
         return body
 
     def arm_names(self) -> list[str]:
@@ -253,7 +257,8 @@ def run_cases(draw: st.DrawFn) -> RunCase:
         pairs = draw(st.none() | st.lists(pair, min_size=1, max_size=4, unique=True))
     mode = draw(st.sampled_from(["decode", "decode", "scan", "scan_then_decode"]))
     control = draw(st.sampled_from([None, 0.5, 1.0])) if mode == "scan_then_decode" else None
-    return RunCase(plans, compare, mode, targets, with_self, pairs, control)
+    flagged = draw(st.sampled_from([None, 0.5])) if mode == "scan_then_decode" else None
+    return RunCase(plans, compare, mode, targets, with_self, pairs, control, flagged)
 
 
 def _plan(length: int = 6, **overrides: Any) -> TracePlan:
@@ -293,6 +298,10 @@ ALL_PAIRS = RunCase(
 #: Every feature, scan-then-decode against the logged output, half the unflagged decoded.
 ALL_SCREENED = RunCase(
     EVERY_FEATURE, "logged", "scan_then_decode", ["fp16", "fp16+C"], True, None, 0.5
+)
+#: The same with half the mismatch-flagged traces decoded (the flagged sample).
+ALL_SAMPLED = RunCase(
+    EVERY_FEATURE, "logged", "scan_then_decode", ["fp16", "fp16+C"], True, None, 0.5, 0.5
 )
 
 
@@ -596,6 +605,8 @@ def expected_screening(ok: list[Row]) -> dict[str, Any] | None:
     if not screened:
         return None
     flagged = [r for r in screened if r.screen == "flagged"]
+    kept = [r for r in screened if r.screen == "flagged_scanned"]
+    assert all(r.exact is False and r.t_star is not None for r in kept)
     near = [r for r in screened if r.screen == "near_tie"]
     control = [r for r in screened if r.screen == "control"]
     scanned = [r for r in screened if r.screen == "scanned"]
@@ -604,7 +615,9 @@ def expected_screening(ok: list[Row]) -> dict[str, Any] | None:
     missed = [r for r in control if not r.exact]
     return {
         "scanned": len(screened),
-        "flagged": len(flagged),
+        "flagged": len(flagged) + len(kept),
+        "flagged_decoded": len(flagged),
+        "flagged_scanned": len(kept),
         "near_tie": len(near),
         "near_tie_diverged": sum(1 for r in near if not r.exact),
         "decoded": len(flagged) + len(near) + len(control),
@@ -618,6 +631,7 @@ def expected_screening(ok: list[Row]) -> dict[str, Any] | None:
         "control_diverged": len(missed),
         "false_flags": sum(1 for r in flagged if r.exact),
         "flagged_diverged": sum(1 for r in flagged if not r.exact),
+        "false_flag_rate": _prop(sum(1 for r in flagged if r.exact), len(flagged)),
         "misses_by_category": {k: sum(r.category == k for r in missed) for k in CATEGORIES[1:]},
         "unflagged_divergence": _prop(len(missed), len(control)),
     }
@@ -752,12 +766,14 @@ def check_run_page(
             text = _text(_section(html, rf'<li id="screening-{i}">(.*?)</li>'))
             assert f"{i} {labels[i]}: scanned {s['scanned']}, decoded {s['decoded']} " in text
             assert (
-                f"({s['flagged']} flagged by a mismatch, {s['false_flags']} of them exact; " in text
+                f"({s['flagged_decoded']} flagged by a mismatch, {s['false_flags']} of them exact; "
+                in text
             )
             assert f"{s['near_tie']} by a near-tie " in text
             assert f"{s['near_tie_diverged']} of them diverged), " in text
             assert f"control sample {s['control']} " in text
             assert f"{s['control_diverged']} diverged in it" in text
+            assert f"flagged sample {s['flagged_decoded']} of {s['flagged']} " in text
             assert text.endswith(f"only scanned {s['scanned_only']}")
     else:
         assert 'id="screening"' not in html
@@ -802,7 +818,8 @@ def check_plans(
             assert r.t_star == (None if flip is None else flip.step), (r, plan)
             assert r.category == ("agreed" if flip is None else FLIP_CATEGORY[flip.kind])
             stopped = flip is not None and flip.stops and flip.step + 1 < plan.length
-            if mode == "scan" and flip is not None:  # a scan stops at t*: no lengths to compare
+            if (mode == "scan" or r.screen == "flagged_scanned") and flip is not None:
+                # a scan stops at t*: no lengths to compare
                 assert r.length_difference is None
             else:
                 assert r.length_difference == (flip.step + 2 - plan.length if stopped else 0)
@@ -833,6 +850,7 @@ def _csv(client: TestClient, run_id: str, admin: dict[str, str]) -> list[Row]:
 @example(case=ALL_LOGGED)
 @example(case=ALL_PAIRS)
 @example(case=ALL_SCREENED)
+@example(case=ALL_SAMPLED)
 def test_every_surface_shows_the_same_figures(
     client: TestClient,
     runner: HoldingRunner,
