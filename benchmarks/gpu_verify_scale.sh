@@ -35,9 +35,10 @@
 # (calibration draws, 300), FA_DRAWS (1000), SCAN_BUDGET (positions a scan forward, 32768),
 # STDLIB (llama: distinct stdlib function beginnings, 900), STAGE (benign, the default; rest; all),
 # TIMEOUT (540).
-# Results in $OUT (at most 6 files): the benign stage: benign.json, traces.jsonl.gz (the benign
+# Results in $OUT (at most 8 files): the benign stage: benign.json, traces.jsonl.gz (the benign
 # traces, for the CPU-as-auditor run here afterwards: verify_scale.py --scan-traces), <step>.log,
-# wall.txt (the machine, then each command's wall); the rest: scale.json, scale.md, cross.json,
+# wall.txt (the machine, then each command's wall); the rest: scale.json, scale.md, null.npz (the
+# null's per-token deficits: `verify_scale.py --null-from null.npz` measures decisions on a CPU), cross.json,
 # cross.md (CROSS=1, default: in the time the rest leaves, the traces of the benign stage
 # scanned on this host's CPU against a null of H200 traces scanned there and one generated
 # there; CROSS_TOKENS 200,000 at most, CROSS_NULL 8 prompts a variation), <step>.log, wall.txt.
@@ -64,6 +65,7 @@ scale() {  # scale NAME MODEL [verify_scale.py options]
         ${PROMPTS:+--prompts "$PROMPTS"} \
         $([ "${SAMPLED:-1}" = 1 ] && echo --sampled) --stage "${STAGE:-benign}" --work "/tmp/g/work-$name" --tmp /tmp/g \
         $([ "${STAGE:-benign}" != rest ] && echo --save-traces "$OUT/traces.jsonl.gz") \
+        $([ "${STAGE:-benign}" != benign ] && echo --save-null "$OUT/null.npz") \
         --out "$OUT" "$@" \
         > "$OUT/$name.md" 2> "$OUT/$name.log"
     echo "$name (stage ${STAGE:-benign}): exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/wall.txt"

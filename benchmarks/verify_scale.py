@@ -56,6 +56,13 @@ on the bundled model; SmolLM2-135M in BF16 scans ~25 positions/s there (prompts 
 cross-platform scan of its H200 traces takes `--scan-max-tokens` ~1000 and `--cpu-null-prompts`
 0-2 (gpu_verify_scale.sh runs it on the H200 host's 16 cores instead).
 
+`--save-null FILE` keeps the null's per-token deficits (and the 4-bit alternative's) in a
+compressed .npz; `--null-from FILE` measures the null's decisions again from it alone, on any
+machine (no model, no GPU): the same false alarms and choices, so a decision rule can be tried
+on a GPU's null from a CPU.
+
+    python benchmarks/verify_scale.py --null-from null.npz --draws 1000 --out /tmp/null
+
 `--stage benign` stops after the benign traces' scan, keeping them in `--work`; `--stage rest`
 takes them from there (two device commands on one warm machine). Writes `--out`/scale.json and
 scale.md (or cross.json and cross.md), with the wall time of every phase.
@@ -785,6 +792,53 @@ def halves(
     return a, b
 
 
+def save_null(
+    path: Path, data: Mapping[str, Any], alt: Sequence[np.ndarray], meta: Mapping[str, Any]
+) -> None:
+    """The null's per-token deficits (each variation's traces, their halves and batch) and the
+    4-bit alternative's, in one compressed .npz: `--null-from` measures decisions on them again
+    on any machine, without the GPU that scanned them."""
+
+    def flat(traces: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+        parts = [np.asarray(d, dtype=np.float64) for d in traces]
+        joined = np.concatenate(parts) if parts else np.zeros(0)
+        return joined, np.asarray([len(d) for d in parts], dtype=np.int64)
+
+    arrays: dict[str, np.ndarray] = {}
+    index = []
+    for i, (key, v) in enumerate(data["variations"].items()):
+        arrays[f"v{i}_deficits"], arrays[f"v{i}_lengths"] = flat(v["deficits"])
+        arrays[f"v{i}_half_a"] = np.asarray([h == "A" for h in v["halves"]], dtype=bool)
+        index.append({"key": key, "batch": v["batch"]})
+    arrays["alt_deficits"], arrays["alt_lengths"] = flat(alt)
+    header = json.dumps({"variations": index, "meta": dict(meta)})
+    arrays["header"] = np.frombuffer(header.encode(), dtype=np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, **arrays)  # type: ignore[arg-type]
+
+
+def load_null(path: Path) -> tuple[dict[str, Any], list[np.ndarray], dict[str, Any]]:
+    """`save_null`'s file: the `data` `null_report` reads, the alternative, and the meta."""
+    with np.load(path) as z:
+        header = json.loads(bytes(z["header"]).decode())
+
+        def split(name: str) -> list[np.ndarray]:
+            lengths = z[f"{name}_lengths"]
+            if not len(lengths):
+                return []
+            return list(np.split(z[f"{name}_deficits"], np.cumsum(lengths)[:-1]))
+
+        variations = {
+            v["key"]: {
+                "deficits": split(f"v{i}"),
+                "halves": ["A" if a else "B" for a in z[f"v{i}_half_a"]],
+                "batch": v["batch"],
+            }
+            for i, v in enumerate(header["variations"])
+        }
+        return {"variations": variations}, split("alt"), header["meta"]
+
+
 def null_report(
     args: argparse.Namespace,
     clock: Clock,
@@ -1011,6 +1065,9 @@ def rest_stage(args: argparse.Namespace, clock: Clock, data: dict[str, Any]) -> 
     with tempfile.TemporaryDirectory(prefix="verify-scale-", dir=args.tmp) as tmp:
         root = Path(tmp)
         sims, alt, eval_units = simulations(args, clock, data, pool, root)
+        if args.save_null is not None:
+            meta = {**platform_, "claim": args.dtype, "batch": args.batch}
+            save_null(args.save_null, data, alt, meta)
         cal, null = null_report(args, clock, data, alt, platform_, rng)
         result["null"] = null
         claimed = variations(args)[0].key
@@ -1403,7 +1460,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--model", type=Path, help="the checkpoint (not with --null-from)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bf16", help="the claimed body (and head) format")
     ap.add_argument("--prompts", type=Path, default=PROMPTS, help='JSONL with "prompt" texts')
@@ -1490,6 +1547,18 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--tmp", type=Path, default=None, help="where simulated checkpoints go")
     ap.add_argument(
+        "--save-null",
+        type=Path,
+        default=None,
+        help="write the null's per-token deficits and the alternative's (.npz) for --null-from",
+    )
+    ap.add_argument(
+        "--null-from",
+        type=Path,
+        default=None,
+        help="measure the null's decisions again from a --save-null file (no model, any device)",
+    )
+    ap.add_argument(
         "--scan-traces",
         type=Path,
         default=None,
@@ -1519,6 +1588,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
+    if args.model is None and args.null_from is None:
+        parser().error("--model is required (except with --null-from)")
     if args.min_mean_tokens is None:
         args.min_mean_tokens = max(1, args.max_new_tokens // 4)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -1532,6 +1603,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         (args.out / "cross.json").write_text(json.dumps(result, indent=1))
         (args.out / "cross.md").write_text(cross_markdown(result))
         print(cross_markdown(result))
+        return result
+    if args.null_from is not None:
+        data, alt, meta = load_null(args.null_from)
+        platform_ = {
+            k: meta.get(k) for k in ("device", "gpu_name", "sm", "torch_version", "devices")
+        }
+        args.dtype = meta.get("claim", args.dtype)
+        args.batch = meta.get("batch", args.batch)
+        _, null = null_report(args, clock, data, alt, platform_, np.random.default_rng(args.seed))
+        result = {"null_from": str(args.null_from), "meta": meta, "null": null}
+        result["wall_s"] = {**clock.phases, "total": round(clock.total, 1)}
+        (args.out / "null.json").write_text(json.dumps(result, indent=1))
+        print(
+            json.dumps({"fa_ok_up_to": null["fa_ok_up_to"], "choices": null["choices"]}, indent=1)
+        )
         return result
     work = args.work / "benign.pkl" if args.work else None
     if args.stage == "rest":

@@ -43,7 +43,7 @@ def scale_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
             "--small-prompts", "4", "--b1-prompts", "2", "--eval-prompts", "8",
             "--draws", "50", "--fa-draws", "100", "--max-budget", "4096",
             "--out", str(out), "--save-traces", str(out / "traces.jsonl.gz"),
-            "--sampled", "--sampled-prompts", "4",
+            "--sampled", "--sampled-prompts", "4", "--save-null", str(out / "null.npz"),
         ]
     )  # fmt: skip
     return result, out
@@ -130,3 +130,18 @@ def test_saved_traces_are_trace_json_and_scan_on_another_platform(
     for null in cross["nulls"].values():
         for rows_ in null["false_alarms"].values():
             assert all(0.0 <= r["worst"] <= 1.0 for r in rows_.values())
+
+
+def test_a_saved_null_measures_the_same_decisions_again(
+    scale_run: tuple[dict[str, Any], Path], tmp_path: Path
+) -> None:
+    """`--save-null` keeps the null's per-token deficits and the alternative's; `--null-from`
+    measures the decisions again from them alone (no model): the same false alarms, reach and
+    choices as the run that scanned them."""
+    result, out = scale_run
+    again = vs.main(["--null-from", str(out / "null.npz"), "--out", str(tmp_path), "--draws", "50",
+                     "--fa-draws", "100", "--max-budget", "4096"])  # fmt: skip
+    assert again["meta"]["claim"] == "bf16" and again["meta"]["device"] == "cpu"
+    for key in ("false_alarms", "false_alarms_distinct", "fa_ok_up_to", "choices", "tokens"):
+        assert again["null"][key] == result["null"][key], key
+    assert (tmp_path / "null.json").exists()
