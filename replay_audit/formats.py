@@ -132,8 +132,11 @@ BASELINES: Final[tuple[Baseline, ...]] = get_args(Baseline)
 #: its exact match is not established, and no statistic counts it as one; `flagged_scanned`,
 #: flagged by a mismatch but not in the run's flagged sample (`FLAGGED_FRACTION`), so not
 #: decoded: its result is the scan's (t* the first disagreement, exact match False, the
-#: category from the probe), as a scan run's is.
-Screen = Literal["flagged", "near_tie", "control", "scanned", "flagged_scanned"]
+#: category from the probe), as a scan run's is; `near_tie_scanned`, flagged by a near-tie
+#: but not in the flagged sample, so only scanned: unknown as a `scanned` one (the scan
+#: agrees; a decode might not), counted in no EAR, its divergence estimated from the decoded
+#: near-tie traces'.
+Screen = Literal["flagged", "near_tie", "control", "scanned", "flagged_scanned", "near_tie_scanned"]
 SCREENS: Final[tuple[Screen, ...]] = get_args(Screen)
 
 #: The paper's interventions (section 4), applied at gated steps.
@@ -278,12 +281,17 @@ CONTROL_FRACTION: Final = RunOption(
 #: category; the decode from t* only says whether it truly diverges there (false flags happen
 #: only at exact ties) and gives the continuation text, so a sample measures the false-flag
 #: rate, as the control sample (also 5%) measures the miss rate, at a twentieth of the decodes.
+#: The same sample covers the near-tie flags: each is a decode in full from the prompt (the
+#: costliest kind), and a sample of them measures their divergence rate for the rest.
 FLAGGED_FRACTION: Final = RunOption(
     1.0,
-    "scan_then_decode: share of the traces the scan flags by a mismatch that are decoded from "
-    "their first disagreement (the flagged sample that measures the false-flag rate); the "
-    "others keep the scan's result (screen flagged_scanned). Default: 1 (all), but a large run "
-    "naming no mode: the deployment's REPLAY_AUDIT_LARGE_RUN_FLAGGED_FRACTION (0.05).",
+    "scan_then_decode: share of the traces the scan flags that are decoded (the flagged "
+    "sample, one draw per trace for both reasons): a mismatch-flagged one from its first "
+    "disagreement (measuring the false-flag rate), the others keeping the scan's result "
+    "(screen flagged_scanned); a near-tie-flagged one from the prompt (measuring the near-tie "
+    "divergence rate), the others only scanned (screen near_tie_scanned). Default: 1 (all), "
+    "but a large run naming no mode: the deployment's REPLAY_AUDIT_LARGE_RUN_FLAGGED_FRACTION "
+    "(0.05).",
     gt=0.0,
     le=1.0,
 )

@@ -664,17 +664,18 @@ def _screening_rows(sc: ScreeningReport) -> list[tuple[str, str]]:
 
     flag = sc.scan_flag_ulps
     mismatch = sc.decoded_by_reason.get("mismatch", sc.flagged)
+    near = sc.decoded_by_reason.get("near_tie", sc.near_tie)
     rows = [
         ("scanned", str(sc.scanned)),
         (
             "decoded (mismatch + near-tie + control)",
-            f"{sc.decoded} ({mismatch} + {sc.near_tie} + {sc.control})",
+            f"{sc.decoded} ({mismatch} + {near} + {sc.control})",
         ),
         (
             "near-tie flag",
             "off"
             if flag is None or flag < 0
-            else f"<= {_fmt(flag)} ulps ({sc.near_tie_diverged} of {sc.near_tie} diverged)",
+            else f"<= {_fmt(flag)} ulps ({sc.near_tie_diverged} of {near} decoded diverged)",
         ),
         ("only scanned (not in EAR)", str(sc.scanned_only)),
         (
@@ -694,6 +695,17 @@ def _screening_rows(sc: ScreeningReport) -> list[tuple[str, str]]:
                 f"{sc.flagged_decoded} of {sc.flagged} (fraction {_fmt(sc.flagged_fraction)}; "
                 f"false flags {_fmt(ff.estimate, '.1%')} [{ff.low:.1%}, {ff.high:.1%}], "
                 f"{sc.false_flags}/{ff.n}; {sc.flagged_scanned} kept as scanned)",
+            ),
+        )
+    nd = sc.near_tie_divergence
+    if sc.near_tie_decoded is not None and nd is not None and sc.near_tie:
+        rows.insert(
+            -2,
+            (
+                "near-tie sample",
+                f"{sc.near_tie_decoded} of {sc.near_tie} (diverged {_fmt(nd.estimate, '.1%')} "
+                f"[{nd.low:.1%}, {nd.high:.1%}], {sc.near_tie_diverged}/{nd.n}; "
+                f"{sc.near_tie_scanned} only scanned)",
             ),
         )
     return rows

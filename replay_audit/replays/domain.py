@@ -143,7 +143,8 @@ class ControlSample:
     flag_ulps: float = DEFAULT_SCAN_FLAG_ULPS
     #: The flagged sample's share (docs/replays.md "The flagged sample"): a trace the scan
     #: flags by a mismatch is decoded from its first disagreement when `decodes_flagged`, else
-    #: it keeps the scan's result. 1: every flagged trace decoded. The same `seed`.
+    #: it keeps the scan's result; one flagged by a near-tie is decoded from the prompt when
+    #: `decodes_flagged`, else only scanned. 1: every flagged trace decoded. The same `seed`.
     flagged_fraction: float = DEFAULT_FLAGGED_FRACTION
 
     def __post_init__(self) -> None:
@@ -159,9 +160,10 @@ class ControlSample:
         return _drawn(f"control:{self.seed}:{trace_key}", self.fraction)
 
     def decodes_flagged(self, trace_key: str) -> bool:
-        """Whether the trace named `trace_key` is in the flagged sample: decoded from its first
-        disagreement where the scan flags it by a mismatch. Its own salt, so the two samples
-        are drawn independently."""
+        """Whether the trace named `trace_key` is in the flagged sample: decoded where the scan
+        flags it (from its first disagreement for a mismatch, from the prompt for a near-tie;
+        one draw for either reason). Its own salt, so it is drawn independently of the control
+        sample."""
         return self.flagged_fraction >= 1.0 or _drawn(
             f"flagged:{self.seed}:{trace_key}", self.flagged_fraction
         )

@@ -111,8 +111,9 @@ ENGINE_FAILURES: Final = (ReplayAuditError, RuntimeError, ValueError, MemoryErro
 class ReplayItem:
     """One trace and one comparison: arm B against arm A (None: the logged tokens; else both
     decoded here). `control`: in the run's control sample; `decode_flagged`: in its flagged
-    sample (decoded from the scan's first disagreement where the scan flags it; else the
-    scan's result stands); `baseline`: set by `replay_traces`."""
+    sample (decoded from the scan's first disagreement where the scan flags it by a mismatch,
+    from the prompt where by a near-tie; else the scan's result stands, or, for a near-tie,
+    the trace is only scanned); `baseline`: set by `replay_traces`."""
 
     trace: LoggedTrace
     b: RunTarget
@@ -694,6 +695,10 @@ def _run_arms(
             near = _near_tie(trace, scan.steps, options.flag_ulps)
             if near is None and not item.control:
                 return _scanned_only(item, b, scan.steps, batched)
+            if near is not None and not item.decode_flagged:
+                # Flagged by a near-tie, outside the flagged sample (docs/replays.md "The
+                # flagged sample"): only scanned; the near-tie sample's rate stands for it.
+                return _scanned_only(item, b, scan.steps, batched, "near_tie_scanned")
             # A near-tie's flip may need the decode's own KV cache from the prompt on.
             run_b = _decoded(b, (yield b.request(prompt, budget, eos, window=window)))
             screen = "near_tie" if near is not None else "control"
@@ -1068,8 +1073,11 @@ def _near_tie(trace: LoggedTrace, steps: Steps, flag_ulps: float) -> int | None:
     return min(hits) if hits else None
 
 
-def _scanned_only(item: ReplayItem, b: Arm, steps: Steps, batched: bool) -> ReplayOutcome:
-    """A trace only scanned: unknown (`exact_match` and `category` None), not agreed. Not
+def _scanned_only(
+    item: ReplayItem, b: Arm, steps: Steps, batched: bool, screen: Screen = "scanned"
+) -> ReplayOutcome:
+    """A trace only scanned (`screen`: unflagged, or `near_tie_scanned`, flagged by a near-tie
+    outside the flagged sample): unknown (`exact_match` and `category` None), not agreed. Not
     `_outcome`: most traces of a large run end here, and nothing of a decode is computed."""
     trace = item.trace
     logged = trace.output_token_ids.tolist()
@@ -1089,7 +1097,7 @@ def _scanned_only(item: ReplayItem, b: Arm, steps: Steps, batched: bool) -> Repl
         ),
         b=arm_b,
         external_id=trace.external_id,
-        screen="scanned",
+        screen=screen,
     )
 
 

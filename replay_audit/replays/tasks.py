@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 from replay_audit.db.base import utcnow
 from replay_audit.db.job_row import (
@@ -337,10 +338,14 @@ def _replay(
     return out
 
 
+#: The screens of scan-then-decode results no decode produced (the scan settled them).
+_NOT_DECODED: Final = frozenset({"scanned", "flagged_scanned", "near_tie_scanned"})
+
+
 def _count_decode(outcome: ReplayOutcome, gpu_kind: str) -> None:
     """A decoded item in the metrics, with the tokens its arms decoded here (an item a scan
     settled was counted by `_scan_all`)."""
-    if outcome.mode == "scan" or outcome.screen == "scanned":
+    if outcome.mode == "scan" or outcome.screen in _NOT_DECODED:
         return
     REPLAY_TRACES.labels("decoded", gpu_kind).inc()
     REPLAY_TOKENS.labels("decoded", gpu_kind).inc(

@@ -19,13 +19,15 @@ Definitions (docs/replays.md, "Reading results", "Modes", "Lifts", says each at 
     screening      (scan-then-decode) EAR and categories count only the established results
                    (decoded, or flagged by a mismatch and kept as the scan's: flagged_scanned,
                    divergent by the scan). From the control sample: p = diverged / control
-                   (Wilson); from the flagged sample: q = false flags / flagged decoded
-                   (Wilson). Estimated misses = p x unflagged, miss rate = misses / (flagged
-                   divergences + flagged_scanned x (1 - q) + misses), near-tie flags counted
-                   as flags; EAR of all scanned = (exact decoded flags + flagged_scanned x q +
-                   unflagged x (1 - p)) / scanned. Each interval is the formula (monotone in
-                   both) at the corners of the box of p's and q's intervals that make it least
-                   and most; with every flagged trace decoded (flagged_scanned 0), p's alone
+                   (Wilson); from the flagged sample: q = false flags / flagged decoded and
+                   r = near-tie diverged / near-tie decoded (Wilson). Estimated misses =
+                   p x unflagged, miss rate = misses / (flagged divergences + flagged_scanned
+                   x (1 - q) + near_tie_scanned x r + misses), near-tie flags counted as flags;
+                   EAR of all scanned = (exact decoded flags + flagged_scanned x q +
+                   near_tie_scanned x (1 - r) + unflagged x (1 - p)) / scanned. Each interval
+                   is the formula (monotone in each) at the corners of the box of p's, q's and
+                   r's intervals that make it least and most; with every flagged trace decoded
+                   (flagged_scanned and near_tie_scanned 0), p's alone
     decode window  a `window_cut` result counts in every figure fixed at t* and in the per-step
                    ones, never in SAR, task accuracy or the length difference (they read the
                    continuation, of which it holds a prefix)
@@ -147,7 +149,8 @@ class ComparisonInput:
     control_seed: int | None = None
     #: The run's near-tie flag in ulps (negative: off), as recorded.
     scan_flag_ulps: float | None = None
-    #: The run's flagged sample: the share of mismatch-flagged traces decoded, as recorded.
+    #: The run's flagged sample: the share of flagged traces decoded (by a mismatch or a
+    #: near-tie), as recorded.
     flagged_fraction: float | None = None
     #: The mode the results were produced in (what SAR can count: see SAR_NOTES).
     mode: Mode = "decode"
@@ -237,14 +240,24 @@ class ScreeningReport(StoredModel):
     flagged_scanned: int = 0
     #: The run's flagged fraction, as recorded (None: not recorded, 1).
     flagged_fraction: float | None = None
-    #: Flagged by a near-tie (no mismatch; some step's margin at most `scan_flag_ulps` ulps),
-    #: decoded in full; not in the control sample.
+    #: Flagged by a near-tie (no mismatch; some step's margin at most `scan_flag_ulps` ulps):
+    #: the flagged sample's, decoded in full (`near_tie_decoded`), and the others, only
+    #: scanned (`near_tie_scanned`); not in the control sample.
     near_tie: int = 0
-    #: Near-tie traces whose decode diverged: what the mismatch alone would have missed.
+    #: Near-tie traces in the flagged sample, decoded in full. (Statistics stored before the
+    #: flagged sample covered near-ties: None, every near-tie trace was decoded.)
+    near_tie_decoded: int | None = None
+    #: Near-tie traces not in it: only scanned (unknown), counted in the estimates below as
+    #: diverging with probability near_tie_divergence.
+    near_tie_scanned: int = 0
+    #: Decoded near-tie traces whose decode diverged: what the mismatch alone would have missed.
     near_tie_diverged: int = 0
+    #: near_tie_diverged / near_tie_decoded with its Wilson interval. (None in statistics
+    #: stored before it.)
+    near_tie_divergence: ProportionRead | None = None
     #: The run's near-tie flag in ulps (negative: off; None: not recorded).
     scan_flag_ulps: float | None = None
-    #: Decoded: flagged_decoded + near_tie + control.
+    #: Decoded: flagged_decoded + near_tie_decoded + control.
     decoded: int
     #: Why each decoded trace was decoded: {"mismatch", "near_tie", "control"} -> count.
     decoded_by_reason: dict[str, int] = Field(default_factory=dict)
@@ -270,10 +283,12 @@ class ScreeningReport(StoredModel):
     #: Estimated unflagged traces that diverge (unflagged x rate), with its interval.
     estimated_misses: EstimateRead
     #: Share of the decode divergences the scan does not flag (the flagged_scanned traces'
-    #: divergences estimated from the false-flag rate).
+    #: divergences estimated from the false-flag rate, the near_tie_scanned ones' from the
+    #: near-tie divergence rate).
     miss_rate: EstimateRead
     #: EAR over all scanned traces (decoded ones as decoded; flagged_scanned ones exact at the
-    #: false-flag rate; unflagged ones at 1 - rate).
+    #: false-flag rate; near_tie_scanned ones at 1 - near-tie divergence; unflagged ones at
+    #: 1 - rate).
     ear: EstimateRead
 
 
@@ -513,20 +528,21 @@ def _rate(p: ProportionRead, stratum: int) -> _Rate:
     return _Rate(None, 0.0, 1.0) if stratum else _Rate(0.0, 0.0, 0.0)
 
 
-def _estimate2(
-    f: Callable[[float, float], float], q: _Rate, p: _Rate, *, q_up: bool, p_up: bool
+def _estimate(
+    f: Callable[[float, float, float], float],
+    rates: tuple[_Rate, _Rate, _Rate],
+    up: tuple[bool, bool, bool],
 ) -> EstimateRead:
-    """`f(q, p)`, monotone in each (increasing where `*_up`), at the estimates and, for each
-    end of the interval, at the ends of the two intervals that make it least and most: the
-    box of both 95% intervals, so it covers the truth whenever both intervals do."""
+    """`f(q, p, r)`, monotone in each (increasing where `up`), at the estimates and, for each
+    end of the interval, at the ends of the intervals that make it least and most: the box of
+    the 95% intervals, so it covers the truth whenever all of them do."""
 
     def at(low_end: bool) -> float:
-        qq = q.low if q_up == low_end else q.high
-        pp = p.low if p_up == low_end else p.high
-        return f(qq, pp)
+        q, p, r = (x.low if u == low_end else x.high for x, u in zip(rates, up, strict=True))
+        return f(q, p, r)
 
-    qe, pe = q.estimate, p.estimate
-    estimate = f(qe, pe) if qe is not None and pe is not None else None
+    qe, pe, re = (x.estimate for x in rates)
+    estimate = f(qe, pe, re) if qe is not None and pe is not None and re is not None else None
     return EstimateRead(estimate=estimate, low=at(True), high=at(False))
 
 
@@ -538,37 +554,45 @@ def screening_report(c: ComparisonInput) -> ScreeningReport | None:
         return None
     mismatch = [f for f in ok if f.screen == "flagged"]  # decoded from s: the flagged sample
     kept = sum(1 for f in ok if f.screen == "flagged_scanned")  # not decoded: the scan's result
-    near = [f for f in ok if f.screen == "near_tie"]
+    near = [f for f in ok if f.screen == "near_tie"]  # decoded in full: the flagged sample
+    near_kept = sum(1 for f in ok if f.screen == "near_tie_scanned")  # only scanned
     control = [f for f in ok if f.screen == "control"]
     # Both rules flag: the control sample is drawn from the traces neither flags.
     flagged = mismatch + near
-    unflagged = len(ok) - len(flagged) - kept
+    unflagged = len(ok) - len(flagged) - kept - near_kept
     missed = [f for f in control if f.exact_match is False]
     flagged_div = sum(1 for f in flagged if f.exact_match is False)
     flagged_exact = len(flagged) - flagged_div
     mismatch_div = sum(1 for f in mismatch if f.exact_match is False)
+    near_div = flagged_div - mismatch_div
     rate = _prop(len(missed), len(control))
     false_flag_rate = _prop(len(mismatch) - mismatch_div, len(mismatch))
-    p, q = _rate(rate, unflagged), _rate(false_flag_rate, kept)
+    near_rate = _prop(near_div, len(near))
+    rates = (_rate(false_flag_rate, kept), _rate(rate, unflagged), _rate(near_rate, near_kept))
 
     # q: the false-flag rate (a kept flagged trace is exact with probability q); p: the
-    # unflagged divergence rate. Each estimate is monotone in both.
-    def misses(_q: float, p: float) -> float:
+    # unflagged divergence rate; r: the near-tie divergence rate (a near-tie trace only
+    # scanned diverges with probability r, a flagged divergence). Each is monotone in all.
+    def misses(_q: float, p: float, _r: float) -> float:
         return unflagged * p
 
-    def miss_rate(q: float, p: float) -> float:
-        total = flagged_div + kept * (1.0 - q) + unflagged * p
+    def divergences(q: float, p: float, r: float) -> float:
+        return flagged_div + kept * (1.0 - q) + near_kept * r + unflagged * p
+
+    def miss_rate(q: float, p: float, r: float) -> float:
+        total = divergences(q, p, r)
         return unflagged * p / total if total else 0.0
 
-    def ear(q: float, p: float) -> float:
-        return (flagged_exact + kept * q + unflagged * (1.0 - p)) / len(ok)
+    def ear(q: float, p: float, r: float) -> float:
+        exact = flagged_exact + kept * q + near_kept * (1.0 - r) + unflagged * (1.0 - p)
+        return exact / len(ok)
 
-    est_misses = _estimate2(misses, q, p, q_up=True, p_up=True)
-    est_rate = _estimate2(miss_rate, q, p, q_up=True, p_up=True)
-    est_ear = _estimate2(ear, q, p, q_up=True, p_up=False)
-    qe, pe = q.estimate, p.estimate
+    est_misses = _estimate(misses, rates, (True, True, True))
+    est_rate = _estimate(miss_rate, rates, (True, True, False))
+    est_ear = _estimate(ear, rates, (True, False, False))
+    qe, pe, re = (x.estimate for x in rates)
     # 0 / 0 at the estimate: no divergence seen or estimated at all.
-    if qe is not None and pe is not None and flagged_div + kept * (1 - qe) + unflagged * pe == 0:
+    if qe is not None and pe is not None and re is not None and divergences(qe, pe, re) == 0:
         est_rate = EstimateRead(estimate=None, low=est_rate.low, high=est_rate.high)
     return ScreeningReport(
         scanned=len(ok),
@@ -576,8 +600,11 @@ def screening_report(c: ComparisonInput) -> ScreeningReport | None:
         flagged_decoded=len(mismatch),
         flagged_scanned=kept,
         flagged_fraction=c.flagged_fraction,
-        near_tie=len(near),
-        near_tie_diverged=flagged_div - mismatch_div,
+        near_tie=len(near) + near_kept,
+        near_tie_decoded=len(near),
+        near_tie_scanned=near_kept,
+        near_tie_diverged=near_div,
+        near_tie_divergence=near_rate,
         scan_flag_ulps=c.scan_flag_ulps,
         decoded=len(flagged) + len(control),
         decoded_by_reason={

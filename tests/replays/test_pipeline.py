@@ -553,6 +553,60 @@ def test_a_near_tie_in_either_arm_flags_the_trace_for_a_full_decode(ckpt: Path) 
     assert screen(no_top_k, 127.0) == "scanned"
 
 
+def test_a_near_tie_outside_the_flagged_sample_is_only_scanned(ckpt: Path) -> None:
+    """The flagged sample covers near-tie flags too: with `decode_flagged` False a near-tie
+    trace is not decoded (no engine decode), its screen `near_tie_scanned`, unknown as an
+    unflagged trace only scanned (exact match and category None, never agreed), even where
+    the control sample would draw it (drawn from traces neither rule flags). In the sample it
+    is decoded in full and its kv flip found, as before."""
+    trace = make_trace(ckpt)
+    for control in (False, True):
+        engines: list[FakeEngine] = []
+        r = replay_trace(
+            trace,
+            Target("fp16"),
+            kv_pool(engines),
+            model_dir=ckpt,
+            mode="scan_then_decode",
+            flag_ulps=1.0,
+            control=control,
+            decode_flagged=False,
+        )
+        assert r.screen == "near_tie_scanned" and r.mode == "scan_then_decode"
+        assert r.exact_match is None and r.category is None
+        assert r.first_divergence_step is None and r.single_step is None
+        assert r.cascade_length is None and r.length_difference is None
+        assert [c for e in engines for c in e.calls] == ["scan"]
+        row = result_values(0, r)
+        assert row["exact_match"] is None and row["category"] is None
+        read = result_read(ReplayResult(trace_id=1, **row), "tr_1", "rr_1")
+        assert read.screen == "near_tie_scanned" and read.exact_match is None
+        assert read.category is None
+    engines = []
+    sampled = replay_trace(
+        trace,
+        Target("fp16"),
+        kv_pool(engines),
+        model_dir=ckpt,
+        mode="scan_then_decode",
+        flag_ulps=1.0,
+        decode_flagged=True,
+    )
+    assert sampled.screen == "near_tie" and sampled.category == "kv_dependent"
+    assert engines[0].calls[:2] == ["scan", "decode"]
+    # An unflagged trace outside the flagged sample is untouched by it: the control decodes it.
+    unflagged = replay_trace(
+        trace,
+        Target("fp16"),
+        kv_pool(),
+        model_dir=ckpt,
+        mode="scan_then_decode",
+        control=True,
+        decode_flagged=False,
+    )
+    assert unflagged.screen == "control" and unflagged.exact_match is False
+
+
 @pytest.mark.parametrize("probe", ["from_scratch", "teacher_forced"])
 def test_replay_traces_batches_the_single_step_probes_and_equals_each_replay(
     ckpt: Path, probe: SingleStepKind

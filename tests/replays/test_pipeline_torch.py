@@ -404,10 +404,12 @@ def test_a_flagged_sample_gives_each_sampled_trace_what_decoding_every_flag_give
     pool: EnginePool, real_dir: Path, real_prompts: list[tuple[str, str]]
 ) -> None:
     """The committed model's fp32 traces replayed in bf16, scan then decode, every flagged
-    trace decoded against two thirds of them (the flagged sample): a trace in the sample, and
-    every trace the scan does not flag, gets exactly what it gets with every flag decoded;
-    a flagged trace outside it keeps its scan (the logged prefix to the scan's first
-    disagreement s and the scan's token there, t* = s, at most the decode's t*)."""
+    trace decoded against two thirds of them (the flagged sample, one draw per trace for both
+    reasons): a trace in the sample, flagged by a mismatch or by a near-tie (exact ties, 0
+    ulps), and every trace the scan does not flag, gets exactly what it gets with every flag
+    decoded; a mismatch-flagged trace outside it keeps its scan (the logged prefix to the
+    scan's first disagreement s and the scan's token there, t* = s, at most the decode's t*);
+    a near-tie-flagged one outside it is only scanned (unknown: nothing claimed)."""
     model = Model(real_dir, tuple(real_prompts[:24]), 48)
     traces = [_logged(tr) for tr in _trace_set(model, "fp32")]
     options = ReplayOptions("scan_then_decode", flag_ulps=0.0, check_weights=False)
@@ -427,14 +429,25 @@ def test_a_flagged_sample_gives_each_sampled_trace_what_decoding_every_flag_give
         assert all(isinstance(r, ReplayOutcome) for r in out), out
         return out  # type: ignore[return-value]
 
-    whole, part = run(lambda i: True), run(lambda i: i % 3 != 1)
-    kept = same = 0
+    def in_sample(i: int) -> bool:
+        return i % 3 != 0
+
+    whole, part = run(lambda i: True), run(in_sample)
+    kept = same = near_kept = near_same = near_diverged = 0
     for i, (p, w) in enumerate(zip(part, whole, strict=True)):
-        if w.screen != "flagged" or i % 3 != 1:
+        if w.screen not in ("flagged", "near_tie") or in_sample(i):
             # The whole outcome but the environment, which records the engine's last batch
             # shapes and the attention backends it has run so far (not this trace's numbers).
             assert _numbers(p) == _numbers(w), traces[i].external_id
             same += w.screen == "flagged"
+            near_same += w.screen == "near_tie"
+            near_diverged += w.screen == "near_tie" and w.exact_match is False
+            continue
+        if w.screen == "near_tie":
+            near_kept += 1
+            assert p.screen == "near_tie_scanned" and p.exact_match is None
+            assert p.category is None and p.first_divergence_step is None
+            assert p.b.output_token_ids is None and p.cascade_length is None
             continue
         kept += 1
         s, t = p.first_divergence_step, w.first_divergence_step
@@ -445,6 +458,8 @@ def test_a_flagged_sample_gives_each_sampled_trace_what_decoding_every_flag_give
         assert out[:s] == logged[:s] and len(out) == s + 1 and out[s] != logged[s]
         assert p.b.margin.source == "scan" and p.cascade_length is None
     assert kept >= 1 and same >= 1, "the prompt set has flags in and out of the sample"
+    assert near_kept >= 1 and near_same >= 1, "and near-ties in and out of it"
+    assert near_diverged >= 1, "a sampled near-tie whose decode diverges (a kv flip)"
 
 
 def _numbers(o: ReplayOutcome) -> ReplayOutcome:

@@ -917,3 +917,245 @@ def test_with_every_flagged_trace_decoded_the_figures_are_the_control_samples_al
         flagged_exact=sum(1 for f in flagged if f.exact_match),
         scanned=500,
     )
+
+
+# -- the flagged sample covers near-tie flags ----------------------------------------------------
+
+
+@pytest.mark.usefixtures("engines")
+def test_the_flagged_sample_decodes_only_its_near_tie_traces(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    api_key: Callable[..., str],
+    fake_model_dir: Path,
+    db_url: str,
+) -> None:
+    """Near-tie flags (1 ulp) follow the flagged sample: `flagged_fraction` 0.5 against 1 over
+    the same traces. A near-tie trace in the sample (the same per-trace draw as a mismatch's)
+    gets exactly what it gets when every flag is decoded; one outside it is not decoded (the
+    FP16 engine's decodes are the sample's and the control's only) and is only scanned:
+    screen `near_tie_scanned`, exact match and category null, counted in no EAR. The
+    statistics count the decoded near-ties' divergence rate with its Wilson interval and carry
+    it, with the control sample's, into the EAR of all scanned traces. A retried job draws the
+    same sample."""
+    h = headers("admin")
+    kinds: list[Kind] = ["kv"] * 16 + ["tie"] * 12 + ["head"] * 12 + ["none"] * 40
+    random.Random(21).shuffle(kinds)
+    ids = seed(client, h, kinds, fake_model_dir, salt=23)
+    kind_of = dict(zip(ids, kinds, strict=True))
+    near = [i for i in ids if kind_of[i] in ("kv", "tie")]
+
+    def sample_of(k: int) -> ControlSample:
+        return ControlSample(0.5, k, flagged_fraction=0.5)
+
+    def drawn(k: int, kind: Kind) -> set[bool]:
+        return {sample_of(k).decodes_flagged(i) for i in ids if kind_of[i] == kind}
+
+    # The ids are the database's: the first seed whose sample holds and leaves out each kind.
+    seed_ = next(k for k in range(64) if all(drawn(k, kd) == {True, False} for kd in KINDS_NT))
+    sample = sample_of(seed_)
+    common = {"mode": "scan_then_decode", "scan_flag_ulps": 1, "control_seed": seed_}
+    full = _run(client, runner, h, ids, **common)
+    [fp16] = [e for e in LOADED if e.target.dtype == "fp16"]
+    before = fp16.calls.count("decode")
+    part = _run(client, runner, h, ids, **{**common, "flagged_fraction": 0.5})
+    sampled = [i for i in ids if kind_of[i] != "none" and sample.decodes_flagged(i)]
+    control = [i for i in ids if kind_of[i] == "none" and sample.includes(i)]
+    assert fp16.calls.count("decode") - before == len(sampled) + len(control)
+
+    whole, got = _by_trace(client, str(full["id"]), h), _by_trace(client, str(part["id"]), h)
+    for trace_id, x in got.items():
+        f = whole[trace_id]
+        if kind_of[trace_id] == "none" or trace_id in sampled:
+            assert {k: x[k] for k in SAME} == {k: f[k] for k in SAME}, trace_id
+            assert x["arms"]["b"]["output_token_ids"] == f["arms"]["b"]["output_token_ids"]
+        elif kind_of[trace_id] == "head":
+            assert x["screen"] == "flagged_scanned"
+        else:  # a near-tie outside the sample: only scanned, unknown, never agreed
+            assert f["screen"] == "near_tie" and x["screen"] == "near_tie_scanned"
+            assert x["exact_match"] is None and x["category"] is None
+            assert x["first_divergence_step"] is None and x["cascade_length"] is None
+
+    s = part["statistics"]["comparisons"][0]["screening"]  # type: ignore[index]
+    nt_decoded = [i for i in near if i in sampled]
+    nt_div = sum(1 for i in nt_decoded if kind_of[i] == "kv")
+    nt_kept = len(near) - len(nt_decoded)
+    heads = [i for i in sampled if kind_of[i] == "head"]
+    assert (s["near_tie"], s["near_tie_decoded"], s["near_tie_scanned"]) == (
+        28,
+        len(nt_decoded),
+        nt_kept,
+    )
+    assert s["near_tie_diverged"] == nt_div
+    assert s["decoded_by_reason"] == {
+        "mismatch": len(heads),
+        "near_tie": len(nt_decoded),
+        "control": len(control),
+    }
+    assert s["decoded"] == len(sampled) + len(control)
+    assert s["scanned_only"] == 40 - len(control)  # the unflagged ones: near-ties apart
+    nd = s["near_tie_divergence"]
+    w_r = wilson_interval(nt_div, len(nt_decoded))
+    assert (nd["successes"], nd["n"]) == (nt_div, len(nt_decoded))
+    assert (nd["low"], nd["high"]) == pytest.approx((w_r.low, w_r.high), rel=1e-12)
+    # The EAR of all scanned traces: decoded near-ties as decoded (the ties exact), the others
+    # exact at 1 - the near-tie rate; the head flags kept are divergent (no false flag: q's
+    # interval, on an all-true sample, meets kept x q at its low end only); the unflagged at
+    # 1 - p (no control trace diverges).
+    w_q = wilson_interval(0, len(heads))
+    w_p = wilson_interval(0, len(control))
+    kept = 12 - len(heads)
+    exact_near = len(nt_decoded) - nt_div
+
+    def ear(q: float, p: float, r: float) -> float:
+        return (exact_near + kept * q + nt_kept * (1 - r) + 40 * (1 - p)) / 80
+
+    e = s["ear"]
+    want = (
+        ear(w_q.low, w_p.high, w_r.high),
+        ear(0.0, 0.0, nt_div / len(nt_decoded)),
+        ear(w_q.high, w_p.low, w_r.low),
+    )
+    assert (e["low"], e["estimate"], e["high"]) == pytest.approx(want, rel=1e-12)
+    sf = full["statistics"]["comparisons"][0]["screening"]  # type: ignore[index]
+    assert (sf["near_tie_decoded"], sf["near_tie_scanned"], sf["near_tie_diverged"]) == (28, 0, 16)
+    # EAR of the comparison counts no near_tie_scanned result.
+    c = part["statistics"]["comparisons"][0]  # type: ignore[index]
+    assert c["ear"]["n"] == s["decoded"] + kept
+
+    export = client.get(f"/v1/replays/{part['id']}/export?format=jsonl", headers=h)
+    rows = [json.loads(line) for line in export.text.splitlines()]
+    assert sum(r["screen"] == "near_tie_scanned" for r in rows) == nt_kept
+    assert sign_in(client, api_key("auditor")).status_code == 303
+    page = client.get(f"/ui/runs/{part['id']}")
+    assert page.status_code == 200
+    assert f"near-tie sample {len(nt_decoded)} of 28 (diverged " in page.text
+    assert "(near-tie, scan only)" in page.text  # the results table
+    one = next(i for i, x in got.items() if x["screen"] == "near_tie_scanned")
+    trace_page = client.get(f"/ui/runs/{part['id']}/traces/{one}")
+    assert trace_page.status_code == 200 and 'id="near-tie-scanned"' in trace_page.text
+
+    # A retried job: its results gone, it runs again and draws the same sample.
+    from sqlalchemy import delete, select, update
+
+    from replay_audit.db.unit_of_work import session_scope
+    from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
+    from replay_audit.replays.tasks import run_replay_job
+
+    with session_scope(db_url) as session:
+        pk = session.scalar(select(ReplayRun.id).where(ReplayRun.public_id == part["id"]))
+        session.execute(delete(ReplayResult).where(ReplayResult.run_id == pk))
+        jobs = list(session.scalars(select(ReplayJob.id).where(ReplayJob.run_id == pk)))
+        session.execute(
+            update(ReplayJob).where(ReplayJob.run_id == pk).values(status="queued", attempts=0)
+        )
+    for job in jobs:
+        run_replay_job(job)
+    again = _by_trace(client, str(part["id"]), h)
+    assert {i: x["screen"] for i, x in again.items()} == {i: x["screen"] for i, x in got.items()}
+
+
+#: The flag kinds the near-tie sample test needs both in and out of its sample.
+KINDS_NT: tuple[Kind, ...] = ("kv", "tie", "head")
+
+
+def _near_figure(i: int, screen: str, exact: bool) -> ResultFigures:
+    """A result as the run stores it: a near_tie_scanned one is unknown, as a scanned one."""
+    f = _sampled_figure(i, screen, exact)
+    if screen == "near_tie_scanned":
+        return f._replace(exact_match=None, first_divergence_step=None, category=None)
+    return f
+
+
+def test_the_near_tie_sample_estimates_cover_the_truth() -> None:
+    """Random runs of 2,000 traces: 15% flagged by a mismatch (10% of them false), 20% by a
+    near-tie (30% of which diverge), a 10% flagged sample of both decoded; 3% of the unflagged
+    diverge unseen, a 5% control sample. The near-tie divergence rate's interval covers the
+    near-tie traces' true share, and the EAR and miss-rate intervals each run's truth, in at
+    least 95% of runs (the box of three 95% intervals); the estimates are unbiased."""
+    rng = random.Random(6)
+    runs = 300
+    covered = {"ear": 0, "miss_rate": 0, "near_tie_divergence": 0}
+    errors: list[float] = []
+    for _ in range(runs):
+        figures, exact, misses, divergences, near, near_div = [], 0, 0, 0, 0, 0
+        for i in range(2000):
+            u = rng.random()
+            reason = "flagged" if u < 0.15 else "near_tie" if u < 0.35 else None
+            p = {"flagged": 0.9, "near_tie": 0.3, None: 0.03}[reason]
+            diverges = rng.random() < p
+            exact += not diverges
+            divergences += diverges
+            misses += diverges and reason is None
+            near += reason == "near_tie"
+            near_div += diverges and reason == "near_tie"
+            if reason is None:
+                screen = "control" if rng.random() < 0.05 else "scanned"
+            else:
+                screen = reason if rng.random() < 0.1 else f"{reason}_scanned"
+            figures.append(_near_figure(i, screen, not diverges))
+        c = ComparisonInput(
+            0,
+            "logged",
+            0,
+            "fp16",
+            False,
+            figures,
+            0.05,
+            0,
+            scan_flag_ulps=0.0,
+            flagged_fraction=0.1,
+        )
+        report = screening_report(c)
+        assert report is not None and report.near_tie == near
+        assert report.near_tie_decoded == near - report.near_tie_scanned
+        assert report.near_tie_divergence is not None
+        nd = report.near_tie_divergence
+        assert nd.n == report.near_tie_decoded and nd.successes == report.near_tie_diverged
+        covered["near_tie_divergence"] += nd.low <= near_div / near <= nd.high
+        ear = report.ear
+        covered["ear"] += ear.low <= exact / 2000 <= ear.high  # type: ignore[operator]
+        rate = report.miss_rate
+        covered["miss_rate"] += rate.low <= misses / divergences <= rate.high  # type: ignore[operator]
+        assert ear.estimate is not None
+        errors.append(ear.estimate - exact / 2000)
+    assert covered["near_tie_divergence"] / runs >= 0.9, covered
+    assert covered["ear"] / runs >= 0.95, covered
+    assert covered["miss_rate"] / runs >= 0.95, covered
+    assert abs(sum(errors) / runs) < 0.005
+
+
+def test_with_every_near_tie_decoded_the_figures_are_as_before_the_near_tie_sample() -> None:
+    """Fraction 1 (no near_tie_scanned, nor flagged_scanned): every figure is the control
+    sample's Wilson interval carried through with near-tie flags counted as flags, as before
+    the flagged sample covered near-ties; the new fields only count."""
+    rng = random.Random(8)
+    figures = []
+    for i in range(600):
+        u = rng.random()
+        screen = "flagged" if u < 0.2 else "near_tie" if u < 0.4 else None
+        diverges = rng.random() < {"flagged": 0.8, "near_tie": 0.4, None: 0.05}[screen]
+        if screen is None:
+            screen = "control" if rng.random() < 0.2 else "scanned"
+        figures.append(_figure(i, screen, not diverges))
+    report = screening_report(
+        ComparisonInput(0, "logged", 0, "fp16", False, figures, 0.2, 0, flagged_fraction=1.0)
+    )
+    assert report is not None and report.near_tie_scanned == report.flagged_scanned == 0
+    s = json.loads(report.model_dump_json())
+    flagged = [f for f in figures if f.screen in ("flagged", "near_tie")]
+    control = [f for f in figures if f.screen == "control"]
+    near = [f for f in figures if f.screen == "near_tie"]
+    assert s["near_tie"] == s["near_tie_decoded"] == len(near) > 0
+    nd = s["near_tie_divergence"]
+    assert (nd["successes"], nd["n"]) == (s["near_tie_diverged"], len(near))
+    assert_carried_from_sample(
+        s,
+        missed=sum(1 for f in control if not f.exact_match),
+        control=len(control),
+        unflagged=600 - len(flagged),
+        flagged_diverged=sum(1 for f in flagged if not f.exact_match),
+        flagged_exact=sum(1 for f in flagged if f.exact_match),
+        scanned=600,
+    )
