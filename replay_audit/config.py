@@ -91,7 +91,7 @@ class Settings(BaseSettings):
     #: `replays.domain.LARGE_RUN_DECODE_WINDOW`; bound formats.MAX_DECODE_WINDOW).
     large_run_decode_window: int = Field(default=32, ge=0, le=65_536)
     #: The `flagged_fraction` of a large run that names neither a mode nor a fraction: the
-    #: share of its mismatch-flagged traces decoded (see
+    #: share of its flagged traces (by a mismatch or a near-tie) decoded (see
     #: `replays.domain.LARGE_RUN_FLAGGED_FRACTION`, and formats.FLAGGED_FRACTION for why 0.05).
     large_run_flagged_fraction: float = Field(default=0.05, gt=0.0, le=1.0, allow_inf_nan=False)
     #: The `scan_flag_ulps` of scan-then-decode runs that name none (`formats.SCAN_FLAG_ULPS`

@@ -120,7 +120,7 @@ class ScheduleReplay(InputModel):
     mode: Mode | None = None
     control_fraction: float = option_field(CONTROL_FRACTION)
     control_seed: int = option_field(CONTROL_SEED)
-    #: ReplayCreate's: the share of mismatch-flagged traces decoded (None: all, but a run
+    #: ReplayCreate's: the share of flagged traces decoded (None: all, but a run
     #: large by the large-run rule gets `REPLAY_AUDIT_LARGE_RUN_FLAGGED_FRACTION`).
     flagged_fraction: float | None = option_field(FLAGGED_FRACTION, default=None)
     #: ReplayCreate's: the near-tie flag of scan-then-decode runs (None: the deployment's).

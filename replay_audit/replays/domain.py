@@ -76,8 +76,8 @@ LARGE_RUN_TRACES: Final = 1000
 #: deployment; a request that names its mode decodes to the end unless it names a window.
 LARGE_RUN_DECODE_WINDOW: Final = 32
 #: A large run that names neither its mode nor a `flagged_fraction` decodes this share of the
-#: traces its scan flags by a mismatch, and keeps the scan's result for the others
-#: (`resolve_flagged_fraction`; why 5%: `formats.FLAGGED_FRACTION`).
+#: traces its scan flags (by a mismatch or a near-tie), and keeps the scan's result for the
+#: others (`resolve_flagged_fraction`; why 5%: `formats.FLAGGED_FRACTION`).
 #: `REPLAY_AUDIT_LARGE_RUN_FLAGGED_FRACTION` changes it per deployment.
 LARGE_RUN_FLAGGED_FRACTION: Final = 0.05
 # The run options' defaults and limits (defined with the vocabulary).

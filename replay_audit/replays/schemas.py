@@ -269,9 +269,11 @@ class ReplayCreate(InputModel):
     #: anyway (the control sample that estimates the scan's miss rate), and its seed.
     control_fraction: float = option_field(CONTROL_FRACTION)
     control_seed: int = option_field(CONTROL_SEED)
-    #: scan_then_decode: the share of the traces the scan flags by a mismatch that are decoded
-    #: from their first disagreement (the flagged sample, drawn with `control_seed`); the
-    #: others keep the scan's result (screen `flagged_scanned`). None: 1 (all), but a large
+    #: scan_then_decode: the share of the traces the scan flags that are decoded (the flagged
+    #: sample, drawn with `control_seed`, one draw per trace for either reason): by a mismatch,
+    #: from the first disagreement, the others keeping the scan's result (screen
+    #: `flagged_scanned`); by a near-tie, from the prompt, the others only scanned (screen
+    #: `near_tie_scanned`). None: 1 (all), but a large
     #: run naming no mode gets `REPLAY_AUDIT_LARGE_RUN_FLAGGED_FRACTION`; the run records it.
     flagged_fraction: float | None = option_field(FLAGGED_FRACTION, default=None)
     #: scan_then_decode: a trace whose scan agrees with the logged output is still decoded
