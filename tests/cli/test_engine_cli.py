@@ -169,6 +169,12 @@ def test_replay_in_fp16_with_c_and_scan_mode(ckpt: Path, traces: Path, tmp_path:
     # A mode named and no --flagged-fraction: every flagged trace decoded (the flagged sample).
     assert screening["flagged_fraction"] == 1.0 and screening["flagged_scanned"] == 0
     assert screening["flagged_decoded"] == screening["flagged"] and "flagged sample" in r.output
+    # ... and every near-tie trace (the same flagged sample), its rate's sample size said.
+    assert screening["near_tie_decoded"] == screening["near_tie"]
+    assert screening["near_tie_scanned"] == 0
+    nd = screening["near_tie_divergence"]
+    assert (nd["n"], nd["successes"]) == (screening["near_tie"], screening["near_tie_diverged"])
+    assert ("near-tie sample" in r.output) == (screening["near_tie"] > 0)
     cut = 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     # The reproduction check (comparison 1) ran in the logged configuration: BF16, no C.
