@@ -778,23 +778,7 @@ def test_the_flagged_sample_decodes_only_its_flagged_traces(
     assert trace_page.status_code == 200 and 'id="flagged-scanned"' in trace_page.text
 
     # A retried job: its results gone, it runs again and draws the same sample.
-    from sqlalchemy import delete, select, update
-
-    from replay_audit.db.unit_of_work import session_scope
-    from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
-    from replay_audit.replays.tasks import run_replay_job
-
-    with session_scope(db_url) as session:
-        pk = session.scalar(select(ReplayRun.id).where(ReplayRun.public_id == part["id"]))
-        session.execute(delete(ReplayResult).where(ReplayResult.run_id == pk))
-        jobs = list(session.scalars(select(ReplayJob.id).where(ReplayJob.run_id == pk)))
-        session.execute(
-            update(ReplayJob).where(ReplayJob.run_id == pk).values(status="queued", attempts=0)
-        )
-    for job in jobs:
-        run_replay_job(job)
-    again = _by_trace(client, str(part["id"]), h)
-    assert {i: x["screen"] for i, x in again.items()} == {i: x["screen"] for i, x in got.items()}
+    _retry_draws_alike(db_url, client, h, str(part["id"]), got)
 
 
 @pytest.mark.usefixtures("engines", "runner")
@@ -1037,23 +1021,7 @@ def test_the_flagged_sample_decodes_only_its_near_tie_traces(
     assert trace_page.status_code == 200 and 'id="near-tie-scanned"' in trace_page.text
 
     # A retried job: its results gone, it runs again and draws the same sample.
-    from sqlalchemy import delete, select, update
-
-    from replay_audit.db.unit_of_work import session_scope
-    from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
-    from replay_audit.replays.tasks import run_replay_job
-
-    with session_scope(db_url) as session:
-        pk = session.scalar(select(ReplayRun.id).where(ReplayRun.public_id == part["id"]))
-        session.execute(delete(ReplayResult).where(ReplayResult.run_id == pk))
-        jobs = list(session.scalars(select(ReplayJob.id).where(ReplayJob.run_id == pk)))
-        session.execute(
-            update(ReplayJob).where(ReplayJob.run_id == pk).values(status="queued", attempts=0)
-        )
-    for job in jobs:
-        run_replay_job(job)
-    again = _by_trace(client, str(part["id"]), h)
-    assert {i: x["screen"] for i, x in again.items()} == {i: x["screen"] for i, x in got.items()}
+    _retry_draws_alike(db_url, client, h, str(part["id"]), got)
 
 
 #: The flag kinds the near-tie sample test needs both in and out of its sample.
@@ -1159,3 +1127,31 @@ def test_with_every_near_tie_decoded_the_figures_are_as_before_the_near_tie_samp
         flagged_exact=sum(1 for f in flagged if f.exact_match),
         scanned=600,
     )
+
+
+def _retry_draws_alike(
+    db_url: str,
+    client: TestClient,
+    h: dict[str, str],
+    run_id: str,
+    got: dict[str, dict[str, Any]],
+) -> None:
+    """The run's results deleted and its jobs queued again: run again, every trace gets the
+    screen it got (the samples are drawn alike)."""
+    from sqlalchemy import delete, select, update
+
+    from replay_audit.db.unit_of_work import session_scope
+    from replay_audit.replays.models import ReplayJob, ReplayResult, ReplayRun
+    from replay_audit.replays.tasks import run_replay_job
+
+    with session_scope(db_url) as session:
+        pk = session.scalar(select(ReplayRun.id).where(ReplayRun.public_id == run_id))
+        session.execute(delete(ReplayResult).where(ReplayResult.run_id == pk))
+        jobs = list(session.scalars(select(ReplayJob.id).where(ReplayJob.run_id == pk)))
+        session.execute(
+            update(ReplayJob).where(ReplayJob.run_id == pk).values(status="queued", attempts=0)
+        )
+    for job in jobs:
+        run_replay_job(job)
+    again = _by_trace(client, run_id, h)
+    assert {i: x["screen"] for i, x in again.items()} == {i: x["screen"] for i, x in got.items()}
