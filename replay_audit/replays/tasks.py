@@ -64,7 +64,8 @@ MAX_JOB_ATTEMPTS = 5
 #: Traces of a scan job replayed together, their single-step re-runs at t* batched, before
 #: their results are written (one transaction each): a scan job's whole chunk; a
 #: scan-then-decode window is smaller, because its flagged traces are decoded first and a
-#: window's results wait for its slowest decode.
+#: window's results wait for its slowest decode (but a logged batch's traces share one window,
+#: their decodes one run of the batch: `_windows`).
 RERUN_WINDOW: dict[str, int] = {"scan": 256, "scan_then_decode": 16}
 
 
@@ -160,9 +161,12 @@ def _run_job(
         with session_scope(url) as s:
             repository.touch_job(s, job_id)  # alive: the scan may take a while on a CPU
         window = RERUN_WINDOW[spec.options.mode]
-        chunks = [work[start : start + window] for start in range(0, len(work), window)]
+        if spec.options.mode == "scan_then_decode":  # its decodes share logged batches' runs
+            chunks = _windows(work, window)
+        else:
+            chunks = [work[start : start + window] for start in range(0, len(work), window)]
     else:
-        chunks = _decode_windows(work)
+        chunks = _windows(work, 1)
     finished = False
     for n, chunk in enumerate(chunks):
         if stop_requested():  # the process is stopping: the rest waits for the next run
@@ -191,22 +195,30 @@ def _run_job(
     _log_job(job_id, spec, counts, time.perf_counter() - started, progress)
 
 
-def _decode_windows(pending: Sequence[_Pending]) -> list[list[_Pending]]:
-    """A decode job's windows: the traces logged in batches of one layout together (their
-    decodes share runs of that batch: `Engine.decode_batch`, about one trace's time for them
-    all), every other trace alone, so its results are saved as soon as it is done."""
+def _windows(pending: Sequence[_Pending], rest: int) -> list[list[_Pending]]:
+    """A job's windows where it decodes: the traces logged in batches of one layout together
+    (their decodes share runs of that batch: `Engine.decode_batch`, about one trace's time for
+    them all), every other trace in windows of `rest` (1 in a decode job: its results saved as
+    soon as it is done), in the job's order."""
     batches: dict[tuple[int, ...], list[_Pending]] = {}
     windows: list[list[_Pending]] = []
     for p in pending:
         layout = p.trace.batch_layout if p.trace is not None else None
-        if layout is None or layout.size == 1:
-            windows.append([p])
-        elif layout.prompt_lengths in batches:
+        if layout is not None and layout.size > 1:
+            if layout.prompt_lengths not in batches:
+                batches[layout.prompt_lengths] = []
+                windows.append(batches[layout.prompt_lengths])
             batches[layout.prompt_lengths].append(p)
+        elif windows and windows[-1] and not _in_batch(windows[-1][0]) and len(windows[-1]) < rest:
+            windows[-1].append(p)
         else:
-            batches[layout.prompt_lengths] = [p]
-            windows.append(batches[layout.prompt_lengths])
+            windows.append([p])
     return windows
+
+
+def _in_batch(p: _Pending) -> bool:
+    layout = p.trace.batch_layout if p.trace is not None else None
+    return layout is not None and layout.size > 1
 
 
 def _log_job(

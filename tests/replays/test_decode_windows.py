@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from replay_audit.config import Settings
 from replay_audit.engine import EnginePool
 from replay_audit.engine.protocol import BatchLayout
-from replay_audit.replays.tasks import _decode_windows, _Pending
+from replay_audit.replays.tasks import _Pending, _windows
 from replay_audit.worker import context
 from tests.replays.conftest import HoldingRunner, all_results, ingest
 
@@ -32,8 +32,18 @@ def test_decode_windows_keep_each_logged_batch_together() -> None:
     a, b = (3, 5, 4), (2, 2)
     layouts = [BatchLayout(a, 0), None, BatchLayout(b, 1), BatchLayout(a, 2), BatchLayout(a, 1)]
     layouts += [BatchLayout((7,), 0), BatchLayout(b, 0)]
-    windows = _decode_windows([_pending(i, x) for i, x in enumerate(layouts)])
-    assert [[p.trace_id for p in w] for w in windows] == [[0, 3, 4], [1], [2, 6], [5]]
+    pending = [_pending(i, x) for i, x in enumerate(layouts)]
+    # A decode job: each logged batch in one window, every other trace alone.
+    assert [[p.trace_id for p in w] for w in _windows(pending, 1)] == [[0, 3, 4], [1], [2, 6], [5]]
+    # A scan-then-decode job (windows of 16 otherwise): the others share windows of that size.
+    more = [*pending, *[_pending(i, None) for i in range(7, 10)]]
+    assert [[p.trace_id for p in w] for w in _windows(more, 2)] == [
+        [0, 3, 4],
+        [1],
+        [2, 6],
+        [5, 7],
+        [8, 9],
+    ]
 
 
 @pytest.fixture
@@ -79,3 +89,35 @@ def test_a_decode_run_replays_a_logged_batch_in_one_run_of_it(
             assert "decode_rows" not in extras
         else:  # the six rows of the logged batch: one run of it
             assert extras["decode_rows"] == 6
+
+
+def test_a_scan_then_decode_job_decodes_a_logged_batch_in_one_run_of_it(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    real_worker: None,
+    real_dir: Path,
+    real_prompts: list[tuple[str, str]],
+) -> None:
+    """Scan-then-decode windows are 16 traces, but a logged batch's traces share one window:
+    the control decodes of 32 rows of one batched generate() run as one run of that batch."""
+    from replay_audit.engine.generate import TraceGenerator
+
+    with TraceGenerator(real_dir, dtype="bf16", device="cpu") as gen:
+        batch = gen.trace_batch(list(real_prompts[:32]), max_new_tokens=8)
+    h = headers("admin")
+    ids = ingest(client, h, batch)
+    body = {
+        "trace_ids": ids,
+        "compare_with": "self",
+        "mode": "scan_then_decode",
+        "control_fraction": 1.0,
+    }
+    r = client.post("/v1/replays", json=body, headers=h)
+    assert r.status_code == 201, r.text
+    assert runner.run_all() == 1  # 32 traces: one job
+    results = all_results(client, r.json()["id"], h)
+    from_prompt = [x for x in results if x["screen"] in ("control", "near_tie")]
+    assert len(from_prompt) > 16, [x["screen"] for x in results]  # more than one window's worth
+    for x in from_prompt:
+        assert x["arms"]["b"]["environment"]["extras"]["decode_rows"] == len(from_prompt)
