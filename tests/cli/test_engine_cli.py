@@ -433,3 +433,27 @@ def test_generate_with_logits_processors_replays_exactly_with_them(
 
     r = runner.invoke(app, [*base, *flags, "--logit-bias", "65"])
     assert r.exit_code == 2 and "--logit-bias '65': expected ID=BIAS" in r.output
+
+
+@pytest.mark.parametrize("fraction", [None, "0.5"])
+def test_replay_naming_no_mode_on_a_large_run_takes_the_large_run_defaults(
+    ckpt: Path, traces: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fraction: str | None
+) -> None:
+    """Offline as in the service: a run of at least REPLAY_AUDIT_LARGE_RUN_TRACES traces that
+    names no mode is scanned then decoded, to t* + the large-run window, decoding the flagged
+    sample of the large-run fraction (the deployment's setting where it is set)."""
+    monkeypatch.setenv("REPLAY_AUDIT_LARGE_RUN_TRACES", "3")  # the fixture's 4 traces: large
+    if fraction is not None:
+        monkeypatch.setenv("REPLAY_AUDIT_LARGE_RUN_FLAGGED_FRACTION", fraction)
+    summary_path = tmp_path / "summary.json"
+    args = ["replay", str(traces), "--model", str(ckpt), "--dtype", "fp16"]
+    args += ["--out", str(tmp_path / "r.jsonl"), "--summary-json", str(summary_path)]
+    r = runner.invoke(app, [*args, "--device", "cpu", "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(summary_path.read_text())
+    assert summary["decode_window"] == 32
+    screening = summary["screening"]
+    assert screening["flagged_fraction"] == (0.05 if fraction is None else 0.5)
+    assert screening["scanned"] == 4
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert {x["mode"] for x in rows if x["comparison"] == 0} == {"scan_then_decode"}
