@@ -202,23 +202,21 @@ def _windows(pending: Sequence[_Pending], rest: int) -> list[list[_Pending]]:
     soon as it is done), in the job's order."""
     batches: dict[tuple[int, ...], list[_Pending]] = {}
     windows: list[list[_Pending]] = []
+    lone: list[_Pending] = []  # the open window of traces of no logged batch
     for p in pending:
         layout = p.trace.batch_layout if p.trace is not None else None
         if layout is not None and layout.size > 1:
             if layout.prompt_lengths not in batches:
                 batches[layout.prompt_lengths] = []
                 windows.append(batches[layout.prompt_lengths])
+                lone = []  # the job's order: later lone traces open a new window
             batches[layout.prompt_lengths].append(p)
-        elif windows and windows[-1] and not _in_batch(windows[-1][0]) and len(windows[-1]) < rest:
-            windows[-1].append(p)
-        else:
-            windows.append([p])
+            continue
+        if not lone or len(lone) >= rest:
+            lone = []
+            windows.append(lone)
+        lone.append(p)
     return windows
-
-
-def _in_batch(p: _Pending) -> bool:
-    layout = p.trace.batch_layout if p.trace is not None else None
-    return layout is not None and layout.size > 1
 
 
 def _log_job(
