@@ -56,10 +56,11 @@ on the bundled model; SmolLM2-135M in BF16 scans ~25 positions/s there (prompts 
 cross-platform scan of its H200 traces takes `--scan-max-tokens` ~1000 and `--cpu-null-prompts`
 0-2 (gpu_verify_scale.sh runs it on the H200 host's 16 cores instead).
 
-`--save-null FILE` keeps the null's per-token deficits (and the 4-bit alternative's) in a
-compressed .npz; `--null-from FILE` measures the null's decisions again from it alone, on any
-machine (no model, no GPU): the same false alarms and choices, so a decision rule can be tried
-on a GPU's null from a CPU.
+`--save-null FILE` keeps the null's per-token deficits (the 4-bit alternative's, each
+simulated provider's and the honest evaluation traces' too) in a compressed .npz;
+`--null-from FILE` measures the null's decisions again from it alone, on any machine (no model,
+no GPU): the same false alarms and choices, and each provider's power and tokens to a decision,
+so a decision rule can be tried on a GPU's null from a CPU.
 
     python benchmarks/verify_scale.py --null-from null.npz --draws 1000 --out /tmp/null
 
@@ -109,6 +110,8 @@ PROMPTS = Path(__file__).resolve().parent.parent / "replay_audit" / "assets" / "
 FA_BUDGETS = tuple(2**k for k in range(4, 18))  # 16 ... 131072
 #: Budgets of the simulations' AUC and power.
 SIM_BUDGETS = tuple(2**k for k in range(4, 14))  # 16 ... 8192
+#: The honest evaluation traces' name among a --save-null file's providers.
+HONEST = "honest"
 #: Deficit levels (ulps) of the benign tail counts.
 TAIL_ULPS = (1, 2, 4, 8, 16, 64)
 POWER = 0.95
@@ -793,11 +796,17 @@ def halves(
 
 
 def save_null(
-    path: Path, data: Mapping[str, Any], alt: Sequence[np.ndarray], meta: Mapping[str, Any]
+    path: Path,
+    data: Mapping[str, Any],
+    alt: Sequence[np.ndarray],
+    meta: Mapping[str, Any],
+    providers: Mapping[str, Sequence[np.ndarray]] | None = None,
 ) -> None:
-    """The null's per-token deficits (each variation's traces, their halves and batch) and the
-    4-bit alternative's, in one compressed .npz: `--null-from` measures decisions on them again
-    on any machine, without the GPU that scanned them."""
+    """The null's per-token deficits (each variation's traces, their halves and batch), the
+    4-bit alternative's and, where given, each simulated provider's and the honest evaluation
+    traces' (`providers`, by name; "honest" among them), in one compressed .npz: `--null-from`
+    measures decisions, and their power against each provider, again on any machine, without
+    the GPU that scanned them."""
 
     def flat(traces: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
         parts = [np.asarray(d, dtype=np.float64) for d in traces]
@@ -811,14 +820,20 @@ def save_null(
         arrays[f"v{i}_half_a"] = np.asarray([h == "A" for h in v["halves"]], dtype=bool)
         index.append({"key": key, "batch": v["batch"]})
     arrays["alt_deficits"], arrays["alt_lengths"] = flat(alt)
-    header = json.dumps({"variations": index, "meta": dict(meta)})
+    names = list(providers or {})
+    for i, name in enumerate(names):
+        arrays[f"p{i}_deficits"], arrays[f"p{i}_lengths"] = flat((providers or {})[name])
+    header = json.dumps({"variations": index, "meta": dict(meta), "providers": names})
     arrays["header"] = np.frombuffer(header.encode(), dtype=np.uint8)
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(path, **arrays)  # type: ignore[arg-type]
 
 
-def load_null(path: Path) -> tuple[dict[str, Any], list[np.ndarray], dict[str, Any]]:
-    """`save_null`'s file: the `data` `null_report` reads, the alternative, and the meta."""
+def load_null(
+    path: Path,
+) -> tuple[dict[str, Any], list[np.ndarray], dict[str, Any], dict[str, list[np.ndarray]]]:
+    """`save_null`'s file: the `data` `null_report` reads, the alternative, the meta, and the
+    providers' traces by name (empty for a file saved without them)."""
     with np.load(path) as z:
         header = json.loads(bytes(z["header"]).decode())
 
@@ -836,7 +851,8 @@ def load_null(path: Path) -> tuple[dict[str, Any], list[np.ndarray], dict[str, A
             }
             for i, v in enumerate(header["variations"])
         }
-        return {"variations": variations}, split("alt"), header["meta"]
+        providers = {n: split(f"p{i}") for i, n in enumerate(header.get("providers", []))}
+        return {"variations": variations}, split("alt"), header["meta"], providers
 
 
 def null_report(
@@ -1065,16 +1081,23 @@ def rest_stage(args: argparse.Namespace, clock: Clock, data: dict[str, Any]) -> 
     with tempfile.TemporaryDirectory(prefix="verify-scale-", dir=args.tmp) as tmp:
         root = Path(tmp)
         sims, alt, eval_units = simulations(args, clock, data, pool, root)
-        if args.save_null is not None:
-            meta = {**platform_, "claim": args.dtype, "batch": args.batch}
-            save_null(args.save_null, data, alt, meta)
-        cal, null = null_report(args, clock, data, alt, platform_, rng)
-        result["null"] = null
         claimed = variations(args)[0].key
         v = data["variations"][claimed]
         by_unit = dict(zip(v["units"], v["deficits"], strict=True))
         out_by_unit = dict(zip(v["units"], v["outputs"], strict=True))
         honest = [by_unit[u.index] for u in eval_units if len(by_unit.get(u.index, []))]
+        if args.save_null is not None:
+            meta = {**platform_, "claim": args.dtype, "batch": args.batch}
+            providers = {
+                HONEST: honest,
+                **{
+                    name: [t["deficits"] for t in s.traces if len(t["deficits"])]
+                    for name, s in sims.items()
+                },
+            }
+            save_null(args.save_null, data, alt, meta, providers)
+        cal, null = null_report(args, clock, data, alt, platform_, rng)
+        result["null"] = null
         result["simulations"] = {}
         with clock.phase("simulations' AUC and power"):
             for name, s in sims.items():
@@ -1605,19 +1628,34 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(cross_markdown(result))
         return result
     if args.null_from is not None:
-        data, alt, meta = load_null(args.null_from)
+        data, alt, meta, providers = load_null(args.null_from)
         platform_ = {
             k: meta.get(k) for k in ("device", "gpu_name", "sm", "torch_version", "devices")
         }
         args.dtype = meta.get("claim", args.dtype)
         args.batch = meta.get("batch", args.batch)
-        _, null = null_report(args, clock, data, alt, platform_, np.random.default_rng(args.seed))
+        rng = np.random.default_rng(args.seed)
+        cal, null = null_report(args, clock, data, alt, platform_, rng)
         result = {"null_from": str(args.null_from), "meta": meta, "null": null}
+        honest = providers.pop(HONEST, [])
+        if honest:  # the providers' power at the null's thresholds, as the GPU run reports it
+            budgets = capped(SIM_BUDGETS, args)
+            with clock.phase("simulations' AUC and power"):
+                result["simulations"] = {
+                    name: {
+                        "tokens": int(sum(len(d) for d in sim)),
+                        **simulation_row(cal, sim, honest, budgets, args.fa_draws, rng),
+                    }
+                    for name, sim in providers.items()
+                }
         result["wall_s"] = {**clock.phases, "total": round(clock.total, 1)}
         (args.out / "null.json").write_text(json.dumps(result, indent=1))
-        print(
-            json.dumps({"fa_ok_up_to": null["fa_ok_up_to"], "choices": null["choices"]}, indent=1)
-        )
+        decided = {
+            name: {d: v["tokens_to_decision"] for d, v in row.items() if isinstance(v, dict)}
+            for name, row in result.get("simulations", {}).items()
+        }
+        summary = {"fa_ok_up_to": null["fa_ok_up_to"], "choices": null["choices"]}
+        print(json.dumps({**summary, "tokens_to_decision": decided}, indent=1))
         return result
     work = args.work / "benign.pkl" if args.work else None
     if args.stage == "rest":

@@ -145,3 +145,8 @@ def test_a_saved_null_measures_the_same_decisions_again(
     for key in ("false_alarms", "false_alarms_distinct", "fa_ok_up_to", "choices", "tokens"):
         assert again["null"][key] == result["null"][key], key
     assert (tmp_path / "null.json").exists()
+    # The providers' traces too: each one's AUC, power and tokens to a decision as the run had.
+    assert set(again["simulations"]) == set(result["simulations"]) != set()
+    for name, row in result["simulations"].items():
+        kept = {k: v for k, v in row.items() if k in again["simulations"][name]}
+        assert again["simulations"][name] == kept, name
