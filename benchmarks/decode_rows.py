@@ -93,6 +93,7 @@ def arm(
     together = engine.decode_batch(requests)
     sync(args.device)
     together_s = time.perf_counter() - t0
+    profile = where_time_goes(engine, requests[0], traces, args) if args.profile else None
     equal = sum(same(a, b) for a, b in zip(alone, together, strict=False))
     logged = [
         r.output_token_ids == t.output_token_ids.tolist()
@@ -111,6 +112,66 @@ def arm(
         "alone_equal_together": f"{equal}/{min(args.alone, len(requests))}",
         "rows_equal_logged": f"{sum(logged)}/{len(logged)}",
         "tokens": sum(len(r.output_token_ids) for r in together),
+        **({"profile": profile} if profile is not None else {}),
+    }
+
+
+def where_time_goes(
+    engine: Any, request: DecodeRequest, traces: list[LoggedTrace], args: Any
+) -> dict[str, Any]:
+    """`--profile`: the user's plain `generate()` of the same batch (the same model object,
+    the same rows, greedy, nothing read per step), timed against the arm's lone-row decode,
+    and torch's profiler over that decode: where a logged batch's replay spends its steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from replay_audit.engine.decoder import left_padded
+
+    gen = engine.generate
+    model, dev = gen.body.model, gen.body.device
+    ids, mask = left_padded([t.prompt_token_ids.tolist() for t in traces], gen.pad_id)
+    x = torch.tensor(ids, device=dev)
+    m = torch.tensor(mask, device=dev)
+    steps = args.max_new_tokens
+
+    def plain() -> int:
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=x, attention_mask=m, do_sample=False, max_new_tokens=steps,
+                min_new_tokens=steps, pad_token_id=gen.pad_id,
+            )  # fmt: skip
+        return int(out.shape[1] - x.shape[1])
+
+    plain()
+    sync(args.device)
+    t0 = time.perf_counter()
+    plain_steps = plain()
+    sync(args.device)
+    plain_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ours = engine.decode_batch([request])[0]
+    sync(args.device)
+    ours_s = time.perf_counter() - t0
+    activities = [ProfilerActivity.CPU]
+    if args.device.startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        engine.decode_batch([request])
+        sync(args.device)
+    table = prof.key_averages()
+    text = "\n\n".join(
+        table.table(sort_by=key, row_limit=25, max_name_column_width=60)
+        for key in ("self_cpu_time_total", "self_device_time_total" if len(activities) > 1
+                    else "cpu_time_total")
+    )  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"profile_{engine.target.dtype}.txt").write_text(text)
+    ours_steps = len(ours.output_token_ids) - ours.start_step
+    return {
+        "plain_generate_s": round(plain_s, 3),
+        "plain_generate_ms_per_step": round(1000 * plain_s / max(1, plain_steps), 2),
+        "lone_row_decode_s": round(ours_s, 3),
+        "lone_row_decode_ms_per_step": round(1000 * ours_s / max(1, ours_steps), 2),
     }
 
 
@@ -124,6 +185,12 @@ def main() -> None:
     ap.add_argument("--alone", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=Path("/tmp/decode_rows"))
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also time the user's plain generate() of the batch against a lone-row decode, "
+        "and write torch's profiler tables of that decode (profile_DTYPE.txt)",
+    )
     args = ap.parse_args()
     t0 = time.perf_counter()
     with TraceGenerator(args.model, dtype=args.dtype, device=args.device) as gen:
