@@ -53,11 +53,12 @@ Phases, each timed:
 1. ingest: --traces traces, the unique ones repeated in order under distinct external ids
    (so distinct traces; the output says how many are unique), POSTed in batches of 1,000 by
    --clients threads (`POST /v1/traces:batch`), each tagged with its run's part;
-2. warm-up: a `scan_then_decode` run of --warmup-traces traces with a control fraction of 1, so
-   the worker loads the checkpoint in the target's format (and in the logged one, for the
-   re-runs at t*, where a warm-up trace diverges) and runs a scan and decodes once before
-   anything is timed (its wall time is reported apart: a nightly audit's worker is already
-   running);
+2. warm-up (none with --warmup-traces 0): a `scan_then_decode` run of --warmup-traces traces
+   with a control fraction of 1, so the worker loads the checkpoint in the target's format
+   (and in the logged one, for the re-runs at t*, where a warm-up trace diverges) and runs a
+   scan and decodes once before anything is timed (its wall time is reported apart: a nightly
+   audit's worker is already running). Traces logged in batches decode their whole logged
+   batch: ~70 s on an H200 for 256 rows of 512 tokens, counted in --deadline-s;
 3. one audit per --modes entry (default `auto`: the request names no mode, and the service's
    large-run rule replays runs of 1,000 traces or more scan-then-decode, with its default
    control fraction and near-tie threshold unless --control-fraction / --scan-flag-ulps are
@@ -809,43 +810,46 @@ def audit(args: argparse.Namespace, prepared: dict[str, Any] | None = None) -> d
         _write(result_path, result)
 
         # 2. warm-up
-        t0 = time.time()
-        tw = _now()
-        warm = _run_request(args, "scan_then_decode", {"trace_ids": ids[: args.warmup_traces]})
-        warm["control_fraction"] = 1.0
-        warm["name"] = f"e2e {tag} warm-up"
-        import httpx
+        if args.warmup_traces > 0:  # 0: none (the first jobs load the checkpoints)
+            t0 = time.time()
+            tw = _now()
+            warm = _run_request(args, "scan_then_decode", {"trace_ids": ids[: args.warmup_traces]})
+            warm["control_fraction"] = 1.0
+            warm["name"] = f"e2e {tag} warm-up"
+            import httpx
 
-        with httpx.Client(
-            base_url=base, headers={"X-API-Key": keys["submitter"]}, timeout=600.0
-        ) as c:
-            # One warm-up run a worker, posted together: each idle worker takes one job and
-            # loads the checkpoint before anything is timed.
-            wids = []
-            for w in range(max(1, len(workers))):
-                answer = c.post("/v1/replays", json=warm | {"name": f"{warm['name']} {w}"})
-                if answer.status_code not in (200, 201):
-                    raise RuntimeError(f"warm-up POST: {answer.status_code} {answer.text[:800]}")
-                wids.append(answer.json()["id"])
-            status = "queued"
-            while not deadline.passed():
-                states = [c.get(f"/v1/replays/{wid}").json()["status"] for wid in wids]
-                status = "failed" if "failed" in states else max(states, key=states.count)
-                if all(x in ("done", "failed") for x in states):
-                    break
-                # The processes that replay: the RQ workers, or (embedded) the API itself.
-                for proc, log in zip(workers or [api], worker_logs, strict=True):
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"a replaying process exited; see {log}")
-                time.sleep(0.5)
-        windows["warm-up"] = (t0, time.time())
-        result["phases"]["warmup"] = {
-            "traces": args.warmup_traces,
-            "status": status,
-            "wall_s": round(_now() - tw, 2),
-        }
-        _log(f"warm-up: {status} in {_now() - tw:.1f} s")
-        _write(result_path, result)
+            with httpx.Client(
+                base_url=base, headers={"X-API-Key": keys["submitter"]}, timeout=600.0
+            ) as c:
+                # One warm-up run a worker, posted together: each idle worker takes one job and
+                # loads the checkpoint before anything is timed.
+                wids = []
+                for w in range(max(1, len(workers))):
+                    answer = c.post("/v1/replays", json=warm | {"name": f"{warm['name']} {w}"})
+                    if answer.status_code not in (200, 201):
+                        raise RuntimeError(
+                            f"warm-up POST: {answer.status_code} {answer.text[:800]}"
+                        )
+                    wids.append(answer.json()["id"])
+                status = "queued"
+                while not deadline.passed():
+                    states = [c.get(f"/v1/replays/{wid}").json()["status"] for wid in wids]
+                    status = "failed" if "failed" in states else max(states, key=states.count)
+                    if all(x in ("done", "failed") for x in states):
+                        break
+                    # The processes that replay: the RQ workers, or (embedded) the API itself.
+                    for proc, log in zip(workers or [api], worker_logs, strict=True):
+                        if proc.poll() is not None:
+                            raise RuntimeError(f"a replaying process exited; see {log}")
+                    time.sleep(0.5)
+            windows["warm-up"] = (t0, time.time())
+            result["phases"]["warmup"] = {
+                "traces": args.warmup_traces,
+                "status": status,
+                "wall_s": round(_now() - tw, 2),
+            }
+            _log(f"warm-up: {status} in {_now() - tw:.1f} s")
+            _write(result_path, result)
 
         # 3. the audits
         parts = list(range(math.ceil(n / run_size)))
