@@ -48,6 +48,9 @@ def piece_bytes(piece: Piece) -> bytes:
 
 def to_json(pieces: Iterable[Piece]) -> list[PieceJson]:
     """The stored form of `pieces` (canonical: bytes that are valid text are stored as text)."""
+    pieces = pieces if isinstance(pieces, list | tuple) else list(pieces)
+    if all(type(p) is str for p in pieces):  # the common case: every piece text already
+        return list(pieces)
     out: list[PieceJson] = []
     for p in pieces:
         q = piece_of(p) if isinstance(p, bytes) else p

@@ -197,16 +197,23 @@ def logged_gpu_name(config: Mapping[str, Any]) -> str | None:
 
 @dataclass(frozen=True)
 class LoggedPlacement:
-    """Where a trace was logged: on which GPU (None: a CPU, or not logged) and at which
-    tensor-parallel degree (None: not logged). What routes its replay by default."""
+    """Where a trace was logged: on which GPU (None: a CPU, or not logged), at which
+    tensor-parallel degree (None: not logged) and in a batch of how many rows. What routes its
+    replay by default, and how many traces share a job (`service.job_traces`)."""
 
     gpu_name: str | None = None
     tp_degree: int | None = 1
+    batch_size: int = 1
 
     @classmethod
     def of(cls, config: Mapping[str, Any]) -> LoggedPlacement:
         """The placement a stored configuration records."""
-        return cls(logged_gpu_name(config), logged_tp_degree(config))
+        batch = config.get("batch_size")
+        return cls(
+            logged_gpu_name(config),
+            logged_tp_degree(config),
+            batch if isinstance(batch, int) and batch > 1 else 1,
+        )
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import numpy as np
 import orjson
@@ -103,7 +103,11 @@ def insert_results_of(
     read of the traces' created_at (half of a result's key to its trace, and its partition on
     PostgreSQL), one insert of every row. A (run, trace, comparison) already there is left
     alone, and so is a trace that no longer exists (retention deleted it: no result may point
-    at a deleted trace)."""
+    at a deleted trace).
+
+    The insert is Core's, on the table, every row with every column (a value a row lacks is
+    NULL, as the ORM's bulk insert stored it by leaving the column out): the ORM's grouped
+    its rows by which values were None, one statement a group (hundreds a window of 512)."""
     ids = [t for t, rows in results if rows]
     if not ids:
         return
@@ -113,6 +117,7 @@ def insert_results_of(
     now = utcnow()
     values = [
         {
+            **_NULLS,
             "run_id": run_id,
             "trace_id": trace_id,
             "trace_created_at": created[trace_id],
@@ -124,10 +129,16 @@ def insert_results_of(
         for r in rows
     ]
     if values:
-        stmt = dialect_insert(session)(ReplayResult).on_conflict_do_nothing(
+        stmt = dialect_insert(session)(_RESULTS).on_conflict_do_nothing(
             index_elements=["run_id", "trace_id", "trace_created_at", "comparison"]
         )
         session.execute(stmt, values)
+
+
+#: The results table (Core: `insert_results_of`), and a row's columns a `ResultRow` may leave
+#: out, each NULL.
+_RESULTS: Final = ReplayResult.__table__
+_NULLS: Final[dict[str, None]] = dict.fromkeys(sorted(ResultRow.__optional_keys__))
 
 
 def insert_results(session: Session, run_id: int, trace_id: int, rows: Sequence[ResultRow]) -> None:

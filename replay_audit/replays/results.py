@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import fields, is_dataclass
 from typing import Any, Required, TypedDict
 
 import numpy as np
@@ -41,11 +41,19 @@ MAX_ERROR_CHARS = 4000
 
 
 def _plain(x: Any) -> Any:
-    """JSON-safe plain types: numpy scalars to Python, non-finite floats to None."""
+    """JSON-safe plain types: a dataclass as its fields (what `dataclasses.asdict` gives, read
+    once instead of deep-copied first), numpy scalars to Python, non-finite floats to None."""
+    kind = type(x)
+    if kind is str or kind is int or kind is bool or x is None:
+        return x
+    if kind is float:
+        return x if math.isfinite(x) else None
     if isinstance(x, Mapping):
         return {str(k): _plain(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
         return [_plain(v) for v in x]
+    if is_dataclass(x) and not isinstance(x, type):
+        return {f.name: _plain(getattr(x, f.name)) for f in fields(x)}
     if isinstance(x, np.generic):
         x = x.item()
     if isinstance(x, float) and not math.isfinite(x):
@@ -56,10 +64,11 @@ def _plain(x: Any) -> Any:
 def _arm_detail(arm: ArmOutcome) -> JsonObject:
     """What the detail JSON keeps of an arm (its output, gate triggers and steps live in
     columns). The per-step lists are plain already (the pipeline rounds the margins to finite
-    floats or None): not walked again."""
+    floats or None): not walked again. The target is its `to_dict()` (`asdict`), read by
+    `_plain` straight from the dataclass."""
     detail: JsonObject = _plain(
         {
-            "target": arm.target.to_dict() if arm.target is not None else None,
+            "target": arm.target,
             "gate_fired_at_divergence": arm.gate_fired_at_divergence,
             "mean_gap": arm.mean_gap,
             "changed_steps": arm.changed_steps,
@@ -121,7 +130,7 @@ def result_values(comparison: int, outcome: ReplayOutcome) -> ResultRow:
         "mode": outcome.mode,
         "external_id": outcome.external_id,
         # Non-finite margins stored as None (`_plain`), as in the margin columns.
-        "single_step": _plain(asdict(single)) if single is not None else None,
+        "single_step": _plain(single),
         "semantic": semantic.to_dict() if semantic is not None else None,
         "arms": {"a": _arm_detail(a), "b": _arm_detail(b)},
     }
@@ -162,7 +171,9 @@ def result_values(comparison: int, outcome: ReplayOutcome) -> ResultRow:
 
 
 def _resolved(arm: ArmOutcome) -> str | None:
-    return json.dumps(_plain(arm.resolved.to_json())) if arm.resolved is not None else None
+    """The arm's `ResolvedArm.to_json()` (`asdict`) as JSON text, read by `_plain` straight
+    from the dataclass."""
+    return json.dumps(_plain(arm.resolved)) if arm.resolved is not None else None
 
 
 def _tokens(arm: ArmOutcome) -> npt.NDArray[np.int32] | None:

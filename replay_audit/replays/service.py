@@ -66,6 +66,26 @@ TRACES_PER_JOB_BY_MODE: Final[dict[Mode, int]] = {
     "scan_then_decode": 64,
     "scan": 256,
 }
+#: Logged batches a scan-then-decode job holds, for traces logged in batches of more than one
+#: row (`job_traces`): its decodes from the prompt (the control sample, near-ties) replay
+#: their rows in their logged batch, one `generate()` of the whole batch for every row of it
+#: that a window decodes, so a job of a few rows of interest pays a whole batch's decode
+#: (~40 s for 256 rows of 512 tokens of a 1 B model on an H200) where 8 batches' traces
+#: (~1-5% decoded) share one or two.
+BATCHES_PER_SCAN_THEN_DECODE_JOB: Final = 8
+
+
+def job_traces(mode: Mode, batch_size: int) -> int:
+    """Traces per job of a run in `mode`, for traces logged in batches of `batch_size` rows.
+    Unbatched: `TRACES_PER_JOB_BY_MODE`. Batched, a decode job holds a whole batch (its rows
+    decode in one run: `Engine.decode_batch`) and a scan-then-decode job
+    `BATCHES_PER_SCAN_THEN_DECODE_JOB` batches; a scan job decodes nothing."""
+    size = TRACES_PER_JOB_BY_MODE[mode]
+    if batch_size <= 1 or mode == "scan":
+        return size
+    if mode == "decode":
+        return max(size, batch_size)
+    return max(size, BATCHES_PER_SCAN_THEN_DECODE_JOB * batch_size)
 
 
 def _select_traces(session: Session, project_id: int, request: ReplayCreate) -> list[Trace]:
@@ -268,11 +288,7 @@ def create_replay(
         large_run_fraction=defaults.large_run_flagged_fraction,
     )
     chunks = _chunks(
-        repository.logged_placements(session, ids),
-        ids,
-        targets,
-        queue.default_queue,
-        TRACES_PER_JOB_BY_MODE[mode],
+        repository.logged_placements(session, ids), ids, targets, queue.default_queue, mode
     )
     run, created = insert_once(
         session,
@@ -305,17 +321,20 @@ def _chunks(
     ids: Sequence[int],
     targets: Sequence[RunTarget],
     default: str,
-    size: int,
+    mode: Mode,
 ) -> list[tuple[str, list[int]]]:
-    """The run's jobs: its traces grouped by route (`route_of`), in order of first appearance,
-    each group cut in chunks of `size` traces; (queue name, trace ids) each."""
-    groups: dict[str, list[int]] = {}
+    """The run's jobs: its traces grouped by route (`route_of`) and job size (`job_traces` of
+    their logged batch), in order of first appearance, each group cut in chunks of its size;
+    (queue name, trace ids) each."""
+    groups: dict[tuple[str, int], list[int]] = {}
     for trace_id in ids:
-        route = route_of(placements.get(trace_id, LoggedPlacement()), targets, default)
-        groups.setdefault(route.queue, []).append(trace_id)
+        placement = placements.get(trace_id, LoggedPlacement())
+        route = route_of(placement, targets, default)
+        size = job_traces(mode, placement.batch_size)
+        groups.setdefault((route.queue, size), []).append(trace_id)
     return [
         (name, members[i : i + size])
-        for name, members in groups.items()
+        for (name, size), members in groups.items()
         for i in range(0, len(members), size)
     ]
 

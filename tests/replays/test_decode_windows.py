@@ -121,3 +121,50 @@ def test_a_scan_then_decode_job_decodes_a_logged_batch_in_one_run_of_it(
     assert len(from_prompt) > 16, [x["screen"] for x in results]  # more than one window's worth
     for x in from_prompt:
         assert x["arms"]["b"]["environment"]["extras"]["decode_rows"] == len(from_prompt)
+
+
+def test_jobs_hold_whole_logged_batches() -> None:
+    """A run's jobs: traces logged alone in jobs of the mode's size; traces logged in batches of
+    B rows in jobs of B (decode: a batch's rows decode in one run) or 8B (scan-then-decode: its
+    few decodes from the prompt share a run); scan jobs as before."""
+    from replay_audit.replays.domain import LoggedPlacement, RunTarget
+    from replay_audit.replays.service import _chunks, job_traces
+
+    assert job_traces("decode", 1) == 16 and job_traces("decode", 256) == 256
+    assert job_traces("decode", 4) == 16  # never smaller than an unbatched job
+    assert job_traces("scan_then_decode", 1) == 64
+    assert job_traces("scan_then_decode", 256) == 2048
+    assert job_traces("scan", 256) == job_traces("scan", 1) == 256
+    ids = list(range(100))
+    placements = {i: LoggedPlacement(batch_size=40 if i % 2 else 1) for i in ids}
+    jobs = _chunks(placements, ids, [RunTarget(None)], "cpu", "decode")
+    assert [len(t) for _, t in jobs] == [16, 16, 16, 2, 40, 10]
+    assert jobs[4][1] == list(range(1, 80, 2))  # the batched traces, in order
+    assert {q for q, _ in jobs} == {"cpu"}
+
+
+def test_a_decode_run_of_a_logged_batch_larger_than_a_job_decodes_it_in_one_run(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    real_worker: None,
+    real_dir: Path,
+    real_prompts: list[tuple[str, str]],
+) -> None:
+    """20 rows of one batched generate(): more than a decode job's 16 traces, yet one job, and
+    every row decoded in one run of the batch (with jobs of 16: two runs, 16 and 4 rows)."""
+    from replay_audit.engine.generate import TraceGenerator
+
+    with TraceGenerator(real_dir, dtype="bf16", device="cpu") as gen:
+        batch = gen.trace_batch(list(real_prompts[:20]), max_new_tokens=6)
+    h = headers("admin")
+    ids = ingest(client, h, batch)
+    body = {"trace_ids": ids, "compare_with": "self", "mode": "decode"}
+    r = client.post("/v1/replays", json=body, headers=h)
+    assert r.status_code == 201, r.text
+    assert runner.run_all() == 1
+    results = all_results(client, r.json()["id"], h)
+    assert len(results) == 20
+    for x in results:
+        assert x["status"] == "ok" and x["exact_match"] is True, x
+        assert x["arms"]["b"]["environment"]["extras"]["decode_rows"] == 20
