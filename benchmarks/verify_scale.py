@@ -911,6 +911,7 @@ def null_report(
                 "trusted": c.trusted,
                 "supply": c.supply,
                 "power": c.power,
+                "rare_event_guard": getattr(c, "rare_event_guard", None),
             }
             for c in getattr(cal, "choices", [])
         ],

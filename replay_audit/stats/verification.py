@@ -44,23 +44,27 @@ VERDICT_STATISTIC: Final[Statistic] = "outside_tie_band"
 Verdict = Literal["consistent", "inconsistent", "insufficient"]
 #: What decides a verdict at a budget: one statistic over its threshold; the combined rule:
 #: either of `RULE_STATISTICS` over its own threshold, each set at the false-alarm rate divided
-#: among them (Bonferroni), so the rule keeps the rate by construction; or the tie band at the
-#: higher of its threshold and its rare-event floor (`rare_event_floor`).
+#: among them (Bonferroni), so the rule keeps the rate by construction; the tie band at the
+#: higher of its threshold and its rare-event floor (`rare_event_floor`); or the floored tie
+#: band or the mean deficit, each at half the rate (its floor too).
 Decision = Literal[
     "outside_tie_band",
     "mean_deficit_ulps",
     "log_likelihood_ratio",
     "tie_band_or_mean_deficit",
     "outside_tie_band_floored",
+    "floored_or_mean_deficit",
 ]
 RULE_STATISTICS: Final[tuple[Statistic, ...]] = ("outside_tie_band", "mean_deficit_ulps")
 #: The decisions a calibration chooses among per budget (`BudgetChoice`), in the order a tie
 #: goes (equal power and equal held-out false alarms): the tie band first, the statistic that
-#: holds on benign configurations the null did not see (docs/verify.md).
+#: holds on benign configurations the null did not see (docs/verify.md). Version 3 had the
+#: combined rule (`tie_band_or_mean_deficit`) where version 4 has it with the tie band floored:
+#: its plain tie band at half the rate is what the rare-event guard (`choose`) keeps off.
 CANDIDATES: Final[tuple[Decision, ...]] = (
     "outside_tie_band",
     "outside_tie_band_floored",
-    "tie_band_or_mean_deficit",
+    "floored_or_mean_deficit",
     "mean_deficit_ulps",
 )
 #: What a calibration's verdicts use: one decision at every budget, or `per_budget`: at each
@@ -95,9 +99,13 @@ QUANTILES: Final = tuple(np.round(np.linspace(0.0, 1.0, 21), 2).tolist())
 #: The calibration method: 2 sets thresholds per benign variation, from groups drawn from
 #: bootstrap resamples of its traces (1 drew groups from the pooled traces themselves); 3 also
 #: chooses per budget the decision verdicts use, by a held-out split of the null's traces
-#: (`BudgetChoice`). A stored calibration of an older version is measured again by the
-#: service; read back, it keeps its verdicts (the tie band at every budget).
-CALIBRATION_VERSION: Final = 3
+#: (`BudgetChoice`); 4 adds the floored tie band or the mean deficit to the candidates, keeps the
+#: plain tie band off where the null's rare events cannot back its threshold (the rare-event
+#: guard), breaks power ties by the power curve and never lets the choice lose power as the
+#: budget grows (`choose`). A stored calibration of an older version is measured again by the
+#: service; read back, it keeps its verdicts (its stored choices, or the tie band at every
+#: budget before version 3).
+CALIBRATION_VERSION: Final = 4
 #: The one-sided confidence of the allowance on a held-out false-alarm rate (`allowance`): a
 #: candidate passes when its held-out false alarms are within what `draws` groups at exactly
 #: the promised rate would show this often.
@@ -313,7 +321,15 @@ class BudgetChoice:
     below 1 / rate; under 1 that half does not hold one group), the tie band decides if it is
     within the allowance (a split too small to show a candidate holding still shows one
     failing), else the same rule among the others. `thresholds` and `power` are the chosen
-    decision's, set on the whole null; `powers` every candidate's."""
+    decision's, set on the whole null; `powers` every candidate's.
+
+    From version 4 (`choose` says the rule): the plain tie band is eligible only where its
+    threshold is at least `rare_event_guard` (the rare-event floor of the variations large
+    enough to bound their rate of out-of-band traces below the rate); power ties go to the
+    candidate with the higher mean power over the budgets up to this one; a candidate less
+    powerful than the previous budget's choice is not taken where that one still passes; and
+    where no held-out half holds the budget's tokens, the previous budget's decision carries
+    on. `rare_event_guard` is None in older choices."""
 
     tokens: int
     decision: Decision
@@ -325,6 +341,7 @@ class BudgetChoice:
     passed: bool
     supply: float
     trusted: bool
+    rare_event_guard: float | None = None
 
 
 @dataclass(frozen=True)
@@ -542,8 +559,27 @@ def rare_event_floor(
     such traces at the upper `RARE_EVENT_CONFIDENCE` bound of the variation's rate of them
     (`poisson_upper`: a variation that showed none still allows some), each holding as many as
     one of the null's own such traces, of any variation, drawn at random (one token where the
-    null shows none); the floor is the highest of the variations' (1 - `rate`) quantiles. At a
-    small budget it is 0 and the draws' quantile sets the threshold alone."""
+    null shows none); the floor is the highest of the (1 - `rate`) quantiles of the variations
+    that hold the budget's tokens (`rare_event_draws`). At a small budget it is 0 and the
+    draws' quantile sets the threshold alone."""
+    floors = {
+        name: float(np.quantile(s, 1.0 - rate, method="higher"))
+        for name, s in rare_event_draws(null, budget, draws, rng).items()
+    }
+    set_by = max(floors, key=lambda name: floors[name])
+    return floors[set_by], set_by
+
+
+def rare_event_draws(
+    null: Mapping[str, Sequence[Ulps]], budget: int, draws: int, rng: np.random.Generator
+) -> dict[str, Ulps]:
+    """The draws of `rare_event_floor` per variation (the scores of `draws` groups of `budget`
+    tokens holding the rare out-of-band traces its upper rate allows), so that floors at
+    several rates, and over some of the variations, come from the same draws. Only the
+    variations that hold at least the budget's tokens are drawn (all where none does), as only
+    they are measured at that budget (`held_out_false_alarms`, `null_reach`): a variation of a
+    few traces allows a high rate (3 / N with none seen), which would set the floor at budgets
+    it cannot back anyway (calibrations before version 4 drew every variation)."""
     counts = {
         name: np.asarray([float(np.sum(u)) for u in traces if len(u)])
         for name, traces in null.items()
@@ -551,16 +587,61 @@ def rare_event_floor(
     counts = {name: c for name, c in counts.items() if c.size}
     clusters = np.concatenate([c[c > 0] for c in counts.values()] or [np.zeros(0)])
     sizes, seen = np.unique(clusters if clusters.size else np.ones(1), return_counts=True)
-    floors: dict[str, float] = {}
-    for name, c in counts.items():
+    holding = {n: c for n, c in counts.items() if sum(len(u) for u in null[n]) >= budget}
+    out: dict[str, Ulps] = {}
+    for name, c in (holding or counts).items():
         tokens = sum(len(u) for u in null[name])
         per_trace = poisson_upper(int(np.count_nonzero(c)), RARE_EVENT_CONFIDENCE) / c.size
         held = rng.poisson(per_trace * budget / (tokens / c.size), size=draws)
         # how many of each size the held traces are (a multinomial per draw), then their tokens
         sums = rng.multinomial(held, seen / seen.sum()) @ sizes
-        floors[name] = float(np.quantile(sums / budget, 1.0 - rate, method="higher"))
-    set_by = max(floors, key=lambda name: floors[name])
-    return floors[set_by], set_by
+        out[name] = np.asarray(sums / budget, dtype=np.float64)
+    return out
+
+
+def guard_traces(rate: float) -> int:
+    """The fewest traces a variation needs for the rare-event guard (`RareEvents`): the
+    fewest whose upper bound on a rate of out-of-band traces, having seen none, is within
+    `rate` per trace (`poisson_upper`(0) / rate: 300 at 1%). A smaller variation's floor is
+    above 0 at every budget whatever it holds: it cannot tell where the tie band's threshold
+    stops being backed."""
+    return math.ceil(poisson_upper(0, RARE_EVENT_CONFIDENCE) / rate)
+
+
+@dataclass(frozen=True)
+class RareEvents:
+    """The tie band's rare-event figures at one budget, from one set of draws
+    (`rare_event_draws`): the floor at the rate (`rare_event_floor`), at half the rate (the
+    floored tie band's share in `floored_or_mean_deficit`), and the guard: the floor at the
+    rate over the variations of at least `guard_traces` traces (0 where none is that large).
+    Where the plain tie band's threshold is below the guard, a group holds more out-of-band
+    traces than the threshold allows in more than `rate` of groups at the upper bound of the
+    rate such traces came at in those variations: the null cannot back that threshold."""
+
+    floor: float
+    half: float
+    guard: float
+
+    @classmethod
+    def measure(
+        cls,
+        null: Mapping[str, Sequence[Ulps]],
+        budget: int,
+        rate: float,
+        draws: int,
+        rng: np.random.Generator,
+    ) -> RareEvents:
+        drawn = rare_event_draws(null, budget, draws, rng)
+
+        def q(names: Sequence[str], r: float) -> float:
+            return max(
+                (float(np.quantile(drawn[n], 1.0 - r, method="higher")) for n in names),
+                default=0.0,
+            )
+
+        need = guard_traces(rate)
+        large = [n for n in drawn if sum(1 for u in null[n] if len(u)) >= need]
+        return cls(floor=q(list(drawn), rate), half=q(list(drawn), rate / 2), guard=q(large, rate))
 
 
 def null_reach(variations: Sequence[Variation], budgets: Sequence[int]) -> int | None:
@@ -596,12 +677,12 @@ def allowance(rate: float, draws: int, confidence: float = HELD_OUT_CONFIDENCE) 
 
 
 def candidate_thresholds(
-    drawn: Mapping[str, Mapping[Statistic, Ulps]], floor: float, rate: float
+    drawn: Mapping[str, Mapping[Statistic, Ulps]], events: RareEvents, rate: float
 ) -> dict[Decision, dict[str, float]]:
     """Each of `CANDIDATES`' thresholds (statistic -> threshold) from groups drawn per
-    variation (variation -> statistic -> group scores) and the tie band's rare-event floor:
-    the highest of the variations' (1 - rate) quantiles; the combined rule's at
-    rate / len(RULE_STATISTICS) each."""
+    variation (variation -> statistic -> group scores) and the tie band's rare-event floors
+    (`RareEvents`): the highest of the variations' (1 - rate) quantiles; the two-statistic
+    rule's at rate / 2 each, its tie band at the floor at rate / 2."""
 
     def q(stat: Statistic, r: float) -> float:
         return max(float(np.quantile(d[stat], 1.0 - r, method="higher")) for d in drawn.values())
@@ -610,8 +691,11 @@ def candidate_thresholds(
     split = rate / len(RULE_STATISTICS)
     return {
         "outside_tie_band": {"outside_tie_band": band},
-        "outside_tie_band_floored": {"outside_tie_band": max(band, floor)},
-        "tie_band_or_mean_deficit": {s: q(s, split) for s in RULE_STATISTICS},
+        "outside_tie_band_floored": {"outside_tie_band": max(band, events.floor)},
+        "floored_or_mean_deficit": {
+            "outside_tie_band": max(q("outside_tie_band", split), events.half),
+            "mean_deficit_ulps": q("mean_deficit_ulps", split),
+        },
         "mean_deficit_ulps": {"mean_deficit_ulps": q("mean_deficit_ulps", rate)},
     }
 
@@ -659,8 +743,9 @@ def held_out_false_alarms(
     (its tokens over the larger of the budget and its mean trace length)."""
     drawn = {name: draw_groups(v, budget, draws, rng) for name, v in fit.items()}
     band = {name: v["outside_tie_band"] for name, v in fit.items()}
-    floor = rare_event_floor(band, budget, rate, draws, rng)[0]
-    thresholds = candidate_thresholds(drawn, floor, rate)
+    thresholds = candidate_thresholds(
+        drawn, RareEvents.measure(band, budget, rate, draws, rng), rate
+    )
     lengths = {name: [len(u) for u in v["outside_tie_band"]] for name, v in test.items()}
     tokens = {name: sum(x) for name, x in lengths.items()}
     measured = [name for name, t in tokens.items() if t >= budget] or list(tokens)
@@ -681,19 +766,50 @@ def choose(
     rate: float,
     limit: float,
     supply: float,
+    *,
+    guard: float | None = None,
+    curve: Mapping[Decision, float] | None = None,
+    previous: Decision | None = None,
+    measured: bool = True,
 ) -> BudgetChoice:
     """The decision at one budget (`BudgetChoice` says the rule): `thresholds` and `powers` on
     the whole null, `held_out` each candidate's held-out false alarms, `limit` the allowance,
-    `supply` the held-out halves' (`held_out_false_alarms`)."""
+    `supply` the held-out halves' (`held_out_false_alarms`).
+
+    Version 4's rules, each off where its argument is None:
+
+    - `guard` (`RareEvents.guard`): the plain tie band is eligible only where its threshold is
+      at least the guard;
+    - `curve`: each candidate's mean power over the budgets up to this one, which breaks ties
+      of power here (against the 4-bit alternative every candidate reaches 1.0 at large
+      budgets; the one that got there with fewer tokens sees weaker changes at this budget);
+    - `previous`: the decision chosen at the budget below; where it is eligible and passes
+      here, nothing of less power (then curve) is chosen; where the split cannot measure this
+      budget at all (`measured` False: no variation's held-out half holds its tokens, so every
+      held-out group would be a resample of fewer traces than the budget, the bootstrap's
+      guess, worst on the smallest variations), it carries on.
+    """
     order = {c: i for i, c in enumerate(CANDIDATES)}
     trusted = supply >= 1.0 / rate
-    ok = [c for c in CANDIDATES if held_out[c] <= limit]
-    if not trusted and CANDIDATES[0] in ok:
+
+    def eligible(c: Decision) -> bool:
+        return guard is None or c != "outside_tie_band" or thresholds[c][c] >= guard
+
+    def strength(c: Decision) -> tuple[float, float]:
+        return (powers[c] or 0.0, curve[c] if curve is not None else 0.0)
+
+    candidates = [c for c in CANDIDATES if eligible(c)]
+    ok = [c for c in candidates if held_out[c] <= limit]
+    if previous is not None and previous in ok:
+        ok = [c for c in ok if strength(c) >= strength(previous)]
+    if previous is not None and not measured and previous in candidates:
+        chosen = previous
+    elif not trusted and CANDIDATES[0] in ok:
         chosen = CANDIDATES[0]
     elif ok:
-        chosen = max(ok, key=lambda c: (powers[c] or 0.0, -held_out[c], -order[c]))
+        chosen = max(ok, key=lambda c: (*strength(c), -held_out[c], -order[c]))
     else:
-        chosen = min(CANDIDATES, key=lambda c: (held_out[c], order[c]))
+        chosen = min(candidates, key=lambda c: (held_out[c], order[c]))
     return BudgetChoice(
         tokens=tokens,
         decision=chosen,
@@ -705,6 +821,7 @@ def choose(
         passed=held_out[chosen] <= limit,
         supply=supply,
         trusted=trusted,
+        rare_event_guard=guard,
     )
 
 
@@ -755,12 +872,19 @@ def calibrate(
         for h in halves
     )
     limit = allowance(false_alarm_rate, draws)
+    # The largest budget both halves can measure: some variation's half holds its tokens.
+    holds = min(
+        max((sum(len(u) for u in v["outside_tie_band"]) for v in h.values()), default=0)
+        for h in (fit, test)
+    )
+    history: dict[Decision, list[float]] = {c: [] for c in CANDIDATES}  # each one's power curve
     for n in budgets:
         # Every statistic scores the same groups: the rule is measured on the groups it judges.
         drawn = {name: draw_groups(v, n, draws, rng) for name, v in per_variation.items()}
         alt = draw_groups(alt_scores, n, draws, rng) if alt_scores[VERDICT_STATISTIC] else None
         band = {name: v["outside_tie_band"] for name, v in per_variation.items()}
-        floor = rare_event_floor(band, n, false_alarm_rate, draws, rng)[0]
+        events = RareEvents.measure(band, n, false_alarm_rate, draws, rng)
+        floor = events.floor
         for statistic in STATISTICS:
             one = {name: d[statistic] for name, d in drawn.items()}
             quantiles = {
@@ -809,15 +933,30 @@ def calibrate(
             )
         )
         if both:
-            whole = candidate_thresholds(drawn, floor, false_alarm_rate)
+            whole = candidate_thresholds(drawn, events, false_alarm_rate)
             powers = {
                 c: None if alt is None else float(flags(t, alt).mean()) for c, t in whole.items()
             }
+            for c in CANDIDATES:
+                history[c].append(powers[c] or 0.0)
             ab = held_out_false_alarms(fit, test, n, false_alarm_rate, draws, rng)
             ba = held_out_false_alarms(test, fit, n, false_alarm_rate, draws, rng)
             worse = {c: max(ab[0][c], ba[0][c]) for c in CANDIDATES}
             supply = min(ab[1], ba[1])
-            choices.append(choose(n, whole, powers, worse, false_alarm_rate, limit, supply))
+            choice = choose(
+                n,
+                whole,
+                powers,
+                worse,
+                false_alarm_rate,
+                limit,
+                supply,
+                guard=events.guard,
+                curve={c: float(np.mean(history[c])) for c in CANDIDATES},
+                previous=choices[-1].decision if choices else None,
+                measured=holds >= n,
+            )
+            choices.append(choice)
 
     def summary(name: str, traces: Sequence[Ulps]) -> Variation:
         return Variation(

@@ -206,11 +206,19 @@ def test_a_heavy_tailed_mean_deficit_and_a_small_variation_the_choice_keeps_the_
     assert max(mean) > 0.02, mean
     # The small variation's held-out half holds 20 traces: fewer disjoint groups than one false
     # alarm at 1% needs, too few to show the mean deficit holding (its own held-out groups may
-    # not show it failing either), so the tie band, which did not fail, keeps deciding.
+    # not show it failing either), so the tie band, which did not fail, keeps deciding where
+    # the null backs its threshold: up to the budget where 1,536 traces with no out-of-band
+    # token (3 / 1,536 such traces at the upper bound) would trip more than 1% of groups at a
+    # threshold of 0 (the rare-event guard: 1,024 tokens here).
     assert not any(c.trusted for c in cal.choices)
     for c in cal.choices:
-        assert c.supply <= 20 and c.passed
-        assert c.decision == "outside_tie_band"
+        assert c.supply <= 20 and c.passed and c.rare_event_guard is not None
+        backed = c.held_out_false_alarm["outside_tie_band"] <= c.allowance and (
+            cal.budgets["outside_tie_band"][LLAMA_BUDGETS.index(c.tokens)].threshold
+            >= c.rare_event_guard
+        )
+        assert (c.decision == "outside_tie_band") == backed, c
+        assert backed == (c.tokens <= 256), c
         fresh = _fresh_false_alarms(cal, population, c.tokens, c.thresholds)
         assert fresh <= c.allowance, (c.tokens, c.decision, fresh)
     # Still decides: a 4-bit-like provider is inconsistent, an honest group consistent.
@@ -227,30 +235,91 @@ def test_the_choice_takes_the_most_powerful_that_keeps_the_rate_where_the_halves
     powers: dict[Any, float | None] = {
         "outside_tie_band": 0.6,
         "outside_tie_band_floored": 0.5,
-        "tie_band_or_mean_deficit": 0.9,
+        "floored_or_mean_deficit": 0.9,
         "mean_deficit_ulps": 0.95,
     }
     held: dict[Any, float] = {
         "outside_tie_band": 0.0,
         "outside_tie_band_floored": 0.0,
-        "tie_band_or_mean_deficit": 0.01,
+        "floored_or_mean_deficit": 0.01,
         "mean_deficit_ulps": 0.03,
     }
     limit = allowance(0.01, 1000)
     assert limit == 0.015  # 15 of 1,000 groups at 1% (the binomial's 95th percentile)
     trusted = choose(64, thresholds, powers, held, 0.01, limit, supply=500.0)
-    assert trusted.decision == "tie_band_or_mean_deficit" and trusted.passed and trusted.trusted
+    assert trusted.decision == "floored_or_mean_deficit" and trusted.passed and trusted.trusted
     # Too few disjoint held-out groups to show a candidate holding: the tie band, which did not
     # fail; where it failed, the most powerful of the others that did not.
     few = choose(64, thresholds, powers, held, 0.01, limit, supply=50.0)
     assert few.decision == "outside_tie_band" and not few.trusted and few.passed
     failing = held | {"outside_tie_band": 0.05}
     few = choose(64, thresholds, powers, failing, 0.01, limit, supply=50.0)
-    assert few.decision == "tie_band_or_mean_deficit" and not few.trusted
+    assert few.decision == "floored_or_mean_deficit" and not few.trusted
     # None keeps the rate: the most conservative, and it says so.
     worse = {c: 0.02 + 0.01 * i for i, c in enumerate(reversed(CANDIDATES))}
     failed = choose(64, thresholds, powers, worse, 0.01, limit, supply=500.0)
     assert failed.decision == "mean_deficit_ulps" and not failed.passed
+
+
+def test_version_4_guard_power_curve_monotone_and_unmeasured_budgets() -> None:
+    """`choose`'s rules of calibration version 4, one at a time."""
+    thresholds: dict[Any, dict[str, float]] = {c: {"outside_tie_band": 0.0} for c in CANDIDATES}
+    ones: dict[Any, float | None] = dict.fromkeys(CANDIDATES, 1.0)
+    held: dict[Any, float] = dict.fromkeys(CANDIDATES, 0.0)
+    limit = allowance(0.01, 1000)
+    # The rare-event guard: the plain tie band at a threshold of 0 where the null's rare events
+    # allow more is not eligible, however well it did held out; a threshold at the guard is.
+    guarded = choose(512, thresholds, ones, held, 0.01, limit, 50.0, guard=1 / 512)
+    assert guarded.decision != "outside_tie_band" and guarded.rare_event_guard == 1 / 512
+    at = thresholds | {"outside_tie_band": {"outside_tie_band": 1 / 512}}
+    assert choose(512, at, ones, held, 0.01, limit, 50.0, guard=1 / 512).decision == (
+        "outside_tie_band"
+    )
+    # Every power 1.0 (the 4-bit alternative at a large budget): the power curve decides, then
+    # fewer held-out false alarms, then the order (version 3 took the floored tie band here).
+    curve: dict[Any, float] = {
+        "outside_tie_band": 0.9,
+        "outside_tie_band_floored": 0.7,
+        "floored_or_mean_deficit": 0.93,
+        "mean_deficit_ulps": 0.95,
+    }
+    assert choose(4096, thresholds, ones, held, 0.01, limit, 500.0).decision == CANDIDATES[0]
+    tied = choose(4096, thresholds, ones, held, 0.01, limit, 500.0, curve=curve)
+    assert tied.decision == "mean_deficit_ulps"
+    # Monotone: where the previous budget's choice still passes, nothing weaker is taken, even
+    # the tie band where the split is untrusted; where it fails, the rule is the usual one.
+    after = choose(
+        4096, thresholds, ones, held, 0.01, limit, 50.0, curve=curve, previous="mean_deficit_ulps"
+    )
+    assert after.decision == "mean_deficit_ulps"
+    mean_fails = held | {"mean_deficit_ulps": 0.05}
+    after = choose(
+        4096,
+        thresholds,
+        ones,
+        mean_fails,
+        0.01,
+        limit,
+        50.0,
+        curve=curve,
+        previous="mean_deficit_ulps",
+    )
+    assert after.decision == "outside_tie_band"
+    # A budget no held-out half holds: the budget below's decision carries on, whatever the
+    # bootstrap's guess at this budget says.
+    carried = choose(
+        131072,
+        thresholds,
+        ones,
+        mean_fails,
+        0.01,
+        limit,
+        0.5,
+        curve=curve,
+        previous="mean_deficit_ulps",
+        measured=False,
+    )
+    assert carried.decision == "mean_deficit_ulps" and not carried.passed
 
 
 def test_groups_of_distinct_traces_never_repeat_one() -> None:
