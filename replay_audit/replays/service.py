@@ -75,16 +75,20 @@ TRACES_PER_JOB_BY_MODE: Final[dict[Mode, int]] = {
 BATCHES_PER_SCAN_THEN_DECODE_JOB: Final = 8
 
 
-def job_traces(mode: Mode, batch_size: int) -> int:
-    """Traces per job of a run in `mode`, for traces logged in batches of `batch_size` rows.
-    Unbatched: `TRACES_PER_JOB_BY_MODE`. Batched, a decode job holds a whole batch (its rows
-    decode in one run: `Engine.decode_batch`) and a scan-then-decode job
-    `BATCHES_PER_SCAN_THEN_DECODE_JOB` batches; a scan job decodes nothing."""
+def job_traces(mode: Mode, batch_size: int, device: DeviceQueue = "gpu") -> int:
+    """Traces per job of a run in `mode`, for traces logged in batches of `batch_size` rows
+    replayed on `device`. Unbatched: `TRACES_PER_JOB_BY_MODE`. Batched, a decode job holds a
+    whole batch (its rows decode in one run, `Engine.decode_batch`: one run's time for them
+    all) and, on a GPU, a scan-then-decode job `BATCHES_PER_SCAN_THEN_DECODE_JOB` batches (on
+    a CPU eight batches' scans would outlast a job's timeout: its jobs stay small); a scan job
+    decodes nothing."""
     size = TRACES_PER_JOB_BY_MODE[mode]
     if batch_size <= 1 or mode == "scan":
         return size
     if mode == "decode":
         return max(size, batch_size)
+    if device != "gpu":
+        return size
     return max(size, BATCHES_PER_SCAN_THEN_DECODE_JOB * batch_size)
 
 
@@ -330,7 +334,7 @@ def _chunks(
     for trace_id in ids:
         placement = placements.get(trace_id, LoggedPlacement())
         route = route_of(placement, targets, default)
-        size = job_traces(mode, placement.batch_size)
+        size = job_traces(mode, placement.batch_size, route.device)
         groups.setdefault((route.queue, size), []).append(trace_id)
     return [
         (name, members[i : i + size])

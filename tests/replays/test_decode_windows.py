@@ -134,6 +134,8 @@ def test_jobs_hold_whole_logged_batches() -> None:
     assert job_traces("decode", 4) == 16  # never smaller than an unbatched job
     assert job_traces("scan_then_decode", 1) == 64
     assert job_traces("scan_then_decode", 256) == 2048
+    assert job_traces("scan_then_decode", 256, "cpu") == 64  # a CPU's jobs stay small
+    assert job_traces("decode", 256, "cpu") == 256  # one run of the batch, whatever the device
     assert job_traces("scan", 256) == job_traces("scan", 1) == 256
     ids = list(range(100))
     placements = {i: LoggedPlacement(batch_size=40 if i % 2 else 1) for i in ids}
@@ -141,6 +143,12 @@ def test_jobs_hold_whole_logged_batches() -> None:
     assert [len(t) for _, t in jobs] == [16, 16, 16, 2, 40, 10]
     assert jobs[4][1] == list(range(1, 80, 2))  # the batched traces, in order
     assert {q for q, _ in jobs} == {"cpu"}
+    big = {i: LoggedPlacement(batch_size=32 if i % 2 else 1) for i in range(300)}
+    gpu = _chunks(big, list(range(300)), [RunTarget(None)], "gpu", "scan_then_decode")
+    assert [len(t) for _, t in gpu] == [64, 64, 22, 150]  # 8 x 32 = 256 a batched job
+    assert {q for q, _ in gpu} == {"gpu"}
+    cpu = _chunks(big, list(range(300)), [RunTarget(None)], "cpu", "scan_then_decode")
+    assert [len(t) for _, t in cpu] == [64, 64, 64, 64, 44]  # one size: one group
 
 
 def test_a_decode_run_of_a_logged_batch_larger_than_a_job_decodes_it_in_one_run(
