@@ -65,11 +65,14 @@ def test_a_decode_run_replays_a_logged_batch_in_one_run_of_it(
     real_dir: Path,
     real_prompts: list[tuple[str, str]],
 ) -> None:
+    """20 rows of one batched generate() (more than a decode job's 16 traces) and a trace
+    logged alone: the batch in one job and one run of it (with jobs of 16: two runs, of 16 and
+    4 rows), the lone trace in a job of its own."""
     from replay_audit.engine.generate import TraceGenerator
 
     with TraceGenerator(real_dir, dtype="bf16", device="cpu") as gen:
-        batch = gen.trace_batch(list(real_prompts[:6]), max_new_tokens=12)
-        single = [gen.trace(real_prompts[6][1], max_new_tokens=12, external_id="alone")]
+        batch = gen.trace_batch(list(real_prompts[:20]), max_new_tokens=8)
+        single = [gen.trace(real_prompts[20][1], max_new_tokens=8, external_id="alone")]
     h = headers("admin")
     ids = ingest(client, h, [*batch, *single])
     r = client.post(
@@ -77,9 +80,9 @@ def test_a_decode_run_replays_a_logged_batch_in_one_run_of_it(
     )
     assert r.status_code == 201, r.text
     run_id = r.json()["id"]
-    assert runner.run_all() == 1
+    assert runner.run_all() == 2
     results = all_results(client, run_id, h)
-    assert len(results) == 7
+    assert len(results) == 21
     by_id: dict[str, dict[str, Any]] = {x["trace_id"]: x for x in results}
     for i in ids:
         x = by_id[i]
@@ -87,8 +90,8 @@ def test_a_decode_run_replays_a_logged_batch_in_one_run_of_it(
         extras = x["arms"]["b"]["environment"]["extras"]
         if i == ids[-1]:  # logged alone: decoded alone, and it says nothing of rows
             assert "decode_rows" not in extras
-        else:  # the six rows of the logged batch: one run of it
-            assert extras["decode_rows"] == 6
+        else:  # the 20 rows of the logged batch: one run of it
+            assert extras["decode_rows"] == 20
 
 
 def test_a_scan_then_decode_job_decodes_a_logged_batch_in_one_run_of_it(
@@ -149,30 +152,3 @@ def test_jobs_hold_whole_logged_batches() -> None:
     assert {q for q, _ in gpu} == {"gpu"}
     cpu = _chunks(big, list(range(300)), [RunTarget(None)], "cpu", "scan_then_decode")
     assert [len(t) for _, t in cpu] == [64, 64, 64, 64, 44]  # one size: one group
-
-
-def test_a_decode_run_of_a_logged_batch_larger_than_a_job_decodes_it_in_one_run(
-    client: TestClient,
-    runner: HoldingRunner,
-    headers: Callable[..., dict[str, str]],
-    real_worker: None,
-    real_dir: Path,
-    real_prompts: list[tuple[str, str]],
-) -> None:
-    """20 rows of one batched generate(): more than a decode job's 16 traces, yet one job, and
-    every row decoded in one run of the batch (with jobs of 16: two runs, 16 and 4 rows)."""
-    from replay_audit.engine.generate import TraceGenerator
-
-    with TraceGenerator(real_dir, dtype="bf16", device="cpu") as gen:
-        batch = gen.trace_batch(list(real_prompts[:20]), max_new_tokens=6)
-    h = headers("admin")
-    ids = ingest(client, h, batch)
-    body = {"trace_ids": ids, "compare_with": "self", "mode": "decode"}
-    r = client.post("/v1/replays", json=body, headers=h)
-    assert r.status_code == 201, r.text
-    assert runner.run_all() == 1
-    results = all_results(client, r.json()["id"], h)
-    assert len(results) == 20
-    for x in results:
-        assert x["status"] == "ok" and x["exact_match"] is True, x
-        assert x["arms"]["b"]["environment"]["extras"]["decode_rows"] == 20

@@ -7,7 +7,6 @@ cannot. Pure: synthetic deficits."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import pytest
@@ -19,9 +18,8 @@ from replay_audit.stats.verification import (
     draw_groups,
     verdict,
 )
+from tests.stats.verification_inputs import CLAIM, PLATFORM
 
-PLATFORM: Any = {"device": "cpu", "gpu_name": None, "sm": None, "torch_version": None, "devices": 1}
-CLAIM: Any = {"dtype": "bf16", "lm_head_dtype": "bf16", "attn_kernel": "sdpa"}
 BUDGETS = (64, 256, 1024, 4096)
 
 

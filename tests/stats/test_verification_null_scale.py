@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
 
 import numpy as np
 
@@ -20,9 +19,7 @@ from replay_audit.stats.verification import (
     null_reach,
     verdict,
 )
-
-PLATFORM: Any = {"device": "cpu", "gpu_name": None, "sm": None, "torch_version": None, "devices": 1}
-CLAIM: Any = {"dtype": "bf16", "lm_head_dtype": "bf16", "attn_kernel": "sdpa"}
+from tests.stats.verification_inputs import CLAIM, PLATFORM
 
 
 def _loop_draws(

@@ -32,9 +32,8 @@ from replay_audit.stats.verification import (
     flags,
     verdict,
 )
+from tests.stats.verification_inputs import CLAIM, PLATFORM
 
-PLATFORM: Any = {"device": "cpu", "gpu_name": None, "sm": None, "torch_version": None, "devices": 1}
-CLAIM: Any = {"dtype": "bf16", "lm_head_dtype": "bf16", "attn_kernel": "sdpa"}
 L = 100  # tokens a trace
 FRESH = 3000  # fresh honest groups a budget and variation
 

@@ -19,8 +19,6 @@ version 3's too, so that the file runs (and fails) against it. Pure."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 
@@ -33,9 +31,8 @@ from replay_audit.stats.verification import (
     flags,
     verdict,
 )
+from tests.stats.verification_inputs import CLAIM, PLATFORM
 
-PLATFORM: Any = {"device": "cpu", "gpu_name": None, "sm": None, "torch_version": None, "devices": 1}
-CLAIM: Any = {"dtype": "bf16", "lm_head_dtype": "bf16", "attn_kernel": "sdpa"}
 L = 100  # tokens a trace
 P_OFF = 1 / 300  # the population's traces holding an out-of-band cluster
 CLUSTER = 2  # its tokens
