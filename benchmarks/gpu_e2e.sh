@@ -16,7 +16,10 @@
 #                                        # ingests TRACES (20,000) traces, audits them once per
 #                                        # MODES entry ("scan auto": a scan-only audit, then the
 #                                        # scan-first audit as a user posts it), RUN_SIZE (2,000)
-#                                        # traces a run, cut at DEADLINE seconds from its start
+#                                        # traces a run, cut at DEADLINE seconds from the
+#                                        # audit command's start (service start, ingest and
+#                                        # the warm-up count: ~90 s with traces logged in
+#                                        # batches of 256, whose warm-up decodes a batch)
 #                                        # (default: what is left of BUDGET, 570 s, less 80 s
 #                                        # to stop the service and summarise)
 #   bash benchmarks/gpu_e2e.sh all       # both in one command (the audit gets what the
