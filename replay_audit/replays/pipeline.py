@@ -670,15 +670,24 @@ def _run_arms(
     logged = trace.output_token_ids.tolist()
     if item.a is not None:
         a = resolve_arm(trace, item.a, pool, item.model_dir, *options.arm_facts)
-        if options.mode == "scan" and item.baseline != "logged":
-            return _scanned_pair(item, a, b, scan, top_k)
-        # The both-arms protocol: both decoded from the prompt.
+        why: Screen | None = None
+        if options.mode != "decode" and item.baseline != "logged":
+            pair = _scanned_pair(item, a, b, scan, top_k)
+            if options.mode == "scan":
+                return pair
+            why = _pair_screen(pair, options.flag_ulps)
+            if why == "control" and not item.control:
+                return _scanned_pair_only(pair, "scanned")
+            if why != "control" and not item.decode_flagged:
+                return _scanned_pair_only(pair, _NOT_IN_SAMPLE[why])
+        # The both-arms protocol: both decoded from the prompt (in scan-then-decode, a pair in
+        # the run's flagged or control sample: docs/replays.md "Reproduce before compare").
         ra = yield a.request(prompt, budget, eos)
         rb = yield b.request(prompt, budget, eos)
         run_a = _ArmRun(a, ra.output_token_ids, ra.steps, decode_rows=ra.rows)
         run_b = _ArmRun(b, rb.output_token_ids, rb.steps, decode_rows=rb.rows)
         t_star = first_divergence(run_a.ids, run_b.ids)
-        return _Replayed(item, "decode", run_a, run_b, t_star)
+        return _Replayed(item, "decode" if why is None else options.mode, run_a, run_b, t_star, why)
 
     run_a = _ArmRun(None, logged, None)
     mode = options.mode
@@ -748,6 +757,53 @@ def _scanned_pair(
         return _ArmRun(arm, ids, scan.steps.slice(0, t + 1), "scan", given is not None)
 
     return _Replayed(item, "scan", run(a, sa, item.a_scan), run(b, sb, scan_b), t)
+
+
+#: A flagged pair's screen where its trace is outside the flagged sample.
+_NOT_IN_SAMPLE: Final[dict[Screen, Screen]] = {
+    "flagged": "flagged_scanned",
+    "near_tie": "near_tie_scanned",
+}
+
+
+def _pair_screen(pair: _Replayed, flag_ulps: float) -> Screen:
+    """Why a scan-then-decode pair (`_scanned_pair`: both arms' scans along the logged tokens)
+    would be decoded, as a trace against its logged tokens would be: `flagged` where the scans
+    choose differently, `near_tie` where either arm's scan (or the logged margins) comes within
+    the near-tie flag, else `control` (decoded only in the control sample)."""
+    if pair.t_star is not None:
+        return "flagged"
+    trace = pair.item.trace
+    for run in (pair.a, pair.b):
+        if run.steps is not None and _near_tie(trace, run.steps, flag_ulps) is not None:
+            return "near_tie"
+    return "control"
+
+
+def _scanned_pair_only(pair: _Replayed, screen: Screen) -> _Replayed | ReplayOutcome:
+    """A scan-then-decode pair not decoded: where the scans differ (`flagged_scanned`), their
+    result (t* the first step whose choices differ, as a scan run's); where they agree
+    (`scanned`, `near_tie_scanned`), unknown, as `_scanned_only`'s."""
+    if screen == "flagged_scanned":
+        return replace(pair, mode="scan_then_decode", screen=screen)
+    r = replace(pair, mode="scan_then_decode", screen=screen)
+    arm_a = replace(_arm_outcome(r, "a", None, None), output_token_ids=None)
+    arm_b = replace(_arm_outcome(r, "b", None, None), output_token_ids=None)
+    trace = pair.item.trace
+    return ReplayOutcome(
+        mode="scan_then_decode",
+        exact_match=None,
+        first_divergence_step=None,
+        category=None,
+        tie=False,
+        cascade_length=None,
+        length_difference=None,
+        a=arm_a,
+        b=arm_b,
+        external_id=trace.external_id,
+        screen=screen,
+        baseline=pair.item.baseline,
+    )
 
 
 def _decoded(arm: Arm, run: DecodeRun) -> _ArmRun:

@@ -374,3 +374,65 @@ def test_a_bad_single_step_is_a_422_naming_it(
     r = client.post("/v1/replays", json=body, headers=h)
     assert r.status_code == 422 and r.json()["field"] == "single_step", r.text
     assert runner.specs == []
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_scan_then_decode_run_decodes_a_pair_only_in_its_samples(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    logged_trace: Callable[..., dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    sampled: bool,
+) -> None:
+    """Issue 32: in scan-then-decode, a trace its check did not reproduce is compared with that
+    replay as a trace is with its logged tokens: both arms' scans first, and two decodes from
+    the prompt only for a pair in the run's flagged sample (the scans differ) or control
+    sample (they agree). Outside them, a pair whose scans differ keeps the scans' result
+    (`flagged_scanned`: t* the first step whose choices differ), one whose scans agree is only
+    scanned (`scanned`: unknown). Before, every such pair was decoded twice in full."""
+    h = headers("admin")
+    traces = [_changed(logged_trace(p, n=24)) for p in PROMPTS[:6]]
+    ids = ingest(client, h, traces)
+    decodes: list[int] = []
+    real = FakeEngine.decode
+
+    def spy(self: FakeEngine, *a: Any, **k: Any) -> Any:
+        decodes.append(1)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(FakeEngine, "decode", spy)
+    share = 1.0 if sampled else 1e-9  # every trace in both samples, or (all but surely) none
+    body = {
+        "trace_ids": ids,
+        "targets": [FP16],
+        "mode": "scan_then_decode",
+        "flagged_fraction": share,
+        "control_fraction": share,
+        "scan_flag_ulps": -1,
+    }
+    run = run_to_done(client, h, runner, body)
+    assert bool(decodes) is sampled
+    results = all_results(client, run["id"], h)
+    fp16, check = _by(results, 0), _by(results, 1)
+    screens = set()
+    for trace, i in zip(traces, ids, strict=True):
+        assert check[i]["exact_match"] is False and check[i]["first_divergence_step"] == 2
+        x = fp16[i]
+        assert x["baseline"] == "reproduced" and x["mode"] == "scan_then_decode"
+        t = _first_close(trace["prompt_token_ids"], trace["output_token_ids"])
+        if sampled:  # both arms decoded from the prompt, why in the screen
+            assert x["screen"] == ("flagged" if t is not None else "control")
+            assert x["exact_match"] is (x["first_divergence_step"] is None)
+            assert len(x["arms"]["a"]["output_token_ids"]) == len(trace["output_token_ids"])
+        elif t is not None:  # the scans' result
+            assert x["screen"] == "flagged_scanned"
+            assert x["exact_match"] is False and x["first_divergence_step"] == t
+            assert x["single_step"]["kind"] == "teacher_forced"
+        else:  # only scanned: unknown, not agreed
+            assert x["screen"] == "scanned"
+            assert x["exact_match"] is None and x["category"] is None
+        screens.add(x["screen"])
+    assert len(screens) == 2  # both kinds of pair are in these six traces
+    report = run["statistics"]["comparisons"][0]["screening"]
+    assert report["decoded"] == (len(ids) if sampled else 0)
