@@ -147,11 +147,13 @@ def insert_results(session: Session, run_id: int, trace_id: int, rows: Sequence[
 
 
 def lock_run(session: Session, run_id: int) -> ReplayRun:
-    """The run row, reloaded and locked for the rest of the transaction (PostgreSQL `FOR
-    UPDATE`; SQLite write transactions are serialised by `BEGIN IMMEDIATE`)."""
+    """The run row, reloaded and locked for the rest of the transaction (PostgreSQL `FOR NO
+    KEY UPDATE`: two lockers take turns, but neither waits for a window of results being
+    written, whose foreign key holds `FOR KEY SHARE` on the row until it commits, as `FOR
+    UPDATE` did; SQLite write transactions are serialised by `BEGIN IMMEDIATE`)."""
     stmt = select(ReplayRun).where(ReplayRun.id == run_id)
     if session.get_bind().dialect.name == "postgresql":
-        stmt = stmt.with_for_update()
+        stmt = stmt.with_for_update(key_share=True)
     run = session.scalar(stmt.execution_options(populate_existing=True))
     assert run is not None
     return run
