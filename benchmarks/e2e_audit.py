@@ -537,12 +537,18 @@ def _parse_time(value: str | None) -> float | None:
 
 
 def _comparison_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """Comparison 0's figures, its results by baseline (how many traces the reproduction check
+    did not reproduce, so were judged against its replay) and the check's reproduction rate."""
     comps = report.get("comparisons") or []
     if not comps:
         return {}
     c = comps[0]
-    keep = ("label", "mode", "n", "exact", "failed", "ear", "categories", "screening")
-    return {k: c.get(k) for k in keep if k in c}
+    keep = ("label", "mode", "n", "exact", "failed", "ear", "categories", "screening", "baselines")
+    out = {k: c.get(k) for k in keep if k in c}
+    check = report.get("engine_reproduction") or {}
+    if check.get("reproduced") is not None:
+        out["engine_reproduced"] = check["reproduced"]
+    return out
 
 
 def _audit(
