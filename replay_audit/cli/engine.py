@@ -574,9 +574,10 @@ def reproduction_lines(stats: RunStatistics) -> list[str]:
         return []
     p = r.reproduced
     engines = ", ".join(f"{k}: {v}" for k, v in r.engines.items())
+    scanned = f"; {r.scanned_only} of them by the scan alone" if r.scanned_only else ""
     lines = [
         f"reproduced in their own logged configuration: {p.successes} of "
-        f"{counted(p.n, 'trace')} ({engines})"
+        f"{counted(p.n, 'trace')} ({engines}){scanned}"
     ]
     other = {k: v for k, v in stats.comparisons[0].baselines.items() if k != "logged"}
     if other:

@@ -429,11 +429,16 @@ class EngineReproduction(StoredModel):
     engines: dict[str, int]
     #: Traces of the run.
     n: int
-    #: Exact self-replays among those whose self-replay finished ok, with a Wilson interval.
+    #: Traces not found diverging from their logged tokens among those whose self-replay
+    #: finished ok (so compared with their logged tokens), with a Wilson interval: token for
+    #: token where decoded, and by the scan at every step where only scanned (`scanned_only`).
     reproduced: ProportionRead
     #: The first traces the engine did not reproduce (by trace), and whether there are more.
     not_reproduced: list[TraceRef]
     not_reproduced_more: bool
+    #: Of `reproduced`'s traces, those whose check was only scanned (scan-then-decode: its
+    #: scan agreed with every logged token, and it was not in a sample that is decoded).
+    scanned_only: int = 0
 
 
 class RunStatistics(StoredModel):
@@ -893,7 +898,9 @@ def engine_reproduction(
     by_index = {c.index: c for c in comparisons}
     figures = by_index[check.comparison].figures if check.comparison in by_index else []
     checked = [f for f in figures if f.trace_id in check.engines and f.ok]
-    missed = sorted((f for f in checked if not f.exact_match), key=lambda f: f.trace_id)
+    # A check only scanned (exact match unknown) was not found diverging: its trace is
+    # compared with its logged tokens (`replay_traces`), so it is not listed as not reproduced.
+    missed = sorted((f for f in checked if f.diverged), key=lambda f: f.trace_id)
     return EngineReproduction(
         comparison=check.comparison,
         engines=dict(sorted(Counter(check.engines.values()).items())),
@@ -903,6 +910,7 @@ def engine_reproduction(
             TraceRef(id=f.trace_public_id, external_id=f.external_id) for f in missed[:list_limit]
         ],
         not_reproduced_more=len(missed) > list_limit,
+        scanned_only=sum(1 for f in checked if not f.established),
     )
 
 

@@ -394,6 +394,7 @@ def test_a_scan_then_decode_run_decodes_a_pair_only_in_its_samples(
     h = headers("admin")
     traces = [_changed(logged_trace(p, n=24)) for p in PROMPTS[:6]]
     ids = ingest(client, h, traces)
+    kept = ingest(client, h, [logged_trace(p, n=24) for p in PROMPTS[6:9]])  # they reproduce
     decodes: list[int] = []
     real = FakeEngine.decode
 
@@ -404,7 +405,7 @@ def test_a_scan_then_decode_run_decodes_a_pair_only_in_its_samples(
     monkeypatch.setattr(FakeEngine, "decode", spy)
     share = 1.0 if sampled else 1e-9  # every trace in both samples, or (all but surely) none
     body = {
-        "trace_ids": ids,
+        "trace_ids": ids + kept,
         "targets": [FP16],
         "mode": "scan_then_decode",
         "flagged_fraction": share,
@@ -435,4 +436,13 @@ def test_a_scan_then_decode_run_decodes_a_pair_only_in_its_samples(
         screens.add(x["screen"])
     assert len(screens) == 2  # both kinds of pair are in these six traces
     report = run["statistics"]["comparisons"][0]["screening"]
-    assert report["decoded"] == (len(ids) if sampled else 0)
+    assert report["decoded"] == len(ids + kept) if sampled else report["decoded"] == 0
+    # The check: the six changed traces did not reproduce; the three others did, by their
+    # scans alone where not decoded (unknown token for token, but not found diverging: they
+    # are compared with their logged tokens, not listed as not reproduced).
+    er = run["statistics"]["engine_reproduction"]
+    assert sorted(t["id"] for t in er["not_reproduced"]) == sorted(ids)
+    assert er["reproduced"]["successes"] == len(kept) and er["reproduced"]["n"] == len(ids + kept)
+    assert er["scanned_only"] == (0 if sampled else len(kept))
+    assert all(fp16[i]["baseline"] == "logged" for i in kept)
+    assert all(check[i]["screen"] == ("control" if sampled else "scanned") for i in kept)
