@@ -788,22 +788,7 @@ def _scanned_pair_only(pair: _Replayed, screen: Screen) -> _Replayed | ReplayOut
         return replace(pair, mode="scan_then_decode", screen=screen)
     r = replace(pair, mode="scan_then_decode", screen=screen)
     arm_a = replace(_arm_outcome(r, "a", None, None), output_token_ids=None)
-    arm_b = replace(_arm_outcome(r, "b", None, None), output_token_ids=None)
-    trace = pair.item.trace
-    return ReplayOutcome(
-        mode="scan_then_decode",
-        exact_match=None,
-        first_divergence_step=None,
-        category=None,
-        tie=False,
-        cascade_length=None,
-        length_difference=None,
-        a=arm_a,
-        b=arm_b,
-        external_id=trace.external_id,
-        screen=screen,
-        baseline=pair.item.baseline,
-    )
+    return _unknown(r, arm_a)
 
 
 def _decoded(arm: Arm, run: DecodeRun) -> _ArmRun:
@@ -1138,7 +1123,16 @@ def _scanned_only(
     trace = item.trace
     logged = trace.output_token_ids.tolist()
     run_b = _ArmRun(b, logged, steps, "scan", batched)
-    r = _Replayed(item, "scan_then_decode", _ArmRun(None, logged, None), run_b, None)
+    r = _Replayed(item, "scan_then_decode", _ArmRun(None, logged, None), run_b, None, screen)
+    arm_a = ArmOutcome(
+        target=trace.config, output_token_ids=None, margin=None, text=trace.output_text
+    )
+    return _unknown(r, arm_a)
+
+
+def _unknown(r: _Replayed, arm_a: ArmOutcome) -> ReplayOutcome:
+    """The outcome of a scan-then-decode item only scanned (`r.screen`): its exact match and
+    category unknown, arm A as given, arm B its scan with no output of its own."""
     arm_b = replace(_arm_outcome(r, "b", None, None), output_token_ids=None)
     return ReplayOutcome(
         mode="scan_then_decode",
@@ -1148,12 +1142,11 @@ def _scanned_only(
         tie=False,
         cascade_length=None,
         length_difference=None,
-        a=ArmOutcome(
-            target=trace.config, output_token_ids=None, margin=None, text=trace.output_text
-        ),
+        a=arm_a,
         b=arm_b,
-        external_id=trace.external_id,
-        screen=screen,
+        external_id=r.item.trace.external_id,
+        screen=r.screen,
+        baseline=r.item.baseline,
     )
 
 
