@@ -726,6 +726,9 @@ def audit(args: argparse.Namespace, prepared: dict[str, Any] | None = None) -> d
         "logged_dtype": unique[0]["config"]["dtype"],
         "api_workers": args.api_workers if args.backend == "pg" else 1,
         "replay_workers": args.workers if args.backend == "pg" else 1,
+        # The workers' processes share each GPU's SMs under CUDA MPS where its control daemon
+        # runs for them (`gpu_e2e.sh MPS=1`), else the GPU time-slices their contexts.
+        "cuda_mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
         "clients": args.clients,
         "deadline_s": args.deadline_s,
         "phases": {},

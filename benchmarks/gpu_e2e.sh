@@ -43,6 +43,9 @@
 # WARMUP: the warm-up run's traces (4; each decoded in full in both formats). PER_GPU: replay
 # workers sharing each GPU (1), so that one's CPU work (rows, database) overlaps another's scans:
 # each a `replay-audit worker --processes 1`, so PER_GPU=N runs what `worker --processes N` does.
+# MPS=1: those processes run under CUDA MPS (`nvidia-cuda-mps-control -d`, a user-space daemon
+# started for the audit and quit after it; docs/deployment.md), so their kernels share the SMs
+# instead of taking turns; e2e.json records `cuda_mps`.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -107,6 +110,11 @@ audit() {
     local deadline=${DEADLINE:-$(( ${BUDGET:-570} - SECONDS - 80 ))}
     if [ "$deadline" -lt 60 ]; then echo "only $deadline s left for the audit"; return 1; fi
     local t0=$SECONDS
+    if [ -n "${MPS:-}" ]; then
+        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+        mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+        nvidia-cuda-mps-control -d || { echo "the MPS control daemon did not start"; return 1; }
+    fi
     # shellcheck disable=SC2086
     timeout $(( deadline + 75 )) python3 benchmarks/e2e_audit.py audit --work "$W" \
         --device cuda ${MODEL:+--model "$MODEL"} --backend "$backend" \
@@ -119,6 +127,10 @@ audit() {
         --workers-per-gpu "${PER_GPU:-1}" \
         --warmup-traces "${WARMUP:-4}" --deadline-s "$deadline" --out "$OUT" > /dev/null 2> "$OUT/e2e.log"
     local rc=$?
+    if [ -n "${MPS:-}" ]; then
+        echo quit | nvidia-cuda-mps-control
+        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    fi
     echo "audit: exit $rc, $((SECONDS - t0)) s (deadline $deadline s)"
     [ -f "$OUT/worker_profile.json" ] && gzip -f "$OUT/worker_profile.json"
     grep -v -i warn "$OUT/e2e.log" | tail -n 20
