@@ -867,8 +867,9 @@ class ReplayOutcome:
     external_id: str | None = None
     #: What a scan-then-decode run did with the trace (None in the other modes).
     screen: Screen | None = None
-    #: Arm B's decode stopped at the run's `decode_window` tokens after t*: its output is a
-    #: prefix of the whole continuation (no cascade length, length difference or answers).
+    #: An arm's decode stopped at the run's `decode_window` tokens after t* (arm B's, or
+    #: either of a pair decoded from the prompt): its output is a prefix of the whole
+    #: continuation (no cascade length, length difference or answers).
     window_cut: bool = False
     #: What a comparison with the logged tokens was judged against (`formats.Baseline`): the
     #: logged tokens, or the logged configuration replayed here (arm A) for a trace that did

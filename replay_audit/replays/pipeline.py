@@ -682,10 +682,16 @@ def _run_arms(
                 return _scanned_pair_only(pair, _NOT_IN_SAMPLE[why])
         # The both-arms protocol: both decoded from the prompt (in scan-then-decode, a pair in
         # the run's flagged or control sample: docs/replays.md "Reproduce before compare").
-        ra = yield a.request(prompt, budget, eos)
-        rb = yield b.request(prompt, budget, eos)
-        run_a = _ArmRun(a, ra.output_token_ids, ra.steps, decode_rows=ra.rows)
-        run_b = _ArmRun(b, rb.output_token_ids, rb.steps, decode_rows=rb.rows)
+        # With the run's window, A stops that many tokens after leaving the logged tokens and
+        # B that many after leaving A's (docs/replays.md "The decode window").
+        ra = yield a.request(prompt, budget, eos, window=options.window(logged))
+        rb = yield b.request(prompt, budget, eos, window=options.window(ra.output_token_ids))
+        if ra.stop_reason == "window" and _extends(rb.output_token_ids, ra.output_token_ids):
+            # Both left the logged tokens at one step with one token and still agree where A's
+            # window ended: where they part needs A's continuation.
+            ra = yield a.request(prompt, budget, eos)
+            rb = yield b.request(prompt, budget, eos, window=options.window(ra.output_token_ids))
+        run_a, run_b = _decoded(a, ra), _decoded(b, rb)
         t_star = first_divergence(run_a.ids, run_b.ids)
         return _Replayed(item, "decode" if why is None else options.mode, run_a, run_b, t_star, why)
 
@@ -791,8 +797,13 @@ def _scanned_pair_only(pair: _Replayed, screen: Screen) -> _Replayed | ReplayOut
     return _unknown(r, arm_a)
 
 
+def _extends(out: Sequence[int], prefix: Sequence[int]) -> bool:
+    """Whether `out` starts with all of `prefix`."""
+    return len(out) >= len(prefix) and list(out[: len(prefix)]) == list(prefix)
+
+
 def _decoded(arm: Arm, run: DecodeRun) -> _ArmRun:
-    """Arm B as a decode from the prompt ran it."""
+    """An arm as a decode from the prompt ran it."""
     cut = run.stop_reason == "window"
     return _ArmRun(arm, run.output_token_ids, run.steps, window_cut=cut, decode_rows=run.rows)
 
@@ -935,7 +946,8 @@ def _outcome(r: _Replayed, reruns: _Reruns) -> ReplayOutcome:
     # A scan (a flagged trace not decoded too), or a decode cut at its window, has no
     # continuation after t* to measure.
     scanned = r.mode == "scan" or r.screen == "flagged_scanned"
-    decoded_fully = (not scanned or t_star is None) and not r.b.window_cut
+    cut = r.a.window_cut or r.b.window_cut
+    decoded_fully = (not scanned or t_star is None) and not cut
     arm_b = _arm_outcome(r, "b", margin_b, verdict.gate_fired_b if verdict else None)
     arm_a = _arm_outcome(r, "a", margin_a, verdict.gate_fired_a if verdict else None)
     return ReplayOutcome(
@@ -952,7 +964,7 @@ def _outcome(r: _Replayed, reruns: _Reruns) -> ReplayOutcome:
         semantic=_semantic(r, arm_a, arm_b) if decoded_fully else None,
         external_id=trace.external_id,
         screen=r.screen,
-        window_cut=r.b.window_cut,
+        window_cut=cut,
         baseline=r.item.baseline,
     )
 

@@ -508,8 +508,9 @@ class ReplayResultRead(OutputModel):
     #: scan_then_decode: flagged (decoded from the scan's first disagreement), control (not
     #: flagged, decoded in full) or scanned (only scanned: `exact_match` and `category` null).
     screen: Screen | None = None
-    #: Arm B's decode stopped at the run's `decode_window` tokens after t*: its
-    #: `output_token_ids` and text are a prefix of the whole continuation (t*, the margins,
+    #: An arm's decode stopped at the run's `decode_window` tokens after t* (arm B's; either
+    #: arm's where both were decoded from the prompt): its `output_token_ids` and text are a
+    #: prefix of the whole continuation (t*, the margins,
     #: the category are the whole decode's), and `cascade_length`, `length_difference` and
     #: the answers are null. False: decoded to eos or the budget.
     window_cut: bool = False

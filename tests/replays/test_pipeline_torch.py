@@ -12,11 +12,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from replay_audit.diff.divergence import first_divergence
 from replay_audit.engine import EnginePool, Intervention, Target
 from replay_audit.formats import SingleStepKind
 from replay_audit.replays.domain import ArmOutcome, LoggedTrace, ReplayOutcome, RunTarget
 from replay_audit.replays.models import ReplayResult
 from replay_audit.replays.pipeline import (
+    BASELINE_LABEL,
     ReplayItem,
     ReplayOptions,
     compare_arms,
@@ -300,6 +302,64 @@ def test_a_decode_window_keeps_t_star_and_gives_the_whole_decodes_prefix(
         assert out_w == out_f[: len(out_w)]
         assert w.cascade_length is None and w.length_difference is None and w.semantic is None
     assert cut >= 3, "the prompt set diverges in bf16 well before its end"
+
+
+@pytest.mark.parametrize("mode", ["scan_then_decode", "decode"])
+@pytest.mark.parametrize("arm_a", ["fp16", "logged"])
+def test_a_decode_window_cuts_both_decodes_of_a_pair_and_keeps_t_star(
+    pool: EnginePool, real_dir: Path, real_prompts: list[tuple[str, str]], mode: str, arm_a: str
+) -> None:
+    """A pair decoded from the prompt (arm A fp16, or the logged configuration replayed as
+    a trace its check did not reproduce is judged; arm B bf16; fp32 traces), with and without a
+    window of 1: the same t*, margins, re-runs and category; A stops 1 token after leaving the
+    logged tokens, B 1 after leaving A's; each a prefix of its whole decode; and where both
+    left the logged tokens alike and agree past A's window, A ran on to find t*."""
+    model = Model(real_dir, tuple(real_prompts[:24]), 48)
+    traces = [_logged(tr) for tr in _trace_set(model, "fp32")]
+    a = RunTarget(Target("fp16")) if arm_a == "fp16" else RunTarget(None, label=BASELINE_LABEL)
+    baseline = "logged" if arm_a == "fp16" else "reproduced"
+    items = [
+        ReplayItem(t, RunTarget(Target("bf16")), real_dir, a, control=True, baseline=baseline)
+        for t in traces
+    ]
+
+    def run(window: int | None) -> list[ReplayOutcome]:
+        options = ReplayOptions(
+            mode,  # type: ignore[arg-type]
+            flag_ulps=0.0,
+            check_weights=False,
+            decode_window=window,
+        )
+        out = replay_items(items, pool, options)
+        assert all(isinstance(r, ReplayOutcome) for r in out), out
+        return out  # type: ignore[return-value]
+
+    whole, windowed = run(None), run(1)
+    cut = beyond_a = 0
+    for t, w, f in zip(traces, windowed, whole, strict=True):
+        key = (w.first_divergence_step, w.category, w.tie, w.screen, w.exact_match)
+        assert key == (f.first_divergence_step, f.category, f.tie, f.screen, f.exact_match)
+        assert (w.a.margin, w.b.margin, w.single_step) == (f.a.margin, f.b.margin, f.single_step)
+        assert not f.window_cut
+        if f.b.output_token_ids is None:  # a pair only scanned
+            continue
+        full_a, full_b = list(f.a.output_token_ids or ()), list(f.b.output_token_ids)
+        out_a, out_b = list(w.a.output_token_ids or ()), list(w.b.output_token_ids or ())
+        assert out_a == full_a[: len(out_a)] and out_b == full_b[: len(out_b)]
+        logged = t.output_token_ids.tolist()
+        t_a = first_divergence(logged, full_a)
+        t_star = f.first_divergence_step
+        if t_a is not None and len(full_a) > t_a + 2 and full_b[: t_a + 2] == full_a[: t_a + 2]:
+            beyond_a += 1  # A's window alone would end before t*: A ran on
+        if not w.window_cut:
+            assert (out_a, out_b) == (full_a, full_b) and w.cascade_length == f.cascade_length
+            continue
+        cut += 1
+        assert t_star is not None and len(out_b) <= t_star + 2 and len(out_a) >= t_star + 1
+        assert w.cascade_length is None and w.length_difference is None and w.semantic is None
+    assert cut >= 3, "the prompt set's pairs part well before their end"
+    if arm_a == "fp16":
+        assert beyond_a >= 1, "fp16 and bf16 leave some fp32 trace alike"
 
 
 @pytest.mark.parametrize("mode", ["scan", "decode"])
