@@ -256,6 +256,21 @@ def test_an_intervention_only_comparison_labels_its_flips_head_reachable(
     assert reproduced == head_reachable
 
 
+def _windowed(
+    pool: EnginePool, items: list[ReplayItem], mode: str, window: int | None
+) -> list[ReplayOutcome]:
+    """`items` replayed in `mode` with the near-tie flag at 0 and decode window `window`."""
+    options = ReplayOptions(
+        mode,  # type: ignore[arg-type]
+        flag_ulps=0.0,
+        check_weights=False,
+        decode_window=window,
+    )
+    out = replay_items(items, pool, options)
+    assert all(isinstance(r, ReplayOutcome) for r in out), out
+    return out  # type: ignore[return-value]
+
+
 @pytest.mark.parametrize("mode", ["scan_then_decode", "decode"])
 def test_a_decode_window_keeps_t_star_and_gives_the_whole_decodes_prefix(
     pool: EnginePool, real_dir: Path, real_prompts: list[tuple[str, str]], mode: str
@@ -272,18 +287,7 @@ def test_a_decode_window_keeps_t_star_and_gives_the_whole_decodes_prefix(
         for i, t in enumerate(traces)
     ]
 
-    def run(window: int | None) -> list[ReplayOutcome]:
-        options = ReplayOptions(
-            mode,  # type: ignore[arg-type]
-            flag_ulps=0.0,
-            check_weights=False,
-            decode_window=window,
-        )
-        out = replay_items(items, pool, options)
-        assert all(isinstance(r, ReplayOutcome) for r in out), out
-        return out  # type: ignore[return-value]
-
-    whole, windowed = run(None), run(3)
+    whole, windowed = (_windowed(pool, items, mode, w) for w in (None, 3))
     cut = 0
     for w, f in zip(windowed, whole, strict=True):
         key = (w.first_divergence_step, w.category, w.tie, w.screen, w.exact_match)
@@ -323,18 +327,7 @@ def test_a_decode_window_cuts_both_decodes_of_a_pair_and_keeps_t_star(
         for t in traces
     ]
 
-    def run(window: int | None) -> list[ReplayOutcome]:
-        options = ReplayOptions(
-            mode,  # type: ignore[arg-type]
-            flag_ulps=0.0,
-            check_weights=False,
-            decode_window=window,
-        )
-        out = replay_items(items, pool, options)
-        assert all(isinstance(r, ReplayOutcome) for r in out), out
-        return out  # type: ignore[return-value]
-
-    whole, windowed = run(None), run(1)
+    whole, windowed = (_windowed(pool, items, mode, w) for w in (None, 1))
     cut = beyond_a = 0
     for t, w, f in zip(traces, windowed, whole, strict=True):
         key = (w.first_divergence_step, w.category, w.tie, w.screen, w.exact_match)
