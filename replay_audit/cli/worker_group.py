@@ -41,8 +41,10 @@ log = logging.getLogger(__name__)
 #: The measured defaults of `--processes` (REPLAY_AUDIT_WORKER_PROCESSES unset). A GPU worker
 #: of one device: two processes, one building and writing its results (CPU and database work)
 #: while the other's forwards run: 1.25x a lone worker's scan-only audit on an H200 without
-#: MPS (BENCHMARKS.md, "Two workers on one GPU"). Under CUDA MPS decodes gain more from more
-#: processes (3.2x at 8 on an H100: "Faithful decode overlapped"), which --processes sets.
+#: MPS (BENCHMARKS.md, "Two workers on one GPU"). Four reach 519,856 traces/h time-sliced and
+#: 582,666 under CUDA MPS ("The scan-only audit past 500,000 traces/h") but hold four copies of
+#: the models, which a large model on a smaller GPU cannot; decodes gain more from more
+#: processes under MPS (3.2x at 8 on an H100: "Faithful decode overlapped"). --processes sets K.
 GPU_WORKER_PROCESSES: Final = 2
 #: A CPU worker (and a tensor-parallel one, whose ranks already hold a process per device):
 #: one. A CPU replay keeps every core busy itself (torch's threads), so a second process has
