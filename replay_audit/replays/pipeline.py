@@ -513,7 +513,19 @@ def replay_items(
     to scan each here. The items' decodes run together where they replay rows of one logged
     batch (`_decode_all`). An item whose replay fails (`ENGINE_FAILURES`) gets its exception in
     its place."""
-    runs: dict[int, _Replayed | ReplayResult] = {}
+    return [r for r in _replay_some(items, pool, options, scans, decode=True) if r is not None]
+
+
+def _replay_some(
+    items: Sequence[ReplayItem],
+    pool: EnginePool,
+    options: ReplayOptions,
+    scans: Sequence[ScanRun | None] | None,
+    *,
+    decode: bool,
+) -> list[ReplayResult | None]:
+    """`replay_items`; without `decode`, an item that needs a decode is None in its place."""
+    runs: dict[int, _Replayed | ReplayResult | None] = {}
     asked: dict[int, _Ask] = {}
     arms: dict[int, Generator[_Ask, DecodeRun, _Replayed | ReplayOutcome]] = {}
 
@@ -531,6 +543,11 @@ def replay_items(
     while asked:
         now = dict(asked)
         asked.clear()
+        if not decode:
+            for i in now:
+                arms[i].close()
+                runs[i] = None
+            break
         for i, got in _decode_all(now, options.top_k).items():
             if isinstance(got, DecodeRun):
                 advance(i, got)
@@ -539,7 +556,7 @@ def replay_items(
                 runs[i] = got
     ordered = [runs[i] for i in range(len(items))]
     reruns = _rerun_all([r for r in ordered if isinstance(r, _Replayed)], options)
-    out: list[ReplayResult] = []
+    out: list[ReplayResult | None] = []
     for r in ordered:
         if not isinstance(r, _Replayed):
             out.append(r)
@@ -608,6 +625,33 @@ def replay_traces(
     replayed here where it was logged by another engine (baseline "replayed") or where the
     check diverged (baseline "reproduced"), so no flip is counted against logged tokens this
     stack does not give. Results come back in the order of `items`."""
+    out = _replay_traces(items, pool, options, scans, decode=True)
+    return [r for r in out if r is not None]
+
+
+def settled_traces(
+    items: Sequence[ReplayItem],
+    pool: EnginePool,
+    options: ReplayOptions,
+    *,
+    scans: Sequence[ScanRun | None],
+) -> list[ReplayResult | None]:
+    """`replay_traces` of what needs no decode (scan-then-decode's scans settle most traces):
+    each item's result as `replay_traces` gives it, or None where the item, or the reproduction
+    check its trace's comparisons wait for, needs a decode. A worker writes these first, so a
+    large window shows its progress before its decodes (docs/replays.md "Batched scans")."""
+    return _replay_traces(items, pool, options, scans, decode=False)
+
+
+def _replay_traces(
+    items: Sequence[ReplayItem],
+    pool: EnginePool,
+    options: ReplayOptions,
+    scans: Sequence[ScanRun | None] | None,
+    *,
+    decode: bool,
+) -> list[ReplayResult | None]:
+    """`replay_traces`, or `settled_traces` without `decode`."""
     checked = {id(it.trace) for it in items if it.is_check}
     # The checks' scans: the logged configuration's teacher-forced forward along the logged
     # tokens, which the comparisons of the same trace reuse as arm A's.
@@ -635,25 +679,31 @@ def replay_traces(
     ]
     now = [i for i in range(len(items)) if i not in set(later)]
     out: list[ReplayResult | None] = [None] * len(items)
-    ran = replay_items(
+    ran = _replay_some(
         [first[i] for i in now],
         pool,
         options,
-        scans=None if scans is None else [scans[i] for i in now],
+        None if scans is None else [scans[i] for i in now],
+        decode=decode,
     )
     diverged: set[int] = set()  # the traces whose check did not reproduce them
+    waiting: set[int] = set()  # the traces whose check needs a decode (not `decode`)
     for i, result in zip(now, ran, strict=True):
         out[i] = result
+        if items[i].is_check and result is None:
+            waiting.add(id(items[i].trace))
         if items[i].is_check and isinstance(result, ReplayOutcome) and result.exact_match is False:
             diverged.add(id(items[i].trace))
+    later = [i for i in later if id(items[i].trace) not in waiting]
     second = [
         pairwise(items[i], "reproduced") if id(items[i].trace) in diverged else items[i]
         for i in later
     ]
     kept = [None if scans is None else scans[i] for i in later]
-    for i, result in zip(later, replay_items(second, pool, options, scans=kept), strict=True):
+    ran = _replay_some(second, pool, options, kept, decode=decode)
+    for i, result in zip(later, ran, strict=True):
         out[i] = result
-    return [r for r in out if r is not None]
+    return out
 
 
 def _run_arms(

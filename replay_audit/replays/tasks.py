@@ -12,7 +12,9 @@ A worker has one `worker.context.WorkerContext` (its settings and its engines, e
 loaded once per format and kept loaded), owned by the worker, never by this module.
 
 In the scan modes the job first scans all its traces that still need a result, batched
-(`pipeline.scan_items`), then finishes them a window at a time (`pipeline.replay_traces`).
+(`pipeline.scan_items`), then finishes them a window at a time (`pipeline.replay_traces`); a
+scan-then-decode window of a logged batch writes the traces its scans settled
+(`pipeline.settled_traces`) before it decodes the rest.
 """
 
 from __future__ import annotations
@@ -48,7 +50,14 @@ from replay_audit.replays.domain import (
     RunTarget,
 )
 from replay_audit.replays.models import ReplayJob, ReplayRun
-from replay_audit.replays.pipeline import ReplayItem, ReplayOptions, replay_traces, scan_items
+from replay_audit.replays.pipeline import (
+    ReplayItem,
+    ReplayOptions,
+    ReplayResult,
+    replay_traces,
+    scan_items,
+    settled_traces,
+)
 from replay_audit.replays.results import ResultRow, failed_values, result_values
 from replay_audit.telemetry.log import bound
 from replay_audit.telemetry.metric import REPLAY_TOKENS, REPLAY_TRACES
@@ -174,18 +183,25 @@ def _run_job(
                 repository.release_job(s, job_id)
             log.info("replay job %d stopped between traces; it resumes when re-enqueued", job_id)
             return
-        done = _replay(chunk, spec, ctx)
-        # A window's results in one transaction (each trace's rows whole, none twice: the
-        # unique key), with the heartbeat the reconciler reads; the last one's with the job's
-        # end, so a run never reads `running` with all its results stored.
-        with session_scope(url) as s:
-            repository.insert_results_of(s, spec.run_id, [(p.trace_id, r) for p, r in done])
-            repository.touch_job(s, job_id)
-            if n == len(chunks) - 1:
-                service.finish_job(s, job_id)
-                finished = True
-        counts.traces += len(done)
-        counts.results += sum(len(r) for _, r in done)
+        parts = []
+        if spec.options.mode == "scan_then_decode" and len(chunk) > RERUN_WINDOW[spec.options.mode]:
+            # A logged batch's window: the traces its scans settled first, then its decodes.
+            settled, chunk = _replay(chunk, spec, ctx, decode=False)
+            parts.append(settled)
+        if chunk:
+            parts.append(_replay(chunk, spec, ctx)[0])
+        for k, done in enumerate(parts):
+            # A window's results in one transaction (each trace's rows whole, none twice: the
+            # unique key), with the heartbeat the reconciler reads; the last one's with the
+            # job's end, so a run never reads `running` with all its results stored.
+            with session_scope(url) as s:
+                repository.insert_results_of(s, spec.run_id, [(p.trace_id, r) for p, r in done])
+                repository.touch_job(s, job_id)
+                if n == len(chunks) - 1 and k == len(parts) - 1:
+                    service.finish_job(s, job_id)
+                    finished = True
+            counts.traces += len(done)
+            counts.results += sum(len(r) for _, r in done)
 
     with session_scope(url) as s:
         if not finished:
@@ -324,28 +340,37 @@ def _scan_all(pending: Sequence[_Pending], spec: _RunSpec, ctx: WorkerContext) -
 
 
 def _replay(
-    pending: Sequence[_Pending], spec: _RunSpec, ctx: WorkerContext
-) -> list[tuple[_Pending, list[ResultRow]]]:
+    pending: Sequence[_Pending], spec: _RunSpec, ctx: WorkerContext, *, decode: bool = True
+) -> tuple[list[tuple[_Pending, list[ResultRow]]], list[_Pending]]:
     """The result rows of a window of traces replayed together (`pipeline.replay_traces`), a
-    failure as its item's failed row."""
+    failure as its item's failed row; without `decode`, of the traces no decode is needed for
+    (`pipeline.settled_traces`), and the others, left to replay."""
     flat = [(p, n, i) for p in pending for n, i in enumerate(p.items) if isinstance(i, ReplayItem)]
     scans = [p.scans[n] if p.scans else None for p, n, _ in flat]
-    results = iter(replay_traces([i for _, _, i in flat], ctx.pool, spec.options, scans=scans))
-    out = []
+    items = [i for _, _, i in flat]
+    ran: Sequence[ReplayResult | None] = (
+        replay_traces(items, ctx.pool, spec.options, scans=scans)
+        if decode
+        else settled_traces(items, ctx.pool, spec.options, scans=scans)
+    )
+    results = iter(ran)
+    out, rest = [], []
     for p in pending:
+        got = [next(results) if isinstance(item, ReplayItem) else item for item in p.items]
+        if any(r is None for r in got):
+            rest.append(p)
+            continue
         rows: list[ResultRow] = []
-        for c, item in zip(p.missing, p.items, strict=True):
-            if not isinstance(item, ReplayItem):
-                rows.append(item)
-                continue
-            result = next(results)
+        for c, result in zip(p.missing, got, strict=True):
             if isinstance(result, Exception):
                 rows.append(_failed_row(c, result, p.trace_id))
-            else:
+            elif isinstance(result, ReplayOutcome):
                 _count_decode(result, ctx.gpu_kind)
                 rows.append(result_values(c, result))
+            elif result is not None:
+                rows.append(result)
         out.append((p, rows))
-    return out
+    return out, rest
 
 
 #: The screens of scan-then-decode results no decode produced (the scan settled them).

@@ -152,3 +152,69 @@ def test_jobs_hold_whole_logged_batches() -> None:
     assert {q for q, _ in gpu} == {"gpu"}
     cpu = _chunks(big, list(range(300)), [RunTarget(None)], "cpu", "scan_then_decode")
     assert [len(t) for _, t in cpu] == [64, 64, 64, 64, 44]  # one size: one group
+
+
+def test_a_logged_batchs_window_writes_what_its_scans_settled_before_its_decodes(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    real_worker: None,
+    real_dir: Path,
+    real_prompts: list[tuple[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scan-then-decode window of one logged batch (32 rows, more than the 16 of a window of
+    lone traces) with its reproduction check and an fp16 target: the traces whose comparisons
+    the scans settled are written in one transaction before the window's decodes run, the
+    decoded ones (a trace whose check is decoded waits with it) in the next, and each stored
+    result is what a one-pass replay gives."""
+    from replay_audit.engine.generate import TraceGenerator
+    from replay_audit.replays import repository, tasks
+
+    with TraceGenerator(real_dir, dtype="bf16", device="cpu") as gen:
+        batch = gen.trace_batch(list(real_prompts[:32]), max_new_tokens=16)
+    h = headers("admin")
+    ids = ingest(client, h, batch)
+    writes: list[list[int]] = []
+    insert = repository.insert_results_of
+
+    def recording(s: Any, run_id: int, rows: Any) -> Any:
+        writes.append([trace_id for trace_id, _ in rows])
+        return insert(s, run_id, rows)
+
+    monkeypatch.setattr(repository, "insert_results_of", recording)
+    body = {
+        "trace_ids": ids,
+        "targets": [{"dtype": "fp16"}],
+        "mode": "scan_then_decode",
+        "control_fraction": 0.3,
+        "flagged_fraction": 0.5,
+    }
+    r = client.post("/v1/replays", json=body, headers=h)
+    assert r.status_code == 201, r.text
+    assert runner.run_all() == 1
+    assert [len(w) for w in writes][:1] != [0] and len(writes) == 2, writes
+    assert sorted(writes[0] + writes[1]) == sorted(set(writes[0] + writes[1]))  # none twice
+    results = all_results(client, r.json()["id"], h)
+    assert len(results) == 64 and all(x["status"] == "ok" for x in results)
+    settled = {"scanned", "flagged_scanned", "near_tie_scanned"}
+    by_trace: dict[str, list[str]] = {}
+    for x in results:
+        by_trace.setdefault(x["trace_id"], []).append(x["screen"])
+    first = {i for i, screens in by_trace.items() if all(s in settled for s in screens)}
+    assert len(first) == len(writes[0]) and 0 < len(first) < 32, by_trace
+    assert len(writes[1]) == 32 - len(first)
+    # The same run in one pass (the window's decodes and its settled traces together).
+    monkeypatch.setitem(tasks.RERUN_WINDOW, "scan_then_decode", 64)
+    writes.clear()
+    r = client.post("/v1/replays", json=body, headers=h)
+    assert runner.run_all() == 1 and len(writes) == 1
+    again = all_results(client, r.json()["id"], h)
+
+    def key(x: dict[str, Any]) -> tuple[Any, ...]:
+        return (x["trace_id"], x["comparison"], x["screen"], x["exact_match"])
+
+    assert sorted(map(key, results)) == sorted(map(key, again))
+    assert {key(x): x["first_divergence_step"] for x in results} == {
+        key(x): x["first_divergence_step"] for x in again
+    }
