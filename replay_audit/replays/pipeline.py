@@ -840,9 +840,9 @@ def _scanned_pair_only(pair: _Replayed, screen: Screen) -> _Replayed | ReplayOut
     """A scan-then-decode pair not decoded: where the scans differ (`flagged_scanned`), their
     result (t* the first step whose choices differ, as a scan run's); where they agree
     (`scanned`, `near_tie_scanned`), unknown, as `_scanned_only`'s."""
-    if screen == "flagged_scanned":
-        return replace(pair, mode="scan_then_decode", screen=screen)
     r = replace(pair, mode="scan_then_decode", screen=screen)
+    if screen == "flagged_scanned":
+        return r
     arm_a = replace(_arm_outcome(r, "a", None, None), output_token_ids=None)
     return _unknown(r, arm_a)
 

@@ -187,7 +187,7 @@ def _run_job(
         if spec.options.mode == "scan_then_decode" and len(chunk) > RERUN_WINDOW[spec.options.mode]:
             # A logged batch's window: the traces its scans settled first, then its decodes.
             settled, chunk = _replay(chunk, spec, ctx, decode=False)
-            parts.append(settled)
+            parts += [settled] if settled else []
         if chunk:
             parts.append(_replay(chunk, spec, ctx)[0])
         for k, done in enumerate(parts):
