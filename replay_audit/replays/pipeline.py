@@ -112,8 +112,9 @@ class ReplayItem:
     """One trace and one comparison: arm B against arm A (None: the logged tokens; else both
     decoded here). `control`: in the run's control sample; `decode_flagged`: in its flagged
     sample (decoded from the scan's first disagreement where the scan flags it by a mismatch,
-    from the prompt where by a near-tie; else the scan's result stands, or, for a near-tie,
-    the trace is only scanned); `baseline`: set by `replay_traces`."""
+    from the prompt where by a near-tie or where the item is a reproduction check; else the
+    scan's result stands, or, for a near-tie, the trace is only scanned); `baseline`: set by
+    `replay_traces`."""
 
     trace: LoggedTrace
     b: RunTarget
@@ -513,7 +514,8 @@ def replay_items(
     to scan each here. The items' decodes run together where they replay rows of one logged
     batch (`_decode_all`). An item whose replay fails (`ENGINE_FAILURES`) gets its exception in
     its place."""
-    return [r for r in _replay_some(items, pool, options, scans, decode=True) if r is not None]
+    ran = _replay_some(items, pool, options, scans, decode=True, decodes=_Decodes())
+    return [r for r in ran if r is not None]
 
 
 def _replay_some(
@@ -523,8 +525,10 @@ def _replay_some(
     scans: Sequence[ScanRun | None] | None,
     *,
     decode: bool,
+    decodes: _Decodes,
 ) -> list[ReplayResult | None]:
-    """`replay_items`; without `decode`, an item that needs a decode is None in its place."""
+    """`replay_items`; without `decode`, an item that needs a decode is None in its place.
+    `decodes`: the window's decodes so far, which an identical ask reuses."""
     runs: dict[int, _Replayed | ReplayResult | None] = {}
     asked: dict[int, _Ask] = {}
     arms: dict[int, Generator[_Ask, DecodeRun, _Replayed | ReplayOutcome]] = {}
@@ -548,7 +552,7 @@ def _replay_some(
                 arms[i].close()
                 runs[i] = None
             break
-        for i, got in _decode_all(now, options.top_k).items():
+        for i, got in _decode_all(now, options.top_k, decodes).items():
             if isinstance(got, DecodeRun):
                 advance(i, got)
             else:
@@ -576,23 +580,55 @@ class _Ask:
     request: DecodeRequest
 
 
-def _decode_all(asked: Mapping[int, _Ask], top_k: int) -> dict[int, DecodeRun | Exception]:
+class _Decodes:
+    """The decodes a window ran, so that an ask identical to one already run (the same arm's
+    computation, `_key`, and the same request: prompt, budget, eos, forced prefix, window,
+    logged batch layout) takes that run instead of computing it again: a pair's arm A from the
+    prompt is its trace's reproduction check's decode, and two pairwise comparisons share a
+    target's decode."""
+
+    def __init__(self) -> None:
+        self._runs: dict[tuple[_Key, tuple[int, ...]], list[tuple[DecodeRequest, DecodeRun]]] = {}
+
+    @staticmethod
+    def key(ask: _Ask) -> tuple[_Key, tuple[int, ...]]:
+        return _key(ask.arm), tuple(ask.request.prompt_ids)
+
+    def get(self, ask: _Ask) -> DecodeRun | None:
+        runs = self._runs.get(self.key(ask), ())
+        return next((run for request, run in runs if request == ask.request), None)
+
+    def put(self, ask: _Ask, run: DecodeRun) -> None:
+        self._runs.setdefault(self.key(ask), []).append((ask.request, run))
+
+
+def _decode_all(
+    asked: Mapping[int, _Ask], top_k: int, decodes: _Decodes
+) -> dict[int, DecodeRun | Exception]:
     """The decodes asked for, each arm's through one `Engine.decode_batch` (which runs the rows
     of one logged batch together); where a batch fails, its decodes run one by one, so only the
-    failing item fails."""
-    groups: list[tuple[Arm, list[int]]] = []  # arms of one engine, intervention and processors
-    for i, ask in asked.items():
-        a = ask.arm
-        for arm, members in groups:
-            same = arm.engine is a.engine and arm.intervention == a.intervention
-            if same and arm.processors == a.processors:
-                members.append(i)
-                break
-        else:
-            groups.append((a, [i]))
+    failing item fails. An ask identical to one run before (`decodes`) or to another of these
+    takes its run."""
     out: dict[int, DecodeRun | Exception] = {}
-    for arm, members in groups:
-        requests = [asked[i].request for i in members]
+    todo: dict[int, _Ask] = {}
+    firsts: dict[tuple[_Key, tuple[int, ...]], list[int]] = {}  # `todo`'s, by `_Decodes.key`
+    twin: dict[int, int] = {}  # an ask identical to one in `todo`: that one's index
+    for i, ask in asked.items():
+        if (run := decodes.get(ask)) is not None:
+            out[i] = run
+            continue
+        alike = firsts.setdefault(_Decodes.key(ask), [])
+        j = next((j for j in alike if todo[j].request == ask.request), None)
+        if j is None:
+            alike.append(i)
+            todo[i] = ask
+        else:
+            twin[i] = j
+    groups: dict[_Key, tuple[Arm, list[int]]] = {}  # one arm's computation
+    for i, ask in todo.items():
+        groups.setdefault(_key(ask.arm), (ask.arm, []))[1].append(i)
+    for arm, members in groups.values():
+        requests = [todo[i].request for i in members]
         try:
             out.update(zip(members, arm.decode_batch(requests, top_k), strict=True))
         except ENGINE_FAILURES as e:
@@ -601,9 +637,13 @@ def _decode_all(asked: Mapping[int, _Ask], top_k: int) -> dict[int, DecodeRun | 
                 continue
             for i in members:
                 try:
-                    (out[i],) = arm.decode_batch([asked[i].request], top_k)
+                    (out[i],) = arm.decode_batch([todo[i].request], top_k)
                 except ENGINE_FAILURES as one:
                     out[i] = one
+    for i, ask in todo.items():
+        if isinstance(got := out[i], DecodeRun):
+            decodes.put(ask, got)
+    out.update((i, out[j]) for i, j in twin.items())
     return out
 
 
@@ -679,12 +719,14 @@ def _replay_traces(
     ]
     now = [i for i in range(len(items)) if i not in set(later)]
     out: list[ReplayResult | None] = [None] * len(items)
+    decodes = _Decodes()  # a check's decode from the prompt is its pair's arm A
     ran = _replay_some(
         [first[i] for i in now],
         pool,
         options,
         None if scans is None else [scans[i] for i in now],
         decode=decode,
+        decodes=decodes,
     )
     diverged: set[int] = set()  # the traces whose check did not reproduce them
     waiting: set[int] = set()  # the traces whose check needs a decode (not `decode`)
@@ -700,7 +742,7 @@ def _replay_traces(
         for i in later
     ]
     kept = [None if scans is None else scans[i] for i in later]
-    ran = _replay_some(second, pool, options, kept, decode=decode)
+    ran = _replay_some(second, pool, options, kept, decode=decode, decodes=decodes)
     for i, result in zip(later, ran, strict=True):
         out[i] = result
     return out
@@ -775,6 +817,14 @@ def _run_arms(
             ids = [*logged[:s], int(scan.steps.token_ids[s])]
             run_b = _ArmRun(b, ids, scan.steps.slice(0, s + 1), "scan", batched)
             screen = None if mode == "scan" else "flagged_scanned"
+        elif item.is_check:
+            # The reproduction check decodes from the prompt: whether the logged tokens
+            # reproduce is a question about the logged computation, which a prefill of
+            # logged[:s] is not. So a window's check decodes share one run of their logged
+            # batch, and a pair's arm A is this decode (docs/replays.md "Reproduce before
+            # compare").
+            run_b = _decoded(b, (yield b.request(prompt, budget, eos, window=window)))
+            screen = "flagged"
         else:
             rb = yield b.request(prompt, budget, eos, forced_prefix=logged[:s], window=window)
             steps = Steps.concat([scan.steps.slice(0, s), rb.steps])

@@ -218,3 +218,69 @@ def test_a_logged_batchs_window_writes_what_its_scans_settled_before_its_decodes
     assert {key(x): x["first_divergence_step"] for x in results} == {
         key(x): x["first_divergence_step"] for x in again
     }
+
+
+def test_a_logged_batchs_checks_decode_from_the_prompt_in_one_run_and_their_pairs_reuse_it(
+    client: TestClient,
+    runner: HoldingRunner,
+    headers: Callable[..., dict[str, str]],
+    real_worker: None,
+    real_dir: Path,
+    real_prompts: list[tuple[str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """12 rows of one batched generate() whose logged outputs were changed at steps 2 to 6 (as
+    a logging stack this one does not reproduce would leave them): each reproduction check's
+    scan flags its trace at its change, and the check decodes from the prompt, so its t* is the
+    change, all twelve in one run of the batch (from their flags they would be five runs, one a
+    start). Each trace's fp16 comparison is then judged against the reproduced baseline, whose
+    arm A from the prompt is the check's own decode: no logged-configuration decode runs
+    twice."""
+    from replay_audit.engine.generate import TraceGenerator
+    from replay_audit.replays import pipeline
+
+    with TraceGenerator(real_dir, dtype="bf16", device="cpu") as gen:
+        batch = gen.trace_batch(list(real_prompts[:12]), max_new_tokens=10)
+    changed_at = [2 + k % 5 for k in range(len(batch))]
+    for trace, at in zip(batch, changed_at, strict=True):
+        ids = list(trace["output_token_ids"])
+        ids[at] = (ids[at] + 1) % trace["model"]["vocab_size"]
+        trace.update(output_token_ids=ids, top_k=None)
+        trace.pop("output_token_pieces", None)
+    h = headers("admin")
+    ids = ingest(client, h, batch)
+    asked: list[tuple[str, pipeline.DecodeRequest]] = []
+    decode_batch = pipeline.Arm.decode_batch
+
+    def recording(arm: pipeline.Arm, requests: Any, top_k: int) -> Any:
+        asked.extend((arm.resolved.dtype, r) for r in requests)
+        return decode_batch(arm, requests, top_k)
+
+    monkeypatch.setattr(pipeline.Arm, "decode_batch", recording)
+    body = {
+        "trace_ids": ids,
+        "targets": [{"dtype": "fp16"}],
+        "mode": "scan_then_decode",
+        "control_fraction": 1.0,
+    }
+    r = client.post("/v1/replays", json=body, headers=h)
+    assert r.status_code == 201, r.text
+    assert runner.run_all() == 1
+    results = all_results(client, r.json()["id"], h)
+    assert len(results) == 24 and all(x["status"] == "ok" for x in results), results
+    check = {x["trace_id"]: x for x in results if x["comparison"] == 1}
+    for i, at in zip(ids, changed_at, strict=True):
+        x = check[i]
+        assert x["screen"] == "flagged" and x["exact_match"] is False, x
+        assert x["first_divergence_step"] == at  # the decode from the prompt leaves them there
+        assert x["arms"]["b"]["environment"]["extras"]["decode_rows"] == len(ids)
+    logged_config = [q for dtype, q in asked if dtype == "bf16"]
+    assert len(logged_config) == len(ids)  # the checks' decodes, and no other
+    assert all(not q.forced_prefix for q in logged_config)
+    pairs = [x for x in results if x["comparison"] == 0]
+    assert {x["baseline"] for x in pairs} == {"reproduced"}
+    for x in pairs:  # arm A is the check's decode (its tokens, its run of the batch)
+        assert (
+            x["arms"]["a"]["output_token_ids"]
+            == check[x["trace_id"]]["arms"]["b"]["output_token_ids"]
+        )

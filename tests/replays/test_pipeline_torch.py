@@ -271,6 +271,40 @@ def _windowed(
     return out  # type: ignore[return-value]
 
 
+def test_comparisons_that_need_one_decode_share_its_run(
+    pool: EnginePool, real_dir: Path, real_prompts: list[tuple[str, str]], monkeypatch: Any
+) -> None:
+    """Two pairwise comparisons with one arm A (bf16 against fp16, bf16 against fp32) decode
+    bf16 once a trace, and each result is what the comparison gets alone."""
+    from replay_audit.replays import pipeline
+
+    model = Model(real_dir, tuple(real_prompts[:6]), 16)
+    traces = [_logged(tr) for tr in _trace_set(model, "fp32")]
+    bf16 = RunTarget(Target("bf16"))
+    items = [
+        ReplayItem(t, RunTarget(Target(b)), real_dir, a=bf16)
+        for t in traces
+        for b in ("fp16", "fp32")
+    ]
+    options = ReplayOptions("decode", check_weights=False)
+    alone = [replay_one(item, pool, options) for item in items]
+    asked: list[tuple[str, Any]] = []
+    decode_batch = pipeline.Arm.decode_batch
+
+    def recording(arm: pipeline.Arm, requests: Any, top_k: int) -> Any:
+        asked.extend((arm.resolved.dtype, r) for r in requests)
+        return decode_batch(arm, requests, top_k)
+
+    monkeypatch.setattr(pipeline.Arm, "decode_batch", recording)
+    together = replay_items(items, pool, options)
+    assert sorted(d for d, _ in asked) == sorted(["bf16", "fp16", "fp32"] * len(traces))
+    for a, b in zip(alone, together, strict=True):
+        assert isinstance(a, ReplayOutcome) and isinstance(b, ReplayOutcome), (a, b)
+        assert a.a.output_token_ids == b.a.output_token_ids
+        assert a.b.output_token_ids == b.b.output_token_ids
+        assert (a.first_divergence_step, a.category) == (b.first_divergence_step, b.category)
+
+
 @pytest.mark.parametrize("mode", ["scan_then_decode", "decode"])
 def test_a_decode_window_keeps_t_star_and_gives_the_whole_decodes_prefix(
     pool: EnginePool, real_dir: Path, real_prompts: list[tuple[str, str]], mode: str
