@@ -209,3 +209,20 @@ def run_to_done(
     run: dict[str, Any] = client.get(f"/v1/replays/{r.json()['id']}", headers=h).json()
     assert run["status"] == "done", run
     return run
+
+
+@pytest.fixture
+def decodes_asked(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """Every decode the pipeline runs from here on, as (the arm's dtype, its `DecodeRequest`),
+    in the order `Arm.decode_batch` is given them."""
+    from replay_audit.replays import pipeline
+
+    asked: list[tuple[str, Any]] = []
+    decode_batch = pipeline.Arm.decode_batch
+
+    def recording(arm: pipeline.Arm, requests: Any, top_k: int) -> Any:
+        asked.extend((arm.resolved.dtype, r) for r in requests)
+        return decode_batch(arm, requests, top_k)
+
+    monkeypatch.setattr(pipeline.Arm, "decode_batch", recording)
+    return asked

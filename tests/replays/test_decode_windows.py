@@ -227,7 +227,7 @@ def test_a_logged_batchs_checks_decode_from_the_prompt_in_one_run_and_their_pair
     real_worker: None,
     real_dir: Path,
     real_prompts: list[tuple[str, str]],
-    monkeypatch: pytest.MonkeyPatch,
+    decodes_asked: list[tuple[str, Any]],
 ) -> None:
     """12 rows of one batched generate() whose logged outputs were changed at steps 2 to 6 (as
     a logging stack this one does not reproduce would leave them): each reproduction check's
@@ -237,7 +237,6 @@ def test_a_logged_batchs_checks_decode_from_the_prompt_in_one_run_and_their_pair
     arm A from the prompt is the check's own decode: no logged-configuration decode runs
     twice."""
     from replay_audit.engine.generate import TraceGenerator
-    from replay_audit.replays import pipeline
 
     with TraceGenerator(real_dir, dtype="bf16", device="cpu") as gen:
         batch = gen.trace_batch(list(real_prompts[:12]), max_new_tokens=10)
@@ -249,14 +248,6 @@ def test_a_logged_batchs_checks_decode_from_the_prompt_in_one_run_and_their_pair
         trace.pop("output_token_pieces", None)
     h = headers("admin")
     ids = ingest(client, h, batch)
-    asked: list[tuple[str, pipeline.DecodeRequest]] = []
-    decode_batch = pipeline.Arm.decode_batch
-
-    def recording(arm: pipeline.Arm, requests: Any, top_k: int) -> Any:
-        asked.extend((arm.resolved.dtype, r) for r in requests)
-        return decode_batch(arm, requests, top_k)
-
-    monkeypatch.setattr(pipeline.Arm, "decode_batch", recording)
     body = {
         "trace_ids": ids,
         "targets": [{"dtype": "fp16"}],
@@ -274,7 +265,7 @@ def test_a_logged_batchs_checks_decode_from_the_prompt_in_one_run_and_their_pair
         assert x["screen"] == "flagged" and x["exact_match"] is False, x
         assert x["first_divergence_step"] == at  # the decode from the prompt leaves them there
         assert x["arms"]["b"]["environment"]["extras"]["decode_rows"] == len(ids)
-    logged_config = [q for dtype, q in asked if dtype == "bf16"]
+    logged_config = [q for dtype, q in decodes_asked if dtype == "bf16"]
     assert len(logged_config) == len(ids)  # the checks' decodes, and no other
     assert all(not q.forced_prefix for q in logged_config)
     pairs = [x for x in results if x["comparison"] == 0]

@@ -272,12 +272,13 @@ def _windowed(
 
 
 def test_comparisons_that_need_one_decode_share_its_run(
-    pool: EnginePool, real_dir: Path, real_prompts: list[tuple[str, str]], monkeypatch: Any
+    pool: EnginePool,
+    real_dir: Path,
+    real_prompts: list[tuple[str, str]],
+    decodes_asked: list[tuple[str, Any]],
 ) -> None:
     """Two pairwise comparisons with one arm A (bf16 against fp16, bf16 against fp32) decode
     bf16 once a trace, and each result is what the comparison gets alone."""
-    from replay_audit.replays import pipeline
-
     model = Model(real_dir, tuple(real_prompts[:6]), 16)
     traces = [_logged(tr) for tr in _trace_set(model, "fp32")]
     bf16 = RunTarget(Target("bf16"))
@@ -288,16 +289,9 @@ def test_comparisons_that_need_one_decode_share_its_run(
     ]
     options = ReplayOptions("decode", check_weights=False)
     alone = [replay_one(item, pool, options) for item in items]
-    asked: list[tuple[str, Any]] = []
-    decode_batch = pipeline.Arm.decode_batch
-
-    def recording(arm: pipeline.Arm, requests: Any, top_k: int) -> Any:
-        asked.extend((arm.resolved.dtype, r) for r in requests)
-        return decode_batch(arm, requests, top_k)
-
-    monkeypatch.setattr(pipeline.Arm, "decode_batch", recording)
+    decodes_asked.clear()
     together = replay_items(items, pool, options)
-    assert sorted(d for d, _ in asked) == sorted(["bf16", "fp16", "fp32"] * len(traces))
+    assert sorted(d for d, _ in decodes_asked) == sorted(["bf16", "fp16", "fp32"] * len(traces))
     for a, b in zip(alone, together, strict=True):
         assert isinstance(a, ReplayOutcome) and isinstance(b, ReplayOutcome), (a, b)
         assert a.a.output_token_ids == b.a.output_token_ids
