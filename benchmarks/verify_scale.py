@@ -64,6 +64,10 @@ so a decision rule can be tried on a GPU's null from a CPU.
 
     python benchmarks/verify_scale.py --null-from null.npz --draws 1000 --out /tmp/null
 
+With it, `--null-variations bf16/sdpa/b256` keeps only those benign variations (a null pinned to
+the claimed configuration) and `--sim-max-budget 32768` measures the providers' AUC and power up
+to the tokens their files hold (default 8,192).
+
 `--stage benign` stops after the benign traces' scan, keeping them in `--work`; `--stage rest`
 takes them from there (two device commands on one warm machine). Writes `--out`/scale.json and
 scale.md (or cross.json and cross.md), with the wall time of every phase.
@@ -562,6 +566,11 @@ def capped(budgets: Sequence[int], args: argparse.Namespace) -> list[int]:
     return [b for b in budgets if b <= args.max_budget]
 
 
+def sim_budgets(args: argparse.Namespace) -> list[int]:
+    """The simulations' budgets: up to `--sim-max-budget` and `--max-budget`."""
+    return [b for b in FA_BUDGETS if b <= min(args.sim_max_budget, args.max_budget)]
+
+
 def reach(tokens: int, budgets: Sequence[int]) -> int | None:
     """The largest budget a null of `tokens` backs without repeating traces."""
     fit = [b for b in budgets if b <= tokens]
@@ -1049,7 +1058,7 @@ def sampled_section(
             cal,
             evidence["4-bit RTN g128"],
             evidence["honest"],
-            capped(SIM_BUDGETS, args),
+            sim_budgets(args),
             args.fa_draws,
             rng,
             judged=False,
@@ -1111,9 +1120,7 @@ def rest_stage(args: argparse.Namespace, clock: Clock, data: dict[str, Any]) -> 
                     "prompts": len(s.units),
                     "outputs_differing": round(differing / max(1, len(s.units)), 4),
                     "generate_s": round(s.gen_s, 2),
-                    **simulation_row(
-                        cal, deficits, honest, capped(SIM_BUDGETS, args), args.fa_draws, rng
-                    ),
+                    **simulation_row(cal, deficits, honest, sim_budgets(args), args.fa_draws, rng),
                 }
         if args.sampled:
             result["sampled"] = sampled_section(args, clock, data, pool, root, cal, rng)
@@ -1353,7 +1360,9 @@ def markdown(r: Mapping[str, Any]) -> str:
         )
     null = r["null"]
     decs = list(null["false_alarms"])
-    sims_b = [int(b) for b in null["false_alarms"][decs[0]] if int(b) <= SIM_BUDGETS[-1]]
+    # The simulations' budgets (`sim_budgets`): those their rows hold.
+    sims = list(r.get("simulations", {}).values())
+    sims_b = [int(b) for b in sims[0][decs[0]]["per_budget"]] if sims else []
     lines += [
         "",
         f"## Null: thresholds from half A, false alarms on half B ({null['tokens']} tokens)",
@@ -1540,6 +1549,19 @@ def parser() -> argparse.ArgumentParser:
         default=FA_BUDGETS[-1],
         help="the largest token budget measured (a quick run: fewer)",
     )
+    ap.add_argument(
+        "--sim-max-budget",
+        type=int,
+        default=SIM_BUDGETS[-1],
+        help="the largest budget of the simulations' AUC and power (with --null-from: up to "
+        "the provider files' tokens, 32,768 at the GPU script's defaults)",
+    )
+    ap.add_argument(
+        "--null-variations",
+        default=None,
+        help="with --null-from: only these benign variations (comma-separated keys, e.g. "
+        "bf16/sdpa/b256): a null pinned to the claimed configuration",
+    )
     ap.add_argument("--draws", type=int, default=300, help="calibration draws per budget")
     ap.add_argument(
         "--fa-draws",
@@ -1630,6 +1652,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return result
     if args.null_from is not None:
         data, alt, meta, providers = load_null(args.null_from)
+        if args.null_variations is not None:
+            keep = args.null_variations.split(",")
+            unknown = sorted(set(keep) - set(data["variations"]))
+            if unknown:
+                parser().error(f"--null-variations: not in the file: {', '.join(unknown)}")
+            data = {"variations": {k: data["variations"][k] for k in keep}}
         platform_ = {
             k: meta.get(k) for k in ("device", "gpu_name", "sm", "torch_version", "devices")
         }
@@ -1640,7 +1668,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result = {"null_from": str(args.null_from), "meta": meta, "null": null}
         honest = providers.pop(HONEST, [])
         if honest:  # the providers' power at the null's thresholds, as the GPU run reports it
-            budgets = capped(SIM_BUDGETS, args)
+            budgets = sim_budgets(args)
             with clock.phase("simulations' AUC and power"):
                 result["simulations"] = {
                     name: {

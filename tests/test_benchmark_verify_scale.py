@@ -150,3 +150,20 @@ def test_a_saved_null_measures_the_same_decisions_again(
     for name, row in result["simulations"].items():
         kept = {k: v for k, v in row.items() if k in again["simulations"][name]}
         assert again["simulations"][name] == kept, name
+
+
+def test_a_saved_null_pinned_to_some_variations_measures_only_them(
+    scale_run: tuple[dict[str, Any], Path], tmp_path: Path
+) -> None:
+    """`--null-variations` keeps only the named benign variations (an unknown one is an error
+    naming it); `--sim-max-budget` sets the simulations' largest budget."""
+    result, out = scale_run
+    keep = sorted(result["benign"])[0]
+    args = ["--null-from", str(out / "null.npz"), "--out", str(tmp_path), "--draws", "50",
+            "--fa-draws", "100", "--max-budget", "4096"]  # fmt: skip
+    pinned = vs.main([*args, "--null-variations", keep, "--sim-max-budget", "64"])
+    assert set(pinned["null"]["per_variation"]) == {keep} != set(result["null"]["per_variation"])
+    for row in pinned["simulations"].values():
+        assert [int(b) for b in row["per_budget"]["per_budget"]] == [16, 32, 64]
+    with pytest.raises(SystemExit):
+        vs.main([*args, "--null-variations", "no/such/b9"])
