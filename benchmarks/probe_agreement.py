@@ -3,7 +3,9 @@ from-scratch rule? Traces of a checkpoint logged by transformers' own `generate(
 call, `replay_audit.engine.generate`) or read from a traces JSONL (`e2e_audit.py prepare`'s),
 replayed in another format through the one pipeline (`replay_items` against the logged tokens,
 scans batched as a replay job's) once per probe kind and mode; per flip, both kinds' t*,
-category and probe tokens; every disagreement listed; the seconds each kind took (one run).
+category and probe tokens; every disagreement listed; the seconds each kind took (one run);
+the flips by arm B's margin at t* in ulps (the two probes can only differ within about an ulp
+of a tie) and the agreement on the flips beyond 1 ulp.
 
     python benchmarks/probe_agreement.py --model .models/smollm2-135m-instruct --device cpu \\
         --prompts 16 --tokens 32 --modes scan decode --out /tmp/probe.json
@@ -62,7 +64,32 @@ def _flip(o: ReplayOutcome) -> dict[str, Any]:
         "probe_a": s.a.token if s is not None and s.a is not None else None,
         "probe_b": s.b.token if s is not None else None,
         "margin_b": o.b.margin.abs if o.b.margin is not None else None,
+        "margin_b_ulps": _ulps(o),
     }
+
+
+def _ulps(o: ReplayOutcome) -> float | None:
+    """Arm B's margin at t* (its own run's) in ulps of its lm_head format."""
+    return o.b.margin.ulps if o.b.margin is not None else None
+
+
+#: Upper edges (ulps) of the histogram of arm B's margin at t* over the flips.
+MARGIN_EDGES = (0.0, 1.0, 2.0, 4.0, 8.0)
+
+
+def _margin_histogram(flips: list[ReplayOutcome]) -> dict[str, int]:
+    """Flips by arm B's margin at t*: exactly 0, then up to each edge, then above; unknown.
+    Where the two probes can disagree (within an ulp of a tie) against where they cannot."""
+    out = {f"<={e:g}": 0 for e in MARGIN_EDGES} | {f">{MARGIN_EDGES[-1]:g}": 0, "unknown": 0}
+    for o in flips:
+        u = _ulps(o)
+        key = (
+            "unknown"
+            if u is None
+            else next((f"<={e:g}" for e in MARGIN_EDGES if u <= e), f">{MARGIN_EDGES[-1]:g}")
+        )
+        out[key] += 1
+    return out
 
 
 def main() -> None:
@@ -108,7 +135,8 @@ def main() -> None:
             scans = scan_items(items, pool, options).runs  # batched, as a replay job scans
             runs[kind] = replay_items(items, pool, options, scans=scans)
             seconds[kind] = round(time.perf_counter() - t, 2)
-        flips = agree = 0
+        flips = agree = beyond = beyond_agree = 0
+        flipped: list[ReplayOutcome] = []
         disagreements = []
         pairs = zip(traces, runs["from_scratch"], runs["teacher_forced"], strict=True)
         for n, (trace, fs, tf) in enumerate(pairs):
@@ -118,8 +146,14 @@ def main() -> None:
             if fs.first_divergence_step is None:
                 continue
             flips += 1
+            flipped.append(fs)
             a, b = _flip(fs), _flip(tf)
-            if (a["t_star"], a["category"]) == (b["t_star"], b["category"]):
+            same = (a["t_star"], a["category"]) == (b["t_star"], b["category"])
+            u = _ulps(fs)
+            if u is not None and u > 1.0:  # beyond an ulp of a tie: the probes should agree
+                beyond += 1
+                beyond_agree += same
+            if same:
                 agree += 1
             else:
                 disagreements.append(
@@ -136,6 +170,8 @@ def main() -> None:
             "categories_agree": agree,
             "agreement": round(agree / flips, 4) if flips else None,
             "categories": cats,
+            "margin_b_ulps_at_t_star": _margin_histogram(flipped),
+            "beyond_1_ulp": {"flips": beyond, "categories_agree": beyond_agree},
             "seconds": seconds,
             "disagreements": disagreements,
         }
