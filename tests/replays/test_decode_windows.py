@@ -28,6 +28,14 @@ def _pending(i: int, layout: BatchLayout | None) -> _Pending:
     return _Pending(i, None, trace, [0])
 
 
+def _logged_batch(real_dir: Path, prompts: list[tuple[str, str]], tokens: int) -> list[Any]:
+    """The traces of one batched BF16 `generate()` of `prompts` on the committed model."""
+    from replay_audit.engine.generate import TraceGenerator
+
+    with TraceGenerator(real_dir, dtype="bf16", device="cpu") as gen:
+        return list(gen.trace_batch(list(prompts), max_new_tokens=tokens))
+
+
 def test_decode_windows_keep_each_logged_batch_together() -> None:
     a, b = (3, 5, 4), (2, 2)
     layouts = [BatchLayout(a, 0), None, BatchLayout(b, 1), BatchLayout(a, 2), BatchLayout(a, 1)]
@@ -104,10 +112,7 @@ def test_a_scan_then_decode_job_decodes_a_logged_batch_in_one_run_of_it(
 ) -> None:
     """Scan-then-decode windows are 16 traces, but a logged batch's traces share one window:
     the control decodes of 32 rows of one batched generate() run as one run of that batch."""
-    from replay_audit.engine.generate import TraceGenerator
-
-    with TraceGenerator(real_dir, dtype="bf16", device="cpu") as gen:
-        batch = gen.trace_batch(list(real_prompts[:32]), max_new_tokens=8)
+    batch = _logged_batch(real_dir, real_prompts[:32], 8)
     h = headers("admin")
     ids = ingest(client, h, batch)
     body = {
@@ -168,11 +173,9 @@ def test_a_logged_batchs_window_writes_what_its_scans_settled_before_its_decodes
     the scans settled are written in one transaction before the window's decodes run, the
     decoded ones (a trace whose check is decoded waits with it) in the next, and each stored
     result is what a one-pass replay gives."""
-    from replay_audit.engine.generate import TraceGenerator
     from replay_audit.replays import repository, tasks
 
-    with TraceGenerator(real_dir, dtype="bf16", device="cpu") as gen:
-        batch = gen.trace_batch(list(real_prompts[:32]), max_new_tokens=16)
+    batch = _logged_batch(real_dir, real_prompts[:32], 16)
     h = headers("admin")
     ids = ingest(client, h, batch)
     writes: list[list[int]] = []
@@ -236,10 +239,7 @@ def test_a_logged_batchs_checks_decode_from_the_prompt_in_one_run_and_their_pair
     start). Each trace's fp16 comparison is then judged against the reproduced baseline, whose
     arm A from the prompt is the check's own decode: no logged-configuration decode runs
     twice."""
-    from replay_audit.engine.generate import TraceGenerator
-
-    with TraceGenerator(real_dir, dtype="bf16", device="cpu") as gen:
-        batch = gen.trace_batch(list(real_prompts[:12]), max_new_tokens=10)
+    batch = _logged_batch(real_dir, real_prompts[:12], 10)
     changed_at = [2 + k % 5 for k in range(len(batch))]
     for trace, at in zip(batch, changed_at, strict=True):
         ids = list(trace["output_token_ids"])
