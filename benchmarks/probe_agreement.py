@@ -5,7 +5,11 @@ replayed in another format through the one pipeline (`replay_items` against the 
 scans batched as a replay job's) once per probe kind and mode; per flip, both kinds' t*,
 category and probe tokens; every disagreement listed; the seconds each kind took (one run);
 the flips by arm B's margin at t* in ulps (the two probes can only differ within about an ulp
-of a tie) and the agreement on the flips beyond 1 ulp.
+of a tie) and the agreement on the flips beyond 1 ulp; and what a fallback would give that
+probed from scratch every flip whose teacher-forced probe (either arm's) is within N ulps of a
+tie (`fallback`: per N, the flips it would send from scratch, the agreement then, and their
+from-scratch probes' cost: this run's from-scratch seconds beyond the teacher-forced ones, a
+flip).
 
     python benchmarks/probe_agreement.py --model .models/smollm2-135m-instruct --device cpu \\
         --prompts 16 --tokens 32 --modes scan decode --out /tmp/probe.json
@@ -65,12 +69,45 @@ def _flip(o: ReplayOutcome) -> dict[str, Any]:
         "probe_b": s.b.token if s is not None else None,
         "margin_b": o.b.margin.abs if o.b.margin is not None else None,
         "margin_b_ulps": _ulps(o),
+        "probe_ulps": _probe_ulps(o),
     }
 
 
 def _ulps(o: ReplayOutcome) -> float | None:
     """Arm B's margin at t* (its own run's) in ulps of its lm_head format."""
     return o.b.margin.ulps if o.b.margin is not None else None
+
+
+def _probe_ulps(o: ReplayOutcome) -> float | None:
+    """The smaller of both arms' probe margins at t* (ulps of each arm's format): how near a
+    tie the probe's own choices are. None: a probe without a margin (a logged token)."""
+    s = o.single_step
+    if s is None:
+        return None
+    found = [c.margin.ulps for c in (s.a, s.b) if c is not None and c.margin is not None]
+    known = [u for u in found if u is not None]
+    return min(known) if known else None
+
+
+#: Upper edges (ulps) of the fallback table: exact ties, then within 1, 2 and 4 ulps.
+FALLBACK_EDGES = (0.0, 1.0, 2.0, 4.0)
+
+
+def _fallback(
+    pairs: list[tuple[ReplayOutcome, bool]], flips: int, agree: int, per_flip_s: float
+) -> dict[str, dict[str, float | int | None]]:
+    """Per edge N: flips whose teacher-forced probe is within N ulps (they would be probed
+    from scratch, so they agree by construction), the agreement then, and their cost."""
+    out: dict[str, dict[str, float | int | None]] = {}
+    for e in FALLBACK_EDGES:
+        near = [same for tf, same in pairs if (u := _probe_ulps(tf)) is not None and u <= e]
+        mended = sum(1 for same in near if not same)
+        out[f"<={e:g}"] = {
+            "flips_from_scratch": len(near),
+            "agreement": round((agree + mended) / flips, 4) if flips else None,
+            "from_scratch_s": round(len(near) * per_flip_s, 2),
+        }
+    return out
 
 
 #: Upper edges (ulps) of the histogram of arm B's margin at t* over the flips.
@@ -137,6 +174,7 @@ def main() -> None:
             seconds[kind] = round(time.perf_counter() - t, 2)
         flips = agree = beyond = beyond_agree = 0
         flipped: list[ReplayOutcome] = []
+        probed: list[tuple[ReplayOutcome, bool]] = []  # teacher-forced outcome, agrees
         disagreements = []
         pairs = zip(traces, runs["from_scratch"], runs["teacher_forced"], strict=True)
         for n, (trace, fs, tf) in enumerate(pairs):
@@ -153,12 +191,14 @@ def main() -> None:
             if u is not None and u > 1.0:  # beyond an ulp of a tie: the probes should agree
                 beyond += 1
                 beyond_agree += same
+            probed.append((tf, same))
             if same:
                 agree += 1
             else:
                 disagreements.append(
                     {"trace": trace.external_id or n, "from_scratch": a, "teacher_forced": b}
                 )
+        extra = max(seconds["from_scratch"] - seconds["teacher_forced"], 0.0)
         cats: dict[str, dict[str, int]] = {k: {} for k in KINDS}
         for kind in KINDS:
             for o in runs[kind]:
@@ -172,6 +212,9 @@ def main() -> None:
             "categories": cats,
             "margin_b_ulps_at_t_star": _margin_histogram(flipped),
             "beyond_1_ulp": {"flips": beyond, "categories_agree": beyond_agree},
+            # A from-scratch probe's cost: what the from-scratch run took beyond the
+            # teacher-forced one (both replay the same traces), a flip.
+            "fallback": _fallback(probed, flips, agree, extra / max(flips, 1)),
             "seconds": seconds,
             "disagreements": disagreements,
         }
