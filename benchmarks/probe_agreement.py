@@ -9,7 +9,7 @@ of a tie) and the agreement on the flips beyond 1 ulp; and what a fallback would
 probed from scratch every flip whose teacher-forced probe (either arm's) is within N ulps of a
 tie (`fallback`: per N, the flips it would send from scratch, the agreement then, and their
 from-scratch probes' cost: this run's from-scratch seconds beyond the teacher-forced ones, a
-flip).
+flip; `fallback_b`: gated on arm B's probe alone).
 
     python benchmarks/probe_agreement.py --model .models/smollm2-135m-instruct --device cpu \\
         --prompts 16 --tokens 32 --modes scan decode --out /tmp/probe.json
@@ -78,13 +78,14 @@ def _ulps(o: ReplayOutcome) -> float | None:
     return o.b.margin.ulps if o.b.margin is not None else None
 
 
-def _probe_ulps(o: ReplayOutcome) -> float | None:
-    """The smaller of both arms' probe margins at t* (ulps of each arm's format): how near a
-    tie the probe's own choices are. None: a probe without a margin (a logged token)."""
+def _probe_ulps(o: ReplayOutcome, sides: str = "ab") -> float | None:
+    """The smaller of the probe margins at t* of `sides` (ulps of each arm's format): how near
+    a tie the probe's own choices are. None: a probe without a margin (a logged token)."""
     s = o.single_step
     if s is None:
         return None
-    found = [c.margin.ulps for c in (s.a, s.b) if c is not None and c.margin is not None]
+    chosen = [c for side, c in (("a", s.a), ("b", s.b)) if side in sides]
+    found = [c.margin.ulps for c in chosen if c is not None and c.margin is not None]
     known = [u for u in found if u is not None]
     return min(known) if known else None
 
@@ -94,13 +95,17 @@ FALLBACK_EDGES = (0.0, 1.0, 2.0, 4.0)
 
 
 def _fallback(
-    pairs: list[tuple[ReplayOutcome, bool]], flips: int, agree: int, per_flip_s: float
+    pairs: list[tuple[ReplayOutcome, bool]],
+    flips: int,
+    agree: int,
+    per_flip_s: float,
+    sides: str = "ab",
 ) -> dict[str, dict[str, float | int | None]]:
-    """Per edge N: flips whose teacher-forced probe is within N ulps (they would be probed
-    from scratch, so they agree by construction), the agreement then, and their cost."""
+    """Per edge N: flips whose teacher-forced probe (of `sides`) is within N ulps (they would
+    be probed from scratch, so they agree by construction), the agreement then, their cost."""
     out: dict[str, dict[str, float | int | None]] = {}
     for e in FALLBACK_EDGES:
-        near = [same for tf, same in pairs if (u := _probe_ulps(tf)) is not None and u <= e]
+        near = [same for tf, same in pairs if (u := _probe_ulps(tf, sides)) is not None and u <= e]
         mended = sum(1 for same in near if not same)
         out[f"<={e:g}"] = {
             "flips_from_scratch": len(near),
@@ -215,6 +220,9 @@ def main() -> None:
             # A from-scratch probe's cost: what the from-scratch run took beyond the
             # teacher-forced one (both replay the same traces), a flip.
             "fallback": _fallback(probed, flips, agree, extra / max(flips, 1)),
+            # The same, gated on arm B's probe alone (arm A, the logged format, is at an
+            # exact tie at most flips of a coarse format: BF16's ties are what flip).
+            "fallback_b": _fallback(probed, flips, agree, extra / max(flips, 1), "b"),
             "seconds": seconds,
             "disagreements": disagreements,
         }
