@@ -963,7 +963,7 @@ def _teacher_forced_all(
 ) -> dict[int, _Reruns]:
     """Row t* of each arm's teacher-forced forward over prompt ‖ arm A's tokens: the scan
     that already ran where there is one (`_scanned_steps`), else one `scan_batch` per
-    (engine, intervention, processors) over the rest."""
+    (engine, intervention, processors) over the rest, each up to t*."""
     out: dict[int, _Reruns] = {}
     groups: dict[_Key, tuple[Arm, list[tuple[_Replayed, str, ScanItem]]]] = {}
     for r in replayed:
@@ -978,7 +978,9 @@ def _teacher_forced_all(
             if steps is not None and t < len(steps):
                 out.setdefault(id(r), {})[side] = StepInfo.from_steps(steps.slice(t, t + 1))
                 continue
-            path = r.a.ids if t < len(r.a.ids) else [*r.a.ids, r.b.ids[t]]
+            # Up to t* only: row t* is all the probe reads (causal, so the rows after it
+            # change nothing before it), and a flip's t* is most often early in the trace.
+            path = r.a.ids[: t + 1] if t < len(r.a.ids) else [*r.a.ids, r.b.ids[t]]
             item = ScanItem(r.item.trace.prompt_token_ids.tolist(), path, arm.processors)
             groups.setdefault(_key(arm), (arm, []))[1].append((r, side, item))
     for arm, members in groups.values():

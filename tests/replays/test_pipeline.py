@@ -655,6 +655,36 @@ def test_replay_traces_batches_the_single_step_probes_and_equals_each_replay(
             )
 
 
+def test_a_teacher_forced_probe_scans_no_further_than_t_star(ckpt: Path) -> None:
+    """A probe that no scan of the run gives (both arms in decode mode; arm A against the
+    logged tokens with no reproduction check's scan given) runs a teacher-forced forward over
+    prompt ‖ arm A's tokens up to t* only: its row t* is the probe and nothing after it is
+    read, so the rest of a long trace is not scanned again. The outcome is the same."""
+    scanned: list[int] = []
+
+    class Recording(FakeEngine):
+        def scan_batch(self, items: Any, *args: Any, **kw: Any) -> Any:
+            scanned.extend(len(it.output_ids) for it in items)
+            return super().scan_batch(items, *args, **kw)
+
+    def loader(_: Path, target: Target, _tp: int = 1) -> FakeEngine:
+        return Recording(target, next_token=flipped(5e-4) if target.dtype == "fp16" else base)
+
+    traces = [make_trace(ckpt, n=24, external_id=f"t{i}") for i in range(3)]
+    for mode in ("decode", "scan"):
+        scanned.clear()
+        options = ReplayOptions(mode)  # type: ignore[arg-type]
+        items = [ReplayItem(t, RunTarget(Target("fp16")), ckpt) for t in traces]
+        out = replay_items(items, EnginePool(loader), options)
+        for o in out:
+            assert isinstance(o, ReplayOutcome) and o.first_divergence_step == FLIP_AT
+            assert o.single_step is not None and o.single_step.kind == "teacher_forced"
+            assert o.category == "head_reachable"
+        # The probes' scans: t* + 1 rows each (arm B's own scan in a scan run, whole, runs
+        # alone here: no `scans` given).
+        assert scanned and all(n == FLIP_AT + 1 for n in scanned), (mode, scanned)
+
+
 def test_a_result_carries_only_the_batch_extras_of_batches_its_trace_was_in(ckpt: Path) -> None:
     """An engine keeps its last batched scan's and batched re-runs' shapes in its extras; a
     result's environment keeps them only where its trace was in that scan or re-run: a trace
