@@ -978,8 +978,9 @@ def _teacher_forced_all(
             if steps is not None and t < len(steps):
                 out.setdefault(id(r), {})[side] = StepInfo.from_steps(steps.slice(t, t + 1))
                 continue
-            # Up to t* only: row t* is all the probe reads (causal, so the rows after it
-            # change nothing before it), and a flip's t* is most often early in the trace.
+            # Up to t* only: row t* is all the probe reads, and a flip's t* is most often
+            # early in the trace. (The rows after it do not enter row t*; the forward's shorter
+            # shape can round it otherwise, as another packing of the batch can.)
             path = r.a.ids[: t + 1] if t < len(r.a.ids) else [*r.a.ids, r.b.ids[t]]
             item = ScanItem(r.item.trace.prompt_token_ids.tolist(), path, arm.processors)
             groups.setdefault(_key(arm), (arm, []))[1].append((r, side, item))
