@@ -29,8 +29,11 @@
 # Settings: PROMPTS (a JSONL of "prompt" texts; smol: the bundled 64, each reused as chat
 # variants), BENIGN_TOKENS (benign tokens in all, 1,400,000), TOKENS (new tokens a prompt, 128),
 # BATCH (the large batch, 256), SMALL (prompts at batch 8; batch 4 half, 64), B1 (prompts at
-# batch 1, 8), EVAL (prompts of each simulated provider, 256), SAMPLED (1: the sampled-traffic
-# section, default; 0: none), SAMPLED_PROMPTS (128), CLAIM_SECONDS (the claimed variation's
+# batch 1, 8), GEN_WORKERS (processes generating each small-batch variation, 1; each takes
+# whole batches, so the tokens are one process's: batch 1 is bound by generate()'s host loop
+# at ~37 tokens/s on an H200, so 8 processes would make B1=128 prompts take about a minute if
+# they scale, not yet measured), EVAL (prompts of each simulated provider, 256), SAMPLED (1:
+# the sampled-traffic section, default; 0: none), SAMPLED_PROMPTS (128), CLAIM_SECONDS (the claimed variation's
 # generation at most, 60: the guard that keeps the step inside its command), DRAWS
 # (calibration draws, 300), FA_DRAWS (1000), SCAN_BUDGET (positions a scan forward, 32768),
 # STDLIB (llama: distinct stdlib function beginnings, 900), STAGE (benign, the default; rest; all),
@@ -59,6 +62,7 @@ scale() {  # scale NAME MODEL [verify_scale.py options]
     timeout "${TIMEOUT:-540}" python3 benchmarks/verify_scale.py --model "$model" --device cuda \
         --benign-tokens "${BENIGN_TOKENS:-1400000}" --max-new-tokens "${TOKENS:-128}" \
         --batch "${BATCH:-256}" --small-prompts "${SMALL:-64}" --b1-prompts "${B1:-8}" \
+        --gen-workers "${GEN_WORKERS:-1}" \
         --eval-prompts "${EVAL:-256}" --claim-seconds "${CLAIM_SECONDS:-60}" \
         --draws "${DRAWS:-300}" --fa-draws "${FA_DRAWS:-1000}" \
         --scan-token-budget "${SCAN_BUDGET:-32768}" --sampled-prompts "${SAMPLED_PROMPTS:-128}" \

@@ -87,7 +87,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -357,6 +357,68 @@ def generate(
             break
     _sync(device)
     out.gen_s = time.perf_counter() - start
+    return out
+
+
+def _generate_slice(job: tuple[Any, ...]) -> Generated:
+    """`generate_parallel`'s work in one process: its own generator, the parent's threads."""
+    import torch
+
+    model, dtype, kernel, device, units, batch, max_new, keep, threads = job
+    torch.set_num_threads(threads)
+    with generator(model, dtype, kernel, device) as g:
+        return generate(g, units, batch, max_new, device, keep_traces=keep)
+
+
+def generate_parallel(
+    model: Path,
+    variation: Variation,
+    units: Sequence[Unit],
+    max_new: int,
+    device: str,
+    workers: int,
+    *,
+    keep_traces: bool = False,
+) -> Generated:
+    """`generate` of `units` in `workers` processes (spawned, each with its own generator),
+    for the small-batch variations, whose `generate()` is bound by its host loop (batch 1:
+    ~37 tokens/s on an H200, the GPU mostly idle). Each process takes consecutive whole
+    batches, so every `generate()` call holds the same rows it holds in one process: the same
+    computation, the same tokens (tests/test_benchmark_verify_scale.py)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import torch
+
+    batches = [list(units[i : i + variation.batch]) for i in range(0, len(units), variation.batch)]
+    n = max(1, min(workers, len(batches)))
+    share = [batches[k::n] for k in range(n)]  # round robin: each process's share of batches
+    jobs = [
+        (
+            model,
+            variation.dtype,
+            variation.kernel,
+            device,
+            [u for b in mine for u in b],
+            variation.batch,
+            max_new,
+            keep_traces,
+            torch.get_num_threads(),
+        )
+        for mine in share
+    ]
+    start = time.perf_counter()
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as ex:
+        parts = list(ex.map(_generate_slice, jobs))
+    out = Generated([], [], [], time.perf_counter() - start)
+    at = {u.index: (part, i) for part in parts for i, u in enumerate(part.units)}
+    for u in units:  # in the units' order, as one process would have them
+        part, i = at[u.index]
+        out.units.append(u)
+        out.prompt_ids.append(part.prompt_ids[i])
+        out.outputs.append(part.outputs[i])
+        if keep_traces:
+            out.traces.append(part.traces[i])
     return out
 
 
@@ -713,9 +775,12 @@ def benign_stage(
     data: dict[str, Any] = {"variations": {}, "units": None}
     saved: list[dict[str, Any]] = []
     for v in varied:
+        parallel = not v.large and args.gen_workers > 1  # generated in other processes
         with (
             clock.phase(f"generate {v.key}"),
-            generator(args.model, v.dtype, v.kernel, args.device) as g,
+            nullcontext()
+            if parallel
+            else generator(args.model, v.dtype, v.kernel, args.device) as g,
         ):
             if v is large[0]:
                 gen = generate(
@@ -729,7 +794,7 @@ def benign_stage(
                     until_seconds=args.claim_seconds,
                 )
                 data["units"] = gen.units
-            else:
+            elif not parallel:
                 mine = data["units"] if v.large else data["units"][: small_units[v.batch]]
                 gen = generate(
                     g,
@@ -737,6 +802,16 @@ def benign_stage(
                     v.batch,
                     args.max_new_tokens,
                     args.device,
+                    keep_traces=bool(args.save_traces),
+                )
+            else:
+                gen = generate_parallel(
+                    args.model,
+                    v,
+                    data["units"][: small_units[v.batch]],
+                    args.max_new_tokens,
+                    args.device,
+                    args.gen_workers,
                     keep_traces=bool(args.save_traces),
                 )
         with clock.phase(f"scan {v.key}"):
@@ -1517,6 +1592,13 @@ def parser() -> argparse.ArgumentParser:
         "--small-prompts", type=int, default=8, help="prompts at batch 8 (batch 4: half as many)"
     )
     ap.add_argument("--b1-prompts", type=int, default=2, help="prompts at batch 1")
+    ap.add_argument(
+        "--gen-workers",
+        type=int,
+        default=1,
+        help="processes generating each small-batch variation (whole batches each: the same "
+        "tokens as one process; batch 1 is bound by generate()'s host loop)",
+    )
     ap.add_argument(
         "--claim-seconds",
         type=float,

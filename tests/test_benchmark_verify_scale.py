@@ -33,6 +33,23 @@ def test_reused_prompts_are_variants_and_halves_split_by_text() -> None:
     assert all(isinstance(u.prompt, list) and u.prompt[-1]["role"] == "user" for u in chat)
 
 
+def test_small_batches_generated_in_several_processes_give_one_processs_tokens() -> None:
+    """`--gen-workers`: a small-batch variation generated in two spawned processes, each taking
+    whole batches (here batches of 2 prompts of different lengths: left-padded), gives every
+    prompt the tokens and trace one process gives, in the same order."""
+    texts = [f"def f{i}(x):\n    " + "y = x + 1\n    " * (i % 3) + "return" for i in range(5)]
+    units = vs.prompt_units(texts, 6, chat=False)
+    variation = vs.Variation("bf16", "sdpa", 2, large=False)
+    with vs.generator(TINY, "bf16", "sdpa", "cpu") as g:
+        one = vs.generate(g, units, 2, 12, "cpu", keep_traces=True)
+    many = vs.generate_parallel(TINY, variation, units, 12, "cpu", 2, keep_traces=True)
+    assert len({len(p) for p in one.prompt_ids}) > 1, "a padded batch"
+    assert many.units == one.units == units
+    assert many.prompt_ids == one.prompt_ids
+    assert many.outputs == one.outputs and all(one.outputs)
+    assert many.traces == one.traces
+
+
 @pytest.fixture(scope="module")
 def scale_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("scale")
