@@ -386,7 +386,7 @@ def generate_parallel(
     batches, so every `generate()` call holds the same rows it holds in one process: the same
     computation, the same tokens (tests/test_benchmark_verify_scale.py)."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     import torch
 
@@ -408,8 +408,19 @@ def generate_parallel(
         for mine in share
     ]
     start = time.perf_counter()
+    log.info("%s: %d prompts in %d processes", variation.key, len(units), n)
+    parts: list[Generated] = []
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as ex:
-        parts = list(ex.map(_generate_slice, jobs))
+        for done in as_completed([ex.submit(_generate_slice, job) for job in jobs]):
+            parts.append(done.result())
+            log.info(
+                "%s: %d of %d processes done (%d prompts, %.0f s)",
+                variation.key,
+                len(parts),
+                n,
+                sum(len(p.units) for p in parts),
+                time.perf_counter() - start,
+            )
     out = Generated([], [], [], time.perf_counter() - start)
     at = {u.index: (part, i) for part in parts for i, u in enumerate(part.units)}
     for u in units:  # in the units' order, as one process would have them
