@@ -729,6 +729,8 @@ def audit(args: argparse.Namespace, prepared: dict[str, Any] | None = None) -> d
         # The workers' processes share each GPU's SMs under CUDA MPS where its control daemon
         # runs for them (`gpu_e2e.sh MPS=1`), else the GPU time-slices their contexts.
         "cuda_mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+        # REPLAY_AUDIT_SCAN_TOKEN_BUDGET of the workers (None: the service's default).
+        "scan_token_budget": args.scan_token_budget,
         "clients": args.clients,
         "deadline_s": args.deadline_s,
         "phases": {},

@@ -31,8 +31,9 @@
 # GPUS (replay workers, one a GPU: 1; on a two- or four-GPU kind, GPUS=2 or 4 against
 # GPUS=1 on the same warm machine gives the several-GPU ratio), CONTROL (the runs''
 # control_fraction; unset: the service's default), FLAG_ULPS
-# (scan_flag_ulps; unset: the service's default), EXTRA (JSON merged into every
-# POST /v1/replays), TOP_K (logged top-k logits, 0), CLIENTS (ingest threads, 8).
+# (scan_flag_ulps; unset: the service's default), SCAN_BUDGET (the workers'
+# REPLAY_AUDIT_SCAN_TOKEN_BUDGET, positions a scan forward; unset: the service's default,
+# 16,384), EXTRA (JSON merged into every POST /v1/replays), TOP_K (logged top-k logits, 0), CLIENTS (ingest threads, 8).
 #
 # Back in $OUT (at most the device tool's 8 files): env.txt; from prepare, train.log (the
 # trainer's log, then the driver's) and prepare.json; from audit, prepare.json again, e2e.json
@@ -123,6 +124,7 @@ audit() {
         --run-size "${RUN_SIZE:-2000}" --modes ${MODES:-scan auto} \
         --target-dtype "${TARGET:-fp16}" ${CONTROL:+--control-fraction "$CONTROL"} \
         ${FLAG_ULPS:+--scan-flag-ulps "$FLAG_ULPS"} ${EXTRA:+--run-extra "$EXTRA"} \
+        ${SCAN_BUDGET:+--scan-token-budget "$SCAN_BUDGET"} \
         --api-workers "${API_WORKERS:-4}" --clients "${CLIENTS:-8}" --workers "$(( ${GPUS:-1} * ${PER_GPU:-1} ))" \
         --workers-per-gpu "${PER_GPU:-1}" \
         --warmup-traces "${WARMUP:-4}" --deadline-s "$deadline" --out "$OUT" > /dev/null 2> "$OUT/e2e.log"
