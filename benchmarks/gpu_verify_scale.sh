@@ -31,8 +31,9 @@
 # BATCH (the large batch, 256), SMALL (prompts at batch 8; batch 4 half, 64), B1 (prompts at
 # batch 1, 8), GEN_WORKERS (processes generating each small-batch variation, 1; each takes
 # whole batches, so the tokens are one process's: batch 1 is bound by generate()'s host loop
-# at ~37 tokens/s on an H200, so 8 processes would make B1=128 prompts take about a minute if
-# they scale, not yet measured), EVAL (prompts of each simulated provider, 256), SAMPLED (1:
+# at ~37 tokens/s on an H200; measured with GEN_WORKERS=8 on the trained 1.07 B: batch 1 at
+# 191 tokens/s (5.2x), batch 8 at 759, so SMALL=256 B1=128 GEN_WORKERS=8 BENIGN_TOKENS=1100000
+# took 369 s for the llama benign stage), EVAL (prompts of each simulated provider, 256), SAMPLED (1:
 # the sampled-traffic section, default; 0: none), SAMPLED_PROMPTS (128), CLAIM_SECONDS (the claimed variation's
 # generation at most, 60: the guard that keeps the step inside its command), DRAWS
 # (calibration draws, 300), FA_DRAWS (1000), SCAN_BUDGET (positions a scan forward, 32768),
