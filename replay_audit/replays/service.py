@@ -75,21 +75,32 @@ TRACES_PER_JOB_BY_MODE: Final[dict[Mode, int]] = {
 BATCHES_PER_SCAN_THEN_DECODE_JOB: Final = 8
 
 
-def job_traces(mode: Mode, batch_size: int, device: DeviceQueue = "gpu") -> int:
+def job_traces(
+    mode: Mode, batch_size: int, device: DeviceQueue = "gpu", *, batch_runs: bool = True
+) -> int:
     """Traces per job of a run in `mode`, for traces logged in batches of `batch_size` rows
     replayed on `device`. Unbatched: `TRACES_PER_JOB_BY_MODE`. Batched, a decode job holds a
     whole batch (its rows decode in one run, `Engine.decode_batch`: one run's time for them
     all) and, on a GPU, a scan-then-decode job `BATCHES_PER_SCAN_THEN_DECODE_JOB` batches (on
     a CPU eight batches' scans would outlast a job's timeout: its jobs stay small); a scan job
-    decodes nothing."""
+    decodes nothing. `batch_runs`: whether an arm of the run decodes these rows in their
+    logged batch (`run_decodes_logged_batches`); where none does, every decode runs alone and
+    the jobs are the unbatched size, so that more of them share the workers."""
     size = TRACES_PER_JOB_BY_MODE[mode]
-    if batch_size <= 1 or mode == "scan":
+    if batch_size <= 1 or mode == "scan" or not batch_runs:
         return size
     if mode == "decode":
         return max(size, batch_size)
     if device != "gpu":
         return size
     return max(size, BATCHES_PER_SCAN_THEN_DECODE_JOB * batch_size)
+
+
+def run_decodes_logged_batches(targets: Sequence[RunTarget], batch_size: int) -> bool:
+    """Whether a run of `targets` decodes a row logged in a batch of `batch_size` rows in that
+    batch (`LoggedTrace.layout_for`): its reproduction check (a self target replays the logged
+    configuration, batch included) or a target of the logged batch's size does."""
+    return any(t.target is None or t.target.batch_size == batch_size for t in targets)
 
 
 def _select_traces(session: Session, project_id: int, request: ReplayCreate) -> list[Trace]:
@@ -334,7 +345,8 @@ def _chunks(
     for trace_id in ids:
         placement = placements.get(trace_id, LoggedPlacement())
         route = route_of(placement, targets, default)
-        size = job_traces(mode, placement.batch_size, route.device)
+        batch_runs = run_decodes_logged_batches(targets, placement.batch_size)
+        size = job_traces(mode, placement.batch_size, route.device, batch_runs=batch_runs)
         groups.setdefault((route.queue, size), []).append(trace_id)
     return [
         (name, members[i : i + size])

@@ -159,6 +159,30 @@ def test_jobs_hold_whole_logged_batches() -> None:
     assert [len(t) for _, t in cpu] == [64, 64, 64, 64, 44]  # one size: one group
 
 
+def test_jobs_hold_unbatched_sizes_where_no_arm_decodes_the_logged_batch() -> None:
+    """Without the reproduction check, a target of another batch size than the logged one
+    decodes every row alone (batch 1 here): nothing shares a run of the logged batch, so its
+    jobs are the unbatched size and more of them share the workers; a target of the logged
+    batch's size, or the check, keeps the batched jobs."""
+    from replay_audit.engine.protocol import Target
+    from replay_audit.replays.domain import LoggedPlacement, RunTarget
+    from replay_audit.replays.service import _chunks, job_traces, run_decodes_logged_batches
+
+    assert job_traces("scan_then_decode", 256, batch_runs=False) == 64
+    assert job_traces("decode", 256, batch_runs=False) == 16
+    fp16 = RunTarget(Target("fp16"))  # batch 1, the schema's default
+    assert not run_decodes_logged_batches([fp16], 32)
+    assert run_decodes_logged_batches([fp16, RunTarget(None)], 32)  # the check
+    assert run_decodes_logged_batches([RunTarget(Target("fp16", batch_size=32))], 32)
+    big = {i: LoggedPlacement(batch_size=32 if i % 2 else 1) for i in range(300)}
+    alone = _chunks(big, list(range(300)), [fp16], "gpu", "scan_then_decode")
+    assert [len(t) for _, t in alone] == [64, 64, 64, 64, 44]  # one size: one group
+    checked = _chunks(big, list(range(300)), [fp16, RunTarget(None)], "gpu", "scan_then_decode")
+    assert [len(t) for _, t in checked] == [64, 64, 22, 150]
+    decoded = _chunks(big, list(range(300)), [fp16], "gpu", "decode")
+    assert {len(t) for _, t in decoded} == {16, 12}  # 300 = 18 x 16 + 12
+
+
 def test_a_logged_batchs_window_writes_what_its_scans_settled_before_its_decodes(
     client: TestClient,
     runner: HoldingRunner,
