@@ -382,8 +382,8 @@ def generate_parallel(
 ) -> Generated:
     """`generate` of `units` in `workers` processes (spawned, each with its own generator),
     for the small-batch variations, whose `generate()` is bound by its host loop (batch 1:
-    ~37 tokens/s on an H200, the GPU mostly idle). Each process takes consecutive whole
-    batches, so every `generate()` call holds the same rows it holds in one process: the same
+    ~37 tokens/s on an H200, the GPU mostly idle). Each process takes whole batches (round
+    robin), so every `generate()` call holds the same rows it holds in one process: the same
     computation, the same tokens (tests/test_benchmark_verify_scale.py)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed

@@ -75,19 +75,17 @@ TRACES_PER_JOB_BY_MODE: Final[dict[Mode, int]] = {
 BATCHES_PER_SCAN_THEN_DECODE_JOB: Final = 8
 
 
-def job_traces(
-    mode: Mode, batch_size: int, device: DeviceQueue = "gpu", *, batch_runs: bool = True
-) -> int:
+def job_traces(mode: Mode, batch_size: int, device: DeviceQueue = "gpu") -> int:
     """Traces per job of a run in `mode`, for traces logged in batches of `batch_size` rows
     replayed on `device`. Unbatched: `TRACES_PER_JOB_BY_MODE`. Batched, a decode job holds a
     whole batch (its rows decode in one run, `Engine.decode_batch`: one run's time for them
     all) and, on a GPU, a scan-then-decode job `BATCHES_PER_SCAN_THEN_DECODE_JOB` batches (on
     a CPU eight batches' scans would outlast a job's timeout: its jobs stay small); a scan job
-    decodes nothing. `batch_runs`: whether an arm of the run decodes these rows in their
-    logged batch (`run_decodes_logged_batches`); where none does, every decode runs alone and
-    the jobs are the unbatched size, so that more of them share the workers."""
+    decodes nothing. `batch_size` is the batch the run decodes these rows in: 1 where no arm
+    decodes them in their logged batch (`run_decodes_logged_batches`), so that its jobs are
+    the unbatched size and more of them share the workers."""
     size = TRACES_PER_JOB_BY_MODE[mode]
-    if batch_size <= 1 or mode == "scan" or not batch_runs:
+    if batch_size <= 1 or mode == "scan":
         return size
     if mode == "decode":
         return max(size, batch_size)
@@ -345,8 +343,9 @@ def _chunks(
     for trace_id in ids:
         placement = placements.get(trace_id, LoggedPlacement())
         route = route_of(placement, targets, default)
-        batch_runs = run_decodes_logged_batches(targets, placement.batch_size)
-        size = job_traces(mode, placement.batch_size, route.device, batch_runs=batch_runs)
+        batch = placement.batch_size
+        decoded = batch if run_decodes_logged_batches(targets, batch) else 1
+        size = job_traces(mode, decoded, route.device)
         groups.setdefault((route.queue, size), []).append(trace_id)
     return [
         (name, members[i : i + size])

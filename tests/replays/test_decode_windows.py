@@ -168,8 +168,7 @@ def test_jobs_hold_unbatched_sizes_where_no_arm_decodes_the_logged_batch() -> No
     from replay_audit.replays.domain import LoggedPlacement, RunTarget
     from replay_audit.replays.service import _chunks, job_traces, run_decodes_logged_batches
 
-    assert job_traces("scan_then_decode", 256, batch_runs=False) == 64
-    assert job_traces("decode", 256, batch_runs=False) == 16
+    assert job_traces("scan_then_decode", 1) == 64 and job_traces("decode", 1) == 16
     fp16 = RunTarget(Target("fp16"))  # batch 1, the schema's default
     assert not run_decodes_logged_batches([fp16], 32)
     assert run_decodes_logged_batches([fp16, RunTarget(None)], 32)  # the check
